@@ -1,0 +1,12 @@
+// apps/kiln/commands.h: one registration function per `kiln` subcommand, each defined in
+// its own cmd_*.cpp. main.cpp calls them all; a subcommand's options live with its code.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace kiln::app {
+
+// Each adds its subcommand to `app`; the callback sets `exit_code`.
+void add_inspect_command(CLI::App& app, int& exit_code);
+
+}  // namespace kiln::app

@@ -1,0 +1,19 @@
+// apps/kiln/main.cpp: the `kiln` command line. Parses, dispatches to a subcommand, and turns
+// any error into one line on stderr with a non-zero exit status.
+#include <cstdio>
+
+#include "apps/kiln/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"kiln: run large language models from GGUF files"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "kiln 0.1.0");
+  int exit_code = 0;
+  kiln::app::add_inspect_command(app, exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return exit_code;
+}

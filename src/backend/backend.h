@@ -1,0 +1,117 @@
+// backend/backend.h: the op table every backend implements (ref = scalar oracle, cpu =
+// Highway SIMD + threads, cuda later, metal planned). The model layer builds forward passes
+// only from these ops and never knows which backend runs them; backends never know models.
+//
+// Conventions: activations are f32, row-major, [n_tok][width]; weight matrices follow ggml:
+// `n_cols` (= k, ne[0]) elements per stored row, `n_rows` (ne[1]) output features. KV planes
+// are f16, [n_phys_rows][n_head_kv * head_dim]. All spans are borrowed; sizes are checked
+// with KILN_CHECK (a mismatch is a programming error, not bad input).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+
+#include "core/dtype.h"
+#include "core/half.h"
+
+namespace kiln {
+
+// A borrowed 2-D weight matrix in any dtype the quant layer can read.
+struct WeightMatrix {
+  DType dtype = DType::F32;
+  int64_t n_cols = 0;    // k: elements per stored row (ne[0])
+  int64_t n_rows = 0;    // output features (ne[1] * ne[2] * ne[3] flattened)
+  size_t row_bytes = 0;  // bytes per stored row
+  std::span<const std::byte> bytes;  // n_rows * row_bytes bytes
+
+  std::span<const std::byte> row(int64_t r) const {
+    return bytes.subspan(static_cast<size_t>(r) * row_bytes, row_bytes);
+  }
+  // Rows [first, first + count) as a matrix of their own (an expert's slice of a 3-D tensor).
+  WeightMatrix rows(int64_t first, int64_t count) const {
+    WeightMatrix m = *this;
+    m.n_rows = count;
+    m.bytes = bytes.subspan(static_cast<size_t>(first) * row_bytes,
+                            static_cast<size_t>(count) * row_bytes);
+    return m;
+  }
+};
+
+enum class RopeStyle {
+  Normal,  // rotate adjacent pairs (x[2i], x[2i+1]): llama, GPT-J
+  NeoX,    // rotate (x[i], x[i + n_rot/2]): qwen2/3, gemma, NeoX
+};
+
+struct RopeParams {
+  int64_t n_rot = 0;        // leading dims of each head that rotate (<= head_dim, even)
+  float freq_base = 10000;  // theta_i = pos * freq_scale * base^(-2i/n_rot)
+  float freq_scale = 1;
+  RopeStyle style = RopeStyle::Normal;
+};
+
+// Causal attention over f16 KV planes read through a logical->physical row map, so growing
+// planes, rings and several sequences all look the same to the kernel.
+struct AttentionArgs {
+  std::span<const float> q;          // [n_q][n_head * head_dim]
+  std::span<const f16> k;            // plane [n_phys][n_head_kv * head_dim]
+  std::span<const f16> v;            // plane [n_phys][n_head_kv * head_dim]
+  std::span<const int32_t> kv_rows;  // [n_kv] physical row of each candidate key
+  std::span<const int32_t> kv_pos;   // [n_kv] position of each candidate key
+  std::span<const int32_t> q_pos;    // [n_q] position of each query
+  int64_t n_q = 0, n_head = 0, n_head_kv = 0, head_dim = 0;
+  int32_t window = 0;    // > 0: key visible iff q_pos - kv_pos < window (sliding window)
+  float scale = 1;       // logit scale, usually 1/sqrt(head_dim)
+  float softcap = 0;     // > 0: logit = softcap * tanh(logit / softcap)
+  std::span<float> out;  // [n_q][n_head * head_dim]
+  // Key j is visible to query i iff kv_pos[j] <= q_pos[i] (and the window rule). A query
+  // with no visible key produces zeros.
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view name() const = 0;
+
+  // y[t][r] = sum_c W[r][c] * x[t][c].   x: [n_tok][w.n_cols], y: [n_tok][w.n_rows]
+  virtual void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
+                      std::span<float> y) = 0;
+  // out[i][:] = dequantized row ids[i] of w (embedding lookup).  out: [ids.size()][w.n_cols]
+  virtual void get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
+                        std::span<float> out) = 0;
+  // Per row of n: y = x / sqrt(mean(x^2) + eps) * weight  (weight empty: no scaling).
+  virtual void rmsnorm(std::span<const float> x, std::span<const float> weight, int64_t n,
+                       float eps, std::span<float> y) = 0;
+  // In place on x: [n_tok][n_head][head_dim]; token t rotates by pos[t].
+  virtual void rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim,
+                    std::span<const int32_t> pos, const RopeParams& p) = 0;
+  // In place, per row of n.
+  virtual void softmax(std::span<float> x, int64_t n) = 0;
+  // out = silu(gate) * up  (SwiGLU), out = gelu_tanh(gate) * up (GeGLU, ggml's tanh form).
+  virtual void swiglu(std::span<const float> gate, std::span<const float> up,
+                      std::span<float> out) = 0;
+  virtual void geglu(std::span<const float> gate, std::span<const float> up,
+                     std::span<float> out) = 0;
+  // Elementwise; `out` may alias an input.
+  virtual void add(std::span<const float> a, std::span<const float> b, std::span<float> out) = 0;
+  virtual void mul(std::span<const float> a, std::span<const float> b, std::span<float> out) = 0;
+  // x *= s
+  virtual void scale(std::span<float> x, float s) = 0;
+  // x = cap * tanh(x / cap)
+  virtual void softcap(std::span<float> x, float cap) = 0;
+  // x = sigmoid(x)
+  virtual void sigmoid(std::span<float> x) = 0;
+  // f32 rows -> f16 plane rows: plane[rows[i]][:] = f16(src[i][:]).  src: [rows.size()][width]
+  virtual void store_rows_f16(std::span<const float> src, int64_t width,
+                              std::span<const int32_t> rows, std::span<f16> plane) = 0;
+  virtual void attention(const AttentionArgs& a) = 0;
+  // Index of the largest value (first on ties).
+  virtual int64_t argmax(std::span<const float> x) = 0;
+};
+
+// The scalar reference backend: every op in plain loops, the oracle for the others.
+std::unique_ptr<Backend> make_ref_backend();
+
+}  // namespace kiln

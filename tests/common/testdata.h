@@ -1,0 +1,20 @@
+// tests/common/testdata.h: where the shared test data lives. Tests that need it call
+// shared_dir(); if ../shared is missing the test fails loudly (never passes empty).
+#pragma once
+
+#include <string>
+
+namespace kiln::testing {
+
+// Absolute path of the shared folder (KILN_SHARED, else <source>/../shared). Aborts the
+// test run with a message if it does not exist.
+const std::string& shared_dir();
+std::string shared_path(const std::string& rel);  // shared_dir() + "/" + rel, must exist
+std::string model_path(const std::string& file);  // testdata/models/<file>
+std::string read_file(const std::string& path);   // whole file; aborts if unreadable
+// Path of the built `kiln` binary (KILN_BIN, set by ctest).
+std::string kiln_binary();
+// A fresh empty directory for this test's output files.
+std::string temp_dir();
+
+}  // namespace kiln::testing

@@ -1,0 +1,57 @@
+// tests/format/gguf_models_test.cpp: every shared model and vocabulary opens, and the index
+// agrees with known facts about the files.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "common/testdata.h"
+#include "format/gguf.h"
+
+namespace kiln {
+namespace {
+
+TEST(GgufModels, EverySharedFileOpens) {
+  int n = 0;
+  for (const char* dir : {"testdata/models", "testdata/vocab"}) {
+    for (const auto& e : std::filesystem::directory_iterator(testing::shared_path(dir))) {
+      if (e.path().extension() != ".gguf") continue;
+      auto g = GgufFile::open(e.path().string());
+      ASSERT_TRUE(g) << g.error();
+      EXPECT_GE(g->version(), 2u);
+      for (const TensorInfo& t : g->tensors()) {
+        TensorView v = g->view(t);
+        EXPECT_EQ(v.bytes.size(), t.n_bytes);
+        EXPECT_GE(v.bytes.data(), g->mapping()->data());
+        EXPECT_LE(v.bytes.data() + v.bytes.size(), g->mapping()->data() + g->file_size());
+      }
+      ++n;
+    }
+  }
+  EXPECT_GE(n, 30);
+}
+
+TEST(GgufModels, Stories260KFacts) {
+  auto g = GgufFile::open(testing::model_path("stories260K.gguf"));
+  ASSERT_TRUE(g) << g.error();
+  EXPECT_EQ(*g->get<std::string>("general.architecture"), "llama");
+  EXPECT_EQ(*g->get<uint32_t>("llama.embedding_length"), 64u);
+  EXPECT_EQ(*g->get<uint32_t>("llama.block_count"), 5u);
+  auto toks = g->get_array<std::string>("tokenizer.ggml.tokens");
+  ASSERT_TRUE(toks) << toks.error();
+  EXPECT_EQ(toks->size(), 512u);
+  auto emb = g->tensor("token_embd.weight");
+  ASSERT_TRUE(emb) << emb.error();
+  EXPECT_EQ(emb->info->ne[0], 64);
+  EXPECT_EQ(emb->info->ne[1], 512);
+  // Wrong type and missing key are errors that name the key.
+  auto wrong = g->get<std::string>("llama.block_count");
+  ASSERT_FALSE(wrong);
+  EXPECT_NE(wrong.error().find("llama.block_count"), std::string::npos);
+  auto missing = g->get<uint32_t>("llama.no_such_key");
+  ASSERT_FALSE(missing);
+  EXPECT_NE(missing.error().find("not found"), std::string::npos);
+  EXPECT_FALSE(g->tensor("no.such.tensor"));
+}
+
+}  // namespace
+}  // namespace kiln
