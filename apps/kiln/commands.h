@@ -8,5 +8,13 @@ namespace kiln::app {
 
 // Each adds its subcommand to `app`; the callback sets `exit_code`.
 void add_inspect_command(CLI::App& app, int& exit_code);
+void add_tokenize_command(CLI::App& app, int& exit_code);
+void add_quantize_command(CLI::App& app, int& exit_code);
+void add_template_command(CLI::App& app, int& exit_code);
+void add_mkmodel_command(CLI::App& app, int& exit_code);
+void add_run_command(CLI::App& app, int& exit_code);
+void add_perplexity_command(CLI::App& app, int& exit_code);
+void add_bench_command(CLI::App& app, int& exit_code);
+void add_logits_command(CLI::App& app, int& exit_code);
 
 }  // namespace kiln::app

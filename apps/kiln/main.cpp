@@ -10,6 +10,14 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "kiln 0.1.0");
   int exit_code = 0;
   kiln::app::add_inspect_command(app, exit_code);
+  kiln::app::add_tokenize_command(app, exit_code);
+  kiln::app::add_quantize_command(app, exit_code);
+  kiln::app::add_template_command(app, exit_code);
+  kiln::app::add_mkmodel_command(app, exit_code);
+  kiln::app::add_run_command(app, exit_code);
+  kiln::app::add_perplexity_command(app, exit_code);
+  kiln::app::add_bench_command(app, exit_code);
+  kiln::app::add_logits_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

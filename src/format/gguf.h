@@ -53,6 +53,11 @@ struct GgufKV {
 inline constexpr int kMaxDims = 4;
 inline constexpr size_t kMaxTensorName = 63;  // llama.cpp's GGML_MAX_NAME - 1
 inline constexpr int kMaxArrayNesting = 8;
+// Array elements in all metadata together. Each parsed element costs ~50 bytes of memory, so
+// without a cap a crafted file could make the reader allocate ~50x its own size (the cap
+// bounds that at ~200 MB). The largest real vocabularies (262k tokens with scores and types,
+// or 150k tokens with as many merges) use under 1M.
+inline constexpr uint64_t kMaxArrayElements = uint64_t{1} << 22;
 
 struct TensorInfo {
   std::string name;

@@ -54,7 +54,26 @@ uint64_t min_encoded_size(GgufType t) {
   return 1;
 }
 
+// Counts from the file are only trusted up to this many elements for reserve(): each parsed
+// element costs tens of bytes, so reserving a count that merely fits the file's byte size
+// would let a crafted header allocate several times the file's size up front.
+constexpr uint64_t kReserveLimit = 4096;
+
 bool known_type(uint32_t t) { return t <= static_cast<uint32_t>(GgufType::FLOAT64); }
+
+// Names from the file as they appear in error messages: control bytes escaped (a name with a
+// newline must not split the one-line error) and long names cut.
+std::string shown(std::string_view s) {
+  constexpr size_t kMax = 80;
+  std::string out;
+  for (size_t i = 0; i < s.size() && i < kMax; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c < 0x20 || c == 0x7F) out += fmt::format("\\x{:02x}", c);
+    else out += static_cast<char>(c);
+  }
+  if (s.size() > kMax) out += fmt::format("... ({} bytes)", s.size());
+  return out;
+}
 
 }  // namespace
 
@@ -114,18 +133,18 @@ class GgufParser {
       return fail("tensor count {} cannot fit in the {} bytes left in the file", n_tensors,
                   remaining());
 
-    g.kvs_.reserve(n_kv);
+    g.kvs_.reserve(std::min<uint64_t>(n_kv, kReserveLimit));
     for (uint64_t i = 0; i < n_kv; ++i) {
       GgufKV kv;
       if (!read_string(kv.key)) return fail("metadata pair {}: {}", i, err_);
       if (kv.key.empty()) return fail("metadata pair {}: empty key", i);
       if (!valid_utf8(kv.key)) return fail("metadata pair {}: key is not valid UTF-8", i);
       uint32_t type = 0;
-      if (!read_raw(&type, 4)) return fail("metadata '{}': truncated at its type", kv.key);
-      if (!known_type(type)) return fail("metadata '{}': unknown value type {}", kv.key, type);
+      if (!read_raw(&type, 4)) return fail("metadata '{}': truncated at its type", shown(kv.key));
+      if (!known_type(type)) return fail("metadata '{}': unknown value type {}", shown(kv.key), type);
       if (!read_value(static_cast<GgufType>(type), kv.value, 0))
-        return fail("metadata '{}': {}", kv.key, err_);
-      if (g.kv_index_.count(kv.key)) return fail("duplicate metadata key '{}'", kv.key);
+        return fail("metadata '{}': {}", shown(kv.key), err_);
+      if (g.kv_index_.count(kv.key)) return fail("duplicate metadata key '{}'", shown(kv.key));
       g.kv_index_.emplace(kv.key, g.kvs_.size());
       g.kvs_.push_back(std::move(kv));
     }
@@ -143,7 +162,7 @@ class GgufParser {
       g.alignment_ = *al;
     }
 
-    g.tensors_.reserve(n_tensors);
+    g.tensors_.reserve(std::min<uint64_t>(n_tensors, kReserveLimit));
     for (uint64_t i = 0; i < n_tensors; ++i) {
       TensorInfo t;
       if (!read_string(t.name)) return fail("tensor {}: name: {}", i, err_);
@@ -151,42 +170,42 @@ class GgufParser {
       if (t.name.size() > kMaxTensorName)
         return fail("tensor {}: name is {} bytes long (at most {})", i, t.name.size(), kMaxTensorName);
       uint32_t n_dims = 0;
-      if (!read_raw(&n_dims, 4)) return fail("tensor '{}': truncated at n_dims", t.name);
+      if (!read_raw(&n_dims, 4)) return fail("tensor '{}': truncated at n_dims", shown(t.name));
       if (n_dims < 1 || n_dims > kMaxDims)
-        return fail("tensor '{}': n_dims is {} (must be 1..{})", t.name, n_dims, kMaxDims);
+        return fail("tensor '{}': n_dims is {} (must be 1..{})", shown(t.name), n_dims, kMaxDims);
       t.n_dims = static_cast<int>(n_dims);
       for (uint32_t d = 0; d < n_dims; ++d) {
         int64_t ne = 0;
-        if (!read_raw(&ne, 8)) return fail("tensor '{}': truncated in its shape", t.name);
-        if (ne < 1) return fail("tensor '{}': dimension {} is {} (must be >= 1)", t.name, d, ne);
+        if (!read_raw(&ne, 8)) return fail("tensor '{}': truncated in its shape", shown(t.name));
+        if (ne < 1) return fail("tensor '{}': dimension {} is {} (must be >= 1)", shown(t.name), d, ne);
         t.ne[d] = ne;
       }
       uint32_t type = 0;
-      if (!read_raw(&type, 4)) return fail("tensor '{}': truncated at its type", t.name);
+      if (!read_raw(&type, 4)) return fail("tensor '{}': truncated at its type", shown(t.name));
       auto tr = dtype_traits(type);
-      if (!tr) return fail("tensor '{}': unknown tensor type {}", t.name, type);
+      if (!tr) return fail("tensor '{}': unknown tensor type {}", shown(t.name), type);
       t.dtype = static_cast<DType>(type);
-      if (!read_raw(&t.offset, 8)) return fail("tensor '{}': truncated at its offset", t.name);
+      if (!read_raw(&t.offset, 8)) return fail("tensor '{}': truncated at its offset", shown(t.name));
 
       // Element count and byte size, each multiplication checked against overflow.
       int64_t n_el = 1;
       for (int d = 0; d < kMaxDims; ++d) {
         if (__builtin_mul_overflow(n_el, t.ne[d], &n_el))
-          return fail("tensor '{}': shape [{}, {}, {}, {}] overflows 64 bits", t.name, t.ne[0],
+          return fail("tensor '{}': shape [{}, {}, {}, {}] overflows 64 bits", shown(t.name), t.ne[0],
                       t.ne[1], t.ne[2], t.ne[3]);
       }
       if (t.ne[0] % tr->block_size != 0)
-        return fail("tensor '{}': row length {} is not a multiple of the {} block size {}", t.name,
+        return fail("tensor '{}': row length {} is not a multiple of the {} block size {}", shown(t.name),
                     t.ne[0], tr->name, tr->block_size);
       uint64_t n_bytes = 0;
       if (__builtin_mul_overflow(static_cast<uint64_t>(n_el / tr->block_size),
                                  static_cast<uint64_t>(tr->type_size), &n_bytes))
-        return fail("tensor '{}': byte size overflows 64 bits", t.name);
+        return fail("tensor '{}': byte size overflows 64 bits", shown(t.name));
       t.n_bytes = n_bytes;
       if (t.offset % g.alignment_ != 0)
-        return fail("tensor '{}': offset {} is not a multiple of the alignment {}", t.name,
+        return fail("tensor '{}': offset {} is not a multiple of the alignment {}", shown(t.name),
                     t.offset, g.alignment_);
-      if (g.tensor_index_.count(t.name)) return fail("duplicate tensor name '{}'", t.name);
+      if (g.tensor_index_.count(t.name)) return fail("duplicate tensor name '{}'", shown(t.name));
       g.tensor_index_.emplace(t.name, g.tensors_.size());
       g.tensors_.push_back(std::move(t));
     }
@@ -204,7 +223,7 @@ class GgufParser {
       if (__builtin_add_overflow(t.offset, t.n_bytes, &end) || end > data_size)
         return fail("tensor '{}': data at offset {} + {} bytes runs past the end of the data "
                     "section ({} bytes, file is {} bytes)",
-                    t.name, t.offset, t.n_bytes, data_size, size);
+                    shown(t.name), t.offset, t.n_bytes, data_size, size);
     }
     // No two tensors may share bytes: sort by offset and compare neighbours.
     std::vector<const TensorInfo*> by_off;
@@ -216,8 +235,8 @@ class GgufParser {
       const TensorInfo* a = by_off[i - 1];
       const TensorInfo* b = by_off[i];
       if (a->offset + a->n_bytes > b->offset)
-        return fail("tensors '{}' (offset {}, {} bytes) and '{}' (offset {}) overlap", a->name,
-                    a->offset, a->n_bytes, b->name, b->offset);
+        return fail("tensors '{}' (offset {}, {} bytes) and '{}' (offset {}) overlap", shown(a->name),
+                    a->offset, a->n_bytes, shown(b->name), b->offset);
     }
     return g;
   }
@@ -311,11 +330,20 @@ class GgufParser {
                              gguf_type_name(elem), remaining());
           return false;
         }
+        if (n > array_budget_) {
+          err_ = fmt::format("array of {} elements exceeds the limit of {} array elements in "
+                             "all metadata", n, kMaxArrayElements);
+          return false;
+        }
+        array_budget_ -= n;
         GgufArray a;
         a.elem_type = elem;
-        a.items.resize(n);
-        for (uint64_t i = 0; i < n; ++i)
-          if (!read_value(elem, a.items[i], depth + 1)) return false;
+        // Grown as elements are actually read: a count that passed the size check but whose
+        // elements turn out malformed costs memory only for what was parsed.
+        a.items.reserve(std::min<uint64_t>(n, kReserveLimit));
+        for (uint64_t i = 0; i < n; ++i) {
+          if (!read_value(elem, a.items.emplace_back(), depth + 1)) return false;
+        }
         v.v = std::move(a);
         return true;
       }
@@ -326,6 +354,7 @@ class GgufParser {
 
   std::shared_ptr<const MappedFile> f_;
   uint64_t pos_ = 0;
+  uint64_t array_budget_ = kMaxArrayElements;
   std::string err_;
 };
 

@@ -16,6 +16,7 @@ namespace kiln {
 
 class GgufWriter {
  public:
+  // An alignment other than 32 is recorded as general.alignment (so readers agree).
   explicit GgufWriter(uint32_t alignment = 32);
 
   // Metadata, written in insertion order; setting an existing key replaces its value in place.
@@ -45,8 +46,20 @@ class GgufWriter {
   // A tensor left as a hole of zeros (sparse on disk where the filesystem allows).
   void add_tensor_zeros(const std::string& name, DType dtype, std::vector<int64_t> ne);
 
+  // Errors in what was added (bad shape, wrong byte count, mistyped value, duplicate tensor)
+  // are remembered, and the first is returned by write()/to_bytes(); status() shows it early.
+  const Status& status() const { return error_; }
+
+  // Writes beside `path` and renames into place; tensors added with add_tensor_zeros become
+  // holes (sparse) on filesystems that support them.
   Status write(const std::string& path) const;
+  Expected<std::vector<std::byte>> to_bytes() const;
+  // Like to_bytes() for tests that build valid files: aborts (KILN_CHECK) on a recorded error.
   std::vector<std::byte> write_to_memory() const;
+  // Bytes the header (with padding to the alignment) and the whole file will take.
+  std::vector<std::byte> header() const;
+  uint64_t file_size() const;
+  uint32_t alignment() const { return alignment_; }
 
  private:
   struct Tensor {
@@ -58,9 +71,16 @@ class GgufWriter {
     Producer produce;
     bool zeros = false;
   };
+  void note_error(Status s);
+  Status check_tensor(const std::string& name, DType dtype, const std::vector<int64_t>& ne,
+                      uint64_t& n_bytes) const;
+  // Offsets of each tensor from the start of the data section; data_bytes = section size.
+  std::vector<uint64_t> layout(uint64_t& data_bytes) const;
+
   uint32_t alignment_;
   std::vector<GgufKV> kvs_;
   std::vector<Tensor> tensors_;
+  Status error_;
 };
 
 }  // namespace kiln

@@ -1,0 +1,288 @@
+// apps/kiln/cmd_mkmodel.cpp: `kiln mkmodel`: writes a random-weight llama-shape GGUF of any
+// size and type (benchmarks at 1B/8B scale without downloads). Tensors are produced and
+// quantized at write time, one at a time, so a multi-GB file needs no more RAM than its
+// largest tensor. The vocabulary is a minimal valid SentencePiece one (byte fallback plus
+// ASCII pieces) so `kiln run` and `kiln bench` can tokenize prompts for it.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "apps/kiln/commands.h"
+#include "core/half.h"
+#include "format/gguf.h"
+#include "format/gguf_writer.h"
+#include "quant/mix.h"
+#include "quant/quant.h"
+
+namespace kiln::app {
+namespace {
+
+struct MkModelOptions {
+  std::string out;
+  std::string arch = "llama";
+  int32_t n_embd = 2048, n_layer = 16, n_ff = 8192, n_head = 32, n_head_kv = 8;
+  int32_t n_vocab = 32000, n_ctx = 4096;
+  std::string type = "f16";
+  uint64_t seed = 1;
+  int threads = 0;
+};
+
+uint64_t splitmix(uint64_t& x) {
+  uint64_t z = (x += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+uint64_t name_hash(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+// A SentencePiece vocabulary: <unk> <s> </s>, the 256 byte tokens, "▁", printable ASCII,
+// then "▁x", "xy", "▁xy", ... letter pieces until n_vocab. Every longer piece is the
+// concatenation of two shorter ones, so SPM merges can reach it.
+struct Vocab {
+  std::vector<std::string> tokens;
+  std::vector<float> scores;
+  std::vector<int32_t> types;  // llama.cpp token types: 1 normal, 2 unknown, 3 control, 6 byte
+};
+
+Vocab make_vocab(int32_t n_vocab) {
+  Vocab v;
+  auto add = [&](std::string t, int32_t type) {
+    if (int32_t(v.tokens.size()) >= n_vocab) return;
+    v.scores.push_back(type == 1 ? -float(v.tokens.size()) : 0.0f);
+    v.tokens.push_back(std::move(t));
+    v.types.push_back(type);
+  };
+  add("<unk>", 2);
+  add("<s>", 3);
+  add("</s>", 3);
+  for (int b = 0; b < 256; ++b) add(fmt::format("<0x{:02X}>", b), 6);
+  const std::string sp = "\xE2\x96\x81";  // U+2581, SentencePiece's space
+  add(sp, 1);
+  for (char c = 0x21; c < 0x7F; ++c) add(std::string(1, c), 1);
+  for (char c = 'a'; c <= 'z'; ++c) add(sp + c, 1);
+  // Letter strings of growing length, bare and with the space prefix.
+  std::vector<std::string> level;
+  for (char c = 'a'; c <= 'z'; ++c) level.emplace_back(1, c);
+  while (int32_t(v.tokens.size()) < n_vocab) {
+    std::vector<std::string> next;
+    for (const std::string& s : level)
+      for (char c = 'a'; c <= 'z'; ++c) {
+        if (int32_t(v.tokens.size()) >= n_vocab) break;
+        next.push_back(s + c);
+        add(s + c, 1);
+        add(sp + s + c, 1);
+      }
+    level = std::move(next);
+  }
+  return v;
+}
+
+// One weight tensor's plan: ggml shape and how to fill it.
+struct TensorPlan {
+  std::string name;
+  std::vector<int64_t> ne;
+  float scale = 0;  // uniform in [-scale, scale]; 0 means constant 1 (norm weights)
+};
+
+std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
+  const int64_t head_dim = o.n_embd / o.n_head, kv = int64_t(o.n_head_kv) * head_dim;
+  // Uniform with standard deviation sigma: scale = sigma * sqrt(3).
+  const float w = 0.02f * std::sqrt(3.0f);
+  std::vector<TensorPlan> t;
+  t.push_back({"token_embd.weight", {o.n_embd, o.n_vocab}, w});
+  for (int32_t l = 0; l < o.n_layer; ++l) {
+    const std::string b = fmt::format("blk.{}.", l);
+    t.push_back({b + "attn_norm.weight", {o.n_embd}, 0});
+    t.push_back({b + "attn_q.weight", {o.n_embd, o.n_embd}, w});
+    t.push_back({b + "attn_k.weight", {o.n_embd, kv}, w});
+    t.push_back({b + "attn_v.weight", {o.n_embd, kv}, w});
+    t.push_back({b + "attn_output.weight", {o.n_embd, o.n_embd}, w});
+    t.push_back({b + "ffn_norm.weight", {o.n_embd}, 0});
+    t.push_back({b + "ffn_gate.weight", {o.n_embd, o.n_ff}, w});
+    t.push_back({b + "ffn_up.weight", {o.n_embd, o.n_ff}, w});
+    t.push_back({b + "ffn_down.weight", {o.n_ff, o.n_embd}, w});
+  }
+  t.push_back({"output_norm.weight", {o.n_embd}, 0});
+  t.push_back({"output.weight", {o.n_embd, o.n_vocab}, w});
+  return t;
+}
+
+void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& preset,
+                  const Vocab& v) {
+  const std::string a = o.arch;
+  w.set_str("general.architecture", a);
+  w.set_str("general.name", fmt::format("kiln-mkmodel {}x{} {}", o.n_layer, o.n_embd, preset.name));
+  w.set_u32("general.file_type", static_cast<uint32_t>(preset.ftype));
+  w.set_u32(a + ".context_length", uint32_t(o.n_ctx));
+  w.set_u32(a + ".embedding_length", uint32_t(o.n_embd));
+  w.set_u32(a + ".block_count", uint32_t(o.n_layer));
+  w.set_u32(a + ".feed_forward_length", uint32_t(o.n_ff));
+  w.set_u32(a + ".attention.head_count", uint32_t(o.n_head));
+  w.set_u32(a + ".attention.head_count_kv", uint32_t(o.n_head_kv));
+  w.set_u32(a + ".rope.dimension_count", uint32_t(o.n_embd / o.n_head));
+  w.set_f32(a + ".rope.freq_base", 10000.0f);
+  w.set_f32(a + ".attention.layer_norm_rms_epsilon", 1e-5f);
+  w.set_u32(a + ".vocab_size", uint32_t(o.n_vocab));
+  w.set_str("tokenizer.ggml.model", "llama");
+  w.set_str_array("tokenizer.ggml.tokens", v.tokens);
+  w.set_f32_array("tokenizer.ggml.scores", v.scores);
+  w.set_i32_array("tokenizer.ggml.token_type", v.types);
+  w.set_u32("tokenizer.ggml.bos_token_id", 1);
+  w.set_u32("tokenizer.ggml.eos_token_id", 2);
+  w.set_u32("tokenizer.ggml.unknown_token_id", 0);
+  w.set_bool("tokenizer.ggml.add_bos_token", true);
+  w.set_bool("tokenizer.ggml.add_eos_token", false);
+}
+
+Status validate(const MkModelOptions& o) {
+  if (o.out.empty()) return Status::error("-o OUT.gguf is required");
+  if (o.arch != "llama")
+    return Status::errorf("--arch '{}' is not supported (llama)", o.arch);
+  auto positive = [](const char* what, int64_t v) {
+    return v > 0 ? Status::ok() : Status::errorf("{} = {} must be > 0", what, v);
+  };
+  KILN_TRY(positive("--n-embd", o.n_embd));
+  KILN_TRY(positive("--n-layer", o.n_layer));
+  KILN_TRY(positive("--n-ff", o.n_ff));
+  KILN_TRY(positive("--n-head", o.n_head));
+  KILN_TRY(positive("--n-head-kv", o.n_head_kv));
+  KILN_TRY(positive("--ctx", o.n_ctx));
+  if (o.n_embd % o.n_head != 0)
+    return Status::errorf("--n-embd {} is not a multiple of --n-head {}", o.n_embd, o.n_head);
+  if ((o.n_embd / o.n_head) % 2 != 0)
+    return Status::errorf("head dimension {} must be even (RoPE rotates pairs)", o.n_embd / o.n_head);
+  if (o.n_head % o.n_head_kv != 0)
+    return Status::errorf("--n-head {} is not a multiple of --n-head-kv {}", o.n_head, o.n_head_kv);
+  if (o.n_vocab < 260 || o.n_vocab > (1 << 24))
+    return Status::errorf("--n-vocab {} outside [260, 16777216] (the vocabulary needs the 259 "
+                          "special and byte tokens plus pieces)", o.n_vocab);
+  return Status::ok();
+}
+
+// Per-tensor types from the quant layer's llama.cpp mix rules. The rules look only at names
+// and row lengths, so they run on a skeleton file whose matrices have a single row.
+Expected<std::vector<DType>> plan_types(const MkModelOptions& o, const quant::Preset& preset,
+                                        const std::vector<TensorPlan>& plan) {
+  GgufWriter skel;
+  set_metadata(skel, o, preset, Vocab{});
+  for (const TensorPlan& t : plan) {
+    std::vector<int64_t> ne = t.ne;
+    if (ne.size() > 1) ne[1] = 1;
+    skel.add_tensor_zeros(t.name, DType::F32, ne);
+  }
+  KILN_ASSIGN_OR_RETURN(GgufFile g, GgufFile::parse(MappedFile::from_bytes(skel.write_to_memory())));
+  KILN_ASSIGN_OR_RETURN(std::vector<DType> types, quant::plan_tensor_types(preset, g));
+  for (size_t i = 0; i < plan.size(); ++i) {
+    if (plan[i].ne.size() == 1) types[i] = DType::F32;  // norms stay f32, as llama.cpp keeps them
+    if (!quant::can_quantize(types[i]))
+      return Status::errorf("tensor '{}': kiln cannot write type {}", plan[i].name,
+                            dtype_name(types[i]));
+  }
+  return types;
+}
+
+int run_mkmodel(const MkModelOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (Status s = validate(o); !s) {
+    fmt::print(stderr, "kiln mkmodel: {}\n", s.message());
+    return 1;
+  }
+  auto preset = quant::preset_from_name(o.type);
+  if (!preset) {
+    fmt::print(stderr, "kiln mkmodel: unknown --type '{}' (one of {})\n", o.type,
+               quant::preset_names());
+    return 1;
+  }
+  const std::vector<TensorPlan> plan = plan_tensors(o);
+  auto types = plan_types(o, *preset, plan);
+  if (!types) {
+    fmt::print(stderr, "kiln mkmodel: {}\n", types.error());
+    return 1;
+  }
+  const int n_threads =
+      o.threads > 0 ? o.threads : std::max(1, int(std::thread::hardware_concurrency()));
+
+  GgufWriter w;
+  set_metadata(w, o, *preset, make_vocab(o.n_vocab));
+  uint64_t n_params = 0, n_bytes = 0;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const TensorPlan& t = plan[i];
+    const DType type = (*types)[i];
+    const int64_t n_cols = t.ne[0], n_rows = t.ne.size() > 1 ? t.ne[1] : 1;
+    const auto rb = row_bytes(type, uint64_t(n_cols));
+    if (!rb) {
+      fmt::print(stderr, "kiln mkmodel: tensor '{}': row length {} is not a multiple of {}'s "
+                 "block size {}\n", t.name, n_cols, dtype_name(type), traits(type).block_size);
+      return 1;
+    }
+    n_params += uint64_t(n_cols * n_rows);
+    n_bytes += *rb * uint64_t(n_rows);
+    const uint64_t tensor_seed = o.seed ^ name_hash(t.name);
+    const size_t row_size = *rb;
+    w.add_tensor_produced(t.name, type, t.ne, [=](std::span<std::byte> out) -> Status {
+      // Row r's values depend only on (seed, name, r): identical output for any thread count.
+      auto fill = [&](int64_t r0, int64_t r1) {
+        std::vector<float> row(static_cast<size_t>(n_cols));
+        for (int64_t r = r0; r < r1; ++r) {
+          uint64_t state = tensor_seed + uint64_t(r) * 0xD1B54A32D192ED03ull;
+          for (float& x : row) {
+            if (t.scale == 0) { x = 1.0f; continue; }
+            const double u = double(splitmix(state) >> 11) * 0x1.0p-53;  // [0, 1)
+            x = float((2 * u - 1) * t.scale);
+          }
+          quant::quantize_row(type, row, out.subspan(size_t(r) * row_size, row_size));
+        }
+      };
+      const int nt = int(std::min<int64_t>(n_threads, n_rows));
+      std::vector<std::thread> pool;
+      for (int k = 1; k < nt; ++k)
+        pool.emplace_back(fill, n_rows * k / nt, n_rows * (k + 1) / nt);
+      fill(0, n_rows / nt);
+      for (std::thread& th : pool) th.join();
+      return Status::ok();
+    });
+  }
+  if (Status s = w.write(o.out); !s) {
+    fmt::print(stderr, "kiln mkmodel: {}\n", s.message());
+    return 1;
+  }
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fmt::print(stderr, "kiln mkmodel: wrote {} ({} {}, {:.3f} B parameters, {:.1f} MiB of weights) "
+             "in {:.1f} s\n", o.out, o.arch, preset->name, double(n_params) * 1e-9,
+             double(n_bytes) / (1 << 20), secs);
+  return 0;
+}
+
+}  // namespace
+
+void add_mkmodel_command(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand("mkmodel", "write a random-weight model of a given shape");
+  auto o = std::make_shared<MkModelOptions>();
+  cmd->add_option("-o,--output", o->out, "output GGUF path")->required();
+  cmd->add_option("--arch", o->arch, "architecture (llama)");
+  cmd->add_option("--n-embd", o->n_embd, "embedding width");
+  cmd->add_option("--n-layer", o->n_layer, "layers");
+  cmd->add_option("--n-ff", o->n_ff, "feed-forward width");
+  cmd->add_option("--n-head", o->n_head, "attention heads");
+  cmd->add_option("--n-head-kv", o->n_head_kv, "KV heads");
+  cmd->add_option("--n-vocab", o->n_vocab, "vocabulary size (>= 260)");
+  cmd->add_option("--ctx", o->n_ctx, "context_length metadata");
+  cmd->add_option("--type", o->type, "weight type preset: f32 f16 bf16 q8_0 q4_0 q4_k_m ...");
+  cmd->add_option("--seed", o->seed, "random seed");
+  cmd->add_option("-t,--threads", o->threads, "threads for quantizing (default: all cores)");
+  cmd->callback([o, &exit_code] { exit_code = run_mkmodel(*o); });
+}
+
+}  // namespace kiln::app

@@ -1,0 +1,191 @@
+// apps/kiln/cmd_run.cpp: `kiln run`: prompt in, streamed text out. stdout carries only the
+// generated text; stderr gets the speeds (prefill / decode tokens per second) and a hash of
+// the generated ids, so two runs can be compared without diffing text.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "apps/kiln/commands.h"
+#include "apps/kiln/config_cli.h"
+#include "apps/kiln/gen_common.h"
+#include "core/counters.h"
+#include "core/log.h"
+#include "sampling/sampler.h"
+
+namespace kiln::app {
+namespace {
+
+struct RunOptions {
+  std::string model, prompt, prompt_file;
+  int32_t n_predict = 128;
+  int32_t n_ctx = 0;  // 0: min(training context, 4096)
+  SamplerParams sampling;
+  std::vector<std::string> logit_bias;  // "ID+BIAS" / "ID-BIAS" / "ID=-inf"
+  std::shared_ptr<ConfigOverrides> config;
+};
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+Status parse_logit_bias(const std::vector<std::string>& specs,
+                        std::vector<std::pair<int32_t, float>>& out) {
+  for (const std::string& s : specs) {
+    // llama.cpp's spelling: TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 15043-inf.
+    size_t at = s.find_first_of("+-=", 1);
+    if (at == std::string::npos)
+      return Status::errorf("--logit-bias '{}': expected ID+BIAS or ID-BIAS", s);
+    try {
+      size_t used = 0;
+      const int id = std::stoi(s.substr(0, at), &used);
+      if (used != at) throw std::invalid_argument("id");
+      std::string b = s.substr(at + (s[at] == '=' ? 1 : 0));
+      float bias;
+      if (b == "-inf") bias = -INFINITY;
+      else if (b == "+inf") bias = INFINITY;
+      else {
+        bias = std::stof(b, &used);
+        if (used != b.size()) throw std::invalid_argument("bias");
+      }
+      out.emplace_back(id, bias);
+    } catch (const std::exception&) {
+      return Status::errorf("--logit-bias '{}': expected ID+BIAS or ID-BIAS", s);
+    }
+  }
+  return Status::ok();
+}
+
+Status run(RunOptions o) {
+  KILN_ASSIGN_OR_RETURN(Config cfg, load_config(*o.config));
+  if (auto lvl = parse_log_level(cfg.log_level)) set_log_level(*lvl);
+  if (!o.prompt_file.empty()) {
+    if (!o.prompt.empty()) return Status::error("give either -p PROMPT or -f FILE, not both");
+    std::FILE* f = std::fopen(o.prompt_file.c_str(), "rb");
+    if (!f) return Status::errorf("cannot read prompt file '{}'", o.prompt_file);
+    char buf[65536];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) o.prompt.append(buf, n);
+    std::fclose(f);
+  }
+  if (o.prompt.empty()) return Status::error("empty prompt (give -p PROMPT or -f FILE)");
+  if (size_t bad = invalid_utf8_offset(o.prompt); bad != std::string::npos)
+    return Status::errorf("prompt is not valid UTF-8 (byte {} = 0x{:02x})", bad,
+                          static_cast<unsigned char>(o.prompt[bad]));
+  if (o.n_predict <= 0) return Status::errorf("-n {} must be > 0", o.n_predict);
+  if (o.n_ctx < 0) return Status::errorf("-c {} must be >= 0", o.n_ctx);
+  KILN_TRY(parse_logit_bias(o.logit_bias, o.sampling.logit_bias));
+
+  KILN_ASSIGN_OR_RETURN(std::string path, resolve_model_path(o.model, cfg));
+  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(path, static_cast<int>(cfg.threads)));
+  const Tokenizer& tok = *ld.tokenizer;
+  const int32_t n_ctx = o.n_ctx > 0 ? o.n_ctx : std::min(ld.model->n_ctx_train(), 4096);
+
+  const std::vector<int32_t> prompt = tok.encode(o.prompt, /*add_special=*/true, false);
+  if (prompt.empty()) return Status::error("the prompt tokenized to nothing");
+  if (int64_t(prompt.size()) > n_ctx)
+    return Status::errorf("prompt of {} tokens does not fit the context of {} (-c)",
+                          prompt.size(), n_ctx);
+  if (int64_t(prompt.size()) + o.n_predict > n_ctx)
+    return Status::errorf("-n {} with a prompt of {} tokens exceeds the context of {} (-c); "
+                          "at most -n {}", o.n_predict, prompt.size(), n_ctx,
+                          n_ctx - int64_t(prompt.size()));
+  KILN_ASSIGN_OR_RETURN(Sampler sampler, Sampler::create(o.sampling, ld.model->n_vocab()));
+  for (int32_t id : prompt) sampler.accept(id);
+
+  Session session(ld.model, *ld.backend, n_ctx);
+  const auto t_prefill = Clock::now();
+  KILN_ASSIGN_OR_RETURN(std::span<const float> logits, session.eval(prompt, false));
+  const double prefill_s = seconds_since(t_prefill);
+
+  std::vector<int32_t> out_ids;
+  Utf8Stream stream;
+  bool stopped_by_eog = false;
+  const auto t_decode = Clock::now();
+  for (int32_t i = 0; i < o.n_predict; ++i) {
+    const int32_t id = sampler.sample(logits);
+    sampler.accept(id);
+    out_ids.push_back(id);
+    if (tok.is_eog(id)) {
+      stopped_by_eog = true;
+      break;
+    }
+    const std::string text = stream.push(tok.token_to_piece(id, /*special=*/false));
+    if (!text.empty()) {
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      std::fflush(stdout);
+    }
+    if (i + 1 == o.n_predict) break;  // the last sampled token needs no forward pass
+    const int32_t next[1] = {id};
+    KILN_ASSIGN_OR_RETURN(logits, session.eval(next, false));
+  }
+  const std::string rest = stream.flush();
+  std::fwrite(rest.data(), 1, rest.size(), stdout);
+  if (::isatty(::fileno(stdout))) std::fputc('\n', stdout);  // keep piped output exact
+  std::fflush(stdout);
+  const double decode_s = seconds_since(t_decode);
+
+  // Decode speed counts forward passes: every sampled token but the last ran one.
+  const size_t n_decode_evals = out_ids.empty() ? 0 : out_ids.size() - (stopped_by_eog ? 0 : 1);
+  fmt::print(stderr,
+             "kiln run: prompt {} tokens, prefill {:.2f} t/s ({:.1f} ms); generated {} tokens{}, "
+             "decode {:.2f} t/s ({:.1f} ms)\n",
+             prompt.size(), double(prompt.size()) / prefill_s, prefill_s * 1e3, out_ids.size(),
+             stopped_by_eog ? " (end of generation)" : "",
+             n_decode_evals ? double(n_decode_evals) / decode_s : 0.0, decode_s * 1e3);
+  fmt::print(stderr, "kiln run: ids xxh64 {}\n", hash_ids(out_ids));
+  if (cfg.stats) {
+    const MemoryUse mem = memory_use();
+    fmt::print(stderr,
+               "stats: model {} ({}), {:.1f} MiB of weights, load {:.1f} ms, backend {}\n"
+               "stats: context {} positions, KV cache {:.2f} MiB\n"
+               "stats: RSS {:.1f} MiB (file-backed {:.1f} MiB, anonymous {:.1f} MiB)\n",
+               path, ld.model->arch_name(), double(ld.model->weight_bytes()) / (1 << 20),
+               ld.load_seconds * 1e3, ld.backend->name(), n_ctx,
+               double(session.kv_bytes()) / (1 << 20), double(mem.rss) / (1 << 20),
+               double(mem.rss_file) / (1 << 20), double(mem.rss_anon) / (1 << 20));
+    fmt::print(stderr, "stats: config\n{}", describe(cfg));
+    const auto counters = process_counters().snapshot();
+    if (!counters.empty()) fmt::print(stderr, "stats: counters\n{}", format_counters(counters));
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+void add_run_command(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand("run", "generate text from a prompt");
+  auto o = std::make_shared<RunOptions>();
+  o->sampling.seed = 42;
+  cmd->add_option("-m,--model", o->model, "GGUF model (default: the demo model stories260K)");
+  cmd->add_option("-p,--prompt", o->prompt, "prompt text");
+  cmd->add_option("-f,--file", o->prompt_file, "read the prompt from a file");
+  cmd->add_option("-n,--n-predict", o->n_predict, "tokens to generate (default 128)");
+  cmd->add_option("-c,--ctx-size", o->n_ctx, "context size (default min(training, 4096))");
+  cmd->add_option("--temp", o->sampling.temperature, "temperature; <= 0: greedy (default 0.8)");
+  cmd->add_option("--top-k", o->sampling.top_k, "top-k, 0 = off (default 40)");
+  cmd->add_option("--top-p", o->sampling.top_p, "top-p, 1 = off (default 0.95)");
+  cmd->add_option("--min-p", o->sampling.min_p, "min-p, 0 = off (default 0.05)");
+  cmd->add_option("--repeat-penalty", o->sampling.repeat_penalty, "repeat penalty (default 1)");
+  cmd->add_option("--repeat-last-n", o->sampling.penalty_last_n, "penalty window (default 64)");
+  cmd->add_option("--presence-penalty", o->sampling.presence_penalty, "presence penalty");
+  cmd->add_option("--frequency-penalty", o->sampling.frequency_penalty, "frequency penalty");
+  cmd->add_option("--logit-bias", o->logit_bias, "ID+BIAS or ID-BIAS (repeatable; -inf bans)");
+  cmd->add_option("-s,--seed", o->sampling.seed, "sampling seed (default 42)");
+  o->config = add_config_options(cmd);
+  cmd->callback([o, &exit_code] {
+    if (Status s = run(*o); !s) {
+      std::fflush(stdout);
+      fmt::print(stderr, "kiln run: {}\n", s.message());
+      exit_code = 1;
+    }
+  });
+}
+
+}  // namespace kiln::app

@@ -1,0 +1,75 @@
+// apps/kiln/gen_common.cpp: shared pieces of the generation commands (see gen_common.h).
+#include "apps/kiln/gen_common.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+
+namespace kiln::app {
+namespace fs = std::filesystem;
+
+Expected<std::string> resolve_model_path(const std::string& model, const Config& config) {
+  if (!model.empty()) return model;
+  const std::string rel = "testdata/models/stories260K.gguf";
+  std::string shared = config.shared_dir;
+  if (shared.empty()) {
+    std::error_code ec;
+    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+    if (ec) return Status::error("no -m MODEL given and the kiln binary's path is unknown");
+    // <repo>/build/<preset>/kiln -> <repo>/../shared
+    shared = (exe.parent_path().parent_path().parent_path().parent_path() / "shared").string();
+  }
+  const fs::path p = fs::path(shared) / rel;
+  if (!fs::exists(p))
+    return Status::errorf("no -m MODEL given and the demo model '{}' does not exist (set "
+                          "--shared-dir or KILN_SHARED_DIR)", p.string());
+  return p.string();
+}
+
+Expected<Loaded> load_for_inference(const std::string& path, int threads) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Loaded out;
+  auto model = Model::load(path);
+  if (!model) return model.status();  // its message names the file
+  out.model = std::move(*model);
+  auto tok = Tokenizer::from_gguf(out.model->gguf());
+  if (!tok) return tok.status().context(fmt::format("{}: tokenizer", path));
+  out.tokenizer = std::make_unique<Tokenizer>(std::move(*tok));
+  out.backend = make_cpu_backend(threads);
+  out.load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
+
+std::string hash_ids(std::span<const int32_t> ids) {
+  std::vector<unsigned char> bytes;
+  bytes.reserve(ids.size() * 4);
+  for (int32_t id : ids) {
+    const auto u = static_cast<uint32_t>(id);
+    for (int k = 0; k < 4; ++k) bytes.push_back(static_cast<unsigned char>(u >> (8 * k)));
+  }
+  return fmt::format("{:016x}", XXH64(bytes.data(), bytes.size(), 0));
+}
+
+MemoryUse memory_use() {
+  MemoryUse m;
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    unsigned long long kb = 0;
+    if (std::sscanf(line.c_str(), "VmRSS: %llu", &kb) == 1) m.rss = kb * 1024;
+    else if (std::sscanf(line.c_str(), "RssFile: %llu", &kb) == 1) m.rss_file = kb * 1024;
+    else if (std::sscanf(line.c_str(), "RssAnon: %llu", &kb) == 1) m.rss_anon = kb * 1024;
+  }
+  return m;
+}
+
+}  // namespace kiln::app

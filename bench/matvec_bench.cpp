@@ -1,0 +1,231 @@
+// bench/matvec_bench.cpp: matvec GB/s per weight type against the machine's streaming-read
+// bandwidth (measured here, 2 threads), and prefill-shaped Q4_K matmul against a plain f32
+// Highway GEMM of the same shape.
+//   build/<dir>/bench/matvec_bench --benchmark_counters_tabular=true
+#define HWY_WANT_AVX3_DL 1
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "bench/matvec_bench.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/thread_pool.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kiln::bench {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Sum of a range (so the loads cannot be dropped): the streaming-read kernel.
+float SumRange(const float* p, size_t n) {
+  const hn::ScalableTag<float> d;
+  const size_t N = hn::Lanes(d);
+  auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+  for (size_t i = 0; i + 4 * N <= n; i += 4 * N) {
+    a0 = hn::Add(a0, hn::Load(d, p + i));
+    a1 = hn::Add(a1, hn::Load(d, p + i + N));
+    a2 = hn::Add(a2, hn::Load(d, p + i + 2 * N));
+    a3 = hn::Add(a3, hn::Load(d, p + i + 3 * N));
+  }
+  return hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
+}
+
+// C[t][r] = sum_k W[r][k] * X[t][k] for rows [r0, r1): 4 weight rows × 4 tokens per
+// micro-tile, 16 vector accumulators, k innermost. A plain but honest f32 GEMM.
+void GemmF32(const float* W, const float* X, float* C, int64_t K, int64_t M, int64_t n_tok,
+             int64_t r0, int64_t r1) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t r = r0; r + 4 <= r1; r += 4) {
+    for (int64_t t = 0; t + 4 <= n_tok; t += 4) {
+      hn::Vec<decltype(d)> acc[4][4];
+      for (auto& row : acc)
+        for (auto& v : row) v = hn::Zero(d);
+      for (int64_t k = 0; k < K; k += N) {
+        hn::Vec<decltype(d)> w[4], x[4];
+        for (int i = 0; i < 4; ++i) w[i] = hn::LoadU(d, W + (r + i) * K + k);
+        for (int j = 0; j < 4; ++j) x[j] = hn::LoadU(d, X + (t + j) * K + k);
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 4; ++j) acc[i][j] = hn::MulAdd(w[i], x[j], acc[i][j]);
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) C[(t + j) * M + r + i] = hn::GetLane(hn::SumOfLanes(d, acc[i][j]));
+    }
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kiln::bench
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include <benchmark/benchmark.h>
+
+#include "backend/cpu/cpu_backend.h"
+#include "core/half.h"
+#include "quant/blocks.h"
+
+namespace kiln::bench {
+HWY_EXPORT(SumRange);
+HWY_EXPORT(GemmF32);
+
+namespace {
+
+// Streaming read of a buffer far larger than the last-level cache, 2 threads, best of 5.
+double measure_read_gbps() {
+  static const double gbps = [] {
+    const size_t n = size_t{512} << 20 >> 2;  // 512 MiB of floats
+    float* buf = static_cast<float*>(std::aligned_alloc(64, n * sizeof(float)));
+    for (size_t i = 0; i < n; ++i) buf[i] = 1.0f;
+    ThreadPool pool(2);
+    double best = 0;
+    for (int rep = 0; rep < 5; ++rep) {
+      std::vector<float> sink(2);
+      const auto t0 = std::chrono::steady_clock::now();
+      pool.parallel_for(2, [&](int64_t b, int64_t, int t) {
+        const size_t half = n / 2;
+        sink[t] = HWY_DYNAMIC_DISPATCH(SumRange)(buf + b * half, half);
+      });
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      benchmark::DoNotOptimize(sink.data());
+      best = std::max(best, n * sizeof(float) / s / 1e9);
+    }
+    std::free(buf);
+    return best;
+  }();
+  return gbps;
+}
+
+// Random weights of `type` built directly as blocks (the quantizer would take seconds for
+// the big shapes): random quants, scales set to small finite values.
+struct BenchWeights {
+  std::vector<std::byte> bytes;
+  WeightMatrix m;
+};
+
+template <typename Block>
+void fix_blocks(std::vector<std::byte>& bytes, void (*fix)(Block&)) {
+  for (size_t off = 0; off + sizeof(Block) <= bytes.size(); off += sizeof(Block)) {
+    Block b;
+    std::memcpy(&b, bytes.data() + off, sizeof(Block));
+    fix(b);
+    std::memcpy(bytes.data() + off, &b, sizeof(Block));
+  }
+}
+
+const BenchWeights& weights(DType type, int64_t n_rows, int64_t n_cols) {
+  static std::vector<std::unique_ptr<BenchWeights>> cache;
+  for (auto& w : cache)
+    if (w->m.dtype == type && w->m.n_rows == n_rows && w->m.n_cols == n_cols) return *w;
+  auto w = std::make_unique<BenchWeights>();
+  const size_t rb = *row_bytes(type, n_cols);
+  w->bytes.resize(rb * n_rows);
+  std::mt19937_64 rng(42);
+  for (size_t i = 0; i + 8 <= w->bytes.size(); i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(w->bytes.data() + i, &v, 8);
+  }
+  const f16 s = f32_to_f16(0.01f);
+  using namespace quant;
+  switch (type) {
+    case DType::F16: {
+      auto* h = reinterpret_cast<f16*>(w->bytes.data());
+      std::normal_distribution<float> nd(0, 0.05f);
+      for (size_t i = 0; i < w->bytes.size() / 2; ++i) h[i] = f32_to_f16(nd(rng));
+      break;
+    }
+    case DType::Q8_0: fix_blocks<block_q8_0>(w->bytes, [](block_q8_0& b) { b.d = f32_to_f16(0.01f); }); break;
+    case DType::Q4_0: fix_blocks<block_q4_0>(w->bytes, [](block_q4_0& b) { b.d = f32_to_f16(0.01f); }); break;
+    case DType::Q4_K: fix_blocks<block_q4_K>(w->bytes, [](block_q4_K& b) { b.d = b.dmin = f32_to_f16(0.01f); }); break;
+    case DType::Q5_K: fix_blocks<block_q5_K>(w->bytes, [](block_q5_K& b) { b.d = b.dmin = f32_to_f16(0.01f); }); break;
+    case DType::Q6_K: fix_blocks<block_q6_K>(w->bytes, [](block_q6_K& b) { b.d = f32_to_f16(0.01f); }); break;
+    default: break;
+  }
+  (void)s;
+  w->m = WeightMatrix{type, n_cols, n_rows, rb, w->bytes};
+  cache.push_back(std::move(w));
+  return *cache.back();
+}
+
+Backend& backend(int threads) {
+  static std::unique_ptr<Backend> b1 = make_cpu_backend(1), b2 = make_cpu_backend(2);
+  return threads == 1 ? *b1 : *b2;
+}
+
+void BM_ReadBandwidth(benchmark::State& state) {
+  for (auto _ : state) benchmark::DoNotOptimize(measure_read_gbps());
+  state.counters["GB/s"] = measure_read_gbps();
+}
+BENCHMARK(BM_ReadBandwidth)->Iterations(1);
+
+// args: dtype, n_rows, threads (n_cols = 4096)
+void BM_Matvec(benchmark::State& state) {
+  const auto type = static_cast<DType>(state.range(0));
+  const int64_t n_rows = state.range(1), n_cols = 4096;
+  const int threads = static_cast<int>(state.range(2));
+  const BenchWeights& w = weights(type, n_rows, n_cols);
+  std::vector<float> x(n_cols, 0.5f), y(n_rows);
+  Backend& be = backend(threads);
+  for (auto _ : state) {
+    be.matmul(w.m, x, 1, y);
+    benchmark::DoNotOptimize(y.data());
+  }
+  const double bytes = static_cast<double>(w.bytes.size());
+  state.SetLabel(std::string(dtype_name(type)) + " " + cpu_simd_target());
+  state.counters["GB/s"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["of_read_bw"] = benchmark::Counter(bytes / 1e9 / measure_read_gbps(),
+                                                    benchmark::Counter::kIsIterationInvariantRate);
+}
+void MatvecArgs(benchmark::internal::Benchmark* b) {
+  for (DType t : {DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_K, DType::Q5_K, DType::Q6_K})
+    for (int64_t rows : {4096, 14336})
+      for (int threads : {1, 2}) b->Args({static_cast<int64_t>(t), rows, threads});
+}
+BENCHMARK(BM_Matvec)->Apply(MatvecArgs)->UseRealTime()->MinTime(0.5);
+
+constexpr int64_t kGemmTok = 512, kGemmK = 4096, kGemmM = 4096;
+
+// Prefill: 512 token rows through a 4096x4096 Q4_K matrix, 2 threads.
+void BM_MatmulQ4K(benchmark::State& state) {
+  const BenchWeights& w = weights(DType::Q4_K, kGemmM, kGemmK);
+  std::vector<float> x(kGemmTok * kGemmK), y(kGemmTok * kGemmM);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  for (float& v : x) v = nd(rng);
+  Backend& be = backend(static_cast<int>(state.range(0)));
+  for (auto _ : state) {
+    be.matmul(w.m, x, kGemmTok, y);
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * kGemmTok * kGemmK * kGemmM / 1e9,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_MatmulQ4K)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+
+void BM_GemmF32(benchmark::State& state) {
+  std::vector<float> W(kGemmM * kGemmK), X(kGemmTok * kGemmK), C(kGemmTok * kGemmM);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  for (float& v : W) v = nd(rng);
+  for (float& v : X) v = nd(rng);
+  ThreadPool pool(static_cast<int>(state.range(0)));
+  for (auto _ : state) {
+    pool.parallel_for(kGemmM / 4, [&](int64_t b, int64_t e, int) {
+      HWY_DYNAMIC_DISPATCH(GemmF32)(W.data(), X.data(), C.data(), kGemmK, kGemmM, kGemmTok, b * 4, e * 4);
+    });
+    benchmark::DoNotOptimize(C.data());
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * kGemmTok * kGemmK * kGemmM / 1e9,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_GemmF32)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+
+}  // namespace
+}  // namespace kiln::bench
+
+BENCHMARK_MAIN();
+#endif

@@ -1,0 +1,514 @@
+// backend/cpu/cpu_matmul.cpp: weight-matrix × activation kernels. Quantized weights are
+// dotted against activations quantized once per call (Q8_0 blocks for Q8_0/Q4_0/Q5_0, Q8_K
+// super-blocks for Q4_K/Q5_K/Q6_K) with int8 multiply-adds (AVX2 maddubs, AVX-512 VNNI
+// vpdpbusd/vpdpwssd); F32/F16/BF16 weights use f32 FMA after hardware conversion; other
+// types dequantize a block of rows once and reuse it for every token. Each weight block is
+// unpacked once per tile of several tokens, which is what makes prefill fast.
+#define HWY_WANT_AVX3_DL 1
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu_matmul.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/check.h"
+#include "kernels.h"
+#include "quant/blocks.h"
+#include "quant/quant.h"
+
+#ifndef KILN_CPU_MATMUL_ONCE
+#define KILN_CPU_MATMUL_ONCE
+namespace kiln::cpu {
+// Activation block for the Q8_0 family: a float scale (not llama.cpp's f16) keeps the only
+// error the rounding of the quants themselves.
+struct ActQ8_0 {
+  float d;
+  int8_t qs[32];
+};
+static_assert(sizeof(ActQ8_0) == 36);
+// Rows per cache block: the weight rows one tile of tokens sweeps stay in L2.
+inline int64_t rows_per_block(const WeightMatrix& w) {
+  const int64_t bytes = std::max<int64_t>(1, static_cast<int64_t>(w.row_bytes));
+  return std::clamp<int64_t>((128 << 10) / bytes, 1, 64);
+}
+inline int64_t dequant_rows_per_block(const WeightMatrix& w) {
+  return std::clamp<int64_t>((64 << 10) / std::max<int64_t>(1, w.n_cols), 1, 16);
+}
+}  // namespace kiln::cpu
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace kiln::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+
+// ---------------------------------------------------------------- f32 dot tiles
+struct LoadF32 {
+  const float* p;
+  HWY_INLINE hn::Vec<DF> operator()(DF d, int64_t i) const { return hn::LoadU(d, p + i); }
+  float at(int64_t i) const { return p[i]; }
+};
+struct LoadF16 {
+  const f16* p;
+  HWY_INLINE hn::Vec<DF> operator()(DF d, int64_t i) const {
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p + i)));
+  }
+  float at(int64_t i) const { return f16_to_f32(p[i]); }
+};
+struct LoadBF16 {
+  const bf16* p;
+  HWY_INLINE hn::Vec<DF> operator()(DF d, int64_t i) const {
+    const hn::Rebind<hwy::bfloat16_t, DF> dh;
+    return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::bfloat16_t*>(p + i)));
+  }
+  float at(int64_t i) const { return bf16_to_f32(p[i]); }
+};
+
+// out[t] = dot(w, xs[t]) for T token rows, reading w once.
+template <int T, class L>
+HWY_INLINE void DotTile(const L& w, const float* const* xs, int64_t n, float* out) {
+  const DF d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  hn::Vec<DF> acc0[T], acc1[T];
+  for (int t = 0; t < T; ++t) acc0[t] = acc1[t] = hn::Zero(d);
+  int64_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    const auto w0 = w(d, i), w1 = w(d, i + N);
+    for (int t = 0; t < T; ++t) {
+      acc0[t] = hn::MulAdd(w0, hn::LoadU(d, xs[t] + i), acc0[t]);
+      acc1[t] = hn::MulAdd(w1, hn::LoadU(d, xs[t] + i + N), acc1[t]);
+    }
+  }
+  for (; i + N <= n; i += N) {
+    const auto w0 = w(d, i);
+    for (int t = 0; t < T; ++t) acc0[t] = hn::MulAdd(w0, hn::LoadU(d, xs[t] + i), acc0[t]);
+  }
+  for (int t = 0; t < T; ++t) {
+    float s = hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0[t], acc1[t])));
+    for (int64_t j = i; j < n; ++j) s += w.at(j) * xs[t][j];
+    out[t] = s;
+  }
+}
+
+template <class L>
+void DotTokens(const L& w, const MatmulJob& job, int64_t t0, int64_t t1, int64_t r) {
+  const int64_t n = job.w->n_cols, ldy = job.w->n_rows;
+  const float* xs[4];
+  float out[4];
+  for (int64_t t = t0; t < t1; t += 4) {
+    const int m = static_cast<int>(std::min<int64_t>(4, t1 - t));
+    for (int k = 0; k < m; ++k) xs[k] = job.x + (t + k) * n;
+    switch (m) {
+      case 4: DotTile<4>(w, xs, n, out); break;
+      case 3: DotTile<3>(w, xs, n, out); break;
+      case 2: DotTile<2>(w, xs, n, out); break;
+      default: DotTile<1>(w, xs, n, out); break;
+    }
+    for (int k = 0; k < m; ++k) job.y[(t + k) * ldy + r] = out[k];
+  }
+}
+
+// Direct f32-family weights: row blocks × token tiles.
+template <class Elem, class L>
+void MatmulFloat(const MatmulJob& job, int64_t r0, int64_t r1) {
+  const WeightMatrix& w = *job.w;
+  const int64_t rb = rows_per_block(w);
+  constexpr int64_t kTokTile = 64;  // tokens whose rows stay in L1/L2 across a row block
+  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+    const int64_t b1 = std::min(r1, b0 + rb);
+    for (int64_t t0 = 0; t0 < job.n_tok; t0 += kTokTile) {
+      const int64_t t1 = std::min(job.n_tok, t0 + kTokTile);
+      for (int64_t r = b0; r < b1; ++r)
+        DotTokens(L{reinterpret_cast<const Elem*>(w.row(r).data())}, job, t0, t1, r);
+    }
+  }
+}
+
+// Any type quant::dequantize_row reads: a block of rows is decoded into scratch once.
+void MatmulDequant(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  const WeightMatrix& w = *job.w;
+  const int64_t rb = dequant_rows_per_block(w);
+  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+    const int64_t b1 = std::min(r1, b0 + rb);
+    for (int64_t r = b0; r < b1; ++r)
+      quant::dequantize_row(w.dtype, w.row(r),
+                            std::span<float>(scratch + (r - b0) * w.n_cols, w.n_cols));
+    for (int64_t r = b0; r < b1; ++r)
+      DotTokens(LoadF32{scratch + (r - b0) * w.n_cols}, job, 0, job.n_tok, r);
+  }
+}
+
+// ---------------------------------------------------------------- int8 kernels (x86)
+#undef KILN_INT8
+#if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
+#define KILN_INT8 1
+#else
+#define KILN_INT8 0
+#endif
+
+#if KILN_INT8
+using quant::block_q4_0;
+using quant::block_q4_K;
+using quant::block_q5_0;
+using quant::block_q5_K;
+using quant::block_q6_K;
+using quant::block_q8_0;
+using quant::block_q8_K;
+
+HWY_INLINE __m256i Load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// acc += sum over groups of 4 of u8 * s8. The VNNI forms are written as inline asm with an
+// explicit EVEX prefix: Highway's AVX3_DL target also enables AVX-VNNI, for which GCC would
+// pick the VEX encoding, and AMD Zen 4 has AVX512-VNNI but not AVX-VNNI.
+HWY_INLINE __m256i DotU8I8(__m256i acc, __m256i u, __m256i s) {
+#if HWY_TARGET == HWY_AVX3_DL
+  asm("%{evex%} vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+// acc += pairwise i16 * i16.
+HWY_INLINE __m256i DotI16(__m256i acc, __m256i a, __m256i b) {
+#if HWY_TARGET == HWY_AVX3_DL
+  asm("%{evex%} vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+HWY_INLINE float Hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Signed 32 weights of one block of the Q8_0 family, element order as in the format.
+HWY_INLINE __m256i UnpackQ8_0(const std::byte* row, int64_t i, float* d) {
+  const auto* b = reinterpret_cast<const block_q8_0*>(row + i * sizeof(block_q8_0));
+  *d = f16_to_f32(b->d);
+  return Load32(b->qs);
+}
+HWY_INLINE __m256i UnpackQ4_0(const std::byte* row, int64_t i, float* d) {
+  const auto* b = reinterpret_cast<const block_q4_0*>(row + i * sizeof(block_q4_0));
+  *d = f16_to_f32(b->d);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1);
+  return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
+}
+HWY_INLINE __m256i UnpackQ5_0(const std::byte* row, int64_t i, float* d) {
+  const auto* b = reinterpret_cast<const block_q5_0*>(row + i * sizeof(block_q5_0));
+  *d = f16_to_f32(b->d);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
+  const __m256i nib = _mm256_and_si256(
+      _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
+      _mm256_set1_epi8(0x0F));
+  uint32_t qh;
+  std::memcpy(&qh, b->qh, 4);
+  // Byte k gets bit k of qh: spread byte k/8 of qh to byte k, then test bit k%8.
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(qh)),
+      _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                                      _mm256_set1_epi8(0x10));
+  return _mm256_sub_epi8(_mm256_or_si256(nib, hi), _mm256_set1_epi8(16));
+}
+
+template <int T, __m256i (*Unpack)(const std::byte*, int64_t, float*)>
+HWY_INLINE void DotQ8Family(const std::byte* row, int64_t nb, const ActQ8_0* const* ys, float* out) {
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    float dw;
+    const __m256i w = Unpack(row, i, &dw);
+    const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as u8 (128 for -128 is fine unsigned)
+    for (int t = 0; t < T; ++t) {
+      const ActQ8_0& y = ys[t][i];
+      const __m256i a = _mm256_sign_epi8(Load32(y.qs), w);  // moves w's sign onto a
+      const __m256i dot = DotU8I8(_mm256_setzero_si256(), aw, a);
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d), _mm256_cvtepi32_ps(dot), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
+}
+
+// The 8 six-bit scales (bytes 0..7) and mins (bytes 8..15) of a Q4_K/Q5_K block.
+HWY_INLINE void ScalesMinsK4(const uint8_t* packed, uint8_t out[16]) {
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  constexpr uint32_t kMask1 = 0x3f3f3f3f, kMask2 = 0x0f0f0f0f, kMask3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & kMask2) | (((u[1] >> 6) & kMask3) << 4);
+  const uint32_t aux = u[1] & kMask1;
+  u[1] = (u[2] & kMask2) | (((u[0] >> 6) & kMask3) << 4);
+  u[2] = aux;
+  u[0] &= kMask1;
+  std::memcpy(out, u, 16);
+}
+
+// Q4_K (kHigh = false) and Q5_K (kHigh = true) against Q8_K:
+// sum_j d*sc_j * sum(q*a) - dmin * sum_j m_j * bsum_j, the second term from Q8_K's bsums.
+template <int T, bool kHigh>
+HWY_INLINE void DotQ45K(const std::byte* row, int64_t nb, const block_q8_K* const* ys, float* out) {
+  using BlockT = std::conditional_t<kHigh, block_q5_K, block_q4_K>;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const auto* b = reinterpret_cast<const BlockT*>(row + i * sizeof(BlockT));
+    const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
+    alignas(16) uint8_t sm[16];
+    ScalesMinsK4(b->scales, sm);
+    const __m128i mins8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8));
+    const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins8, mins8));  // m[k/2]
+    __m256i isum[T];
+    for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+    [[maybe_unused]] __m256i hbits;
+    if constexpr (kHigh) hbits = Load32(b->qh);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i q4 = Load32(b->qs + 32 * j);
+      for (int half = 0; half < 2; ++half) {
+        __m256i w = half == 0 ? _mm256_and_si256(q4, m4)
+                              : _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+        if constexpr (kHigh) {
+          w = _mm256_or_si256(w, _mm256_and_si256(_mm256_slli_epi16(hbits, 4), _mm256_set1_epi8(0x10)));
+          hbits = _mm256_srli_epi16(hbits, 1);
+        }
+        const int sub = 2 * j + half;
+        const __m256i sc = _mm256_set1_epi16(sm[sub]);
+        for (int t = 0; t < T; ++t) {
+          const __m256i a = Load32(ys[t][i].qs + 32 * sub);
+          isum[t] = DotI16(isum[t], _mm256_maddubs_epi16(w, a), sc);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const block_q8_K& y = ys[t][i];
+      const __m256i msum = _mm256_madd_epi16(Load32(y.bsums), mins16);
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * y.d), _mm256_cvtepi32_ps(msum), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
+}
+
+// Q6_K against Q8_K: d * sum_g sc_g * sum((q - 32) * a); the -32 uses Q8_K's bsums.
+template <int T>
+HWY_INLINE void DotQ6K(const std::byte* row, int64_t nb, const block_q8_K* const* ys, float* out) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const auto* b = reinterpret_cast<const block_q6_K*>(row + i * sizeof(block_q6_K));
+    const float d = f16_to_f32(b->d);
+    const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
+    __m256i isum[T];
+    for (int t = 0; t < T; ++t)  // the -32 offset: sum_g sc_g * 32 * bsum_g
+      isum[t] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                 _mm256_slli_epi32(_mm256_madd_epi16(sc_all, Load32(ys[t][i].bsums)), 5));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = Load32(b->ql + 64 * h), ql1 = Load32(b->ql + 64 * h + 32);
+      const __m256i qh = Load32(b->qh + 32 * h);
+      const __m256i w4[4] = {
+          _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+          _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30)),
+      };
+      for (int g = 0; g < 4; ++g) {
+        const int sub = 4 * h + g;  // 32 elements, scales[2*sub] then scales[2*sub + 1]
+        const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(b->scales[2 * sub + 1]),
+                                            _mm_set1_epi16(b->scales[2 * sub]));
+        for (int t = 0; t < T; ++t) {
+          const __m256i a = Load32(ys[t][i].qs + 32 * sub);
+          isum[t] = DotI16(isum[t], _mm256_maddubs_epi16(w4[g], a), sc);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * ys[t][i].d), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+  }
+  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
+}
+
+// Runs Kernel<T> over row blocks × token tiles. AVX-512 targets have 32 vector registers,
+// enough for 8 tokens' accumulators, so each unpacked weight block serves 8 tokens there.
+#if HWY_TARGET == HWY_AVX2
+constexpr int kIntTile = 4;
+#else
+constexpr int kIntTile = 8;
+#endif
+template <class Act, template <int> class Kernel>
+void MatmulInt(const MatmulJob& job, int64_t r0, int64_t r1, int64_t block_elems) {
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / block_elems, ldy = w.n_rows;
+  const int64_t rb = rows_per_block(w);
+  const Act* ys[kIntTile];
+  float out[kIntTile];
+  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+    const int64_t b1 = std::min(r1, b0 + rb);
+    for (int64_t t0 = 0; t0 < job.n_tok; t0 += kIntTile) {
+      const int m = static_cast<int>(std::min<int64_t>(kIntTile, job.n_tok - t0));
+      for (int k = 0; k < m; ++k)
+        ys[k] = reinterpret_cast<const Act*>(job.xq + (t0 + k) * job.xq_row_bytes);
+      for (int64_t r = b0; r < b1; ++r) {
+        const std::byte* wr = w.row(r).data();
+        // A partial tile runs as pieces of 4, 2, 1 tokens.
+        int k = 0;
+        if constexpr (kIntTile == 8) {
+          if (m == 8) {
+            Kernel<8>::run(wr, nb, ys, out);
+            k = 8;
+          }
+        }
+        for (; m - k >= 4; k += 4) Kernel<4>::run(wr, nb, ys + k, out + k);
+        for (; m - k >= 2; k += 2) Kernel<2>::run(wr, nb, ys + k, out + k);
+        for (; k < m; ++k) Kernel<1>::run(wr, nb, ys + k, out + k);
+        for (int j = 0; j < m; ++j) job.y[(t0 + j) * ldy + r] = out[j];
+      }
+    }
+  }
+}
+
+template <int T> struct KQ8_0 { static void run(const std::byte* w, int64_t nb, const ActQ8_0* const* y, float* o) { DotQ8Family<T, UnpackQ8_0>(w, nb, y, o); } };
+template <int T> struct KQ4_0 { static void run(const std::byte* w, int64_t nb, const ActQ8_0* const* y, float* o) { DotQ8Family<T, UnpackQ4_0>(w, nb, y, o); } };
+template <int T> struct KQ5_0 { static void run(const std::byte* w, int64_t nb, const ActQ8_0* const* y, float* o) { DotQ8Family<T, UnpackQ5_0>(w, nb, y, o); } };
+template <int T> struct KQ4_K { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ45K<T, false>(w, nb, y, o); } };
+template <int T> struct KQ5_K { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ45K<T, true>(w, nb, y, o); } };
+template <int T> struct KQ6_K { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ6K<T>(w, nb, y, o); } };
+#endif  // KILN_INT8
+
+bool HasInt8PathK(DType t) {
+#if KILN_INT8
+  switch (t) {
+    case DType::Q8_0: case DType::Q4_0: case DType::Q5_0:
+    case DType::Q4_K: case DType::Q5_K: case DType::Q6_K:
+      return true;
+    default:
+      return false;
+  }
+#else
+  (void)t;
+  return false;
+#endif
+}
+
+void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  switch (job.w->dtype) {
+    case DType::F32: return MatmulFloat<float, LoadF32>(job, r0, r1);
+    case DType::F16: return MatmulFloat<f16, LoadF16>(job, r0, r1);
+    case DType::BF16: return MatmulFloat<bf16, LoadBF16>(job, r0, r1);
+#if KILN_INT8
+    case DType::Q8_0: return MatmulInt<ActQ8_0, KQ8_0>(job, r0, r1, 32);
+    case DType::Q4_0: return MatmulInt<ActQ8_0, KQ4_0>(job, r0, r1, 32);
+    case DType::Q5_0: return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
+    case DType::Q4_K: return MatmulInt<block_q8_K, KQ4_K>(job, r0, r1, 256);
+    case DType::Q5_K: return MatmulInt<block_q8_K, KQ5_K>(job, r0, r1, 256);
+    case DType::Q6_K: return MatmulInt<block_q8_K, KQ6_K>(job, r0, r1, 256);
+#endif
+    default: return MatmulDequant(job, r0, r1, scratch);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kiln::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kiln::cpu {
+HWY_EXPORT(HasInt8PathK);
+HWY_EXPORT(MatmulRowsK);
+
+bool has_int8_path(DType t) { return HWY_DYNAMIC_DISPATCH(HasInt8PathK)(t); }
+
+ActKind act_kind(DType t) {
+  if (!has_int8_path(t)) return ActKind::F32;
+  return quant::vec_dot_type(t) == DType::Q8_K ? ActKind::Q8_K : ActKind::Q8_0;
+}
+
+size_t act_row_bytes(ActKind k, int64_t n) {
+  switch (k) {
+    case ActKind::Q8_0: return static_cast<size_t>(n / 32) * sizeof(ActQ8_0);
+    case ActKind::Q8_K: return static_cast<size_t>(n / 256) * sizeof(quant::block_q8_K);
+    default: return 0;
+  }
+}
+
+namespace {
+// llama.cpp's nearest_int (round half to even via the mantissa), vectorisable.
+inline int32_t round_int(float f) {
+  float v = f + 12582912.f;
+  int32_t i;
+  std::memcpy(&i, &v, 4);
+  return (i & 0x007fffff) - 0x00400000;
+}
+}  // namespace
+
+// A non-finite input makes the block scale NaN so the dot product is NaN too, as the f32
+// result would be, instead of silently rounding garbage.
+void quantize_act_row(ActKind k, const float* x, int64_t n, std::byte* dst) {
+  if (k == ActKind::Q8_0) {
+    auto* out = reinterpret_cast<ActQ8_0*>(dst);
+    for (int64_t b = 0; b < n / 32; ++b) {
+      const float* xb = x + b * 32;
+      float amax = 0, probe = 0;
+      for (int i = 0; i < 32; ++i) {
+        amax = std::max(amax, std::fabs(xb[i]));
+        probe += xb[i] * 0.0f;
+      }
+      const float d = amax / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
+      out[b].d = std::isnan(probe) ? NAN : d;
+      for (int i = 0; i < 32; ++i)
+        out[b].qs[i] = static_cast<int8_t>(std::isnan(probe) ? 0 : round_int(xb[i] * id));
+    }
+  } else if (k == ActKind::Q8_K) {
+    auto* out = reinterpret_cast<quant::block_q8_K*>(dst);
+    for (int64_t b = 0; b < n / 256; ++b) {
+      const float* xb = x + b * 256;
+      float amax = 0, mx = 0, probe = 0;
+      for (int i = 0; i < 256; ++i) {
+        const float ax = std::fabs(xb[i]);
+        if (ax > amax) {
+          amax = ax;
+          mx = xb[i];
+        }
+        probe += xb[i] * 0.0f;
+      }
+      quant::block_q8_K& q = out[b];
+      if (amax == 0 || std::isnan(probe)) {
+        q.d = amax == 0 && !std::isnan(probe) ? 0.0f : NAN;
+        std::memset(q.qs, 0, sizeof(q.qs));
+        std::memset(q.bsums, 0, sizeof(q.bsums));
+        continue;
+      }
+      // Scale by the signed extreme (llama.cpp's choice): it maps to exactly -127, so every
+      // quant lies in [-127, 127] and maddubs pairs cannot saturate.
+      const float iscale = -127.0f / mx;
+      for (int i = 0; i < 256; ++i) q.qs[i] = static_cast<int8_t>(std::min(127, round_int(iscale * xb[i])));
+      for (int g = 0; g < 16; ++g) {
+        int s = 0;
+        for (int i = 0; i < 16; ++i) s += q.qs[g * 16 + i];
+        q.bsums[g] = static_cast<int16_t>(s);
+      }
+      q.d = 1.0f / iscale;
+    }
+  }
+}
+
+void matmul_rows(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  HWY_DYNAMIC_DISPATCH(MatmulRowsK)(job, r0, r1, scratch);
+}
+
+size_t matmul_scratch_floats(const WeightMatrix& w) {
+  return static_cast<size_t>(dequant_rows_per_block(w) * w.n_cols);
+}
+
+}  // namespace kiln::cpu
+#endif

@@ -1,0 +1,108 @@
+// backend/cuda/cuda_backend.h: the CUDA backend behind the op table. A plain C++ header (no
+// CUDA types), so model and app code can create one without CUDA headers; everything CUDA
+// lives behind the pimpl in cuda_backend.cpp and the kernels in *.cu.
+//
+// This first slice serves the host-span Backend interface: weights are uploaded once into a
+// device weight arena and cached by host address (GGUF weights come from the mapping and never
+// move), activations and KV planes are copied per call. Correct everywhere, fast only for the
+// weight-bound part; a device-resident forward pass will call kernels.h directly.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/status.h"
+
+namespace kiln {
+
+struct CudaOptions {
+  int device = 0;
+  // Optional: the whole weight region (e.g. the GGUF mapping's tensor data). When set, it is
+  // uploaded once, at creation, into one arena allocation through pinned staging on a copy
+  // stream, and every WeightMatrix inside it is an offset into that arena.
+  std::span<const std::byte> weight_region;
+  // Weights outside the region are uploaded on first use into arena chunks of at least this
+  // many bytes.
+  size_t arena_chunk_bytes = size_t(256) << 20;
+  // Compare cached weights with the host bytes on every use (a shadow copy) and re-upload if
+  // they changed. Only for tests, whose weight buffers are freed and their addresses reused;
+  // the mapping never changes.
+  bool verify_weight_cache = false;
+  bool progress = false;  // print upload progress (GB/s) for the region upload
+  // Map weight_region in place (cudaHostRegister, no copy) instead of uploading it: the mode
+  // of unified-memory GPUs; on discrete ones every read crosses PCIe (slow, but it must be
+  // correct). Fails open: if the driver refuses, one notice line and the arena upload.
+  bool zero_copy = false;
+  // Time every op with CUDA events (kernels vs the host<->device copies of this host-span
+  // backend); adds a few microseconds per op. Read with CudaBackend::stats().
+  bool profile = false;
+};
+
+struct CudaOpTime {
+  std::string op;
+  uint64_t calls = 0;
+  double kernel_ms = 0;  // the op's kernels
+  double copy_ms = 0;    // copying its inputs in and outputs out (host spans)
+};
+
+struct CudaStats {
+  uint64_t weight_bytes_uploaded = 0;
+  uint64_t weight_uploads = 0;     // matrices (or the region) uploaded
+  uint64_t weight_cache_hits = 0;  // lookups served from the arena
+  uint64_t arena_bytes = 0;        // device bytes reserved for weights
+  double upload_seconds = 0;
+  bool zero_copy = false;       // weight_region is mapped in place (registration succeeded)
+  std::vector<CudaOpTime> ops;  // profile mode: per op, in first-call order
+};
+
+class CudaBackend final : public Backend {
+ public:
+  struct Impl;
+  explicit CudaBackend(std::unique_ptr<Impl> impl);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  std::string_view name() const override { return "cuda"; }
+  const std::string& device_name() const;  // "NVIDIA H200 (sm_90, 132 SMs, 140.4 GiB)"
+  CudaStats stats() const;
+
+  void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
+              std::span<float> y) override;
+  void get_rows(const WeightMatrix& w, std::span<const int32_t> ids, std::span<float> out) override;
+  void rmsnorm(std::span<const float> x, std::span<const float> weight, int64_t n, float eps,
+               std::span<float> y) override;
+  void rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim,
+            std::span<const int32_t> pos, const RopeParams& p) override;
+  void softmax(std::span<float> x, int64_t n) override;
+  void swiglu(std::span<const float> gate, std::span<const float> up,
+              std::span<float> out) override;
+  void geglu(std::span<const float> gate, std::span<const float> up, std::span<float> out) override;
+  void add(std::span<const float> a, std::span<const float> b, std::span<float> out) override;
+  void mul(std::span<const float> a, std::span<const float> b, std::span<float> out) override;
+  void scale(std::span<float> x, float s) override;
+  void softcap(std::span<float> x, float cap) override;
+  void sigmoid(std::span<float> x) override;
+  void store_rows_f16(std::span<const float> src, int64_t width, std::span<const int32_t> rows,
+                      std::span<f16> plane) override;
+  void attention(const AttentionArgs& a) override;
+  int64_t argmax(std::span<const float> x) override;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Number of usable CUDA devices; 0 when there is no driver, no device, or the runtime refuses
+// (never an error: callers fall back to the CPU).
+int cuda_device_count();
+
+// A backend on options.device, or an error ("no CUDA device: ...") that callers report in one
+// notice line before falling back to the CPU backend.
+Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& options = {});
+
+}  // namespace kiln

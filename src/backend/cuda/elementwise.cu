@@ -1,0 +1,96 @@
+// backend/cuda/elementwise.cu: unary and binary elementwise ops, and the f32 -> f16 KV row
+// store. Grid-stride loops; GeGLU uses ggml's tanh form of gelu, as the reference does.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "backend/cuda/kernels.h"
+
+namespace kiln::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+unsigned grid_for(int64_t n) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  return unsigned(blocks < 65535 * 8 ? blocks : 65535 * 8);
+}
+
+__global__ void unary_kernel(float* __restrict__ x, int64_t n, Unary op, float p) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = x[i];
+    switch (op) {
+      case Unary::Scale:
+        x[i] = v * p;
+        break;
+      case Unary::Softcap:
+        x[i] = p * tanhf(v / p);
+        break;
+      case Unary::Sigmoid:
+        x[i] = 1.0f / (1.0f + expf(-v));
+        break;
+    }
+  }
+}
+
+// Not __restrict__: out may alias a or b (each element is read before it is written).
+__global__ void binary_kernel(const float* a, const float* b, float* out, int64_t n, Binary op) {
+  constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float x = a[i], y = b[i];
+    float r = 0.0f;
+    switch (op) {
+      case Binary::Add:
+        r = x + y;
+        break;
+      case Binary::Mul:
+        r = x * y;
+        break;
+      case Binary::SwiGLU:
+        r = x / (1.0f + expf(-x)) * y;
+        break;
+      case Binary::GeGLU:
+        r = 0.5f * x * (1.0f + tanhf(kSqrt2OverPi * x * (1.0f + 0.044715f * x * x))) * y;
+        break;
+    }
+    out[i] = r;
+  }
+}
+
+__global__ void store_rows_f16_kernel(const float* __restrict__ src, int64_t width,
+                                      const int32_t* __restrict__ rows, int64_t n_rows,
+                                      uint16_t* __restrict__ plane) {
+  const int64_t n = n_rows * width;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width, c = i % width;
+    // __float2half_rn rounds to nearest even, as core/half.h's f32_to_f16.
+    plane[int64_t(rows[r]) * width + c] = __half_as_ushort(__float2half_rn(src[i]));
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_unary(float* x, int64_t n, Unary op, float param, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  unary_kernel<<<grid_for(n), kThreads, 0, s>>>(x, n, op, param);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_binary(const float* a, const float* b, float* out, int64_t n, Binary op,
+                          cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  binary_kernel<<<grid_for(n), kThreads, 0, s>>>(a, b, out, n, op);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_store_rows_f16(const float* src, int64_t width, const int32_t* rows,
+                                  int64_t n_rows, uint16_t* plane, cudaStream_t s) {
+  if (n_rows == 0 || width == 0) return cudaSuccess;
+  store_rows_f16_kernel<<<grid_for(n_rows * width), kThreads, 0, s>>>(src, width, rows, n_rows,
+                                                                      plane);
+  return cudaGetLastError();
+}
+
+}  // namespace kiln::cuda

@@ -1,0 +1,82 @@
+// backend/cuda/kernels.h: the kernel launchers, one family per .cu file. Every launcher takes
+// device pointers and a stream and only enqueues work (no synchronisation, no allocation), so
+// the host-span Backend (cuda_backend.cpp) and a later device-resident forward pass call the
+// same code. Launchers return the launch's cudaError_t; nothing throws.
+//
+// Layouts are backend.h's: activations f32 row-major [n_tok][width], KV planes f16
+// [n_phys][n_head_kv * head_dim], weights in their GGUF bytes.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace kiln::cuda {
+
+// A weight matrix already on the device (an offset into the weight arena).
+struct DeviceWeight {
+  DType dtype = DType::F32;
+  int64_t n_cols = 0;
+  int64_t n_rows = 0;
+  size_t row_bytes = 0;
+  const std::byte* data = nullptr;
+};
+
+// --- matvec.cu: y[t][r] = sum_c W[r][c] x[t][c], dequantization fused.
+cudaError_t launch_matmul(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
+                          cudaStream_t s);
+// --- get_rows.cu: out[i][:] = row ids[i] of w, dequantized.
+cudaError_t launch_get_rows(const DeviceWeight& w, const int32_t* ids, int64_t n_ids, float* out,
+                            cudaStream_t s);
+
+// --- norm.cu
+// weight may be null (no scaling).
+cudaError_t launch_rmsnorm(const float* x, const float* weight, int64_t n_rows, int64_t n,
+                           float eps, float* y, cudaStream_t s);
+cudaError_t launch_softmax(float* x, int64_t n_rows, int64_t n, cudaStream_t s);
+
+// --- rope.cu (neox: rotate (i, i + n_rot/2) instead of adjacent pairs)
+cudaError_t launch_rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim,
+                        const int32_t* pos, int64_t n_rot, float freq_base, float freq_scale,
+                        bool neox, cudaStream_t s);
+
+// --- elementwise.cu
+enum class Unary { Scale, Softcap, Sigmoid };
+enum class Binary { Add, Mul, SwiGLU, GeGLU };
+cudaError_t launch_unary(float* x, int64_t n, Unary op, float param, cudaStream_t s);
+// out may alias a or b.
+cudaError_t launch_binary(const float* a, const float* b, float* out, int64_t n, Binary op,
+                          cudaStream_t s);
+// plane[rows[i]][:] = f16(src[i][:]); plane rows hold `width` f16 values (uint16_t bits).
+cudaError_t launch_store_rows_f16(const float* src, int64_t width, const int32_t* rows,
+                                  int64_t n_rows, uint16_t* plane, cudaStream_t s);
+
+// --- argmax.cu: *out = index of the largest x (first on ties).
+cudaError_t launch_argmax(const float* x, int64_t n, int64_t* out, cudaStream_t s);
+
+// --- attention.cu: split-K flash attention over f16 planes through the row map.
+struct DeviceAttention {
+  const float* q = nullptr;     // [n_q][n_head * head_dim]
+  const uint16_t* k = nullptr;  // [n_phys][n_head_kv * head_dim], f16 bits
+  const uint16_t* v = nullptr;
+  const int32_t* kv_rows = nullptr;  // [n_kv]
+  const int32_t* kv_pos = nullptr;   // [n_kv]
+  const int32_t* q_pos = nullptr;    // [n_q]
+  int64_t n_q = 0, n_kv = 0, n_head = 0, n_head_kv = 0, head_dim = 0;
+  int32_t window = 0;
+  float scale = 1, softcap = 0;
+  float* out = nullptr;  // [n_q][n_head * head_dim]
+};
+// Floats of scratch launch_attention needs for these shapes on this device (partial results
+// of the key splits); pass at least that many in `scratch`.
+size_t attention_scratch_floats(const DeviceAttention& a, int n_sm);
+cudaError_t launch_attention(const DeviceAttention& a, float* scratch, int n_sm, cudaStream_t s);
+
+// --- probe.cu: reads `bytes` (16-byte aligned) with `blocks` blocks; sink holds `blocks` floats.
+cudaError_t launch_read_probe(const void* data, size_t bytes, float* sink, int blocks,
+                              cudaStream_t s);
+
+}  // namespace kiln::cuda

@@ -1,0 +1,14 @@
+// core/config_entries.h: THE list of kiln's tunables. Each line declares one entry exactly
+// once: type (bool, int64_t, double, std::string), name, default, help. The name is the
+// field of kiln::Config, the CLI option (--name, '_' written '-') and the environment
+// variable (KILN_NAME); nothing else may read KILN_* variables for tunables.
+// Intentionally no include guard: included by core/config.h/.cpp with KILN_CONFIG_ENTRY set.
+
+KILN_CONFIG_ENTRY(int64_t, threads, 0, "worker threads for CPU kernels; 0 = one per core")
+KILN_CONFIG_ENTRY(std::string, log_level, "notice",
+                  "least severe log level printed: debug, info, notice, warn, error, off")
+KILN_CONFIG_ENTRY(bool, stats, false, "print counters and timers when the command ends")
+KILN_CONFIG_ENTRY(bool, mlock, false,
+                  "lock mapped weights in RAM (mlock); falls back with a notice if refused")
+KILN_CONFIG_ENTRY(std::string, shared_dir, "",
+                  "folder with testdata/ (demo model); empty: ../shared beside the checkout")

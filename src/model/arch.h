@@ -1,0 +1,41 @@
+// model/arch.h: the architecture table. Each supported `general.architecture` is one row of
+// data (RoPE style, which optional tensors exist, activation, window pattern, ...); the
+// hyper-parameter reader and both forward passes read these flags instead of comparing names.
+#pragma once
+
+#include <string_view>
+
+#include "backend/backend.h"
+
+namespace kiln::model {
+
+enum class FfnAct { Silu, GeluTanh };
+
+// How layers alternate between full and sliding-window attention.
+enum class SwaRule {
+  None,          // every layer full
+  Pattern,       // layer il slides iff il % pattern < pattern - 1 (llama.cpp's swa pattern)
+};
+
+struct ArchInfo {
+  std::string_view name;              // general.architecture
+  RopeStyle rope_style = RopeStyle::Normal;
+  bool qkv_bias = false;              // attn_{q,k,v}.bias present (qwen2)
+  bool qk_norm = false;               // attn_{q,k}_norm: per-head RMS norm before RoPE
+  bool post_norms = false;            // post_attention_norm / post_ffw_norm (sandwich)
+  bool attn_gate = false;             // attn_gate: sigmoid gate on attention output
+  bool embd_scale_sqrt = false;       // embeddings multiplied by sqrt(n_embd)
+  bool experts_allowed = false;       // {arch}.expert_count may select an MoE layout
+  bool full_layers_nope = false;      // full-attention layers skip RoPE
+  bool swa_rope_unscaled = false;     // sliding layers ignore rope.scaling (gemma3)
+  float post_norm_eps = 0;             // > 0: eps of the post norms (else the metadata eps)
+  FfnAct act = FfnAct::Silu;
+  SwaRule swa = SwaRule::None;
+  int default_swa_pattern = 0;        // used when {arch}.attention.sliding_window_pattern is absent
+  bool supported = true;              // false: recognised but its forward pass is not built yet
+};
+
+// The row for `name`, or nullptr for an architecture kiln does not know.
+const ArchInfo* find_arch(std::string_view name);
+
+}  // namespace kiln::model

@@ -1,0 +1,220 @@
+// model/reference.cpp: the reference forward pass in plain loops (see reference.h). Sums are
+// accumulated in double so the oracle's own rounding stays far below the test bounds.
+#include "model/reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "core/check.h"
+#include "model/batch.h"
+#include "quant/quant.h"
+
+namespace kiln::model {
+namespace {
+
+using Vec = std::vector<float>;
+
+// y[t][r] = W[r] . x[t]; each weight row is dequantized once and used for every token.
+void matmul(const WeightMatrix& w, const Vec& x, int64_t n_tok, Vec& y) {
+  KILN_CHECK(static_cast<int64_t>(x.size()) == n_tok * w.n_cols);
+  y.assign(static_cast<size_t>(n_tok * w.n_rows), 0.0f);
+  Vec row(static_cast<size_t>(w.n_cols));
+  for (int64_t r = 0; r < w.n_rows; ++r) {
+    quant::dequantize_row(w.dtype, w.row(r), row);
+    for (int64_t t = 0; t < n_tok; ++t) {
+      const float* xt = x.data() + t * w.n_cols;
+      double acc = 0;
+      for (int64_t c = 0; c < w.n_cols; ++c) acc += double(row[c]) * double(xt[c]);
+      y[t * w.n_rows + r] = static_cast<float>(acc);
+    }
+  }
+}
+
+void add_bias(Vec& y, std::span<const float> b) {
+  if (b.empty()) return;
+  for (size_t i = 0; i < y.size(); ++i) y[i] += b[i % b.size()];
+}
+
+// Per row of n: x / sqrt(mean(x^2) + eps) * weight, in place.
+void rmsnorm(Vec& x, int64_t n, float eps, std::span<const float> weight) {
+  for (size_t off = 0; off < x.size(); off += static_cast<size_t>(n)) {
+    double ss = 0;
+    for (int64_t i = 0; i < n; ++i) ss += double(x[off + i]) * double(x[off + i]);
+    const double inv = 1.0 / std::sqrt(ss / double(n) + double(eps));
+    for (int64_t i = 0; i < n; ++i)
+      x[off + i] = static_cast<float>(x[off + i] * inv * (weight.empty() ? 1.0 : weight[i]));
+  }
+}
+
+// In place on [n_tok][n_head][head_dim]: rotate the first n_rot dims of each head.
+void rope(Vec& x, int64_t n_tok, int64_t n_head, int64_t head_dim, std::span<const int32_t> pos,
+          const RopeParams& p) {
+  const int64_t half = p.n_rot / 2;
+  for (int64_t t = 0; t < n_tok; ++t) {
+    for (int64_t h = 0; h < n_head; ++h) {
+      float* v = x.data() + (t * n_head + h) * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const double theta = double(pos[t]) * double(p.freq_scale) *
+                             std::pow(double(p.freq_base), -2.0 * double(i) / double(p.n_rot));
+        const double c = std::cos(theta), s = std::sin(theta);
+        const int64_t a = p.style == RopeStyle::NeoX ? i : 2 * i;
+        const int64_t b = p.style == RopeStyle::NeoX ? i + half : 2 * i + 1;
+        const double x0 = v[a], x1 = v[b];
+        v[a] = static_cast<float>(x0 * c - x1 * s);
+        v[b] = static_cast<float>(x0 * s + x1 * c);
+      }
+    }
+  }
+}
+
+double gelu_tanh(double x) {
+  return 0.5 * x * (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+}
+
+}  // namespace
+
+ReferenceSession::ReferenceSession(const HParams& hp, const Weights& w, int32_t n_ctx)
+    : hp_(hp), w_(w), n_ctx_(n_ctx > 0 ? n_ctx : hp.n_ctx_train) {
+  k_.resize(hp.n_layer);
+  v_.resize(hp.n_layer);
+}
+
+Status ReferenceSession::rollback(int32_t n_pos) {
+  if (n_pos < 0 || n_pos > n_pos_)
+    return Status::errorf("rollback to {} outside [0, {}]", n_pos, n_pos_);
+  for (int32_t il = 0; il < hp_.n_layer; ++il) {
+    k_[il].resize(static_cast<size_t>(n_pos * hp_.k_width()));
+    v_[il].resize(static_cast<size_t>(n_pos * hp_.v_width()));
+  }
+  n_pos_ = n_pos;
+  return Status::ok();
+}
+
+Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t> tokens,
+                                                        bool all_logits) {
+  KILN_TRY(validate_batch(hp_, tokens, n_pos_, n_ctx_));
+  if (capture_) capture_->clear();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  const int64_t E = hp_.n_embd;
+  auto rec = [&](const std::string& name, const Vec& v) {
+    if (capture_) capture_->record(name, v, n);
+  };
+  std::vector<int32_t> pos(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t) pos[t] = n_pos_ + static_cast<int32_t>(t);
+
+  Vec x(static_cast<size_t>(n * E));
+  for (int64_t t = 0; t < n; ++t) {
+    std::span<float> dst(x.data() + t * E, static_cast<size_t>(E));
+    quant::dequantize_row(w_.token_embd.dtype, w_.token_embd.row(tokens[t]), dst);
+    for (float& f : dst) f *= hp_.embd_scale;
+  }
+  rec("inp_embd", x);
+
+  const int64_t hk = hp_.head_dim_k, hv = hp_.head_dim_v;
+  const int64_t group = hp_.n_head / hp_.n_head_kv;
+  Vec h, q, k, v, o, gate, a, up, f;
+  for (int32_t il = 0; il < hp_.n_layer; ++il) {
+    const LayerDesc& L = hp_.layers[il];
+    const LayerWeights& lw = w_.layers[il];
+    const std::string p = fmt::format("blk.{}.", il);
+
+    h = x;
+    rmsnorm(h, E, hp_.rms_eps, lw.attn_norm);
+    rec(p + "attn_norm", h);
+    matmul(lw.wq, h, n, q);
+    matmul(lw.wk, h, n, k);
+    matmul(lw.wv, h, n, v);
+    add_bias(q, lw.bq);
+    add_bias(k, lw.bk);
+    add_bias(v, lw.bv);
+    if (!lw.q_norm.empty()) rmsnorm(q, hk, hp_.rms_eps, lw.q_norm);
+    if (!lw.k_norm.empty()) rmsnorm(k, hk, hp_.rms_eps, lw.k_norm);
+    if (L.use_rope) {
+      rope(q, n, hp_.n_head, hk, pos, L.rope);
+      rope(k, n, hp_.n_head_kv, hk, pos, L.rope);
+    }
+    rec(p + "Qcur", q);
+    rec(p + "Kcur", k);
+    rec(p + "Vcur", v);
+    k_[il].insert(k_[il].end(), k.begin(), k.end());
+    v_[il].insert(v_[il].end(), v.begin(), v.end());
+
+    // Causal (and windowed) attention over every retained key.
+    const int64_t n_kv = n_pos_ + n;
+    o.assign(static_cast<size_t>(n * hp_.o_width()), 0.0f);
+    std::vector<double> score(static_cast<size_t>(n_kv));
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t hh = 0; hh < hp_.n_head; ++hh) {
+        const int64_t kvh = hh / group;
+        const float* qv = q.data() + (t * hp_.n_head + hh) * hk;
+        double mx = -INFINITY;
+        for (int64_t j = 0; j < n_kv; ++j) {
+          const bool visible = j <= pos[t] && (L.window <= 0 || pos[t] - j < L.window);
+          if (!visible) { score[j] = -INFINITY; continue; }
+          const float* kv = k_[il].data() + (j * hp_.n_head_kv + kvh) * hk;
+          double s = 0;
+          for (int64_t d = 0; d < hk; ++d) s += double(qv[d]) * double(kv[d]);
+          s *= hp_.attn_scale;
+          if (hp_.attn_softcap > 0) s = hp_.attn_softcap * std::tanh(s / hp_.attn_softcap);
+          score[j] = s;
+          mx = std::max(mx, s);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j < n_kv; ++j) {
+          score[j] = std::isinf(score[j]) ? 0.0 : std::exp(score[j] - mx);
+          sum += score[j];
+        }
+        float* out = o.data() + (t * hp_.n_head + hh) * hv;
+        for (int64_t d = 0; d < hv; ++d) {
+          double acc = 0;
+          for (int64_t j = 0; j < n_kv; ++j)
+            if (score[j] != 0.0) acc += score[j] * v_[il][(j * hp_.n_head_kv + kvh) * hv + d];
+          out[d] = static_cast<float>(acc / sum);
+        }
+      }
+    }
+    rec(p + "kqv_out", o);
+    if (lw.wgate_attn.n_rows > 0) {
+      matmul(lw.wgate_attn, h, n, gate);
+      for (size_t i = 0; i < o.size(); ++i) o[i] *= static_cast<float>(1.0 / (1.0 + std::exp(-double(gate[i]))));
+    }
+    matmul(lw.wo, o, n, a);
+    if (!lw.post_attn_norm.empty()) rmsnorm(a, E, hp_.post_norm_eps, lw.post_attn_norm);
+    rec(p + "attn_out", a);
+    for (size_t i = 0; i < x.size(); ++i) x[i] += a[i];
+    rec(p + "ffn_inp", x);
+
+    h = x;
+    rmsnorm(h, E, hp_.rms_eps, lw.ffn_norm);
+    rec(p + "ffn_norm", h);
+    matmul(lw.ffn_gate, h, n, gate);
+    matmul(lw.ffn_up, h, n, up);
+    for (size_t i = 0; i < gate.size(); ++i) {
+      const double g = gate[i];
+      const double act = hp_.arch->act == FfnAct::Silu ? g / (1.0 + std::exp(-g)) : gelu_tanh(g);
+      gate[i] = static_cast<float>(act * up[i]);
+    }
+    matmul(lw.ffn_down, gate, n, f);
+    if (!lw.post_ffn_norm.empty()) rmsnorm(f, E, hp_.post_norm_eps, lw.post_ffn_norm);
+    rec(p + "ffn_out", f);
+    for (size_t i = 0; i < x.size(); ++i) x[i] += f[i];
+    rec(p + "l_out", x);
+  }
+
+  // Only the rows whose logits are wanted go through the output head.
+  const int64_t first = all_logits ? 0 : n - 1;
+  Vec last(x.begin() + first * E, x.end());
+  rmsnorm(last, E, hp_.rms_eps, w_.output_norm);
+  if (capture_) capture_->record("result_norm", last, n - first);
+  matmul(w_.output, last, n - first, logits_);
+  for (float& l : logits_) {
+    l *= hp_.logit_scale;
+    if (hp_.final_softcap > 0) l = hp_.final_softcap * std::tanh(l / hp_.final_softcap);
+  }
+  if (capture_) capture_->record("result_output", logits_, n - first);
+  n_pos_ += static_cast<int32_t>(n);
+  return std::span<const float>(logits_);
+}
+
+}  // namespace kiln::model

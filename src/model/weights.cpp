@@ -1,0 +1,134 @@
+// model/weights.cpp: binds and shape-checks the tensors named by the architecture table.
+#include "model/weights.h"
+
+#include <cstring>
+#include <string>
+
+#include "quant/quant.h"
+
+namespace kiln::model {
+
+WeightMatrix as_matrix(const TensorView& t) {
+  WeightMatrix m;
+  m.dtype = t.dtype();
+  m.n_cols = t.row_length();
+  m.n_rows = t.n_rows();
+  m.row_bytes = static_cast<size_t>(t.row_bytes());
+  m.bytes = t.bytes;
+  return m;
+}
+
+namespace {
+
+std::string shape_str(const TensorInfo& t) {
+  std::string s;
+  for (int d = 0; d < t.n_dims; ++d) s += (d ? " x " : "") + std::to_string(t.ne[d]);
+  return "[" + s + "]";
+}
+std::string shape_str(std::initializer_list<int64_t> ne) {
+  std::string s;
+  int d = 0;
+  for (int64_t n : ne) s += (d++ ? " x " : "") + std::to_string(n);
+  return "[" + s + "]";
+}
+
+class Binder {
+ public:
+  Binder(const GgufFile& g, Weights& w) : g_(g), w_(w) {}
+
+  // A tensor of exactly shape `ne` (ggml order), or an error naming it.
+  Expected<TensorView> get(const std::string& name, std::initializer_list<int64_t> ne) const {
+    const TensorInfo* t = g_.find_tensor(name);
+    if (!t) return Status::errorf("missing tensor '{}'", name);
+    bool ok = t->n_dims == static_cast<int>(ne.size());
+    int d = 0;
+    for (int64_t n : ne) ok = ok && t->ne[d++] == n;
+    if (!ok)
+      return Status::errorf("tensor '{}': shape {}, expected {}", name, shape_str(*t), shape_str(ne));
+    if (!quant::can_dequantize(t->dtype))
+      return Status::errorf("tensor '{}': dtype {} is not supported", name, dtype_name(t->dtype));
+    return g_.view(*t);
+  }
+
+  Expected<WeightMatrix> matrix(const std::string& name, int64_t n_cols, int64_t n_rows) const {
+    KILN_ASSIGN_OR_RETURN(TensorView v, get(name, {n_cols, n_rows}));
+    return as_matrix(v);
+  }
+
+  // A 1-D f32 vector: a view when stored as f32, else dequantized into an owned buffer.
+  Expected<std::span<const float>> vec(const std::string& name, int64_t n) {
+    KILN_ASSIGN_OR_RETURN(TensorView v, get(name, {n}));
+    if (v.dtype() == DType::F32) {
+      // Tensor data is aligned to general.alignment (>= 8 by GGUF validation); floats need 4.
+      if (reinterpret_cast<uintptr_t>(v.bytes.data()) % alignof(float) == 0)
+        return std::span<const float>(reinterpret_cast<const float*>(v.bytes.data()), n);
+    }
+    std::vector<float>& buf = w_.owned.emplace_back(static_cast<size_t>(n));
+    if (v.dtype() == DType::F32) {
+      std::memcpy(buf.data(), v.bytes.data(), buf.size() * sizeof(float));
+    } else {
+      if (row_bytes(v.dtype(), n) != v.bytes.size())
+        return Status::errorf("tensor '{}': {} elements do not fill whole {} blocks", name, n,
+                              dtype_name(v.dtype()));
+      quant::dequantize_row(v.dtype(), v.bytes, buf);
+    }
+    return std::span<const float>(buf);
+  }
+
+  bool has(const std::string& name) const { return g_.find_tensor(name) != nullptr; }
+
+ private:
+  const GgufFile& g_;
+  Weights& w_;
+};
+
+}  // namespace
+
+Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
+  Weights w;
+  Binder b(g, w);
+  const ArchInfo& arch = *hp.arch;
+  const int64_t E = hp.n_embd;
+  KILN_ASSIGN_OR_RETURN(w.token_embd, b.matrix("token_embd.weight", E, hp.n_vocab));
+  KILN_ASSIGN_OR_RETURN(w.output_norm, b.vec("output_norm.weight", E));
+  if (b.has("output.weight")) {
+    KILN_ASSIGN_OR_RETURN(w.output, b.matrix("output.weight", E, hp.n_vocab));
+  } else {
+    w.output = w.token_embd;  // tied embeddings (llama.cpp does the same when output is absent)
+    w.tied_output = true;
+  }
+  w.layers.resize(hp.n_layer);
+  for (int32_t il = 0; il < hp.n_layer; ++il) {
+    const LayerDesc& L = hp.layers[il];
+    LayerWeights& lw = w.layers[il];
+    auto n = [il](const char* what) { return fmt::format("blk.{}.{}", il, what); };
+    KILN_ASSIGN_OR_RETURN(lw.attn_norm, b.vec(n("attn_norm.weight"), E));
+    KILN_ASSIGN_OR_RETURN(lw.wq, b.matrix(n("attn_q.weight"), E, hp.q_width()));
+    KILN_ASSIGN_OR_RETURN(lw.wk, b.matrix(n("attn_k.weight"), E, hp.k_width()));
+    KILN_ASSIGN_OR_RETURN(lw.wv, b.matrix(n("attn_v.weight"), E, hp.v_width()));
+    KILN_ASSIGN_OR_RETURN(lw.wo, b.matrix(n("attn_output.weight"), hp.o_width(), E));
+    if (arch.qkv_bias) {
+      KILN_ASSIGN_OR_RETURN(lw.bq, b.vec(n("attn_q.bias"), hp.q_width()));
+      KILN_ASSIGN_OR_RETURN(lw.bk, b.vec(n("attn_k.bias"), hp.k_width()));
+      KILN_ASSIGN_OR_RETURN(lw.bv, b.vec(n("attn_v.bias"), hp.v_width()));
+    }
+    if (arch.qk_norm) {
+      KILN_ASSIGN_OR_RETURN(lw.q_norm, b.vec(n("attn_q_norm.weight"), hp.head_dim_k));
+      KILN_ASSIGN_OR_RETURN(lw.k_norm, b.vec(n("attn_k_norm.weight"), hp.head_dim_k));
+    }
+    if (arch.attn_gate) {
+      KILN_ASSIGN_OR_RETURN(lw.wgate_attn, b.matrix(n("attn_gate.weight"), E, hp.o_width()));
+    }
+    if (arch.post_norms) {
+      KILN_ASSIGN_OR_RETURN(lw.post_attn_norm, b.vec(n("post_attention_norm.weight"), E));
+      KILN_ASSIGN_OR_RETURN(lw.post_ffn_norm, b.vec(n("post_ffw_norm.weight"), E));
+    }
+    KILN_ASSIGN_OR_RETURN(lw.ffn_norm, b.vec(n("ffn_norm.weight"), E));
+    KILN_ASSIGN_OR_RETURN(lw.ffn_gate, b.matrix(n("ffn_gate.weight"), E, L.n_ff));
+    KILN_ASSIGN_OR_RETURN(lw.ffn_up, b.matrix(n("ffn_up.weight"), E, L.n_ff));
+    KILN_ASSIGN_OR_RETURN(lw.ffn_down, b.matrix(n("ffn_down.weight"), L.n_ff, E));
+  }
+  return w;
+}
+
+}  // namespace kiln::model

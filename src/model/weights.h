@@ -1,0 +1,50 @@
+// model/weights.h: every tensor a forward pass reads, bound once at load as a view into the
+// GGUF mapping (never copied). Names follow llama.cpp (token_embd, blk.N.attn_q, ...). Small
+// 1-D vectors (norms, biases) are float spans: views when stored as f32, otherwise
+// dequantized once into buffers the Weights own.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "format/gguf.h"
+#include "model/hparams.h"
+
+namespace kiln::model {
+
+struct LayerWeights {
+  std::span<const float> attn_norm;       // [n_embd]
+  WeightMatrix wq, wk, wv;                // [q_width|k_width|v_width rows][n_embd]
+  std::span<const float> bq, bk, bv;      // biases (qkv_bias architectures), else empty
+  std::span<const float> q_norm, k_norm;  // [head_dim_k] (qk_norm architectures), else empty
+  WeightMatrix wgate_attn;                // [o_width][n_embd] (attn_gate), else n_rows == 0
+  WeightMatrix wo;                        // [n_embd][o_width]
+  std::span<const float> post_attn_norm;  // [n_embd] (post_norms), else empty
+  std::span<const float> ffn_norm;        // [n_embd]
+  WeightMatrix ffn_gate, ffn_up;          // [n_ff][n_embd]
+  WeightMatrix ffn_down;                  // [n_embd][n_ff]
+  std::span<const float> post_ffn_norm;   // [n_embd] (post_norms), else empty
+};
+
+struct Weights {
+  WeightMatrix token_embd;            // [n_vocab][n_embd]
+  std::span<const float> output_norm; // [n_embd]
+  WeightMatrix output;                // [n_vocab][n_embd]; token_embd when tied
+  bool tied_output = false;
+  std::vector<LayerWeights> layers;
+  // Dequantized copies of non-f32 small vectors; the spans above may point into these
+  // (moving the outer vector keeps each inner buffer in place).
+  std::vector<std::vector<float>> owned;
+};
+
+// Binds every tensor the architecture needs; a missing tensor, a wrong shape or a dtype the
+// quant layer cannot read is an error naming the tensor and both shapes.
+Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp);
+
+// A tensor as a WeightMatrix (any number of dims, rows flattened over ne[1..3]).
+WeightMatrix as_matrix(const TensorView& t);
+
+}  // namespace kiln::model

@@ -1,0 +1,141 @@
+// tokenizer/jinja/value.h: the interpreter's values, modelled on the Python objects Jinja2
+// templates see (None, bool, int, float, str, list/tuple, dict, callables, Undefined), with
+// Python's str()/repr(), truthiness, equality and ordering so printed output matches.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace kiln::jinja {
+
+// Raised inside the interpreter and turned into a Status at the public boundary
+// (chat_template.cpp); never escapes the library. `what()` is "Kind: message", the form
+// Python prints for the exception Jinja2 raises (e.g. "UndefinedError: 'x' is undefined").
+class Error : public std::runtime_error {
+ public:
+  Error(std::string_view kind, std::string_view msg)
+      : std::runtime_error(std::string(kind) + ": " + std::string(msg)) {}
+};
+[[noreturn]] void fail(std::string_view kind, std::string_view msg);
+[[noreturn]] void type_error(std::string_view msg);
+
+struct Value;
+struct List;
+struct Dict;
+struct Func;
+class Interp;
+
+struct CallArgs {
+  std::vector<Value> pos;
+  std::vector<std::pair<std::string, Value>> kw;
+};
+
+struct Value {
+  enum class Type : uint8_t { Undefined, None, Bool, Int, Float, String, List, Dict, Func };
+  Type type = Type::Undefined;
+  bool b = false;
+  int64_t i = 0;
+  double f = 0.0;
+  std::string s;  // String payload; for Undefined, the hint raised when it is misused
+  std::shared_ptr<List> list;
+  std::shared_ptr<Dict> dict;
+  std::shared_ptr<Func> fn;
+
+  Value() = default;
+  static Value undefined(std::string hint = {}) {
+    Value v;
+    v.s = std::move(hint);
+    return v;
+  }
+  // What the sandbox returns for a blocked attribute: an Undefined that raises SecurityError
+  // when used (`b` marks the kind; Undefined has no other use for it).
+  static Value unsafe(std::string hint) {
+    Value v = undefined(std::move(hint));
+    v.b = true;
+    return v;
+  }
+  static Value none() { Value v; v.type = Type::None; return v; }
+  static Value boolean(bool x) { Value v; v.type = Type::Bool; v.b = x; return v; }
+  static Value integer(int64_t x) { Value v; v.type = Type::Int; v.i = x; return v; }
+  static Value number(double x) { Value v; v.type = Type::Float; v.f = x; return v; }
+  static Value string(std::string x) { Value v; v.type = Type::String; v.s = std::move(x); return v; }
+  static Value new_list(std::vector<Value> items = {}, bool tuple = false);
+  static Value new_dict();
+  static Value function(std::string name, std::function<Value(Interp&, CallArgs&)> call);
+
+  bool is_undefined() const { return type == Type::Undefined; }
+  bool is_none() const { return type == Type::None; }
+  bool is_string() const { return type == Type::String; }
+  bool is_list() const { return type == Type::List; }
+  bool is_dict() const { return type == Type::Dict; }
+  bool is_func() const { return type == Type::Func; }
+  bool is_int_like() const { return type == Type::Int || type == Type::Bool; }  // bool is an int in Python
+  bool is_number() const { return is_int_like() || type == Type::Float; }
+  int64_t as_int() const { return type == Type::Bool ? (b ? 1 : 0) : i; }
+  double as_double() const { return type == Type::Float ? f : static_cast<double>(as_int()); }
+
+  bool truthy() const;
+  // Raises the UndefinedError this Undefined stands for (its hint, or a generic one).
+  [[noreturn]] void fail_undefined() const;
+};
+
+struct List {
+  std::vector<Value> items;
+  bool tuple = false;  // prints with parentheses
+};
+
+// Insertion-ordered like a Python dict. Lookups are linear: template dicts are small.
+struct Dict {
+  enum class Kind : uint8_t { Plain, Namespace, Loop };
+  Kind kind = Kind::Plain;
+  std::vector<std::pair<Value, Value>> items;
+
+  const Value* find(const Value& key) const;
+  const Value* find(std::string_view key) const;
+  void set(Value key, Value v);
+  void set(std::string_view key, Value v) { set(Value::string(std::string(key)), std::move(v)); }
+  bool erase(const Value& key, Value* out);
+};
+
+struct Func {
+  std::string name;
+  std::function<Value(Interp&, CallArgs&)> call;
+};
+
+// Python semantics.
+bool py_equal(const Value& a, const Value& b);
+int py_compare(const Value& a, const Value& b);  // <0, 0, >0; TypeError for unorderable
+std::string py_str(const Value& v);
+std::string py_repr(const Value& v);
+std::string py_float_repr(double d);
+std::string py_type_name(const Value& v);  // "str", "dict", "NoneType", ...
+std::string py_string_repr(std::string_view s);
+
+// JSON in and out: from the caller's context, and json.dumps for the tojson filter.
+Value from_json(const nlohmann::ordered_json& j);
+struct JsonDumpOptions {
+  int indent = -1;  // -1: None (single line)
+  std::string indent_str;  // used when indent is given as a string
+  std::string item_sep = ", ";
+  std::string key_sep = ": ";
+  bool sort_keys = false;
+  bool ensure_ascii = false;  // non-ASCII as \uXXXX (surrogate pairs above U+FFFF)
+};
+std::string json_dumps(const Value& v, const JsonDumpOptions& opt);
+
+// UTF-8 helpers: Python indexes strings by code point.
+std::vector<char32_t> utf8_decode(std::string_view s);
+std::string utf8_encode(const std::vector<char32_t>& cps);
+void utf8_append(std::string& out, char32_t cp);
+bool is_ascii(std::string_view s);
+size_t utf8_length(std::string_view s);
+
+}  // namespace kiln::jinja

@@ -1,0 +1,115 @@
+// tests/cuda/cuda_golden_test.cpp: every llama/qwen3/gemma fixture against llama.cpp's golden
+// logits and greedy ids through the fast forward pass on the CUDA backend, with the weights
+// uploaded once as the model's whole tensor-data region (the arena path a real run takes).
+// Same fixtures and bounds as tests/golden (whose checker golden.cpp this executable reuses).
+// Skips with a message when no GPU is present.
+#include <gtest/gtest.h>
+
+#include <cctype>
+#include <filesystem>
+#include <string>
+#include <tuple>
+
+#include "backend/cuda/cuda_backend.h"
+#include "common/testdata.h"
+#include "engine/session.h"
+#include "golden/golden.h"
+
+namespace kiln {
+namespace {
+
+struct Fixture {
+  const char* name;
+  bool quantized;
+};
+
+constexpr Fixture kFixtures[] = {
+    {"stories260K", false},      {"stories260K-q8_0", true},    {"babyllama-tok105-f32", false},
+    {"llama-gqa-f16", false},    {"llama-gqa-bf16", false},     {"llama-gqa-q8_0", true},
+    {"llama-gqa-q4_0", true},    {"llama-gqa-q4_k_m", true},    {"llama-gqa-q5_k_m", true},
+    {"llama-gqa-q6_k", true},    {"qwen3-bpe-f16", false},      {"qwen3-bpe-q8_0", true},
+    {"gemma2-swa-f16", false},   {"gemma2-swa-q8_0", true},     {"gemma3-swa-f16", false},
+    {"muse-glimmer-f16", false}, {"muse-glimmer-q4_k_m", true},
+};
+
+constexpr int32_t kCtx = 512;  // llama.cpp produced the golden data with n_ctx 512
+
+enum class Weights { Arena, ZeroCopy };
+
+class CudaGolden : public ::testing::TestWithParam<std::tuple<Fixture, Weights>> {};
+
+TEST_P(CudaGolden, MatchesLlamaCpp) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA golden tests skipped";
+  const Fixture fx = std::get<0>(GetParam());
+  const bool zero_copy = std::get<1>(GetParam()) == Weights::ZeroCopy;
+  // The GPU machine gets the fixtures that fit its transfer limit (scripts/gpu-check
+  // --prepare); locally every fixture is present and none is skipped.
+  if (!std::filesystem::exists(testing::shared_dir() + "/testdata/models/" + fx.name + ".gguf"))
+    GTEST_SKIP() << fx.name << ".gguf was not carried to this machine";
+  const golden::Golden g = golden::load(fx.name);
+  auto m = Model::load(testing::model_path(std::string(fx.name) + ".gguf"));
+  ASSERT_TRUE(m.has_value()) << m.error();
+  const GgufFile& f = (*m)->gguf();
+  CudaOptions o;
+  o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
+  o.profile = true;
+  o.zero_copy = zero_copy;
+  auto be = make_cuda_backend(o);
+  ASSERT_TRUE(be) << be.error();
+  const golden::Bounds b = golden::bounds_for(fx.quantized);
+  Session s(*m, **be, kCtx);
+  const golden::Report r =
+      golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); });
+  fmt::print(
+      "  {:<22} cuda      worst |Δ| {:.4f} (excess over bound {:+.4f}), mean KL {}, greedy "
+      "{}/{} matched ({} required)\n",
+      fx.name, r.worst_abs, r.worst_excess,
+      r.mean_kl < 0 ? std::string("n/a") : fmt::format("{:.3g}", r.mean_kl), r.greedy_matched,
+      g.greedy.size(), r.greedy_required);
+  EXPECT_EQ(r.bound_failures, 0) << r.first_failure;
+  EXPECT_EQ(r.top1_failures, 0) << r.first_failure;
+  if (r.mean_kl >= 0) {
+    EXPECT_LE(r.mean_kl, b.mean_kl);
+  }
+  EXPECT_GE(r.greedy_matched, r.greedy_required) << r.first_failure;
+  EXPECT_TRUE(r.ok(b));
+  // Weights came from the region: nothing was uploaded per matrix.
+  const CudaStats st = (*be)->stats();
+  EXPECT_EQ(st.weight_uploads, st.zero_copy ? 0u : 1u);
+  if (zero_copy && !st.zero_copy)
+    fmt::print("  {:<22} cuda      zero-copy refused: ran on the arena\n", fx.name);
+  double kernel_ms = 0, copy_ms = 0;
+  std::string slowest;
+  double slowest_ms = -1;
+  for (const CudaOpTime& t : st.ops) {
+    kernel_ms += t.kernel_ms;
+    copy_ms += t.copy_ms;
+    if (t.kernel_ms > slowest_ms) slowest_ms = t.kernel_ms, slowest = t.op;
+  }
+  fmt::print(
+      "  {:<22} cuda      kernels {:.1f} ms (most: {} {:.1f} ms), host-span copies {:.1f} ms\n",
+      fx.name, kernel_ms, slowest, slowest_ms, copy_ms);
+}
+
+std::string param_name(const ::testing::TestParamInfo<std::tuple<Fixture, Weights>>& info) {
+  std::string n = std::get<0>(info.param).name;
+  if (std::get<1>(info.param) == Weights::ZeroCopy) n += "_zero_copy";
+  for (char& c : n)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  return n;
+}
+
+INSTANTIATE_TEST_SUITE_P(Arena, CudaGolden,
+                         ::testing::Combine(::testing::ValuesIn(kFixtures),
+                                            ::testing::Values(Weights::Arena)),
+                         param_name);
+// Zero-copy (registered mapping read over PCIe on the H200): three architectures suffice.
+constexpr Fixture kZeroCopyFixtures[] = {
+    {"stories260K", false}, {"llama-gqa-q4_k_m", true}, {"gemma2-swa-q8_0", true}};
+INSTANTIATE_TEST_SUITE_P(ZeroCopy, CudaGolden,
+                         ::testing::Combine(::testing::ValuesIn(kZeroCopyFixtures),
+                                            ::testing::Values(Weights::ZeroCopy)),
+                         param_name);
+
+}  // namespace
+}  // namespace kiln

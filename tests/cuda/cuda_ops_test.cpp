@@ -1,0 +1,358 @@
+// tests/cuda/cuda_ops_test.cpp: every non-attention op of the CUDA backend against the scalar
+// reference backend on fresh random inputs (seed printed on failure), odd sizes and every
+// weight type, with the error bound of each path stated where it is checked; plus the weight
+// arena's caching. Every test skips with a message when no GPU is present.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+
+#include "core/dtype.h"
+#include "cuda_test_common.h"
+#include "ops/ops_common.h"
+#include "quant/quant.h"
+
+namespace kiln {
+namespace {
+
+using kiln::testing::close;
+using kiln::testing::cuda_under_test;
+using kiln::testing::ops_seed;
+using kiln::testing::random_vec;
+
+Backend& ref() { return *cuda_under_test().ref; }
+CudaBackend& gpu() { return *cuda_under_test().cuda; }
+
+struct TestWeights {
+  std::vector<std::byte> bytes;
+  std::vector<float> deq;  // [n_rows][n_cols]
+  WeightMatrix m;
+};
+
+TestWeights make_weights(DType type, int64_t n_rows, int64_t n_cols, std::mt19937_64& rng) {
+  TestWeights w;
+  const size_t rb = *row_bytes(type, n_cols);
+  w.bytes.resize(rb * n_rows);
+  w.deq.resize(static_cast<size_t>(n_rows * n_cols));
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const std::vector<float> src = random_vec(rng, n_cols, 0.05f);
+    auto dst = std::span<std::byte>(w.bytes).subspan(r * rb, rb);
+    quant::quantize_row(type, src, dst);
+    quant::dequantize_row(type, dst, std::span<float>(w.deq).subspan(r * n_cols, n_cols));
+  }
+  w.m = WeightMatrix{type, n_cols, n_rows, rb, w.bytes};
+  return w;
+}
+
+// f32 accumulation of k products in any order (FMA or not) against the reference's double
+// sum over the same dequantized weights: bounded by a few k * 2^-24 * sum|w x| in the worst
+// case; random signs keep it far below. The GPU dequantizes bit-exactly (host test).
+double matmul_tol(const float* w, const float* x, int64_t k) {
+  double abs_sum = 0;
+  for (int64_t i = 0; i < k; ++i) abs_sum += std::fabs(double(w[i]) * x[i]);
+  return 2e-5 * abs_sum + 1e-6;
+}
+
+struct MatmulCase {
+  DType type;
+  std::vector<int64_t> ks;
+};
+
+class CudaMatmul : public ::testing::TestWithParam<MatmulCase> {};
+
+TEST_P(CudaMatmul, AllShapesAndPaths) {
+  KILN_REQUIRE_CUDA();
+  const MatmulCase& c = GetParam();
+  std::mt19937_64 rng(ops_seed() ^ static_cast<uint64_t>(c.type));
+  for (int64_t k : c.ks) {
+    for (int64_t n_rows : {1, 3, 31, 257}) {
+      TestWeights w = make_weights(c.type, n_rows, k, rng);
+      // 1: matvec; 3, 9 (8 + 1): batched matvec columns; 17, 70: the tiled kernel with
+      // partial tiles in both directions.
+      for (int64_t n_tok : {1, 3, 9, 17, 70}) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(c.type) << " rows " << n_rows << " k " << k
+                                          << " n_tok " << n_tok << " seed " << ops_seed());
+        const std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
+        std::vector<float> y_ref(n_tok * n_rows), y(y_ref.size(), NAN);
+        ref().matmul(w.m, x, n_tok, y_ref);
+        gpu().matmul(w.m, x, n_tok, y);
+        for (int64_t t = 0; t < n_tok; ++t)
+          for (int64_t r = 0; r < n_rows; ++r)
+            ASSERT_TRUE(close(y[t * n_rows + r], y_ref[t * n_rows + r],
+                              matmul_tol(w.deq.data() + r * k, x.data() + t * k, k)))
+                << "t " << t << " r " << r;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Types, CudaMatmul,
+    // Each type also gets a k whose rows are a multiple of 16 bytes (the matvec's 16-byte
+    // load path; for Q8_0 Q4_0 Q5_0 at 1024 and Q2_K Q3_K Q6_K at 1024 / 2048 also the
+    // shared-memory staged path) and ks whose rows are not.
+    ::testing::Values(
+        MatmulCase{DType::F32, {1, 31, 64, 257}}, MatmulCase{DType::F16, {1, 31, 96, 257}},
+        MatmulCase{DType::BF16, {3, 64, 100}}, MatmulCase{DType::Q8_0, {32, 96, 256, 544, 1024}},
+        MatmulCase{DType::Q4_0, {32, 256, 544, 1024}}, MatmulCase{DType::Q5_0, {32, 256, 544, 1024}},
+        MatmulCase{DType::Q4_1, {32, 160, 256}}, MatmulCase{DType::Q5_1, {32, 160, 256}},
+        MatmulCase{DType::Q2_K, {256, 1024}}, MatmulCase{DType::Q3_K, {256, 2048}},
+        MatmulCase{DType::Q4_K, {256, 768}}, MatmulCase{DType::Q5_K, {256, 768}},
+        MatmulCase{DType::Q6_K, {256, 2048}}),
+    [](const auto& info) { return std::string(dtype_name(info.param.type)); });
+
+TEST(CudaOps, MatmulNanActivationPropagates) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  for (DType t : {DType::F16, DType::Q8_0, DType::Q4_K}) {
+    TestWeights w = make_weights(t, 5, 256, rng);
+    for (int64_t n_tok : {1, 20}) {
+      std::vector<float> x = random_vec(rng, 256 * n_tok);
+      for (int64_t tok = 0; tok < n_tok; ++tok) x[tok * 256 + 17] = NAN;
+      std::vector<float> y(5 * n_tok, 0.0f);
+      gpu().matmul(w.m, x, n_tok, y);
+      for (float v : y) EXPECT_TRUE(std::isnan(v)) << dtype_name(t) << " n_tok " << n_tok;
+    }
+  }
+}
+
+TEST(CudaOps, GetRowsEveryTypeBitExact) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  for (DType t :
+       {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0,
+        DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+    const int64_t k = traits(t).block_size == 1 ? 67 : 512;
+    TestWeights w = make_weights(t, 31, k, rng);
+    const std::vector<int32_t> ids = {30, 0, 7, 7, 12};
+    std::vector<float> a(ids.size() * k), b(a.size(), NAN);
+    ref().get_rows(w.m, ids, a);
+    gpu().get_rows(w.m, ids, b);
+    // The GPU decodes with separately rounded products, as the reference does: exact.
+    for (size_t i = 0; i < a.size(); ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(b[i]), std::bit_cast<uint32_t>(a[i]))
+          << dtype_name(t) << " " << i << " seed " << ops_seed();
+  }
+}
+
+TEST(CudaOps, WeightArenaUploadsOnceAndSeesChangedBytes) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  TestWeights w = make_weights(DType::Q4_K, 64, 512, rng);
+  const std::vector<float> x = random_vec(rng, 512);
+  std::vector<float> y1(64), y2(64), y_ref(64);
+  gpu().matmul(w.m, x, 1, y1);
+  const CudaStats s0 = gpu().stats();
+  gpu().matmul(w.m, x, 1, y2);
+  gpu().matmul(w.m.rows(16, 8), x, 1, std::span<float>(y2).subspan(0, 8));  // a slice: a hit
+  const CudaStats s1 = gpu().stats();
+  EXPECT_EQ(s1.weight_uploads, s0.weight_uploads);
+  EXPECT_EQ(s1.weight_bytes_uploaded, s0.weight_bytes_uploaded);
+  EXPECT_GE(s1.weight_cache_hits, s0.weight_cache_hits + 2);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(y2[i], y1[16 + i]) << i;
+  // Same address, new bytes (verify mode): the result must follow the bytes.
+  TestWeights w2 = make_weights(DType::Q4_K, 64, 512, rng);
+  std::memcpy(w.bytes.data(), w2.bytes.data(), w.bytes.size());
+  gpu().matmul(w.m, x, 1, y1);
+  ref().matmul(w.m, x, 1, y_ref);
+  for (int r = 0; r < 64; ++r)
+    ASSERT_TRUE(close(y1[r], y_ref[r], matmul_tol(w2.deq.data() + r * 512, x.data(), 512))) << r;
+}
+
+TEST(CudaOps, WeightRegionIsUploadedOnceAtCreation) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  TestWeights w = make_weights(DType::Q8_0, 300, 1024, rng);
+  CudaOptions o;
+  o.weight_region = w.bytes;
+  auto be = make_cuda_backend(o);
+  ASSERT_TRUE(be) << be.error();
+  const CudaStats s0 = (*be)->stats();
+  EXPECT_EQ(s0.weight_bytes_uploaded, w.bytes.size());
+  EXPECT_EQ(s0.weight_uploads, 1u);
+  const std::vector<float> x = random_vec(rng, 2 * 1024);
+  std::vector<float> y(2 * 100), y_ref(y.size());
+  const WeightMatrix part = w.m.rows(150, 100);
+  (*be)->matmul(part, x, 2, y);
+  ref().matmul(part, x, 2, y_ref);
+  EXPECT_EQ((*be)->stats().weight_uploads, 1u);
+  for (size_t i = 0; i < y.size(); ++i)
+    ASSERT_TRUE(
+        close(y[i], y_ref[i],
+              matmul_tol(w.deq.data() + (150 + i % 100) * 1024, x.data() + (i / 100) * 1024, 1024)))
+        << i;
+}
+
+// Zero-copy: the region is registered host memory read over PCIe; same results as the arena.
+// If the driver refuses the registration the backend falls back to the upload (fails open),
+// which must then be correct too; the test says which mode ran.
+TEST(CudaOps, ZeroCopyRegionMatchesReference) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  TestWeights w = make_weights(DType::Q4_K, 200, 1024, rng);
+  CudaOptions o;
+  o.weight_region = w.bytes;
+  o.zero_copy = true;
+  auto be = make_cuda_backend(o);
+  ASSERT_TRUE(be) << be.error();
+  const CudaStats s0 = (*be)->stats();
+  std::printf("zero-copy registration %s\n", s0.zero_copy ? "succeeded" : "refused (arena used)");
+  EXPECT_EQ(s0.weight_bytes_uploaded, s0.zero_copy ? 0u : w.bytes.size());
+  for (int64_t n_tok : {1, 5, 40}) {
+    const std::vector<float> x = random_vec(rng, n_tok * 1024);
+    std::vector<float> y(n_tok * 200), y_ref(y.size());
+    (*be)->matmul(w.m, x, n_tok, y);
+    ref().matmul(w.m, x, n_tok, y_ref);
+    for (int64_t t = 0; t < n_tok; ++t)
+      for (int64_t r = 0; r < 200; ++r)
+        ASSERT_TRUE(close(y[t * 200 + r], y_ref[t * 200 + r],
+                          matmul_tol(w.deq.data() + r * 1024, x.data() + t * 1024, 1024)))
+            << "n_tok " << n_tok << " t " << t << " r " << r;
+  }
+  const std::vector<int32_t> ids = {199, 0, 77};
+  std::vector<float> a(ids.size() * 1024), b(a.size(), NAN);
+  ref().get_rows(w.m, ids, a);
+  (*be)->get_rows(w.m, ids, b);
+  for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(b[i], a[i]) << i;
+  EXPECT_EQ((*be)->stats().weight_uploads, s0.weight_uploads);  // nothing uploaded per call
+}
+
+TEST(CudaOps, BadDeviceIndexIsAnError) {
+  KILN_REQUIRE_CUDA();
+  CudaOptions o;
+  o.device = 1000;
+  auto be = make_cuda_backend(o);
+  ASSERT_FALSE(be);
+  EXPECT_NE(be.error().find("does not exist"), std::string::npos) << be.error();
+}
+
+TEST(CudaOps, RmsnormAndSoftmax) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  for (int64_t n : {1, 3, 31, 257, 4096, 5003}) {
+    for (int64_t rows : {1, 3, 31}) {
+      const std::vector<float> x = random_vec(rng, rows * n, 3.0f), wt = random_vec(rng, n);
+      std::vector<float> a(x.size()), b(x.size(), NAN);
+      for (bool with_w : {false, true}) {
+        std::span<const float> ws = with_w ? std::span<const float>(wt) : std::span<const float>();
+        ref().rmsnorm(x, ws, n, 1e-6f, a);
+        gpu().rmsnorm(x, ws, n, 1e-6f, b);
+        for (size_t i = 0; i < a.size(); ++i)  // f32 tree sum of squares, rsqrtf (2 ulp)
+          ASSERT_TRUE(close(b[i], a[i], 2e-6 * std::fabs(a[i]) + 1e-7))
+              << "rmsnorm n " << n << " i " << i;
+      }
+      std::vector<float> s1 = x, s2 = x;
+      ref().softmax(s1, n);
+      gpu().softmax(s2, n);
+      for (size_t i = 0; i < s1.size(); ++i)  // expf within 2 ulp, f32 sum
+        ASSERT_TRUE(close(s2[i], s1[i], 1e-5 * s1[i] + 1e-9)) << "softmax n " << n << " i " << i;
+    }
+  }
+}
+
+TEST(CudaOps, Rope) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  for (RopeStyle style : {RopeStyle::Normal, RopeStyle::NeoX}) {
+    for (int64_t head_dim : {2, 64, 80, 128}) {
+      for (int64_t n_rot : {head_dim, head_dim / 2 + (head_dim / 2) % 2}) {
+        if (n_rot == 0) continue;
+        const int64_t n_tok = 5, n_head = 3;
+        std::vector<int32_t> pos = {0, 1, 17, 4095, 131071};
+        RopeParams p{n_rot, style == RopeStyle::NeoX ? 1e6f : 1e4f, 1.0f, style};
+        if (head_dim == 80) p.freq_scale = 0.25f;
+        std::vector<float> a = random_vec(rng, n_tok * n_head * head_dim), b = a;
+        ref().rope(a, n_tok, n_head, head_dim, pos, p);
+        gpu().rope(b, n_tok, n_head, head_dim, pos, p);
+        for (size_t i = 0; i < a.size(); ++i)  // the angle in double, as the reference
+          ASSERT_TRUE(close(b[i], a[i], 1e-6 * (1 + std::fabs(a[i]))))
+              << "style " << int(style) << " hd " << head_dim << " n_rot " << n_rot << " i " << i;
+      }
+    }
+  }
+}
+
+TEST(CudaOps, Elementwise) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  for (size_t n : {size_t{1}, size_t{3}, size_t{31}, size_t{257}, size_t{70001}, size_t{5000000}}) {
+    const std::vector<float> g = random_vec(rng, n, 4.0f), u = random_vec(rng, n, 2.0f);
+    std::vector<float> a(n), b(n, NAN);
+    ref().swiglu(g, u, a);
+    gpu().swiglu(g, u, b);
+    for (size_t i = 0; i < n; ++i)
+      ASSERT_TRUE(close(b[i], a[i], 1e-5 * std::fabs(a[i]) + 1e-6 * std::fabs(u[i])))
+          << "swiglu " << i;
+    ref().geglu(g, u, a);
+    gpu().geglu(g, u, b);
+    for (size_t i = 0; i < n; ++i)  // tanhf within 2 ulp; 1 + tanh cancels for g << 0
+      ASSERT_TRUE(close(b[i], a[i],
+                        1e-5 * std::fabs(a[i]) + 1e-6 * (1 + std::fabs(g[i])) * std::fabs(u[i])))
+          << "geglu " << i;
+    ref().add(g, u, a);
+    gpu().add(g, u, b);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "add " << i;
+    ref().mul(g, u, a);
+    gpu().mul(g, u, b);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "mul " << i;
+    b = g;
+    gpu().add(b, u, b);  // aliasing out == a
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], g[i] + u[i], 0)) << "add aliased " << i;
+    a = g;
+    b = g;
+    ref().scale(a, 0.37f);
+    gpu().scale(b, 0.37f);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "scale " << i;
+    a = g;
+    b = g;
+    ref().softcap(a, 3.0f);
+    gpu().softcap(b, 3.0f);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 2e-6 * 3.0)) << "softcap " << i;
+    a = g;
+    b = g;
+    ref().sigmoid(a);
+    gpu().sigmoid(b);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 1e-6)) << "sigmoid " << i;
+  }
+}
+
+TEST(CudaOps, StoreRowsF16BitExact) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  const int64_t width = 67, n_phys = 9;
+  std::vector<float> src = random_vec(rng, 4 * width, 100.0f);
+  src[0] = 70000.0f;  // overflows to inf
+  src[1] = 1e-6f;     // subnormal in f16
+  src[2] = -0.0f;
+  src[3] = 65520.0f;  // exactly halfway to the f16 overflow threshold: rounds to inf
+  const std::vector<int32_t> rows = {8, 0, 3, 5};
+  std::vector<f16> pa(n_phys * width), pb(n_phys * width);
+  for (size_t i = 0; i < pa.size(); ++i) pa[i].bits = pb[i].bits = static_cast<uint16_t>(i);
+  ref().store_rows_f16(src, width, rows, pa);
+  gpu().store_rows_f16(src, width, rows, pb);
+  // Rows not written keep their old bits in both.
+  for (size_t i = 0; i < pa.size(); ++i)
+    ASSERT_EQ(pa[i].bits, pb[i].bits) << i << " seed " << ops_seed();
+}
+
+TEST(CudaOps, Argmax) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  for (size_t n : {size_t{1}, size_t{3}, size_t{257}, size_t{32000}, size_t{152064}}) {
+    std::vector<float> x = random_vec(rng, n);
+    EXPECT_EQ(gpu().argmax(x), ref().argmax(x)) << n;
+    if (n > 3) {
+      x[n / 2] = x[n - 1] = 50.0f;  // tie: first wins
+      EXPECT_EQ(gpu().argmax(x), ref().argmax(x)) << n;
+      x[1] = 50.0f;
+      EXPECT_EQ(gpu().argmax(x), 1) << n;
+    }
+    std::fill(x.begin(), x.end(), -INFINITY);
+    EXPECT_EQ(gpu().argmax(x), ref().argmax(x)) << "all -inf, n " << n;
+  }
+}
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,48 @@
+// tests/cuda/cuda_test_common.h: the CUDA backend under test (one per run, created on first
+// use) and the fixture that skips every test with a message when no GPU is present.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+
+namespace kiln::testing {
+
+struct CudaUnderTest {
+  std::unique_ptr<CudaBackend> cuda;  // null when no device
+  std::string why_not;                // the creation error when null
+  std::unique_ptr<Backend> ref = make_ref_backend();
+};
+
+inline CudaUnderTest& cuda_under_test() {
+  static CudaUnderTest t = [] {
+    CudaUnderTest u;
+    CudaOptions o;
+    // The tests free weight buffers whose addresses the allocator hands out again.
+    o.verify_weight_cache = true;
+    o.arena_chunk_bytes = size_t(64) << 20;
+    auto be = make_cuda_backend(o);
+    if (be) {
+      u.cuda = std::move(*be);
+      fprintf(stderr, "cuda device: %s\n", u.cuda->device_name().c_str());
+    } else {
+      u.why_not = be.error();
+    }
+    return u;
+  }();
+  return t;
+}
+
+// Skips the test (with the reason) when there is no usable GPU.
+#define KILN_REQUIRE_CUDA()                                       \
+  do {                                                            \
+    if (!::kiln::testing::cuda_under_test().cuda)                 \
+      GTEST_SKIP() << "no CUDA device, CUDA tests skipped: "      \
+                   << ::kiln::testing::cuda_under_test().why_not; \
+  } while (0)
+
+}  // namespace kiln::testing

@@ -1,0 +1,261 @@
+// tests/e2e/kiln_cli_test.cpp: runs the built `kiln` binary end to end: run (greedy text
+// against llama.cpp's golden continuation, seeded sampling), perplexity (within 0.5 % of
+// llama-perplexity), bench -o json, mkmodel output that loads and runs, and bad input that
+// must end in one clear error line, never a crash.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/testdata.h"
+#include "format/gguf.h"
+#include "tokenizer/tokenizer.h"
+
+extern char** environ;
+
+namespace kiln {
+namespace {
+using testing::kiln_binary;
+using testing::model_path;
+using testing::read_file;
+using testing::shared_path;
+
+struct Proc {
+  int rc = -1;         // exit status; -1 when killed by a signal
+  int signal = 0;
+  std::string out, err;
+};
+
+// Runs kiln with `args` (no shell, so prompts pass through byte for byte).
+Proc run_kiln(const std::vector<std::string>& args) {
+  static const std::string dir = testing::temp_dir();
+  const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<std::string> full = {kiln_binary()};
+  full.insert(full.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& a : full) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  Proc p;
+  if (posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ) != 0) {
+    posix_spawn_file_actions_destroy(&fa);
+    ADD_FAILURE() << "cannot start " << argv[0];
+    return p;
+  }
+  posix_spawn_file_actions_destroy(&fa);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (WIFEXITED(status)) p.rc = WEXITSTATUS(status);
+  else if (WIFSIGNALED(status)) p.signal = WTERMSIG(status);
+  p.out = read_file(out_path);
+  p.err = read_file(err_path);
+  return p;
+}
+
+// A failed command: exit status 1 (not a crash), one stderr line mentioning `what`.
+void expect_clean_error(const Proc& p, const std::string& what) {
+  EXPECT_EQ(p.signal, 0) << "crashed: " << p.err;
+  EXPECT_EQ(p.rc, 1) << p.err;
+  EXPECT_NE(p.err.find(what), std::string::npos) << "stderr: " << p.err;
+  EXPECT_LE(std::count(p.err.begin(), p.err.end(), '\n'), 1) << "stderr: " << p.err;
+}
+
+nlohmann::json golden(const std::string& model) {
+  return nlohmann::json::parse(read_file(shared_path("testdata/golden/" + model + ".json")));
+}
+
+std::string story_prompt() { return read_file(shared_path("testdata/prompts/story.txt")); }
+
+// Greedy `kiln run` must reproduce llama.cpp's continuation up to the first near-tie.
+void check_greedy(const std::string& model, double tie) {
+  const nlohmann::json g = golden(model);
+  const auto ids = g["greedy"].get<std::vector<int32_t>>();
+  const auto margins = g["greedy_margins"].get<std::vector<double>>();
+  size_t n_sure = 0;
+  while (n_sure < margins.size() && margins[n_sure] >= tie) ++n_sure;
+  // The token after the last sure step is still determined (its margin is the tie), so the
+  // comparable prefix is up to and excluding the near-tie step.
+  auto gguf = GgufFile::open(model_path(model + ".gguf"));
+  ASSERT_TRUE(gguf) << gguf.error();
+  auto tok = Tokenizer::from_gguf(*gguf);
+  ASSERT_TRUE(tok) << tok.error();
+  std::string expect;
+  for (size_t i = 0; i < n_sure; ++i) expect += tok->token_to_piece(ids[i], false);
+  ASSERT_GT(n_sure, 4u) << "golden data with too short a sure prefix to test anything";
+
+  Proc p = run_kiln({"run", "-m", model_path(model + ".gguf"), "-p", story_prompt(), "-n",
+                     std::to_string(ids.size()), "--temp", "0", "--threads", "2"});
+  ASSERT_EQ(p.rc, 0) << p.err;
+  size_t match = 0;
+  while (match < expect.size() && match < p.out.size() && expect[match] == p.out[match]) ++match;
+  std::printf("%s: greedy text matches llama.cpp for %zu of %zu bytes (%zu sure tokens); "
+              "full golden text %s\n",
+              model.c_str(), match, expect.size(), n_sure,
+              p.out.rfind(g["greedy_text"].get<std::string>(), 0) == 0 ? "matched" : "differs");
+  EXPECT_EQ(p.out.substr(0, expect.size()), expect);
+  EXPECT_NE(p.err.find("ids xxh64 "), std::string::npos);
+  EXPECT_NE(p.err.find("decode"), std::string::npos);
+}
+
+TEST(KilnRun, GreedyStoryMatchesLlamaCpp) { check_greedy("stories260K", 0.05); }
+TEST(KilnRun, GreedyStoryMatchesLlamaCppQ8) { check_greedy("stories260K-q8_0", 0.5); }
+
+std::string hash_line(const std::string& err) {
+  size_t at = err.find("ids xxh64 ");
+  return at == std::string::npos ? "" : err.substr(at, 26);
+}
+
+TEST(KilnRun, SameSeedSameText) {
+  auto go = [](const char* seed) {
+    return run_kiln({"run", "-p", "Once upon a time", "-n", "40", "--temp", "1.0", "--seed", seed});
+  };
+  Proc a = go("7"), b = go("7"), c = go("8");
+  ASSERT_EQ(a.rc, 0) << a.err;
+  ASSERT_EQ(c.rc, 0) << c.err;
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(hash_line(a.err), hash_line(b.err));
+  EXPECT_FALSE(hash_line(a.err).empty());
+  EXPECT_NE(hash_line(a.err), hash_line(c.err)) << "different seeds gave identical 40 tokens";
+}
+
+TEST(KilnRun, DemoModelIsTheDefault) {
+  Proc p = run_kiln({"run", "-p", "Once upon a time", "-n", "8", "--temp", "0", "--stats"});
+  ASSERT_EQ(p.rc, 0) << p.err;
+  EXPECT_FALSE(p.out.empty());
+  EXPECT_NE(p.err.find("stories260K.gguf"), std::string::npos) << p.err;
+  EXPECT_NE(p.err.find("KV cache"), std::string::npos) << p.err;
+}
+
+TEST(KilnRun, BadInputIsOneClearError) {
+  expect_clean_error(run_kiln({"run", "-p", ""}), "empty prompt");
+  expect_clean_error(run_kiln({"run", "-p", "abc\xff\xfe def"}), "not valid UTF-8");
+  expect_clean_error(run_kiln({"run", "-p", "Once \xe2\x96"}), "not valid UTF-8");
+  expect_clean_error(run_kiln({"run", "-p", story_prompt(), "-c", "64"}),
+                     "does not fit the context");
+  expect_clean_error(run_kiln({"run", "-p", "Once upon a time", "-n", "5000", "-c", "256"}),
+                     "exceeds the context");
+  expect_clean_error(run_kiln({"run", "-p", "x", "-n", "0"}), "-n 0");
+  expect_clean_error(run_kiln({"run", "-p", "x", "--top-p", "2"}), "top-p");
+  expect_clean_error(run_kiln({"run", "-p", "x", "--logit-bias", "99999+1"}), "logit bias");
+  expect_clean_error(run_kiln({"run", "-p", "x", "--logit-bias", "abc"}), "--logit-bias");
+  expect_clean_error(run_kiln({"run", "-m", "/nonexistent/model.gguf", "-p", "x"}),
+                     "/nonexistent/model.gguf");
+  // A file that is not GGUF.
+  expect_clean_error(run_kiln({"run", "-m", shared_path("testdata/text/gpl-3-head.txt"), "-p", "x"}),
+                     "gpl-3-head.txt");
+}
+
+TEST(KilnRun, LogitBiasBansToken) {
+  // Ban the first greedy token; the output must change, and a +bias forces a token.
+  const nlohmann::json g = golden("stories260K");
+  const int32_t first = g["greedy"][0].get<int32_t>();
+  Proc base = run_kiln({"run", "-p", story_prompt(), "-n", "1", "--temp", "0"});
+  Proc banned = run_kiln({"run", "-p", story_prompt(), "-n", "1", "--temp", "0", "--logit-bias",
+                          std::to_string(first) + "-inf"});
+  ASSERT_EQ(base.rc, 0);
+  ASSERT_EQ(banned.rc, 0) << banned.err;
+  EXPECT_NE(hash_line(base.err), hash_line(banned.err));
+}
+
+TEST(KilnPerplexity, WithinHalfPercentOfLlamaCpp) {
+  const auto j = nlohmann::json::parse(read_file(shared_path("testdata/golden/perplexity.json")));
+  const std::string text = shared_path("testdata/" + j["text"].get<std::string>());
+  int checked = 0;
+  for (auto& [model, want_json] : j["ppl"].items()) {
+    const double want = want_json.get<double>();
+    Proc p = run_kiln({"perplexity", "-m", model_path(model), "-f", text, "-c", "128"});
+    if (p.rc != 0 && p.err.find("not supported") != std::string::npos) {
+      std::printf("%s: skipped (%s)\n", model.c_str(), p.err.c_str());
+      continue;  // architectures of later issues
+    }
+    ASSERT_EQ(p.rc, 0) << model << ": " << p.err;
+    const size_t at = p.out.find("Final estimate: PPL = ");
+    ASSERT_NE(at, std::string::npos) << p.out;
+    const double got = std::stod(p.out.substr(at + 22));
+    std::printf("%s: PPL %.4f vs llama.cpp %.4f (%+.3f %%)\n", model.c_str(), got, want,
+                100 * (got - want) / want);
+    EXPECT_NEAR(got, want, 0.005 * want) << model;
+    ++checked;
+  }
+  EXPECT_GE(checked, 4) << "the llama models of perplexity.json must all be checked";
+}
+
+TEST(KilnPerplexity, TooShortTextIsAnError) {
+  const std::string dir = testing::temp_dir();
+  const std::string f = dir + "/short.txt";
+  FILE* fp = std::fopen(f.c_str(), "w");
+  std::fputs("Just a few words.", fp);
+  std::fclose(fp);
+  expect_clean_error(run_kiln({"perplexity", "-f", f, "-c", "128"}), "needs at least");
+  expect_clean_error(run_kiln({"perplexity", "-f", dir + "/missing.txt"}), "missing.txt");
+}
+
+TEST(KilnBench, JsonParses) {
+  Proc p = run_kiln({"bench", "-p", "32", "-n", "8", "-r", "2", "-o", "json", "--threads", "2"});
+  ASSERT_EQ(p.rc, 0) << p.err;
+  auto j = nlohmann::json::parse(p.out);
+  ASSERT_TRUE(j.is_array());
+  ASSERT_EQ(j.size(), 2u);
+  EXPECT_EQ(j[0]["test"], "pp32");
+  EXPECT_EQ(j[1]["test"], "tg8");
+  for (auto& r : j) {
+    EXPECT_EQ(r["samples_ts"].size(), 2u);
+    EXPECT_GT(r["avg_ts"].get<double>(), 0);
+    EXPECT_GT(r["model_size"].get<double>(), 0);
+  }
+  EXPECT_GT(j[1]["weight_gbps"].get<double>(), 0);
+  expect_clean_error(run_kiln({"bench", "-o", "xml"}), "md or json");
+}
+
+TEST(KilnMkmodel, OutputLoadsAndRunsAndIsDeterministic) {
+  const std::string dir = testing::temp_dir();
+  const std::vector<std::string> shape = {"--n-embd", "256", "--n-layer", "3", "--n-ff", "512",
+                                          "--n-head", "4", "--n-head-kv", "2", "--n-vocab",
+                                          "600", "--seed", "9"};
+  for (const char* type : {"f16", "q8_0", "q4_k_m"}) {
+    SCOPED_TRACE(type);
+    const std::string out = dir + "/m-" + type + ".gguf";
+    std::vector<std::string> args = {"mkmodel", "-o", out, "--type", type, "--threads", "2"};
+    args.insert(args.end(), shape.begin(), shape.end());
+    Proc m = run_kiln(args);
+    ASSERT_EQ(m.rc, 0) << m.err;
+    auto g = GgufFile::open(out);
+    ASSERT_TRUE(g) << g.error();
+    auto q = g->find_tensor("blk.0.ffn_gate.weight");
+    ASSERT_NE(q, nullptr);
+    EXPECT_EQ(q->dtype, std::string(type) == "f16"    ? DType::F16
+                        : std::string(type) == "q8_0" ? DType::Q8_0
+                                                      : DType::Q4_K);
+    // The vocabulary round-trips text through the tokenizer.
+    auto tok = Tokenizer::from_gguf(*g);
+    ASSERT_TRUE(tok) << tok.error();
+    EXPECT_EQ(tok->n_vocab(), 600);
+    EXPECT_EQ(tok->decode(tok->encode("hello world, 42!", false, false)), "hello world, 42!");
+    Proc r = run_kiln({"run", "-m", out, "-p", "hello world", "-n", "6", "--temp", "0"});
+    EXPECT_EQ(r.rc, 0) << r.err;
+    EXPECT_NE(r.err.find("generated"), std::string::npos);
+    // Same seed, different thread count: byte-identical file.
+    const std::string again = dir + "/again.gguf";
+    args[2] = again;
+    args[6] = "1";
+    ASSERT_EQ(run_kiln(args).rc, 0);
+    EXPECT_EQ(read_file(out), read_file(again));
+  }
+  expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--type", "q9_9"}), "--type");
+  expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--n-embd", "100"}), "--n-head");
+  expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--arch", "gpt9"}), "--arch");
+  expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--n-vocab", "10"}), "--n-vocab");
+}
+
+}  // namespace
+}  // namespace kiln

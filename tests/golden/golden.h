@@ -1,0 +1,60 @@
+// tests/golden/golden.h: llama.cpp's golden outputs (../shared/testdata/golden) and the
+// "How close is close enough" bounds of testdata/README.md, applied to any evaluator that
+// has Session's eval() contract (fast session on a backend, or the reference pass).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+
+namespace kiln::golden {
+
+struct TopK {
+  std::vector<int32_t> ids;
+  std::vector<float> logits;
+};
+
+struct Golden {
+  std::string name;  // fixture name without extension
+  int32_t n_vocab = 0;
+  std::vector<int32_t> prompt_tokens;
+  std::vector<TopK> prompt_top;  // [n_prompt]
+  std::vector<int32_t> greedy;
+  std::vector<float> greedy_margins;
+  std::vector<float> full_logits;  // [n_prompt][n_vocab] where NAME.logits.f32 exists
+};
+
+Golden load(const std::string& name);  // aborts the test run if the fixture is missing
+
+// Bounds of testdata/README.md for unquantized (f32/f16/bf16) or quantized files.
+struct Bounds {
+  float abs = 0, rel = 0;       // |Δlogit| <= abs + rel * |logit|
+  float near_tie = 0;           // top-1 / greedy agreement required when margin >= this
+  double mean_kl = 0;
+};
+Bounds bounds_for(bool quantized);
+
+// eval(tokens, all_logits) as Session::eval.
+using EvalFn = std::function<Expected<std::span<const float>>(std::span<const int32_t>, bool)>;
+
+struct Report {
+  double worst_abs = 0;       // worst |Δlogit| over llama.cpp's top-10, all positions
+  double worst_excess = -1e30;  // worst |Δ| - bound (<= 0 passes)
+  int bound_failures = 0;     // positions/ids over the bound
+  int top1_failures = 0;      // positions with margin >= near_tie and another top-1
+  double mean_kl = -1;        // -1: no full logits
+  int greedy_matched = 0;     // leading greedy ids equal to llama.cpp's
+  int greedy_required = 0;    // leading steps before the first near-tie
+  std::string first_failure;  // human-readable first problem
+  bool ok(const Bounds& b) const;
+};
+
+// One batched prefill of the prompt (logits at every position) and greedy single-token
+// decode steps for every golden greedy id.
+Report check(const Golden& g, const Bounds& b, const EvalFn& eval);
+
+}  // namespace kiln::golden

@@ -1,0 +1,107 @@
+// tests/golden/golden_test.cpp: every llama/qwen3/gemma2/gemma3 fixture against llama.cpp's golden logits
+// and greedy ids, through the fast path (cpu backend, and the scalar ref backend) and the
+// reference pass. Prints worst |Δ|, mean KL and the matched greedy prefix per model.
+#include <gtest/gtest.h>
+
+#include "backend/backend.h"
+#include "common/testdata.h"
+#include "engine/session.h"
+#include "golden.h"
+#include "model/reference.h"
+#if KILN_HAVE_CPU_BACKEND
+#include "backend/cpu/cpu_backend.h"
+#endif
+
+namespace kiln {
+namespace {
+
+struct Fixture {
+  const char* name;
+  bool quantized;
+};
+
+constexpr Fixture kFixtures[] = {
+    {"stories260K", false},     {"stories260K-q8_0", true},    {"babyllama-tok105-f32", false},
+    {"llama-gqa-f16", false},   {"llama-gqa-bf16", false},     {"llama-gqa-q8_0", true},
+    {"llama-gqa-q4_0", true},   {"llama-gqa-q4_k_m", true},    {"llama-gqa-q5_k_m", true},
+    {"llama-gqa-q6_k", true},   {"qwen3-bpe-f16", false},      {"qwen3-bpe-q8_0", true},
+    {"gemma2-swa-f16", false},  {"gemma2-swa-q8_0", true},     {"gemma3-swa-f16", false},
+};
+
+enum class Path { Reference, RefBackend, CpuBackend };
+
+std::string path_name(Path p) {
+  switch (p) {
+    case Path::Reference: return "reference";
+    case Path::RefBackend: return "ref";
+    case Path::CpuBackend: return "cpu";
+  }
+  return "?";
+}
+
+// llama.cpp produced the golden data with n_ctx 512.
+constexpr int32_t kCtx = 512;
+
+void run_golden(const Fixture& fx, Path path) {
+  const golden::Golden g = golden::load(fx.name);
+  auto m = Model::load(testing::model_path(std::string(fx.name) + ".gguf"));
+  ASSERT_TRUE(m.has_value()) << m.error();
+  ASSERT_EQ((*m)->n_vocab(), g.n_vocab);
+  const golden::Bounds b = golden::bounds_for(fx.quantized);
+  golden::Report r;
+  if (path == Path::Reference) {
+    model::ReferenceSession s((*m)->hparams(), (*m)->weights(), kCtx);
+    r = golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); });
+  } else {
+    std::unique_ptr<Backend> be;
+#if KILN_HAVE_CPU_BACKEND
+    if (path == Path::CpuBackend) be = make_cpu_backend(2);
+#endif
+    if (path == Path::RefBackend) be = make_ref_backend();
+    ASSERT_TRUE(be);
+    Session s(*m, *be, kCtx);
+    r = golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); });
+  }
+  fmt::print("  {:<22} {:<9} worst |Δ| {:.4f} (excess over bound {:+.4f}), mean KL {}, greedy "
+             "{}/{} matched ({} required)\n",
+             fx.name, path_name(path), r.worst_abs, r.worst_excess,
+             r.mean_kl < 0 ? std::string("n/a") : fmt::format("{:.3g}", r.mean_kl),
+             r.greedy_matched, g.greedy.size(), r.greedy_required);
+  EXPECT_EQ(r.bound_failures, 0) << r.first_failure;
+  EXPECT_EQ(r.top1_failures, 0) << r.first_failure;
+  if (r.mean_kl >= 0) EXPECT_LE(r.mean_kl, b.mean_kl);
+  EXPECT_GE(r.greedy_matched, r.greedy_required) << r.first_failure;
+  EXPECT_TRUE(r.ok(b));
+}
+
+class Golden : public ::testing::TestWithParam<std::tuple<Fixture, Path>> {};
+
+TEST_P(Golden, MatchesLlamaCpp) { run_golden(std::get<0>(GetParam()), std::get<1>(GetParam())); }
+
+std::string param_name(const ::testing::TestParamInfo<std::tuple<Fixture, Path>>& info) {
+  std::string n = std::string(std::get<0>(info.param).name) + "_" + path_name(std::get<1>(info.param));
+  for (char& c : n)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  return n;
+}
+
+INSTANTIATE_TEST_SUITE_P(Reference, Golden,
+                         ::testing::Combine(::testing::ValuesIn(kFixtures),
+                                            ::testing::Values(Path::Reference)),
+                         param_name);
+// The scalar ref backend is slow; three fixtures (one with ring KV planes) cover its use by the fast graph.
+constexpr Fixture kRefBackendFixtures[] = {
+    {"stories260K", false}, {"llama-gqa-q4_k_m", true}, {"gemma3-swa-f16", false}};
+INSTANTIATE_TEST_SUITE_P(RefBackend, Golden,
+                         ::testing::Combine(::testing::ValuesIn(kRefBackendFixtures),
+                                            ::testing::Values(Path::RefBackend)),
+                         param_name);
+#if KILN_HAVE_CPU_BACKEND
+INSTANTIATE_TEST_SUITE_P(Cpu, Golden,
+                         ::testing::Combine(::testing::ValuesIn(kFixtures),
+                                            ::testing::Values(Path::CpuBackend)),
+                         param_name);
+#endif
+
+}  // namespace
+}  // namespace kiln

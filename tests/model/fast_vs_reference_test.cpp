@@ -1,0 +1,196 @@
+// tests/model/fast_vs_reference_test.cpp: the fast forward pass (Session on a backend)
+// against the reference pass, node by node (`blk.N.attn_norm`, ..., `result_output`), for a
+// prefill batch and the decode steps after it. Includes a crafted random qwen2 model so the
+// q/k/v bias path is covered even though no qwen2 fixture exists.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "backend/backend.h"
+#include "common/testdata.h"
+#include "core/check.h"
+#include "engine/session.h"
+#include "format/gguf_writer.h"
+#include "model/reference.h"
+#if KILN_HAVE_CPU_BACKEND
+#include "backend/cpu/cpu_backend.h"
+#endif
+
+namespace kiln {
+namespace {
+
+struct NodeDiff {
+  std::string worst_node;
+  double worst_rel = 0;  // ||fast - ref|| / ||ref|| of the worst node
+  size_t n_nodes = 0;
+};
+
+// Relative RMS error per node; every node the reference records must exist in the fast pass.
+NodeDiff compare(const model::Capture& fast, const model::Capture& ref) {
+  NodeDiff d;
+  for (const auto& [name, r] : ref.nodes) {
+    auto it = fast.nodes.find(name);
+    EXPECT_NE(it, fast.nodes.end()) << "fast pass did not record " << name;
+    if (it == fast.nodes.end()) continue;
+    const model::CapturedNode& f = it->second;
+    EXPECT_EQ(f.data.size(), r.data.size()) << name;
+    if (f.data.size() != r.data.size()) continue;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < r.data.size(); ++i) {
+      num += (double(f.data[i]) - r.data[i]) * (double(f.data[i]) - r.data[i]);
+      den += double(r.data[i]) * r.data[i];
+    }
+    const double rel = std::sqrt(num / std::max(den, 1e-30));
+    ++d.n_nodes;
+    if (!(rel <= d.worst_rel)) {  // NaN propagates to the report
+      d.worst_rel = rel;
+      d.worst_node = name;
+    }
+  }
+  return d;
+}
+
+void run_compare(std::shared_ptr<const Model> m, Backend& be, double tol, int n_prompt) {
+  Session fast(m, be, 128);
+  model::ReferenceSession ref(m->hparams(), m->weights(), 128);
+  model::Capture cf, cr;
+  fast.set_capture(&cf);
+  ref.set_capture(&cr);
+  std::mt19937 rng(7);
+  std::vector<int32_t> toks(static_cast<size_t>(n_prompt));
+  for (int32_t& t : toks) t = static_cast<int32_t>(rng() % uint32_t(m->n_vocab()));
+  // Prefill (all logits), then three decode steps (last-token logits).
+  for (int step = 0; step < 4; ++step) {
+    std::span<const int32_t> batch =
+        step == 0 ? std::span<const int32_t>(toks) : std::span<const int32_t>(&toks[step], 1);
+    auto a = fast.eval(batch, step == 0);
+    auto b = ref.eval(batch, step == 0);
+    ASSERT_TRUE(a.has_value()) << a.error();
+    ASSERT_TRUE(b.has_value()) << b.error();
+    ASSERT_EQ(a->size(), b->size());
+    const NodeDiff d = compare(cf, cr);
+    fmt::print("  {} {} step {}: {} nodes, worst relative error {:.3g} at {}\n", m->arch_name(),
+               be.name(), step, d.n_nodes, d.worst_rel, d.worst_node);
+    EXPECT_GE(d.n_nodes, size_t(5 * m->hparams().n_layer + 2));
+    EXPECT_LE(d.worst_rel, tol) << "worst node " << d.worst_node << " at step " << step;
+  }
+}
+
+std::shared_ptr<const Model> load(const std::string& file) {
+  auto m = Model::load(testing::model_path(file));
+  KILN_CHECK(m.has_value(), "{}", m.error());
+  return *m;
+}
+
+// A random qwen2 model (q/k/v biases, NeoX RoPE, tied output) written in memory.
+std::shared_ptr<const Model> random_qwen2() {
+  const int64_t E = 64, H = 4, HKV = 2, D = 16, FF = 96, V = 100, L = 2;
+  GgufWriter w;
+  w.set_str("general.architecture", "qwen2");
+  w.set_u32("qwen2.context_length", 256);
+  w.set_u32("qwen2.embedding_length", E);
+  w.set_u32("qwen2.block_count", L);
+  w.set_u32("qwen2.feed_forward_length", FF);
+  w.set_u32("qwen2.attention.head_count", H);
+  w.set_u32("qwen2.attention.head_count_kv", HKV);
+  w.set_f32("qwen2.rope.freq_base", 1e6f);
+  w.set_f32("qwen2.attention.layer_norm_rms_epsilon", 1e-6f);
+  static std::vector<std::vector<std::byte>> store;  // bytes live until write_to_memory
+  store.clear();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 0.5f);
+  auto tensor = [&](const std::string& name, std::vector<int64_t> ne, bool as_f16, float scale) {
+    int64_t n = 1;
+    for (int64_t x : ne) n *= x;
+    std::vector<std::byte>& b = store.emplace_back(static_cast<size_t>(n * (as_f16 ? 2 : 4)));
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = nd(rng) * scale;
+      if (as_f16) {
+        const f16 h = f32_to_f16(v);
+        std::memcpy(b.data() + 2 * i, &h, 2);
+      } else {
+        std::memcpy(b.data() + 4 * i, &v, 4);
+      }
+    }
+    w.add_tensor(name, as_f16 ? DType::F16 : DType::F32, ne, b);
+  };
+  const float ws = 1.0f / std::sqrt(float(E));
+  tensor("token_embd.weight", {E, V}, true, 1.0f);
+  tensor("output_norm.weight", {E}, false, 1.0f);
+  for (int64_t il = 0; il < L; ++il) {
+    auto n = [il](const char* s) { return fmt::format("blk.{}.{}", il, s); };
+    tensor(n("attn_norm.weight"), {E}, false, 1.0f);
+    tensor(n("attn_q.weight"), {E, H * D}, true, ws);
+    tensor(n("attn_k.weight"), {E, HKV * D}, true, ws);
+    tensor(n("attn_v.weight"), {E, HKV * D}, true, ws);
+    tensor(n("attn_q.bias"), {H * D}, false, 1.0f);
+    tensor(n("attn_k.bias"), {HKV * D}, false, 1.0f);
+    tensor(n("attn_v.bias"), {HKV * D}, false, 1.0f);
+    tensor(n("attn_output.weight"), {H * D, E}, true, ws);
+    tensor(n("ffn_norm.weight"), {E}, false, 1.0f);
+    tensor(n("ffn_gate.weight"), {E, FF}, true, ws);
+    tensor(n("ffn_up.weight"), {E, FF}, true, ws);
+    tensor(n("ffn_down.weight"), {FF, E}, true, 1.0f / std::sqrt(float(FF)));
+  }
+  auto g = GgufFile::parse(MappedFile::from_bytes(w.write_to_memory(), "qwen2-random.gguf"));
+  KILN_CHECK(g.has_value(), "{}", g.error());
+  auto m = Model::from_gguf(std::move(*g));
+  KILN_CHECK(m.has_value(), "{}", m.error());
+  return *m;
+}
+
+// The ref backend differs from the reference pass only by the f16 KV planes.
+constexpr double kRefBackendTol = 5e-3;
+
+TEST(FastVsReference, Stories260KRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(load("stories260K.gguf"), *be, kRefBackendTol, 40);
+}
+TEST(FastVsReference, LlamaGqaQ4KRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(load("llama-gqa-q4_k_m.gguf"), *be, kRefBackendTol, 24);
+}
+TEST(FastVsReference, Qwen3RefBackend) {
+  auto be = make_ref_backend();
+  run_compare(load("qwen3-bpe-f16.gguf"), *be, kRefBackendTol, 24);
+}
+// Sliding window 8 with a 24-token prefill: the ring planes wrap during the batch and again
+// during the decode steps.
+TEST(FastVsReference, Gemma2RingRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(load("gemma2-swa-f16.gguf"), *be, kRefBackendTol, 24);
+}
+TEST(FastVsReference, Gemma3RingRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(load("gemma3-swa-f16.gguf"), *be, kRefBackendTol, 24);
+}
+TEST(FastVsReference, Qwen2BiasesRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(random_qwen2(), *be, kRefBackendTol, 30);
+}
+
+#if KILN_HAVE_CPU_BACKEND
+// The cpu backend may round activations to 8-bit blocks for quantized weights (as llama.cpp
+// does), so its bound is looser on the quantized model.
+TEST(FastVsReference, Stories260KCpuBackend) {
+  auto be = make_cpu_backend(2);
+  run_compare(load("stories260K.gguf"), *be, 1e-2, 40);
+}
+TEST(FastVsReference, LlamaGqaQ4KCpuBackend) {
+  auto be = make_cpu_backend(2);
+  run_compare(load("llama-gqa-q4_k_m.gguf"), *be, 5e-2, 24);
+}
+TEST(FastVsReference, Gemma3RingCpuBackend) {
+  auto be = make_cpu_backend(2);
+  run_compare(load("gemma3-swa-f16.gguf"), *be, 1e-2, 24);
+}
+TEST(FastVsReference, Qwen2BiasesCpuBackend) {
+  auto be = make_cpu_backend(2);
+  run_compare(random_qwen2(), *be, 1e-2, 30);
+}
+#endif
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,39 @@
+// tests/ops/ops_common.h: shared helpers of the op tests: a per-run seed (printed with every
+// failure), random data, and a closeness check that a NaN can never pass.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace kiln::testing {
+
+// Fresh inputs every run; the seed is in every failure message so a failure can be replayed
+// by pinning it here.
+inline uint64_t ops_seed() {
+  static const uint64_t seed =
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  return seed;
+}
+
+inline std::vector<float> random_vec(std::mt19937_64& rng, size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// |got - want| <= tol, written so that a NaN in either (or in tol) fails.
+inline ::testing::AssertionResult close(float got, float want, double tol) {
+  const double diff = std::fabs(double(got) - double(want));
+  if (diff <= tol) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "got " << got << " want " << want << " |diff| " << diff
+                                       << " > tol " << tol << " (seed " << ops_seed() << ")";
+}
+
+}  // namespace kiln::testing

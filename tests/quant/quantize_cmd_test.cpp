@@ -1,0 +1,171 @@
+// tests/quant/quantize_cmd_test.cpp: runs the `kiln quantize` binary on the shared models and
+// checks its files against llama.cpp's: per-tensor types, metadata, tensor bytes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "common/testdata.h"
+#include "format/gguf.h"
+#include "quant/quant.h"
+
+namespace kiln::quant {
+namespace {
+
+struct RunResult {
+  int exit_code;
+  std::string stderr_text;
+};
+
+RunResult run_kiln(const std::string& args, const std::string& dir) {
+  const std::string err = dir + "/stderr.txt";
+  const std::string cmd = testing::kiln_binary() + " " + args + " 2> " + err;
+  const int rc = std::system(cmd.c_str());
+  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, testing::read_file(err)};
+}
+
+GgufFile open_file(const std::string& path) {
+  auto g = GgufFile::open(path);
+  EXPECT_TRUE(g.has_value()) << g.error();
+  if (!g) std::abort();
+  return std::move(*g);
+}
+
+bool same_value(const GgufValue& a, const GgufValue& b) {
+  if (a.type != b.type || a.v.index() != b.v.index()) return false;
+  if (!a.is_array()) {
+    if (a.is_string()) return a.str() == b.str();
+    if (std::holds_alternative<uint64_t>(a.v)) return std::get<uint64_t>(a.v) == std::get<uint64_t>(b.v);
+    if (std::holds_alternative<int64_t>(a.v)) return std::get<int64_t>(a.v) == std::get<int64_t>(b.v);
+    if (std::holds_alternative<bool>(a.v)) return std::get<bool>(a.v) == std::get<bool>(b.v);
+    return std::get<double>(a.v) == std::get<double>(b.v);
+  }
+  const GgufArray &x = a.arr(), &y = b.arr();
+  if (x.elem_type != y.elem_type || x.items.size() != y.items.size()) return false;
+  for (size_t i = 0; i < x.items.size(); ++i)
+    if (!same_value(x.items[i], y.items[i])) return false;
+  return true;
+}
+
+// Same keys, same order, same values: quantize must carry every metadata pair over and
+// only change general.file_type the way llama.cpp does.
+void expect_same_metadata(const GgufFile& ours, const GgufFile& ref) {
+  ASSERT_EQ(ours.metadata().size(), ref.metadata().size());
+  for (size_t i = 0; i < ref.metadata().size(); ++i) {
+    const GgufKV& a = ours.metadata()[i];
+    const GgufKV& b = ref.metadata()[i];
+    EXPECT_EQ(a.key, b.key) << i;
+    EXPECT_EQ(a.value.type, b.value.type) << a.key;
+    EXPECT_TRUE(same_value(a.value, b.value)) << a.key;
+  }
+}
+
+double rel_rms(const GgufFile& g, const GgufFile& f16) {
+  double e2 = 0, r2 = 0;
+  for (const TensorInfo& t : g.tensors()) {
+    const TensorInfo* r = f16.find_tensor(t.name);
+    const auto n = static_cast<size_t>(t.ne[0]);
+    std::vector<float> a(n), b(n);
+    for (int64_t row = 0; row < t.n_rows(); ++row) {
+      dequantize_row(t.dtype, g.view(t).row(row), a);
+      dequantize_row(r->dtype, f16.view(*r).row(row), b);
+      for (size_t i = 0; i < n; ++i) {
+        e2 += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+        r2 += double(b[i]) * b[i];
+      }
+    }
+  }
+  return std::sqrt(e2 / r2);
+}
+
+TEST(QuantizeCommand, Q8_0OfF32ModelEqualsLlamaCppFile) {
+  const std::string dir = testing::temp_dir();
+  const std::string out = dir + "/stories-q8_0.gguf";
+  const auto r = run_kiln(fmt::format("quantize {} {} Q8_0 --threads 2",
+                                      testing::model_path("stories260K.gguf"), out), dir);
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_NE(r.stderr_text.find("48/48"), std::string::npos) << r.stderr_text;  // progress
+  const GgufFile ours = open_file(out);
+  const GgufFile ref = open_file(testing::model_path("stories260K-q8_0.gguf"));
+  expect_same_metadata(ours, ref);
+  ASSERT_EQ(ours.tensors().size(), ref.tensors().size());
+  for (const TensorInfo& t : ref.tensors()) {
+    const TensorInfo* o = ours.find_tensor(t.name);
+    ASSERT_NE(o, nullptr) << t.name;
+    EXPECT_EQ(dtype_name(o->dtype), dtype_name(t.dtype)) << t.name;
+    const auto a = ours.view(*o).bytes, b = ref.view(t).bytes;
+    ASSERT_EQ(a.size(), b.size()) << t.name;
+    EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin())) << t.name;
+  }
+  // The whole file too (header, metadata, tensor order, offsets). llama.cpp also pads the
+  // last tensor to the alignment; GgufWriter ends the file after it, so allow only zeros
+  // beyond our end.
+  const std::string mine = testing::read_file(out);
+  const std::string theirs = testing::read_file(testing::model_path("stories260K-q8_0.gguf"));
+  ASSERT_LE(mine.size(), theirs.size());
+  EXPECT_LT(theirs.size() - mine.size(), 32u);
+  EXPECT_TRUE(theirs.compare(0, mine.size(), mine) == 0) << "files differ before the end";
+  for (size_t i = mine.size(); i < theirs.size(); ++i) EXPECT_EQ(theirs[i], '\0');
+  std::filesystem::remove_all(dir);
+}
+
+TEST(QuantizeCommand, PresetsMatchLlamaCppMixes) {
+  const std::string dir = testing::temp_dir();
+  const GgufFile f16 = open_file(testing::model_path("llama-gqa-f16.gguf"));
+  struct Case {
+    const char* preset;
+    const char* ref;
+  };
+  for (Case c : {Case{"Q4_K_M", "llama-gqa-q4_k_m.gguf"}, Case{"Q5_K_M", "llama-gqa-q5_k_m.gguf"},
+                 Case{"Q6_K", "llama-gqa-q6_k.gguf"}, Case{"Q8_0", "llama-gqa-q8_0.gguf"},
+                 Case{"Q4_0", "llama-gqa-q4_0.gguf"}, Case{"BF16", "llama-gqa-bf16.gguf"},
+                 Case{"F16", "llama-gqa-f16.gguf"}}) {
+    const std::string out = dir + "/" + c.preset + ".gguf";
+    const auto r = run_kiln(fmt::format("quantize {} {} {} -t 2",
+                                        testing::model_path("llama-gqa-f16.gguf"), out, c.preset), dir);
+    ASSERT_EQ(r.exit_code, 0) << c.preset << ": " << r.stderr_text;
+    const GgufFile ours = open_file(out);
+    const GgufFile ref = open_file(testing::model_path(c.ref));
+    expect_same_metadata(ours, ref);
+    ASSERT_EQ(ours.tensors().size(), ref.tensors().size());
+    for (size_t i = 0; i < ref.tensors().size(); ++i) {
+      const TensorInfo& t = ref.tensors()[i];
+      EXPECT_EQ(ours.tensors()[i].name, t.name) << c.preset;  // order kept
+      EXPECT_EQ(dtype_name(ours.tensors()[i].dtype), dtype_name(t.dtype)) << c.preset << " " << t.name;
+    }
+    const double ours_err = rel_rms(ours, f16), ref_err = rel_rms(ref, f16);
+    std::printf("  %-6s file size %9ju (llama.cpp %9ju), relative RMS error vs f16 %.6f (llama.cpp %.6f)\n",
+                c.preset, static_cast<uintmax_t>(ours.file_size()),
+                static_cast<uintmax_t>(ref.file_size()), ours_err, ref_err);
+    EXPECT_EQ(ours.file_size(), ref.file_size()) << c.preset;
+    EXPECT_LE(ours_err, ref_err * 1.02 + 1e-9) << c.preset;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(QuantizeCommand, BadInputIsOneLineError) {
+  const std::string dir = testing::temp_dir();
+  const std::string in = testing::model_path("llama-gqa-f16.gguf");
+  struct Case {
+    std::string args;
+    std::string expect;
+  };
+  for (const Case& c : {Case{fmt::format("quantize {} {}/x.gguf Q9_Z", in, dir), "unknown type 'Q9_Z'"},
+                        Case{fmt::format("quantize {}/missing.gguf {}/x.gguf Q4_0", dir, dir), "missing.gguf"},
+                        Case{fmt::format("quantize {} {}/x.gguf Q4_K_M",
+                                         testing::model_path("llama-gqa-q8_0.gguf"), dir),
+                             "--allow-requantize"},
+                        Case{fmt::format("quantize {} {}/no/such/dir/x.gguf Q4_0", in, dir), "x.gguf"}}) {
+    const auto r = run_kiln(c.args, dir);
+    EXPECT_EQ(r.exit_code, 1) << c.args << ": " << r.stderr_text;
+    EXPECT_NE(r.stderr_text.find(c.expect), std::string::npos) << r.stderr_text;
+    EXPECT_NE(r.stderr_text.find("kiln quantize: "), std::string::npos) << r.stderr_text;
+    EXPECT_FALSE(std::filesystem::exists(dir + "/x.gguf")) << c.args;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace kiln::quant

@@ -1,0 +1,103 @@
+// tests/template/jinja_snippets_test.cpp: interpreter features one at a time, each compared
+// with what Jinja2 itself rendered (jinja_snippets.json, made by make_jinja_snippets.py):
+// literals and printing, whitespace control, loops, macros, filters, tests, methods, errors.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "common/testdata.h"
+#include "tokenizer/jinja/chat_template.h"
+
+namespace kiln {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+TEST(JinjaSnippets, MatchJinja2) {
+  ojson doc = ojson::parse(testing::read_file(std::string(KILN_TEMPLATE_TEST_DIR) + "/jinja_snippets.json"));
+  ChatTemplateOptions opt;
+  opt.now = doc["now"].get<std::string>();
+  int passed = 0, total = 0;
+  for (const ojson& sn : doc["snippets"]) {
+    ++total;
+    const std::string src = sn["template"].get<std::string>();
+    auto out = render_chat_template(src, doc["context"], opt);
+    if (sn.contains("output")) {
+      if (!out) {
+        ADD_FAILURE() << "template: " << src << "\nfailed: " << out.error();
+        continue;
+      }
+      EXPECT_EQ(*out, sn["output"].get<std::string>()) << "template: " << src;
+      passed += *out == sn["output"].get<std::string>();
+    } else {
+      const std::string want = sn["error"].get<std::string>();
+      if (out) {
+        ADD_FAILURE() << "template: " << src << "\nexpected error: " << want << "\nrendered: " << *out;
+        continue;
+      }
+      // Syntax errors must be reported as such; their wording is our own.
+      const std::string kind = want.substr(0, want.find(':'));
+      if (kind == "TemplateSyntaxError") {
+        EXPECT_EQ(out.error().substr(0, kind.size() + 1), kind + ":") << "template: " << src << "\ngot: " << out.error();
+        passed += out.error().rfind(kind + ":", 0) == 0;
+      } else {
+        EXPECT_EQ(out.error(), want) << "template: " << src;
+        passed += out.error() == want;
+      }
+    }
+  }
+  std::printf("jinja snippets: %d/%d match Jinja2\n", passed, total);
+}
+
+TEST(JinjaLimits, HostileTemplatesStopWithAnError) {
+  const ojson ctx = {{"messages", ojson::array()}};
+  ChatTemplateOptions opt;
+  opt.max_steps = 200000;
+  opt.max_output_bytes = 1 << 20;
+  // Unbounded recursion, huge loops, output blow-up and deep nesting all end in errors.
+  const char* hostile[] = {
+      "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+      "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+      "{% set s = namespace(v='x') %}{% for i in range(100) %}{% set s.v = s.v ~ s.v %}{% endfor %}",
+      "{{ 'x' * 100000000 }}",
+      // A recursive loop object kept past its loop must not reach the finished loop's state.
+      "{% set ns = namespace() %}{% for x in [1] recursive %}{% set ns.l = loop %}{% endfor %}{{ ns.l([1]) }}",
+  };
+  for (const char* src : hostile) {
+    auto out = render_chat_template(src, ctx, opt);
+    EXPECT_FALSE(out) << src;
+  }
+  std::string deep(5000, '(');
+  EXPECT_FALSE(render_chat_template("{{ " + deep + "1" + std::string(5000, ')') + " }}", ctx));
+  std::string chain = "{{ 1";
+  for (int i = 0; i < 5000; ++i) chain += " + 1";
+  EXPECT_FALSE(render_chat_template(chain + " }}", ctx));
+  std::string nested;
+  for (int i = 0; i < 1000; ++i) nested += "{% if true %}";
+  EXPECT_FALSE(render_chat_template(nested, ctx));
+}
+
+TEST(JinjaApi, ParseOnceRenderMany) {
+  auto t = ChatTemplate::parse("{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ extra }}");
+  ASSERT_TRUE(t) << t.error();
+  for (int n = 0; n < 3; ++n) {
+    ojson ctx;
+    ctx["messages"] = ojson::array();
+    std::string want;
+    for (int k = 0; k < n; ++k) {
+      ctx["messages"].push_back({{"role", "user"}, {"content", std::to_string(k)}});
+      want += "[user:" + std::to_string(k) + "]";
+    }
+    auto out = t->render(ctx);
+    ASSERT_TRUE(out) << out.error();
+    EXPECT_EQ(*out, want);
+  }
+  EXPECT_FALSE(ChatTemplate::parse("{% if x %}"));
+  EXPECT_FALSE(render_chat_template("{{ x }}", ojson::array()));  // context must be an object
+  ChatTemplateOptions bad;
+  bad.now = "yesterday";
+  EXPECT_FALSE(render_chat_template("x", ojson::object(), bad));
+}
+
+}  // namespace
+}  // namespace kiln
