@@ -34,7 +34,9 @@ constexpr Fixture kFixtures[] = {
 
 constexpr int32_t kCtx = 512;  // llama.cpp produced the golden data with n_ctx 512
 
-enum class Weights { Arena, ZeroCopy };
+// ArenaV1: the arena with CudaOptions::matmul = V1 (the first matmul kernels), kept beside
+// the default V2 so one GPU run shows both.
+enum class Weights { Arena, ZeroCopy, ArenaV1 };
 
 class CudaGolden : public ::testing::TestWithParam<std::tuple<Fixture, Weights>> {};
 
@@ -54,16 +56,18 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
   o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
   o.profile = true;
   o.zero_copy = zero_copy;
+  if (std::get<1>(GetParam()) == Weights::ArenaV1) o.matmul = CudaMatmul::V1;
   auto be = make_cuda_backend(o);
   ASSERT_TRUE(be) << be.error();
   const golden::Bounds b = golden::bounds_for(fx.quantized);
+  const char* label = std::get<1>(GetParam()) == Weights::ArenaV1 ? "cuda-v1" : "cuda   ";
   Session s(*m, **be, kCtx);
   const golden::Report r =
       golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); });
   fmt::print(
-      "  {:<22} cuda      worst |Δ| {:.4f} (excess over bound {:+.4f}), mean KL {}, greedy "
+      "  {:<22} {}   worst |Δ| {:.4f} (excess over bound {:+.4f}), mean KL {}, greedy "
       "{}/{} matched ({} required)\n",
-      fx.name, r.worst_abs, r.worst_excess,
+      fx.name, label, r.worst_abs, r.worst_excess,
       r.mean_kl < 0 ? std::string("n/a") : fmt::format("{:.3g}", r.mean_kl), r.greedy_matched,
       g.greedy.size(), r.greedy_required);
   EXPECT_EQ(r.bound_failures, 0) << r.first_failure;
@@ -87,13 +91,14 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
     if (t.kernel_ms > slowest_ms) slowest_ms = t.kernel_ms, slowest = t.op;
   }
   fmt::print(
-      "  {:<22} cuda      kernels {:.1f} ms (most: {} {:.1f} ms), host-span copies {:.1f} ms\n",
-      fx.name, kernel_ms, slowest, slowest_ms, copy_ms);
+      "  {:<22} {}   kernels {:.1f} ms (most: {} {:.1f} ms), host-span copies {:.1f} ms\n",
+      fx.name, label, kernel_ms, slowest, slowest_ms, copy_ms);
 }
 
 std::string param_name(const ::testing::TestParamInfo<std::tuple<Fixture, Weights>>& info) {
   std::string n = std::get<0>(info.param).name;
   if (std::get<1>(info.param) == Weights::ZeroCopy) n += "_zero_copy";
+  if (std::get<1>(info.param) == Weights::ArenaV1) n += "_matmul_v1";
   for (char& c : n)
     if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
   return n;
@@ -102,6 +107,10 @@ std::string param_name(const ::testing::TestParamInfo<std::tuple<Fixture, Weight
 INSTANTIATE_TEST_SUITE_P(Arena, CudaGolden,
                          ::testing::Combine(::testing::ValuesIn(kFixtures),
                                             ::testing::Values(Weights::Arena)),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(ArenaV1, CudaGolden,
+                         ::testing::Combine(::testing::ValuesIn(kFixtures),
+                                            ::testing::Values(Weights::ArenaV1)),
                          param_name);
 // Zero-copy (registered mapping read over PCIe on the H200): three architectures suffice.
 constexpr Fixture kZeroCopyFixtures[] = {

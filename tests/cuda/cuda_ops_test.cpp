@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/check.h"
 #include "core/dtype.h"
 #include "cuda_test_common.h"
 #include "ops/ops_common.h"
@@ -21,9 +22,15 @@ using kiln::testing::close;
 using kiln::testing::cuda_under_test;
 using kiln::testing::ops_seed;
 using kiln::testing::random_vec;
+using Kernels = ::kiln::CudaMatmul;  // the name CudaMatmul is the parity suite's below
 
 Backend& ref() { return *cuda_under_test().ref; }
 CudaBackend& gpu() { return *cuda_under_test().cuda; }
+CudaBackend& gpu(Kernels kernels) {
+  kiln::testing::CudaUnderTest& u = cuda_under_test();
+  KILN_CHECK(kernels == Kernels::V2 || u.cuda_v1, "the V1 backend could not be created");
+  return kernels == Kernels::V1 ? *u.cuda_v1 : *u.cuda;
+}
 
 struct TestWeights {
   std::vector<std::byte> bytes;
@@ -55,6 +62,25 @@ double matmul_tol(const float* w, const float* x, int64_t k) {
   return 2e-5 * abs_sum + 1e-6;
 }
 
+// MatmulKernels::V2 above 16 tokens rounds each weight and activation to f16 (relative error
+// <= 2^-11 each, so <= 2^-10 + 2^-22 per product) before an f32-accumulated tensor-core GEMM;
+// values below f16's normal range (6.1e-5) round with an absolute error <= 2^-25 instead.
+double matmul_tol_f16(const float* w, const float* x, int64_t k) {
+  double bound = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const double aw = std::fabs(double(w[i])), ax = std::fabs(double(x[i]));
+    bound += aw * ax * (std::ldexp(1.0, -10) + 2e-5) + std::ldexp(1.0, -25) * (aw + ax) * 1.01;
+  }
+  return bound + 1e-6;
+}
+
+// The bound for `n_tok` tokens on the backend with these kernels.
+double matmul_tol_for(Kernels kernels, int64_t n_tok, const float* w, const float* x,
+                      int64_t k) {
+  return kernels == Kernels::V2 && n_tok > 16 ? matmul_tol_f16(w, x, k)
+                                                 : matmul_tol(w, x, k);
+}
+
 struct MatmulCase {
   DType type;
   std::vector<int64_t> ks;
@@ -72,17 +98,23 @@ TEST_P(CudaMatmul, AllShapesAndPaths) {
       // 1: matvec; 3, 9 (8 + 1): batched matvec columns; 17, 70: the tiled kernel with
       // partial tiles in both directions.
       for (int64_t n_tok : {1, 3, 9, 17, 70}) {
-        SCOPED_TRACE(::testing::Message() << dtype_name(c.type) << " rows " << n_rows << " k " << k
-                                          << " n_tok " << n_tok << " seed " << ops_seed());
         const std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
-        std::vector<float> y_ref(n_tok * n_rows), y(y_ref.size(), NAN);
+        std::vector<float> y_ref(n_tok * n_rows);
         ref().matmul(w.m, x, n_tok, y_ref);
-        gpu().matmul(w.m, x, n_tok, y);
-        for (int64_t t = 0; t < n_tok; ++t)
-          for (int64_t r = 0; r < n_rows; ++r)
-            ASSERT_TRUE(close(y[t * n_rows + r], y_ref[t * n_rows + r],
-                              matmul_tol(w.deq.data() + r * k, x.data() + t * k, k)))
-                << "t " << t << " r " << r;
+        for (Kernels kernels : {Kernels::V1, Kernels::V2}) {
+          SCOPED_TRACE(::testing::Message()
+                       << dtype_name(c.type) << " matmul V" << (kernels == Kernels::V1 ? 1 : 2)
+                       << " rows " << n_rows << " k " << k << " n_tok " << n_tok << " seed "
+                       << ops_seed());
+          std::vector<float> y(y_ref.size(), NAN);
+          gpu(kernels).matmul(w.m, x, n_tok, y);
+          for (int64_t t = 0; t < n_tok; ++t)
+            for (int64_t r = 0; r < n_rows; ++r)
+              ASSERT_TRUE(close(y[t * n_rows + r], y_ref[t * n_rows + r],
+                                matmul_tol_for(kernels, n_tok, w.deq.data() + r * k,
+                                               x.data() + t * k, k)))
+                  << "t " << t << " r " << r;
+        }
       }
     }
   }
@@ -111,9 +143,50 @@ TEST(CudaOps, MatmulNanActivationPropagates) {
     for (int64_t n_tok : {1, 20}) {
       std::vector<float> x = random_vec(rng, 256 * n_tok);
       for (int64_t tok = 0; tok < n_tok; ++tok) x[tok * 256 + 17] = NAN;
-      std::vector<float> y(5 * n_tok, 0.0f);
-      gpu().matmul(w.m, x, n_tok, y);
-      for (float v : y) EXPECT_TRUE(std::isnan(v)) << dtype_name(t) << " n_tok " << n_tok;
+      for (Kernels kernels : {Kernels::V1, Kernels::V2}) {
+        std::vector<float> y(5 * n_tok, 0.0f);
+        gpu(kernels).matmul(w.m, x, n_tok, y);
+        for (float v : y)
+          EXPECT_TRUE(std::isnan(v)) << dtype_name(t) << " n_tok " << n_tok << " V"
+                                     << (kernels == Kernels::V1 ? 1 : 2);
+      }
+    }
+  }
+}
+
+// V2's shape-dependent choices: more rows than one resident wave of warps (each warp loops
+// over rows), activations too wide for 4 tokens of shared memory (one token per column), too
+// wide for shared memory at all (V1 runs), and a prefill large enough for the GEMM path.
+TEST(CudaOps, MatmulV2ShapePaths) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  struct Shape {
+    DType type;
+    int64_t n_rows, k;
+    std::vector<int64_t> toks;
+  };
+  const Shape shapes[] = {
+      {DType::Q4_K, 4500, 256, {1, 5}}, {DType::Q8_0, 4500, 1024, {1, 2}},
+      {DType::F16, 4500, 256, {1, 3}},  {DType::Q6_K, 4500, 2048, {1}},
+      {DType::Q4_K, 40, 5632, {1, 6}},  {DType::Q8_0, 20, 5632, {7}},
+      {DType::F32, 9, 22528, {1, 2}},   {DType::Q4_0, 9, 22528, {1, 3}},
+      {DType::Q4_K, 300, 512, {64}},    {DType::F16, 129, 96, {33}},
+  };
+  for (const Shape& sh : shapes) {
+    TestWeights w = make_weights(sh.type, sh.n_rows, sh.k, rng);
+    for (int64_t n_tok : sh.toks) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(sh.type) << " rows " << sh.n_rows << " k "
+                                        << sh.k << " n_tok " << n_tok << " seed " << ops_seed());
+      const std::vector<float> x = random_vec(rng, n_tok * sh.k, 1.0f);
+      std::vector<float> y_ref(n_tok * sh.n_rows), y(y_ref.size(), NAN);
+      ref().matmul(w.m, x, n_tok, y_ref);
+      gpu(Kernels::V2).matmul(w.m, x, n_tok, y);
+      for (int64_t t = 0; t < n_tok; ++t)
+        for (int64_t r = 0; r < sh.n_rows; ++r)
+          ASSERT_TRUE(close(y[t * sh.n_rows + r], y_ref[t * sh.n_rows + r],
+                            matmul_tol_for(Kernels::V2, n_tok, w.deq.data() + r * sh.k,
+                                           x.data() + t * sh.k, sh.k)))
+              << "t " << t << " r " << r;
     }
   }
 }
@@ -208,7 +281,8 @@ TEST(CudaOps, ZeroCopyRegionMatchesReference) {
     for (int64_t t = 0; t < n_tok; ++t)
       for (int64_t r = 0; r < 200; ++r)
         ASSERT_TRUE(close(y[t * 200 + r], y_ref[t * 200 + r],
-                          matmul_tol(w.deq.data() + r * 1024, x.data() + t * 1024, 1024)))
+                          matmul_tol_for(o.matmul, n_tok, w.deq.data() + r * 1024,
+                                         x.data() + t * 1024, 1024)))
             << "n_tok " << n_tok << " t " << t << " r " << r;
   }
   const std::vector<int32_t> ids = {199, 0, 77};

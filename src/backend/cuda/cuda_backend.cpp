@@ -27,6 +27,8 @@ struct CudaBackend::Impl {
   int n_sm = 1;
   std::string device_name;
   cuda::Stream compute, copy;
+  cuda::MatmulKernels matmul_kernels = cuda::MatmulKernels::V2;
+  cuda::GemmWorkspace gemm;  // V2's prefill path, grown on demand
   std::unique_ptr<cuda::WeightArena> arena;
   // Scratch slots, grown on demand; slot numbers are per op (an op's inputs and outputs never
   // share a slot).
@@ -167,7 +169,13 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
   const cuda::DeviceWeight dw = I.weight(w);
   const float* dx = I.upload<float>(0, x);
   float* dy = I.buffer<float>(1, y.size());
-  I.launch("matmul", [&] { return cuda::launch_matmul(dw, dx, n_tok, dy, I.s()); });
+  cuda::GemmWorkspace* gemm = nullptr;
+  if (I.matmul_kernels == cuda::MatmulKernels::V2 && n_tok > cuda::kMatvecMaxTokens &&
+      I.gemm.reserve(dw, n_tok))
+    gemm = &I.gemm;
+  I.launch("matmul", [&] {
+    return cuda::launch_matmul(dw, dx, n_tok, dy, I.s(), I.matmul_kernels, gemm);
+  });
   I.download(y, static_cast<const float*>(dy));
   I.finish("matmul");
 }
@@ -389,6 +397,8 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   if (cudaError_t e = impl->copy.create(); e != cudaSuccess)
     return Status::errorf("CUDA stream: {}", cudaGetErrorString(e));
   impl->profile = options.profile;
+  impl->matmul_kernels =
+      options.matmul == CudaMatmul::V1 ? cuda::MatmulKernels::V1 : cuda::MatmulKernels::V2;
   if (options.profile) {
     for (cuda::Event& e : impl->ev)
       if (cudaError_t err = e.create(/*timing=*/true); err != cudaSuccess)

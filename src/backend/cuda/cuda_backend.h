@@ -20,8 +20,14 @@
 
 namespace kiln {
 
+// The matmul kernels (backend/cuda/kernels.h's MatmulKernels): V1, the first slice's (f32
+// throughout); V2, shared-memory activations for decode and f16 tensor-core GEMM (cuBLAS) for
+// more than 16 tokens. V1 stays selectable to compare and to fall back.
+enum class CudaMatmul { V1, V2 };
+
 struct CudaOptions {
   int device = 0;
+  CudaMatmul matmul = CudaMatmul::V2;
   // Optional: the whole weight region (e.g. the GGUF mapping's tensor data). When set, it is
   // uploaded once, at creation, into one arena allocation through pinned staging on a copy
   // stream, and every WeightMatrix inside it is an offset into that arena.

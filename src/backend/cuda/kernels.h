@@ -26,8 +26,42 @@ struct DeviceWeight {
 };
 
 // --- matvec.cu: y[t][r] = sum_c W[r][c] x[t][c], dequantization fused.
+// V1: the first kernels (one row per warp, activations read per lane from global memory; the
+// 64x64 f32 tile kernel above 16 tokens). V2: activations staged once per block in padded
+// shared memory (conflict-free 16-byte reads), float rows read with lane-contiguous 16-byte
+// loads, several rows per warp; above 16 tokens the weight is dequantized to f16 and cuBLAS
+// runs the product on tensor cores (f16 inputs, f32 accumulation; needs a GemmWorkspace
+// reserved for the shape, else the V1 tile kernel runs).
+enum class MatmulKernels { V1, V2 };
+
+// The cuBLAS handle and f16 scratch of V2's many-token path. reserve() allocates (synchronous,
+// never inside a launcher); launch_matmul only uses what was reserved.
+class GemmWorkspace {
+ public:
+  GemmWorkspace() = default;
+  ~GemmWorkspace();
+  GemmWorkspace(const GemmWorkspace&) = delete;
+  GemmWorkspace& operator=(const GemmWorkspace&) = delete;
+  // Makes room for w times n_tok activations; false (and the tile-kernel fallback) when
+  // cuBLAS is missing from the build or refuses.
+  bool reserve(const DeviceWeight& w, int64_t n_tok);
+  bool fits(const DeviceWeight& w, int64_t n_tok) const;
+  void* handle() const { return handle_; }
+  void* scratch() const { return scratch_; }
+
+ private:
+  void* handle_ = nullptr;  // cublasHandle_t
+  void* scratch_ = nullptr;
+  size_t bytes_ = 0;
+  bool failed_ = false;
+};
+
+// Above this many tokens V2 uses the GEMM path (and V1 its tile kernel).
+inline constexpr int64_t kMatvecMaxTokens = 16;
+
 cudaError_t launch_matmul(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
-                          cudaStream_t s);
+                          cudaStream_t s, MatmulKernels k = MatmulKernels::V1,
+                          GemmWorkspace* gemm = nullptr);
 // --- get_rows.cu: out[i][:] = row ids[i] of w, dequantized.
 cudaError_t launch_get_rows(const DeviceWeight& w, const int32_t* ids, int64_t n_ids, float* out,
                             cudaStream_t s);
