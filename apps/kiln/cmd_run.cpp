@@ -16,6 +16,7 @@
 #include "apps/kiln/gen_common.h"
 #include "core/counters.h"
 #include "core/log.h"
+#include "engine/speculative.h"
 #include "sampling/sampler.h"
 
 namespace kiln::app {
@@ -28,6 +29,9 @@ struct RunOptions {
   SamplerParams sampling;
   std::vector<std::string> logit_bias;  // "ID+BIAS" / "ID-BIAS" / "ID=-inf"
   std::shared_ptr<ConfigOverrides> config;
+  std::string draft;        // --draft MODEL: speculative decoding with a draft model
+  bool spec_ngram = false;  // --spec-ngram: speculative decoding with prompt lookup
+  int32_t draft_n = 4;      // --draft-n: tokens drafted per verify step
 };
 
 using Clock = std::chrono::steady_clock;
@@ -58,6 +62,77 @@ Status parse_logit_bias(const std::vector<std::string>& specs,
     } catch (const std::exception&) {
       return Status::errorf("--logit-bias '{}': expected ID+BIAS or ID-BIAS", s);
     }
+  }
+  return Status::ok();
+}
+
+// Speculative path of `kiln run` (issue 10): same output contract (greedy ids identical to
+// plain decoding; sampled ids distributed as plain sampling), plus acceptance figures.
+Status run_speculative(const RunOptions& o, const Config& cfg, const Loaded& ld,
+                       std::span<const int32_t> prompt, int32_t n_ctx) {
+  const Tokenizer& tok = *ld.tokenizer;
+  std::unique_ptr<Drafter> drafter;
+  if (!o.draft.empty()) {
+    if (o.spec_ngram) return Status::error("give either --draft MODEL or --spec-ngram, not both");
+    KILN_ASSIGN_OR_RETURN(auto dm, Model::load(o.draft));
+    KILN_ASSIGN_OR_RETURN(drafter, ModelDrafter::create(dm, *ld.backend, n_ctx, ld.model->n_vocab()));
+  } else {
+    drafter = std::make_unique<NgramDrafter>(1, 3);
+  }
+  if (o.draft_n < 1 || o.draft_n > 64) return Status::errorf("--draft-n {} outside [1, 64]", o.draft_n);
+  SpecParams sp;
+  sp.n_draft = o.draft_n;
+  sp.sampling = o.sampling;
+  sp.draft_sampling = o.sampling;
+  Session session(ld.model, *ld.backend, n_ctx);
+  KILN_ASSIGN_OR_RETURN(auto dec, SpeculativeDecoder::create(session, *drafter, sp));
+  const auto t_prefill = Clock::now();
+  KILN_TRY(dec->start(prompt));
+  const double prefill_s = seconds_since(t_prefill);
+
+  std::vector<int32_t> out_ids;
+  Utf8Stream stream;
+  bool stopped_by_eog = false;
+  const auto t_decode = Clock::now();
+  while (!stopped_by_eog && static_cast<int32_t>(out_ids.size()) < o.n_predict) {
+    KILN_ASSIGN_OR_RETURN(SpecStep st, dec->step());
+    for (int32_t id : st.tokens) {
+      out_ids.push_back(id);
+      if (tok.is_eog(id)) {
+        stopped_by_eog = true;
+        break;
+      }
+      const std::string text = stream.push(tok.token_to_piece(id, /*special=*/false));
+      if (!text.empty()) {
+        std::fwrite(text.data(), 1, text.size(), stdout);
+        std::fflush(stdout);
+      }
+      if (static_cast<int32_t>(out_ids.size()) == o.n_predict) break;
+    }
+  }
+  const std::string rest = stream.flush();
+  std::fwrite(rest.data(), 1, rest.size(), stdout);
+  if (::isatty(::fileno(stdout))) std::fputc('\n', stdout);
+  std::fflush(stdout);
+  const double decode_s = seconds_since(t_decode);
+  const SpecStats& s = dec->stats();
+  fmt::print(stderr,
+             "kiln run: prompt {} tokens, prefill {:.2f} t/s ({:.1f} ms); generated {} tokens{}, "
+             "decode {:.2f} t/s ({:.1f} ms)\n",
+             prompt.size(), double(prompt.size()) / prefill_s, prefill_s * 1e3, out_ids.size(),
+             stopped_by_eog ? " (end of generation)" : "",
+             decode_s > 0 ? double(out_ids.size()) / decode_s : 0.0, decode_s * 1e3);
+  fmt::print(stderr,
+             "kiln run: speculative ({}, k={}): {} verify steps, drafted {}, accepted {} ({:.1f}%), "
+             "{:.2f} tokens/step, draft {:.1f} ms, verify {:.1f} ms\n",
+             drafter->name(), o.draft_n, s.steps, s.drafted, s.accepted,
+             s.drafted ? 100.0 * double(s.accepted) / double(s.drafted) : 0.0,
+             s.tokens_per_step(), s.draft_s * 1e3, s.verify_s * 1e3);
+  fmt::print(stderr, "kiln run: ids xxh64 {}\n", hash_ids(out_ids));
+  if (cfg.stats) {
+    fmt::print(stderr, "stats: config\n{}", describe(cfg));
+    const auto counters = process_counters().snapshot();
+    if (!counters.empty()) fmt::print(stderr, "stats: counters\n{}", format_counters(counters));
   }
   return Status::ok();
 }
@@ -98,6 +173,8 @@ Status run(RunOptions o) {
                           n_ctx - int64_t(prompt.size()));
   KILN_ASSIGN_OR_RETURN(Sampler sampler, Sampler::create(o.sampling, ld.model->n_vocab()));
   for (int32_t id : prompt) sampler.accept(id);
+
+  if (!o.draft.empty() || o.spec_ngram) return run_speculative(o, cfg, ld, prompt, n_ctx);
 
   Session session(ld.model, *ld.backend, n_ctx);
   const auto t_prefill = Clock::now();
@@ -178,6 +255,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--frequency-penalty", o->sampling.frequency_penalty, "frequency penalty");
   cmd->add_option("--logit-bias", o->logit_bias, "ID+BIAS or ID-BIAS (repeatable; -inf bans)");
   cmd->add_option("-s,--seed", o->sampling.seed, "sampling seed (default 42)");
+  cmd->add_option("--draft", o->draft, "speculative decoding with this draft model (same vocabulary)");
+  cmd->add_flag("--spec-ngram", o->spec_ngram, "speculative decoding with n-gram prompt lookup");
+  cmd->add_option("--draft-n", o->draft_n, "tokens drafted per verify step (default 4)");
   o->config = add_config_options(cmd);
   cmd->callback([o, &exit_code] {
     if (Status s = run(*o); !s) {

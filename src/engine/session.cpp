@@ -69,6 +69,7 @@ Session::Session(std::shared_ptr<const Model> model, Backend& backend, int32_t n
 Session::~Session() = default;
 
 uint64_t Session::kv_bytes() const { return impl_->kv.bytes_allocated(); }
+int32_t Session::max_batch() const { return impl_->kv.max_batch(); }
 
 Status Session::rollback(int32_t n_pos) {
   if (n_pos < 0 || n_pos > n_pos_)

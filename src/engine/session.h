@@ -68,6 +68,7 @@ class Session {
 
   int32_t n_pos() const { return n_pos_; }
   int32_t n_ctx() const { return n_ctx_; }
+  int32_t max_batch() const;  // most tokens one forward step takes (longer evals chunk)
   int32_t n_vocab() const { return model_->n_vocab(); }
   const Model& model() const { return *model_; }
   Backend& backend() const { return backend_; }

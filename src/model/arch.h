@@ -25,7 +25,9 @@ struct ArchInfo {
   bool post_norms = false;            // post_attention_norm / post_ffw_norm (sandwich)
   bool attn_gate = false;             // attn_gate: sigmoid gate on attention output
   bool embd_scale_sqrt = false;       // embeddings multiplied by sqrt(n_embd)
+  bool embd_rmsnorm = false;          // embeddings RMS-normalised (no weight) before layer 0
   bool experts_allowed = false;       // {arch}.expert_count may select an MoE layout
+  bool experts_required = false;      // {arch}.expert_count must be present (qwen3moe)
   bool full_layers_nope = false;      // full-attention layers skip RoPE
   bool swa_rope_unscaled = false;     // sliding layers ignore rope.scaling (gemma3)
   float post_norm_eps = 0;             // > 0: eps of the post norms (else the metadata eps)

@@ -1,7 +1,7 @@
 // model/capture.h: named intermediate activations recorded by a forward pass, so the fast
 // path can be compared with the reference node by node. Names follow llama.cpp's cb() names
 // with the layer as a prefix: `blk.3.attn_norm`, `blk.3.attn_out`, `blk.3.ffn_out`,
-// `result_norm`, `result_output`.
+// `blk.3.ffn_moe_logits` (router logits of MoE layers), `result_norm`, `result_output`.
 #pragma once
 
 #include <cstdint>

@@ -43,6 +43,10 @@ class ForwardState {
                       const ForwardBatch&, std::span<float>);
   int32_t max_batch_;
   std::vector<float> x, h, q, k, v, o, gate, a, ff_gate, ff_up, ff_act, tmp;
+  // Mixture-of-experts scratch: router probabilities [B][n_expert], the chosen experts and
+  // their weights [B][n_expert_used], and the rows routed to one expert gathered together.
+  std::vector<float> router, sel_w, moe_in, moe_out;
+  std::vector<int32_t> sel_e, moe_rows;
 };
 
 // Runs one step. `logits` receives [n_out][n_vocab] with n_out = n_tok (all_logits) or 1.

@@ -118,17 +118,19 @@ Expected<HParams> read_hparams(const GgufFile& g) {
   KILN_ASSIGN_OR_RETURN(int32_t n_expert, r.opt<int32_t>("expert_count", 0));
   KILN_ASSIGN_OR_RETURN(int32_t n_expert_used, r.opt<int32_t>("expert_used_count", 0));
   KILN_ASSIGN_OR_RETURN(int32_t n_ff_exp, r.opt<int32_t>("expert_feed_forward_length", n_ff));
-  if (n_expert > 0) {
+  if (n_expert != 0) {
     if (!arch.experts_allowed)
       return Status::errorf("metadata '{}' = {}: architecture '{}' has no expert layout",
                             r.key("expert_count"), n_expert, hp.arch_name);
-    // The MoE forward pass lands with the MoE issue; refuse rather than compute wrongly.
-    return Status::errorf("mixture-of-experts models ('{}' = {}) are not supported yet",
-                          r.key("expert_count"), n_expert);
+    KILN_TRY(check_range(r.key("expert_count"), n_expert, 1, 4096));
+    KILN_TRY(check_range(r.key("expert_used_count"), n_expert_used, 1, n_expert));
+    KILN_TRY(check_range(r.key("expert_feed_forward_length"), n_ff_exp, 1, 1 << 22));
+  } else {
+    if (arch.experts_required)
+      return Status::errorf("missing metadata key '{}': architecture '{}' is mixture-of-experts",
+                            r.key("expert_count"), hp.arch_name);
+    KILN_TRY(check_range(r.key("feed_forward_length"), n_ff, 1, 1 << 22));
   }
-  (void)n_expert_used;
-  (void)n_ff_exp;
-  KILN_TRY(check_range(r.key("feed_forward_length"), n_ff, 1, 1 << 22));
 
   hp.layers.resize(hp.n_layer);
   for (int32_t il = 0; il < hp.n_layer; ++il) {
@@ -142,7 +144,13 @@ Expected<HParams> read_hparams(const GgufFile& g) {
       L.rope.freq_base = freq_base_swa;
       if (arch.swa_rope_unscaled) L.rope.freq_scale = 1.0f;
     }
-    L.n_ff = n_ff;
+    if (n_expert > 0) {
+      L.n_expert = n_expert;
+      L.n_expert_used = n_expert_used;
+      L.n_ff_expert = n_ff_exp;
+    } else {
+      L.n_ff = n_ff;
+    }
   }
 
   // n_vocab is the embedding table's row count (vocab_size is optional and may disagree).

@@ -109,6 +109,7 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
     quant::dequantize_row(w_.token_embd.dtype, w_.token_embd.row(tokens[t]), dst);
     for (float& f : dst) f *= hp_.embd_scale;
   }
+  if (hp_.arch->embd_rmsnorm) rmsnorm(x, E, hp_.rms_eps, {});
   rec("inp_embd", x);
 
   const int64_t hk = hp_.head_dim_k, hv = hp_.head_dim_v;
@@ -188,14 +189,52 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
     h = x;
     rmsnorm(h, E, hp_.rms_eps, lw.ffn_norm);
     rec(p + "ffn_norm", h);
-    matmul(lw.ffn_gate, h, n, gate);
-    matmul(lw.ffn_up, h, n, up);
-    for (size_t i = 0; i < gate.size(); ++i) {
-      const double g = gate[i];
-      const double act = hp_.arch->act == FfnAct::Silu ? g / (1.0 + std::exp(-g)) : gelu_tanh(g);
-      gate[i] = static_cast<float>(act * up[i]);
+    auto ffn = [&](const WeightMatrix& wg, const WeightMatrix& wu, const WeightMatrix& wd,
+                   const Vec& in, int64_t rows, Vec& out) {
+      matmul(wg, in, rows, gate);
+      matmul(wu, in, rows, up);
+      for (size_t i = 0; i < gate.size(); ++i) {
+        const double g = gate[i];
+        const double act = hp_.arch->act == FfnAct::Silu ? g / (1.0 + std::exp(-g)) : gelu_tanh(g);
+        gate[i] = static_cast<float>(act * up[i]);
+      }
+      matmul(wd, gate, rows, out);
+    };
+    if (L.n_expert > 0) {
+      // Per token: softmax router, the k most probable experts, weights renormalised over
+      // those k, weighted sum of the chosen experts' FFNs.
+      KILN_CHECK(w_.experts != nullptr);
+      Vec logit, row, y;
+      matmul(lw.ffn_gate_inp, h, n, logit);
+      rec(p + "ffn_moe_logits", logit);
+      f.assign(static_cast<size_t>(n * E), 0.0f);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* lt = logit.data() + t * L.n_expert;
+        const double mx = *std::max_element(lt, lt + L.n_expert);
+        std::vector<double> prob(static_cast<size_t>(L.n_expert));
+        for (int32_t e = 0; e < L.n_expert; ++e) prob[e] = std::exp(double(lt[e]) - mx);
+        std::vector<bool> taken(static_cast<size_t>(L.n_expert), false);
+        std::vector<int32_t> chosen;
+        double sum = 0;
+        for (int32_t i = 0; i < L.n_expert_used; ++i) {
+          int32_t best = -1;
+          for (int32_t e = 0; e < L.n_expert; ++e)
+            if (!taken[e] && (best < 0 || prob[e] > prob[best])) best = e;
+          taken[best] = true;
+          chosen.push_back(best);
+          sum += prob[best];
+        }
+        row.assign(h.begin() + t * E, h.begin() + (t + 1) * E);
+        for (int32_t e : chosen) {
+          const moe::ExpertWeights ew = w_.experts->get(il, e);
+          ffn(ew.gate, ew.up, ew.down, row, 1, y);
+          const double wt = prob[e] / sum;
+          for (int64_t i = 0; i < E; ++i) f[t * E + i] += static_cast<float>(wt * y[i]);
+        }
+      }
+    } else {
+      ffn(lw.ffn_gate, lw.ffn_up, lw.ffn_down, h, n, f);
     }
-    matmul(lw.ffn_down, gate, n, f);
     if (!lw.post_ffn_norm.empty()) rmsnorm(f, E, hp_.post_norm_eps, lw.post_ffn_norm);
     rec(p + "ffn_out", f);
     for (size_t i = 0; i < x.size(); ++i) x[i] += f[i];

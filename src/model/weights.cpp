@@ -54,6 +54,12 @@ class Binder {
     KILN_ASSIGN_OR_RETURN(TensorView v, get(name, {n_cols, n_rows}));
     return as_matrix(v);
   }
+  // A stacked 3-D tensor [n_cols, n_rows, n_mat] as n_mat * n_rows rows.
+  Expected<WeightMatrix> stacked(const std::string& name, int64_t n_cols, int64_t n_rows,
+                                 int64_t n_mat) const {
+    KILN_ASSIGN_OR_RETURN(TensorView v, get(name, {n_cols, n_rows, n_mat}));
+    return as_matrix(v);
+  }
 
   // A 1-D f32 vector: a view when stored as f32, else dequantized into an owned buffer.
   Expected<std::span<const float>> vec(const std::string& name, int64_t n) {
@@ -98,6 +104,8 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
     w.tied_output = true;
   }
   w.layers.resize(hp.n_layer);
+  std::vector<moe::StackedExperts> experts(static_cast<size_t>(hp.n_layer));
+  bool any_experts = false;
   for (int32_t il = 0; il < hp.n_layer; ++il) {
     const LayerDesc& L = hp.layers[il];
     LayerWeights& lw = w.layers[il];
@@ -124,10 +132,22 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
       KILN_ASSIGN_OR_RETURN(lw.post_ffn_norm, b.vec(n("post_ffw_norm.weight"), E));
     }
     KILN_ASSIGN_OR_RETURN(lw.ffn_norm, b.vec(n("ffn_norm.weight"), E));
+    if (L.n_expert > 0) {
+      moe::StackedExperts& se = experts[il];
+      se.n_expert = L.n_expert;
+      const int64_t F = L.n_ff_expert, X = L.n_expert;
+      KILN_ASSIGN_OR_RETURN(lw.ffn_gate_inp, b.matrix(n("ffn_gate_inp.weight"), E, X));
+      KILN_ASSIGN_OR_RETURN(se.gate, b.stacked(n("ffn_gate_exps.weight"), E, F, X));
+      KILN_ASSIGN_OR_RETURN(se.up, b.stacked(n("ffn_up_exps.weight"), E, F, X));
+      KILN_ASSIGN_OR_RETURN(se.down, b.stacked(n("ffn_down_exps.weight"), F, E, X));
+      any_experts = true;
+      continue;
+    }
     KILN_ASSIGN_OR_RETURN(lw.ffn_gate, b.matrix(n("ffn_gate.weight"), E, L.n_ff));
     KILN_ASSIGN_OR_RETURN(lw.ffn_up, b.matrix(n("ffn_up.weight"), E, L.n_ff));
     KILN_ASSIGN_OR_RETURN(lw.ffn_down, b.matrix(n("ffn_down.weight"), L.n_ff, E));
   }
+  if (any_experts) w.experts = std::make_shared<moe::MappedExpertSource>(std::move(experts));
   return w;
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "core/status.h"
 #include "format/gguf.h"
 #include "model/hparams.h"
+#include "moe/expert_source.h"
 
 namespace kiln::model {
 
@@ -24,8 +26,9 @@ struct LayerWeights {
   WeightMatrix wo;                        // [n_embd][o_width]
   std::span<const float> post_attn_norm;  // [n_embd] (post_norms), else empty
   std::span<const float> ffn_norm;        // [n_embd]
-  WeightMatrix ffn_gate, ffn_up;          // [n_ff][n_embd]
-  WeightMatrix ffn_down;                  // [n_embd][n_ff]
+  WeightMatrix ffn_gate, ffn_up;          // [n_ff][n_embd] (dense layers)
+  WeightMatrix ffn_down;                  // [n_embd][n_ff] (dense layers)
+  WeightMatrix ffn_gate_inp;              // [n_expert][n_embd] router (MoE layers), else n_rows == 0
   std::span<const float> post_ffn_norm;   // [n_embd] (post_norms), else empty
 };
 
@@ -35,6 +38,8 @@ struct Weights {
   WeightMatrix output;                // [n_vocab][n_embd]; token_embd when tied
   bool tied_output = false;
   std::vector<LayerWeights> layers;
+  // Expert FFN weights of MoE layers, reached only through this interface (null: dense model).
+  std::shared_ptr<moe::ExpertSource> experts;
   // Dequantized copies of non-f32 small vectors; the spans above may point into these
   // (moving the outer vector keeps each inner buffer in place).
   std::vector<std::vector<float>> owned;

@@ -14,11 +14,13 @@ namespace {
 struct Sym {
   uint32_t start, n;
   int32_t prev, next;
+  int32_t id;  // the token this symbol spells, or kTokenNull
 };
 struct Bigram {
   float score;
   int32_t left, right;
   uint32_t size;
+  int32_t result;
 };
 
 void merge_range(const Impl& v, std::string_view tv, std::vector<Sym>& syms, std::vector<Bigram>& heap,
@@ -34,10 +36,18 @@ void merge_range(const Impl& v, std::string_view tv, std::vector<Sym>& syms, std
   };
   const auto add = [&](int32_t l, int32_t r) {
     if (l < 0 || r < 0) return;
-    const uint32_t size = syms[l].n + syms[r].n;
-    const int32_t id = v.find(tv.substr(syms[l].start, size));  // the pair is contiguous
-    if (id == kTokenNull) return;
-    heap.push_back({v.scores[id], l, r, size});
+    const Sym& a = syms[l];
+    const Sym& b = syms[r];
+    int32_t id;
+    if (a.id != kTokenNull && b.id != kTokenNull) {
+      const auto it = v.spm_concat.find((static_cast<uint64_t>(a.id) << 32) | static_cast<uint32_t>(b.id));
+      if (it == v.spm_concat.end()) return;
+      id = it->second;
+    } else {
+      id = v.find(tv.substr(a.start, a.n + b.n));  // a character outside the vocabulary
+      if (id == kTokenNull) return;
+    }
+    heap.push_back({v.scores[id], l, r, a.n + b.n, id});
     std::push_heap(heap.begin(), heap.end(), lower);
   };
   for (int32_t i = first + 1; i < last; ++i) add(i - 1, i);
@@ -49,6 +59,7 @@ void merge_range(const Impl& v, std::string_view tv, std::vector<Sym>& syms, std
     Sym& r = syms[bg.right];
     if (l.n == 0 || r.n == 0 || l.n + r.n != bg.size) continue;  // stale
     l.n += r.n;
+    l.id = bg.result;
     r.n = 0;
     l.next = r.next;
     if (r.next >= 0) syms[r.next].prev = bg.left;
@@ -61,7 +72,7 @@ void merge_range(const Impl& v, std::string_view tv, std::vector<Sym>& syms, std
   for (int32_t i = first; i >= 0; i = syms[i].next) {
     const Sym& s = syms[i];
     const std::string_view piece = tv.substr(s.start, s.n);
-    const int32_t id = v.find(piece);
+    const int32_t id = s.id;
     if (id != kTokenNull) {
       out.push_back(id);
       continue;
@@ -96,7 +107,9 @@ void spm_encode(const Impl& v, std::string_view raw, bool prefix_space, std::vec
   syms.reserve(text.size());
   for (size_t off = 0; off < text.size();) {
     const size_t len = std::min(utf8_seq_len(static_cast<uint8_t>(text[off])), text.size() - off);
-    syms.push_back({static_cast<uint32_t>(off), static_cast<uint32_t>(len), -1, -1});
+    const auto b0 = static_cast<uint8_t>(text[off]);
+    const int32_t id = b0 < 0x80 ? v.spm_ascii_token[b0] : v.find(std::string_view(text).substr(off, len));
+    syms.push_back({static_cast<uint32_t>(off), static_cast<uint32_t>(len), -1, -1, id});
     off += len;
   }
   const std::string_view tv = text;
@@ -125,6 +138,21 @@ uint64_t spm_pair_key(std::string_view text, size_t a, size_t na, size_t b, size
 }
 
 void spm_build(Impl& v) {
+  for (int c = 0; c < 128; ++c) {
+    const char ch = static_cast<char>(c);
+    v.spm_ascii_token[c] = v.find(std::string_view(&ch, 1));
+  }
+  for (int32_t id = 0; id < v.n_vocab(); ++id) {
+    const std::string& t = v.texts[id];
+    if (v.find(t) != id) continue;  // a repeated text belongs to its last id
+    const std::string_view tv = t;
+    for (size_t k = utf8_seq_len(static_cast<uint8_t>(t[0])); k < t.size();
+         k += utf8_seq_len(static_cast<uint8_t>(t[k]))) {
+      const int32_t l = v.find(tv.substr(0, k)), r = v.find(tv.substr(k));
+      if (l != kTokenNull && r != kTokenNull)
+        v.spm_concat.emplace((static_cast<uint64_t>(l) << 32) | static_cast<uint32_t>(r), id);
+    }
+  }
   for (const std::string& t : v.texts) {
     size_t prev = 0, prev_n = 0;
     for (size_t off = 0; off < t.size();) {

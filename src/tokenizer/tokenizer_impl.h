@@ -62,6 +62,10 @@ struct Tokenizer::Impl {
   // bytes packed into 32 bits). Where a text's adjacent pair is not here, no merge can ever
   // cross, so the text is merged in independent pieces (small heaps instead of one of 1M).
   std::unordered_set<uint64_t> spm_pairs;
+  // SPM: (left id << 32 | right id) -> id of the token spelled left + right, for every way a
+  // token splits into two tokens; the merge loop then looks up integers, not strings.
+  std::unordered_map<uint64_t, int32_t> spm_concat;
+  std::array<int32_t, 128> spm_ascii_token{};  // token of each one-byte ASCII text
   // BPE
   tok::BpeTables bpe;
   std::optional<tok::PreTokenizer> pre;

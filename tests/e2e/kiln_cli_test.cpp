@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -198,6 +199,7 @@ TEST(KilnPerplexity, TooShortTextIsAnError) {
   std::fclose(fp);
   expect_clean_error(run_kiln({"perplexity", "-f", f, "-c", "128"}), "needs at least");
   expect_clean_error(run_kiln({"perplexity", "-f", dir + "/missing.txt"}), "missing.txt");
+  std::filesystem::remove_all(dir);
 }
 
 TEST(KilnBench, JsonParses) {
@@ -255,6 +257,7 @@ TEST(KilnMkmodel, OutputLoadsAndRunsAndIsDeterministic) {
   expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--n-embd", "100"}), "--n-head");
   expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--arch", "gpt9"}), "--arch");
   expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--n-vocab", "10"}), "--n-vocab");
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -74,7 +74,7 @@ int32_t argmax(std::span<const float> x) {
 
 }  // namespace
 
-Report check(const Golden& g, const Bounds& b, const EvalFn& eval) {
+Report check(const Golden& g, const Bounds& b, const EvalFn& eval, const ExemptFn& exempt_fn) {
   Report r;
   auto note = [&](std::string msg) {
     if (r.first_failure.empty()) r.first_failure = std::move(msg);
@@ -92,8 +92,17 @@ Report check(const Golden& g, const Bounds& b, const EvalFn& eval) {
                      g.prompt_tokens.size(), V));
     return r;
   }
+  std::vector<bool> exempt(g.prompt_tokens.size(), false);
+  if (exempt_fn) {
+    exempt = exempt_fn(g.prompt_tokens.size());
+    KILN_CHECK(exempt.size() == g.prompt_tokens.size());
+  }
   double kl_sum = 0;
   for (size_t p = 0; p < g.prompt_tokens.size(); ++p) {
+    if (exempt[p]) {
+      ++r.exempt_positions;
+      continue;
+    }
     const std::span<const float> row = prompt->subspan(p * V, V);
     const TopK& top = g.prompt_top[p];
     for (size_t i = 0; i < top.ids.size(); ++i) {
@@ -117,7 +126,8 @@ Report check(const Golden& g, const Bounds& b, const EvalFn& eval) {
     if (!g.full_logits.empty())
       kl_sum += kl_divergence(std::span<const float>(g.full_logits).subspan(p * V, V), row);
   }
-  if (!g.full_logits.empty()) r.mean_kl = kl_sum / double(g.prompt_tokens.size());
+  const size_t n_compared = g.prompt_tokens.size() - static_cast<size_t>(r.exempt_positions);
+  if (!g.full_logits.empty() && n_compared > 0) r.mean_kl = kl_sum / double(n_compared);
 
   // Greedy continuation: one single-token decode per step, fed our own choice.
   r.greedy_required = static_cast<int>(g.greedy.size());

@@ -49,12 +49,20 @@ struct Report {
   double mean_kl = -1;        // -1: no full logits
   int greedy_matched = 0;     // leading greedy ids equal to llama.cpp's
   int greedy_required = 0;    // leading steps before the first near-tie
+  int exempt_positions = 0;   // prompt positions skipped as routing near-ties (MoE)
   std::string first_failure;  // human-readable first problem
   bool ok(const Bounds& b) const;
 };
 
 // One batched prefill of the prompt (logits at every position) and greedy single-token
 // decode steps for every golden greedy id.
-Report check(const Golden& g, const Bounds& b, const EvalFn& eval);
+// Called right after the prefill with the prompt length; returns, per position, whether a
+// discrete decision there (an MoE router choosing between two experts whose logits are
+// closer than numerical noise) is a near-tie. Such positions are counted, not compared:
+// llama.cpp and kiln may legitimately route them differently, just as greedy decoding may
+// part after a near-tie.
+using ExemptFn = std::function<std::vector<bool>(size_t n_prompt)>;
+
+Report check(const Golden& g, const Bounds& b, const EvalFn& eval, const ExemptFn& exempt = {});
 
 }  // namespace kiln::golden

@@ -1,12 +1,16 @@
-// tests/golden/golden_test.cpp: every llama/qwen3/gemma2/gemma3 fixture against llama.cpp's golden logits
+// tests/golden/golden_test.cpp: every llama/qwen3/gemma2/gemma3/muse-glimmer/MoE fixture against llama.cpp's golden logits
 // and greedy ids, through the fast path (cpu backend, and the scalar ref backend) and the
 // reference pass. Prints worst |Δ|, mean KL and the matched greedy prefix per model.
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
 
 #include "backend/backend.h"
 #include "common/testdata.h"
 #include "engine/session.h"
 #include "golden.h"
+#include "core/check.h"
 #include "model/reference.h"
 #if KILN_HAVE_CPU_BACKEND
 #include "backend/cpu/cpu_backend.h"
@@ -26,6 +30,8 @@ constexpr Fixture kFixtures[] = {
     {"llama-gqa-q4_0", true},   {"llama-gqa-q4_k_m", true},    {"llama-gqa-q5_k_m", true},
     {"llama-gqa-q6_k", true},   {"qwen3-bpe-f16", false},      {"qwen3-bpe-q8_0", true},
     {"gemma2-swa-f16", false},  {"gemma2-swa-q8_0", true},     {"gemma3-swa-f16", false},
+    {"muse-glimmer-f16", false}, {"muse-glimmer-q4_k_m", true},
+    {"qwen3moe-f16", false},    {"qwen3moe-q4_k_m", true},     {"mixtral-q4_k_m", true},
 };
 
 enum class Path { Reference, RefBackend, CpuBackend };
@@ -42,6 +48,35 @@ std::string path_name(Path p) {
 // llama.cpp produced the golden data with n_ctx 512.
 constexpr int32_t kCtx = 512;
 
+// On quantized MoE fixtures a router whose k-th and (k+1)-th logits are closer than this
+// picks its last expert by rounding noise: llama.cpp's q8 activations and f16 attention move
+// layer-0 router logits by ~0.03 (kiln's cpu path vs its reference pass), and every flipped
+// position perturbs the later layers of all positions after it, so by layer 3 flips happen
+// at margins up to ~0.07. A flipped position is off by up to 2 logits (KL 0.1-0.9), which
+// no implementation can avoid without llama.cpp's exact rounding. Unquantized fixtures get
+// no exemption (qwen3moe-f16 passes every position).
+constexpr float kRouterTieQuantized = 0.08f;
+
+// Prompt positions at which some MoE layer's routing is a near-tie, from the evaluator's
+// own captured router logits (`blk.N.ffn_moe_logits`).
+std::vector<bool> routing_near_ties(const model::Capture& cap, const model::HParams& hp,
+                                    size_t n_prompt, float margin) {
+  std::vector<bool> tie(n_prompt, false);
+  for (int32_t il = 0; il < hp.n_layer; ++il) {
+    const model::LayerDesc& L = hp.layers[il];
+    if (L.n_expert == 0 || L.n_expert_used >= L.n_expert) continue;
+    auto it = cap.nodes.find(fmt::format("blk.{}.ffn_moe_logits", il));
+    KILN_CHECK(it != cap.nodes.end() && it->second.n_rows == static_cast<int64_t>(n_prompt));
+    for (size_t p = 0; p < n_prompt; ++p) {
+      std::vector<float> l(it->second.data.begin() + p * L.n_expert,
+                           it->second.data.begin() + (p + 1) * L.n_expert);
+      std::sort(l.begin(), l.end(), std::greater<float>());
+      if (l[L.n_expert_used - 1] - l[L.n_expert_used] < margin) tie[p] = true;
+    }
+  }
+  return tie;
+}
+
 void run_golden(const Fixture& fx, Path path) {
   const golden::Golden g = golden::load(fx.name);
   auto m = Model::load(testing::model_path(std::string(fx.name) + ".gguf"));
@@ -49,9 +84,23 @@ void run_golden(const Fixture& fx, Path path) {
   ASSERT_EQ((*m)->n_vocab(), g.n_vocab);
   const golden::Bounds b = golden::bounds_for(fx.quantized);
   golden::Report r;
+  const model::HParams& hp = (*m)->hparams();
+  const bool moe = (*m)->weights().experts != nullptr;
+  model::Capture cap;
+  const float tie_margin = kRouterTieQuantized;
+  // Captures the prefill only, then switches capture off for the decode steps.
+  auto exempt_with = [&](auto& session) -> golden::ExemptFn {
+    if (!moe || !fx.quantized) return {};
+    session.set_capture(&cap);
+    return [&](size_t n_prompt) {
+      session.set_capture(nullptr);
+      return routing_near_ties(cap, hp, n_prompt, tie_margin);
+    };
+  };
   if (path == Path::Reference) {
     model::ReferenceSession s((*m)->hparams(), (*m)->weights(), kCtx);
-    r = golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); });
+    const golden::ExemptFn ex = exempt_with(s);
+    r = golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); }, ex);
   } else {
     std::unique_ptr<Backend> be;
 #if KILN_HAVE_CPU_BACKEND
@@ -60,13 +109,19 @@ void run_golden(const Fixture& fx, Path path) {
     if (path == Path::RefBackend) be = make_ref_backend();
     ASSERT_TRUE(be);
     Session s(*m, *be, kCtx);
-    r = golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); });
+    const golden::ExemptFn ex = exempt_with(s);
+    r = golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); }, ex);
   }
   fmt::print("  {:<22} {:<9} worst |Δ| {:.4f} (excess over bound {:+.4f}), mean KL {}, greedy "
-             "{}/{} matched ({} required)\n",
+             "{}/{} matched ({} required){}\n",
              fx.name, path_name(path), r.worst_abs, r.worst_excess,
              r.mean_kl < 0 ? std::string("n/a") : fmt::format("{:.3g}", r.mean_kl),
-             r.greedy_matched, g.greedy.size(), r.greedy_required);
+             r.greedy_matched, g.greedy.size(), r.greedy_required,
+             moe && fx.quantized ? fmt::format(", {} of {} positions skipped as routing near-ties (margin < {})",
+                               r.exempt_positions, g.prompt_tokens.size(), tie_margin)
+                 : std::string());
+  // Skipping positions must not hollow the comparison out: most positions are still compared.
+  EXPECT_LE(r.exempt_positions * 2, static_cast<int>(g.prompt_tokens.size()));
   EXPECT_EQ(r.bound_failures, 0) << r.first_failure;
   EXPECT_EQ(r.top1_failures, 0) << r.first_failure;
   if (r.mean_kl >= 0) EXPECT_LE(r.mean_kl, b.mean_kl);

@@ -3,6 +3,7 @@
 // naive cache that stores every position forever.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
@@ -75,6 +76,29 @@ TEST(KvRowMap, RingBatchAcrossWrapPoint) {
   ASSERT_TRUE(m.begin_append(1));
   EXPECT_EQ(m.kv_pos(), iota(7, 15));
   EXPECT_EQ(m.append_rows(), (std::vector<int32_t>{2}));
+}
+
+// A prefill chunk longer than the window (window 4, max_batch 16: capacity 20): every query
+// of the batch still finds its whole window, and the new rows never collide.
+TEST(KvRowMap, RingPrefillLongerThanWindow) {
+  KvRowMap m(200, 16, 4);
+  EXPECT_EQ(m.capacity(), 20);
+  for (int round = 0; round < 5; ++round) {
+    const int32_t start = m.n_pos();
+    ASSERT_TRUE(m.begin_append(13));
+    // The first query (pos start) needs start-3..start; the batch adds start..start+12.
+    EXPECT_EQ(m.kv_pos(), iota(std::max(0, start - 3), start + 13));
+    std::vector<int32_t> rows = m.append_rows();
+    std::sort(rows.begin(), rows.end());
+    EXPECT_EQ(std::unique(rows.begin(), rows.end()), rows.end()) << "round " << round;
+    // No listed key shares a physical row with another listed key.
+    std::vector<int32_t> kv = m.kv_rows();
+    std::sort(kv.begin(), kv.end());
+    EXPECT_EQ(std::unique(kv.begin(), kv.end()), kv.end()) << "round " << round;
+    m.commit();
+  }
+  EXPECT_EQ(m.n_pos(), 65);
+  EXPECT_GE(m.lo(), 65 - 20);
 }
 
 TEST(KvRowMap, RingNeverLargerThanContext) {
@@ -181,6 +205,70 @@ TEST(KvCache, TruncateRefusalLeavesEveryLayerUnchanged) {
   EXPECT_EQ(c->kv_pos(0).size(), 76u);
   c->clear();
   EXPECT_EQ(c->n_pos(), 0);
+}
+
+// Helpers for plane-level ring tests: value v written to every K column and -v to V.
+void write_rows(KvCache& c, int layer, int64_t width, std::span<const int32_t> rows,
+                std::span<const int32_t> pos, float offset) {
+  for (size_t i = 0; i < rows.size(); ++i)
+    for (int64_t j = 0; j < width; ++j) {
+      c.k_plane(layer)[size_t(rows[i] * width + j)] = f32_to_f16(float(pos[i]) + offset);
+      c.v_plane(layer)[size_t(rows[i] * width + j)] = f32_to_f16(-(float(pos[i]) + offset));
+    }
+}
+float k_at(const KvCache& c, int layer, int64_t width, int32_t row) {
+  return f16_to_f32(c.k_plane(layer)[size_t(row * width)]);
+}
+
+TEST(KvCache, RingPrefillLongerThanWindowKeepsEveryWindow) {
+  constexpr int64_t kW = 4;
+  auto c = KvCache::create({{{kW, 6}}, 300, 32});
+  ASSERT_TRUE(c);
+  for (int round = 0; round < 8; ++round) {
+    ASSERT_TRUE(c->begin_append(29));  // much longer than the window of 6
+    write_rows(*c, 0, kW, c->append_rows(0), c->append_pos(), 0.0f);
+    // After the batch's writes, every listed key still holds its own position's value:
+    // the batch did not overwrite a key that one of its own queries needs.
+    const auto pos = c->kv_pos(0), rows = c->kv_rows(0);
+    ASSERT_EQ(pos.front(), std::max(0, c->n_pos() - 5));
+    for (size_t i = 0; i < pos.size(); ++i)
+      ASSERT_EQ(k_at(*c, 0, kW, rows[i]), float(pos[i])) << "round " << round << " pos " << pos[i];
+    c->commit();
+  }
+  EXPECT_EQ(c->rows(0), 6 + 32);  // the ring never grows
+}
+
+TEST(KvCache, RollbackIntoWrappedRegionThenReappend) {
+  constexpr int64_t kW = 2;
+  auto c = KvCache::create({{{kW, 8}, {kW, 0}}, 500, 4});  // ring capacity 12
+  ASSERT_TRUE(c);
+  for (int i = 0; i < 10; ++i) {  // 40 positions: the ring wrapped three times
+    ASSERT_TRUE(c->begin_append(4));
+    for (int l = 0; l < 2; ++l) write_rows(*c, l, kW, c->append_rows(l), c->append_pos(), 0.0f);
+    c->commit();
+  }
+  // Roll back 3 of the last batch's rows (they sit in rows that already wrapped), then
+  // append different values for those positions: the next query must see the new ones
+  // and the older part of its window unchanged.
+  ASSERT_GE(38, c->min_truncate_pos());
+  ASSERT_TRUE(c->truncate(37));
+  ASSERT_TRUE(c->begin_append(3));
+  EXPECT_EQ(c->append_rows(0)[0], 37 % 12);
+  for (int l = 0; l < 2; ++l) write_rows(*c, l, kW, c->append_rows(l), c->append_pos(), 1000.0f);
+  c->commit();
+  ASSERT_TRUE(c->begin_append(1));
+  for (int l = 0; l < 2; ++l) write_rows(*c, l, kW, c->append_rows(l), c->append_pos(), 1000.0f);
+  for (int l = 0; l < 2; ++l) {
+    const auto pos = c->kv_pos(l), rows = c->kv_rows(l);
+    EXPECT_EQ(pos.front(), l == 0 ? 33 : 0);
+    for (size_t i = 0; i < pos.size(); ++i) {
+      const float want = float(pos[i]) + (pos[i] >= 37 ? 1000.0f : 0.0f);
+      ASSERT_EQ(k_at(*c, l, kW, rows[i]), want) << "layer " << l << " pos " << pos[i];
+    }
+  }
+  // Rolling back past the window's reach is refused, leaving the cache usable.
+  EXPECT_FALSE(c->truncate(30));
+  EXPECT_EQ(c->n_pos(), 40);
 }
 
 TEST(KvCache, PrematureReadOfRingRowIsCaught) {

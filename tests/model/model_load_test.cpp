@@ -92,10 +92,59 @@ TEST(ModelLoad, Gemma2AlternatesAndSoftcaps) {
   EXPECT_FALSE(m->weights().layers[0].post_ffn_norm.empty());
 }
 
-TEST(ModelLoad, MixtureOfExpertsIsRefusedClearly) {
-  auto m = Model::load(model_path("mixtral-q4_k_m.gguf"));
-  ASSERT_FALSE(m.has_value());
-  EXPECT_NE(m.error().find("expert_count"), std::string::npos) << m.error();
+TEST(ModelLoad, MixtralLayoutBindsExperts) {
+  auto m = load_ok("mixtral-q4_k_m.gguf");
+  ASSERT_TRUE(m);
+  const model::HParams& hp = m->hparams();
+  const int32_t n_expert = *m->gguf().get<int32_t>("llama.expert_count");
+  for (const model::LayerDesc& L : hp.layers) {
+    EXPECT_EQ(L.n_expert, n_expert);
+    EXPECT_EQ(L.n_expert_used, *m->gguf().get<int32_t>("llama.expert_used_count"));
+    // No expert_feed_forward_length key: llama.cpp uses feed_forward_length.
+    EXPECT_EQ(L.n_ff_expert, *m->gguf().get<int32_t>("llama.feed_forward_length"));
+    EXPECT_EQ(L.n_ff, 0);
+  }
+  ASSERT_NE(m->weights().experts, nullptr);
+  EXPECT_EQ(m->weights().experts->n_expert(0), n_expert);
+}
+
+TEST(ModelLoad, ExpertSlicesAreViewsOfTheStackedTensors) {
+  auto m = load_ok("qwen3moe-f16.gguf");
+  ASSERT_TRUE(m);
+  const model::HParams& hp = m->hparams();
+  const model::LayerDesc& L = hp.layers[2];
+  EXPECT_EQ(L.n_ff_expert, *m->gguf().get<int32_t>("qwen3moe.expert_feed_forward_length"));
+  const TensorInfo* up = m->gguf().find_tensor("blk.2.ffn_up_exps.weight");
+  const TensorInfo* down = m->gguf().find_tensor("blk.2.ffn_down_exps.weight");
+  ASSERT_TRUE(up && down);
+  const auto up_bytes = m->gguf().view(*up).bytes, down_bytes = m->gguf().view(*down).bytes;
+  for (int32_t e = 0; e < L.n_expert; ++e) {
+    const moe::ExpertWeights ew = m->weights().experts->get(2, e);
+    EXPECT_EQ(ew.up.n_rows, L.n_ff_expert);
+    EXPECT_EQ(ew.up.n_cols, hp.n_embd);
+    EXPECT_EQ(ew.down.n_rows, hp.n_embd);
+    EXPECT_EQ(ew.down.n_cols, L.n_ff_expert);
+    // Expert e is the e-th contiguous block of the 3-D tensor, not a copy.
+    EXPECT_EQ(ew.up.bytes.data(), up_bytes.data() + e * up_bytes.size() / L.n_expert);
+    EXPECT_EQ(ew.down.bytes.data(), down_bytes.data() + e * down_bytes.size() / L.n_expert);
+    EXPECT_EQ(ew.up.bytes.size(), up_bytes.size() / L.n_expert);
+  }
+}
+
+TEST(ModelLoad, MuseGlimmerLayerPattern) {
+  auto m = load_ok("muse-glimmer-f16.gguf");
+  ASSERT_TRUE(m);
+  const model::HParams& hp = m->hparams();
+  const int32_t window = *m->gguf().get<int32_t>("muse-glimmer.attention.sliding_window");
+  for (int32_t il = 0; il < hp.n_layer; ++il) {
+    const bool global = il % 4 == 3;  // [SWA+RoPE x3, full+NoPE]
+    EXPECT_EQ(hp.layers[il].kind, global ? model::AttnKind::Full : model::AttnKind::Sliding);
+    EXPECT_EQ(hp.layers[il].window, global ? 0 : window);
+    EXPECT_EQ(hp.layers[il].use_rope, !global);
+    EXPECT_EQ(m->weights().layers[il].wgate_attn.n_rows, hp.o_width());
+  }
+  EXPECT_FLOAT_EQ(hp.post_norm_eps, 1e-8f);
+  EXPECT_FLOAT_EQ(hp.logit_scale, *m->gguf().get<float>("muse-glimmer.logit_scale"));
 }
 
 TEST(ModelLoad, WeightsAreViewsIntoTheMapping) {
@@ -198,10 +247,34 @@ TEST(ModelLoad, BadHeadCountIsAnError) {
   EXPECT_NE(m.error().find("head_count_kv"), std::string::npos) << m.error();
 }
 
-TEST(ModelLoad, UnsupportedArchitectureSaysSo) {
-  auto m = Model::load(model_path("muse-glimmer-f16.gguf"));
+TEST(ModelLoad, ExpertUsedCountAboveExpertCountIsAnError) {
+  auto m = load_crafted(
+      "qwen3moe-q4_k_m.gguf", [](GgufWriter& w) { w.set_u32("qwen3moe.expert_used_count", 9); },
+      no_tensor);
   ASSERT_FALSE(m.has_value());
-  EXPECT_NE(m.error().find("muse-glimmer"), std::string::npos) << m.error();
+  EXPECT_NE(m.error().find("qwen3moe.expert_used_count"), std::string::npos) << m.error();
+}
+
+TEST(ModelLoad, Qwen3MoeWithoutExpertCountIsAnError) {
+  auto m = load_crafted("qwen3moe-q4_k_m.gguf",
+                        [](GgufWriter& w) { w.remove("qwen3moe.expert_count"); }, no_tensor);
+  ASSERT_FALSE(m.has_value());
+  EXPECT_NE(m.error().find("qwen3moe.expert_count"), std::string::npos) << m.error();
+}
+
+TEST(ModelLoad, MissingExpertTensorIsNamed) {
+  auto m = load_crafted("mixtral-q4_k_m.gguf", no_meta, [](const TensorInfo& t, GgufWriter&) {
+    return t.name == "blk.1.ffn_down_exps.weight";
+  });
+  ASSERT_FALSE(m.has_value());
+  EXPECT_NE(m.error().find("blk.1.ffn_down_exps.weight"), std::string::npos) << m.error();
+}
+
+TEST(ModelLoad, ExpertsOnADenseArchitectureAreAnError) {
+  auto m = load_crafted(
+      "gemma3-swa-f16.gguf", [](GgufWriter& w) { w.set_u32("gemma3.expert_count", 8); }, no_tensor);
+  ASSERT_FALSE(m.has_value());
+  EXPECT_NE(m.error().find("gemma3.expert_count"), std::string::npos) << m.error();
 }
 
 class SessionInput : public ::testing::Test {

@@ -1,0 +1,151 @@
+// engine/scheduler.h: the slot scheduler. N slots (one Session each) share one Model and one
+// Backend; requests wait in a bounded queue, get a slot (preferring the one whose cached
+// tokens share the longest prefix with the prompt), prefill in fixed chunks interleaved with
+// the other slots' decode steps, and stream their tokens back through a GenStream. One
+// scheduler thread drives the model, so backend calls never overlap.
+//
+// Determinism: every request owns its sampler (seeded from its own parameters) and every
+// slot's forward pass is a separate call whose per-token arithmetic does not depend on the
+// other slots (see docs/determinism.md), so the ids a request gets do not depend on which
+// slot it runs in or what runs beside it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "engine/session.h"
+#include "sampling/sampler.h"
+
+namespace kiln {
+
+struct SchedulerConfig {
+  int32_t n_slots = 4;         // concurrent sequences (--parallel)
+  int32_t n_ctx = 0;           // positions per slot; <= 0: min(training context, 4096)
+  int32_t prefill_chunk = 256; // most prompt tokens one slot evaluates per step
+  int32_t max_queue = 64;      // requests waiting for a slot; beyond it submit() refuses
+  std::vector<int32_t> eog_ids;  // ids that end generation (tokenizer's end-of-generation set)
+};
+
+struct GenerationParams {
+  std::vector<int32_t> prompt;  // token ids, non-empty, each in [0, n_vocab)
+  SamplerParams sampling;
+  int32_t max_tokens = 16;      // >= 1; prompt + max_tokens may exceed n_ctx (stops at n_ctx)
+  int32_t top_logprobs = -1;    // < 0: no logprobs; 0..20: chosen token's + this many top ones
+};
+
+enum class FinishReason { kStop, kLength, kCancelled, kError };
+const char* finish_reason_name(FinishReason r);  // "stop", "length", "cancelled", "error"
+
+struct TokenLogprob {
+  int32_t id = 0;
+  float logprob = 0;
+};
+
+struct GenEvent {
+  enum class Kind { kToken, kDone } kind = Kind::kToken;
+  // kToken
+  int32_t id = 0;
+  float logprob = 0;                // log-softmax of the raw logits (only with top_logprobs >= 0)
+  std::vector<TokenLogprob> top;    // most likely ids, best first
+  // kDone
+  FinishReason finish = FinishReason::kStop;
+  std::string error;                // kError: what went wrong
+  int32_t n_prompt = 0;             // prompt tokens
+  int32_t n_reused = 0;             // prompt tokens whose KV rows were reused from the slot
+  int32_t n_generated = 0;
+  int32_t slot = -1;
+};
+
+// The consumer's end of one request. The scheduler pushes events; the consumer (an HTTP
+// handler) pops them and may cancel, which frees the slot at the scheduler's next step.
+class GenStream {
+ public:
+  // The next event, waiting at most `timeout`; nullopt on timeout.
+  std::optional<GenEvent> next(std::chrono::milliseconds timeout);
+  void cancel() { cancelled_.store(true, std::memory_order_relaxed); }
+  bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
+
+ private:
+  friend class Scheduler;
+  void push(GenEvent e);
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<GenEvent> events_;
+  std::atomic<bool> cancelled_{false};
+};
+
+struct SchedulerStats {
+  uint64_t requests_total = 0, requests_rejected = 0, requests_cancelled = 0;
+  uint64_t prompt_tokens = 0, prompt_tokens_reused = 0, generated_tokens = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+  int32_t queue_depth = 0, slots_busy = 0, n_slots = 0;
+  uint64_t kv_bytes = 0;
+  int64_t kv_positions_used = 0, kv_positions_total = 0;
+};
+
+class Scheduler {
+ public:
+  // Creates the slots and starts the scheduler thread. Errors: n_slots < 1, prefill_chunk < 1,
+  // max_queue < 0.
+  static Expected<std::unique_ptr<Scheduler>> create(std::shared_ptr<const Model> model,
+                                                     Backend& backend, SchedulerConfig cfg);
+  ~Scheduler();  // shutdown()
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  enum class SubmitError { kNone, kQueueFull, kInvalid, kShuttingDown };
+  struct Submitted {
+    std::shared_ptr<GenStream> stream;  // null on error
+    SubmitError error = SubmitError::kNone;
+    std::string message;
+  };
+  // Validates and queues a request. Never blocks on the model.
+  Submitted submit(GenerationParams params);
+
+  // Cancels queued and running requests (each gets kDone/kCancelled) and joins the thread.
+  // Idempotent.
+  void shutdown();
+
+  SchedulerStats stats() const;
+  int32_t n_ctx() const { return n_ctx_; }
+  const Model& model() const { return *model_; }
+
+ private:
+  struct Request;
+  struct Slot;
+  Scheduler(std::shared_ptr<const Model> model, Backend& backend, SchedulerConfig cfg);
+  void run();
+  void admit_locked();
+  bool step_slot(Slot& s);  // false: the slot's request finished
+  void finish(Slot& s, FinishReason why, std::string error = {});
+  void emit_token(Slot& s, int32_t id, std::span<const float> logits);
+
+  std::shared_ptr<const Model> model_;
+  Backend& backend_;
+  SchedulerConfig cfg_;
+  int32_t n_ctx_ = 0;
+  std::vector<std::unique_ptr<Slot>> slots_;  // owned and touched only by the scheduler thread
+
+  mutable std::mutex mu_;  // guards queue_, stop_, the stats counters below and slot_busy_
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Request>> queue_;
+  bool stop_ = false;
+  std::vector<char> slot_busy_;  // mirror of the slots' state for stats()
+  std::vector<int32_t> slot_pos_;
+  std::vector<uint64_t> slot_kv_bytes_;
+  SchedulerStats counters_;
+  std::thread thread_;
+};
+
+}  // namespace kiln

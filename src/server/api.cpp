@@ -1,0 +1,348 @@
+// server/api.cpp: request parsing and validation for the OpenAI-compatible routes (see
+// api.h). Every check happens here, before a request can reach the scheduler.
+#include "server/api.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace kiln::server {
+
+using json = nlohmann::json;
+
+std::string error_body(const ApiError& e) {
+  json err = {{"message", e.message}, {"type", e.type}, {"code", e.code}};
+  err["param"] = e.param.empty() ? json(nullptr) : json(e.param);
+  return json{{"error", err}}.dump();
+}
+
+namespace {
+
+ApiError bad(std::string param, std::string msg, std::string code = "invalid_value") {
+  ApiError e;
+  e.param = std::move(param);
+  e.message = std::move(msg);
+  e.code = std::move(code);
+  return e;
+}
+
+const char* type_name(const json& v) { return v.type_name(); }
+
+// Each getter: absent or null -> keep the default; wrong type or range -> error.
+std::optional<ApiError> get_bool(const json& o, const char* key, bool& out) {
+  auto it = o.find(key);
+  if (it == o.end() || it->is_null()) return std::nullopt;
+  if (!it->is_boolean())
+    return bad(key, fmt::format("'{}' must be a boolean, got {}", key, type_name(*it)), "invalid_type");
+  out = it->get<bool>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> get_number(const json& o, const char* key, float lo, float hi, float& out) {
+  auto it = o.find(key);
+  if (it == o.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number())
+    return bad(key, fmt::format("'{}' must be a number, got {}", key, type_name(*it)), "invalid_type");
+  const double v = it->get<double>();
+  if (!std::isfinite(v) || v < lo || v > hi)
+    return bad(key, fmt::format("'{}' = {} is outside [{}, {}]", key, v, lo, hi));
+  out = static_cast<float>(v);
+  return std::nullopt;
+}
+
+std::optional<ApiError> get_int(const json& o, const char* key, int64_t lo, int64_t hi,
+                                int64_t& out, bool& present) {
+  present = false;
+  auto it = o.find(key);
+  if (it == o.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number_integer()) {
+    // 5.0 is a number but not an integer; reject rather than silently truncate.
+    return bad(key, fmt::format("'{}' must be an integer, got {}", key,
+                                it->is_number() ? "a fractional number" : type_name(*it)),
+               "invalid_type");
+  }
+  if (it->is_number_unsigned()) {
+    const uint64_t u = it->get<uint64_t>();
+    if (u > static_cast<uint64_t>(hi))
+      return bad(key, fmt::format("'{}' = {} is outside [{}, {}]", key, u, lo, hi));
+    out = static_cast<int64_t>(u);
+  } else {
+    out = it->get<int64_t>();
+  }
+  if (out < lo || out > hi)
+    return bad(key, fmt::format("'{}' = {} is outside [{}, {}]", key, out, lo, hi));
+  present = true;
+  return std::nullopt;
+}
+
+// "content" of a chat message: a string, or an array of {"type": "text", "text": str} parts.
+std::optional<ApiError> get_content(const json& m, size_t index, std::string& out) {
+  const std::string where = fmt::format("messages[{}].content", index);
+  auto it = m.find("content");
+  if (it == m.end() || it->is_null()) return std::nullopt;  // assistant with tool calls
+  if (it->is_string()) {
+    out = it->get<std::string>();
+    return std::nullopt;
+  }
+  if (!it->is_array())
+    return bad(where, fmt::format("'{}' must be a string or an array of text parts, got {}",
+                                  where, type_name(*it)), "invalid_type");
+  for (size_t k = 0; k < it->size(); ++k) {
+    const json& part = (*it)[k];
+    if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
+      return bad(where, fmt::format("'{}[{}]' must be an object with a string 'type'", where, k),
+                 "invalid_type");
+    if (part["type"] != "text")
+      return bad(where, fmt::format("'{}[{}]': content type '{}' is not supported (text only)",
+                                    where, k, part["type"].get<std::string>()));
+    if (!part.contains("text") || !part["text"].is_string())
+      return bad(where, fmt::format("'{}[{}].text' must be a string", where, k), "invalid_type");
+    out += part["text"].get<std::string>();
+  }
+  return std::nullopt;
+}
+
+std::optional<json> parse_json_object(std::string_view body, ApiError& err) {
+  json j = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    err = bad("", "the request body is not valid JSON", "invalid_json");
+    return std::nullopt;
+  }
+  if (!j.is_object()) {
+    err = bad("", fmt::format("the request body must be a JSON object, got {}", type_name(j)),
+              "invalid_type");
+    return std::nullopt;
+  }
+  return j;
+}
+
+}  // namespace
+
+ApiResult<CompletionRequest> parse_completion_request(std::string_view body, bool chat,
+                                                      const Limits& limits) {
+  ApiError err;
+  auto parsed = parse_json_object(body, err);
+  if (!parsed) return err;
+  const json& j = *parsed;
+  CompletionRequest r;
+  r.chat = chat;
+#define KILN_API_TRY(expr) \
+  if (auto e_ = (expr)) return *e_
+
+  if (auto it = j.find("model"); it != j.end() && !it->is_null()) {
+    if (!it->is_string())
+      return bad("model", fmt::format("'model' must be a string, got {}", type_name(*it)), "invalid_type");
+    r.model = it->get<std::string>();
+  }
+  if (chat) {
+    auto it = j.find("messages");
+    if (it == j.end()) return bad("messages", "'messages' is required", "missing_field");
+    if (!it->is_array())
+      return bad("messages", fmt::format("'messages' must be an array, got {}", type_name(*it)), "invalid_type");
+    if (it->empty()) return bad("messages", "'messages' must not be empty");
+    if (it->size() > limits.max_messages)
+      return bad("messages", fmt::format("{} messages exceed the limit of {}", it->size(),
+                                         limits.max_messages));
+    static constexpr std::string_view kRoles[] = {"system", "developer", "user", "assistant", "tool"};
+    for (size_t i = 0; i < it->size(); ++i) {
+      const json& m = (*it)[i];
+      if (!m.is_object())
+        return bad(fmt::format("messages[{}]", i),
+                   fmt::format("'messages[{}]' must be an object, got {}", i, type_name(m)), "invalid_type");
+      auto role = m.find("role");
+      if (role == m.end() || !role->is_string())
+        return bad(fmt::format("messages[{}].role", i),
+                   fmt::format("'messages[{}].role' must be a string", i), "invalid_type");
+      ChatMessage msg;
+      msg.role = role->get<std::string>();
+      if (std::find(std::begin(kRoles), std::end(kRoles), msg.role) == std::end(kRoles))
+        return bad(fmt::format("messages[{}].role", i),
+                   fmt::format("'messages[{}].role' = '{}' is not one of system, developer, "
+                               "user, assistant, tool", i, msg.role));
+      KILN_API_TRY(get_content(m, i, msg.content));
+      r.messages.push_back(std::move(msg));
+    }
+  } else {
+    auto it = j.find("prompt");
+    if (it == j.end()) return bad("prompt", "'prompt' is required", "missing_field");
+    if (it->is_string()) {
+      r.prompt = it->get<std::string>();
+    } else if (it->is_array() && it->size() == 1 && (*it)[0].is_string()) {
+      r.prompt = (*it)[0].get<std::string>();
+    } else if (it->is_array() && !it->empty() &&
+               std::all_of(it->begin(), it->end(), [](const json& v) { return v.is_number_integer(); })) {
+      for (const json& v : *it) {
+        const int64_t id = v.get<int64_t>();
+        if (id < 0 || id > INT32_MAX)
+          return bad("prompt", fmt::format("token id {} in 'prompt' is out of range", id));
+        r.prompt_ids.push_back(static_cast<int32_t>(id));
+      }
+    } else {
+      return bad("prompt", "'prompt' must be a string, a one-string array or an array of token ids "
+                           "(batches of prompts are not supported)", "invalid_type");
+    }
+    if (r.prompt.empty() && r.prompt_ids.empty()) return bad("prompt", "'prompt' must not be empty");
+  }
+
+  int64_t v = 0;
+  bool present = false;
+  KILN_API_TRY(get_int(j, "n", INT64_MIN, INT64_MAX, v, present));
+  if (present && v != 1) return bad("n", fmt::format("'n' = {}: only n = 1 is supported", v));
+  // max_completion_tokens is the newer chat spelling; either is accepted.
+  for (const char* key : {"max_tokens", "max_completion_tokens"}) {
+    KILN_API_TRY(get_int(j, key, INT64_MIN, INT64_MAX, v, present));
+    if (!present) continue;
+    if (v < 1 || v > limits.max_tokens)
+      return bad(key, fmt::format("'{}' = {} is outside [1, {}]", key, v, limits.max_tokens));
+    r.max_tokens = static_cast<int32_t>(v);
+  }
+  KILN_API_TRY(get_number(j, "temperature", 0.0f, 2.0f, r.temperature));
+  KILN_API_TRY(get_number(j, "top_p", 0.0f, 1.0f, r.top_p));
+  KILN_API_TRY(get_number(j, "presence_penalty", -2.0f, 2.0f, r.presence_penalty));
+  KILN_API_TRY(get_number(j, "frequency_penalty", -2.0f, 2.0f, r.frequency_penalty));
+  KILN_API_TRY(get_int(j, "seed", INT64_MIN, INT64_MAX, v, present));
+  if (present) r.seed = static_cast<uint64_t>(v);
+  KILN_API_TRY(get_bool(j, "stream", r.stream));
+
+  if (auto it = j.find("stream_options"); it != j.end() && !it->is_null()) {
+    if (!it->is_object())
+      return bad("stream_options", "'stream_options' must be an object", "invalid_type");
+    if (!r.stream) return bad("stream_options", "'stream_options' is only allowed with stream: true");
+    KILN_API_TRY(get_bool(*it, "include_usage", r.include_usage));
+  }
+  if (auto it = j.find("stop"); it != j.end() && !it->is_null()) {
+    if (it->is_string()) r.stop.push_back(it->get<std::string>());
+    else if (it->is_array()) {
+      if (it->size() > 4) return bad("stop", fmt::format("'stop' has {} entries; at most 4", it->size()));
+      for (const json& s : *it) {
+        if (!s.is_string()) return bad("stop", "'stop' entries must be strings", "invalid_type");
+        r.stop.push_back(s.get<std::string>());
+      }
+    } else {
+      return bad("stop", "'stop' must be a string or an array of strings", "invalid_type");
+    }
+    for (const std::string& s : r.stop) {
+      if (s.empty()) return bad("stop", "'stop' entries must not be empty");
+      if (s.size() > limits.max_stop_bytes)
+        return bad("stop", fmt::format("a 'stop' entry of {} bytes exceeds {}", s.size(),
+                                       limits.max_stop_bytes));
+    }
+  }
+  if (auto it = j.find("logit_bias"); it != j.end() && !it->is_null()) {
+    if (!it->is_object())
+      return bad("logit_bias", "'logit_bias' must be an object of \"token id\": bias", "invalid_type");
+    for (auto kv = it->begin(); kv != it->end(); ++kv) {
+      const std::string& key = kv.key();
+      const bool digits = !key.empty() && key.size() <= 9 &&
+                          std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+      if (!digits) return bad("logit_bias", fmt::format("'logit_bias' key '{}' is not a token id", key));
+      if (!kv.value().is_number())
+        return bad("logit_bias", fmt::format("'logit_bias[{}]' must be a number", key), "invalid_type");
+      const double b = kv.value().get<double>();
+      if (!std::isfinite(b) || b < -100 || b > 100)
+        return bad("logit_bias", fmt::format("'logit_bias[{}]' = {} is outside [-100, 100]", key, b));
+      // OpenAI's -100 means "never"; make it exact rather than merely unlikely.
+      r.logit_bias.emplace_back(std::stoi(key), b <= -100 ? -INFINITY : static_cast<float>(b));
+    }
+  }
+  if (chat) {
+    bool want = false;
+    KILN_API_TRY(get_bool(j, "logprobs", want));
+    KILN_API_TRY(get_int(j, "top_logprobs", 0, 20, v, present));
+    if (present && !want) return bad("top_logprobs", "'top_logprobs' requires 'logprobs': true");
+    if (want) r.top_logprobs = present ? static_cast<int32_t>(v) : 0;
+  } else {
+    KILN_API_TRY(get_int(j, "logprobs", 0, 20, v, present));
+    if (present) r.top_logprobs = static_cast<int32_t>(v);
+  }
+#undef KILN_API_TRY
+  return r;
+}
+
+ApiResult<TokenizeRequest> parse_tokenize_request(std::string_view body) {
+  ApiError err;
+  auto j = parse_json_object(body, err);
+  if (!j) return err;
+  TokenizeRequest r;
+  auto it = j->find("content");
+  if (it == j->end()) return bad("content", "'content' is required", "missing_field");
+  if (!it->is_string()) return bad("content", "'content' must be a string", "invalid_type");
+  r.content = it->get<std::string>();
+  if (auto e = get_bool(*j, "add_special", r.add_special)) return *e;
+  if (auto e = get_bool(*j, "with_pieces", r.with_pieces)) return *e;
+  return r;
+}
+
+ApiResult<DetokenizeRequest> parse_detokenize_request(std::string_view body) {
+  ApiError err;
+  auto j = parse_json_object(body, err);
+  if (!j) return err;
+  auto it = j->find("tokens");
+  if (it == j->end()) return bad("tokens", "'tokens' is required", "missing_field");
+  if (!it->is_array()) return bad("tokens", "'tokens' must be an array of integers", "invalid_type");
+  DetokenizeRequest r;
+  for (size_t i = 0; i < it->size(); ++i) {
+    const json& v = (*it)[i];
+    if (!v.is_number_integer())
+      return bad("tokens", fmt::format("'tokens[{}]' must be an integer", i), "invalid_type");
+    const int64_t id = v.get<int64_t>();
+    if (id < 0 || id > INT32_MAX)
+      return bad("tokens", fmt::format("'tokens[{}]' = {} is out of range", i, id));
+    r.tokens.push_back(static_cast<int32_t>(id));
+  }
+  return r;
+}
+
+std::string fallback_chat_prompt(const std::vector<ChatMessage>& messages) {
+  std::string out;
+  for (const ChatMessage& m : messages) out += fmt::format("{}: {}\n", m.role, m.content);
+  out += "assistant:";
+  return out;
+}
+
+namespace {
+// Length of the longest suffix of `s` that could still grow into a complete UTF-8 character.
+size_t incomplete_utf8_tail(std::string_view s) {
+  for (size_t back = 1; back <= 4 && back <= s.size(); ++back) {
+    const auto b = static_cast<unsigned char>(s[s.size() - back]);
+    if ((b & 0xC0) == 0x80) continue;
+    const size_t need = b >= 0xF0 ? 4 : b >= 0xE0 ? 3 : b >= 0xC0 ? 2 : 1;
+    return need > back ? back : 0;
+  }
+  return 0;
+}
+}  // namespace
+
+std::string StopMatcher::push(std::string_view bytes) {
+  if (stopped_) return {};
+  pending_.append(bytes);
+  size_t cut = std::string::npos;
+  for (const std::string& s : stops_) cut = std::min(cut, pending_.find(s));
+  if (cut != std::string::npos) {
+    stopped_ = true;
+    std::string out = pending_.substr(0, cut);
+    pending_.clear();
+    return out;
+  }
+  // Hold back the longest suffix that is a proper prefix of some stop string.
+  size_t hold = 0;
+  for (const std::string& s : stops_)
+    for (size_t k = std::min(s.size() - 1, pending_.size()); k > hold; --k)
+      if (pending_.compare(pending_.size() - k, k, s, 0, k) == 0) {
+        hold = k;
+        break;
+      }
+  hold = std::max(hold, incomplete_utf8_tail(pending_));
+  std::string out = pending_.substr(0, pending_.size() - hold);
+  pending_.erase(0, pending_.size() - hold);
+  return out;
+}
+
+std::string StopMatcher::flush() {
+  std::string out;
+  if (!stopped_) out.swap(pending_);
+  return out;
+}
+
+}  // namespace kiln::server

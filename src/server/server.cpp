@@ -1,0 +1,571 @@
+// server/server.cpp: routes of the OpenAI-compatible server (see server.h). Requests are
+// parsed and validated in api.cpp, turned into token ids here (chat template from the GGUF,
+// or a plain fallback), checked against the context, and only then submitted to the
+// scheduler. Streams are SSE over chunked transfer; a client that goes away cancels its
+// request, which frees the slot at the scheduler's next step.
+#include "server/server.h"
+
+#include <httplib.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include "backend/cpu/cpu_backend.h"
+#include "engine/scheduler.h"
+#include "engine/session.h"
+#include "format/gguf.h"
+#include "server/api.h"
+#include "tokenizer/jinja/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kiln::server {
+
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+
+namespace {
+
+int64_t unix_seconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+void send_error(httplib::Response& res, const ApiError& e) {
+  res.status = e.status;
+  res.set_content(error_body(e), "application/json");
+}
+
+ApiError make_error(int status, std::string msg, std::string type, std::string code) {
+  ApiError e;
+  e.status = status;
+  e.message = std::move(msg);
+  e.type = std::move(type);
+  e.code = std::move(code);
+  return e;
+}
+
+}  // namespace
+
+struct HttpServer::Impl {
+  ServerOptions opt;
+  httplib::Server http;
+  std::thread thread;
+  int port = -1;
+  std::string model_name;
+  std::atomic<bool> ready{false};
+  std::atomic<bool> stopping{false};
+  std::mutex stop_mu;
+
+  // Set once by load() before `ready` is published; read-only afterwards.
+  std::shared_ptr<const Model> model;
+  std::optional<Tokenizer> tok;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Scheduler> scheduler;
+  std::optional<ChatTemplate> chat_template;
+  std::string bos_text, eos_text;
+
+  std::atomic<uint64_t> n_http_requests{0}, n_http_errors{0}, n_completions{0};
+  std::atomic<uint64_t> id_counter{0};
+
+  void routes();
+  bool authorized(const httplib::Request& req, httplib::Response& res) const;
+  bool check_ready(httplib::Response& res) const;
+  void completion(const httplib::Request& req, httplib::Response& res, bool chat);
+  std::optional<ApiError> build_prompt(const CompletionRequest& r, std::vector<int32_t>& ids) const;
+  std::string metrics() const;
+};
+
+HttpServer::HttpServer(ServerOptions opt) : impl_(new Impl) {
+  impl_->opt = std::move(opt);
+  impl_->model_name = std::filesystem::path(impl_->opt.model_path).stem().string();
+  if (impl_->model_name.empty()) impl_->model_name = "kiln";
+}
+
+HttpServer::~HttpServer() { stop(); }
+
+int HttpServer::port() const { return impl_->port; }
+const std::string& HttpServer::model_name() const { return impl_->model_name; }
+
+Status HttpServer::start() {
+  Impl& s = *impl_;
+  // A peer that closes mid-write must surface as a failed write, not kill the process.
+  ::signal(SIGPIPE, SIG_IGN);
+  const int threads = s.opt.http_threads > 0 ? s.opt.http_threads
+                                             : s.opt.n_parallel + s.opt.max_queue + 8;
+  s.http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  s.http.set_payload_max_length(s.opt.max_body_bytes);
+  s.http.set_read_timeout(30, 0);
+  s.http.set_write_timeout(30, 0);
+  s.routes();
+  if (s.opt.port == 0) s.port = s.http.bind_to_any_port(s.opt.host);
+  else s.port = s.http.bind_to_port(s.opt.host, s.opt.port) ? s.opt.port : -1;
+  if (s.port < 0)
+    return Status::errorf("cannot listen on {}:{} (address in use or not available)", s.opt.host,
+                          s.opt.port);
+  s.thread = std::thread([&s] { s.http.listen_after_bind(); });
+  return Status::ok();
+}
+
+Status HttpServer::load() {
+  Impl& s = *impl_;
+  auto model = Model::load(s.opt.model_path);
+  if (!model) return model.status();
+  auto tok = Tokenizer::from_gguf((*model)->gguf());
+  if (!tok) return tok.status().context(fmt::format("{}: tokenizer", s.opt.model_path));
+  s.model = *model;
+  s.tok.emplace(std::move(*tok));
+  if (const GgufValue* v = s.model->gguf().find("tokenizer.chat_template");
+      v && std::holds_alternative<std::string>(v->v)) {
+    auto t = ChatTemplate::parse(v->str());
+    if (!t) return t.status().context(fmt::format("{}: tokenizer.chat_template", s.opt.model_path));
+    s.chat_template.emplace(std::move(*t));
+  }
+  if (s.tok->bos() != kTokenNull) s.bos_text = s.tok->token_text(s.tok->bos());
+  if (s.tok->eos() != kTokenNull) s.eos_text = s.tok->token_text(s.tok->eos());
+  s.backend = make_cpu_backend(s.opt.cpu_threads);
+  SchedulerConfig cfg;
+  cfg.n_slots = s.opt.n_parallel;
+  cfg.n_ctx = s.opt.n_ctx;
+  cfg.prefill_chunk = s.opt.prefill_chunk;
+  cfg.max_queue = s.opt.max_queue;
+  const auto eog = s.tok->eog_ids();
+  cfg.eog_ids.assign(eog.begin(), eog.end());
+  auto sch = Scheduler::create(s.model, *s.backend, cfg);
+  if (!sch) return sch.status();
+  s.scheduler = std::move(*sch);
+  s.ready.store(true, std::memory_order_release);
+  return Status::ok();
+}
+
+void HttpServer::stop() {
+  Impl& s = *impl_;
+  std::lock_guard lk(s.stop_mu);
+  s.stopping.store(true);
+  // Streams see their requests end (cancelled) and finish; then the socket closes.
+  if (s.scheduler) s.scheduler->shutdown();
+  if (s.thread.joinable()) {
+    s.http.stop();
+    s.thread.join();
+  }
+}
+
+void HttpServer::wait() {
+  // listen_after_bind returns once stop() ran; stop() joins. Poll so a signal thread can stop.
+  while (!impl_->stopping.load()) std::this_thread::sleep_for(50ms);
+  std::lock_guard lk(impl_->stop_mu);
+}
+
+bool HttpServer::Impl::authorized(const httplib::Request& req, httplib::Response& res) const {
+  if (opt.api_key.empty()) return true;
+  const std::string want = "Bearer " + opt.api_key;
+  if (req.get_header_value("Authorization") == want) return true;
+  send_error(res, make_error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                             "invalid_request_error", "invalid_api_key"));
+  return false;
+}
+
+bool HttpServer::Impl::check_ready(httplib::Response& res) const {
+  if (ready.load(std::memory_order_acquire) && !stopping.load()) return true;
+  send_error(res, make_error(503, stopping.load() ? "the server is shutting down" : "the model is loading",
+                             "server_error", stopping.load() ? "shutting_down" : "loading"));
+  return false;
+}
+
+std::optional<ApiError> HttpServer::Impl::build_prompt(const CompletionRequest& r,
+                                                       std::vector<int32_t>& ids) const {
+  const Tokenizer& t = *tok;
+  if (!r.chat) {
+    if (!r.prompt_ids.empty()) {
+      for (size_t i = 0; i < r.prompt_ids.size(); ++i)
+        if (r.prompt_ids[i] >= t.n_vocab()) {
+          ApiError e = make_error(400, fmt::format("token id {} at prompt[{}] is outside the vocabulary [0, {})",
+                                                   r.prompt_ids[i], i, t.n_vocab()),
+                                  "invalid_request_error", "invalid_value");
+          e.param = "prompt";
+          return e;
+        }
+      ids = r.prompt_ids;
+    } else {
+      ids = t.encode(r.prompt, /*add_special=*/true, /*parse_special=*/false);
+    }
+    return std::nullopt;
+  }
+  std::string text;
+  if (chat_template) {
+    nlohmann::ordered_json ctx;
+    ctx["messages"] = nlohmann::ordered_json::array();
+    for (const ChatMessage& m : r.messages)
+      ctx["messages"].push_back({{"role", m.role}, {"content", m.content}});
+    ctx["add_generation_prompt"] = true;
+    ctx["bos_token"] = bos_text;
+    ctx["eos_token"] = eos_text;
+    auto out = chat_template->render(ctx);
+    if (!out) {
+      ApiError e = make_error(400, fmt::format("chat template: {}", out.error()),
+                              "invalid_request_error", "template_error");
+      e.param = "messages";
+      return e;
+    }
+    text = std::move(*out);
+  } else {
+    text = fallback_chat_prompt(r.messages);
+  }
+  // Templates write special tokens as text; they must become those tokens.
+  ids = t.encode(text, /*add_special=*/false, /*parse_special=*/true);
+  if (t.add_bos() && t.bos() != kTokenNull && (ids.empty() || ids[0] != t.bos()))
+    ids.insert(ids.begin(), t.bos());
+  return std::nullopt;
+}
+
+namespace {
+
+// One request's state while its response is produced (shared with the stream provider).
+struct Job {
+  std::shared_ptr<GenStream> stream;
+  const Tokenizer* tok = nullptr;
+  bool chat = false, include_usage = false;
+  int32_t top_logprobs = -1;
+  std::string id, model;
+  int64_t created = 0;
+  int32_t n_prompt = 0;
+  StopMatcher stop;
+  std::string text;            // released text
+  json logprobs_chat = json::array();  // chat: logprobs.content entries
+  json lp_tokens = json::array(), lp_values = json::array(), lp_top = json::array(),
+       lp_offsets = json::array();  // completions
+  bool done = false, sent_role = false;
+  std::string finish = "stop";
+  int32_t n_generated = 0;
+
+  explicit Job(std::vector<std::string> stops) : stop(std::move(stops)) {}
+
+  json bytes_of(const std::string& s) const {
+    json b = json::array();
+    for (unsigned char c : s) b.push_back(int(c));
+    return b;
+  }
+  // Records one token; returns the text it releases.
+  std::string on_token(const GenEvent& e) {
+    const std::string piece = tok->token_to_piece(e.id, false);
+    if (top_logprobs >= 0) {
+      if (chat) {
+        json top = json::array();
+        for (const TokenLogprob& t : e.top) {
+          const std::string p = tok->token_to_piece(t.id, false);
+          top.push_back({{"token", p}, {"logprob", t.logprob}, {"bytes", bytes_of(p)}});
+        }
+        logprobs_chat.push_back(
+            {{"token", piece}, {"logprob", e.logprob}, {"bytes", bytes_of(piece)}, {"top_logprobs", top}});
+      } else {
+        json top = json::object();
+        for (const TokenLogprob& t : e.top) top[tok->token_to_piece(t.id, false)] = t.logprob;
+        lp_tokens.push_back(piece);
+        lp_values.push_back(e.logprob);
+        lp_top.push_back(top);
+        lp_offsets.push_back(text.size());
+      }
+    }
+    std::string out = stop.push(piece);
+    text += out;
+    if (stop.stopped()) {
+      finish = "stop";
+      done = true;
+      stream->cancel();  // the slot frees at the next step
+    }
+    return out;
+  }
+  void on_done(const GenEvent& e) {
+    n_generated = e.n_generated;
+    if (!done) {
+      finish = e.finish == FinishReason::kLength ? "length"
+               : e.finish == FinishReason::kStop ? "stop"
+                                                 : finish_reason_name(e.finish);
+      std::string rest = stop.flush();
+      text += rest;
+      last_flush = std::move(rest);
+    }
+    done = true;
+  }
+  std::string last_flush;
+
+  json usage() const {
+    return {{"prompt_tokens", n_prompt}, {"completion_tokens", n_generated},
+            {"total_tokens", n_prompt + n_generated}};
+  }
+  json logprobs_json() const {
+    if (top_logprobs < 0) return nullptr;
+    if (chat) return {{"content", logprobs_chat}};
+    return {{"tokens", lp_tokens}, {"token_logprobs", lp_values}, {"top_logprobs", lp_top},
+            {"text_offset", lp_offsets}};
+  }
+  // A streamed chunk carrying `delta` text (and the finish reason at the end).
+  json chunk(const std::string& delta, const char* finish_reason, bool with_logprobs) {
+    json choice = {{"index", 0}};
+    if (chat) {
+      json d = json::object();
+      if (!sent_role) {
+        d["role"] = "assistant";
+        sent_role = true;
+      }
+      if (!delta.empty() || !finish_reason) d["content"] = delta;
+      choice["delta"] = d;
+    } else {
+      choice["text"] = delta;
+    }
+    choice["logprobs"] = with_logprobs ? logprobs_json() : json(nullptr);
+    choice["finish_reason"] = finish_reason ? json(finish_reason) : json(nullptr);
+    json c = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"},
+              {"created", created}, {"model", model}, {"choices", json::array({choice})}};
+    if (include_usage) c["usage"] = nullptr;
+    return c;
+  }
+  void clear_logprobs() {
+    logprobs_chat = json::array();
+    lp_tokens = lp_values = lp_top = lp_offsets = json::array();
+  }
+};
+
+}  // namespace
+
+void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response& res, bool chat) {
+  if (!authorized(req, res) || !check_ready(res)) return;
+  const int32_t n_ctx = scheduler->n_ctx();
+  Limits limits;
+  limits.max_tokens = n_ctx;
+  auto parsed = parse_completion_request(req.body, chat, limits);
+  if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(res, *e);
+  CompletionRequest& r = std::get<CompletionRequest>(parsed);
+
+  std::vector<int32_t> ids;
+  if (auto e = build_prompt(r, ids)) return send_error(res, *e);
+  const int64_t n_prompt = static_cast<int64_t>(ids.size());
+  if (n_prompt == 0)
+    return send_error(res, make_error(400, "the prompt tokenized to nothing", "invalid_request_error", "invalid_value"));
+  if (n_prompt >= n_ctx)
+    return send_error(res, make_error(400, fmt::format("the prompt has {} tokens; the context holds {} "
+                                                       "(at least one must be left to generate)", n_prompt, n_ctx),
+                                      "invalid_request_error", "context_length_exceeded"));
+  if (r.max_tokens < 0) r.max_tokens = static_cast<int32_t>(n_ctx - n_prompt);
+  else if (n_prompt + r.max_tokens > n_ctx + 1)  // the last sampled token needs no KV row
+    return send_error(res, make_error(400, fmt::format("the prompt has {} tokens and max_tokens is {}: "
+                                                       "{} exceeds the context of {}", n_prompt, r.max_tokens,
+                                                       n_prompt + r.max_tokens, n_ctx),
+                                      "invalid_request_error", "context_length_exceeded"));
+
+  GenerationParams p;
+  p.prompt = std::move(ids);
+  p.max_tokens = r.max_tokens;
+  p.top_logprobs = r.top_logprobs;
+  p.sampling.temperature = r.temperature;  // 0: greedy
+  p.sampling.top_p = r.top_p;
+  p.sampling.top_k = 0;
+  p.sampling.min_p = 0;
+  p.sampling.presence_penalty = r.presence_penalty;
+  p.sampling.frequency_penalty = r.frequency_penalty;
+  for (const auto& [id, bias] : r.logit_bias)
+    if (id >= model->n_vocab())
+      return send_error(res, make_error(400, fmt::format("'logit_bias' token id {} is outside the vocabulary [0, {})",
+                                                         id, model->n_vocab()),
+                                        "invalid_request_error", "invalid_value"));
+  p.sampling.logit_bias = r.logit_bias;
+  p.sampling.seed = r.seed ? *r.seed : std::random_device{}();
+  auto sub = scheduler->submit(std::move(p));
+  if (!sub.stream) {
+    if (sub.error == Scheduler::SubmitError::kQueueFull) {
+      res.set_header("Retry-After", "1");
+      return send_error(res, make_error(503, "server busy: " + sub.message, "server_error", "queue_full"));
+    }
+    if (sub.error == Scheduler::SubmitError::kShuttingDown)
+      return send_error(res, make_error(503, sub.message, "server_error", "shutting_down"));
+    return send_error(res, make_error(400, sub.message, "invalid_request_error", "invalid_value"));
+  }
+  n_completions.fetch_add(1);
+
+  auto job = std::make_shared<Job>(r.stop);
+  job->stream = sub.stream;
+  job->tok = &*tok;
+  job->chat = chat;
+  job->include_usage = r.include_usage;
+  job->top_logprobs = r.top_logprobs;
+  job->id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", id_counter.fetch_add(1));
+  job->model = r.model.empty() ? model_name : r.model;
+  job->created = unix_seconds();
+  job->n_prompt = static_cast<int32_t>(n_prompt);
+
+  if (!r.stream) {
+    for (;;) {
+      auto e = job->stream->next(1000ms);
+      if (!e) continue;  // the scheduler always ends a request (shutdown cancels)
+      if (e->kind == GenEvent::Kind::kToken) {
+        if (!job->done) job->on_token(*e);
+        continue;
+      }
+      job->on_done(*e);
+      if (e->finish == FinishReason::kError)
+        return send_error(res, make_error(500, "generation failed: " + e->error, "server_error", "internal_error"));
+      break;
+    }
+    json choice = {{"index", 0}, {"logprobs", job->logprobs_json()}, {"finish_reason", job->finish}};
+    if (chat) choice["message"] = {{"role", "assistant"}, {"content", job->text}};
+    else choice["text"] = job->text;
+    json body = {{"id", job->id}, {"object", chat ? "chat.completion" : "text_completion"},
+                 {"created", job->created}, {"model", job->model},
+                 {"choices", json::array({choice})}, {"usage", job->usage()}};
+    res.set_content(body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+    return;
+  }
+
+  auto send = [](httplib::DataSink& sink, const json& j) {
+    const std::string line = "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+    return sink.write(line.data(), line.size());
+  };
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [job, send](size_t, httplib::DataSink& sink) -> bool {
+        if (!sink.is_writable()) {
+          job->stream->cancel();
+          return false;
+        }
+        auto e = job->stream->next(100ms);
+        if (!e) return true;  // nothing yet; httplib calls again (and checks the socket)
+        if (e->kind == GenEvent::Kind::kToken) {
+          if (job->done) return true;  // after a stop match: drain until the scheduler ends it
+          const std::string delta = job->on_token(*e);
+          if (!delta.empty() || job->top_logprobs >= 0) {
+            if (!send(sink, job->chunk(delta, nullptr, true))) {
+              job->stream->cancel();
+              return false;
+            }
+            job->clear_logprobs();
+          }
+          return true;
+        }
+        job->on_done(*e);
+        bool ok = true;
+        if (e->finish == FinishReason::kError) {
+          ApiError err = make_error(500, "generation failed: " + e->error, "server_error", "internal_error");
+          const std::string line = "data: " + error_body(err) + "\n\n";
+          ok = sink.write(line.data(), line.size());
+        } else {
+          ok = send(sink, job->chunk(job->last_flush, job->finish.c_str(), true));
+          if (ok && job->include_usage) {
+            json u = {{"id", job->id}, {"object", job->chat ? "chat.completion.chunk" : "text_completion"},
+                      {"created", job->created}, {"model", job->model},
+                      {"choices", json::array()}, {"usage", job->usage()}};
+            ok = send(sink, u);
+          }
+        }
+        static constexpr std::string_view kDone = "data: [DONE]\n\n";
+        if (ok) ok = sink.write(kDone.data(), kDone.size());
+        if (ok) sink.done();
+        return ok;
+      },
+      [job](bool) { job->stream->cancel(); });  // no-op after a normal end
+}
+
+std::string HttpServer::Impl::metrics() const {
+  std::string out;
+  auto metric = [&](const char* name, const char* type, const char* help, double v) {
+    out += fmt::format("# HELP kiln_{} {}\n# TYPE kiln_{} {}\nkiln_{} {}\n", name, help, name, type, name, v);
+  };
+  metric("http_requests_total", "counter", "HTTP requests received", double(n_http_requests.load()));
+  metric("http_errors_total", "counter", "HTTP responses with status >= 400", double(n_http_errors.load()));
+  metric("ready", "gauge", "1 once the model is loaded", ready.load() ? 1 : 0);
+  if (!ready.load(std::memory_order_acquire)) return out;
+  const SchedulerStats s = scheduler->stats();
+  metric("requests_total", "counter", "generation requests accepted", double(s.requests_total));
+  metric("requests_rejected_total", "counter", "generation requests refused (queue full)", double(s.requests_rejected));
+  metric("requests_cancelled_total", "counter", "generation requests cancelled (client gone, stop sequence, shutdown)",
+         double(s.requests_cancelled));
+  metric("prompt_tokens_total", "counter", "prompt tokens of admitted requests", double(s.prompt_tokens));
+  metric("prompt_tokens_reused_total", "counter", "prompt tokens served from a slot's cached KV rows",
+         double(s.prompt_tokens_reused));
+  metric("generated_tokens_total", "counter", "tokens sampled", double(s.generated_tokens));
+  metric("queue_depth", "gauge", "requests waiting for a slot", s.queue_depth);
+  metric("slots_busy", "gauge", "slots running a request", s.slots_busy);
+  metric("slots_total", "gauge", "slots", s.n_slots);
+  const double evaluated = double(s.prompt_tokens - s.prompt_tokens_reused);
+  metric("prefill_tokens_per_second", "gauge", "prompt tokens evaluated per second of prefill",
+         s.prefill_seconds > 0 ? evaluated / s.prefill_seconds : 0);
+  metric("decode_tokens_per_second", "gauge", "tokens decoded per second of decode steps",
+         s.decode_seconds > 0 ? double(s.generated_tokens) / s.decode_seconds : 0);
+  metric("kv_cache_bytes", "gauge", "bytes held by the slots' KV caches", double(s.kv_bytes));
+  metric("kv_cache_positions_used", "gauge", "KV positions in use over all slots", double(s.kv_positions_used));
+  metric("kv_cache_positions_total", "gauge", "KV positions over all slots", double(s.kv_positions_total));
+  metric("kv_cache_usage_ratio", "gauge", "used / total KV positions",
+         s.kv_positions_total ? double(s.kv_positions_used) / double(s.kv_positions_total) : 0);
+  return out;
+}
+
+void HttpServer::Impl::routes() {
+  http.set_logger([this](const httplib::Request&, const httplib::Response& res) {
+    n_http_requests.fetch_add(1);
+    if (res.status >= 400) n_http_errors.fetch_add(1);
+  });
+  // Errors httplib produces itself (404, 413, 400 on a malformed request line) get the
+  // OpenAI error body too.
+  http.set_error_handler([](const httplib::Request&, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    std::string code = res.status == 404 ? "not_found" : res.status == 413 ? "request_too_large" : "http_error";
+    std::string msg = res.status == 404   ? "no such route"
+                      : res.status == 413 ? "the request body exceeds the size limit"
+                                          : fmt::format("HTTP error {}", res.status);
+    send_error(res, make_error(res.status, msg, "invalid_request_error", code));
+  });
+  http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    if (!check_ready(res)) return;
+    res.set_content(R"({"status":"ok"})", "application/json");
+  });
+  http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics(), "text/plain; version=0.0.4");
+  });
+  http.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+    if (!authorized(req, res) || !check_ready(res)) return;
+    json m = {{"id", model_name}, {"object", "model"}, {"created", unix_seconds()}, {"owned_by", "kiln"},
+              {"meta", {{"n_ctx", scheduler->n_ctx()}, {"n_vocab", model->n_vocab()},
+                        {"arch", model->arch_name()}, {"chat_template", chat_template.has_value()}}}};
+    res.set_content(json{{"object", "list"}, {"data", json::array({m})}}.dump(), "application/json");
+  });
+  http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    completion(req, res, true);
+  });
+  http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    completion(req, res, false);
+  });
+  http.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    if (!authorized(req, res) || !check_ready(res)) return;
+    auto r = parse_tokenize_request(req.body);
+    if (auto* e = std::get_if<ApiError>(&r)) return send_error(res, *e);
+    const TokenizeRequest& t = std::get<TokenizeRequest>(r);
+    const auto ids = tok->encode(t.content, t.add_special, /*parse_special=*/true);
+    json tokens = json::array();
+    for (int32_t id : ids) {
+      if (t.with_pieces) tokens.push_back({{"id", id}, {"piece", tok->token_to_piece(id, true)}});
+      else tokens.push_back(id);
+    }
+    res.set_content(json{{"tokens", tokens}}.dump(-1, ' ', false, json::error_handler_t::replace),
+                    "application/json");
+  });
+  http.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    if (!authorized(req, res) || !check_ready(res)) return;
+    auto r = parse_detokenize_request(req.body);
+    if (auto* e = std::get_if<ApiError>(&r)) return send_error(res, *e);
+    const DetokenizeRequest& d = std::get<DetokenizeRequest>(r);
+    for (size_t i = 0; i < d.tokens.size(); ++i)
+      if (d.tokens[i] >= tok->n_vocab())
+        return send_error(res, make_error(400, fmt::format("'tokens[{}]' = {} is outside the vocabulary [0, {})",
+                                                           i, d.tokens[i], tok->n_vocab()),
+                                          "invalid_request_error", "invalid_value"));
+    res.set_content(json{{"content", tok->decode(d.tokens)}}.dump(-1, ' ', false, json::error_handler_t::replace),
+                    "application/json");
+  });
+}
+
+}  // namespace kiln::server

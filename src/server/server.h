@@ -1,0 +1,55 @@
+// server/server.h: the OpenAI-compatible HTTP server (cpp-httplib): routes, SSE streaming,
+// API key, metrics, and the lifecycle start (listen, /health 503) -> load (model ready) ->
+// stop (cancel in-flight requests, close the socket).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/status.h"
+
+namespace kiln::server {
+
+struct ServerOptions {
+  std::string model_path;
+  std::string host = "127.0.0.1";
+  int port = 8080;               // 0: an ephemeral port (see HttpServer::port())
+  int32_t n_parallel = 4;        // slots
+  int32_t n_ctx = 0;             // per slot; 0: min(training context, 4096)
+  int32_t prefill_chunk = 256;
+  int32_t max_queue = 64;        // waiting requests beyond the slots; more get 503
+  std::string api_key;           // non-empty: /v1/*, /tokenize, /detokenize need "Bearer <key>"
+  size_t max_body_bytes = 1 << 20;  // larger bodies get 413
+  int cpu_threads = 0;           // backend threads; 0: one per core
+  int http_threads = 0;          // 0: n_parallel + max_queue + 8 (streams hold a thread each)
+};
+
+class HttpServer {
+ public:
+  explicit HttpServer(ServerOptions opt);
+  ~HttpServer();  // stop()
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Binds and starts serving on a background thread; until load() succeeds /health and every
+  // model route answer 503. Errors: the address cannot be bound.
+  Status start();
+  // Loads the model, tokenizer and chat template and starts the scheduler. Errors name the file.
+  Status load();
+  // Cancels queued and running requests (streams end with finish_reason "cancelled" and
+  // [DONE]), stops accepting and joins the server thread. Idempotent; safe from any thread
+  // but a request handler.
+  void stop();
+  // Blocks until the server thread ends (after stop()).
+  void wait();
+
+  int port() const;  // the bound port, valid after start()
+  const std::string& model_name() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kiln::server

@@ -1,0 +1,329 @@
+// tests/engine/scheduler_test.cpp: the scheduler's promises. Chunked evaluation gives
+// bit-identical logits to one-shot evaluation (the basis of batch invariance); the same
+// requests give identical ids alone and concurrently in any order, slot and chunking; the
+// queue bound, cancellation, max_tokens and shutdown behave as documented.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "backend/cpu/cpu_backend.h"
+#include "common/testdata.h"
+#include "engine/scheduler.h"
+#include "engine/session.h"
+
+namespace kiln {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::shared_ptr<const Model> load(const std::string& file) {
+  auto m = Model::load(testing::model_path(file));
+  EXPECT_TRUE(m.has_value()) << m.error();
+  return m ? *m : nullptr;
+}
+
+std::vector<int32_t> random_prompt(int32_t n, int32_t n_vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids{1};  // BOS
+  while (static_cast<int32_t>(ids.size()) < n)
+    ids.push_back(static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(n_vocab - 2)));
+  return ids;
+}
+
+// All-position logits of `prompt` evaluated in pieces of `chunk` tokens.
+std::vector<float> logits_chunked(const std::shared_ptr<const Model>& m, Backend& be,
+                                  std::span<const int32_t> prompt, int32_t chunk) {
+  Session s(m, be, 512, chunk);
+  std::vector<float> out;
+  for (size_t i = 0; i < prompt.size(); i += static_cast<size_t>(chunk)) {
+    const size_t n = std::min(prompt.size() - i, static_cast<size_t>(chunk));
+    auto l = s.eval(prompt.subspan(i, n), true);
+    EXPECT_TRUE(l.has_value()) << l.error();
+    if (!l) return {};
+    out.insert(out.end(), l->begin(), l->end());
+  }
+  return out;
+}
+
+// Batch invariance starts here: a token's logits must not depend on how many other tokens
+// share its forward call (matmul tiles tokens; attention splits queries).
+class ChunkInvariance : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ChunkInvariance, ChunkedLogitsAreBitIdentical) {
+  auto m = load(GetParam());
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend(2);
+  const auto prompt = random_prompt(97, m->n_vocab(), 7);
+  const auto whole = logits_chunked(m, *be, prompt, 512);
+  ASSERT_EQ(whole.size(), prompt.size() * static_cast<size_t>(m->n_vocab()));
+  for (int32_t chunk : {1, 3, 8, 13, 64}) {
+    const auto part = logits_chunked(m, *be, prompt, chunk);
+    ASSERT_EQ(part.size(), whole.size());
+    size_t first_diff = whole.size();
+    for (size_t i = 0; i < whole.size(); ++i)
+      if (std::memcmp(&whole[i], &part[i], sizeof(float)) != 0) {
+        first_diff = i;
+        break;
+      }
+    EXPECT_EQ(first_diff, whole.size())
+        << GetParam() << ": chunk " << chunk << " differs first at position "
+        << first_diff / static_cast<size_t>(m->n_vocab()) << " (" << whole[first_diff]
+        << " vs " << part[first_diff] << ")";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, ChunkInvariance,
+                         ::testing::Values("stories260K.gguf", "stories260K-q8_0.gguf",
+                                           "llama-gqa-q4_k_m.gguf", "llama-gqa-f16.gguf"),
+                         [](const auto& info) {
+                           std::string n = info.param.substr(0, info.param.find('.'));
+                           std::replace_if(n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
+                           return n;
+                         });
+
+struct Outcome {
+  std::vector<int32_t> ids;
+  FinishReason finish = FinishReason::kError;
+  int32_t slot = -1, n_reused = 0;
+};
+
+Outcome drain(GenStream& s) {
+  Outcome o;
+  for (;;) {
+    auto e = s.next(30s);
+    if (!e) {
+      ADD_FAILURE() << "no event within 30 s";
+      return o;
+    }
+    if (e->kind == GenEvent::Kind::kToken) {
+      o.ids.push_back(e->id);
+      continue;
+    }
+    o.finish = e->finish;
+    o.slot = e->slot;
+    o.n_reused = e->n_reused;
+    return o;
+  }
+}
+
+// Eight requests: different lengths, some sharing long prefixes (prefix reuse), sampled at
+// temperature with per-request seeds, one greedy.
+std::vector<GenerationParams> eight_requests(int32_t n_vocab) {
+  std::vector<GenerationParams> reqs;
+  const auto base = random_prompt(40, n_vocab, 99);
+  for (int i = 0; i < 8; ++i) {
+    GenerationParams p;
+    if (i % 3 == 0) {
+      p.prompt = base;  // shared prefix, different tails
+      const auto tail = random_prompt(2 + 5 * i, n_vocab, 1000 + i);
+      p.prompt.insert(p.prompt.end(), tail.begin() + 1, tail.end());
+    } else {
+      p.prompt = random_prompt(3 + 11 * i, n_vocab, 200 + i);
+    }
+    p.sampling.temperature = i == 5 ? 0.0f : 0.9f;
+    p.sampling.top_k = 0;
+    p.sampling.top_p = 0.95f;
+    p.sampling.min_p = 0.0f;
+    p.sampling.seed = 12345 + static_cast<uint64_t>(i);
+    p.max_tokens = 24 + 3 * i;
+    reqs.push_back(p);
+  }
+  return reqs;
+}
+
+TEST(Scheduler, SameIdsAloneAndConcurrentInShuffledOrders) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend(2);
+  const auto reqs = eight_requests(m->n_vocab());
+
+  // Reference: one slot, one request at a time, prompt in one chunk.
+  std::vector<Outcome> alone;
+  {
+    auto sch = Scheduler::create(m, *be, {.n_slots = 1, .n_ctx = 256, .prefill_chunk = 256});
+    ASSERT_TRUE(sch.has_value()) << sch.error();
+    for (const auto& r : reqs) {
+      auto sub = (*sch)->submit(r);
+      ASSERT_TRUE(sub.stream) << sub.message;
+      alone.push_back(drain(*sub.stream));
+      EXPECT_EQ(alone.back().finish, FinishReason::kLength);
+    }
+  }
+  // Concurrent: 4 slots, small odd prefill chunks, shuffled submission, from several threads.
+  int64_t reused = 0;
+  for (uint32_t round = 0; round < 3; ++round) {
+    SchedulerConfig cfg{.n_slots = 4, .n_ctx = 256, .prefill_chunk = round == 0 ? 5 : 7 + int(round)};
+    auto sch = Scheduler::create(m, *be, cfg);
+    ASSERT_TRUE(sch.has_value()) << sch.error();
+    std::vector<size_t> order(reqs.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), std::mt19937(round));
+    std::vector<Outcome> got(reqs.size());
+    std::vector<std::thread> clients;
+    for (size_t k = 0; k < order.size(); ++k) {
+      clients.emplace_back([&, k] {
+        const size_t i = order[k];
+        std::this_thread::sleep_for(std::chrono::milliseconds(k % 3));
+        auto sub = (*sch)->submit(reqs[i]);
+        ASSERT_TRUE(sub.stream) << sub.message;
+        got[i] = drain(*sub.stream);
+      });
+    }
+    for (auto& t : clients) t.join();
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ(got[i].ids, alone[i].ids) << "request " << i << " round " << round << " slot "
+                                          << got[i].slot << " reused " << got[i].n_reused;
+      reused += got[i].n_reused;
+    }
+  }
+  std::printf("determinism: 8 requests x 3 concurrent rounds identical to solo runs; %lld "
+              "prompt tokens reused from slot caches\n", static_cast<long long>(reused));
+}
+
+TEST(Scheduler, QueueBoundRejectsBeyondLimit) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend(1);
+  auto sch = Scheduler::create(m, *be, {.n_slots = 1, .n_ctx = 256, .max_queue = 2});
+  ASSERT_TRUE(sch.has_value());
+  GenerationParams p;
+  p.prompt = random_prompt(8, m->n_vocab(), 1);
+  p.max_tokens = 200;
+  p.sampling.temperature = 0;
+  std::vector<std::shared_ptr<GenStream>> streams;
+  int rejected = 0;
+  for (int i = 0; i < 8; ++i) {
+    auto sub = (*sch)->submit(p);
+    if (sub.stream) streams.push_back(sub.stream);
+    else {
+      EXPECT_EQ(sub.error, Scheduler::SubmitError::kQueueFull) << sub.message;
+      ++rejected;
+    }
+  }
+  // One may already be running; at most 1 running + 2 queued are accepted.
+  EXPECT_GE(rejected, 5);
+  EXPECT_LE(streams.size(), 3u);
+  for (auto& s : streams) s->cancel();
+  for (auto& s : streams) {
+    Outcome o = drain(*s);
+    EXPECT_TRUE(o.finish == FinishReason::kCancelled || o.finish == FinishReason::kLength);
+  }
+  EXPECT_EQ((*sch)->stats().requests_rejected, static_cast<uint64_t>(rejected));
+}
+
+TEST(Scheduler, ZeroQueueStillFillsIdleSlots) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend(1);
+  auto sch = Scheduler::create(m, *be, {.n_slots = 2, .n_ctx = 256, .max_queue = 0});
+  ASSERT_TRUE(sch.has_value());
+  GenerationParams p;
+  p.prompt = random_prompt(8, m->n_vocab(), 2);
+  p.max_tokens = 200;
+  p.sampling.temperature = 0;
+  p.sampling.logit_bias = {{2, -INFINITY}};
+  auto a = (*sch)->submit(p), b = (*sch)->submit(p), c = (*sch)->submit(p);
+  ASSERT_TRUE(a.stream && b.stream) << a.message << b.message;
+  EXPECT_EQ(c.error, Scheduler::SubmitError::kQueueFull);
+  a.stream->cancel();
+  b.stream->cancel();
+  EXPECT_EQ(drain(*a.stream).finish, FinishReason::kCancelled);
+  EXPECT_EQ(drain(*b.stream).finish, FinishReason::kCancelled);
+}
+
+TEST(Scheduler, CancelFreesSlotForNextRequest) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend(1);
+  auto sch = Scheduler::create(m, *be, {.n_slots = 1, .n_ctx = 256});
+  ASSERT_TRUE(sch.has_value());
+  GenerationParams p;
+  p.prompt = random_prompt(8, m->n_vocab(), 3);
+  p.max_tokens = 240;
+  p.sampling.temperature = 0;
+  auto a = (*sch)->submit(p);
+  ASSERT_TRUE(a.stream);
+  ASSERT_TRUE(a.stream->next(30s).has_value());  // running
+  a.stream->cancel();
+  const Outcome oa = drain(*a.stream);
+  EXPECT_EQ(oa.finish, FinishReason::kCancelled);
+  EXPECT_LT(oa.ids.size(), 200u);
+  p.max_tokens = 4;
+  auto b = (*sch)->submit(p);
+  ASSERT_TRUE(b.stream);
+  const Outcome ob = drain(*b.stream);
+  EXPECT_EQ(ob.finish, FinishReason::kLength);
+  EXPECT_EQ(ob.ids.size(), 4u);
+  EXPECT_EQ((*sch)->stats().requests_cancelled, 1u);
+  EXPECT_EQ((*sch)->stats().slots_busy, 0);
+}
+
+TEST(Scheduler, StopsAtContextEnd) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend(1);
+  auto sch = Scheduler::create(m, *be, {.n_slots = 2, .n_ctx = 32});
+  ASSERT_TRUE(sch.has_value());
+  GenerationParams p;
+  p.prompt = random_prompt(20, m->n_vocab(), 5);
+  p.max_tokens = 1000;
+  p.sampling.temperature = 0;
+  p.sampling.logit_bias = {{2, -INFINITY}};  // no EOS: run into the context end
+  auto sub = (*sch)->submit(p);
+  ASSERT_TRUE(sub.stream);
+  const Outcome o = drain(*sub.stream);
+  EXPECT_EQ(o.finish, FinishReason::kLength);
+  EXPECT_EQ(o.ids.size(), 32u - 20u + 1u);  // the last sampled token needs no KV row
+}
+
+TEST(Scheduler, RejectsInvalidRequests) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend(1);
+  auto sch = Scheduler::create(m, *be, {.n_slots = 1, .n_ctx = 16});
+  ASSERT_TRUE(sch.has_value());
+  GenerationParams p;
+  EXPECT_EQ((*sch)->submit(p).error, Scheduler::SubmitError::kInvalid);  // empty
+  p.prompt = {1, m->n_vocab()};
+  EXPECT_EQ((*sch)->submit(p).error, Scheduler::SubmitError::kInvalid);  // id out of range
+  p.prompt = random_prompt(16, m->n_vocab(), 1);
+  auto r = (*sch)->submit(p);
+  EXPECT_EQ(r.error, Scheduler::SubmitError::kInvalid);  // fills the context
+  EXPECT_NE(r.message.find("16"), std::string::npos) << r.message;
+  p.prompt = {1, 5};
+  p.max_tokens = 0;
+  EXPECT_EQ((*sch)->submit(p).error, Scheduler::SubmitError::kInvalid);
+  p.max_tokens = 1;
+  p.sampling.top_p = 2;
+  EXPECT_EQ((*sch)->submit(p).error, Scheduler::SubmitError::kInvalid);
+  EXPECT_FALSE(Scheduler::create(m, *be, {.n_slots = 0}).has_value());
+  EXPECT_FALSE(Scheduler::create(m, *be, {.prefill_chunk = 0}).has_value());
+}
+
+TEST(Scheduler, ShutdownCancelsInFlightAndQueued) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend(1);
+  auto sch = Scheduler::create(m, *be, {.n_slots = 2, .n_ctx = 256});
+  ASSERT_TRUE(sch.has_value());
+  GenerationParams p;
+  p.prompt = random_prompt(8, m->n_vocab(), 9);
+  p.max_tokens = 240;
+  p.sampling.temperature = 0;
+  p.sampling.logit_bias = {{2, -INFINITY}};
+  std::vector<std::shared_ptr<GenStream>> streams;
+  for (int i = 0; i < 5; ++i) streams.push_back((*sch)->submit(p).stream);
+  (*sch)->shutdown();
+  for (auto& s : streams) {
+    ASSERT_TRUE(s);
+    EXPECT_EQ(drain(*s).finish, FinishReason::kCancelled);
+  }
+  EXPECT_EQ((*sch)->submit(p).error, Scheduler::SubmitError::kShuttingDown);
+}
+
+}  // namespace
+}  // namespace kiln

@@ -1,0 +1,129 @@
+// tests/server/api_test.cpp: request parsing and validation without a model: each bad input
+// gives a 400 naming the field; good input fills the struct; stop matching holds back text.
+#include <gtest/gtest.h>
+
+#include "server/api.h"
+
+namespace kiln::server {
+namespace {
+
+ApiError err_of(std::string_view body, bool chat) {
+  auto r = parse_completion_request(body, chat, Limits{.max_tokens = 100});
+  EXPECT_TRUE(std::holds_alternative<ApiError>(r)) << body;
+  return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r) : ApiError{};
+}
+
+TEST(Api, RejectsBadRequestsNamingTheField) {
+  struct Case {
+    const char* body;
+    bool chat;
+    const char* param;
+  } cases[] = {
+      {"{", true, ""},
+      {"[1,2]", true, ""},
+      {R"({"messages": "hi"})", true, "messages"},
+      {R"({"messages": []})", true, "messages"},
+      {R"({})", true, "messages"},
+      {R"({"messages": [{"role": "wizard", "content": "x"}]})", true, "messages[0].role"},
+      {R"({"messages": [{"role": 3, "content": "x"}]})", true, "messages[0].role"},
+      {R"({"messages": [{"role": "user", "content": 5}]})", true, "messages[0].content"},
+      {R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", true, "messages[0].content"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1})", true, "max_tokens"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})", true, "max_tokens"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 101})", true, "max_tokens"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e30})", true, "max_tokens"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"})", true, "max_tokens"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999999999999999})", true, "max_tokens"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "n": 2})", true, "n"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "temperature": 3})", true, "temperature"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"})", true, "temperature"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "top_p": -0.1})", true, "top_p"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "stream": 1})", true, "stream"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}})", true, "stream_options"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]})", true, "stop"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "stop": [""]})", true, "stop"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "stop": 7})", true, "stop"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3})", true, "top_logprobs"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21})", true, "top_logprobs"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}})", true, "logit_bias"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}})", true, "logit_bias"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "seed": 1.5})", true, "seed"},
+      {R"({"model": 5, "messages": [{"role": "user", "content": "x"}]})", true, "model"},
+      {R"({})", false, "prompt"},
+      {R"({"prompt": ""})", false, "prompt"},
+      {R"({"prompt": ["a", "b"]})", false, "prompt"},
+      {R"({"prompt": [1, -2]})", false, "prompt"},
+      {R"({"prompt": {"x": 1}})", false, "prompt"},
+      {R"({"prompt": "x", "logprobs": 30})", false, "logprobs"},
+  };
+  for (const Case& c : cases) {
+    const ApiError e = err_of(c.body, c.chat);
+    EXPECT_EQ(e.status, 400) << c.body;
+    EXPECT_EQ(e.param, c.param) << c.body << " -> " << e.message;
+    EXPECT_FALSE(e.message.empty());
+    EXPECT_EQ(e.message.find('\n'), std::string::npos);
+    const auto j = nlohmann::json::parse(error_body(e));
+    EXPECT_EQ(j["error"]["message"], e.message);
+    EXPECT_EQ(j["error"]["type"], "invalid_request_error");
+    EXPECT_TRUE(j["error"]["code"].is_string());
+  }
+}
+
+TEST(Api, ParsesAFullChatRequest) {
+  auto r = parse_completion_request(
+      R"({"model": "m", "messages": [{"role": "system", "content": "be brief"},
+          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+          "max_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 42, "stop": "END", "stream": true,
+          "stream_options": {"include_usage": true}, "n": 1, "logprobs": true, "top_logprobs": 3,
+          "logit_bias": {"2": -100, "7": 1.5}, "unknown_field": [1]})",
+      true);
+  ASSERT_TRUE(std::holds_alternative<CompletionRequest>(r)) << std::get<ApiError>(r).message;
+  const auto& c = std::get<CompletionRequest>(r);
+  EXPECT_EQ(c.model, "m");
+  ASSERT_EQ(c.messages.size(), 2u);
+  EXPECT_EQ(c.messages[1].content, "ab");
+  EXPECT_EQ(c.max_tokens, 7);
+  EXPECT_EQ(c.temperature, 0.0f);
+  EXPECT_EQ(c.top_p, 0.5f);
+  EXPECT_EQ(c.seed, 42u);
+  EXPECT_EQ(c.stop, std::vector<std::string>{"END"});
+  EXPECT_TRUE(c.stream && c.include_usage);
+  EXPECT_EQ(c.top_logprobs, 3);
+  ASSERT_EQ(c.logit_bias.size(), 2u);
+  EXPECT_TRUE(std::isinf(c.logit_bias[0].second));
+
+  auto p = parse_completion_request(R"({"prompt": [1, 5, 9]})", false);
+  ASSERT_TRUE(std::holds_alternative<CompletionRequest>(p));
+  EXPECT_EQ(std::get<CompletionRequest>(p).prompt_ids, (std::vector<int32_t>{1, 5, 9}));
+  EXPECT_EQ(std::get<CompletionRequest>(p).max_tokens, -1);
+}
+
+TEST(Api, TokenizeAndDetokenizeBodies) {
+  EXPECT_TRUE(std::holds_alternative<ApiError>(parse_tokenize_request(R"({"content": 1})")));
+  EXPECT_TRUE(std::holds_alternative<ApiError>(parse_tokenize_request("nope")));
+  EXPECT_TRUE(std::holds_alternative<ApiError>(parse_detokenize_request(R"({"tokens": [1, "x"]})")));
+  EXPECT_TRUE(std::holds_alternative<ApiError>(parse_detokenize_request(R"({"tokens": [-1]})")));
+  auto d = parse_detokenize_request(R"({"tokens": [3, 4]})");
+  ASSERT_TRUE(std::holds_alternative<DetokenizeRequest>(d));
+  EXPECT_EQ(std::get<DetokenizeRequest>(d).tokens, (std::vector<int32_t>{3, 4}));
+}
+
+TEST(Api, StopMatcherHoldsBackPartialMatchesAndCutsAtTheStop) {
+  StopMatcher m({"END", "xyz"});
+  std::string out;
+  for (std::string_view piece : {"hello E", "N", "d and x", "y", "!", " then EN", "D tail"}) {
+    out += m.push(piece);
+    EXPECT_FALSE(out.ends_with("E")) << out;  // a partial "END" is never released early
+  }
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(out, "hello ENd and xy! then ");
+  EXPECT_EQ(m.flush(), "");
+
+  StopMatcher utf({});
+  EXPECT_EQ(utf.push("a\xC3"), "a");  // incomplete 2-byte character held back
+  EXPECT_EQ(utf.push("\xA9"), "\xC3\xA9");
+  EXPECT_EQ(utf.flush(), "");
+}
+
+}  // namespace
+}  // namespace kiln::server

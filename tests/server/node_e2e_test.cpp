@@ -1,0 +1,160 @@
+// tests/server/node_e2e_test.cpp: `kiln serve` as a real process on loopback, driven by the
+// official OpenAI Node SDK (installed here with `npm install openai` into the build tree)
+// and by a 64-client streaming load test. Skips only when node or npm is not installed;
+// any other failure (npm install, SDK assertion, a load error) fails the test. RSS of the
+// server before and after the load is reported.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+#include <thread>
+
+#include "common/testdata.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+constexpr int kLoadClients = 64;
+constexpr int kLoadSeconds = 30;
+
+bool have(const char* tool) {
+  return std::system(fmt::format("command -v {} >/dev/null 2>&1", tool).c_str()) == 0;
+}
+
+// Runs a shell command, returning (exit status, stdout+stderr).
+std::pair<int, std::string> run(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return {-1, "popen failed"};
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int st = ::pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+uint64_t rss_kib(pid_t pid) {
+  std::ifstream f(fmt::format("/proc/{}/status", pid));
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6));
+  return 0;
+}
+
+// `kiln serve --port 0` as a child; the port comes from its "listening on" line.
+struct ServeProcess {
+  pid_t pid = -1;
+  int port = -1;
+  std::string log_path;
+
+  bool start(const std::string& key) {
+    log_path = kiln::testing::temp_dir() + "/serve.log";
+    pid = ::fork();
+    if (pid == 0) {
+      const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 2);
+      ::dup2(fd, 1);
+      const std::string bin = kiln::testing::kiln_binary();
+      const std::string model = kiln::testing::model_path("stories260K.gguf");
+      ::execl(bin.c_str(), bin.c_str(), "serve", "-m", model.c_str(), "--port", "0", "--parallel", "4",
+              "-c", "1024", "--api-key", key.c_str(), "--threads", "1", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    const std::regex re("listening on http://127\\.0\\.0\\.1:(\\d+)");
+    for (int i = 0; i < 300; ++i) {
+      std::ifstream f(log_path);
+      const std::string log((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      std::smatch m;
+      if (std::regex_search(log, m, re)) port = std::stoi(m[1]);
+      if (port > 0 && log.find("ready") != std::string::npos) return true;
+      if (::waitpid(pid, nullptr, WNOHANG) == pid) {
+        pid = -1;
+        ADD_FAILURE() << "kiln serve exited early:\n" << log;
+        return false;
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+    ADD_FAILURE() << "kiln serve did not get ready in 15 s";
+    return false;
+  }
+  // SIGTERM; returns the exit status (or -1 if it had to be killed).
+  int stop() {
+    if (pid <= 0) return -1;
+    ::kill(pid, SIGTERM);
+    for (int i = 0; i < 200; ++i) {
+      int st = 0;
+      if (::waitpid(pid, &st, WNOHANG) == pid) {
+        pid = -1;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    pid = -1;
+    return -1;
+  }
+  ~ServeProcess() { stop(); }
+};
+
+TEST(NodeE2E, OpenAiSdkAndStreamingLoad) {
+  if (!have("node") || !have("npm")) GTEST_SKIP() << "node and npm are required for the OpenAI SDK test; not installed";
+  const fs::path dir = KILN_NPM_DIR;
+  fs::create_directories(dir);
+  if (!fs::exists(dir / "node_modules/openai/package.json")) {
+    const auto [rc, out] = run(fmt::format("cd '{}' && timeout 300 npm install --no-audit --no-fund --loglevel=error openai",
+                                           dir.string()));
+    ASSERT_EQ(rc, 0) << "npm install openai failed:\n" << out;
+  }
+  for (const char* f : {"sdk_test.mjs", "load_test.mjs"})
+    fs::copy_file(fs::path(KILN_SERVER_TEST_DIR) / f, dir / f, fs::copy_options::overwrite_existing);
+
+  ServeProcess srv;
+  ASSERT_TRUE(srv.start("test-key"));
+  {
+    const auto [rc, out] = run(fmt::format("cd '{}' && timeout 120 node sdk_test.mjs {} test-key", dir.string(), srv.port));
+    EXPECT_EQ(rc, 0) << out;
+    std::printf("sdk: %s", out.c_str());
+  }
+  if (have("curl")) {
+    // Raw SSE as curl sees it: data: lines, a blank line after each, [DONE] last.
+    const auto [rc, out] = run(fmt::format(
+        "timeout 60 curl -sN -H 'Authorization: Bearer test-key' -H 'Content-Type: application/json' "
+        "-d '{{\"prompt\":\"Once\",\"max_tokens\":5,\"stream\":true}}' http://127.0.0.1:{}/v1/completions",
+        srv.port));
+    EXPECT_EQ(rc, 0) << out;
+    EXPECT_EQ(out.rfind("data: ", 0), 0u) << out;
+    EXPECT_TRUE(out.ends_with("data: [DONE]\n\n")) << out;
+  }
+  const uint64_t rss_before = rss_kib(srv.pid);
+  {
+    const auto [rc, out] = run(fmt::format("cd '{}' && timeout {} node load_test.mjs {} test-key {} {}", dir.string(),
+                                           kLoadSeconds + 90, srv.port, kLoadClients, kLoadSeconds));
+    EXPECT_EQ(rc, 0) << out;
+    const auto j = nlohmann::json::parse(out.substr(0, out.find('\n')), nullptr, false);
+    ASSERT_TRUE(j.is_object()) << out;
+    EXPECT_EQ(j["errors"], 0) << out;
+    EXPECT_EQ(j["incomplete"], 0) << out;
+    EXPECT_GT(j["streams"].get<int>(), kLoadClients) << out;
+    std::printf("load: %s", out.c_str());
+  }
+  const uint64_t rss_after = rss_kib(srv.pid);
+  std::printf("load: server RSS before %.1f MiB, after %.1f MiB\n", rss_before / 1024.0, rss_after / 1024.0);
+  // Bounded growth: 64 finished streams must not leave their buffers behind.
+  EXPECT_LT(rss_after, rss_before + 64 * 1024) << "RSS grew by more than 64 MiB";
+  EXPECT_EQ(srv.stop(), 0) << "kiln serve did not exit cleanly on SIGTERM";
+}
+
+}  // namespace

@@ -1,0 +1,415 @@
+// tests/server/server_test.cpp: the HTTP server in-process on an ephemeral loopback port
+// with stories260K, driven by httplib::Client: every route, SSE streaming parsed event by
+// event, validation errors with the OpenAI error shape, 413, API keys, queue overflow (503 +
+// Retry-After), a client that disconnects mid-stream freeing its slot, determinism across
+// concurrent requests, and /health 503 before the model loads.
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <atomic>
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "common/testdata.h"
+#include "format/gguf.h"
+#include "format/gguf_writer.h"
+#include "server/server.h"
+
+namespace kiln::server {
+namespace {
+
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+
+struct Running {
+  std::unique_ptr<HttpServer> srv;
+  std::unique_ptr<httplib::Client> cli;
+};
+
+Running start(ServerOptions o, bool load = true) {
+  if (o.model_path.empty()) o.model_path = testing::model_path("stories260K.gguf");
+  o.host = "127.0.0.1";
+  o.port = 0;
+  o.cpu_threads = 1;
+  if (o.n_ctx == 0) o.n_ctx = 256;
+  Running r;
+  r.srv = std::make_unique<HttpServer>(o);
+  Status st = r.srv->start();
+  EXPECT_TRUE(st.is_ok()) << st.message();
+  if (load) {
+    st = r.srv->load();
+    EXPECT_TRUE(st.is_ok()) << st.message();
+  }
+  r.cli = std::make_unique<httplib::Client>("127.0.0.1", r.srv->port());
+  r.cli->set_read_timeout(30, 0);
+  return r;
+}
+
+json post_json(httplib::Client& c, const std::string& path, const json& body, int want_status) {
+  auto res = c.Post(path.c_str(), body.dump(), "application/json");
+  EXPECT_TRUE(res) << path;
+  if (!res) return {};
+  EXPECT_EQ(res->status, want_status) << path << " " << res->body;
+  return json::parse(res->body, nullptr, false);
+}
+
+// Ban end-of-sequence so a generation runs to max_tokens.
+const json kNoEos = {{"2", -100}};
+
+// SSE: "data: ...\n\n" events.
+struct Sse {
+  std::vector<json> chunks;
+  bool done = false;
+  std::string text;
+  std::string finish;
+  json usage;
+};
+Sse parse_sse(const std::string& body, bool chat) {
+  Sse s;
+  size_t at = 0;
+  while (at < body.size()) {
+    size_t end = body.find("\n\n", at);
+    if (end == std::string::npos) break;
+    std::string ev = body.substr(at, end - at);
+    at = end + 2;
+    EXPECT_EQ(ev.rfind("data: ", 0), 0u) << ev;
+    ev = ev.substr(6);
+    if (ev == "[DONE]") {
+      s.done = true;
+      continue;
+    }
+    EXPECT_FALSE(s.done) << "event after [DONE]";
+    json j = json::parse(ev);
+    s.chunks.push_back(j);
+    if (!j["usage"].is_null() && j.contains("usage")) s.usage = j["usage"];
+    for (const json& c : j["choices"]) {
+      if (chat && c["delta"].contains("content")) s.text += c["delta"]["content"].get<std::string>();
+      if (!chat) s.text += c["text"].get<std::string>();
+      if (!c["finish_reason"].is_null()) s.finish = c["finish_reason"];
+    }
+  }
+  EXPECT_EQ(at, body.size()) << "trailing bytes in the SSE body";
+  return s;
+}
+
+double metric(httplib::Client& c, const std::string& name) {
+  auto res = c.Get("/metrics");
+  if (!res) return -1;
+  const std::string key = "\nkiln_" + name + " ";
+  const size_t at = ("\n" + res->body).find(key);
+  if (at == std::string::npos) return -1;
+  return std::stod(res->body.substr(at + key.size() - 1));
+}
+
+TEST(Server, HealthIs503UntilLoadedThenServesEveryRoute) {
+  Running r = start({}, /*load=*/false);
+  auto h = r.cli->Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 503);
+  EXPECT_EQ(json::parse(h->body)["error"]["code"], "loading");
+  EXPECT_EQ(r.cli->Get("/v1/models")->status, 503);
+  ASSERT_TRUE(r.srv->load().is_ok());
+  EXPECT_EQ(r.cli->Get("/health")->status, 200);
+
+  auto models = r.cli->Get("/v1/models");
+  ASSERT_TRUE(models);
+  const json m = json::parse(models->body);
+  EXPECT_EQ(m["object"], "list");
+  EXPECT_EQ(m["data"][0]["id"], "stories260K");
+
+  // Tokenize / detokenize round trip.
+  const json t = post_json(*r.cli, "/tokenize", {{"content", "Once upon a time"}, {"add_special", true}}, 200);
+  ASSERT_TRUE(t["tokens"].is_array());
+  EXPECT_EQ(t["tokens"][0], 1);  // BOS
+  std::vector<int> ids = t["tokens"];
+  ids.erase(ids.begin());
+  const json d = post_json(*r.cli, "/detokenize", {{"tokens", ids}}, 200);
+  EXPECT_EQ(d["content"], "Once upon a time");
+
+  // Completions: usage counts agree with /tokenize.
+  const json c = post_json(*r.cli, "/v1/completions",
+                           {{"prompt", "Once upon a time"}, {"max_tokens", 12}, {"seed", 1},
+                            {"logit_bias", kNoEos}, {"logprobs", 2}}, 200);
+  EXPECT_EQ(c["object"], "text_completion");
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(c["usage"]["prompt_tokens"], t["tokens"].size());
+  EXPECT_EQ(c["usage"]["completion_tokens"], 12);
+  EXPECT_EQ(c["choices"][0]["logprobs"]["tokens"].size(), 12u);
+  for (const json& lp : c["choices"][0]["logprobs"]["token_logprobs"]) EXPECT_LE(lp.get<double>(), 0.0);
+  EXPECT_FALSE(c["choices"][0]["text"].get<std::string>().empty());
+
+  // Chat, non-streaming.
+  const json chat = post_json(*r.cli, "/v1/chat/completions",
+                              {{"model", "anything"}, {"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+                               {"max_tokens", 5}, {"logit_bias", kNoEos}, {"logprobs", true}, {"top_logprobs", 3}},
+                              200);
+  EXPECT_EQ(chat["object"], "chat.completion");
+  EXPECT_EQ(chat["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(chat["usage"]["completion_tokens"], 5);
+  ASSERT_EQ(chat["choices"][0]["logprobs"]["content"].size(), 5u);
+  EXPECT_EQ(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"].size(), 3u);
+
+  // Metrics in Prometheus text.
+  EXPECT_GE(metric(*r.cli, "requests_total"), 2);
+  EXPECT_GE(metric(*r.cli, "generated_tokens_total"), 17);
+  EXPECT_EQ(metric(*r.cli, "slots_total"), 4);
+  EXPECT_GT(metric(*r.cli, "kv_cache_bytes"), 0);
+}
+
+TEST(Server, StreamsSseWithUsageAndDone) {
+  Running r = start({});
+  const json body = {{"messages", {{{"role", "user"}, {"content", "Tell me a story"}}}},
+                     {"max_tokens", 20}, {"seed", 5}, {"stream", true}, {"logit_bias", kNoEos},
+                     {"stream_options", {{"include_usage", true}}}};
+  auto res = r.cli->Post("/v1/chat/completions", body.dump(), "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->get_header_value("Content-Type"), "text/event-stream");
+  const Sse s = parse_sse(res->body, true);
+  EXPECT_TRUE(s.done);
+  EXPECT_EQ(s.finish, "length");
+  EXPECT_EQ(s.usage["completion_tokens"], 20);
+  EXPECT_TRUE(s.chunks.back()["choices"].empty());  // the usage chunk has no choices
+  EXPECT_EQ(s.chunks.front()["choices"][0]["delta"]["role"], "assistant");
+
+  // The same request without streaming produces the same text (same seed).
+  json plain = body;
+  plain.erase("stream");
+  plain.erase("stream_options");
+  const json p = post_json(*r.cli, "/v1/chat/completions", plain, 200);
+  EXPECT_EQ(p["choices"][0]["message"]["content"], s.text);
+
+  // Completions stream too.
+  auto c = r.cli->Post("/v1/completions",
+                       json{{"prompt", "Once"}, {"max_tokens", 6}, {"stream", true}, {"logit_bias", kNoEos}}.dump(),
+                       "application/json");
+  ASSERT_TRUE(c);
+  const Sse cs = parse_sse(c->body, false);
+  EXPECT_TRUE(cs.done);
+  EXPECT_EQ(cs.finish, "length");
+  EXPECT_TRUE(cs.usage.is_null());  // not asked for
+}
+
+TEST(Server, StopSequencesCutTheText) {
+  Running r = start({});
+  const json base = {{"prompt", "Once upon a time"}, {"max_tokens", 60}, {"temperature", 0},
+                     {"logit_bias", kNoEos}};
+  const json full = post_json(*r.cli, "/v1/completions", base, 200);
+  const std::string text = full["choices"][0]["text"];
+  ASSERT_GT(text.size(), 20u);
+  const std::string stop = text.substr(10, 4);
+  const size_t first = text.find(stop);
+  json with_stop = base;
+  with_stop["stop"] = {stop};
+  const json cut = post_json(*r.cli, "/v1/completions", with_stop, 200);
+  EXPECT_EQ(cut["choices"][0]["text"], text.substr(0, first));
+  EXPECT_EQ(cut["choices"][0]["finish_reason"], "stop");
+  with_stop["stream"] = true;
+  auto res = r.cli->Post("/v1/completions", with_stop.dump(), "application/json");
+  ASSERT_TRUE(res);
+  const Sse s = parse_sse(res->body, false);
+  EXPECT_EQ(s.text, text.substr(0, first));
+  EXPECT_EQ(s.finish, "stop");
+}
+
+TEST(Server, ErrorsUseTheOpenAiShape) {
+  ServerOptions o;
+  o.max_body_bytes = 4096;
+  Running r = start(o);
+  auto check = [&](const std::string& path, const std::string& body, int status, const std::string& code) {
+    auto res = r.cli->Post(path.c_str(), body, "application/json");
+    ASSERT_TRUE(res) << body;
+    EXPECT_EQ(res->status, status) << body << " -> " << res->body;
+    const json j = json::parse(res->body, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << res->body;
+    EXPECT_EQ(j["error"]["code"], code) << res->body;
+    EXPECT_TRUE(j["error"]["message"].is_string());
+    EXPECT_TRUE(j["error"]["type"].is_string());
+  };
+  check("/v1/chat/completions", "{not json", 400, "invalid_json");
+  check("/v1/chat/completions", R"({"messages": [{"role": "robot", "content": "x"}]})", 400, "invalid_value");
+  check("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": -5})", 400,
+        "invalid_value");
+  check("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "n": 3})", 400, "invalid_value");
+  check("/v1/completions", R"({"prompt": [1, 99999]})", 400, "invalid_value");
+  // Prompt + max_tokens over the context of 256: the message gives the numbers.
+  auto res = r.cli->Post("/v1/completions", R"({"prompt": "Once upon a time", "max_tokens": 255})",
+                         "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400);
+  const std::string msg = json::parse(res->body)["error"]["message"];
+  EXPECT_NE(msg.find("256"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("255"), std::string::npos) << msg;
+  std::string long_prompt;
+  for (int i = 0; i < 3000; ++i) long_prompt += "a b ";
+  check("/v1/completions", json{{"prompt", long_prompt}}.dump(), 413, "request_too_large");
+  json many = json::array();
+  for (int i = 0; i < 300; ++i) many.push_back(i % 500);
+  check("/v1/completions", json{{"prompt", many}}.dump(), 400, "context_length_exceeded");
+  auto nf = r.cli->Get("/v1/nothing");
+  ASSERT_TRUE(nf);
+  EXPECT_EQ(nf->status, 404);
+  EXPECT_EQ(json::parse(nf->body)["error"]["code"], "not_found");
+}
+
+TEST(Server, ApiKeyIsRequiredWhenSet) {
+  ServerOptions o;
+  o.api_key = "sekrit";
+  Running r = start(o);
+  const std::string body = R"({"prompt": "Once", "max_tokens": 2})";
+  auto no = r.cli->Post("/v1/completions", body, "application/json");
+  ASSERT_TRUE(no);
+  EXPECT_EQ(no->status, 401);
+  EXPECT_EQ(json::parse(no->body)["error"]["code"], "invalid_api_key");
+  auto wrong = r.cli->Post("/v1/completions", {{"Authorization", "Bearer nope"}}, body, "application/json");
+  EXPECT_EQ(wrong->status, 401);
+  auto ok = r.cli->Post("/v1/completions", {{"Authorization", "Bearer sekrit"}}, body, "application/json");
+  EXPECT_EQ(ok->status, 200);
+  EXPECT_EQ(r.cli->Get("/health")->status, 200);  // health stays open for probes
+}
+
+TEST(Server, DisconnectMidStreamFreesTheSlot) {
+  ServerOptions o;
+  o.n_parallel = 1;
+  o.n_ctx = 1024;
+  Running r = start(o);
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.set_header("Content-Type", "application/json");
+  req.body = json{{"prompt", "Once"}, {"max_tokens", 1000}, {"stream", true}, {"logit_bias", kNoEos}}.dump();
+  std::atomic<int> chunks{0};
+  req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++chunks < 3; };
+  httplib::Client c("127.0.0.1", r.srv->port());
+  auto res = c.send(req);  // the receiver's false closes the connection
+  EXPECT_GE(chunks.load(), 3);
+  // The slot frees within a few steps; a fresh request then completes.
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (metric(*r.cli, "slots_busy") != 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(metric(*r.cli, "slots_busy"), 0);
+  EXPECT_EQ(metric(*r.cli, "requests_cancelled_total"), 1);
+  EXPECT_LT(metric(*r.cli, "generated_tokens_total"), 900);
+  post_json(*r.cli, "/v1/completions", {{"prompt", "Once"}, {"max_tokens", 3}}, 200);
+}
+
+TEST(Server, QueueOverflowGets503WithRetryAfter) {
+  ServerOptions o;
+  o.n_parallel = 1;
+  o.max_queue = 1;
+  o.n_ctx = 1024;
+  Running r = start(o);
+  const std::string body =
+      json{{"prompt", "Once"}, {"max_tokens", 300}, {"logit_bias", kNoEos}}.dump();
+  std::atomic<int> n503{0}, n200{0};
+  std::vector<std::thread> ts;
+  for (int i = 0; i < 6; ++i)
+    ts.emplace_back([&] {
+      httplib::Client c("127.0.0.1", r.srv->port());
+      c.set_read_timeout(60, 0);
+      auto res = c.Post("/v1/completions", body, "application/json");
+      if (!res) return;
+      if (res->status == 503) {
+        EXPECT_EQ(res->get_header_value("Retry-After"), "1");
+        EXPECT_EQ(json::parse(res->body)["error"]["code"], "queue_full");
+        ++n503;
+      } else if (res->status == 200) {
+        ++n200;
+      }
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_GE(n503.load(), 1);
+  EXPECT_GE(n200.load(), 1);
+  EXPECT_EQ(n503 + n200, 6);
+}
+
+TEST(Server, ConcurrentRequestsGetTheSameTextAsAlone) {
+  ServerOptions o;
+  o.n_parallel = 3;
+  o.prefill_chunk = 3;
+  Running r = start(o);
+  std::vector<json> bodies;
+  for (int i = 0; i < 6; ++i)
+    bodies.push_back({{"prompt", i % 2 ? "Once upon a time" : "The little dog"}, {"max_tokens", 16 + i},
+                      {"seed", 100 + i}, {"temperature", 0.9}, {"logit_bias", kNoEos}});
+  std::vector<std::string> alone;
+  for (const json& b : bodies) alone.push_back(post_json(*r.cli, "/v1/completions", b, 200)["choices"][0]["text"]);
+  std::vector<std::string> together(bodies.size());
+  std::vector<std::thread> ts;
+  for (size_t i = 0; i < bodies.size(); ++i)
+    ts.emplace_back([&, i] {
+      httplib::Client c("127.0.0.1", r.srv->port());
+      auto res = c.Post("/v1/completions", bodies[bodies.size() - 1 - i].dump(), "application/json");
+      ASSERT_TRUE(res);
+      together[bodies.size() - 1 - i] = json::parse(res->body)["choices"][0]["text"];
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(together, alone);
+}
+
+// stories260K with a chat template added (none of the shared models carries one).
+std::string model_with_template(const std::string& tmpl) {
+  auto src = GgufFile::open(testing::model_path("stories260K.gguf"));
+  EXPECT_TRUE(src.has_value()) << src.error();
+  GgufWriter w;
+  w.copy_metadata(*src);
+  w.set_str("tokenizer.chat_template", tmpl);
+  for (const TensorInfo& t : src->tensors())
+    w.add_tensor(t.name, t.dtype, std::vector<int64_t>(t.ne.begin(), t.ne.begin() + t.n_dims),
+                 src->view(t).bytes);
+  const std::string path = testing::temp_dir() + "/templated.gguf";
+  Status st = w.write(path);
+  EXPECT_TRUE(st.is_ok()) << st.message();
+  return path;
+}
+
+TEST(Server, ChatUsesTheGgufTemplate) {
+  ServerOptions o;
+  o.model_path = model_with_template(
+      "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+      "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+      "{% if messages[0].content == 'boom' %}{{ raise_exception('no booms') }}{% endif %}");
+  Running r = start(o);
+  const json models = json::parse(r.cli->Get("/v1/models")->body);
+  EXPECT_EQ(models["data"][0]["meta"]["chat_template"], true);
+  const json chat = post_json(*r.cli, "/v1/chat/completions",
+                              {{"messages", {{{"role", "system"}, {"content", "Be kind."}},
+                                             {{"role", "user"}, {"content", "Hi"}}}},
+                               {"max_tokens", 2}}, 200);
+  // The template writes BOS as text; it must become the one BOS token, not a second one.
+  const json t = post_json(*r.cli, "/tokenize",
+                           {{"content", "<s><|system|>Be kind.\n<|user|>Hi\n<|assistant|>"}}, 200);
+  EXPECT_EQ(chat["usage"]["prompt_tokens"], t["tokens"].size());
+  EXPECT_EQ(t["tokens"][0], 1);
+  EXPECT_NE(t["tokens"][1], 1);
+  auto res = r.cli->Post("/v1/chat/completions",
+                         json{{"messages", {{{"role", "user"}, {"content", "boom"}}}}}.dump(), "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400);
+  EXPECT_EQ(json::parse(res->body)["error"]["code"], "template_error");
+  EXPECT_NE(res->body.find("no booms"), std::string::npos) << res->body;
+}
+
+TEST(Server, StopEndsInFlightStreamsCleanly) {
+  Running r = start({});
+  std::thread t([&] {
+    httplib::Client c("127.0.0.1", r.srv->port());
+    c.set_read_timeout(30, 0);
+    auto res = c.Post("/v1/completions",
+                      json{{"prompt", "Once"}, {"max_tokens", 200}, {"stream", true}, {"logit_bias", kNoEos}}.dump(),
+                      "application/json");
+    // Either the stream ended with finish_reason "cancelled" + [DONE], or the connection closed.
+    if (res && res->status == 200) {
+      const Sse s = parse_sse(res->body, false);
+      if (s.done) EXPECT_TRUE(s.finish == "cancelled" || s.finish == "length") << s.finish;
+    }
+  });
+  std::this_thread::sleep_for(30ms);
+  r.srv->stop();
+  t.join();
+  r.srv->stop();  // idempotent
+}
+
+}  // namespace
+}  // namespace kiln::server
