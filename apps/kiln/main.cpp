@@ -18,7 +18,9 @@ int main(int argc, char** argv) {
   kiln::app::add_perplexity_command(app, exit_code);
   kiln::app::add_bench_command(app, exit_code);
   kiln::app::add_logits_command(app, exit_code);
+#ifdef KILN_WITH_SERVER
   kiln::app::add_serve_command(app, exit_code);
+#endif
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
