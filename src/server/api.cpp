@@ -22,7 +22,15 @@ namespace {
 ApiError bad(std::string param, std::string msg, std::string code = "invalid_value") {
   ApiError e;
   e.param = std::move(param);
-  e.message = std::move(msg);
+  // Messages may quote client text (a role, a field name): keep them one line, as the fuzz
+  // target demands, by escaping control characters.
+  for (char c : msg) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
+      e.message += fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
+    else
+      e.message += c;
+  }
+  if (e.message.empty()) e.message = "invalid request";
   e.code = std::move(code);
   return e;
 }
