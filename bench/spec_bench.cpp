@@ -1,8 +1,12 @@
 // bench/spec_bench.cpp: speculative decoding vs plain decoding, measured in the same process
 // and interleaved (the CPU is shared with other work, so only ratios are meaningful).
-// Usage: spec_bench TARGET.gguf DRAFT.gguf [n_tokens=200] [k=4] [repeats=3]
-// Prints, per prompt: plain greedy t/s, draft-model speculative t/s and n-gram speculative
-// t/s, with tokens per verify step (acceptance length) and draft/verify time split.
+// Usage: spec_bench TARGET.gguf DRAFT.gguf [n_tokens=200] [k=4 | k,k,...] [repeats=3]
+//                   [threads=1] [prompts=all|story|repetitive]
+// Prints the cost of a (k+1)-token verify eval and of one draft-model token relative to one
+// target decode step (the two numbers that decide whether speculation can pay), then, per
+// prompt: plain greedy t/s, and per k draft-model and n-gram speculative t/s with the ratio to
+// plain, tokens per verify step (acceptance length), ms per step in draft and verify, and
+// whether the ids equal plain greedy decoding's.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -21,6 +25,10 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
 double plain_greedy(Session& s, std::span<const int32_t> prompt, int32_t n,
                     std::vector<int32_t>& ids) {
   ids.clear();
@@ -35,11 +43,11 @@ double plain_greedy(Session& s, std::span<const int32_t> prompt, int32_t n,
     last = argmax_id(*l);
     ids.push_back(last);
   }
-  return std::chrono::duration<double>(Clock::now() - t0).count();
+  return since(t0);
 }
 
 struct SpecRun {
-  double seconds = 0;
+  double seconds = 1e9;
   SpecStats stats;
   bool same = false;
 };
@@ -54,8 +62,12 @@ SpecRun spec_greedy(Session& target, Drafter& d, int32_t k, std::span<const int3
     fmt::print(stderr, "spec_bench: {}\n", dec.error());
     std::exit(1);
   }
-  // Prefill everything but the last prompt token outside the timed region, like plain.
-  (void)(*dec)->start(prompt);
+  // Prefill everything but the last prompt token outside the timed region, like plain. The
+  // draft model's prefill of the prompt is inside it (its first propose), as in `kiln run`.
+  if (Status s = (*dec)->start(prompt); !s) {
+    fmt::print(stderr, "spec_bench: {}\n", s.message());
+    std::exit(1);
+  }
   std::vector<int32_t> ids;
   const auto t0 = Clock::now();
   while (static_cast<int32_t>(ids.size()) < n) {
@@ -67,23 +79,98 @@ SpecRun spec_greedy(Session& target, Drafter& d, int32_t k, std::span<const int3
     ids.insert(ids.end(), st->tokens.begin(), st->tokens.end());
   }
   SpecRun r;
-  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.seconds = since(t0);
   ids.resize(size_t(n));
   r.same = ids == want;
   r.stats = (*dec)->stats();
   return r;
 }
 
+// Proposes the plain run's own ids (known from the same process), the first wrong one at a
+// chosen place, so each verify accepts exactly accept_len - 1 drafts and emits accept_len
+// tokens. A free drafter of known acceptance: it measures what the speculative loop itself
+// (verify batch, rollback, bookkeeping) turns a given acceptance length into, on this model.
+// Random-weight models give the real drafters' acceptance only by chance (see the report).
+class ReplayDrafter final : public Drafter {
+ public:
+  ReplayDrafter(size_t prompt_len, const std::vector<int32_t>& ids, int32_t accept_len,
+                int32_t n_vocab)
+      : prompt_len_(prompt_len), ids_(ids), accept_len_(accept_len), n_vocab_(n_vocab) {}
+  std::string name() const override { return "replay"; }
+  Status propose(const DraftRequest& req, Draft& out) override {
+    out.tokens.clear();
+    out.probs.clear();
+    const size_t at = req.history.size() - prompt_len_;  // ids emitted so far
+    for (int32_t i = 0; i < req.max_tokens && at + size_t(i) < ids_.size(); ++i) {
+      const int32_t t = ids_[at + size_t(i)];
+      out.tokens.push_back(i == accept_len_ - 1 ? (t + 1) % n_vocab_ : t);
+    }
+    return Status::ok();
+  }
+
+ private:
+  size_t prompt_len_;
+  const std::vector<int32_t>& ids_;
+  int32_t accept_len_, n_vocab_;
+};
+
+// Best wall time of evaluating m copies of `tok` after `base` positions (rolled back after
+// each try). Repeats until both 3 tries and ~0.5 s are spent, at most 50 tries.
+double time_eval(Session& s, int32_t base, int32_t tok, size_t m) {
+  std::vector<int32_t> batch(m, tok);
+  double best = 1e9, spent = 0;
+  for (int r = 0; r < 50 && (r < 3 || spent < 0.5); ++r) {
+    (void)s.rollback(base);
+    const auto t0 = Clock::now();
+    (void)s.eval(batch, m > 1);
+    const double t = since(t0);
+    best = std::min(best, t);
+    spent += t;
+  }
+  (void)s.rollback(base);
+  return best;
+}
+
+std::vector<int32_t> parse_ks(const char* arg) {
+  std::vector<int32_t> ks;
+  std::string s(arg);
+  size_t at = 0;
+  while (at <= s.size()) {
+    const size_t comma = std::min(s.find(',', at), s.size());
+    const int k = std::atoi(s.substr(at, comma - at).c_str());
+    if (k < 1 || k > 32) {
+      fmt::print(stderr, "spec_bench: k '{}' outside [1, 32]\n", s.substr(at, comma - at));
+      std::exit(2);
+    }
+    ks.push_back(k);
+    at = comma + 1;
+  }
+  return ks;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    fmt::print(stderr, "usage: spec_bench TARGET.gguf DRAFT.gguf [n_tokens] [k] [repeats]\n");
+    fmt::print(stderr,
+               "usage: spec_bench TARGET.gguf DRAFT.gguf [n_tokens] [k or k,k,...] [repeats] "
+               "[threads] [all|story|repetitive]\n");
     return 2;
   }
   const int32_t n = argc > 3 ? std::atoi(argv[3]) : 200;
-  const int32_t k = argc > 4 ? std::atoi(argv[4]) : 4;
+  const std::vector<int32_t> ks = argc > 4 ? parse_ks(argv[4]) : std::vector<int32_t>{4};
   const int repeats = argc > 5 ? std::atoi(argv[5]) : 3;
+  const int threads = argc > 6 ? std::atoi(argv[6]) : 1;
+  const std::string which = argc > 7 ? argv[7] : "all";
+  if (n < 1 || repeats < 1 || threads < 1 ||
+      (which != "all" && which != "story" && which != "repetitive")) {
+    fmt::print(stderr, "spec_bench: bad arguments (n_tokens, repeats, threads >= 1; prompts "
+                       "all|story|repetitive)\n");
+    return 2;
+  }
+  const int32_t k_max = *std::max_element(ks.begin(), ks.end());
+  // The verify cost is printed for every k up to this, whatever ks the loops run.
+  const int32_t k_cost = std::max(k_max, 8);
   auto tm = Model::load(argv[1]);
   auto dm = Model::load(argv[2]);
   if (!tm || !dm) {
@@ -95,72 +182,106 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "spec_bench: {}\n", tok.error());
     return 1;
   }
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend(threads);
   const int32_t n_ctx = 1024;
-  Session plain(*tm, *be, n_ctx, k + 1);
-  Session target(*tm, *be, n_ctx, k + 1);
-  auto md = ModelDrafter::create(*dm, *be, n_ctx, (*tm)->n_vocab());
+  Session plain(*tm, *be, n_ctx, k_cost + 1);
+  Session target(*tm, *be, n_ctx, k_max + 1);
+  // The draft session never evaluates more than k + 1 tokens at once after its prompt
+  // prefill; a small batch limit keeps its scratch small (prefill then runs in chunks).
+  auto md = ModelDrafter::create(*dm, *be, n_ctx, (*tm)->n_vocab(), std::max(k_max + 1, 64));
   if (!md) {
     fmt::print(stderr, "spec_bench: {}\n", md.error());
     return 1;
   }
   NgramDrafter ng(1, 3);
-  const std::vector<std::pair<std::string, std::string>> prompts = {
+  std::vector<std::pair<std::string, std::string>> prompts = {
       {"story", "Once upon a time, there was a little girl named Lily."},
       {"repetitive",
        "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat on "
        "the log. The cat sat on the mat. The dog sat on the log. The cat sat on the mat."}};
-  fmt::print("target {} draft {} n={} k={} repeats={} (1 thread, best of repeats)\n", argv[1],
-             argv[2], n, k, repeats);
+  if (which != "all")
+    std::erase_if(prompts, [&](const auto& p) { return p.first != which; });
+  fmt::print("target {} ({:.0f} MiB) draft {} ({:.0f} MiB)\nn={} k={} repeats={} threads={} "
+             "(best of repeats, interleaved)\n",
+             argv[1], double((*tm)->weight_bytes()) / 1048576.0, argv[2],
+             double((*dm)->weight_bytes()) / 1048576.0, n, fmt::join(ks, ","), repeats, threads);
+  // Verify cost: speculation can only win where a (k+1)-token eval costs much less than k+1
+  // one-token evals (weight-bandwidth-bound decode), and a draft-model token much less than a
+  // target one.
+  std::vector<double> verify_ratio(size_t(k_cost + 1), 0.0);
+  double draft_ratio = 0;
   {
-    // Cost of one verify step relative to one plain decode step: speculation can only win
-    // where a (k+1)-token eval costs much less than k+1 one-token evals (memory-bound decode).
     const auto prompt = tok->encode(prompts[0].second, true, false);
     (void)plain.rollback(0);
     (void)plain.eval(prompt, false);
+    Session dsess(*dm, *be, n_ctx, 8);
+    (void)dsess.eval(prompt, false);
     const int32_t base = plain.n_pos();
-    std::vector<int32_t> batch(size_t(k + 1), prompt.back());
-    auto time_eval = [&](size_t m) {
-      double best = 1e9;
-      for (int r = 0; r < 50; ++r) {
-        const auto t0 = Clock::now();
-        (void)plain.eval(std::span(batch).first(m), m > 1);
-        best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
-        (void)plain.rollback(base);
-      }
-      return best;
-    };
-    const double t1 = time_eval(1), tk = time_eval(size_t(k + 1));
-    fmt::print("eval cost: 1 token {:.3f} ms, {} tokens {:.3f} ms ({:.2f}x one token)\n",
-               t1 * 1e3, k + 1, tk * 1e3, tk / t1);
+    const double t1 = time_eval(plain, base, prompt.back(), 1);
+    const double d1 = time_eval(dsess, base, prompt.back(), 1);
+    draft_ratio = d1 / t1;
+    fmt::print("eval cost: target 1 token {:.2f} ms ({:.1f} GB/s of weights); draft 1 token "
+               "{:.2f} ms ({:.2f}x target)\n",
+               t1 * 1e3, double((*tm)->weight_bytes()) / t1 / 1e9, d1 * 1e3, draft_ratio);
+    for (int32_t k = 1; k <= k_cost; ++k) {
+      const double tk = time_eval(plain, base, prompt.back(), size_t(k + 1));
+      verify_ratio[size_t(k)] = tk / t1;
+      fmt::print("  verify k={}: {} tokens {:.2f} ms = {:.2f}x one token ({:.2f}x per token); "
+                 "break-even acceptance length {:.2f}\n",
+                 k, k + 1, tk * 1e3, tk / t1, tk / t1 / double(k + 1), tk / t1);
+    }
+    (void)plain.rollback(0);
   }
   for (const auto& [name, text] : prompts) {
     const auto prompt = tok->encode(text, true, false);
     double best_plain = 1e9;
-    SpecRun best_model, best_ngram;
-    best_model.seconds = best_ngram.seconds = 1e9;
+    std::vector<SpecRun> best_model(ks.size()), best_ngram(ks.size());
+    // Replay runs per k at acceptance lengths 2, 3, 4 and k + 1 (those <= k + 1).
+    std::vector<std::vector<int32_t>> lens(ks.size());
+    std::vector<std::vector<SpecRun>> best_replay(ks.size());
+    for (size_t i = 0; i < ks.size(); ++i) {
+      for (int32_t L : {2, 3, 4, ks[i] + 1})
+        if (L <= ks[i] + 1 && std::find(lens[i].begin(), lens[i].end(), L) == lens[i].end())
+          lens[i].push_back(L);
+      best_replay[i].resize(lens[i].size());
+    }
     std::vector<int32_t> want;
     for (int r = 0; r < repeats; ++r) {
       best_plain = std::min(best_plain, plain_greedy(plain, prompt, n, want));
-      SpecRun m = spec_greedy(target, **md, k, prompt, n, want);
-      if (m.seconds < best_model.seconds) best_model = m;
-      SpecRun g = spec_greedy(target, ng, k, prompt, n, want);
-      if (g.seconds < best_ngram.seconds) best_ngram = g;
+      for (size_t i = 0; i < ks.size(); ++i) {
+        SpecRun m = spec_greedy(target, **md, ks[i], prompt, n, want);
+        if (m.seconds < best_model[i].seconds) best_model[i] = m;
+        SpecRun g = spec_greedy(target, ng, ks[i], prompt, n, want);
+        if (g.seconds < best_ngram[i].seconds) best_ngram[i] = g;
+        for (size_t j = 0; j < lens[i].size(); ++j) {
+          ReplayDrafter rd(prompt.size(), want, lens[i][j], (*tm)->n_vocab());
+          SpecRun x = spec_greedy(target, rd, ks[i], prompt, n, want);
+          if (x.seconds < best_replay[i][j].seconds) best_replay[i][j] = x;
+        }
+      }
     }
-    auto line = [&](const char* what, const SpecRun& s) {
+    fmt::print("{} prompt ({} tokens):\n  {:<18} {:8.2f} t/s  ({:.1f} ms/token)\n", name,
+               prompt.size(), "plain", n / best_plain, best_plain / n * 1e3);
+    auto line = [&](const std::string& what, int32_t k, const SpecRun& s, bool model) {
+      const double steps = double(std::max<uint64_t>(1, s.stats.steps));
+      // What the eval costs above predict, as a speed-up over plain decoding: tokens per step
+      // over the step's cost in plain decode steps (one verify plus k draft-model tokens;
+      // n-gram and replay drafting cost ~0).
+      const double cost = verify_ratio[size_t(k)] + (model ? double(k) * draft_ratio : 0.0);
       fmt::print(
-          "  {:<12} {:8.1f} t/s  x{:.2f}  tokens/step {:.2f}  accepted {}/{}  draft {:.0f}% "
-          "verify {:.0f}%  ids {}\n",
-          what, n / s.seconds, best_plain / s.seconds, s.stats.tokens_per_step(),
-          s.stats.accepted, s.stats.drafted,
-          100 * s.stats.draft_s / (s.stats.draft_s + s.stats.verify_s),
-          100 * s.stats.verify_s / (s.stats.draft_s + s.stats.verify_s),
+          "  {:<18} {:8.2f} t/s  x{:.2f} (predicted x{:.2f})  tokens/step {:.2f}  accepted "
+          "{}/{}  per step: draft {:.1f} ms verify {:.1f} ms  ids {}\n",
+          what, n / s.seconds, best_plain / s.seconds, s.stats.tokens_per_step() / cost,
+          s.stats.tokens_per_step(), s.stats.accepted, s.stats.drafted,
+          s.stats.draft_s / steps * 1e3, s.stats.verify_s / steps * 1e3,
           s.same ? "identical" : "DIFFER");
     };
-    fmt::print("{} prompt ({} tokens):\n  {:<12} {:8.1f} t/s\n", name, prompt.size(), "plain",
-               n / best_plain);
-    line("draft-model", best_model);
-    line("ngram", best_ngram);
+    for (size_t i = 0; i < ks.size(); ++i) {
+      line(fmt::format("draft-model k={}", ks[i]), ks[i], best_model[i], true);
+      line(fmt::format("ngram k={}", ks[i]), ks[i], best_ngram[i], false);
+      for (size_t j = 0; j < lens[i].size(); ++j)
+        line(fmt::format("replay k={} L={}", ks[i], lens[i][j]), ks[i], best_replay[i][j], false);
+    }
   }
   return 0;
 }

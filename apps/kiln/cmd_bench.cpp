@@ -1,7 +1,10 @@
 // apps/kiln/cmd_bench.cpp: `kiln bench`: llama-bench-style figures. ppN: one N-token batch
 // from an empty cache; tgN: N single-token decode steps from an empty cache. Each test runs
 // once to warm up, then -r times; reported as mean +- stddev of tokens/s. tg also reports the
-// achieved weight bandwidth (every decode step reads all weight bytes once) and the process's
+// weight bytes one decoded token reads (all dense weights except the embedding table, of
+// which one row; for MoE layers only the experts the run's own routing selected, counted by
+// the forward pass), the read bandwidth of this machine measured between the repetitions,
+// the roofline tokens/s those two give, and tg as a fraction of it. Also the process's
 // anonymous resident memory (everything beyond the mapped weights).
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -18,6 +21,7 @@
 #include "apps/kiln/commands.h"
 #include "apps/kiln/config_cli.h"
 #include "apps/kiln/gen_common.h"
+#include "core/counters.h"
 #include "core/log.h"
 #include "sampling/sampler.h"
 
@@ -39,6 +43,71 @@ struct Result {
   std::vector<double> ts;  // tokens/s per repetition
   double mean = 0, stddev = 0;
   double gbps = 0;  // tg only: weight bytes per token / seconds per token
+  // tg only (see the file comment): bytes one token read, split into the dense part and the
+  // experts the routing selected; streaming read bandwidth measured before each repetition.
+  double bytes_per_token = 0, dense_bytes = 0, expert_bytes = 0;
+  double read_gbps = 0, roofline_ts = 0, roofline_fraction = 0;
+};
+
+// Weight bytes a decode step reads outside the experts: every tensor once, except that the
+// token embedding contributes one row (a lookup) unless it doubles as the output matrix; the
+// stacked expert tensors (*_exps) are left to the forward pass's counter.
+double dense_bytes_per_token(const Model& model) {
+  double bytes = 0;
+  for (const TensorInfo& t : model.gguf().tensors()) {
+    if (t.name.find("_exps.") != std::string::npos) continue;
+    if (t.name == "token_embd.weight") {
+      bytes += double(t.n_bytes) / double(t.n_rows());
+      if (!model.weights().tied_output) continue;
+    }
+    bytes += double(t.n_bytes);
+  }
+  return bytes;
+}
+
+// Streaming read bandwidth (GB/s) over a buffer far larger than the caches, `threads` threads
+// each summing a contiguous share, best of `passes`. Measured in the same process and minute
+// as the decode it is compared with, so a shared machine's contention hits both alike.
+class ReadBandwidth {
+ public:
+  explicit ReadBandwidth(int threads) : threads_(std::max(1, threads)), buf_(kWords, 1) {}
+  double measure(int passes = 3) {
+    double best = 0;
+    for (int p = 0; p < passes; ++p) {
+      std::vector<uint64_t> sink(static_cast<size_t>(threads_));
+      const auto t0 = Clock::now();
+      std::vector<std::thread> ts;
+      for (int t = 1; t < threads_; ++t) ts.emplace_back([&, t] { sink[t] = sum(t); });
+      sink[0] = sum(0);
+      for (std::thread& th : ts) th.join();
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      uint64_t all = 0;
+      for (uint64_t v : sink) all += v;
+      if (all != kWords) return 0;  // every word is 1: keeps the sums from being optimised out
+      best = std::max(best, double(kWords * sizeof(uint64_t)) / s * 1e-9);
+    }
+    return best;
+  }
+
+ private:
+  static constexpr size_t kWords = size_t{512} << 20 >> 3;  // 512 MiB
+  using Clock = std::chrono::steady_clock;
+  uint64_t sum(int t) const {
+    const size_t b = kWords * size_t(t) / size_t(threads_), e = kWords * size_t(t + 1) / size_t(threads_);
+    const uint64_t* p = buf_.data();
+    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;  // independent chains so loads overlap
+    size_t i = b;
+    for (; i + 4 <= e; i += 4) {
+      a0 += p[i];
+      a1 += p[i + 1];
+      a2 += p[i + 2];
+      a3 += p[i + 3];
+    }
+    for (; i < e; ++i) a0 += p[i];
+    return a0 + a1 + a2 + a3;
+  }
+  int threads_;
+  std::vector<uint64_t> buf_;
 };
 
 void summarise(Result& r) {
@@ -93,25 +162,50 @@ Status run(const BenchOptions& o) {
     n_max = std::max(n_max, n);
   }
   KILN_ASSIGN_OR_RETURN(std::string path, resolve_model_path(o.model, cfg));
-  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(path, static_cast<int>(cfg.threads)));
+  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(path, cfg));
   const Model& model = *ld.model;
   if (n_max > model.n_ctx_train())
     log_notice("bench: {} tokens exceed the model's training context {}", n_max,
                model.n_ctx_train());
   Session session(ld.model, *ld.backend, n_max);
   const MemoryUse mem_before = memory_use();
+  const int threads = cfg.threads > 0 ? int(cfg.threads) : int(std::thread::hardware_concurrency());
+  // Counts the expert weight bytes every forward pass computed with (model/forward.cpp).
+  const Counter& expert_bytes = process_counters().counter("moe.expert_bytes_used");
+  std::unique_ptr<ReadBandwidth> bandwidth;
+  // A device backend streams weights from its own memory: its bandwidth is the roofline.
+  double device_gbps = 0;
+  for (int32_t ng : o.n_gen)
+    if (ng > 0 && ld.backend->device_memory() && device_gbps == 0)
+      device_gbps = ld.backend->read_bandwidth_gbps();
+  for (int32_t ng : o.n_gen)
+    if (ng > 0 && !bandwidth && device_gbps == 0)
+      bandwidth = std::make_unique<ReadBandwidth>(threads);
 
   std::vector<Result> results;
   auto bench = [&](const std::string& name, int32_t np, int32_t ng, auto&& fn) -> Status {
     Result r{name, np, ng, {}, 0, 0, 0};
     const std::vector<int32_t> tokens = random_tokens(np + ng, model.n_vocab(), 1234);
     KILN_TRY(fn(tokens));  // warm-up: page in weights, size scratch buffers
+    double bw_sum = 0;
+    uint64_t expert_bytes_run = 0;
     for (int32_t i = 0; i < o.reps; ++i) {
+      if (ng > 0) bw_sum += device_gbps > 0 ? device_gbps : bandwidth->measure();
+      const uint64_t e0 = expert_bytes.value();
       KILN_ASSIGN_OR_RETURN(double ts, fn(tokens));
+      expert_bytes_run += expert_bytes.value() - e0;
       r.ts.push_back(ts);
     }
     summarise(r);
-    if (ng > 0) r.gbps = double(model.weight_bytes()) * r.mean * 1e-9;
+    if (ng > 0) {
+      r.dense_bytes = dense_bytes_per_token(model);
+      r.expert_bytes = double(expert_bytes_run) / (double(ng) * o.reps);
+      r.bytes_per_token = r.dense_bytes + r.expert_bytes;
+      r.gbps = r.bytes_per_token * r.mean * 1e-9;
+      r.read_gbps = bw_sum / o.reps;
+      r.roofline_ts = r.read_gbps * 1e9 / r.bytes_per_token;
+      r.roofline_fraction = r.roofline_ts > 0 ? r.mean / r.roofline_ts : 0;
+    }
     results.push_back(std::move(r));
     return Status::ok();
   };
@@ -123,12 +217,12 @@ Status run(const BenchOptions& o) {
     if (ng > 0)
       KILN_TRY(bench(fmt::format("tg{}", ng), 0, ng,
                      [&](const std::vector<int32_t>& t) { return time_decode(session, t); }));
+  bandwidth.reset();  // its 512 MiB are not part of the memory figures below
   const MemoryUse mem = memory_use();
 
   const double size_gib = double(model.weight_bytes()) / double(1ull << 30);
   int64_t n_params = 0;
   for (const TensorInfo& t : model.gguf().tensors()) n_params += t.n_elements();
-  const int threads = cfg.threads > 0 ? int(cfg.threads) : int(std::thread::hardware_concurrency());
   const std::string model_name = std::filesystem::path(path).filename().string();
   if (o.output == "json") {
     nlohmann::json arr = nlohmann::json::array();
@@ -149,7 +243,15 @@ Status run(const BenchOptions& o) {
                           {"rss_bytes", mem.rss},
                           {"rss_anon_bytes", mem.rss_anon},
                           {"rss_anon_before_bytes", mem_before.rss_anon}};
-      if (r.n_gen > 0) j["weight_gbps"] = r.gbps;
+      if (r.n_gen > 0) {
+        j["weight_gbps"] = r.gbps;
+        j["bytes_per_token"] = r.bytes_per_token;
+        j["dense_bytes_per_token"] = r.dense_bytes;
+        j["expert_bytes_per_token"] = r.expert_bytes;
+        j["read_gbps"] = r.read_gbps;
+        j["roofline_ts"] = r.roofline_ts;
+        j["roofline_fraction"] = r.roofline_fraction;
+      }
       arr.push_back(std::move(j));
     }
     fmt::print("{}\n", arr.dump(2));
@@ -161,10 +263,22 @@ Status run(const BenchOptions& o) {
                  model.arch_name(), model_name, size_gib, double(n_params) * 1e-9,
                  ld.backend->name(), threads, r.test, r.mean, r.stddev,
                  r.n_gen > 0 ? fmt::format("{:.1f}", r.gbps) : std::string("-"));
+    for (const Result& r : results)
+      if (r.n_gen > 0)
+        fmt::print("\n{}: {:.2f} MB of weights read per token ({:.2f} MB dense + {:.2f} MB of the "
+                   "experts this run routed to); read bandwidth {:.1f} GB/s (same run) -> roofline "
+                   "{:.1f} t/s; tg = {:.1f} % of it\n",
+                   r.test, r.bytes_per_token * 1e-6, r.dense_bytes * 1e-6, r.expert_bytes * 1e-6,
+                   r.read_gbps, r.roofline_ts, 100 * r.roofline_fraction);
     fmt::print("\nresident memory: {:.1f} MiB total, {:.1f} MiB file-backed (mapped weights), "
                "{:.1f} MiB anonymous (KV cache {:.1f} MiB + activations + runtime)\n",
                double(mem.rss) / (1 << 20), double(mem.rss_file) / (1 << 20),
                double(mem.rss_anon) / (1 << 20), double(session.kv_bytes()) / (1 << 20));
+  }
+  if (cfg.stats) {  // counters (expert store: hits, misses, bytes, stall) and the store summary
+    const auto counters = process_counters().snapshot();
+    if (!counters.empty()) fmt::print(stderr, "stats: counters\n{}", format_counters(counters));
+    fmt::print(stderr, "{}", moe::format_store_stats());
   }
   return Status::ok();
 }

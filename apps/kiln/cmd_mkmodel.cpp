@@ -1,5 +1,7 @@
-// apps/kiln/cmd_mkmodel.cpp: `kiln mkmodel`: writes a random-weight llama-shape GGUF of any
-// size and type (benchmarks at 1B/8B scale without downloads). Tensors are produced and
+// apps/kiln/cmd_mkmodel.cpp: `kiln mkmodel`: writes a random-weight GGUF of any size and type
+// in the llama, gemma3 (sliding window, QK-norm, sandwich norms, tied output) or qwen3moe
+// (experts) shape, or llama with experts (Mixtral layout): benchmarks at 1B/8B scale without
+// downloads. Random router weights route nearly uniformly over the experts. Tensors are produced and
 // quantized at write time, one at a time, so a multi-GB file needs no more RAM than its
 // largest tensor. The vocabulary is a minimal valid SentencePiece one (byte fallback plus
 // ASCII pieces) so `kiln run` and `kiln bench` can tokenize prompts for it.
@@ -27,7 +29,15 @@ struct MkModelOptions {
   std::string out;
   std::string arch = "llama";
   int32_t n_embd = 2048, n_layer = 16, n_ff = 8192, n_head = 32, n_head_kv = 8;
+  int32_t head_dim = 0;  // 0: n_embd / n_head
   int32_t n_vocab = 32000, n_ctx = 4096;
+  int32_t window = 512, swa_pattern = 6;                // gemma3 only
+  int32_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0;  // 0 experts: dense FFN
+
+  int32_t hd() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
+  bool moe() const { return n_expert > 0; }
+  bool gemma3() const { return arch == "gemma3"; }
+  int32_t ff_exp() const { return n_ff_exp > 0 ? n_ff_exp : n_ff; }
   std::string type = "f16";
   uint64_t seed = 1;
   int threads = 0;
@@ -96,25 +106,40 @@ struct TensorPlan {
 };
 
 std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
-  const int64_t head_dim = o.n_embd / o.n_head, kv = int64_t(o.n_head_kv) * head_dim;
+  const int64_t E = o.n_embd, hd = o.hd();
+  const int64_t q = int64_t(o.n_head) * hd, kv = int64_t(o.n_head_kv) * hd;
   // Uniform with standard deviation sigma: scale = sigma * sqrt(3).
   const float w = 0.02f * std::sqrt(3.0f);
   std::vector<TensorPlan> t;
-  t.push_back({"token_embd.weight", {o.n_embd, o.n_vocab}, w});
+  t.push_back({"token_embd.weight", {E, o.n_vocab}, w});
   for (int32_t l = 0; l < o.n_layer; ++l) {
     const std::string b = fmt::format("blk.{}.", l);
-    t.push_back({b + "attn_norm.weight", {o.n_embd}, 0});
-    t.push_back({b + "attn_q.weight", {o.n_embd, o.n_embd}, w});
-    t.push_back({b + "attn_k.weight", {o.n_embd, kv}, w});
-    t.push_back({b + "attn_v.weight", {o.n_embd, kv}, w});
-    t.push_back({b + "attn_output.weight", {o.n_embd, o.n_embd}, w});
-    t.push_back({b + "ffn_norm.weight", {o.n_embd}, 0});
-    t.push_back({b + "ffn_gate.weight", {o.n_embd, o.n_ff}, w});
-    t.push_back({b + "ffn_up.weight", {o.n_embd, o.n_ff}, w});
-    t.push_back({b + "ffn_down.weight", {o.n_ff, o.n_embd}, w});
+    t.push_back({b + "attn_norm.weight", {E}, 0});
+    t.push_back({b + "attn_q.weight", {E, q}, w});
+    t.push_back({b + "attn_k.weight", {E, kv}, w});
+    t.push_back({b + "attn_v.weight", {E, kv}, w});
+    if (o.arch != "llama") {  // gemma3 and qwen3moe normalise q and k per head
+      t.push_back({b + "attn_q_norm.weight", {hd}, 0});
+      t.push_back({b + "attn_k_norm.weight", {hd}, 0});
+    }
+    t.push_back({b + "attn_output.weight", {q, E}, w});
+    if (o.gemma3()) t.push_back({b + "post_attention_norm.weight", {E}, 0});
+    t.push_back({b + "ffn_norm.weight", {E}, 0});
+    if (o.moe()) {
+      const int64_t F = o.ff_exp(), X = o.n_expert;
+      t.push_back({b + "ffn_gate_inp.weight", {E, X}, w});
+      t.push_back({b + "ffn_gate_exps.weight", {E, F, X}, w});
+      t.push_back({b + "ffn_up_exps.weight", {E, F, X}, w});
+      t.push_back({b + "ffn_down_exps.weight", {F, E, X}, w});
+    } else {
+      t.push_back({b + "ffn_gate.weight", {E, o.n_ff}, w});
+      t.push_back({b + "ffn_up.weight", {E, o.n_ff}, w});
+      t.push_back({b + "ffn_down.weight", {o.n_ff, E}, w});
+    }
+    if (o.gemma3()) t.push_back({b + "post_ffw_norm.weight", {E}, 0});
   }
-  t.push_back({"output_norm.weight", {o.n_embd}, 0});
-  t.push_back({"output.weight", {o.n_embd, o.n_vocab}, w});
+  t.push_back({"output_norm.weight", {E}, 0});
+  if (!o.gemma3()) t.push_back({"output.weight", {E, o.n_vocab}, w});  // gemma ties it
   return t;
 }
 
@@ -127,12 +152,26 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
   w.set_u32(a + ".context_length", uint32_t(o.n_ctx));
   w.set_u32(a + ".embedding_length", uint32_t(o.n_embd));
   w.set_u32(a + ".block_count", uint32_t(o.n_layer));
-  w.set_u32(a + ".feed_forward_length", uint32_t(o.n_ff));
+  // Mixtral-layout llama reads its experts' width from feed_forward_length.
+  w.set_u32(a + ".feed_forward_length", uint32_t(o.moe() && a == "llama" ? o.ff_exp() : o.n_ff));
   w.set_u32(a + ".attention.head_count", uint32_t(o.n_head));
   w.set_u32(a + ".attention.head_count_kv", uint32_t(o.n_head_kv));
-  w.set_u32(a + ".rope.dimension_count", uint32_t(o.n_embd / o.n_head));
-  w.set_f32(a + ".rope.freq_base", 10000.0f);
-  w.set_f32(a + ".attention.layer_norm_rms_epsilon", 1e-5f);
+  w.set_u32(a + ".attention.key_length", uint32_t(o.hd()));
+  w.set_u32(a + ".attention.value_length", uint32_t(o.hd()));
+  w.set_u32(a + ".rope.dimension_count", uint32_t(o.hd()));
+  // The families' own RoPE bases and epsilons (gemma3: 1e6 global, 1e4 on local layers).
+  w.set_f32(a + ".rope.freq_base", a == "llama" ? 10000.0f : 1000000.0f);
+  w.set_f32(a + ".attention.layer_norm_rms_epsilon", a == "llama" ? 1e-5f : 1e-6f);
+  if (o.gemma3()) {
+    w.set_f32(a + ".rope.freq_base_swa", 10000.0f);
+    w.set_u32(a + ".attention.sliding_window", uint32_t(o.window));
+    w.set_u32(a + ".attention.sliding_window_pattern", uint32_t(o.swa_pattern));
+  }
+  if (o.moe()) {
+    w.set_u32(a + ".expert_count", uint32_t(o.n_expert));
+    w.set_u32(a + ".expert_used_count", uint32_t(o.n_expert_used));
+    if (a != "llama") w.set_u32(a + ".expert_feed_forward_length", uint32_t(o.ff_exp()));
+  }
   w.set_u32(a + ".vocab_size", uint32_t(o.n_vocab));
   w.set_str("tokenizer.ggml.model", "llama");
   w.set_str_array("tokenizer.ggml.tokens", v.tokens);
@@ -147,8 +186,8 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
 
 Status validate(const MkModelOptions& o) {
   if (o.out.empty()) return Status::error("-o OUT.gguf is required");
-  if (o.arch != "llama")
-    return Status::errorf("--arch '{}' is not supported (llama)", o.arch);
+  if (o.arch != "llama" && o.arch != "gemma3" && o.arch != "qwen3moe")
+    return Status::errorf("--arch '{}' is not supported (llama, gemma3, qwen3moe)", o.arch);
   auto positive = [](const char* what, int64_t v) {
     return v > 0 ? Status::ok() : Status::errorf("{} = {} must be > 0", what, v);
   };
@@ -158,12 +197,30 @@ Status validate(const MkModelOptions& o) {
   KILN_TRY(positive("--n-head", o.n_head));
   KILN_TRY(positive("--n-head-kv", o.n_head_kv));
   KILN_TRY(positive("--ctx", o.n_ctx));
-  if (o.n_embd % o.n_head != 0)
-    return Status::errorf("--n-embd {} is not a multiple of --n-head {}", o.n_embd, o.n_head);
-  if ((o.n_embd / o.n_head) % 2 != 0)
-    return Status::errorf("head dimension {} must be even (RoPE rotates pairs)", o.n_embd / o.n_head);
+  if (o.head_dim < 0) return Status::errorf("--head-dim = {} must be > 0", o.head_dim);
+  if (o.head_dim == 0 && o.n_embd % o.n_head != 0)
+    return Status::errorf("--n-embd {} is not a multiple of --n-head {} (or give --head-dim)",
+                          o.n_embd, o.n_head);
+  if (o.hd() % 2 != 0)
+    return Status::errorf("head dimension {} must be even (RoPE rotates pairs)", o.hd());
   if (o.n_head % o.n_head_kv != 0)
     return Status::errorf("--n-head {} is not a multiple of --n-head-kv {}", o.n_head, o.n_head_kv);
+  if (o.gemma3()) {
+    KILN_TRY(positive("--window", o.window));
+    KILN_TRY(positive("--swa-pattern", o.swa_pattern));
+  }
+  if (o.arch == "gemma3" && o.n_expert != 0)
+    return Status::error("--n-expert: gemma3 has no expert layout (llama or qwen3moe)");
+  if (o.arch == "qwen3moe" && o.n_expert == 0)
+    return Status::error("--arch qwen3moe needs --n-expert and --n-expert-used");
+  if (o.n_expert < 0 || o.n_expert > 4096)
+    return Status::errorf("--n-expert {} outside [0, 4096]", o.n_expert);
+  if (o.moe() && (o.n_expert_used < 1 || o.n_expert_used > o.n_expert))
+    return Status::errorf("--n-expert-used {} outside [1, --n-expert {}]", o.n_expert_used,
+                          o.n_expert);
+  if (!o.moe() && o.n_expert_used != 0)
+    return Status::error("--n-expert-used needs --n-expert");
+  if (o.n_ff_exp < 0) return Status::errorf("--n-ff-exp = {} must be > 0", o.n_ff_exp);
   if (o.n_vocab < 260 || o.n_vocab > (1 << 24))
     return Status::errorf("--n-vocab {} outside [260, 16777216] (the vocabulary needs the 259 "
                           "special and byte tokens plus pieces)", o.n_vocab);
@@ -219,7 +276,9 @@ int run_mkmodel(const MkModelOptions& o) {
   for (size_t i = 0; i < plan.size(); ++i) {
     const TensorPlan& t = plan[i];
     const DType type = (*types)[i];
-    const int64_t n_cols = t.ne[0], n_rows = t.ne.size() > 1 ? t.ne[1] : 1;
+    int64_t n_rows = 1;  // rows flattened over ne[1..] (3-D expert tensors stack matrices)
+    for (size_t d = 1; d < t.ne.size(); ++d) n_rows *= t.ne[d];
+    const int64_t n_cols = t.ne[0];
     const auto rb = row_bytes(type, uint64_t(n_cols));
     if (!rb) {
       fmt::print(stderr, "kiln mkmodel: tensor '{}': row length {} is not a multiple of {}'s "
@@ -271,12 +330,19 @@ void add_mkmodel_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("mkmodel", "write a random-weight model of a given shape");
   auto o = std::make_shared<MkModelOptions>();
   cmd->add_option("-o,--output", o->out, "output GGUF path")->required();
-  cmd->add_option("--arch", o->arch, "architecture (llama)");
+  cmd->add_option("--arch", o->arch, "architecture: llama, gemma3, qwen3moe");
   cmd->add_option("--n-embd", o->n_embd, "embedding width");
   cmd->add_option("--n-layer", o->n_layer, "layers");
   cmd->add_option("--n-ff", o->n_ff, "feed-forward width");
   cmd->add_option("--n-head", o->n_head, "attention heads");
   cmd->add_option("--n-head-kv", o->n_head_kv, "KV heads");
+  cmd->add_option("--head-dim", o->head_dim, "head dimension (default n_embd / n_head)");
+  cmd->add_option("--window", o->window, "gemma3: sliding window of the local layers");
+  cmd->add_option("--swa-pattern", o->swa_pattern,
+                  "gemma3: every N-th layer is global, the others slide");
+  cmd->add_option("--n-expert", o->n_expert, "experts per layer (qwen3moe; llama: Mixtral layout)");
+  cmd->add_option("--n-expert-used", o->n_expert_used, "experts each token is routed to");
+  cmd->add_option("--n-ff-exp", o->n_ff_exp, "feed-forward width of one expert (default --n-ff)");
   cmd->add_option("--n-vocab", o->n_vocab, "vocabulary size (>= 260)");
   cmd->add_option("--ctx", o->n_ctx, "context_length metadata");
   cmd->add_option("--type", o->type, "weight type preset: f32 f16 bf16 q8_0 q4_0 q4_k_m ...");

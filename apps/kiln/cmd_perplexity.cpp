@@ -48,7 +48,7 @@ Status run(const PplOptions& o) {
   std::fclose(f);
 
   KILN_ASSIGN_OR_RETURN(std::string path, resolve_model_path(o.model, cfg));
-  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(path, static_cast<int>(cfg.threads)));
+  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(path, cfg));
   const Tokenizer& tok = *ld.tokenizer;
   const std::vector<int32_t> tokens = tok.encode(text, /*add_special=*/true, false);
   const int32_t n_ctx = o.n_ctx;

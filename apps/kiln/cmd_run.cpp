@@ -133,6 +133,7 @@ Status run_speculative(const RunOptions& o, const Config& cfg, const Loaded& ld,
     fmt::print(stderr, "stats: config\n{}", describe(cfg));
     const auto counters = process_counters().snapshot();
     if (!counters.empty()) fmt::print(stderr, "stats: counters\n{}", format_counters(counters));
+    fmt::print(stderr, "{}", moe::format_store_stats());
   }
   return Status::ok();
 }
@@ -158,7 +159,7 @@ Status run(RunOptions o) {
   KILN_TRY(parse_logit_bias(o.logit_bias, o.sampling.logit_bias));
 
   KILN_ASSIGN_OR_RETURN(std::string path, resolve_model_path(o.model, cfg));
-  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(path, static_cast<int>(cfg.threads)));
+  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(path, cfg));
   const Tokenizer& tok = *ld.tokenizer;
   const int32_t n_ctx = o.n_ctx > 0 ? o.n_ctx : std::min(ld.model->n_ctx_train(), 4096);
 
@@ -230,6 +231,7 @@ Status run(RunOptions o) {
     fmt::print(stderr, "stats: config\n{}", describe(cfg));
     const auto counters = process_counters().snapshot();
     if (!counters.empty()) fmt::print(stderr, "stats: counters\n{}", format_counters(counters));
+    fmt::print(stderr, "{}", moe::format_store_stats());
   }
   return Status::ok();
 }

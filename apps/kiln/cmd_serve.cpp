@@ -12,7 +12,12 @@
 #include "apps/kiln/config_cli.h"
 #include "apps/kiln/gen_common.h"
 #include "core/log.h"
+#include "engine/scheduler.h"
 #include "server/server.h"
+#include "transfer/remote_prefill.h"
+
+#include <atomic>
+#include <thread>
 
 namespace kiln::app {
 namespace {
@@ -22,7 +27,47 @@ struct ServeOptions {
   server::ServerOptions server;
   size_t max_body_kib = 1024;
   std::shared_ptr<ConfigOverrides> config;
+  // Disaggregated prefill (docs/kvpack.md): "standalone", "prefill" (serve KV to decode nodes
+  // on --kv-port, no HTTP) or "decode" (HTTP; prompts prefilled by --prefill-peer).
+  std::string role = "standalone";
+  std::string prefill_peer, kv_transport = "tcp";
+  int kv_port = 7070;
+  int64_t prefill_timeout_ms = 30000;
 };
+
+// `--role prefill`: accepts decode nodes one at a time and streams each prompt's KV back.
+Status serve_prefill_role(const ServeOptions& o, const Config& cfg, sigset_t sigs) {
+  KILN_ASSIGN_OR_RETURN(transfer::TransportKind kind, transfer::transport_from_name(o.kv_transport));
+  if (o.kv_port < 0 || o.kv_port > 65535)
+    return Status::errorf("--kv-port {} must be in [0, 65535]", o.kv_port);
+  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(o.server.model_path, cfg));
+  KILN_ASSIGN_OR_RETURN(auto listener, transfer::listen(kind, o.server.host, o.kv_port));
+  fmt::print(stderr, "kiln serve: prefill role, model {}, listening on {} {}:{}\n",
+             o.server.model_path, o.kv_transport, o.server.host, listener->port());
+  std::fflush(stderr);
+  std::atomic<bool> stop{false};
+  std::thread worker([&] {
+    const transfer::ProducerOptions popt{.max_batch = o.server.prefill_chunk,
+                                         .io_timeout = transfer::Millis(o.prefill_timeout_ms)};
+    while (!stop.load()) {
+      auto link = listener->accept(transfer::Millis(200));
+      if (!link) continue;  // timeout: look at the stop flag again
+      const auto t0 = std::chrono::steady_clock::now();
+      Status s = transfer::serve_prefill(**link, ld.model, *ld.backend, popt);
+      const double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (s) log_info("prefill for {} served in {:.3f} s", (*link)->describe(), secs);
+      else log_notice("prefill for {} failed: {}", (*link)->describe(), s.message());
+    }
+  });
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  fmt::print(stderr, "kiln serve: {} received, shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  stop.store(true);
+  worker.join();
+  fmt::print(stderr, "kiln serve: stopped\n");
+  return Status::ok();
+}
 
 Status serve(ServeOptions o) {
   KILN_ASSIGN_OR_RETURN(Config cfg, load_config(*o.config));
@@ -35,9 +80,39 @@ Status serve(ServeOptions o) {
   if (o.server.prefill_chunk < 1)
     return Status::errorf("--prefill-chunk {} must be >= 1", o.server.prefill_chunk);
   if (o.server.max_queue < 0) return Status::errorf("--max-queue {} must be >= 0", o.server.max_queue);
+  if (o.server.draft_ngram < 0 || o.server.draft_ngram > GenerationParams::kMaxDraft)
+    return Status::errorf("--draft-ngram {} must be in [0, {}]", o.server.draft_ngram,
+                          GenerationParams::kMaxDraft);
   if (o.max_body_kib < 1) return Status::error("--max-body-kib must be >= 1");
   o.server.max_body_bytes = o.max_body_kib * 1024;
   o.server.cpu_threads = static_cast<int>(cfg.threads);
+  if (o.role != "standalone" && o.role != "prefill" && o.role != "decode")
+    return Status::errorf("--role '{}' must be standalone, prefill or decode", o.role);
+  if (o.prefill_timeout_ms <= 0)
+    return Status::errorf("--prefill-timeout-ms {} must be > 0", o.prefill_timeout_ms);
+  if (o.role == "decode") {
+    if (o.prefill_peer.empty()) return Status::error("--role decode needs --prefill-peer HOST:PORT");
+    KILN_ASSIGN_OR_RETURN(transfer::TransportKind kind, transfer::transport_from_name(o.kv_transport));
+    KILN_ASSIGN_OR_RETURN(auto hp, transfer::parse_host_port(o.prefill_peer));
+    auto peer = std::make_shared<transfer::PrefillPeer>(transfer::tcp_or_ucx_peer(
+        kind, hp.first, hp.second, transfer::Millis(o.prefill_timeout_ms)));
+    // Fails open: a failed remote prefill leaves the slot empty and it prefills locally.
+    o.server.remote_prefill = [peer](Session& s, std::span<const int32_t> head) {
+      auto link = peer->connect();
+      transfer::RemoteStats rs;
+      Status st =
+          link ? transfer::remote_prefill(**link, s, head, peer->timeout, &rs) : link.status();
+      if (!st)
+        log_notice("remote prefill from {} failed ({}); prefilling locally", peer->name,
+                   st.message());
+      else
+        log_info("remote prefill of {} tokens from {}: {} bytes in {:.3f} s", head.size(),
+                 peer->name, rs.bytes, rs.seconds);
+      return st.is_ok();
+    };
+  } else if (!o.prefill_peer.empty()) {
+    return Status::error("--prefill-peer needs --role decode");
+  }
 
   // Signals go to sigwait below, not to whichever server thread happens to run.
   sigset_t sigs;
@@ -45,6 +120,7 @@ Status serve(ServeOptions o) {
   sigaddset(&sigs, SIGTERM);
   sigaddset(&sigs, SIGINT);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  if (o.role == "prefill") return serve_prefill_role(o, cfg, sigs);
 
   server::HttpServer srv(o.server);
   KILN_TRY(srv.start());
@@ -73,8 +149,16 @@ void add_serve_command(CLI::App& app, int& exit_code) {
   cmd->add_option("-c,--ctx-size", o->server.n_ctx, "context per slot (default min(training, 4096))");
   cmd->add_option("--prefill-chunk", o->server.prefill_chunk, "prompt tokens per slot step (default 256)");
   cmd->add_option("--max-queue", o->server.max_queue, "waiting requests before 503 (default 64)");
+  cmd->add_option("--draft-ngram", o->server.draft_ngram,
+                  "speculative decoding with up to N n-gram (prompt lookup) drafts per step (default 0: off)");
   cmd->add_option("--api-key", o->server.api_key, "require 'Authorization: Bearer KEY'");
   cmd->add_option("--max-body-kib", o->max_body_kib, "request body limit in KiB (default 1024)");
+  cmd->add_option("--role", o->role, "standalone (default), prefill or decode (docs/kvpack.md)");
+  cmd->add_option("--prefill-peer", o->prefill_peer, "decode role: HOST:PORT of the prefill node");
+  cmd->add_option("--kv-port", o->kv_port, "prefill role: port for decode nodes (default 7070)");
+  cmd->add_option("--kv-transport", o->kv_transport, "tcp or ucx (default tcp)");
+  cmd->add_option("--prefill-timeout-ms", o->prefill_timeout_ms,
+                  "a stalled peer is given up after this long (default 30000)");
   o->config = add_config_options(cmd);
   cmd->callback([o, &exit_code] {
     if (Status s = serve(*o); !s) {

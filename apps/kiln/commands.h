@@ -17,5 +17,6 @@ void add_perplexity_command(CLI::App& app, int& exit_code);
 void add_bench_command(CLI::App& app, int& exit_code);
 void add_logits_command(CLI::App& app, int& exit_code);
 void add_serve_command(CLI::App& app, int& exit_code);
+void add_kv_command(CLI::App& app, int& exit_code);
 
 }  // namespace kiln::app

@@ -12,6 +12,10 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "core/log.h"
+#if KILN_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace kiln::app {
 namespace fs = std::filesystem;
@@ -34,16 +38,71 @@ Expected<std::string> resolve_model_path(const std::string& model, const Config&
   return p.string();
 }
 
+moe::StoreConfig expert_store_config(const Config& config) {
+  moe::StoreConfig c;
+  c.cache_bytes = config.expert_cache;
+  c.cap = config.expert_cap;
+  c.prefetch = config.expert_prefetch;
+  return c;
+}
+
+Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config& config) {
+  const std::string& dev = config.device;
+  if (dev != "auto" && dev != "cuda" && dev != "cpu")
+    return Status::errorf("unknown --device '{}' (auto, cuda or cpu)", dev);
+  const bool streaming = config.expert_cache > 0 || config.expert_cap > 0;
+#if KILN_WITH_CUDA
+  if (dev == "cuda" || (dev == "auto" && cuda_device_count() > 0)) {
+    // The arena caches weights by host address; streamed expert slabs are reused for other
+    // experts, so they would read stale device copies.
+    if (streaming) {
+      if (dev == "cuda")
+        return Status::error("--device cuda does not support MoE expert streaming "
+                             "(--expert-cache/--expert-cap) yet");
+      log_notice("device: MoE expert streaming runs on the CPU backend");
+    } else {
+      CudaOptions o;
+      const GgufFile& f = model.gguf();
+      o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
+      o.progress = true;
+      o.graphs = config.cuda_graphs;
+      if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
+      else if (config.cuda_matmul == "v2") o.matmul = CudaMatmul::V2;
+      else if (config.cuda_matmul == "v3") o.matmul = CudaMatmul::V3;
+      else if (config.cuda_matmul != "auto")
+        return Status::errorf("unknown --cuda-matmul '{}' (auto, v1, v2, v3)",
+                              config.cuda_matmul);
+      auto be = make_cuda_backend(o);
+      if (be) return std::unique_ptr<Backend>(std::move(*be));
+      if (dev == "cuda") return Status::errorf("--device cuda: {}", be.error());
+      log_notice("device: {}; running on the CPU", be.error());
+    }
+  }
+#else
+  (void)model;
+  (void)streaming;
+  if (dev == "cuda")
+    return Status::error("--device cuda: this kiln was built without CUDA (KILN_CUDA=OFF)");
+#endif
+  return std::unique_ptr<Backend>(make_cpu_backend(static_cast<int>(config.threads)));
+}
+
 Expected<Loaded> load_for_inference(const std::string& path, int threads) {
+  Config c;
+  c.threads = threads;
+  return load_for_inference(path, c);
+}
+
+Expected<Loaded> load_for_inference(const std::string& path, const Config& config) {
   const auto t0 = std::chrono::steady_clock::now();
   Loaded out;
-  auto model = Model::load(path);
+  auto model = Model::load(path, expert_store_config(config));
   if (!model) return model.status();  // its message names the file
   out.model = std::move(*model);
   auto tok = Tokenizer::from_gguf(out.model->gguf());
   if (!tok) return tok.status().context(fmt::format("{}: tokenizer", path));
   out.tokenizer = std::make_unique<Tokenizer>(std::move(*tok));
-  out.backend = make_cpu_backend(threads);
+  KILN_ASSIGN_OR_RETURN(out.backend, make_backend(*out.model, config));
   out.load_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return out;

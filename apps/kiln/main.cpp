@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   kiln::app::add_perplexity_command(app, exit_code);
   kiln::app::add_bench_command(app, exit_code);
   kiln::app::add_logits_command(app, exit_code);
+  kiln::app::add_kv_command(app, exit_code);
 #ifdef KILN_WITH_SERVER
   kiln::app::add_serve_command(app, exit_code);
 #endif

@@ -1,12 +1,16 @@
 // bench/cuda/cuda_matvec_bench.cpp: decode matvec bandwidth of the CUDA kernels per weight type on
-// the 8B llama shapes (4096x4096 attention, 4096x14336 ffn; ggml order: k x rows), reported
-// against a device-memory streaming-read kernel measured in the same run. Each shape rotates
-// over enough weight copies to exceed the L2 several times, so the figures are HBM figures.
-// Also 8 tokens (batched decode) and 512 (prefill) on 4096x14336. Every case runs with both
-// matmul kernel sets (kernels.h: V1, the first slice's; V2) and the table shows V2's speedup.
+// the 8B llama shapes (ggml order k x rows: 4096x4096 attention, 4096x14336 ffn up/gate,
+// 14336x4096 ffn down, 4096x32000 output) at 1, 4, 16 and 64 tokens (decode and batched
+// decode), reported against a device-memory streaming-read kernel measured in the same run.
+// Each shape rotates over enough weight copies to exceed the L2 several times, so the figures
+// are HBM figures. Every case runs MatmulKernels::V2 and V3 (kernels.h; --v1 adds V1) on the
+// same data, interleaved, and the table shows V3's GB/s, its share of the read bandwidth and
+// its speedup over V2. V3 times include the activation quantization; V2 above 16 tokens
+// includes its dequantization to f16 for cuBLAS. GB/s counts the weight bytes once per call.
 // Times are per call from back-to-back launches between two CUDA events (no host copies, no
-// per-launch synchronisation); V2's prefill time includes its dequantization to f16.
-// Usage: cuda_matvec_bench [--iters N]. Prints one line per (type, shape, tokens), then a table.
+// per-launch synchronisation), medians of --iters samples.
+// Usage: cuda_matvec_bench [--iters N] [--v1] [--types q4_K,q8_0,...]. Prints one line per case,
+// then the tables (lines starting with '|').
 // Host code (g++): it reaches the GPU only through kernels.h's launchers. It lives in
 // bench/cuda/ so that bench/'s glob of *.cpp (non-CUDA builds) does not pick it up.
 #include <cuda_runtime.h>
@@ -80,18 +84,46 @@ double stream_read_gbps(int iters, int n_sm) {
 
 struct Result {
   std::string type;
-  std::string path;  // v1, v2, v2 f16 cuBLAS
+  std::string kernels;  // v1, v2, v3
   int64_t k, rows, n_tok;
   double mib, us, gbps, frac, tflops;
+  double graph_us;  // per call inside a CUDA graph (0: not measured, cuBLAS paths)
   double max_rel_err;
-  double err_bound;  // the path's bound on max_rel_err (f16 rounding on the cuBLAS path)
+  double err_bound;
 };
 
-// One weight type and shape at each token count: 1 = decode matvec, 8 = batched decode, 512 =
-// prefill (the tiled kernel). GB/s counts the weight bytes once per call.
-std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, std::vector<int64_t> n_toks,
-                               int iters, size_t l2_bytes, double read_gbps, std::mt19937_64& rng,
-                               kiln::cuda::GemmWorkspace& gemm) {
+const char* kernels_name(kiln::cuda::MatmulKernels k) {
+  switch (k) {
+    case kiln::cuda::MatmulKernels::V1:
+      return "v1";
+    case kiln::cuda::MatmulKernels::V2:
+      return "v2";
+    default:
+      return "v3";
+  }
+}
+
+struct Scratch {
+  kiln::cuda::GemmWorkspace gemm;
+  void* act = nullptr;
+  size_t act_bytes = 0;
+};
+
+cudaError_t run_kernels(kiln::cuda::MatmulKernels kernels, const kiln::cuda::DeviceWeight& w,
+                        const float* dx, int64_t n_tok, float* dy, Scratch& sc,
+                        cudaStream_t st = nullptr) {
+  kiln::cuda::GemmWorkspace* ws = nullptr;
+  if (n_tok > kiln::cuda::kMatvecMaxTokens && sc.gemm.fits(w, n_tok)) ws = &sc.gemm;
+  if (kernels == kiln::cuda::MatmulKernels::V3)
+    return kiln::cuda::launch_matmul_v3(w, dx, n_tok, dy, sc.act, sc.act_bytes, st, ws);
+  return kiln::cuda::launch_matmul(w, dx, n_tok, dy, st, kernels, ws);
+}
+
+// One weight type and shape at each token count, every kernel set, interleaved per token count.
+std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, const std::vector<int64_t>& n_toks,
+                               const std::vector<kiln::cuda::MatmulKernels>& sets, int iters,
+                               size_t l2_bytes, double read_gbps, std::mt19937_64& rng,
+                               Scratch& sc) {
   const size_t rb = *kiln::row_bytes(t, uint64_t(k));
   const size_t mat_bytes = rb * size_t(rows);
   // 256 distinct random rows, tiled: the bytes are real quantized data, the host stays fast.
@@ -113,6 +145,7 @@ std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, std::vector<int
     BENCH_CHECK(cudaMemcpy(m, host.data(), mat_bytes, cudaMemcpyHostToDevice));
   }
   std::vector<Result> out;
+  std::vector<float> deq(static_cast<size_t>(k));
   for (int64_t n_tok : n_toks) {
     std::vector<float> x(static_cast<size_t>(k * n_tok));
     std::normal_distribution<float> xd(0.0f, 1.0f);
@@ -121,21 +154,17 @@ std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, std::vector<int
     BENCH_CHECK(cudaMalloc(&dx, x.size() * sizeof(float)));
     BENCH_CHECK(cudaMalloc(&dy, size_t(rows * n_tok) * sizeof(float)));
     BENCH_CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
-
-    for (kiln::cuda::MatmulKernels kernels :
-         {kiln::cuda::MatmulKernels::V1, kiln::cuda::MatmulKernels::V2}) {
-      const bool v2 = kernels == kiln::cuda::MatmulKernels::V2;
-      kiln::cuda::DeviceWeight w{t, k, rows, rb, static_cast<const std::byte*>(mats[0])};
-      kiln::cuda::GemmWorkspace* ws = nullptr;
-      if (v2 && n_tok > kiln::cuda::kMatvecMaxTokens && gemm.reserve(w, n_tok)) ws = &gemm;
+    kiln::cuda::DeviceWeight w{t, k, rows, rb, static_cast<const std::byte*>(mats[0])};
+    if (n_tok > kiln::cuda::kMatvecMaxTokens) sc.gemm.reserve(w, n_tok);
+    for (kiln::cuda::MatmulKernels kernels : sets) {
       // Sanity: a few rows of the first and last token against the host dequantization (a
       // wrong kernel is not timed).
+      w.data = static_cast<const std::byte*>(mats[0]);
       BENCH_CHECK(cudaMemset(dy, 0xff, size_t(rows * n_tok) * sizeof(float)));  // NaN
-      BENCH_CHECK(kiln::cuda::launch_matmul(w, dx, n_tok, dy, nullptr, kernels, ws));
+      BENCH_CHECK(run_kernels(kernels, w, dx, n_tok, dy, sc));
       std::vector<float> y(static_cast<size_t>(rows * n_tok));
       BENCH_CHECK(cudaMemcpy(y.data(), dy, y.size() * sizeof(float), cudaMemcpyDeviceToHost));
       double worst = 0;
-      std::vector<float> deq(static_cast<size_t>(k));
       for (int64_t r : {int64_t{0}, int64_t{1}, int64_t{7}, rows / 2 + 3, rows - 1}) {
         kiln::quant::dequantize_row(t, std::span<const std::byte>(host).subspan(r * rb, rb), deq);
         for (int64_t tok : {int64_t{0}, n_tok - 1}) {
@@ -147,19 +176,26 @@ std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, std::vector<int
           worst = std::max(worst, std::isnan(e) ? 1.0 : e);
         }
       }
+      const bool v3_int8 = kernels == kiln::cuda::MatmulKernels::V3 &&
+                           kiln::cuda::matvec_q8_supports(t) && n_tok <= kiln::cuda::kQ8MaxTokens;
+      const bool f16_gemm = n_tok > kiln::cuda::kMatvecMaxTokens &&
+                            kernels != kiln::cuda::MatmulKernels::V1 &&
+                            !(v3_int8 || (kernels == kiln::cuda::MatmulKernels::V3 && n_tok <= 8));
+      // int8 activations: |error| ~ 1e-4 of sum |w x| here; the bound only catches a broken
+      // kernel (tests/cuda checks the statistical bound).
+      const double bound = v3_int8 ? 1e-2 : (f16_gemm ? 2e-3 : 1e-4);
 
       // Back-to-back launches between two events, each on the next weight copy (HBM, not
       // L2): launch latency overlaps the previous kernel, as in a CUDA graph.
       Timer tm;
       std::vector<float> ms;
-      const int reps = n_tok >= 512 ? 2 : 20;
-      const int n_samples = n_tok >= 512 ? std::max(3, iters / 5) : iters;
+      const int reps = 20;
       int next = 0;
-      for (int i = 0; i < n_samples + 2; ++i) {
+      for (int i = 0; i < iters + 2; ++i) {
         BENCH_CHECK(cudaEventRecord(tm.a));
         for (int j = 0; j < reps; ++j) {
           w.data = static_cast<const std::byte*>(mats[next++ % copies]);
-          BENCH_CHECK(kiln::cuda::launch_matmul(w, dx, n_tok, dy, nullptr, kernels, ws));
+          BENCH_CHECK(run_kernels(kernels, w, dx, n_tok, dy, sc));
         }
         BENCH_CHECK(cudaEventRecord(tm.b));
         BENCH_CHECK(cudaEventSynchronize(tm.b));
@@ -169,13 +205,41 @@ std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, std::vector<int
       }
       const double sec = median(ms) * 1e-3;
       const double gbps = mat_bytes / sec / 1e9;
-      const char* path = !v2 ? "v1" : (n_tok > kiln::cuda::kMatvecMaxTokens
-                                           ? (ws ? "v2 f16 cuBLAS" : "v2 (tile fallback)")
-                                           : "v2");
-      out.push_back(Result{std::string(kiln::dtype_name(t)), path, k, rows, n_tok,
+      // The same launches captured once into a CUDA graph and replayed, as the device-resident
+      // forward pass runs a decode step: launch gaps shrink to what the graph leaves. Not for
+      // paths through cuBLAS (its workspace is not captured here).
+      double graph_us = 0;
+      if (!f16_gemm) {
+        cudaStream_t gs = nullptr;
+        BENCH_CHECK(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        BENCH_CHECK(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
+        for (int j = 0; j < reps; ++j) {
+          w.data = static_cast<const std::byte*>(mats[j % copies]);
+          BENCH_CHECK(run_kernels(kernels, w, dx, n_tok, dy, sc, gs));
+        }
+        BENCH_CHECK(cudaStreamEndCapture(gs, &graph));
+        BENCH_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        std::vector<float> gms;
+        for (int i = 0; i < iters + 2; ++i) {
+          BENCH_CHECK(cudaEventRecord(tm.a, gs));
+          BENCH_CHECK(cudaGraphLaunch(exec, gs));
+          BENCH_CHECK(cudaEventRecord(tm.b, gs));
+          BENCH_CHECK(cudaEventSynchronize(tm.b));
+          float m = 0;
+          BENCH_CHECK(cudaEventElapsedTime(&m, tm.a, tm.b));
+          if (i >= 2) gms.push_back(m / reps);
+        }
+        graph_us = median(gms) * 1e3;
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        cudaStreamDestroy(gs);
+      }
+      out.push_back(Result{std::string(kiln::dtype_name(t)), kernels_name(kernels), k, rows, n_tok,
                            mat_bytes / 1048576.0, sec * 1e6, gbps, gbps / read_gbps,
-                           2.0 * double(k) * double(rows) * double(n_tok) / sec / 1e12, worst,
-                           ws ? 2e-3 : 1e-4});
+                           2.0 * double(k) * double(rows) * double(n_tok) / sec / 1e12, graph_us,
+                           worst, bound});
     }
     cudaFree(dx);
     cudaFree(dy);
@@ -184,15 +248,93 @@ std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, std::vector<int
   return out;
 }
 
+// Split-K flash-decode attention (kernels.h launch_attention) on the 8B shape: 32 query heads
+// over 8 KV heads of 128, one query (decode) or 4, contexts of 4k and 32k keys stored as a ring
+// (physical rows rotated). GB/s counts the K and V bytes once per call.
+void bench_attention(int iters, double read_gbps, int n_sm) {
+  std::printf(
+      "\n| attention (32/8 heads x 128, f16 KV) | keys | queries | KV MiB | us | GB/s | of "
+      "read BW (%.0f GB/s) |\n|---|---|---|---|---|---|---|\n",
+      read_gbps);
+  for (int64_t n_kv : {int64_t{4096}, int64_t{32768}}) {
+    for (int64_t n_q : {int64_t{1}, int64_t{4}}) {
+      kiln::cuda::DeviceAttention a;
+      a.n_q = n_q, a.n_kv = n_kv, a.n_head = 32, a.n_head_kv = 8, a.head_dim = 128;
+      a.scale = 1.0f / std::sqrt(128.0f);
+      const int64_t kv_w = a.n_head_kv * a.head_dim, q_w = a.n_head * a.head_dim;
+      std::vector<int32_t> rows(n_kv), pos(n_kv), q_pos(n_q);
+      for (int64_t j = 0; j < n_kv; ++j) rows[j] = int32_t((j + 17) % n_kv), pos[j] = int32_t(j);
+      for (int64_t i = 0; i < n_q; ++i) q_pos[i] = int32_t(n_kv - n_q + i);
+      const size_t plane = size_t(n_kv * kv_w);
+      std::vector<uint16_t> kv(plane, 0x3000);  // 0.125
+      std::vector<float> q(size_t(n_q * q_w), 0.01f);
+      uint16_t *dk, *dv;
+      int32_t *drows, *dpos, *dqpos;
+      float *dq, *dout, *dpart;
+      BENCH_CHECK(cudaMalloc(&dk, plane * 2));
+      BENCH_CHECK(cudaMalloc(&dv, plane * 2));
+      BENCH_CHECK(cudaMemcpy(dk, kv.data(), plane * 2, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMemcpy(dv, kv.data(), plane * 2, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMalloc(&drows, rows.size() * 4));
+      BENCH_CHECK(cudaMalloc(&dpos, pos.size() * 4));
+      BENCH_CHECK(cudaMalloc(&dqpos, q_pos.size() * 4));
+      BENCH_CHECK(cudaMemcpy(drows, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMemcpy(dpos, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMemcpy(dqpos, q_pos.data(), q_pos.size() * 4, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMalloc(&dq, q.size() * 4));
+      BENCH_CHECK(cudaMemcpy(dq, q.data(), q.size() * 4, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMalloc(&dout, q.size() * 4));
+      a.q = dq, a.k = dk, a.v = dv, a.kv_rows = drows, a.kv_pos = dpos, a.q_pos = dqpos;
+      a.out = dout;
+      BENCH_CHECK(cudaMalloc(&dpart, kiln::cuda::attention_scratch_floats(a, n_sm) * 4));
+      // Every V element is 0.125: each output must be 0.125 (a wrong kernel is not timed).
+      BENCH_CHECK(kiln::cuda::launch_attention(a, dpart, n_sm, nullptr));
+      std::vector<float> out(q.size());
+      BENCH_CHECK(cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost));
+      for (float v : out)
+        if (!(std::fabs(v - 0.125f) < 1e-6f)) {
+          std::printf("cuda_matvec_bench: attention output %g, want 0.125\n", v);
+          std::exit(1);
+        }
+      Timer tm;
+      std::vector<float> ms;
+      for (int i = 0; i < iters + 2; ++i) {
+        BENCH_CHECK(cudaEventRecord(tm.a));
+        for (int r = 0; r < 20; ++r)
+          BENCH_CHECK(kiln::cuda::launch_attention(a, dpart, n_sm, nullptr));
+        BENCH_CHECK(cudaEventRecord(tm.b));
+        BENCH_CHECK(cudaEventSynchronize(tm.b));
+        float m = 0;
+        BENCH_CHECK(cudaEventElapsedTime(&m, tm.a, tm.b));
+        if (i >= 2) ms.push_back(m / 20);
+      }
+      const double sec = median(ms) * 1e-3, bytes = 2.0 * double(plane) * 2;
+      std::printf("| decode | %lld | %lld | %.1f | %.1f | %.0f | %.1f %% |\n", (long long)n_kv,
+                  (long long)n_q, bytes / 1048576.0, sec * 1e6, bytes / sec / 1e9,
+                  100 * bytes / sec / 1e9 / read_gbps);
+      std::fflush(stdout);
+      for (void* p : {(void*)dk, (void*)dv, (void*)drows, (void*)dpos, (void*)dqpos, (void*)dq,
+                      (void*)dout, (void*)dpart})
+        cudaFree(p);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  int iters = 50;
+  int iters = 20;
+  bool with_v1 = false;
+  std::string only;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
       iters = std::max(1, std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--v1") == 0) {
+      with_v1 = true;
+    } else if (std::strcmp(argv[i], "--types") == 0 && i + 1 < argc) {
+      only = std::string(",").append(argv[++i]).append(",");
     } else {
-      std::fprintf(stderr, "usage: cuda_matvec_bench [--iters N]\n");
+      std::fprintf(stderr, "usage: cuda_matvec_bench [--iters N] [--v1] [--types t1,t2,...]\n");
       return 2;
     }
   }
@@ -212,45 +354,94 @@ int main(int argc, char** argv) {
   const DType types[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0,
                          DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K,
                          DType::Q4_K, DType::Q5_K, DType::Q6_K};
+  struct Shape {
+    int64_t k, rows;
+  };
+  const Shape shapes[] = {{4096, 4096}, {4096, 14336}, {14336, 4096}, {4096, 32000}};
+  const std::vector<int64_t> n_toks = {1, 4, 16, 64};
+  std::vector<kiln::cuda::MatmulKernels> sets = {kiln::cuda::MatmulKernels::V2,
+                                                 kiln::cuda::MatmulKernels::V3};
+  if (with_v1) sets.insert(sets.begin(), kiln::cuda::MatmulKernels::V1);
+  bench_attention(iters, read_gbps, prop.multiProcessorCount);
   std::mt19937_64 rng(42);
-  kiln::cuda::GemmWorkspace gemm;
+  Scratch sc;
+  sc.act_bytes = kiln::cuda::act_q8_bytes(14336, kiln::cuda::kQ8MaxTokens);
+  BENCH_CHECK(cudaMalloc(&sc.act, sc.act_bytes));
   std::vector<Result> results;
   for (DType t : types) {
-    for (int shape = 0; shape < 2; ++shape) {
-      const int64_t k = 4096, rows = shape == 0 ? 4096 : 14336;
-      const std::vector<int64_t> n_toks =
-          shape == 0 ? std::vector<int64_t>{1} : std::vector<int64_t>{1, 8, 512};
-      for (const Result& r : bench_type(t, k, rows, n_toks, iters, size_t(prop.l2CacheSize),
-                                        read_gbps, rng, gemm)) {
+    std::string key = ",";
+    key += kiln::dtype_name(t);
+    key += ",";
+    if (!only.empty() && only.find(key) == std::string::npos) continue;
+    for (const Shape& sh : shapes) {
+      for (const Result& r : bench_type(t, sh.k, sh.rows, n_toks, sets, iters,
+                                        size_t(prop.l2CacheSize), read_gbps, rng, sc)) {
         results.push_back(r);
         std::printf(
-            "%-5s %-18s %5lldx%-5lld tok %3lld %8.1f MiB %9.1f us %7.0f GB/s %5.1f %% %7.2f "
+            "%-5s %-3s %5lldx%-5lld tok %3lld %8.1f MiB %9.1f us %7.0f GB/s %5.1f %% %7.2f "
             "TFLOP/s  rel err %.1e\n",
-            r.type.c_str(), r.path.c_str(), (long long)r.k, (long long)r.rows, (long long)r.n_tok,
-            r.mib, r.us, r.gbps, 100 * r.frac, r.tflops, r.max_rel_err);
+            r.type.c_str(), r.kernels.c_str(), (long long)r.k, (long long)r.rows,
+            (long long)r.n_tok, r.mib, r.us, r.gbps, 100 * r.frac, r.tflops, r.max_rel_err);
         std::fflush(stdout);
       }
     }
   }
+  cudaFree(sc.act);
   bool ok = true;
-  std::printf(
-      "\n| type | kernels | k x rows | tokens | MiB | us | GB/s | of read BW (%.0f GB/s) | TFLOP/s "
-      "| v2 speedup |\n"
-      "|---|---|---|---|---|---|---|---|---|---|\n",
-      read_gbps);
-  for (size_t i = 0; i < results.size(); ++i) {
-    const Result& r = results[i];
-    std::string speedup;
-    if (r.path != "v1" && i > 0 && results[i - 1].path == "v1")
-      speedup = std::to_string(results[i - 1].us / r.us).substr(0, 5) + "x";
-    std::printf("| %s | %s | %lldx%lld | %lld | %.1f | %.1f | %.0f | %.1f %% | %.2f | %s |\n",
-                r.type.c_str(), r.path.c_str(), (long long)r.k, (long long)r.rows,
-                (long long)r.n_tok, r.mib, r.us, r.gbps, 100 * r.frac, r.tflops, speedup.c_str());
+  for (const Result& r : results) {
     if (!(r.max_rel_err < r.err_bound)) {
       ok = false;
-      std::printf("cuda_matvec_bench: %s %s %lld tokens: rel err %.2e over %.0e\n", r.type.c_str(),
-                  r.path.c_str(), (long long)r.n_tok, r.max_rel_err, r.err_bound);
+      std::printf("cuda_matvec_bench: %s %s %lldx%lld %lld tokens: rel err %.2e over %.0e\n",
+                  r.type.c_str(), r.kernels.c_str(), (long long)r.k, (long long)r.rows,
+                  (long long)r.n_tok, r.max_rel_err, r.err_bound);
     }
+  }
+  // Full table: V3 against V2 (same data, same run) per type, shape and token count.
+  auto find = [&](const Result& like, const char* kernels) -> const Result* {
+    for (const Result& r : results)
+      if (r.type == like.type && r.k == like.k && r.rows == like.rows && r.n_tok == like.n_tok &&
+          r.kernels == kernels)
+        return &r;
+    return nullptr;
+  };
+  std::printf(
+      "\n| type | k x rows | tokens | MiB | v2 us | v3 us | v3 GB/s | v3 of read BW (%.0f GB/s) | "
+      "v3 TFLOP/s | v3 speedup | v3 in a graph: us, of read BW |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|\n",
+      read_gbps);
+  for (const Result& r : results) {
+    if (r.kernels != "v3") continue;
+    const Result* v2 = find(r, "v2");
+    char graph[64] = "";
+    if (r.graph_us > 0)
+      std::snprintf(graph, sizeof graph, "%.1f, %.1f %%", r.graph_us,
+                    100 * r.mib * 1048576.0 / (r.graph_us * 1e-6) / 1e9 / read_gbps);
+    std::printf(
+        "| %s | %lldx%lld | %lld | %.1f | %.1f | %.1f | %.0f | %.1f %% | %.2f | %.2fx | %s |\n",
+        r.type.c_str(), (long long)r.k, (long long)r.rows, (long long)r.n_tok, r.mib,
+        v2 ? v2->us : 0.0, r.us, r.gbps, 100 * r.frac, r.tflops, v2 ? v2->us / r.us : 0.0, graph);
+  }
+  // Decode summary: one token, V3's share of the read bandwidth per type and shape.
+  std::printf(
+      "\n| type (1 token, v3 %% of %.0f GB/s; in a graph) | 4096x4096 | 4096x14336 | "
+      "14336x4096 | 4096x32000 |\n|---|---|---|---|---|\n",
+      read_gbps);
+  for (DType t : types) {
+    std::string line = "| " + std::string(kiln::dtype_name(t)) + " |";
+    bool any = false;
+    for (const Shape& sh : shapes) {
+      Result like{std::string(kiln::dtype_name(t)), "v3", sh.k, sh.rows, 1, 0, 0, 0, 0, 0, 0, 0, 0};
+      const Result* r = find(like, "v3");
+      char cell[64] = " |";
+      if (r)
+        std::snprintf(cell, sizeof cell, " %.1f %%; %.1f %% |", 100 * r->frac,
+                      r->graph_us > 0
+                          ? 100 * r->mib * 1048576.0 / (r->graph_us * 1e-6) / 1e9 / read_gbps
+                          : 0.0);
+      line += cell;
+      any = any || r;
+    }
+    if (any) std::printf("%s\n", line.c_str());
   }
   if (!ok) {
     std::printf("cuda_matvec_bench: FAILED: a kernel disagrees with the host dequantization\n");

@@ -8,12 +8,17 @@
 // with KILN_CHECK (a mismatch is a programming error, not bad input).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <memory>
+#include <new>
 #include <span>
 #include <string_view>
 
+#include "core/check.h"
 #include "core/dtype.h"
 #include "core/half.h"
 
@@ -70,14 +75,104 @@ struct AttentionArgs {
   // with no visible key produces zeros.
 };
 
+// Bytes a backend allocated for its ops to compute in (forward scratch, KV planes), freed by
+// the deleter the backend chose. Must not outlive the backend that made it.
+using BackendBytes = std::unique_ptr<std::byte[], std::function<void(std::byte*)>>;
+
+// A typed view over BackendBytes: host memory on host backends (ref, cpu), device memory on a
+// device backend (cuda), where host code must not dereference span() and crosses only through
+// Backend::upload/download. Zero-filled when allocated.
+template <typename T>
+class BackendBuffer {
+ public:
+  BackendBuffer() = default;
+  BackendBuffer(BackendBytes bytes, size_t n) : bytes_(std::move(bytes)), n_(n) {}
+  std::span<T> span() const { return {reinterpret_cast<T*>(bytes_.get()), n_}; }
+  T* data() const { return reinterpret_cast<T*>(bytes_.get()); }
+  size_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+
+ private:
+  BackendBytes bytes_;
+  size_t n_ = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string_view name() const = 0;
 
+  // --- Memory the ops compute in. Host backends keep the defaults below (plain host memory,
+  // memcpy); a device backend overrides all of them. Every op accepts spans of this memory.
+  //
+  // True when alloc_bytes() returns memory host code must not touch.
+  virtual bool device_memory() const { return false; }
+  // `bytes` zero-filled bytes, 64-byte aligned.
+  virtual BackendBytes alloc_bytes(size_t bytes) {
+    const size_t n = std::max<size_t>(bytes, 1);
+    auto* p = static_cast<std::byte*>(::operator new[](n, std::align_val_t(64)));
+    std::memset(p, 0, n);
+    return BackendBytes(p, [](std::byte* q) { ::operator delete[](q, std::align_val_t(64)); });
+  }
+  // host -> backend memory. The host bytes may be reused as soon as the call returns.
+  virtual void upload_bytes(std::span<const std::byte> host, std::span<std::byte> dst) {
+    std::copy(host.begin(), host.end(), dst.begin());
+  }
+  // backend memory -> host; waits for every op issued before it.
+  virtual void download_bytes(std::span<const std::byte> src, std::span<std::byte> host) {
+    std::copy(src.begin(), src.end(), host.begin());
+  }
+  // Within backend memory (regions must not overlap), ordered with the ops around it.
+  virtual void copy_bytes(std::span<const std::byte> src, std::span<std::byte> dst) {
+    std::copy(src.begin(), src.end(), dst.begin());
+  }
+  virtual void zero_bytes(std::span<std::byte> dst) { std::fill(dst.begin(), dst.end(), std::byte{0}); }
+  // Waits until every op issued so far has finished (a no-op on host backends).
+  virtual void synchronize() {}
+  // Streaming read bandwidth of the backend's own memory in GB/s, measured when called (a
+  // device's memory: the roofline of a weight-bound decode); 0 on host backends, whose
+  // callers measure host RAM themselves.
+  virtual double read_bandwidth_gbps() { return 0; }
+
+  template <typename T>
+  BackendBuffer<T> alloc(size_t n) {
+    return BackendBuffer<T>(alloc_bytes(n * sizeof(T)), n);
+  }
+  template <typename T>
+  void upload(std::span<const T> host, std::span<T> dst) {
+    KILN_CHECK(dst.size() >= host.size(), "upload of {} into {}", host.size(), dst.size());
+    upload_bytes(std::as_bytes(host), std::as_writable_bytes(dst.first(host.size())));
+  }
+  template <typename T>
+  void download(std::span<const T> src, std::span<T> host) {
+    KILN_CHECK(host.size() >= src.size(), "download of {} into {}", src.size(), host.size());
+    download_bytes(std::as_bytes(src), std::as_writable_bytes(host.first(src.size())));
+  }
+  template <typename T>
+  void copy(std::span<const T> src, std::span<T> dst) {
+    KILN_CHECK(dst.size() >= src.size(), "copy of {} into {}", src.size(), dst.size());
+    copy_bytes(std::as_bytes(src), std::as_writable_bytes(dst.first(src.size())));
+  }
+  template <typename T>
+  void zero(std::span<T> dst) {
+    zero_bytes(std::as_writable_bytes(dst));
+  }
+
   // y[t][r] = sum_c W[r][c] * x[t][c].   x: [n_tok][w.n_cols], y: [n_tok][w.n_rows]
   virtual void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
                       std::span<float> y) = 0;
+  // Several independent matmuls of n_tok rows as one op (the selected experts of a MoE
+  // decode step: many small matrices, where one pass over all their rows beats a thread
+  // hand-off per matrix). Each y is bit-identical to matmul() of that task alone; tasks may
+  // share an x but no y may overlap another task's x or y. Default: one matmul per task.
+  struct MatmulTask {
+    const WeightMatrix* w = nullptr;
+    std::span<const float> x;  // [n_tok][w->n_cols]
+    std::span<float> y;        // [n_tok][w->n_rows]
+  };
+  virtual void matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok) {
+    for (const MatmulTask& t : tasks) matmul(*t.w, t.x, n_tok, t.y);
+  }
   // out[i][:] = dequantized row ids[i] of w (embedding lookup).  out: [ids.size()][w.n_cols]
   virtual void get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
                         std::span<float> out) = 0;

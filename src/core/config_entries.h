@@ -12,3 +12,19 @@ KILN_CONFIG_ENTRY(bool, mlock, false,
                   "lock mapped weights in RAM (mlock); falls back with a notice if refused")
 KILN_CONFIG_ENTRY(std::string, shared_dir, "",
                   "folder with testdata/ (demo model); empty: ../shared beside the checkout")
+KILN_CONFIG_ENTRY(int64_t, expert_cache, 0,
+                  "MoE: stream experts from the file, keeping at most this many bytes of them "
+                  "in RAM (0: off, experts read through the mapping)")
+KILN_CONFIG_ENTRY(int64_t, expert_cap, 0,
+                  "MoE: stream experts from the file, keeping at most this many per layer in "
+                  "RAM (0: off)")
+KILN_CONFIG_ENTRY(bool, expert_prefetch, false,
+                  "MoE streaming: while a layer runs, load the experts the next layer used last")
+KILN_CONFIG_ENTRY(std::string, device, "auto",
+                  "backend for run/bench/perplexity: cuda, cpu, or auto (cuda when this build "
+                  "has it and a GPU is present, else cpu)")
+KILN_CONFIG_ENTRY(std::string, cuda_matmul, "auto",
+                  "CUDA matmul kernels: v1, v2, v3 (int8 activations, dp4a), auto (the backend's "
+                  "default)")
+KILN_CONFIG_ENTRY(bool, cuda_graphs, true,
+                  "CUDA: replay each repeated decode step as a CUDA graph (off: launch op by op)")

@@ -1,13 +1,16 @@
 // engine/scheduler.cpp: the slot scheduler loop (see scheduler.h): admission with prefix
-// reuse, round-robin steps (one prefill chunk or one decode token per busy slot per step),
-// sampling, logprobs and cancellation.
+// reuse, steps that batch every decoding slot's token with prefill chunks into one forward
+// pass, sampling, logprobs and cancellation.
 #include "engine/scheduler.h"
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "core/check.h"
+#include "engine/speculative.h"
+#include "sampling/spec_verify.h"
 
 namespace kiln {
 
@@ -41,6 +44,8 @@ struct Scheduler::Request {
   GenerationParams params;
   Sampler sampler;
   std::shared_ptr<GenStream> stream;
+  int32_t n_draft = 0;  // resolved draft length; 0: plain decoding
+  Rng spec_rng{0};      // the rejection rule's draws (sampled requests with drafts)
 };
 
 struct Scheduler::Slot {
@@ -52,6 +57,12 @@ struct Scheduler::Slot {
   bool decoding = false;
   int32_t last = 0;              // sampled, not yet evaluated
   int32_t n_generated = 0, n_reused = 0;
+  bool remote_pending = false;   // admitted with an empty cache; cfg_.remote_prefill not yet tried
+  // Speculative decoding scratch: the verify input [last, drafts...], the drafter's view of
+  // the sequence, target probabilities [k + 1][n_vocab].
+  std::vector<int32_t> spec_in, spec_hist;
+  std::vector<float> spec_p, spec_row;
+  Candidates spec_scratch;
 };
 
 Expected<std::unique_ptr<Scheduler>> Scheduler::create(std::shared_ptr<const Model> model,
@@ -80,6 +91,13 @@ Scheduler::Scheduler(std::shared_ptr<const Model> model, Backend& backend, Sched
     s->session = std::make_unique<Session>(model_, backend_, n_ctx_, max_batch);
     slots_.push_back(std::move(s));
   }
+  if (cfg_.batch_decode) {
+    // Room for every slot's decode token and drafts plus one whole prefill chunk, so a step
+    // always makes progress on some prompt while everyone else decodes. Drafts never depend
+    // on what else is in the step (that would make sampled ids depend on other requests).
+    const int32_t per_slot = 1 + std::min(GenerationParams::kMaxDraft, max_batch - 1);
+    batch_ = std::make_unique<BatchEval>(model_, backend_, cfg_.n_slots * per_slot + max_batch);
+  }
   slot_busy_.assign(slots_.size(), 0);
   slot_pos_.assign(slots_.size(), 0);
   counters_.n_slots = cfg_.n_slots;
@@ -107,13 +125,19 @@ Scheduler::Submitted Scheduler::submit(GenerationParams p) {
   if (p.max_tokens < 1) return invalid(fmt::format("max_tokens {} must be >= 1", p.max_tokens));
   if (p.top_logprobs > 20)
     return invalid(fmt::format("top_logprobs {} must be <= 20", p.top_logprobs));
+  if (p.n_draft > GenerationParams::kMaxDraft)
+    return invalid(fmt::format("n_draft {} must be <= {}", p.n_draft, GenerationParams::kMaxDraft));
   auto sampler = Sampler::create(p.sampling, model_->n_vocab());
   if (!sampler) return invalid(sampler.error());
+  int32_t n_draft = p.n_draft < 0 ? std::min(cfg_.draft_ngram, GenerationParams::kMaxDraft) : p.n_draft;
+  if (!validate_spec_sampling(p.sampling).is_ok()) n_draft = 0;  // plain decoding, same result
   // Penalties see the prompt, as in `kiln run`.
   for (int32_t id : p.prompt) sampler->accept(id);
 
   auto req = std::unique_ptr<Request>(
       new Request{std::move(p), std::move(*sampler), std::make_shared<GenStream>()});
+  req->n_draft = std::max(n_draft, 0);
+  req->spec_rng = Rng(req->params.sampling.seed);
   {
     std::lock_guard lk(mu_);
     if (stop_) {
@@ -180,8 +204,13 @@ void Scheduler::admit_locked() {
     if (!best) return;
     // Keep at least one prompt token to evaluate: its logits give the first sampled token.
     best_common = std::min(best_common, prompt.size() - 1);
-    Status st = best->session->rollback(static_cast<int32_t>(best_common));
-    KILN_CHECK(st.is_ok(), "rollback within the cached tokens: {}", st.message());
+    if (!best->session->rollback(static_cast<int32_t>(best_common)).is_ok()) {
+      // Sliding-window rings keep only the last window + batch positions, so a prefix that
+      // ends before those cannot be resumed: start from an empty cache instead.
+      best_common = 0;
+      const Status st = best->session->rollback(0);
+      KILN_CHECK(st.is_ok(), "rollback to an empty cache: {}", st.message());
+    }
     best->cached.resize(best_common);
     best->req = std::move(queue_.front());
     queue_.pop_front();
@@ -189,14 +218,32 @@ void Scheduler::admit_locked() {
     best->decoding = false;
     best->n_generated = 0;
     best->n_reused = static_cast<int32_t>(best_common);
+    best->remote_pending = cfg_.remote_prefill && best_common == 0 && prompt.size() > 1;
     counters_.prompt_tokens += prompt.size();
     counters_.prompt_tokens_reused += best_common;
     slot_busy_[best->id] = 1;
   }
 }
 
+// Slots are touched only by this thread, so the (blocking, networked) remote prefill runs
+// without the lock and submit() stays responsive meanwhile.
+void Scheduler::remote_prefill_admitted() {
+  for (auto& s : slots_) {
+    if (!s->remote_pending) continue;
+    s->remote_pending = false;
+    const std::vector<int32_t>& prompt = s->req->params.prompt;
+    const auto head = std::span<const int32_t>(prompt).first(prompt.size() - 1);
+    if (s->session->n_pos() == 0 && cfg_.remote_prefill(*s->session, head)) {
+      KILN_CHECK(s->session->n_pos() == static_cast<int32_t>(head.size()),
+                 "remote prefill installed {} positions for {} tokens", s->session->n_pos(),
+                 head.size());
+      s->cursor = head.size();
+      s->cached.assign(head.begin(), head.end());
+    }
+  }
+}
+
 void Scheduler::run() {
-  using Clock = std::chrono::steady_clock;
   for (;;) {
     {
       std::unique_lock lk(mu_);
@@ -209,22 +256,8 @@ void Scheduler::run() {
         continue;
       }
     }
-    // One step: every busy slot advances by one prefill chunk or one decode token, so a long
-    // prompt delays the others by at most one chunk.
-    for (auto& sp : slots_) {
-      Slot& s = *sp;
-      if (!s.req) continue;
-      const bool prefill = !s.decoding;
-      const auto t0 = Clock::now();
-      const bool still_busy = step_slot(s);
-      const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-      std::lock_guard lk(mu_);
-      if (prefill) counters_.prefill_seconds += dt;
-      else counters_.decode_seconds += dt;
-      slot_pos_[s.id] = s.session->n_pos();
-      slot_kv_bytes_[s.id] = s.session->kv_bytes();
-      if (!still_busy) slot_busy_[s.id] = 0;
-    }
+    remote_prefill_admitted();
+    step();
   }
   // Shutting down: everything still queued or running ends as cancelled.
   std::deque<std::unique_ptr<Request>> queued;
@@ -243,37 +276,198 @@ void Scheduler::run() {
   }
 }
 
-bool Scheduler::step_slot(Slot& s) {
-  Request& r = *s.req;
-  if (r.stream->cancelled()) {
-    finish(s, FinishReason::kCancelled);
-    return false;
-  }
-  const std::vector<int32_t>& prompt = r.params.prompt;
-  std::span<const int32_t> in;
-  if (!s.decoding) {
-    const size_t n = std::min<size_t>(static_cast<size_t>(cfg_.prefill_chunk), prompt.size() - s.cursor);
-    in = std::span<const int32_t>(prompt).subspan(s.cursor, n);
-  } else {
-    if (s.session->n_pos() >= n_ctx_) {
-      finish(s, FinishReason::kLength);
-      return false;
+struct Scheduler::Work {
+  Slot* slot = nullptr;
+  std::span<const int32_t> tokens;  // prompt chunk, the last sampled token, or it + drafts
+  int32_t n_draft = 0;              // > 0: tokens = [last, drafts...], all logits wanted
+};
+
+// One step: every decoding slot advances by one token and prompts by up to one chunk in all
+// (batched), or every busy slot by one chunk or token in a call of its own (unbatched).
+void Scheduler::step() {
+  std::vector<Work> decode, prefill;
+  for (auto& sp : slots_) {
+    Slot& s = *sp;
+    if (!s.req) continue;
+    if (s.req->stream->cancelled()) {
+      finish(s, FinishReason::kCancelled);
+      continue;
     }
-    in = std::span<const int32_t>(&s.last, 1);
+    if (s.decoding) {
+      if (s.session->n_pos() >= n_ctx_) {
+        finish(s, FinishReason::kLength);
+        continue;
+      }
+      decode.push_back({&s, std::span<const int32_t>(&s.last, 1)});
+    }
   }
-  auto logits = s.session->eval(in, false);
-  if (!logits) {
-    finish(s, FinishReason::kError, logits.error());
-    return false;
+  // Drafts depend only on the slot's own sequence; the batch always has room for them.
+  int64_t n_decode_tokens = 0;
+  for (Work& w : decode) {
+    if (w.slot->req->n_draft > 0) draft(*w.slot, w);
+    n_decode_tokens += static_cast<int64_t>(w.tokens.size());
   }
+  // Prompts take turns going first, so with more prompt tokens than room in one step every
+  // prompt still advances within a few steps.
+  const size_t n = slots_.size();
+  int64_t room = batch_ && cfg_.batch_prefill ? batch_->max_tokens() - n_decode_tokens
+                                              : std::numeric_limits<int64_t>::max();
+  for (size_t k = 0; k < n && room > 0; ++k) {
+    Slot& s = *slots_[(prefill_rr_ + k) % n];
+    if (!s.req || s.decoding) continue;
+    const std::vector<int32_t>& prompt = s.req->params.prompt;
+    const int64_t len = std::min<int64_t>({cfg_.prefill_chunk, room,
+                                           static_cast<int64_t>(prompt.size() - s.cursor)});
+    prefill.push_back({&s, std::span<const int32_t>(prompt).subspan(s.cursor, static_cast<size_t>(len))});
+    room -= len;
+  }
+  prefill_rr_ = (prefill_rr_ + 1) % n;
+
+  if (!batch_) {
+    for (Work& w : decode) run_group(std::span<Work>(&w, 1), false);
+    for (Work& w : prefill) run_group(std::span<Work>(&w, 1), false);
+  } else if (cfg_.batch_prefill) {
+    decode.insert(decode.end(), prefill.begin(), prefill.end());
+    if (!decode.empty()) run_group(decode, true);
+  } else {
+    if (!decode.empty()) run_group(decode, true);
+    for (Work& w : prefill) run_group(std::span<Work>(&w, 1), false);
+  }
+}
+
+void Scheduler::run_group(std::span<Work> work, bool batched) {
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  std::vector<std::span<const float>> logits(work.size());
+  std::vector<std::string> errors(work.size());
+  bool done = false;
+  const auto V = static_cast<size_t>(model_->n_vocab());
+  if (batched) {
+    std::vector<BatchEval::Item> items;
+    for (const Work& w : work) items.push_back({w.slot->session.get(), w.tokens, w.n_draft > 0});
+    auto out = batch_->eval(items);
+    if (out) {
+      size_t row = 0;
+      for (size_t i = 0; i < work.size(); ++i) {
+        const size_t rows = work[i].n_draft > 0 ? work[i].tokens.size() : 1;
+        logits[i] = out->subspan(row * V, rows * V);
+        row += rows;
+      }
+      done = true;
+    }
+    // Otherwise nothing changed: evaluate the slots one by one, so an error lands on the
+    // request that caused it.
+  }
+  if (!done) {
+    for (size_t i = 0; i < work.size(); ++i) {
+      auto out = work[i].slot->session->eval(work[i].tokens, work[i].n_draft > 0);
+      if (out) logits[i] = *out;
+      else errors[i] = out.error();  // each session owns its logits buffer: spans stay valid
+    }
+  }
+  const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+  int64_t n_prefill = 0, n_total = 0;
+  for (const Work& w : work) {
+    n_total += static_cast<int64_t>(w.tokens.size());
+    if (!w.slot->decoding) n_prefill += static_cast<int64_t>(w.tokens.size());
+  }
+  {
+    // A mixed step's time is shared between prefill and decode by token count.
+    std::lock_guard lk(mu_);
+    const double f = n_total ? double(n_prefill) / double(n_total) : 0;
+    counters_.prefill_seconds += dt * f;
+    counters_.decode_seconds += dt * (1 - f);
+    counters_.forward_passes += batched && done ? 1 : work.size();
+    counters_.forward_tokens += static_cast<uint64_t>(n_total);
+  }
+  for (size_t i = 0; i < work.size(); ++i) {
+    Slot& s = *work[i].slot;
+    if (!errors[i].empty()) finish(s, FinishReason::kError, errors[i]);
+    else if (work[i].n_draft > 0) accept_drafts(s, work[i], logits[i]);
+    else advance(s, work[i].tokens, logits[i]);
+    std::lock_guard lk(mu_);
+    slot_pos_[s.id] = s.session->n_pos();
+    slot_kv_bytes_[s.id] = s.session->kv_bytes();
+    if (!s.req) slot_busy_[s.id] = 0;
+  }
+}
+
+void Scheduler::advance(Slot& s, std::span<const int32_t> in, std::span<const float> logits) {
+  Request& r = *s.req;
   s.cached.insert(s.cached.end(), in.begin(), in.end());
   if (!s.decoding) {
     s.cursor += in.size();
-    if (s.cursor < prompt.size()) return true;
+    if (s.cursor < r.params.prompt.size()) return;
     s.decoding = true;
   }
-  emit_token(s, r.sampler.sample(*logits), *logits);
-  return s.req != nullptr;
+  emit_token(s, r.sampler.sample(logits), logits);
+}
+
+void Scheduler::draft(Slot& s, Work& w) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Request& r = *s.req;
+  // The verify input must fit one KV append (rings roll back only within the last batch),
+  // the context, and the tokens the request may still emit (the target adds one of its own).
+  const int64_t k = std::min<int64_t>({r.n_draft, s.session->max_batch() - 1,
+                                       n_ctx_ - s.session->n_pos() - 1,
+                                       r.params.max_tokens - s.n_generated - 1});
+  if (k <= 0) return;
+  s.spec_hist.assign(s.cached.begin(), s.cached.end());
+  s.spec_hist.push_back(s.last);
+  NgramDrafter ngram;
+  Draft d;
+  DraftRequest dr;
+  dr.history = s.spec_hist;
+  dr.max_tokens = static_cast<int32_t>(k);
+  const bool ok = ngram.propose(dr, d).is_ok() && !d.tokens.empty();
+  {
+    std::lock_guard lk(mu_);
+    counters_.spec_draft_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  if (!ok) return;  // nothing to propose: a plain decode step
+  s.spec_in.assign(1, s.last);
+  s.spec_in.insert(s.spec_in.end(), d.tokens.begin(), d.tokens.end());
+  w.tokens = s.spec_in;
+  w.n_draft = static_cast<int32_t>(d.tokens.size());
+}
+
+void Scheduler::accept_drafts(Slot& s, const Work& w, std::span<const float> rows) {
+  Request& r = *s.req;
+  const int32_t V = model_->n_vocab();
+  const int32_t k = w.n_draft;
+  const auto drafts = w.tokens.subspan(1);
+  VerifyResult vr;
+  if (r.params.sampling.temperature <= 0) {
+    vr = verify_greedy(rows, drafts, V);
+  } else {
+    // The drafts are deterministic (q one-hot): the rejection rule on the target's p.
+    s.spec_p.resize(static_cast<size_t>(k + 1) * static_cast<size_t>(V));
+    for (int32_t i = 0; i <= k; ++i) {
+      sampling_probs(rows.subspan(static_cast<size_t>(i) * V, V), r.params.sampling,
+                     s.spec_scratch, s.spec_row);
+      std::copy(s.spec_row.begin(), s.spec_row.end(), s.spec_p.begin() + ptrdiff_t(i) * V);
+    }
+    vr = verify_sampled(s.spec_p, {}, drafts, V, r.spec_rng);
+  }
+  const int32_t a = vr.n_accepted;
+  // Rejected rows belong to the last append, which every plane (rings included) can undo.
+  const int32_t base = s.session->n_pos() - (k + 1);
+  if (a < k) {
+    const Status st = s.session->rollback(base + 1 + a);
+    KILN_CHECK(st.is_ok(), "rollback of rejected drafts: {}", st.message());
+  }
+  s.cached.insert(s.cached.end(), w.tokens.begin(), w.tokens.begin() + 1 + a);
+  {
+    std::lock_guard lk(mu_);
+    ++counters_.spec_steps;
+    counters_.spec_drafted += static_cast<uint64_t>(k);
+    counters_.spec_accepted += static_cast<uint64_t>(a);
+  }
+  // emit_token may end the request (end of generation, max_tokens): stop there.
+  for (int32_t i = 0; i < a && s.req; ++i)
+    emit_token(s, drafts[static_cast<size_t>(i)], rows.subspan(static_cast<size_t>(i) * V, V));
+  if (s.req) emit_token(s, vr.next, rows.subspan(static_cast<size_t>(a) * V, V));
 }
 
 void Scheduler::emit_token(Slot& s, int32_t id, std::span<const float> logits) {

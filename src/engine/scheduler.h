@@ -4,10 +4,15 @@
 // the other slots' decode steps, and stream their tokens back through a GenStream. One
 // scheduler thread drives the model, so backend calls never overlap.
 //
-// Determinism: every request owns its sampler (seeded from its own parameters) and every
-// slot's forward pass is a separate call whose per-token arithmetic does not depend on the
-// other slots (see docs/determinism.md), so the ids a request gets do not depend on which
-// slot it runs in or what runs beside it.
+// One step is one forward pass (BatchEval): every decoding slot's next token plus prefill
+// chunks of the slots still reading their prompts, so each weight matrix is read once per
+// step for all slots (decode matvec -> small matmul) and a long prompt delays the others by at
+// most one chunk.
+//
+// Determinism: every request owns its sampler (seeded from its own parameters) and a token's
+// arithmetic in a shared forward pass does not depend on the other tokens in it (token-
+// invariant matmul, per-sequence attention; see docs/determinism.md), so the ids a request
+// gets do not depend on which slot it runs in or what runs beside it.
 #pragma once
 
 #include <atomic>
@@ -15,6 +20,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -35,6 +41,21 @@ struct SchedulerConfig {
   int32_t prefill_chunk = 256; // most prompt tokens one slot evaluates per step
   int32_t max_queue = 64;      // requests waiting for a slot; beyond it submit() refuses
   std::vector<int32_t> eog_ids;  // ids that end generation (tokenizer's end-of-generation set)
+  // All decoding slots share one forward call per step. false: one call per slot (the
+  // unbatched path, kept so benchmarks can compare both in one process).
+  bool batch_decode = true;
+  // Prefill chunks join that call (false: each chunk is a call of its own). Only with
+  // batch_decode.
+  bool batch_prefill = true;
+  // Disaggregated prefill (src/transfer; `kiln serve --role decode`). Called on the scheduler
+  // thread, outside its lock, for a slot that starts from an empty cache, with every prompt
+  // token but the last (whose logits give the first sampled token). True when the session now
+  // holds exactly those positions (remote KV installed); false leaves the session empty and
+  // the slot prefills locally as usual. Unset: always local.
+  std::function<bool(Session&, std::span<const int32_t>)> remote_prefill;
+  // n-gram (prompt lookup) draft tokens per decode step for requests that leave
+  // GenerationParams::n_draft unset (issue 10); 0: off (`kiln serve --draft-ngram`).
+  int32_t draft_ngram = 0;
 };
 
 struct GenerationParams {
@@ -42,6 +63,14 @@ struct GenerationParams {
   SamplerParams sampling;
   int32_t max_tokens = 16;      // >= 1; prompt + max_tokens may exceed n_ctx (stops at n_ctx)
   int32_t top_logprobs = -1;    // < 0: no logprobs; 0..20: chosen token's + this many top ones
+  // Speculative decoding with n-gram (prompt lookup) drafts: up to this many draft tokens
+  // per decode step, verified in the slot's share of the step's forward pass (0: off, < 0:
+  // SchedulerConfig::draft_ngram; at most kMaxDraft). Greedy requests get exactly the ids of
+  // plain decoding; sampled ones the same distribution (rejection rule) but other ids for a
+  // seed. Requests with penalties or logit bias decode without drafts (the verifier cannot
+  // reproduce them).
+  int32_t n_draft = -1;
+  static constexpr int32_t kMaxDraft = 8;
 };
 
 enum class FinishReason { kStop, kLength, kCancelled, kError };
@@ -92,6 +121,10 @@ struct SchedulerStats {
   int32_t queue_depth = 0, slots_busy = 0, n_slots = 0;
   uint64_t kv_bytes = 0;
   int64_t kv_positions_used = 0, kv_positions_total = 0;
+  uint64_t forward_passes = 0, forward_tokens = 0;  // model steps and the tokens they held
+  // Speculative decoding: verify steps, draft tokens proposed and accepted, drafting time.
+  uint64_t spec_steps = 0, spec_drafted = 0, spec_accepted = 0;
+  double spec_draft_seconds = 0;
 };
 
 class Scheduler {
@@ -125,9 +158,20 @@ class Scheduler {
   struct Request;
   struct Slot;
   Scheduler(std::shared_ptr<const Model> model, Backend& backend, SchedulerConfig cfg);
+  struct Work;
   void run();
   void admit_locked();
-  bool step_slot(Slot& s);  // false: the slot's request finished
+  void remote_prefill_admitted();  // cfg_.remote_prefill for newly admitted slots
+  void step();
+  // Evaluates `work` (one forward call when batched), then samples and emits for each item.
+  void run_group(std::span<Work> work, bool batched);
+  // After a slot evaluated `in`: advance the prompt cursor or sample the next token.
+  void advance(Slot& s, std::span<const int32_t> in, std::span<const float> logits);
+  // n-gram drafts for a decoding slot; the work's tokens become [last, drafts...].
+  void draft(Slot& s, Work& w);
+  // After a verify (last token + drafts, all logits): keep the accepted prefix, roll back the
+  // rest, emit the accepted tokens and the target's own next one.
+  void accept_drafts(Slot& s, const Work& w, std::span<const float> rows);
   void finish(Slot& s, FinishReason why, std::string error = {});
   void emit_token(Slot& s, int32_t id, std::span<const float> logits);
 
@@ -136,6 +180,8 @@ class Scheduler {
   SchedulerConfig cfg_;
   int32_t n_ctx_ = 0;
   std::vector<std::unique_ptr<Slot>> slots_;  // owned and touched only by the scheduler thread
+  std::unique_ptr<BatchEval> batch_;          // scheduler thread only; null when unbatched
+  size_t prefill_rr_ = 0;                     // slot whose prefill goes first next step
 
   mutable std::mutex mu_;  // guards queue_, stop_, the stats counters below and slot_busy_
   std::condition_variable cv_;

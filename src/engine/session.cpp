@@ -1,9 +1,10 @@
 // engine/session.cpp: Model loading and the Session step loop: validates a batch, splits it
 // into chunks the KV cache accepts, adapts kv/KvCache to model::LayerKv and runs the fast
-// forward pass.
+// forward pass; BatchEval runs the steps of several sessions in one forward pass.
 #include "engine/session.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "core/check.h"
 #include "kv/kv_cache.h"
@@ -17,6 +18,22 @@ Expected<std::shared_ptr<const Model>> Model::load(const std::string& path) {
   if (!g) return g.status().context(fmt::format("loading model '{}'", path));
   auto m = from_gguf(std::move(*g));
   if (!m) return m.status().context(fmt::format("loading model '{}'", path));
+  return m;
+}
+
+Expected<std::shared_ptr<const Model>> Model::load(const std::string& path,
+                                                   const moe::StoreConfig& experts) {
+  KILN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> m, load(path));
+  const auto* mapped = dynamic_cast<const moe::MappedExpertSource*>(m->w_.experts.get());
+  if (!experts.enabled() || mapped == nullptr) return m;
+  std::vector<moe::StoreLayer> layers;
+  for (size_t il = 0; il < mapped->layers().size(); ++il)
+    layers.push_back({mapped->layers()[il], m->hp_.layers[il].n_expert_used});
+  auto store = moe::ExpertStore::create(path, m->gguf_.mapping()->data(), std::move(layers),
+                                        experts);
+  if (!store) return store.status().context(fmt::format("loading model '{}'", path));
+  // Not shared with anyone yet, and created non-const: swapping the source is safe here.
+  const_cast<Model&>(*m).w_.experts = std::move(*store);
   return m;
 }
 
@@ -41,9 +58,23 @@ constexpr int32_t kMaxBatch = 512;
 
 struct Session::Impl {
   KvCache kv;
-  model::ForwardState fwd;
+  // Created on the first eval(): sessions driven only through BatchEval (scheduler slots)
+  // never need their own activation scratch.
+  std::optional<model::ForwardState> fwd;
   std::vector<model::LayerKv> layer_kv;
   std::vector<float> discard;  // [n_vocab] logits of a non-final chunk
+
+  // Fills layer_kv from the pending append of the KV cache.
+  void bind_layers(int32_t n_layer) {
+    layer_kv.resize(static_cast<size_t>(n_layer));
+    for (int l = 0; l < n_layer; ++l) {
+      layer_kv[l] = model::LayerKv{.append_rows = kv.append_rows(l),
+                                   .kv_rows = kv.kv_rows(l),
+                                   .kv_pos = kv.kv_pos(l),
+                                   .k = kv.k_plane(l),
+                                   .v = kv.v_plane(l)};
+    }
+  }
 };
 
 Session::Session(std::shared_ptr<const Model> model, Backend& backend, int32_t n_ctx,
@@ -55,6 +86,7 @@ Session::Session(std::shared_ptr<const Model> model, Backend& backend, int32_t n
   KvConfig cfg;
   cfg.n_ctx = n_ctx_;
   cfg.max_batch = std::min(n_ctx_, max_batch > 0 ? max_batch : kMaxBatch);
+  cfg.backend = &backend_;  // device backends keep the planes in device memory
   for (const model::LayerDesc& L : hp.layers) {
     // K and V planes share one width in the cache; the attention op needs k == v head dims.
     KILN_CHECK(hp.k_width() == hp.v_width());
@@ -62,13 +94,28 @@ Session::Session(std::shared_ptr<const Model> model, Backend& backend, int32_t n
   }
   auto kv = KvCache::create(cfg);
   KILN_CHECK(kv.has_value(), "KV cache config derived from a validated model: {}", kv.error());
-  impl_.reset(new Impl{std::move(*kv), model::ForwardState(hp, cfg.max_batch), {}, {}});
-  impl_->layer_kv.resize(hp.n_layer);
+  impl_.reset(new Impl{std::move(*kv), std::nullopt, {}, {}});
 }
 
 Session::~Session() = default;
 
 uint64_t Session::kv_bytes() const { return impl_->kv.bytes_allocated(); }
+
+const KvCache& Session::kv_cache() const { return impl_->kv; }
+
+Status Session::install_kv(KvCache&& kv) {
+  const KvCache& mine = impl_->kv;
+  bool same = kv.n_layers() == mine.n_layers() && kv.n_ctx() == mine.n_ctx() &&
+              kv.max_batch() == mine.max_batch() && kv.n_pending() == 0;
+  for (int l = 0; same && l < kv.n_layers(); ++l)
+    same = kv.width(l) == mine.width(l) && kv.window(l) == mine.window(l);
+  if (!same) return Status::error("install_kv: the cache's geometry differs from the session's");
+  // One move: the old planes are released only after the new ones are in place.
+  impl_->kv = std::move(kv);
+  n_pos_ = impl_->kv.n_pos();
+  logits_.clear();
+  return Status::ok();
+}
 int32_t Session::max_batch() const { return impl_->kv.max_batch(); }
 
 Status Session::rollback(int32_t n_pos) {
@@ -87,6 +134,7 @@ Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, 
   logits_.resize(static_cast<size_t>((all_logits ? n : 1) * V));
   Impl& s = *impl_;
   const int32_t max_batch = s.kv.max_batch();
+  if (!s.fwd) s.fwd.emplace(hp, max_batch);
   for (int64_t done = 0; done < n;) {
     const int32_t chunk = static_cast<int32_t>(std::min<int64_t>(max_batch, n - done));
     const bool last_chunk = done + chunk == n;
@@ -95,13 +143,7 @@ Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, 
       (void)s.kv.truncate(n_pos_);
       return st;
     }
-    for (int l = 0; l < hp.n_layer; ++l) {
-      s.layer_kv[l] = model::LayerKv{.append_rows = s.kv.append_rows(l),
-                                     .kv_rows = s.kv.kv_rows(l),
-                                     .kv_pos = s.kv.kv_pos(l),
-                                     .k = s.kv.k_plane(l),
-                                     .v = s.kv.v_plane(l)};
-    }
+    s.bind_layers(hp.n_layer);
     model::ForwardBatch b;
     b.tokens = tokens.subspan(static_cast<size_t>(done), static_cast<size_t>(chunk));
     b.pos = s.kv.append_pos();
@@ -117,12 +159,90 @@ Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, 
       s.discard.resize(static_cast<size_t>(V));
       out = s.discard;
     }
-    model::forward(hp, model_->weights(), backend_, s.fwd, b, out);
+    model::forward(hp, model_->weights(), backend_, *s.fwd, b, out);
     s.kv.commit();
     done += chunk;
   }
   n_pos_ += static_cast<int32_t>(n);
   return std::span<const float>(logits_);
+}
+
+struct BatchEval::Impl {
+  model::ForwardState fwd;
+  std::vector<int32_t> tokens, pos;          // [n_tok] the items' tokens, concatenated
+  std::vector<model::LayerKv> layer_kv;      // [n_items][n_layer]
+  std::vector<model::SeqSlice> seqs;         // [n_items]
+  std::vector<float> logits;                 // [rows][n_vocab]
+};
+
+BatchEval::BatchEval(std::shared_ptr<const Model> model, Backend& backend, int32_t max_tokens)
+    : model_(std::move(model)), backend_(backend), max_tokens_(max_tokens) {
+  KILN_CHECK(model_ != nullptr && max_tokens > 0);
+  impl_.reset(new Impl{model::ForwardState(model_->hparams(), max_tokens), {}, {}, {}, {}, {}});
+}
+
+BatchEval::~BatchEval() = default;
+
+Expected<std::span<const float>> BatchEval::eval(std::span<const Item> items) {
+  const model::HParams& hp = model_->hparams();
+  if (items.empty()) return Status::error("batch: no items to evaluate");
+  int64_t total = 0, rows = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    Session* s = items[i].session;
+    if (!s) return Status::errorf("batch item {}: no session", i);
+    if (&s->model() != model_.get())
+      return Status::errorf("batch item {}: session of another model", i);
+    for (size_t j = 0; j < i; ++j)
+      if (items[j].session == s)
+        return Status::errorf("batch items {} and {} share one session", j, i);
+    const auto n = static_cast<int64_t>(items[i].tokens.size());
+    if (Status st = model::validate_batch(hp, items[i].tokens, s->n_pos(), s->n_ctx()); !st)
+      return st.context(fmt::format("batch item {}", i));
+    if (n > s->max_batch())
+      return Status::errorf("batch item {}: {} tokens exceed the session's batch limit {}", i,
+                            n, s->max_batch());
+    total += n;
+    rows += items[i].all_logits ? n : 1;
+  }
+  if (total > max_tokens_)
+    return Status::errorf("batch of {} tokens exceeds the limit {}", total, max_tokens_);
+
+  Impl& b = *impl_;
+  const size_t L = static_cast<size_t>(hp.n_layer);
+  b.tokens.clear();
+  b.pos.clear();
+  b.layer_kv.resize(items.size() * L);
+  b.seqs.resize(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    Session::Impl& s = *items[i].session->impl_;
+    const auto n = static_cast<int32_t>(items[i].tokens.size());
+    if (Status st = s.kv.begin_append(n); !st) {
+      // Undo the appends already begun so every session stays as it was.
+      for (size_t j = 0; j < i; ++j)
+        (void)items[j].session->impl_->kv.truncate(items[j].session->n_pos_);
+      (void)s.kv.truncate(items[i].session->n_pos_);
+      return st.context(fmt::format("batch item {}", i));
+    }
+    s.bind_layers(hp.n_layer);
+    std::copy(s.layer_kv.begin(), s.layer_kv.end(), b.layer_kv.begin() + i * L);
+    b.seqs[i] = model::SeqSlice{static_cast<int32_t>(b.tokens.size()), n,
+                                std::span<const model::LayerKv>(b.layer_kv).subspan(i * L, L),
+                                items[i].all_logits};
+    b.tokens.insert(b.tokens.end(), items[i].tokens.begin(), items[i].tokens.end());
+    const auto ap = s.kv.append_pos();
+    b.pos.insert(b.pos.end(), ap.begin(), ap.end());
+  }
+  b.logits.resize(static_cast<size_t>(rows) * static_cast<size_t>(hp.n_vocab));
+  model::ForwardBatch fb;
+  fb.tokens = b.tokens;
+  fb.pos = b.pos;
+  fb.seqs = b.seqs;
+  model::forward(hp, model_->weights(), backend_, b.fwd, fb, b.logits);
+  for (const Item& it : items) {
+    it.session->impl_->kv.commit();
+    it.session->n_pos_ += static_cast<int32_t>(it.tokens.size());
+  }
+  return std::span<const float>(b.logits);
 }
 
 }  // namespace kiln

@@ -15,14 +15,21 @@
 #include "model/capture.h"
 #include "model/hparams.h"
 #include "model/weights.h"
+#include "moe/expert_store.h"
 
 namespace kiln {
+
+class KvCache;
 
 class Model {
  public:
   // Opens and validates `path`: known architecture, hyper-parameters, every tensor present
   // with the shape the hyper-parameters imply. Errors name the key or tensor at fault.
   static Expected<std::shared_ptr<const Model>> load(const std::string& path);
+  // Same, with MoE experts streamed from the file through an LRU cache of slabs when
+  // `experts.enabled()` (moe/expert_store.h; outputs identical). Dense models ignore it.
+  static Expected<std::shared_ptr<const Model>> load(const std::string& path,
+                                                     const moe::StoreConfig& experts);
   // Same, for a file already opened (tests build GGUFs in memory).
   static Expected<std::shared_ptr<const Model>> from_gguf(GgufFile gguf);
 
@@ -79,6 +86,13 @@ class Session {
   // model/capture.h) into *capture (cleared at the start of each eval). nullptr: off.
   void set_capture(model::Capture* capture) { capture_ = capture; }
 
+  // kvpack (src/transfer): the KV cache as it is, for saving; and the one way to replace it,
+  // with a cache built elsewhere (a fresh cache restored from a pack). `kv` must have this
+  // session's geometry (layers, n_ctx, max_batch); n_pos() becomes kv.n_pos(). On error the
+  // session is unchanged.
+  const KvCache& kv_cache() const;
+  Status install_kv(KvCache&& kv);
+
  private:
   std::shared_ptr<const Model> model_;
   Backend& backend_;
@@ -88,6 +102,42 @@ class Session {
   std::unique_ptr<Impl> impl_;
   std::vector<float> logits_;  // [n_out][n_vocab]
   model::Capture* capture_ = nullptr;
+  friend class BatchEval;
+};
+
+// Several sessions' steps in one forward pass (batched decode across slots): each weight
+// matrix is read once for every token of the batch (matvec becomes a small matmul) while each
+// token attends only over its own session's KV. Token-invariant kernels make every session's
+// logits bit-identical to evaluating it alone (docs/determinism.md). Not thread-safe; use it
+// from the one thread that drives the sessions.
+class BatchEval {
+ public:
+  // max_tokens: most tokens one eval() may hold over all items (> 0).
+  BatchEval(std::shared_ptr<const Model> model, Backend& backend, int32_t max_tokens);
+  ~BatchEval();
+  BatchEval(const BatchEval&) = delete;
+  BatchEval& operator=(const BatchEval&) = delete;
+
+  struct Item {
+    Session* session = nullptr;         // distinct sessions of this BatchEval's model
+    std::span<const int32_t> tokens;    // appended at session->n_pos().., <= its max_batch()
+    bool all_logits = false;            // every token's logits, not only the last one's
+  };
+  // Appends each item's tokens to its session and returns logits row-major [rows][n_vocab]:
+  // item by item, one row (its last token) or, with all_logits, one per token; valid until
+  // the next eval. Errors (every session unchanged) name the item: no items, a null or
+  // repeated session, another model, empty tokens, an id outside the vocabulary, more than
+  // the session's max_batch() tokens, context overflow, more than max_tokens() in all.
+  Expected<std::span<const float>> eval(std::span<const Item> items);
+
+  int32_t max_tokens() const { return max_tokens_; }
+
+ private:
+  std::shared_ptr<const Model> model_;
+  Backend& backend_;
+  int32_t max_tokens_ = 0;
+  struct Impl;  // forward scratch and the flattened batch (session.cpp)
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace kiln

@@ -65,6 +65,14 @@ Status ModelDrafter::sync(std::span<const int32_t> history) {
   return Status::ok();
 }
 
+Status ModelDrafter::prepare(std::span<const int32_t> prompt) {
+  if (prompt.empty()) return Status::ok();
+  if (int64_t(prompt.size()) > int64_t(session_.n_ctx()))
+    return Status::errorf("draft model: prompt of {} tokens exceeds its context of {}",
+                          prompt.size(), session_.n_ctx());
+  return sync(prompt);
+}
+
 Status ModelDrafter::propose(const DraftRequest& req, Draft& out) {
   out.tokens.clear();
   out.probs.clear();
@@ -168,6 +176,7 @@ Status SpeculativeDecoder::start(std::span<const int32_t> prompt) {
     auto l = target_.eval(prompt.first(prompt.size() - 1), false);
     if (!l) return l.status();
   }
+  KILN_TRY(drafter_.prepare(prompt).context(drafter_.name() + " drafter"));
   rng_ = Rng(params_.sampling.seed);
   draft_rng_ = Rng(params_.sampling.seed ^ 0x5eed'd4af'7000'0001ull);
   stats_ = SpecStats{};

@@ -52,6 +52,10 @@ class Drafter {
   virtual std::string name() const = 0;
   // Fills `out` (cleared first). Errors abort the generation.
   virtual Status propose(const DraftRequest& req, Draft& out) = 0;
+  // Called by SpeculativeDecoder::start() with the whole prompt, so a drafter with state
+  // (a draft model's KV) does its prompt prefill with the target's, not inside the first
+  // decode step (where it would be charged to decode time and the draft timer).
+  virtual Status prepare(std::span<const int32_t> /*prompt*/) { return Status::ok(); }
   // Named target activations (model/capture.h names, e.g. "blk.11.ffn_out") this drafter
   // conditions on. Non-empty: the decoder captures them during each verify eval and passes
   // them to observe_target().
@@ -74,8 +78,10 @@ class ModelDrafter final : public Drafter {
                                                         int32_t target_n_vocab,
                                                         int32_t max_batch = 0);
   uint64_t n_reprefills() const { return n_reprefills_; }  // ring rollbacks that fell back
+  size_t n_evaluated() const { return evaluated_.size(); }   // tokens the draft KV holds
   std::string name() const override { return "draft-model"; }
   Status propose(const DraftRequest& req, Draft& out) override;
+  Status prepare(std::span<const int32_t> prompt) override;
 
  private:
   ModelDrafter(std::shared_ptr<const Model> m, Backend& be, int32_t n_ctx, int32_t max_batch);

@@ -75,6 +75,28 @@ Status KvRowMap::truncate(int32_t n_pos) {
   return Status::ok();
 }
 
+Status KvRowMap::restore(int32_t lo, int32_t n_pos) {
+  if (n_pos < 0 || n_pos > n_ctx_)
+    return Status::errorf("kv restore: {} positions outside [0, n_ctx {}]", n_pos, n_ctx_);
+  if (lo < 0 || lo > n_pos)
+    return Status::errorf("kv restore: oldest position {} outside [0, {}]", lo, n_pos);
+  if (!is_ring() && lo != 0)
+    return Status::errorf("kv restore: a full-attention layer must retain from 0, not {}", lo);
+  if (n_pos - lo > capacity_)
+    return Status::errorf("kv restore: {} retained positions exceed the ring capacity {}",
+                          n_pos - lo, capacity_);
+  // The next query (position n_pos) reads keys n_pos-window+1.. : they must be retained.
+  if (is_ring() && lo > std::max(0, n_pos - window_ + 1))
+    return Status::errorf("kv restore: ring (window {}) retains from {}, but position {} needs "
+                          "keys from {}",
+                          window_, lo, n_pos, std::max(0, n_pos - window_ + 1));
+  lo_ = lo;
+  hi_ = n_pos;
+  n_pending_ = 0;
+  rebuild_lists();
+  return Status::ok();
+}
+
 void KvRowMap::rebuild_lists() {
   const int32_t end = hi_ + n_pending_;
   append_rows_.clear();
@@ -143,6 +165,18 @@ Status KvCache::ensure_rows(Layer& l, int32_t rows_needed) {
   rows = std::min<int64_t>(rows, cap);
   KILN_CHECK(rows >= rows_needed);
   const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(l.width);
+  if (on_device()) {
+    // Device planes: zero-filled by the backend; the old rows move with a device copy.
+    for (Plane* p : {&l.k, &l.v}) {
+      BackendBuffer<f16> grown = config_.backend->alloc<f16>(n);
+      const size_t old = static_cast<size_t>(p->rows) * static_cast<size_t>(l.width);
+      if (old)
+        config_.backend->copy(std::span<const f16>(p->dev.data(), old), grown.span());
+      p->dev = std::move(grown);
+      p->rows = static_cast<int32_t>(rows);
+    }
+    return Status::ok();
+  }
   for (Plane* p : {&l.k, &l.v}) {
     // Rows past the old ones stay uninitialised (poisoned in KILN_POISON builds).
     F16Buffer grown = F16Buffer::uninitialized(n);
@@ -185,19 +219,19 @@ std::span<const int32_t> KvCache::kv_pos(int layer) const { return row_map(layer
 
 std::span<f16> KvCache::k_plane(int layer) {
   Layer& l = layers_.at(size_t(layer));
-  return {l.k.data.data(), size_t(l.k.rows) * size_t(l.width)};
+  return {l.k.ptr(), size_t(l.k.rows) * size_t(l.width)};
 }
 std::span<f16> KvCache::v_plane(int layer) {
   Layer& l = layers_.at(size_t(layer));
-  return {l.v.data.data(), size_t(l.v.rows) * size_t(l.width)};
+  return {l.v.ptr(), size_t(l.v.rows) * size_t(l.width)};
 }
 std::span<const f16> KvCache::k_plane(int layer) const {
   const Layer& l = layers_.at(size_t(layer));
-  return {l.k.data.data(), size_t(l.k.rows) * size_t(l.width)};
+  return {l.k.ptr(), size_t(l.k.rows) * size_t(l.width)};
 }
 std::span<const f16> KvCache::v_plane(int layer) const {
   const Layer& l = layers_.at(size_t(layer));
-  return {l.v.data.data(), size_t(l.v.rows) * size_t(l.width)};
+  return {l.v.ptr(), size_t(l.v.rows) * size_t(l.width)};
 }
 
 void KvCache::commit() {
@@ -221,6 +255,33 @@ Status KvCache::truncate(int32_t n_pos) {
 
 void KvCache::clear() { KILN_CHECK(truncate(0).is_ok()); }
 
+Status KvCache::restore(int32_t n_pos, std::span<const int32_t> lo) {
+  if (this->n_pos() != 0 || n_pending() != 0)
+    return Status::errorf("kv restore: the cache already holds {} positions", this->n_pos());
+  if (lo.size() != layers_.size())
+    return Status::errorf("kv restore: {} layer origins for {} layers", lo.size(), layers_.size());
+  // Probe every map on a copy first so a refused restore leaves the cache as it was.
+  std::vector<KvRowMap> probe = maps_;
+  std::vector<bool> set(maps_.size(), false);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const size_t m = layers_[i].map;
+    if (set[m]) {
+      if (probe[m].lo() != lo[i])
+        return Status::errorf("kv restore: layer {} retains from {} but another layer of window "
+                              "{} from {}",
+                              i, lo[i], layers_[i].window, probe[m].lo());
+      continue;
+    }
+    Status s = probe[m].restore(lo[i], n_pos);
+    if (!s) return s.context(fmt::format("layer {}", i));
+    set[m] = true;
+  }
+  for (Layer& l : layers_)
+    if (!maps_[l.map].is_ring()) KILN_TRY(ensure_rows(l, n_pos));
+  maps_ = std::move(probe);
+  return Status::ok();
+}
+
 size_t KvCache::bytes_allocated() const {
   size_t b = 0;
   for (const Layer& l : layers_) b += 2 * size_t(l.k.rows) * size_t(l.width) * sizeof(f16);
@@ -228,7 +289,7 @@ size_t KvCache::bytes_allocated() const {
 }
 
 Status KvCache::check_kv_rows_written(int layer) const {
-  if (!kPoisonEnabled) return Status::ok();
+  if (!kPoisonEnabled || on_device()) return Status::ok();  // device planes are zero-filled
   const Layer& l = layers_.at(size_t(layer));
   for (int32_t r : kv_rows(layer)) {
     for (const Plane* p : {&l.k, &l.v}) {

@@ -31,6 +31,7 @@
 #include <span>
 #include <vector>
 
+#include "backend/backend.h"
 #include "core/half.h"
 #include "core/status.h"
 #include "memory/buffers.h"
@@ -67,6 +68,10 @@ class KvRowMap {
   Status truncate(int32_t n_pos);
   // Smallest n_pos > 0 that truncate() accepts right now (0 is always accepted).
   int32_t min_truncate_pos() const;
+  // kvpack install (kv/kvpack.cpp): the state of a sequence that holds positions [lo, n_pos)
+  // with nothing pending. Errors for a state no append/truncate history could produce here
+  // (full layers keep lo 0; rings hold at most capacity() rows and the next query's window).
+  Status restore(int32_t lo, int32_t n_pos);
 
   // Rows/positions of the pending append, and of every key the pending (or, with none
   // pending, the next) batch may see: full layers all of [0, hi+n); rings
@@ -93,6 +98,11 @@ struct KvConfig {
   std::vector<KvLayerSpec> layers;
   int32_t n_ctx = 0;      // positions one sequence may hold
   int32_t max_batch = 0;  // most tokens one begin_append may add (prefill chunk size)
+  // Optional allocator hook: when set and backend->device_memory(), the planes live in that
+  // backend's memory (a GPU's) and k_plane()/v_plane() are spans only its ops may touch; the
+  // bookkeeping stays host data. Otherwise (and on host backends) the planes are host
+  // F16Buffers as before. The backend must outlive the cache.
+  Backend* backend = nullptr;
 };
 
 class KvCache {
@@ -130,6 +140,16 @@ class KvCache {
   Status truncate(int32_t n_pos);
   int32_t min_truncate_pos() const;  // over all layers
   void clear();                      // truncate(0); keeps the allocation
+  // kvpack install on a fresh cache (n_pos() == 0): every layer's map holds [lo[layer], n_pos)
+  // and full planes grow to n_pos rows, uninitialized (poisoned in KILN_POISON builds) until
+  // the caller writes each retained row. lo has one entry per layer; layers sharing a window
+  // must agree. On error the cache is unchanged.
+  Status restore(int32_t n_pos, std::span<const int32_t> lo);
+
+  // True when the planes live in a device backend's memory (KvConfig::backend): k_plane() and
+  // v_plane() are then spans only that backend may touch (kvpack must download them first).
+  bool on_device() const { return config_.backend && config_.backend->device_memory(); }
+  Backend* backend() const { return config_.backend; }
 
   size_t bytes_allocated() const;    // K + V bytes of all planes now
   // KILN_POISON builds: an error if any row listed in kv_rows(layer) still holds the poison
@@ -143,8 +163,11 @@ class KvCache {
   // kPoisonF16 so a premature read shows up.
   struct Plane {
     F16Buffer data;  // [rows][width]
+    BackendBuffer<f16> dev;  // instead of data, when the planes live in device memory
     int32_t rows = 0;
+    f16* ptr() const { return dev.empty() ? const_cast<f16*>(data.data()) : dev.data(); }
   };
+
   struct Layer {
     int64_t width = 0;
     int32_t window = 0;

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/check.h"
+#include "core/counters.h"
 
 namespace kiln::model {
 
@@ -18,29 +19,58 @@ ForwardState::ForwardState(const HParams& hp, int32_t max_batch) : max_batch_(ma
     n_used = std::max<int64_t>(n_used, L.n_expert_used);
   }
   const size_t B = static_cast<size_t>(max_batch);
-  x.resize(B * hp.n_embd);
-  h.resize(B * hp.n_embd);
-  a.resize(B * hp.n_embd);
-  q.resize(B * hp.q_width());
-  k.resize(B * hp.k_width());
-  v.resize(B * hp.v_width());
-  o.resize(B * hp.o_width());
-  gate.resize(B * hp.o_width());
-  ff_gate.resize(B * n_ff);
-  ff_up.resize(B * n_ff);
-  ff_act.resize(B * n_ff);
-  tmp.resize(B * std::max<int64_t>({hp.n_embd, hp.q_width(), hp.k_width()}));
+  n_x_ = B * hp.n_embd;
+  n_q_ = B * hp.q_width();
+  n_k_ = B * hp.k_width();
+  n_v_ = B * hp.v_width();
+  n_o_ = B * hp.o_width();
+  n_ff_ = B * n_ff;
+  n_tmp_ = B * std::max<int64_t>({hp.n_embd, hp.q_width(), hp.k_width()});
   if (n_expert > 0) {
-    router.resize(B * n_expert);
+    n_router_ = B * n_expert;
+    n_moe_ = std::max<size_t>(B, n_used) * hp.n_embd;
+    // The one-token path keeps its n_used experts' FFN activations side by side.
+    n_ff_ = std::max<size_t>(n_ff_, n_used * n_ff);
     sel_w.resize(B * n_used);
     sel_e.resize(B * n_used);
     moe_rows.resize(B * n_used);
-    moe_in.resize(B * hp.n_embd);
-    moe_out.resize(B * hp.n_embd);
   }
 }
 
+void ForwardState::bind(Backend& be) {
+  if (bound_ == &be) return;
+  bound_ = &be;
+  x = be.alloc<float>(n_x_);
+  h = be.alloc<float>(n_x_);
+  a = be.alloc<float>(n_x_);
+  q = be.alloc<float>(n_q_);
+  k = be.alloc<float>(n_k_);
+  v = be.alloc<float>(n_v_);
+  o = be.alloc<float>(n_o_);
+  gate = be.alloc<float>(n_o_);
+  ff_gate = be.alloc<float>(n_ff_);
+  ff_up = be.alloc<float>(n_ff_);
+  ff_act = be.alloc<float>(n_ff_);
+  tmp = be.alloc<float>(n_tmp_);
+  router = be.alloc<float>(n_router_);
+  moe_in = be.alloc<float>(n_moe_);
+  moe_out = be.alloc<float>(n_moe_);
+  logits = {};
+  n_logits_ = 0;
+}
+
 namespace {
+
+// Bytes of expert weights the forward passes computed with: each selected expert's three
+// slices once per step (kiln bench divides it by the tokens decoded: bytes per token).
+Counter& expert_bytes_used() {
+  static Counter& c = process_counters().counter("moe.expert_bytes_used");
+  return c;
+}
+
+uint64_t expert_bytes(const moe::ExpertWeights& ew) {
+  return ew.gate.bytes.size() + ew.up.bytes.size() + ew.down.bytes.size();
+}
 
 // Top-k of one token's router probabilities, weights renormalised over the chosen k
 // (llama.cpp's softmax gating with norm_w). Ties go to the lower expert id.
@@ -69,16 +99,39 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
   const int64_t n = static_cast<int64_t>(batch.tokens.size());
   KILN_CHECK(n > 0 && n <= st.max_batch_, "batch of {} tokens, max {}", n, st.max_batch_);
   KILN_CHECK(static_cast<int64_t>(batch.pos.size()) == n);
-  KILN_CHECK(static_cast<int32_t>(batch.kv.size()) == hp.n_layer);
   const int64_t E = hp.n_embd;
-  const int64_t n_out = batch.all_logits ? n : 1;
+  // One sequence is the multi-sequence case with a single slice over the whole batch.
+  const SeqSlice whole{0, static_cast<int32_t>(n), batch.kv};
+  const std::span<const SeqSlice> seqs =
+      batch.seqs.empty() ? std::span<const SeqSlice>(&whole, 1) : batch.seqs;
+  for (size_t i = 0, next = 0; i < seqs.size(); ++i) {
+    KILN_CHECK(seqs[i].first == static_cast<int32_t>(next) && seqs[i].n_tok > 0,
+               "sequence {} covers tokens [{}, +{}), expected to start at {}", i,
+               seqs[i].first, seqs[i].n_tok, next);
+    KILN_CHECK(static_cast<int32_t>(seqs[i].kv.size()) == hp.n_layer);
+    next += static_cast<size_t>(seqs[i].n_tok);
+    if (i + 1 == seqs.size()) KILN_CHECK(static_cast<int64_t>(next) == n);
+  }
+  const int64_t n_seq = static_cast<int64_t>(seqs.size());
+  int64_t n_out = 0;
+  for (const SeqSlice& sq : seqs) n_out += batch.all_logits || sq.all_logits ? sq.n_tok : 1;
   KILN_CHECK(static_cast<int64_t>(logits.size()) == n_out * hp.n_vocab);
 
-  auto sl = [](std::vector<float>& buf, int64_t count) {
+  st.bind(be);
+  // Scratch spans are backend memory (device memory on a GPU); host code reads them only
+  // through host_view, which downloads on device backends and is the span itself elsewhere.
+  const bool on_device = be.device_memory();
+  auto sl = [](auto& buf, int64_t count) {
     return std::span<float>(buf.data(), static_cast<size_t>(count));
   };
+  auto host_view = [&](std::span<const float> data, std::vector<float>& mirror) {
+    if (!on_device) return data;
+    mirror.resize(data.size());
+    be.download(data, std::span<float>(mirror));
+    return std::span<const float>(mirror);
+  };
   auto rec = [&](const std::string& name, std::span<const float> data, int64_t rows) {
-    if (batch.capture) batch.capture->record(name, data, rows);
+    if (batch.capture) batch.capture->record(name, host_view(data, st.capture_host), rows);
   };
   auto add_bias = [&](std::span<float> y, std::span<const float> b) {
     if (b.empty()) return;
@@ -92,7 +145,48 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
   auto norm_in_place = [&](std::span<float> y, std::span<const float> wt, int64_t width, float eps) {
     const std::span<float> t = sl(st.tmp, static_cast<int64_t>(y.size()));
     be.rmsnorm(y, wt, width, eps, t);
-    std::copy(t.begin(), t.end(), y.begin());
+    be.copy(std::span<const float>(t), y);
+  };
+
+  // One token's experts (a decode step): all K gate and up matvecs as one backend op, the
+  // activation over the K slices at once, all K down matvecs as one op, then the weighted
+  // sum. Per expert this is the general path's arithmetic, and the experts are added in
+  // ascending id as there, so the result is bit-identical; what it saves is 3K small ops
+  // (a thread hand-off each) and the row gather. Holds the K experts' pins together
+  // (moe/expert_store.h guarantees a cap of at least the experts one token needs).
+  auto moe_one_token = [&](int32_t il, int64_t K, int64_t F, std::span<const float> in,
+                           std::span<float> out) {
+    std::vector<int32_t>& order = st.moe_order;  // slots by ascending expert id
+    order.resize(static_cast<size_t>(K));
+    for (int32_t i = 0; i < K; ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return st.sel_e[a] < st.sel_e[b]; });
+    st.moe_held.clear();
+    for (int32_t slot : order) {
+      st.moe_held.push_back(w.experts->get(il, st.sel_e[slot]));
+      expert_bytes_used().add(expert_bytes(st.moe_held.back()));
+    }
+    const std::span<float> fg = sl(st.ff_gate, K * F), fu = sl(st.ff_up, K * F);
+    const std::span<float> fa = sl(st.ff_act, K * F), y = sl(st.moe_out, K * E);
+    auto part = [](std::span<float> s, int64_t i, int64_t width) {
+      return s.subspan(static_cast<size_t>(i * width), static_cast<size_t>(width));
+    };
+    std::vector<Backend::MatmulTask>& tasks = st.moe_tasks;
+    tasks.clear();
+    for (int64_t i = 0; i < K; ++i) {
+      tasks.push_back({&st.moe_held[i].gate, in, part(fg, i, F)});
+      tasks.push_back({&st.moe_held[i].up, in, part(fu, i, F)});
+    }
+    be.matmul_batch(tasks, 1);
+    if (hp.arch->act == FfnAct::Silu) be.swiglu(fg, fu, fa);
+    else be.geglu(fg, fu, fa);
+    tasks.clear();
+    for (int64_t i = 0; i < K; ++i) tasks.push_back({&st.moe_held[i].down, part(fa, i, F), part(y, i, E)});
+    be.matmul_batch(tasks, 1);
+    for (int64_t i = 0; i < K; ++i) {
+      be.scale(part(y, i, E), st.sel_w[order[i]]);
+      be.add(out, part(y, i, E), out);
+    }
+    st.moe_held.clear();  // releases the pins
   };
 
   // Mixture-of-experts FFN: route each row, then per expert gather the rows that chose it
@@ -107,9 +201,16 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
     be.softmax(prob, X);
     const std::span<int32_t> sel(st.sel_e.data(), static_cast<size_t>(n_tok * K));
     const std::span<float> sel_w = sl(st.sel_w, n_tok * K);
+    // The routing decision is made on the host (one download per MoE layer on a GPU).
+    const std::span<const float> prob_h = host_view(prob, st.router_host);
     for (int64_t t = 0; t < n_tok; ++t)
-      select_experts(prob.subspan(t * X, X), sel.subspan(t * K, K), sel_w.subspan(t * K, K));
-    std::fill(out.begin(), out.end(), 0.0f);
+      select_experts(prob_h.subspan(t * X, X), sel.subspan(t * K, K), sel_w.subspan(t * K, K));
+    w.experts->will_need(il, sel);  // a streaming store loads the misses in parallel
+    be.zero(out);
+    if (n_tok == 1) {
+      moe_one_token(il, K, F, in, out);
+      return;
+    }
     for (int32_t e = 0; e < X; ++e) {
       int64_t m = 0;  // rows routed to e; moe_rows holds their (token * K + slot)
       for (int64_t j = 0; j < n_tok * K; ++j)
@@ -118,9 +219,10 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
       const std::span<float> xin = sl(st.moe_in, m * E), y = sl(st.moe_out, m * E);
       for (int64_t i = 0; i < m; ++i) {
         const auto src = in.subspan(static_cast<size_t>(st.moe_rows[i] / K * E), E);
-        std::copy(src.begin(), src.end(), xin.begin() + i * E);
+        be.copy(src, xin.subspan(static_cast<size_t>(i * E), static_cast<size_t>(E)));
       }
       const moe::ExpertWeights ew = w.experts->get(il, e);
+      expert_bytes_used().add(expert_bytes(ew));
       const std::span<float> fg = sl(st.ff_gate, m * F), fu = sl(st.ff_up, m * F);
       const std::span<float> fa = sl(st.ff_act, m * F);
       be.matmul(ew.gate, xin, m, fg);
@@ -151,7 +253,6 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
   for (int32_t il = 0; il < hp.n_layer; ++il) {
     const LayerDesc& L = hp.layers[il];
     const LayerWeights& lw = w.layers[il];
-    const LayerKv& kv = batch.kv[il];
     const std::string p = batch.capture ? fmt::format("blk.{}.", il) : std::string();
 
     be.rmsnorm(x, lw.attn_norm, E, hp.rms_eps, h);
@@ -171,26 +272,35 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
     rec(p + "Qcur", q, n);
     rec(p + "Kcur", k, n);
     rec(p + "Vcur", v, n);
-    be.store_rows_f16(k, hp.k_width(), kv.append_rows, kv.k);
-    be.store_rows_f16(v, hp.v_width(), kv.append_rows, kv.v);
-
-    AttentionArgs args;
-    args.q = q;
-    args.k = kv.k;
-    args.v = kv.v;
-    args.kv_rows = kv.kv_rows;
-    args.kv_pos = kv.kv_pos;
-    args.q_pos = batch.pos;
-    args.n_q = n;
-    args.n_head = hp.n_head;
-    args.n_head_kv = hp.n_head_kv;
-    args.head_dim = hp.head_dim_k;
+    // Each sequence writes its new keys/values into its own planes and attends only over
+    // them; a query row's result never depends on the other sequences in the batch.
     KILN_CHECK(hp.head_dim_k == hp.head_dim_v, "attention op needs key_length == value_length");
-    args.window = L.window;
-    args.scale = hp.attn_scale;
-    args.softcap = hp.attn_softcap;
-    args.out = o;
-    be.attention(args);
+    for (const SeqSlice& sq : seqs) {
+      const LayerKv& kv = sq.kv[il];
+      const auto f = static_cast<size_t>(sq.first), c = static_cast<size_t>(sq.n_tok);
+      const auto qw = static_cast<size_t>(hp.q_width()), kw = static_cast<size_t>(hp.k_width());
+      const auto vw = static_cast<size_t>(hp.v_width()), ow = static_cast<size_t>(hp.o_width());
+      KILN_CHECK(kv.append_rows.size() == c);
+      be.store_rows_f16(k.subspan(f * kw, c * kw), hp.k_width(), kv.append_rows, kv.k);
+      be.store_rows_f16(v.subspan(f * vw, c * vw), hp.v_width(), kv.append_rows, kv.v);
+
+      AttentionArgs args;
+      args.q = q.subspan(f * qw, c * qw);
+      args.k = kv.k;
+      args.v = kv.v;
+      args.kv_rows = kv.kv_rows;
+      args.kv_pos = kv.kv_pos;
+      args.q_pos = batch.pos.subspan(f, c);
+      args.n_q = sq.n_tok;
+      args.n_head = hp.n_head;
+      args.n_head_kv = hp.n_head_kv;
+      args.head_dim = hp.head_dim_k;
+      args.window = L.window;
+      args.scale = hp.attn_scale;
+      args.softcap = hp.attn_softcap;
+      args.out = o.subspan(f * ow, c * ow);
+      be.attention(args);
+    }
     rec(p + "kqv_out", o, n);
     if (lw.wgate_attn.n_rows > 0) {
       const std::span<float> g = sl(st.gate, n * hp.o_width());
@@ -223,14 +333,37 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
     rec(p + "l_out", x, n);
   }
 
-  // Only the rows whose logits are wanted go through the output head.
-  const std::span<const float> last = x.subspan(static_cast<size_t>((n - n_out) * E));
+  // Only the rows whose logits are wanted go through the output head: every row, the last
+  // one, or with several sequences the rows each asks for, gathered into scratch.
+  std::span<const float> last = x.subspan(static_cast<size_t>((n - n_out) * E));
+  if (n_out != n && n_seq > 1) {
+    int64_t o_row = 0;
+    for (const SeqSlice& sq : seqs) {
+      const int64_t first = batch.all_logits || sq.all_logits ? sq.first : sq.first + sq.n_tok - 1;
+      const auto rows = x.subspan(static_cast<size_t>(first * E),
+                                  static_cast<size_t>((sq.first + sq.n_tok - first) * E));
+      be.copy(std::span<const float>(rows), a.subspan(static_cast<size_t>(o_row * E)));
+      o_row += sq.first + sq.n_tok - first;
+    }
+    last = a.subspan(0, static_cast<size_t>(n_out * E));
+  }
   const std::span<float> hn = h.subspan(0, static_cast<size_t>(n_out * E));
   be.rmsnorm(last, w.output_norm, E, hp.rms_eps, hn);
   rec("result_norm", hn, n_out);
-  be.matmul(w.output, hn, n_out, logits);
-  if (hp.logit_scale != 1.0f) be.scale(logits, hp.logit_scale);
-  if (hp.final_softcap > 0) be.softcap(logits, hp.final_softcap);
+  // Device backends compute the logits in their memory and download them once per step (the
+  // step's only synchronisation); host backends write the caller's span directly.
+  std::span<float> out = logits;
+  if (on_device) {
+    if (st.n_logits_ < logits.size()) {
+      st.logits = be.alloc<float>(logits.size());
+      st.n_logits_ = logits.size();
+    }
+    out = sl(st.logits, static_cast<int64_t>(logits.size()));
+  }
+  be.matmul(w.output, hn, n_out, out);
+  if (hp.logit_scale != 1.0f) be.scale(out, hp.logit_scale);
+  if (hp.final_softcap > 0) be.softcap(out, hp.final_softcap);
+  if (on_device) be.download(std::span<const float>(out), logits);
   rec("result_output", logits, n_out);
 }
 

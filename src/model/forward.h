@@ -24,11 +24,25 @@ struct LayerKv {
   std::span<f16> k, v;                   // planes [n_phys][k_width | v_width]
 };
 
+// One sequence's share of a multi-sequence batch (batched decode across slots): tokens
+// [first, first + n_tok) of the batch belong to it and attend only over its own planes.
+struct SeqSlice {
+  int32_t first = 0, n_tok = 0;
+  std::span<const LayerKv> kv;  // [n_layer]: this sequence's planes and row lists
+  bool all_logits = false;      // logits of every token, not only the last (verification)
+};
+
 struct ForwardBatch {
   std::span<const int32_t> tokens;  // [n_tok], ids already validated
   std::span<const int32_t> pos;     // [n_tok]
-  std::span<const LayerKv> kv;      // [n_layer]
-  bool all_logits = false;          // false: logits of the last token only
+  std::span<const LayerKv> kv;      // [n_layer]; unused when `seqs` is set
+  // Empty: every token belongs to one sequence whose planes are `kv`. Otherwise the batch
+  // holds several sequences, each a contiguous run of tokens, in order, covering the batch;
+  // the weights are read once for all of them while attention stays per sequence, and the
+  // logits hold, sequence by sequence, every token's row (its all_logits, or the batch's) or
+  // its last token's.
+  std::span<const SeqSlice> seqs;
+  bool all_logits = false;          // false: logits of the last token (of each sequence) only
   Capture* capture = nullptr;       // optional: records the named activations
 };
 
@@ -42,14 +56,31 @@ class ForwardState {
   friend void forward(const HParams&, const Weights&, Backend&, ForwardState&,
                       const ForwardBatch&, std::span<float>);
   int32_t max_batch_;
-  std::vector<float> x, h, q, k, v, o, gate, a, ff_gate, ff_up, ff_act, tmp;
+  // Activation scratch lives in the memory of the backend that runs the step (device memory
+  // on a GPU), allocated on the first forward() with that backend; the element counts are
+  // fixed by the constructor.
+  void bind(Backend& be);
+  Backend* bound_ = nullptr;
+  size_t n_x_ = 0, n_q_ = 0, n_k_ = 0, n_v_ = 0, n_o_ = 0, n_ff_ = 0, n_tmp_ = 0;
+  size_t n_router_ = 0, n_moe_ = 0, n_logits_ = 0;
+  BackendBuffer<float> x, h, q, k, v, o, gate, a, ff_gate, ff_up, ff_act, tmp;
+  BackendBuffer<float> logits;  // device backends: [n_out][n_vocab], grown on demand
   // Mixture-of-experts scratch: router probabilities [B][n_expert], the chosen experts and
   // their weights [B][n_expert_used], and the rows routed to one expert gathered together.
-  std::vector<float> router, sel_w, moe_in, moe_out;
+  BackendBuffer<float> router, moe_in, moe_out;
+  std::vector<float> router_host;  // device backends: the probabilities the host routes by
+  std::vector<float> sel_w;
   std::vector<int32_t> sel_e, moe_rows;
+  // The one-token MoE path: its experts by ascending id, their views (pins held while the
+  // layer computes) and the matvec tasks handed to Backend::matmul_batch.
+  std::vector<int32_t> moe_order;
+  std::vector<moe::ExpertWeights> moe_held;
+  std::vector<Backend::MatmulTask> moe_tasks;
+  std::vector<float> capture_host;  // device backends: a captured activation on its way out
 };
 
-// Runs one step. `logits` receives [n_out][n_vocab] with n_out = n_tok (all_logits) or 1.
+// Runs one step. `logits` receives [n_out][n_vocab] with n_out = n_tok (all_logits), else 1
+// (one sequence) or the rows the sequences ask for (see `seqs`).
 void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
              const ForwardBatch& batch, std::span<float> logits);
 

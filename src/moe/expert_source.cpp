@@ -27,7 +27,8 @@ ExpertWeights MappedExpertSource::get(int32_t layer, int32_t expert) {
   const int64_t ff = l.gate.n_rows / l.n_expert, emb = l.down.n_rows / l.n_expert;
   return ExpertWeights{.gate = l.gate.rows(expert * ff, ff),
                        .up = l.up.rows(expert * ff, ff),
-                       .down = l.down.rows(expert * emb, emb)};
+                       .down = l.down.rows(expert * emb, emb),
+                       .hold = nullptr};
 }
 
 }  // namespace kiln::moe

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "backend/backend.h"
@@ -14,6 +15,9 @@ namespace kiln::moe {
 // One expert's FFN: gate/up [n_ff_expert rows][n_embd], down [n_embd rows][n_ff_expert].
 struct ExpertWeights {
   WeightMatrix gate, up, down;
+  // Keeps a cached expert's memory in place while any copy of this value lives (a pin in
+  // moe/expert_store.h); null for the mapped source, whose views never move.
+  std::shared_ptr<const void> hold;
 };
 
 class ExpertSource {
@@ -25,6 +29,12 @@ class ExpertSource {
   virtual ExpertWeights get(int32_t layer, int32_t expert) = 0;
   virtual int32_t n_layer() const = 0;
   virtual int32_t n_expert(int32_t layer) const = 0;  // 0: dense layer
+  // A layer's routing decision before its get()s (ids may repeat): a cache may start
+  // loading every missing one in parallel. Only a hint; the mapped source ignores it.
+  virtual void will_need(int32_t layer, std::span<const int32_t> experts) {
+    (void)layer;
+    (void)experts;
+  }
 };
 
 // The three stacked 3-D tensors of one MoE layer (ggml order): gate/up [n_embd, n_ff, n_expert],
@@ -42,6 +52,8 @@ class MappedExpertSource final : public ExpertSource {
   ExpertWeights get(int32_t layer, int32_t expert) override;
   int32_t n_layer() const override { return static_cast<int32_t>(layers_.size()); }
   int32_t n_expert(int32_t layer) const override;
+  // The stacked tensors (the expert store reads its file offsets from them).
+  const std::vector<StackedExperts>& layers() const { return layers_; }
 
  private:
   std::vector<StackedExperts> layers_;

@@ -9,6 +9,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <filesystem>
 #include <mutex>
@@ -17,6 +18,7 @@
 #include <thread>
 
 #include "backend/cpu/cpu_backend.h"
+#include "core/counters.h"
 #include "engine/scheduler.h"
 #include "engine/session.h"
 #include "format/gguf.h"
@@ -134,6 +136,8 @@ Status HttpServer::load() {
   cfg.n_ctx = s.opt.n_ctx;
   cfg.prefill_chunk = s.opt.prefill_chunk;
   cfg.max_queue = s.opt.max_queue;
+  cfg.remote_prefill = s.opt.remote_prefill;
+  cfg.draft_ngram = s.opt.draft_ngram;
   const auto eog = s.tok->eog_ids();
   cfg.eog_ids.assign(eog.begin(), eog.end());
   auto sch = Scheduler::create(s.model, *s.backend, cfg);
@@ -501,6 +505,29 @@ std::string HttpServer::Impl::metrics() const {
   metric("kv_cache_positions_total", "gauge", "KV positions over all slots", double(s.kv_positions_total));
   metric("kv_cache_usage_ratio", "gauge", "used / total KV positions",
          s.kv_positions_total ? double(s.kv_positions_used) / double(s.kv_positions_total) : 0);
+  metric("forward_passes_total", "counter", "model forward passes (one per batched step)", double(s.forward_passes));
+  metric("forward_tokens_total", "counter", "tokens evaluated by those passes", double(s.forward_tokens));
+  metric("spec_steps_total", "counter", "speculative verify steps (n-gram drafts)", double(s.spec_steps));
+  metric("spec_drafted_tokens_total", "counter", "draft tokens proposed", double(s.spec_drafted));
+  metric("spec_accepted_tokens_total", "counter", "draft tokens accepted", double(s.spec_accepted));
+  metric("spec_mean_acceptance_length", "gauge", "tokens emitted per verify step (accepted + 1)",
+         s.spec_steps ? 1.0 + double(s.spec_accepted) / double(s.spec_steps) : 0);
+  metric("spec_draft_seconds_total", "counter", "seconds spent drafting", s.spec_draft_seconds);
+  // The process registry (core/counters.h): subsystems such as the expert store (moe.*) and
+  // the speculative decoder (spec.*) count there without knowing about HTTP. Dots become
+  // underscores so every name is a valid Prometheus metric name.
+  for (const CounterSample& c : process_counters().snapshot()) {
+    std::string name = "registry_";
+    for (char ch : c.name) name += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+    if (c.is_timer) {
+      metric((name + "_seconds_total").c_str(), "counter", ("time recorded by timer " + c.name).c_str(),
+             double(c.value) * 1e-9);
+      metric((name + "_count").c_str(), "counter", ("intervals recorded by timer " + c.name).c_str(),
+             double(c.n_events));
+    } else {
+      metric((name + "_total").c_str(), "counter", ("registry counter " + c.name).c_str(), double(c.value));
+    }
+  }
   return out;
 }
 

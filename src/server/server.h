@@ -4,10 +4,16 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "core/status.h"
+
+namespace kiln {
+class Session;
+}
 
 namespace kiln::server {
 
@@ -23,6 +29,9 @@ struct ServerOptions {
   size_t max_body_bytes = 1 << 20;  // larger bodies get 413
   int cpu_threads = 0;           // backend threads; 0: one per core
   int http_threads = 0;          // 0: n_parallel + max_queue + 8 (streams hold a thread each)
+  // `--role decode`: prompts' KV comes from a prefill node (SchedulerConfig::remote_prefill).
+  std::function<bool(Session&, std::span<const int32_t>)> remote_prefill;
+  int32_t draft_ngram = 0;       // n-gram draft tokens per decode step (SchedulerConfig); 0: off
 };
 
 class HttpServer {

@@ -14,6 +14,7 @@
 #include "common/testdata.h"
 #include "engine/scheduler.h"
 #include "engine/session.h"
+#include "tokenizer/tokenizer.h"
 
 namespace kiln {
 namespace {
@@ -153,10 +154,14 @@ TEST(Scheduler, SameIdsAloneAndConcurrentInShuffledOrders) {
       EXPECT_EQ(alone.back().finish, FinishReason::kLength);
     }
   }
-  // Concurrent: 4 slots, small odd prefill chunks, shuffled submission, from several threads.
+  // Concurrent: 4 slots, small odd prefill chunks, shuffled submission, from several threads;
+  // round 0 batches decode tokens and prefill chunks of all slots into one forward pass per
+  // step, round 1 batches only the decode tokens, round 2 runs one forward call per slot.
   int64_t reused = 0;
   for (uint32_t round = 0; round < 3; ++round) {
     SchedulerConfig cfg{.n_slots = 4, .n_ctx = 256, .prefill_chunk = round == 0 ? 5 : 7 + int(round)};
+    cfg.batch_prefill = round == 0;
+    cfg.batch_decode = round < 2;
     auto sch = Scheduler::create(m, *be, cfg);
     ASSERT_TRUE(sch.has_value()) << sch.error();
     std::vector<size_t> order(reqs.size());
@@ -323,6 +328,96 @@ TEST(Scheduler, ShutdownCancelsInFlightAndQueued) {
     EXPECT_EQ(drain(*s).finish, FinishReason::kCancelled);
   }
   EXPECT_EQ((*sch)->submit(p).error, Scheduler::SubmitError::kShuttingDown);
+}
+
+// A prompt that repeats itself, so prompt lookup finds continuations to draft: text the
+// stories model continues by copying, random ids for the random-weight models.
+std::vector<int32_t> repetitive_prompt(const Model& m, uint32_t seed) {
+  std::vector<int32_t> p{1};
+  if (m.n_vocab() == 512) {
+    auto tok = Tokenizer::from_gguf(m.gguf());
+    EXPECT_TRUE(tok.has_value()) << tok.error();
+    const std::string line = seed % 2 ? "The cat sat on the mat and looked at the sun. "
+                                      : "Tom had a red ball. He liked to play with it. ";
+    const auto ids = tok->encode(line + line + line + line.substr(0, 12), false, false);
+    p.insert(p.end(), ids.begin(), ids.end());
+    return p;
+  }
+  const auto unit = random_prompt(12, m.n_vocab(), seed);
+  for (int r = 0; r < 4; ++r) p.insert(p.end(), unit.begin() + 1, unit.end());
+  return p;
+}
+
+// n-gram drafting inside the scheduler (issue 10): greedy requests get exactly the ids of
+// plain decoding, on a plain model and on one with sliding-window rings (rejected drafts are
+// rolled back inside wrapped rings), while plain requests share the same batched steps;
+// sampled requests with drafts are reproducible for a seed, alone or concurrent.
+TEST(Scheduler, NgramDraftingKeepsGreedyIdsAndIsReproducible) {
+  for (const char* file : {"stories260K.gguf", "gemma2-swa-f16.gguf"}) {
+    auto m = load(file);
+    ASSERT_TRUE(m);
+    auto be = make_cpu_backend(2);
+    std::vector<GenerationParams> reqs;
+    for (uint32_t i = 0; i < 4; ++i) {
+      GenerationParams p;
+      p.prompt = repetitive_prompt(*m, 70 + i);
+      p.sampling.temperature = i < 2 ? 0.0f : 0.8f;
+      p.sampling.seed = 5 + i;
+      p.max_tokens = 40;
+      reqs.push_back(p);
+    }
+    auto run = [&](int32_t n_draft, int32_t n_slots, bool concurrent) {
+      auto sch = Scheduler::create(m, *be, {.n_slots = n_slots, .n_ctx = 128, .prefill_chunk = 16});
+      EXPECT_TRUE(sch.has_value()) << sch.error();
+      std::vector<Outcome> got(reqs.size());
+      std::vector<std::shared_ptr<GenStream>> streams;
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        GenerationParams p = reqs[i];
+        p.n_draft = i % 2 == 0 ? n_draft : 0;  // odd requests never draft
+        auto sub = (*sch)->submit(p);
+        EXPECT_TRUE(sub.stream) << sub.message;
+        if (!concurrent) got[i] = drain(*sub.stream);
+        else streams.push_back(sub.stream);
+      }
+      for (size_t i = 0; i < streams.size(); ++i) got[i] = drain(*streams[i]);
+      return std::make_pair(got, (*sch)->stats());
+    };
+    const auto [plain, plain_stats] = run(0, 1, false);
+    const auto [alone, alone_stats] = run(4, 1, false);
+    const auto [conc, conc_stats] = run(4, 4, true);
+    EXPECT_EQ(plain_stats.spec_steps, 0u);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ(plain[i].ids.size(), 40u) << file << " request " << i;
+      if (reqs[i].sampling.temperature <= 0)
+        EXPECT_EQ(alone[i].ids, plain[i].ids) << file << ": greedy request " << i << " with drafts";
+      EXPECT_EQ(conc[i].ids, alone[i].ids) << file << ": request " << i << " concurrent vs alone";
+    }
+    EXPECT_GT(alone_stats.spec_steps, 0u) << file;
+    EXPECT_EQ(conc_stats.spec_drafted, alone_stats.spec_drafted) << file;
+    EXPECT_EQ(conc_stats.spec_accepted, alone_stats.spec_accepted) << file;
+    std::printf("%s: drafting: %llu verify steps, %llu drafted, %llu accepted (%.2f tokens per "
+                "step); %llu forward passes for %llu tokens when concurrent\n",
+                file, (unsigned long long)alone_stats.spec_steps,
+                (unsigned long long)alone_stats.spec_drafted,
+                (unsigned long long)alone_stats.spec_accepted,
+                alone_stats.spec_steps ? 1.0 + double(alone_stats.spec_accepted) / double(alone_stats.spec_steps) : 0.0,
+                (unsigned long long)conc_stats.forward_passes,
+                (unsigned long long)conc_stats.forward_tokens);
+  }
+}
+
+TEST(Scheduler, RejectsOverlongDrafts) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend(1);
+  auto sch = Scheduler::create(m, *be, {.n_slots = 1, .n_ctx = 64});
+  ASSERT_TRUE(sch.has_value());
+  GenerationParams p;
+  p.prompt = {1, 5};
+  p.n_draft = GenerationParams::kMaxDraft + 1;
+  const auto r = (*sch)->submit(p);
+  EXPECT_EQ(r.error, Scheduler::SubmitError::kInvalid);
+  EXPECT_NE(r.message.find("n_draft"), std::string::npos) << r.message;
 }
 
 }  // namespace

@@ -159,6 +159,39 @@ INSTANTIATE_TEST_SUITE_P(
       return n;
     });
 
+// The draft model prefills the prompt in start(), alongside the target, so the first step's
+// draft time is its proposals only (not a whole prompt prefill charged to decoding).
+TEST(SpecDecode, DraftModelPrefillsPromptInStart) {
+  auto tm = load("stories260K.gguf");
+  auto dm = load("stories260K-q8_0.gguf");
+  ASSERT_TRUE(tm && dm);
+  auto be = make_cpu_backend(1);
+  const int32_t k = 4;
+  Session target(tm, *be, 64, k + 1);
+  auto md = ModelDrafter::create(dm, *be, 64, tm->n_vocab());
+  ASSERT_TRUE(md.has_value()) << md.error();
+  SpecParams sp;
+  sp.n_draft = k;
+  sp.sampling.temperature = 0;
+  auto dec = SpeculativeDecoder::create(target, **md, sp);
+  ASSERT_TRUE(dec.has_value()) << dec.error();
+  const auto prompt = random_prompt(20, tm->n_vocab(), 11);
+  ASSERT_TRUE((*dec)->start(prompt));
+  EXPECT_EQ((*md)->n_evaluated(), prompt.size());
+  auto st = (*dec)->step();
+  ASSERT_TRUE(st.has_value()) << st.error();
+  ASSERT_EQ(st->n_drafted, k);
+  // The last proposal's logits are never needed, so the step evaluated k - 1 tokens.
+  EXPECT_EQ((*md)->n_evaluated(), prompt.size() + size_t(k - 1));
+  // A prompt the draft's context cannot hold is a one-line error from start().
+  Session big(tm, *be, 128, k + 1);
+  auto dec2 = SpeculativeDecoder::create(big, **md, sp);
+  ASSERT_TRUE(dec2.has_value()) << dec2.error();
+  const Status s = (*dec2)->start(random_prompt(100, tm->n_vocab(), 12));
+  EXPECT_FALSE(s);
+  EXPECT_NE(s.message().find("draft model"), std::string::npos) << s.message();
+}
+
 // Proposes the reference continuation but corrupts it at a chosen offset, cycling the offset
 // 0, 1, ..., k (k = no corruption), so every verify rejects at a known place.
 class OracleDrafter final : public Drafter {

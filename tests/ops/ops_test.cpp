@@ -77,7 +77,7 @@ TEST_P(MatmulVsRef, AllShapes) {
   for (int64_t k : c.ks) {
     for (int64_t n_rows : {1, 3, 31, 257}) {
       TestWeights w = make_weights(c.type, n_rows, k, rng);
-      for (int64_t n_tok : {1, 3, 6, 8, 13}) {
+      for (int64_t n_tok : {1, 3, 6, 8, 13, 37}) {
         SCOPED_TRACE(::testing::Message() << dtype_name(c.type) << " rows " << n_rows << " k " << k
                                           << " n_tok " << n_tok << " seed " << ops_seed());
         const std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "common/testdata.h"
+#include "core/counters.h"
 #include "format/gguf.h"
 #include "format/gguf_writer.h"
 #include "server/server.h"
@@ -155,6 +156,12 @@ TEST(Server, HealthIs503UntilLoadedThenServesEveryRoute) {
   EXPECT_GE(metric(*r.cli, "generated_tokens_total"), 17);
   EXPECT_EQ(metric(*r.cli, "slots_total"), 4);
   EXPECT_GT(metric(*r.cli, "kv_cache_bytes"), 0);
+  // The process counter registry is exported too (expert store, speculative decoder, ...).
+  process_counters().counter("test.server-metrics").add(3);
+  process_counters().timer("test.server_timer").record(std::chrono::milliseconds(1500));
+  EXPECT_GE(metric(*r.cli, "registry_test_server_metrics_total"), 3);
+  EXPECT_GE(metric(*r.cli, "registry_test_server_timer_seconds_total"), 1.5);
+  EXPECT_GE(metric(*r.cli, "registry_test_server_timer_count"), 1);
 }
 
 TEST(Server, StreamsSseWithUsageAndDone) {
@@ -346,6 +353,58 @@ TEST(Server, ConcurrentRequestsGetTheSameTextAsAlone) {
     });
   for (auto& t : ts) t.join();
   EXPECT_EQ(together, alone);
+}
+
+// `kiln serve --draft-ngram 4`: greedy completions are the text plain decoding gives, while
+// /metrics reports the verify steps, drafted and accepted tokens and the batched passes.
+TEST(Server, NgramDraftingKeepsGreedyTextAndReportsCounters) {
+  const std::string prompt = "Tom had a red ball. He liked to play with it. Tom had a red ball. "
+                             "He liked to play with it. Tom had a red ball.";
+  std::vector<json> bodies;
+  for (int i = 0; i < 3; ++i)
+    bodies.push_back({{"prompt", i ? prompt : "Once upon a time"}, {"max_tokens", 24 + 4 * i},
+                      {"temperature", 0}});
+  auto texts = [&](int32_t draft_ngram, std::string* metrics) {
+    ServerOptions o;
+    o.n_parallel = 2;
+    o.prefill_chunk = 16;
+    o.draft_ngram = draft_ngram;
+    Running r = start(o);
+    std::vector<std::string> out(bodies.size());
+    std::vector<std::thread> ts;
+    for (size_t i = 0; i < bodies.size(); ++i)
+      ts.emplace_back([&, i] {
+        httplib::Client c("127.0.0.1", r.srv->port());
+        c.set_read_timeout(30, 0);
+        auto res = c.Post("/v1/completions", bodies[i].dump(), "application/json");
+        ASSERT_TRUE(res);
+        ASSERT_EQ(res->status, 200) << res->body;
+        out[i] = json::parse(res->body)["choices"][0]["text"];
+      });
+    for (auto& t : ts) t.join();
+    auto m = r.cli->Get("/metrics");
+    EXPECT_TRUE(m && m->status == 200);
+    if (m) *metrics = m->body;
+    return out;
+  };
+  auto value = [](const std::string& metrics, const std::string& name) {
+    const size_t at = metrics.find("\n" + name + " ");
+    EXPECT_NE(at, std::string::npos) << name << " missing:\n" << metrics;
+    return at == std::string::npos ? -1.0 : std::stod(metrics.substr(at + name.size() + 2));
+  };
+  std::string m_plain, m_spec;
+  const auto plain = texts(0, &m_plain);
+  const auto spec = texts(4, &m_spec);
+  EXPECT_EQ(spec, plain);
+  EXPECT_EQ(value(m_plain, "kiln_spec_steps_total"), 0);
+  EXPECT_GT(value(m_spec, "kiln_spec_steps_total"), 0);
+  EXPECT_GT(value(m_spec, "kiln_spec_drafted_tokens_total"), 0);
+  EXPECT_GE(value(m_spec, "kiln_spec_mean_acceptance_length"), 1.0);
+  EXPECT_GT(value(m_spec, "kiln_forward_passes_total"), 0);
+  EXPECT_GE(value(m_spec, "kiln_forward_tokens_total"), value(m_spec, "kiln_forward_passes_total"));
+  std::printf("draft-ngram 4: %.0f verify steps, %.0f drafted, %.0f accepted\n",
+              value(m_spec, "kiln_spec_steps_total"), value(m_spec, "kiln_spec_drafted_tokens_total"),
+              value(m_spec, "kiln_spec_accepted_tokens_total"));
 }
 
 // stories260K with a chat template added (none of the shared models carries one).

@@ -66,6 +66,75 @@ class CpuBackend final : public Backend {
     else rows(0, w.n_rows, 0);
   }
 
+  // One parallel pass over the rows of all tasks (tasks' activations encoded once per
+  // distinct x). Per row this is matmul()'s arithmetic exactly: matmul_rows results do not
+  // depend on where a thread's range starts or ends.
+  void matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok) override {
+    if (tasks.size() <= 1 || n_tok != 1) {
+      for (const MatmulTask& t : tasks) matmul(*t.w, t.x, n_tok, t.y);
+      return;
+    }
+    int64_t total_rows = 0;
+    size_t act_bytes = 0, per_thread = 0;
+    for (const MatmulTask& t : tasks) {
+      const WeightMatrix& w = *t.w;
+      KILN_CHECK(static_cast<int64_t>(t.x.size()) == w.n_cols && static_cast<int64_t>(t.y.size()) == w.n_rows,
+                 "matmul_batch: x {} / y {} for a {}x{} matrix", t.x.size(), t.y.size(), w.n_rows, w.n_cols);
+      KILN_CHECK(w.bytes.size() == static_cast<size_t>(w.n_rows) * w.row_bytes);
+      KILN_CHECK(row_bytes(w.dtype, w.n_cols) == w.row_bytes);
+      total_rows += w.n_rows;
+      const cpu::ActKind kind = cpu::act_kind(w.dtype);
+      if (kind != cpu::ActKind::F32) act_bytes += round64(cpu::act_row_bytes(kind, w.n_cols));
+      per_thread = std::max(per_thread, cpu::matmul_scratch_floats(w));
+    }
+    if (total_rows == 0) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    grow(act_, act_bytes);
+    grow(batch_jobs_, tasks.size());
+    size_t act_used = 0;
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const WeightMatrix& w = *tasks[i].w;
+      cpu::MatmulJob& job = batch_jobs_[i];
+      job = cpu::MatmulJob{};
+      job.w = &w;
+      job.x = tasks[i].x.data();
+      job.n_tok = 1;
+      job.y = tasks[i].y.data();
+      const cpu::ActKind kind = cpu::act_kind(w.dtype);
+      if (kind == cpu::ActKind::F32) continue;
+      job.xq_row_bytes = cpu::act_row_bytes(kind, w.n_cols);
+      size_t j = 0;  // an earlier task with the same x and encoding shares its bytes
+      for (; j < i; ++j) {
+        const cpu::MatmulJob& p = batch_jobs_[j];
+        if (p.x == job.x && p.xq && p.xq_row_bytes == job.xq_row_bytes &&
+            p.w->n_cols == w.n_cols && cpu::act_kind(p.w->dtype) == kind)
+          break;
+      }
+      if (j < i) {
+        job.xq = batch_jobs_[j].xq;
+      } else {
+        std::byte* xq = act_.data() + act_used;
+        cpu::quantize_act_row(kind, job.x, w.n_cols, xq);
+        act_used += round64(job.xq_row_bytes);
+        job.xq = xq;
+      }
+    }
+    float* scratch = thread_scratch(per_thread);
+    const size_t n_jobs = tasks.size();
+    auto rows = [&](int64_t b, int64_t e, int t) {
+      float* s = scratch + static_cast<size_t>(t) * per_thread;
+      int64_t first = 0;  // global index of the current job's row 0
+      for (size_t i = 0; i < n_jobs && first < e; ++i) {
+        const int64_t n = batch_jobs_[i].w->n_rows;
+        const int64_t lo = std::max(b, first), hi = std::min(e, first + n);
+        if (lo < hi) cpu::matmul_rows(batch_jobs_[i], lo - first, hi - first, s);
+        first += n;
+      }
+    };
+    if (total_rows >= 2) pool_.parallel_for(total_rows, rows);
+    else rows(0, total_rows, 0);
+  }
+
   void get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
                 std::span<float> out) override {
     KILN_CHECK(out.size() == ids.size() * static_cast<size_t>(w.n_cols));
@@ -222,6 +291,7 @@ class CpuBackend final : public Backend {
   static void grow(std::vector<T>& v, size_t n) {
     if (v.size() < n) v.resize(n);
   }
+  static size_t round64(size_t n) { return (n + 63) & ~size_t{63}; }
   // n_threads blocks of `per_thread` floats, one per pool thread index.
   float* thread_scratch(size_t per_thread) {
     grow(scratch_, per_thread * static_cast<size_t>(pool_.n_threads()));
@@ -251,6 +321,7 @@ class CpuBackend final : public Backend {
   ThreadPool pool_;
   std::mutex mu_;                 // guards the scratch buffers below
   std::vector<std::byte> act_;    // [n_tok][act_row_bytes]: quantized activations of a call
+  std::vector<cpu::MatmulJob> batch_jobs_;  // matmul_batch: one job per task
   std::vector<float> scratch_;    // [n_threads][per-op need]
   std::vector<double> inv_freq_;  // [n_rot / 2]: rope frequencies of the current call
 };

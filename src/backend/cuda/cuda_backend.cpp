@@ -1,12 +1,23 @@
-// backend/cuda/cuda_backend.cpp: the op table on host spans over the CUDA kernels. Each op
-// copies its inputs to device scratch on the compute stream, waits for the weight uploads it
-// needs (copy stream -> event), launches through kernels.h, copies the outputs back and
-// synchronises: correct with any host memory, one op at a time (calls are serialised).
+// backend/cuda/cuda_backend.cpp: the op table over the CUDA kernels, in two modes chosen per
+// call by where the op's output lives (see cuda_backend.h):
+//  - resident (output in alloc_bytes() memory): the op is recorded, not launched; host arrays
+//    it reads (ids, positions, KV row lists) are copied into pinned staging at once, and the
+//    recorded segment runs at the next synchronisation point (download, argmax, synchronize,
+//    a host-span op, a free) after one staging copy, eagerly or as a replayed CUDA graph;
+//  - host spans: the op copies its inputs to device scratch, launches, copies the outputs back
+//    and synchronises (the first slice's path; tests and any caller with host memory).
+// Calls are serialised by one mutex.
 #include "backend/cuda/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <bit>
+#include <climits>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
 #include <mutex>
 #include <numeric>
 #include <vector>
@@ -102,14 +113,349 @@ struct CudaBackend::Impl {
     return d;
   }
 
+
+  // ------------------------------------------------------------------ resident mode
+  // alloc_bytes() buffers by base address: an op whose output lies in one is resident.
+  std::map<uintptr_t, size_t> allocs;
+  uint64_t device_bytes = 0;
+  bool is_dev(const void* p) const {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    auto it = allocs.upper_bound(a);
+    if (it == allocs.begin()) return false;
+    --it;
+    return a < it->first + it->second;
+  }
+
+  // Host arrays a recorded op reads go into pin_in at once (the caller may reuse them after
+  // the call); the segment starts with one copy of pin_in[0, in_used) to dev_in. A host
+  // array passed again unchanged in the same segment (every layer's KV row list) is staged
+  // once. pin_out receives downloads.
+  std::unique_ptr<cuda::PinnedBuffer> pin_in, pin_out;
+  cuda::DeviceBuffer dev_in;
+  size_t in_cap = 0, in_used = 0, out_cap = 0;
+  struct Staged {
+    const void* host;
+    size_t bytes, n_total;
+    int32_t pad;
+    size_t off;
+  };
+  std::vector<Staged> staged;
+
+  // The recorded segment and its signature: every op's kind, pointers, sizes and parameters,
+  // so two segments with equal signatures do exactly the same work on the same memory.
+  struct Pending {
+    const char* op;
+    std::function<cudaError_t(cudaStream_t)> run;
+  };
+  std::vector<Pending> pending;
+  std::vector<uint64_t> key;
+  bool graphable = true;  // false once the segment uses cuBLAS (its workspace may move)
+  bool graphs_on = true;
+  int64_t kv_bucket = 256;
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    bool failed = false;  // capture refused: this segment always runs eagerly
+  };
+  std::map<std::vector<uint64_t>, Graph> graphs;
+  uint64_t n_eager = 0, n_captures = 0, n_replays = 0;
+  uint64_t uploads_seen = 0;  // arena uploads known to have landed
+  bool verify = false;
+  std::deque<cuda::Event> prof_events;  // profile mode: two per pending op
+  cuda::DeviceBuffer attn_part, argmax_out;
+  cuda::DeviceBuffer act_q8;  // MatmulKernels::V3's quantized activations
+  size_t act_q8_cap = 0;
+  // V3: the activation scratch for this matmul (null when the int8 path does not apply).
+  std::byte* v3_act(const cuda::DeviceWeight& w, int64_t n_tok, size_t* bytes) {
+    *bytes = cuda::matvec_q8_supports(w.dtype) ? cuda::act_q8_bytes(w.n_cols, n_tok) : 0;
+    return *bytes ? internal<std::byte>(act_q8, *bytes, act_q8_cap) : nullptr;
+  }
+  // V2 and V3 take the cuBLAS path above 16 tokens, except V3's int8 path (up to 64).
+  bool wants_gemm(cuda::MatmulKernels k, const cuda::DeviceWeight& w, int64_t n_tok) const {
+    if (k == cuda::MatmulKernels::V1 || n_tok <= cuda::kMatvecMaxTokens) return false;
+    return !(k == cuda::MatmulKernels::V3 && cuda::matvec_q8_supports(w.dtype) &&
+             n_tok <= cuda::kQ8MaxTokens);
+  }
+
+  static uint64_t u64(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+  static uint64_t u64(float f) { return std::bit_cast<uint32_t>(f); }
+  template <typename T>
+    requires std::is_integral_v<T> || std::is_enum_v<T>
+  static uint64_t u64(T v) {
+    return static_cast<uint64_t>(v);
+  }
+  template <typename... A>
+  void sig(const char* op, A... a) {
+    key.push_back(u64(static_cast<const void*>(op)));
+    (key.push_back(u64(a)), ...);
+  }
+  void record(const char* op, std::function<cudaError_t(cudaStream_t)> run) {
+    pending.push_back(Pending{op, std::move(run)});
+    // Graph mode launches every kChunkOps ops, eager mode every op; profile mode only at flush.
+    if (!profile && pending.size() >= (graphs_on ? kChunkOps : 1)) launch_chunk();
+  }
+  static constexpr size_t kChunkOps = 48;
+  size_t chunk_in_start = 0;  // staging bytes before it were copied by earlier chunks
+
+  void destroy_graphs() {
+    for (auto& [k, g] : graphs)
+      if (g.exec) cudaGraphExecDestroy(g.exec);
+    graphs.clear();
+  }
+
+  // Makes room for `bytes` more staged bytes (an op's whole need, asked for before it stages
+  // anything: a flush in between would let a later array overwrite an earlier one). Rule for
+  // every op: whatever may flush (room, internal, reserve_out, weight refresh, workspace
+  // growth) happens before its first stage(); a flush restarts staging at offset 0, so a
+  // pointer staged earlier in the same op would name space the next ops overwrite.
+  void room(size_t bytes) {
+    bytes += 64 * 4;  // alignment slack of a few arrays
+    if (in_used + bytes <= in_cap) return;
+    flush();
+    if (bytes <= in_cap) return;
+    const size_t cap = std::max<size_t>(bytes * 2, size_t(1) << 20);
+    destroy_graphs();  // they read the old staging
+    pin_in = std::make_unique<cuda::PinnedBuffer>();
+    check_cuda(pin_in->allocate(cap), "pinned staging");
+    dev_in.reset();
+    dev_in.ensure(cap, "device staging");
+    in_cap = cap;
+  }
+  // Bytes of host memory among the spans (what room() must hold for them).
+  template <typename T>
+  size_t host_bytes(std::span<const T> x, size_t pad_n = 0) const {
+    if (x.empty() && pad_n == 0) return 0;
+    if (!x.empty() && is_dev(x.data())) return 0;
+    return std::max(x.size(), pad_n) * sizeof(T) + 16;
+  }
+  std::byte* stage(const void* host, size_t bytes, size_t n_total_bytes) {
+    const size_t off = (in_used + 15) / 16 * 16;
+    KILN_CHECK(off + n_total_bytes <= in_cap, "staging overflow: room() not called");
+    if (bytes) std::memcpy(pin_in->data() + off, host, bytes);
+    in_used = off + n_total_bytes;
+    staged.push_back(Staged{host, bytes, n_total_bytes, 0, off});
+    return static_cast<std::byte*>(dev_in.get()) + off;
+  }
+  // Device address of an int array: as is when it is device memory, else staged (padded to
+  // pad_n entries of `pad`).
+  const int32_t* ints(std::span<const int32_t> h, size_t pad_n = 0, int32_t pad = 0) {
+    if (h.empty() && pad_n == 0) return nullptr;
+    if (!h.empty() && is_dev(h.data())) {
+      KILN_CHECK(pad_n <= h.size(), "cannot pad a device array");
+      return h.data();
+    }
+    const size_t n = std::max(h.size(), pad_n);
+    for (const Staged& st : staged)
+      if (st.host == h.data() && st.bytes == h.size_bytes() && st.n_total == n * 4 &&
+          st.pad == pad && std::memcmp(pin_in->data() + st.off, h.data(), st.bytes) == 0)
+        return reinterpret_cast<const int32_t*>(static_cast<std::byte*>(dev_in.get()) + st.off);
+    std::byte* d = stage(h.data(), h.size_bytes(), n * 4);
+    staged.back().pad = pad;
+    auto* tail = reinterpret_cast<int32_t*>(pin_in->data() + staged.back().off) + h.size();
+    std::fill(tail, tail + (n - h.size()), pad);
+    return reinterpret_cast<const int32_t*>(d);
+  }
+  // Device address of a read-only float input: device memory as is, weights (norm weights,
+  // biases) from the arena, any other host array staged.
+  const float* floats(std::span<const float> h) {
+    if (h.empty()) return nullptr;
+    if (is_dev(h.data())) return h.data();
+    const auto b = std::as_bytes(h);
+    if (arena->holds(b)) return reinterpret_cast<const float*>(arena->lookup(b));
+    return reinterpret_cast<const float*>(stage(h.data(), h.size_bytes(), h.size_bytes()));
+  }
+  size_t float_room(std::span<const float> h) const {
+    if (h.empty() || is_dev(h.data()) || arena->holds(std::as_bytes(h))) return 0;
+    return h.size_bytes() + 16;
+  }
+  // Arena uploads run on the copy stream; a recorded op must not read a weight before its
+  // upload landed. Waiting on the host here (only after new uploads) keeps cross-stream
+  // waits out of captured graphs.
+  void weights_ready() {
+    const uint64_t u = arena->stats().uploads;
+    if (u == uploads_seen) return;
+    check_cuda(cudaEventSynchronize(arena->ready()), "wait for weight upload");
+    uploads_seen = u;
+  }
+  cuda::DeviceWeight weight_resident(const WeightMatrix& w) {
+    KILN_CHECK(cuda::cuda_supports(w.dtype), "cuda: weight type {} has no kernel",
+               dtype_name(w.dtype));
+    KILN_CHECK(w.bytes.size() == static_cast<size_t>(w.n_rows) * w.row_bytes,
+               "weight bytes {} != {} x {}", w.bytes.size(), w.n_rows, w.row_bytes);
+    // verify mode (tests) may refresh a cached weight in place: pending ops must read the
+    // bytes they were recorded with.
+    if (verify && !arena->holds(w.bytes)) flush();
+    cuda::DeviceWeight d{w.dtype, w.n_cols, w.n_rows, w.row_bytes, nullptr};
+    d.data = arena->lookup(w.bytes);
+    weights_ready();
+    return d;
+  }
+  // Grow-only internal device scratch; growing moves it, so pending ops run first and graphs
+  // that read the old one go.
+  template <typename T>
+  T* internal(cuda::DeviceBuffer& b, size_t n, size_t& cap) {
+    const size_t bytes = std::max<size_t>(n, 1) * sizeof(T);
+    if (bytes > cap || !b.get()) {
+      flush();
+      destroy_graphs();
+      b.reset();
+      cap = std::max(bytes, cap * 2);
+      b.ensure(cap, "scratch");
+    }
+    return static_cast<T*>(b.get());
+  }
+  size_t attn_cap = 0, argmax_cap = 0;
+  void reserve_out(size_t bytes) {
+    if (bytes <= out_cap) return;
+    flush();
+    destroy_graphs();
+    const size_t cap = std::max<size_t>(bytes, size_t(1) << 20);
+    pin_out = std::make_unique<cuda::PinnedBuffer>();
+    check_cuda(pin_out->allocate(cap), "pinned download buffer");
+    out_cap = cap;
+  }
+
+  cudaError_t enqueue_all(bool timed) {
+    if (in_used > chunk_in_start) {
+      if (cudaError_t e = cudaMemcpyAsync(static_cast<std::byte*>(dev_in.get()) + chunk_in_start,
+                                          pin_in->data() + chunk_in_start,
+                                          in_used - chunk_in_start, cudaMemcpyHostToDevice, s());
+          e != cudaSuccess)
+        return e;
+    }
+    size_t ev = 0;
+    for (const Pending& p : pending) {
+      if (timed) {
+        while (prof_events.size() < ev + 2) {
+          prof_events.emplace_back();
+          check_cuda(prof_events.back().create(/*timing=*/true), "event");
+        }
+        check_cuda(cudaEventRecord(prof_events[ev].get(), s()), "event record");
+      }
+      if (cudaError_t e = p.run(s()); e != cudaSuccess) return e;
+      if (timed) check_cuda(cudaEventRecord(prof_events[ev + 1].get(), s()), "event record");
+      ev += 2;
+    }
+    return cudaSuccess;
+  }
+
+  // Launches the recorded ops (a chunk of the segment) without waiting: as a replayed graph
+  // when this chunk's signature has a captured one, captured now when it was seen once before,
+  // else op by op. Chunks keep the host recording the next ops while the GPU runs these.
+  void launch_chunk() {
+    if (pending.empty()) return;
+    enter();
+    bool done = false;
+    if (graphs_on && graphable && !profile) {
+      key.push_back(chunk_in_start);
+      key.push_back(in_used);
+      if (graphs.size() > 1024) destroy_graphs();
+      auto [it, fresh] = graphs.try_emplace(key);
+      Graph& g = it->second;
+      bool captured = false;
+      if (!g.exec && !fresh && !g.failed) {
+        cudaGraph_t graph = nullptr;
+        cudaError_t e = cudaStreamBeginCapture(s(), cudaStreamCaptureModeThreadLocal);
+        if (e == cudaSuccess) {
+          const cudaError_t run = enqueue_all(false);
+          e = cudaStreamEndCapture(s(), &graph);
+          if (run != cudaSuccess) e = run;
+        }
+        if (e == cudaSuccess) e = cudaGraphInstantiate(&g.exec, graph, 0);
+        if (graph) cudaGraphDestroy(graph);
+        if (e != cudaSuccess) {
+          cudaGetLastError();
+          g.exec = nullptr;
+          g.failed = true;
+          log_notice("cuda: graph capture refused ({}); this segment runs op by op",
+                     cudaGetErrorString(e));
+        } else {
+          ++n_captures;
+          captured = true;
+        }
+      }
+      if (g.exec && !captured) ++n_replays;
+      if (g.exec) {
+        check_cuda(cudaGraphLaunch(g.exec, s()), "graph launch");
+        done = true;
+      }
+    }
+    if (!done) {
+      check_cuda(enqueue_all(profile), pending.front().op);
+      ++n_eager;
+    }
+    if (profile && !done) {  // profile mode launches only at flush(): wait and read the events
+      check_cuda(cudaStreamSynchronize(s()), "synchronize");
+      size_t ev = 0;
+      for (const Pending& p : pending) {
+        float ms = 0;
+        check_cuda(cudaEventElapsedTime(&ms, prof_events[ev].get(), prof_events[ev + 1].get()),
+                   "event time");
+        ev += 2;
+        auto it = std::find_if(times.begin(), times.end(),
+                               [&](const CudaOpTime& t) { return t.op == p.op; });
+        if (it == times.end())
+          it = times.insert(times.end(), CudaOpTime{std::string(p.op), 0, 0, 0});
+        it->calls += 1;
+        it->kernel_ms += ms;
+      }
+    }
+    pending.clear();
+    key.clear();
+    graphable = true;
+    chunk_in_start = in_used;  // later chunks copy only what they staged
+    launched = true;
+  }
+  bool launched = false;  // chunks launched since the last flush
+  // Runs everything recorded and waits for it; staging starts over.
+  void flush() {
+    launch_chunk();
+    if (launched) check_cuda(cudaStreamSynchronize(s()), "synchronize");
+    launched = false;
+    pending.clear();
+    key.clear();
+    graphable = true;
+    in_used = 0;
+    chunk_in_start = 0;
+    staged.clear();
+  }
+  void free_dev(std::byte* p) {
+    std::lock_guard lock(mu);
+    enter();
+    flush();  // pending ops may still use it
+    auto it = allocs.find(u64(p));
+    if (it != allocs.end()) {
+      device_bytes -= it->second;
+      allocs.erase(it);
+    }
+    cudaFree(p);
+  }
+  // A host-span op: whatever is recorded runs first, and no argument may be device memory
+  // (that would need the resident path, chosen by the output).
+  void begin_host_op(std::initializer_list<const void*> inputs, std::string_view op) {
+    enter();
+    flush();
+    for (const void* p : inputs)
+      KILN_CHECK(!p || !is_dev(p), "cuda {}: device input with a host output", op);
+    mark(0);
+  }
+
   // Elementwise binary op on host spans.
   void binary(std::span<const float> a, std::span<const float> b, std::span<float> out,
               cuda::Binary op, std::string_view name) {
     KILN_CHECK(a.size() == b.size() && out.size() == a.size(), "{}: sizes {} {} {}", name, a.size(),
                b.size(), out.size());
     std::lock_guard lock(mu);
-    enter();
-    mark(0);
+    if (is_dev(out.data())) {
+      enter();
+      room(float_room(a) + float_room(b));
+      const float *da = floats(a), *db = floats(b);
+      float* dout = out.data();
+      const auto n = static_cast<int64_t>(out.size());
+      sig(name.data(), da, db, dout, n, op);
+      record(name.data(), [=](cudaStream_t st) { return cuda::launch_binary(da, db, dout, n, op, st); });
+      return;
+    }
+    begin_host_op({a.data(), b.data()}, name);
     const float* da = upload<float>(0, a);
     const float* db = upload<float>(1, b);
     float* dout = buffer<float>(2, out.size());
@@ -121,8 +467,14 @@ struct CudaBackend::Impl {
   }
   void unary(std::span<float> x, cuda::Unary op, float param, std::string_view name) {
     std::lock_guard lock(mu);
-    enter();
-    mark(0);
+    if (is_dev(x.data())) {
+      float* dx = x.data();
+      const auto n = static_cast<int64_t>(x.size());
+      sig(name.data(), dx, n, op, param);
+      record(name.data(), [=](cudaStream_t st) { return cuda::launch_unary(dx, n, op, param, st); });
+      return;
+    }
+    begin_host_op({}, name);
     float* dx = upload<float>(0, std::span<const float>(x));
     launch(name,
            [&] { return cuda::launch_unary(dx, static_cast<int64_t>(x.size()), op, param, s()); });
@@ -136,6 +488,11 @@ CudaBackend::CudaBackend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaBackend::~CudaBackend() {
   if (impl_) {
     cudaSetDevice(impl_->device);
+    {
+      std::lock_guard lock(impl_->mu);
+      impl_->flush();
+      impl_->destroy_graphs();
+    }
     cudaStreamSynchronize(impl_->compute.get());
     impl_->arena.reset();  // before its streams go
   }
@@ -153,7 +510,153 @@ CudaStats CudaBackend::stats() const {
   st.upload_seconds = a.upload_seconds;
   st.zero_copy = a.zero_copy;
   st.ops = impl_->times;
+  st.segments_eager = impl_->n_eager;
+  st.graph_captures = impl_->n_captures;
+  st.graph_replays = impl_->n_replays;
+  st.device_bytes = impl_->device_bytes;
   return st;
+}
+
+BackendBytes CudaBackend::alloc_bytes(size_t bytes) {
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  I.enter();
+  const size_t n = std::max<size_t>(bytes, 1);
+  void* p = nullptr;
+  if (cudaError_t e = cudaMalloc(&p, n); e != cudaSuccess) {
+    cudaGetLastError();
+    KILN_CHECK(false, "cuda: out of device memory allocating {} MiB (holding {} MiB of "
+               "activations/KV and {} MiB of weights): {}",
+               n >> 20, I.device_bytes >> 20, I.arena->stats().arena_bytes >> 20,
+               cudaGetErrorString(e));
+  }
+  // On the compute stream, ahead of the recorded ops (none of which can name this buffer).
+  check_cuda(cudaMemsetAsync(p, 0, n, I.s()), "zero new buffer");
+  I.allocs[Impl::u64(p)] = n;
+  I.device_bytes += n;
+  Impl* impl = impl_.get();
+  return BackendBytes(static_cast<std::byte*>(p), [impl](std::byte* q) { impl->free_dev(q); });
+}
+
+void CudaBackend::upload_bytes(std::span<const std::byte> host, std::span<std::byte> dst) {
+  KILN_CHECK(dst.size() >= host.size());
+  if (host.empty()) return;
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  I.enter();
+  if (!I.is_dev(dst.data())) {  // host memory: a plain copy, in order with what ran before
+    I.flush();
+    std::memcpy(dst.data(), host.data(), host.size());
+    return;
+  }
+  if (host.size() > (size_t(64) << 20)) {  // too big to stage: a synchronous copy
+    I.flush();
+    check_cuda(cudaMemcpy(dst.data(), host.data(), host.size(), cudaMemcpyHostToDevice), "upload");
+    return;
+  }
+  I.room(host.size() + 16);
+  const std::byte* src = I.stage(host.data(), host.size(), host.size());
+  std::byte* d = dst.data();
+  const size_t n = host.size();
+  I.sig("upload", src, d, n);
+  I.record("upload", [=](cudaStream_t st) {
+    return cudaMemcpyAsync(d, src, n, cudaMemcpyDeviceToDevice, st);
+  });
+}
+
+void CudaBackend::download_bytes(std::span<const std::byte> src, std::span<std::byte> host) {
+  KILN_CHECK(host.size() >= src.size());
+  if (src.empty()) return;
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  I.enter();
+  if (!I.is_dev(src.data())) {
+    I.flush();
+    std::memcpy(host.data(), src.data(), src.size());
+    return;
+  }
+  I.reserve_out(src.size());
+  std::byte* out = I.pin_out->data();
+  const std::byte* d = src.data();
+  const size_t n = src.size();
+  I.sig("download", d, n, out);
+  I.record("download", [=](cudaStream_t st) {
+    return cudaMemcpyAsync(out, d, n, cudaMemcpyDeviceToHost, st);
+  });
+  I.flush();
+  std::memcpy(host.data(), out, n);
+}
+
+void CudaBackend::copy_bytes(std::span<const std::byte> src, std::span<std::byte> dst) {
+  KILN_CHECK(dst.size() >= src.size());
+  if (src.empty()) return;
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  I.enter();
+  const bool ds = I.is_dev(src.data()), dd = I.is_dev(dst.data());
+  if (!ds && !dd) {
+    I.flush();
+    std::memcpy(dst.data(), src.data(), src.size());
+    return;
+  }
+  KILN_CHECK(ds && dd, "cuda copy between device and host memory: use upload/download");
+  const std::byte* a = src.data();
+  std::byte* b = dst.data();
+  const size_t n = src.size();
+  I.sig("copy", a, b, n);
+  I.record("copy", [=](cudaStream_t st) {
+    return cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, st);
+  });
+}
+
+void CudaBackend::zero_bytes(std::span<std::byte> dst) {
+  if (dst.empty()) return;
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  I.enter();
+  if (!I.is_dev(dst.data())) {
+    I.flush();
+    std::memset(dst.data(), 0, dst.size());
+    return;
+  }
+  std::byte* b = dst.data();
+  const size_t n = dst.size();
+  I.sig("zero", b, n);
+  I.record("zero", [=](cudaStream_t st) { return cudaMemsetAsync(b, 0, n, st); });
+}
+
+void CudaBackend::synchronize() {
+  std::lock_guard lock(impl_->mu);
+  impl_->flush();
+}
+
+double CudaBackend::read_bandwidth_gbps() {
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  I.enter();
+  I.flush();
+  constexpr size_t kBytes = size_t(1) << 30;
+  cuda::DeviceBuffer buf, sink;
+  buf.ensure(kBytes, "bandwidth probe");
+  const int blocks = I.n_sm * 8;
+  sink.ensure(size_t(blocks) * sizeof(float), "bandwidth probe");
+  check_cuda(cudaMemsetAsync(buf.get(), 0, kBytes, I.s()), "bandwidth probe");
+  cuda::Event a, b;
+  check_cuda(a.create(true), "event");
+  check_cuda(b.create(true), "event");
+  float best = 0;
+  for (int i = 0; i < 6; ++i) {
+    check_cuda(cudaEventRecord(a.get(), I.s()), "event record");
+    check_cuda(cuda::launch_read_probe(buf.get(), kBytes, static_cast<float*>(sink.get()), blocks,
+                                       I.s()),
+               "bandwidth probe");
+    check_cuda(cudaEventRecord(b.get(), I.s()), "event record");
+    check_cuda(cudaEventSynchronize(b.get()), "bandwidth probe");
+    float ms = 0;
+    check_cuda(cudaEventElapsedTime(&ms, a.get(), b.get()), "event time");
+    if (i > 0 && ms > 0) best = std::max(best, float(kBytes / (ms * 1e-3) / 1e9));
+  }
+  return best;
 }
 
 void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
@@ -164,16 +667,47 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
              w.n_rows);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  I.enter();
-  I.mark(0);
+  if (I.is_dev(y.data())) {
+    I.enter();
+    // Everything that may flush (weight refresh, workspace growth) before staging anything.
+    const cuda::DeviceWeight dw = I.weight_resident(w);
+    float* dy = y.data();
+    cuda::GemmWorkspace* gemm = nullptr;
+    const cuda::MatmulKernels kern = I.matmul_kernels;
+    if (I.wants_gemm(kern, dw, n_tok)) {
+      // cuBLAS's workspace may move when it grows: such segments are never graphs, and
+      // ops recorded against the old one run before it does.
+      I.graphable = false;
+      if (!I.gemm.fits(dw, n_tok)) I.flush();
+      if (I.gemm.reserve(dw, n_tok)) gemm = &I.gemm;
+    }
+    size_t act_bytes = 0;
+    std::byte* act = kern == cuda::MatmulKernels::V3 ? I.v3_act(dw, n_tok, &act_bytes) : nullptr;
+    I.room(I.float_room(x));
+    const float* dx = I.floats(x);
+    I.sig("matmul", dw.data, dw.dtype, dw.n_cols, dw.n_rows, dw.row_bytes, dx, n_tok, dy, kern,
+          act);
+    I.record("matmul", [=](cudaStream_t st) {
+      if (kern == cuda::MatmulKernels::V3)
+        return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, st, gemm);
+      return cuda::launch_matmul(dw, dx, n_tok, dy, st, kern, gemm);
+    });
+    return;
+  }
+  I.begin_host_op({x.data()}, "matmul");
   const cuda::DeviceWeight dw = I.weight(w);
   const float* dx = I.upload<float>(0, x);
   float* dy = I.buffer<float>(1, y.size());
   cuda::GemmWorkspace* gemm = nullptr;
-  if (I.matmul_kernels == cuda::MatmulKernels::V2 && n_tok > cuda::kMatvecMaxTokens &&
-      I.gemm.reserve(dw, n_tok))
-    gemm = &I.gemm;
+  if (I.wants_gemm(I.matmul_kernels, dw, n_tok) && I.gemm.reserve(dw, n_tok)) gemm = &I.gemm;
+  const size_t act_bytes = I.matmul_kernels == cuda::MatmulKernels::V3 &&
+                                   cuda::matvec_q8_supports(dw.dtype)
+                               ? cuda::act_q8_bytes(dw.n_cols, n_tok)
+                               : 0;
+  std::byte* act = act_bytes ? I.buffer<std::byte>(2, act_bytes) : nullptr;
   I.launch("matmul", [&] {
+    if (I.matmul_kernels == cuda::MatmulKernels::V3)
+      return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, I.s(), gemm);
     return cuda::launch_matmul(dw, dx, n_tok, dy, I.s(), I.matmul_kernels, gemm);
   });
   I.download(y, static_cast<const float*>(dy));
@@ -186,8 +720,19 @@ void CudaBackend::get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
   for (int32_t id : ids) KILN_CHECK(id >= 0 && id < w.n_rows, "row id {} of {}", id, w.n_rows);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  I.enter();
-  I.mark(0);
+  if (I.is_dev(out.data())) {
+    I.enter();
+    const cuda::DeviceWeight dw = I.weight_resident(w);  // may flush: before staging
+    I.room(I.host_bytes(ids));
+    const int32_t* dids = I.ints(ids);
+    float* dout = out.data();
+    const auto n = static_cast<int64_t>(ids.size());
+    I.sig("get_rows", dw.data, dw.dtype, dw.n_cols, dw.n_rows, dids, n, dout);
+    I.record("get_rows",
+             [=](cudaStream_t st) { return cuda::launch_get_rows(dw, dids, n, dout, st); });
+    return;
+  }
+  I.begin_host_op({}, "get_rows");
   const cuda::DeviceWeight dw = I.weight(w);
   const int32_t* dids = I.upload<int32_t>(0, ids);
   float* dout = I.buffer<float>(1, out.size());
@@ -204,8 +749,20 @@ void CudaBackend::rmsnorm(std::span<const float> x, std::span<const float> weigh
   KILN_CHECK(weight.empty() || static_cast<int64_t>(weight.size()) == n);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  I.enter();
-  I.mark(0);
+  if (I.is_dev(y.data())) {
+    I.enter();
+    I.room(I.float_room(x) + I.float_room(weight));
+    const float* dx = I.floats(x);
+    const float* dw = I.floats(weight);
+    I.weights_ready();
+    float* dy = y.data();
+    const int64_t rows = static_cast<int64_t>(x.size()) / n;
+    I.sig("rmsnorm", dx, dw, rows, n, eps, dy);
+    I.record("rmsnorm",
+             [=](cudaStream_t st) { return cuda::launch_rmsnorm(dx, dw, rows, n, eps, dy, st); });
+    return;
+  }
+  I.begin_host_op({x.data(), weight.data()}, "rmsnorm");
   const float* dx = I.upload<float>(0, x);
   const float* dw = weight.empty() ? nullptr : I.upload<float>(1, weight);
   float* dy = I.buffer<float>(2, y.size());
@@ -223,8 +780,21 @@ void CudaBackend::rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_
   KILN_CHECK(p.n_rot > 0 && p.n_rot % 2 == 0 && p.n_rot <= head_dim, "n_rot {}", p.n_rot);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  I.enter();
-  I.mark(0);
+  if (I.is_dev(x.data())) {
+    I.enter();
+    I.room(I.host_bytes(pos));
+    float* dx = x.data();
+    const int32_t* dpos = I.ints(pos);
+    const RopeParams rp = p;
+    const bool neox = p.style == RopeStyle::NeoX;
+    I.sig("rope", dx, n_tok, n_head, head_dim, dpos, rp.n_rot, rp.freq_base, rp.freq_scale, neox);
+    I.record("rope", [=](cudaStream_t st) {
+      return cuda::launch_rope(dx, n_tok, n_head, head_dim, dpos, rp.n_rot, rp.freq_base,
+                               rp.freq_scale, neox, st);
+    });
+    return;
+  }
+  I.begin_host_op({}, "rope");
   float* dx = I.upload<float>(0, std::span<const float>(x));
   const int32_t* dpos = I.upload<int32_t>(1, pos);
   I.launch("rope", [&] {
@@ -239,8 +809,14 @@ void CudaBackend::softmax(std::span<float> x, int64_t n) {
   KILN_CHECK(n > 0 && x.size() % n == 0);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  I.enter();
-  I.mark(0);
+  if (I.is_dev(x.data())) {
+    float* dx = x.data();
+    const int64_t rows = static_cast<int64_t>(x.size()) / n;
+    I.sig("softmax", dx, rows, n);
+    I.record("softmax", [=](cudaStream_t st) { return cuda::launch_softmax(dx, rows, n, st); });
+    return;
+  }
+  I.begin_host_op({}, "softmax");
   float* dx = I.upload<float>(0, std::span<const float>(x));
   I.launch("softmax",
            [&] { return cuda::launch_softmax(dx, static_cast<int64_t>(x.size()) / n, n, I.s()); });
@@ -281,8 +857,20 @@ void CudaBackend::store_rows_f16(std::span<const float> src, int64_t width,
   for (int32_t r : rows) KILN_CHECK(r >= 0 && r < n_phys, "row {} of {}", r, n_phys);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  I.enter();
-  I.mark(0);
+  if (I.is_dev(plane.data())) {
+    I.enter();
+    I.room(I.float_room(src) + I.host_bytes(rows));
+    const float* dsrc = I.floats(src);
+    const int32_t* drows = I.ints(rows);
+    auto* dplane = reinterpret_cast<uint16_t*>(plane.data());
+    const auto nr = static_cast<int64_t>(rows.size());
+    I.sig("store_rows_f16", dsrc, width, drows, nr, dplane);
+    I.record("store_rows_f16", [=](cudaStream_t st) {
+      return cuda::launch_store_rows_f16(dsrc, width, drows, nr, dplane, st);
+    });
+    return;
+  }
+  I.begin_host_op({src.data()}, "store_rows_f16");
   // The plane lives on the host here: convert into dense rows on the device, then scatter on
   // the host; a device-resident plane passes its own rows to the same kernel.
   std::vector<int32_t> dense(rows.size());
@@ -319,8 +907,45 @@ void CudaBackend::attention(const AttentionArgs& a) {
   for (int32_t r : a.kv_rows) KILN_CHECK(r >= 0 && r < n_phys, "kv row {} of {}", r, n_phys);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  I.enter();
-  I.mark(0);
+  if (I.is_dev(a.out.data())) {
+    KILN_CHECK(I.is_dev(a.k.data()) && I.is_dev(a.v.data()),
+               "cuda attention: device output needs device KV planes");
+    I.enter();
+    // Graph mode pads the key list to a bucket (row 0, position INT32_MAX: never visible), so
+    // a decode step keeps its signature while the context grows within the bucket.
+    size_t pad_n = 0;
+    if (I.graphs_on && !I.profile && I.kv_bucket > 1 && n_kv > 0)
+      pad_n = static_cast<size_t>((n_kv + I.kv_bucket - 1) / I.kv_bucket * I.kv_bucket);
+    cuda::DeviceAttention d;
+    d.n_q = a.n_q;
+    d.n_kv = std::max<int64_t>(n_kv, static_cast<int64_t>(pad_n));
+    d.n_head = a.n_head;
+    d.n_head_kv = a.n_head_kv;
+    d.head_dim = hd;
+    d.window = a.window;
+    d.scale = a.scale;
+    d.softcap = a.softcap;
+    d.out = a.out.data();
+    // Scratch first: growing it flushes, which restarts staging, so nothing may be staged
+    // for this op before (the staged pointers would then name reused staging space).
+    float* part =
+        I.internal<float>(I.attn_part, cuda::attention_scratch_floats(d, I.n_sm), I.attn_cap);
+    I.room(I.float_room(a.q) + I.host_bytes(a.kv_rows, pad_n) + I.host_bytes(a.kv_pos, pad_n) +
+           I.host_bytes(a.q_pos));
+    d.q = I.floats(a.q);
+    d.k = reinterpret_cast<const uint16_t*>(a.k.data());
+    d.v = reinterpret_cast<const uint16_t*>(a.v.data());
+    d.kv_rows = I.ints(a.kv_rows, pad_n, 0);
+    d.kv_pos = I.ints(a.kv_pos, pad_n, INT32_MAX);
+    d.q_pos = I.ints(a.q_pos);
+    const int n_sm = I.n_sm;
+    I.sig("attention", d.q, d.k, d.v, d.kv_rows, d.kv_pos, d.q_pos, d.n_q, d.n_kv, d.n_head,
+          d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out, part);
+    I.record("attention",
+             [=](cudaStream_t st) { return cuda::launch_attention(d, part, n_sm, st); });
+    return;
+  }
+  I.begin_host_op({a.q.data(), a.k.data(), a.v.data()}, "attention");
   cuda::DeviceAttention d;
   d.q = I.upload<float>(0, a.q);
   d.k = reinterpret_cast<const uint16_t*>(I.upload<f16>(1, a.k));
@@ -348,8 +973,24 @@ int64_t CudaBackend::argmax(std::span<const float> x) {
   KILN_CHECK(!x.empty());
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  I.enter();
-  I.mark(0);
+  if (I.is_dev(x.data())) {
+    I.enter();
+    const float* dx = x.data();
+    const auto n = static_cast<int64_t>(x.size());
+    int64_t* dbest = I.internal<int64_t>(I.argmax_out, 1, I.argmax_cap);
+    I.reserve_out(sizeof(int64_t));
+    std::byte* out = I.pin_out->data();
+    I.sig("argmax", dx, n, dbest, out);
+    I.record("argmax", [=](cudaStream_t st) {
+      if (cudaError_t e = cuda::launch_argmax(dx, n, dbest, st); e != cudaSuccess) return e;
+      return cudaMemcpyAsync(out, dbest, sizeof(int64_t), cudaMemcpyDeviceToHost, st);
+    });
+    I.flush();
+    int64_t best = 0;
+    std::memcpy(&best, out, sizeof(best));
+    return best;
+  }
+  I.begin_host_op({}, "argmax");
   const float* dx = I.upload<float>(0, x);
   int64_t* dbest = I.buffer<int64_t>(1, 1);
   I.launch("argmax",
@@ -397,8 +1038,12 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   if (cudaError_t e = impl->copy.create(); e != cudaSuccess)
     return Status::errorf("CUDA stream: {}", cudaGetErrorString(e));
   impl->profile = options.profile;
+  impl->graphs_on = options.graphs;
+  impl->kv_bucket = std::max<int64_t>(1, options.graph_kv_bucket);
+  impl->verify = options.verify_weight_cache;
   impl->matmul_kernels =
       options.matmul == CudaMatmul::V1 ? cuda::MatmulKernels::V1 : cuda::MatmulKernels::V2;
+  if (options.matmul == CudaMatmul::V3) impl->matmul_kernels = cuda::MatmulKernels::V3;
   if (options.profile) {
     for (cuda::Event& e : impl->ev)
       if (cudaError_t err = e.create(/*timing=*/true); err != cudaSuccess)
@@ -418,6 +1063,10 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
     }
   }
   if (!placed) KILN_TRY(impl->arena->upload_region(options.weight_region, options.progress));
+  // Resident ops wait on the host for arena uploads made after this point (weights_ready).
+  if (cudaError_t e = cudaEventSynchronize(impl->arena->ready()); e != cudaSuccess)
+    return Status::errorf("cuda: weight upload: {}", cudaGetErrorString(e));
+  impl->uploads_seen = impl->arena->stats().uploads;
   return std::make_unique<CudaBackend>(std::move(impl));
 }
 

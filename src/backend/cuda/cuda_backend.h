@@ -2,10 +2,12 @@
 // CUDA types), so model and app code can create one without CUDA headers; everything CUDA
 // lives behind the pimpl in cuda_backend.cpp and the kernels in *.cu.
 //
-// This first slice serves the host-span Backend interface: weights are uploaded once into a
-// device weight arena and cached by host address (GGUF weights come from the mapping and never
-// move), activations and KV planes are copied per call. Correct everywhere, fast only for the
-// weight-bound part; a device-resident forward pass will call kernels.h directly.
+// Two ways to call the ops. Resident (the forward pass): activations and KV planes live in
+// memory from alloc_bytes(), weights in the device arena; ops only enqueue work on one stream
+// (small host arrays such as token ids and KV row lists go up through pinned staging), and the
+// queue runs at the next download or synchronize(), as a CUDA graph when the same sequence of
+// ops (same pointers, sizes and parameters) ran before. Host spans (tests, other callers): each
+// op copies its inputs in and its outputs out and synchronises, as the first slice did.
 #pragma once
 
 #include <cstddef>
@@ -22,8 +24,10 @@ namespace kiln {
 
 // The matmul kernels (backend/cuda/kernels.h's MatmulKernels): V1, the first slice's (f32
 // throughout); V2, shared-memory activations for decode and f16 tensor-core GEMM (cuBLAS) for
-// more than 16 tokens. V1 stays selectable to compare and to fall back.
-enum class CudaMatmul { V1, V2 };
+// more than 16 tokens. V1 stays selectable to compare and to fall back. V3 (matvec_q8.cu):
+// up to 64 tokens with int8-quantized activations and dp4a for Q8_0 Q4_0 Q5_0 Q4_K Q5_K Q6_K
+// (token-invariant bits), else V2.
+enum class CudaMatmul { V1, V2, V3 };
 
 struct CudaOptions {
   int device = 0;
@@ -47,6 +51,12 @@ struct CudaOptions {
   // Time every op with CUDA events (kernels vs the host<->device copies of this host-span
   // backend); adds a few microseconds per op. Read with CudaBackend::stats().
   bool profile = false;
+  // Replay a resident segment (the ops between two downloads) as a CUDA graph the second time
+  // it is seen, and pad attention key lists to buckets of this many keys so a decode step's
+  // graph survives a growing context. Off: every segment is launched op by op (profile mode
+  // always is).
+  bool graphs = true;
+  int64_t graph_kv_bucket = 256;
 };
 
 struct CudaOpTime {
@@ -64,6 +74,10 @@ struct CudaStats {
   double upload_seconds = 0;
   bool zero_copy = false;       // weight_region is mapped in place (registration succeeded)
   std::vector<CudaOpTime> ops;  // profile mode: per op, in first-call order
+  // Resident segments (the ops between two synchronisations): launched op by op, captured into
+  // a graph, replayed from one.
+  uint64_t segments_eager = 0, graph_captures = 0, graph_replays = 0;
+  uint64_t device_bytes = 0;  // held now by alloc_bytes() buffers (scratch, KV planes)
 };
 
 class CudaBackend final : public Backend {
@@ -77,6 +91,15 @@ class CudaBackend final : public Backend {
   std::string_view name() const override { return "cuda"; }
   const std::string& device_name() const;  // "NVIDIA H200 (sm_90, 132 SMs, 140.4 GiB)"
   CudaStats stats() const;
+
+  bool device_memory() const override { return true; }
+  BackendBytes alloc_bytes(size_t bytes) override;
+  void upload_bytes(std::span<const std::byte> host, std::span<std::byte> dst) override;
+  void download_bytes(std::span<const std::byte> src, std::span<std::byte> host) override;
+  void copy_bytes(std::span<const std::byte> src, std::span<std::byte> dst) override;
+  void zero_bytes(std::span<std::byte> dst) override;
+  void synchronize() override;
+  double read_bandwidth_gbps() override;  // 1 GiB streamed by the probe kernel, best of 5
 
   void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
               std::span<float> y) override;

@@ -32,7 +32,13 @@ struct DeviceWeight {
 // loads, several rows per warp; above 16 tokens the weight is dequantized to f16 and cuBLAS
 // runs the product on tensor cores (f16 inputs, f32 accumulation; needs a GemmWorkspace
 // reserved for the shape, else the V1 tile kernel runs).
-enum class MatmulKernels { V1, V2 };
+// V3 (matvec_q8.cu): decode and batched decode up to kQ8MaxTokens tokens with the activations
+// quantized once per call into int8 blocks of 32 (scale and sum, per token) and __dp4a dot
+// products for Q8_0 Q4_0 Q5_0 Q4_K Q5_K Q6_K; float weights up to 8 tokens with 16-byte loads
+// and f32 FMAs. Each output is one fixed reduction order whatever the number of tokens (bit-
+// identical per token, docs/determinism.md). Other types and shapes run V2. Needs the
+// activation scratch of launch_matmul_v3.
+enum class MatmulKernels { V1, V2, V3 };
 
 // The cuBLAS handle and f16 scratch of V2's many-token path. reserve() allocates (synchronous,
 // never inside a launcher); launch_matmul only uses what was reserved.
@@ -62,6 +68,27 @@ inline constexpr int64_t kMatvecMaxTokens = 16;
 cudaError_t launch_matmul(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
                           cudaStream_t s, MatmulKernels k = MatmulKernels::V1,
                           GemmWorkspace* gemm = nullptr);
+// --- matvec_q8.cu: MatmulKernels::V3.
+inline constexpr int64_t kQ8MaxTokens = 64;
+// Bytes of activation scratch launch_matmul_v3 needs for n_tok rows of n_cols (0 when the
+// int8 path does not apply: n_cols not a multiple of 32 or more than kQ8MaxTokens tokens).
+size_t act_q8_bytes(int64_t n_cols, int64_t n_tok);
+// True when launch_matvec_q8 reads this weight type with int8 activations.
+bool matvec_q8_supports(DType t);
+// x [n_tok][n_cols] f32 -> act (act_q8_bytes): per token, n_cols int8 then (d, d * sum q)
+// per 32-element block. NaN or inf in a block makes the block's scale NaN (propagates).
+cudaError_t launch_quantize_act_q8(const float* x, int64_t n_cols, int64_t n_tok, void* act,
+                                   cudaStream_t s);
+// y = W x from activations launch_quantize_act_q8 wrote (so one quantization serves several
+// weights of the same input); w.dtype must be matvec_q8_supports and n_tok <= kQ8MaxTokens.
+cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_tok, float* y,
+                             cudaStream_t s);
+// The V3 matmul: the int8 path when it applies (act_scratch of act_q8_bytes), the float
+// kernel for float weights up to 8 tokens, else V2 (with gemm above kMatvecMaxTokens).
+cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
+                             void* act_scratch, size_t scratch_bytes, cudaStream_t s,
+                             GemmWorkspace* gemm = nullptr);
+
 // --- get_rows.cu: out[i][:] = row ids[i] of w, dequantized.
 cudaError_t launch_get_rows(const DeviceWeight& w, const int32_t* ids, int64_t n_ids, float* out,
                             cudaStream_t s);

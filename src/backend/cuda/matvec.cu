@@ -575,6 +575,7 @@ cudaError_t launch_matmul(const DeviceWeight& w, const float* x, int64_t n_tok, 
                           cudaStream_t s, MatmulKernels k, GemmWorkspace* gemm) {
   if (!cuda_supports(w.dtype)) return cudaErrorInvalidValue;
   if (w.n_rows == 0 || n_tok == 0) return cudaSuccess;
+  if (k == MatmulKernels::V3) k = MatmulKernels::V2;  // V3 without its scratch: launch_matmul_v3
   cudaError_t err = cudaSuccess;
   dispatch_dtype(w.dtype,
                  [&]<DType T>() { err = matmul_typed<T>(w, x, n_tok, y, s, k, gemm); });

@@ -41,6 +41,11 @@ class WeightArena {
   // Device address of `bytes`, uploading them first if no cached copy holds them. Aborts on
   // device errors (out of memory included: the message names the sizes).
   const std::byte* lookup(std::span<const std::byte> bytes);
+  // True when `bytes` lie inside the region (lookup() of them is an offset, never an upload).
+  bool holds(std::span<const std::byte> bytes) const {
+    return !region_.empty() && !bytes.empty() && bytes.data() >= region_.data() &&
+           bytes.data() + bytes.size() <= region_.data() + region_.size();
+  }
   // Recorded after the latest upload; wait on it before kernels read what lookup() returned.
   cudaEvent_t ready() const { return ready_.get(); }
   const ArenaStats& stats() const { return stats_; }

@@ -1,0 +1,602 @@
+// backend/cuda/matvec_q8.cu: MatmulKernels::V3, the decode matvec (1..64 tokens) aimed at the
+// memory bandwidth (figures and the remaining gap: docs/BENCHMARKS.md). V2 dequantized every weight
+// to f32 and spent one FMA per weight and token, which bound the quantized types at 20-40 % of the
+// H200's read bandwidth. Here the activations are quantized once per call into int8 blocks of 32 (a
+// scale d and the block's sum d * sum q, per token), and a weight unit of 32 elements becomes eight
+// int8x4 words that meet the activation words in __dp4a: one instruction per four products, one f32
+// FMA per unit.
+//
+// Each lane owns the units lane, lane + 32, ... of a row, accumulates each token in its own
+// register in that unit order, and the warp reduces with a fixed butterfly: a token's output is
+// the same bits whether the call holds 1 or 64 tokens and however many rows a warp carries
+// (docs/determinism.md); only explicit _rn intrinsics touch the floats so the compiler cannot
+// contract them differently per instantiation.
+//
+// Weight bytes: K-quant layouts with 16-byte aligned blocks (Q4_K 144 B, Q5_K 176 B) are read
+// straight from global memory with 16-byte loads; the 2-byte aligned ones (Q8_0 34 B, Q4_0
+// 18 B, Q5_0 22 B, Q6_K 210 B) are staged per warp through shared memory in chunks that are a
+// whole number of 16-byte vectors (coalesced loads; per-lane loads at a stride of a block
+// would cost many L1 wavefronts per useful byte). Rows that are not 16-byte aligned are read
+// from global memory, their 2-byte aligned fields as aligned 4-byte words and funnel shifts.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "backend/cuda/dequant.cuh"
+#include "backend/cuda/kernels.h"
+
+namespace kiln::cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kQ8Warps = 4;  // warps per block of the int8 kernel
+constexpr int kBlk = 32;     // activation block = weight unit (elements)
+constexpr int kFloatWarps = 8;
+
+constexpr size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+
+__device__ __forceinline__ float warp_sum_rn(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// ---- activations: one warp per 32-element block.
+__global__ void quantize_act_q8_kernel(const float* __restrict__ x, int64_t n_blocks,
+                                       int8_t* __restrict__ q, float2* __restrict__ ds) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t b = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
+  if (b >= n_blocks) return;
+  // Tokens are contiguous rows of n_cols (a multiple of 32): block b is elements 32b..32b+31.
+  const float v = __ldg(x + b * kBlk + lane);
+  float amax = fabsf(v);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  // fmaxf drops NaN: a NaN or inf anywhere in the block poisons its scale instead, so the
+  // output is NaN as the f32 product would be.
+  const bool bad = __any_sync(0xffffffffu, !isfinite(v));
+  const float d = __fdiv_rn(amax, 127.0f);
+  const float id = d > 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+  const int qi = max(-127, min(127, __float2int_rn(__fmul_rn(v, id))));
+  q[b * kBlk + lane] = int8_t(qi);
+  int sum = qi;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (lane == 0) ds[b] = bad ? make_float2(NAN, NAN) : make_float2(d, __fmul_rn(d, float(sum)));
+}
+
+// ---- weights: one 32-element unit as eight int8x4 words (element order = the activation
+// block's) and its scales: d0 for words 0..7 (Q6_K: words 0..3, d1 words 4..7); for Q4_K/Q5_K
+// d1 is the unit's min, subtracted as d1 * (d_a * sum q_a).
+struct WUnit {
+  uint32_t w[8];
+  float d0, d1;
+};
+
+template <DType T>
+constexpr int q8_block_bytes() {
+  using namespace kiln::quant;
+  switch (T) {
+    case DType::Q8_0:
+      return sizeof(block_q8_0);
+    case DType::Q4_0:
+      return sizeof(block_q4_0);
+    case DType::Q5_0:
+      return sizeof(block_q5_0);
+    case DType::Q4_K:
+      return sizeof(block_q4_K);
+    case DType::Q5_K:
+      return sizeof(block_q5_K);
+    case DType::Q6_K:
+      return sizeof(block_q6_K);
+    default:
+      return 0;
+  }
+}
+// Units per shared-memory chunk (0: read straight from global memory). A chunk is a whole
+// number of blocks and of 16-byte vectors.
+template <DType T>
+constexpr int q8_chunk_units() {
+  switch (T) {
+    case DType::Q8_0:
+    case DType::Q4_0:
+    case DType::Q5_0:
+    case DType::Q6_K:
+      return 64;
+    default:
+      return 0;
+  }
+}
+template <DType T>
+constexpr int q8_chunk_bytes() {
+  constexpr int per_block = T == DType::Q6_K ? 8 : 1;
+  return q8_chunk_units<T>() / per_block * q8_block_bytes<T>();
+}
+
+// Bit k of `bits` (k < 4) to bit 4 of byte k.
+__device__ __forceinline__ uint32_t spread4_bit4(uint32_t bits) {
+  return ((bits & 1u) | ((bits & 2u) << 7) | ((bits & 4u) << 14) | ((bits & 8u) << 21)) << 4;
+}
+
+// N bytes at a 2-byte aligned p as N/4 words: N/4 (+1) aligned 4-byte loads and a funnel shift
+// instead of dequant.cuh's N/2 2-byte loads (the 2-aligned layouts' fields, in shared memory or
+// global). Every aligned word read holds at least one byte of the field (the extra word only
+// when p is not 4-byte aligned), so nothing outside the buffer's last word is touched.
+template <int N>
+__device__ __forceinline__ void load_words_a2(const uint8_t* p, uint32_t* w) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  const uint32_t* base = reinterpret_cast<const uint32_t*>(addr & ~uintptr_t(3));
+  const uint32_t sh = uint32_t(addr & 2) * 8;
+  uint32_t raw[N / 4 + 1];
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) raw[i] = base[i];
+  raw[N / 4] = sh ? base[N / 4] : 0u;
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) w[i] = __funnelshift_r(raw[i], raw[i + 1], sh);
+}
+// load_words with the a2 form where only 2-byte alignment is known.
+template <int N, int ALIGN>
+__device__ __forceinline__ void load_field(const uint8_t* p, uint32_t* w) {
+  if constexpr (ALIGN == 2) {
+    load_words_a2<N>(p, w);
+  } else {
+    load_words<N, ALIGN>(p, w);
+  }
+}
+
+// Unit u of the rows/chunk at `base` (A: dequant_unit's alignment of base and block size).
+template <DType T, int A>
+__device__ __forceinline__ void decode_unit(const uint8_t* base, int64_t u, WUnit& o) {
+  using namespace kiln::quant;
+  constexpr int kBs = q8_block_bytes<T>();
+  if constexpr (T == DType::Q8_0) {
+    const uint8_t* b = base + u * kBs;
+    o.d0 = load_f16(b);
+    o.d1 = 0.0f;
+    load_field<32, field_align(A, kBs, 2)>(b + 2, o.w);
+  } else if constexpr (T == DType::Q4_0) {
+    const uint8_t* b = base + u * kBs;
+    o.d0 = load_f16(b);
+    o.d1 = 0.0f;
+    uint32_t q[4];
+    load_field<16, field_align(A, kBs, 2)>(b + 2, q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o.w[i] = __vsub4(q[i] & 0x0F0F0F0Fu, 0x08080808u);
+      o.w[i + 4] = __vsub4((q[i] >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+    }
+  } else if constexpr (T == DType::Q5_0) {
+    const uint8_t* b = base + u * kBs;
+    o.d0 = load_f16(b);
+    o.d1 = 0.0f;
+    uint32_t qh, q[4];
+    load_field<4, field_align(A, kBs, 2)>(b + 2, &qh);
+    load_field<16, field_align(A, kBs, 6)>(b + 6, q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o.w[i] = __vsub4((q[i] & 0x0F0F0F0Fu) | spread4_bit4((qh >> (4 * i)) & 0xF), 0x10101010u);
+      o.w[i + 4] = __vsub4(((q[i] >> 4) & 0x0F0F0F0Fu) | spread4_bit4((qh >> (16 + 4 * i)) & 0xF),
+                           0x10101010u);
+    }
+  } else if constexpr (T == DType::Q4_K || T == DType::Q5_K) {
+    constexpr bool k5 = T == DType::Q5_K;
+    constexpr int kQs = k5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs);
+    const uint8_t* b = base + (u / 8) * kBs;
+    const int j = int(u % 8);
+    uint32_t dm;
+    load_field<4, field_align(A, kBs, 0)>(b, &dm);
+    const float d = h2f_bits(uint16_t(dm)), dmin = h2f_bits(uint16_t(dm >> 16));
+    uint32_t sw[3];
+    load_field<12, field_align(A, kBs, 4)>(b + 4, sw);
+    // llama.cpp's 6-bit scale/min of sub-block j, branch-free (dequant.cuh's form picks bytes
+    // by a run-time index; this is a third of the instructions): sub-blocks 0..3 keep 6 bits
+    // of bytes j and j + 4, 4..7 take 4 bits of byte j + 4 and the top 2 of bytes j - 4 / j.
+    const int sh = 8 * (j & 3);
+    const uint32_t a0 = sw[0] >> sh, a1 = sw[1] >> sh, a2 = sw[2] >> sh;
+    const int sc = int(j < 4 ? (a0 & 63u) : ((a2 & 0xFu) | ((a0 >> 2) & 0x30u)));
+    const int m = int(j < 4 ? (a1 & 63u) : (((a2 >> 4) & 0xFu) | ((a1 >> 2) & 0x30u)));
+    o.d0 = mul_rn(d, i2f(sc));
+    o.d1 = mul_rn(dmin, i2f(m));
+    uint32_t q[8];
+    load_field<32, field_align(A, kBs, kQs)>(b + kQs + 32 * (j / 2), q);
+    const int shift = 4 * (j & 1);
+    if constexpr (k5) {
+      uint32_t qh[8];
+      load_field<32, field_align(A, kBs, offsetof(block_q5_K, qh))>(b + offsetof(block_q5_K, qh),
+                                                                    qh);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        o.w[i] = ((q[i] >> shift) & 0x0F0F0F0Fu) | (((qh[i] >> j) & 0x01010101u) << 4);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o.w[i] = (q[i] >> shift) & 0x0F0F0F0Fu;
+    }
+  } else if constexpr (T == DType::Q6_K) {
+    const uint8_t* b = base + (u / 8) * kBs;
+    const int s = int(u % 8), h = s / 4, qq = s % 4;
+    const float d = load_f16(b + offsetof(block_q6_K, d));
+    uint32_t ql[8], qh[8];
+    load_field<32, field_align(A, kBs, offsetof(block_q6_K, ql))>(
+        b + offsetof(block_q6_K, ql) + 64 * h + 32 * (qq & 1), ql);
+    load_field<32, field_align(A, kBs, offsetof(block_q6_K, qh))>(
+        b + offsetof(block_q6_K, qh) + 32 * h, qh);
+    const uint32_t sc2 = load_u16(b + offsetof(block_q6_K, scales) + 8 * h + 2 * qq);
+    o.d0 = mul_rn(d, i2f(int8_t(sc2 & 0xFF)));
+    o.d1 = mul_rn(d, i2f(int8_t(sc2 >> 8)));
+    const int lshift = qq >= 2 ? 4 : 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      o.w[i] =
+          __vsub4(((ql[i] >> lshift) & 0x0F0F0F0Fu) | (((qh[i] >> (2 * qq)) & 0x03030303u) << 4),
+                  0x20202020u);
+  }
+}
+
+// acc + (this unit . one token's activation block), in one fixed order.
+template <DType T>
+__device__ __forceinline__ float unit_dot(const WUnit& wu, const int* a, float2 ds, float acc) {
+  if constexpr (T == DType::Q6_K) {
+    int s0 = 0, s1 = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s0 = __dp4a(int(wu.w[i]), a[i], s0);
+#pragma unroll
+    for (int i = 4; i < 8; ++i) s1 = __dp4a(int(wu.w[i]), a[i], s1);
+    acc = __fmaf_rn(__fmul_rn(wu.d0, ds.x), i2f(s0), acc);
+    return __fmaf_rn(__fmul_rn(wu.d1, ds.x), i2f(s1), acc);
+  } else {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s = __dp4a(int(wu.w[i]), a[i], s);
+    acc = __fmaf_rn(__fmul_rn(wu.d0, ds.x), i2f(s), acc);
+    if constexpr (T == DType::Q4_K || T == DType::Q5_K) acc = __fmaf_rn(-wu.d1, ds.y, acc);
+    return acc;
+  }
+}
+
+// The R decoded units (one per row) against the NT tokens' activation block ug.
+// valid = false: the unit lies past the row's end (ug clamped into it): nothing is added, but
+// the loads stay unconditional so that they can be issued early.
+template <DType T, int NT, int R>
+__device__ __forceinline__ void dot_tokens(const WUnit (&wu)[R], const int8_t* __restrict__ xq,
+                                           const float2* __restrict__ xd, int64_t n_cols,
+                                           int64_t n_units, int64_t ug, int nt, float (&acc)[R][NT],
+                                           bool valid = true) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (NT > 1 && t >= nt) break;  // one token: no branch, so the loads below can move up
+    const int4* a4 = reinterpret_cast<const int4*>(xq + t * n_cols + ug * kBlk);
+    const int4 a0 = __ldg(a4), a1 = __ldg(a4 + 1);
+    const float2 ds = __ldg(xd + t * n_units + ug);
+    const int a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const float v = unit_dot<T>(wu[i], a, ds, acc[i][t]);
+      acc[i][t] = valid ? v : acc[i][t];
+    }
+  }
+}
+
+enum Mode { kStaged = 0, kDirect16 = 1, kDirect2 = 2 };
+
+// grid: (ceil(n_tok / NT) token columns, row blocks); block: kQ8Warps warps, each carrying R
+// consecutive rows (the activation words are loaded once for R rows). The token column varies
+// fastest, so the columns of one row block run together and share its weight bytes in L2.
+template <DType T, int NT, int R, int MODE>
+__global__ void __launch_bounds__(kQ8Warps* kWarp)
+    matvec_q8_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
+                     int64_t n_cols, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                     int64_t n_tok, float* __restrict__ y) {
+  constexpr int kCU = MODE == kStaged ? q8_chunk_units<T>() : kWarp;
+  constexpr int kCV = MODE == kStaged ? q8_chunk_bytes<T>() / 16 : 1;
+  static_assert(MODE != kStaged || (q8_chunk_bytes<T>() % 16 == 0 && kCU % kWarp == 0));
+  __shared__ uint4 stage[MODE == kStaged ? kQ8Warps : 1][MODE == kStaged ? R : 1][kCV];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t t0 = int64_t(blockIdx.x) * NT;
+  const int nt = n_tok - t0 < NT ? int(n_tok - t0) : NT;
+  const int64_t n_units = n_cols / kBlk;
+  const int8_t* xq_t = xq + t0 * n_cols;
+  const float2* xd_t = xd + t0 * n_units;
+  // Whole warps take the same rows: the __syncwarp()s below stay warp-uniform.
+  for (int64_t rb = blockIdx.y;; rb += gridDim.y) {
+    const int64_t r0 = (rb * kQ8Warps + warp) * R;
+    if (r0 >= n_rows) break;
+    const uint8_t* rows[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i)  // rows past the end repeat the last one; never stored
+      rows[i] = w + (r0 + i < n_rows ? r0 + i : n_rows - 1) * row_bytes;
+    float acc[R][NT];
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int t = 0; t < NT; ++t) acc[i][t] = 0.0f;
+    if constexpr (MODE == kStaged) {
+      const int64_t n_chunks = n_units / kCU;
+      constexpr int kPer = (kCV + kWarp - 1) / kWarp;
+      uint4 buf[R][kPer];
+      auto load_chunk = [&](int64_t c) {
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) {
+            const int idx = lane + k * kWarp;
+            if (idx < kCV)
+              buf[i][k] = __ldg(reinterpret_cast<const uint4*>(rows[i]) + c * kCV + idx);
+          }
+      };
+      // One row per warp (decode): the next chunk's loads are in flight while this one is
+      // decoded. Several rows (batched, bound by dp4a issue) would spend too many registers.
+      if constexpr (R == 1) load_chunk(0);
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        if constexpr (R > 1) load_chunk(c);
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) {
+            const int idx = lane + k * kWarp;
+            if (idx < kCV) stage[warp][i][idx] = buf[i][k];
+          }
+        __syncwarp();
+        if constexpr (R == 1) {
+          if (c + 1 < n_chunks) load_chunk(c + 1);
+        }
+#pragma unroll
+        for (int k = 0; k < kCU / kWarp; ++k) {
+          const int u = lane + kWarp * k;
+          WUnit wu[R];
+#pragma unroll
+          for (int i = 0; i < R; ++i)
+            decode_unit<T, 16>(reinterpret_cast<const uint8_t*>(stage[warp][i]), u, wu[i]);
+          dot_tokens<T, NT, R>(wu, xq_t, xd_t, n_cols, n_units, c * kCU + u, nt, acc);
+        }
+        __syncwarp();  // every lane is done with the chunk before it is overwritten
+      }
+    } else {
+      // U units per lane at a time, every load issued before any product: the unit index is
+      // clamped (the loads stay in the row) and a unit past the end is dropped afterwards, so
+      // the loads of a group are straight-line code the compiler can hoist together.
+      constexpr int U = R >= 4 ? 1 : 4 / R;
+      for (int64_t g = lane; g < n_units; g += int64_t(kWarp) * U) {
+        WUnit wu[U][R];
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+          const int64_t u = g + int64_t(kWarp) * k;
+          const int64_t uc = u < n_units ? u : n_units - 1;
+#pragma unroll
+          for (int i = 0; i < R; ++i)
+            decode_unit<T, MODE == kDirect16 ? 16 : 2>(rows[i], uc, wu[k][i]);
+        }
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+          const int64_t u = g + int64_t(kWarp) * k;
+          dot_tokens<T, NT, R>(wu[k], xq_t, xd_t, n_cols, n_units, u < n_units ? u : n_units - 1,
+                               nt, acc, u < n_units);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t >= nt) break;
+        const float s = warp_sum_rn(acc[i][t]);
+        if (lane == 0 && r0 + i < n_rows) y[(t0 + t) * n_rows + r0 + i] = s;
+      }
+  }
+}
+
+// ---- float weights, up to 8 tokens: lane l reads 8 consecutive elements at 8l + 256i (16- or
+// 32-byte loads, a warp's loads contiguous), f32 FMAs against f32 activations in a fixed
+// order per token.
+template <DType T, int NT>
+__global__ void __launch_bounds__(kFloatWarps* kWarp)
+    matvec_float_v3_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
+                           int64_t n_cols, const float* __restrict__ x, int64_t n_tok,
+                           float* __restrict__ y) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t t0 = int64_t(blockIdx.x) * NT;
+  const int nt = n_tok - t0 < NT ? int(n_tok - t0) : NT;
+  for (int64_t r = int64_t(blockIdx.y) * kFloatWarps + warp; r < n_rows;
+       r += int64_t(gridDim.y) * kFloatWarps) {
+    const uint8_t* row = w + r * row_bytes;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+    // G 16-byte pieces per lane at a time, all loads issued first (the index clamped into the
+    // row, a piece past its end dropped afterwards): a 4096-wide f16 row is two round trips.
+    constexpr int G = T == DType::F32 ? 4 : 8;
+    constexpr int64_t kStep = kWarp * 8;
+    for (int64_t c0 = int64_t(lane) * 8; c0 < n_cols; c0 += kStep * G) {
+      uint4 raw[G][T == DType::F32 ? 2 : 1];
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int64_t c = c0 + kStep * g < n_cols ? c0 + kStep * g : n_cols - 8;
+        if constexpr (T == DType::F32) {
+          raw[g][0] = __ldg(reinterpret_cast<const uint4*>(row) + c / 4);
+          raw[g][1] = __ldg(reinterpret_cast<const uint4*>(row) + c / 4 + 1);
+        } else {
+          raw[g][0] = __ldg(reinterpret_cast<const uint4*>(row) + c / 8);
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const bool valid = c0 + kStep * g < n_cols;
+        const int64_t c = valid ? c0 + kStep * g : n_cols - 8;
+        float v[8];
+        if constexpr (T == DType::F32) {
+          const uint32_t wd[8] = {raw[g][0].x, raw[g][0].y, raw[g][0].z, raw[g][0].w,
+                                  raw[g][1].x, raw[g][1].y, raw[g][1].z, raw[g][1].w};
+#pragma unroll
+          for (int l = 0; l < 8; ++l) v[l] = __uint_as_float(wd[l]);
+        } else {
+          const uint32_t wd[4] = {raw[g][0].x, raw[g][0].y, raw[g][0].z, raw[g][0].w};
+#pragma unroll
+          for (int l = 0; l < 8; ++l) {
+            const uint16_t h = uint16_t(wd[l >> 1] >> (16 * (l & 1)));
+            v[l] = T == DType::F16 ? h2f_bits(h) : bf2f_bits(h);
+          }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          if (NT > 1 && t >= nt) break;
+          const float4* x4 = reinterpret_cast<const float4*>(x + (t0 + t) * n_cols + c);
+          const float4 xa = __ldg(x4), xb = __ldg(x4 + 1);
+          float s = acc[t];
+          s = __fmaf_rn(v[0], xa.x, s);
+          s = __fmaf_rn(v[1], xa.y, s);
+          s = __fmaf_rn(v[2], xa.z, s);
+          s = __fmaf_rn(v[3], xa.w, s);
+          s = __fmaf_rn(v[4], xb.x, s);
+          s = __fmaf_rn(v[5], xb.y, s);
+          s = __fmaf_rn(v[6], xb.z, s);
+          s = __fmaf_rn(v[7], xb.w, s);
+          acc[t] = valid ? s : acc[t];
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t >= nt) break;
+      const float s = warp_sum_rn(acc[t]);
+      if (lane == 0) y[(t0 + t) * n_rows + r] = s;
+    }
+  }
+}
+
+constexpr bool is_float(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+
+unsigned row_blocks(int64_t n_rows, int64_t rows_per_block) {
+  const int64_t n = (n_rows + rows_per_block - 1) / rows_per_block;
+  return unsigned(std::min<int64_t>(n, 65535));  // the kernels loop over further row blocks
+}
+
+template <DType T, int NT, int R, int MODE>
+cudaError_t launch_q8_cfg(const DeviceWeight& w, const int8_t* xq, const float2* xd, int64_t n_tok,
+                          float* y, cudaStream_t s) {
+  const dim3 grid(unsigned((n_tok + NT - 1) / NT), row_blocks(w.n_rows, int64_t(kQ8Warps) * R));
+  matvec_q8_kernel<T, NT, R, MODE><<<grid, kQ8Warps * kWarp, 0, s>>>(
+      reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols, xq, xd, n_tok, y);
+  return cudaGetLastError();
+}
+
+// Tokens per launch column and rows per warp: one token streams one row per warp (the most
+// warps in flight); more tokens carry more rows so that each activation load serves several
+// dot products (the batched kernels are bound by L1 and dp4a issue, not by HBM).
+template <DType T, int MODE>
+cudaError_t launch_q8_mode(const DeviceWeight& w, const int8_t* xq, const float2* xd, int64_t n_tok,
+                           float* y, cudaStream_t s) {
+  if constexpr (MODE == kDirect2) {  // odd shapes (tests, small models): two instantiations
+    if (n_tok == 1) return launch_q8_cfg<T, 1, 1, MODE>(w, xq, xd, n_tok, y, s);
+    return launch_q8_cfg<T, 8, 4, MODE>(w, xq, xd, n_tok, y, s);
+  } else {
+    if (n_tok == 1) return launch_q8_cfg<T, 1, 1, MODE>(w, xq, xd, n_tok, y, s);
+    if (n_tok == 2) return launch_q8_cfg<T, 2, 1, MODE>(w, xq, xd, n_tok, y, s);
+    if (n_tok <= 4) return launch_q8_cfg<T, 4, 2, MODE>(w, xq, xd, n_tok, y, s);
+    return launch_q8_cfg<T, 8, 4, MODE>(w, xq, xd, n_tok, y, s);
+  }
+}
+
+template <DType T>
+cudaError_t launch_q8_typed(const DeviceWeight& w, const int8_t* xq, const float2* xd,
+                            int64_t n_tok, float* y, cudaStream_t s) {
+  const bool aligned = reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0;
+  if constexpr (q8_chunk_units<T>() > 0) {
+    if (aligned && (w.n_cols / kBlk) % q8_chunk_units<T>() == 0)
+      return launch_q8_mode<T, kStaged>(w, xq, xd, n_tok, y, s);
+  } else {
+    if (aligned) return launch_q8_mode<T, kDirect16>(w, xq, xd, n_tok, y, s);
+  }
+  return launch_q8_mode<T, kDirect2>(w, xq, xd, n_tok, y, s);
+}
+
+template <DType T>
+cudaError_t launch_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
+                            cudaStream_t s) {
+  const auto* wb = reinterpret_cast<const uint8_t*>(w.data);
+  if (n_tok == 1) {
+    const dim3 grid(1, row_blocks(w.n_rows, kFloatWarps));
+    matvec_float_v3_kernel<T, 1>
+        <<<grid, kFloatWarps * kWarp, 0, s>>>(wb, w.row_bytes, w.n_rows, w.n_cols, x, n_tok, y);
+  } else {
+    const dim3 grid(unsigned((n_tok + 3) / 4), row_blocks(w.n_rows, kFloatWarps));
+    matvec_float_v3_kernel<T, 4>
+        <<<grid, kFloatWarps * kWarp, 0, s>>>(wb, w.row_bytes, w.n_rows, w.n_cols, x, n_tok, y);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool matvec_q8_supports(DType t) {
+  switch (t) {
+    case DType::Q8_0:
+    case DType::Q4_0:
+    case DType::Q5_0:
+    case DType::Q4_K:
+    case DType::Q5_K:
+    case DType::Q6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
+size_t act_q8_bytes(int64_t n_cols, int64_t n_tok) {
+  if (n_cols <= 0 || n_cols % kBlk != 0 || n_tok <= 0 || n_tok > kQ8MaxTokens) return 0;
+  return align16(size_t(n_tok) * size_t(n_cols)) +
+         size_t(n_tok) * size_t(n_cols / kBlk) * sizeof(float2);
+}
+
+cudaError_t launch_quantize_act_q8(const float* x, int64_t n_cols, int64_t n_tok, void* act,
+                                   cudaStream_t s) {
+  if (act_q8_bytes(n_cols, n_tok) == 0) return cudaErrorInvalidValue;
+  auto* q = static_cast<int8_t*>(act);
+  auto* ds = reinterpret_cast<float2*>(q + align16(size_t(n_tok) * size_t(n_cols)));
+  const int64_t n_blocks = n_tok * (n_cols / kBlk);
+  constexpr int kThreads = 256;
+  const int64_t per_block = kThreads / kWarp;
+  quantize_act_q8_kernel<<<unsigned((n_blocks + per_block - 1) / per_block), kThreads, 0, s>>>(
+      x, n_blocks, q, ds);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_tok, float* y,
+                             cudaStream_t s) {
+  if (!matvec_q8_supports(w.dtype) || act_q8_bytes(w.n_cols, n_tok) == 0 ||
+      reinterpret_cast<uintptr_t>(act) % 16 != 0)
+    return cudaErrorInvalidValue;
+  if (w.n_rows == 0) return cudaSuccess;
+  const auto* xq = static_cast<const int8_t*>(act);
+  const auto* xd = reinterpret_cast<const float2*>(xq + align16(size_t(n_tok) * size_t(w.n_cols)));
+  cudaError_t err = cudaErrorInvalidValue;
+  dispatch_dtype(w.dtype, [&]<DType T>() {
+    if constexpr (q8_block_bytes<T>() > 0) err = launch_q8_typed<T>(w, xq, xd, n_tok, y, s);
+  });
+  return err;
+}
+
+cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
+                             void* act_scratch, size_t scratch_bytes, cudaStream_t s,
+                             GemmWorkspace* gemm) {
+  if (!cuda_supports(w.dtype)) return cudaErrorInvalidValue;
+  if (w.n_rows == 0 || n_tok == 0) return cudaSuccess;
+  const size_t need = act_q8_bytes(w.n_cols, n_tok);
+  if (matvec_q8_supports(w.dtype) && need > 0 && act_scratch != nullptr && scratch_bytes >= need &&
+      reinterpret_cast<uintptr_t>(act_scratch) % 16 == 0) {
+    if (cudaError_t e = launch_quantize_act_q8(x, w.n_cols, n_tok, act_scratch, s);
+        e != cudaSuccess)
+      return e;
+    return launch_matvec_q8(w, act_scratch, n_tok, y, s);
+  }
+  const bool float_ok = reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(x) % 16 == 0 && w.n_cols % 8 == 0;
+  if (is_float(w.dtype) && n_tok <= 8 && float_ok) {
+    cudaError_t err = cudaSuccess;
+    dispatch_dtype(w.dtype, [&]<DType T>() {
+      if constexpr (is_float(T)) err = launch_float_v3<T>(w, x, n_tok, y, s);
+    });
+    return err;
+  }
+  return launch_matmul(w, x, n_tok, y, s, MatmulKernels::V2, gemm);
+}
+
+}  // namespace kiln::cuda

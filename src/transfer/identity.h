@@ -1,0 +1,23 @@
+// transfer/identity.h: who a kvpack belongs to: the identity and layer kinds of a loaded
+// model, as kv/kvpack.h compares them, plus the engine ABI version.
+#pragma once
+
+#include <vector>
+
+#include "engine/session.h"
+#include "kv/kvpack.h"
+
+namespace kiln::transfer {
+
+// Bumped whenever the meaning of a KV row changes (RoPE convention, K/V layout, scaling folded
+// into K, dtype of the planes): packs from another version are refused, never reinterpreted.
+inline constexpr uint32_t kEngineAbiVersion = 1;
+
+// Fingerprints of the model's GGUF: the tensor index (names, dtypes, shapes, offsets) with
+// every metadata key outside tokenizer.*; the tokenizer.* keys except the chat template; the
+// chat template text. Hashing is over a canonical encoding of the parsed values, so two files
+// with the same content hash alike.
+kvpack::Identity identity_of(const Model& model);
+std::vector<kvpack::LayerKind> layer_kinds(const Model& model);
+
+}  // namespace kiln::transfer

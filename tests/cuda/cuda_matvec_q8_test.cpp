@@ -1,0 +1,321 @@
+// tests/cuda/cuda_matvec_q8_test.cpp: MatmulKernels::V3 (matvec_q8.cu) on device memory through
+// kernels.h: int8-activation dp4a kernels for Q8_0 Q4_0 Q5_0 Q4_K Q5_K Q6_K and the float
+// kernel, against a double-precision reference on the host-dequantized weights, for every
+// kernel path (shared-memory staged rows, aligned and unaligned direct rows, 1..64 tokens),
+// and each token's output bit-identical to a 1-token call (docs/determinism.md). Skips with a
+// message when no GPU is present.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_util.h"
+#include "backend/cuda/kernels.h"
+#include "core/dtype.h"
+#include "ops/ops_common.h"
+#include "quant/quant.h"
+
+namespace kiln {
+namespace {
+
+using kiln::testing::close;
+using kiln::testing::ops_seed;
+using kiln::testing::random_vec;
+
+bool have_gpu() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+#define REQUIRE_GPU()                                                      \
+  do {                                                                     \
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device, CUDA tests skipped"; \
+  } while (0)
+
+template <typename T>
+T* to_device(cuda::DeviceBuffer& buf, const std::vector<T>& host, size_t offset_bytes = 0) {
+  auto* base =
+      static_cast<std::byte*>(buf.ensure(host.size() * sizeof(T) + offset_bytes + 16, "test"));
+  cuda::check_cuda(
+      cudaMemcpy(base + offset_bytes, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+      "upload");
+  return reinterpret_cast<T*>(base + offset_bytes);
+}
+
+std::vector<float> from_device(const float* d, size_t n) {
+  std::vector<float> h(n);
+  cuda::check_cuda(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost), "download");
+  return h;
+}
+
+constexpr int64_t kMaxTok = cuda::kQ8MaxTokens;
+
+struct Case {
+  DType type;
+  int64_t k, rows;
+  size_t misalign;  // bytes added to the weight's device address (2: the unaligned path)
+};
+
+// V3 output of n_tok tokens (x holds at least n_tok rows of k).
+std::vector<float> run_v3(const cuda::DeviceWeight& w, const float* dx, int64_t n_tok, void* act,
+                          size_t act_bytes, float* dy) {
+  cuda::check_cuda(cudaMemset(dy, 0xff, size_t(n_tok * w.n_rows) * sizeof(float)), "memset");
+  cuda::check_cuda(cuda::launch_matmul_v3(w, dx, n_tok, dy, act, act_bytes, nullptr), "v3");
+  cuda::check_cuda(cudaDeviceSynchronize(), "sync");
+  return from_device(dy, size_t(n_tok * w.n_rows));
+}
+
+void run_case(const Case& c, std::mt19937_64& rng) {
+  SCOPED_TRACE(::testing::Message() << dtype_name(c.type) << " k " << c.k << " rows " << c.rows
+                                    << " misalign " << c.misalign << " seed " << ops_seed());
+  const size_t rb = *row_bytes(c.type, c.k);
+  std::vector<std::byte> bytes(rb * c.rows);
+  std::vector<float> deq(size_t(c.rows * c.k));
+  for (int64_t r = 0; r < c.rows; ++r) {
+    const std::vector<float> src = random_vec(rng, c.k, 0.05f);
+    auto dst = std::span<std::byte>(bytes).subspan(r * rb, rb);
+    quant::quantize_row(c.type, src, dst);
+    quant::dequantize_row(c.type, dst, std::span<float>(deq).subspan(r * c.k, c.k));
+  }
+  std::vector<float> x = random_vec(rng, size_t(kMaxTok * c.k), 1.0f);
+  // A token with a wide dynamic range inside its blocks (the quantization error is relative
+  // to each block's largest value).
+  for (int64_t i = 0; i < c.k; i += 7) x[size_t(3 * c.k + i)] *= 40.0f;
+
+  cuda::DeviceBuffer wbuf, xbuf, ybuf, abuf;
+  const auto* dw = to_device(wbuf, bytes, c.misalign);
+  const float* dx = to_device(xbuf, x);
+  float* dy = static_cast<float*>(ybuf.ensure(size_t(kMaxTok * c.rows) * sizeof(float), "y"));
+  const size_t act_bytes = cuda::act_q8_bytes(c.k, kMaxTok);
+  void* act = abuf.ensure(std::max<size_t>(act_bytes, 16), "act");
+  const cuda::DeviceWeight w{c.type, c.k, c.rows, rb, dw};
+
+  const bool int8 = cuda::matvec_q8_supports(c.type);
+  // Reference and bound per (token, row): f32 accumulation in any order is within a few
+  // 1e-6 of sum|w x|; the int8 activations move each x_i by at most d_b/2 (d_b = amax_b/127
+  // of its 32-block), roughly uniformly: sigma^2 = sum_b d_b^2/12 sum_{i in b} w_i^2, 6 sigma
+  // allowed (the bound tests/ops uses for the CPU's int8 path).
+  std::vector<double> want(size_t(kMaxTok * c.rows)), tol(want.size());
+  for (int64_t t = 0; t < kMaxTok; ++t) {
+    const float* xt = x.data() + t * c.k;
+    for (int64_t r = 0; r < c.rows; ++r) {
+      const float* wr = deq.data() + r * c.k;
+      double s = 0, abs_sum = 0, var = 0;
+      for (int64_t b0 = 0; b0 < c.k; b0 += 32) {
+        float amax = 0;
+        double w2 = 0;
+        for (int64_t i = b0; i < b0 + 32; ++i) {
+          s += double(wr[i]) * xt[i];
+          abs_sum += std::fabs(double(wr[i]) * xt[i]);
+          amax = std::max(amax, std::fabs(xt[i]));
+          w2 += double(wr[i]) * wr[i];
+        }
+        const double d = amax / 127.0;
+        var += d * d / 12.0 * w2;
+      }
+      want[t * c.rows + r] = s;
+      tol[t * c.rows + r] = 2e-5 * abs_sum + 1e-6 + (int8 ? 6.0 * std::sqrt(var) : 0.0);
+    }
+  }
+  // 1-token outputs of every token: the bits every batched call must reproduce.
+  const int64_t max_tok = int8 ? kMaxTok : 8;
+  std::vector<float> single(size_t(max_tok * c.rows));
+  for (int64_t t = 0; t < max_tok; ++t) {
+    const std::vector<float> y = run_v3(w, dx + t * c.k, 1, act, act_bytes, dy);
+    std::copy(y.begin(), y.end(), single.begin() + t * c.rows);
+  }
+  for (int64_t n_tok : {1, 2, 3, 4, 5, 8, 9, 16, 33, 64}) {
+    if (n_tok > max_tok) continue;
+    SCOPED_TRACE(::testing::Message() << "n_tok " << n_tok);
+    const std::vector<float> y = run_v3(w, dx, n_tok, act, act_bytes, dy);
+    for (int64_t t = 0; t < n_tok; ++t)
+      for (int64_t r = 0; r < c.rows; ++r) {
+        const size_t i = size_t(t * c.rows + r);
+        ASSERT_TRUE(close(y[i], float(want[i]), tol[i])) << "t " << t << " r " << r;
+        ASSERT_EQ(std::memcmp(&y[i], &single[i], sizeof(float)), 0)
+            << "t " << t << " r " << r << ": " << y[i] << " batched vs " << single[i] << " alone";
+      }
+  }
+}
+
+// Each int8 type on its shared-memory staged path (rows 16-byte aligned, a whole number of
+// chunks), on the direct path, and on the 2-byte-load path (rows whose size is not a multiple
+// of 16, or a base moved by 2 bytes); several rows per warp with a partial last group.
+TEST(CudaMatvecQ8, EveryTypeAndPathMatchesReferenceAndIsTokenInvariant) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(ops_seed());
+  const Case cases[] = {
+      {DType::Q8_0, 1024, 37, 0}, {DType::Q8_0, 2048, 5, 0},  {DType::Q8_0, 544, 7, 0},
+      {DType::Q8_0, 1024, 9, 2},  {DType::Q4_0, 2048, 37, 0}, {DType::Q4_0, 96, 3, 0},
+      {DType::Q5_0, 2048, 37, 0}, {DType::Q5_0, 160, 6, 0},   {DType::Q4_K, 512, 37, 0},
+      {DType::Q4_K, 768, 1, 2},   {DType::Q4_K, 256, 300, 0}, {DType::Q5_K, 768, 37, 0},
+      {DType::Q5_K, 512, 5, 2},   {DType::Q6_K, 2048, 37, 0}, {DType::Q6_K, 256, 7, 0},
+      {DType::Q6_K, 4096, 3, 2},  {DType::F16, 256, 37, 0},   {DType::F32, 512, 9, 0},
+      {DType::BF16, 1024, 5, 0},
+  };
+  for (const Case& c : cases) {
+    run_case(c, rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// More rows than one wave of warps, so warps loop over row blocks; the 4096-wide rows of the
+// 8B shapes.
+TEST(CudaMatvecQ8, LargeShapes) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(ops_seed() + 1);
+  for (const Case& c : {Case{DType::Q4_K, 1024, 4500, 0}, Case{DType::Q8_0, 4096, 1100, 0},
+                        Case{DType::Q6_K, 4096, 700, 0}}) {
+    run_case(c, rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(CudaMatvecQ8, NanActivationPropagates) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(ops_seed());
+  for (DType t :
+       {DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::F16}) {
+    const int64_t k = 512, rows = 5;
+    const size_t rb = *row_bytes(t, k);
+    std::vector<std::byte> bytes(rb * rows);
+    for (int64_t r = 0; r < rows; ++r)
+      quant::quantize_row(t, random_vec(rng, k, 0.05f),
+                          std::span<std::byte>(bytes).subspan(r * rb, rb));
+    for (int64_t n_tok : {1, 5}) {
+      std::vector<float> x = random_vec(rng, size_t(n_tok * k));
+      for (int64_t tok = 0; tok < n_tok; ++tok) x[size_t(tok * k + 17)] = NAN;
+      if (n_tok > 1) x[size_t(k + 40)] = INFINITY;  // inf alone: not finite either
+      cuda::DeviceBuffer wbuf, xbuf, ybuf, abuf;
+      const cuda::DeviceWeight w{t, k, rows, rb, to_device(wbuf, bytes)};
+      const float* dx = to_device(xbuf, x);
+      float* dy = static_cast<float*>(ybuf.ensure(size_t(n_tok * rows) * sizeof(float), "y"));
+      const size_t ab = cuda::act_q8_bytes(k, n_tok);
+      const std::vector<float> y = run_v3(w, dx, n_tok, abuf.ensure(ab, "act"), ab, dy);
+      for (float v : y) EXPECT_TRUE(std::isnan(v)) << dtype_name(t) << " n_tok " << n_tok;
+    }
+  }
+}
+
+// Types and token counts outside the int8 path run V2 through the same entry point.
+TEST(CudaMatvecQ8, FallbacksMatchReference) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(ops_seed());
+  struct Fb {
+    DType type;
+    int64_t k, n_tok;
+  };
+  for (const Fb& f : {Fb{DType::Q4_1, 256, 3}, Fb{DType::Q2_K, 512, 1}, Fb{DType::Q3_K, 256, 5},
+                      Fb{DType::F16, 256, 12}, Fb{DType::Q4_K, 256, 70}, Fb{DType::F32, 31, 1}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << dtype_name(f.type) << " k " << f.k << " n_tok " << f.n_tok);
+    const int64_t rows = 19;
+    const size_t rb = *row_bytes(f.type, f.k);
+    std::vector<std::byte> bytes(rb * rows);
+    std::vector<float> deq(size_t(rows * f.k));
+    for (int64_t r = 0; r < rows; ++r) {
+      auto dst = std::span<std::byte>(bytes).subspan(r * rb, rb);
+      quant::quantize_row(f.type, random_vec(rng, f.k, 0.05f), dst);
+      quant::dequantize_row(f.type, dst, std::span<float>(deq).subspan(r * f.k, f.k));
+    }
+    const std::vector<float> x = random_vec(rng, size_t(f.n_tok * f.k));
+    cuda::DeviceBuffer wbuf, xbuf, ybuf, abuf;
+    const cuda::DeviceWeight w{f.type, f.k, rows, rb, to_device(wbuf, bytes)};
+    float* dy = static_cast<float*>(ybuf.ensure(size_t(f.n_tok * rows) * sizeof(float), "y"));
+    const size_t ab = std::max<size_t>(cuda::act_q8_bytes(f.k, f.n_tok), 16);
+    const std::vector<float> y =
+        run_v3(w, to_device(xbuf, x), f.n_tok, abuf.ensure(ab, "act"), ab, dy);
+    for (int64_t t = 0; t < f.n_tok; ++t)
+      for (int64_t r = 0; r < rows; ++r) {
+        double s = 0, a = 0;
+        for (int64_t i = 0; i < f.k; ++i) {
+          s += double(deq[r * f.k + i]) * x[t * f.k + i];
+          a += std::fabs(double(deq[r * f.k + i]) * x[t * f.k + i]);
+        }
+        ASSERT_TRUE(close(y[t * rows + r], float(s), 2e-5 * a + 1e-6)) << "t " << t << " r " << r;
+      }
+  }
+}
+
+// The backend with CudaOptions::matmul = V3 (host spans): the same bound against the reference
+// backend, and a token's row the same bits in a 1-token and a 7-token call.
+TEST(CudaMatvecQ8, BackendV3MatchesReference) {
+  REQUIRE_GPU();
+  CudaOptions o;
+  o.matmul = CudaMatmul::V3;
+  o.verify_weight_cache = true;  // the test's weight buffers are freed and their addresses reused
+  auto be = make_cuda_backend(o);
+  ASSERT_TRUE(be) << be.error();
+  const std::unique_ptr<Backend> ref = make_ref_backend();
+  std::mt19937_64 rng(ops_seed());
+  for (DType t : {DType::Q4_K, DType::Q8_0, DType::Q6_K, DType::F16, DType::Q3_K}) {
+    SCOPED_TRACE(::testing::Message() << dtype_name(t) << " seed " << ops_seed());
+    const int64_t k = 2048, rows = 45, n_tok = 7;
+    const size_t rb = *row_bytes(t, k);
+    std::vector<std::byte> bytes(rb * rows);
+    std::vector<float> deq(size_t(rows * k));
+    for (int64_t r = 0; r < rows; ++r) {
+      auto dst = std::span<std::byte>(bytes).subspan(r * rb, rb);
+      quant::quantize_row(t, random_vec(rng, k, 0.05f), dst);
+      quant::dequantize_row(t, dst, std::span<float>(deq).subspan(r * k, k));
+    }
+    const WeightMatrix w{t, k, rows, rb, bytes};
+    const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
+    std::vector<float> y(size_t(n_tok * rows), NAN), y_ref(y.size()), y1(size_t(rows), NAN);
+    (*be)->matmul(w, x, n_tok, y);
+    ref->matmul(w, x, n_tok, y_ref);
+    (*be)->matmul(w, std::span<const float>(x).subspan(size_t(5 * k), size_t(k)), 1, y1);
+    for (int64_t tok = 0; tok < n_tok; ++tok)
+      for (int64_t r = 0; r < rows; ++r) {
+        double abs_sum = 0, var = 0;
+        for (int64_t b0 = 0; b0 < k; b0 += 32) {
+          float amax = 0;
+          double w2 = 0;
+          for (int64_t i = b0; i < b0 + 32; ++i) {
+            abs_sum += std::fabs(double(deq[r * k + i]) * x[tok * k + i]);
+            amax = std::max(amax, std::fabs(x[tok * k + i]));
+            w2 += double(deq[r * k + i]) * deq[r * k + i];
+          }
+          var += double(amax) * amax / (127.0 * 127.0 * 12.0) * w2;
+        }
+        const double tol = 2e-5 * abs_sum + 1e-6 + 6.0 * std::sqrt(var);
+        ASSERT_TRUE(close(y[tok * rows + r], y_ref[tok * rows + r], tol))
+            << "t " << tok << " r " << r;
+      }
+    if (cuda::matvec_q8_supports(t) || t == DType::F16) {
+      EXPECT_EQ(std::memcmp(y1.data(), y.data() + 5 * rows, size_t(rows) * sizeof(float)), 0);
+    }
+  }
+}
+
+TEST(CudaMatvecQ8, RejectsWhatItCannotRun) {
+  REQUIRE_GPU();
+  EXPECT_EQ(cuda::act_q8_bytes(100, 1), 0u);  // not a multiple of 32
+  EXPECT_EQ(cuda::act_q8_bytes(256, kMaxTok + 1), 0u);
+  EXPECT_GT(cuda::act_q8_bytes(256, kMaxTok), 0u);
+  EXPECT_FALSE(cuda::matvec_q8_supports(DType::F16));
+  EXPECT_FALSE(cuda::matvec_q8_supports(DType::Q2_K));
+  cuda::DeviceBuffer buf;
+  void* p = buf.ensure(1 << 16, "t");
+  const cuda::DeviceWeight f16{DType::F16, 256, 4, 512, static_cast<const std::byte*>(p)};
+  EXPECT_EQ(cuda::launch_matvec_q8(f16, p, 1, static_cast<float*>(p), nullptr),
+            cudaErrorInvalidValue);
+  const cuda::DeviceWeight q4k{DType::Q4_K, 256, 4, 144, static_cast<const std::byte*>(p)};
+  EXPECT_EQ(cuda::launch_matvec_q8(q4k, p, kMaxTok + 1, static_cast<float*>(p), nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::launch_quantize_act_q8(static_cast<float*>(p), 100, 1, p, nullptr),
+            cudaErrorInvalidValue);
+  cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace kiln

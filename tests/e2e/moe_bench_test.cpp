@@ -1,0 +1,254 @@
+// tests/e2e/moe_bench_test.cpp: issue 6's benchmark tooling. `kiln bench`'s weight bytes per
+// decoded token (counted from the run's own routing) against an independent count from the
+// tensor sizes and expert_used_count; the one-token MoE path (a decode step) bit-identical to
+// the general path (the same tokens as one prefill batch); `kiln mkmodel`'s gemma3 and
+// qwen3moe shapes load with the hyper-parameters asked for; bad shapes are one-line errors.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "common/testdata.h"
+#include "engine/session.h"
+#include "format/gguf.h"
+
+extern char** environ;
+
+namespace kiln {
+namespace {
+
+struct Proc {
+  int rc = -1;
+  int signal = 0;
+  std::string out, err;
+};
+
+// Runs the built kiln with `args` (no shell).
+Proc run_kiln(const std::vector<std::string>& args) {
+  static const std::string dir = testing::temp_dir();
+  const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<std::string> full = {testing::kiln_binary()};
+  full.insert(full.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& a : full) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  Proc p;
+  const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) {
+    ADD_FAILURE() << "cannot start " << argv[0];
+    return p;
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (WIFEXITED(status)) p.rc = WEXITSTATUS(status);
+  else if (WIFSIGNALED(status)) p.signal = WTERMSIG(status);
+  p.out = testing::read_file(out_path);
+  p.err = testing::read_file(err_path);
+  return p;
+}
+
+void expect_clean_error(const Proc& p, const std::string& what) {
+  EXPECT_EQ(p.signal, 0) << "crashed: " << p.err;
+  EXPECT_EQ(p.rc, 1) << p.err;
+  EXPECT_NE(p.err.find(what), std::string::npos) << "stderr: " << p.err;
+  EXPECT_LE(std::count(p.err.begin(), p.err.end(), '\n'), 1) << "stderr: " << p.err;
+}
+
+// The weights one decoded token reads, from the file alone: every tensor once, the token
+// embedding as one row unless it is also the output matrix (no output.weight), and of each
+// layer's stacked experts n_expert_used / n_expert of the bytes (each expert's slice is the
+// same size, and one token picks n_expert_used distinct experts per layer).
+struct ByteCount {
+  double dense = 0, experts = 0;
+};
+ByteCount count_from_tensors(const std::string& path) {
+  auto g = GgufFile::open(path);
+  EXPECT_TRUE(g.has_value()) << g.error();
+  if (!g) return {};
+  const std::string arch = *g->get<std::string>("general.architecture");
+  auto n_expert_key = g->get_or<int64_t>(arch + ".expert_count", 0);
+  auto n_used_key = g->get_or<int64_t>(arch + ".expert_used_count", 0);
+  EXPECT_TRUE(n_expert_key && n_used_key);
+  if (!n_expert_key || !n_used_key) return {};
+  const double n_expert = double(*n_expert_key), n_used = double(*n_used_key);
+  const bool tied = g->find_tensor("output.weight") == nullptr;
+  ByteCount c;
+  for (const TensorInfo& t : g->tensors()) {
+    const std::string& n = t.name;
+    if (n.size() > 13 && n.compare(n.size() - 12, 12, "_exps.weight") == 0) {
+      EXPECT_EQ(t.ne[2], int64_t(n_expert)) << n;
+      c.experts += double(t.n_bytes) / n_expert * n_used;
+    } else if (n == "token_embd.weight") {
+      c.dense += double(t.n_bytes) / double(t.ne[1]) + (tied ? double(t.n_bytes) : 0.0);
+    } else {
+      c.dense += double(t.n_bytes);
+    }
+  }
+  return c;
+}
+
+// `kiln bench` tg on `path`: its JSON row for the tg test.
+nlohmann::json bench_tg(const std::string& path, int n_gen) {
+  const Proc p = run_kiln({"bench", "-m", path, "-p", "0", "-n", std::to_string(n_gen), "-r",
+                           "1", "-o", "json", "--threads", "2"});
+  EXPECT_EQ(p.rc, 0) << p.err;
+  if (p.rc != 0) return {};
+  const nlohmann::json j = nlohmann::json::parse(p.out);
+  for (const auto& row : j)
+    if (row["test"] == "tg" + std::to_string(n_gen)) return row;
+  ADD_FAILURE() << "no tg row in " << p.out;
+  return {};
+}
+
+void expect_bytes_match(const std::string& path) {
+  const ByteCount want = count_from_tensors(path);
+  ASSERT_GT(want.experts, 0) << path << " has no experts";
+  const nlohmann::json r = bench_tg(path, 6);
+  ASSERT_FALSE(r.is_null());
+  const double dense = r["dense_bytes_per_token"], experts = r["expert_bytes_per_token"];
+  const double total = r["bytes_per_token"];
+  EXPECT_NEAR(experts, want.experts, want.experts * 1e-9) << path;
+  EXPECT_NEAR(dense, want.dense, want.dense * 1e-9) << path;
+  EXPECT_NEAR(total, want.dense + want.experts, total * 1e-9) << path;
+  // The roofline is the same run's bandwidth over these bytes, and tg a fraction of it.
+  const double bw = r["read_gbps"], roof = r["roofline_ts"], frac = r["roofline_fraction"];
+  EXPECT_GT(bw, 0);
+  EXPECT_NEAR(roof, bw * 1e9 / total, roof * 1e-9);
+  EXPECT_NEAR(frac, double(r["avg_ts"]) / roof, frac * 1e-9);
+}
+
+TEST(MoeBench, BytesPerTokenEqualsTensorCountQwen3Moe) {
+  expect_bytes_match(testing::model_path("qwen3moe-q4_k_m.gguf"));
+}
+
+TEST(MoeBench, BytesPerTokenEqualsTensorCountMixtral) {
+  expect_bytes_match(testing::model_path("mixtral-q4_k_m.gguf"));
+}
+
+TEST(MoeBench, DenseModelReadsNoExpertBytes) {
+  const std::string path = testing::model_path("stories260K.gguf");
+  const nlohmann::json r = bench_tg(path, 4);
+  ASSERT_FALSE(r.is_null());
+  EXPECT_EQ(double(r["expert_bytes_per_token"]), 0.0);
+  EXPECT_NEAR(double(r["bytes_per_token"]), count_from_tensors(path).dense, 1e-3);
+}
+
+// A decode step takes the one-token MoE path (all selected experts in one backend op); a
+// prefill batch takes the per-expert gather path. Token by token they must agree bit for bit.
+std::vector<float> logits_chunked(const std::shared_ptr<const Model>& m, Backend& be,
+                                  std::span<const int32_t> prompt, int32_t chunk) {
+  Session s(m, be, 256, chunk);
+  std::vector<float> out;
+  for (size_t i = 0; i < prompt.size(); i += static_cast<size_t>(chunk)) {
+    const size_t n = std::min(prompt.size() - i, static_cast<size_t>(chunk));
+    auto l = s.eval(prompt.subspan(i, n), true);
+    EXPECT_TRUE(l.has_value()) << l.error();
+    if (!l) return {};
+    out.insert(out.end(), l->begin(), l->end());
+  }
+  return out;
+}
+
+class MoeDecodePath : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MoeDecodePath, OneTokenStepsMatchPrefillBitForBit) {
+  auto m = Model::load(testing::model_path(GetParam()));
+  ASSERT_TRUE(m.has_value()) << m.error();
+  auto be = make_cpu_backend(2);
+  std::mt19937 rng(11);
+  std::vector<int32_t> prompt{1};
+  while (prompt.size() < 40) prompt.push_back(2 + int32_t(rng() % uint32_t((*m)->n_vocab() - 2)));
+  const auto whole = logits_chunked(*m, *be, prompt, 64);
+  const auto steps = logits_chunked(*m, *be, prompt, 1);
+  ASSERT_EQ(whole.size(), prompt.size() * size_t((*m)->n_vocab()));
+  ASSERT_EQ(steps.size(), whole.size());
+  size_t first_diff = whole.size();
+  for (size_t i = 0; i < whole.size() && first_diff == whole.size(); ++i)
+    if (std::memcmp(&whole[i], &steps[i], sizeof(float)) != 0) first_diff = i;
+  EXPECT_EQ(first_diff, whole.size()) << GetParam() << ": differs first at token "
+                                      << first_diff / size_t((*m)->n_vocab());
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, MoeDecodePath,
+                         ::testing::Values("qwen3moe-q4_k_m.gguf", "qwen3moe-f16.gguf",
+                                           "mixtral-q4_k_m.gguf"),
+                         [](const auto& info) {
+                           std::string n = info.param.substr(0, info.param.find('.'));
+                           std::replace_if(n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
+                           return n;
+                         });
+
+TEST(MkModelShapes, Qwen3MoeLoadsAndBenchCountsItsExperts) {
+  const std::string path = testing::temp_dir() + "/moe.gguf";
+  const Proc p = run_kiln({"mkmodel", "-o", path, "--arch", "qwen3moe", "--n-layer", "3",
+                           "--n-embd", "256", "--n-head", "4", "--n-head-kv", "2", "--head-dim",
+                           "64", "--n-expert", "8", "--n-expert-used", "3", "--n-ff-exp", "256",
+                           "--n-vocab", "600", "--type", "q4_k_m", "-t", "2"});
+  ASSERT_EQ(p.rc, 0) << p.err;
+  auto m = Model::load(path);
+  ASSERT_TRUE(m.has_value()) << m.error();
+  const model::HParams& hp = (*m)->hparams();
+  EXPECT_EQ(hp.n_layer, 3);
+  EXPECT_EQ(hp.head_dim_k, 64);
+  EXPECT_EQ(hp.q_width(), 256);
+  for (const model::LayerDesc& L : hp.layers) {
+    EXPECT_EQ(L.n_expert, 8);
+    EXPECT_EQ(L.n_expert_used, 3);
+    EXPECT_EQ(L.n_ff_expert, 256);
+  }
+  expect_bytes_match(path);
+}
+
+TEST(MkModelShapes, Gemma3HasItsWindowPatternAndTiedOutput) {
+  const std::string path = testing::temp_dir() + "/g3.gguf";
+  const Proc p = run_kiln({"mkmodel", "-o", path, "--arch", "gemma3", "--n-layer", "7",
+                           "--n-embd", "384", "--n-ff", "512", "--n-head", "4", "--n-head-kv", "1",
+                           "--head-dim", "128", "--window", "16", "--swa-pattern", "3",
+                           "--n-vocab", "700", "--type", "q4_k_m", "-t", "2"});
+  ASSERT_EQ(p.rc, 0) << p.err;
+  auto m = Model::load(path);
+  ASSERT_TRUE(m.has_value()) << m.error();
+  const model::HParams& hp = (*m)->hparams();
+  EXPECT_TRUE((*m)->weights().tied_output);
+  EXPECT_EQ(hp.head_dim_k, 128);
+  for (int32_t il = 0; il < hp.n_layer; ++il) {
+    const bool sliding = il % 3 < 2;
+    EXPECT_EQ(hp.layers[il].window, sliding ? 16 : 0) << "layer " << il;
+  }
+  // Runs: a short bench over more tokens than the window wraps every ring.
+  const nlohmann::json r = bench_tg(path, 40);
+  ASSERT_FALSE(r.is_null());
+  EXPECT_NEAR(double(r["bytes_per_token"]), count_from_tensors(path).dense, 1e-3);
+}
+
+TEST(MkModelShapes, BadShapesAreOneLineErrors) {
+  const std::string out = testing::temp_dir() + "/bad.gguf";
+  expect_clean_error(run_kiln({"mkmodel", "-o", out, "--arch", "qwen3moe"}), "--n-expert");
+  expect_clean_error(run_kiln({"mkmodel", "-o", out, "--arch", "llama", "--n-expert", "4",
+                               "--n-expert-used", "5"}),
+                     "--n-expert-used");
+  expect_clean_error(run_kiln({"mkmodel", "-o", out, "--arch", "gemma3", "--window", "0"}),
+                     "--window");
+  expect_clean_error(run_kiln({"mkmodel", "-o", out, "--arch", "gemma3", "--n-expert", "4",
+                               "--n-expert-used", "2"}),
+                     "gemma3");
+  expect_clean_error(run_kiln({"mkmodel", "-o", out, "--arch", "mamba"}), "mamba");
+}
+
+}  // namespace
+}  // namespace kiln

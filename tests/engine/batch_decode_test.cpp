@@ -1,0 +1,231 @@
+// tests/engine/batch_decode_test.cpp: batched decode across sessions (BatchEval). Several
+// sequences evaluated together in one forward pass per step, joining at different steps,
+// prefilling in chunks beside the others' decode tokens and finishing at different times,
+// must give bit-identical logits (memcmp) to each sequence evaluated alone; bad batches are
+// refused with a message and leave every session unchanged.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include "backend/cpu/cpu_backend.h"
+#include "common/testdata.h"
+#include "engine/session.h"
+
+namespace kiln {
+namespace {
+
+std::shared_ptr<const Model> load(const std::string& file) {
+  auto m = Model::load(testing::model_path(file));
+  EXPECT_TRUE(m.has_value()) << m.error();
+  return m ? *m : nullptr;
+}
+
+std::vector<int32_t> random_prompt(int32_t n, int32_t n_vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids{1};  // BOS
+  while (static_cast<int32_t>(ids.size()) < n)
+    ids.push_back(static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(n_vocab - 2)));
+  return ids;
+}
+
+int32_t argmax(std::span<const float> l) {
+  return static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+}
+
+// One sequence of the scenario: joins the batch at step `join`, feeds its prompt `chunk`
+// tokens per step (asking for every prompt position's logits when `all`), then decodes
+// `n_decode` greedy tokens.
+struct Script {
+  int32_t prompt_len, join, chunk, n_decode;
+  bool all = false;
+};
+
+// Logit rows of a sequence: after the whole prompt (or after each prompt token), then after
+// each decoded token.
+using Rows = std::vector<std::vector<float>>;
+
+Rows run_alone(const std::shared_ptr<const Model>& m, Backend& be, std::span<const int32_t> prompt,
+               const Script& sc) {
+  Session s(m, be, 160, 64);
+  Rows rows;
+  auto l = s.eval(prompt, sc.all);
+  EXPECT_TRUE(l.has_value()) << l.error();
+  if (!l) return rows;
+  const auto V = static_cast<size_t>(m->n_vocab());
+  for (size_t r = 0; r < l->size() / V; ++r) rows.emplace_back(l->begin() + r * V, l->begin() + (r + 1) * V);
+  for (int32_t t = 0; t < sc.n_decode; ++t) {
+    const int32_t tok[1] = {argmax(rows.back())};
+    l = s.eval(tok, false);
+    EXPECT_TRUE(l.has_value()) << l.error();
+    if (!l) return rows;
+    rows.emplace_back(l->begin(), l->end());
+  }
+  return rows;
+}
+
+// Every sequence in one BatchEval per step; sessions use a smaller batch limit than the solo
+// run (different ring capacities on sliding-window layers, different chunking).
+std::vector<Rows> run_batched(const std::shared_ptr<const Model>& m, Backend& be,
+                              const std::vector<std::vector<int32_t>>& prompts,
+                              const std::vector<Script>& sc, int32_t* max_batch_seen) {
+  const size_t n = sc.size();
+  std::vector<std::unique_ptr<Session>> sess;
+  for (size_t i = 0; i < n; ++i) sess.push_back(std::make_unique<Session>(m, be, 160, 16));
+  BatchEval batch(m, be, 64);
+  std::vector<Rows> rows(n);
+  std::vector<size_t> cursor(n, 0);
+  std::vector<int32_t> next(n, 0);
+  std::vector<int32_t> n_decoded(n, 0);
+  *max_batch_seen = 0;
+  for (int32_t step = 0;; ++step) {
+    std::vector<BatchEval::Item> items;
+    std::vector<size_t> who;
+    for (size_t i = 0; i < n; ++i) {
+      if (step < sc[i].join) continue;
+      if (cursor[i] < prompts[i].size()) {
+        const size_t c = std::min<size_t>(static_cast<size_t>(sc[i].chunk), prompts[i].size() - cursor[i]);
+        items.push_back({sess[i].get(), std::span<const int32_t>(prompts[i]).subspan(cursor[i], c), sc[i].all});
+      } else if (n_decoded[i] < sc[i].n_decode) {
+        items.push_back({sess[i].get(), std::span<const int32_t>(&next[i], 1)});
+        ++n_decoded[i];
+      } else {
+        continue;
+      }
+      who.push_back(i);
+    }
+    if (items.empty()) {
+      bool all_done = true;
+      for (size_t i = 0; i < n; ++i) all_done &= step >= sc[i].join;
+      if (all_done) break;
+      continue;
+    }
+    *max_batch_seen = std::max(*max_batch_seen, static_cast<int32_t>(items.size()));
+    auto l = batch.eval(items);
+    EXPECT_TRUE(l.has_value()) << l.error();
+    if (!l) return rows;
+    const auto V = static_cast<size_t>(m->n_vocab());
+    size_t at = 0;  // row of the output
+    for (size_t k = 0; k < items.size(); ++k) {
+      const size_t i = who[k];
+      const size_t n_rows = items[k].all_logits ? items[k].tokens.size() : 1;
+      const bool prefill = cursor[i] < prompts[i].size();
+      if (prefill) cursor[i] += items[k].tokens.size();
+      // Mid-prompt chunks' last-token logits are not wanted (the solo run has none).
+      if (!prefill || items[k].all_logits || cursor[i] == prompts[i].size())
+        for (size_t r = 0; r < n_rows; ++r)
+          rows[i].emplace_back(l->begin() + (at + r) * V, l->begin() + (at + r + 1) * V);
+      at += n_rows;
+      if (cursor[i] == prompts[i].size()) next[i] = argmax(rows[i].back());
+    }
+    EXPECT_EQ(l->size(), at * V);
+  }
+  return rows;
+}
+
+class BatchInvariance : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(BatchInvariance, BatchedDecodeLogitsAreBitIdenticalToAlone) {
+  auto m = load(GetParam());
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend(2);
+  // Staggered joins, prompts of different lengths chunked beside other sequences' decode
+  // tokens, early finishers: the batch composition changes almost every step. Prompts and
+  // decodes run past the sliding windows (8 or 16 positions) so rings wrap.
+  const std::vector<Script> sc = {{3, 0, 2, 30},       {21, 0, 5, 12, true}, {40, 1, 16, 28},
+                                  {9, 4, 3, 6, true}, {17, 7, 7, 22},       {1, 9, 1, 15}};
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t i = 0; i < sc.size(); ++i)
+    prompts.push_back(random_prompt(sc[i].prompt_len, m->n_vocab(), 31 + static_cast<uint32_t>(i)));
+  int32_t widest = 0;
+  const auto batched = run_batched(m, *be, prompts, sc, &widest);
+  EXPECT_EQ(widest, static_cast<int32_t>(sc.size()));
+  int64_t rows_compared = 0;
+  for (size_t i = 0; i < sc.size(); ++i) {
+    const Rows alone = run_alone(m, *be, prompts[i], sc[i]);
+    ASSERT_EQ(batched[i].size(), alone.size()) << "sequence " << i;
+    for (size_t r = 0; r < alone.size(); ++r) {
+      ASSERT_EQ(batched[i][r].size(), alone[r].size());
+      const bool same =
+          std::memcmp(batched[i][r].data(), alone[r].data(), alone[r].size() * sizeof(float)) == 0;
+      if (!same) {
+        size_t j = 0;
+        while (std::memcmp(&batched[i][r][j], &alone[r][j], sizeof(float)) == 0) ++j;
+        FAIL() << GetParam() << ": sequence " << i << " row " << r << " differs first at logit "
+               << j << " (" << batched[i][r][j] << " batched vs " << alone[r][j] << " alone)";
+      }
+      ++rows_compared;
+    }
+  }
+  std::printf("%s: %lld logit rows of %zu sequences (up to %d per batch) bit-identical to solo\n",
+              GetParam().c_str(), static_cast<long long>(rows_compared), sc.size(), widest);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, BatchInvariance,
+                         ::testing::Values("stories260K.gguf", "llama-gqa-q8_0.gguf",
+                                           "llama-gqa-q4_k_m.gguf", "gemma2-swa-f16.gguf",
+                                           "muse-glimmer-q4_k_m.gguf", "qwen3moe-q4_k_m.gguf",
+                                           "mixtral-q4_k_m.gguf"),
+                         [](const auto& info) {
+                           std::string n = info.param.substr(0, info.param.find('.'));
+                           std::replace_if(n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
+                           return n;
+                         });
+
+TEST(BatchEval, RefusesBadBatchesAndLeavesSessionsUnchanged) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto other = load("stories260K-q8_0.gguf");
+  ASSERT_TRUE(other);
+  auto be = make_cpu_backend(1);
+  Session a(m, *be, 32, 8), b(m, *be, 32, 8), c(other, *be, 32, 8);
+  BatchEval batch(m, *be, 12);
+  const auto pa = random_prompt(5, m->n_vocab(), 1), pb = random_prompt(7, m->n_vocab(), 2);
+  ASSERT_TRUE(batch.eval(std::vector<BatchEval::Item>{{&a, pa}, {&b, pb}}).has_value());
+  ASSERT_EQ(a.n_pos(), 5);
+  ASSERT_EQ(b.n_pos(), 7);
+
+  auto expect_error = [&](std::vector<BatchEval::Item> items, const std::string& needle) {
+    auto r = batch.eval(items);
+    ASSERT_FALSE(r.has_value()) << "accepted: " << needle;
+    EXPECT_NE(r.error().find(needle), std::string::npos) << r.error();
+    EXPECT_EQ(r.error().find('\n'), std::string::npos) << r.error();
+    EXPECT_EQ(a.n_pos(), 5);
+    EXPECT_EQ(b.n_pos(), 7);
+  };
+  const int32_t ok[1] = {3};
+  const int32_t bad_id[1] = {m->n_vocab()};
+  const std::vector<int32_t> nine(9, 3), twenty(20, 3);
+  expect_error({}, "no items");
+  expect_error({{&a, ok}, {&a, ok}}, "share one session");
+  expect_error({{&a, ok}, {nullptr, ok}}, "item 1: no session");
+  expect_error({{&a, ok}, {&c, ok}}, "another model");
+  expect_error({{&a, ok}, {&b, {}}}, "empty");
+  expect_error({{&a, ok}, {&b, bad_id}}, "outside the vocabulary");
+  expect_error({{&a, ok}, {&b, nine}}, "batch limit 8");
+  expect_error({{&a, std::span<const int32_t>(nine).first(8)}, {&b, std::span<const int32_t>(nine).first(5)}},
+               "exceeds the limit 12");
+  // Context: b holds 7 of 32 positions; 8 + 8 + 8 + 2 would fit, 26 tokens more do not.
+  for (int i = 0; i < 3; ++i)
+    ASSERT_TRUE(batch.eval(std::vector<BatchEval::Item>{{&b, std::span<const int32_t>(twenty).first(8)}}).has_value());
+  ASSERT_EQ(b.n_pos(), 31);
+  auto r = batch.eval(std::vector<BatchEval::Item>{{&a, ok}, {&b, std::span<const int32_t>(twenty).first(2)}});
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().find("context overflow"), std::string::npos) << r.error();
+  EXPECT_EQ(a.n_pos(), 5);
+  EXPECT_EQ(b.n_pos(), 31);
+
+  // After all the refusals, `a` continues exactly like a session that never saw them.
+  auto cont = batch.eval(std::vector<BatchEval::Item>{{&a, ok}});
+  ASSERT_TRUE(cont.has_value()) << cont.error();
+  Session fresh(m, *be, 32, 8);
+  ASSERT_TRUE(fresh.eval(pa, false).has_value());
+  auto want = fresh.eval(ok, false);
+  ASSERT_TRUE(want.has_value());
+  ASSERT_EQ(cont->size(), want->size());
+  EXPECT_EQ(std::memcmp(cont->data(), want->data(), want->size() * sizeof(float)), 0);
+}
+
+}  // namespace
+}  // namespace kiln
