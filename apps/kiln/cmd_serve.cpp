@@ -86,6 +86,7 @@ Status serve(ServeOptions o) {
   if (o.max_body_kib < 1) return Status::error("--max-body-kib must be >= 1");
   o.server.max_body_bytes = o.max_body_kib * 1024;
   o.server.cpu_threads = static_cast<int>(cfg.threads);
+  o.server.experts = expert_store_config(cfg);
   if (o.role != "standalone" && o.role != "prefill" && o.role != "decode")
     return Status::errorf("--role '{}' must be standalone, prefill or decode", o.role);
   if (o.prefill_timeout_ms <= 0)

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/status.h"
+#include "moe/expert_store.h"
 
 namespace kiln {
 class Session;
@@ -32,6 +33,8 @@ struct ServerOptions {
   // `--role decode`: prompts' KV comes from a prefill node (SchedulerConfig::remote_prefill).
   std::function<bool(Session&, std::span<const int32_t>)> remote_prefill;
   int32_t draft_ngram = 0;       // n-gram draft tokens per decode step (SchedulerConfig); 0: off
+  // MoE experts streamed through the slab cache (--expert-cache/--expert-cap); off by default.
+  moe::StoreConfig experts;
 };
 
 class HttpServer {

@@ -472,3 +472,32 @@ TEST(Server, StopEndsInFlightStreamsCleanly) {
 
 }  // namespace
 }  // namespace kiln::server
+
+namespace kiln::server {
+namespace {
+
+// `kiln serve --expert-cap N` streams a MoE model's experts through the slab cache; the text a
+// greedy request gets is the same as with the experts mapped (the store's identity contract).
+TEST(Server, ExpertStreamingServesTheSameText) {
+  auto complete = [](const moe::StoreConfig& experts) {
+    ServerOptions o;
+    o.model_path = testing::model_path("qwen3moe-q4_k_m.gguf");
+    o.experts = experts;
+    Running r = start(o);
+    const json c = post_json(*r.cli, "/v1/completions",
+                             {{"prompt", "Once upon a time"}, {"max_tokens", 12}, {"temperature", 0}},
+                             200);
+    return c["choices"][0]["text"].get<std::string>();
+  };
+  const std::string mapped = complete({});
+  EXPECT_FALSE(mapped.empty());
+  moe::StoreConfig capped;
+  capped.cap = 2;
+  const uint64_t misses_before = process_counters().counter("moe.expert_misses").value();
+  EXPECT_EQ(complete(capped), mapped);
+  EXPECT_GT(process_counters().counter("moe.expert_misses").value(), misses_before)
+      << "the capped server did not go through the expert store";
+}
+
+}  // namespace
+}  // namespace kiln::server
