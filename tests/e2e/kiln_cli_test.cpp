@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/run_kiln.h"
 #include "common/testdata.h"
 #include "format/gguf.h"
 #include "tokenizer/tokenizer.h"
@@ -27,41 +28,8 @@ using testing::model_path;
 using testing::read_file;
 using testing::shared_path;
 
-struct Proc {
-  int rc = -1;         // exit status; -1 when killed by a signal
-  int signal = 0;
-  std::string out, err;
-};
-
-// Runs kiln with `args` (no shell, so prompts pass through byte for byte).
-Proc run_kiln(const std::vector<std::string>& args) {
-  static const std::string dir = testing::temp_dir();
-  const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> full = {kiln_binary()};
-  full.insert(full.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& a : full) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  Proc p;
-  if (posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ) != 0) {
-    posix_spawn_file_actions_destroy(&fa);
-    ADD_FAILURE() << "cannot start " << argv[0];
-    return p;
-  }
-  posix_spawn_file_actions_destroy(&fa);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  if (WIFEXITED(status)) p.rc = WEXITSTATUS(status);
-  else if (WIFSIGNALED(status)) p.signal = WTERMSIG(status);
-  p.out = read_file(out_path);
-  p.err = read_file(err_path);
-  return p;
-}
+using Proc = testing::KilnProc;
+using testing::run_kiln;
 
 // A failed command: exit status 1 (not a crash), one stderr line mentioning `what`.
 void expect_clean_error(const Proc& p, const std::string& what) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "common/run_kiln.h"
 #include "common/testdata.h"
 #include "engine/session.h"
 #include "format/gguf.h"
@@ -26,41 +27,8 @@ extern char** environ;
 namespace kiln {
 namespace {
 
-struct Proc {
-  int rc = -1;
-  int signal = 0;
-  std::string out, err;
-};
-
-// Runs the built kiln with `args` (no shell).
-Proc run_kiln(const std::vector<std::string>& args) {
-  static const std::string dir = testing::temp_dir();
-  const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> full = {testing::kiln_binary()};
-  full.insert(full.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& a : full) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  Proc p;
-  const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) {
-    ADD_FAILURE() << "cannot start " << argv[0];
-    return p;
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  if (WIFEXITED(status)) p.rc = WEXITSTATUS(status);
-  else if (WIFSIGNALED(status)) p.signal = WTERMSIG(status);
-  p.out = testing::read_file(out_path);
-  p.err = testing::read_file(err_path);
-  return p;
-}
+using Proc = testing::KilnProc;
+using testing::run_kiln;
 
 void expect_clean_error(const Proc& p, const std::string& what) {
   EXPECT_EQ(p.signal, 0) << "crashed: " << p.err;

@@ -11,24 +11,14 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "common/testdata.h"
+#include "engine_test_util.h"
 #include "engine/session.h"
 
 namespace kiln {
 namespace {
 
-std::shared_ptr<const Model> load(const std::string& file) {
-  auto m = Model::load(testing::model_path(file));
-  EXPECT_TRUE(m.has_value()) << m.error();
-  return m ? *m : nullptr;
-}
-
-std::vector<int32_t> random_prompt(int32_t n, int32_t n_vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> ids{1};  // BOS
-  while (static_cast<int32_t>(ids.size()) < n)
-    ids.push_back(static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(n_vocab - 2)));
-  return ids;
-}
+using enginetest::load;
+using enginetest::random_prompt;
 
 int32_t argmax(std::span<const float> l) {
   return static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());

@@ -12,6 +12,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "common/testdata.h"
+#include "engine_test_util.h"
 #include "engine/scheduler.h"
 #include "engine/session.h"
 #include "tokenizer/tokenizer.h"
@@ -21,19 +22,8 @@ namespace {
 
 using namespace std::chrono_literals;
 
-std::shared_ptr<const Model> load(const std::string& file) {
-  auto m = Model::load(testing::model_path(file));
-  EXPECT_TRUE(m.has_value()) << m.error();
-  return m ? *m : nullptr;
-}
-
-std::vector<int32_t> random_prompt(int32_t n, int32_t n_vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> ids{1};  // BOS
-  while (static_cast<int32_t>(ids.size()) < n)
-    ids.push_back(static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(n_vocab - 2)));
-  return ids;
-}
+using enginetest::load;
+using enginetest::random_prompt;
 
 // All-position logits of `prompt` evaluated in pieces of `chunk` tokens.
 std::vector<float> logits_chunked(const std::shared_ptr<const Model>& m, Backend& be,

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "common/run_kiln.h"
 #include "common/testdata.h"
 
 extern char** environ;
@@ -16,37 +17,8 @@ extern char** environ;
 namespace kiln {
 namespace {
 
-struct Proc {
-  int rc = -1;
-  std::string out, err;
-};
-
-Proc run_kiln(std::vector<std::string> args) {
-  static const std::string dir = testing::temp_dir();
-  const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  args.insert(args.begin(), testing::kiln_binary());
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  Proc p;
-  const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) {
-    ADD_FAILURE() << "cannot start " << argv[0];
-    return p;
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  p.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  p.out = testing::read_file(out_path);
-  p.err = testing::read_file(err_path);
-  return p;
-}
+using Proc = testing::KilnProc;
+using testing::run_kiln;
 
 std::string ids_line(const std::string& err) {
   const size_t at = err.find("ids xxh64 ");

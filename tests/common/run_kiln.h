@@ -1,0 +1,20 @@
+// tests/common/run_kiln.h: runs the built `kiln` binary as a child process for end-to-end
+// tests (no shell, so arguments such as prompts pass through byte for byte).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace kiln::testing {
+
+struct KilnProc {
+  int rc = -1;      // exit status; -1 when killed by a signal
+  int signal = 0;   // the signal that killed it, else 0
+  std::string out, err;
+};
+
+// kiln_binary() with `args`; stdout and stderr are captured whole. A failure to start is a
+// test failure (rc stays -1).
+KilnProc run_kiln(const std::vector<std::string>& args);
+
+}  // namespace kiln::testing

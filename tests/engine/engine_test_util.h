@@ -1,0 +1,33 @@
+// tests/engine/engine_test_util.h: helpers shared by the engine tests (scheduler, batched
+// decode): loading a shared model and making a reproducible random prompt.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/testdata.h"
+#include "engine/session.h"
+
+namespace kiln::enginetest {
+
+inline std::shared_ptr<const Model> load(const std::string& file) {
+  auto m = Model::load(testing::model_path(file));
+  EXPECT_TRUE(m.has_value()) << m.error();
+  return m ? *m : nullptr;
+}
+
+// BOS then n - 1 ids drawn from [2, n_vocab) by a seeded generator.
+inline std::vector<int32_t> random_prompt(int32_t n, int32_t n_vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids{1};  // BOS
+  while (static_cast<int32_t>(ids.size()) < n)
+    ids.push_back(static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(n_vocab - 2)));
+  return ids;
+}
+
+}  // namespace kiln::enginetest
