@@ -4,8 +4,11 @@
 // weight bytes one decoded token reads (all dense weights except the embedding table, of
 // which one row; for MoE layers only the experts the run's own routing selected, counted by
 // the forward pass), the read bandwidth of this machine measured between the repetitions,
-// the roofline tokens/s those two give, and tg as a fraction of it. Also the process's
-// anonymous resident memory (everything beyond the mapped weights).
+// the roofline tokens/s those two give, and tg as a fraction of it (on a tensor-parallel group
+// the bandwidth of all its GPUs together). Also the process's
+// anonymous resident memory (everything beyond the mapped weights). --n-seq S adds
+// tgN xS: S sequences decoded together, N steps of one token each through BatchEval
+// (llama-batched-bench's parallel decode), reported as the aggregate tokens/s of all S.
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -32,14 +35,15 @@ struct BenchOptions {
   std::string model;
   std::vector<int32_t> n_prompt{512};
   std::vector<int32_t> n_gen{128};
+  std::vector<int32_t> n_seq;  // batched decode widths (tgN xS), none by default
   int32_t reps = 5;
   std::string output = "md";
   std::shared_ptr<ConfigOverrides> config;
 };
 
 struct Result {
-  std::string test;  // "pp512" / "tg128"
-  int32_t n_prompt = 0, n_gen = 0;
+  std::string test;  // "pp512" / "tg128" / "tg128 x16"
+  int32_t n_prompt = 0, n_gen = 0, n_seq = 1;
   std::vector<double> ts;  // tokens/s per repetition
   double mean = 0, stddev = 0;
   double gbps = 0;  // tg only: weight bytes per token / seconds per token
@@ -146,6 +150,22 @@ Expected<double> time_decode(Session& s, std::span<const int32_t> tokens) {
   return double(tokens.size()) / std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// S sessions from empty caches, then n steps in which each appends one token, all S in one
+// BatchEval step: aggregate tokens/s.
+Expected<double> time_batched_decode(std::span<const std::unique_ptr<Session>> seqs,
+                                     BatchEval& batch, std::span<const int32_t> tokens) {
+  for (const auto& s : seqs) KILN_TRY(s->rollback(0));
+  std::vector<BatchEval::Item> items(seqs.size());
+  const auto t0 = Clock::now();
+  for (size_t step = 0; step < tokens.size(); ++step) {
+    for (size_t i = 0; i < seqs.size(); ++i)
+      items[i] = {seqs[i].get(), tokens.subspan((step + i) % tokens.size(), 1), false};
+    KILN_TRY(batch.eval(items));
+  }
+  return double(tokens.size() * seqs.size()) /
+         std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
 Status run(const BenchOptions& o) {
   KILN_ASSIGN_OR_RETURN(Config cfg, load_config(*o.config));
   if (auto lvl = parse_log_level(cfg.log_level)) set_log_level(*lvl);
@@ -161,6 +181,8 @@ Status run(const BenchOptions& o) {
     if (n < 0) return Status::errorf("-n {} must be >= 0", n);
     n_max = std::max(n_max, n);
   }
+  for (int32_t s : o.n_seq)
+    if (s < 1 || s > 1024) return Status::errorf("--n-seq {} must be 1..1024", s);
   KILN_ASSIGN_OR_RETURN(std::string path, resolve_model_path(o.model, cfg));
   KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(path, cfg));
   const Model& model = *ld.model;
@@ -175,29 +197,33 @@ Status run(const BenchOptions& o) {
   std::unique_ptr<ReadBandwidth> bandwidth;
   // A device backend streams weights from its own memory: its bandwidth is the roofline.
   double device_gbps = 0;
+  // A tensor-parallel group reads each rank's share of the weights from that rank's memory at
+  // once: its roofline bandwidth is the sum over the ranks (rank 0's reading, times N).
   for (int32_t ng : o.n_gen)
     if (ng > 0 && ld.backend->device_memory() && device_gbps == 0)
-      device_gbps = ld.backend->read_bandwidth_gbps();
+      device_gbps = ld.backend->read_bandwidth_gbps() * ld.backend->tp_size();
   for (int32_t ng : o.n_gen)
     if (ng > 0 && !bandwidth && device_gbps == 0)
       bandwidth = std::make_unique<ReadBandwidth>(threads);
 
   std::vector<Result> results;
-  auto bench = [&](const std::string& name, int32_t np, int32_t ng, auto&& fn) -> Status {
-    Result r{name, np, ng, {}, 0, 0, 0};
+  auto bench = [&](const std::string& name, int32_t np, int32_t ng, int32_t n_seq,
+                   auto&& fn) -> Status {
+    Result r{name, np, ng, n_seq, {}, 0, 0, 0};
+    const bool roofline = ng > 0 && n_seq == 1;  // one sequence's decode: weight-bound
     const std::vector<int32_t> tokens = random_tokens(np + ng, model.n_vocab(), 1234);
     KILN_TRY(fn(tokens));  // warm-up: page in weights, size scratch buffers
     double bw_sum = 0;
     uint64_t expert_bytes_run = 0;
     for (int32_t i = 0; i < o.reps; ++i) {
-      if (ng > 0) bw_sum += device_gbps > 0 ? device_gbps : bandwidth->measure();
+      if (roofline) bw_sum += device_gbps > 0 ? device_gbps : bandwidth->measure();
       const uint64_t e0 = expert_bytes.value();
       KILN_ASSIGN_OR_RETURN(double ts, fn(tokens));
       expert_bytes_run += expert_bytes.value() - e0;
       r.ts.push_back(ts);
     }
     summarise(r);
-    if (ng > 0) {
+    if (roofline) {
       r.dense_bytes = dense_bytes_per_token(model);
       r.expert_bytes = double(expert_bytes_run) / (double(ng) * o.reps);
       r.bytes_per_token = r.dense_bytes + r.expert_bytes;
@@ -211,12 +237,24 @@ Status run(const BenchOptions& o) {
   };
   for (int32_t np : o.n_prompt)
     if (np > 0)
-      KILN_TRY(bench(fmt::format("pp{}", np), np, 0,
+      KILN_TRY(bench(fmt::format("pp{}", np), np, 0, 1,
                      [&](const std::vector<int32_t>& t) { return time_prefill(session, t); }));
   for (int32_t ng : o.n_gen)
     if (ng > 0)
-      KILN_TRY(bench(fmt::format("tg{}", ng), 0, ng,
+      KILN_TRY(bench(fmt::format("tg{}", ng), 0, ng, 1,
                      [&](const std::vector<int32_t>& t) { return time_decode(session, t); }));
+  for (int32_t ns : o.n_seq) {
+    std::vector<std::unique_ptr<Session>> seqs;
+    for (int32_t i = 0; i < ns; ++i)
+      seqs.push_back(std::make_unique<Session>(ld.model, *ld.backend, n_max, 1));
+    BatchEval batch(ld.model, *ld.backend, ns);
+    for (int32_t ng : o.n_gen)
+      if (ng > 0)
+        KILN_TRY(bench(fmt::format("tg{} x{}", ng, ns), 0, ng, ns,
+                       [&](const std::vector<int32_t>& t) {
+                         return time_batched_decode(seqs, batch, t);
+                       }));
+  }
   bandwidth.reset();  // its 512 MiB are not part of the memory figures below
   const MemoryUse mem = memory_use();
 
@@ -236,6 +274,7 @@ Status run(const BenchOptions& o) {
                           {"test", r.test},
                           {"n_prompt", r.n_prompt},
                           {"n_gen", r.n_gen},
+                          {"n_seq", r.n_seq},
                           {"avg_ts", r.mean},
                           {"stddev_ts", r.stddev},
                           {"samples_ts", r.ts},
@@ -243,7 +282,7 @@ Status run(const BenchOptions& o) {
                           {"rss_bytes", mem.rss},
                           {"rss_anon_bytes", mem.rss_anon},
                           {"rss_anon_before_bytes", mem_before.rss_anon}};
-      if (r.n_gen > 0) {
+      if (r.n_gen > 0 && r.n_seq == 1) {
         j["weight_gbps"] = r.gbps;
         j["bytes_per_token"] = r.bytes_per_token;
         j["dense_bytes_per_token"] = r.dense_bytes;
@@ -262,9 +301,9 @@ Status run(const BenchOptions& o) {
       fmt::print("| {} {} | {:.2f} GiB | {:.2f} B | {} | {} | {} | {:.2f} ± {:.2f} | {} |\n",
                  model.arch_name(), model_name, size_gib, double(n_params) * 1e-9,
                  ld.backend->name(), threads, r.test, r.mean, r.stddev,
-                 r.n_gen > 0 ? fmt::format("{:.1f}", r.gbps) : std::string("-"));
+                 r.n_gen > 0 && r.n_seq == 1 ? fmt::format("{:.1f}", r.gbps) : std::string("-"));
     for (const Result& r : results)
-      if (r.n_gen > 0)
+      if (r.n_gen > 0 && r.n_seq == 1)
         fmt::print("\n{}: {:.2f} MB of weights read per token ({:.2f} MB dense + {:.2f} MB of the "
                    "experts this run routed to); read bandwidth {:.1f} GB/s (same run) -> roofline "
                    "{:.1f} t/s; tg = {:.1f} % of it\n",
@@ -292,6 +331,9 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_option("-p,--n-prompt", o->n_prompt, "prompt lengths to test (default 512)")
       ->delimiter(',');
   cmd->add_option("-n,--n-gen", o->n_gen, "generation lengths to test (default 128)")
+      ->delimiter(',');
+  cmd->add_option("--n-seq", o->n_seq,
+                  "also decode this many sequences together (tgN xS, aggregate t/s; list)")
       ->delimiter(',');
   cmd->add_option("-r,--repetitions", o->reps, "repetitions per test (default 5)");
   cmd->add_option("-o,--output", o->output, "md or json (default md)");

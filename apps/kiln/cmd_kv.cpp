@@ -12,6 +12,7 @@
 #include "apps/kiln/commands.h"
 #include "apps/kiln/config_cli.h"
 #include "apps/kiln/gen_common.h"
+#include "apps/kiln/prefill_node.h"
 #include "core/log.h"
 #include "kv/kvpack.h"
 #include "transfer/remote_prefill.h"
@@ -189,7 +190,7 @@ void add(CLI::App* kv, const char* name, const char* help, Status (*fn)(const Kv
   if (std::string(name) != "save" && !with_peer)
     cmd->add_option("-i,--input", o->file, "kvpack file to read");
   if (with_peer) {
-    cmd->add_option("--prefill-peer", o->peer, "HOST:PORT of `kiln serve --role prefill`");
+    cmd->add_option("--prefill-peer", o->peer, "HOST:PORT of a prefill node (kiln kv serve)");
     cmd->add_option("--transport", o->transport, "tcp or ucx (default tcp)");
     cmd->add_option("--timeout-ms", o->timeout_ms, "stall timeout before local prefill (30000)");
     cmd->add_flag("--local", o->local, "prefill locally (the baseline)");
@@ -204,6 +205,44 @@ void add(CLI::App* kv, const char* name, const char* help, Status (*fn)(const Kv
   });
 }
 
+// `kiln kv serve`: the prefill node (apps/kiln/prefill_node.h) in any build, the HTTP server
+// not needed.
+void add_serve(CLI::App* kv, int& exit_code) {
+  auto* cmd = kv->add_subcommand(
+      "serve", "prefill node: prefill decode nodes' prompts and stream their KV (no HTTP)");
+  struct Options {
+    std::string model;
+    PrefillNodeOptions node;
+    std::shared_ptr<ConfigOverrides> config;
+  };
+  auto o = std::make_shared<Options>();
+  cmd->add_option("-m,--model", o->model, "GGUF model (default: the demo model stories260K)");
+  cmd->add_option("--host", o->node.host, "address to listen on (default 127.0.0.1)");
+  cmd->add_option("--kv-port", o->node.port, "port for decode nodes (default 7070; 0: any)");
+  cmd->add_option("--transport", o->node.transport, "tcp or ucx (default tcp)");
+  cmd->add_option("--prefill-chunk", o->node.chunk, "prompt tokens per step (default 256)");
+  cmd->add_option("--timeout-ms", o->node.timeout_ms, "drop a stalled decode node after (30000)");
+  o->config = add_config_options(cmd);
+  cmd->callback([o, &exit_code] {
+    Status s = [&]() -> Status {
+      KILN_ASSIGN_OR_RETURN(Config cfg, load_config(*o->config));
+      if (auto lvl = parse_log_level(cfg.log_level)) set_log_level(*lvl);
+      KILN_ASSIGN_OR_RETURN(o->node.model_path, resolve_model_path(o->model, cfg));
+      sigset_t sigs;  // to sigwait in run_prefill_node, not to a worker thread
+      sigemptyset(&sigs);
+      sigaddset(&sigs, SIGTERM);
+      sigaddset(&sigs, SIGINT);
+      pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+      return run_prefill_node(o->node, cfg, sigs);
+    }();
+    if (!s) {
+      std::fflush(stdout);
+      fmt::print(stderr, "kiln kv serve: {}\n", s.message());
+      exit_code = 1;
+    }
+  });
+}
+
 }  // namespace
 
 void add_kv_command(CLI::App& app, int& exit_code) {
@@ -213,8 +252,9 @@ void add_kv_command(CLI::App& app, int& exit_code) {
   add(kv, "load", "load a saved KV cache and continue with more text", kv_load, exit_code, true,
       false);
   add(kv, "info", "verify a kvpack file and print its header", kv_info, exit_code, false, false);
-  add(kv, "remote", "prefill on a peer (kiln serve --role prefill), decode here", kv_remote,
-      exit_code, true, true);
+  add(kv, "remote", "prefill on a peer (kiln kv serve / serve --role prefill), decode here",
+      kv_remote, exit_code, true, true);
+  add_serve(kv, exit_code);
 }
 
 }  // namespace kiln::app

@@ -11,6 +11,7 @@
 #include "apps/kiln/commands.h"
 #include "apps/kiln/config_cli.h"
 #include "apps/kiln/gen_common.h"
+#include "apps/kiln/prefill_node.h"
 #include "core/log.h"
 #include "engine/scheduler.h"
 #include "server/server.h"
@@ -35,38 +36,16 @@ struct ServeOptions {
   int64_t prefill_timeout_ms = 30000;
 };
 
-// `--role prefill`: accepts decode nodes one at a time and streams each prompt's KV back.
-Status serve_prefill_role(const ServeOptions& o, const Config& cfg, sigset_t sigs) {
-  KILN_ASSIGN_OR_RETURN(transfer::TransportKind kind, transfer::transport_from_name(o.kv_transport));
-  if (o.kv_port < 0 || o.kv_port > 65535)
-    return Status::errorf("--kv-port {} must be in [0, 65535]", o.kv_port);
-  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(o.server.model_path, cfg));
-  KILN_ASSIGN_OR_RETURN(auto listener, transfer::listen(kind, o.server.host, o.kv_port));
-  fmt::print(stderr, "kiln serve: prefill role, model {}, listening on {} {}:{}\n",
-             o.server.model_path, o.kv_transport, o.server.host, listener->port());
-  std::fflush(stderr);
-  std::atomic<bool> stop{false};
-  std::thread worker([&] {
-    const transfer::ProducerOptions popt{.max_batch = o.server.prefill_chunk,
-                                         .io_timeout = transfer::Millis(o.prefill_timeout_ms)};
-    while (!stop.load()) {
-      auto link = listener->accept(transfer::Millis(200));
-      if (!link) continue;  // timeout: look at the stop flag again
-      const auto t0 = std::chrono::steady_clock::now();
-      Status s = transfer::serve_prefill(**link, ld.model, *ld.backend, popt);
-      const double secs =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (s) log_info("prefill for {} served in {:.3f} s", (*link)->describe(), secs);
-      else log_notice("prefill for {} failed: {}", (*link)->describe(), s.message());
-    }
-  });
-  int sig = 0;
-  sigwait(&sigs, &sig);
-  fmt::print(stderr, "kiln serve: {} received, shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  stop.store(true);
-  worker.join();
-  fmt::print(stderr, "kiln serve: stopped\n");
-  return Status::ok();
+// `--role prefill`: the prefill node (apps/kiln/prefill_node.h), without HTTP.
+Status serve_prefill_role(const ServeOptions& o, const Config& cfg, const sigset_t& sigs) {
+  PrefillNodeOptions p;
+  p.model_path = o.server.model_path;
+  p.host = o.server.host;
+  p.transport = o.kv_transport;
+  p.port = o.kv_port;
+  p.chunk = o.server.prefill_chunk;
+  p.timeout_ms = o.prefill_timeout_ms;
+  return run_prefill_node(p, cfg, sigs);
 }
 
 Status serve(ServeOptions o) {

@@ -12,6 +12,9 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/kernels.h"
+#include "backend/tp_group.h"
+#include "core/thread_pool.h"
 #include "core/log.h"
 #if KILN_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
@@ -48,9 +51,45 @@ moe::StoreConfig expert_store_config(const Config& config) {
 
 Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config& config) {
   const std::string& dev = config.device;
+  cpu::set_q4k_packed_matmul(config.cpu_q4k_packed);  // process-wide, like the CPU kernels
   if (dev != "auto" && dev != "cuda" && dev != "cpu")
     return Status::errorf("unknown --device '{}' (auto, cuda or cpu)", dev);
   const bool streaming = config.expert_cache > 0 || config.expert_cap > 0;
+  const int64_t tp = config.tensor_parallel;
+  if (tp < 1 || tp > 64) return Status::errorf("--tensor-parallel {}: must be 1..64", tp);
+  if (tp > 1) {
+    if (Status st = check_tensor_parallel(model, static_cast<int>(tp)); !st)
+      return Status::errorf("--tensor-parallel {}: {}", tp, st.message());
+    if (streaming)
+      return Status::error("--tensor-parallel does not support MoE expert streaming "
+                           "(--expert-cache/--expert-cap)");
+    if (dev == "cpu") {
+      std::vector<std::unique_ptr<Backend>> ranks;
+      const int per_rank = std::max<int>(1, static_cast<int>(config.threads > 0
+                                                                   ? config.threads
+                                                                   : ThreadPool::default_threads()) /
+                                                static_cast<int>(tp));
+      for (int64_t r = 0; r < tp; ++r) ranks.push_back(make_cpu_backend(per_rank));
+      return make_host_tp_group(std::move(ranks));
+    }
+#if KILN_WITH_CUDA
+    CudaOptions o;
+    o.progress = true;
+    o.graphs = config.cuda_graphs;
+    o.immutable_region = model.gguf().mapping()->bytes();  // norms/biases cached, not staged
+    if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
+    else if (config.cuda_matmul == "v3") o.matmul = CudaMatmul::V3;
+    else if (config.cuda_matmul != "auto" && config.cuda_matmul != "v2")
+      return Status::errorf("unknown --cuda-matmul '{}' (auto, v1, v2, v3)", config.cuda_matmul);
+    auto group = make_cuda_tp_group(static_cast<int>(tp), o);
+    if (!group) return Status::errorf("--tensor-parallel {}: {}", tp, group.error());
+    return std::move(*group);
+#else
+    return Status::errorf("--tensor-parallel {} needs CUDA GPUs, and this kiln was built "
+                          "without CUDA (KILN_CUDA=OFF); --device cpu runs it on CPU backends",
+                          tp);
+#endif
+  }
 #if KILN_WITH_CUDA
   if (dev == "cuda" || (dev == "auto" && cuda_device_count() > 0)) {
     // The arena caches weights by host address; streamed expert slabs are reused for other

@@ -30,17 +30,44 @@ struct WeightMatrix {
   int64_t n_cols = 0;    // k: elements per stored row (ne[0])
   int64_t n_rows = 0;    // output features (ne[1] * ne[2] * ne[3] flattened)
   size_t row_bytes = 0;  // bytes per stored row
-  std::span<const std::byte> bytes;  // n_rows * row_bytes bytes
+  // Bytes from one stored row to the next; 0 means row_bytes (rows back to back). Larger for a
+  // column block of a wider matrix (columns()), which tensor parallelism's row-parallel
+  // shards are: views into the mapping, never repacked on the host.
+  size_t row_stride = 0;
+  std::span<const std::byte> bytes;  // from row 0's first byte to the last row's last byte
 
+  size_t stride() const { return row_stride ? row_stride : row_bytes; }
+  bool strided() const { return stride() != row_bytes; }
+  // What `bytes` must span for this shape.
+  size_t span_bytes() const {
+    return n_rows > 0 ? static_cast<size_t>(n_rows - 1) * stride() + row_bytes : 0;
+  }
   std::span<const std::byte> row(int64_t r) const {
-    return bytes.subspan(static_cast<size_t>(r) * row_bytes, row_bytes);
+    return bytes.subspan(static_cast<size_t>(r) * stride(), row_bytes);
   }
   // Rows [first, first + count) as a matrix of their own (an expert's slice of a 3-D tensor).
   WeightMatrix rows(int64_t first, int64_t count) const {
     WeightMatrix m = *this;
     m.n_rows = count;
-    m.bytes = bytes.subspan(static_cast<size_t>(first) * row_bytes,
-                            static_cast<size_t>(count) * row_bytes);
+    m.bytes = count > 0 ? bytes.subspan(static_cast<size_t>(first) * stride(),
+                                        static_cast<size_t>(count - 1) * stride() + row_bytes)
+                        : bytes.subspan(0, 0);
+    return m;
+  }
+  // Columns [first, first + count) of every row as a strided matrix: both must be multiples
+  // of the type's block (whole quant blocks per row). KILN_CHECK on a misaligned request.
+  WeightMatrix columns(int64_t first, int64_t count) const {
+    const int64_t blk = traits(dtype).block_size;
+    KILN_CHECK(first >= 0 && count > 0 && first + count <= n_cols && first % blk == 0 &&
+                   count % blk == 0,
+               "columns [{}, +{}) of a {}-wide {} matrix (block {})", first, count, n_cols,
+               dtype_name(dtype), blk);
+    const size_t bpb = traits(dtype).type_size;  // bytes per block
+    WeightMatrix m = *this;
+    m.n_cols = count;
+    m.row_stride = stride();
+    m.row_bytes = static_cast<size_t>(count / blk) * bpb;
+    m.bytes = bytes.subspan(static_cast<size_t>(first / blk) * bpb, m.span_bytes());
     return m;
   }
 };
@@ -204,6 +231,22 @@ class Backend {
   virtual void attention(const AttentionArgs& a) = 0;
   // Index of the largest value (first on ties).
   virtual int64_t argmax(std::span<const float> x) = 0;
+
+  // --- Tensor parallelism (model/tensor_parallel.h). A group backend (backend/tp_group.h)
+  // stands for tp_size() rank backends that run each forward step together, every rank over
+  // its shard of the weights and KV heads; its own ops run on rank 0. A plain backend is a
+  // group of one: itself.
+  virtual int tp_size() const { return 1; }
+  virtual Backend& tp_rank(int r) {
+    KILN_CHECK(r == 0, "rank {} of a single backend", r);
+    return *this;
+  }
+  // Runs f(r) for every rank r at once (rank 0 on the calling thread) and returns when all
+  // have returned. Each rank's f must issue the same sequence of all_reduce_sum calls.
+  virtual void tp_run(const std::function<void(int rank)>& f) { f(0); }
+  // On a rank of a group: x = the sum of x over all ranks (the output of a row-parallel
+  // matmul), ordered with the ops around it. Alone: x is unchanged.
+  virtual void all_reduce_sum(std::span<float> x) { (void)x; }
 };
 
 // The scalar reference backend: every op in plain loops, the oracle for the others.

@@ -23,6 +23,13 @@ KILN_CONFIG_ENTRY(bool, expert_prefetch, false,
 KILN_CONFIG_ENTRY(std::string, device, "auto",
                   "backend for run/bench/perplexity: cuda, cpu, or auto (cuda when this build "
                   "has it and a GPU is present, else cpu)")
+KILN_CONFIG_ENTRY(int64_t, tensor_parallel, 1,
+                  "split every layer's heads and FFN columns (MoE: experts) over this many GPUs "
+                  "joined by NCCL; with --device cpu over this many CPU backends (a test "
+                  "vehicle: same results, not faster)")
+KILN_CONFIG_ENTRY(bool, cpu_q4k_packed, true,
+                  "CPU: Q4_K prefill (12+ tokens) through the packed AVX-512 VNNI kernel (same "
+                  "bits as the plain kernel, ~1.3x faster: docs/BENCHMARKS.md)")
 KILN_CONFIG_ENTRY(std::string, cuda_matmul, "auto",
                   "CUDA matmul kernels: v1, v2, v3 (int8 activations, dp4a), auto (the backend's "
                   "default)")

@@ -10,6 +10,7 @@
 #include "kv/kv_cache.h"
 #include "model/batch.h"
 #include "model/forward.h"
+#include "model/tensor_parallel.h"
 
 namespace kiln {
 
@@ -56,13 +57,16 @@ uint64_t Model::weight_bytes() const {
 // stays a few MB on large models.
 constexpr int32_t kMaxBatch = 512;
 
-struct Session::Impl {
+namespace {
+
+// One tensor-parallel rank's share of a session: its KV planes (its KV heads) and scratch.
+// A plain backend is a group of one, whose rank 0 is the backend itself.
+struct RankState {
   KvCache kv;
   // Created on the first eval(): sessions driven only through BatchEval (scheduler slots)
   // never need their own activation scratch.
   std::optional<model::ForwardState> fwd;
   std::vector<model::LayerKv> layer_kv;
-  std::vector<float> discard;  // [n_vocab] logits of a non-final chunk
 
   // Fills layer_kv from the pending append of the KV cache.
   void bind_layers(int32_t n_layer) {
@@ -77,51 +81,115 @@ struct Session::Impl {
   }
 };
 
+// The model as each rank of `backend` sees it (one entry, the model itself, on a plain
+// backend). A model whose heads or widths do not split is refused at construction.
+std::vector<model::Shard> shards_for(const Model& m, Backend& backend) {
+  std::vector<model::Shard> out;
+  for (int r = 0; r < backend.tp_size(); ++r) {
+    auto sh = model::shard_model(m.hparams(), m.weights(), r, backend.tp_size());
+    KILN_CHECK(sh.has_value(), "{} (check_tensor_parallel() first)", sh.error());
+    out.push_back(std::move(*sh));
+  }
+  return out;
+}
+
+}  // namespace
+
+struct Session::Impl {
+  std::vector<model::Shard> shards;  // [tp_size]
+  std::vector<RankState> ranks;      // [tp_size]; ranks[0].kv is "the" cache
+  std::vector<float> discard;        // [n_vocab] logits of a non-final chunk
+
+  KvCache& kv() { return ranks[0].kv; }
+  // The ranks' caches hold the same positions and rows, so every call succeeds or fails on
+  // all of them alike; a failure is still undone everywhere.
+  Status begin_append(int32_t n) {
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      if (Status st = ranks[r].kv.begin_append(n); !st) {
+        for (size_t q = 0; q < r; ++q) (void)ranks[q].kv.truncate(ranks[q].kv.n_pos());
+        return st;
+      }
+    }
+    return Status::ok();
+  }
+  void commit() {
+    for (RankState& r : ranks) r.kv.commit();
+  }
+  Status truncate(int32_t n_pos) {
+    for (RankState& r : ranks) KILN_TRY(r.kv.truncate(n_pos));
+    return Status::ok();
+  }
+  void bind_layers(int32_t n_layer) {
+    for (RankState& r : ranks) r.bind_layers(n_layer);
+  }
+};
+
+Status check_tensor_parallel(const Model& model, int n) {
+  for (int r = 0; r < n; ++r) {
+    auto sh = model::shard_model(model.hparams(), model.weights(), r, n);
+    if (!sh) return sh.status();
+  }
+  return Status::ok();
+}
+
 Session::Session(std::shared_ptr<const Model> model, Backend& backend, int32_t n_ctx,
                  int32_t max_batch)
     : model_(std::move(model)), backend_(backend) {
   KILN_CHECK(model_ != nullptr);
   const model::HParams& hp = model_->hparams();
   n_ctx_ = n_ctx > 0 ? n_ctx : hp.n_ctx_train;
-  KvConfig cfg;
-  cfg.n_ctx = n_ctx_;
-  cfg.max_batch = std::min(n_ctx_, max_batch > 0 ? max_batch : kMaxBatch);
-  cfg.backend = &backend_;  // device backends keep the planes in device memory
-  for (const model::LayerDesc& L : hp.layers) {
-    // K and V planes share one width in the cache; the attention op needs k == v head dims.
-    KILN_CHECK(hp.k_width() == hp.v_width());
-    cfg.layers.push_back(KvLayerSpec{.width = hp.k_width(), .window = L.window});
+  impl_.reset(new Impl{shards_for(*model_, backend_), {}, {}});
+  for (int r = 0; r < backend_.tp_size(); ++r) {
+    const model::HParams& rhp = impl_->shards[static_cast<size_t>(r)].hp;
+    KvConfig cfg;
+    cfg.n_ctx = n_ctx_;
+    cfg.max_batch = std::min(n_ctx_, max_batch > 0 ? max_batch : kMaxBatch);
+    cfg.backend = &backend_.tp_rank(r);  // device backends keep the planes in device memory
+    for (const model::LayerDesc& L : rhp.layers) {
+      // K and V planes share one width in the cache; the attention op needs k == v head dims.
+      KILN_CHECK(rhp.k_width() == rhp.v_width());
+      cfg.layers.push_back(KvLayerSpec{.width = rhp.k_width(), .window = L.window});
+    }
+    auto kv = KvCache::create(cfg);
+    KILN_CHECK(kv.has_value(), "KV cache config derived from a validated model: {}", kv.error());
+    impl_->ranks.push_back(RankState{std::move(*kv), std::nullopt, {}});
   }
-  auto kv = KvCache::create(cfg);
-  KILN_CHECK(kv.has_value(), "KV cache config derived from a validated model: {}", kv.error());
-  impl_.reset(new Impl{std::move(*kv), std::nullopt, {}, {}});
 }
 
 Session::~Session() = default;
 
-uint64_t Session::kv_bytes() const { return impl_->kv.bytes_allocated(); }
+uint64_t Session::kv_bytes() const {
+  uint64_t b = 0;
+  for (const RankState& r : impl_->ranks) b += r.kv.bytes_allocated();
+  return b;
+}
 
-const KvCache& Session::kv_cache() const { return impl_->kv; }
+int Session::tp_size() const { return static_cast<int>(impl_->ranks.size()); }
+
+const KvCache& Session::kv_cache() const { return impl_->ranks[0].kv; }
 
 Status Session::install_kv(KvCache&& kv) {
-  const KvCache& mine = impl_->kv;
+  if (tp_size() > 1)
+    return Status::error("install_kv: a tensor-parallel session's KV is split over its GPUs "
+                         "(kvpack does not carry it)");
+  const KvCache& mine = impl_->kv();
   bool same = kv.n_layers() == mine.n_layers() && kv.n_ctx() == mine.n_ctx() &&
               kv.max_batch() == mine.max_batch() && kv.n_pending() == 0;
   for (int l = 0; same && l < kv.n_layers(); ++l)
     same = kv.width(l) == mine.width(l) && kv.window(l) == mine.window(l);
   if (!same) return Status::error("install_kv: the cache's geometry differs from the session's");
   // One move: the old planes are released only after the new ones are in place.
-  impl_->kv = std::move(kv);
-  n_pos_ = impl_->kv.n_pos();
+  impl_->kv() = std::move(kv);
+  n_pos_ = impl_->kv().n_pos();
   logits_.clear();
   return Status::ok();
 }
-int32_t Session::max_batch() const { return impl_->kv.max_batch(); }
+int32_t Session::max_batch() const { return impl_->ranks[0].kv.max_batch(); }
 
 Status Session::rollback(int32_t n_pos) {
   if (n_pos < 0 || n_pos > n_pos_)
     return Status::errorf("rollback to {} outside [0, {}]", n_pos, n_pos_);
-  KILN_TRY(impl_->kv.truncate(n_pos));
+  KILN_TRY(impl_->truncate(n_pos));
   n_pos_ = n_pos;
   return Status::ok();
 }
@@ -133,24 +201,18 @@ Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, 
   const int64_t V = hp.n_vocab;
   logits_.resize(static_cast<size_t>((all_logits ? n : 1) * V));
   Impl& s = *impl_;
-  const int32_t max_batch = s.kv.max_batch();
-  if (!s.fwd) s.fwd.emplace(hp, max_batch);
+  const int32_t max_batch = s.kv().max_batch();
+  for (size_t r = 0; r < s.ranks.size(); ++r)
+    if (!s.ranks[r].fwd) s.ranks[r].fwd.emplace(s.shards[r].hp, max_batch);
   for (int64_t done = 0; done < n;) {
     const int32_t chunk = static_cast<int32_t>(std::min<int64_t>(max_batch, n - done));
     const bool last_chunk = done + chunk == n;
-    if (Status st = s.kv.begin_append(chunk); !st) {
+    if (Status st = s.begin_append(chunk); !st) {
       // Chunks already committed stay; undo them so a failed eval leaves the state unchanged.
-      (void)s.kv.truncate(n_pos_);
+      (void)s.truncate(n_pos_);
       return st;
     }
     s.bind_layers(hp.n_layer);
-    model::ForwardBatch b;
-    b.tokens = tokens.subspan(static_cast<size_t>(done), static_cast<size_t>(chunk));
-    b.pos = s.kv.append_pos();
-    b.kv = s.layer_kv;
-    b.all_logits = all_logits;
-    // Capture records the last chunk (tests capture single-chunk batches).
-    b.capture = last_chunk ? capture_ : nullptr;
     std::span<float> out;
     if (all_logits) out = std::span<float>(logits_).subspan(static_cast<size_t>(done * V), static_cast<size_t>(chunk * V));
     else if (last_chunk) out = std::span<float>(logits_);
@@ -159,8 +221,23 @@ Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, 
       s.discard.resize(static_cast<size_t>(V));
       out = s.discard;
     }
-    model::forward(hp, model_->weights(), backend_, *s.fwd, b, out);
-    s.kv.commit();
+    const std::span<const int32_t> chunk_tokens =
+        tokens.subspan(static_cast<size_t>(done), static_cast<size_t>(chunk));
+    // Every rank runs the step over its shard at once; rank 0 produces the logits.
+    backend_.tp_run([&](int r) {
+      RankState& rs = s.ranks[static_cast<size_t>(r)];
+      model::ForwardBatch b;
+      b.tokens = chunk_tokens;
+      b.pos = rs.kv.append_pos();
+      b.kv = rs.layer_kv;
+      b.all_logits = all_logits;
+      // Capture records the last chunk (tests capture single-chunk batches), on rank 0.
+      b.capture = last_chunk && r == 0 ? capture_ : nullptr;
+      const model::Shard& sh = s.shards[static_cast<size_t>(r)];
+      model::forward(sh.hp, sh.w, backend_.tp_rank(r), *rs.fwd, b,
+                     r == 0 ? out : std::span<float>());
+    });
+    s.commit();
     done += chunk;
   }
   n_pos_ += static_cast<int32_t>(n);
@@ -168,17 +245,23 @@ Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, 
 }
 
 struct BatchEval::Impl {
-  model::ForwardState fwd;
+  std::vector<model::Shard> shards;          // [tp_size]
+  struct Rank {
+    model::ForwardState fwd;
+    std::vector<model::LayerKv> layer_kv;    // [n_items][n_layer]
+    std::vector<model::SeqSlice> seqs;       // [n_items]
+  };
+  std::vector<Rank> ranks;                   // [tp_size]
   std::vector<int32_t> tokens, pos;          // [n_tok] the items' tokens, concatenated
-  std::vector<model::LayerKv> layer_kv;      // [n_items][n_layer]
-  std::vector<model::SeqSlice> seqs;         // [n_items]
   std::vector<float> logits;                 // [rows][n_vocab]
 };
 
 BatchEval::BatchEval(std::shared_ptr<const Model> model, Backend& backend, int32_t max_tokens)
     : model_(std::move(model)), backend_(backend), max_tokens_(max_tokens) {
   KILN_CHECK(model_ != nullptr && max_tokens > 0);
-  impl_.reset(new Impl{model::ForwardState(model_->hparams(), max_tokens), {}, {}, {}, {}, {}});
+  impl_.reset(new Impl{shards_for(*model_, backend_), {}, {}, {}, {}});
+  for (const model::Shard& sh : impl_->shards)
+    impl_->ranks.push_back(Impl::Rank{model::ForwardState(sh.hp, max_tokens), {}, {}});
 }
 
 BatchEval::~BatchEval() = default;
@@ -211,35 +294,48 @@ Expected<std::span<const float>> BatchEval::eval(std::span<const Item> items) {
   const size_t L = static_cast<size_t>(hp.n_layer);
   b.tokens.clear();
   b.pos.clear();
-  b.layer_kv.resize(items.size() * L);
-  b.seqs.resize(items.size());
+  for (Impl::Rank& rk : b.ranks) {
+    rk.layer_kv.resize(items.size() * L);
+    rk.seqs.resize(items.size());
+  }
   for (size_t i = 0; i < items.size(); ++i) {
     Session::Impl& s = *items[i].session->impl_;
+    if (s.ranks.size() != b.ranks.size())
+      return Status::errorf("batch item {}: session of another backend", i);
     const auto n = static_cast<int32_t>(items[i].tokens.size());
-    if (Status st = s.kv.begin_append(n); !st) {
+    if (Status st = s.begin_append(n); !st) {
       // Undo the appends already begun so every session stays as it was.
       for (size_t j = 0; j < i; ++j)
-        (void)items[j].session->impl_->kv.truncate(items[j].session->n_pos_);
-      (void)s.kv.truncate(items[i].session->n_pos_);
+        (void)items[j].session->impl_->truncate(items[j].session->n_pos_);
+      (void)s.truncate(items[i].session->n_pos_);
       return st.context(fmt::format("batch item {}", i));
     }
     s.bind_layers(hp.n_layer);
-    std::copy(s.layer_kv.begin(), s.layer_kv.end(), b.layer_kv.begin() + i * L);
-    b.seqs[i] = model::SeqSlice{static_cast<int32_t>(b.tokens.size()), n,
-                                std::span<const model::LayerKv>(b.layer_kv).subspan(i * L, L),
-                                items[i].all_logits};
+    for (size_t r = 0; r < b.ranks.size(); ++r) {
+      Impl::Rank& rk = b.ranks[r];
+      std::copy(s.ranks[r].layer_kv.begin(), s.ranks[r].layer_kv.end(),
+                rk.layer_kv.begin() + i * L);
+      rk.seqs[i] = model::SeqSlice{static_cast<int32_t>(b.tokens.size()), n,
+                                   std::span<const model::LayerKv>(rk.layer_kv).subspan(i * L, L),
+                                   items[i].all_logits};
+    }
     b.tokens.insert(b.tokens.end(), items[i].tokens.begin(), items[i].tokens.end());
-    const auto ap = s.kv.append_pos();
+    const auto ap = s.kv().append_pos();
     b.pos.insert(b.pos.end(), ap.begin(), ap.end());
   }
   b.logits.resize(static_cast<size_t>(rows) * static_cast<size_t>(hp.n_vocab));
-  model::ForwardBatch fb;
-  fb.tokens = b.tokens;
-  fb.pos = b.pos;
-  fb.seqs = b.seqs;
-  model::forward(hp, model_->weights(), backend_, b.fwd, fb, b.logits);
+  backend_.tp_run([&](int r) {
+    Impl::Rank& rk = b.ranks[static_cast<size_t>(r)];
+    model::ForwardBatch fb;
+    fb.tokens = b.tokens;
+    fb.pos = b.pos;
+    fb.seqs = rk.seqs;
+    const model::Shard& sh = b.shards[static_cast<size_t>(r)];
+    model::forward(sh.hp, sh.w, backend_.tp_rank(r), rk.fwd, fb,
+                   r == 0 ? std::span<float>(b.logits) : std::span<float>());
+  });
   for (const Item& it : items) {
-    it.session->impl_->kv.commit();
+    it.session->impl_->commit();
     it.session->n_pos_ += static_cast<int32_t>(it.tokens.size());
   }
   return std::span<const float>(b.logits);

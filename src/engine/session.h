@@ -52,8 +52,13 @@ class Model {
   model::Weights w_;
 };
 
+// Whether `model` splits over a tensor-parallel group of n ranks (model/tensor_parallel.h):
+// an error naming what does not divide. Sessions on a group backend require it (checked).
+Status check_tensor_parallel(const Model& model, int n);
+
 // One sequence. Not thread-safe; several sessions may share one Model (and, used from one
-// thread at a time, one Backend).
+// thread at a time, one Backend). On a tensor-parallel group backend (tp_size() > 1) each
+// step runs on every rank over its shard and KV heads; the logits are rank 0's.
 class Session {
  public:
   // n_ctx <= 0 means the model's training context. The KV cache is sized for n_ctx.
@@ -79,14 +84,17 @@ class Session {
   int32_t n_vocab() const { return model_->n_vocab(); }
   const Model& model() const { return *model_; }
   Backend& backend() const { return backend_; }
-  // Bytes held by the KV cache of this session.
+  // Bytes held by the KV cache of this session (all ranks of a tensor-parallel backend).
   uint64_t kv_bytes() const;
+  // Ranks of the backend this session runs on (backend/tp_group.h); 1 on a plain backend.
+  int tp_size() const;
 
   // When set, each eval records its named activations (`blk.N.attn_norm`, ..., see
   // model/capture.h) into *capture (cleared at the start of each eval). nullptr: off.
   void set_capture(model::Capture* capture) { capture_ = capture; }
 
-  // kvpack (src/transfer): the KV cache as it is, for saving; and the one way to replace it,
+  // kvpack (src/transfer): the KV cache as it is, for saving (rank 0's share under tensor
+  // parallelism, where kvpack refuses: check tp_size()); and the one way to replace it,
   // with a cache built elsewhere (a fresh cache restored from a pack). `kv` must have this
   // session's geometry (layers, n_ctx, max_batch); n_pos() becomes kv.n_pos(). On error the
   // session is unchanged.

@@ -126,8 +126,6 @@ Status check_compatible(const Header& pack, const Identity& mine,
 
 Expected<Header> header_for(const KvCache& cache, const Identity& id,
                             std::span<const LayerKind> layers) {
-  if (cache.on_device())  // cudares: the planes would need a download first
-    return Status::error("kvpack: KV planes in device memory are not supported yet (use --device cpu)");
   if (static_cast<size_t>(cache.n_layers()) != layers.size())
     return Status::errorf("kvpack: cache has {} layers, the producer describes {}",
                           cache.n_layers(), layers.size());
@@ -169,8 +167,6 @@ Status Writer::header(const Header& h) {
 }
 
 Status Writer::tile(const KvCache& cache, int layer, int32_t first_pos, int32_t n_rows) {
-  if (cache.on_device())  // cudares: the planes would need a download first
-    return Status::error("kvpack: KV planes in device memory are not supported yet");
   if (!started_ || finished_) return Status::error("kvpack writer: tile outside header..finish");
   if (layer < 0 || layer >= static_cast<int>(h_.layers.size()) || layer >= cache.n_layers())
     return Status::errorf("kvpack writer: layer {} out of range", layer);
@@ -196,10 +192,28 @@ Status Writer::tile(const KvCache& cache, int layer, int32_t first_pos, int32_t 
   put<int32_t>(out, n_rows);
   put<uint32_t>(out, 0);
   for (auto plane : {cache.k_plane(layer), cache.v_plane(layer)}) {
-    for (int32_t p = first_pos; p < first_pos + n_rows; ++p) {
-      const size_t row = size_t(map.row_of(p));
-      const auto* src = reinterpret_cast<const uint8_t*>(plane.data() + row * size_t(width));
-      out.insert(out.end(), src, src + rb);
+    if (!cache.on_device()) {
+      for (int32_t p = first_pos; p < first_pos + n_rows; ++p) {
+        const size_t row = size_t(map.row_of(p));
+        const auto* src = reinterpret_cast<const uint8_t*>(plane.data() + row * size_t(width));
+        out.insert(out.end(), src, src + rb);
+      }
+      continue;
+    }
+    // Device planes (a prefill node on a GPU): host code must not read them, so each run of
+    // consecutive physical rows (one for a full layer, at most two where a ring wraps) comes
+    // down through the backend, which also waits for the step that wrote them.
+    for (int32_t p = first_pos; p < first_pos + n_rows;) {
+      const int32_t row0 = map.row_of(p);
+      int32_t run = 1;
+      while (p + run < first_pos + n_rows && map.row_of(p + run) == row0 + run) ++run;
+      const size_t at = out.size();
+      out.resize(at + rb * size_t(run));
+      const std::span<const f16> src = plane.subspan(size_t(row0) * size_t(width),
+                                                     size_t(run) * size_t(width));
+      std::span<f16> dst(reinterpret_cast<f16*>(out.data() + at), src.size());
+      cache.backend()->download(src, dst);
+      p += run;
     }
   }
   put<uint64_t>(out, hash(out));

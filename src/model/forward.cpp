@@ -115,7 +115,11 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
   const int64_t n_seq = static_cast<int64_t>(seqs.size());
   int64_t n_out = 0;
   for (const SeqSlice& sq : seqs) n_out += batch.all_logits || sq.all_logits ? sq.n_tok : 1;
-  KILN_CHECK(static_cast<int64_t>(logits.size()) == n_out * hp.n_vocab);
+  // No logits: a tensor-parallel rank other than 0, which skips the (replicated) output head.
+  const bool want_logits = !logits.empty();
+  KILN_CHECK(want_logits ? static_cast<int64_t>(logits.size()) == n_out * hp.n_vocab
+                         : hp.tp_rank != 0,
+             "logits of {} floats for {} rows", logits.size(), n_out);
 
   st.bind(be);
   // Scratch spans are backend memory (device memory on a GPU); host code reads them only
@@ -154,11 +158,17 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
   // ascending id as there, so the result is bit-identical; what it saves is 3K small ops
   // (a thread hand-off each) and the row gather. Holds the K experts' pins together
   // (moe/expert_store.h guarantees a cap of at least the experts one token needs).
-  auto moe_one_token = [&](int32_t il, int64_t K, int64_t F, std::span<const float> in,
-                           std::span<float> out) {
+  auto moe_one_token = [&](int32_t il, int64_t n_expert, int64_t n_sel, int64_t F,
+                           std::span<const float> in, std::span<float> out) {
     std::vector<int32_t>& order = st.moe_order;  // slots by ascending expert id
-    order.resize(static_cast<size_t>(K));
-    for (int32_t i = 0; i < K; ++i) order[i] = i;
+    order.clear();
+    // A tensor-parallel rank computes only the selected experts it owns; the all-reduce
+    // after the FFN adds the other ranks' (the routing is the same on every rank: the same
+    // router on the same all-reduced input).
+    for (int32_t i = 0; i < n_sel; ++i)
+      if (hp.owns_expert(st.sel_e[i], static_cast<int32_t>(n_expert))) order.push_back(i);
+    const auto K = static_cast<int64_t>(order.size());
+    if (K == 0) return;
     std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return st.sel_e[a] < st.sel_e[b]; });
     st.moe_held.clear();
     for (int32_t slot : order) {
@@ -208,10 +218,11 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
     w.experts->will_need(il, sel);  // a streaming store loads the misses in parallel
     be.zero(out);
     if (n_tok == 1) {
-      moe_one_token(il, K, F, in, out);
+      moe_one_token(il, X, K, F, in, out);
       return;
     }
     for (int32_t e = 0; e < X; ++e) {
+      if (!hp.owns_expert(e, static_cast<int32_t>(X))) continue;  // another rank's
       int64_t m = 0;  // rows routed to e; moe_rows holds their (token * K + slot)
       for (int64_t j = 0; j < n_tok * K; ++j)
         if (sel[j] == e) st.moe_rows[m++] = static_cast<int32_t>(j);
@@ -309,6 +320,7 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
       be.mul(o, g, o);
     }
     be.matmul(lw.wo, o, n, a);
+    be.all_reduce_sum(a);  // row-parallel: each rank holds its heads' share of the sum
     if (!lw.post_attn_norm.empty()) norm_in_place(a, lw.post_attn_norm, E, hp.post_norm_eps);
     rec(p + "attn_out", a, n);
     be.add(x, a, x);
@@ -327,12 +339,17 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
       else be.geglu(fg, fu, fa);
       be.matmul(lw.ffn_down, fa, n, a);
     }
+    be.all_reduce_sum(a);  // row-parallel down / this rank's experts
     if (!lw.post_ffn_norm.empty()) norm_in_place(a, lw.post_ffn_norm, E, hp.post_norm_eps);
     rec(p + "ffn_out", a, n);
     be.add(x, a, x);
     rec(p + "l_out", x, n);
   }
 
+  if (!want_logits) {
+    be.synchronize();  // the step's work is done on return, as on the rank that downloads
+    return;
+  }
   // Only the rows whose logits are wanted go through the output head: every row, the last
   // one, or with several sequences the rows each asks for, gathered into scratch.
   std::span<const float> last = x.subspan(static_cast<size_t>((n - n_out) * E));

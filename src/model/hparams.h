@@ -48,6 +48,16 @@ struct HParams {
   float embd_scale = 1;         // token embeddings multiplied by this (gemma: sqrt(n_embd))
   std::vector<LayerDesc> layers;
 
+  // Tensor parallelism (model/tensor_parallel.h): this shard is rank tp_rank of tp_size, its
+  // head counts and FFN widths already divided; an MoE layer's experts belong to the rank
+  // whose contiguous block of ids holds them. A whole model is rank 0 of 1.
+  int32_t tp_rank = 0;
+  int32_t tp_size = 1;
+  bool owns_expert(int32_t e, int32_t n_expert) const {
+    return e >= int64_t(n_expert) * tp_rank / tp_size &&
+           e < int64_t(n_expert) * (tp_rank + 1) / tp_size;
+  }
+
   int64_t q_width() const { return int64_t(n_head) * head_dim_k; }
   int64_t k_width() const { return int64_t(n_head_kv) * head_dim_k; }
   int64_t v_width() const { return int64_t(n_head_kv) * head_dim_v; }

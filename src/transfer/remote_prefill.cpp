@@ -96,6 +96,9 @@ Status produce(Link& link, const Request& req, const std::shared_ptr<const Model
   probe.layers = kinds;
   KILN_TRY(kvpack::check_compatible(probe, identity_of(*model), kinds));
   const int32_t n = int32_t(req.tokens.size());
+  if (backend.tp_size() > 1)
+    return Status::error("remote prefill: a tensor-parallel backend's KV is split over its "
+                         "GPUs (kvpack does not carry it)");
   Session s(model, backend, n, opt.max_batch);
   const KvCache& kv = s.kv_cache();
   kvpack::Header h;

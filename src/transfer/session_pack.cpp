@@ -9,6 +9,8 @@
 namespace kiln::transfer {
 
 Expected<std::vector<uint8_t>> save_session(const Session& session, int32_t max_tile_rows) {
+  if (session.tp_size() > 1)
+    return Status::error("kvpack: a tensor-parallel session's KV is split over its GPUs");
   const auto kinds = layer_kinds(session.model());
   return kvpack::save(session.kv_cache(), identity_of(session.model()), kinds, max_tile_rows);
 }

@@ -191,5 +191,67 @@ INSTANTIATE_TEST_SUITE_P(ZeroCopy, CudaGolden,
                                             ::testing::Values(Weights::ZeroCopy)),
                          param_name);
 
+// Tensor parallelism (make_cuda_tp_group: sharded weights and KV heads, NCCL all-reduce) on
+// the fixtures whose heads, FFN widths and row-parallel quant blocks split in two (tests/golden
+// runs the same list on CPU groups). Degree 1 is the NCCL path on one GPU (a communicator of
+// one rank, every rank-side code path but the peer traffic); degree 2 needs two GPUs.
+constexpr Fixture kTpFixtures[] = {
+    {"stories260K", false},   {"stories260K-q8_0", true}, {"babyllama-tok105-f32", false},
+    {"llama-gqa-f16", false}, {"llama-gqa-q8_0", true},   {"llama-gqa-q4_0", true},
+    {"qwen3-bpe-q8_0", true}, {"gemma2-swa-f16", false},  {"gemma2-swa-q8_0", true},
+};
+
+class CudaTpGolden : public ::testing::TestWithParam<std::tuple<Fixture, int>> {};
+
+TEST_P(CudaTpGolden, MatchesLlamaCpp) {
+  const Fixture fx = std::get<0>(GetParam());
+  const int tp = std::get<1>(GetParam());
+  if (cuda_device_count() < tp)
+    GTEST_SKIP() << "tensor parallel " << tp << " needs " << tp << " CUDA devices, "
+                 << cuda_device_count() << " present";
+  if (!std::filesystem::exists(testing::shared_dir() + "/testdata/models/" + fx.name + ".gguf"))
+    GTEST_SKIP() << fx.name << ".gguf was not carried to this machine";
+  const golden::Golden g = golden::load(fx.name);
+  auto m = Model::load(testing::model_path(std::string(fx.name) + ".gguf"));
+  ASSERT_TRUE(m.has_value()) << m.error();
+  ASSERT_TRUE(check_tensor_parallel(**m, tp).is_ok());
+  CudaOptions o;
+  o.immutable_region = (*m)->gguf().mapping()->bytes();
+  auto be = make_cuda_tp_group(tp, o);
+  if (!be && be.error().find("without NCCL") != std::string::npos)
+    GTEST_SKIP() << be.error();
+  ASSERT_TRUE(be) << be.error();
+  ASSERT_EQ((*be)->tp_size(), tp);
+  const golden::Bounds b = golden::bounds_for(fx.quantized);
+  Session s(*m, **be, kCtx);
+  const golden::Report r =
+      golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); });
+  fmt::print("  {:<22} cuda tp{} worst |Δ| {:.4f} (excess over bound {:+.4f}), mean KL {}, "
+             "greedy {}/{} matched ({} required)\n",
+             fx.name, tp, r.worst_abs, r.worst_excess,
+             r.mean_kl < 0 ? std::string("n/a") : fmt::format("{:.3g}", r.mean_kl),
+             r.greedy_matched, g.greedy.size(), r.greedy_required);
+  EXPECT_EQ(r.bound_failures, 0) << r.first_failure;
+  EXPECT_EQ(r.top1_failures, 0) << r.first_failure;
+  if (r.mean_kl >= 0) {
+    EXPECT_LE(r.mean_kl, b.mean_kl);
+  }
+  EXPECT_GE(r.greedy_matched, r.greedy_required) << r.first_failure;
+  EXPECT_TRUE(r.ok(b));
+}
+
+std::string tp_param_name(const ::testing::TestParamInfo<std::tuple<Fixture, int>>& info) {
+  std::string n = std::string(std::get<0>(info.param).name) + "_tp" +
+                  std::to_string(std::get<1>(info.param));
+  for (char& c : n)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  return n;
+}
+
+INSTANTIATE_TEST_SUITE_P(TensorParallel, CudaTpGolden,
+                         ::testing::Combine(::testing::ValuesIn(kTpFixtures),
+                                            ::testing::Values(1, 2)),
+                         tp_param_name);
+
 }  // namespace
 }  // namespace kiln

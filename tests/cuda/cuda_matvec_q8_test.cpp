@@ -268,7 +268,7 @@ TEST(CudaMatvecQ8, BackendV3MatchesReference) {
       quant::quantize_row(t, random_vec(rng, k, 0.05f), dst);
       quant::dequantize_row(t, dst, std::span<float>(deq).subspan(r * k, k));
     }
-    const WeightMatrix w{t, k, rows, rb, bytes};
+    const WeightMatrix w{.dtype = t, .n_cols = k, .n_rows = rows, .row_bytes = rb, .bytes = bytes};
     const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
     std::vector<float> y(size_t(n_tok * rows), NAN), y_ref(y.size()), y1(size_t(rows), NAN);
     (*be)->matmul(w, x, n_tok, y);

@@ -17,6 +17,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "common/testdata.h"
 #include "engine/session.h"
+#include "transfer/session_pack.h"
 
 namespace kiln {
 namespace {
@@ -184,14 +185,26 @@ TEST_P(ResidentAlloc, BitIdenticalToHostMemory) {
   std::vector<int32_t> prompt;
   for (int i = 0; i < 40; ++i) prompt.push_back(1 + (i * 37) % ((*m)->n_vocab() - 1));
   std::vector<float> want, got;
+  std::vector<uint8_t> pack_host, pack_dev;
+  // kvpack tiles of 7 rows: with the gemma2 window some tiles straddle the ring's wrap, which
+  // the device path downloads as two runs of rows.
   {
     Session host(*m, *cpu, 128, 16);
     want = run(host, prompt, 6);
+    auto p = transfer::save_session(host, 7);
+    ASSERT_TRUE(p.has_value()) << p.error();
+    pack_host = std::move(*p);
   }
   uint64_t downloads_before = 0;
   {
     Session resident(*m, dev, 128, 16);
     got = run(resident, prompt, 6);
+    // A prefill node on a GPU saves its KV from device planes (downloaded row runs): the
+    // same pack, byte for byte.
+    auto p = transfer::save_session(resident, 7);
+    ASSERT_TRUE(p.has_value()) << p.error();
+    pack_dev = std::move(*p);
+    EXPECT_EQ(pack_dev, pack_host) << "kvpack from device planes differs from host planes";
     downloads_before = dev.downloads();
     // A decode step downloads its logits once; nothing else crosses for a dense model.
     const int32_t tok = 3;

@@ -97,6 +97,24 @@ TEST(KilnRun, SameSeedSameText) {
   EXPECT_NE(hash_line(a.err), hash_line(c.err)) << "different seeds gave identical 40 tokens";
 }
 
+// The packed Q4_K prefill kernel is an optional optimisation: with --no-cpu-q4k-packed the
+// whole generation is the same, bit for bit (kernel-level proof: MatmulQ4KPacked in tests/ops).
+// The prompt is long enough (> 12 tokens) that the prefill takes the packed kernel.
+TEST(KilnRun, PackedQ4KFlagChangesNothingButSpeed) {
+  const std::string model = testing::model_path("llama-gqa-q4_k_m.gguf");
+  const std::string prompt =
+      "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly "
+      "and a large fawn jumped quickly over white zinc boxes";
+  Proc on = run_kiln({"run", "-m", model, "--device", "cpu", "-p", prompt, "-n", "24", "--temp", "0"});
+  Proc off = run_kiln({"run", "-m", model, "--device", "cpu", "--no-cpu-q4k-packed", "-p", prompt,
+                       "-n", "24", "--temp", "0"});
+  ASSERT_EQ(on.rc, 0) << on.err;
+  ASSERT_EQ(off.rc, 0) << off.err;
+  EXPECT_FALSE(hash_line(on.err).empty());
+  EXPECT_EQ(hash_line(on.err), hash_line(off.err));
+  EXPECT_EQ(on.out, off.out);
+}
+
 TEST(KilnRun, DemoModelIsTheDefault) {
   Proc p = run_kiln({"run", "-p", "Once upon a time", "-n", "8", "--temp", "0", "--stats"});
   ASSERT_EQ(p.rc, 0) << p.err;

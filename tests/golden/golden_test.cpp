@@ -14,6 +14,7 @@
 #include "model/reference.h"
 #if KILN_HAVE_CPU_BACKEND
 #include "backend/cpu/cpu_backend.h"
+#include "backend/tp_group.h"
 #endif
 
 namespace kiln {
@@ -34,13 +35,18 @@ constexpr Fixture kFixtures[] = {
     {"qwen3moe-f16", false},    {"qwen3moe-q4_k_m", true},     {"mixtral-q4_k_m", true},
 };
 
-enum class Path { Reference, RefBackend, CpuBackend };
+// CpuTp2/CpuTp4: the fast path on a tensor-parallel group of 2/4 CPU backends
+// (backend/tp_group.h's host group: sharded weights and KV heads, shared-memory all-reduce),
+// the CI stand-in for --tensor-parallel on GPUs.
+enum class Path { Reference, RefBackend, CpuBackend, CpuTp2, CpuTp4 };
 
 std::string path_name(Path p) {
   switch (p) {
     case Path::Reference: return "reference";
     case Path::RefBackend: return "ref";
     case Path::CpuBackend: return "cpu";
+    case Path::CpuTp2: return "cpu_tp2";
+    case Path::CpuTp4: return "cpu_tp4";
   }
   return "?";
 }
@@ -105,6 +111,15 @@ void run_golden(const Fixture& fx, Path path) {
     std::unique_ptr<Backend> be;
 #if KILN_HAVE_CPU_BACKEND
     if (path == Path::CpuBackend) be = make_cpu_backend(2);
+    if (path == Path::CpuTp2 || path == Path::CpuTp4) {
+      const int n = path == Path::CpuTp2 ? 2 : 4;
+      const Status split = check_tensor_parallel(**m, n);
+      ASSERT_TRUE(split.is_ok()) << split.message();
+      std::vector<std::unique_ptr<Backend>> ranks;
+      for (int r = 0; r < n; ++r) ranks.push_back(make_cpu_backend(1));
+      be = make_host_tp_group(std::move(ranks));
+      ASSERT_EQ(be->tp_size(), n);
+    }
 #endif
     if (path == Path::RefBackend) be = make_ref_backend();
     ASSERT_TRUE(be);
@@ -155,6 +170,28 @@ INSTANTIATE_TEST_SUITE_P(RefBackend, Golden,
 INSTANTIATE_TEST_SUITE_P(Cpu, Golden,
                          ::testing::Combine(::testing::ValuesIn(kFixtures),
                                             ::testing::Values(Path::CpuBackend)),
+                         param_name);
+// Tensor parallelism over 2 ranks: every fixture whose heads, FFN width and row-parallel
+// quant blocks split in two (the K-quant fixtures' 128-column halves of attn_output are not
+// whole 256-element blocks: tests/engine's TensorParallel.RefusesWhatDoesNotSplit), covering
+// GQA, QK-norm, sliding-window rings with softcaps, the attention gate and expert
+// parallelism (qwen3moe-f16).
+constexpr Fixture kTp2Fixtures[] = {
+    {"stories260K", false},   {"stories260K-q8_0", true}, {"babyllama-tok105-f32", false},
+    {"llama-gqa-f16", false}, {"llama-gqa-bf16", false},  {"llama-gqa-q8_0", true},
+    {"llama-gqa-q4_0", true}, {"qwen3-bpe-f16", false},   {"qwen3-bpe-q8_0", true},
+    {"gemma2-swa-q8_0", true}, {"gemma3-swa-f16", false}, {"muse-glimmer-f16", false},
+    {"qwen3moe-f16", false},
+};
+INSTANTIATE_TEST_SUITE_P(CpuTp2, Golden,
+                         ::testing::Combine(::testing::ValuesIn(kTp2Fixtures),
+                                            ::testing::Values(Path::CpuTp2)),
+                         param_name);
+// Four ranks: the fixtures with 8 query / 4 KV heads.
+constexpr Fixture kTp4Fixtures[] = {{"stories260K", false}, {"babyllama-tok105-f32", false}};
+INSTANTIATE_TEST_SUITE_P(CpuTp4, Golden,
+                         ::testing::Combine(::testing::ValuesIn(kTp4Fixtures),
+                                            ::testing::Values(Path::CpuTp4)),
                          param_name);
 #endif
 

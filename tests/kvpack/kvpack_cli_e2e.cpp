@@ -85,16 +85,20 @@ std::string ids_hash(const std::string& err) {
 struct PrefillNode {
   pid_t pid = -1;
   std::string log;
+  // kv_serve: the HTTP-less `kiln kv serve` instead of `kiln serve --role prefill`.
   PrefillNode(std::vector<std::string> prefix, const std::string& host, int port,
-              const std::string& transport) {
+              const std::string& transport, bool kv_serve = false) {
     static const std::string dir = testing::temp_dir();
-    log = dir + "/prefill-" + transport + ".log";
+    log = dir + "/prefill-" + transport + (kv_serve ? "-kv" : "") + ".log";
     std::vector<std::string> args = std::move(prefix);
-    for (std::string a : {testing::kiln_binary(), std::string("serve"), std::string("--role"),
-                          std::string("prefill"), std::string("--host"), host,
-                          std::string("--kv-port"), std::to_string(port),
-                          std::string("--kv-transport"), transport})
-      args.push_back(a);
+    const std::vector<std::string> tail =
+        kv_serve ? std::vector<std::string>{testing::kiln_binary(), "kv", "serve", "--host", host,
+                                            "--kv-port", std::to_string(port), "--transport",
+                                            transport}
+                 : std::vector<std::string>{testing::kiln_binary(), "serve", "--role", "prefill",
+                                            "--host", host, "--kv-port", std::to_string(port),
+                                            "--kv-transport", transport};
+    args.insert(args.end(), tail.begin(), tail.end());
     pid = spawn(args, dir + "/prefill.out", log);
   }
   // The port it listens on, once its "listening on" line appears (0 if it never does).
@@ -157,8 +161,8 @@ TEST(KvCli, SaveLoadContinuesLikeRun) {
   EXPECT_NE(other.err.find("model fingerprint"), std::string::npos) << other.err;
 }
 
-void remote_same_as_local(const std::string& transport) {
-  PrefillNode node({}, "127.0.0.1", 0, transport);
+void remote_same_as_local(const std::string& transport, bool kv_serve = false) {
+  PrefillNode node({}, "127.0.0.1", 0, transport, kv_serve);
   const int port = node.wait_port();
   ASSERT_GT(port, 0) << slurp(node.log);
   Proc d = kiln({"kv", "remote", "--prefill-peer", "127.0.0.1:" + std::to_string(port),
@@ -170,6 +174,8 @@ void remote_same_as_local(const std::string& transport) {
 }
 
 TEST(KvCli, RemotePrefillTcpLoopback) { remote_same_as_local("tcp"); }
+// The same through `kiln kv serve`, the prefill node of builds without the HTTP server.
+TEST(KvCli, KvServeNodeTcpLoopback) { remote_same_as_local("tcp", /*kv_serve=*/true); }
 TEST(KvCli, RemotePrefillUcxLoopback) {
   if (!transfer::ucx_built()) GTEST_SKIP() << "built without UCX";
   remote_same_as_local("ucx");

@@ -4,12 +4,16 @@
 // random inputs each run (seed printed on failure), odd shapes, every weight type.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/kernels.h"
 #include "core/dtype.h"
+#include "core/half.h"
 #include "ops_common.h"
+#include "quant/blocks.h"
 #include "quant/quant.h"
 
 namespace kiln {
@@ -34,7 +38,7 @@ TEST_P(MatmulTiling, TokenResultsIndependentOfBatchAndThreads) {
       quant::quantize_row(type, src,
                           std::span<std::byte>(bytes).subspan(r * *row_bytes(type, k), *row_bytes(type, k)));
     }
-    const WeightMatrix w{type, k, n_rows, *row_bytes(type, k), bytes};
+    const WeightMatrix w{.dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = *row_bytes(type, k), .bytes = bytes};
     for (int64_t n_tok : {2, 3, 5, 7, 9, 13, 16, 37}) {
       SCOPED_TRACE(::testing::Message() << dtype_name(type) << " rows " << n_rows << " k " << k
                                         << " n_tok " << n_tok << " seed " << ops_seed());
@@ -63,6 +67,55 @@ INSTANTIATE_TEST_SUITE_P(Types, MatmulTiling,
                                            DType::Q4_0, DType::Q5_0, DType::Q4_1, DType::Q4_K,
                                            DType::Q5_K, DType::Q6_K, DType::Q3_K),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// The packed Q4_K prefill kernel (AVX-512 VNNI) must give the plain kernel's bits: with
+// cpu::set_q4k_packed_matmul(false) the output is the plain kernel's, so this is also the
+// proof that the switch changes nothing but speed. Raw random blocks reach every nibble and
+// 6-bit scale/min value (the packed sums' bounds); row counts cross row blocks and leave odd
+// rows, token counts leave partial tiles (and 5 stays below the packed kernel's minimum);
+// one token is zero, one huge, one NaN.
+TEST(MatmulQ4KPacked, SameBitsAsPlainKernel) {
+  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  std::mt19937_64 rng(ops_seed() ^ 0x9e3779b9ULL);
+  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+  struct Restore {
+    ~Restore() { cpu::set_q4k_packed_matmul(true); }
+  } restore;
+  for (int64_t k : {256, 768}) {
+    for (int64_t n_rows : {1, 2, 3, 67, 131}) {
+      const size_t rb = *row_bytes(DType::Q4_K, k);
+      std::vector<std::byte> bytes(rb * n_rows);
+      for (auto& b : bytes) b = static_cast<std::byte>(rng());
+      for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q4_K)) {
+        quant::block_q4_K blk;
+        std::memcpy(&blk, bytes.data() + off, sizeof blk);
+        blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 4)));
+        blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
+        std::memcpy(bytes.data() + off, &blk, sizeof blk);
+      }
+      const WeightMatrix w{.dtype = DType::Q4_K, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+      for (int64_t n_tok : {5, 12, 13, 16, 19, 37}) {
+        SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << n_rows << " n_tok " << n_tok);
+        std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
+        std::fill_n(x.begin(), k, 0.0f);  // token 0: all zero (activation scale 0)
+        x[k + 5] = 3e30f;                 // token 1: one huge element
+        x[4 * k + 7] = NAN;               // token 4: NaN, which must come out NaN either way
+        std::vector<float> on1(n_tok * n_rows), on2(on1.size()), off1(on1.size());
+        cpu::set_q4k_packed_matmul(true);
+        cpu1->matmul(w, x, n_tok, on1);
+        cpu2->matmul(w, x, n_tok, on2);
+        cpu::set_q4k_packed_matmul(false);
+        cpu1->matmul(w, x, n_tok, off1);
+        ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
+            << "packed vs plain kernel differ";
+        ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
+            << "packed kernel: 1 vs 2 threads differ";
+        ASSERT_TRUE(std::isnan(off1[4 * n_rows]));
+        ASSERT_FALSE(std::isnan(off1[2 * n_rows]));
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace kiln

@@ -49,7 +49,7 @@ TestWeights make_weights(DType type, int64_t n_rows, int64_t n_cols, std::mt1993
     quant::quantize_row(type, src, dst);
     quant::dequantize_row(type, dst, std::span<float>(w.deq).subspan(r * n_cols, n_cols));
   }
-  w.m = WeightMatrix{type, n_cols, n_rows, rb, w.bytes};
+  w.m = WeightMatrix{.dtype = type, .n_cols = n_cols, .n_rows = n_rows, .row_bytes = rb, .bytes = w.bytes};
   return w;
 }
 

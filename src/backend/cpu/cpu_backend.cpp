@@ -33,7 +33,7 @@ class CpuBackend final : public Backend {
                n_tok, w.n_cols);
     KILN_CHECK(static_cast<int64_t>(y.size()) == n_tok * w.n_rows, "y {} != {}x{}", y.size(),
                n_tok, w.n_rows);
-    KILN_CHECK(w.bytes.size() == static_cast<size_t>(w.n_rows) * w.row_bytes);
+    KILN_CHECK(w.bytes.size() == w.span_bytes());
     KILN_CHECK(row_bytes(w.dtype, w.n_cols) == w.row_bytes, "{} row of {} is not {} bytes",
                dtype_name(w.dtype), w.n_cols, w.row_bytes);
     if (n_tok == 0 || w.n_rows == 0) return;
@@ -80,7 +80,7 @@ class CpuBackend final : public Backend {
       const WeightMatrix& w = *t.w;
       KILN_CHECK(static_cast<int64_t>(t.x.size()) == w.n_cols && static_cast<int64_t>(t.y.size()) == w.n_rows,
                  "matmul_batch: x {} / y {} for a {}x{} matrix", t.x.size(), t.y.size(), w.n_rows, w.n_cols);
-      KILN_CHECK(w.bytes.size() == static_cast<size_t>(w.n_rows) * w.row_bytes);
+      KILN_CHECK(w.bytes.size() == w.span_bytes());
       KILN_CHECK(row_bytes(w.dtype, w.n_cols) == w.row_bytes);
       total_rows += w.n_rows;
       const cpu::ActKind kind = cpu::act_kind(w.dtype);

@@ -46,6 +46,11 @@ size_t matmul_scratch_floats(const WeightMatrix& w);
 // True when weights of this type take an integer-dot path on this machine (else the
 // dequantize-row + f32 path).
 bool has_int8_path(DType t);
+// Q4_K prefill (12+ tokens) through the packed VNNI kernel where the machine has AVX-512 VNNI
+// (default on, faster by measurement: bench/matvec_bench BM_Q4KPackedOnOff). Its output is the
+// plain kernel's bits, so the switch exists for the test that proves it and for bisecting.
+void set_q4k_packed_matmul(bool on);
+bool q4k_packed_matmul();
 
 // ---- attention (cpu_attention.cpp)
 // One (query i, head h) pair. scratch: attention_scratch_floats(head_dim) floats.

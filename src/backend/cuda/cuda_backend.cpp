@@ -22,10 +22,16 @@
 #include <numeric>
 #include <vector>
 
+#if KILN_HAVE_NCCL
+#include <nccl.h>
+#endif
+#include <cstdlib>
+
 #include "backend/cuda/cuda_util.h"
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/weight_arena.h"
+#include "backend/tp_group.h"
 #include "core/check.h"
 #include "core/log.h"
 
@@ -35,6 +41,9 @@ using cuda::check_cuda;
 
 struct CudaBackend::Impl {
   int device = 0;
+#if KILN_HAVE_NCCL
+  ncclComm_t comm = nullptr;  // a rank of a tensor-parallel group: owned, destroyed first
+#endif
   int n_sm = 1;
   std::string device_name;
   cuda::Stream compute, copy;
@@ -101,13 +110,19 @@ struct CudaBackend::Impl {
     it->copy_ms += in_ms + out_ms;
   }
 
+  // The kernels read rows back to back: a strided matrix (a column block) gets a compact
+  // copy of its own, gathered at upload.
+  const std::byte* device_weight_bytes(const WeightMatrix& w) {
+    if (w.strided()) return arena->lookup_rows(w.bytes.data(), w.row_bytes, w.stride(), w.n_rows);
+    return arena->lookup(w.bytes);
+  }
   cuda::DeviceWeight weight(const WeightMatrix& w) {
     KILN_CHECK(cuda::cuda_supports(w.dtype), "cuda: weight type {} has no kernel",
                dtype_name(w.dtype));
-    KILN_CHECK(w.bytes.size() == static_cast<size_t>(w.n_rows) * w.row_bytes,
-               "weight bytes {} != {} x {}", w.bytes.size(), w.n_rows, w.row_bytes);
+    KILN_CHECK(w.bytes.size() == w.span_bytes(), "weight bytes {} != {} rows of {} (stride {})",
+               w.bytes.size(), w.n_rows, w.row_bytes, w.stride());
     cuda::DeviceWeight d{w.dtype, w.n_cols, w.n_rows, w.row_bytes, nullptr};
-    d.data = arena->lookup(w.bytes);
+    d.data = device_weight_bytes(w);
     // Kernels on the compute stream must not read the weight before its upload lands.
     check_cuda(cudaStreamWaitEvent(s(), arena->ready(), 0), "wait for weight upload");
     return d;
@@ -256,15 +271,25 @@ struct CudaBackend::Impl {
   }
   // Device address of a read-only float input: device memory as is, weights (norm weights,
   // biases) from the arena, any other host array staged.
+  std::span<const std::byte> immutable;  // CudaOptions::immutable_region
+  bool cached_floats(std::span<const std::byte> b) const {
+    return arena->holds(b) ||
+           (!immutable.empty() && b.data() >= immutable.data() &&
+            b.data() + b.size() <= immutable.data() + immutable.size());
+  }
   const float* floats(std::span<const float> h) {
     if (h.empty()) return nullptr;
     if (is_dev(h.data())) return h.data();
     const auto b = std::as_bytes(h);
-    if (arena->holds(b)) return reinterpret_cast<const float*>(arena->lookup(b));
+    if (cached_floats(b)) {
+      const auto* d = reinterpret_cast<const float*>(arena->lookup(b));
+      weights_ready();  // a first use uploads on the copy stream
+      return d;
+    }
     return reinterpret_cast<const float*>(stage(h.data(), h.size_bytes(), h.size_bytes()));
   }
   size_t float_room(std::span<const float> h) const {
-    if (h.empty() || is_dev(h.data()) || arena->holds(std::as_bytes(h))) return 0;
+    if (h.empty() || is_dev(h.data()) || cached_floats(std::as_bytes(h))) return 0;
     return h.size_bytes() + 16;
   }
   // Arena uploads run on the copy stream; a recorded op must not read a weight before its
@@ -279,13 +304,13 @@ struct CudaBackend::Impl {
   cuda::DeviceWeight weight_resident(const WeightMatrix& w) {
     KILN_CHECK(cuda::cuda_supports(w.dtype), "cuda: weight type {} has no kernel",
                dtype_name(w.dtype));
-    KILN_CHECK(w.bytes.size() == static_cast<size_t>(w.n_rows) * w.row_bytes,
-               "weight bytes {} != {} x {}", w.bytes.size(), w.n_rows, w.row_bytes);
+    KILN_CHECK(w.bytes.size() == w.span_bytes(), "weight bytes {} != {} rows of {} (stride {})",
+               w.bytes.size(), w.n_rows, w.row_bytes, w.stride());
     // verify mode (tests) may refresh a cached weight in place: pending ops must read the
     // bytes they were recorded with.
     if (verify && !arena->holds(w.bytes)) flush();
     cuda::DeviceWeight d{w.dtype, w.n_cols, w.n_rows, w.row_bytes, nullptr};
-    d.data = arena->lookup(w.bytes);
+    d.data = device_weight_bytes(w);
     weights_ready();
     return d;
   }
@@ -494,6 +519,9 @@ CudaBackend::~CudaBackend() {
       impl_->destroy_graphs();
     }
     cudaStreamSynchronize(impl_->compute.get());
+#if KILN_HAVE_NCCL
+    if (impl_->comm) ncclCommDestroy(impl_->comm);
+#endif
     impl_->arena.reset();  // before its streams go
   }
 }
@@ -1001,6 +1029,67 @@ int64_t CudaBackend::argmax(std::span<const float> x) {
   return best;
 }
 
+void CudaBackend::all_reduce_sum(std::span<float> x) {
+#if KILN_HAVE_NCCL
+  Impl& I = *impl_;
+  if (I.comm == nullptr || x.empty()) return;
+  std::lock_guard lock(I.mu);
+  I.enter();
+  KILN_CHECK(I.is_dev(x.data()), "cuda all_reduce_sum of host memory (a group's ranks compute "
+             "resident)");
+  float* d = x.data();
+  const size_t n = x.size();
+  ncclComm_t comm = I.comm;
+  I.sig("all_reduce", d, n);
+  // NCCL calls are captured into the segment's graph like kernels (NCCL supports stream
+  // capture); every rank records the same sequence, so the graphs match across ranks.
+  I.record("all_reduce", [=](cudaStream_t st) {
+    const ncclResult_t r = ncclAllReduce(d, d, n, ncclFloat, ncclSum, comm, st);
+    if (r != ncclSuccess) {
+      log_notice("cuda: ncclAllReduce of {} floats: {}", n, ncclGetErrorString(r));
+      return cudaErrorUnknown;
+    }
+    return cudaSuccess;
+  });
+#else
+  (void)x;
+#endif
+}
+
+Expected<std::unique_ptr<Backend>> make_cuda_tp_group(int n, const CudaOptions& options) {
+  if (n < 1) return Status::errorf("--tensor-parallel {}: must be at least 1", n);
+#if KILN_HAVE_NCCL
+  const int have = cuda_device_count();
+  if (have < n)
+    return Status::errorf("--tensor-parallel {} needs {} CUDA devices, {} present", n, n, have);
+  // NVLink multicast (NVLS) can take a shared host's GPUs out of service; kiln never needs it.
+  setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
+  std::vector<std::unique_ptr<Backend>> ranks;
+  std::vector<CudaBackend::Impl*> impls;
+  for (int r = 0; r < n; ++r) {
+    CudaOptions o = options;
+    o.device = r;
+    o.weight_region = {};  // each rank uploads its own shard's weights on first use
+    o.zero_copy = false;
+    auto be = make_cuda_backend(o);
+    if (!be) return be.status().context(fmt::format("tensor-parallel rank {}", r));
+    impls.push_back((*be)->impl_.get());
+    ranks.push_back(std::move(*be));
+  }
+  std::vector<ncclComm_t> comms(static_cast<size_t>(n));
+  std::vector<int> devs(static_cast<size_t>(n));
+  std::iota(devs.begin(), devs.end(), 0);
+  if (ncclResult_t r = ncclCommInitAll(comms.data(), n, devs.data()); r != ncclSuccess)
+    return Status::errorf("NCCL: ncclCommInitAll over {} GPUs: {}", n, ncclGetErrorString(r));
+  for (int r = 0; r < n; ++r) impls[static_cast<size_t>(r)]->comm = comms[static_cast<size_t>(r)];
+  return std::unique_ptr<Backend>(std::make_unique<TpGroup>(std::move(ranks)));
+#else
+  (void)options;
+  if (n == 1) return Status::error("--tensor-parallel: this kiln was built without NCCL");
+  return Status::errorf("--tensor-parallel {}: this kiln was built without NCCL", n);
+#endif
+}
+
 int cuda_device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -1041,6 +1130,7 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   impl->graphs_on = options.graphs;
   impl->kv_bucket = std::max<int64_t>(1, options.graph_kv_bucket);
   impl->verify = options.verify_weight_cache;
+  impl->immutable = options.immutable_region;
   impl->matmul_kernels =
       options.matmul == CudaMatmul::V1 ? cuda::MatmulKernels::V1 : cuda::MatmulKernels::V2;
   if (options.matmul == CudaMatmul::V3) impl->matmul_kernels = cuda::MatmulKernels::V3;

@@ -36,6 +36,11 @@ struct CudaOptions {
   // uploaded once, at creation, into one arena allocation through pinned staging on a copy
   // stream, and every WeightMatrix inside it is an offset into that arena.
   std::span<const std::byte> weight_region;
+  // Optional: host memory that never changes while the backend lives (the GGUF mapping) but
+  // is not uploaded as a whole: float vectors inside it (norm weights, biases) are cached in
+  // the arena on first use like weights, instead of being staged again by every op. A
+  // tensor-parallel rank, which uploads only its shard, sets it to the mapping.
+  std::span<const std::byte> immutable_region;
   // Weights outside the region are uploaded on first use into arena chunks of at least this
   // many bytes.
   size_t arena_chunk_bytes = size_t(256) << 20;
@@ -121,14 +126,27 @@ class CudaBackend final : public Backend {
                       std::span<f16> plane) override;
   void attention(const AttentionArgs& a) override;
   int64_t argmax(std::span<const float> x) override;
+  // On a rank of make_cuda_tp_group(): an NCCL all-reduce (sum) on the compute stream,
+  // recorded like any resident op. Alone: nothing.
+  void all_reduce_sum(std::span<float> x) override;
 
  private:
+  friend Expected<std::unique_ptr<Backend>> make_cuda_tp_group(int n, const CudaOptions& options);
   std::unique_ptr<Impl> impl_;
 };
+
+Expected<std::unique_ptr<Backend>> make_cuda_tp_group(int n, const CudaOptions& options);
 
 // Number of usable CUDA devices; 0 when there is no driver, no device, or the runtime refuses
 // (never an error: callers fall back to the CPU).
 int cuda_device_count();
+
+// A tensor-parallel group (backend/tp_group.h) of n CUDA backends on devices 0..n-1, joined
+// by NCCL (one communicator per rank, ncclCommInitAll). options.device and weight_region are
+// not used: each rank uploads only the weights of its shard, on first use. Errors: fewer
+// than n devices, a build without NCCL, NCCL refusing. NCCL_NVLS_ENABLE is set to 0 (NVLink
+// multicast off) unless the environment already sets it.
+Expected<std::unique_ptr<Backend>> make_cuda_tp_group(int n, const CudaOptions& options = {});
 
 // A backend on options.device, or an error ("no CUDA device: ...") that callers report in one
 // notice line before falling back to the CPU backend.

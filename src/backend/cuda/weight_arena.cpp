@@ -65,17 +65,25 @@ Status WeightArena::allocate(size_t bytes, std::byte** out) {
 }
 
 Status WeightArena::upload(std::span<const std::byte> src, std::byte* dst, bool progress) {
+  return upload_gather(
+      src.size(), [&](size_t off, size_t n, std::byte* out) { std::memcpy(out, src.data() + off, n); },
+      dst, progress);
+}
+
+Status WeightArena::upload_gather(size_t total,
+                                  const std::function<void(size_t, size_t, std::byte*)>& fill,
+                                  std::byte* dst, bool progress) {
   const auto t0 = std::chrono::steady_clock::now();
   auto last_report = t0;
   size_t done = 0;
-  for (int piece = 0; done < src.size(); ++piece) {
+  for (int piece = 0; done < total; ++piece) {
     const int i = piece % 2;
-    const size_t n = std::min(kStagingBytes, src.size() - done);
+    const size_t n = std::min(kStagingBytes, total - done);
     // The copy that last read staging_[i] must be finished before it is overwritten; the
     // other buffer's copy overlaps this memcpy.
     if (cudaError_t e = cudaEventSynchronize(staged_[i].get()); piece >= 2 && e != cudaSuccess)
       return Status::errorf("cuda: weight upload: {}", cudaGetErrorString(e));
-    std::memcpy(staging_[i].data(), src.data() + done, n);
+    fill(done, n, staging_[i].data());
     if (cudaError_t e =
             cudaMemcpyAsync(dst + done, staging_[i].data(), n, cudaMemcpyHostToDevice, copy_);
         e != cudaSuccess)
@@ -88,12 +96,12 @@ Status WeightArena::upload(std::span<const std::byte> src, std::byte* dst, bool 
       last_report = now;
       const double s = std::chrono::duration<double>(now - t0).count();
       log_info("cuda: uploading weights {:.2f} / {:.2f} GiB ({:.1f} GB/s)", done / 1073741824.0,
-               src.size() / 1073741824.0, done / s / 1e9);
+               total / 1073741824.0, done / s / 1e9);
     }
   }
   if (cudaError_t e = cudaEventRecord(ready_.get(), copy_); e != cudaSuccess)
     return Status::errorf("cuda: event record: {}", cudaGetErrorString(e));
-  stats_.bytes_uploaded += src.size();
+  stats_.bytes_uploaded += total;
   stats_.uploads += 1;
   stats_.upload_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -194,6 +202,38 @@ const std::byte* WeightArena::lookup(std::span<const std::byte> bytes) {
   KILN_CHECK(s.is_ok(), "{}", s.message());
   std::byte* dev = e.dev;
   entries_.emplace(p, std::move(e));
+  return dev;
+}
+
+const std::byte* WeightArena::lookup_rows(const std::byte* base, size_t row_bytes,
+                                          size_t stride, int64_t n_rows) {
+  if (n_rows <= 0 || row_bytes == 0) return nullptr;
+  const auto key = std::make_tuple(base, row_bytes, stride, n_rows);
+  if (auto it = gathered_.find(key); it != gathered_.end()) {
+    ++stats_.cache_hits;
+    return it->second;
+  }
+  const size_t total = row_bytes * static_cast<size_t>(n_rows);
+  std::byte* dev = nullptr;
+  Status s = allocate(total, &dev);
+  KILN_CHECK(s.is_ok(), "{}", s.message());
+  // Compact byte c is byte c % row_bytes of row c / row_bytes; a staging piece may begin and
+  // end inside a row.
+  s = upload_gather(
+      total,
+      [&](size_t off, size_t n, std::byte* out) {
+        while (n > 0) {
+          const size_t r = off / row_bytes, in = off % row_bytes;
+          const size_t take = std::min(n, row_bytes - in);
+          std::memcpy(out, base + r * stride + in, take);
+          out += take;
+          off += take;
+          n -= take;
+        }
+      },
+      dev, false);
+  KILN_CHECK(s.is_ok(), "{}", s.message());
+  gathered_.emplace(key, dev);
   return dev;
 }
 

@@ -9,7 +9,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <tuple>
 #include <span>
 #include <vector>
 
@@ -41,6 +43,11 @@ class WeightArena {
   // Device address of `bytes`, uploading them first if no cached copy holds them. Aborts on
   // device errors (out of memory included: the message names the sizes).
   const std::byte* lookup(std::span<const std::byte> bytes);
+  // Device address of a compact copy of n_rows rows of row_bytes each, stride bytes apart
+  // from `base` (a column block of a wider matrix: a tensor-parallel row-parallel shard),
+  // gathered through the staging buffers on first use. Aborts on device errors.
+  const std::byte* lookup_rows(const std::byte* base, size_t row_bytes, size_t stride,
+                               int64_t n_rows);
   // True when `bytes` lie inside the region (lookup() of them is an offset, never an upload).
   bool holds(std::span<const std::byte> bytes) const {
     return !region_.empty() && !bytes.empty() && bytes.data() >= region_.data() &&
@@ -60,6 +67,10 @@ class WeightArena {
   };
   Status allocate(size_t bytes, std::byte** out);
   Status upload(std::span<const std::byte> src, std::byte* dst, bool progress);
+  // Uploads `total` bytes to dst; fill(off, n, staging) writes bytes [off, off + n) of the
+  // compact source into the staging buffer.
+  Status upload_gather(size_t total, const std::function<void(size_t, size_t, std::byte*)>& fill,
+                       std::byte* dst, bool progress);
 
   cudaStream_t copy_;
   size_t chunk_bytes_;
@@ -68,6 +79,8 @@ class WeightArena {
   std::byte* region_dev_ = nullptr;            // device address of region_.data()
   const std::byte* registered_ = nullptr;      // page-aligned base of a registered region
   std::map<const std::byte*, Entry> entries_;  // by host start address
+  // lookup_rows copies by (base, row_bytes, stride, n_rows).
+  std::map<std::tuple<const std::byte*, size_t, size_t, int64_t>, std::byte*> gathered_;
   struct Chunk {
     void* base = nullptr;
     size_t capacity = 0, used = 0;

@@ -1,0 +1,68 @@
+// model/tensor_parallel.cpp: shard_model (see tensor_parallel.h).
+#include "model/tensor_parallel.h"
+
+namespace kiln::model {
+namespace {
+
+// A row-parallel matrix's column block must hold whole quant blocks of every row.
+Status check_columns(const WeightMatrix& m, int64_t per_rank, const char* what, int n) {
+  const int64_t blk = traits(m.dtype).block_size;
+  if (per_rank % blk != 0)
+    return Status::errorf("{}'s {} columns per rank (of {}) are not whole {} blocks of {}",
+                          what, per_rank, n, dtype_name(m.dtype), blk);
+  return Status::ok();
+}
+
+std::span<const float> part(std::span<const float> v, int64_t per_rank, int rank) {
+  if (v.empty()) return v;
+  return v.subspan(static_cast<size_t>(per_rank * rank), static_cast<size_t>(per_rank));
+}
+
+}  // namespace
+
+Expected<Shard> shard_model(const HParams& hp, const Weights& w, int rank, int n) {
+  if (n < 1 || rank < 0 || rank >= n)
+    return Status::errorf("rank {} of {} ranks", rank, n);
+  Shard s{hp, w};
+  s.w.owned.clear();  // the views point into the model's own copies
+  if (n == 1) return s;
+  if (hp.n_head % n != 0 || hp.n_head_kv % n != 0)
+    return Status::errorf("{} query heads and {} KV heads do not split evenly over {} ranks",
+                          hp.n_head, hp.n_head_kv, n);
+  s.hp.tp_rank = rank;
+  s.hp.tp_size = n;
+  s.hp.n_head = hp.n_head / n;
+  s.hp.n_head_kv = hp.n_head_kv / n;
+  const int64_t qw = s.hp.q_width(), kw = s.hp.k_width(), vw = s.hp.v_width();
+  const int64_t ow = s.hp.o_width();
+  for (size_t il = 0; il < hp.layers.size(); ++il) {
+    LayerDesc& L = s.hp.layers[il];
+    LayerWeights& lw = s.w.layers[il];
+    const std::string blk = fmt::format("blk.{}", il);
+    lw.wq = lw.wq.rows(qw * rank, qw);
+    lw.wk = lw.wk.rows(kw * rank, kw);
+    lw.wv = lw.wv.rows(vw * rank, vw);
+    lw.bq = part(lw.bq, qw, rank);
+    lw.bk = part(lw.bk, kw, rank);
+    lw.bv = part(lw.bv, vw, rank);
+    if (lw.wgate_attn.n_rows > 0) lw.wgate_attn = lw.wgate_attn.rows(ow * rank, ow);
+    KILN_TRY(check_columns(lw.wo, ow, (blk + ".attn_output").c_str(), n));
+    lw.wo = lw.wo.columns(ow * rank, ow);
+    if (L.n_expert == 0) {
+      if (L.n_ff % n != 0)
+        return Status::errorf("{}'s FFN width {} does not split evenly over {} ranks", blk,
+                              L.n_ff, n);
+      const int64_t f = L.n_ff / n;
+      KILN_TRY(check_columns(lw.ffn_down, f, (blk + ".ffn_down").c_str(), n));
+      lw.ffn_gate = lw.ffn_gate.rows(f * rank, f);
+      lw.ffn_up = lw.ffn_up.rows(f * rank, f);
+      lw.ffn_down = lw.ffn_down.columns(f * rank, f);
+      L.n_ff = static_cast<int32_t>(f);
+    } else if (L.n_expert < n) {
+      return Status::errorf("{} has {} experts, fewer than the {} ranks", blk, L.n_expert, n);
+    }
+  }
+  return s;
+}
+
+}  // namespace kiln::model
