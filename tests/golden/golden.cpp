@@ -2,6 +2,7 @@
 #include "golden.h"
 
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -152,6 +153,16 @@ Report check(const Golden& g, const Bounds& b, const EvalFn& eval, const ExemptF
     next = argmax(*step);
   }
   return r;
+}
+
+void expect_within_bounds(const Report& r, const Bounds& b) {
+  EXPECT_EQ(r.bound_failures, 0) << r.first_failure;
+  EXPECT_EQ(r.top1_failures, 0) << r.first_failure;
+  if (r.mean_kl >= 0) {
+    EXPECT_LE(r.mean_kl, b.mean_kl);
+  }
+  EXPECT_GE(r.greedy_matched, r.greedy_required) << r.first_failure;
+  EXPECT_TRUE(r.ok(b));
 }
 
 }  // namespace kiln::golden

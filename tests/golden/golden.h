@@ -65,4 +65,8 @@ using ExemptFn = std::function<std::vector<bool>(size_t n_prompt)>;
 
 Report check(const Golden& g, const Bounds& b, const EvalFn& eval, const ExemptFn& exempt = {});
 
+// The gtest expectations every golden suite applies to a report: no logit over its bound, no
+// top-1 flip at a clear margin, mean KL within bound, the required greedy prefix, r.ok(b).
+void expect_within_bounds(const Report& r, const Bounds& b);
+
 }  // namespace kiln::golden
