@@ -268,9 +268,11 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
 
     be.rmsnorm(x, lw.attn_norm, E, hp.rms_eps, h);
     rec(p + "attn_norm", h, n);
-    be.matmul(lw.wq, h, n, q);
-    be.matmul(lw.wk, h, n, k);
-    be.matmul(lw.wv, h, n, v);
+    // Q, K and V read the same normalised rows: one backend
+    // op, which a CPU decode step runs as one thread hand-off with one activation encoding;
+    // each output is bit-identical to its own matmul (Backend::matmul_batch's contract).
+    const Backend::MatmulTask qkv[] = {{&lw.wq, h, q}, {&lw.wk, h, k}, {&lw.wv, h, v}};
+    be.matmul_batch(qkv, n);
     add_bias(q, lw.bq);
     add_bias(k, lw.bk);
     add_bias(v, lw.bv);
@@ -333,8 +335,8 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
     } else {
       const std::span<float> fg = sl(st.ff_gate, n * L.n_ff), fu = sl(st.ff_up, n * L.n_ff);
       const std::span<float> fa = sl(st.ff_act, n * L.n_ff);
-      be.matmul(lw.ffn_gate, h, n, fg);
-      be.matmul(lw.ffn_up, h, n, fu);
+      const Backend::MatmulTask gate_up[] = {{&lw.ffn_gate, h, fg}, {&lw.ffn_up, h, fu}};
+      be.matmul_batch(gate_up, n);
       if (hp.arch->act == FfnAct::Silu) be.swiglu(fg, fu, fa);
       else be.geglu(fg, fu, fa);
       be.matmul(lw.ffn_down, fa, n, a);

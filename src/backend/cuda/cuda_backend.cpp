@@ -1062,8 +1062,9 @@ Expected<std::unique_ptr<Backend>> make_cuda_tp_group(int n, const CudaOptions& 
   const int have = cuda_device_count();
   if (have < n)
     return Status::errorf("--tensor-parallel {} needs {} CUDA devices, {} present", n, n, have);
-  // NVLink multicast (NVLS) can take a shared host's GPUs out of service; kiln never needs it.
-  setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
+  // NVLink multicast (NVLS) can take a shared host's GPUs out of service; kiln never needs it,
+  // so it is off in every process that makes a group, whatever the environment said.
+  setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/1);
   std::vector<std::unique_ptr<Backend>> ranks;
   std::vector<CudaBackend::Impl*> impls;
   for (int r = 0; r < n; ++r) {

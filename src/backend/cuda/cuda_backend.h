@@ -144,8 +144,8 @@ int cuda_device_count();
 // A tensor-parallel group (backend/tp_group.h) of n CUDA backends on devices 0..n-1, joined
 // by NCCL (one communicator per rank, ncclCommInitAll). options.device and weight_region are
 // not used: each rank uploads only the weights of its shard, on first use. Errors: fewer
-// than n devices, a build without NCCL, NCCL refusing. NCCL_NVLS_ENABLE is set to 0 (NVLink
-// multicast off) unless the environment already sets it.
+// than n devices, a build without NCCL, NCCL refusing. Sets NCCL_NVLS_ENABLE=0 (NVLink
+// multicast off) before NCCL starts.
 Expected<std::unique_ptr<Backend>> make_cuda_tp_group(int n, const CudaOptions& options = {});
 
 // A backend on options.device, or an error ("no CUDA device: ...") that callers report in one
