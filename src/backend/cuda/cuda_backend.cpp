@@ -452,6 +452,13 @@ struct CudaBackend::Impl {
       device_bytes -= it->second;
       allocs.erase(it);
     }
+    // Graph signatures name memory by address, and the allocator hands a freed address out
+    // again: a captured graph whose nodes name this buffer would match a later segment over a
+    // different allocation at the same address and replay against the freed one (a memcpy
+    // node then fails: cudaErrorInvalidValue at launch, seen on a GPU prefill node whose KV
+    // planes grow while kvpack tiles are downloaded). Frees are rare in steady decode (KV
+    // growth doubles, scratch is kept), so every graph goes and is captured again.
+    destroy_graphs();
     cudaFree(p);
   }
   // A host-span op: whatever is recorded runs first, and no argument may be device memory
