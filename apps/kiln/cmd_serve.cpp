@@ -66,6 +66,8 @@ Status serve(ServeOptions o) {
   o.server.max_body_bytes = o.max_body_kib * 1024;
   o.server.cpu_threads = static_cast<int>(cfg.threads);
   o.server.experts = expert_store_config(cfg);
+  // The same backend choice as kiln run: --device, --tensor-parallel, --cuda-* options.
+  o.server.make_backend = [cfg](const Model& m) { return make_backend(m, cfg); };
   if (o.role != "standalone" && o.role != "prefill" && o.role != "decode")
     return Status::errorf("--role '{}' must be standalone, prefill or decode", o.role);
   if (o.prefill_timeout_ms <= 0)

@@ -130,7 +130,13 @@ Status HttpServer::load() {
   }
   if (s.tok->bos() != kTokenNull) s.bos_text = s.tok->token_text(s.tok->bos());
   if (s.tok->eos() != kTokenNull) s.eos_text = s.tok->token_text(s.tok->eos());
-  s.backend = make_cpu_backend(s.opt.cpu_threads);
+  if (s.opt.make_backend) {
+    auto be = s.opt.make_backend(*s.model);
+    if (!be) return be.status();
+    s.backend = std::move(*be);
+  } else {
+    s.backend = make_cpu_backend(s.opt.cpu_threads);
+  }
   SchedulerConfig cfg;
   cfg.n_slots = s.opt.n_parallel;
   cfg.n_ctx = s.opt.n_ctx;

@@ -9,10 +9,12 @@
 #include <span>
 #include <string>
 
+#include "backend/backend.h"
 #include "core/status.h"
 #include "moe/expert_store.h"
 
 namespace kiln {
+class Model;
 class Session;
 }
 
@@ -35,6 +37,9 @@ struct ServerOptions {
   int32_t draft_ngram = 0;       // n-gram draft tokens per decode step (SchedulerConfig); 0: off
   // MoE experts streamed through the slab cache (--expert-cache/--expert-cap); off by default.
   moe::StoreConfig experts;
+  // How the backend for the loaded model is made (kiln serve: --device, --tensor-parallel);
+  // empty: the CPU backend with cpu_threads. An error fails load() with its message.
+  std::function<Expected<std::unique_ptr<Backend>>(const Model&)> make_backend;
 };
 
 class HttpServer {

@@ -15,6 +15,9 @@
 #include "core/counters.h"
 #include "format/gguf.h"
 #include "format/gguf_writer.h"
+#include "backend/cpu/cpu_backend.h"
+#include "backend/tp_group.h"
+#include "engine/session.h"
 #include "server/server.h"
 
 namespace kiln::server {
@@ -468,6 +471,45 @@ TEST(Server, StopEndsInFlightStreamsCleanly) {
   r.srv->stop();
   t.join();
   r.srv->stop();  // idempotent
+}
+
+// A tensor-parallel backend (two CPU ranks, backend/tp_group.h) through ServerOptions::
+// make_backend: the scheduler's batched steps run on both ranks and serve the same greedy text
+// as one backend, for several concurrent requests.
+TEST(Server, TensorParallelBackendServesTheSameText) {
+  static std::atomic<int> groups_made{0};
+  auto complete = [](bool tp) {
+    ServerOptions o;
+    o.model_path = testing::model_path("stories260K.gguf");
+    if (tp)
+      o.make_backend = [](const Model& m) -> Expected<std::unique_ptr<Backend>> {
+        KILN_TRY(check_tensor_parallel(m, 2));
+        ++groups_made;
+        std::vector<std::unique_ptr<Backend>> ranks;
+        for (int r = 0; r < 2; ++r) ranks.push_back(make_cpu_backend(1));
+        return make_host_tp_group(std::move(ranks));
+      };
+    Running r = start(o);
+    std::vector<std::string> texts(3);
+    std::vector<std::thread> clients;
+    for (int i = 0; i < 3; ++i)
+      clients.emplace_back([&, i] {
+        auto cli = std::make_unique<httplib::Client>("127.0.0.1", r.srv->port());
+        cli->set_read_timeout(30, 0);
+        const json c = post_json(*cli, "/v1/completions",
+                                 {{"prompt", i == 1 ? "Lily had a dog" : "Once upon a time"},
+                                  {"max_tokens", 16},
+                                  {"temperature", 0}},
+                                 200);
+        texts[static_cast<size_t>(i)] = c["choices"][0]["text"].get<std::string>();
+      });
+    for (std::thread& t : clients) t.join();
+    return texts;
+  };
+  const std::vector<std::string> one = complete(false), two = complete(true);
+  EXPECT_EQ(groups_made.load(), 1) << "the server did not use ServerOptions::make_backend";
+  EXPECT_FALSE(one[0].empty());
+  EXPECT_EQ(one, two);
 }
 
 }  // namespace
