@@ -7,6 +7,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include "common/testdata.h"
 
 extern char** environ;
@@ -40,6 +42,13 @@ KilnProc run_kiln(const std::vector<std::string>& args) {
   p.out = read_file(out_path);
   p.err = read_file(err_path);
   return p;
+}
+
+void expect_clean_error(const KilnProc& p, const std::string& what) {
+  EXPECT_EQ(p.signal, 0) << "crashed: " << p.err;
+  EXPECT_EQ(p.rc, 1) << p.err;
+  EXPECT_NE(p.err.find(what), std::string::npos) << "stderr: " << p.err;
+  EXPECT_LE(std::count(p.err.begin(), p.err.end(), '\n'), 1) << "stderr: " << p.err;
 }
 
 }  // namespace kiln::testing

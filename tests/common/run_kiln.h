@@ -17,4 +17,8 @@ struct KilnProc {
 // test failure (rc stays -1).
 KilnProc run_kiln(const std::vector<std::string>& args);
 
+// A failed command as kiln promises: exit status 1 (not a crash), one stderr line mentioning
+// `what`.
+void expect_clean_error(const KilnProc& p, const std::string& what);
+
 }  // namespace kiln::testing

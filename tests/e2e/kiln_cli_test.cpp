@@ -29,15 +29,9 @@ using testing::read_file;
 using testing::shared_path;
 
 using Proc = testing::KilnProc;
+using testing::expect_clean_error;
 using testing::run_kiln;
 
-// A failed command: exit status 1 (not a crash), one stderr line mentioning `what`.
-void expect_clean_error(const Proc& p, const std::string& what) {
-  EXPECT_EQ(p.signal, 0) << "crashed: " << p.err;
-  EXPECT_EQ(p.rc, 1) << p.err;
-  EXPECT_NE(p.err.find(what), std::string::npos) << "stderr: " << p.err;
-  EXPECT_LE(std::count(p.err.begin(), p.err.end(), '\n'), 1) << "stderr: " << p.err;
-}
 
 nlohmann::json golden(const std::string& model) {
   return nlohmann::json::parse(read_file(shared_path("testdata/golden/" + model + ".json")));

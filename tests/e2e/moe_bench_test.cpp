@@ -19,6 +19,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "common/run_kiln.h"
 #include "common/testdata.h"
+#include "engine/engine_test_util.h"
 #include "engine/session.h"
 #include "format/gguf.h"
 
@@ -28,14 +29,9 @@ namespace kiln {
 namespace {
 
 using Proc = testing::KilnProc;
+using testing::expect_clean_error;
 using testing::run_kiln;
 
-void expect_clean_error(const Proc& p, const std::string& what) {
-  EXPECT_EQ(p.signal, 0) << "crashed: " << p.err;
-  EXPECT_EQ(p.rc, 1) << p.err;
-  EXPECT_NE(p.err.find(what), std::string::npos) << "stderr: " << p.err;
-  EXPECT_LE(std::count(p.err.begin(), p.err.end(), '\n'), 1) << "stderr: " << p.err;
-}
 
 // The weights one decoded token reads, from the file alone: every tensor once, the token
 // embedding as one row unless it is also the output matrix (no output.weight), and of each
@@ -120,16 +116,7 @@ TEST(MoeBench, DenseModelReadsNoExpertBytes) {
 // prefill batch takes the per-expert gather path. Token by token they must agree bit for bit.
 std::vector<float> logits_chunked(const std::shared_ptr<const Model>& m, Backend& be,
                                   std::span<const int32_t> prompt, int32_t chunk) {
-  Session s(m, be, 256, chunk);
-  std::vector<float> out;
-  for (size_t i = 0; i < prompt.size(); i += static_cast<size_t>(chunk)) {
-    const size_t n = std::min(prompt.size() - i, static_cast<size_t>(chunk));
-    auto l = s.eval(prompt.subspan(i, n), true);
-    EXPECT_TRUE(l.has_value()) << l.error();
-    if (!l) return {};
-    out.insert(out.end(), l->begin(), l->end());
-  }
-  return out;
+  return enginetest::logits_chunked(m, be, prompt, chunk, 256);
 }
 
 class MoeDecodePath : public ::testing::TestWithParam<std::string> {};

@@ -25,19 +25,10 @@ using namespace std::chrono_literals;
 using enginetest::load;
 using enginetest::random_prompt;
 
-// All-position logits of `prompt` evaluated in pieces of `chunk` tokens.
+// All-position logits in pieces of `chunk` tokens, from a 512-position session.
 std::vector<float> logits_chunked(const std::shared_ptr<const Model>& m, Backend& be,
                                   std::span<const int32_t> prompt, int32_t chunk) {
-  Session s(m, be, 512, chunk);
-  std::vector<float> out;
-  for (size_t i = 0; i < prompt.size(); i += static_cast<size_t>(chunk)) {
-    const size_t n = std::min(prompt.size() - i, static_cast<size_t>(chunk));
-    auto l = s.eval(prompt.subspan(i, n), true);
-    EXPECT_TRUE(l.has_value()) << l.error();
-    if (!l) return {};
-    out.insert(out.end(), l->begin(), l->end());
-  }
-  return out;
+  return enginetest::logits_chunked(m, be, prompt, chunk, 512);
 }
 
 // Batch invariance starts here: a token's logits must not depend on how many other tokens
