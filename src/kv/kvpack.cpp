@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "core/check.h"
+#include "kv/wire.h"
 #include "core/dtype.h"
 
 namespace kiln::kvpack {
@@ -27,19 +28,9 @@ constexpr size_t kTileHeadBytes = 20;  // magic, layer, first_pos, n_rows, reser
 constexpr size_t kTrailerBytes = 16;   // magic, n_tiles, digest
 constexpr uint32_t kFlagRope = 1;
 
-template <typename T>
-void put(std::vector<uint8_t>& out, T v) {
-  const size_t at = out.size();
-  out.resize(at + sizeof(T));
-  std::memcpy(out.data() + at, &v, sizeof(T));
-}
+using wire::put;
 void put_magic(std::vector<uint8_t>& out, const char (&m)[4]) { out.insert(out.end(), m, m + 4); }
-template <typename T>
-T get(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
+using wire::get;
 bool is_magic(const uint8_t* p, const char (&m)[4]) { return std::memcmp(p, m, 4) == 0; }
 
 uint64_t hash(std::span<const uint8_t> b) { return XXH3_64bits(b.data(), b.size()); }

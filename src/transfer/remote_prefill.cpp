@@ -9,6 +9,7 @@
 #include "core/log.h"
 #include "kv/kv_cache.h"
 #include "kv/kvpack.h"
+#include "kv/wire.h"
 #include "transfer/identity.h"
 #include "transfer/session_pack.h"
 
@@ -22,18 +23,8 @@ constexpr char kAck[4] = {'K', 'V', 'A', 'K'};
 constexpr size_t kReqFixed = 4 + 4 + 32 + 4;  // magic, version, identity, n_tokens
 constexpr uint32_t kMaxMessage = 4096;
 
-template <typename T>
-void put(std::vector<uint8_t>& out, T v) {
-  const size_t at = out.size();
-  out.resize(at + sizeof(T));
-  std::memcpy(out.data() + at, &v, sizeof(T));
-}
-template <typename T>
-T get(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
+using wire::put;
+using wire::get;
 
 std::vector<uint8_t> encode_request(const kvpack::Identity& id, std::span<const int32_t> tokens) {
   std::vector<uint8_t> out(kReq, kReq + 4);
