@@ -374,6 +374,103 @@ void PackedOnOffArgs(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_Q4KPackedOnOff)->Apply(PackedOnOffArgs)
     ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
 
+// The small-batch Q4_K / Q6_K kernels against the plain ones (cpu::set_kq_pair_matmul) at
+// decode-of-several-streams token counts, on the 1B model's FFN shapes, 1 thread, thread CPU
+// time, alternating within each iteration, best of each; also checks that the two give the
+// same bits. args: type, tokens, rows, columns. (Below 4 tokens both runs take the plain
+// kernels, so 1 and 2 tokens read 1.0 by construction; Q4_K at 12+ tokens takes the packed
+// kernel either way.)
+void BM_KQPairOnOff(benchmark::State& state) {
+  const auto type = static_cast<DType>(state.range(0));
+  const int64_t n_tok = state.range(1), n_rows = state.range(2), n_cols = state.range(3);
+  const BenchWeights& w = weights(type, n_rows, n_cols);
+  std::vector<float> X(n_tok * n_cols), C_on(n_tok * n_rows), C_off(n_tok * n_rows);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  for (float& v : X) v = nd(rng);
+  Backend& be = backend(1);
+  double best_on = 1e30, best_off = 1e30;
+  for (auto _ : state) {
+    cpu::set_kq_pair_matmul(true);
+    const double t0 = thread_cpu_s();
+    be.matmul(w.m, X, n_tok, C_on);
+    benchmark::DoNotOptimize(C_on.data());
+    const double t1 = thread_cpu_s();
+    cpu::set_kq_pair_matmul(false);
+    be.matmul(w.m, X, n_tok, C_off);
+    benchmark::DoNotOptimize(C_off.data());
+    const double t2 = thread_cpu_s();
+    best_on = std::min(best_on, t1 - t0);
+    best_off = std::min(best_off, t2 - t1);
+  }
+  cpu::set_kq_pair_matmul(true);
+  if (std::memcmp(C_on.data(), C_off.data(), C_on.size() * sizeof(float)) != 0)
+    state.SkipWithError("small-batch and plain kernels differ");
+  state.SetLabel(std::string(dtype_name(type)) + " small-batch vs plain, " + cpu_simd_target());
+  state.counters["new_us"] = best_on * 1e6;
+  state.counters["old_us"] = best_off * 1e6;
+  state.counters["new_us/tok"] = best_on * 1e6 / static_cast<double>(n_tok);
+  state.counters["speedup"] = best_off / best_on;
+}
+void KQPairArgs(benchmark::internal::Benchmark* b) {
+  for (DType type : {DType::Q4_K, DType::Q6_K})
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{5632, 2048}, {2048, 5632}})
+      for (int64_t tok : {1, 2, 4, 8}) b->Args({static_cast<int64_t>(type), tok, rows, cols});
+}
+BENCHMARK(BM_KQPairOnOff)->Apply(KQPairArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
+
+// One decoder layer's matmuls of the 1.1B Q4_K_M model (q, k, v, o, gate, up, down: Q4_K with
+// Q6_K v and down, n_embd 2048, n_ff 8192, 4 KV heads of 128) at a decode step of `tokens`
+// tokens, 2 threads, wall time, small-batch kernels on and off alternating, best of each. The
+// step ratio against tokens = 1 is what batched decode of several streams gains.
+void BM_LayerStepKQPair(benchmark::State& state) {
+  const int64_t n_tok = state.range(0);
+  struct Mm {
+    DType type;
+    int64_t rows, cols;
+  };
+  const Mm mms[] = {{DType::Q4_K, 2048, 2048}, {DType::Q4_K, 512, 2048}, {DType::Q6_K, 512, 2048},
+                    {DType::Q4_K, 2048, 2048}, {DType::Q4_K, 8192, 2048}, {DType::Q4_K, 8192, 2048},
+                    {DType::Q6_K, 2048, 8192}};
+  // gate and up are distinct matrices (a cache-resident copy would flatter the step).
+  std::vector<const BenchWeights*> ws;
+  for (size_t i = 0; i < std::size(mms); ++i)
+    ws.push_back(&weights(mms[i].type, mms[i].rows + (i == 5 ? 1 : 0), mms[i].cols));
+  std::vector<float> X(n_tok * 8192), Y(n_tok * 8193);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  for (float& v : X) v = nd(rng);
+  Backend& be = backend(2);
+  const auto step = [&] {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const WeightMatrix& m = ws[i]->m;
+      be.matmul(m, std::span<const float>(X.data(), n_tok * m.n_cols), n_tok,
+                std::span<float>(Y.data(), n_tok * m.n_rows));
+    }
+    benchmark::DoNotOptimize(Y.data());
+  };
+  const auto wall = [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
+  double best_on = 1e30, best_off = 1e30;
+  for (auto _ : state) {
+    cpu::set_kq_pair_matmul(true);
+    const double t0 = wall();
+    step();
+    const double t1 = wall();
+    cpu::set_kq_pair_matmul(false);
+    step();
+    const double t2 = wall();
+    best_on = std::min(best_on, t1 - t0);
+    best_off = std::min(best_off, t2 - t1);
+  }
+  cpu::set_kq_pair_matmul(true);
+  state.SetLabel(std::string("1.1B layer step, 2 threads, ") + cpu_simd_target());
+  state.counters["new_ms"] = best_on * 1e3;
+  state.counters["old_ms"] = best_off * 1e3;
+  state.counters["speedup"] = best_off / best_on;
+}
+BENCHMARK(BM_LayerStepKQPair)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+    ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+
 }  // namespace
 }  // namespace kiln::bench
 

@@ -27,6 +27,9 @@
 #include "core/counters.h"
 #include "core/log.h"
 #include "sampling/sampler.h"
+#if KILN_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace kiln::app {
 namespace {
@@ -51,7 +54,50 @@ struct Result {
   // experts the routing selected; streaming read bandwidth measured before each repetition.
   double bytes_per_token = 0, dense_bytes = 0, expert_bytes = 0;
   double read_gbps = 0, roofline_ts = 0, roofline_fraction = 0;
+  std::string profile;  // --cuda-profile: the per-kernel table of one extra pass
 };
+
+#if KILN_WITH_CUDA
+// One extra pass of a test op by op with CUDA events (--cuda-profile): per kernel (matmuls by
+// type, shape, token count and path) the time per step, its share, and for weight reads the
+// GB/s; then the sum against the step time the timed (graph) runs measured. The difference is
+// what no kernel accounts for: launch gaps, host work between segments, synchronisation.
+template <typename F>
+Expected<std::string> profile_pass(Backend& be, const Result& r, const std::vector<int32_t>& tokens,
+                                   F&& fn) {
+  auto* cuda = dynamic_cast<CudaBackend*>(&be);
+  if (!cuda) return std::string("(--cuda-profile: not a single-GPU CUDA backend)\n");
+  cuda->set_profile(true);
+  Expected<double> ts = fn(tokens);
+  std::vector<CudaOpTime> ops = cuda->stats().ops;
+  cuda->set_profile(false);
+  if (!ts) return ts.status();
+  const double steps = r.n_gen > 0 ? double(r.n_gen) : 1.0;
+  const double tok_per_step = r.n_gen > 0 ? double(r.n_seq) : double(r.n_prompt);
+  const double step_us = r.mean > 0 ? tok_per_step / r.mean * 1e6 : 0;
+  std::sort(ops.begin(), ops.end(),
+            [](const CudaOpTime& a, const CudaOpTime& b) { return a.kernel_ms > b.kernel_ms; });
+  double total_ms = 0;
+  for (const CudaOpTime& op : ops) total_ms += op.kernel_ms;
+  std::string out = fmt::format(
+      "\n{} per kernel (one pass op by op with CUDA events; per step = {}):\n\n"
+      "| kernel | calls/step | µs/step | share | weight GB/s |\n|---|---:|---:|---:|---:|\n",
+      r.test, r.n_gen > 0 ? "one decode step" : "the whole prompt");
+  for (const CudaOpTime& op : ops)
+    out += fmt::format("| {} | {:.1f} | {:.1f} | {:.1f} % | {} |\n", op.op,
+                       double(op.calls) / steps, op.kernel_ms * 1e3 / steps,
+                       total_ms > 0 ? 100 * op.kernel_ms / total_ms : 0.0,
+                       op.bytes > 0 && op.kernel_ms > 0
+                           ? fmt::format("{:.0f}", double(op.bytes) / (op.kernel_ms * 1e-3) * 1e-9)
+                           : std::string("-"));
+  out += fmt::format(
+      "\nkernels {:.1f} µs per step; the timed runs (graphs as configured) took {:.1f} µs per "
+      "step: {:.1f} µs ({:.1f} %) outside any kernel\n",
+      total_ms * 1e3 / steps, step_us, step_us - total_ms * 1e3 / steps,
+      step_us > 0 ? 100 * (step_us - total_ms * 1e3 / steps) / step_us : 0.0);
+  return out;
+}
+#endif
 
 // Weight bytes a decode step reads outside the experts: every tensor once, except that the
 // token embedding contributes one row (a lookup) unless it doubles as the output matrix; the
@@ -209,7 +255,11 @@ Status run(const BenchOptions& o) {
   std::vector<Result> results;
   auto bench = [&](const std::string& name, int32_t np, int32_t ng, int32_t n_seq,
                    auto&& fn) -> Status {
-    Result r{name, np, ng, n_seq, {}, 0, 0, 0};
+    Result r;
+    r.test = name;
+    r.n_prompt = np;
+    r.n_gen = ng;
+    r.n_seq = n_seq;
     const bool roofline = ng > 0 && n_seq == 1;  // one sequence's decode: weight-bound
     const std::vector<int32_t> tokens = random_tokens(np + ng, model.n_vocab(), 1234);
     KILN_TRY(fn(tokens));  // warm-up: page in weights, size scratch buffers
@@ -223,6 +273,11 @@ Status run(const BenchOptions& o) {
       r.ts.push_back(ts);
     }
     summarise(r);
+#if KILN_WITH_CUDA
+    if (cfg.cuda_profile) {
+      KILN_ASSIGN_OR_RETURN(r.profile, profile_pass(*ld.backend, r, tokens, fn));
+    }
+#endif
     if (roofline) {
       r.dense_bytes = dense_bytes_per_token(model);
       r.expert_bytes = double(expert_bytes_run) / (double(ng) * o.reps);
@@ -309,6 +364,7 @@ Status run(const BenchOptions& o) {
                    "{:.1f} t/s; tg = {:.1f} % of it\n",
                    r.test, r.bytes_per_token * 1e-6, r.dense_bytes * 1e-6, r.expert_bytes * 1e-6,
                    r.read_gbps, r.roofline_ts, 100 * r.roofline_fraction);
+    for (const Result& r : results) fmt::print("{}", r.profile);
     fmt::print("\nresident memory: {:.1f} MiB total, {:.1f} MiB file-backed (mapped weights), "
                "{:.1f} MiB anonymous (KV cache {:.1f} MiB + activations + runtime)\n",
                double(mem.rss) / (1 << 20), double(mem.rss_file) / (1 << 20),

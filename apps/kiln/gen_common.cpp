@@ -52,6 +52,7 @@ moe::StoreConfig expert_store_config(const Config& config) {
 Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config& config) {
   const std::string& dev = config.device;
   cpu::set_q4k_packed_matmul(config.cpu_q4k_packed);  // process-wide, like the CPU kernels
+  cpu::set_kq_pair_matmul(config.cpu_kq_pair);
   if (dev != "auto" && dev != "cuda" && dev != "cpu")
     return Status::errorf("unknown --device '{}' (auto, cuda or cpu)", dev);
   const bool streaming = config.expert_cache > 0 || config.expert_cap > 0;
@@ -76,10 +77,12 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
     CudaOptions o;
     o.progress = true;
     o.graphs = config.cuda_graphs;
+    o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
     o.immutable_region = model.gguf().mapping()->bytes();  // norms/biases cached, not staged
     if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
+    else if (config.cuda_matmul == "v2") o.matmul = CudaMatmul::V2;
     else if (config.cuda_matmul == "v3") o.matmul = CudaMatmul::V3;
-    else if (config.cuda_matmul != "auto" && config.cuda_matmul != "v2")
+    else if (config.cuda_matmul != "auto")
       return Status::errorf("unknown --cuda-matmul '{}' (auto, v1, v2, v3)", config.cuda_matmul);
     auto group = make_cuda_tp_group(static_cast<int>(tp), o);
     if (!group) return Status::errorf("--tensor-parallel {}: {}", tp, group.error());
@@ -105,6 +108,7 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
       o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
       o.progress = true;
       o.graphs = config.cuda_graphs;
+      o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
       if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
       else if (config.cuda_matmul == "v2") o.matmul = CudaMatmul::V2;
       else if (config.cuda_matmul == "v3") o.matmul = CudaMatmul::V3;

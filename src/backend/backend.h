@@ -229,6 +229,23 @@ class Backend {
   virtual void store_rows_f16(std::span<const float> src, int64_t width,
                               std::span<const int32_t> rows, std::span<f16> plane) = 0;
   virtual void attention(const AttentionArgs& a) = 0;
+  // Several sequences' attention (a batched decode step: each sequence's queries over its own
+  // planes) as one op; each out is bit-identical to attention() of that sequence alone.
+  // Default: one attention() per sequence.
+  virtual void attention_batch(std::span<const AttentionArgs> seqs) {
+    for (const AttentionArgs& a : seqs) attention(a);
+  }
+  // Several store_rows_f16 scatters (each sequence's new K or V rows into its own plane) as
+  // one op; no plane may be another task's. Default: one store_rows_f16() per task.
+  struct StoreRowsTask {
+    std::span<const float> src;
+    int64_t width = 0;
+    std::span<const int32_t> rows;
+    std::span<f16> plane;
+  };
+  virtual void store_rows_f16_batch(std::span<const StoreRowsTask> tasks) {
+    for (const StoreRowsTask& t : tasks) store_rows_f16(t.src, t.width, t.rows, t.plane);
+  }
   // Index of the largest value (first on ties).
   virtual int64_t argmax(std::span<const float> x) = 0;
 

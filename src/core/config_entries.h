@@ -30,8 +30,18 @@ KILN_CONFIG_ENTRY(int64_t, tensor_parallel, 1,
 KILN_CONFIG_ENTRY(bool, cpu_q4k_packed, true,
                   "CPU: Q4_K prefill (12+ tokens) through the packed AVX-512 VNNI kernel (same "
                   "bits as the plain kernel, ~1.3x faster: docs/BENCHMARKS.md)")
+KILN_CONFIG_ENTRY(bool, cpu_kq_pair, true,
+                  "CPU: Q4_K/Q6_K matmuls of 4+ tokens (batched decode; Q4_K below 12) through "
+                  "the 512-bit AVX-512 VNNI small-batch kernels (same bits as the plain kernels; "
+                  "faster by bench/matvec_bench BM_KQPairOnOff, BM_LayerStepKQPair)")
 KILN_CONFIG_ENTRY(std::string, cuda_matmul, "auto",
-                  "CUDA matmul kernels: v1, v2, v3 (int8 activations, dp4a), auto (the backend's "
-                  "default)")
+                  "CUDA matmul kernels: v1, v2 (f32 activations; cuBLAS above 16 tokens), v3 (int8 "
+                  "activations, dp4a, up to 64 tokens), auto (v3 up to 16 tokens, cuBLAS above)")
+KILN_CONFIG_ENTRY(int64_t, cuda_int8_max_tokens, 16,
+                  "CUDA (--cuda-matmul auto): quantized matmuls of up to this many tokens run the "
+                  "int8 dp4a kernels, more take cuBLAS (1..64)")
+KILN_CONFIG_ENTRY(bool, cuda_profile, false,
+                  "CUDA (kiln bench): time one extra pass of each test op by op with CUDA events "
+                  "and print the per-kernel table (µs per step, GB/s of the weight reads)")
 KILN_CONFIG_ENTRY(bool, cuda_graphs, true,
                   "CUDA: replay each repeated decode step as a CUDA graph (off: launch op by op)")

@@ -287,15 +287,23 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
     rec(p + "Vcur", v, n);
     // Each sequence writes its new keys/values into its own planes and attends only over
     // them; a query row's result never depends on the other sequences in the batch.
+    // All sequences' stores go first, then all attentions, each group as one backend op (a
+    // batched decode step is many tiny ops otherwise). Reordering is safe because no two
+    // sequences of a batch share a plane (BatchEval and Session give each its own KvCache;
+    // checked below), so a sequence's store never touches rows another one attends over.
     KILN_CHECK(hp.head_dim_k == hp.head_dim_v, "attention op needs key_length == value_length");
+    std::vector<Backend::StoreRowsTask>& stores = st.store_tasks;
+    std::vector<AttentionArgs>& attns = st.attn_args;
+    stores.clear();
+    attns.clear();
     for (const SeqSlice& sq : seqs) {
       const LayerKv& kv = sq.kv[il];
       const auto f = static_cast<size_t>(sq.first), c = static_cast<size_t>(sq.n_tok);
       const auto qw = static_cast<size_t>(hp.q_width()), kw = static_cast<size_t>(hp.k_width());
       const auto vw = static_cast<size_t>(hp.v_width()), ow = static_cast<size_t>(hp.o_width());
       KILN_CHECK(kv.append_rows.size() == c);
-      be.store_rows_f16(k.subspan(f * kw, c * kw), hp.k_width(), kv.append_rows, kv.k);
-      be.store_rows_f16(v.subspan(f * vw, c * vw), hp.v_width(), kv.append_rows, kv.v);
+      stores.push_back({k.subspan(f * kw, c * kw), hp.k_width(), kv.append_rows, kv.k});
+      stores.push_back({v.subspan(f * vw, c * vw), hp.v_width(), kv.append_rows, kv.v});
 
       AttentionArgs args;
       args.q = q.subspan(f * qw, c * qw);
@@ -312,8 +320,18 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
       args.scale = hp.attn_scale;
       args.softcap = hp.attn_softcap;
       args.out = o.subspan(f * ow, c * ow);
-      be.attention(args);
+      attns.push_back(args);
     }
+    if (seqs.size() > 1) {
+      std::vector<const f16*>& planes = st.plane_check;
+      planes.clear();
+      for (const Backend::StoreRowsTask& t : stores) planes.push_back(t.plane.data());
+      std::sort(planes.begin(), planes.end());
+      KILN_CHECK(std::adjacent_find(planes.begin(), planes.end()) == planes.end(),
+                 "two sequences of one batch share a KV plane (layer {})", il);
+    }
+    be.store_rows_f16_batch(stores);
+    be.attention_batch(attns);
     rec(p + "kqv_out", o, n);
     if (lw.wgate_attn.n_rows > 0) {
       const std::span<float> g = sl(st.gate, n * hp.o_width());

@@ -76,6 +76,10 @@ class ForwardState {
   std::vector<int32_t> moe_order;
   std::vector<moe::ExpertWeights> moe_held;
   std::vector<Backend::MatmulTask> moe_tasks;
+  // The attention block's per-sequence ops, gathered to run as one backend op each.
+  std::vector<Backend::StoreRowsTask> store_tasks;
+  std::vector<AttentionArgs> attn_args;
+  std::vector<const f16*> plane_check;
   std::vector<float> capture_host;  // device backends: a captured activation on its way out
 };
 

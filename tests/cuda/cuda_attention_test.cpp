@@ -1,11 +1,16 @@
 // tests/cuda/cuda_attention_test.cpp: CUDA attention against the reference on ring-shaped KV
 // planes (physical rows out of logical order), GQA ratios 1/2/4/8, head sizes 64..256,
 // decode (1 query, long contexts that split the keys over many blocks) and prefill (many
-// queries), sliding windows, softcaps, and queries that see no key at all.
+// queries), sliding windows, softcaps, and queries that see no key at all. Prefill shapes
+// (32+ queries, head_dim 64/128) take the tensor-core tile kernel, held to a bound derived
+// from its f16 roundings of Q and P.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
+#include "backend/cuda/kernels.h"
 #include "core/half.h"
 #include "cuda_test_common.h"
 #include "ops/ops_common.h"
@@ -70,10 +75,30 @@ void run_case(const AttnCase& c, std::mt19937_64& rng) {
   cuda_under_test().ref->attention(a);
   a.out = out_gpu;
   cuda_under_test().cuda->attention(a);
+  cuda::DeviceAttention shape;
+  shape.n_q = c.n_q, shape.n_kv = c.n_kv, shape.n_head = c.n_head, shape.n_head_kv = c.n_head_kv;
+  shape.head_dim = c.head_dim;
+  const bool tiles = cuda::attention_uses_tiles(shape);
+  float kmax = 0, vmax = 0;
+  for (size_t i = 0; i < k.size(); ++i) {
+    kmax = std::max(kmax, std::fabs(f16_to_f32(k[i])));
+    vmax = std::max(vmax, std::fabs(f16_to_f32(v[i])));
+  }
   // Outputs are convex combinations of V rows (|v| <= ~5): f32 online softmax (expf, merged
-  // splits) vs double.
-  for (size_t i = 0; i < q.size(); ++i)
-    ASSERT_TRUE(close(out_gpu[i], out_ref[i], 2e-5 * (1 + std::fabs(out_ref[i])))) << "elem " << i;
+  // splits) vs double. The tile kernel rounds Q to f16 (each logit off by at most
+  // 2^-11 * scale * sum|q| * max|k|, which moves a softmax-weighted mean of V by at most twice
+  // that times max|v|) and P to f16 (2^-11 relative per weight, in numerator and sum).
+  for (size_t i = 0; i < q.size(); ++i) {
+    double tol = 2e-5 * (1 + std::fabs(out_ref[i]));
+    if (tiles) {
+      const size_t row = i / size_t(c.head_dim);
+      double qsum = 0;
+      for (int64_t d = 0; d < c.head_dim; ++d) qsum += std::fabs(q[row * c.head_dim + d]);
+      const double dlogit = std::ldexp(1.0, -11) * a.scale * qsum * kmax;
+      tol += 2.0 * dlogit * vmax + std::ldexp(1.0, -10) * vmax;
+    }
+    ASSERT_TRUE(close(out_gpu[i], out_ref[i], tol)) << "elem " << i << (tiles ? " (tiles)" : "");
+  }
   if (c.n_q > 2) {  // the query before every key: zeros
     for (int64_t d = 0; d < q_w; ++d) ASSERT_EQ(out_gpu[d], 0.0f);
   }
@@ -88,8 +113,140 @@ TEST(CudaAttention, Configurations) {
       {4, 4, 96, 33, 33, 0, 0},        {16, 4, 128, 70, 300, 0, 0}, {8, 4, 256, 5, 200, 0, 0},
       {4, 2, 64, 9, 200, 16, 0},       {4, 2, 64, 1, 2000, 100, 0}, {8, 2, 128, 6, 300, 0, 30.0f},
       {8, 8, 256, 17, 700, 64, 50.0f}, {2, 1, 48, 3, 10, 0, 0},     {8, 8, 32, 1, 70000, 0, 0},
+      // The tile kernel: GQA groups 1/2/4/8, causal prefill from an empty cache, a suffix of a
+      // longer context, windows, softcap, key counts off the 64-key tile.
+      {32, 8, 128, 512, 512, 0, 0},    {8, 8, 128, 33, 33, 0, 0},   {8, 1, 64, 100, 1000, 0, 0},
+      {4, 2, 64, 40, 77, 16, 0},       {8, 2, 128, 64, 130, 0, 30.0f},
+      {16, 4, 64, 257, 300, 100, 0},
   };
   for (const AttnCase& c : cases) run_case(c, rng);
+  cuda::DeviceAttention prefill;  // the 8B shape's prefill chunk takes the tile kernel
+  prefill.n_q = 512, prefill.n_kv = 512, prefill.n_head = 32, prefill.n_head_kv = 8;
+  prefill.head_dim = 128;
+  EXPECT_TRUE(cuda::attention_uses_tiles(prefill));
+}
+
+// A batched decode step's attention (Backend::attention_batch on device memory: one launch
+// for the sequences that take the split kernel, one attention() each for the rest): every
+// sequence's output has exactly the bits of attention() of that sequence alone, and is within
+// the f32 bound of the reference. Sequences of different lengths (splits from 1 to many), 1-3
+// queries, rings, a window and a softcap, plus one prefill-sized sequence (the tile kernel)
+// in the same batch. store_rows_f16_batch likewise against store_rows_f16.
+TEST(CudaAttention, BatchOfSequencesHasEachSequencesBits) {
+  KILN_REQUIRE_CUDA();
+  CudaBackend& be = *cuda_under_test().cuda;
+  Backend& ref = *cuda_under_test().ref;
+  std::mt19937_64 rng(ops_seed());
+  struct Shape {
+    int64_t n_head, n_head_kv, hd;
+    int32_t window;
+    float softcap;
+  };
+  struct Seq {
+    int64_t n_q, n_kv;
+  };
+  const Seq seqs[] = {{1, 1}, {1, 37}, {2, 300}, {1, 4097}, {3, 64}, {1, 1000}, {40, 90}};
+  for (const Shape sh : {Shape{32, 8, 128, 0, 0.0f}, Shape{4, 4, 64, 50, 30.0f}}) {
+    SCOPED_TRACE(::testing::Message() << "heads " << sh.n_head << "/" << sh.n_head_kv << " hd "
+                                      << sh.hd << " seed " << ops_seed());
+    const int64_t q_w = sh.n_head * sh.hd, kv_w = sh.n_head_kv * sh.hd;
+    struct Host {
+      std::vector<float> q, src_k;
+      std::vector<f16> k, v;
+      std::vector<int32_t> rows, pos, q_pos, new_rows;
+      BackendBuffer<float> dq, out_batch, out_solo, dsrc;
+      BackendBuffer<f16> dk, dv, store_a, store_b;
+    };
+    std::vector<Host> hs(std::size(seqs));
+    std::vector<AttentionArgs> args;
+    std::vector<Backend::StoreRowsTask> stores_a, stores_b;
+    for (size_t i = 0; i < std::size(seqs); ++i) {
+      const Seq& c = seqs[i];
+      Host& h = hs[i];
+      const int64_t n_phys = c.n_kv + 5;
+      const auto origin = static_cast<int32_t>(rng() % n_phys);
+      for (int64_t j = 0; j < c.n_kv; ++j) {
+        h.rows.push_back(static_cast<int32_t>((j + origin) % n_phys));
+        h.pos.push_back(static_cast<int32_t>(j));
+      }
+      for (int64_t t = 0; t < c.n_q; ++t) h.q_pos.push_back(static_cast<int32_t>(c.n_kv - c.n_q + t));
+      const std::vector<float> kf = random_vec(rng, n_phys * kv_w), vf = random_vec(rng, n_phys * kv_w);
+      for (size_t e = 0; e < kf.size(); ++e) {
+        h.k.push_back(f32_to_f16(kf[e]));
+        h.v.push_back(f32_to_f16(vf[e]));
+      }
+      h.q = random_vec(rng, c.n_q * q_w, 2.0f);
+      h.dq = be.alloc<float>(h.q.size());
+      h.out_batch = be.alloc<float>(h.q.size());
+      h.out_solo = be.alloc<float>(h.q.size());
+      h.dk = be.alloc<f16>(h.k.size());
+      h.dv = be.alloc<f16>(h.v.size());
+      be.upload<float>(h.q, h.dq.span());
+      be.upload<f16>(h.k, h.dk.span());
+      be.upload<f16>(h.v, h.dv.span());
+      AttentionArgs a;
+      a.q = h.dq.span();
+      a.k = h.dk.span();
+      a.v = h.dv.span();
+      a.kv_rows = h.rows;
+      a.kv_pos = h.pos;
+      a.q_pos = h.q_pos;
+      a.n_q = c.n_q;
+      a.n_head = sh.n_head;
+      a.n_head_kv = sh.n_head_kv;
+      a.head_dim = sh.hd;
+      a.window = sh.window;
+      a.scale = 1.0f / std::sqrt(float(sh.hd));
+      a.softcap = sh.softcap;
+      a.out = h.out_batch.span();
+      args.push_back(a);
+      // Stores: c.n_q new rows at ring rows of this sequence's own planes.
+      h.src_k = random_vec(rng, c.n_q * kv_w);
+      h.dsrc = be.alloc<float>(h.src_k.size());
+      be.upload<float>(h.src_k, h.dsrc.span());
+      for (int64_t t = 0; t < c.n_q; ++t) h.new_rows.push_back(h.rows[size_t(c.n_kv - c.n_q + t)]);
+      h.store_a = be.alloc<f16>(h.k.size());
+      h.store_b = be.alloc<f16>(h.k.size());
+      stores_a.push_back({h.dsrc.span(), kv_w, h.new_rows, h.store_a.span()});
+      stores_b.push_back({h.dsrc.span(), kv_w, h.new_rows, h.store_b.span()});
+    }
+    be.attention_batch(args);
+    be.store_rows_f16_batch(stores_a);
+    for (size_t i = 0; i < args.size(); ++i) {
+      AttentionArgs a = args[i];
+      a.out = hs[i].out_solo.span();
+      be.attention(a);
+      be.store_rows_f16(stores_b[i].src, stores_b[i].width, stores_b[i].rows, stores_b[i].plane);
+    }
+    for (size_t i = 0; i < args.size(); ++i) {
+      Host& h = hs[i];
+      std::vector<float> got(h.q.size(), NAN), solo(h.q.size(), 0.0f), want(h.q.size(), NAN);
+      be.download<float>(h.out_batch.span(), got);
+      be.download<float>(h.out_solo.span(), solo);
+      EXPECT_EQ(std::memcmp(got.data(), solo.data(), got.size() * sizeof(float)), 0)
+          << "sequence " << i << " (n_kv " << seqs[i].n_kv << ")";
+      AttentionArgs a = args[i];
+      a.q = h.q;
+      a.k = h.k;
+      a.v = h.v;
+      a.out = want;
+      ref.attention(a);
+      cuda::DeviceAttention shape;
+      shape.n_q = a.n_q, shape.n_kv = seqs[i].n_kv, shape.n_head = a.n_head;
+      shape.n_head_kv = a.n_head_kv, shape.head_dim = a.head_dim;
+      const double loose = cuda::attention_uses_tiles(shape) ? 0.05 : 0.0;  // f16 Q and P
+      for (size_t e = 0; e < got.size(); ++e)
+        ASSERT_TRUE(close(got[e], want[e], 2e-5 * (1 + std::fabs(want[e])) + loose))
+            << "sequence " << i << " elem " << e;
+      std::vector<f16> pa(h.k.size()), pb(h.k.size());
+      be.download<f16>(h.store_a.span(), pa);
+      be.download<f16>(h.store_b.span(), pb);
+      EXPECT_EQ(std::memcmp(pa.data(), pb.data(), pa.size() * sizeof(f16)), 0) << "store " << i;
+      int64_t nonzero = 0;
+      for (f16 x : pa) nonzero += x.bits != 0;
+      EXPECT_GT(nonzero, 0) << "store " << i << " wrote nothing";
+    }
+  }
 }
 
 TEST(CudaAttention, NoKeysGivesZeros) {

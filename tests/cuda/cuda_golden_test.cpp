@@ -34,15 +34,18 @@ constexpr Fixture kFixtures[] = {
     {"llama-gqa-q4_0", true},    {"llama-gqa-q4_k_m", true},    {"llama-gqa-q5_k_m", true},
     {"llama-gqa-q6_k", true},    {"qwen3-bpe-f16", false},      {"qwen3-bpe-q8_0", true},
     {"gemma2-swa-f16", false},   {"gemma2-swa-q8_0", true},     {"gemma3-swa-f16", false},
-    {"muse-glimmer-f16", false}, {"muse-glimmer-q4_k_m", true},
+    {"muse-glimmer-f16", false}, {"muse-glimmer-q4_k_m", true},  {"qwen3moe-q4_k_m", true},
+    {"qwen3moe-f16", false},     {"mixtral-q4_k_m", true},
 };
 
 constexpr int32_t kCtx = 512;  // llama.cpp produced the golden data with n_ctx 512
 
 // ArenaV1: the arena with CudaOptions::matmul = V1 (the first matmul kernels), kept beside
 // the default V2 so one GPU run shows both.
-// ArenaV3: CudaOptions::matmul = V3 (int8 activations and dp4a for the quantized decode).
-enum class Weights { Arena, ZeroCopy, ArenaV1, ArenaV3 };
+// ArenaV3: CudaOptions::matmul = V3 (int8 activations and dp4a for the quantized decode, up
+// to 64 tokens). Arena runs the default (Auto: V3 up to 16 tokens, cuBLAS above); ArenaV2 the
+// f32-activation kernels it replaced as the default.
+enum class Weights { Arena, ZeroCopy, ArenaV1, ArenaV2, ArenaV3 };
 
 class CudaGolden : public ::testing::TestWithParam<std::tuple<Fixture, Weights>> {};
 
@@ -63,11 +66,13 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
   o.profile = std::get<1>(GetParam()) == Weights::ArenaV1;
   o.zero_copy = zero_copy;
   if (std::get<1>(GetParam()) == Weights::ArenaV1) o.matmul = CudaMatmul::V1;
+  if (std::get<1>(GetParam()) == Weights::ArenaV2) o.matmul = CudaMatmul::V2;
   if (std::get<1>(GetParam()) == Weights::ArenaV3) o.matmul = CudaMatmul::V3;
   auto be = make_cuda_backend(o);
   ASSERT_TRUE(be) << be.error();
   const golden::Bounds b = golden::bounds_for(fx.quantized);
   const char* label = std::get<1>(GetParam()) == Weights::ArenaV1   ? "cuda-v1"
+                      : std::get<1>(GetParam()) == Weights::ArenaV2 ? "cuda-v2"
                       : std::get<1>(GetParam()) == Weights::ArenaV3 ? "cuda-v3"
                                                                       : "cuda   ";
   Session s(*m, **be, kCtx);
@@ -149,7 +154,9 @@ TEST(CudaResident, ShortPromptLongContextMatchesReference) {
     EXPECT_LT(worst, 0.05) << (graphs ? "graphs" : "no graphs");
     EXPECT_EQ(ids_c, ids_r) << (graphs ? "graphs" : "no graphs");
     const CudaStats st = (*be)->stats();
-    if (graphs) EXPECT_GE(st.graph_replays, 10u);
+    if (graphs) {
+      EXPECT_GE(st.graph_replays, 10u);
+    }
     fmt::print("  short prompt, n_ctx 2048, graphs {}: worst |dlogit| {:.2e}, {} replays\n",
                graphs ? "on " : "off", worst, st.graph_replays);
   }
@@ -159,6 +166,7 @@ std::string param_name(const ::testing::TestParamInfo<std::tuple<Fixture, Weight
   std::string n = std::get<0>(info.param).name;
   if (std::get<1>(info.param) == Weights::ZeroCopy) n += "_zero_copy";
   if (std::get<1>(info.param) == Weights::ArenaV1) n += "_matmul_v1";
+  if (std::get<1>(info.param) == Weights::ArenaV2) n += "_matmul_v2";
   if (std::get<1>(info.param) == Weights::ArenaV3) n += "_matmul_v3";
   for (char& c : n)
     if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
@@ -168,6 +176,10 @@ std::string param_name(const ::testing::TestParamInfo<std::tuple<Fixture, Weight
 INSTANTIATE_TEST_SUITE_P(Arena, CudaGolden,
                          ::testing::Combine(::testing::ValuesIn(kFixtures),
                                             ::testing::Values(Weights::Arena)),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(ArenaV2, CudaGolden,
+                         ::testing::Combine(::testing::ValuesIn(kFixtures),
+                                            ::testing::Values(Weights::ArenaV2)),
                          param_name);
 INSTANTIATE_TEST_SUITE_P(ArenaV1, CudaGolden,
                          ::testing::Combine(::testing::ValuesIn(kFixtures),

@@ -297,6 +297,61 @@ TEST(CudaMatvecQ8, BackendV3MatchesReference) {
   }
 }
 
+// matmul_batch on resident memory (the forward pass's Q/K/V and gate/up): one quantization of
+// the shared input serves every weight, and each y has exactly the bits of matmul() of that
+// task alone; on V3 (up to 64 int8 tokens) and on the Auto default (int8 up to 16 tokens,
+// cuBLAS above: there the batch is one matmul() per task, so the same bits by construction).
+TEST(CudaMatvecQ8, ResidentMatmulBatchEqualsOneMatmulPerTask) {
+  REQUIRE_GPU();
+  for (CudaMatmul kernels : {CudaMatmul::V3, CudaMatmul::Auto}) {
+    CudaOptions o;
+    o.matmul = kernels;
+    o.verify_weight_cache = true;
+    auto be = make_cuda_backend(o);
+    ASSERT_TRUE(be) << be.error();
+    Backend& b = **be;
+    std::mt19937_64 rng(ops_seed());
+    const int64_t k = 1024;
+    const DType types[3] = {DType::Q4_K, DType::Q6_K, DType::Q8_0};
+    const int64_t rows[3] = {96, 33, 160};
+    std::vector<std::vector<std::byte>> bytes(3);
+    std::vector<WeightMatrix> ws;
+    for (int i = 0; i < 3; ++i) {
+      const size_t rb = *row_bytes(types[i], k);
+      bytes[i].resize(rb * size_t(rows[i]));
+      for (int64_t r = 0; r < rows[i]; ++r)
+        quant::quantize_row(types[i], random_vec(rng, k, 0.05f),
+                            std::span<std::byte>(bytes[i]).subspan(size_t(r) * rb, rb));
+      ws.push_back(WeightMatrix{.dtype = types[i], .n_cols = k, .n_rows = rows[i],
+                                .row_bytes = rb, .bytes = bytes[i]});
+    }
+    for (int64_t n_tok : {1, 3, 16, 17, 40}) {
+      SCOPED_TRACE(::testing::Message() << "n_tok " << n_tok << " auto "
+                                        << (kernels == CudaMatmul::Auto));
+      const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
+      BackendBuffer<float> dx = b.alloc<float>(x.size());
+      b.upload<float>(x, dx.span());
+      std::vector<BackendBuffer<float>> batch_y, solo_y;
+      std::vector<Backend::MatmulTask> tasks;
+      for (int i = 0; i < 3; ++i) {
+        batch_y.push_back(b.alloc<float>(size_t(n_tok * rows[i])));
+        solo_y.push_back(b.alloc<float>(size_t(n_tok * rows[i])));
+        tasks.push_back({&ws[i], dx.span(), batch_y.back().span()});
+      }
+      b.matmul_batch(tasks, n_tok);
+      for (int i = 0; i < 3; ++i) b.matmul(ws[i], dx.span(), n_tok, solo_y[i].span());
+      for (int i = 0; i < 3; ++i) {
+        std::vector<float> hb(size_t(n_tok * rows[i]), NAN), hs(hb.size(), 0.0f);
+        b.download<float>(batch_y[i].span(), hb);
+        b.download<float>(solo_y[i].span(), hs);
+        EXPECT_EQ(std::memcmp(hb.data(), hs.data(), hb.size() * sizeof(float)), 0)
+            << dtype_name(types[i]);
+        for (float v : hb) ASSERT_TRUE(std::isfinite(v));
+      }
+    }
+  }
+}
+
 TEST(CudaMatvecQ8, RejectsWhatItCannotRun) {
   REQUIRE_GPU();
   EXPECT_EQ(cuda::act_q8_bytes(100, 1), 0u);  // not a multiple of 32

@@ -117,5 +117,129 @@ TEST(MatmulQ4KPacked, SameBitsAsPlainKernel) {
   }
 }
 
+// The small-batch Q4_K / Q6_K kernels (AVX-512 VNNI, 2+ tokens) must give the plain kernels'
+// bits: with cpu::set_kq_pair_matmul(false) the output is the plain kernels', so this is also
+// the proof that the switch changes nothing but speed. Raw random blocks reach every quant and
+// scale value (the int16 lane sums' bounds: 6-bit quants against -127/127 activations); odd
+// row counts across row blocks, 1..9 tokens (every piece of the 8/4/2/1 token tiling) and
+// 13/37 (several token tiles, row-blocked), 1 and 2 threads; one token is zero, one holds a
+// huge element, one a NaN.
+TEST(MatmulKQPair, SameBitsAsPlainKernel) {
+  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  std::mt19937_64 rng(ops_seed() ^ 0x7f4a7c15ULL);
+  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+  struct Restore {
+    ~Restore() {
+      cpu::set_kq_pair_matmul(true);
+      cpu::set_q4k_packed_matmul(true);
+    }
+  } restore;
+  for (DType type : {DType::Q4_K, DType::Q6_K}) {
+    for (int64_t k : {256, 768}) {
+      for (int64_t n_rows : {1, 3, 67, 131}) {
+        const size_t rb = *row_bytes(type, k);
+        std::vector<std::byte> bytes(rb * n_rows);
+        for (auto& b : bytes) b = static_cast<std::byte>(rng());
+        // Finite block scales (raw random f16 bits could be inf/NaN).
+        if (type == DType::Q4_K) {
+          for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q4_K)) {
+            quant::block_q4_K blk;
+            std::memcpy(&blk, bytes.data() + off, sizeof blk);
+            blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 4)));
+            blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
+            std::memcpy(bytes.data() + off, &blk, sizeof blk);
+          }
+        } else {
+          for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q6_K)) {
+            quant::block_q6_K blk;
+            std::memcpy(&blk, bytes.data() + off, sizeof blk);
+            blk.d = f32_to_f16(std::ldexp(1.0f, -10 - static_cast<int>(rng() % 4)));
+            if (rng() % 4 == 0) std::memset(blk.scales, 0x80, sizeof blk.scales);  // -128
+            std::memcpy(bytes.data() + off, &blk, sizeof blk);
+          }
+        }
+        const WeightMatrix w{.dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+        for (int64_t n_tok : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 37}) {
+          // Q4_K: 12+ tokens take the packed kernel unless it is off, which runs the small-batch
+          // kernel's row-blocked path instead (Q6_K's always).
+          const bool packed = !(type == DType::Q4_K && n_tok >= 12);
+          cpu::set_q4k_packed_matmul(packed);
+          SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows
+                                            << " n_tok " << n_tok << " q4k packed " << packed);
+          std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
+          std::fill_n(x.begin(), k, 0.0f);        // token 0: all zero (activation scale 0)
+          if (n_tok > 1) x[k + 5] = 3e30f;        // token 1: one huge element
+          if (n_tok > 3) x[3 * k + 7] = NAN;      // token 3: NaN, which must come out NaN
+          std::vector<float> on1(n_tok * n_rows), on2(on1.size()), off1(on1.size());
+          cpu::set_kq_pair_matmul(true);
+          cpu1->matmul(w, x, n_tok, on1);
+          cpu2->matmul(w, x, n_tok, on2);
+          cpu::set_kq_pair_matmul(false);
+          cpu1->matmul(w, x, n_tok, off1);
+          ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
+              << "small-batch vs plain kernel differ";
+          ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
+              << "small-batch kernel: 1 vs 2 threads differ";
+          if (n_tok > 3) ASSERT_TRUE(std::isnan(on1[3 * n_rows]));
+          if (n_tok > 2) ASSERT_FALSE(std::isnan(on1[2 * n_rows]));
+        }
+      }
+    }
+  }
+}
+
+// Backend::matmul_batch's contract on the CPU: each task's y has exactly the bits of matmul()
+// of that task alone, for decode-sized token counts (one encoding per distinct x, one pass
+// over all tasks' rows) and beyond them (one matmul per task), with tasks sharing an input
+// (Q/K/V, gate/up) or not, mixed weight types and encodings, 1 and 2 threads.
+TEST(MatmulBatch, EachTaskHasItsOwnMatmulBits) {
+  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  std::mt19937_64 rng(ops_seed() ^ 0xba7c4);
+  struct Spec {
+    DType type;
+    int64_t rows;
+    int x;  // which input the task reads
+  };
+  const int64_t k = 512;
+  const Spec specs[] = {{DType::Q4_K, 67, 0}, {DType::Q6_K, 33, 0}, {DType::Q8_0, 40, 0},
+                        {DType::F16, 17, 1},  {DType::Q5_K, 9, 1},  {DType::F32, 5, 0},
+                        {DType::Q4_0, 130, 1}};
+  std::vector<std::vector<std::byte>> bytes;
+  std::vector<WeightMatrix> ws;
+  bytes.reserve(std::size(specs));
+  for (const Spec& sp : specs) {
+    const size_t rb = *row_bytes(sp.type, k);
+    bytes.emplace_back(rb * static_cast<size_t>(sp.rows));
+    for (int64_t r = 0; r < sp.rows; ++r)
+      quant::quantize_row(sp.type, random_vec(rng, k, 0.05f),
+                          std::span<std::byte>(bytes.back()).subspan(r * rb, rb));
+    ws.push_back(WeightMatrix{.dtype = sp.type, .n_cols = k, .n_rows = sp.rows, .row_bytes = rb,
+                              .bytes = bytes.back()});
+  }
+  for (Backend* be : {cpu1.get(), cpu2.get()}) {
+    for (int64_t n_tok : {1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65}) {
+      SCOPED_TRACE(::testing::Message() << "n_tok " << n_tok << " threads "
+                                        << (be == cpu1.get() ? 1 : 2) << " seed " << ops_seed());
+      const std::vector<float> x0 = random_vec(rng, n_tok * k), x1 = random_vec(rng, n_tok * k);
+      std::vector<std::vector<float>> batched, alone;
+      std::vector<Backend::MatmulTask> tasks;
+      for (size_t i = 0; i < ws.size(); ++i) {
+        batched.emplace_back(static_cast<size_t>(n_tok * specs[i].rows), NAN);
+        alone.emplace_back(static_cast<size_t>(n_tok * specs[i].rows), NAN);
+      }
+      for (size_t i = 0; i < ws.size(); ++i)
+        tasks.push_back({&ws[i], specs[i].x == 0 ? x0 : x1, batched[i]});
+      be->matmul_batch(tasks, n_tok);
+      for (size_t i = 0; i < ws.size(); ++i) {
+        be->matmul(ws[i], specs[i].x == 0 ? x0 : x1, n_tok, alone[i]);
+        for (float v : alone[i]) ASSERT_FALSE(std::isnan(v)) << dtype_name(specs[i].type);
+        EXPECT_EQ(0, std::memcmp(batched[i].data(), alone[i].data(),
+                                 batched[i].size() * sizeof(float)))
+            << dtype_name(specs[i].type) << " task " << i;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kiln

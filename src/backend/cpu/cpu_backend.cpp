@@ -67,10 +67,13 @@ class CpuBackend final : public Backend {
   }
 
   // One parallel pass over the rows of all tasks (tasks' activations encoded once per
-  // distinct x). Per row this is matmul()'s arithmetic exactly: matmul_rows results do not
-  // depend on where a thread's range starts or ends.
+  // distinct x). Per row this is matmul()'s arithmetic exactly: each token row is encoded by
+  // the same quantize_act_row, and matmul_rows results do not depend on where a thread's
+  // range starts or ends. Up to kBatchMaxTokens tokens (decode steps of a few sequences,
+  // speculative verifies); a prefill's matrices are each big enough to split alone.
+  static constexpr int64_t kBatchMaxTokens = 64;
   void matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok) override {
-    if (tasks.size() <= 1 || n_tok != 1) {
+    if (tasks.size() <= 1 || n_tok < 1 || n_tok > kBatchMaxTokens) {
       for (const MatmulTask& t : tasks) matmul(*t.w, t.x, n_tok, t.y);
       return;
     }
@@ -78,13 +81,16 @@ class CpuBackend final : public Backend {
     size_t act_bytes = 0, per_thread = 0;
     for (const MatmulTask& t : tasks) {
       const WeightMatrix& w = *t.w;
-      KILN_CHECK(static_cast<int64_t>(t.x.size()) == w.n_cols && static_cast<int64_t>(t.y.size()) == w.n_rows,
-                 "matmul_batch: x {} / y {} for a {}x{} matrix", t.x.size(), t.y.size(), w.n_rows, w.n_cols);
+      KILN_CHECK(static_cast<int64_t>(t.x.size()) == n_tok * w.n_cols &&
+                     static_cast<int64_t>(t.y.size()) == n_tok * w.n_rows,
+                 "matmul_batch: x {} / y {} for {} tokens of a {}x{} matrix", t.x.size(),
+                 t.y.size(), n_tok, w.n_rows, w.n_cols);
       KILN_CHECK(w.bytes.size() == w.span_bytes());
       KILN_CHECK(row_bytes(w.dtype, w.n_cols) == w.row_bytes);
       total_rows += w.n_rows;
       const cpu::ActKind kind = cpu::act_kind(w.dtype);
-      if (kind != cpu::ActKind::F32) act_bytes += round64(cpu::act_row_bytes(kind, w.n_cols));
+      if (kind != cpu::ActKind::F32)
+        act_bytes += round64(cpu::act_row_bytes(kind, w.n_cols) * static_cast<size_t>(n_tok));
       per_thread = std::max(per_thread, cpu::matmul_scratch_floats(w));
     }
     if (total_rows == 0) return;
@@ -98,7 +104,7 @@ class CpuBackend final : public Backend {
       job = cpu::MatmulJob{};
       job.w = &w;
       job.x = tasks[i].x.data();
-      job.n_tok = 1;
+      job.n_tok = n_tok;
       job.y = tasks[i].y.data();
       const cpu::ActKind kind = cpu::act_kind(w.dtype);
       if (kind == cpu::ActKind::F32) continue;
@@ -114,8 +120,10 @@ class CpuBackend final : public Backend {
         job.xq = batch_jobs_[j].xq;
       } else {
         std::byte* xq = act_.data() + act_used;
-        cpu::quantize_act_row(kind, job.x, w.n_cols, xq);
-        act_used += round64(job.xq_row_bytes);
+        for (int64_t t = 0; t < n_tok; ++t)
+          cpu::quantize_act_row(kind, job.x + t * w.n_cols, w.n_cols,
+                                xq + static_cast<size_t>(t) * job.xq_row_bytes);
+        act_used += round64(job.xq_row_bytes * static_cast<size_t>(n_tok));
         job.xq = xq;
       }
     }

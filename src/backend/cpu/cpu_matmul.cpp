@@ -4,7 +4,8 @@
 // vpdpbusd/vpdpwssd); F32/F16/BF16 weights use f32 FMA after hardware conversion; other
 // types dequantize a block of rows once and reuse it for every token. Each weight block is
 // unpacked once per tile of several tokens, which is what makes prefill fast. Q4_K prefill on
-// AVX-512 VNNI takes a packed kernel (below) whose results are the plain kernel's bits.
+// AVX-512 VNNI takes a packed kernel (below) whose results are the plain kernel's bits, and
+// Q4_K/Q6_K of 2+ tokens (batched decode) small-batch kernels with the same property.
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul.cpp"
@@ -62,6 +63,11 @@ inline size_t q4k_packed_scratch_bytes(const WeightMatrix& w) {
          static_cast<size_t>(kPackTok * w.n_cols) + static_cast<size_t>(nb * kPackTok * 32) +
          static_cast<size_t>(nb * 8 * 4) + 128;
 }
+// Calls of fewer tokens keep the plain Q4_K/Q6_K kernels (see MatmulKTiled).
+constexpr int64_t kKQTiledMinTok = 4;
+// Bytes of a thread's scratch the small-batch Q4_K/Q6_K kernels' activation tile uses (8
+// tokens: aligned quants, bsums, scales, alignment slack).
+inline size_t kq_tile_bytes(int64_t nb) { return static_cast<size_t>(nb) * 8 * (256 + 32 + 4) + 64; }
 }  // namespace kiln::cpu
 #endif
 
@@ -410,6 +416,217 @@ template <int T> struct KQ5_K { static void run(const std::byte* w, int64_t nb, 
 template <int T> struct KQ6_K { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ6K<T>(w, nb, y, o); } };
 
 #if HWY_TARGET == HWY_AVX3_DL
+// ---------------------------------------------------------------- small-batch K-quants (VNNI)
+// For 4+ tokens (decode of several streams; Q4_K below the packed kernel's minimum) the plain
+// Q4_K/Q6_K kernels are bound by the two multiply pipes (maddubs + vpdpwssd per 32 products,
+// plus the per-token tail), not by memory. Here 512-bit vpdpbusd multiplies the unsigned quants
+// (Q4_K nibbles 0..15, Q6_K 0..63) of two sub-blocks straight against the signed activations:
+// each lane holds the sum of 4 products, the same 4 as a plain-kernel lane, and |sum| <=
+// 4 * 63 * 127 < 2^15. Two such results are interleaved as words (a blend, so no carry between
+// them) and one vpdpwssd applies the scales of 4 sub-blocks: 12 multiply-pipe slots per block
+// and token instead of 16. Integer sums are exact in any order, so after folding the two
+// 256-bit halves every int32 lane equals the plain kernel's; the float steps are the plain
+// kernel's ops in the same order, so each token's output is the plain kernel's bits (a single
+// token still runs the plain kernel: the decode path is unchanged). Measured on Zen 4, one
+// thread, bench/matvec_bench BM_KQPairOnOff: 1.1-1.2x at 2, 4 and 8 tokens; used from 4.
+
+// Word 2L: the low word of lane L of `even`; word 2L+1: that of `odd` (both fit int16).
+HWY_INLINE __m512i PairWords(__m512i even, __m512i odd) {
+  return _mm512_mask_blend_epi16(0xAAAAAAAAu, even, _mm512_slli_epi32(odd, 16));
+}
+HWY_INLINE __m256i Fold512(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+HWY_INLINE __m512i Load64(const void* p) { return _mm512_loadu_si512(p); }
+// Highway's AVX3_DL target string names AVX-VNNI but not AVX512-VNNI, which the 512-bit forms
+// need; the kernels are called once per row, so they need not inline into their callers.
+#define KILN_VNNI512 __attribute__((target(HWY_TARGET_STR ",avx512vnni"), noinline))
+
+// Q4_K through a per-call activation tile: the tokens' Q8_K quants are copied once into
+// 64-byte aligned rows ordered as the weights unpack ([sub 4p | sub 4p+2], [sub 4p+1 |
+// sub 4p+3] for p = 0, 1), so one 64-byte load of qs yields both pairs' weights with an AND
+// and a shift, every activation load is aligned, and the 8 tokens' scales d * y.d come from
+// one vector multiply per block. Tile slot k of block i: q[(i*8 + k)*256], bsums[(i*8 + k)*16],
+// yd[i*8 + k].
+struct KTile {
+  const int8_t* q;
+  const int16_t* bsums;
+  const float* yd;
+};
+
+template <int T>
+KILN_VNNI512 void DotQ4KTiled(const std::byte* row, int64_t nb, KTile tile, int k0, float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i sc_idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
+  const __m512i sc_idx1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const auto* b = reinterpret_cast<const block_q4_K*>(row + i * sizeof(block_q4_K));
+    const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
+    alignas(16) uint8_t sm[16];
+    ScalesMinsK4(b->scales, sm);
+    const __m128i sm8 = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
+    const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8));  // m[k/2]
+    // Dword j of sc16: sc[2j] | sc[2j+1] << 16. Pair p: lanes 0..7 dword 2p, lanes 8..15 2p+1.
+    const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sm8));
+    const __m512i sc[2] = {_mm512_permutexvar_epi32(sc_idx0, sc16), _mm512_permutexvar_epi32(sc_idx1, sc16)};
+    __m512i wlo[2], whi[2];
+    for (int p = 0; p < 2; ++p) {
+      const __m512i q = Load64(b->qs + 64 * p);
+      wlo[p] = _mm512_and_si512(q, m4);
+      whi[p] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+    }
+    alignas(32) float dy[8], dmy[8];
+    const __m256 yv = _mm256_load_ps(tile.yd + i * 8);
+    _mm256_store_ps(dy, _mm256_mul_ps(_mm256_set1_ps(d), yv));
+    _mm256_store_ps(dmy, _mm256_mul_ps(_mm256_set1_ps(-dmin), yv));
+    const int8_t* qi = tile.q + (i * 8 + k0) * 256;
+    const int16_t* bi = tile.bsums + (i * 8 + k0) * 16;
+    for (int t = 0; t < T; ++t) {
+      __m512i isum = _mm512_setzero_si512();
+      for (int p = 0; p < 2; ++p) {
+        const int8_t* a = qi + t * 256 + 128 * p;
+        const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[p], _mm512_load_si512(a));
+        const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), whi[p], _mm512_load_si512(a + 64));
+        isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[p]);
+      }
+      const __m256i msum = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(bi + t * 16)), mins16);
+      acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(dy + k0 + t), _mm256_cvtepi32_ps(Fold512(isum)), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(dmy + k0 + t), _mm256_cvtepi32_ps(msum), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
+}
+
+// Q6_K through the same tile (quants in their own order): each half h holds sub-blocks
+// 4h..4h+3; (4h, 4h+1) and (4h+2, 4h+3) fill one register each, so lanes 0..7 carry sub-blocks
+// 4h | 4h+2 << 16 and lanes 8..15 4h+1 | 4h+3 << 16. Lanes 0..3 of a sub-block take its first
+// 16-element scale, lanes 4..7 the second, as in the plain kernel: dword lane L takes scale
+// words 8h + L/4 and 8h + L/4 + 4.
+template <int T>
+KILN_VNNI512 void DotQ6KTiled(const std::byte* row, int64_t nb, KTile tile, int k0, float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  alignas(64) static constexpr int16_t kScIdx[2][32] = {
+      {0, 4, 0, 4, 0, 4, 0, 4, 1, 5, 1, 5, 1, 5, 1, 5, 2, 6, 2, 6, 2, 6, 2, 6, 3, 7, 3, 7, 3, 7, 3, 7},
+      {8, 12, 8, 12, 8, 12, 8, 12, 9, 13, 9, 13, 9, 13, 9, 13,
+       10, 14, 10, 14, 10, 14, 10, 14, 11, 15, 11, 15, 11, 15, 11, 15}};
+  const __m512i sc_idx0 = _mm512_load_si512(kScIdx[0]), sc_idx1 = _mm512_load_si512(kScIdx[1]);
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const auto* b = reinterpret_cast<const block_q6_K*>(row + i * sizeof(block_q6_K));
+    const float d = f16_to_f32(b->d);
+    const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
+    const __m512i sc512 = _mm512_castsi256_si512(sc_all);
+    const __m512i sc[2] = {_mm512_permutexvar_epi16(sc_idx0, sc512), _mm512_permutexvar_epi16(sc_idx1, sc512)};
+    __m512i wa[2], wb[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = Load64(b->ql + 64 * h);
+      const __m512i qh = _mm512_broadcast_i64x4(Load32(b->qh + 32 * h));
+      wa[h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30));
+      wb[h] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                              _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30));
+    }
+    alignas(32) float dy[8];
+    _mm256_store_ps(dy, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_load_ps(tile.yd + i * 8)));
+    const int8_t* qi = tile.q + (i * 8 + k0) * 256;
+    const int16_t* bi = tile.bsums + (i * 8 + k0) * 16;
+    for (int t = 0; t < T; ++t) {
+      const __m256i bs = _mm256_load_si256(reinterpret_cast<const __m256i*>(bi + t * 16));
+      // the -32 offset: sum_g sc_g * 32 * bsum_g
+      __m512i isum = _mm512_zextsi256_si512(
+          _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bs), 5)));
+      for (int h = 0; h < 2; ++h) {
+        const int8_t* a = qi + t * 256 + 128 * h;
+        const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa[h], _mm512_load_si512(a));
+        const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb[h], _mm512_load_si512(a + 64));
+        isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[h]);
+      }
+      acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(dy + k0 + t), _mm256_cvtepi32_ps(Fold512(isum)), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
+}
+
+// Fills the tile with tokens [0, m) (m <= 8) of `ys`, the quants in Q4_K's pair order or (Q6_K)
+// as they are; unused slots' scales are zero.
+template <bool kQ4KOrder>
+void FillKTile(const block_q8_K* const* ys, int m, int64_t nb, std::byte* scratch, KTile* tile) {
+  auto* q = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t{63});
+  auto* bs = reinterpret_cast<int16_t*>(q + nb * 8 * 256);
+  auto* yd = reinterpret_cast<float*>(bs + nb * 8 * 16);
+  for (int64_t i = 0; i < nb; ++i) {
+    for (int k = 0; k < 8; ++k) yd[i * 8 + k] = k < m ? ys[k][i].d : 0.0f;
+    for (int k = 0; k < m; ++k) {
+      const block_q8_K& y = ys[k][i];
+      int8_t* dst = q + (i * 8 + k) * 256;
+      if constexpr (kQ4KOrder) {
+        for (int p = 0; p < 2; ++p)
+          for (int h = 0; h < 4; ++h)  // h: slot in the 128-byte pair block; sub = 4p + {0, 2, 1, 3}[h]
+            std::memcpy(dst + 128 * p + 32 * h, y.qs + 32 * (4 * p + (h >> 1) + 2 * (h & 1)), 32);
+      } else {
+        std::memcpy(dst, y.qs, 256);
+      }
+      std::memcpy(bs + (i * 8 + k) * 16, y.bsums, sizeof(y.bsums));
+    }
+  }
+  *tile = KTile{q, bs, yd};
+}
+
+// MatmulInt's loop through the tiled kernels: pieces of 8 and 4 tokens take them, pieces of 2
+// and 1 the plain kernels (same bits either way): at 2 tokens the tiled kernel is 1.2x faster
+// on one thread but measured 2-4% slower in a 2-thread layer step (bench/matvec_bench
+// BM_LayerStepKQPair), where 2-token decode is mostly bound by memory. Up to 8 tokens (decode of several streams)
+// fill the tile once per call; more tokens go row block by row block as MatmulInt does, so the
+// weights stay in L2 across token tiles, refilling the tile per (row block, token tile), which
+// costs about 1/rows_per_block of the arithmetic. `scratch` holds kq_tile_bytes(nb).
+template <bool kQ4K>
+void MatmulKTiled(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / 256, ldy = w.n_rows;
+  const int64_t rb = job.n_tok <= 8 ? r1 - r0 : rows_per_block(w);
+  const block_q8_K* ys[8];
+  float out[8];
+  KTile tile;
+  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+    const int64_t b1 = std::min(r1, b0 + rb);
+    for (int64_t t0 = 0; t0 < job.n_tok; t0 += 8) {
+      const int m = static_cast<int>(std::min<int64_t>(8, job.n_tok - t0));
+      for (int k = 0; k < m; ++k)
+        ys[k] = reinterpret_cast<const block_q8_K*>(job.xq + (t0 + k) * job.xq_row_bytes);
+      FillKTile<kQ4K>(ys, m, nb, reinterpret_cast<std::byte*>(scratch), &tile);
+      for (int64_t r = b0; r < b1; ++r) {
+        const std::byte* wr = w.row(r).data();
+        int k = 0;
+        if constexpr (kQ4K) {
+          if (m == 8) {
+            DotQ4KTiled<8>(wr, nb, tile, 0, out);
+            k = 8;
+          }
+          for (; m - k >= 4; k += 4) DotQ4KTiled<4>(wr, nb, tile, k, out + k);
+          for (; m - k >= 2; k += 2) DotQ45K<2, false>(wr, nb, ys + k, out + k);
+          for (; k < m; ++k) DotQ45K<1, false>(wr, nb, ys + k, out + k);
+        } else {
+          if (m == 8) {
+            DotQ6KTiled<8>(wr, nb, tile, 0, out);
+            k = 8;
+          }
+          for (; m - k >= 4; k += 4) DotQ6KTiled<4>(wr, nb, tile, k, out + k);
+          for (; m - k >= 2; k += 2) DotQ6K<2>(wr, nb, ys + k, out + k);
+          for (; k < m; ++k) DotQ6K<1>(wr, nb, ys + k, out + k);
+        }
+        for (int j = 0; j < m; ++j) job.y[(t0 + j) * ldy + r] = out[j];
+      }
+    }
+  }
+}
+#undef KILN_VNNI512
+#endif  // HWY_AVX3_DL
+
+#if HWY_TARGET == HWY_AVX3_DL
 // ---------------------------------------------------------------- packed Q4_K prefill (VNNI)
 // The plain kernel spends two multiply-pipe ops per 32 products (maddubs, then vpdpwssd with the
 // sub-block scale). Here vpdpbusd multiplies the nibbles straight against the activations,
@@ -581,10 +798,15 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::Q4_K:
 #if HWY_TARGET == HWY_AVX3_DL
       if (job.n_tok >= kPackMinTok && q4k_packed_matmul()) return MatmulQ4KPacked(job, r0, r1, scratch);
+      if (job.n_tok >= kKQTiledMinTok && kq_pair_matmul()) return MatmulKTiled<true>(job, r0, r1, scratch);
 #endif
       return MatmulInt<block_q8_K, KQ4_K>(job, r0, r1, 256);
     case DType::Q5_K: return MatmulInt<block_q8_K, KQ5_K>(job, r0, r1, 256);
-    case DType::Q6_K: return MatmulInt<block_q8_K, KQ6_K>(job, r0, r1, 256);
+    case DType::Q6_K:
+#if HWY_TARGET == HWY_AVX3_DL
+      if (job.n_tok >= kKQTiledMinTok && kq_pair_matmul()) return MatmulKTiled<false>(job, r0, r1, scratch);
+#endif
+      return MatmulInt<block_q8_K, KQ6_K>(job, r0, r1, 256);
 #endif
     default: return MatmulDequant(job, r0, r1, scratch);
   }
@@ -682,6 +904,7 @@ void matmul_rows(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 size_t matmul_scratch_floats(const WeightMatrix& w) {
   size_t n = static_cast<size_t>(dequant_rows_per_block(w) * w.n_cols);
   if (w.dtype == DType::Q4_K) n = std::max(n, (q4k_packed_scratch_bytes(w) + 3) / 4);
+  if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K) n = std::max(n, (kq_tile_bytes(w.n_cols / 256) + 3) / 4);
   return n;
 }
 
@@ -690,6 +913,11 @@ std::atomic<bool> g_q4k_packed{true};
 }  // namespace
 void set_q4k_packed_matmul(bool on) { g_q4k_packed.store(on, std::memory_order_relaxed); }
 bool q4k_packed_matmul() { return g_q4k_packed.load(std::memory_order_relaxed); }
+namespace {
+std::atomic<bool> g_kq_pair{true};
+}  // namespace
+void set_kq_pair_matmul(bool on) { g_kq_pair.store(on, std::memory_order_relaxed); }
+bool kq_pair_matmul() { return g_kq_pair.load(std::memory_order_relaxed); }
 
 }  // namespace kiln::cpu
 #endif

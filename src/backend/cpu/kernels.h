@@ -51,6 +51,12 @@ bool has_int8_path(DType t);
 // plain kernel's bits, so the switch exists for the test that proves it and for bisecting.
 void set_q4k_packed_matmul(bool on);
 bool q4k_packed_matmul();
+// Q4_K and Q6_K matmuls of 4+ tokens (Q4_K: below the packed kernel's minimum) through the
+// small-batch 512-bit VNNI kernels where the machine has AVX-512 VNNI (default on, faster by
+// measurement: bench/matvec_bench BM_KQPairOnOff). Their output is the plain kernels' bits
+// (tests/ops MatmulKQPair), so the switch exists for that test, the benchmark and bisecting.
+void set_kq_pair_matmul(bool on);
+bool kq_pair_matmul();
 
 // ---- attention (cpu_attention.cpp)
 // One (query i, head h) pair. scratch: attention_scratch_floats(head_dim) floats.

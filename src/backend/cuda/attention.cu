@@ -5,10 +5,14 @@
 // over enough blocks to fill the GPU; many queries (prefill) need no split.
 // GQA-aware: a block serves up to 8 query heads of one KV head, so each K/V row is read once
 // per group, not once per query head. Sliding windows, softcaps; head_dim even, <= 256.
+// Prefill (many queries, head_dim 64 or 128) takes a tensor-core tile kernel instead
+// (attention_tile_kernel below): the split kernel re-reads every K/V row once per query.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include <algorithm>
+#include <climits>
 
 #include "backend/cuda/block_reduce.cuh"
 #include "backend/cuda/dequant.cuh"
@@ -55,14 +59,19 @@ Split plan_split(const DeviceAttention& a, int n_sm) {
 // loads, a warp's loads contiguous), scores them against the G queries, and keeps G online
 // softmaxes. Partial
 // layout per (q, head, split): [head_dim] unnormalised acc, then max, then sum.
+// The body is shared by the one-sequence kernel (bx, by = blockIdx) and the batched one (bx, by
+// from the block's place in its sequence's range), so a sequence's result has the same bits
+// either way.
 template <int G, int KB>
-__global__ void __launch_bounds__(kWarps * 32)
-    attention_split_kernel(DeviceAttention a, int64_t keys_per_split, float* __restrict__ part) {
+__device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
+                                                     int64_t keys_per_split,
+                                                     float* __restrict__ part, int64_t bx,
+                                                     int64_t by, int64_t n_split) {
   __shared__ float q_s[G][kMaxHeadDim];
   __shared__ float acc_s[kWarps][kMaxHeadDim];
   __shared__ float m_s[kWarps][G], l_s[kWarps][G];
   const int64_t groups = a.n_head / G;
-  const int64_t qi = blockIdx.x / groups, h0 = (blockIdx.x % groups) * G;
+  const int64_t qi = bx / groups, h0 = (bx % groups) * G;
   const int64_t hd = a.head_dim, kv_w = a.n_head_kv * hd;
   const int64_t kvh = h0 / (a.n_head / a.n_head_kv);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -70,7 +79,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     q_s[i / hd][i % hd] = a.q[(qi * a.n_head + h0) * hd + i];
   __syncthreads();
   const int32_t qp = a.q_pos[qi];
-  const int64_t j0 = int64_t(blockIdx.y) * keys_per_split;
+  const int64_t j0 = by * keys_per_split;
   const int64_t j1 = min(a.n_kv, j0 + keys_per_split);
 
   float m[G], l[G], acc[G][kPairs][2];
@@ -148,7 +157,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w][g]);
-    float* out = part + ((qi * a.n_head + h0 + g) * gridDim.y + blockIdx.y) * (hd + 2);
+    float* out = part + ((qi * a.n_head + h0 + g) * n_split + by) * (hd + 2);
     for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
       float s = 0.0f;
       if (mx != -INFINITY) {
@@ -170,13 +179,44 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// grid: n_q * n_head blocks; merges the splits' partials and normalises.
-__global__ void attention_merge_kernel(const float* __restrict__ part, int64_t n_split, int64_t hd,
-                                       float* __restrict__ out) {
-  const float* p = part + int64_t(blockIdx.x) * n_split * (hd + 2);
+template <int G, int KB>
+__global__ void __launch_bounds__(kWarps * 32)
+    attention_split_kernel(DeviceAttention a, int64_t keys_per_split, float* __restrict__ part) {
+  attention_split_body<G, KB>(a, keys_per_split, part, blockIdx.x, blockIdx.y, gridDim.y);
+}
+
+// The item whose block range [first[i], first[i + 1]) holds block b (items in order).
+__device__ __forceinline__ int find_item(const AttentionBatchItem* items, int n, int64_t b,
+                                         bool merge) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if ((merge ? items[mid].merge0 : items[mid].block0) <= b) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Several sequences' split kernels in one grid: block b belongs to the item whose range holds
+// it and runs exactly the block that item's own launch would run there.
+template <int G, int KB>
+__global__ void __launch_bounds__(kWarps * 32)
+    attention_split_batch_kernel(const AttentionBatchItem* __restrict__ items, int n) {
+  const int i = find_item(items, n, blockIdx.x, false);
+  const AttentionBatchItem& it = items[i];
+  const int64_t local = int64_t(blockIdx.x) - it.block0;
+  attention_split_body<G, KB>(it.a, it.keys_per_split, it.part, local / it.n_split,
+                              local % it.n_split, it.n_split);
+}
+
+// One (query, head): merges the splits' partials and normalises.
+__device__ __forceinline__ void attention_merge_body(const float* __restrict__ part,
+                                                     int64_t n_split, int64_t hd,
+                                                     float* __restrict__ out, int64_t bx) {
+  const float* p = part + bx * n_split * (hd + 2);
   float mx = -INFINITY;
   for (int64_t s = 0; s < n_split; ++s) mx = fmaxf(mx, p[s * (hd + 2) + hd]);
-  float* o = out + int64_t(blockIdx.x) * hd;
+  float* o = out + bx * hd;
   if (mx == -INFINITY) {  // no visible key: zeros, as the reference defines
     for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) o[d] = 0.0f;
     return;
@@ -197,7 +237,285 @@ __global__ void attention_merge_kernel(const float* __restrict__ part, int64_t n
   }
 }
 
+// grid: n_q * n_head blocks.
+__global__ void attention_merge_kernel(const float* __restrict__ part, int64_t n_split, int64_t hd,
+                                       float* __restrict__ out) {
+  attention_merge_body(part, n_split, hd, out, blockIdx.x);
+}
+
+__global__ void attention_merge_batch_kernel(const AttentionBatchItem* __restrict__ items, int n) {
+  const int i = find_item(items, n, blockIdx.x, true);
+  const AttentionBatchItem& it = items[i];
+  attention_merge_body(it.part, it.n_split, it.a.head_dim, it.a.out,
+                       int64_t(blockIdx.x) - it.merge0);
+}
+
+// ---------------------------------------------------------------- prefill: tensor-core tiles
+// One block: 4 warps x 16 rows, a row being one (query, head) of a single KV head's group of G
+// query heads (64 / G queries per block). The block walks the keys in tiles of kKT: K and V
+// rows gathered through kv_rows into shared memory as f16 (the planes' own type), scores
+// S = Q K^T on tensor cores (wmma 16x16x16, Q rounded to f16, f32 accumulation), an online
+// softmax per row in f32 (scale, softcap, causal/window mask), P rounded to f16, O += P V on
+// tensor cores into an f32 accumulator kept in shared memory (rescaled by the softmax
+// correction first). Tiles whose keys no query of the block can see are skipped (causal
+// prefill: about half). The f16 roundings of Q and P are the error this path adds over the
+// split kernel (tests/cuda/cuda_attention_test.cpp bounds it).
+constexpr int kKT = 64;          // keys per tile
+constexpr int kTileRows = 64;    // (query, head) rows per block: 4 warps x 16
+constexpr int64_t kTileMinQueries = 32;
+
+template <int HD>
+struct TileSmem {
+  static constexpr int kLd = HD + 8;    // f16 rows of Q, K, V (wmma ldm: multiple of 8)
+  static constexpr int kLdS = kKT + 4;  // f32 scores
+  static constexpr int kLdP = kKT + 8;  // f16 probabilities
+  static constexpr int kLdO = HD + 4;   // f32 output accumulator
+  static constexpr size_t kK = size_t(kKT) * kLd * 2, kV = kK;
+  static constexpr size_t kQ = size_t(kTileRows) * kLd * 2;
+  static constexpr size_t kS = size_t(kTileRows) * kLdS * 4;
+  static constexpr size_t kP = size_t(kTileRows) * kLdP * 2;
+  static constexpr size_t kO = size_t(kTileRows) * kLdO * 4;
+  static constexpr size_t kPos = size_t(kKT) * 4;
+  static constexpr size_t kBytes = kK + kV + kQ + kS + kP + kO + kPos;
+  // Every array starts 32-byte aligned (wmma's requirement), as does every 16-row slice.
+  static_assert(kK % 32 == 0 && kQ % 32 == 0 && kS % 32 == 0 && kP % 32 == 0 && kO % 32 == 0);
+  static_assert((16 * kLd * 2) % 32 == 0 && (16 * kLdS * 4) % 32 == 0 &&
+                (16 * kLdP * 2) % 32 == 0 && (16 * kLdO * 4) % 32 == 0);
+};
+
+template <int HD, int G>
+__global__ void __launch_bounds__(128) attention_tile_kernel(DeviceAttention a) {
+  namespace wmma = nvcuda::wmma;
+  using L = TileSmem<HD>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __half* k_s = reinterpret_cast<__half*>(smem);
+  __half* v_s = reinterpret_cast<__half*>(smem + L::kK);
+  __half* q_s = reinterpret_cast<__half*>(smem + L::kK + L::kV);
+  float* s_s = reinterpret_cast<float*>(smem + L::kK + L::kV + L::kQ);
+  __half* p_s = reinterpret_cast<__half*>(smem + L::kK + L::kV + L::kQ + L::kS);
+  float* o_s = reinterpret_cast<float*>(smem + L::kK + L::kV + L::kQ + L::kS + L::kP);
+  int32_t* kp_s =
+      reinterpret_cast<int32_t*>(smem + L::kK + L::kV + L::kQ + L::kS + L::kP + L::kO);
+
+  constexpr int kQB = kTileRows / G;  // queries per block
+  const int64_t q0 = int64_t(blockIdx.x) * kQB;
+  const int64_t h0 = int64_t(blockIdx.y) * G;
+  const int64_t kvh = h0 / (a.n_head / a.n_head_kv);
+  const int64_t kv_w = a.n_head_kv * HD;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+
+  // Q rows as f16, the accumulator zeroed; the block's query position range.
+  int32_t qmax = INT_MIN, qmin = INT_MAX;
+  for (int i = tid; i < kTileRows * HD; i += 128) {
+    const int r = i / HD, d = i % HD;
+    const int64_t qi = q0 + r / G;
+    float x = 0.0f;
+    if (qi < a.n_q) x = a.q[(qi * a.n_head + h0 + r % G) * HD + d];
+    q_s[r * L::kLd + d] = __float2half_rn(x);
+    o_s[r * L::kLdO + d] = 0.0f;
+  }
+  if (tid < kQB && q0 + tid < a.n_q) qmax = qmin = a.q_pos[q0 + tid];
+  __shared__ int32_t red[2][4];
+  for (int o = 16; o > 0; o >>= 1) {
+    qmax = max(qmax, __shfl_xor_sync(0xffffffffu, qmax, o));
+    qmin = min(qmin, __shfl_xor_sync(0xffffffffu, qmin, o));
+  }
+  if (lane == 0) red[0][warp] = qmax, red[1][warp] = qmin;
+  __syncthreads();
+  qmax = max(max(red[0][0], red[0][1]), max(red[0][2], red[0][3]));
+  qmin = min(min(red[1][0], red[1][1]), min(red[1][2], red[1][3]));
+
+  // This lane's softmax row (two lanes per row, 32 keys of the tile each).
+  const int srow = lane / 2, shalf = lane % 2;
+  const int r_blk = warp * 16 + srow;
+  const int64_t my_q = q0 + r_blk / G;
+  const int32_t my_qp = my_q < a.n_q ? a.q_pos[my_q] : INT_MIN;
+  float m = -INFINITY, l = 0.0f;
+
+  __half* q_w = q_s + warp * 16 * L::kLd;
+  float* s_w = s_s + warp * 16 * L::kLdS;
+  __half* p_w = p_s + warp * 16 * L::kLdP;
+  float* o_w = o_s + warp * 16 * L::kLdO;
+
+  for (int64_t j0 = 0; j0 < a.n_kv; j0 += kKT) {
+    // Skip a tile none of the block's queries sees (keys after the last query, or all before
+    // the first query's window).
+    bool maybe = false;
+    if (tid < kKT) {
+      const int64_t j = j0 + tid;
+      int32_t kp = INT_MAX;
+      if (j < a.n_kv) kp = a.kv_pos[j];
+      kp_s[tid] = kp;
+      maybe = j < a.n_kv && kp <= qmax && !(a.window > 0 && int64_t(qmin) - kp >= a.window);
+    }
+    if (!__syncthreads_or(maybe)) continue;
+    // K and V rows of the tile: 16-byte loads (HD halves = HD / 8 vectors per row).
+    constexpr int kVec = HD / 8;
+    for (int i = tid; i < kKT * kVec; i += 128) {
+      const int r = i / kVec, c = i % kVec;
+      const int64_t j = min(j0 + r, a.n_kv - 1);  // past the end: loaded, masked
+      const int64_t base = int64_t(a.kv_rows[j]) * kv_w + kvh * HD + c * 8;
+      *reinterpret_cast<uint4*>(k_s + r * L::kLd + c * 8) =
+          *reinterpret_cast<const uint4*>(a.k + base);
+      *reinterpret_cast<uint4*>(v_s + r * L::kLd + c * 8) =
+          *reinterpret_cast<const uint4*>(a.v + base);
+    }
+    __syncthreads();
+
+    // S = Q K^T for this warp's 16 rows and the tile's keys.
+#pragma unroll
+    for (int n = 0; n < kKT / 16; ++n) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+      for (int k = 0; k < HD / 16; ++k) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, q_w + k * 16, L::kLd);
+        wmma::load_matrix_sync(fb, k_s + n * 16 * L::kLd + k * 16, L::kLd);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(s_w + n * 16, acc, L::kLdS, wmma::mem_row_major);
+    }
+    __syncwarp();
+
+    // Online softmax of the row's 64 new scores (each lane 32 of them, in key order).
+    float mt = -INFINITY;
+    float* srow_p = s_w + srow * L::kLdS + shalf * 32;
+    for (int c = 0; c < 32; ++c) {
+      const int32_t kp = kp_s[shalf * 32 + c];
+      const bool vis = kp <= my_qp && !(a.window > 0 && int64_t(my_qp) - kp >= a.window);
+      float logit = -INFINITY;
+      if (vis) {
+        logit = srow_p[c] * a.scale;
+        if (a.softcap > 0) logit = a.softcap * tanhf(logit / a.softcap);
+      }
+      srow_p[c] = logit;
+      mt = fmaxf(mt, logit);
+    }
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+    const float m_new = fmaxf(m, mt);
+    const float corr = m_new == -INFINITY ? 1.0f : expf(m - m_new);
+    float sum = 0.0f;
+    __half* prow = p_w + srow * L::kLdP + shalf * 32;
+    for (int c = 0; c < 32; ++c) {
+      const float p = m_new == -INFINITY ? 0.0f : expf(srow_p[c] - m_new);
+      sum += p;
+      prow[c] = __float2half_rn(p);
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    l = l * corr + sum;
+    m = m_new;
+    float* orow = o_w + srow * L::kLdO + shalf * (HD / 2);
+    for (int d = 0; d < HD / 2; ++d) orow[d] *= corr;
+    __syncwarp();
+
+    // O += P V.
+#pragma unroll
+    for (int n = 0; n < HD / 16; ++n) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::load_matrix_sync(acc, o_w + n * 16, L::kLdO, wmma::mem_row_major);
+#pragma unroll
+      for (int k = 0; k < kKT / 16; ++k) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> fb;
+        wmma::load_matrix_sync(fa, p_w + k * 16, L::kLdP);
+        wmma::load_matrix_sync(fb, v_s + k * 16 * L::kLd + n * 16, L::kLd);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(o_w + n * 16, acc, L::kLdO, wmma::mem_row_major);
+    }
+    __syncthreads();  // k_s / v_s / kp_s are rewritten by the next tile
+  }
+
+  // Normalise; a row with no visible key gives zeros (as the split kernel and the reference).
+  __syncwarp();
+  if (my_q < a.n_q) {
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float* orow = o_w + srow * L::kLdO + shalf * (HD / 2);
+    float* out = a.out + (my_q * a.n_head + h0 + r_blk % G) * HD + shalf * (HD / 2);
+    for (int d = 0; d < HD / 2; ++d) out[d] = l > 0.0f ? orow[d] * inv : 0.0f;
+  }
+}
+
+bool tile_path(const DeviceAttention& a) {
+  const int g = group_of(a);
+  return a.n_q >= kTileMinQueries && (a.head_dim == 64 || a.head_dim == 128) && g <= 16 &&
+         kTileRows % g == 0 && reinterpret_cast<uintptr_t>(a.k) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(a.v) % 16 == 0;
+}
+
+template <int HD, int G>
+cudaError_t launch_tile(const DeviceAttention& a, cudaStream_t s) {
+  constexpr size_t bytes = TileSmem<HD>::kBytes;
+  // Above 48 KiB of dynamic shared memory a kernel must opt in, once per process.
+  static const cudaError_t opt_in = cudaFuncSetAttribute(
+      attention_tile_kernel<HD, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  if (opt_in != cudaSuccess) return opt_in;
+  constexpr int64_t qb = kTileRows / G;
+  const dim3 grid(unsigned((a.n_q + qb - 1) / qb), unsigned(a.n_head / G));
+  attention_tile_kernel<HD, G><<<grid, 128, bytes, s>>>(a);
+  return cudaGetLastError();
+}
+
+template <int HD>
+cudaError_t launch_tile_hd(const DeviceAttention& a, cudaStream_t s) {
+  switch (group_of(a)) {
+    case 8: return launch_tile<HD, 8>(a, s);
+    case 4: return launch_tile<HD, 4>(a, s);
+    case 2: return launch_tile<HD, 2>(a, s);
+    default: return launch_tile<HD, 1>(a, s);
+  }
+}
+
 }  // namespace
+
+bool attention_uses_tiles(const DeviceAttention& a) { return tile_path(a); }
+
+int64_t plan_attention_batch(std::span<AttentionBatchItem> items, int n_sm) {
+  int64_t blocks = 0, merges = 0;
+  for (AttentionBatchItem& it : items) {
+    const Split sp = plan_split(it.a, n_sm);  // what launch_attention would choose alone
+    it.n_split = sp.n_split;
+    it.keys_per_split = sp.keys_per_split;
+    it.block0 = blocks;
+    it.merge0 = merges;
+    blocks += it.a.n_q * (it.a.n_head / group_of(it.a)) * sp.n_split;
+    merges += it.a.n_q * it.a.n_head;
+  }
+  return blocks;
+}
+
+cudaError_t launch_attention_batch(const AttentionBatchItem* items,
+                                   std::span<const AttentionBatchItem> host_items,
+                                   cudaStream_t s) {
+  if (host_items.empty()) return cudaSuccess;
+  const DeviceAttention& a0 = host_items.front().a;
+  const int g = group_of(a0);
+  int64_t blocks = 0, merges = 0;
+  for (const AttentionBatchItem& it : host_items) {
+    const DeviceAttention& a = it.a;
+    // One kernel instantiation serves every item: same heads, group and head size; each on
+    // the split path (launch_attention's choice for it alone).
+    if (a.n_head != a0.n_head || a.n_head_kv != a0.n_head_kv || a.head_dim != a0.head_dim ||
+        a.head_dim <= 0 || a.head_dim > kMaxHeadDim || a.head_dim % 2 != 0 ||
+        a.n_head % a.n_head_kv != 0 || a.n_q <= 0 || a.n_kv <= 0 || tile_path(a) ||
+        it.block0 != blocks || it.merge0 != merges)
+      return cudaErrorInvalidValue;
+    blocks += a.n_q * (a.n_head / g) * it.n_split;
+    merges += a.n_q * a.n_head;
+  }
+  const int n = int(host_items.size());
+  switch (g) {
+    case 8: attention_split_batch_kernel<8, 2><<<unsigned(blocks), kWarps * 32, 0, s>>>(items, n); break;
+    case 4: attention_split_batch_kernel<4, 4><<<unsigned(blocks), kWarps * 32, 0, s>>>(items, n); break;
+    case 2: attention_split_batch_kernel<2, 4><<<unsigned(blocks), kWarps * 32, 0, s>>>(items, n); break;
+    default: attention_split_batch_kernel<1, 4><<<unsigned(blocks), kWarps * 32, 0, s>>>(items, n); break;
+  }
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  attention_merge_batch_kernel<<<unsigned(merges), 128, 0, s>>>(items, n);
+  return cudaGetLastError();
+}
 
 size_t attention_scratch_floats(const DeviceAttention& a, int n_sm) {
   const Split sp = plan_split(a, n_sm);
@@ -210,6 +528,8 @@ cudaError_t launch_attention(const DeviceAttention& a, float* scratch, int n_sm,
     return cudaErrorInvalidValue;
   if (a.n_q == 0) return cudaSuccess;
   if (a.head_dim % 2 != 0) return cudaErrorInvalidValue;  // half2 loads
+  if (a.n_kv > 0 && tile_path(a))
+    return a.head_dim == 64 ? launch_tile_hd<64>(a, s) : launch_tile_hd<128>(a, s);
   const Split sp = plan_split(a, n_sm);
   const int g = group_of(a);
   const dim3 grid(unsigned(a.n_q * (a.n_head / g)), unsigned(sp.n_split));

@@ -48,6 +48,10 @@ struct CudaBackend::Impl {
   std::string device_name;
   cuda::Stream compute, copy;
   cuda::MatmulKernels matmul_kernels = cuda::MatmulKernels::V2;
+  // V3: the most tokens that take the int8 path; more go to the V2 paths (cuBLAS).
+  int64_t int8_max_tokens = cuda::kQ8MaxTokens;
+  bool auto_routing = false;  // CudaMatmul::Auto
+  static constexpr int64_t kAutoFloatMaxTokens = 8;
   cuda::GemmWorkspace gemm;  // V2's prefill path, grown on demand
   std::unique_ptr<cuda::WeightArena> arena;
   // Scratch slots, grown on demand; slot numbers are per op (an op's inputs and outputs never
@@ -83,6 +87,7 @@ struct CudaBackend::Impl {
   // Optional per-op timing (CudaOptions::profile): events 0..3 bracket the input copies, the
   // kernels and the output copies of the op in flight.
   bool profile = false;
+  bool profile_events = false;  // ev[] created
   cuda::Event ev[4];
   std::vector<CudaOpTime> times;
   void mark(int i) {
@@ -161,7 +166,13 @@ struct CudaBackend::Impl {
   struct Pending {
     const char* op;
     std::function<cudaError_t(cudaStream_t)> run;
+    // Profile mode only: the name the op's time is filed under (e.g. "matmul q4_K 4096x14336
+    // x1") and the weight bytes one call reads, so a per-kernel table can state GB/s.
+    std::string label;
+    uint64_t bytes = 0;
   };
+  std::string next_label;  // profile mode: set by an op just before record()
+  uint64_t next_bytes = 0;
   std::vector<Pending> pending;
   std::vector<uint64_t> key;
   bool graphable = true;  // false once the segment uses cuBLAS (its workspace may move)
@@ -181,14 +192,20 @@ struct CudaBackend::Impl {
   size_t act_q8_cap = 0;
   // V3: the activation scratch for this matmul (null when the int8 path does not apply).
   std::byte* v3_act(const cuda::DeviceWeight& w, int64_t n_tok, size_t* bytes) {
-    *bytes = cuda::matvec_q8_supports(w.dtype) ? cuda::act_q8_bytes(w.n_cols, n_tok) : 0;
+    *bytes = cuda::matvec_q8_supports(w.dtype) && n_tok <= int8_max_tokens
+                 ? cuda::act_q8_bytes(w.n_cols, n_tok)
+                 : 0;
     return *bytes ? internal<std::byte>(act_q8, *bytes, act_q8_cap) : nullptr;
   }
   // V2 and V3 take the cuBLAS path above 16 tokens, except V3's int8 path (up to 64).
   bool wants_gemm(cuda::MatmulKernels k, const cuda::DeviceWeight& w, int64_t n_tok) const {
-    if (k == cuda::MatmulKernels::V1 || n_tok <= cuda::kMatvecMaxTokens) return false;
+    if (k == cuda::MatmulKernels::V1) return false;
+    // Auto: F16 weights above V3's float kernel (8 tokens) go to cuBLAS, which reads them in
+    // place; V2's f32-activation matvec read them at 140-380 GB/s at 16 tokens.
+    if (auto_routing && w.dtype == DType::F16 && n_tok > kAutoFloatMaxTokens) return true;
+    if (n_tok <= cuda::kMatvecMaxTokens) return false;
     return !(k == cuda::MatmulKernels::V3 && cuda::matvec_q8_supports(w.dtype) &&
-             n_tok <= cuda::kQ8MaxTokens);
+             n_tok <= int8_max_tokens);
   }
 
   static uint64_t u64(const void* p) { return reinterpret_cast<uintptr_t>(p); }
@@ -204,7 +221,9 @@ struct CudaBackend::Impl {
     (key.push_back(u64(a)), ...);
   }
   void record(const char* op, std::function<cudaError_t(cudaStream_t)> run) {
-    pending.push_back(Pending{op, std::move(run)});
+    pending.push_back(Pending{op, std::move(run), std::move(next_label), next_bytes});
+    next_label.clear();
+    next_bytes = 0;
     // Graph mode launches every kChunkOps ops, eager mode every op; profile mode only at flush.
     if (!profile && pending.size() >= (graphs_on ? kChunkOps : 1)) launch_chunk();
   }
@@ -354,13 +373,33 @@ struct CudaBackend::Impl {
           prof_events.emplace_back();
           check_cuda(prof_events.back().create(/*timing=*/true), "event");
         }
-        check_cuda(cudaEventRecord(prof_events[ev].get(), s()), "event record");
+        // External: inside a profile capture (launch_chunk) the record becomes an event node.
+        check_cuda(cudaEventRecordWithFlags(prof_events[ev].get(), s(), cudaEventRecordExternal),
+                   "event record");
       }
       if (cudaError_t e = p.run(s()); e != cudaSuccess) return e;
-      if (timed) check_cuda(cudaEventRecord(prof_events[ev + 1].get(), s()), "event record");
+      if (timed)
+        check_cuda(
+            cudaEventRecordWithFlags(prof_events[ev + 1].get(), s(), cudaEventRecordExternal),
+            "event record");
       ev += 2;
     }
     return cudaSuccess;
+  }
+
+  // Records the pending ops (timed: with an event node around each) into a graph and
+  // instantiates it in *exec (left null when the capture or instantiation is refused).
+  cudaError_t capture_pending(bool timed, cudaGraphExec_t* exec) {
+    cudaGraph_t graph = nullptr;
+    cudaError_t e = cudaStreamBeginCapture(s(), cudaStreamCaptureModeThreadLocal);
+    if (e == cudaSuccess) {
+      const cudaError_t run = enqueue_all(timed);
+      e = cudaStreamEndCapture(s(), &graph);
+      if (run != cudaSuccess) e = run;
+    }
+    if (e == cudaSuccess) e = cudaGraphInstantiate(exec, graph, 0);
+    if (graph) cudaGraphDestroy(graph);
+    return e;
   }
 
   // Launches the recorded ops (a chunk of the segment) without waiting: as a replayed graph
@@ -378,15 +417,7 @@ struct CudaBackend::Impl {
       Graph& g = it->second;
       bool captured = false;
       if (!g.exec && !fresh && !g.failed) {
-        cudaGraph_t graph = nullptr;
-        cudaError_t e = cudaStreamBeginCapture(s(), cudaStreamCaptureModeThreadLocal);
-        if (e == cudaSuccess) {
-          const cudaError_t run = enqueue_all(false);
-          e = cudaStreamEndCapture(s(), &graph);
-          if (run != cudaSuccess) e = run;
-        }
-        if (e == cudaSuccess) e = cudaGraphInstantiate(&g.exec, graph, 0);
-        if (graph) cudaGraphDestroy(graph);
+        const cudaError_t e = capture_pending(false, &g.exec);
         if (e != cudaSuccess) {
           cudaGetLastError();
           g.exec = nullptr;
@@ -404,11 +435,28 @@ struct CudaBackend::Impl {
         done = true;
       }
     }
+    // Profile mode runs the chunk as a one-off graph with the events as nodes: the GPU then
+    // runs the ops back to back as a replayed step does, so an op's time is its own and not
+    // the host's launch latency (eager launches of small kernels leave the GPU waiting between
+    // events). Falls back to eager launches if the capture is refused.
+    if (profile && !done) {
+      cudaGraphExec_t exec = nullptr;
+      if (capture_pending(true, &exec) == cudaSuccess) {
+        check_cuda(cudaGraphLaunch(exec, s()), "graph launch");
+        check_cuda(cudaStreamSynchronize(s()), "synchronize");
+        cudaGraphExecDestroy(exec);
+        done = true;
+        ++n_eager;
+      } else {
+        cudaGetLastError();
+        if (exec) cudaGraphExecDestroy(exec);
+      }
+    }
     if (!done) {
       check_cuda(enqueue_all(profile), pending.front().op);
       ++n_eager;
     }
-    if (profile && !done) {  // profile mode launches only at flush(): wait and read the events
+    if (profile) {  // profile mode launches only at flush(): wait and read the events
       check_cuda(cudaStreamSynchronize(s()), "synchronize");
       size_t ev = 0;
       for (const Pending& p : pending) {
@@ -416,12 +464,14 @@ struct CudaBackend::Impl {
         check_cuda(cudaEventElapsedTime(&ms, prof_events[ev].get(), prof_events[ev + 1].get()),
                    "event time");
         ev += 2;
+        const std::string_view name = p.label.empty() ? std::string_view(p.op) : p.label;
         auto it = std::find_if(times.begin(), times.end(),
-                               [&](const CudaOpTime& t) { return t.op == p.op; });
+                               [&](const CudaOpTime& t) { return t.op == name; });
         if (it == times.end())
-          it = times.insert(times.end(), CudaOpTime{std::string(p.op), 0, 0, 0});
+          it = times.insert(times.end(), CudaOpTime{std::string(name), 0, 0, 0});
         it->calls += 1;
         it->kernel_ms += ms;
+        it->bytes += p.bytes;
       }
     }
     pending.clear();
@@ -534,6 +584,19 @@ CudaBackend::~CudaBackend() {
 }
 
 const std::string& CudaBackend::device_name() const { return impl_->device_name; }
+
+void CudaBackend::set_profile(bool on) {
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  I.enter();
+  I.flush();  // what was recorded so far runs in the old mode
+  if (on && !I.profile_events) {
+    for (cuda::Event& e : I.ev) check_cuda(e.create(/*timing=*/true), "event");
+    I.profile_events = true;
+  }
+  I.profile = on;
+  I.times.clear();
+}
 
 CudaStats CudaBackend::stats() const {
   const cuda::ArenaStats& a = impl_->arena->stats();
@@ -722,6 +785,14 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
     const float* dx = I.floats(x);
     I.sig("matmul", dw.data, dw.dtype, dw.n_cols, dw.n_rows, dw.row_bytes, dx, n_tok, dy, kern,
           act);
+    if (I.profile) {
+      const char* path = gemm ? "gemm"
+                         : act           ? "int8"
+                         : I.wants_gemm(kern, dw, n_tok) ? "gemm" : "matvec";
+      I.next_label = fmt::format("matmul {} {}x{} x{} {}", dtype_name(w.dtype), w.n_cols,
+                                 w.n_rows, n_tok, path);
+      I.next_bytes = static_cast<uint64_t>(dw.row_bytes) * static_cast<uint64_t>(dw.n_rows);
+    }
     I.record("matmul", [=](cudaStream_t st) {
       if (kern == cuda::MatmulKernels::V3)
         return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, st, gemm);
@@ -736,7 +807,8 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
   cuda::GemmWorkspace* gemm = nullptr;
   if (I.wants_gemm(I.matmul_kernels, dw, n_tok) && I.gemm.reserve(dw, n_tok)) gemm = &I.gemm;
   const size_t act_bytes = I.matmul_kernels == cuda::MatmulKernels::V3 &&
-                                   cuda::matvec_q8_supports(dw.dtype)
+                                   cuda::matvec_q8_supports(dw.dtype) &&
+                                   n_tok <= I.int8_max_tokens
                                ? cuda::act_q8_bytes(dw.n_cols, n_tok)
                                : 0;
   std::byte* act = act_bytes ? I.buffer<std::byte>(2, act_bytes) : nullptr;
@@ -747,6 +819,67 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
   });
   I.download(y, static_cast<const float*>(dy));
   I.finish("matmul");
+}
+
+// Tasks that share one resident input (a layer's Q/K/V, gate/up) on V3's int8 path: the input
+// is quantized once and every weight reads that (launch_matvec_q8 is what matmul() runs after
+// its own quantization of the same x, so each y has matmul()'s bits). Anything else: one
+// matmul() per task.
+void CudaBackend::matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok) {
+  Impl& I = *impl_;
+  std::unique_lock lock(I.mu);
+  bool shared = tasks.size() > 1 && I.matmul_kernels == cuda::MatmulKernels::V3 &&
+                n_tok <= I.int8_max_tokens && I.is_dev(tasks[0].x.data());
+  for (const MatmulTask& t : tasks) {
+    if (!shared) break;
+    KILN_CHECK(static_cast<int64_t>(t.x.size()) == n_tok * t.w->n_cols &&
+                   static_cast<int64_t>(t.y.size()) == n_tok * t.w->n_rows,
+               "matmul_batch task shape");
+    shared = t.x.data() == tasks[0].x.data() && t.w->n_cols == tasks[0].w->n_cols &&
+             cuda::matvec_q8_supports(t.w->dtype) && I.is_dev(t.y.data());
+  }
+  if (!shared || cuda::act_q8_bytes(tasks[0].w->n_cols, n_tok) == 0) {
+    lock.unlock();
+    Backend::matmul_batch(tasks, n_tok);
+    return;
+  }
+  I.enter();
+  struct One {
+    cuda::DeviceWeight w;
+    float* y;
+  };
+  std::vector<One> ones;
+  ones.reserve(tasks.size());
+  for (const MatmulTask& t : tasks) ones.push_back({I.weight_resident(*t.w), t.y.data()});
+  size_t act_bytes = 0;
+  std::byte* act = I.v3_act(ones[0].w, n_tok, &act_bytes);  // may flush: before staging
+  const float* dx = tasks[0].x.data();
+  const int64_t n_cols = tasks[0].w->n_cols;
+  I.sig("matmul_batch", dx, n_tok, act, ones.size());
+  uint64_t bytes = 0;
+  for (const One& o : ones) {
+    I.sig("matmul_batch", o.w.data, o.w.dtype, o.w.n_cols, o.w.n_rows, o.w.row_bytes, o.y);
+    bytes += static_cast<uint64_t>(o.w.row_bytes) * static_cast<uint64_t>(o.w.n_rows);
+  }
+  if (I.profile) {
+    std::string types;
+    int64_t rows = 0;
+    for (const One& o : ones) {
+      types += fmt::format("{}{}", types.empty() ? "" : "+", dtype_name(o.w.dtype));
+      rows += o.w.n_rows;
+    }
+    I.next_label = fmt::format("matmul {} {}x{} x{} int8 ({} weights, one quantization)", types,
+                               n_cols, rows, n_tok, ones.size());
+    I.next_bytes = bytes;
+  }
+  I.record("matmul_batch", [=](cudaStream_t st) {
+    if (cudaError_t e = cuda::launch_quantize_act_q8(dx, n_cols, n_tok, act, st); e != cudaSuccess)
+      return e;
+    for (const One& o : ones)
+      if (cudaError_t e = cuda::launch_matvec_q8(o.w, act, n_tok, o.y, st); e != cudaSuccess)
+        return e;
+    return cudaSuccess;
+  });
 }
 
 void CudaBackend::get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
@@ -927,7 +1060,8 @@ void CudaBackend::store_rows_f16(std::span<const float> src, int64_t width,
                 plane.begin() + static_cast<ptrdiff_t>(rows[i] * width));
 }
 
-void CudaBackend::attention(const AttentionArgs& a) {
+namespace {
+void check_attention_args(const AttentionArgs& a) {
   KILN_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0);
   KILN_CHECK(a.head_dim > 0 && a.head_dim <= 256, "cuda attention: head_dim {} (at most 256)",
              a.head_dim);
@@ -940,6 +1074,142 @@ void CudaBackend::attention(const AttentionArgs& a) {
   KILN_CHECK(a.k.size() == a.v.size() && a.k.size() % kv_w == 0);
   const int64_t n_phys = static_cast<int64_t>(a.k.size()) / kv_w;
   for (int32_t r : a.kv_rows) KILN_CHECK(r >= 0 && r < n_phys, "kv row {} of {}", r, n_phys);
+}
+}  // namespace
+
+// The sequences that take the split kernel run as one launch pair (plan_attention_batch gives
+// each the plan it would get alone, so each out has attention()'s bits); prefill-sized ones
+// (the tile kernel) and host-span calls run one attention() each.
+void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
+  Impl& I = *impl_;
+  std::vector<const AttentionArgs*> batched;
+  {
+    std::lock_guard lock(I.mu);
+    for (const AttentionArgs& a : seqs) {
+      check_attention_args(a);
+      cuda::DeviceAttention shape;
+      shape.n_q = a.n_q, shape.n_kv = static_cast<int64_t>(a.kv_rows.size());
+      shape.n_head = a.n_head, shape.n_head_kv = a.n_head_kv, shape.head_dim = a.head_dim;
+      const AttentionArgs& a0 = seqs.front();
+      if (I.is_dev(a.out.data()) && I.is_dev(a.k.data()) && I.is_dev(a.v.data()) && a.n_q > 0 &&
+          !a.kv_rows.empty() && a.head_dim % 2 == 0 && a.n_head == a0.n_head &&
+          a.n_head_kv == a0.n_head_kv && a.head_dim == a0.head_dim &&
+          !cuda::attention_uses_tiles(shape))
+        batched.push_back(&a);
+    }
+  }
+  if (batched.size() < 2) batched.clear();
+  for (const AttentionArgs& a : seqs)
+    if (std::find(batched.begin(), batched.end(), &a) == batched.end()) attention(a);
+  if (batched.empty()) return;
+
+  std::lock_guard lock(I.mu);
+  I.enter();
+  std::vector<cuda::AttentionBatchItem> items(batched.size());
+  std::vector<size_t> pads(batched.size(), 0);
+  size_t part_floats = 0, room = 0;
+  for (size_t i = 0; i < batched.size(); ++i) {
+    const AttentionArgs& a = *batched[i];
+    const auto n_kv = static_cast<int64_t>(a.kv_rows.size());
+    // Padded to the graph bucket exactly as attention() pads it alone.
+    if (I.graphs_on && !I.profile && I.kv_bucket > 1)
+      pads[i] = static_cast<size_t>((n_kv + I.kv_bucket - 1) / I.kv_bucket * I.kv_bucket);
+    cuda::DeviceAttention& d = items[i].a;
+    d.n_q = a.n_q;
+    d.n_kv = std::max<int64_t>(n_kv, static_cast<int64_t>(pads[i]));
+    d.n_head = a.n_head;
+    d.n_head_kv = a.n_head_kv;
+    d.head_dim = a.head_dim;
+    d.window = a.window;
+    d.scale = a.scale;
+    d.softcap = a.softcap;
+    d.out = a.out.data();
+    part_floats += cuda::attention_scratch_floats(d, I.n_sm);
+    room += I.float_room(a.q) + I.host_bytes(a.kv_rows, pads[i]) +
+            I.host_bytes(a.kv_pos, pads[i]) + I.host_bytes(a.q_pos);
+  }
+  // Scratch first (growing it flushes), then every staged array and the table.
+  float* part = I.internal<float>(I.attn_part, part_floats, I.attn_cap);
+  I.room(room + items.size() * sizeof(cuda::AttentionBatchItem) + 16);
+  size_t off = 0;
+  for (size_t i = 0; i < batched.size(); ++i) {
+    const AttentionArgs& a = *batched[i];
+    cuda::DeviceAttention& d = items[i].a;
+    d.q = I.floats(a.q);
+    d.k = reinterpret_cast<const uint16_t*>(a.k.data());
+    d.v = reinterpret_cast<const uint16_t*>(a.v.data());
+    d.kv_rows = I.ints(a.kv_rows, pads[i], 0);
+    d.kv_pos = I.ints(a.kv_pos, pads[i], INT32_MAX);
+    d.q_pos = I.ints(a.q_pos);
+    items[i].part = part + off;
+    off += cuda::attention_scratch_floats(d, I.n_sm);
+  }
+  cuda::plan_attention_batch(items, I.n_sm);
+  const auto* table = reinterpret_cast<const cuda::AttentionBatchItem*>(
+      I.stage(items.data(), items.size() * sizeof(cuda::AttentionBatchItem),
+              items.size() * sizeof(cuda::AttentionBatchItem)));
+  I.sig("attention_batch", table, items.size(), part);
+  for (const cuda::AttentionBatchItem& it : items) {
+    const cuda::DeviceAttention& d = it.a;
+    I.sig("attention_batch", d.q, d.k, d.v, d.kv_rows, d.kv_pos, d.q_pos, d.n_q, d.n_kv,
+          d.n_head, d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out);
+  }
+  if (I.profile) I.next_label = fmt::format("attention x{} sequences (one launch)", items.size());
+  I.record("attention_batch", [=](cudaStream_t st) {
+    return cuda::launch_attention_batch(table, items, st);
+  });
+}
+
+void CudaBackend::store_rows_f16_batch(std::span<const StoreRowsTask> tasks) {
+  Impl& I = *impl_;
+  bool resident = tasks.size() > 1 && tasks.size() <= 65535;
+  {
+    std::lock_guard lock(I.mu);
+    for (const StoreRowsTask& t : tasks) {
+      KILN_CHECK(t.width > 0 && t.src.size() == t.rows.size() * static_cast<size_t>(t.width));
+      KILN_CHECK(t.plane.size() % t.width == 0);
+      const int64_t n_phys = static_cast<int64_t>(t.plane.size()) / t.width;
+      for (int32_t r : t.rows) KILN_CHECK(r >= 0 && r < n_phys, "row {} of {}", r, n_phys);
+      resident = resident && I.is_dev(t.plane.data());
+    }
+  }
+  if (!resident) {
+    Backend::store_rows_f16_batch(tasks);
+    return;
+  }
+  std::lock_guard lock(I.mu);
+  I.enter();
+  size_t room = tasks.size() * sizeof(cuda::StoreRowsItem) + 16;
+  for (const StoreRowsTask& t : tasks) room += I.float_room(t.src) + I.host_bytes(t.rows);
+  I.room(room);
+  std::vector<cuda::StoreRowsItem> items(tasks.size());
+  int64_t most = 0;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const StoreRowsTask& t = tasks[i];
+    items[i].src = I.floats(t.src);
+    items[i].rows = I.ints(t.rows);
+    items[i].n_rows = static_cast<int64_t>(t.rows.size());
+    items[i].width = t.width;
+    items[i].plane = reinterpret_cast<uint16_t*>(t.plane.data());
+    most = std::max(most, items[i].n_rows * t.width);
+  }
+  const auto* table = reinterpret_cast<const cuda::StoreRowsItem*>(
+      I.stage(items.data(), items.size() * sizeof(cuda::StoreRowsItem),
+              items.size() * sizeof(cuda::StoreRowsItem)));
+  I.sig("store_rows_f16_batch", table, items.size(), most);
+  for (const cuda::StoreRowsItem& it : items)
+    I.sig("store_rows_f16_batch", it.src, it.rows, it.n_rows, it.width, it.plane);
+  const int n = static_cast<int>(items.size());
+  if (I.profile) I.next_label = fmt::format("store_rows_f16 x{} (one launch)", n);
+  I.record("store_rows_f16_batch", [=](cudaStream_t st) {
+    return cuda::launch_store_rows_f16_batch(table, n, most, st);
+  });
+}
+
+void CudaBackend::attention(const AttentionArgs& a) {
+  check_attention_args(a);
+  const int64_t hd = a.head_dim;
+  const int64_t n_kv = static_cast<int64_t>(a.kv_rows.size());
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
   if (I.is_dev(a.out.data())) {
@@ -1141,11 +1411,20 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   impl->immutable = options.immutable_region;
   impl->matmul_kernels =
       options.matmul == CudaMatmul::V1 ? cuda::MatmulKernels::V1 : cuda::MatmulKernels::V2;
-  if (options.matmul == CudaMatmul::V3) impl->matmul_kernels = cuda::MatmulKernels::V3;
+  if (options.matmul == CudaMatmul::V3 || options.matmul == CudaMatmul::Auto)
+    impl->matmul_kernels = cuda::MatmulKernels::V3;
+  if (options.matmul == CudaMatmul::Auto) {
+    if (options.auto_int8_max_tokens < 1 || options.auto_int8_max_tokens > cuda::kQ8MaxTokens)
+      return Status::errorf("cuda: int8 matmul token limit {} (1..{})",
+                            options.auto_int8_max_tokens, cuda::kQ8MaxTokens);
+    impl->int8_max_tokens = options.auto_int8_max_tokens;
+    impl->auto_routing = true;
+  }
   if (options.profile) {
     for (cuda::Event& e : impl->ev)
       if (cudaError_t err = e.create(/*timing=*/true); err != cudaSuccess)
         return Status::errorf("CUDA event: {}", cudaGetErrorString(err));
+    impl->profile_events = true;
   }
   impl->arena = std::make_unique<cuda::WeightArena>(impl->copy.get(), options.arena_chunk_bytes,
                                                     options.verify_weight_cache);

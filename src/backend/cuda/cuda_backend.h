@@ -26,12 +26,18 @@ namespace kiln {
 // throughout); V2, shared-memory activations for decode and f16 tensor-core GEMM (cuBLAS) for
 // more than 16 tokens. V1 stays selectable to compare and to fall back. V3 (matvec_q8.cu):
 // up to 64 tokens with int8-quantized activations and dp4a for Q8_0 Q4_0 Q5_0 Q4_K Q5_K Q6_K
-// (token-invariant bits), else V2.
-enum class CudaMatmul { V1, V2, V3 };
+// (token-invariant bits), else V2. Auto (the default): V3 up to kAutoInt8MaxTokens tokens,
+// V2's cuBLAS GEMM above: at 64 tokens the dp4a kernels take 2.4-2.9x the GEMM's time while at
+// 16 they take 0.3x of V2's (docs/BENCHMARKS.md, "CUDA decode kernels V3"); F16 weights take
+// the GEMM above 8 tokens (V3's float kernel's limit).
+enum class CudaMatmul { V1, V2, V3, Auto };
+inline constexpr int64_t kAutoInt8MaxTokens = 16;
 
 struct CudaOptions {
   int device = 0;
-  CudaMatmul matmul = CudaMatmul::V2;
+  CudaMatmul matmul = CudaMatmul::Auto;
+  // Auto: the most tokens a quantized matmul runs on V3's int8 kernels (more: cuBLAS), 1..64.
+  int64_t auto_int8_max_tokens = kAutoInt8MaxTokens;
   // Optional: the whole weight region (e.g. the GGUF mapping's tensor data). When set, it is
   // uploaded once, at creation, into one arena allocation through pinned staging on a copy
   // stream, and every WeightMatrix inside it is an offset into that arena.
@@ -69,6 +75,7 @@ struct CudaOpTime {
   uint64_t calls = 0;
   double kernel_ms = 0;  // the op's kernels
   double copy_ms = 0;    // copying its inputs in and outputs out (host spans)
+  uint64_t bytes = 0;    // weight bytes the calls read (matmuls; resident ops)
 };
 
 struct CudaStats {
@@ -96,6 +103,9 @@ class CudaBackend final : public Backend {
   std::string_view name() const override { return "cuda"; }
   const std::string& device_name() const;  // "NVIDIA H200 (sm_90, 132 SMs, 140.4 GiB)"
   CudaStats stats() const;
+  // Turns per-op timing (CudaOptions::profile) on or off between segments and clears the
+  // times gathered so far: `kiln bench --cuda-profile` times one extra pass of each test.
+  void set_profile(bool on);
 
   bool device_memory() const override { return true; }
   BackendBytes alloc_bytes(size_t bytes) override;
@@ -108,6 +118,7 @@ class CudaBackend final : public Backend {
 
   void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
               std::span<float> y) override;
+  void matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok) override;
   void get_rows(const WeightMatrix& w, std::span<const int32_t> ids, std::span<float> out) override;
   void rmsnorm(std::span<const float> x, std::span<const float> weight, int64_t n, float eps,
                std::span<float> y) override;
@@ -125,6 +136,8 @@ class CudaBackend final : public Backend {
   void store_rows_f16(std::span<const float> src, int64_t width, std::span<const int32_t> rows,
                       std::span<f16> plane) override;
   void attention(const AttentionArgs& a) override;
+  void attention_batch(std::span<const AttentionArgs> seqs) override;
+  void store_rows_f16_batch(std::span<const StoreRowsTask> tasks) override;
   int64_t argmax(std::span<const float> x) override;
   // On a rank of make_cuda_tp_group(): an NCCL all-reduce (sum) on the compute stream,
   // recorded like any resident op. Alone: nothing.

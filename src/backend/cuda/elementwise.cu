@@ -70,7 +70,27 @@ __global__ void store_rows_f16_kernel(const float* __restrict__ src, int64_t wid
   }
 }
 
+// grid: (blocks over the largest item, items).
+__global__ void store_rows_f16_batch_kernel(const StoreRowsItem* __restrict__ items) {
+  const StoreRowsItem it = items[blockIdx.y];
+  const int64_t n = it.n_rows * it.width;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / it.width, c = i % it.width;
+    it.plane[int64_t(it.rows[r]) * it.width + c] = __half_as_ushort(__float2half_rn(it.src[i]));
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_store_rows_f16_batch(const StoreRowsItem* items, int n_items,
+                                        int64_t max_elems, cudaStream_t s) {
+  if (n_items == 0 || max_elems == 0) return cudaSuccess;
+  if (n_items > 65535) return cudaErrorInvalidValue;
+  store_rows_f16_batch_kernel<<<dim3(grid_for(max_elems), unsigned(n_items)), kThreads, 0, s>>>(
+      items);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_unary(float* x, int64_t n, Unary op, float param, cudaStream_t s) {
   if (n == 0) return cudaSuccess;

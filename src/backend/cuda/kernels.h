@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "core/dtype.h"
 
@@ -135,6 +136,34 @@ struct DeviceAttention {
 // of the key splits); pass at least that many in `scratch`.
 size_t attention_scratch_floats(const DeviceAttention& a, int n_sm);
 cudaError_t launch_attention(const DeviceAttention& a, float* scratch, int n_sm, cudaStream_t s);
+// True when launch_attention takes the tensor-core prefill kernel for these shapes (f16 Q and
+// P: a looser bound than the split kernel's f32 path).
+bool attention_uses_tiles(const DeviceAttention& a);
+// Several sequences' attention in one launch pair (a batched decode step: each sequence a few
+// queries over its own planes). Each item's output has the bits of launch_attention of that
+// item alone: the same split plan and the same block code. Items must not take the tile path
+// and must share n_head, n_head_kv and head_dim.
+struct AttentionBatchItem {
+  DeviceAttention a;
+  float* part = nullptr;  // attention_scratch_floats(a) floats of its own
+  int64_t n_split = 0, keys_per_split = 0;  // plan_attention_batch fills these and the next
+  int64_t block0 = 0, merge0 = 0;           // first block of the item in each grid
+};
+// Plans every item as launch_attention would alone; returns the split grid's block count.
+int64_t plan_attention_batch(std::span<AttentionBatchItem> items, int n_sm);
+// items: the planned table in device memory; host_items: the same table on the host.
+cudaError_t launch_attention_batch(const AttentionBatchItem* items,
+                                   std::span<const AttentionBatchItem> host_items, cudaStream_t s);
+// Several row scatters into f16 planes in one launch (rows of item i: src[r] -> plane row
+// rows[r]); the same conversion as launch_store_rows_f16.
+struct StoreRowsItem {
+  const float* src = nullptr;
+  const int32_t* rows = nullptr;
+  int64_t n_rows = 0, width = 0;
+  uint16_t* plane = nullptr;
+};
+cudaError_t launch_store_rows_f16_batch(const StoreRowsItem* items, int n_items,
+                                        int64_t max_elems, cudaStream_t s);
 
 // --- probe.cu: reads `bytes` (16-byte aligned) with `blocks` blocks; sink holds `blocks` floats.
 cudaError_t launch_read_probe(const void* data, size_t bytes, float* sink, int blocks,

@@ -540,6 +540,10 @@ template <DType T>
 cudaError_t matmul_typed(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
                          cudaStream_t s, MatmulKernels k, GemmWorkspace* gemm) {
   const auto* wb = reinterpret_cast<const uint8_t*>(w.data);
+  // The caller hands a workspace only when it chose the GEMM for this shape (above 16 tokens,
+  // or F16 weights above 8 under CudaMatmul::Auto).
+  if (k == MatmulKernels::V2 && gemm != nullptr && gemm->fits(w, n_tok))
+    return launch_gemm_f16(w, x, n_tok, y, s, *gemm);
   if (n_tok <= kMatvecMaxTokens) {
     // Up to 16 tokens: the weight is read at most twice; the tiled kernel would idle most
     // of its 64-token tile. Rows that start 16-byte aligned (GGUF data in the arena, with
@@ -559,8 +563,6 @@ cudaError_t matmul_typed(const DeviceWeight& w, const float* x, int64_t n_tok, f
       launch_matvec<T, 2>(w, x, n_tok, y, s);
     }
   } else {
-    if (k == MatmulKernels::V2 && gemm != nullptr && gemm->fits(w, n_tok))
-      return launch_gemm_f16(w, x, n_tok, y, s, *gemm);
     const dim3 grid(unsigned((w.n_rows + kTileRows - 1) / kTileRows),
                     unsigned((n_tok + kTileToks - 1) / kTileToks));
     matmul_tiled_kernel<T>
