@@ -68,6 +68,49 @@ INSTANTIATE_TEST_SUITE_P(Types, MatmulTiling,
                                            DType::Q5_K, DType::Q6_K, DType::Q3_K),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
+// Raw random Q4_K / Q6_K rows: every quant, scale and min value, with finite moderate block
+// scales (raw random f16 bits could be inf/NaN); a quarter of Q6_K blocks get scales of -128.
+std::vector<std::byte> random_k_rows(DType type, int64_t k, int64_t n_rows, std::mt19937_64& rng) {
+  std::vector<std::byte> bytes(*row_bytes(type, k) * n_rows);
+  for (auto& b : bytes) b = static_cast<std::byte>(rng());
+  if (type == DType::Q4_K) {
+    for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q4_K)) {
+      quant::block_q4_K blk;
+      std::memcpy(&blk, bytes.data() + off, sizeof blk);
+      blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 4)));
+      blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
+      std::memcpy(bytes.data() + off, &blk, sizeof blk);
+    }
+  } else {
+    for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q6_K)) {
+      quant::block_q6_K blk;
+      std::memcpy(&blk, bytes.data() + off, sizeof blk);
+      blk.d = f32_to_f16(std::ldexp(1.0f, -10 - static_cast<int>(rng() % 4)));
+      if (rng() % 4 == 0) std::memset(blk.scales, 0x80, sizeof blk.scales);  // -128
+      std::memcpy(bytes.data() + off, &blk, sizeof blk);
+    }
+  }
+  return bytes;
+}
+
+// w x with a kernel switch on (1 and 2 threads) and off (1 thread).
+struct OnOff {
+  std::vector<float> on1, on2, off1;
+};
+OnOff run_on_off(void (*set_on)(bool), Backend& one, Backend& two, const WeightMatrix& w,
+                 const std::vector<float>& x, int64_t n_tok) {
+  OnOff r;
+  r.on1.resize(size_t(n_tok * w.n_rows));
+  r.on2.resize(r.on1.size());
+  r.off1.resize(r.on1.size());
+  set_on(true);
+  one.matmul(w, x, n_tok, r.on1);
+  two.matmul(w, x, n_tok, r.on2);
+  set_on(false);
+  one.matmul(w, x, n_tok, r.off1);
+  return r;
+}
+
 // The packed Q4_K prefill kernel (AVX-512 VNNI) must give the plain kernel's bits: with
 // cpu::set_q4k_packed_matmul(false) the output is the plain kernel's, so this is also the
 // proof that the switch changes nothing but speed. Raw random blocks reach every nibble and
@@ -84,15 +127,7 @@ TEST(MatmulQ4KPacked, SameBitsAsPlainKernel) {
   for (int64_t k : {256, 768}) {
     for (int64_t n_rows : {1, 2, 3, 67, 131}) {
       const size_t rb = *row_bytes(DType::Q4_K, k);
-      std::vector<std::byte> bytes(rb * n_rows);
-      for (auto& b : bytes) b = static_cast<std::byte>(rng());
-      for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q4_K)) {
-        quant::block_q4_K blk;
-        std::memcpy(&blk, bytes.data() + off, sizeof blk);
-        blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 4)));
-        blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
-        std::memcpy(bytes.data() + off, &blk, sizeof blk);
-      }
+      const std::vector<std::byte> bytes = random_k_rows(DType::Q4_K, k, n_rows, rng);
       const WeightMatrix w{.dtype = DType::Q4_K, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
       for (int64_t n_tok : {5, 12, 13, 16, 19, 37}) {
         SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << n_rows << " n_tok " << n_tok);
@@ -100,12 +135,8 @@ TEST(MatmulQ4KPacked, SameBitsAsPlainKernel) {
         std::fill_n(x.begin(), k, 0.0f);  // token 0: all zero (activation scale 0)
         x[k + 5] = 3e30f;                 // token 1: one huge element
         x[4 * k + 7] = NAN;               // token 4: NaN, which must come out NaN either way
-        std::vector<float> on1(n_tok * n_rows), on2(on1.size()), off1(on1.size());
-        cpu::set_q4k_packed_matmul(true);
-        cpu1->matmul(w, x, n_tok, on1);
-        cpu2->matmul(w, x, n_tok, on2);
-        cpu::set_q4k_packed_matmul(false);
-        cpu1->matmul(w, x, n_tok, off1);
+        const auto [on1, on2, off1] =
+            run_on_off(cpu::set_q4k_packed_matmul, *cpu1, *cpu2, w, x, n_tok);
         ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
             << "packed vs plain kernel differ";
         ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
@@ -138,26 +169,7 @@ TEST(MatmulKQPair, SameBitsAsPlainKernel) {
     for (int64_t k : {256, 768}) {
       for (int64_t n_rows : {1, 3, 67, 131}) {
         const size_t rb = *row_bytes(type, k);
-        std::vector<std::byte> bytes(rb * n_rows);
-        for (auto& b : bytes) b = static_cast<std::byte>(rng());
-        // Finite block scales (raw random f16 bits could be inf/NaN).
-        if (type == DType::Q4_K) {
-          for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q4_K)) {
-            quant::block_q4_K blk;
-            std::memcpy(&blk, bytes.data() + off, sizeof blk);
-            blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 4)));
-            blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
-            std::memcpy(bytes.data() + off, &blk, sizeof blk);
-          }
-        } else {
-          for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q6_K)) {
-            quant::block_q6_K blk;
-            std::memcpy(&blk, bytes.data() + off, sizeof blk);
-            blk.d = f32_to_f16(std::ldexp(1.0f, -10 - static_cast<int>(rng() % 4)));
-            if (rng() % 4 == 0) std::memset(blk.scales, 0x80, sizeof blk.scales);  // -128
-            std::memcpy(bytes.data() + off, &blk, sizeof blk);
-          }
-        }
+        const std::vector<std::byte> bytes = random_k_rows(type, k, n_rows, rng);
         const WeightMatrix w{.dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
         for (int64_t n_tok : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 37}) {
           // Q4_K: 12+ tokens take the packed kernel unless it is off, which runs the small-batch
@@ -170,18 +182,18 @@ TEST(MatmulKQPair, SameBitsAsPlainKernel) {
           std::fill_n(x.begin(), k, 0.0f);        // token 0: all zero (activation scale 0)
           if (n_tok > 1) x[k + 5] = 3e30f;        // token 1: one huge element
           if (n_tok > 3) x[3 * k + 7] = NAN;      // token 3: NaN, which must come out NaN
-          std::vector<float> on1(n_tok * n_rows), on2(on1.size()), off1(on1.size());
-          cpu::set_kq_pair_matmul(true);
-          cpu1->matmul(w, x, n_tok, on1);
-          cpu2->matmul(w, x, n_tok, on2);
-          cpu::set_kq_pair_matmul(false);
-          cpu1->matmul(w, x, n_tok, off1);
+          const auto [on1, on2, off1] =
+              run_on_off(cpu::set_kq_pair_matmul, *cpu1, *cpu2, w, x, n_tok);
           ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
               << "small-batch vs plain kernel differ";
           ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
               << "small-batch kernel: 1 vs 2 threads differ";
-          if (n_tok > 3) ASSERT_TRUE(std::isnan(on1[3 * n_rows]));
-          if (n_tok > 2) ASSERT_FALSE(std::isnan(on1[2 * n_rows]));
+          if (n_tok > 3) {
+            ASSERT_TRUE(std::isnan(on1[3 * n_rows]));
+          }
+          if (n_tok > 2) {
+            ASSERT_FALSE(std::isnan(on1[2 * n_rows]));
+          }
         }
       }
     }

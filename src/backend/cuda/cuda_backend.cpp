@@ -178,6 +178,12 @@ struct CudaBackend::Impl {
   bool graphable = true;  // false once the segment uses cuBLAS (its workspace may move)
   bool graphs_on = true;
   int64_t kv_bucket = 256;
+  // Graph mode pads an attention's key list to a bucket (row 0, position INT32_MAX: never
+  // visible), so a decode step keeps its signature while the context grows within the bucket.
+  size_t kv_pad(int64_t n_kv) const {
+    if (!graphs_on || profile || kv_bucket <= 1 || n_kv <= 0) return 0;
+    return static_cast<size_t>((n_kv + kv_bucket - 1) / kv_bucket * kv_bucket);
+  }
   struct Graph {
     cudaGraphExec_t exec = nullptr;
     bool failed = false;  // capture refused: this segment always runs eagerly
@@ -1017,12 +1023,50 @@ void CudaBackend::sigmoid(std::span<float> x) {
   impl_->unary(x, cuda::Unary::Sigmoid, 0, "sigmoid");
 }
 
-void CudaBackend::store_rows_f16(std::span<const float> src, int64_t width,
-                                 std::span<const int32_t> rows, std::span<f16> plane) {
+namespace {
+void check_attention_args(const AttentionArgs& a) {
+  KILN_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0);
+  KILN_CHECK(a.head_dim > 0 && a.head_dim <= 256, "cuda attention: head_dim {} (at most 256)",
+             a.head_dim);
+  const int64_t hd = a.head_dim, q_w = a.n_head * hd, kv_w = a.n_head_kv * hd;
+  const int64_t n_kv = static_cast<int64_t>(a.kv_rows.size());
+  KILN_CHECK(static_cast<int64_t>(a.q.size()) == a.n_q * q_w);
+  KILN_CHECK(a.out.size() == a.q.size());
+  KILN_CHECK(static_cast<int64_t>(a.q_pos.size()) == a.n_q);
+  KILN_CHECK(static_cast<int64_t>(a.kv_pos.size()) == n_kv);
+  KILN_CHECK(a.k.size() == a.v.size() && a.k.size() % kv_w == 0);
+  const int64_t n_phys = static_cast<int64_t>(a.k.size()) / kv_w;
+  for (int32_t r : a.kv_rows) KILN_CHECK(r >= 0 && r < n_phys, "kv row {} of {}", r, n_phys);
+}
+
+// The kernel's view of a: its shapes and scalars for n_kv keys (the pointers are set by the
+// caller, which knows where each array lives).
+cuda::DeviceAttention attention_shape(const AttentionArgs& a, int64_t n_kv) {
+  cuda::DeviceAttention d;
+  d.n_q = a.n_q;
+  d.n_kv = n_kv;
+  d.n_head = a.n_head;
+  d.n_head_kv = a.n_head_kv;
+  d.head_dim = a.head_dim;
+  d.window = a.window;
+  d.scale = a.scale;
+  d.softcap = a.softcap;
+  d.out = a.out.data();
+  return d;
+}
+
+void check_store_rows(std::span<const float> src, int64_t width, std::span<const int32_t> rows,
+                      std::span<const f16> plane) {
   KILN_CHECK(width > 0 && src.size() == rows.size() * static_cast<size_t>(width));
   KILN_CHECK(plane.size() % width == 0);
   const int64_t n_phys = static_cast<int64_t>(plane.size()) / width;
   for (int32_t r : rows) KILN_CHECK(r >= 0 && r < n_phys, "row {} of {}", r, n_phys);
+}
+}  // namespace
+
+void CudaBackend::store_rows_f16(std::span<const float> src, int64_t width,
+                                 std::span<const int32_t> rows, std::span<f16> plane) {
+  check_store_rows(src, width, rows, plane);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
   if (I.is_dev(plane.data())) {
@@ -1060,22 +1104,6 @@ void CudaBackend::store_rows_f16(std::span<const float> src, int64_t width,
                 plane.begin() + static_cast<ptrdiff_t>(rows[i] * width));
 }
 
-namespace {
-void check_attention_args(const AttentionArgs& a) {
-  KILN_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0);
-  KILN_CHECK(a.head_dim > 0 && a.head_dim <= 256, "cuda attention: head_dim {} (at most 256)",
-             a.head_dim);
-  const int64_t hd = a.head_dim, q_w = a.n_head * hd, kv_w = a.n_head_kv * hd;
-  const int64_t n_kv = static_cast<int64_t>(a.kv_rows.size());
-  KILN_CHECK(static_cast<int64_t>(a.q.size()) == a.n_q * q_w);
-  KILN_CHECK(a.out.size() == a.q.size());
-  KILN_CHECK(static_cast<int64_t>(a.q_pos.size()) == a.n_q);
-  KILN_CHECK(static_cast<int64_t>(a.kv_pos.size()) == n_kv);
-  KILN_CHECK(a.k.size() == a.v.size() && a.k.size() % kv_w == 0);
-  const int64_t n_phys = static_cast<int64_t>(a.k.size()) / kv_w;
-  for (int32_t r : a.kv_rows) KILN_CHECK(r >= 0 && r < n_phys, "kv row {} of {}", r, n_phys);
-}
-}  // namespace
 
 // The sequences that take the split kernel run as one launch pair (plan_attention_batch gives
 // each the plan it would get alone, so each out has attention()'s bits); prefill-sized ones
@@ -1087,9 +1115,8 @@ void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
     std::lock_guard lock(I.mu);
     for (const AttentionArgs& a : seqs) {
       check_attention_args(a);
-      cuda::DeviceAttention shape;
-      shape.n_q = a.n_q, shape.n_kv = static_cast<int64_t>(a.kv_rows.size());
-      shape.n_head = a.n_head, shape.n_head_kv = a.n_head_kv, shape.head_dim = a.head_dim;
+      const cuda::DeviceAttention shape =
+          attention_shape(a, static_cast<int64_t>(a.kv_rows.size()));
       const AttentionArgs& a0 = seqs.front();
       if (I.is_dev(a.out.data()) && I.is_dev(a.k.data()) && I.is_dev(a.v.data()) && a.n_q > 0 &&
           !a.kv_rows.empty() && a.head_dim % 2 == 0 && a.n_head == a0.n_head &&
@@ -1111,19 +1138,9 @@ void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
   for (size_t i = 0; i < batched.size(); ++i) {
     const AttentionArgs& a = *batched[i];
     const auto n_kv = static_cast<int64_t>(a.kv_rows.size());
-    // Padded to the graph bucket exactly as attention() pads it alone.
-    if (I.graphs_on && !I.profile && I.kv_bucket > 1)
-      pads[i] = static_cast<size_t>((n_kv + I.kv_bucket - 1) / I.kv_bucket * I.kv_bucket);
+    pads[i] = I.kv_pad(n_kv);  // exactly as attention() pads it alone
     cuda::DeviceAttention& d = items[i].a;
-    d.n_q = a.n_q;
-    d.n_kv = std::max<int64_t>(n_kv, static_cast<int64_t>(pads[i]));
-    d.n_head = a.n_head;
-    d.n_head_kv = a.n_head_kv;
-    d.head_dim = a.head_dim;
-    d.window = a.window;
-    d.scale = a.scale;
-    d.softcap = a.softcap;
-    d.out = a.out.data();
+    d = attention_shape(a, std::max<int64_t>(n_kv, static_cast<int64_t>(pads[i])));
     part_floats += cuda::attention_scratch_floats(d, I.n_sm);
     room += I.float_room(a.q) + I.host_bytes(a.kv_rows, pads[i]) +
             I.host_bytes(a.kv_pos, pads[i]) + I.host_bytes(a.q_pos);
@@ -1166,10 +1183,7 @@ void CudaBackend::store_rows_f16_batch(std::span<const StoreRowsTask> tasks) {
   {
     std::lock_guard lock(I.mu);
     for (const StoreRowsTask& t : tasks) {
-      KILN_CHECK(t.width > 0 && t.src.size() == t.rows.size() * static_cast<size_t>(t.width));
-      KILN_CHECK(t.plane.size() % t.width == 0);
-      const int64_t n_phys = static_cast<int64_t>(t.plane.size()) / t.width;
-      for (int32_t r : t.rows) KILN_CHECK(r >= 0 && r < n_phys, "row {} of {}", r, n_phys);
+      check_store_rows(t.src, t.width, t.rows, t.plane);
       resident = resident && I.is_dev(t.plane.data());
     }
   }
@@ -1208,7 +1222,6 @@ void CudaBackend::store_rows_f16_batch(std::span<const StoreRowsTask> tasks) {
 
 void CudaBackend::attention(const AttentionArgs& a) {
   check_attention_args(a);
-  const int64_t hd = a.head_dim;
   const int64_t n_kv = static_cast<int64_t>(a.kv_rows.size());
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
@@ -1216,21 +1229,9 @@ void CudaBackend::attention(const AttentionArgs& a) {
     KILN_CHECK(I.is_dev(a.k.data()) && I.is_dev(a.v.data()),
                "cuda attention: device output needs device KV planes");
     I.enter();
-    // Graph mode pads the key list to a bucket (row 0, position INT32_MAX: never visible), so
-    // a decode step keeps its signature while the context grows within the bucket.
-    size_t pad_n = 0;
-    if (I.graphs_on && !I.profile && I.kv_bucket > 1 && n_kv > 0)
-      pad_n = static_cast<size_t>((n_kv + I.kv_bucket - 1) / I.kv_bucket * I.kv_bucket);
-    cuda::DeviceAttention d;
-    d.n_q = a.n_q;
-    d.n_kv = std::max<int64_t>(n_kv, static_cast<int64_t>(pad_n));
-    d.n_head = a.n_head;
-    d.n_head_kv = a.n_head_kv;
-    d.head_dim = hd;
-    d.window = a.window;
-    d.scale = a.scale;
-    d.softcap = a.softcap;
-    d.out = a.out.data();
+    const size_t pad_n = I.kv_pad(n_kv);
+    cuda::DeviceAttention d =
+        attention_shape(a, std::max<int64_t>(n_kv, static_cast<int64_t>(pad_n)));
     // Scratch first: growing it flushes, which restarts staging, so nothing may be staged
     // for this op before (the staged pointers would then name reused staging space).
     float* part =
@@ -1251,21 +1252,13 @@ void CudaBackend::attention(const AttentionArgs& a) {
     return;
   }
   I.begin_host_op({a.q.data(), a.k.data(), a.v.data()}, "attention");
-  cuda::DeviceAttention d;
+  cuda::DeviceAttention d = attention_shape(a, n_kv);
   d.q = I.upload<float>(0, a.q);
   d.k = reinterpret_cast<const uint16_t*>(I.upload<f16>(1, a.k));
   d.v = reinterpret_cast<const uint16_t*>(I.upload<f16>(2, a.v));
   d.kv_rows = I.upload<int32_t>(3, a.kv_rows);
   d.kv_pos = I.upload<int32_t>(4, a.kv_pos);
   d.q_pos = I.upload<int32_t>(5, a.q_pos);
-  d.n_q = a.n_q;
-  d.n_kv = n_kv;
-  d.n_head = a.n_head;
-  d.n_head_kv = a.n_head_kv;
-  d.head_dim = hd;
-  d.window = a.window;
-  d.scale = a.scale;
-  d.softcap = a.softcap;
   float* dout = I.buffer<float>(6, a.out.size());
   d.out = dout;
   float* part = I.buffer<float>(7, cuda::attention_scratch_floats(d, I.n_sm));
