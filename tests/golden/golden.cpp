@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -153,6 +154,25 @@ Report check(const Golden& g, const Bounds& b, const EvalFn& eval, const ExemptF
     next = argmax(*step);
   }
   return r;
+}
+
+std::vector<bool> routing_near_ties(const model::Capture& cap, const model::HParams& hp,
+                                    size_t n_prompt, float margin) {
+  std::vector<bool> tie(n_prompt, false);
+  for (int32_t il = 0; il < hp.n_layer; ++il) {
+    const model::LayerDesc& L = hp.layers[il];
+    if (L.n_expert == 0 || L.n_expert_used >= L.n_expert) continue;
+    auto it = cap.nodes.find(fmt::format("blk.{}.ffn_moe_logits", il));
+    KILN_CHECK(it != cap.nodes.end() && it->second.n_rows == static_cast<int64_t>(n_prompt),
+               "no router logits of layer {} for {} prompt positions", il, n_prompt);
+    for (size_t p = 0; p < n_prompt; ++p) {
+      std::vector<float> l(it->second.data.begin() + p * L.n_expert,
+                           it->second.data.begin() + (p + 1) * L.n_expert);
+      std::sort(l.begin(), l.end(), std::greater<float>());
+      if (l[L.n_expert_used - 1] - l[L.n_expert_used] < margin) tie[p] = true;
+    }
+  }
+  return tie;
 }
 
 void expect_within_bounds(const Report& r, const Bounds& b) {

@@ -54,35 +54,6 @@ std::string path_name(Path p) {
 // llama.cpp produced the golden data with n_ctx 512.
 constexpr int32_t kCtx = 512;
 
-// On quantized MoE fixtures a router whose k-th and (k+1)-th logits are closer than this
-// picks its last expert by rounding noise: llama.cpp's q8 activations and f16 attention move
-// layer-0 router logits by ~0.03 (kiln's cpu path vs its reference pass), and every flipped
-// position perturbs the later layers of all positions after it, so by layer 3 flips happen
-// at margins up to ~0.07. A flipped position is off by up to 2 logits (KL 0.1-0.9), which
-// no implementation can avoid without llama.cpp's exact rounding. Unquantized fixtures get
-// no exemption (qwen3moe-f16 passes every position).
-constexpr float kRouterTieQuantized = 0.08f;
-
-// Prompt positions at which some MoE layer's routing is a near-tie, from the evaluator's
-// own captured router logits (`blk.N.ffn_moe_logits`).
-std::vector<bool> routing_near_ties(const model::Capture& cap, const model::HParams& hp,
-                                    size_t n_prompt, float margin) {
-  std::vector<bool> tie(n_prompt, false);
-  for (int32_t il = 0; il < hp.n_layer; ++il) {
-    const model::LayerDesc& L = hp.layers[il];
-    if (L.n_expert == 0 || L.n_expert_used >= L.n_expert) continue;
-    auto it = cap.nodes.find(fmt::format("blk.{}.ffn_moe_logits", il));
-    KILN_CHECK(it != cap.nodes.end() && it->second.n_rows == static_cast<int64_t>(n_prompt));
-    for (size_t p = 0; p < n_prompt; ++p) {
-      std::vector<float> l(it->second.data.begin() + p * L.n_expert,
-                           it->second.data.begin() + (p + 1) * L.n_expert);
-      std::sort(l.begin(), l.end(), std::greater<float>());
-      if (l[L.n_expert_used - 1] - l[L.n_expert_used] < margin) tie[p] = true;
-    }
-  }
-  return tie;
-}
-
 void run_golden(const Fixture& fx, Path path) {
   const golden::Golden g = golden::load(fx.name);
   auto m = Model::load(testing::model_path(std::string(fx.name) + ".gguf"));
@@ -93,15 +64,9 @@ void run_golden(const Fixture& fx, Path path) {
   const model::HParams& hp = (*m)->hparams();
   const bool moe = (*m)->weights().experts != nullptr;
   model::Capture cap;
-  const float tie_margin = kRouterTieQuantized;
-  // Captures the prefill only, then switches capture off for the decode steps.
+  const float tie_margin = golden::kRouterTieQuantized;
   auto exempt_with = [&](auto& session) -> golden::ExemptFn {
-    if (!moe || !fx.quantized) return {};
-    session.set_capture(&cap);
-    return [&](size_t n_prompt) {
-      session.set_capture(nullptr);
-      return routing_near_ties(cap, hp, n_prompt, tie_margin);
-    };
+    return golden::routing_exemption(session, cap, hp, moe && fx.quantized);
   };
   if (path == Path::Reference) {
     model::ReferenceSession s((*m)->hparams(), (*m)->weights(), kCtx);
