@@ -206,6 +206,16 @@ class Backend {
   // Per row of n: y = x / sqrt(mean(x^2) + eps) * weight  (weight empty: no scaling).
   virtual void rmsnorm(std::span<const float> x, std::span<const float> weight, int64_t n,
                        float eps, std::span<float> y) = 0;
+  // x += a, then y = rmsnorm(x) per row of n: the residual add that ends a block and the norm
+  // that starts the next one. Bits as add(x, a, x) followed by rmsnorm(x, weight, n, eps, y);
+  // device backends override it to make one kernel of the two (a decode step is launch-bound
+  // on such small ops).
+  virtual void add_rmsnorm(std::span<float> x, std::span<const float> a,
+                           std::span<const float> weight, int64_t n, float eps,
+                           std::span<float> y) {
+    add(x, a, x);
+    rmsnorm(x, weight, n, eps, y);
+  }
   // In place on x: [n_tok][n_head][head_dim]; token t rotates by pos[t].
   virtual void rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim,
                     std::span<const int32_t> pos, const RopeParams& p) = 0;

@@ -117,6 +117,7 @@ class HostRank final : public Backend {
   void matmul_batch(std::span<const MatmulTask> t, int64_t n_tok) override { in_->matmul_batch(t, n_tok); }
   void get_rows(const WeightMatrix& w, std::span<const int32_t> ids, std::span<float> out) override { in_->get_rows(w, ids, out); }
   void rmsnorm(std::span<const float> x, std::span<const float> w, int64_t n, float eps, std::span<float> y) override { in_->rmsnorm(x, w, n, eps, y); }
+  void add_rmsnorm(std::span<float> x, std::span<const float> a, std::span<const float> w, int64_t n, float eps, std::span<float> y) override { in_->add_rmsnorm(x, a, w, n, eps, y); }
   void rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim, std::span<const int32_t> pos, const RopeParams& p) override { in_->rope(x, n_tok, n_head, head_dim, pos, p); }
   void softmax(std::span<float> x, int64_t n) override { in_->softmax(x, n); }
   void swiglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override { in_->swiglu(g, u, o); }

@@ -266,7 +266,8 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
     const LayerWeights& lw = w.layers[il];
     const std::string p = batch.capture ? fmt::format("blk.{}.", il) : std::string();
 
-    be.rmsnorm(x, lw.attn_norm, E, hp.rms_eps, h);
+    // Layers after the first got their attn_norm from the previous layer's closing add_rmsnorm.
+    if (il == 0) be.rmsnorm(x, lw.attn_norm, E, hp.rms_eps, h);
     rec(p + "attn_norm", h, n);
     // Q, K and V read the same normalised rows: one backend
     // op, which a CPU decode step runs as one thread hand-off with one activation encoding;
@@ -343,10 +344,9 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
     be.all_reduce_sum(a);  // row-parallel: each rank holds its heads' share of the sum
     if (!lw.post_attn_norm.empty()) norm_in_place(a, lw.post_attn_norm, E, hp.post_norm_eps);
     rec(p + "attn_out", a, n);
-    be.add(x, a, x);
+    // The residual add and the FFN norm as one op (Backend::add_rmsnorm: the bits of the two).
+    be.add_rmsnorm(x, a, lw.ffn_norm, E, hp.rms_eps, h);
     rec(p + "ffn_inp", x, n);
-
-    be.rmsnorm(x, lw.ffn_norm, E, hp.rms_eps, h);
     rec(p + "ffn_norm", h, n);
     if (L.n_expert > 0) {
       moe_ffn(il, L, lw, n, h, a);
@@ -362,7 +362,13 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
     be.all_reduce_sum(a);  // row-parallel down / this rank's experts
     if (!lw.post_ffn_norm.empty()) norm_in_place(a, lw.post_ffn_norm, E, hp.post_norm_eps);
     rec(p + "ffn_out", a, n);
-    be.add(x, a, x);
+    // The FFN's residual add with the next layer's attn_norm (h is free again: the FFN has
+    // consumed it); the last layer's output norm runs on a subset of rows below.
+    if (il + 1 < hp.n_layer) {
+      be.add_rmsnorm(x, a, w.layers[il + 1].attn_norm, E, hp.rms_eps, h);
+    } else {
+      be.add(x, a, x);
+    }
     rec(p + "l_out", x, n);
   }
 

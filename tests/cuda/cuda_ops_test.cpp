@@ -328,6 +328,52 @@ TEST(CudaOps, RmsnormAndSoftmax) {
   }
 }
 
+// The fused residual add + norm (forward.cpp's block boundaries) must keep the bits of the two
+// ops it replaces, in device memory (the resident path a real run takes: the fused kernel
+// where the row fits the float4 path, the two kernels elsewhere) and on host spans; and be
+// within rmsnorm's bound of the reference.
+TEST(CudaOps, AddRmsnormHasTheBitsOfAddThenRmsnorm) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  CudaBackend& be = gpu();
+  for (int64_t n : {1, 3, 64, 100, 1024, 2048, 4096, 5120, 8192, 12288}) {
+    for (int64_t rows : {1, 3, 17}) {
+      const size_t len = static_cast<size_t>(rows * n);
+      const std::vector<float> x = random_vec(rng, len, 3.0f), a = random_vec(rng, len, 2.0f);
+      const std::vector<float> wt = random_vec(rng, static_cast<size_t>(n));
+      for (bool with_w : {false, true}) {
+        const std::span<const float> ws = with_w ? std::span<const float>(wt) : std::span<const float>();
+        BackendBuffer<float> dx1 = be.alloc<float>(len), dx2 = be.alloc<float>(len);
+        BackendBuffer<float> da = be.alloc<float>(len);
+        BackendBuffer<float> dy1 = be.alloc<float>(len), dy2 = be.alloc<float>(len);
+        be.upload<float>(x, dx1.span());
+        be.upload<float>(x, dx2.span());
+        be.upload<float>(a, da.span());
+        be.add(dx1.span(), da.span(), dx1.span());
+        be.rmsnorm(dx1.span(), ws, n, 1e-6f, dy1.span());
+        be.add_rmsnorm(dx2.span(), da.span(), ws, n, 1e-6f, dy2.span());
+        std::vector<float> x1(len), x2(len), y1(len), y2(len);
+        be.download<float>(dx1.span(), x1);
+        be.download<float>(dx2.span(), x2);
+        be.download<float>(dy1.span(), y1);
+        be.download<float>(dy2.span(), y2);
+        ASSERT_EQ(std::memcmp(x1.data(), x2.data(), len * sizeof(float)), 0) << "x, n " << n << " rows " << rows;
+        ASSERT_EQ(std::memcmp(y1.data(), y2.data(), len * sizeof(float)), 0) << "y, n " << n << " rows " << rows;
+        // Host spans, and the reference.
+        std::vector<float> hx = x, hy(len, NAN), rx = x, ry(len);
+        be.add_rmsnorm(hx, a, ws, n, 1e-6f, hy);
+        ASSERT_EQ(std::memcmp(hx.data(), x1.data(), len * sizeof(float)), 0) << "host x, n " << n;
+        ASSERT_EQ(std::memcmp(hy.data(), y1.data(), len * sizeof(float)), 0) << "host y, n " << n;
+        ref().add_rmsnorm(rx, a, ws, n, 1e-6f, ry);
+        for (size_t i = 0; i < len; ++i) {
+          ASSERT_TRUE(close(x2[i], rx[i], 0)) << "add, n " << n << " i " << i;
+          ASSERT_TRUE(close(y2[i], ry[i], 2e-6 * std::fabs(ry[i]) + 1e-7)) << "norm, n " << n << " i " << i;
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaOps, Rope) {
   KILN_REQUIRE_CUDA();
   std::mt19937_64 rng(ops_seed());

@@ -947,6 +947,34 @@ void CudaBackend::rmsnorm(std::span<const float> x, std::span<const float> weigh
   I.finish("rmsnorm");
 }
 
+void CudaBackend::add_rmsnorm(std::span<float> x, std::span<const float> a,
+                              std::span<const float> weight, int64_t n, float eps,
+                              std::span<float> y) {
+  KILN_CHECK(n > 0 && x.size() % n == 0 && y.size() == x.size() && a.size() == x.size());
+  KILN_CHECK(weight.empty() || static_cast<int64_t>(weight.size()) == n);
+  Impl& I = *impl_;
+  {
+    std::lock_guard lock(I.mu);
+    if (I.is_dev(x.data()) && I.is_dev(y.data())) {
+      I.enter();
+      I.room(I.float_room(a) + I.float_room(weight));
+      const float* da = I.floats(a);
+      const float* dw = I.floats(weight);
+      I.weights_ready();
+      float* dx = x.data();
+      float* dy = y.data();
+      const int64_t rows = static_cast<int64_t>(x.size()) / n;
+      I.sig("add_rmsnorm", dx, da, dw, rows, n, eps, dy);
+      I.record("add_rmsnorm", [=](cudaStream_t st) {
+        return cuda::launch_add_rmsnorm(dx, da, dw, rows, n, eps, dy, st);
+      });
+      return;
+    }
+  }
+  // Host spans: the two ops, each with its own transfers (the same bits).
+  Backend::add_rmsnorm(x, a, weight, n, eps, y);
+}
+
 void CudaBackend::rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim,
                        std::span<const int32_t> pos, const RopeParams& p) {
   KILN_CHECK(static_cast<int64_t>(x.size()) == n_tok * n_head * head_dim);

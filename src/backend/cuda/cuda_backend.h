@@ -122,6 +122,8 @@ class CudaBackend final : public Backend {
   void get_rows(const WeightMatrix& w, std::span<const int32_t> ids, std::span<float> out) override;
   void rmsnorm(std::span<const float> x, std::span<const float> weight, int64_t n, float eps,
                std::span<float> y) override;
+  void add_rmsnorm(std::span<float> x, std::span<const float> a, std::span<const float> weight,
+                   int64_t n, float eps, std::span<float> y) override;
   void rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim,
             std::span<const int32_t> pos, const RopeParams& p) override;
   void softmax(std::span<float> x, int64_t n) override;

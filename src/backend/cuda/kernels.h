@@ -98,6 +98,10 @@ cudaError_t launch_get_rows(const DeviceWeight& w, const int32_t* ids, int64_t n
 // weight may be null (no scaling).
 cudaError_t launch_rmsnorm(const float* x, const float* weight, int64_t n_rows, int64_t n,
                            float eps, float* y, cudaStream_t s);
+// x += a, then y = rmsnorm(x): the bits of launch_binary(Add) followed by launch_rmsnorm, in
+// one kernel where the row fits the float4 path (else it launches those two).
+cudaError_t launch_add_rmsnorm(float* x, const float* a, const float* weight, int64_t n_rows,
+                               int64_t n, float eps, float* y, cudaStream_t s);
 cudaError_t launch_softmax(float* x, int64_t n_rows, int64_t n, cudaStream_t s);
 
 // --- rope.cu (neox: rotate (i, i + n_rot/2) instead of adjacent pairs)
