@@ -29,13 +29,17 @@ __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restr
 // float4s of x (and of the weight) once, all before the first use, so the row costs one memory
 // round trip instead of one per loop trip of the kernel above (a 4096-wide decode row spent
 // ~13 us there, latency-bound on 16 dependent trips per thread).
+// kAdd: the residual add in front (add_rmsnorm): x += a is written back and normalised from
+// the registers, so x's bits are launch_binary(Add)'s (x + a, one IEEE add) and y's are this
+// kernel's on them: one body for both, the same bits by construction.
 constexpr int kVecThreads = 512;
-template <int V>
+template <int V, bool kAdd>
 __global__ void __launch_bounds__(kVecThreads)
-    rmsnorm_vec_kernel(const float4* __restrict__ x, const float4* __restrict__ weight,
-                       int64_t n4, float eps, float4* __restrict__ y) {
+    rmsnorm_vec_kernel(float4* __restrict__ x, const float4* __restrict__ a,
+                       const float4* __restrict__ weight, int64_t n4, float eps,
+                       float4* __restrict__ y) {
   __shared__ float shm[32];
-  const float4* xr = x + int64_t(blockIdx.x) * n4;
+  float4* xr = x + int64_t(blockIdx.x) * n4;
   float4* yr = y + int64_t(blockIdx.x) * n4;
   float4 v[V];
   float ss = 0.0f;
@@ -43,6 +47,14 @@ __global__ void __launch_bounds__(kVecThreads)
   for (int k = 0; k < V; ++k) {
     const int64_t i = threadIdx.x + int64_t(k) * kVecThreads;
     v[k] = i < n4 ? xr[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if constexpr (kAdd) {
+      if (i < n4) {
+        const float4 q = a[int64_t(blockIdx.x) * n4 + i];
+        v[k] = make_float4(__fadd_rn(v[k].x, q.x), __fadd_rn(v[k].y, q.y),
+                           __fadd_rn(v[k].z, q.z), __fadd_rn(v[k].w, q.w));
+        xr[i] = v[k];
+      }
+    }
   }
 #pragma unroll
   for (int k = 0; k < V; ++k)
@@ -62,48 +74,30 @@ __global__ void __launch_bounds__(kVecThreads)
   }
 }
 
-// rmsnorm_vec_kernel with the residual add in front: x += a is written back and normalised
-// from the registers, so x's bits are launch_binary(Add)'s (x + a, one IEEE add) and y's are
-// rmsnorm_vec_kernel's on them (the same loads-then-reduce order).
-template <int V>
-__global__ void __launch_bounds__(kVecThreads)
-    add_rmsnorm_vec_kernel(float4* __restrict__ x, const float4* __restrict__ a,
-                           const float4* __restrict__ weight, int64_t n4, float eps,
-                           float4* __restrict__ y) {
-  __shared__ float shm[32];
-  float4* xr = x + int64_t(blockIdx.x) * n4;
-  const float4* ar = a + int64_t(blockIdx.x) * n4;
-  float4* yr = y + int64_t(blockIdx.x) * n4;
-  float4 v[V];
-  float ss = 0.0f;
-#pragma unroll
-  for (int k = 0; k < V; ++k) {
-    const int64_t i = threadIdx.x + int64_t(k) * kVecThreads;
-    if (i < n4) {
-      const float4 p = xr[i], q = ar[i];
-      v[k] = make_float4(__fadd_rn(p.x, q.x), __fadd_rn(p.y, q.y), __fadd_rn(p.z, q.z),
-                         __fadd_rn(p.w, q.w));
-      xr[i] = v[k];
-    } else {
-      v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < V; ++k)
-    ss = fmaf(v[k].w, v[k].w, fmaf(v[k].z, v[k].z, fmaf(v[k].y, v[k].y, fmaf(v[k].x, v[k].x, ss))));
-  ss = block_reduce_sum(ss, shm);
-  const float inv = rsqrtf(ss / float(4 * n4) + eps);
-#pragma unroll
-  for (int k = 0; k < V; ++k) {
-    const int64_t i = threadIdx.x + int64_t(k) * kVecThreads;
-    if (i >= n4) break;
-    float4 o = make_float4(v[k].x * inv, v[k].y * inv, v[k].z * inv, v[k].w * inv);
-    if (weight) {
-      const float4 w = weight[i];
-      o.x *= w.x, o.y *= w.y, o.z *= w.z, o.w *= w.w;
-    }
-    yr[i] = o;
-  }
+// The float4 path when the row fits it (launch_rmsnorm and launch_add_rmsnorm must take the
+// same path for the same row, or their bits would differ); false: not taken.
+template <bool kAdd>
+bool launch_vec(float* x, const float* a, const float* weight, int64_t n_rows, int64_t n,
+                float eps, float* y, cudaStream_t s) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (!(n % 4 == 0 && n <= 4 * kVecThreads * 4 && aligned(x) && aligned(y) &&
+        (weight == nullptr || aligned(weight)) && (!kAdd || aligned(a))))
+    return false;
+  auto* x4 = reinterpret_cast<float4*>(x);
+  const auto* a4 = reinterpret_cast<const float4*>(a);
+  const auto* w4 = reinterpret_cast<const float4*>(weight);
+  auto* y4 = reinterpret_cast<float4*>(y);
+  const int64_t n4 = n / 4;
+  // Threads: enough for the row (a multiple of 32), so a short row (a QK-norm head) does
+  // not leave most of a 512-thread block idle.
+  const int threads = int(std::min<int64_t>(kVecThreads, (n4 + 31) / 32 * 32));
+  if (n4 <= kVecThreads)
+    rmsnorm_vec_kernel<1, kAdd><<<unsigned(n_rows), threads, 0, s>>>(x4, a4, w4, n4, eps, y4);
+  else if (n4 <= 2 * kVecThreads)
+    rmsnorm_vec_kernel<2, kAdd><<<unsigned(n_rows), kVecThreads, 0, s>>>(x4, a4, w4, n4, eps, y4);
+  else
+    rmsnorm_vec_kernel<4, kAdd><<<unsigned(n_rows), kVecThreads, 0, s>>>(x4, a4, w4, n4, eps, y4);
+  return true;
 }
 
 __global__ void softmax_kernel(float* __restrict__ x, int64_t n) {
@@ -124,24 +118,9 @@ __global__ void softmax_kernel(float* __restrict__ x, int64_t n) {
 cudaError_t launch_rmsnorm(const float* x, const float* weight, int64_t n_rows, int64_t n,
                            float eps, float* y, cudaStream_t s) {
   if (n_rows == 0) return cudaSuccess;
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (n % 4 == 0 && n <= 4 * kVecThreads * 4 && aligned(x) && aligned(y) &&
-      (weight == nullptr || aligned(weight))) {
-    const auto* x4 = reinterpret_cast<const float4*>(x);
-    const auto* w4 = reinterpret_cast<const float4*>(weight);
-    auto* y4 = reinterpret_cast<float4*>(y);
-    const int64_t n4 = n / 4;
-    // Threads: enough for the row (a multiple of 32), so a short row (a QK-norm head) does
-    // not leave most of a 512-thread block idle.
-    const int threads = int(std::min<int64_t>(kVecThreads, (n4 + 31) / 32 * 32));
-    if (n4 <= kVecThreads)
-      rmsnorm_vec_kernel<1><<<unsigned(n_rows), threads, 0, s>>>(x4, w4, n4, eps, y4);
-    else if (n4 <= 2 * kVecThreads)
-      rmsnorm_vec_kernel<2><<<unsigned(n_rows), kVecThreads, 0, s>>>(x4, w4, n4, eps, y4);
-    else
-      rmsnorm_vec_kernel<4><<<unsigned(n_rows), kVecThreads, 0, s>>>(x4, w4, n4, eps, y4);
+  // kAdd = false never writes x.
+  if (launch_vec<false>(const_cast<float*>(x), nullptr, weight, n_rows, n, eps, y, s))
     return cudaGetLastError();
-  }
   rmsnorm_kernel<<<unsigned(n_rows), kThreads, 0, s>>>(x, weight, n, eps, y);
   return cudaGetLastError();
 }
@@ -149,24 +128,7 @@ cudaError_t launch_rmsnorm(const float* x, const float* weight, int64_t n_rows, 
 cudaError_t launch_add_rmsnorm(float* x, const float* a, const float* weight, int64_t n_rows,
                                int64_t n, float eps, float* y, cudaStream_t s) {
   if (n_rows == 0) return cudaSuccess;
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  // The float4 path must be the one launch_rmsnorm would take, or the bits would differ.
-  if (n % 4 == 0 && n <= 4 * kVecThreads * 4 && aligned(x) && aligned(a) && aligned(y) &&
-      (weight == nullptr || aligned(weight))) {
-    auto* x4 = reinterpret_cast<float4*>(x);
-    const auto* a4 = reinterpret_cast<const float4*>(a);
-    const auto* w4 = reinterpret_cast<const float4*>(weight);
-    auto* y4 = reinterpret_cast<float4*>(y);
-    const int64_t n4 = n / 4;
-    const int threads = int(std::min<int64_t>(kVecThreads, (n4 + 31) / 32 * 32));
-    if (n4 <= kVecThreads)
-      add_rmsnorm_vec_kernel<1><<<unsigned(n_rows), threads, 0, s>>>(x4, a4, w4, n4, eps, y4);
-    else if (n4 <= 2 * kVecThreads)
-      add_rmsnorm_vec_kernel<2><<<unsigned(n_rows), kVecThreads, 0, s>>>(x4, a4, w4, n4, eps, y4);
-    else
-      add_rmsnorm_vec_kernel<4><<<unsigned(n_rows), kVecThreads, 0, s>>>(x4, a4, w4, n4, eps, y4);
-    return cudaGetLastError();
-  }
+  if (launch_vec<true>(x, a, weight, n_rows, n, eps, y, s)) return cudaGetLastError();
   if (cudaError_t e = launch_binary(x, a, x, n_rows * n, Binary::Add, s); e != cudaSuccess) return e;
   return launch_rmsnorm(x, weight, n_rows, n, eps, y, s);
 }
