@@ -10,7 +10,8 @@
 // Times are per call from back-to-back launches between two CUDA events (no host copies, no
 // per-launch synchronisation), medians of --iters samples.
 // Usage: cuda_matvec_bench [--iters N] [--v1] [--types q4_K,q8_0,...]. Prints one line per case,
-// then the tables (lines starting with '|').
+// then the tables (lines starting with '|'). --float-rows-ab: only the rows-per-warp A/B of
+// V3's float kernel (bench_float_rows).
 // Host code (g++): it reaches the GPU only through kernels.h's launchers. It lives in
 // bench/cuda/ so that bench/'s glob of *.cpp (non-CUDA builds) does not pick it up.
 #include <cuda_runtime.h>
@@ -320,12 +321,96 @@ void bench_attention(int iters, double read_gbps, int n_sm) {
   }
 }
 
+// --float-rows-ab: V3's float-weight kernel with 1, 2 and 4 rows per warp (kernels.h
+// launch_matvec_float_v3), interleaved per case on the same data, 1-8 tokens, the 8B shapes
+// plus the 4096x1024 K/V projection; checks that every rows value gives rows = 1's bits and
+// prints one table (us per call, back-to-back launches over weight copies > 4x L2).
+void bench_float_rows(int iters, size_t l2_bytes, double read_gbps, std::mt19937_64& rng) {
+  std::printf("\n| float kernel (v3) | k x rows | tokens | MiB | rows 1 us | rows 2 us | rows 4 us | best GB/s | of read BW (%.0f GB/s) | bits |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n", read_gbps);
+  const struct {
+    int64_t k, rows;
+  } shapes[] = {{4096, 1024}, {4096, 4096}, {4096, 14336}, {14336, 4096}};
+  for (DType t : {DType::F16, DType::BF16, DType::F32}) {
+    for (const auto& sh : shapes) {
+      const size_t rb = *kiln::row_bytes(t, uint64_t(sh.k));
+      const size_t mat_bytes = rb * size_t(sh.rows);
+      std::vector<float> src(static_cast<size_t>(sh.k));
+      std::normal_distribution<float> dist(0.0f, 0.05f);
+      std::vector<std::byte> host(mat_bytes);
+      for (int64_t r = 0; r < sh.rows; ++r) {
+        if (r < 64) {
+          for (float& v : src) v = dist(rng);
+          kiln::quant::quantize_row(t, src, std::span<std::byte>(host).subspan(r * rb, rb));
+        } else {
+          std::memcpy(host.data() + r * rb, host.data() + (r % 64) * rb, rb);
+        }
+      }
+      const int copies = int(std::max<size_t>(2, (4 * l2_bytes + mat_bytes - 1) / mat_bytes));
+      std::vector<void*> mats(copies);
+      for (void*& m : mats) {
+        BENCH_CHECK(cudaMalloc(&m, mat_bytes));
+        BENCH_CHECK(cudaMemcpy(m, host.data(), mat_bytes, cudaMemcpyHostToDevice));
+      }
+      for (int64_t n_tok : {1, 2, 4, 5, 8}) {
+        std::vector<float> x(static_cast<size_t>(sh.k * n_tok));
+        std::normal_distribution<float> xd(0.0f, 1.0f);
+        for (float& v : x) v = xd(rng);
+        float *dx = nullptr, *dy = nullptr;
+        const size_t ny = size_t(sh.rows * n_tok);
+        BENCH_CHECK(cudaMalloc(&dx, x.size() * sizeof(float)));
+        BENCH_CHECK(cudaMalloc(&dy, ny * sizeof(float)));
+        BENCH_CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
+        kiln::cuda::DeviceWeight w{t, sh.k, sh.rows, rb, static_cast<const std::byte*>(mats[0])};
+        std::vector<float> y1(ny), yr(ny);
+        bool same = true;
+        double us[3] = {0, 0, 0};
+        const int row_opts[3] = {1, 2, 4};
+        std::vector<float> ms[3];
+        for (int i = 0; i < iters + 2; ++i) {
+          for (int o = 0; o < 3; ++o) {  // interleaved: the three variants see the same moment
+            Timer tm;
+            constexpr int kReps = 20;
+            BENCH_CHECK(cudaEventRecord(tm.a));
+            for (int j = 0; j < kReps; ++j) {
+              w.data = static_cast<const std::byte*>(mats[(i * kReps + j) % copies]);
+              BENCH_CHECK(kiln::cuda::launch_matvec_float_v3(w, dx, n_tok, dy, row_opts[o], nullptr));
+            }
+            BENCH_CHECK(cudaEventRecord(tm.b));
+            BENCH_CHECK(cudaEventSynchronize(tm.b));
+            float m = 0;
+            BENCH_CHECK(cudaEventElapsedTime(&m, tm.a, tm.b));
+            if (i >= 2) ms[o].push_back(m / kReps);
+            if (i == 0) {  // every copy holds the same bytes: compare the last call's output
+              BENCH_CHECK(cudaMemcpy(o == 0 ? y1.data() : yr.data(), dy, ny * sizeof(float),
+                                     cudaMemcpyDeviceToHost));
+              if (o > 0) same = same && std::memcmp(y1.data(), yr.data(), ny * sizeof(float)) == 0;
+            }
+          }
+        }
+        double best = 1e30;
+        for (int o = 0; o < 3; ++o) best = std::min(best, us[o] = median(ms[o]) * 1e3);
+        const double gbps = double(mat_bytes) / (best * 1e-6) / 1e9;
+        std::printf("| %s | %lldx%lld | %lld | %.1f | %.1f | %.1f | %.1f | %.0f | %.1f %% | %s |\n",
+                    kiln::dtype_name(t).data(), (long long)sh.k, (long long)sh.rows,
+                    (long long)n_tok, mat_bytes / 1048576.0, us[0], us[1], us[2], gbps,
+                    100 * gbps / read_gbps, same ? "same" : "DIFFER");
+        std::fflush(stdout);
+        cudaFree(dx);
+        cudaFree(dy);
+      }
+      for (void* m : mats) cudaFree(m);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int iters = 20;
   bool with_v1 = false;
   std::string only;
+  bool float_rows_ab = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
       iters = std::max(1, std::atoi(argv[++i]));
@@ -333,8 +418,11 @@ int main(int argc, char** argv) {
       with_v1 = true;
     } else if (std::strcmp(argv[i], "--types") == 0 && i + 1 < argc) {
       only = std::string(",").append(argv[++i]).append(",");
+    } else if (std::strcmp(argv[i], "--float-rows-ab") == 0) {
+      float_rows_ab = true;
     } else {
-      std::fprintf(stderr, "usage: cuda_matvec_bench [--iters N] [--v1] [--types t1,t2,...]\n");
+      std::fprintf(stderr, "usage: cuda_matvec_bench [--iters N] [--v1] [--types t1,t2,...] "
+                           "[--float-rows-ab]\n");
       return 2;
     }
   }
@@ -350,6 +438,11 @@ int main(int argc, char** argv) {
   const double read_gbps = stream_read_gbps(iters, prop.multiProcessorCount);
   std::printf("streaming read (4 GiB, float4 loads): %.0f GB/s\n", read_gbps);
   std::fflush(stdout);
+  if (float_rows_ab) {
+    std::mt19937_64 rng(7);
+    bench_float_rows(iters, size_t(prop.l2CacheSize), read_gbps, rng);
+    return 0;
+  }
 
   const DType types[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0,
                          DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K,

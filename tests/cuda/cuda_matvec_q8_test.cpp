@@ -168,6 +168,59 @@ TEST(CudaMatvecQ8, EveryTypeAndPathMatchesReferenceAndIsTokenInvariant) {
   }
 }
 
+// V3's float kernel with 1, 2 and 4 rows per warp (launch_matvec_float_v3): every variant has
+// the bits of rows = 1 for every token count 1..8 (launch_matmul_v3's default is one of them,
+// so run_case's reference and token-invariance checks cover the values), on row counts that
+// leave partial row groups (1, 5, 37, 4501: several row blocks per warp) and columns that end
+// inside a lane's piece group (8, 24, 264, 4104).
+TEST(CudaMatvecQ8, FloatRowsAndColumnsKeepBits) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(ops_seed() + 2);
+  for (DType t : {DType::F16, DType::BF16, DType::F32}) {
+    for (int64_t k : {8, 24, 264, 4104}) {
+      for (int64_t rows : {1, 5, 37, 4501}) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(t) << " k " << k << " rows " << rows
+                                          << " seed " << ops_seed() + 2);
+        const size_t rb = *row_bytes(t, k);
+        std::vector<std::byte> bytes(rb * rows);
+        for (int64_t r = 0; r < rows; ++r)
+          quant::quantize_row(t, random_vec(rng, k, 0.05f), std::span<std::byte>(bytes).subspan(r * rb, rb));
+        const std::vector<float> x = random_vec(rng, size_t(8 * k), 1.0f);
+        cuda::DeviceBuffer wbuf, xbuf, ybuf;
+        const cuda::DeviceWeight w{t, k, rows, rb, to_device(wbuf, bytes)};
+        const float* dx = to_device(xbuf, x);
+        float* dy = static_cast<float*>(ybuf.ensure(size_t(8 * rows) * sizeof(float), "y"));
+        for (int64_t n_tok = 1; n_tok <= 8; ++n_tok) {
+          std::vector<float> base;
+          for (int r : {1, 2, 4}) {
+            cuda::check_cuda(cudaMemset(dy, 0xff, size_t(n_tok * rows) * sizeof(float)), "memset");
+            ASSERT_EQ(cuda::launch_matvec_float_v3(w, dx, n_tok, dy, r, nullptr), cudaSuccess);
+            cuda::check_cuda(cudaDeviceSynchronize(), "sync");
+            const std::vector<float> y = from_device(dy, size_t(n_tok * rows));
+            if (r == 1) {
+              base = y;
+              continue;
+            }
+            ASSERT_EQ(std::memcmp(y.data(), base.data(), y.size() * sizeof(float)), 0)
+                << "rows per warp " << r << ", n_tok " << n_tok;
+          }
+        }
+      }
+    }
+  }
+  // What the launcher refuses: 0 or 9 tokens, rows 3, a quantized type.
+  cuda::DeviceBuffer wbuf, xbuf, ybuf;
+  const std::vector<std::byte> bytes(size_t(64) * 2 * 4);
+  const cuda::DeviceWeight w{DType::F16, 64, 4, 128, to_device(wbuf, bytes)};
+  const float* dx = to_device(xbuf, std::vector<float>(9 * 64, 1.0f));
+  float* dy = static_cast<float*>(ybuf.ensure(9 * 4 * sizeof(float), "y"));
+  EXPECT_EQ(cuda::launch_matvec_float_v3(w, dx, 0, dy, 1, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::launch_matvec_float_v3(w, dx, 9, dy, 1, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::launch_matvec_float_v3(w, dx, 1, dy, 3, nullptr), cudaErrorInvalidValue);
+  const cuda::DeviceWeight wq{DType::Q8_0, 64, 4, 68, w.data};
+  EXPECT_EQ(cuda::launch_matvec_float_v3(wq, dx, 1, dy, 1, nullptr), cudaErrorInvalidValue);
+}
+
 // More rows than one wave of warps, so warps loop over row blocks; the 4096-wide rows of the
 // 8B shapes.
 TEST(CudaMatvecQ8, LargeShapes) {

@@ -84,6 +84,13 @@ cudaError_t launch_quantize_act_q8(const float* x, int64_t n_cols, int64_t n_tok
 // weights of the same input); w.dtype must be matvec_q8_supports and n_tok <= kQ8MaxTokens.
 cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_tok, float* y,
                              cudaStream_t s);
+// V3's float-weight kernel (F32/F16/BF16 rows 16-byte aligned, n_cols % 8 == 0, 1-8 tokens)
+// with `rows` (1, 2 or 4) rows per warp sharing each activation load. Every `rows` gives the
+// same bits (one accumulation order per output); launch_matmul_v3 takes float_v3_rows's choice
+// for the shape, measured by bench/cuda/cuda_matvec_bench --float-rows-ab.
+cudaError_t launch_matvec_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok,
+                                   float* y, int rows, cudaStream_t s);
+int float_v3_rows(DType t, int64_t n_tok, int64_t n_rows, int64_t n_cols);
 // The V3 matmul: the int8 path when it applies (act_scratch of act_q8_bytes), the float
 // kernel for float weights up to 8 tokens, else V2 (with gemm above kMatvecMaxTokens).
 cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,

@@ -386,8 +386,13 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
 
 // ---- float weights, up to 8 tokens: lane l reads 8 consecutive elements at 8l + 256i (16- or
 // 32-byte loads, a warp's loads contiguous), f32 FMAs against f32 activations in a fixed
-// order per token.
-template <DType T, int NT>
+// order per token. A warp takes R rows at a time so that each activation load (two float4s
+// per token and 8 columns, from L1) serves R rows: at R = 1 a multi-token step spent more in
+// those loads than in the weight stream (5 tokens cost 2.8x one on the 8B F16 shape). Each
+// output's accumulation order (a lane's columns in increasing order, then warp_sum_rn) does
+// not depend on R, NT or the token's column of the launch, so every variant has the same
+// bits (CudaMatvecQ8.FloatRowsAndColumnsKeepBits).
+template <DType T, int NT, int R>
 __global__ void __launch_bounds__(kFloatWarps* kWarp)
     matvec_float_v3_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
                            int64_t n_cols, const float* __restrict__ x, int64_t n_tok,
@@ -395,44 +400,55 @@ __global__ void __launch_bounds__(kFloatWarps* kWarp)
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t t0 = int64_t(blockIdx.x) * NT;
   const int nt = n_tok - t0 < NT ? int(n_tok - t0) : NT;
-  for (int64_t r = int64_t(blockIdx.y) * kFloatWarps + warp; r < n_rows;
-       r += int64_t(gridDim.y) * kFloatWarps) {
-    const uint8_t* row = w + r * row_bytes;
-    float acc[NT];
+  for (int64_t r0 = (int64_t(blockIdx.y) * kFloatWarps + warp) * R; r0 < n_rows;
+       r0 += int64_t(gridDim.y) * kFloatWarps * R) {
+    float acc[R][NT];
 #pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-    // G 16-byte pieces per lane at a time, all loads issued first (the index clamped into the
-    // row, a piece past its end dropped afterwards): a 4096-wide f16 row is two round trips.
-    constexpr int G = T == DType::F32 ? 4 : 8;
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int t = 0; t < NT; ++t) acc[i][t] = 0.0f;
+    // G 16-byte pieces per lane and row at a time (G * R = 8 for f16: the loads in flight per
+    // lane stay as at R = 1), all issued first; the column clamped into the row and a piece
+    // past its end dropped afterwards; a row past the matrix reads the last row, unused.
+    constexpr int G0 = T == DType::F32 ? 4 : 8;
+    constexpr int G = G0 / R > 0 ? G0 / R : 1;
     constexpr int64_t kStep = kWarp * 8;
-    for (int64_t c0 = int64_t(lane) * 8; c0 < n_cols; c0 += kStep * G) {
-      uint4 raw[G][T == DType::F32 ? 2 : 1];
+    const uint8_t* rows[R];
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const int64_t c = c0 + kStep * g < n_cols ? c0 + kStep * g : n_cols - 8;
-        if constexpr (T == DType::F32) {
-          raw[g][0] = __ldg(reinterpret_cast<const uint4*>(row) + c / 4);
-          raw[g][1] = __ldg(reinterpret_cast<const uint4*>(row) + c / 4 + 1);
-        } else {
-          raw[g][0] = __ldg(reinterpret_cast<const uint4*>(row) + c / 8);
+    for (int i = 0; i < R; ++i) rows[i] = w + (r0 + i < n_rows ? r0 + i : n_rows - 1) * row_bytes;
+    for (int64_t c0 = int64_t(lane) * 8; c0 < n_cols; c0 += kStep * G) {
+      uint4 raw[R][G][T == DType::F32 ? 2 : 1];
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const int64_t c = c0 + kStep * g < n_cols ? c0 + kStep * g : n_cols - 8;
+          if constexpr (T == DType::F32) {
+            raw[i][g][0] = __ldg(reinterpret_cast<const uint4*>(rows[i]) + c / 4);
+            raw[i][g][1] = __ldg(reinterpret_cast<const uint4*>(rows[i]) + c / 4 + 1);
+          } else {
+            raw[i][g][0] = __ldg(reinterpret_cast<const uint4*>(rows[i]) + c / 8);
+          }
         }
-      }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const bool valid = c0 + kStep * g < n_cols;
         const int64_t c = valid ? c0 + kStep * g : n_cols - 8;
-        float v[8];
-        if constexpr (T == DType::F32) {
-          const uint32_t wd[8] = {raw[g][0].x, raw[g][0].y, raw[g][0].z, raw[g][0].w,
-                                  raw[g][1].x, raw[g][1].y, raw[g][1].z, raw[g][1].w};
+        float v[R][8];
 #pragma unroll
-          for (int l = 0; l < 8; ++l) v[l] = __uint_as_float(wd[l]);
-        } else {
-          const uint32_t wd[4] = {raw[g][0].x, raw[g][0].y, raw[g][0].z, raw[g][0].w};
+        for (int i = 0; i < R; ++i) {
+          if constexpr (T == DType::F32) {
+            const uint32_t wd[8] = {raw[i][g][0].x, raw[i][g][0].y, raw[i][g][0].z, raw[i][g][0].w,
+                                    raw[i][g][1].x, raw[i][g][1].y, raw[i][g][1].z, raw[i][g][1].w};
 #pragma unroll
-          for (int l = 0; l < 8; ++l) {
-            const uint16_t h = uint16_t(wd[l >> 1] >> (16 * (l & 1)));
-            v[l] = T == DType::F16 ? h2f_bits(h) : bf2f_bits(h);
+            for (int l = 0; l < 8; ++l) v[i][l] = __uint_as_float(wd[l]);
+          } else {
+            const uint32_t wd[4] = {raw[i][g][0].x, raw[i][g][0].y, raw[i][g][0].z, raw[i][g][0].w};
+#pragma unroll
+            for (int l = 0; l < 8; ++l) {
+              const uint16_t h = uint16_t(wd[l >> 1] >> (16 * (l & 1)));
+              v[i][l] = T == DType::F16 ? h2f_bits(h) : bf2f_bits(h);
+            }
           }
         }
 #pragma unroll
@@ -440,25 +456,30 @@ __global__ void __launch_bounds__(kFloatWarps* kWarp)
           if (NT > 1 && t >= nt) break;
           const float4* x4 = reinterpret_cast<const float4*>(x + (t0 + t) * n_cols + c);
           const float4 xa = __ldg(x4), xb = __ldg(x4 + 1);
-          float s = acc[t];
-          s = __fmaf_rn(v[0], xa.x, s);
-          s = __fmaf_rn(v[1], xa.y, s);
-          s = __fmaf_rn(v[2], xa.z, s);
-          s = __fmaf_rn(v[3], xa.w, s);
-          s = __fmaf_rn(v[4], xb.x, s);
-          s = __fmaf_rn(v[5], xb.y, s);
-          s = __fmaf_rn(v[6], xb.z, s);
-          s = __fmaf_rn(v[7], xb.w, s);
-          acc[t] = valid ? s : acc[t];
+#pragma unroll
+          for (int i = 0; i < R; ++i) {
+            float s = acc[i][t];
+            s = __fmaf_rn(v[i][0], xa.x, s);
+            s = __fmaf_rn(v[i][1], xa.y, s);
+            s = __fmaf_rn(v[i][2], xa.z, s);
+            s = __fmaf_rn(v[i][3], xa.w, s);
+            s = __fmaf_rn(v[i][4], xb.x, s);
+            s = __fmaf_rn(v[i][5], xb.y, s);
+            s = __fmaf_rn(v[i][6], xb.z, s);
+            s = __fmaf_rn(v[i][7], xb.w, s);
+            acc[i][t] = valid ? s : acc[i][t];
+          }
         }
       }
     }
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      if (t >= nt) break;
-      const float s = warp_sum_rn(acc[t]);
-      if (lane == 0) y[(t0 + t) * n_rows + r] = s;
-    }
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t >= nt) break;
+        const float s = warp_sum_rn(acc[i][t]);
+        if (lane == 0 && r0 + i < n_rows) y[(t0 + t) * n_rows + r0 + i] = s;
+      }
   }
 }
 
@@ -508,19 +529,28 @@ cudaError_t launch_q8_typed(const DeviceWeight& w, const int8_t* xq, const float
   return launch_q8_mode<T, kDirect2>(w, xq, xd, n_tok, y, s);
 }
 
+template <DType T, int NT, int R>
+void launch_float_v3_shape(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
+                           cudaStream_t s) {
+  const auto* wb = reinterpret_cast<const uint8_t*>(w.data);
+  const dim3 grid(unsigned((n_tok + NT - 1) / NT), row_blocks(w.n_rows, int64_t(kFloatWarps) * R));
+  matvec_float_v3_kernel<T, NT, R>
+      <<<grid, kFloatWarps * kWarp, 0, s>>>(wb, w.row_bytes, w.n_rows, w.n_cols, x, n_tok, y);
+}
+
+// rows 1, 2 or 4 (rows per warp); tokens per launch column: 1, 4 (2-4 tokens) or 8 (5-8), so
+// every token of a step of up to 8 reads the weights once.
 template <DType T>
 cudaError_t launch_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
-                            cudaStream_t s) {
-  const auto* wb = reinterpret_cast<const uint8_t*>(w.data);
-  if (n_tok == 1) {
-    const dim3 grid(1, row_blocks(w.n_rows, kFloatWarps));
-    matvec_float_v3_kernel<T, 1>
-        <<<grid, kFloatWarps * kWarp, 0, s>>>(wb, w.row_bytes, w.n_rows, w.n_cols, x, n_tok, y);
-  } else {
-    const dim3 grid(unsigned((n_tok + 3) / 4), row_blocks(w.n_rows, kFloatWarps));
-    matvec_float_v3_kernel<T, 4>
-        <<<grid, kFloatWarps * kWarp, 0, s>>>(wb, w.row_bytes, w.n_rows, w.n_cols, x, n_tok, y);
-  }
+                            int rows, cudaStream_t s) {
+  const auto go = [&]<int R>() {
+    if (n_tok == 1) launch_float_v3_shape<T, 1, R>(w, x, n_tok, y, s);
+    else if (n_tok <= 4) launch_float_v3_shape<T, 4, R>(w, x, n_tok, y, s);
+    else launch_float_v3_shape<T, 8, R>(w, x, n_tok, y, s);
+  };
+  if (rows == 4) go.template operator()<4>();
+  else if (rows == 2) go.template operator()<2>();
+  else go.template operator()<1>();
   return cudaGetLastError();
 }
 
@@ -589,14 +619,35 @@ cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_to
   }
   const bool float_ok = reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0 &&
                         reinterpret_cast<uintptr_t>(x) % 16 == 0 && w.n_cols % 8 == 0;
-  if (is_float(w.dtype) && n_tok <= 8 && float_ok) {
-    cudaError_t err = cudaSuccess;
-    dispatch_dtype(w.dtype, [&]<DType T>() {
-      if constexpr (is_float(T)) err = launch_float_v3<T>(w, x, n_tok, y, s);
-    });
-    return err;
-  }
+  if (is_float(w.dtype) && n_tok <= 8 && float_ok)
+    return launch_matvec_float_v3(w, x, n_tok, y, float_v3_rows(w.dtype, n_tok, w.n_rows, w.n_cols),
+                                  s);
   return launch_matmul(w, x, n_tok, y, s, MatmulKernels::V2, gemm);
+}
+
+cudaError_t launch_matvec_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok,
+                                   float* y, int rows, cudaStream_t s) {
+  const bool ok = is_float(w.dtype) && n_tok >= 1 && n_tok <= 8 && (rows == 1 || rows == 2 || rows == 4) &&
+                  reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(x) % 16 == 0 && w.n_cols % 8 == 0 && w.n_cols >= 8;
+  if (!ok) return cudaErrorInvalidValue;
+  if (w.n_rows == 0) return cudaSuccess;
+  cudaError_t err = cudaErrorInvalidValue;
+  dispatch_dtype(w.dtype, [&]<DType T>() {
+    if constexpr (is_float(T)) err = launch_float_v3<T>(w, x, n_tok, y, rows, s);
+  });
+  return err;
+}
+
+// From `cuda_matvec_bench --float-rows-ab` on the H200 (docs/BENCHMARKS.md, session 5): more
+// rows per warp pay on matrices of many short rows (rows >= 2 x columns: FFN gate/up, the
+// output) at every token count, and for f16 on any large matrix at 2-4 tokens; long rows
+// (FFN down, 14336 wide) and the small K/V projections are fastest at one row per warp.
+int float_v3_rows(DType t, int64_t n_tok, int64_t n_rows, int64_t n_cols) {
+  const bool wide = n_rows >= 2 * n_cols;
+  if (t == DType::F32) return wide && n_tok > 1 ? 2 : 1;
+  if (wide) return 4;
+  return t == DType::F16 && n_tok >= 2 && n_tok <= 4 && n_rows >= 4096 ? 4 : 1;
 }
 
 }  // namespace kiln::cuda
