@@ -419,6 +419,57 @@ void KQPairArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_KQPairOnOff)->Apply(KQPairArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
+// The one-token Q4_K / Q6_K kernels against the plain ones (cpu::set_kq_one_matvec), 1 thread,
+// thread CPU time, alternating within each iteration, best of each; also checks that the two
+// give the same bits. Shapes: the 1B dense model's FFN and a MoE expert slice (256 x 1024 and
+// 1024 x 256, 147 KB: L2-resident here, so this is the kernels' arithmetic). args: type, rows,
+// columns.
+void BM_KQOneOnOff(benchmark::State& state) {
+  const auto type = static_cast<DType>(state.range(0));
+  const int64_t n_rows = state.range(1), n_cols = state.range(2);
+  const BenchWeights& w = weights(type, n_rows, n_cols);
+  std::vector<float> X(n_cols), C_on(n_rows), C_off(n_rows);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  for (float& v : X) v = nd(rng);
+  Backend& be = backend(1);
+  double best_on = 1e30, best_off = 1e30;
+  for (auto _ : state) {
+    cpu::set_kq_one_matvec(true);
+    const double t0 = thread_cpu_s();
+    be.matmul(w.m, X, 1, C_on);
+    benchmark::DoNotOptimize(C_on.data());
+    const double t1 = thread_cpu_s();
+    cpu::set_kq_one_matvec(false);
+    be.matmul(w.m, X, 1, C_off);
+    benchmark::DoNotOptimize(C_off.data());
+    const double t2 = thread_cpu_s();
+    best_on = std::min(best_on, t1 - t0);
+    best_off = std::min(best_off, t2 - t1);
+  }
+  cpu::set_kq_one_matvec(true);
+  if (std::memcmp(C_on.data(), C_off.data(), C_on.size() * sizeof(float)) != 0)
+    state.SkipWithError("one-token and plain kernels differ");
+  const double bytes = static_cast<double>(w.bytes.size());
+  state.SetLabel(std::string(dtype_name(type)) + " one-token vs plain, " + cpu_simd_target());
+  state.counters["new_us"] = best_on * 1e6;
+  state.counters["old_us"] = best_off * 1e6;
+  state.counters["new_GB/s"] = bytes / best_on * 1e-9;
+  state.counters["old_GB/s"] = bytes / best_off * 1e-9;
+  state.counters["speedup"] = best_off / best_on;
+}
+void KQOneArgs(benchmark::internal::Benchmark* b) {
+  for (DType type : {DType::Q4_K, DType::Q6_K})
+    for (auto [rows, cols] :
+         {std::pair<int64_t, int64_t>{5632, 2048}, {2048, 5632}, {256, 1024}, {1024, 256}})
+      b->Args({static_cast<int64_t>(type), rows, cols});
+}
+BENCHMARK(BM_KQOneOnOff)
+    ->Apply(KQOneArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5);
+
 // One decoder layer's matmuls of the 1.1B Q4_K_M model (q, k, v, o, gate, up, down: Q4_K with
 // Q6_K v and down, n_embd 2048, n_ff 8192, 4 KV heads of 128) at a decode step of `tokens`
 // tokens, 2 threads, wall time, small-batch kernels on and off alternating, best of each. The

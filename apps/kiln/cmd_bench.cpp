@@ -3,22 +3,26 @@
 // once to warm up, then -r times; reported as mean +- stddev of tokens/s. tg also reports the
 // weight bytes one decoded token reads (all dense weights except the embedding table, of
 // which one row; for MoE layers only the experts the run's own routing selected, counted by
-// the forward pass), the read bandwidth of this machine measured between the repetitions,
-// the roofline tokens/s those two give, and tg as a fraction of it (on a tensor-parallel group
-// the bandwidth of all its GPUs together). Also the process's
+// the forward pass), the read bandwidth of this machine measured right before and right after
+// every repetition, the roofline tokens/s those two give, and tg as a fraction of it: each
+// repetition against the mean of its own two neighbouring probes, the median of those
+// fractions reported with their range (on a tensor-parallel group the bandwidth of all its
+// GPUs together). Pairing each repetition with its neighbours is what makes the fraction
+// steady on a shared VM, where the bandwidth drifts by 1.5x within minutes. Also the process's
 // anonymous resident memory (everything beyond the mapped weights). --n-seq S adds
 // tgN xS: S sequences decoded together, N steps of one token each through BatchEval
 // (llama-batched-bench's parallel decode), reported as the aggregate tokens/s of all S.
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <thread>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "apps/kiln/commands.h"
@@ -51,9 +55,14 @@ struct Result {
   double mean = 0, stddev = 0;
   double gbps = 0;  // tg only: weight bytes per token / seconds per token
   // tg only (see the file comment): bytes one token read, split into the dense part and the
-  // experts the routing selected; streaming read bandwidth measured before each repetition.
+  // experts the routing selected; per repetition the mean of the bandwidth probes right
+  // before and after it and the repetition's tokens/s as a fraction of that roofline; the
+  // headline figures are the medians (read_gbps, roofline_fraction), roofline_ts their
+  // roofline.
   double bytes_per_token = 0, dense_bytes = 0, expert_bytes = 0;
   double read_gbps = 0, roofline_ts = 0, roofline_fraction = 0;
+  std::vector<double> read_gbps_samples, fraction_samples;
+  double fraction_min = 0, fraction_max = 0;
   std::string profile;  // --cuda-profile: the per-kernel table of one extra pass
 };
 
@@ -115,9 +124,10 @@ double dense_bytes_per_token(const Model& model) {
   return bytes;
 }
 
-// Streaming read bandwidth (GB/s) over a buffer far larger than the caches, `threads` threads
-// each summing a contiguous share, best of `passes`. Measured in the same process and minute
-// as the decode it is compared with, so a shared machine's contention hits both alike.
+// Streaming read bandwidth (GB/s) over a buffer far larger than the caches (512 MiB against a
+// 32 MiB L3), as many threads as the decode uses, each summing a contiguous share, best of
+// `passes`. Measured in the same process right before and after each repetition of the decode
+// it is compared with, so a shared machine's contention and drift hit both alike.
 class ReadBandwidth {
  public:
   explicit ReadBandwidth(int threads) : threads_(std::max(1, threads)), buf_(kWords, 1) {}
@@ -159,6 +169,13 @@ class ReadBandwidth {
   int threads_;
   std::vector<uint64_t> buf_;
 };
+
+// The middle value (the mean of the middle two for an even count); v is not empty.
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
 
 void summarise(Result& r) {
   double s = 0;
@@ -263,14 +280,21 @@ Status run(const BenchOptions& o) {
     const bool roofline = ng > 0 && n_seq == 1;  // one sequence's decode: weight-bound
     const std::vector<int32_t> tokens = random_tokens(np + ng, model.n_vocab(), 1234);
     KILN_TRY(fn(tokens));  // warm-up: page in weights, size scratch buffers
-    double bw_sum = 0;
     uint64_t expert_bytes_run = 0;
+    // Probes alternate with the repetitions (P0 R1 P1 R2 P2 ...): repetition i is paired with
+    // the mean of the probes on either side of it, each probe serving both its neighbours.
+    const bool probe = roofline && device_gbps == 0;
+    double before = probe ? bandwidth->measure() : device_gbps;
     for (int32_t i = 0; i < o.reps; ++i) {
-      if (roofline) bw_sum += device_gbps > 0 ? device_gbps : bandwidth->measure();
       const uint64_t e0 = expert_bytes.value();
       KILN_ASSIGN_OR_RETURN(double ts, fn(tokens));
       expert_bytes_run += expert_bytes.value() - e0;
       r.ts.push_back(ts);
+      if (roofline) {
+        const double after = probe ? bandwidth->measure() : device_gbps;
+        r.read_gbps_samples.push_back((before + after) / 2);
+        before = after;
+      }
     }
     summarise(r);
 #if KILN_WITH_CUDA
@@ -283,9 +307,15 @@ Status run(const BenchOptions& o) {
       r.expert_bytes = double(expert_bytes_run) / (double(ng) * o.reps);
       r.bytes_per_token = r.dense_bytes + r.expert_bytes;
       r.gbps = r.bytes_per_token * r.mean * 1e-9;
-      r.read_gbps = bw_sum / o.reps;
+      for (size_t i = 0; i < r.ts.size(); ++i) {
+        const double bw = r.read_gbps_samples[i];
+        r.fraction_samples.push_back(bw > 0 ? r.ts[i] * r.bytes_per_token / (bw * 1e9) : 0);
+      }
+      r.read_gbps = median(r.read_gbps_samples);
       r.roofline_ts = r.read_gbps * 1e9 / r.bytes_per_token;
-      r.roofline_fraction = r.roofline_ts > 0 ? r.mean / r.roofline_ts : 0;
+      r.roofline_fraction = median(r.fraction_samples);
+      r.fraction_min = *std::min_element(r.fraction_samples.begin(), r.fraction_samples.end());
+      r.fraction_max = *std::max_element(r.fraction_samples.begin(), r.fraction_samples.end());
     }
     results.push_back(std::move(r));
     return Status::ok();
@@ -345,6 +375,10 @@ Status run(const BenchOptions& o) {
         j["read_gbps"] = r.read_gbps;
         j["roofline_ts"] = r.roofline_ts;
         j["roofline_fraction"] = r.roofline_fraction;
+        j["read_gbps_samples"] = r.read_gbps_samples;
+        j["roofline_fraction_samples"] = r.fraction_samples;
+        j["roofline_fraction_min"] = r.fraction_min;
+        j["roofline_fraction_max"] = r.fraction_max;
       }
       arr.push_back(std::move(j));
     }
@@ -358,12 +392,20 @@ Status run(const BenchOptions& o) {
                  ld.backend->name(), threads, r.test, r.mean, r.stddev,
                  r.n_gen > 0 && r.n_seq == 1 ? fmt::format("{:.1f}", r.gbps) : std::string("-"));
     for (const Result& r : results)
-      if (r.n_gen > 0 && r.n_seq == 1)
-        fmt::print("\n{}: {:.2f} MB of weights read per token ({:.2f} MB dense + {:.2f} MB of the "
-                   "experts this run routed to); read bandwidth {:.1f} GB/s (same run) -> roofline "
-                   "{:.1f} t/s; tg = {:.1f} % of it\n",
-                   r.test, r.bytes_per_token * 1e-6, r.dense_bytes * 1e-6, r.expert_bytes * 1e-6,
-                   r.read_gbps, r.roofline_ts, 100 * r.roofline_fraction);
+      if (r.n_gen > 0 && r.n_seq == 1) {
+        std::string bws;
+        for (double g : r.read_gbps_samples)
+          bws += fmt::format("{}{:.1f}", bws.empty() ? "" : " ", g);
+        fmt::print(
+            "\n{}: {:.2f} MB of weights read per token ({:.2f} MB dense + {:.2f} MB of the "
+            "experts this run routed to); read bandwidth {:.1f} GB/s (same run; median over "
+            "the repetitions of the probes either side of each: {}) -> roofline {:.1f} t/s; "
+            "tg = {:.1f} % of it (median of the repetitions' fractions, each against its "
+            "own probes; range {:.1f}-{:.1f} %)\n",
+            r.test, r.bytes_per_token * 1e-6, r.dense_bytes * 1e-6, r.expert_bytes * 1e-6,
+            r.read_gbps, bws, r.roofline_ts, 100 * r.roofline_fraction, 100 * r.fraction_min,
+            100 * r.fraction_max);
+      }
     for (const Result& r : results) fmt::print("{}", r.profile);
     fmt::print("\nresident memory: {:.1f} MiB total, {:.1f} MiB file-backed (mapped weights), "
                "{:.1f} MiB anonymous (KV cache {:.1f} MiB + activations + runtime)\n",
@@ -382,6 +424,14 @@ Status run(const BenchOptions& o) {
 
 void add_bench_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("bench", "prompt-processing and generation speed (llama-bench)");
+  cmd->footer(
+      "tgN roofline: bytes per token = every dense weight once, one embedding row, and the expert "
+      "slices this run's routing selected (counted by the forward pass). Around every repetition "
+      "the streaming read bandwidth is probed in the same process (512 MiB, --threads threads, "
+      "best of 3 passes; probes alternate with the repetitions); each repetition's tokens/s is "
+      "divided by the roofline of the mean of its two neighbouring probes, and the median of "
+      "those fractions is reported with their range (-o json: roofline_fraction, "
+      "roofline_fraction_samples/_min/_max, read_gbps (median), read_gbps_samples).");
   auto o = std::make_shared<BenchOptions>();
   cmd->add_option("-m,--model", o->model, "GGUF model (default: the demo model stories260K)");
   cmd->add_option("-p,--n-prompt", o->n_prompt, "prompt lengths to test (default 512)")

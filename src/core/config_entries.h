@@ -34,6 +34,13 @@ KILN_CONFIG_ENTRY(bool, cpu_kq_pair, true,
                   "CPU: Q4_K/Q6_K matmuls of 4+ tokens (batched decode; Q4_K below 12) through "
                   "the 512-bit AVX-512 VNNI small-batch kernels (same bits as the plain kernels; "
                   "faster by bench/matvec_bench BM_KQPairOnOff, BM_LayerStepKQPair)")
+KILN_CONFIG_ENTRY(bool, cpu_kq_one, true,
+                  "CPU: single-token (decode) Q4_K/Q6_K matvecs through 512-bit AVX-512 VNNI "
+                  "kernels (same bits as the plain kernels; faster by bench/matvec_bench "
+                  "BM_KQOneOnOff: the plain ones are multiply-bound below the read bandwidth)")
+KILN_CONFIG_ENTRY(int64_t, cpu_matvec_prefetch, 2048,
+                  "CPU: the one-token Q4_K/Q6_K kernels software-prefetch this many bytes ahead "
+                  "of their rows (0: off; same results either way)")
 KILN_CONFIG_ENTRY(std::string, cuda_matmul, "auto",
                   "CUDA matmul kernels: v1, v2 (f32 activations; cuBLAS above 16 tokens), v3 (int8 "
                   "activations, dp4a, up to 64 tokens), auto (v3 up to 16 tokens, cuBLAS above)")

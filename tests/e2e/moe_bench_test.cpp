@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/kernels.h"
 #include "common/run_kiln.h"
 #include "common/testdata.h"
 #include "engine/engine_test_util.h"
@@ -67,9 +68,9 @@ ByteCount count_from_tensors(const std::string& path) {
 }
 
 // `kiln bench` tg on `path`: its JSON row for the tg test.
-nlohmann::json bench_tg(const std::string& path, int n_gen) {
+nlohmann::json bench_tg(const std::string& path, int n_gen, int reps = 1) {
   const Proc p = run_kiln({"bench", "-m", path, "-p", "0", "-n", std::to_string(n_gen), "-r",
-                           "1", "-o", "json", "--threads", "2"});
+                           std::to_string(reps), "-o", "json", "--threads", "2"});
   EXPECT_EQ(p.rc, 0) << p.err;
   if (p.rc != 0) return {};
   const nlohmann::json j = nlohmann::json::parse(p.out);
@@ -112,6 +113,33 @@ TEST(MoeBench, DenseModelReadsNoExpertBytes) {
   EXPECT_NEAR(double(r["bytes_per_token"]), count_from_tensors(path).dense, 1e-3);
 }
 
+// The roofline fraction with several repetitions: each repetition's tokens/s against the
+// roofline of its own neighbouring bandwidth probes (read_gbps_samples), the headline figures
+// the medians of those, and the range their min and max.
+TEST(MoeBench, RooflineFractionIsMedianOfPerRepetitionFractions) {
+  const nlohmann::json r = bench_tg(testing::model_path("qwen3moe-q4_k_m.gguf"), 4, 3);
+  ASSERT_FALSE(r.is_null());
+  const std::vector<double> ts = r["samples_ts"], bw = r["read_gbps_samples"];
+  const std::vector<double> fr = r["roofline_fraction_samples"];
+  ASSERT_EQ(ts.size(), 3u);
+  ASSERT_EQ(bw.size(), 3u);
+  ASSERT_EQ(fr.size(), 3u);
+  const double bytes = r["bytes_per_token"];
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_GT(bw[i], 0) << i;
+    EXPECT_NEAR(fr[i], ts[i] / (bw[i] * 1e9 / bytes), fr[i] * 1e-9) << i;
+  }
+  auto mid = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[1];
+  };
+  EXPECT_DOUBLE_EQ(double(r["roofline_fraction"]), mid(fr));
+  EXPECT_DOUBLE_EQ(double(r["read_gbps"]), mid(bw));
+  EXPECT_NEAR(double(r["roofline_ts"]), mid(bw) * 1e9 / bytes, double(r["roofline_ts"]) * 1e-9);
+  EXPECT_DOUBLE_EQ(double(r["roofline_fraction_min"]), *std::min_element(fr.begin(), fr.end()));
+  EXPECT_DOUBLE_EQ(double(r["roofline_fraction_max"]), *std::max_element(fr.begin(), fr.end()));
+}
+
 // A decode step takes the one-token MoE path (all selected experts in one backend op); a
 // prefill batch takes the per-expert gather path. Token by token they must agree bit for bit.
 std::vector<float> logits_chunked(const std::shared_ptr<const Model>& m, Backend& be,
@@ -137,6 +165,30 @@ TEST_P(MoeDecodePath, OneTokenStepsMatchPrefillBitForBit) {
     if (std::memcmp(&whole[i], &steps[i], sizeof(float)) != 0) first_diff = i;
   EXPECT_EQ(first_diff, whole.size()) << GetParam() << ": differs first at token "
                                       << first_diff / size_t((*m)->n_vocab());
+}
+
+// The decode-speed switches of the CPU backend (one-token VNNI kernels, their software
+// prefetch) change no bits: a decode with all of them off gives the same
+// logits, memcmp'd, as with all of them on (the defaults), on 2 threads.
+TEST_P(MoeDecodePath, DecodeSpeedSwitchesChangeNoBits) {
+  auto m = Model::load(testing::model_path(GetParam()));
+  ASSERT_TRUE(m.has_value()) << m.error();
+  auto be = make_cpu_backend(2);
+  std::mt19937 rng(12);
+  std::vector<int32_t> prompt{1};
+  while (prompt.size() < 24) prompt.push_back(2 + int32_t(rng() % uint32_t((*m)->n_vocab() - 2)));
+  struct Restore {
+    ~Restore() {
+      cpu::set_kq_one_matvec(true);
+      cpu::set_matvec_prefetch_bytes(cpu::kDefaultMatvecPrefetchBytes);
+    }
+  } restore;
+  const auto on = logits_chunked(*m, *be, prompt, 1);
+  cpu::set_kq_one_matvec(false);
+  cpu::set_matvec_prefetch_bytes(0);
+  const auto off = logits_chunked(*m, *be, prompt, 1);
+  ASSERT_EQ(on.size(), off.size());
+  EXPECT_EQ(0, std::memcmp(on.data(), off.data(), on.size() * sizeof(float))) << GetParam();
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, MoeDecodePath,

@@ -1,14 +1,17 @@
 // tests/ops/attention_test.cpp: cpu attention against the reference on ring-shaped KV
 // planes (physical rows out of logical order), GQA ratios 1/2/4, decode (1 query) and
-// prefill (many), sliding window, softcap, and queries that see no key at all.
+// prefill (many), sliding window, softcap, and queries that see no key at all; and the
+// grouped narrow-head kernel's bits against the per-pair kernel's.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/kernels.h"
 #include "ops_common.h"
 
 namespace kiln {
@@ -97,6 +100,103 @@ TEST(AttentionVsRef, Configurations) {
   run_case({2, 1, 37, 3, 1, 0, 0}, *ref, *cpu3, rng);
   run_case({3, 3, 37, 5, 9, 4, 20}, *ref, *cpu3, rng);
   run_case({8, 2, 128, 33, 300, 0, 0}, *ref, *cpu3, rng);
+}
+
+// The grouped kernel (heads narrower than a vector: several (query, head) pairs of one KV
+// head in the lanes) must give the per-pair kernel's bits: with cpu::set_attention_grouped(
+// false) the output is the per-pair kernel's, so this is also the proof that the switch
+// changes nothing but speed. Fresh random inputs every run; head_dim 1..15 (on a target of
+// 16 float lanes all grouped; where vectors are narrower the widths at or above the lane count
+// take the per-pair kernel both ways), GQA groups 1..16, 1..37 queries (partial runs of
+// queries per task, a speculative verify's 2..9), key counts across key blocks, ring rows,
+// sliding window, softcap, 1 and 2 threads. Also each query's output is the same bits whether
+// it is evaluated with the others or alone (docs/determinism.md's token invariance).
+TEST(AttentionGrouped, SameBitsAsPerPairKernel) {
+  std::mt19937_64 rng(ops_seed() ^ 0x51ed270bULL);
+  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+  struct Restore {
+    ~Restore() { cpu::set_attention_grouped(true); }
+  } restore;
+  auto cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  int grouped_cases = 0;
+  for (int64_t hd : {1, 3, 4, 7, 8, 12, 15}) {
+    for (int64_t group : {1, 2, 3, 4, 8, 16}) {
+      for (int64_t n_q : {1, 2, 5, 9, 17, 37}) {
+        const int64_t n_head_kv = 1 + static_cast<int64_t>(rng() % 3);
+        const int64_t n_head = n_head_kv * group;
+        const int64_t n_kv = n_q + static_cast<int64_t>(rng() % 200);
+        const int32_t window = rng() % 3 == 0 ? 1 + static_cast<int32_t>(rng() % 40) : 0;
+        const float softcap = rng() % 4 == 0 ? 20.0f : 0.0f;
+        SCOPED_TRACE(::testing::Message() << "hd " << hd << " heads " << n_head << "/" << n_head_kv
+                                          << " n_q " << n_q << " n_kv " << n_kv << " window "
+                                          << window << " softcap " << softcap);
+        if (cpu::attention_group_tokens(hd, group) > 0) ++grouped_cases;
+        const int64_t kv_w = n_head_kv * hd, q_w = n_head * hd, n_phys = n_kv + 5;
+        const int32_t origin = static_cast<int32_t>(rng() % n_phys);
+        const int32_t base_pos = static_cast<int32_t>(rng() % 1000);
+        std::vector<int32_t> kv_rows(n_kv), kv_pos(n_kv), q_pos(n_q);
+        for (int64_t j = 0; j < n_kv; ++j) {
+          kv_rows[j] = static_cast<int32_t>((j + origin) % n_phys);
+          kv_pos[j] = base_pos + static_cast<int32_t>(j);
+        }
+        // The last n_q positions (a verify batch attends over its own rows causally); the
+        // first query sees nothing where there is more than one.
+        for (int64_t i = 0; i < n_q; ++i) q_pos[i] = base_pos + static_cast<int32_t>(n_kv - n_q + i);
+        if (n_q > 1) q_pos[0] = base_pos - 1;
+        std::vector<f16> k(n_phys * kv_w), v(n_phys * kv_w);
+        const std::vector<float> kf = random_vec(rng, k.size(), 1.0f), vf = random_vec(rng, v.size(), 1.0f);
+        for (size_t i = 0; i < k.size(); ++i) {
+          k[i] = f32_to_f16(kf[i]);
+          v[i] = f32_to_f16(vf[i]);
+        }
+        // Large enough logits that the running max grows inside and across key blocks.
+        const std::vector<float> q = random_vec(rng, n_q * q_w, 3.0f);
+        AttentionArgs a;
+        a.q = q;
+        a.k = k;
+        a.v = v;
+        a.kv_rows = kv_rows;
+        a.kv_pos = kv_pos;
+        a.q_pos = q_pos;
+        a.n_q = n_q;
+        a.n_head = n_head;
+        a.n_head_kv = n_head_kv;
+        a.head_dim = hd;
+        a.window = window;
+        a.scale = 1.0f / std::sqrt(float(hd));
+        a.softcap = softcap;
+        std::vector<float> on1(q.size(), NAN), on2(q.size(), NAN), off1(q.size(), NAN);
+        cpu::set_attention_grouped(true);
+        a.out = on1;
+        cpu1->attention(a);
+        a.out = on2;
+        cpu2->attention(a);
+        cpu::set_attention_grouped(false);
+        a.out = off1;
+        cpu1->attention(a);
+        cpu::set_attention_grouped(true);
+        ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
+            << "grouped vs per-pair kernel differ";
+        ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
+            << "grouped kernel: 1 vs 2 threads differ";
+        for (int64_t i = 0; i < n_q; i += std::max<int64_t>(1, n_q / 4)) {
+          std::vector<float> alone(q_w, NAN);
+          AttentionArgs b = a;
+          b.q = std::span<const float>(q).subspan(i * q_w, q_w);
+          b.q_pos = std::span<const int32_t>(q_pos).subspan(i, 1);
+          b.n_q = 1;
+          b.out = alone;
+          cpu1->attention(b);
+          ASSERT_EQ(0, std::memcmp(alone.data(), on1.data() + i * q_w, q_w * sizeof(float)))
+              << "query " << i << " alone differs from the batch of " << n_q;
+        }
+        if (n_q > 1)
+          for (int64_t d = 0; d < q_w; ++d) ASSERT_EQ(on1[d], 0.0f);
+      }
+    }
+  }
+  // The grouped path must actually have run here (every x86 target has >= 4 float lanes).
+  EXPECT_GT(grouped_cases, 0);
 }
 
 }  // namespace

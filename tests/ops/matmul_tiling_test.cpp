@@ -200,6 +200,49 @@ TEST(MatmulKQPair, SameBitsAsPlainKernel) {
   }
 }
 
+// The one-token Q4_K / Q6_K kernels (AVX-512 VNNI, decode) must give the plain kernels' bits:
+// with cpu::set_kq_one_matvec(false) a single token runs the plain kernels, so this is also the
+// proof that the switch changes nothing but speed. Raw random blocks reach every quant, scale
+// and min value (the int16 lane sums' bounds and the vector decoding of the 6-bit scales);
+// widths of 1, 3 and 4 blocks (the expert slices' 1024 columns), odd row counts split over 1
+// and 2 threads; an all-zero token, one with a huge element and one with a NaN.
+TEST(MatmulKQOne, SameBitsAsPlainKernel) {
+  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  std::mt19937_64 rng(ops_seed() ^ 0x5bd1e995ULL);
+  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+  struct Restore {
+    ~Restore() { cpu::set_kq_one_matvec(true); }
+  } restore;
+  for (DType type : {DType::Q4_K, DType::Q6_K}) {
+    for (int64_t k : {256, 768, 1024}) {
+      for (int64_t n_rows : {1, 3, 67, 131}) {
+        const size_t rb = *row_bytes(type, k);
+        const std::vector<std::byte> bytes = random_k_rows(type, k, n_rows, rng);
+        const WeightMatrix w{
+            .dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+        for (int variant = 0; variant < 5; ++variant) {
+          SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows
+                                            << " variant " << variant);
+          std::vector<float> x = random_vec(rng, k, variant == 1 ? 1e-3f : 1.0f);
+          if (variant == 2) std::fill(x.begin(), x.end(), 0.0f);  // activation scale 0
+          if (variant == 3) x[5] = 3e30f;                         // one huge element
+          if (variant == 4) x[7] = NAN;                           // must come out NaN
+          const auto [on1, on2, off1] = run_on_off(cpu::set_kq_one_matvec, *cpu1, *cpu2, w, x, 1);
+          ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
+              << "one-token vs plain kernel differ";
+          ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
+              << "one-token kernel: 1 vs 2 threads differ";
+          if (variant == 4) {
+            ASSERT_TRUE(std::isnan(on1[0]));
+          } else {
+            ASSERT_FALSE(std::isnan(on1[0]));
+          }
+        }
+      }
+    }
+  }
+}
+
 // Backend::matmul_batch's contract on the CPU: each task's y has exactly the bits of matmul()
 // of that task alone, for decode-sized token counts (one encoding per distinct x, one pass
 // over all tasks' rows) and beyond them (one matmul per task), with tasks sharing an input

@@ -1,6 +1,9 @@
 // backend/cpu/cpu_attention.cpp: causal attention over f16 KV planes, one (query, head) pair
 // per call, blocked over keys with an online softmax (running max and sum rescaled per
 // block), so decode (one query) and prefill (many) share one kernel and no n_kv-sized buffer.
+// Heads narrower than a vector (tiny models) also take a grouped kernel that runs up to a
+// vector of (query, head) pairs of one KV head in its lanes, each lane doing the per-pair
+// kernel's arithmetic in the same order, so its bits are the per-pair kernel's.
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_attention.cpp"
@@ -9,6 +12,7 @@
 #include "hwy/contrib/math/math-inl.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "core/check.h"
@@ -18,6 +22,8 @@
 #define KILN_CPU_ATTENTION_ONCE
 namespace kiln::cpu {
 inline constexpr int64_t kKeyBlock = 64;
+// Most lanes (pairs) the grouped kernel's scratch is sized for: 16 floats of AVX-512.
+inline constexpr int64_t kGroupMaxLanes = 16;
 }
 #endif
 
@@ -26,6 +32,15 @@ namespace kiln::cpu {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
+
+// a * b + c as the target's MulAdd computes it on one lane (fused where the target has FMA).
+// The scalar tails below use it rather than `s += a * b`: whether the compiler contracts that
+// into an FMA depends on the optimisation level (GCC does at -O2, not at the sanitizer
+// presets' -O1), and the grouped kernel's lanes must reproduce these bits in every build.
+HWY_INLINE float MulAddLane(float a, float b, float c) {
+  const hn::CappedTag<float, 1> d1;
+  return hn::GetLane(hn::MulAdd(hn::Set(d1, a), hn::Set(d1, b), hn::Set(d1, c)));
+}
 
 HWY_INLINE float DotQK(const float* q, const f16* k, int64_t n) {
   const DF d;
@@ -41,7 +56,7 @@ HWY_INLINE float DotQK(const float* q, const f16* k, int64_t n) {
   for (; i + N <= n; i += N)
     a0 = hn::MulAdd(hn::LoadU(d, q + i), hn::PromoteTo(d, hn::LoadU(dh, kh + i)), a0);
   float s = hn::GetLane(hn::SumOfLanes(d, hn::Add(a0, a1)));
-  for (; i < n; ++i) s += q[i] * f16_to_f32(k[i]);
+  for (; i < n; ++i) s = MulAddLane(q[i], f16_to_f32(k[i]), s);
   return s;
 }
 
@@ -62,7 +77,7 @@ HWY_INLINE void AxpyF16(float* acc, const f16* v, int64_t n, float p) {
   int64_t i = 0;
   for (; i + N <= n; i += N)
     hn::StoreU(hn::MulAdd(pv, hn::PromoteTo(d, hn::LoadU(dh, vh + i)), hn::LoadU(d, acc + i)), d, acc + i);
-  for (; i < n; ++i) acc[i] += p * f16_to_f32(v[i]);
+  for (; i < n; ++i) acc[i] = MulAddLane(p, f16_to_f32(v[i]), acc[i]);
 }
 
 void AttentionOneK(const AttentionArgs& a, int64_t qi, int64_t h, float* scratch) {
@@ -123,6 +138,136 @@ void AttentionOneK(const AttentionArgs& a, int64_t qi, int64_t h, float* scratch
   for (int64_t i = 0; i < hd; ++i) out[i] = acc[i] * inv;
 }
 
+// n halves to floats (exact either way: vcvtph2ps in groups of up to 8, f16_to_f32 after).
+HWY_INLINE void HalfRowToF32(const f16* src, float* dst, int64_t n) {
+  const hn::CappedTag<float, 8> d8;
+  const hn::Rebind<hwy::float16_t, decltype(d8)> dh8;
+  const int64_t N8 = static_cast<int64_t>(hn::Lanes(d8));
+  const auto* h = reinterpret_cast<const hwy::float16_t*>(src);
+  int64_t i = 0;
+  for (; i + N8 <= n; i += N8) hn::StoreU(hn::PromoteTo(d8, hn::LoadU(dh8, h + i)), d8, dst + i);
+  for (; i < n; ++i) dst[i] = f16_to_f32(src[i]);
+}
+
+// Tokens per grouped task (pairs = tokens x the n_head / n_head_kv heads sharing a KV head),
+// or 0 where the grouped kernel cannot give the per-pair kernel's bits: it needs head_dim
+// below the vector width, where DotQK and AxpyF16 are their scalar loops (one MulAddLane per
+// element in order, the grouped kernel's MulAdd on one lane; tests/ops pins the bits).
+int64_t AttentionGroupTokensK(int64_t head_dim, int64_t group) {
+  const DF d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  if (N > kGroupMaxLanes || head_dim >= N || group < 1 || group > N) return 0;
+  return N / group;
+}
+
+// The queries [q0, q1) of every head of KV head kvh, one (query, head) pair per lane (lane
+// p = (token - q0) * group + head offset). Per lane, the steps of AttentionOneK: the same key
+// blocks, the dot as s = fma(q[i], k[i], s) from 0 over i, the same block max, rescale by
+// std::exp when the max grows, vector Exp, sum and V accumulation in key order over the
+// lane's visible keys; lanes that do not see a key keep their state (IfThenElse), so no lane
+// depends on another. What the lanes share is each key's load and f16 conversion and the loop.
+void AttentionGroupK(const AttentionArgs& a, int64_t kvh, int64_t q0, int64_t q1, float* scratch) {
+  const DF d;
+  const hn::RebindToSigned<DF> di;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t hd = a.head_dim, group = a.n_head / a.n_head_kv;
+  const int64_t q_w = a.n_head * hd, kv_w = a.n_head_kv * hd;
+  const int64_t n_kv = static_cast<int64_t>(a.kv_rows.size());
+  const int64_t n_phys = static_cast<int64_t>(a.k.size()) / kv_w;
+  const int64_t P = (q1 - q0) * group;
+  KILN_CHECK(P >= 1 && P <= N && hd < N, "grouped attention: {} pairs, head_dim {}, {} lanes", P, hd, N);
+  float* qt = scratch;               // [hd][N]: lane p's query, transposed
+  float* acc = qt + hd * N;          // [hd][N]: lane p's output accumulator, transposed
+  float* logit = acc + hd * N;       // [kKeyBlock][N]
+  float* kf = logit + kKeyBlock * N;  // [hd]: the current key row in f32
+  float* vf = kf + hd;                // [kKeyBlock][hd]: the block's V rows in f32
+  auto* qpos = reinterpret_cast<int32_t*>(vf + kKeyBlock * hd);  // [N]
+  for (int64_t p = 0; p < N; ++p) {
+    const int64_t qi = q0 + p / group, h = kvh * group + p % group;
+    qpos[p] = p < P ? a.q_pos[qi] : 0;
+    for (int64_t i = 0; i < hd; ++i) {
+      qt[i * N + p] = p < P ? a.q[qi * q_w + h * hd + i] : 0.0f;
+      acc[i * N + p] = 0.0f;
+    }
+  }
+  const auto valid = hn::RebindMask(d, hn::FirstN(di, static_cast<size_t>(P)));
+  const auto vqp = hn::LoadU(di, qpos);
+  const auto vwin = hn::Set(di, a.window);
+  // Lanes that see the key at position kp.
+  auto visible = [&](int32_t kp) {
+    auto m = hn::RebindMask(d, hn::Not(hn::Set(di, kp) > vqp));  // kp <= q_pos
+    if (a.window > 0) m = hn::And(m, hn::RebindMask(d, vwin > hn::Sub(vqp, hn::Set(di, kp))));
+    return hn::And(m, valid);
+  };
+  const auto neg_inf = hn::Set(d, -INFINITY), vscale = hn::Set(d, a.scale);
+  auto m = neg_inf, l = hn::Zero(d);
+  alignas(64) float lane[kGroupMaxLanes], lane2[kGroupMaxLanes];
+  for (int64_t j0 = 0; j0 < n_kv; j0 += kKeyBlock) {
+    const int64_t j1 = std::min(n_kv, j0 + kKeyBlock);
+    auto bm = neg_inf;
+    auto seen = hn::RebindMask(d, hn::FirstN(di, 0));  // lanes with a visible key here
+    for (int64_t j = j0; j < j1; ++j) {
+      const auto vis = visible(a.kv_pos[j]);
+      if (hn::AllFalse(d, vis)) continue;
+      const int32_t pr = a.kv_rows[j];
+      KILN_CHECK(pr >= 0 && pr < n_phys, "kv row {} of {}", pr, n_phys);
+      const f16* kr = a.k.data() + pr * kv_w + kvh * hd;
+      const f16* vr = a.v.data() + pr * kv_w + kvh * hd;
+      float* vj = vf + (j - j0) * hd;
+      HalfRowToF32(kr, kf, hd);
+      HalfRowToF32(vr, vj, hd);
+      auto s = hn::Zero(d);
+      for (int64_t i = 0; i < hd; ++i) s = hn::MulAdd(hn::LoadU(d, qt + i * N), hn::Set(d, kf[i]), s);
+      s = hn::Mul(s, vscale);
+      if (a.softcap > 0) {
+        hn::Store(s, d, lane);
+        for (int64_t p = 0; p < P; ++p) lane[p] = a.softcap * std::tanh(lane[p] / a.softcap);
+        s = hn::Load(d, lane);
+      }
+      hn::StoreU(s, d, logit + (j - j0) * N);
+      bm = hn::IfThenElse(vis, hn::Max(bm, s), bm);
+      seen = hn::Or(seen, vis);
+    }
+    if (hn::AllFalse(d, seen)) continue;
+    const auto m_new = hn::IfThenElse(seen, hn::Max(m, bm), m);
+    // Rescale where a lane's max grew from a finite one (per lane, std::exp as AttentionOneK).
+    const auto grew = hn::AndNot(hn::Eq(m, neg_inf), hn::And(seen, hn::Ne(m_new, m)));
+    if (!hn::AllFalse(d, grew)) {
+      hn::Store(m, d, lane);
+      hn::Store(m_new, d, lane2);
+      for (int64_t p = 0; p < N; ++p) lane[p] = p < P && lane[p] != -INFINITY && lane2[p] != lane[p]
+                                                    ? std::exp(lane[p] - lane2[p])
+                                                    : 1.0f;
+      const auto c = hn::Load(d, lane);
+      l = hn::IfThenElse(grew, hn::Mul(l, c), l);
+      for (int64_t i = 0; i < hd; ++i)
+        hn::StoreU(hn::IfThenElse(grew, hn::Mul(hn::LoadU(d, acc + i * N), c), hn::LoadU(d, acc + i * N)), d,
+                   acc + i * N);
+    }
+    m = m_new;
+    const auto floor = hn::Set(d, -87.0f);
+    for (int64_t j = j0; j < j1; ++j) {
+      const auto vis = visible(a.kv_pos[j]);
+      if (hn::AllFalse(d, vis)) continue;
+      const auto e = hn::Exp(d, hn::Max(hn::Sub(hn::LoadU(d, logit + (j - j0) * N), m), floor));
+      l = hn::IfThenElse(vis, hn::Add(l, e), l);
+      const float* vj = vf + (j - j0) * hd;
+      for (int64_t i = 0; i < hd; ++i) {
+        const auto ai = hn::LoadU(d, acc + i * N);
+        hn::StoreU(hn::IfThenElse(vis, hn::MulAdd(e, hn::Set(d, vj[i]), ai), ai), d, acc + i * N);
+      }
+    }
+  }
+  // A lane with no visible key has l == 0 and writes zeros, as AttentionOneK.
+  const auto none = hn::Eq(l, hn::Zero(d));
+  const auto inv = hn::Div(hn::Set(d, 1.0f), hn::IfThenElse(none, hn::Set(d, 1.0f), l));
+  for (int64_t i = 0; i < hd; ++i) {
+    hn::Store(hn::IfThenZeroElse(none, hn::Mul(hn::LoadU(d, acc + i * N), inv)), d, lane);
+    for (int64_t p = 0; p < P; ++p)
+      a.out[(q0 + p / group) * q_w + (kvh * group + p % group) * hd + i] = lane[p];
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace kiln::cpu
 HWY_AFTER_NAMESPACE();
@@ -130,13 +275,33 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace kiln::cpu {
 HWY_EXPORT(AttentionOneK);
+HWY_EXPORT(AttentionGroupK);
+HWY_EXPORT(AttentionGroupTokensK);
 
 void attention_one(const AttentionArgs& a, int64_t i, int64_t h, float* scratch) {
   HWY_DYNAMIC_DISPATCH(AttentionOneK)(a, i, h, scratch);
 }
-// acc[hd] + logits[kKeyBlock + a vector of padding] + row ids[kKeyBlock + padding].
-size_t attention_scratch_floats(int64_t head_dim) {
-  return static_cast<size_t>(head_dim + 2 * (kKeyBlock + 64));
+int64_t attention_group_tokens(int64_t head_dim, int64_t group) {
+  if (!attention_grouped()) return 0;
+  return HWY_DYNAMIC_DISPATCH(AttentionGroupTokensK)(head_dim, group);
 }
+void attention_group(const AttentionArgs& a, int64_t kvh, int64_t q0, int64_t q1, float* scratch) {
+  HWY_DYNAMIC_DISPATCH(AttentionGroupK)(a, kvh, q0, q1, scratch);
+}
+// Per pair: acc[hd] + logits[kKeyBlock + a vector of padding] + row ids[kKeyBlock + padding].
+// Grouped: qt and acc [hd][lanes], logits [kKeyBlock][lanes], a key row, the block's V rows,
+// the lanes' positions.
+size_t attention_scratch_floats(int64_t head_dim) {
+  const int64_t one = head_dim + 2 * (kKeyBlock + 64);
+  const int64_t grouped = 2 * head_dim * kGroupMaxLanes + kKeyBlock * kGroupMaxLanes + head_dim +
+                          kKeyBlock * head_dim + kGroupMaxLanes;
+  return static_cast<size_t>(std::max(one, grouped) + 16);
+}
+
+namespace {
+std::atomic<bool> g_attention_grouped{true};
+}  // namespace
+void set_attention_grouped(bool on) { g_attention_grouped.store(on, std::memory_order_relaxed); }
+bool attention_grouped() { return g_attention_grouped.load(std::memory_order_relaxed); }
 }  // namespace kiln::cpu
 #endif

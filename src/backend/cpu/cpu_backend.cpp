@@ -276,12 +276,26 @@ class CpuBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mu_);
     const size_t per_thread = cpu::attention_scratch_floats(a.head_dim);
     float* scratch = thread_scratch(per_thread);
+    const int64_t work = a.n_q * a.n_head * static_cast<int64_t>(a.kv_rows.size()) * a.head_dim;
+    // Narrow heads: one task per (KV head, run of queries), the pairs in vector lanes.
+    if (const int64_t tq = cpu::attention_group_tokens(a.head_dim, a.n_head / a.n_head_kv); tq > 0) {
+      const int64_t n_runs = (a.n_q + tq - 1) / tq, tasks = a.n_head_kv * n_runs;
+      auto body = [&](int64_t b, int64_t e, int t) {
+        float* s = scratch + static_cast<size_t>(t) * per_thread;
+        for (int64_t task = b; task < e; ++task) {
+          const int64_t q0 = task % n_runs * tq;
+          cpu::attention_group(a, task / n_runs, q0, std::min(a.n_q, q0 + tq), s);
+        }
+      };
+      if (work >= kParallelWork && tasks >= 2) pool_.parallel_for(tasks, body);
+      else body(0, tasks, 0);
+      return;
+    }
     const int64_t tasks = a.n_q * a.n_head;
     auto body = [&](int64_t b, int64_t e, int t) {
       float* s = scratch + static_cast<size_t>(t) * per_thread;
       for (int64_t task = b; task < e; ++task) cpu::attention_one(a, task / a.n_head, task % a.n_head, s);
     };
-    const int64_t work = tasks * static_cast<int64_t>(a.kv_rows.size()) * a.head_dim;
     if (work >= kParallelWork) pool_.parallel_for(tasks, body);
     else body(0, tasks, 0);
   }

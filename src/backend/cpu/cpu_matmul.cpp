@@ -5,7 +5,8 @@
 // types dequantize a block of rows once and reuse it for every token. Each weight block is
 // unpacked once per tile of several tokens, which is what makes prefill fast. Q4_K prefill on
 // AVX-512 VNNI takes a packed kernel (below) whose results are the plain kernel's bits, and
-// Q4_K/Q6_K of 2+ tokens (batched decode) small-batch kernels with the same property.
+// Q4_K/Q6_K of 4+ tokens (batched decode) small-batch kernels and of one token (decode)
+// 512-bit one-token kernels, all with the same property.
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul.cpp"
@@ -427,7 +428,7 @@ template <int T> struct KQ6_K { static void run(const std::byte* w, int64_t nb, 
 // and token instead of 16. Integer sums are exact in any order, so after folding the two
 // 256-bit halves every int32 lane equals the plain kernel's; the float steps are the plain
 // kernel's ops in the same order, so each token's output is the plain kernel's bits (a single
-// token still runs the plain kernel: the decode path is unchanged). Measured on Zen 4, one
+// token takes the one-token variants below, DotQ4KOne / DotQ6KOne). Measured on Zen 4, one
 // thread, bench/matvec_bench BM_KQPairOnOff: 1.1-1.2x at 2, 4 and 8 tokens; used from 4.
 
 // Word 2L: the low word of lane L of `even`; word 2L+1: that of `odd` (both fit int16).
@@ -549,6 +550,184 @@ KILN_VNNI512 void DotQ6KTiled(const std::byte* row, int64_t nb, KTile tile, int 
     }
   }
   for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
+}
+
+// ---------------------------------------------------------------- single-token K-quants (VNNI)
+// A decode step's matvec (one token) through the small-batch kernels' arithmetic, reading the
+// token's Q8_K row in place (no tile: a tile fill would be paid per call, and decode calls are
+// many and small, e.g. the 256x1024 expert slices of a MoE layer). On the dev box (EPYC, Zen 5)
+// the plain one-token kernels are bound by their instructions, not by memory (bench/matvec_bench
+// BM_Matvec: Q4_K ~21 GB/s per core and 2 threads twice that, while 2 threads stream 35-60 GB/s
+// from DRAM), so decode of a Q4_K_M model was compute-bound; these run 1.8-2x faster
+// (BM_KQOneOnOff: Q4_K 41 GB/s, Q6_K 63 GB/s per core on L3-resident FFN shapes). Same lane
+// sums and float steps as DotQ4KTiled / DotQ6KTiled (see above), hence the plain kernels' bits
+// (tests/ops MatmulKQOne).
+//
+// Q4_K: a 64-byte load of qs yields [sub 4p | sub 4p+2] (low nibbles) and [sub 4p+1 | sub 4p+3]
+// (high nibbles); `aq` is the token's quants in that order (ReorderQ4KOne, once per call, 64-byte
+// aligned), ys its Q8_K row for the scales and bsums. The block scales are decoded with vector
+// and 64-bit integer ops and the f16 d/dmin by F16C (both exact, the same values as
+// ScalesMinsK4 and f16_to_f32): in a one-token kernel this per-block work is a third of the
+// instructions.
+// R rows at once (independent accumulator chains, the activation loads shared); each row's
+// arithmetic is the one-row kernel's, so R changes no bits.
+template <int R>
+KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, const int8_t* aq,
+                            const block_q8_K* ys, float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i sc_idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
+  const __m512i sc_idx1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const block_q8_K& y = ys[i];
+    const __m512i a_lo[2] = {_mm512_load_si512(aq + i * 256),
+                             _mm512_load_si512(aq + i * 256 + 128)};
+    const __m512i a_hi[2] = {_mm512_load_si512(aq + i * 256 + 64),
+                             _mm512_load_si512(aq + i * 256 + 192)};
+    const __m256i bsums = Load32(y.bsums);
+    for (int r = 0; r < R; ++r) {
+      const auto* b =
+          reinterpret_cast<const block_q4_K*>(row + r * stride + i * sizeof(block_q4_K));
+      uint32_t dd;
+      std::memcpy(&dd, &b->d, 4);  // d, dmin: adjacent f16s
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
+      const float d = _mm_cvtss_f32(dm), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+      // ScalesMinsK4 in two 64-bit words: lo = [sc0..3 | m0..3], hi = [sc4..7 | m4..7].
+      uint64_t a;
+      uint32_t c;
+      std::memcpy(&a, b->scales, 8);
+      std::memcpy(&c, b->scales + 8, 4);
+      const uint64_t lo = a & 0x3f3f3f3f3f3f3f3fULL;
+      const uint64_t c2 =
+          uint64_t{c} | (uint64_t{c} << 28);  // c | (c >> 4) << 32, nibble-masked below
+      const uint64_t hi = (c2 & 0x0f0f0f0f0f0f0f0fULL) | (((a >> 6) & 0x0303030303030303ULL) << 4);
+      const __m128i sm8 =
+          _mm_shuffle_epi32(_mm_set_epi64x(static_cast<int64_t>(hi), static_cast<int64_t>(lo)),
+                            _MM_SHUFFLE(3, 1, 2, 0));                            // [sc0..7 | m0..7]
+      const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8));  // m[k/2]
+      const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sm8));
+      const __m512i sc[2] = {_mm512_permutexvar_epi32(sc_idx0, sc16),
+                             _mm512_permutexvar_epi32(sc_idx1, sc16)};
+      __m512i isum = _mm512_setzero_si512();
+      for (int p = 0; p < 2; ++p) {
+        const __m512i q = Load64(b->qs + 64 * p);
+        const __m512i da =
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(q, m4), a_lo[p]);
+        const __m512i db = _mm512_dpbusd_epi32(
+            _mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), a_hi[p]);
+        isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[p]);
+      }
+      const __m256i msum = _mm256_madd_epi16(bsums, mins16);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(Fold512(isum)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * y.d), _mm256_cvtepi32_ps(msum), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = Hsum(acc[r]);
+}
+
+// The token's nb blocks of quants into DotQ4KOne's order at 64-byte aligned `scratch`.
+int8_t* ReorderQ4KOne(const block_q8_K* ys, int64_t nb, float* scratch) {
+  auto* q = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t{63});
+  for (int64_t i = 0; i < nb; ++i)
+    for (int p = 0; p < 2; ++p)
+      for (int h = 0; h < 4;
+           ++h)  // slot h of the 128-byte pair block holds sub 4p + {0, 2, 1, 3}[h]
+        std::memcpy(q + i * 256 + 128 * p + 32 * h,
+                    ys[i].qs + 32 * (4 * p + (h >> 1) + 2 * (h & 1)), 32);
+  return q;
+}
+
+// Q6_K: the quants' own order matches the activation's (see DotQ6KTiled), so y.qs is read as
+// it is.
+template <int R>
+KILN_VNNI512 void DotQ6KOne(const std::byte* row, size_t stride, int64_t nb, const block_q8_K* ys,
+                            float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  alignas(64) static constexpr int16_t kScIdx[2][32] = {
+      {0, 4, 0, 4, 0, 4, 0, 4, 1, 5, 1, 5, 1, 5, 1, 5,
+       2, 6, 2, 6, 2, 6, 2, 6, 3, 7, 3, 7, 3, 7, 3, 7},
+      {8,  12, 8,  12, 8,  12, 8,  12, 9,  13, 9,  13, 9,  13, 9,  13,
+       10, 14, 10, 14, 10, 14, 10, 14, 11, 15, 11, 15, 11, 15, 11, 15}};
+  const __m512i sc_idx0 = _mm512_load_si512(kScIdx[0]), sc_idx1 = _mm512_load_si512(kScIdx[1]);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const block_q8_K& y = ys[i];
+    const __m512i ya[2] = {Load64(y.qs), Load64(y.qs + 128)},
+                  yb[2] = {Load64(y.qs + 64), Load64(y.qs + 192)};
+    const __m256i bsums = Load32(y.bsums);
+    for (int r = 0; r < R; ++r) {
+      const auto* b =
+          reinterpret_cast<const block_q6_K*>(row + r * stride + i * sizeof(block_q6_K));
+      const float d = _cvtsh_ss(b->d.bits);  // F16C: exact, f16_to_f32's value
+      const __m256i sc_all =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
+      const __m512i sc512 = _mm512_castsi256_si512(sc_all);
+      const __m512i sc[2] = {_mm512_permutexvar_epi16(sc_idx0, sc512),
+                             _mm512_permutexvar_epi16(sc_idx1, sc512)};
+      // the -32 offset: sum_g sc_g * 32 * bsum_g
+      __m512i isum = _mm512_zextsi256_si512(_mm256_sub_epi32(
+          _mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bsums), 5)));
+      for (int h = 0; h < 2; ++h) {
+        const __m512i ql = Load64(b->ql + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(Load32(b->qh + 32 * h));
+        const __m512i wa = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                           _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30));
+        const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                           _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30));
+        const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, ya[h]);
+        const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb, yb[h]);
+        isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[h]);
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(Fold512(isum)), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = Hsum(acc[r]);
+}
+
+// One-token kernels read each weight byte once, straight from DRAM, and the hardware
+// prefetchers alone leave the core's read stream short of what it can pull: on the Zen 5 dev
+// box a qwen3moe ~1B decode (expert slices of 147 KB, rows of 576 / 840 bytes) ran at 45-52 %
+// of the streaming read bandwidth on one thread and 1.5x faster with the lines a few KB ahead
+// prefetched (kiln bench, 2026-12-01: 96-108 -> 148-174 t/s at 1 thread; 2 threads 191 -> 260
+// t/s). Distance: set_matvec_prefetch_bytes (--cpu-matvec-prefetch).
+// Rows per one-token kernel call: enough independent chains to hide the multiply-add latency
+// on a row of a single block (the MoE down slices are 256 wide), few enough for the registers.
+constexpr int kOneRows = 4;
+// Rows [r0, r1) of a one-token job through DotQ4KOne / DotQ6KOne; `scratch` holds
+// kq_tile_bytes(nb) (Q4_K's reordered quants use nb * 256 + 64 of them).
+template <bool kQ4K>
+void MatvecKOne(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / 256;
+  const auto* y = reinterpret_cast<const block_q8_K*>(job.xq);
+  const int8_t* aq = kQ4K ? ReorderQ4KOne(y, nb, scratch) : nullptr;
+  const size_t rb = w.stride();  // row r + k starts k strides after row r
+  int64_t r = r0;
+  // Software prefetch `ahead` bytes in front of each group of rows, up to the matrix's end
+  // (rows back to back only: a strided shard would fetch the gaps).
+  const int64_t ahead = w.strided() ? 0 : matvec_prefetch_bytes();
+  const std::byte* end = w.bytes.data() + w.bytes.size();
+  for (; r + kOneRows <= r1; r += kOneRows) {
+    if (ahead > 0) {
+      const std::byte* p = w.row(r).data() + ahead;
+      const std::byte* p_end = std::min(end, p + kOneRows * rb);
+      for (; p < p_end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+    }
+    if constexpr (kQ4K)
+      DotQ4KOne<kOneRows>(w.row(r).data(), rb, nb, aq, y, job.y + r);
+    else
+      DotQ6KOne<kOneRows>(w.row(r).data(), rb, nb, y, job.y + r);
+  }
+  for (; r < r1; ++r) {
+    if constexpr (kQ4K)
+      DotQ4KOne<1>(w.row(r).data(), rb, nb, aq, y, job.y + r);
+    else
+      DotQ6KOne<1>(w.row(r).data(), rb, nb, y, job.y + r);
+  }
 }
 
 // Fills the tile with tokens [0, m) (m <= 8) of `ys`, the quants in Q4_K's pair order or (Q6_K)
@@ -799,12 +978,14 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 #if HWY_TARGET == HWY_AVX3_DL
       if (job.n_tok >= kPackMinTok && q4k_packed_matmul()) return MatmulQ4KPacked(job, r0, r1, scratch);
       if (job.n_tok >= kKQTiledMinTok && kq_pair_matmul()) return MatmulKTiled<true>(job, r0, r1, scratch);
+      if (job.n_tok == 1 && kq_one_matvec()) return MatvecKOne<true>(job, r0, r1, scratch);
 #endif
       return MatmulInt<block_q8_K, KQ4_K>(job, r0, r1, 256);
     case DType::Q5_K: return MatmulInt<block_q8_K, KQ5_K>(job, r0, r1, 256);
     case DType::Q6_K:
 #if HWY_TARGET == HWY_AVX3_DL
       if (job.n_tok >= kKQTiledMinTok && kq_pair_matmul()) return MatmulKTiled<false>(job, r0, r1, scratch);
+      if (job.n_tok == 1 && kq_one_matvec()) return MatvecKOne<false>(job, r0, r1, scratch);
 #endif
       return MatmulInt<block_q8_K, KQ6_K>(job, r0, r1, 256);
 #endif
@@ -918,6 +1099,18 @@ std::atomic<bool> g_kq_pair{true};
 }  // namespace
 void set_kq_pair_matmul(bool on) { g_kq_pair.store(on, std::memory_order_relaxed); }
 bool kq_pair_matmul() { return g_kq_pair.load(std::memory_order_relaxed); }
+namespace {
+std::atomic<bool> g_kq_one{true};
+}  // namespace
+void set_kq_one_matvec(bool on) { g_kq_one.store(on, std::memory_order_relaxed); }
+bool kq_one_matvec() { return g_kq_one.load(std::memory_order_relaxed); }
+namespace {
+std::atomic<int64_t> g_matvec_prefetch{kDefaultMatvecPrefetchBytes};
+}  // namespace
+void set_matvec_prefetch_bytes(int64_t bytes) {
+  g_matvec_prefetch.store(std::max<int64_t>(0, bytes), std::memory_order_relaxed);
+}
+int64_t matvec_prefetch_bytes() { return g_matvec_prefetch.load(std::memory_order_relaxed); }
 
 }  // namespace kiln::cpu
 #endif

@@ -57,10 +57,35 @@ bool q4k_packed_matmul();
 // (tests/ops MatmulKQPair), so the switch exists for that test, the benchmark and bisecting.
 void set_kq_pair_matmul(bool on);
 bool kq_pair_matmul();
+// Q4_K and Q6_K single-token matvecs (decode) through 512-bit AVX-512 VNNI kernels that read the
+// token's activation in place (default on; the plain one-token kernels are instruction-bound
+// below the DRAM read bandwidth on the Zen 5 dev box: bench/matvec_bench BM_Matvec,
+// BM_KQOneOnOff). Output: the plain kernels' bits (tests/ops MatmulKQOne), so the switch exists
+// for that test, benchmarks and bisecting.
+void set_kq_one_matvec(bool on);
+bool kq_one_matvec();
+// Those one-token kernels software-prefetch this many bytes ahead of the rows they work on (0:
+// off; the hardware prefetchers alone leave decode well short of the read bandwidth, see
+// cpu_matmul.cpp). Prefetching changes no result. The default is also the literal default of
+// --cpu-matvec-prefetch in core/config_entries.h (core cannot see this header): keep them equal.
+inline constexpr int64_t kDefaultMatvecPrefetchBytes = 2048;
+void set_matvec_prefetch_bytes(int64_t bytes);
+int64_t matvec_prefetch_bytes();
 
 // ---- attention (cpu_attention.cpp)
 // One (query i, head h) pair. scratch: attention_scratch_floats(head_dim) floats.
 void attention_one(const AttentionArgs& a, int64_t i, int64_t h, float* scratch);
+// Where heads are narrower than a vector: all heads of KV head kvh for queries [q0, q1), a
+// vector of (query, head) pairs at once; each output bit-identical to attention_one's
+// (tests/ops AttentionGrouped). attention_group_tokens gives the most queries per call for
+// this head_dim and n_head / n_head_kv, 0 where the grouped kernel does not apply.
+int64_t attention_group_tokens(int64_t head_dim, int64_t group);
+void attention_group(const AttentionArgs& a, int64_t kvh, int64_t q0, int64_t q1, float* scratch);
+// scratch floats for either kernel.
 size_t attention_scratch_floats(int64_t head_dim);
+// The grouped kernel (default on; faster on narrow heads by bench/spec_bench). Its output is
+// the per-pair kernel's bits, so the switch exists for the test that proves it and bisecting.
+void set_attention_grouped(bool on);
+bool attention_grouped();
 
 }  // namespace kiln::cpu
