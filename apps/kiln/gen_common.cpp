@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "moe/expert_store.h"
 #include "backend/cpu/kernels.h"
 #include "backend/tp_group.h"
 #include "core/thread_pool.h"
@@ -97,17 +98,21 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
   }
 #if KILN_WITH_CUDA
   if (dev == "cuda" || (dev == "auto" && cuda_device_count() > 0)) {
-    // The arena caches weights by host address; streamed expert slabs are reused for other
-    // experts, so they would read stale device copies.
-    if (streaming) {
-      if (dev == "cuda")
-        return Status::error("--device cuda does not support MoE expert streaming "
-                             "(--expert-cache/--expert-cap) yet");
-      log_notice("device: MoE expert streaming runs on the CPU backend");
-    } else {
+    {
       CudaOptions o;
       const GgufFile& f = model.gguf();
-      o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
+      if (streaming) {
+        // Streamed experts live in the store's host slabs and reach the device through the
+        // backend's expert tier (CudaOptions::expert_cache_bytes): the file is not uploaded
+        // as a whole; dense weights are uploaded on first use, norms cached from the mapping.
+        if (config.expert_device_cache < 0)
+          return Status::errorf("--expert-device-cache {}: must not be negative",
+                                config.expert_device_cache);
+        o.immutable_region = f.mapping()->bytes();
+        o.expert_cache_bytes = static_cast<uint64_t>(config.expert_device_cache);
+      } else {
+        o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
+      }
       o.progress = true;
       o.graphs = config.cuda_graphs;
       o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
@@ -118,7 +123,13 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
         return Status::errorf("unknown --cuda-matmul '{}' (auto, v1, v2, v3)",
                               config.cuda_matmul);
       auto be = make_cuda_backend(o);
-      if (be) return std::unique_ptr<Backend>(std::move(*be));
+      if (be) {
+        // Page-locks the store's slabs once, so the tier's copies are DMA.
+        if (auto* store = dynamic_cast<moe::ExpertStore*>(model.weights().experts.get()))
+          store->register_slabs(
+              [b = be->get()](std::span<std::byte> m) { return b->register_host_memory(m); });
+        return std::unique_ptr<Backend>(std::move(*be));
+      }
       if (dev == "cuda") return Status::errorf("--device cuda: {}", be.error());
       log_notice("device: {}; running on the CPU", be.error());
     }

@@ -35,6 +35,11 @@ struct WeightMatrix {
   // shards are: views into the mapping, never repacked on the host.
   size_t row_stride = 0;
   std::span<const std::byte> bytes;  // from row 0's first byte to the last row's last byte
+  // Nonzero: names the bytes' content, for memory that later holds other bytes at the same
+  // address (a streamed MoE expert slab, moe/expert_store.h). Device backends cache such a
+  // matrix by this key instead of by address. 0: the address names the content (views of the
+  // read-only mapping, which never changes).
+  uint64_t content_key = 0;
 
   size_t stride() const { return row_stride ? row_stride : row_bytes; }
   bool strided() const { return stride() != row_bytes; }
@@ -49,6 +54,7 @@ struct WeightMatrix {
   WeightMatrix rows(int64_t first, int64_t count) const {
     WeightMatrix m = *this;
     m.n_rows = count;
+    m.content_key = sub_key(1, first, count);
     m.bytes = count > 0 ? bytes.subspan(static_cast<size_t>(first) * stride(),
                                         static_cast<size_t>(count - 1) * stride() + row_bytes)
                         : bytes.subspan(0, 0);
@@ -68,7 +74,18 @@ struct WeightMatrix {
     m.row_stride = stride();
     m.row_bytes = static_cast<size_t>(count / blk) * bpb;
     m.bytes = bytes.subspan(static_cast<size_t>(first / blk) * bpb, m.span_bytes());
+    m.content_key = sub_key(2, first, count);
     return m;
+  }
+
+ private:
+  // A part of keyed content gets a key of its own (0 stays 0).
+  uint64_t sub_key(uint64_t kind, int64_t first, int64_t count) const {
+    if (content_key == 0) return 0;
+    uint64_t h = content_key ^ (kind * 0x9E3779B97F4A7C15ull);
+    for (uint64_t v : {static_cast<uint64_t>(first), static_cast<uint64_t>(count)})
+      h = (h ^ v) * 0x100000001B3ull;
+    return h | 1;  // never 0
   }
 };
 
@@ -156,6 +173,13 @@ class Backend {
   virtual void zero_bytes(std::span<std::byte> dst) { std::fill(dst.begin(), dst.end(), std::byte{0}); }
   // Waits until every op issued so far has finished (a no-op on host backends).
   virtual void synchronize() {}
+  // Registers host memory that weights will be copied from (page-locked on CUDA, so copies
+  // of streamed expert slabs run as DMA), for as long as the returned handle lives; its
+  // release unregisters synchronously. nullptr: nothing registered (a host backend, or the
+  // driver refused: copies then read pageable memory, slower but the same bytes).
+  virtual std::shared_ptr<void> register_host_memory(std::span<std::byte> /*mem*/) {
+    return nullptr;
+  }
   // Streaming read bandwidth of the backend's own memory in GB/s, measured when called (a
   // device's memory: the roofline of a weight-bound decode); 0 on host backends, whose
   // callers measure host RAM themselves.

@@ -18,6 +18,9 @@ KILN_CONFIG_ENTRY(int64_t, expert_cache, 0,
 KILN_CONFIG_ENTRY(int64_t, expert_cap, 0,
                   "MoE: stream experts from the file, keeping at most this many per layer in "
                   "RAM (0: off)")
+KILN_CONFIG_ENTRY(int64_t, expert_device_cache, 0,
+                  "MoE streaming on CUDA: keep at most this many bytes of expert slices on the "
+                  "device, least recently used evicted (0: half of the free device memory)")
 KILN_CONFIG_ENTRY(bool, expert_prefetch, false,
                   "MoE streaming: while a layer runs, load the experts the next layer used last")
 KILN_CONFIG_ENTRY(std::string, device, "auto",

@@ -56,7 +56,14 @@ std::string format_store_stats() {
   const uint64_t pf = r.counter("moe.prefetch_issued").value();
   const uint64_t pfh = r.counter("moe.prefetch_hits").value();
   const Timer& stall = r.timer("moe.stall");
-  return fmt::format(
+  const uint64_t dh = r.counter("moe.device_hits").value(), dm = r.counter("moe.device_misses").value();
+  const std::string device =
+      dh + dm == 0 ? std::string()
+                   : fmt::format("moe: device tier {} hits, {} misses, {:.1f} MiB copied to the "
+                                 "device, {} evictions\n",
+                                 dh, dm, r.counter("moe.device_bytes_copied").value() / 1048576.0,
+                                 r.counter("moe.device_evictions").value());
+  return device + fmt::format(
       "moe: expert gets {} ({} hits, {} misses, hit rate {:.1f}%), prefetched {} ({} used)\n"
       "moe: read {:.1f} MiB, load latency p50 {:.0f} us, p99 {:.0f} us, forward stalled "
       "{:.1f} ms on loads\n",
@@ -100,6 +107,8 @@ Expected<std::shared_ptr<ExpertStore>> ExpertStore::create(const std::string& pa
                           cfg.cache_bytes, cfg.cap);
   if (!cfg.enabled()) return Status::error("expert cache: neither a byte budget nor a cap given");
   std::shared_ptr<ExpertStore> st(new ExpertStore());
+  static std::atomic<uint64_t> next_store_id{1};
+  st->store_id_ = next_store_id.fetch_add(1) & 0xFFFF;
   st->prefetch_ = cfg.prefetch;
   int32_t n_moe = 0, max_used = 0, max_expert = 0;
   st->layers_.resize(layers.size());
@@ -202,7 +211,25 @@ ExpertStore::~ExpertStore() {
                  S.expert, S.layer);
   }
   reader_.reset();
+  // Unregistered before the unmap, synchronously: a registration that outlived its memory
+  // would leave the driver holding page-locked ranges of whatever is mapped there next.
+  host_registration_.reset();
   if (arena_) ::munmap(arena_, arena_bytes_);
+}
+
+uint64_t ExpertStore::content_key(int32_t layer, int32_t expert, int part) const {
+  return (store_id_ << 48) | (static_cast<uint64_t>(layer) << 24) |
+         (static_cast<uint64_t>(expert) << 2) | static_cast<uint64_t>(part + 1);
+}
+
+void ExpertStore::register_slabs(const HostRegistrar& reg) {
+  std::lock_guard lock(mu_);
+  if (host_registration_ || arena_ == nullptr) return;
+  // Once, for the whole slab mapping (one call for every slab): loads keep writing into the
+  // registered pages, and the device tier copies each expert out synchronously while the
+  // forward pass holds its pin (backend/cuda: CudaBackend's expert tier), so no device read
+  // of a slab is ever pending when the store reuses it for another expert.
+  host_registration_ = reg(std::span<std::byte>(arena_, arena_bytes_));
 }
 
 void ExpertStore::drain() {
@@ -340,6 +367,8 @@ ExpertWeights ExpertStore::views(int32_t s) {
     m[p] = P.shape;
     m[p].bytes = std::span<const std::byte>(S.mem + P.slab_offset + (off - align_down(off)),
                                             P.expert_bytes);
+    // The slab holds other experts later: a device backend caches the slice by this name.
+    m[p].content_key = content_key(S.layer, S.expert, p);
   }
   const std::thread::id me = std::this_thread::get_id();
   Layer& HL = layers_[static_cast<size_t>(S.layer)];

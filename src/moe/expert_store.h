@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -70,6 +71,15 @@ class ExpertStore final : public ExpertSource {
   bool uses_direct() const { return reader_->uses_direct(); }
   // Blocks until no load is in flight (tests, benchmarks between phases).
   void drain();
+  // Registers the slab memory once through `reg` (Backend::register_host_memory: a device
+  // backend copies expert slices out of it) and keeps the handle it returns; the handle is
+  // released before the memory is unmapped, in the destructor. Safe to call again (no-op).
+  using HostRegistrar = std::function<std::shared_ptr<void>(std::span<std::byte>)>;
+  void register_slabs(const HostRegistrar& reg);
+  bool slabs_registered() const { return host_registration_ != nullptr; }
+  // WeightMatrix::content_key of part (0 gate, 1 up, 2 down) of an expert: nonzero, distinct
+  // per (store, layer, expert, part), the same whichever slab holds the expert.
+  uint64_t content_key(int32_t layer, int32_t expert, int part) const;
 
  private:
   struct Part {  // one of gate/up/down of one layer
@@ -122,6 +132,8 @@ class ExpertStore final : public ExpertSource {
   bool prefetch_ = false;
   std::byte* arena_ = nullptr;  // one anonymous mapping of slabs_.size() * slab_bytes_
   uint64_t arena_bytes_ = 0;
+  uint64_t store_id_ = 0;                    // distinguishes stores' content keys
+  std::shared_ptr<void> host_registration_;  // register_slabs(); released before the unmap
 
   std::mutex mu_;
   std::condition_variable cv_;  // a load finished or a pin was released

@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <map>
+#include <set>
+#include <tuple>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -136,6 +139,80 @@ INSTANTIATE_TEST_SUITE_P(Models, Identity,
                              if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
                            return s;
                          });
+
+// Slices carry WeightMatrix::content_key (a device backend caches by it, since a slab's
+// address later holds another expert): nonzero, one per (layer, expert, part), and the same
+// whichever slab the expert is loaded into; register_slabs registers the whole slab mapping
+// once and releases the handle before the memory is unmapped.
+TEST(ExpertStore, ContentKeysNameTheExpertAndRegistrationEndsBeforeTheUnmap) {
+  const std::string file = "qwen3moe-q4_k_m.gguf";
+  auto m = load(file, {.cap = 2});
+  ASSERT_NE(m, nullptr);
+  auto* st = dynamic_cast<moe::ExpertStore*>(m->weights().experts.get());
+  ASSERT_NE(st, nullptr);
+  std::map<std::tuple<int32_t, int32_t, int>, uint64_t> keys;
+  std::set<uint64_t> seen;
+  std::set<const std::byte*> slab_addrs;
+  const int32_t n_layer = st->n_layer(), n_expert = st->n_expert(0);
+  for (int round = 0; round < 2; ++round)  // cap 2 of 8: every expert is loaded twice
+    for (int32_t l = 0; l < n_layer; ++l)
+      for (int32_t e = 0; e < n_expert; ++e) {
+        const moe::ExpertWeights w = st->get(l, e);
+        const WeightMatrix* parts[3] = {&w.gate, &w.up, &w.down};
+        slab_addrs.insert(w.gate.bytes.data());
+        for (int p = 0; p < 3; ++p) {
+          const uint64_t k = parts[p]->content_key;
+          ASSERT_NE(k, 0u);
+          EXPECT_EQ(k, st->content_key(l, e, p));
+          auto [it, fresh] = keys.emplace(std::make_tuple(l, e, p), k);
+          if (fresh) {
+            EXPECT_TRUE(seen.insert(k).second) << "two slices share key " << k;
+          } else {
+            EXPECT_EQ(it->second, k) << "layer " << l << " expert " << e << " part " << p;
+          }
+        }
+      }
+  EXPECT_LE(slab_addrs.size(), size_t(2 * n_layer));  // the keys outnumber the slabs' addresses
+  EXPECT_EQ(seen.size(), size_t(3 * n_layer * n_expert));
+  {  // Sub-views of keyed content get keys of their own; unkeyed ones stay unkeyed.
+    const moe::ExpertWeights w = st->get(0, 0);
+    EXPECT_NE(w.gate.rows(0, 1).content_key, 0u);
+    EXPECT_NE(w.gate.rows(0, 1).content_key, w.gate.content_key);
+    EXPECT_NE(w.gate.rows(0, 1).content_key, w.gate.rows(1, 1).content_key);
+    WeightMatrix plain = w.gate;
+    plain.content_key = 0;
+    EXPECT_EQ(plain.rows(0, 1).content_key, 0u);
+  }
+
+  // Registration: once, over the whole slab mapping; released while that memory is mapped.
+  int calls = 0;
+  size_t registered = 0;
+  bool released_while_mapped = false;
+  std::span<std::byte> region;
+  st->register_slabs([&](std::span<std::byte> mem) {
+    ++calls;
+    registered = mem.size();
+    region = mem;
+    return std::shared_ptr<void>(mem.data(), [&](void* p) {
+      // Reading the first and last byte faults (and ASan reports) if the unmap came first.
+      volatile std::byte b0 = static_cast<std::byte*>(p)[0];
+      volatile std::byte b1 = region.back();
+      (void)b0;
+      (void)b1;
+      released_while_mapped = true;
+    });
+  });
+  st->register_slabs([&](std::span<std::byte>) {
+    ++calls;
+    return std::shared_ptr<void>();
+  });
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(registered, st->total_slab_bytes());
+  EXPECT_TRUE(st->slabs_registered());
+  EXPECT_FALSE(released_while_mapped);
+  m.reset();  // the model owns the store
+  EXPECT_TRUE(released_while_mapped);
+}
 
 TEST(ExpertStore, FlagOffKeepsTheMappedSource) {
   auto m = load("qwen3moe-q4_k_m.gguf", moe::StoreConfig{});

@@ -17,9 +17,11 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <list>
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <unordered_map>
 #include <vector>
 
 #if KILN_HAVE_NCCL
@@ -33,6 +35,7 @@
 #include "backend/cuda/weight_arena.h"
 #include "backend/tp_group.h"
 #include "core/check.h"
+#include "core/counters.h"
 #include "core/log.h"
 
 namespace kiln {
@@ -64,7 +67,13 @@ struct CudaBackend::Impl {
 
   // Makes this thread's current device ours: the runtime keeps it per thread, and the backend
   // may be called from any thread.
-  void enter() { check_cuda(cudaSetDevice(device), "set device"); }
+  // Every op starts here: op_seq names the op being built (the expert tier keeps the slices
+  // this op has looked up, whose pointers it is about to record).
+  void enter() {
+    check_cuda(cudaSetDevice(device), "set device");
+    ++op_seq;
+  }
+  uint64_t op_seq = 0;
 
   template <typename T>
   T* buffer(int slot, size_t n) {
@@ -118,8 +127,130 @@ struct CudaBackend::Impl {
   // The kernels read rows back to back: a strided matrix (a column block) gets a compact
   // copy of its own, gathered at upload.
   const std::byte* device_weight_bytes(const WeightMatrix& w) {
+    if (w.content_key != 0) return expert_device(w);
     if (w.strided()) return arena->lookup_rows(w.bytes.data(), w.row_bytes, w.stride(), w.n_rows);
     return arena->lookup(w.bytes);
+  }
+
+  // ------------------------------------------------------------------ streamed experts
+  // The device tier of MoE expert streaming (issue 9): slices named by content_key, LRU
+  // within expert_cap bytes. Two hazards decide the shape of it:
+  // - The host slab a slice comes from is reused by the store for another expert once the
+  //   forward pass drops its pin, which can happen before this backend launches the ops it
+  //   recorded. So the copy is synchronous, here, while the caller holds the pin: nothing
+  //   reads a host slab later (never a deferred copy or a zero-copy read of it).
+  // - A device slot evicted for a new slice may still be read by recorded or running ops of
+  //   the current segment. An entry used since the last flush() (epoch == flushes) is never
+  //   evicted; when only such entries are left, flush() first (one synchronisation).
+  struct ExpertSlot {
+    cuda::DeviceBuffer buf;
+    size_t bytes = 0;       // the slice's
+    size_t offset = 0;      // where the slice starts in buf: host address mod 256, so the
+                            // kernels see the alignment the mapped (arena) copy would have
+    uint64_t epoch = 0;     // flushes when last used
+    uint64_t op = 0;        // op_seq when last looked up
+    std::list<uint64_t>::iterator lru;
+  };
+  std::unordered_map<uint64_t, ExpertSlot> experts;
+  std::list<uint64_t> expert_lru;                       // most recent first
+  std::multimap<size_t, cuda::DeviceBuffer> expert_free;  // evicted buffers, by size
+  uint64_t expert_cap = 0;  // bytes; set on first use from CudaOptions::expert_cache_bytes
+  uint64_t expert_held = 0, expert_hits = 0, expert_misses = 0, expert_evictions = 0;
+  uint64_t expert_alloc = 0;  // device bytes of every slot buffer, live or free
+  // Slices the op being built (op_seq) looked up: a flush() inside that op (cuBLAS workspace
+  // growth) comes before the op is recorded, so they count as used after it.
+  std::vector<uint64_t> op_keys;
+  uint64_t op_keys_seq = 0;
+  void note_op_use(uint64_t key) {
+    if (op_keys_seq != op_seq) op_keys.clear(), op_keys_seq = op_seq;
+    op_keys.push_back(key);
+  }
+  uint64_t expert_copied = 0;
+  uint64_t flushes = 0;
+  uint64_t expert_cache_option = 0;
+
+  // The process counters (`--stats`, /metrics) of the tier, looked up once.
+  Counter *c_hits = nullptr, *c_misses = nullptr, *c_bytes = nullptr, *c_evictions = nullptr;
+  const std::byte* expert_device(const WeightMatrix& w) {
+    KILN_CHECK(!w.strided(), "cuda: a streamed expert slice cannot be strided");
+    if (c_hits == nullptr) {
+      CounterRegistry& r = process_counters();
+      c_hits = &r.counter("moe.device_hits");
+      c_misses = &r.counter("moe.device_misses");
+      c_bytes = &r.counter("moe.device_bytes_copied");
+      c_evictions = &r.counter("moe.device_evictions");
+    }
+    if (auto it = experts.find(w.content_key); it != experts.end()) {
+      ExpertSlot& e = it->second;
+      KILN_CHECK(e.bytes == w.bytes.size(), "cuda: expert key {:#x} names {} bytes, now {}",
+                 w.content_key, e.bytes, w.bytes.size());
+      expert_lru.splice(expert_lru.begin(), expert_lru, e.lru);
+      e.epoch = flushes;
+      e.op = op_seq;
+      note_op_use(w.content_key);
+      ++expert_hits;
+      c_hits->add();
+      return static_cast<const std::byte*>(e.buf.get()) + e.offset;
+    }
+    if (expert_cap == 0) {
+      size_t free_b = 0, total_b = 0;
+      check_cuda(cudaMemGetInfo(&free_b, &total_b), "device memory info");
+      expert_cap = expert_cache_option ? expert_cache_option : free_b / 2;
+    }
+    const size_t need = w.bytes.size();
+    KILN_CHECK(need <= expert_cap, "cuda: the expert device cache ({} MiB) is smaller than one "
+               "expert slice ({} MiB); raise --expert-device-cache", expert_cap >> 20, need >> 20);
+    while (expert_held + need > expert_cap && !expert_lru.empty()) {
+      const uint64_t victim = expert_lru.back();
+      ExpertSlot& v = experts.at(victim);
+      // The op being built holds the pointers it looked up (matmul_batch of K experts).
+      KILN_CHECK(v.op != op_seq, "cuda: the expert device cache ({} MiB) cannot hold the "
+                 "experts of one op; raise --expert-device-cache", expert_cap >> 20);
+      if (v.epoch == flushes) flush();  // pending ops may read it: run them (flushes++)
+      expert_held -= v.bytes;
+      ++expert_evictions;
+      c_evictions->add();
+      expert_free.emplace(v.buf.size(), std::move(v.buf));
+      expert_lru.pop_back();
+      experts.erase(victim);
+    }
+    const size_t offset = reinterpret_cast<uintptr_t>(w.bytes.data()) % 256;
+    const size_t buf_bytes = need + offset;
+    cuda::DeviceBuffer buf;
+    if (auto f = expert_free.lower_bound(buf_bytes); f != expert_free.end() && f->first < 2 * buf_bytes) {
+      buf = std::move(f->second);
+      expert_free.erase(f);
+    } else {
+      if (!expert_free.empty() && expert_alloc + buf_bytes > expert_cap) {
+        // Free buffers of other sizes go back to the driver. Graph signatures name memory by
+        // address and cudaMalloc hands freed addresses out again (see free_dev): graphs go.
+        flush();
+        destroy_graphs();
+        for (auto& [sz, b] : expert_free) expert_alloc -= b.size();
+        expert_free.clear();
+      }
+      buf.ensure(buf_bytes, "expert slice");
+      expert_alloc += buf.size();
+    }
+    // Synchronous (see above); from page-locked slabs (ExpertStore::register_slabs) a DMA.
+    check_cuda(cudaMemcpy(static_cast<std::byte*>(buf.get()) + offset, w.bytes.data(), need,
+                          cudaMemcpyHostToDevice),
+               "expert slice upload");
+    expert_lru.push_front(w.content_key);
+    ExpertSlot& e = experts[w.content_key];
+    e.buf = std::move(buf);
+    e.bytes = need;
+    e.offset = offset;
+    e.epoch = flushes;
+    e.op = op_seq;
+    note_op_use(w.content_key);
+    e.lru = expert_lru.begin();
+    expert_held += need;
+    expert_copied += need;
+    ++expert_misses;
+    c_misses->add();
+    c_bytes->add(need);
+    return static_cast<const std::byte*>(e.buf.get()) + offset;
   }
   cuda::DeviceWeight weight(const WeightMatrix& w) {
     KILN_CHECK(cuda::cuda_supports(w.dtype), "cuda: weight type {} has no kernel",
@@ -333,7 +464,7 @@ struct CudaBackend::Impl {
                w.bytes.size(), w.n_rows, w.row_bytes, w.stride());
     // verify mode (tests) may refresh a cached weight in place: pending ops must read the
     // bytes they were recorded with.
-    if (verify && !arena->holds(w.bytes)) flush();
+    if (verify && w.content_key == 0 && !arena->holds(w.bytes)) flush();
     cuda::DeviceWeight d{w.dtype, w.n_cols, w.n_rows, w.row_bytes, nullptr};
     d.data = device_weight_bytes(w);
     weights_ready();
@@ -491,6 +622,10 @@ struct CudaBackend::Impl {
   void flush() {
     launch_chunk();
     if (launched) check_cuda(cudaStreamSynchronize(s()), "synchronize");
+    ++flushes;
+    if (op_keys_seq == op_seq)
+      for (uint64_t k : op_keys)
+        if (auto it = experts.find(k); it != experts.end()) it->second.epoch = flushes;
     launched = false;
     pending.clear();
     key.clear();
@@ -618,7 +753,29 @@ CudaStats CudaBackend::stats() const {
   st.graph_captures = impl_->n_captures;
   st.graph_replays = impl_->n_replays;
   st.device_bytes = impl_->device_bytes;
+  st.expert_hits = impl_->expert_hits;
+  st.expert_misses = impl_->expert_misses;
+  st.expert_evictions = impl_->expert_evictions;
+  st.expert_bytes_copied = impl_->expert_copied;
+  st.expert_bytes_held = impl_->expert_held;
+  st.expert_cache_bytes = impl_->expert_cap;
   return st;
+}
+
+std::shared_ptr<void> CudaBackend::register_host_memory(std::span<std::byte> mem) {
+  if (mem.empty()) return nullptr;
+  void* p = mem.data();
+  if (cudaError_t e = cudaHostRegister(p, mem.size(), cudaHostRegisterPortable); e != cudaSuccess) {
+    cudaGetLastError();
+    log_notice("cuda: could not page-lock {} MiB of expert slabs ({}); copies read pageable "
+               "memory", mem.size() >> 20, cudaGetErrorString(e));
+    return nullptr;
+  }
+  // cudaHostUnregister is synchronous; the store releases this before unmapping the memory.
+  return std::shared_ptr<void>(p, [](void* q) {
+    cudaHostUnregister(q);
+    cudaGetLastError();
+  });
 }
 
 BackendBytes CudaBackend::alloc_bytes(size_t bytes) {
@@ -1430,6 +1587,7 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   impl->kv_bucket = std::max<int64_t>(1, options.graph_kv_bucket);
   impl->verify = options.verify_weight_cache;
   impl->immutable = options.immutable_region;
+  impl->expert_cache_option = options.expert_cache_bytes;
   impl->matmul_kernels =
       options.matmul == CudaMatmul::V1 ? cuda::MatmulKernels::V1 : cuda::MatmulKernels::V2;
   if (options.matmul == CudaMatmul::V3 || options.matmul == CudaMatmul::Auto)

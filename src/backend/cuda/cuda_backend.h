@@ -68,6 +68,10 @@ struct CudaOptions {
   // always is).
   bool graphs = true;
   int64_t graph_kv_bucket = 256;
+  // Device tier of streamed MoE experts (WeightMatrix::content_key != 0): at most this many
+  // bytes of expert slices stay on the device, least recently used evicted. 0: half of the
+  // device memory free when the first one arrives.
+  uint64_t expert_cache_bytes = 0;
 };
 
 struct CudaOpTime {
@@ -90,6 +94,9 @@ struct CudaStats {
   // a graph, replayed from one.
   uint64_t segments_eager = 0, graph_captures = 0, graph_replays = 0;
   uint64_t device_bytes = 0;  // held now by alloc_bytes() buffers (scratch, KV planes)
+  // The expert tier: slices found on the device, copied in, evicted; bytes copied and held.
+  uint64_t expert_hits = 0, expert_misses = 0, expert_evictions = 0;
+  uint64_t expert_bytes_copied = 0, expert_bytes_held = 0, expert_cache_bytes = 0;
 };
 
 class CudaBackend final : public Backend {
@@ -109,6 +116,8 @@ class CudaBackend final : public Backend {
 
   bool device_memory() const override { return true; }
   BackendBytes alloc_bytes(size_t bytes) override;
+  // cudaHostRegister (page-locked, portable); the handle's release unregisters.
+  std::shared_ptr<void> register_host_memory(std::span<std::byte> mem) override;
   void upload_bytes(std::span<const std::byte> host, std::span<std::byte> dst) override;
   void download_bytes(std::span<const std::byte> src, std::span<std::byte> host) override;
   void copy_bytes(std::span<const std::byte> src, std::span<std::byte> dst) override;
