@@ -33,6 +33,11 @@ struct MkModelOptions {
   int32_t n_vocab = 32000, n_ctx = 4096;
   int32_t window = 512, swa_pattern = 6;                // gemma3 only
   int32_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0;  // 0 experts: dense FFN
+  // Router rows scaled by (1 + e)^-skew: expert e's logits spread less the larger e is, so
+  // top-k favours the low ids (a popularity decaying with the id). 0: plain. A plain random
+  // router is far from uniform already (the hidden states share a large common component;
+  // docs/BENCHMARKS.md, issue 9: the most used quarter of the experts takes ~95 % of the gets).
+  float router_skew = 0;
 
   int32_t hd() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
   bool moe() const { return n_expert > 0; }
@@ -103,6 +108,7 @@ struct TensorPlan {
   std::string name;
   std::vector<int64_t> ne;
   float scale = 0;  // uniform in [-scale, scale]; 0 means constant 1 (norm weights)
+  float row_decay = 0;  // row r further scaled by (1 + r)^-row_decay (--router-skew)
 };
 
 std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
@@ -127,7 +133,7 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
     t.push_back({b + "ffn_norm.weight", {E}, 0});
     if (o.moe()) {
       const int64_t F = o.ff_exp(), X = o.n_expert;
-      t.push_back({b + "ffn_gate_inp.weight", {E, X}, w});
+      t.push_back({b + "ffn_gate_inp.weight", {E, X}, w, o.router_skew});
       t.push_back({b + "ffn_gate_exps.weight", {E, F, X}, w});
       t.push_back({b + "ffn_up_exps.weight", {E, F, X}, w});
       t.push_back({b + "ffn_down_exps.weight", {F, E, X}, w});
@@ -198,6 +204,8 @@ Status validate(const MkModelOptions& o) {
   KILN_TRY(positive("--n-head-kv", o.n_head_kv));
   KILN_TRY(positive("--ctx", o.n_ctx));
   if (o.head_dim < 0) return Status::errorf("--head-dim = {} must be > 0", o.head_dim);
+  if (!(o.router_skew >= 0 && o.router_skew <= 8))
+    return Status::errorf("--router-skew {} outside [0, 8]", o.router_skew);
   if (o.head_dim == 0 && o.n_embd % o.n_head != 0)
     return Status::errorf("--n-embd {} is not a multiple of --n-head {} (or give --head-dim)",
                           o.n_embd, o.n_head);
@@ -295,10 +303,11 @@ int run_mkmodel(const MkModelOptions& o) {
         std::vector<float> row(static_cast<size_t>(n_cols));
         for (int64_t r = r0; r < r1; ++r) {
           uint64_t state = tensor_seed + uint64_t(r) * 0xD1B54A32D192ED03ull;
+          const double decay = t.row_decay > 0 ? std::pow(1.0 + double(r), -double(t.row_decay)) : 1.0;
           for (float& x : row) {
             if (t.scale == 0) { x = 1.0f; continue; }
             const double u = double(splitmix(state) >> 11) * 0x1.0p-53;  // [0, 1)
-            x = float((2 * u - 1) * t.scale);
+            x = t.row_decay > 0 ? float((2 * u - 1) * t.scale * decay) : float((2 * u - 1) * t.scale);
           }
           quant::quantize_row(type, row, out.subspan(size_t(r) * row_size, row_size));
         }
@@ -343,6 +352,9 @@ void add_mkmodel_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--n-expert", o->n_expert, "experts per layer (qwen3moe; llama: Mixtral layout)");
   cmd->add_option("--n-expert-used", o->n_expert_used, "experts each token is routed to");
   cmd->add_option("--n-ff-exp", o->n_ff_exp, "feed-forward width of one expert (default --n-ff)");
+  cmd->add_option("--router-skew", o->router_skew,
+                  "MoE: scale router row e by (1 + e)^-S, a popularity decaying with the expert "
+                  "id (default 0: a plain random router)");
   cmd->add_option("--n-vocab", o->n_vocab, "vocabulary size (>= 260)");
   cmd->add_option("--ctx", o->n_ctx, "context_length metadata");
   cmd->add_option("--type", o->type, "weight type preset: f32 f16 bf16 q8_0 q4_0 q4_k_m ...");

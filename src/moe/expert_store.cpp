@@ -25,6 +25,9 @@ uint64_t align_down(uint64_t n) { return n / kDirectAlign * kDirectAlign; }
 constexpr int kBuckets = 128;
 std::array<std::atomic<uint64_t>, kBuckets> g_latency{};
 std::atomic<bool> g_any_store{false};
+// The live stores, for format_store_stats' popularity lines.
+std::mutex g_stores_mu;
+std::vector<std::weak_ptr<ExpertStore>> g_stores;
 
 void record_latency(std::chrono::nanoseconds d) {
   const double us = std::max(1.0, d.count() / 1e3);
@@ -63,7 +66,13 @@ std::string format_store_stats() {
                                  "device, {} evictions\n",
                                  dh, dm, r.counter("moe.device_bytes_copied").value() / 1048576.0,
                                  r.counter("moe.device_evictions").value());
-  return device + fmt::format(
+  std::string popularity;
+  {
+    std::lock_guard lock(g_stores_mu);
+    for (const auto& w : g_stores)
+      if (auto s = w.lock()) popularity += s->popularity_summary();
+  }
+  return popularity + device + fmt::format(
       "moe: expert gets {} ({} hits, {} misses, hit rate {:.1f}%), prefetched {} ({} used)\n"
       "moe: read {:.1f} MiB, load latency p50 {:.0f} us, p99 {:.0f} us, forward stalled "
       "{:.1f} ms on loads\n",
@@ -161,6 +170,7 @@ Expected<std::shared_ptr<ExpertStore>> ExpertStore::create(const std::string& pa
     L.first_slab = n_slabs;
     L.slab_of.assign(static_cast<size_t>(L.n_expert), -1);
     L.score.assign(static_cast<size_t>(L.n_expert), 0.0f);
+    L.gets.assign(static_cast<size_t>(L.n_expert), 0);
     n_slabs += std::min(st->cap_, L.n_expert);
   }
   // One allocation for every slab: page-aligned (direct I/O), never moved, no per-load malloc.
@@ -195,6 +205,11 @@ Expected<std::shared_ptr<ExpertStore>> ExpertStore::create(const std::string& pa
   st->load_timer_ = &r.timer("moe.load");
   st->stall_timer_ = &r.timer("moe.stall");
   g_any_store.store(true);
+  {
+    std::lock_guard lock(g_stores_mu);
+    std::erase_if(g_stores, [](const auto& w) { return w.expired(); });
+    g_stores.push_back(st);
+  }
   log_info("expert cache: {} experts per layer over {} MoE layers, {} slabs of {:.2f} MiB "
            "({:.1f} MiB), {}{}", st->cap_, n_moe, n_slabs, st->slab_bytes_ / 1048576.0,
            st->arena_bytes_ / 1048576.0, st->reader_->uses_uring() ? "io_uring" : "pread",
@@ -215,6 +230,26 @@ ExpertStore::~ExpertStore() {
   // would leave the driver holding page-locked ranges of whatever is mapped there next.
   host_registration_.reset();
   if (arena_) ::munmap(arena_, arena_bytes_);
+}
+
+std::string ExpertStore::popularity_summary() {
+  std::lock_guard lock(mu_);
+  uint64_t total = 0, top25 = 0, top10 = 0;
+  for (const Layer& L : layers_) {
+    if (L.n_expert == 0) continue;
+    std::vector<uint64_t> g = L.gets;
+    std::sort(g.begin(), g.end(), std::greater<>());
+    const size_t q25 = std::max<size_t>(1, g.size() / 4), q10 = std::max<size_t>(1, g.size() / 10);
+    for (size_t i = 0; i < g.size(); ++i) {
+      total += g[i];
+      if (i < q25) top25 += g[i];
+      if (i < q10) top10 += g[i];
+    }
+  }
+  if (total == 0) return {};
+  return fmt::format("moe: routing popularity: the most used 25 % of each layer's experts took "
+                     "{:.1f} % of the gets, the top 10 % {:.1f} %\n",
+                     100.0 * double(top25) / double(total), 100.0 * double(top10) / double(total));
 }
 
 uint64_t ExpertStore::content_key(int32_t layer, int32_t expert, int part) const {
@@ -393,6 +428,7 @@ ExpertWeights ExpertStore::get(int32_t layer, int32_t expert) {
     if (prefetch_) prefetch_next(lock, layer);
   }
   L.score[static_cast<size_t>(expert)] += 1.0f;
+  ++L.gets[static_cast<size_t>(expert)];
 
   bool counted = false;
   std::chrono::steady_clock::time_point wait_start{};

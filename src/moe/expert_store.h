@@ -76,6 +76,9 @@ class ExpertStore final : public ExpertSource {
   // released before the memory is unmapped, in the destructor. Safe to call again (no-op).
   using HostRegistrar = std::function<std::shared_ptr<void>(std::span<std::byte>)>;
   void register_slabs(const HostRegistrar& reg);
+  // How skewed the routing was: the share of get()s that went to the most used 25 % / 10 %
+  // of each layer's experts, over every MoE layer ("" before the first get).
+  std::string popularity_summary();
   bool slabs_registered() const { return host_registration_ != nullptr; }
   // WeightMatrix::content_key of part (0 gate, 1 up, 2 down) of an expert: nonzero, distinct
   // per (store, layer, expert, part), the same whichever slab holds the expert.
@@ -94,6 +97,7 @@ class ExpertStore final : public ExpertSource {
     int32_t first_slab = 0;        // slabs [first_slab, first_slab + cap) belong to this layer
     std::vector<int32_t> slab_of;  // [n_expert] slab holding the expert, or -1
     std::vector<float> score;      // [n_expert] decayed use counts (prefetch's popularity)
+    std::vector<uint64_t> gets;    // [n_expert] get() calls (the routing's popularity)
     // Threads holding pins in this layer and how many. A thread that holds none enters only
     // while (holders + 1) * n_used <= cap: each holder may then take the n_used experts one
     // token needs without waiting on another holder, so concurrent sessions cannot deadlock

@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
+#include <filesystem>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -219,6 +221,49 @@ TEST(MkModelShapes, Qwen3MoeLoadsAndBenchCountsItsExperts) {
     EXPECT_EQ(L.n_ff_expert, 256);
   }
   expect_bytes_match(path);
+}
+
+// --router-skew S scales router row e by (1 + e)^-S (a skewed expert popularity for issue 9's
+// streaming benchmark); S = 0 leaves the file byte-identical to a run without the option; the
+// streaming `--stats` report says how skewed the routing it saw was.
+TEST(MkModelShapes, RouterSkewScalesRouterRowsAndStatsReportPopularity) {
+  const std::string dir = testing::temp_dir();
+  auto make = [&](const std::string& out, const std::vector<std::string>& extra) {
+    std::vector<std::string> a = {"mkmodel", "-o", out, "--arch", "qwen3moe", "--n-layer", "2",
+                                  "--n-embd", "256", "--n-head", "4", "--n-head-kv", "2",
+                                  "--head-dim", "64", "--n-expert", "16", "--n-expert-used", "2",
+                                  "--n-ff-exp", "256", "--n-vocab", "600", "--type", "f16",
+                                  "-t", "2"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    const Proc p = run_kiln(a);
+    EXPECT_EQ(p.rc, 0) << p.err;
+  };
+  make(dir + "/plain.gguf", {});
+  make(dir + "/zero.gguf", {"--router-skew", "0"});
+  make(dir + "/skew.gguf", {"--router-skew", "1.5"});
+  EXPECT_EQ(testing::read_file(dir + "/plain.gguf"), testing::read_file(dir + "/zero.gguf"));
+  auto plain = GgufFile::open(dir + "/plain.gguf"), skew = GgufFile::open(dir + "/skew.gguf");
+  ASSERT_TRUE(plain && skew);
+  const auto* tp = plain->find_tensor("blk.0.ffn_gate_inp.weight");
+  const auto* ts = skew->find_tensor("blk.0.ffn_gate_inp.weight");
+  ASSERT_TRUE(tp && ts);
+  ASSERT_EQ(tp->dtype, DType::F32);  // routers stay f32 in every preset
+  const auto* rp = reinterpret_cast<const float*>(plain->view(*tp).bytes.data());
+  const auto* rs = reinterpret_cast<const float*>(skew->view(*ts).bytes.data());
+  for (int64_t e : {0, 1, 7, 15})
+    for (int64_t c : {0, 5, 255}) {
+      const float want = static_cast<float>(rp[e * 256 + c] * std::pow(1.0 + double(e), -1.5));
+      EXPECT_NEAR(rs[e * 256 + c], want, 1e-6f * std::fabs(rp[e * 256 + c]) + 1e-12f)
+          << "expert " << e << " col " << c;
+    }
+  expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--router-skew", "-1"}),
+                     "router-skew");
+  const Proc r = run_kiln({"run", "-m", dir + "/skew.gguf", "-p", "hello world", "-n", "8",
+                           "--temp", "0", "--expert-cap", "4", "--stats"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("moe: routing popularity: the most used 25 % of each layer's experts took"),
+            std::string::npos) << r.err;
+  std::filesystem::remove_all(dir);
 }
 
 TEST(MkModelShapes, Gemma3HasItsWindowPatternAndTiedOutput) {
