@@ -380,37 +380,47 @@ BENCHMARK(BM_Q4KPackedOnOff)->Apply(PackedOnOffArgs)
 // same bits. args: type, tokens, rows, columns. (Below 4 tokens both runs take the plain
 // kernels, so 1 and 2 tokens read 1.0 by construction; Q4_K at 12+ tokens takes the packed
 // kernel either way.)
-void BM_KQPairOnOff(benchmark::State& state) {
-  const auto type = static_cast<DType>(state.range(0));
-  const int64_t n_tok = state.range(1), n_rows = state.range(2), n_cols = state.range(3);
-  const BenchWeights& w = weights(type, n_rows, n_cols);
-  std::vector<float> X(n_tok * n_cols), C_on(n_tok * n_rows), C_off(n_tok * n_rows);
+// A kernel switch on vs off on one matmul (1 thread, thread CPU time, alternating within
+// each iteration, best of each), the two outputs compared bit for bit; sets the new/old
+// counters and returns the best times (new, old) in seconds.
+std::pair<double, double> time_on_off(benchmark::State& state, void (*set)(bool),
+                                      const BenchWeights& w, int64_t n_tok, const char* what) {
+  std::vector<float> X(n_tok * w.m.n_cols), C_on(n_tok * w.m.n_rows), C_off(n_tok * w.m.n_rows);
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   for (float& v : X) v = nd(rng);
   Backend& be = backend(1);
   double best_on = 1e30, best_off = 1e30;
   for (auto _ : state) {
-    cpu::set_kq_pair_matmul(true);
+    set(true);
     const double t0 = thread_cpu_s();
     be.matmul(w.m, X, n_tok, C_on);
     benchmark::DoNotOptimize(C_on.data());
     const double t1 = thread_cpu_s();
-    cpu::set_kq_pair_matmul(false);
+    set(false);
     be.matmul(w.m, X, n_tok, C_off);
     benchmark::DoNotOptimize(C_off.data());
     const double t2 = thread_cpu_s();
     best_on = std::min(best_on, t1 - t0);
     best_off = std::min(best_off, t2 - t1);
   }
-  cpu::set_kq_pair_matmul(true);
+  set(true);
   if (std::memcmp(C_on.data(), C_off.data(), C_on.size() * sizeof(float)) != 0)
-    state.SkipWithError("small-batch and plain kernels differ");
-  state.SetLabel(std::string(dtype_name(type)) + " small-batch vs plain, " + cpu_simd_target());
+    state.SkipWithError((std::string(what) + " and plain kernels differ").c_str());
+  state.SetLabel(std::string(dtype_name(w.m.dtype)) + " " + what + " vs plain, " + cpu_simd_target());
   state.counters["new_us"] = best_on * 1e6;
   state.counters["old_us"] = best_off * 1e6;
-  state.counters["new_us/tok"] = best_on * 1e6 / static_cast<double>(n_tok);
   state.counters["speedup"] = best_off / best_on;
+  return {best_on, best_off};
+}
+
+void BM_KQPairOnOff(benchmark::State& state) {
+  const auto type = static_cast<DType>(state.range(0));
+  const int64_t n_tok = state.range(1), n_rows = state.range(2), n_cols = state.range(3);
+  const auto [best_on, best_off] =
+      time_on_off(state, cpu::set_kq_pair_matmul, weights(type, n_rows, n_cols), n_tok, "small-batch");
+  state.counters["new_us/tok"] = best_on * 1e6 / static_cast<double>(n_tok);
+  (void)best_off;
 }
 void KQPairArgs(benchmark::internal::Benchmark* b) {
   for (DType type : {DType::Q4_K, DType::Q6_K})
@@ -428,35 +438,10 @@ void BM_KQOneOnOff(benchmark::State& state) {
   const auto type = static_cast<DType>(state.range(0));
   const int64_t n_rows = state.range(1), n_cols = state.range(2);
   const BenchWeights& w = weights(type, n_rows, n_cols);
-  std::vector<float> X(n_cols), C_on(n_rows), C_off(n_rows);
-  std::mt19937 rng(1);
-  std::normal_distribution<float> nd;
-  for (float& v : X) v = nd(rng);
-  Backend& be = backend(1);
-  double best_on = 1e30, best_off = 1e30;
-  for (auto _ : state) {
-    cpu::set_kq_one_matvec(true);
-    const double t0 = thread_cpu_s();
-    be.matmul(w.m, X, 1, C_on);
-    benchmark::DoNotOptimize(C_on.data());
-    const double t1 = thread_cpu_s();
-    cpu::set_kq_one_matvec(false);
-    be.matmul(w.m, X, 1, C_off);
-    benchmark::DoNotOptimize(C_off.data());
-    const double t2 = thread_cpu_s();
-    best_on = std::min(best_on, t1 - t0);
-    best_off = std::min(best_off, t2 - t1);
-  }
-  cpu::set_kq_one_matvec(true);
-  if (std::memcmp(C_on.data(), C_off.data(), C_on.size() * sizeof(float)) != 0)
-    state.SkipWithError("one-token and plain kernels differ");
+  const auto [best_on, best_off] = time_on_off(state, cpu::set_kq_one_matvec, w, 1, "one-token");
   const double bytes = static_cast<double>(w.bytes.size());
-  state.SetLabel(std::string(dtype_name(type)) + " one-token vs plain, " + cpu_simd_target());
-  state.counters["new_us"] = best_on * 1e6;
-  state.counters["old_us"] = best_off * 1e6;
   state.counters["new_GB/s"] = bytes / best_on * 1e-9;
   state.counters["old_GB/s"] = bytes / best_off * 1e-9;
-  state.counters["speedup"] = best_off / best_on;
 }
 void KQOneArgs(benchmark::internal::Benchmark* b) {
   for (DType type : {DType::Q4_K, DType::Q6_K})
