@@ -13,6 +13,7 @@
 #include "backend/cuda/kernels.h"
 #include "core/half.h"
 #include "cuda_test_common.h"
+#include "ops/attention_common.h"
 #include "ops/ops_common.h"
 
 namespace kiln {
@@ -22,6 +23,8 @@ using kiln::testing::close;
 using kiln::testing::cuda_under_test;
 using kiln::testing::ops_seed;
 using kiln::testing::random_vec;
+using kiln::testing::AttnProblem;
+using kiln::testing::random_attention;
 
 struct AttnCase {
   int64_t n_head, n_head_kv, head_dim, n_q, n_kv;
@@ -34,43 +37,14 @@ void run_case(const AttnCase& c, std::mt19937_64& rng) {
                << "heads " << c.n_head << "/" << c.n_head_kv << " hd " << c.head_dim << " n_q "
                << c.n_q << " n_kv " << c.n_kv << " window " << c.window << " softcap " << c.softcap
                << " seed " << ops_seed());
-  const int64_t kv_w = c.n_head_kv * c.head_dim, q_w = c.n_head * c.head_dim;
-  const int64_t n_phys = c.n_kv + 3;
-  // A ring: logical key j lives at physical row (j + origin) % n_phys.
-  const int32_t origin = static_cast<int32_t>(rng() % n_phys);
-  const int32_t base_pos = static_cast<int32_t>(rng() % 1000);
-  std::vector<int32_t> kv_rows(c.n_kv), kv_pos(c.n_kv), q_pos(c.n_q);
-  for (int64_t j = 0; j < c.n_kv; ++j) {
-    kv_rows[j] = static_cast<int32_t>((j + origin) % n_phys);
-    kv_pos[j] = base_pos + static_cast<int32_t>(j);
-  }
-  // The last n_q positions (prefill of a suffix); with room, the first query sees nothing.
-  for (int64_t i = 0; i < c.n_q; ++i)
-    q_pos[i] = base_pos + static_cast<int32_t>(c.n_kv - c.n_q + i);
-  if (c.n_q > 2) q_pos[0] = base_pos - 1;
-  std::vector<f16> k(n_phys * kv_w), v(n_phys * kv_w);
-  const std::vector<float> kf = random_vec(rng, k.size(), 1.0f),
-                           vf = random_vec(rng, v.size(), 1.0f);
-  for (size_t i = 0; i < k.size(); ++i) {
-    k[i] = f32_to_f16(kf[i]);
-    v[i] = f32_to_f16(vf[i]);
-  }
-  const std::vector<float> q = random_vec(rng, c.n_q * q_w, 2.0f);
+  const int64_t q_w = c.n_head * c.head_dim;
+  // A ring of n_kv + 3 rows; with more than two queries the first sees no key.
+  AttnProblem p = random_attention(rng, c.n_head, c.n_head_kv, c.head_dim, c.n_q, c.n_kv,
+                                   c.n_kv + 3, c.window, c.softcap, 2.0f, 3);
+  const std::vector<float>& q = p.q;
+  const std::vector<f16>&k = p.k, &v = p.v;
   std::vector<float> out_ref(q.size(), NAN), out_gpu(q.size(), NAN);
-  AttentionArgs a;
-  a.q = q;
-  a.k = k;
-  a.v = v;
-  a.kv_rows = kv_rows;
-  a.kv_pos = kv_pos;
-  a.q_pos = q_pos;
-  a.n_q = c.n_q;
-  a.n_head = c.n_head;
-  a.n_head_kv = c.n_head_kv;
-  a.head_dim = c.head_dim;
-  a.window = c.window;
-  a.scale = 1.0f / std::sqrt(float(c.head_dim));
-  a.softcap = c.softcap;
+  AttentionArgs& a = p.args;
   a.out = out_ref;
   cuda_under_test().ref->attention(a);
   a.out = out_gpu;

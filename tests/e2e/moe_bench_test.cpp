@@ -152,43 +152,39 @@ std::vector<float> logits_chunked(const std::shared_ptr<const Model>& m, Backend
 class MoeDecodePath : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(MoeDecodePath, OneTokenStepsMatchPrefillBitForBit) {
-  auto m = Model::load(testing::model_path(GetParam()));
-  ASSERT_TRUE(m.has_value()) << m.error();
+  const auto m = enginetest::load(GetParam());
+  ASSERT_NE(m, nullptr);
   auto be = make_cpu_backend(2);
-  std::mt19937 rng(11);
-  std::vector<int32_t> prompt{1};
-  while (prompt.size() < 40) prompt.push_back(2 + int32_t(rng() % uint32_t((*m)->n_vocab() - 2)));
-  const auto whole = logits_chunked(*m, *be, prompt, 64);
-  const auto steps = logits_chunked(*m, *be, prompt, 1);
-  ASSERT_EQ(whole.size(), prompt.size() * size_t((*m)->n_vocab()));
+  const std::vector<int32_t> prompt = enginetest::random_prompt(40, m->n_vocab(), 11);
+  const auto whole = logits_chunked(m, *be, prompt, 64);
+  const auto steps = logits_chunked(m, *be, prompt, 1);
+  ASSERT_EQ(whole.size(), prompt.size() * size_t(m->n_vocab()));
   ASSERT_EQ(steps.size(), whole.size());
   size_t first_diff = whole.size();
   for (size_t i = 0; i < whole.size() && first_diff == whole.size(); ++i)
     if (std::memcmp(&whole[i], &steps[i], sizeof(float)) != 0) first_diff = i;
   EXPECT_EQ(first_diff, whole.size()) << GetParam() << ": differs first at token "
-                                      << first_diff / size_t((*m)->n_vocab());
+                                      << first_diff / size_t(m->n_vocab());
 }
 
 // The decode-speed switches of the CPU backend (one-token VNNI kernels, their software
 // prefetch) change no bits: a decode with all of them off gives the same
 // logits, memcmp'd, as with all of them on (the defaults), on 2 threads.
 TEST_P(MoeDecodePath, DecodeSpeedSwitchesChangeNoBits) {
-  auto m = Model::load(testing::model_path(GetParam()));
-  ASSERT_TRUE(m.has_value()) << m.error();
+  const auto m = enginetest::load(GetParam());
+  ASSERT_NE(m, nullptr);
   auto be = make_cpu_backend(2);
-  std::mt19937 rng(12);
-  std::vector<int32_t> prompt{1};
-  while (prompt.size() < 24) prompt.push_back(2 + int32_t(rng() % uint32_t((*m)->n_vocab() - 2)));
+  const std::vector<int32_t> prompt = enginetest::random_prompt(24, m->n_vocab(), 12);
   struct Restore {
     ~Restore() {
       cpu::set_kq_one_matvec(true);
       cpu::set_matvec_prefetch_bytes(cpu::kDefaultMatvecPrefetchBytes);
     }
   } restore;
-  const auto on = logits_chunked(*m, *be, prompt, 1);
+  const auto on = logits_chunked(m, *be, prompt, 1);
   cpu::set_kq_one_matvec(false);
   cpu::set_matvec_prefetch_bytes(0);
-  const auto off = logits_chunked(*m, *be, prompt, 1);
+  const auto off = logits_chunked(m, *be, prompt, 1);
   ASSERT_EQ(on.size(), off.size());
   EXPECT_EQ(0, std::memcmp(on.data(), off.data(), on.size() * sizeof(float))) << GetParam();
 }

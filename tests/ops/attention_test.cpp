@@ -11,6 +11,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_backend.h"
+#include "attention_common.h"
 #include "backend/cpu/kernels.h"
 #include "ops_common.h"
 
@@ -20,6 +21,8 @@ namespace {
 using kiln::testing::close;
 using kiln::testing::ops_seed;
 using kiln::testing::random_vec;
+using kiln::testing::AttnProblem;
+using kiln::testing::random_attention;
 
 struct AttnCase {
   int64_t n_head, n_head_kv, head_dim, n_q, n_kv;
@@ -32,43 +35,13 @@ void run_case(const AttnCase& c, Backend& ref, Backend& cpu, std::mt19937_64& rn
                                     << c.head_dim << " n_q " << c.n_q << " n_kv " << c.n_kv
                                     << " window " << c.window << " softcap " << c.softcap
                                     << " seed " << ops_seed());
-  const int64_t kv_w = c.n_head_kv * c.head_dim, q_w = c.n_head * c.head_dim;
-  const int64_t n_phys = c.n_kv + 3;
-  // A ring: logical key j lives at physical row (j + origin) % n_phys.
-  const int32_t origin = static_cast<int32_t>(rng() % n_phys);
-  const int32_t base_pos = static_cast<int32_t>(rng() % 1000);
-  std::vector<int32_t> kv_rows(c.n_kv), kv_pos(c.n_kv), q_pos(c.n_q);
-  for (int64_t j = 0; j < c.n_kv; ++j) {
-    kv_rows[j] = static_cast<int32_t>((j + origin) % n_phys);
-    kv_pos[j] = base_pos + static_cast<int32_t>(j);
-  }
-  // Queries are the last n_q positions (prefill of a suffix), the first also one that sees
-  // nothing when there is room before base_pos.
-  for (int64_t i = 0; i < c.n_q; ++i)
-    q_pos[i] = base_pos + static_cast<int32_t>(c.n_kv - c.n_q + i);
-  if (c.n_q > 2) q_pos[0] = base_pos - 1;
-  std::vector<f16> k(n_phys * kv_w), v(n_phys * kv_w);
-  const std::vector<float> kf = random_vec(rng, k.size(), 1.0f), vf = random_vec(rng, v.size(), 1.0f);
-  for (size_t i = 0; i < k.size(); ++i) {
-    k[i] = f32_to_f16(kf[i]);
-    v[i] = f32_to_f16(vf[i]);
-  }
-  const std::vector<float> q = random_vec(rng, c.n_q * q_w, 2.0f);
+  const int64_t q_w = c.n_head * c.head_dim;
+  // A ring of n_kv + 3 rows; with more than two queries the first sees no key.
+  AttnProblem p = random_attention(rng, c.n_head, c.n_head_kv, c.head_dim, c.n_q, c.n_kv,
+                                   c.n_kv + 3, c.window, c.softcap, 2.0f, 3);
+  const std::vector<float>& q = p.q;
   std::vector<float> out_ref(q.size(), NAN), out_cpu(q.size(), NAN);
-  AttentionArgs a;
-  a.q = q;
-  a.k = k;
-  a.v = v;
-  a.kv_rows = kv_rows;
-  a.kv_pos = kv_pos;
-  a.q_pos = q_pos;
-  a.n_q = c.n_q;
-  a.n_head = c.n_head;
-  a.n_head_kv = c.n_head_kv;
-  a.head_dim = c.head_dim;
-  a.window = c.window;
-  a.scale = 1.0f / std::sqrt(float(c.head_dim));
-  a.softcap = c.softcap;
+  AttentionArgs& a = p.args;
   a.out = out_ref;
   ref.attention(a);
   a.out = out_cpu;
@@ -76,8 +49,9 @@ void run_case(const AttnCase& c, Backend& ref, Backend& cpu, std::mt19937_64& rn
   // Outputs are convex combinations of V rows (|v| <= ~5): f32 online softmax vs double.
   for (size_t i = 0; i < q.size(); ++i)
     ASSERT_TRUE(close(out_cpu[i], out_ref[i], 2e-5 * (1 + std::fabs(out_ref[i])))) << "elem " << i;
-  if (c.n_q > 2)  // the query before every key: zeros
+  if (c.n_q > 2) {  // the query before every key: zeros
     for (int64_t d = 0; d < q_w; ++d) ASSERT_EQ(out_cpu[d], 0.0f);
+  }
 }
 
 TEST(AttentionVsRef, Configurations) {
@@ -131,40 +105,15 @@ TEST(AttentionGrouped, SameBitsAsPerPairKernel) {
                                           << " n_q " << n_q << " n_kv " << n_kv << " window "
                                           << window << " softcap " << softcap);
         if (cpu::attention_group_tokens(hd, group) > 0) ++grouped_cases;
-        const int64_t kv_w = n_head_kv * hd, q_w = n_head * hd, n_phys = n_kv + 5;
-        const int32_t origin = static_cast<int32_t>(rng() % n_phys);
-        const int32_t base_pos = static_cast<int32_t>(rng() % 1000);
-        std::vector<int32_t> kv_rows(n_kv), kv_pos(n_kv), q_pos(n_q);
-        for (int64_t j = 0; j < n_kv; ++j) {
-          kv_rows[j] = static_cast<int32_t>((j + origin) % n_phys);
-          kv_pos[j] = base_pos + static_cast<int32_t>(j);
-        }
-        // The last n_q positions (a verify batch attends over its own rows causally); the
-        // first query sees nothing where there is more than one.
-        for (int64_t i = 0; i < n_q; ++i) q_pos[i] = base_pos + static_cast<int32_t>(n_kv - n_q + i);
-        if (n_q > 1) q_pos[0] = base_pos - 1;
-        std::vector<f16> k(n_phys * kv_w), v(n_phys * kv_w);
-        const std::vector<float> kf = random_vec(rng, k.size(), 1.0f), vf = random_vec(rng, v.size(), 1.0f);
-        for (size_t i = 0; i < k.size(); ++i) {
-          k[i] = f32_to_f16(kf[i]);
-          v[i] = f32_to_f16(vf[i]);
-        }
-        // Large enough logits that the running max grows inside and across key blocks.
-        const std::vector<float> q = random_vec(rng, n_q * q_w, 3.0f);
-        AttentionArgs a;
-        a.q = q;
-        a.k = k;
-        a.v = v;
-        a.kv_rows = kv_rows;
-        a.kv_pos = kv_pos;
-        a.q_pos = q_pos;
-        a.n_q = n_q;
-        a.n_head = n_head;
-        a.n_head_kv = n_head_kv;
-        a.head_dim = hd;
-        a.window = window;
-        a.scale = 1.0f / std::sqrt(float(hd));
-        a.softcap = softcap;
+        const int64_t q_w = n_head * hd;
+        // A verify batch attends over its own rows causally; with more than one query the
+        // first sees nothing. Large enough logits that the running max grows inside and across
+        // key blocks.
+        AttnProblem p = random_attention(rng, n_head, n_head_kv, hd, n_q, n_kv, n_kv + 5, window,
+                                         softcap, 3.0f, 2);
+        const std::vector<float>& q = p.q;
+        const std::vector<int32_t>& q_pos = p.q_pos;
+        AttentionArgs& a = p.args;
         std::vector<float> on1(q.size(), NAN), on2(q.size(), NAN), off1(q.size(), NAN);
         cpu::set_attention_grouped(true);
         a.out = on1;
@@ -190,8 +139,9 @@ TEST(AttentionGrouped, SameBitsAsPerPairKernel) {
           ASSERT_EQ(0, std::memcmp(alone.data(), on1.data() + i * q_w, q_w * sizeof(float)))
               << "query " << i << " alone differs from the batch of " << n_q;
         }
-        if (n_q > 1)
+        if (n_q > 1) {
           for (int64_t d = 0; d < q_w; ++d) ASSERT_EQ(on1[d], 0.0f);
+        }
       }
     }
   }
