@@ -1090,23 +1090,16 @@ size_t matmul_scratch_floats(const WeightMatrix& w) {
 }
 
 namespace {
-std::atomic<bool> g_q4k_packed{true};
+// The kernel switches (kernels.h): process-wide, set from the config by the apps, read per call.
+std::atomic<bool> g_q4k_packed{true}, g_kq_pair{true}, g_kq_one{true};
+std::atomic<int64_t> g_matvec_prefetch{kDefaultMatvecPrefetchBytes};
 }  // namespace
 void set_q4k_packed_matmul(bool on) { g_q4k_packed.store(on, std::memory_order_relaxed); }
 bool q4k_packed_matmul() { return g_q4k_packed.load(std::memory_order_relaxed); }
-namespace {
-std::atomic<bool> g_kq_pair{true};
-}  // namespace
 void set_kq_pair_matmul(bool on) { g_kq_pair.store(on, std::memory_order_relaxed); }
 bool kq_pair_matmul() { return g_kq_pair.load(std::memory_order_relaxed); }
-namespace {
-std::atomic<bool> g_kq_one{true};
-}  // namespace
 void set_kq_one_matvec(bool on) { g_kq_one.store(on, std::memory_order_relaxed); }
 bool kq_one_matvec() { return g_kq_one.load(std::memory_order_relaxed); }
-namespace {
-std::atomic<int64_t> g_matvec_prefetch{kDefaultMatvecPrefetchBytes};
-}  // namespace
 void set_matvec_prefetch_bytes(int64_t bytes) {
   g_matvec_prefetch.store(std::max<int64_t>(0, bytes), std::memory_order_relaxed);
 }

@@ -457,6 +457,23 @@ struct CudaBackend::Impl {
     check_cuda(cudaEventSynchronize(arena->ready()), "wait for weight upload");
     uploads_seen = u;
   }
+  // The resident rmsnorm (add_to null) or add_rmsnorm (add_to: the device rows x that `in`
+  // is added to, in place): `in` and the weight staged or cached, one recorded launch.
+  void record_norm(std::span<const float> in, float* add_to, std::span<const float> weight,
+                   int64_t n, float eps, float* dy) {
+    enter();
+    room(float_room(in) + float_room(weight));
+    const float* din = floats(in);
+    const float* dw = floats(weight);
+    weights_ready();
+    const int64_t rows = static_cast<int64_t>(in.size()) / n;
+    const char* op = add_to ? "add_rmsnorm" : "rmsnorm";
+    sig(op, add_to, din, dw, rows, n, eps, dy);
+    record(op, [=](cudaStream_t st) {
+      return add_to ? cuda::launch_add_rmsnorm(add_to, din, dw, rows, n, eps, dy, st)
+                    : cuda::launch_rmsnorm(din, dw, rows, n, eps, dy, st);
+    });
+  }
   cuda::DeviceWeight weight_resident(const WeightMatrix& w) {
     KILN_CHECK(cuda::cuda_supports(w.dtype), "cuda: weight type {} has no kernel",
                dtype_name(w.dtype));
@@ -1081,16 +1098,7 @@ void CudaBackend::rmsnorm(std::span<const float> x, std::span<const float> weigh
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
   if (I.is_dev(y.data())) {
-    I.enter();
-    I.room(I.float_room(x) + I.float_room(weight));
-    const float* dx = I.floats(x);
-    const float* dw = I.floats(weight);
-    I.weights_ready();
-    float* dy = y.data();
-    const int64_t rows = static_cast<int64_t>(x.size()) / n;
-    I.sig("rmsnorm", dx, dw, rows, n, eps, dy);
-    I.record("rmsnorm",
-             [=](cudaStream_t st) { return cuda::launch_rmsnorm(dx, dw, rows, n, eps, dy, st); });
+    I.record_norm(x, nullptr, weight, n, eps, y.data());
     return;
   }
   I.begin_host_op({x.data(), weight.data()}, "rmsnorm");
@@ -1113,18 +1121,7 @@ void CudaBackend::add_rmsnorm(std::span<float> x, std::span<const float> a,
   {
     std::lock_guard lock(I.mu);
     if (I.is_dev(x.data()) && I.is_dev(y.data())) {
-      I.enter();
-      I.room(I.float_room(a) + I.float_room(weight));
-      const float* da = I.floats(a);
-      const float* dw = I.floats(weight);
-      I.weights_ready();
-      float* dx = x.data();
-      float* dy = y.data();
-      const int64_t rows = static_cast<int64_t>(x.size()) / n;
-      I.sig("add_rmsnorm", dx, da, dw, rows, n, eps, dy);
-      I.record("add_rmsnorm", [=](cudaStream_t st) {
-        return cuda::launch_add_rmsnorm(dx, da, dw, rows, n, eps, dy, st);
-      });
+      I.record_norm(a, x.data(), weight, n, eps, y.data());
       return;
     }
   }

@@ -41,6 +41,21 @@ __device__ __forceinline__ float warp_sum_rn(float v) {
   return v;
 }
 
+// Rows r0..r0+R-1, tokens t0..t0+nt-1 of y: each lane's partial sum reduced over the warp in
+// one fixed order (warp_sum_rn), written by lane 0; rows past the matrix dropped.
+template <int R, int NT>
+__device__ __forceinline__ void store_sums(const float (&acc)[R][NT], int nt, int lane,
+                                           int64_t t0, int64_t r0, int64_t n_rows, float* y) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t >= nt) break;
+      const float s = warp_sum_rn(acc[i][t]);
+      if (lane == 0 && r0 + i < n_rows) y[(t0 + t) * n_rows + r0 + i] = s;
+    }
+}
+
 // ---- activations: one warp per 32-element block.
 __global__ void quantize_act_q8_kernel(const float* __restrict__ x, int64_t n_blocks,
                                        int8_t* __restrict__ q, float2* __restrict__ ds) {
@@ -373,14 +388,7 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
         }
       }
     }
-#pragma unroll
-    for (int i = 0; i < R; ++i)
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        if (t >= nt) break;
-        const float s = warp_sum_rn(acc[i][t]);
-        if (lane == 0 && r0 + i < n_rows) y[(t0 + t) * n_rows + r0 + i] = s;
-      }
+    store_sums<R, NT>(acc, nt, lane, t0, r0, n_rows, y);
   }
 }
 
@@ -472,18 +480,19 @@ __global__ void __launch_bounds__(kFloatWarps* kWarp)
         }
       }
     }
-#pragma unroll
-    for (int i = 0; i < R; ++i)
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        if (t >= nt) break;
-        const float s = warp_sum_rn(acc[i][t]);
-        if (lane == 0 && r0 + i < n_rows) y[(t0 + t) * n_rows + r0 + i] = s;
-      }
+    store_sums<R, NT>(acc, nt, lane, t0, r0, n_rows, y);
   }
 }
 
 constexpr bool is_float(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+
+// The float kernel's preconditions: float weights, 1-8 tokens, rows and activations 16-byte
+// aligned (its loads), whole 8-element pieces per row.
+bool float_v3_fits(const DeviceWeight& w, const float* x, int64_t n_tok) {
+  return is_float(w.dtype) && n_tok >= 1 && n_tok <= 8 &&
+         reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(x) % 16 == 0 && w.n_cols % 8 == 0 && w.n_cols >= 8;
+}
 
 unsigned row_blocks(int64_t n_rows, int64_t rows_per_block) {
   const int64_t n = (n_rows + rows_per_block - 1) / rows_per_block;
@@ -617,9 +626,7 @@ cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_to
       return e;
     return launch_matvec_q8(w, act_scratch, n_tok, y, s);
   }
-  const bool float_ok = reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(x) % 16 == 0 && w.n_cols % 8 == 0;
-  if (is_float(w.dtype) && n_tok <= 8 && float_ok)
+  if (float_v3_fits(w, x, n_tok))
     return launch_matvec_float_v3(w, x, n_tok, y, float_v3_rows(w.dtype, n_tok, w.n_rows, w.n_cols),
                                   s);
   return launch_matmul(w, x, n_tok, y, s, MatmulKernels::V2, gemm);
@@ -627,10 +634,8 @@ cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_to
 
 cudaError_t launch_matvec_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok,
                                    float* y, int rows, cudaStream_t s) {
-  const bool ok = is_float(w.dtype) && n_tok >= 1 && n_tok <= 8 && (rows == 1 || rows == 2 || rows == 4) &&
-                  reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(x) % 16 == 0 && w.n_cols % 8 == 0 && w.n_cols >= 8;
-  if (!ok) return cudaErrorInvalidValue;
+  if (!float_v3_fits(w, x, n_tok) || !(rows == 1 || rows == 2 || rows == 4))
+    return cudaErrorInvalidValue;
   if (w.n_rows == 0) return cudaSuccess;
   cudaError_t err = cudaErrorInvalidValue;
   dispatch_dtype(w.dtype, [&]<DType T>() {
