@@ -73,6 +73,11 @@ std::vector<int32_t> spec_decode(SpeculativeDecoder& d, std::span<const int32_t>
 struct Pair {
   const char* target;
   const char* draft;
+  // A drafter whose session is in step accepts more than drafted / accept_div (one out of
+  // step accepts ~none): 4 for a quantized copy of the target, 8 for muse-glimmer, whose
+  // q4_k_m and f16 copies agree on ~22-25 % of drafts (its logits are scaled by 0.196 then
+  // softcapped at 20, which flattens the top of the distribution).
+  int accept_div = 4;
 };
 
 class GreedyIdentity : public ::testing::TestWithParam<Pair> {};
@@ -129,7 +134,7 @@ TEST_P(GreedyIdentity, SameIdsAsPlainGreedy) {
     // A quantized copy of the target agrees with it most of the time; zero acceptance would
     // mean the drafter's session is out of step with the history.
     if (drafter != &ng) {
-      EXPECT_GT(s.accepted, s.drafted / 4) << drafter->name();
+      EXPECT_GT(s.accepted, s.drafted / uint64_t(GetParam().accept_div)) << drafter->name();
     }
     std::printf("[ info ] %s + %s: %llu steps, drafted %llu, accepted %llu, %.2f tokens/step\n",
                 GetParam().target, drafter->name().c_str(), (unsigned long long)s.steps,
@@ -147,11 +152,28 @@ TEST_P(GreedyIdentity, SameIdsAsPlainGreedy) {
 
 INSTANTIATE_TEST_SUITE_P(
     Models, GreedyIdentity,
+    // Every shared model as the target (issue 10: identity on every one), each drafted by
+    // another quantization of itself where the fixtures have one, else by itself.
     ::testing::Values(Pair{"stories260K.gguf", "stories260K-q8_0.gguf"},
+                      Pair{"stories260K-q8_0.gguf", "stories260K.gguf"},
+                      Pair{"babyllama-tok105-f32.gguf", "babyllama-tok105-f32.gguf"},
                       Pair{"llama-gqa-q8_0.gguf", "llama-gqa-q4_0.gguf"},
+                      Pair{"llama-gqa-f16.gguf", "llama-gqa-q8_0.gguf"},
+                      Pair{"llama-gqa-bf16.gguf", "llama-gqa-f16.gguf"},
+                      Pair{"llama-gqa-q4_0.gguf", "llama-gqa-q8_0.gguf"},
+                      Pair{"llama-gqa-q4_k_m.gguf", "llama-gqa-q6_k.gguf"},
+                      Pair{"llama-gqa-q5_k_m.gguf", "llama-gqa-q6_k.gguf"},
+                      Pair{"llama-gqa-q6_k.gguf", "llama-gqa-q8_0.gguf"},
                       Pair{"gemma2-swa-f16.gguf", "gemma2-swa-q8_0.gguf"},
+                      Pair{"gemma2-swa-q8_0.gguf", "gemma2-swa-f16.gguf"},
                       Pair{"gemma3-swa-f16.gguf", "gemma3-swa-f16.gguf"},
-                      Pair{"qwen3-bpe-f16.gguf", "qwen3-bpe-q8_0.gguf"}),
+                      Pair{"qwen3-bpe-f16.gguf", "qwen3-bpe-q8_0.gguf"},
+                      Pair{"qwen3-bpe-q8_0.gguf", "qwen3-bpe-f16.gguf"},
+                      Pair{"muse-glimmer-f16.gguf", "muse-glimmer-q4_k_m.gguf", 8},
+                      Pair{"muse-glimmer-q4_k_m.gguf", "muse-glimmer-f16.gguf", 8},
+                      Pair{"qwen3moe-f16.gguf", "qwen3moe-q4_k_m.gguf"},
+                      Pair{"qwen3moe-q4_k_m.gguf", "qwen3moe-f16.gguf"},
+                      Pair{"mixtral-q4_k_m.gguf", "mixtral-q4_k_m.gguf"}),
     [](const auto& info) {
       std::string n = info.param.target;
       n = n.substr(0, n.find(".gguf"));
