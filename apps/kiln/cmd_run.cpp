@@ -185,6 +185,11 @@ Status run(RunOptions o) {
   std::vector<int32_t> out_ids;
   Utf8Stream stream;
   bool stopped_by_eog = false;
+  // --stats splits the decode time at this many steps: the first steps of a process pay for
+  // first touches (weights paged in, streamed experts loaded, graphs captured), the rest are
+  // the steady state; one run then gives the cold and the warm rate.
+  constexpr int32_t kColdSteps = 8;
+  double cold_s = -1;
   const auto t_decode = Clock::now();
   for (int32_t i = 0; i < o.n_predict; ++i) {
     const int32_t id = sampler.sample(logits);
@@ -202,6 +207,7 @@ Status run(RunOptions o) {
     if (i + 1 == o.n_predict) break;  // the last sampled token needs no forward pass
     const int32_t next[1] = {id};
     KILN_ASSIGN_OR_RETURN(logits, session.eval(next, false));
+    if (i + 1 == kColdSteps) cold_s = seconds_since(t_decode);
   }
   const std::string rest = stream.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
@@ -228,6 +234,10 @@ Status run(RunOptions o) {
                ld.load_seconds * 1e3, ld.backend->name(), n_ctx,
                double(session.kv_bytes()) / (1 << 20), double(mem.rss) / (1 << 20),
                double(mem.rss_file) / (1 << 20), double(mem.rss_anon) / (1 << 20));
+    if (cold_s > 0 && n_decode_evals > size_t(kColdSteps))
+      fmt::print(stderr, "stats: decode steps 1-{}: {:.2f} t/s, steps {}-{}: {:.2f} t/s\n",
+                 kColdSteps, kColdSteps / cold_s, kColdSteps + 1, n_decode_evals,
+                 double(n_decode_evals - kColdSteps) / (decode_s - cold_s));
     fmt::print(stderr, "stats: config\n{}", describe(cfg));
     const auto counters = process_counters().snapshot();
     if (!counters.empty()) fmt::print(stderr, "stats: counters\n{}", format_counters(counters));

@@ -152,7 +152,8 @@ Expected<Loaded> load_for_inference(const std::string& path, int threads) {
 Expected<Loaded> load_for_inference(const std::string& path, const Config& config) {
   const auto t0 = std::chrono::steady_clock::now();
   Loaded out;
-  auto model = Model::load(path, expert_store_config(config));
+  KILN_ASSIGN_OR_RETURN(const model::RoutingOverride routing, model::parse_routing(config.moe_routing));
+  auto model = Model::load(path, expert_store_config(config), routing);
   if (!model) return model.status();  // its message names the file
   out.model = std::move(*model);
   auto tok = Tokenizer::from_gguf(out.model->gguf());

@@ -23,6 +23,11 @@ KILN_CONFIG_ENTRY(int64_t, expert_device_cache, 0,
                   "device, least recently used evicted (0: half of the free device memory)")
 KILN_CONFIG_ENTRY(bool, expert_prefetch, false,
                   "MoE streaming: while a layer runs, load the experts the next layer used last")
+KILN_CONFIG_ENTRY(std::string, moe_routing, "model",
+                  "MoE benchmarks: model (the router's top-k), or draw each token's experts "
+                  "instead, keyed by layer, position and token: uniform (the worst case for "
+                  "expert caches) or zipf[:S] (popularity rank r weighs (r+1)^-S, S 1 by default, "
+                  "a ranking per layer); not the model's outputs unless model")
 KILN_CONFIG_ENTRY(std::string, device, "auto",
                   "backend for run/bench/perplexity: cuda, cpu, or auto (cuda when this build "
                   "has it and a GPU is present, else cpu)")

@@ -38,6 +38,15 @@ Expected<std::shared_ptr<const Model>> Model::load(const std::string& path,
   return m;
 }
 
+Expected<std::shared_ptr<const Model>> Model::load(const std::string& path,
+                                                   const moe::StoreConfig& experts,
+                                                   const model::RoutingOverride& routing) {
+  KILN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> m, load(path, experts));
+  // As above: not shared with anyone yet, and created non-const.
+  const_cast<Model&>(*m).hp_.routing = routing;
+  return m;
+}
+
 Expected<std::shared_ptr<const Model>> Model::from_gguf(GgufFile gguf) {
   std::shared_ptr<Model> m(new Model());
   m->gguf_ = std::move(gguf);

@@ -30,6 +30,11 @@ class Model {
   // `experts.enabled()` (moe/expert_store.h; outputs identical). Dense models ignore it.
   static Expected<std::shared_ptr<const Model>> load(const std::string& path,
                                                      const moe::StoreConfig& experts);
+  // Same, with MoE routing overridden for benchmarks (model/routing.h; not the model's
+  // outputs unless `routing` is the default).
+  static Expected<std::shared_ptr<const Model>> load(const std::string& path,
+                                                     const moe::StoreConfig& experts,
+                                                     const model::RoutingOverride& routing);
   // Same, for a file already opened (tests build GGUFs in memory).
   static Expected<std::shared_ptr<const Model>> from_gguf(GgufFile gguf);
 

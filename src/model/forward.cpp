@@ -213,8 +213,13 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
     const std::span<float> sel_w = sl(st.sel_w, n_tok * K);
     // The routing decision is made on the host (one download per MoE layer on a GPU).
     const std::span<const float> prob_h = host_view(prob, st.router_host);
-    for (int64_t t = 0; t < n_tok; ++t)
-      select_experts(prob_h.subspan(t * X, X), sel.subspan(t * K, K), sel_w.subspan(t * K, K));
+    for (int64_t t = 0; t < n_tok; ++t) {
+      if (hp.routing.active())
+        override_route(hp.routing, il, batch.pos[t], batch.tokens[t], prob_h.subspan(t * X, X),
+                       sel.subspan(t * K, K), sel_w.subspan(t * K, K));
+      else
+        select_experts(prob_h.subspan(t * X, X), sel.subspan(t * K, K), sel_w.subspan(t * K, K));
+    }
     w.experts->will_need(il, sel);  // a streaming store loads the misses in parallel
     be.zero(out);
     if (n_tok == 1) {

@@ -11,6 +11,7 @@
 #include "core/status.h"
 #include "format/gguf.h"
 #include "model/arch.h"
+#include "model/routing.h"
 
 namespace kiln::model {
 
@@ -57,6 +58,9 @@ struct HParams {
     return e >= int64_t(n_expert) * tp_rank / tp_size &&
            e < int64_t(n_expert) * (tp_rank + 1) / tp_size;
   }
+
+  // Benchmark-only MoE routing override (model/routing.h); Model by default (no override).
+  RoutingOverride routing;
 
   int64_t q_width() const { return int64_t(n_head) * head_dim_k; }
   int64_t k_width() const { return int64_t(n_head_kv) * head_dim_k; }

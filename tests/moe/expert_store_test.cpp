@@ -18,6 +18,7 @@
 #include "common/testdata.h"
 #include "core/counters.h"
 #include "engine/session.h"
+#include "model/routing.h"
 #include "moe/expert_store.h"
 
 namespace kiln {
@@ -139,6 +140,32 @@ INSTANTIATE_TEST_SUITE_P(Models, Identity,
                              if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
                            return s;
                          });
+
+// The benchmark routing overrides (model/routing.h) keep the identity: their draws depend on
+// (layer, position, token) alone, so a streaming run routes as the resident one. Uniform
+// routing is the caches' worst case: more misses than the model's own skewed routing.
+TEST(ExpertStore, RoutingOverridesKeepStreamingIdentical) {
+  auto be = make_cpu_backend(2);
+  for (const char* file : {"qwen3moe-q4_k_m.gguf", "mixtral-q4_k_m.gguf"}) {
+    const std::vector<int32_t> prompt = prompt_of(file, 24);
+    for (const char* routing : {"uniform", "zipf:1.1"}) {
+      SCOPED_TRACE(std::string(file) + " " + routing);
+      const model::RoutingOverride ro = *model::parse_routing(routing);
+      auto resident = Model::load(testing::model_path(file), {}, ro);
+      ASSERT_TRUE(resident.has_value()) << resident.error();
+      const RunResult base = run(*resident, *be, prompt, 8);
+      for (int cap : {2, 3}) {
+        auto m = Model::load(testing::model_path(file), {.cap = cap}, ro);
+        ASSERT_TRUE(m.has_value()) << m.error();
+        const RunResult r = run(*m, *be, prompt, 8);
+        EXPECT_EQ(r.ids, base.ids) << "cap " << cap;
+        ASSERT_EQ(r.logits.size(), base.logits.size());
+        EXPECT_EQ(std::memcmp(r.logits.data(), base.logits.data(), r.logits.size() * sizeof(float)), 0)
+            << "cap " << cap << ": logits differ from the resident run";
+      }
+    }
+  }
+}
 
 // Slices carry WeightMatrix::content_key (a device backend caches by it, since a slab's
 // address later holds another expert): nonzero, one per (layer, expert, part), and the same

@@ -1,0 +1,116 @@
+// model/routing.cpp: the benchmark routing overrides (see routing.h for why they exist).
+#include "model/routing.h"
+
+#include <array>
+#include <charconv>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "core/check.h"
+
+namespace kiln::model {
+namespace {
+
+uint64_t splitmix(uint64_t& s) {
+  uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+constexpr int32_t kMaxExperts = 4096;  // read_hparams caps expert_count at 4096
+
+// Layer il's popularity ranking: Fisher-Yates from a per-layer seed, recomputed per token
+// (n_expert steps: noise next to the expert matmuls it selects for).
+void layer_ranking(int32_t il, int32_t n_expert, std::span<int32_t> perm) {
+  std::iota(perm.begin(), perm.begin() + n_expert, 0);
+  uint64_t s = 0x5A17F00Dull * (uint64_t(il) + 1);
+  for (int32_t i = n_expert - 1; i > 0; --i)
+    std::swap(perm[i], perm[splitmix(s) % uint64_t(i + 1)]);
+}
+
+}  // namespace
+
+Expected<RoutingOverride> parse_routing(std::string_view text) {
+  RoutingOverride r;
+  if (text == "model") return r;
+  if (text == "uniform") {
+    r.kind = RoutingOverride::Kind::Uniform;
+    return r;
+  }
+  if (text == "zipf") {
+    r.kind = RoutingOverride::Kind::Zipf;
+    return r;
+  }
+  if (text.starts_with("zipf:")) {
+    const std::string_view num = text.substr(5);
+    double s = 0;
+    const auto [end, ec] = std::from_chars(num.data(), num.data() + num.size(), s);
+    if (ec == std::errc() && end == num.data() + num.size() && s > 0 && s <= 8) {
+      r.kind = RoutingOverride::Kind::Zipf;
+      r.zipf_s = s;
+      return r;
+    }
+  }
+  return Status::errorf("--moe-routing '{}': expected model, uniform, zipf or zipf:S with "
+                        "0 < S <= 8", text);
+}
+
+std::string routing_name(const RoutingOverride& r) {
+  switch (r.kind) {
+    case RoutingOverride::Kind::Model: return "model";
+    case RoutingOverride::Kind::Uniform: return "uniform";
+    case RoutingOverride::Kind::Zipf: return fmt::format("zipf:{}", r.zipf_s);
+  }
+  return "?";
+}
+
+int32_t zipf_rank_expert(int32_t il, int32_t rank, int32_t n_expert) {
+  KILN_CHECK(n_expert > 0 && n_expert <= kMaxExperts && rank >= 0 && rank < n_expert);
+  std::array<int32_t, kMaxExperts> perm;
+  layer_ranking(il, n_expert, perm);
+  return perm[rank];
+}
+
+void override_route(const RoutingOverride& r, int32_t il, int32_t pos, int32_t token,
+                    std::span<const float> prob, std::span<int32_t> ids, std::span<float> wts) {
+  KILN_CHECK(r.active());
+  const auto n = static_cast<int32_t>(prob.size());
+  const size_t k = ids.size();
+  KILN_CHECK(n <= kMaxExperts && k <= static_cast<size_t>(n) && wts.size() == k);
+  // Weight of each expert (by id); drawn ones are set to zero so the next draw skips them.
+  std::array<double, kMaxExperts> w;
+  if (r.kind == RoutingOverride::Kind::Uniform) {
+    std::fill(w.begin(), w.begin() + n, 1.0);
+  } else {
+    std::array<int32_t, kMaxExperts> perm;
+    layer_ranking(il, n, perm);
+    for (int32_t rank = 0; rank < n; ++rank) w[perm[rank]] = std::pow(double(rank + 1), -r.zipf_s);
+  }
+  uint64_t s = (uint64_t(uint32_t(il)) << 32) ^ uint32_t(pos);
+  s = splitmix(s) ^ uint64_t(uint32_t(token));
+  double total = 0;
+  for (int32_t e = 0; e < n; ++e) total += w[e];
+  double sum = 0;
+  for (size_t i = 0; i < k; ++i) {
+    const double u = double(splitmix(s) >> 11) * 0x1.0p-53 * total;
+    double acc = 0;
+    int32_t pick = -1;
+    for (int32_t e = 0; e < n; ++e) {
+      if (w[e] == 0) continue;
+      pick = e;  // the last live expert, should rounding carry u past the end
+      acc += w[e];
+      if (u < acc) break;
+    }
+    KILN_CHECK(pick >= 0);
+    total -= w[pick];
+    w[pick] = 0;
+    ids[i] = pick;
+    sum += prob[pick];
+  }
+  for (size_t i = 0; i < k; ++i)
+    wts[i] = sum > 0 ? static_cast<float>(prob[ids[i]] / sum) : 1.0f / static_cast<float>(k);
+}
+
+}  // namespace kiln::model
