@@ -17,6 +17,7 @@
 
 #include "apps/kiln/commands.h"
 #include "core/half.h"
+#include "core/splitmix.h"
 #include "format/gguf.h"
 #include "format/gguf_writer.h"
 #include "quant/mix.h"
@@ -48,12 +49,6 @@ struct MkModelOptions {
   int threads = 0;
 };
 
-uint64_t splitmix(uint64_t& x) {
-  uint64_t z = (x += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 uint64_t name_hash(const std::string& s) {
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
@@ -306,7 +301,7 @@ int run_mkmodel(const MkModelOptions& o) {
           const double decay = t.row_decay > 0 ? std::pow(1.0 + double(r), -double(t.row_decay)) : 1.0;
           for (float& x : row) {
             if (t.scale == 0) { x = 1.0f; continue; }
-            const double u = double(splitmix(state) >> 11) * 0x1.0p-53;  // [0, 1)
+            const double u = double(splitmix64(state) >> 11) * 0x1.0p-53;  // [0, 1)
             x = t.row_decay > 0 ? float((2 * u - 1) * t.scale * decay) : float((2 * u - 1) * t.scale);
           }
           quant::quantize_row(type, row, out.subspan(size_t(r) * row_size, row_size));

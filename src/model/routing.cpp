@@ -8,16 +8,10 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/splitmix.h"
 
 namespace kiln::model {
 namespace {
-
-uint64_t splitmix(uint64_t& s) {
-  uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 constexpr int32_t kMaxExperts = 4096;  // read_hparams caps expert_count at 4096
 
@@ -27,7 +21,7 @@ void layer_ranking(int32_t il, int32_t n_expert, std::span<int32_t> perm) {
   std::iota(perm.begin(), perm.begin() + n_expert, 0);
   uint64_t s = 0x5A17F00Dull * (uint64_t(il) + 1);
   for (int32_t i = n_expert - 1; i > 0; --i)
-    std::swap(perm[i], perm[splitmix(s) % uint64_t(i + 1)]);
+    std::swap(perm[i], perm[splitmix64(s) % uint64_t(i + 1)]);
 }
 
 }  // namespace
@@ -89,12 +83,12 @@ void override_route(const RoutingOverride& r, int32_t il, int32_t pos, int32_t t
     for (int32_t rank = 0; rank < n; ++rank) w[perm[rank]] = std::pow(double(rank + 1), -r.zipf_s);
   }
   uint64_t s = (uint64_t(uint32_t(il)) << 32) ^ uint32_t(pos);
-  s = splitmix(s) ^ uint64_t(uint32_t(token));
+  s = splitmix64(s) ^ uint64_t(uint32_t(token));
   double total = 0;
   for (int32_t e = 0; e < n; ++e) total += w[e];
   double sum = 0;
   for (size_t i = 0; i < k; ++i) {
-    const double u = double(splitmix(s) >> 11) * 0x1.0p-53 * total;
+    const double u = double(splitmix64(s) >> 11) * 0x1.0p-53 * total;
     double acc = 0;
     int32_t pick = -1;
     for (int32_t e = 0; e < n; ++e) {

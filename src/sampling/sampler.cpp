@@ -7,18 +7,13 @@
 #include <unordered_map>
 
 #include "core/check.h"
+#include "core/splitmix.h"
 
 namespace kiln {
 
 // ---------------------------------------------------------------- Rng
 
 namespace {
-uint64_t splitmix64(uint64_t& x) {
-  uint64_t z = (x += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
 bool before(const Candidate& a, const Candidate& b) {
