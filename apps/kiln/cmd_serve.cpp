@@ -66,6 +66,7 @@ Status serve(ServeOptions o) {
   o.server.max_body_bytes = o.max_body_kib * 1024;
   o.server.cpu_threads = static_cast<int>(cfg.threads);
   o.server.experts = expert_store_config(cfg);
+  KILN_ASSIGN_OR_RETURN(o.server.routing, model::parse_routing(cfg.moe_routing));
   // The same backend choice as kiln run: --device, --tensor-parallel, --cuda-* options.
   o.server.make_backend = [cfg](const Model& m) { return make_backend(m, cfg); };
   if (o.role != "standalone" && o.role != "prefill" && o.role != "decode")

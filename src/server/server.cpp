@@ -116,7 +116,7 @@ Status HttpServer::start() {
 
 Status HttpServer::load() {
   Impl& s = *impl_;
-  auto model = Model::load(s.opt.model_path, s.opt.experts);
+  auto model = Model::load(s.opt.model_path, s.opt.experts, s.opt.routing);
   if (!model) return model.status();
   auto tok = Tokenizer::from_gguf((*model)->gguf());
   if (!tok) return tok.status().context(fmt::format("{}: tokenizer", s.opt.model_path));

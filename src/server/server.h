@@ -11,6 +11,7 @@
 
 #include "backend/backend.h"
 #include "core/status.h"
+#include "model/routing.h"
 #include "moe/expert_store.h"
 
 namespace kiln {
@@ -37,6 +38,8 @@ struct ServerOptions {
   int32_t draft_ngram = 0;       // n-gram draft tokens per decode step (SchedulerConfig); 0: off
   // MoE experts streamed through the slab cache (--expert-cache/--expert-cap); off by default.
   moe::StoreConfig experts;
+  // --moe-routing: a benchmark override of MoE routing (model/routing.h); the router's by default.
+  model::RoutingOverride routing;
   // How the backend for the loaded model is made (kiln serve: --device, --tensor-parallel);
   // empty: the CPU backend with cpu_threads. An error fails load() with its message.
   std::function<Expected<std::unique_ptr<Backend>>(const Model&)> make_backend;

@@ -67,6 +67,10 @@ TEST(ExpertFlags, RoutingOverrideStreamsIdenticallyAndShowsItsPopularity) {
   EXPECT_EQ(bad.rc, 1) << bad.err;
   EXPECT_NE(bad.err.find("--moe-routing 'zipf:0'"), std::string::npos) << bad.err;
   EXPECT_EQ(std::count(bad.err.begin(), bad.err.end(), '\n'), 1) << bad.err;
+  // kiln serve reads the same option (not ignored): the same error before it listens.
+  const Proc bad_serve = run_kiln({"serve", "-m", m, "--port", "0", "--moe-routing", "Zipf"});
+  EXPECT_EQ(bad_serve.rc, 1) << bad_serve.err;
+  EXPECT_NE(bad_serve.err.find("--moe-routing 'Zipf'"), std::string::npos) << bad_serve.err;
   const std::vector<std::string> base = {"run", "-m", m, "-p", "Once upon a time", "-n", "64",
                                          "--threads", "2", "--moe-routing", "uniform", "--stats"};
   const Proc resident = run_kiln(base);
