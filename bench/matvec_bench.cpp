@@ -341,6 +341,7 @@ void BM_Q4KPackedOnOff(benchmark::State& state) {
     return threads == 1 ? thread_cpu_s()
                         : std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   };
+  cpu::set_kq_batch_matmul(false);  // with it on, the v2 batched kernel takes these calls
   double best_on = 1e30, best_off = 1e30;
   for (auto _ : state) {
     cpu::set_q4k_packed_matmul(true);
@@ -355,6 +356,7 @@ void BM_Q4KPackedOnOff(benchmark::State& state) {
     best_on = std::min(best_on, t1 - t0);
     best_off = std::min(best_off, t2 - t1);
   }
+  cpu::set_kq_batch_matmul(true);
   cpu::set_q4k_packed_matmul(true);
   if (std::memcmp(C_on.data(), C_off.data(), C_on.size() * sizeof(float)) != 0)
     state.SkipWithError("packed and plain Q4_K kernels differ");
@@ -429,6 +431,23 @@ void KQPairArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_KQPairOnOff)->Apply(KQPairArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
+// The v2 batched Q4_K / Q6_K kernels against the small-batch ones (cpu::set_kq_batch_matmul),
+// same method as BM_KQPairOnOff; at 2 and 3 tokens the old path is the plain kernels.
+void BM_KQBatchOnOff(benchmark::State& state) {
+  const auto type = static_cast<DType>(state.range(0));
+  const int64_t n_tok = state.range(1), n_rows = state.range(2), n_cols = state.range(3);
+  const auto [best_on, best_off] =
+      time_on_off(state, cpu::set_kq_batch_matmul, weights(type, n_rows, n_cols), n_tok, "batched v2");
+  state.counters["new_us/tok"] = best_on * 1e6 / static_cast<double>(n_tok);
+  (void)best_off;
+}
+void KQBatchArgs(benchmark::internal::Benchmark* b) {
+  for (DType type : {DType::Q4_K, DType::Q6_K})
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{5632, 2048}, {2048, 5632}, {512, 2048}})
+      for (int64_t tok : {2, 3, 4, 5, 8}) b->Args({static_cast<int64_t>(type), tok, rows, cols});
+}
+BENCHMARK(BM_KQBatchOnOff)->Apply(KQBatchArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
+
 // The one-token Q4_K / Q6_K kernels against the plain ones (cpu::set_kq_one_matvec), 1 thread,
 // thread CPU time, alternating within each iteration, best of each; also checks that the two
 // give the same bits. Shapes: the 1B dense model's FFN and a MoE expert slice (256 x 1024 and
@@ -457,9 +476,9 @@ BENCHMARK(BM_KQOneOnOff)
 
 // One decoder layer's matmuls of the 1.1B Q4_K_M model (q, k, v, o, gate, up, down: Q4_K with
 // Q6_K v and down, n_embd 2048, n_ff 8192, 4 KV heads of 128) at a decode step of `tokens`
-// tokens, 2 threads, wall time, small-batch kernels on and off alternating, best of each. The
+// tokens, 2 threads, wall time, a kernel switch on and off alternating, best of each. The
 // step ratio against tokens = 1 is what batched decode of several streams gains.
-void BM_LayerStepKQPair(benchmark::State& state) {
+void layer_step_on_off(benchmark::State& state, void (*set)(bool)) {
   const int64_t n_tok = state.range(0);
   struct Mm {
     DType type;
@@ -488,23 +507,28 @@ void BM_LayerStepKQPair(benchmark::State& state) {
   const auto wall = [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
   double best_on = 1e30, best_off = 1e30;
   for (auto _ : state) {
-    cpu::set_kq_pair_matmul(true);
+    set(true);
     const double t0 = wall();
     step();
     const double t1 = wall();
-    cpu::set_kq_pair_matmul(false);
+    set(false);
     step();
     const double t2 = wall();
     best_on = std::min(best_on, t1 - t0);
     best_off = std::min(best_off, t2 - t1);
   }
-  cpu::set_kq_pair_matmul(true);
+  set(true);
   state.SetLabel(std::string("1.1B layer step, 2 threads, ") + cpu_simd_target());
   state.counters["new_ms"] = best_on * 1e3;
   state.counters["old_ms"] = best_off * 1e3;
   state.counters["speedup"] = best_off / best_on;
 }
+void BM_LayerStepKQPair(benchmark::State& state) { layer_step_on_off(state, cpu::set_kq_pair_matmul); }
 BENCHMARK(BM_LayerStepKQPair)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+    ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+// The same step with the v2 batched kernels on and off (off: the small-batch kernels).
+void BM_LayerStepKQBatch(benchmark::State& state) { layer_step_on_off(state, cpu::set_kq_batch_matmul); }
+BENCHMARK(BM_LayerStepKQBatch)->Arg(1)->Arg(2)->Arg(3)->Arg(4)->Arg(5)->Arg(8)
     ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
 
 }  // namespace

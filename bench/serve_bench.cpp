@@ -7,7 +7,10 @@
 // (what `kiln bench` tg measures) and the time of one batched decode step by batch width.
 // The CPU is shared with other work on the dev machine, so compare the ratios within one run.
 // Usage: serve_bench MODEL [threads=2] [streams=1,4,16] [n_gen=64] [n_prompt=64] [rounds=2]
-//                    [modes=batched,unbatched]
+//                    [modes=batched,unbatched] [kq_batch=1] [widths=0,1,2,4,8,16]
+// (kq_batch 0: cpu::set_kq_batch_matmul(false), for A/B runs of that kernel switch; widths:
+// the decode batch widths timed, 0 the Session::eval baseline, which x Session is against:
+// list it first.)
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/kernels.h"
 #include "engine/scheduler.h"
 
 using namespace kiln;
@@ -203,7 +207,8 @@ double load_average() {
 int main(int argc, char** argv) {
   if (argc < 2) {
     fmt::print(stderr, "usage: serve_bench MODEL [threads=2] [streams=1,4,16] [n_gen=64] "
-                       "[n_prompt=64] [rounds=2] [modes=batched,unbatched]\n");
+                       "[n_prompt=64] [rounds=2] [modes=batched,unbatched] [kq_batch=1] "
+                       "[widths=0,1,2,4,8,16]\n");
     return 2;
   }
   const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
@@ -212,6 +217,9 @@ int main(int argc, char** argv) {
   const int32_t n_prompt = argc > 5 ? std::atoi(argv[5]) : 64;
   const int32_t rounds = argc > 6 ? std::atoi(argv[6]) : 2;
   const std::string modes = argc > 7 ? argv[7] : "batched,unbatched";
+  const bool kq_batch = argc > 8 ? std::atoi(argv[8]) != 0 : true;
+  const std::vector<int32_t> widths = parse_list(argc > 9 ? argv[9] : "0,1,2,4,8,16");
+  cpu::set_kq_batch_matmul(kq_batch);
   if (threads < 1 || n_gen < 1 || n_prompt < 1 || rounds < 1 || streams.empty()) {
     fmt::print(stderr, "serve_bench: threads, n_gen, n_prompt, rounds must be >= 1\n");
     return 2;
@@ -222,12 +230,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   auto be = make_cpu_backend(threads);
-  fmt::print("serve_bench {} threads {} prompt {} gen {} rounds {} load average {:.1f}\n",
-             argv[1], threads, n_prompt, n_gen, rounds, load_average());
+  fmt::print("serve_bench {} threads {} prompt {} gen {} rounds {} kq_batch {} load average {:.1f}\n",
+             argv[1], threads, n_prompt, n_gen, rounds, kq_batch ? 1 : 0, load_average());
   const double tg = single_stream_tg(*m, *be, 128);
   fmt::print("single-stream decode (Session, tg128): {:.2f} t/s\n\n", tg);
   {
-    const std::vector<int32_t> widths = {0, 1, 2, 4, 8, 16};
     const auto secs = step_times(*m, *be, widths, 16);
     fmt::print("| decode batch width | ms per step | t/s | x Session |\n|---|---|---|---|\n");
     for (size_t i = 0; i < widths.size(); ++i) {

@@ -54,6 +54,7 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
   const std::string& dev = config.device;
   cpu::set_q4k_packed_matmul(config.cpu_q4k_packed);  // process-wide, like the CPU kernels
   cpu::set_kq_pair_matmul(config.cpu_kq_pair);
+  cpu::set_kq_batch_matmul(config.cpu_kq_batch);
   cpu::set_kq_one_matvec(config.cpu_kq_one);
   cpu::set_matvec_prefetch_bytes(config.cpu_matvec_prefetch);
   if (dev != "auto" && dev != "cuda" && dev != "cpu")

@@ -37,18 +37,24 @@ KILN_CONFIG_ENTRY(int64_t, tensor_parallel, 1,
                   "vehicle: same results, not faster)")
 KILN_CONFIG_ENTRY(bool, cpu_q4k_packed, true,
                   "CPU: Q4_K prefill (12+ tokens) through the packed AVX-512 VNNI kernel (same "
-                  "bits as the plain kernel, ~1.3x faster: docs/BENCHMARKS.md)")
+                  "bits as the plain kernel, ~1.3x faster than it) where --cpu-kq-batch is off "
+                  "(the batched kernels are faster still: docs/BENCHMARKS.md)")
 KILN_CONFIG_ENTRY(bool, cpu_kq_pair, true,
                   "CPU: Q4_K/Q6_K matmuls of 4+ tokens (batched decode; Q4_K below 12) through "
                   "the 512-bit AVX-512 VNNI small-batch kernels (same bits as the plain kernels; "
                   "faster by bench/matvec_bench BM_KQPairOnOff, BM_LayerStepKQPair)")
+KILN_CONFIG_ENTRY(bool, cpu_kq_batch, true,
+                  "CPU (with --cpu-kq-pair): Q4_K/Q6_K matmuls of 2+ tokens, prefill included, "
+                  "through the v2 batched AVX-512 VNNI kernels (cheaper block decode, two tokens per 512-bit "
+                  "tail, software prefetch; same bits as the plain kernels; faster by "
+                  "bench/matvec_bench BM_KQBatchOnOff, BM_LayerStepKQBatch, bench/serve_bench)")
 KILN_CONFIG_ENTRY(bool, cpu_kq_one, true,
                   "CPU: single-token (decode) Q4_K/Q6_K matvecs through 512-bit AVX-512 VNNI "
                   "kernels (same bits as the plain kernels; faster by bench/matvec_bench "
                   "BM_KQOneOnOff: the plain ones are multiply-bound below the read bandwidth)")
 KILN_CONFIG_ENTRY(int64_t, cpu_matvec_prefetch, 2048,
-                  "CPU: the one-token Q4_K/Q6_K kernels software-prefetch this many bytes ahead "
-                  "of their rows (0: off; same results either way)")
+                  "CPU: the one-token and v2 batched Q4_K/Q6_K kernels software-prefetch this "
+                  "many bytes ahead of their rows (0: off; same results either way)")
 KILN_CONFIG_ENTRY(std::string, cuda_matmul, "auto",
                   "CUDA matmul kernels: v1, v2 (f32 activations; cuBLAS above 16 tokens), v3 (int8 "
                   "activations, dp4a, up to 64 tokens), auto (v3 up to 16 tokens, cuBLAS above)")

@@ -122,8 +122,12 @@ TEST(MatmulQ4KPacked, SameBitsAsPlainKernel) {
   std::mt19937_64 rng(ops_seed() ^ 0x9e3779b9ULL);
   SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
   struct Restore {
-    ~Restore() { cpu::set_q4k_packed_matmul(true); }
+    ~Restore() {
+      cpu::set_q4k_packed_matmul(true);
+      cpu::set_kq_batch_matmul(true);
+    }
   } restore;
+  cpu::set_kq_batch_matmul(false);  // with it on, the v2 batched kernels take these calls
   for (int64_t k : {256, 768}) {
     for (int64_t n_rows : {1, 2, 3, 67, 131}) {
       const size_t rb = *row_bytes(DType::Q4_K, k);
@@ -154,7 +158,8 @@ TEST(MatmulQ4KPacked, SameBitsAsPlainKernel) {
 // scale value (the int16 lane sums' bounds: 6-bit quants against -127/127 activations); odd
 // row counts across row blocks, 1..9 tokens (every piece of the 8/4/2/1 token tiling) and
 // 13/37 (several token tiles, row-blocked), 1 and 2 threads; one token is zero, one holds a
-// huge element, one a NaN.
+// huge element, one a NaN. (The v2 batched kernels, which take these calls by default, are
+// off here: MatmulKQBatch tests them.)
 TEST(MatmulKQPair, SameBitsAsPlainKernel) {
   static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
   std::mt19937_64 rng(ops_seed() ^ 0x7f4a7c15ULL);
@@ -163,8 +168,10 @@ TEST(MatmulKQPair, SameBitsAsPlainKernel) {
     ~Restore() {
       cpu::set_kq_pair_matmul(true);
       cpu::set_q4k_packed_matmul(true);
+      cpu::set_kq_batch_matmul(true);
     }
   } restore;
+  cpu::set_kq_batch_matmul(false);
   for (DType type : {DType::Q4_K, DType::Q6_K}) {
     for (int64_t k : {256, 768}) {
       for (int64_t n_rows : {1, 3, 67, 131}) {
@@ -193,6 +200,70 @@ TEST(MatmulKQPair, SameBitsAsPlainKernel) {
           }
           if (n_tok > 2) {
             ASSERT_FALSE(std::isnan(on1[2 * n_rows]));
+          }
+        }
+      }
+    }
+  }
+}
+
+// The v2 batched Q4_K / Q6_K kernels (AVX-512 VNNI, 2+ tokens) must give the plain kernels'
+// bits: with cpu::set_kq_batch_matmul and set_kq_pair_matmul both off the output is the plain
+// kernels', so this is also the proof that the switch changes nothing but speed. Raw random
+// blocks reach every quant, scale and min value; odd row counts (the two-row calls and a
+// single row left over) split over 1 and 2 threads; 2..9 tokens (every token count of one
+// tile, pairs and an odd last token) and 13/37 (several tiles, row-blocked); rows of 1..8
+// blocks and of 13 (above kBatchL1MaxBlocks: 5+ tokens in pieces); a column block of a wider
+// matrix (strided rows); one token all zero, one with a huge element, one with a NaN.
+TEST(MatmulKQBatch, SameBitsAsPlainKernel) {
+  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  std::mt19937_64 rng(ops_seed() ^ 0x2545f491ULL);
+  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+  struct Restore {
+    ~Restore() {
+      cpu::set_kq_batch_matmul(true);
+      cpu::set_kq_pair_matmul(true);
+      cpu::set_q4k_packed_matmul(true);
+    }
+  } restore;
+  // on: the batched kernels; off: the plain ones (kq_pair and, for Q4_K from 12 tokens, the
+  // packed kernel off too).
+  cpu::set_q4k_packed_matmul(false);
+  const auto set_on = [](bool on) {
+    cpu::set_kq_batch_matmul(on);
+    cpu::set_kq_pair_matmul(on);
+  };
+  for (DType type : {DType::Q4_K, DType::Q6_K}) {
+    for (int64_t k : {256, 768, 2048, 3328}) {
+      for (int64_t n_rows : {1, 2, 3, 67, 131}) {
+        for (bool strided : {false, true}) {
+          if (strided && n_rows != 67) continue;
+          // strided: columns [256, 256 + k) of a matrix 512 wider.
+          const int64_t k_all = strided ? k + 512 : k;
+          const size_t rb = *row_bytes(type, k_all);
+          const std::vector<std::byte> bytes = random_k_rows(type, k_all, n_rows, rng);
+          const WeightMatrix full{
+              .dtype = type, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+          const WeightMatrix w = strided ? full.columns(256, k) : full;
+          for (int64_t n_tok : {2, 3, 4, 5, 6, 7, 8, 9, 13, 37}) {
+            SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
+                                              << n_rows << " strided " << strided << " n_tok "
+                                              << n_tok);
+            std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
+            std::fill_n(x.begin(), k, 0.0f);    // token 0: all zero (activation scale 0)
+            x[k + 5] = 3e30f;                   // token 1: one huge element
+            if (n_tok > 3) x[3 * k + 7] = NAN;  // token 3: NaN, which must come out NaN
+            const auto [on1, on2, off1] = run_on_off(set_on, *cpu1, *cpu2, w, x, n_tok);
+            ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
+                << "batched v2 vs plain kernel differ";
+            ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
+                << "batched v2 kernel: 1 vs 2 threads differ";
+            if (n_tok > 3) {
+              ASSERT_TRUE(std::isnan(on1[3 * n_rows]));
+            }
+            if (n_tok > 2) {
+              ASSERT_FALSE(std::isnan(on1[2 * n_rows]));
+            }
           }
         }
       }

@@ -5,8 +5,9 @@
 // types dequantize a block of rows once and reuse it for every token. Each weight block is
 // unpacked once per tile of several tokens, which is what makes prefill fast. Q4_K prefill on
 // AVX-512 VNNI takes a packed kernel (below) whose results are the plain kernel's bits, and
-// Q4_K/Q6_K of 4+ tokens (batched decode) small-batch kernels and of one token (decode)
-// 512-bit one-token kernels, all with the same property.
+// Q4_K/Q6_K of 2+ tokens (batched decode) batched kernels (v2, or with that switch off the
+// small-batch ones from 4 tokens) and of one token (decode) 512-bit one-token kernels, all with
+// the same property.
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul.cpp"
@@ -66,9 +67,13 @@ inline size_t q4k_packed_scratch_bytes(const WeightMatrix& w) {
 }
 // Calls of fewer tokens keep the plain Q4_K/Q6_K kernels (see MatmulKTiled).
 constexpr int64_t kKQTiledMinTok = 4;
+// With the v2 batched kernels on (kq_batch_matmul), calls of this many tokens or more take them.
+constexpr int64_t kKQBatchMinTok = 2;
 // Bytes of a thread's scratch the small-batch Q4_K/Q6_K kernels' activation tile uses (8
 // tokens: aligned quants, bsums, scales, alignment slack).
 inline size_t kq_tile_bytes(int64_t nb) { return static_cast<size_t>(nb) * 8 * (256 + 32 + 4) + 64; }
+// The v2 batched kernels' (MatmulKBatch) tile: that tile, then its scales broadcast 8-wide.
+inline size_t kq_batch_tile_bytes(int64_t nb) { return kq_tile_bytes(nb) + static_cast<size_t>(nb) * 8 * 32 + 64; }
 }  // namespace kiln::cpu
 #endif
 
@@ -802,6 +807,325 @@ void MatmulKTiled(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
     }
   }
 }
+
+// ---------------------------------------------------------------- batched K-quants, v2 (VNNI)
+// The lane sums of DotQ4KTiled / DotQ6KTiled with less work around them, for the decode of 2-8
+// streams, which on the 2-core Zen 5 dev box was bound by those kernels' instructions (4
+// tokens: a layer step 3x a 1-token one, bench/matvec_bench BM_LayerStepKQPair) and, once they
+// were cheaper, by DRAM latency (BM_LayerStepKQBatch at 4 tokens: 2.0 ms without the software
+// prefetch below, 1.3-1.5 ms with it). Changes against those kernels:
+// - the per-block decoding is DotQ4KOne's (F16C, 64-bit scale words, no stack round trip);
+// - the float tail runs two tokens per 512-bit register: tokens 2q and 2q+1 fold their 16-lane
+//   sums into one register's low and high 8 lanes (Fold512Pair), then one convert and one FMA
+//   per term serve both, against the tokens' scales broadcast 8-wide (FillKTileYde); an odd
+//   last token takes the 256-bit tail;
+// - Q4_K pairs its two sub-block sums into words by an offset instead of a blend (kLowBias);
+// - two rows per call (up to kBatchTwoRowsMaxTok tokens) share the activation loads.
+// Each int32 lane ends with the plain kernel's value (integer sums are exact in any order) and
+// each float lane sees the plain kernel's ops in its order, hence its bits (tests/ops
+// MatmulKQBatch). Measured (BM_KQBatchOnOff, 1 thread, FFN shapes, against the tiled kernels):
+// 4 tokens Q4_K 1.15-1.5x, Q6_K 1.0-1.2x, 8 tokens 1.05-1.3x; 2 and 3 tokens (against the plain
+// kernels) 1.4-2.7x; the 2-thread layer step (BM_LayerStepKQBatch) 1.3-1.9x at 2-8 tokens.
+
+// [lanes 0..7 of a + lanes 8..15 of a | the same of b]: Fold512 of two tokens at once, as
+// [a.lo | b.hi] + [a.hi | b.lo] (a blend and one cross-lane shuffle).
+HWY_INLINE __m512i Fold512Pair(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_mask_blend_epi64(0xF0, a, b), _mm512_shuffle_i64x2(a, b, 0x4E));
+}
+// Q4_K's low words below carry this offset: 0 <= kLowBias + da < 2^15 for any Q4_K lane sum da
+// (|da| <= 4 * 15 * 128 = 7680).
+constexpr int32_t kLowBias = 8192;
+// Hsum of the two 8-lane halves.
+HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
+  *lo = Hsum(_mm512_castps512_ps256(v));
+  *hi = Hsum(_mm512_extractf32x8_ps(v, 1));
+}
+
+// Tile tokens k0..k0+T-1 x R rows `stride` bytes apart; out[r * 8 + t - k0]. Pairs of tokens
+// take the 512-bit tail, an odd last token DotQ4KTiled's 256-bit one.
+template <int T, int R>
+KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, KTile tile,
+                              const float* yde, int k0, float* out) {
+  static_assert(T >= 1 && T <= 8);
+  constexpr int P = T / 2, kOdd = T % 2;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i sc_idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
+  const __m512i sc_idx1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
+  const __m128 sign = _mm_castsi128_ps(_mm_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i bias_hi = _mm512_set1_epi32(kLowBias << 16);       // kLowBias as a high word
+  const __m512i neg_bias = _mm512_set1_epi32(-kLowBias & 0xFFFF);  // words [-kLowBias, 0]
+  __m512 acc[R][P + kOdd];  // [r][P]: the odd token in the low 8 lanes
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P + kOdd; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const int8_t* qi = tile.q + (i * 8 + k0) * 256;
+    const int16_t* bi = tile.bsums + (i * 8 + k0) * 16;
+    const float* ye = yde + (i * 8 + k0) * 8;
+    for (int r = 0; r < R; ++r) {
+      const auto* b =
+          reinterpret_cast<const block_q4_K*>(row + r * stride + i * sizeof(block_q4_K));
+      uint32_t dd;
+      std::memcpy(&dd, &b->d, 4);  // d, dmin: adjacent f16s
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
+      const __m512 d16 = _mm512_broadcastss_ps(dm);
+      const __m512 nm16 = _mm512_broadcastss_ps(_mm_movehdup_ps(_mm_xor_ps(dm, sign)));  // -dmin
+      // ScalesMinsK4 in two 64-bit words, as DotQ4KOne.
+      uint64_t a;
+      uint32_t c;
+      std::memcpy(&a, b->scales, 8);
+      std::memcpy(&c, b->scales + 8, 4);
+      const uint64_t lo = a & 0x3f3f3f3f3f3f3f3fULL;
+      const uint64_t c2 = uint64_t{c} | (uint64_t{c} << 28);
+      const uint64_t hi = (c2 & 0x0f0f0f0f0f0f0f0fULL) | (((a >> 6) & 0x0303030303030303ULL) << 4);
+      const __m128i sm8 =
+          _mm_shuffle_epi32(_mm_set_epi64x(static_cast<int64_t>(hi), static_cast<int64_t>(lo)),
+                            _MM_SHUFFLE(3, 1, 2, 0));                            // [sc0..7 | m0..7]
+      const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8));  // m[k/2]
+      const __m512i mins2 = _mm512_broadcast_i64x4(mins16);
+      const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sm8));
+      const __m512i sc[2] = {_mm512_permutexvar_epi32(sc_idx0, sc16),
+                             _mm512_permutexvar_epi32(sc_idx1, sc16)};
+      __m512i wlo[2], whi[2];
+      for (int p = 0; p < 2; ++p) {
+        const __m512i qv = Load64(b->qs + 64 * p);
+        wlo[p] = _mm512_and_si512(qv, m4);
+        whi[p] = _mm512_and_si512(_mm512_srli_epi16(qv, 4), m4);
+      }
+      // PairWords(da, db) without the blend: (db << 16 | kLowBias) + da has da + kLowBias in
+      // its low word (no borrow, see kLowBias) and db in its high word, so vpdpwssd adds the
+      // pair's scaled sums plus kLowBias * the low word's scale, which neg_k (the same for
+      // every token) takes back out. Every lane ends with DotQ4KTiled's int32.
+      const __m512i neg_k = _mm512_dpwssd_epi32(
+          _mm512_dpwssd_epi32(_mm512_setzero_si512(), neg_bias, sc[0]), neg_bias, sc[1]);
+      const auto lane_sums = [&](int t) {  // token t's 16-lane sums before the fold
+        const int8_t* at = qi + t * 256;
+        __m512i isum = neg_k;
+        for (int p = 0; p < 2; ++p) {
+          const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), whi[p],
+                                                 _mm512_load_si512(at + 128 * p + 64));
+          const __m512i pw = _mm512_dpbusd_epi32(_mm512_shldi_epi32(db, bias_hi, 16), wlo[p],
+                                                 _mm512_load_si512(at + 128 * p));
+          isum = _mm512_dpwssd_epi32(isum, pw, sc[p]);
+        }
+        return isum;
+      };
+      for (int q = 0; q < P; ++q) {
+        const __m512i s0 = lane_sums(2 * q), s1 = lane_sums(2 * q + 1);
+        const __m512i msum = _mm512_madd_epi16(_mm512_load_si512(bi + 32 * q), mins2);
+        const __m512 yq = _mm512_load_ps(ye + 16 * q);
+        acc[r][q] = _mm512_fmadd_ps(_mm512_mul_ps(d16, yq), _mm512_cvtepi32_ps(Fold512Pair(s0, s1)),
+                                    acc[r][q]);
+        acc[r][q] = _mm512_fmadd_ps(_mm512_mul_ps(nm16, yq), _mm512_cvtepi32_ps(msum), acc[r][q]);
+      }
+      if constexpr (kOdd) {
+        const __m256i isum = Fold512(lane_sums(2 * P));
+        const __m256i msum = _mm256_madd_epi16(
+            _mm256_load_si256(reinterpret_cast<const __m256i*>(bi + 32 * P)), mins16);
+        const __m256 y8 = _mm256_load_ps(ye + 16 * P);
+        __m256 a8 = _mm512_castps512_ps256(acc[r][P]);
+        a8 = _mm256_fmadd_ps(_mm256_mul_ps(_mm512_castps512_ps256(d16), y8),
+                             _mm256_cvtepi32_ps(isum), a8);
+        a8 = _mm256_fmadd_ps(_mm256_mul_ps(_mm512_castps512_ps256(nm16), y8),
+                             _mm256_cvtepi32_ps(msum), a8);
+        acc[r][P] = _mm512_castps256_ps512(a8);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < P; ++q) HsumPair(acc[r][q], out + r * 8 + 2 * q, out + r * 8 + 2 * q + 1);
+    if constexpr (kOdd) out[r * 8 + 2 * P] = Hsum(_mm512_castps512_ps256(acc[r][P]));
+  }
+}
+
+// Q6_K: DotQ6KTiled's lane sums; the -32 offset (sum_g sc_g * 32 * bsum_g) is taken off after
+// the fold, two tokens per madd.
+template <int T, int R>
+KILN_VNNI512 void DotQ6KBatch(const std::byte* row, size_t stride, int64_t nb, KTile tile,
+                              const float* yde, int k0, float* out) {
+  static_assert(T >= 1 && T <= 8);
+  constexpr int P = T / 2, kOdd = T % 2;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  alignas(64) static constexpr int16_t kScIdx[2][32] = {
+      {0, 4, 0, 4, 0, 4, 0, 4, 1, 5, 1, 5, 1, 5, 1, 5,
+       2, 6, 2, 6, 2, 6, 2, 6, 3, 7, 3, 7, 3, 7, 3, 7},
+      {8,  12, 8,  12, 8,  12, 8,  12, 9,  13, 9,  13, 9,  13, 9,  13,
+       10, 14, 10, 14, 10, 14, 10, 14, 11, 15, 11, 15, 11, 15, 11, 15}};
+  const __m512i sc_idx0 = _mm512_load_si512(kScIdx[0]), sc_idx1 = _mm512_load_si512(kScIdx[1]);
+  __m512 acc[R][P + kOdd];  // [r][P]: the odd token in the low 8 lanes
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P + kOdd; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const int8_t* qi = tile.q + (i * 8 + k0) * 256;
+    const int16_t* bi = tile.bsums + (i * 8 + k0) * 16;
+    const float* ye = yde + (i * 8 + k0) * 8;
+    for (int r = 0; r < R; ++r) {
+      const auto* b =
+          reinterpret_cast<const block_q6_K*>(row + r * stride + i * sizeof(block_q6_K));
+      const __m512 d16 = _mm512_set1_ps(_cvtsh_ss(b->d.bits));  // F16C: f16_to_f32's value
+      const __m256i sc_all =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
+      const __m512i sc512 = _mm512_castsi256_si512(sc_all);
+      const __m512i sc2 = _mm512_broadcast_i64x4(sc_all);
+      const __m512i sc[2] = {_mm512_permutexvar_epi16(sc_idx0, sc512),
+                             _mm512_permutexvar_epi16(sc_idx1, sc512)};
+      __m512i wa[2], wb[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i ql = Load64(b->ql + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(Load32(b->qh + 32 * h));
+        wa[h] = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30));
+        wb[h] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30));
+      }
+      const auto lane_sums = [&](int t) {  // token t's 16-lane sums before the fold and offset
+        const int8_t* at = qi + t * 256;
+        __m512i isum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {
+          const __m512i da =
+              _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa[h], _mm512_load_si512(at + 128 * h));
+          const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb[h],
+                                                 _mm512_load_si512(at + 128 * h + 64));
+          isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[h]);
+        }
+        return isum;
+      };
+      for (int q = 0; q < P; ++q) {
+        const __m512i s0 = lane_sums(2 * q), s1 = lane_sums(2 * q + 1);
+        const __m512i off =
+            _mm512_slli_epi32(_mm512_madd_epi16(sc2, _mm512_load_si512(bi + 32 * q)), 5);
+        const __m512i s = _mm512_sub_epi32(Fold512Pair(s0, s1), off);
+        acc[r][q] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_load_ps(ye + 16 * q)),
+                                    _mm512_cvtepi32_ps(s), acc[r][q]);
+      }
+      if constexpr (kOdd) {
+        const __m256i off = _mm256_slli_epi32(
+            _mm256_madd_epi16(sc_all,
+                              _mm256_load_si256(reinterpret_cast<const __m256i*>(bi + 32 * P))),
+            5);
+        const __m256i s = _mm256_sub_epi32(Fold512(lane_sums(2 * P)), off);
+        const __m256 a8 =
+            _mm256_fmadd_ps(_mm256_mul_ps(_mm512_castps512_ps256(d16), _mm256_load_ps(ye + 16 * P)),
+                            _mm256_cvtepi32_ps(s), _mm512_castps512_ps256(acc[r][P]));
+        acc[r][P] = _mm512_castps256_ps512(a8);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < P; ++q) HsumPair(acc[r][q], out + r * 8 + 2 * q, out + r * 8 + 2 * q + 1);
+    if constexpr (kOdd) out[r * 8 + 2 * P] = Hsum(_mm512_castps512_ps256(acc[r][P]));
+  }
+}
+
+// The tile's scales broadcast 8-wide, yde[(i*8 + k)*8 + l] = yd[i*8 + k], at `dst` rounded up
+// to 64 bytes (nb * 256 bytes used).
+const float* FillKTileYde(int64_t nb, const KTile& tile, std::byte* dst) {
+  auto* yde = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(dst) + 63) & ~uintptr_t{63});
+  for (int64_t j = 0; j < nb * 8; ++j) _mm256_store_ps(yde + j * 8, _mm256_set1_ps(tile.yd[j]));
+  return yde;
+}
+
+// Up to this many tokens two rows share a kernel call. More tokens: where the tile of all of
+// them fits in L1 (nb <= kBatchL1MaxBlocks: 8 tokens x 320 bytes per block) one row per call
+// (two rows' accumulators leave too few registers: BM_KQBatchOnOff at 8 tokens on 5632 x
+// 2048, 1 thread, one row 1.15x the tiled kernels, two rows 0.95x); wider rows, two rows per
+// call in pieces of 4 tokens, so each piece's tile stays in L1 (2048 x 5632 at 8 tokens:
+// 1.2x the tiled kernels, one row per call 0.85-1.0x).
+constexpr int kBatchTwoRowsMaxTok = 4;
+constexpr int64_t kBatchL1MaxBlocks = 12;
+// Tokens [0, T) of the tile (T <= 8) against rows r .. r+R-1 (R <= 2); out[rr * 8 + t] for
+// row r + rr.
+template <bool kQ4K, int R, int T>
+HWY_INLINE void DotKBatchRows(const std::byte* wr, size_t stride, int64_t nb, KTile tile,
+                              const float* yde, float* out) {
+  const auto dot = [&]<int U, int S>(const std::byte* w, int k0, float* o) {
+    if constexpr (kQ4K)
+      DotQ4KBatch<U, S>(w, stride, nb, tile, yde, k0, o);
+    else
+      DotQ6KBatch<U, S>(w, stride, nb, tile, yde, k0, o);
+  };
+  if constexpr (R == 1 || T <= kBatchTwoRowsMaxTok) {
+    dot.template operator()<T, R>(wr, 0, out);
+  } else if (nb > kBatchL1MaxBlocks) {
+    constexpr int kRest = T - kBatchTwoRowsMaxTok;
+    float o[2 * 8];
+    dot.template operator()<kBatchTwoRowsMaxTok, R>(wr, 0, out);
+    dot.template operator()<kRest, R>(wr, kBatchTwoRowsMaxTok, o);
+    for (int rr = 0; rr < R; ++rr)
+      for (int t = 0; t < kRest; ++t) out[rr * 8 + kBatchTwoRowsMaxTok + t] = o[rr * 8 + t];
+  } else {
+    for (int rr = 0; rr < R; ++rr) dot.template operator()<T, 1>(wr + rr * stride, 0, out + rr * 8);
+  }
+}
+template <bool kQ4K, int R>
+HWY_INLINE void DotKBatchPieces(const WeightMatrix& w, int64_t r, int64_t nb, KTile tile,
+                                const float* yde, int m, float* out) {
+  const std::byte* wr = w.row(r).data();
+  const size_t stride = w.stride();
+  switch (m) {
+    case 1:
+      return DotKBatchRows<kQ4K, R, 1>(wr, stride, nb, tile, yde, out);
+    case 2:
+      return DotKBatchRows<kQ4K, R, 2>(wr, stride, nb, tile, yde, out);
+    case 3:
+      return DotKBatchRows<kQ4K, R, 3>(wr, stride, nb, tile, yde, out);
+    case 4:
+      return DotKBatchRows<kQ4K, R, 4>(wr, stride, nb, tile, yde, out);
+    case 5:
+      return DotKBatchRows<kQ4K, R, 5>(wr, stride, nb, tile, yde, out);
+    case 6:
+      return DotKBatchRows<kQ4K, R, 6>(wr, stride, nb, tile, yde, out);
+    case 7:
+      return DotKBatchRows<kQ4K, R, 7>(wr, stride, nb, tile, yde, out);
+    default:
+      return DotKBatchRows<kQ4K, R, 8>(wr, stride, nb, tile, yde, out);
+  }
+}
+
+// MatmulKTiled's loop through the v2 kernels, rows two at a time, each pair's lines
+// set_matvec_prefetch_bytes ahead prefetched as in MatvecKOne (once the arithmetic is cheap
+// enough the hardware prefetchers alone leave the cores waiting on DRAM: serve_bench's 4-wide
+// decode step 50 ms without, 30 ms with 2-8 KB, 1-token steps ~21 ms). `scratch` holds
+// kq_batch_tile_bytes(nb).
+template <bool kQ4K>
+void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / 256, ldy = w.n_rows;
+  const int64_t rb = job.n_tok <= 8 ? r1 - r0 : rows_per_block(w);
+  const int64_t ahead = w.strided() ? 0 : matvec_prefetch_bytes();
+  const std::byte* end = w.bytes.data() + w.bytes.size();
+  const size_t stride = w.stride();
+  const block_q8_K* ys[8];
+  float out[2 * 8];
+  KTile tile;
+  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+    const int64_t b1 = std::min(r1, b0 + rb);
+    for (int64_t t0 = 0; t0 < job.n_tok; t0 += 8) {
+      const int m = static_cast<int>(std::min<int64_t>(8, job.n_tok - t0));
+      for (int k = 0; k < m; ++k)
+        ys[k] = reinterpret_cast<const block_q8_K*>(job.xq + (t0 + k) * job.xq_row_bytes);
+      FillKTile<kQ4K>(ys, m, nb, reinterpret_cast<std::byte*>(scratch), &tile);
+      const float* yde =
+          FillKTileYde(nb, tile, reinterpret_cast<std::byte*>(scratch) + kq_tile_bytes(nb));
+      int64_t r = b0;
+      for (; r + 2 <= b1; r += 2) {
+        if (ahead > 0) {
+          const std::byte* p = w.row(r).data() + ahead;
+          const std::byte* p_end = std::min(end, p + 2 * stride);
+          for (; p < p_end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+        }
+        DotKBatchPieces<kQ4K, 2>(w, r, nb, tile, yde, m, out);
+        for (int rr = 0; rr < 2; ++rr)
+          for (int j = 0; j < m; ++j) job.y[(t0 + j) * ldy + r + rr] = out[rr * 8 + j];
+      }
+      for (; r < b1; ++r) {
+        DotKBatchPieces<kQ4K, 1>(w, r, nb, tile, yde, m, out);
+        for (int j = 0; j < m; ++j) job.y[(t0 + j) * ldy + r] = out[j];
+      }
+    }
+  }
+}
 #undef KILN_VNNI512
 #endif  // HWY_AVX3_DL
 
@@ -976,6 +1300,11 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::Q5_0: return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
     case DType::Q4_K:
 #if HWY_TARGET == HWY_AVX3_DL
+      // The v2 batched kernel also beats the packed one on prefill (1.1B pp512 178-179 vs
+      // 156-166 t/s, kiln bench; 12-64-token decode steps 1.4-1.9x: serve_bench widths), so
+      // with it on the packed kernel is not used; bits are the same either way.
+      if (job.n_tok >= kKQBatchMinTok && kq_pair_matmul() && kq_batch_matmul())
+        return MatmulKBatch<true>(job, r0, r1, scratch);
       if (job.n_tok >= kPackMinTok && q4k_packed_matmul()) return MatmulQ4KPacked(job, r0, r1, scratch);
       if (job.n_tok >= kKQTiledMinTok && kq_pair_matmul()) return MatmulKTiled<true>(job, r0, r1, scratch);
       if (job.n_tok == 1 && kq_one_matvec()) return MatvecKOne<true>(job, r0, r1, scratch);
@@ -984,6 +1313,8 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::Q5_K: return MatmulInt<block_q8_K, KQ5_K>(job, r0, r1, 256);
     case DType::Q6_K:
 #if HWY_TARGET == HWY_AVX3_DL
+      if (job.n_tok >= kKQBatchMinTok && kq_pair_matmul() && kq_batch_matmul())
+        return MatmulKBatch<false>(job, r0, r1, scratch);
       if (job.n_tok >= kKQTiledMinTok && kq_pair_matmul()) return MatmulKTiled<false>(job, r0, r1, scratch);
       if (job.n_tok == 1 && kq_one_matvec()) return MatvecKOne<false>(job, r0, r1, scratch);
 #endif
@@ -1085,13 +1416,13 @@ void matmul_rows(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 size_t matmul_scratch_floats(const WeightMatrix& w) {
   size_t n = static_cast<size_t>(dequant_rows_per_block(w) * w.n_cols);
   if (w.dtype == DType::Q4_K) n = std::max(n, (q4k_packed_scratch_bytes(w) + 3) / 4);
-  if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K) n = std::max(n, (kq_tile_bytes(w.n_cols / 256) + 3) / 4);
+  if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K) n = std::max(n, (kq_batch_tile_bytes(w.n_cols / 256) + 3) / 4);
   return n;
 }
 
 namespace {
 // The kernel switches (kernels.h): process-wide, set from the config by the apps, read per call.
-std::atomic<bool> g_q4k_packed{true}, g_kq_pair{true}, g_kq_one{true};
+std::atomic<bool> g_q4k_packed{true}, g_kq_pair{true}, g_kq_one{true}, g_kq_batch{true};
 std::atomic<int64_t> g_matvec_prefetch{kDefaultMatvecPrefetchBytes};
 }  // namespace
 void set_q4k_packed_matmul(bool on) { g_q4k_packed.store(on, std::memory_order_relaxed); }
@@ -1100,6 +1431,8 @@ void set_kq_pair_matmul(bool on) { g_kq_pair.store(on, std::memory_order_relaxed
 bool kq_pair_matmul() { return g_kq_pair.load(std::memory_order_relaxed); }
 void set_kq_one_matvec(bool on) { g_kq_one.store(on, std::memory_order_relaxed); }
 bool kq_one_matvec() { return g_kq_one.load(std::memory_order_relaxed); }
+void set_kq_batch_matmul(bool on) { g_kq_batch.store(on, std::memory_order_relaxed); }
+bool kq_batch_matmul() { return g_kq_batch.load(std::memory_order_relaxed); }
 void set_matvec_prefetch_bytes(int64_t bytes) {
   g_matvec_prefetch.store(std::max<int64_t>(0, bytes), std::memory_order_relaxed);
 }

@@ -47,7 +47,8 @@ size_t matmul_scratch_floats(const WeightMatrix& w);
 // dequantize-row + f32 path).
 bool has_int8_path(DType t);
 // Q4_K prefill (12+ tokens) through the packed VNNI kernel where the machine has AVX-512 VNNI
-// (default on, faster by measurement: bench/matvec_bench BM_Q4KPackedOnOff). Its output is the
+// and kq_batch_matmul is off (default on, faster than the plain kernel by measurement:
+// bench/matvec_bench BM_Q4KPackedOnOff; the v2 batched kernels beat it at every size). Its output is the
 // plain kernel's bits, so the switch exists for the test that proves it and for bisecting.
 void set_q4k_packed_matmul(bool on);
 bool q4k_packed_matmul();
@@ -57,6 +58,14 @@ bool q4k_packed_matmul();
 // (tests/ops MatmulKQPair), so the switch exists for that test, the benchmark and bisecting.
 void set_kq_pair_matmul(bool on);
 bool kq_pair_matmul();
+// With kq_pair_matmul on, Q4_K/Q6_K matmuls of 2+ tokens, prefill included, through the v2
+// batched kernels instead (default on, faster by measurement: bench/matvec_bench
+// BM_KQBatchOnOff, BM_LayerStepKQBatch, bench/serve_bench, kiln bench pp512): the same lane
+// sums with a cheaper block decode, two tokens per 512-bit float tail and software prefetch.
+// Output: the plain kernels' bits (tests/ops MatmulKQBatch); off runs the packed kernel from
+// 12 tokens (Q4_K), the small-batch kernels above from 4 and the plain ones below.
+void set_kq_batch_matmul(bool on);
+bool kq_batch_matmul();
 // Q4_K and Q6_K single-token matvecs (decode) through 512-bit AVX-512 VNNI kernels that read the
 // token's activation in place (default on; the plain one-token kernels are instruction-bound
 // below the DRAM read bandwidth on the Zen 5 dev box: bench/matvec_bench BM_Matvec,
@@ -64,9 +73,9 @@ bool kq_pair_matmul();
 // for that test, benchmarks and bisecting.
 void set_kq_one_matvec(bool on);
 bool kq_one_matvec();
-// Those one-token kernels software-prefetch this many bytes ahead of the rows they work on (0:
-// off; the hardware prefetchers alone leave decode well short of the read bandwidth, see
-// cpu_matmul.cpp). Prefetching changes no result. The default is also the literal default of
+// Those one-token kernels and the v2 batched ones software-prefetch this many bytes ahead of
+// the rows they work on (0: off; the hardware prefetchers alone leave decode well short of the
+// read bandwidth, see cpu_matmul.cpp). Prefetching changes no result. The default is also the literal default of
 // --cpu-matvec-prefetch in core/config_entries.h (core cannot see this header): keep them equal.
 inline constexpr int64_t kDefaultMatvecPrefetchBytes = 2048;
 void set_matvec_prefetch_bytes(int64_t bytes);
