@@ -841,6 +841,35 @@ HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
   *hi = Hsum(_mm512_extractf32x8_ps(v, 1));
 }
 
+// The batched kernels' per-token lane sums, always_inline with the kernels' target (these were
+// lambdas, which clang compiles without the enclosing function's target attribute).
+#define KILN_VNNI512_INLINE __attribute__((target(HWY_TARGET_STR ",avx512vnni"), always_inline)) inline
+KILN_VNNI512_INLINE __m512i Q4KBatchLaneSums(const int8_t* at, const __m512i (&wlo)[2],
+                                             const __m512i (&whi)[2], const __m512i (&sc)[2],
+                                             __m512i neg_k, __m512i bias_hi) {
+  __m512i isum = neg_k;
+  for (int p = 0; p < 2; ++p) {
+    const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), whi[p],
+                                           _mm512_load_si512(at + 128 * p + 64));
+    const __m512i pw = _mm512_dpbusd_epi32(_mm512_shldi_epi32(db, bias_hi, 16), wlo[p],
+                                           _mm512_load_si512(at + 128 * p));
+    isum = _mm512_dpwssd_epi32(isum, pw, sc[p]);
+  }
+  return isum;
+}
+KILN_VNNI512_INLINE __m512i Q6KBatchLaneSums(const int8_t* at, const __m512i (&wa)[2],
+                                             const __m512i (&wb)[2], const __m512i (&sc)[2]) {
+  __m512i isum = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512i da =
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa[h], _mm512_load_si512(at + 128 * h));
+    const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb[h],
+                                           _mm512_load_si512(at + 128 * h + 64));
+    isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[h]);
+  }
+  return isum;
+}
+
 // Tile tokens k0..k0+T-1 x R rows `stride` bytes apart; out[r * 8 + t - k0]. Pairs of tokens
 // take the 512-bit tail, an odd last token DotQ4KTiled's 256-bit one.
 template <int T, int R>
@@ -897,20 +926,9 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
       // every token) takes back out. Every lane ends with DotQ4KTiled's int32.
       const __m512i neg_k = _mm512_dpwssd_epi32(
           _mm512_dpwssd_epi32(_mm512_setzero_si512(), neg_bias, sc[0]), neg_bias, sc[1]);
-      const auto lane_sums = [&](int t) {  // token t's 16-lane sums before the fold
-        const int8_t* at = qi + t * 256;
-        __m512i isum = neg_k;
-        for (int p = 0; p < 2; ++p) {
-          const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), whi[p],
-                                                 _mm512_load_si512(at + 128 * p + 64));
-          const __m512i pw = _mm512_dpbusd_epi32(_mm512_shldi_epi32(db, bias_hi, 16), wlo[p],
-                                                 _mm512_load_si512(at + 128 * p));
-          isum = _mm512_dpwssd_epi32(isum, pw, sc[p]);
-        }
-        return isum;
-      };
       for (int q = 0; q < P; ++q) {
-        const __m512i s0 = lane_sums(2 * q), s1 = lane_sums(2 * q + 1);
+        const __m512i s0 = Q4KBatchLaneSums(qi + 2 * q * 256, wlo, whi, sc, neg_k, bias_hi);
+        const __m512i s1 = Q4KBatchLaneSums(qi + (2 * q + 1) * 256, wlo, whi, sc, neg_k, bias_hi);
         const __m512i msum = _mm512_madd_epi16(_mm512_load_si512(bi + 32 * q), mins2);
         const __m512 yq = _mm512_load_ps(ye + 16 * q);
         acc[r][q] = _mm512_fmadd_ps(_mm512_mul_ps(d16, yq), _mm512_cvtepi32_ps(Fold512Pair(s0, s1)),
@@ -918,7 +936,8 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
         acc[r][q] = _mm512_fmadd_ps(_mm512_mul_ps(nm16, yq), _mm512_cvtepi32_ps(msum), acc[r][q]);
       }
       if constexpr (kOdd) {
-        const __m256i isum = Fold512(lane_sums(2 * P));
+        const __m256i isum =
+            Fold512(Q4KBatchLaneSums(qi + 2 * P * 256, wlo, whi, sc, neg_k, bias_hi));
         const __m256i msum = _mm256_madd_epi16(
             _mm256_load_si256(reinterpret_cast<const __m256i*>(bi + 32 * P)), mins16);
         const __m256 y8 = _mm256_load_ps(ye + 16 * P);
@@ -979,20 +998,9 @@ KILN_VNNI512 void DotQ6KBatch(const std::byte* row, size_t stride, int64_t nb, K
         wb[h] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
                                 _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30));
       }
-      const auto lane_sums = [&](int t) {  // token t's 16-lane sums before the fold and offset
-        const int8_t* at = qi + t * 256;
-        __m512i isum = _mm512_setzero_si512();
-        for (int h = 0; h < 2; ++h) {
-          const __m512i da =
-              _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa[h], _mm512_load_si512(at + 128 * h));
-          const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb[h],
-                                                 _mm512_load_si512(at + 128 * h + 64));
-          isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[h]);
-        }
-        return isum;
-      };
       for (int q = 0; q < P; ++q) {
-        const __m512i s0 = lane_sums(2 * q), s1 = lane_sums(2 * q + 1);
+        const __m512i s0 = Q6KBatchLaneSums(qi + 2 * q * 256, wa, wb, sc);
+        const __m512i s1 = Q6KBatchLaneSums(qi + (2 * q + 1) * 256, wa, wb, sc);
         const __m512i off =
             _mm512_slli_epi32(_mm512_madd_epi16(sc2, _mm512_load_si512(bi + 32 * q)), 5);
         const __m512i s = _mm512_sub_epi32(Fold512Pair(s0, s1), off);
@@ -1004,7 +1012,8 @@ KILN_VNNI512 void DotQ6KBatch(const std::byte* row, size_t stride, int64_t nb, K
             _mm256_madd_epi16(sc_all,
                               _mm256_load_si256(reinterpret_cast<const __m256i*>(bi + 32 * P))),
             5);
-        const __m256i s = _mm256_sub_epi32(Fold512(lane_sums(2 * P)), off);
+        const __m256i s =
+            _mm256_sub_epi32(Fold512(Q6KBatchLaneSums(qi + 2 * P * 256, wa, wb, sc)), off);
         const __m256 a8 =
             _mm256_fmadd_ps(_mm256_mul_ps(_mm512_castps512_ps256(d16), _mm256_load_ps(ye + 16 * P)),
                             _mm256_cvtepi32_ps(s), _mm512_castps512_ps256(acc[r][P]));
@@ -1127,6 +1136,7 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
   }
 }
 #undef KILN_VNNI512
+#undef KILN_VNNI512_INLINE
 #endif  // HWY_AVX3_DL
 
 #if HWY_TARGET == HWY_AVX3_DL
