@@ -189,6 +189,34 @@ TEST_P(MoeDecodePath, DecodeSpeedSwitchesChangeNoBits) {
   EXPECT_EQ(0, std::memcmp(on.data(), off.data(), on.size() * sizeof(float))) << GetParam();
 }
 
+// The multi-token kernel switches (v2 batched kernels, small-batch kernels, packed Q4_K
+// prefill) change no bits either: a prefill in 64-token chunks (every expert's matmul sees
+// 2+ rows) and 4-token chunks with all of them off, i.e. the plain kernels, gives the logits
+// of the defaults, memcmp'd.
+TEST_P(MoeDecodePath, BatchKernelSwitchesChangeNoBits) {
+  const auto m = enginetest::load(GetParam());
+  ASSERT_NE(m, nullptr);
+  auto be = make_cpu_backend(2);
+  const std::vector<int32_t> prompt = enginetest::random_prompt(40, m->n_vocab(), 13);
+  struct Restore {
+    ~Restore() { set(true); }
+    static void set(bool on) {
+      cpu::set_kq_batch_matmul(on);
+      cpu::set_kq_pair_matmul(on);
+      cpu::set_q4k_packed_matmul(on);
+    }
+  } restore;
+  for (int chunk : {64, 4}) {
+    Restore::set(true);
+    const auto on = logits_chunked(m, *be, prompt, chunk);
+    Restore::set(false);
+    const auto off = logits_chunked(m, *be, prompt, chunk);
+    ASSERT_EQ(on.size(), off.size());
+    EXPECT_EQ(0, std::memcmp(on.data(), off.data(), on.size() * sizeof(float)))
+        << GetParam() << ", chunks of " << chunk;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, MoeDecodePath,
                          ::testing::Values("qwen3moe-q4_k_m.gguf", "qwen3moe-f16.gguf",
                                            "mixtral-q4_k_m.gguf"),
