@@ -416,13 +416,15 @@ std::pair<double, double> time_on_off(benchmark::State& state, void (*set)(bool)
   return {best_on, best_off};
 }
 
-void BM_KQPairOnOff(benchmark::State& state) {
+// A K-quant kernel switch on/off with args (type, tokens, rows, columns), per-token time added.
+void kq_switch_on_off(benchmark::State& state, void (*set)(bool), const char* what) {
   const auto type = static_cast<DType>(state.range(0));
   const int64_t n_tok = state.range(1), n_rows = state.range(2), n_cols = state.range(3);
-  const auto [best_on, best_off] =
-      time_on_off(state, cpu::set_kq_pair_matmul, weights(type, n_rows, n_cols), n_tok, "small-batch");
+  const double best_on = time_on_off(state, set, weights(type, n_rows, n_cols), n_tok, what).first;
   state.counters["new_us/tok"] = best_on * 1e6 / static_cast<double>(n_tok);
-  (void)best_off;
+}
+void BM_KQPairOnOff(benchmark::State& state) {
+  kq_switch_on_off(state, cpu::set_kq_pair_matmul, "small-batch");
 }
 void KQPairArgs(benchmark::internal::Benchmark* b) {
   for (DType type : {DType::Q4_K, DType::Q6_K})
@@ -434,12 +436,7 @@ BENCHMARK(BM_KQPairOnOff)->Apply(KQPairArgs)->UseRealTime()->Unit(benchmark::kMi
 // The v2 batched Q4_K / Q6_K kernels against the small-batch ones (cpu::set_kq_batch_matmul),
 // same method as BM_KQPairOnOff; at 2 and 3 tokens the old path is the plain kernels.
 void BM_KQBatchOnOff(benchmark::State& state) {
-  const auto type = static_cast<DType>(state.range(0));
-  const int64_t n_tok = state.range(1), n_rows = state.range(2), n_cols = state.range(3);
-  const auto [best_on, best_off] =
-      time_on_off(state, cpu::set_kq_batch_matmul, weights(type, n_rows, n_cols), n_tok, "batched v2");
-  state.counters["new_us/tok"] = best_on * 1e6 / static_cast<double>(n_tok);
-  (void)best_off;
+  kq_switch_on_off(state, cpu::set_kq_batch_matmul, "batched v2");
 }
 void KQBatchArgs(benchmark::internal::Benchmark* b) {
   for (DType type : {DType::Q4_K, DType::Q6_K})

@@ -447,6 +447,21 @@ HWY_INLINE __m512i Load64(const void* p) { return _mm512_loadu_si512(p); }
 // Highway's AVX3_DL target string names AVX-VNNI but not AVX512-VNNI, which the 512-bit forms
 // need; the kernels are called once per row, so they need not inline into their callers.
 #define KILN_VNNI512 __attribute__((target(HWY_TARGET_STR ",avx512vnni"), noinline))
+// Helpers inlined into those kernels (same target, so clang may inline them).
+#define KILN_VNNI512_INLINE __attribute__((target(HWY_TARGET_STR ",avx512vnni"), always_inline)) inline
+// A Q4_K block's 8 six-bit scales and 8 mins as bytes [sc0..7 | m0..7] (ScalesMinsK4 in two
+// 64-bit words: lo = [sc0..3 | m0..3], hi = [sc4..7 | m4..7], then one shuffle).
+KILN_VNNI512_INLINE __m128i ScalesMins8(const block_q4_K* b) {
+  uint64_t a;
+  uint32_t c;
+  std::memcpy(&a, b->scales, 8);
+  std::memcpy(&c, b->scales + 8, 4);
+  const uint64_t lo = a & 0x3f3f3f3f3f3f3f3fULL;
+  const uint64_t c2 = uint64_t{c} | (uint64_t{c} << 28);  // c | (c >> 4) << 32, nibble-masked below
+  const uint64_t hi = (c2 & 0x0f0f0f0f0f0f0f0fULL) | (((a >> 6) & 0x0303030303030303ULL) << 4);
+  return _mm_shuffle_epi32(_mm_set_epi64x(static_cast<int64_t>(hi), static_cast<int64_t>(lo)),
+                           _MM_SHUFFLE(3, 1, 2, 0));
+}
 
 // Q4_K through a per-call activation tile: the tokens' Q8_K quants are copied once into
 // 64-byte aligned rows ordered as the weights unpack ([sub 4p | sub 4p+2], [sub 4p+1 |
@@ -598,18 +613,7 @@ KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, con
       std::memcpy(&dd, &b->d, 4);  // d, dmin: adjacent f16s
       const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
       const float d = _mm_cvtss_f32(dm), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-      // ScalesMinsK4 in two 64-bit words: lo = [sc0..3 | m0..3], hi = [sc4..7 | m4..7].
-      uint64_t a;
-      uint32_t c;
-      std::memcpy(&a, b->scales, 8);
-      std::memcpy(&c, b->scales + 8, 4);
-      const uint64_t lo = a & 0x3f3f3f3f3f3f3f3fULL;
-      const uint64_t c2 =
-          uint64_t{c} | (uint64_t{c} << 28);  // c | (c >> 4) << 32, nibble-masked below
-      const uint64_t hi = (c2 & 0x0f0f0f0f0f0f0f0fULL) | (((a >> 6) & 0x0303030303030303ULL) << 4);
-      const __m128i sm8 =
-          _mm_shuffle_epi32(_mm_set_epi64x(static_cast<int64_t>(hi), static_cast<int64_t>(lo)),
-                            _MM_SHUFFLE(3, 1, 2, 0));                            // [sc0..7 | m0..7]
+      const __m128i sm8 = ScalesMins8(b);  // [sc0..7 | m0..7]
       const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8));  // m[k/2]
       const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sm8));
       const __m512i sc[2] = {_mm512_permutexvar_epi32(sc_idx0, sc16),
@@ -843,7 +847,6 @@ HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
 
 // The batched kernels' per-token lane sums, always_inline with the kernels' target (these were
 // lambdas, which clang compiles without the enclosing function's target attribute).
-#define KILN_VNNI512_INLINE __attribute__((target(HWY_TARGET_STR ",avx512vnni"), always_inline)) inline
 KILN_VNNI512_INLINE __m512i Q4KBatchLaneSums(const int8_t* at, const __m512i (&wlo)[2],
                                              const __m512i (&whi)[2], const __m512i (&sc)[2],
                                              __m512i neg_k, __m512i bias_hi) {
@@ -898,17 +901,7 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
       const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
       const __m512 d16 = _mm512_broadcastss_ps(dm);
       const __m512 nm16 = _mm512_broadcastss_ps(_mm_movehdup_ps(_mm_xor_ps(dm, sign)));  // -dmin
-      // ScalesMinsK4 in two 64-bit words, as DotQ4KOne.
-      uint64_t a;
-      uint32_t c;
-      std::memcpy(&a, b->scales, 8);
-      std::memcpy(&c, b->scales + 8, 4);
-      const uint64_t lo = a & 0x3f3f3f3f3f3f3f3fULL;
-      const uint64_t c2 = uint64_t{c} | (uint64_t{c} << 28);
-      const uint64_t hi = (c2 & 0x0f0f0f0f0f0f0f0fULL) | (((a >> 6) & 0x0303030303030303ULL) << 4);
-      const __m128i sm8 =
-          _mm_shuffle_epi32(_mm_set_epi64x(static_cast<int64_t>(hi), static_cast<int64_t>(lo)),
-                            _MM_SHUFFLE(3, 1, 2, 0));                            // [sc0..7 | m0..7]
+      const __m128i sm8 = ScalesMins8(b);  // [sc0..7 | m0..7]
       const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8));  // m[k/2]
       const __m512i mins2 = _mm512_broadcast_i64x4(mins16);
       const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sm8));
