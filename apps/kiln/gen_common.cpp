@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/tier_policy.h"
 #include "moe/expert_store.h"
 #include "backend/cpu/kernels.h"
 #include "backend/tp_group.h"
@@ -60,6 +61,9 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
   if (dev != "auto" && dev != "cuda" && dev != "cpu")
     return Status::errorf("unknown --device '{}' (auto, cuda or cpu)", dev);
   const bool streaming = config.expert_cache > 0 || config.expert_cap > 0;
+  // Checked on every device, so a typo fails where it is made, not on the next GPU run.
+  const auto expert_policy = parse_tier_eviction(config.expert_device_policy);
+  if (!expert_policy) return Status::errorf("--expert-device-policy: {}", expert_policy.error());
   const int64_t tp = config.tensor_parallel;
   if (tp < 1 || tp > 64) return Status::errorf("--tensor-parallel {}: must be 1..64", tp);
   if (tp > 1) {
@@ -111,6 +115,8 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
                                 config.expert_device_cache);
         o.immutable_region = f.mapping()->bytes();
         o.expert_cache_bytes = static_cast<uint64_t>(config.expert_device_cache);
+        o.expert_policy = *expert_policy;
+        o.expert_async_copies = config.expert_device_async;
       } else {
         o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
       }

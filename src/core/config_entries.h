@@ -20,7 +20,15 @@ KILN_CONFIG_ENTRY(int64_t, expert_cap, 0,
                   "RAM (0: off)")
 KILN_CONFIG_ENTRY(int64_t, expert_device_cache, 0,
                   "MoE streaming on CUDA: keep at most this many bytes of expert slices on the "
-                  "device, least recently used evicted (0: half of the free device memory)")
+                  "device, evicted in --expert-device-policy order (0: half of the free device "
+                  "memory)")
+KILN_CONFIG_ENTRY(std::string, expert_device_policy, "lfu",
+                  "MoE streaming on CUDA: which expert slice the device tier evicts first: lfu "
+                  "(fewest uses, counts halving over time; keeps the popular experts) or lru "
+                  "(least recently used); same outputs either way")
+KILN_CONFIG_ENTRY(bool, expert_device_async, true,
+                  "MoE streaming on CUDA: queue one op's expert copies to the device back to "
+                  "back and wait once (off: one synchronous copy each); same outputs either way")
 KILN_CONFIG_ENTRY(bool, expert_prefetch, false,
                   "MoE streaming: while a layer runs, load the experts the next layer used last")
 KILN_CONFIG_ENTRY(std::string, moe_routing, "model",

@@ -179,7 +179,8 @@ TEST(CudaResident, ShortPromptLongContextMatchesReference) {
 // with the backend, and the backend's device LRU of expert slices keyed by content_key. Under
 // every budget the prefill and greedy decode must give the resident run's logits bit for bit:
 // caps of 2/3/8 experts per layer on the host, and device tiers from just above one op's
-// slices (eviction in every layer) to the default.
+// slices (eviction in every layer) to the default, under both eviction orders
+// (backend/tier_policy.h) and with the copies synchronous or queued (expert_async_copies).
 TEST(CudaExpertTier, StreamingMatchesResidentBitForBit) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
   for (const char* name : {"qwen3moe-q4_k_m", "mixtral-q4_k_m", "qwen3moe-f16"}) {
@@ -225,8 +226,12 @@ TEST(CudaExpertTier, StreamingMatchesResidentBitForBit) {
     const uint64_t slice = std::max({e0.gate.bytes.size(), e0.up.bytes.size(), e0.down.bytes.size()}) + 256;
     const uint64_t one_op = slice * 2 * uint64_t((*base_model)->hparams().layers[0].n_expert_used);
     for (int32_t cap : {2, 3, 8}) {
-      for (uint64_t dev_bytes : {one_op + slice, uint64_t{0}}) {
-        SCOPED_TRACE(::testing::Message() << "cap " << cap << " device tier " << dev_bytes);
+      for (uint64_t dev_bytes : {one_op + slice, uint64_t{0}})
+      for (TierEviction policy : {TierEviction::Lru, TierEviction::Lfu})
+      for (bool async : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "cap " << cap << " device tier " << dev_bytes
+                                          << " policy " << tier_eviction_name(policy)
+                                          << " async copies " << async);
         auto m = Model::load(testing::model_path(file), moe::StoreConfig{.cap = cap});
         ASSERT_TRUE(m.has_value()) << m.error();
         auto* store = dynamic_cast<moe::ExpertStore*>((*m)->weights().experts.get());
@@ -234,6 +239,8 @@ TEST(CudaExpertTier, StreamingMatchesResidentBitForBit) {
         CudaOptions o;
         o.immutable_region = (*m)->gguf().mapping()->bytes();
         o.expert_cache_bytes = dev_bytes;
+        o.expert_policy = policy;
+        o.expert_async_copies = async;
         auto be = make_cuda_backend(o);
         ASSERT_TRUE(be) << be.error();
         store->register_slabs([b = be->get()](std::span<std::byte> mem) {
@@ -249,9 +256,11 @@ TEST(CudaExpertTier, StreamingMatchesResidentBitForBit) {
           EXPECT_GT(st.expert_evictions, 0u);
           EXPECT_LE(st.expert_bytes_held, dev_bytes);
         }
-        fmt::print("  {:<22} cap {} device tier {:>6.2f} MiB: {} hits, {} misses, {} evictions, "
-                   "{:.1f} MiB copied, slabs {}registered\n",
-                   name, cap, st.expert_cache_bytes / 1048576.0, st.expert_hits, st.expert_misses,
+        fmt::print("  {:<22} cap {} device tier {:>6.2f} MiB {}{}: {} hits, {} misses, {} "
+                   "evictions, {:.1f} MiB copied, slabs {}registered\n",
+                   name, cap, st.expert_cache_bytes / 1048576.0, tier_eviction_name(policy),
+                   async ? " async" : "",
+                   st.expert_hits, st.expert_misses,
                    st.expert_evictions, st.expert_bytes_copied / 1048576.0,
                    store->slabs_registered() ? "" : "not ");
       }

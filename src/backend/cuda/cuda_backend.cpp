@@ -21,6 +21,7 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -33,6 +34,7 @@
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/weight_arena.h"
+#include "backend/tier_policy.h"
 #include "backend/tp_group.h"
 #include "core/check.h"
 #include "core/counters.h"
@@ -133,15 +135,22 @@ struct CudaBackend::Impl {
   }
 
   // ------------------------------------------------------------------ streamed experts
-  // The device tier of MoE expert streaming (issue 9): slices named by content_key, LRU
-  // within expert_cap bytes. Two hazards decide the shape of it:
+  // The device tier of MoE expert streaming (issue 9): slices named by content_key, within
+  // expert_cap bytes, evicted in the order of expert_policy (backend/tier_policy.h: lru, or lfu
+  // by default). Two hazards decide the shape of it:
   // - The host slab a slice comes from is reused by the store for another expert once the
   //   forward pass drops its pin, which can happen before this backend launches the ops it
-  //   recorded. So the copy is synchronous, here, while the caller holds the pin: nothing
-  //   reads a host slab later (never a deferred copy or a zero-copy read of it).
+  //   recorded. So the copy has landed before the op that looked the slice up returns, while
+  //   the caller still holds the pin: nothing reads a host slab later (never a deferred copy
+  //   or a zero-copy read of it). With expert_async the op's copies are queued on the compute
+  //   stream back to back and the op waits once for the last (ExpertCopyFence, at the end of
+  //   matmul, matmul_batch and get_rows, the ops that look weights up), instead of waiting for
+  //   each copy in turn.
   // - A device slot evicted for a new slice may still be read by recorded or running ops of
-  //   the current segment. An entry used since the last flush() (epoch == flushes) is never
-  //   evicted; when only such entries are left, flush() first (one synchronisation).
+  //   the current segment. An entry used since the last flush() (epoch == flushes) is not
+  //   evicted while another is left; when only such entries are left, flush() first (one
+  //   synchronisation). Under lru that is the old rule exactly (the least recent entry is the
+  //   first one used in the segment, if any is); lfu looks past them for the first other one.
   struct ExpertSlot {
     cuda::DeviceBuffer buf;
     size_t bytes = 0;       // the slice's
@@ -149,10 +158,9 @@ struct CudaBackend::Impl {
                             // kernels see the alignment the mapped (arena) copy would have
     uint64_t epoch = 0;     // flushes when last used
     uint64_t op = 0;        // op_seq when last looked up
-    std::list<uint64_t>::iterator lru;
   };
   std::unordered_map<uint64_t, ExpertSlot> experts;
-  std::list<uint64_t> expert_lru;                       // most recent first
+  TierPolicy expert_policy{TierEviction::Lfu};
   std::multimap<size_t, cuda::DeviceBuffer> expert_free;  // evicted buffers, by size
   uint64_t expert_cap = 0;  // bytes; set on first use from CudaOptions::expert_cache_bytes
   uint64_t expert_held = 0, expert_hits = 0, expert_misses = 0, expert_evictions = 0;
@@ -168,6 +176,17 @@ struct CudaBackend::Impl {
   uint64_t expert_copied = 0;
   uint64_t flushes = 0;
   uint64_t expert_cache_option = 0;
+  bool expert_async = true;
+  bool expert_copies_unfenced = false;  // copies queued since the last fence_expert_copies()
+  cuda::Event expert_copy_ev;
+  // The end of every op that looks weights up: its expert copies (queued on the compute
+  // stream, ahead of every op recorded after them) have read their host slabs.
+  void fence_expert_copies() {
+    if (!expert_copies_unfenced) return;
+    expert_copies_unfenced = false;
+    check_cuda(cudaEventRecord(expert_copy_ev.get(), s()), "expert copy event");
+    check_cuda(cudaEventSynchronize(expert_copy_ev.get()), "wait for expert copies");
+  }
 
   // The process counters (`--stats`, /metrics) of the tier, looked up once.
   Counter *c_hits = nullptr, *c_misses = nullptr, *c_bytes = nullptr, *c_evictions = nullptr;
@@ -184,7 +203,7 @@ struct CudaBackend::Impl {
       ExpertSlot& e = it->second;
       KILN_CHECK(e.bytes == w.bytes.size(), "cuda: expert key {:#x} names {} bytes, now {}",
                  w.content_key, e.bytes, w.bytes.size());
-      expert_lru.splice(expert_lru.begin(), expert_lru, e.lru);
+      expert_policy.hit(w.content_key);
       e.epoch = flushes;
       e.op = op_seq;
       note_op_use(w.content_key);
@@ -200,19 +219,24 @@ struct CudaBackend::Impl {
     const size_t need = w.bytes.size();
     KILN_CHECK(need <= expert_cap, "cuda: the expert device cache ({} MiB) is smaller than one "
                "expert slice ({} MiB); raise --expert-device-cache", expert_cap >> 20, need >> 20);
-    while (expert_held + need > expert_cap && !expert_lru.empty()) {
-      const uint64_t victim = expert_lru.back();
-      ExpertSlot& v = experts.at(victim);
-      // The op being built holds the pointers it looked up (matmul_batch of K experts).
-      KILN_CHECK(v.op != op_seq, "cuda: the expert device cache ({} MiB) cannot hold the "
-                 "experts of one op; raise --expert-device-cache", expert_cap >> 20);
-      if (v.epoch == flushes) flush();  // pending ops may read it: run them (flushes++)
+    while (expert_held + need > expert_cap && expert_policy.size() > 0) {
+      std::optional<uint64_t> victim =
+          expert_policy.victim([&](uint64_t k) { return experts.at(k).epoch != flushes; });
+      if (!victim) {
+        // Every entry may be read by pending ops: run them (flushes++). The op being built
+        // holds the pointers it looked up (matmul_batch of K experts): never those.
+        victim = expert_policy.victim([&](uint64_t k) { return experts.at(k).op != op_seq; });
+        KILN_CHECK(victim.has_value(), "cuda: the expert device cache ({} MiB) cannot hold "
+                   "the experts of one op; raise --expert-device-cache", expert_cap >> 20);
+        flush();
+      }
+      ExpertSlot& v = experts.at(*victim);
       expert_held -= v.bytes;
       ++expert_evictions;
       c_evictions->add();
       expert_free.emplace(v.buf.size(), std::move(v.buf));
-      expert_lru.pop_back();
-      experts.erase(victim);
+      expert_policy.erase(*victim);
+      experts.erase(*victim);
     }
     const size_t offset = reinterpret_cast<uintptr_t>(w.bytes.data()) % 256;
     const size_t buf_bytes = need + offset;
@@ -232,11 +256,19 @@ struct CudaBackend::Impl {
       buf.ensure(buf_bytes, "expert slice");
       expert_alloc += buf.size();
     }
-    // Synchronous (see above); from page-locked slabs (ExpertStore::register_slabs) a DMA.
-    check_cuda(cudaMemcpy(static_cast<std::byte*>(buf.get()) + offset, w.bytes.data(), need,
-                          cudaMemcpyHostToDevice),
-               "expert slice upload");
-    expert_lru.push_front(w.content_key);
+    // Landed before the op returns (see above); from page-locked slabs
+    // (ExpertStore::register_slabs) a DMA. The slot is read by no pending or running op (the
+    // eviction rule above), so the copy may run ahead of the recorded ones.
+    std::byte* dst = static_cast<std::byte*>(buf.get()) + offset;
+    if (expert_async) {
+      check_cuda(cudaMemcpyAsync(dst, w.bytes.data(), need, cudaMemcpyHostToDevice, s()),
+                 "expert slice upload");
+      expert_copies_unfenced = true;
+    } else {
+      check_cuda(cudaMemcpy(dst, w.bytes.data(), need, cudaMemcpyHostToDevice),
+                 "expert slice upload");
+    }
+    expert_policy.insert(w.content_key);
     ExpertSlot& e = experts[w.content_key];
     e.buf = std::move(buf);
     e.bytes = need;
@@ -244,7 +276,6 @@ struct CudaBackend::Impl {
     e.epoch = flushes;
     e.op = op_seq;
     note_op_use(w.content_key);
-    e.lru = expert_lru.begin();
     expert_held += need;
     expert_copied += need;
     ++expert_misses;
@@ -741,6 +772,13 @@ CudaBackend::~CudaBackend() {
   }
 }
 
+// Declared after the op's lock: on every return the op's expert copies have read their host
+// slabs before the caller may drop the pins (Impl::expert_device).
+struct ExpertCopyFence {
+  CudaBackend::Impl& impl;
+  ~ExpertCopyFence() { impl.fence_expert_copies(); }
+};
+
 const std::string& CudaBackend::device_name() const { return impl_->device_name; }
 
 void CudaBackend::set_profile(bool on) {
@@ -945,6 +983,7 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
              w.n_rows);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
+  ExpertCopyFence fence{I};
   if (I.is_dev(y.data())) {
     I.enter();
     // Everything that may flush (weight refresh, workspace growth) before staging anything.
@@ -1023,6 +1062,7 @@ void CudaBackend::matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok)
     Backend::matmul_batch(tasks, n_tok);
     return;
   }
+  ExpertCopyFence fence{I};
   I.enter();
   struct One {
     cuda::DeviceWeight w;
@@ -1068,6 +1108,7 @@ void CudaBackend::get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
   for (int32_t id : ids) KILN_CHECK(id >= 0 && id < w.n_rows, "row id {} of {}", id, w.n_rows);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
+  ExpertCopyFence fence{I};
   if (I.is_dev(out.data())) {
     I.enter();
     const cuda::DeviceWeight dw = I.weight_resident(w);  // may flush: before staging
@@ -1585,6 +1626,10 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   impl->verify = options.verify_weight_cache;
   impl->immutable = options.immutable_region;
   impl->expert_cache_option = options.expert_cache_bytes;
+  impl->expert_policy = TierPolicy(options.expert_policy);
+  impl->expert_async = options.expert_async_copies;
+  if (cudaError_t e = impl->expert_copy_ev.create(); e != cudaSuccess)
+    return Status::errorf("CUDA event: {}", cudaGetErrorString(e));
   impl->matmul_kernels =
       options.matmul == CudaMatmul::V1 ? cuda::MatmulKernels::V1 : cuda::MatmulKernels::V2;
   if (options.matmul == CudaMatmul::V3 || options.matmul == CudaMatmul::Auto)

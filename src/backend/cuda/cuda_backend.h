@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/tier_policy.h"
 #include "core/status.h"
 
 namespace kiln {
@@ -69,9 +70,14 @@ struct CudaOptions {
   bool graphs = true;
   int64_t graph_kv_bucket = 256;
   // Device tier of streamed MoE experts (WeightMatrix::content_key != 0): at most this many
-  // bytes of expert slices stay on the device, least recently used evicted. 0: half of the
-  // device memory free when the first one arrives.
+  // bytes of expert slices stay on the device. 0: half of the device memory free when the
+  // first one arrives.
   uint64_t expert_cache_bytes = 0;
+  // Which slice it gives up first (backend/tier_policy.h); the kernels' results are the same.
+  TierEviction expert_policy = TierEviction::Lfu;
+  // Queue an op's expert copies back to back and wait once for the last, instead of one
+  // synchronous copy each; same results.
+  bool expert_async_copies = true;
 };
 
 struct CudaOpTime {

@@ -71,6 +71,13 @@ TEST(ExpertFlags, RoutingOverrideStreamsIdenticallyAndShowsItsPopularity) {
   const Proc bad_serve = run_kiln({"serve", "-m", m, "--port", "0", "--moe-routing", "Zipf"});
   EXPECT_EQ(bad_serve.rc, 1) << bad_serve.err;
   EXPECT_NE(bad_serve.err.find("--moe-routing 'Zipf'"), std::string::npos) << bad_serve.err;
+  // --expert-device-policy (the CUDA tier's eviction order) is checked on every device.
+  const Proc bad_policy = run_kiln({"run", "-m", m, "-p", "x", "-n", "2", "--expert-cap", "2",
+                                    "--expert-device-policy", "fifo"});
+  EXPECT_EQ(bad_policy.rc, 1) << bad_policy.err;
+  EXPECT_NE(bad_policy.err.find("--expert-device-policy: unknown expert device policy 'fifo'"),
+            std::string::npos) << bad_policy.err;
+  EXPECT_EQ(std::count(bad_policy.err.begin(), bad_policy.err.end(), '\n'), 1) << bad_policy.err;
   const std::vector<std::string> base = {"run", "-m", m, "-p", "Once upon a time", "-n", "64",
                                          "--threads", "2", "--moe-routing", "uniform", "--stats"};
   const Proc resident = run_kiln(base);
