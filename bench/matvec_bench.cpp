@@ -445,6 +445,23 @@ void KQBatchArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_KQBatchOnOff)->Apply(KQBatchArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
+// The 512-bit VNNI Q8_0-family kernel against the plain one (cpu::set_q8_vnni_matmul), same
+// method as BM_KQPairOnOff: prefill (512 tokens) on the 1B model's 2048 x 2048 and its FFN
+// down projection's 2048 x 8192 (and up's 8192 x 2048), Q4_0 once, and small token counts
+// from kQ8VnniMinTok (below it both runs take the plain kernel).
+void BM_Q8VnniOnOff(benchmark::State& state) {
+  kq_switch_on_off(state, cpu::set_q8_vnni_matmul, "VNNI 512");
+}
+void Q8VnniArgs(benchmark::internal::Benchmark* b) {
+  const auto q8 = static_cast<int64_t>(DType::Q8_0);
+  b->Args({q8, 512, 2048, 2048});
+  b->Args({q8, 512, 2048, 8192});
+  b->Args({q8, 512, 8192, 2048});
+  b->Args({static_cast<int64_t>(DType::Q4_0), 512, 2048, 2048});
+  for (int64_t tok : {8, 16, 64}) b->Args({q8, tok, 2048, 2048});
+}
+BENCHMARK(BM_Q8VnniOnOff)->Apply(Q8VnniArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
+
 // The one-token Q4_K / Q6_K kernels against the plain ones (cpu::set_kq_one_matvec), 1 thread,
 // thread CPU time, alternating within each iteration, best of each; also checks that the two
 // give the same bits. Shapes: the 1B dense model's FFN and a MoE expert slice (256 x 1024 and

@@ -60,6 +60,10 @@ KILN_CONFIG_ENTRY(bool, cpu_kq_one, true,
                   "CPU: single-token (decode) Q4_K/Q6_K matvecs through 512-bit AVX-512 VNNI "
                   "kernels (same bits as the plain kernels; faster by bench/matvec_bench "
                   "BM_KQOneOnOff: the plain ones are multiply-bound below the read bandwidth)")
+KILN_CONFIG_ENTRY(bool, cpu_q8_vnni, true,
+                  "CPU: Q8_0/Q4_0/Q5_0 matmuls of 8+ tokens (prefill) through the 512-bit "
+                  "AVX-512 VNNI kernel (same bits as the plain kernel; faster by "
+                  "bench/matvec_bench BM_Q8VnniOnOff, kiln bench pp512)")
 KILN_CONFIG_ENTRY(int64_t, cpu_matvec_prefetch, 2048,
                   "CPU: the one-token and v2 batched Q4_K/Q6_K kernels software-prefetch this "
                   "many bytes ahead of their rows (0: off; same results either way)")

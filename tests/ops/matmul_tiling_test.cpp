@@ -314,6 +314,80 @@ TEST(MatmulKQOne, SameBitsAsPlainKernel) {
   }
 }
 
+// Raw random Q8_0 / Q4_0 / Q5_0 rows: every quant value (Q8_0's -128 included, which
+// quantize_row never writes), with finite moderate block scales, one block in 16 zero.
+std::vector<std::byte> random_q8_family_rows(DType type, int64_t k, int64_t n_rows,
+                                             std::mt19937_64& rng) {
+  std::vector<std::byte> bytes(*row_bytes(type, k) * n_rows);
+  for (auto& b : bytes) b = static_cast<std::byte>(rng());
+  const size_t block = *row_bytes(type, 32);
+  for (size_t off = 0; off < bytes.size(); off += block) {
+    const f16 d = rng() % 16 == 0 ? f32_to_f16(0.0f)
+                                  : f32_to_f16(std::ldexp(rng() % 2 ? 1.0f : -1.0f,
+                                                          -8 - static_cast<int>(rng() % 6)));
+    std::memcpy(bytes.data() + off, &d, sizeof d);  // d leads every block of these types
+  }
+  return bytes;
+}
+
+// The 512-bit VNNI Q8_0 / Q4_0 / Q5_0 kernel (AVX-512 VNNI, 8+ tokens) must give the plain
+// kernel's bits: with cpu::set_q8_vnni_matmul(false) the output is the plain kernel's, so this
+// is also the proof that the switch changes nothing but speed. Raw random blocks reach every
+// quant value; row counts leave register tiles of 1..3 rows and cross row blocks (64 rows at
+// 32 columns, 20 at 8192); 1..37 tokens (every tile remainder, odd tokens, several tiles) and
+// 512; widths of 1 and 3 blocks and the 1B model's 2048 / 8192; a column block of a wider
+// matrix (strided rows); 1 and 2 threads; one token all zero, one with a huge element, one
+// with a NaN.
+TEST(MatmulQ8Vnni, SameBitsAsPlainKernel) {
+  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  std::mt19937_64 rng(ops_seed() ^ 0x3c6ef372ULL);
+  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+  struct Restore {
+    ~Restore() { cpu::set_q8_vnni_matmul(true); }
+  } restore;
+  std::vector<int64_t> all_tok, few_tok = {1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 37, 512};
+  for (int64_t t = 1; t <= 37; ++t) all_tok.push_back(t);
+  all_tok.push_back(512);
+  for (DType type : {DType::Q8_0, DType::Q4_0, DType::Q5_0}) {
+    for (int64_t k : {32, 96, 2048, 8192}) {
+      const bool wide = k >= 2048;
+      for (int64_t n_rows : {1, 3, 5, 6, 67, 131}) {
+        if (wide && n_rows != 5 && n_rows != 67) continue;
+        for (bool strided : {false, true}) {
+          if (strided && (n_rows != 67 || k == 8192)) continue;
+          // strided: columns [64, 64 + k) of a matrix 96 wider.
+          const int64_t k_all = strided ? k + 96 : k;
+          const std::vector<std::byte> bytes = random_q8_family_rows(type, k_all, n_rows, rng);
+          const WeightMatrix full{.dtype = type, .n_cols = k_all, .n_rows = n_rows,
+                                  .row_bytes = *row_bytes(type, k_all), .bytes = bytes};
+          const WeightMatrix w = strided ? full.columns(64, k) : full;
+          for (int64_t n_tok : wide ? few_tok : all_tok) {
+            SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
+                                              << n_rows << " strided " << strided << " n_tok "
+                                              << n_tok);
+            std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
+            std::fill_n(x.begin(), k, 0.0f);    // token 0: all zero (activation scale 0)
+            if (n_tok > 1) x[k + 5] = 3e30f;    // token 1: one huge element
+            if (n_tok > 3) x[3 * k + 7] = NAN;  // token 3: NaN, which must come out NaN
+            const auto [on1, on2, off1] =
+                run_on_off(cpu::set_q8_vnni_matmul, *cpu1, *cpu2, w, x, n_tok);
+            ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
+                << "VNNI vs plain kernel differ";
+            ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
+                << "VNNI kernel: 1 vs 2 threads differ";
+            if (n_tok > 3) {
+              ASSERT_TRUE(std::isnan(on1[3 * n_rows]));
+            }
+            if (n_tok > 2) {
+              ASSERT_FALSE(std::isnan(on1[2 * n_rows]));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // Backend::matmul_batch's contract on the CPU: each task's y has exactly the bits of matmul()
 // of that task alone, for decode-sized token counts (one encoding per distinct x, one pass
 // over all tasks' rows) and beyond them (one matmul per task), with tasks sharing an input

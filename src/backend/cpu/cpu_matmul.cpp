@@ -7,7 +7,7 @@
 // AVX-512 VNNI takes a packed kernel (below) whose results are the plain kernel's bits, and
 // Q4_K/Q6_K of 2+ tokens (batched decode) batched kernels (v2, or with that switch off the
 // small-batch ones from 4 tokens) and of one token (decode) 512-bit one-token kernels, all with
-// the same property.
+// the same property; so does Q8_0/Q4_0/Q5_0 prefill there (cpu_matmul_q8.cpp).
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul.cpp"
@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "cpu_matmul_q8.h"
 #include "kernels.h"
 #include "quant/blocks.h"
 #include "quant/quant.h"
@@ -27,13 +28,6 @@
 #ifndef KILN_CPU_MATMUL_ONCE
 #define KILN_CPU_MATMUL_ONCE
 namespace kiln::cpu {
-// Activation block for the Q8_0 family: a float scale (not llama.cpp's f16) keeps the only
-// error the rounding of the quants themselves.
-struct ActQ8_0 {
-  float d;
-  int8_t qs[32];
-};
-static_assert(sizeof(ActQ8_0) == 36);
 // Rows per cache block: the weight rows one tile of tokens sweeps stay in L2.
 inline int64_t rows_per_block(const WeightMatrix& w) {
   const int64_t bytes = std::max<int64_t>(1, static_cast<int64_t>(w.row_bytes));
@@ -219,6 +213,7 @@ HWY_INLINE __m256i DotI16(__m256i acc, __m256i a, __m256i b) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
 }
+// cpu_matmul_q8.cpp repeats it: the two must add in the same order (tests/ops MatmulQ8Vnni).
 HWY_INLINE float Hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -275,6 +270,19 @@ HWY_INLINE void DotQ8Family(const std::byte* row, int64_t nb, const ActQ8_0* con
   }
   for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
 }
+
+#if HWY_TARGET == HWY_AVX3_DL
+// One row through Unpack, for the 512-bit VNNI kernel's packing (cpu_matmul_q8.cpp), which
+// then multiplies exactly these quants and scales.
+template <__m256i (*Unpack)(const std::byte*, int64_t, float*)>
+void UnpackRowQ8(const std::byte* row, int64_t nb, int8_t* q, float* d) {
+  for (int64_t i = 0; i < nb; ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * i), Unpack(row, i, d + i));
+}
+// cpu_matmul_q8.cpp; out: each token's DotQ8Family<T, Unpack> bits.
+void MatmulQ8Vnni(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch,
+                  void (*unpack)(const std::byte*, int64_t, int8_t*, float*));
+#endif
 
 // The 8 six-bit scales (bytes 0..7) and mins (bytes 8..15) of a Q4_K/Q5_K block.
 HWY_INLINE void ScalesMinsK4(const uint8_t* packed, uint8_t out[16]) {
@@ -1298,9 +1306,24 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::F16: return MatmulFloat<f16, LoadF16>(job, r0, r1);
     case DType::BF16: return MatmulFloat<bf16, LoadBF16>(job, r0, r1);
 #if KILN_INT8
+#if HWY_TARGET == HWY_AVX3_DL
+    case DType::Q8_0:
+      if (job.n_tok >= kQ8VnniMinTok && q8_vnni_matmul())
+        return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ8_0>);
+      return MatmulInt<ActQ8_0, KQ8_0>(job, r0, r1, 32);
+    case DType::Q4_0:
+      if (job.n_tok >= kQ8VnniMinTok && q8_vnni_matmul())
+        return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ4_0>);
+      return MatmulInt<ActQ8_0, KQ4_0>(job, r0, r1, 32);
+    case DType::Q5_0:
+      if (job.n_tok >= kQ8VnniMinTok && q8_vnni_matmul())
+        return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ5_0>);
+      return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
+#else
     case DType::Q8_0: return MatmulInt<ActQ8_0, KQ8_0>(job, r0, r1, 32);
     case DType::Q4_0: return MatmulInt<ActQ8_0, KQ4_0>(job, r0, r1, 32);
     case DType::Q5_0: return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
+#endif
     case DType::Q4_K:
 #if HWY_TARGET == HWY_AVX3_DL
       // The v2 batched kernel also beats the packed one on prefill (1.1B pp512 178-179 vs
@@ -1420,12 +1443,15 @@ size_t matmul_scratch_floats(const WeightMatrix& w) {
   size_t n = static_cast<size_t>(dequant_rows_per_block(w) * w.n_cols);
   if (w.dtype == DType::Q4_K) n = std::max(n, (q4k_packed_scratch_bytes(w) + 3) / 4);
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K) n = std::max(n, (kq_batch_tile_bytes(w.n_cols / 256) + 3) / 4);
+  if (w.dtype == DType::Q8_0 || w.dtype == DType::Q4_0 || w.dtype == DType::Q5_0)
+    n = std::max(n, (q8_vnni_scratch_bytes(w.n_cols) + 3) / 4);
   return n;
 }
 
 namespace {
 // The kernel switches (kernels.h): process-wide, set from the config by the apps, read per call.
-std::atomic<bool> g_q4k_packed{true}, g_kq_pair{true}, g_kq_one{true}, g_kq_batch{true};
+std::atomic<bool> g_q4k_packed{true}, g_kq_pair{true}, g_kq_one{true}, g_kq_batch{true},
+    g_q8_vnni{true};
 std::atomic<int64_t> g_matvec_prefetch{kDefaultMatvecPrefetchBytes};
 }  // namespace
 void set_q4k_packed_matmul(bool on) { g_q4k_packed.store(on, std::memory_order_relaxed); }
@@ -1436,6 +1462,8 @@ void set_kq_one_matvec(bool on) { g_kq_one.store(on, std::memory_order_relaxed);
 bool kq_one_matvec() { return g_kq_one.load(std::memory_order_relaxed); }
 void set_kq_batch_matmul(bool on) { g_kq_batch.store(on, std::memory_order_relaxed); }
 bool kq_batch_matmul() { return g_kq_batch.load(std::memory_order_relaxed); }
+void set_q8_vnni_matmul(bool on) { g_q8_vnni.store(on, std::memory_order_relaxed); }
+bool q8_vnni_matmul() { return g_q8_vnni.load(std::memory_order_relaxed); }
 void set_matvec_prefetch_bytes(int64_t bytes) {
   g_matvec_prefetch.store(std::max<int64_t>(0, bytes), std::memory_order_relaxed);
 }

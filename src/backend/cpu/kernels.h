@@ -66,6 +66,13 @@ bool kq_pair_matmul();
 // 12 tokens (Q4_K), the small-batch kernels above from 4 and the plain ones below.
 void set_kq_batch_matmul(bool on);
 bool kq_batch_matmul();
+// Q8_0 / Q4_0 / Q5_0 matmuls of kQ8VnniMinTok+ tokens (prefill) through the 512-bit AVX-512
+// VNNI kernel (cpu_matmul_q8.cpp) where the machine has AVX-512 VNNI (default on, faster by
+// measurement: bench/matvec_bench BM_Q8VnniOnOff, kiln bench pp512). Output: the plain
+// kernel's bits (tests/ops MatmulQ8Vnni), so the switch exists for that test, the benchmark
+// and bisecting.
+void set_q8_vnni_matmul(bool on);
+bool q8_vnni_matmul();
 // Q4_K and Q6_K single-token matvecs (decode) through 512-bit AVX-512 VNNI kernels that read the
 // token's activation in place (default on; the plain one-token kernels are instruction-bound
 // below the DRAM read bandwidth on the Zen 5 dev box: bench/matvec_bench BM_Matvec,
