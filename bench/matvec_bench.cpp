@@ -141,6 +141,18 @@ const BenchWeights& weights(DType type, int64_t n_rows, int64_t n_cols) {
       for (size_t i = 0; i < w->bytes.size() / 2; ++i) h[i] = f32_to_f16(nd(rng));
       break;
     }
+    case DType::F32: {
+      auto* f = reinterpret_cast<float*>(w->bytes.data());
+      std::normal_distribution<float> nd(0, 0.05f);
+      for (size_t i = 0; i < w->bytes.size() / 4; ++i) f[i] = nd(rng);
+      break;
+    }
+    case DType::BF16: {
+      auto* h = reinterpret_cast<bf16*>(w->bytes.data());
+      std::normal_distribution<float> nd(0, 0.05f);
+      for (size_t i = 0; i < w->bytes.size() / 2; ++i) h[i] = f32_to_bf16(nd(rng));
+      break;
+    }
     case DType::Q8_0: fix_blocks<block_q8_0>(w->bytes, [](block_q8_0& b) { b.d = f32_to_f16(0.01f); }); break;
     case DType::Q4_0: fix_blocks<block_q4_0>(w->bytes, [](block_q4_0& b) { b.d = f32_to_f16(0.01f); }); break;
     case DType::Q4_K: fix_blocks<block_q4_K>(w->bytes, [](block_q4_K& b) { b.d = b.dmin = f32_to_f16(0.01f); }); break;
@@ -416,7 +428,7 @@ std::pair<double, double> time_on_off(benchmark::State& state, void (*set)(bool)
   return {best_on, best_off};
 }
 
-// A K-quant kernel switch on/off with args (type, tokens, rows, columns), per-token time added.
+// A kernel switch on/off with args (type, tokens, rows, columns), per-token time added.
 void kq_switch_on_off(benchmark::State& state, void (*set)(bool), const char* what) {
   const auto type = static_cast<DType>(state.range(0));
   const int64_t n_tok = state.range(1), n_rows = state.range(2), n_cols = state.range(3);
@@ -461,6 +473,32 @@ void Q8VnniArgs(benchmark::internal::Benchmark* b) {
   for (int64_t tok : {8, 16, 64}) b->Args({q8, tok, 2048, 2048});
 }
 BENCHMARK(BM_Q8VnniOnOff)->Apply(Q8VnniArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
+
+// The register-tiled F32/F16/BF16 kernel against DotTile (cpu::set_float_tile_matmul), same
+// method as BM_KQPairOnOff (1 thread, thread CPU time, the bits compared): the 1.1B model's
+// projections (q/o 2048 x 2048, gate/up 8192 x 2048, down 2048 x 8192) at prefill and small
+// batches; F32 and BF16 on one shape. Below kFloatTileMinTok tokens both runs are DotTile.
+void BM_FloatTileOnOff(benchmark::State& state) {
+  kq_switch_on_off(state, cpu::set_float_tile_matmul, "float tile");
+  const double flop = 2.0 * static_cast<double>(state.range(1) * state.range(2) * state.range(3));
+  state.counters["new_GFLOP/s"] = flop / state.counters["new_us"] * 1e-3;
+  state.counters["old_GFLOP/s"] = flop / state.counters["old_us"] * 1e-3;
+}
+void FloatTileArgs(benchmark::internal::Benchmark* b) {
+  const auto f16 = static_cast<int64_t>(DType::F16);
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{2048, 2048}, {2048, 8192}, {8192, 2048}})
+    b->Args({f16, 512, rows, cols});
+  for (int64_t tok : {1, 2, 3, 4, 8, 16, 64}) b->Args({f16, tok, 2048, 2048});
+  for (DType type : {DType::F32, DType::BF16})
+    b->Args({static_cast<int64_t>(type), 512, 2048, 2048});
+}
+// MinTime 2: a 512-token iteration (both kernels) takes up to 0.7 s, and the best of several is
+// what the machine's noise leaves comparable.
+BENCHMARK(BM_FloatTileOnOff)
+    ->Apply(FloatTileArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(2.0);
 
 // The one-token Q4_K / Q6_K kernels against the plain ones (cpu::set_kq_one_matvec), 1 thread,
 // thread CPU time, alternating within each iteration, best of each; also checks that the two

@@ -56,6 +56,10 @@ KILN_CONFIG_ENTRY(bool, cpu_kq_batch, true,
                   "through the v2 batched AVX-512 VNNI kernels (cheaper block decode, two tokens per 512-bit "
                   "tail, software prefetch; same bits as the plain kernels; faster by "
                   "bench/matvec_bench BM_KQBatchOnOff, BM_LayerStepKQBatch, bench/serve_bench)")
+KILN_CONFIG_ENTRY(bool, cpu_float_tile, true,
+                  "CPU: F32/F16/BF16 matmuls of 2+ tokens (prefill) through the register-tiled "
+                  "kernel (same bits as the one-row kernel; faster by bench/matvec_bench "
+                  "BM_FloatTileOnOff and kiln bench pp512)")
 KILN_CONFIG_ENTRY(bool, cpu_kq_one, true,
                   "CPU: single-token (decode) Q4_K/Q6_K matvecs through 512-bit AVX-512 VNNI "
                   "kernels (same bits as the plain kernels; faster by bench/matvec_bench "

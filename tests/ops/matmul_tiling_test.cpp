@@ -12,6 +12,7 @@
 #include "backend/cpu/kernels.h"
 #include "core/dtype.h"
 #include "core/half.h"
+#include "hwy/targets.h"
 #include "ops_common.h"
 #include "quant/blocks.h"
 #include "quant/quant.h"
@@ -311,6 +312,86 @@ TEST(MatmulKQOne, SameBitsAsPlainKernel) {
         }
       }
     }
+  }
+}
+
+// The register-tiled F32/F16/BF16 kernel (2+ tokens) must give DotTile's bits: with
+// cpu::set_float_tile_matmul(false) every call runs DotTile, so this is also the proof that the
+// switch changes nothing but speed. Widths below one vector, with a scalar tail and an odd last
+// vector chunk; every token count of 1..37 (each partial tile) and 509 (fewer at the wide
+// widths); row counts that leave partial row tiles and, at the wide widths, cross row blocks
+// (768 KiB of weights), split over 1 and 2 threads; a column block of a wider matrix (strided
+// rows); one token with a NaN, one with a huge element.
+// One pass of MatmulFloatTile over its shapes; `light`: a subset, for the other SIMD targets.
+void check_float_tile(std::mt19937_64& rng, bool light) {
+  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  struct Restore {
+    ~Restore() { cpu::set_float_tile_matmul(true); }
+  } restore;
+  for (DType type : {DType::F32, DType::F16, DType::BF16}) {
+    for (int64_t k : {5, 37, 100, 2048 + 16 + 3, 4099}) {
+      const bool wide = k > 2048;
+      if (light && k == 4099) continue;
+      for (int64_t n_rows : {1, 6, 67, 259}) {
+        if (light && (n_rows == 1 || n_rows == 259)) continue;
+        for (bool strided : {false, true}) {
+          if (strided && n_rows != 67) continue;
+          // strided: columns [3, 3 + k) of a matrix 8 wider.
+          const int64_t k_all = strided ? k + 8 : k;
+          const size_t rb = *row_bytes(type, k_all);
+          std::vector<std::byte> bytes(rb * static_cast<size_t>(n_rows));
+          for (int64_t r = 0; r < n_rows; ++r)
+            quant::quantize_row(type, random_vec(rng, k_all, 0.05f),
+                                std::span<std::byte>(bytes).subspan(r * rb, rb));
+          const WeightMatrix full{
+              .dtype = type, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+          const WeightMatrix w = strided ? full.columns(3, k) : full;
+          std::vector<int64_t> toks;
+          for (int64_t t = 1; t <= 37; ++t)
+            if ((!wide && !light) || t <= 5 || t % 4 == 1) toks.push_back(t);
+          if (!light && (!wide || n_rows <= 67)) toks.push_back(509);
+          for (int64_t n_tok : toks) {
+            SCOPED_TRACE(::testing::Message()
+                         << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
+                         << strided << " n_tok " << n_tok);
+            std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
+            if (n_tok > 1) x[k + k / 2] = 3e30f;    // token 1: one huge element
+            if (n_tok > 2) x[2 * k + k - 1] = NAN;  // token 2: NaN (in the tail where k has one)
+            const auto [on1, on2, off1] =
+                run_on_off(cpu::set_float_tile_matmul, *cpu1, *cpu2, w, x, n_tok);
+            ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
+                << "float tile vs DotTile differ";
+            ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
+                << "float tile: 1 vs 2 threads differ";
+            if (n_tok > 2) {
+              ASSERT_TRUE(std::isnan(on1[2 * n_rows]));
+            }
+            ASSERT_FALSE(std::isnan(on1[0]));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(MatmulFloatTile, SameBitsAsDotTile) {
+  std::mt19937_64 rng(ops_seed() ^ 0x3c6ef372ULL);
+  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+  check_float_tile(rng, false);
+}
+
+// The same on every other SIMD target this machine can run (AVX2, SSE4, ...): each has its own
+// vector width and register tile (cpu_matmul_float.cpp kTileRows x kTileTok).
+TEST(MatmulFloatTile, SameBitsOnEveryTarget) {
+  std::mt19937_64 rng(ops_seed() ^ 0x1f83d9abULL);
+  struct Unmock {
+    ~Unmock() { hwy::SetSupportedTargetsForTest(0); }
+  } unmock;
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+    check_float_tile(rng, true);
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 

@@ -1,7 +1,8 @@
 // backend/cpu/cpu_matmul.cpp: weight-matrix × activation kernels. Quantized weights are
 // dotted against activations quantized once per call (Q8_0 blocks for Q8_0/Q4_0/Q5_0, Q8_K
 // super-blocks for Q4_K/Q5_K/Q6_K) with int8 multiply-adds (AVX2 maddubs, AVX-512 VNNI
-// vpdpbusd/vpdpwssd); F32/F16/BF16 weights use f32 FMA after hardware conversion; other
+// vpdpbusd/vpdpwssd); F32/F16/BF16 weights use f32 FMA after hardware conversion (2+ tokens:
+// the register-tiled kernel of cpu_matmul_float.cpp, with this file's DotTile bits); other
 // types dequantize a block of rows once and reuse it for every token. Each weight block is
 // unpacked once per tile of several tokens, which is what makes prefill fast. Q4_K prefill on
 // AVX-512 VNNI takes a packed kernel (below) whose results are the plain kernel's bits, and
@@ -21,6 +22,7 @@
 
 #include "core/check.h"
 #include "cpu_matmul_q8.h"
+#include "float_dot-inl.h"  // per-target guard: expanded once per Highway target, like this file
 #include "kernels.h"
 #include "quant/blocks.h"
 #include "quant/quant.h"
@@ -75,56 +77,9 @@ HWY_BEFORE_NAMESPACE();
 namespace kiln::cpu {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-using DF = hn::ScalableTag<float>;
 
 // ---------------------------------------------------------------- f32 dot tiles
-struct LoadF32 {
-  const float* p;
-  HWY_INLINE hn::Vec<DF> operator()(DF d, int64_t i) const { return hn::LoadU(d, p + i); }
-  float at(int64_t i) const { return p[i]; }
-};
-struct LoadF16 {
-  const f16* p;
-  HWY_INLINE hn::Vec<DF> operator()(DF d, int64_t i) const {
-    const hn::Rebind<hwy::float16_t, DF> dh;
-    return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p + i)));
-  }
-  float at(int64_t i) const { return f16_to_f32(p[i]); }
-};
-struct LoadBF16 {
-  const bf16* p;
-  HWY_INLINE hn::Vec<DF> operator()(DF d, int64_t i) const {
-    const hn::Rebind<hwy::bfloat16_t, DF> dh;
-    return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::bfloat16_t*>(p + i)));
-  }
-  float at(int64_t i) const { return bf16_to_f32(p[i]); }
-};
-
-// out[t] = dot(w, xs[t]) for T token rows, reading w once.
-template <int T, class L>
-HWY_INLINE void DotTile(const L& w, const float* const* xs, int64_t n, float* out) {
-  const DF d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  hn::Vec<DF> acc0[T], acc1[T];
-  for (int t = 0; t < T; ++t) acc0[t] = acc1[t] = hn::Zero(d);
-  int64_t i = 0;
-  for (; i + 2 * N <= n; i += 2 * N) {
-    const auto w0 = w(d, i), w1 = w(d, i + N);
-    for (int t = 0; t < T; ++t) {
-      acc0[t] = hn::MulAdd(w0, hn::LoadU(d, xs[t] + i), acc0[t]);
-      acc1[t] = hn::MulAdd(w1, hn::LoadU(d, xs[t] + i + N), acc1[t]);
-    }
-  }
-  for (; i + N <= n; i += N) {
-    const auto w0 = w(d, i);
-    for (int t = 0; t < T; ++t) acc0[t] = hn::MulAdd(w0, hn::LoadU(d, xs[t] + i), acc0[t]);
-  }
-  for (int t = 0; t < T; ++t) {
-    float s = hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0[t], acc1[t])));
-    for (int64_t j = i; j < n; ++j) s += w.at(j) * xs[t][j];
-    out[t] = s;
-  }
-}
+// DF, LoadF32/F16/BF16 and DotTile<T>: float_dot-inl.h.
 
 template <class L>
 void DotTokens(const L& w, const MatmulJob& job, int64_t t0, int64_t t1, int64_t r) {
@@ -1436,6 +1391,10 @@ void quantize_act_row(ActKind k, const float* x, int64_t n, std::byte* dst) {
 }
 
 void matmul_rows(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  const DType t = job.w->dtype;
+  if ((t == DType::F32 || t == DType::F16 || t == DType::BF16) && job.n_tok >= kFloatTileMinTok &&
+      float_tile_matmul())
+    return matmul_float_tiled(job, r0, r1);
   HWY_DYNAMIC_DISPATCH(MatmulRowsK)(job, r0, r1, scratch);
 }
 

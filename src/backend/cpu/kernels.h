@@ -73,6 +73,15 @@ bool kq_batch_matmul();
 // and bisecting.
 void set_q8_vnni_matmul(bool on);
 bool q8_vnni_matmul();
+// F32/F16/BF16 matmuls of kFloatTileMinTok+ tokens through the register-tiled kernel of
+// cpu_matmul_float.cpp (default on, faster by measurement: bench/matvec_bench
+// BM_FloatTileOnOff, kiln bench pp512). Output: DotTile's bits (tests/ops MatmulFloatTile), so
+// the switch exists for that test, the benchmark and bisecting.
+void set_float_tile_matmul(bool on);
+bool float_tile_matmul();
+inline constexpr int64_t kFloatTileMinTok = 2;
+// The tiled kernel itself (matmul_rows calls it); it needs no scratch.
+void matmul_float_tiled(const MatmulJob& job, int64_t r0, int64_t r1);
 // Q4_K and Q6_K single-token matvecs (decode) through 512-bit AVX-512 VNNI kernels that read the
 // token's activation in place (default on; the plain one-token kernels are instruction-bound
 // below the DRAM read bandwidth on the Zen 5 dev box: bench/matvec_bench BM_Matvec,

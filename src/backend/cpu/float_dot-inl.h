@@ -1,0 +1,84 @@
+// backend/cpu/float_dot-inl.h: the f32-family dot arithmetic (F32/F16/BF16 weights, f32
+// activations) shared by cpu_matmul.cpp's DotTile and cpu_matmul_float.cpp's register-tiled
+// kernel. Both must run exactly these float ops per output (two accumulators over alternating
+// vector chunks, one more chunk into the first, SumOfLanes, then a scalar tail), which is what
+// makes a token's output the same bits in any tile, call size or kernel (tests/ops
+// MatmulTiling, MatmulFloatTile). Included once per Highway target by both files.
+#if defined(KILN_BACKEND_CPU_FLOAT_DOT_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KILN_BACKEND_CPU_FLOAT_DOT_INL_H_
+#undef KILN_BACKEND_CPU_FLOAT_DOT_INL_H_
+#else
+#define KILN_BACKEND_CPU_FLOAT_DOT_INL_H_
+#endif
+
+#include <cstdint>
+
+#include "core/half.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kiln::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+
+struct LoadF32 {
+  const float* p;
+  HWY_INLINE hn::Vec<DF> operator()(DF d, int64_t i) const { return hn::LoadU(d, p + i); }
+  float at(int64_t i) const { return p[i]; }
+};
+struct LoadF16 {
+  const f16* p;
+  HWY_INLINE hn::Vec<DF> operator()(DF d, int64_t i) const {
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p + i)));
+  }
+  float at(int64_t i) const { return f16_to_f32(p[i]); }
+};
+struct LoadBF16 {
+  const bf16* p;
+  HWY_INLINE hn::Vec<DF> operator()(DF d, int64_t i) const {
+    const hn::Rebind<hwy::bfloat16_t, DF> dh;
+    return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::bfloat16_t*>(p + i)));
+  }
+  float at(int64_t i) const { return bf16_to_f32(p[i]); }
+};
+
+// The end of one output's dot: acc0 + acc1 summed across lanes, then elements [i, n) (fewer
+// than a vector) one at a time.
+template <class L>
+HWY_INLINE float DotFinish(DF d, hn::Vec<DF> acc0, hn::Vec<DF> acc1, const L& w, const float* x,
+                           int64_t i, int64_t n) {
+  float s = hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1)));
+  for (int64_t j = i; j < n; ++j) s += w.at(j) * x[j];
+  return s;
+}
+
+// out[t] = dot(w, xs[t]) for T token rows, reading w once. Chunk c (N lanes at c * N) goes into
+// acc0 when c is even and acc1 when odd; an odd last full chunk into acc0.
+template <int T, class L>
+HWY_INLINE void DotTile(const L& w, const float* const* xs, int64_t n, float* out) {
+  const DF d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  hn::Vec<DF> acc0[T], acc1[T];
+  for (int t = 0; t < T; ++t) acc0[t] = acc1[t] = hn::Zero(d);
+  int64_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    const auto w0 = w(d, i), w1 = w(d, i + N);
+    for (int t = 0; t < T; ++t) {
+      acc0[t] = hn::MulAdd(w0, hn::LoadU(d, xs[t] + i), acc0[t]);
+      acc1[t] = hn::MulAdd(w1, hn::LoadU(d, xs[t] + i + N), acc1[t]);
+    }
+  }
+  for (; i + N <= n; i += N) {
+    const auto w0 = w(d, i);
+    for (int t = 0; t < T; ++t) acc0[t] = hn::MulAdd(w0, hn::LoadU(d, xs[t] + i), acc0[t]);
+  }
+  for (int t = 0; t < T; ++t) out[t] = DotFinish(d, acc0[t], acc1[t], w, xs[t], i, n);
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kiln::cpu
+HWY_AFTER_NAMESPACE();
+
+#endif  // KILN_BACKEND_CPU_FLOAT_DOT_INL_H_ toggle
