@@ -291,10 +291,16 @@ class CpuBackend final : public Backend {
       else body(0, tasks, 0);
       return;
     }
-    const int64_t tasks = a.n_q * a.n_head;
+    // Causal prefill: query i sees about i keys, so contiguous runs of queries would leave the
+    // thread with the last ones three times the first's work (parallel_for gives each thread
+    // one contiguous range). Taking queries from both ends in turn (0, n-1, 1, n-2, ...)
+    // balances the ranges; each (query, head) is computed alone, so the order changes no bit.
+    const int64_t tasks = a.n_q * a.n_head, n_q = a.n_q;
+    auto query_of = [n_q](int64_t k) { return k % 2 == 0 ? k / 2 : n_q - 1 - k / 2; };
     auto body = [&](int64_t b, int64_t e, int t) {
       float* s = scratch + static_cast<size_t>(t) * per_thread;
-      for (int64_t task = b; task < e; ++task) cpu::attention_one(a, task / a.n_head, task % a.n_head, s);
+      for (int64_t task = b; task < e; ++task)
+        cpu::attention_one(a, query_of(task / a.n_head), task % a.n_head, s);
     };
     if (work >= kParallelWork) pool_.parallel_for(tasks, body);
     else body(0, tasks, 0);
