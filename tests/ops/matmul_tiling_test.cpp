@@ -272,6 +272,34 @@ TEST(MatmulKQBatch, SameBitsAsPlainKernel) {
   }
 }
 
+// The CPU backend's Q8_K activation encoding (cpu::quantize_act_row, split into lanes for
+// speed) must stay the reference encoder's bytes: the scale comes from the first element of
+// the largest magnitude, so rows where +max and -max tie pin the pick; also all-zero rows,
+// -0, a NaN and an infinity (both encode to NaN scale and zero quants and sums).
+TEST(ActQuant, Q8KSameBytesAsReference) {
+  std::mt19937_64 rng(ops_seed() ^ 0x9e3779b9ULL);
+  SCOPED_TRACE(::testing::Message() << "seed " << ops_seed());
+  constexpr int64_t n = 4 * 256;
+  const size_t bytes = cpu::act_row_bytes(cpu::ActKind::Q8_K, n);
+  ASSERT_EQ(bytes, *row_bytes(DType::Q8_K, n));
+  std::vector<std::byte> got(bytes), want(bytes);
+  for (int variant = 0; variant < 400; ++variant) {
+    SCOPED_TRACE(::testing::Message() << "variant " << variant);
+    std::vector<float> x = random_vec(rng, n, 1.0f);
+    if (variant % 4 == 1)  // small integers: many ties of +-max, in both orders
+      for (float& v : x) v = static_cast<float>(static_cast<int>(rng() % 7) - 3);
+    if (variant % 4 == 2) {
+      std::fill_n(x.begin(), 256, 0.0f);  // block 0: zeros
+      x[300] = -0.0f;
+      x[256 + 17] = NAN;       // block 1: a NaN
+      x[512 + 3] = -INFINITY;  // block 2: an infinity
+    }
+    cpu::quantize_act_row(cpu::ActKind::Q8_K, x.data(), n, got.data());
+    quant::quantize_row(DType::Q8_K, x, want);
+    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), bytes));
+  }
+}
+
 // The one-token Q4_K / Q6_K kernels (AVX-512 VNNI, decode) must give the plain kernels' bits:
 // with cpu::set_kq_one_matvec(false) a single token runs the plain kernels, so this is also the
 // proof that the switch changes nothing but speed. Raw random blocks reach every quant, scale

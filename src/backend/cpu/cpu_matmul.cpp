@@ -1360,15 +1360,27 @@ void quantize_act_row(ActKind k, const float* x, int64_t n, std::byte* dst) {
     auto* out = reinterpret_cast<quant::block_q8_K*>(dst);
     for (int64_t b = 0; b < n / 256; ++b) {
       const float* xb = x + b * 256;
-      float amax = 0, mx = 0, probe = 0;
-      for (int i = 0; i < 256; ++i) {
-        const float ax = std::fabs(xb[i]);
-        if (ax > amax) {
-          amax = ax;
-          mx = xb[i];
+      // amax: the largest |x| (NaN skipped); probe: NaN iff some x is not finite (x * 0 is
+      // +-0 otherwise); mx: the first x of |x| == amax, the one-pass search's pick where it
+      // matters (probe not NaN). Order-free, so kept in 8 independent lanes instead of one
+      // serial chain (this function was 5% of a 1.1B pp512 profile; 1.2x with GCC 12, which
+      // keeps the lanes scalar). Bytes pinned against the reference: ActQuant.Q8KSameBytes*.
+      float amax8[8] = {}, probe8[8] = {};
+      for (int i = 0; i < 256; i += 8)
+        for (int j = 0; j < 8; ++j) {
+          amax8[j] = std::max(amax8[j], std::fabs(xb[i + j]));
+          probe8[j] += xb[i + j] * 0.0f;
         }
-        probe += xb[i] * 0.0f;
+      float amax = 0, mx = 0, probe = 0;
+      for (int j = 0; j < 8; ++j) {
+        amax = std::max(amax, amax8[j]);
+        probe += probe8[j];
       }
+      for (int i = 0; i < 256; ++i)
+        if (std::fabs(xb[i]) == amax) {
+          mx = xb[i];
+          break;
+        }
       quant::block_q8_K& q = out[b];
       if (amax == 0 || std::isnan(probe)) {
         q.d = amax == 0 && !std::isnan(probe) ? 0.0f : NAN;
