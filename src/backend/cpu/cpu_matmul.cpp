@@ -168,13 +168,7 @@ HWY_INLINE __m256i DotI16(__m256i acc, __m256i a, __m256i b) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
 }
-// cpu_matmul_q8.cpp repeats it: the two must add in the same order (tests/ops MatmulQ8Vnni).
-HWY_INLINE float Hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+// Hsum (the 8-lane sum every int8 kernel ends with): float_dot-inl.h.
 
 // Signed 32 weights of one block of the Q8_0 family, element order as in the format.
 HWY_INLINE __m256i UnpackQ8_0(const std::byte* row, int64_t i, float* d) {

@@ -28,6 +28,7 @@
 #include <cstring>
 
 #include "cpu_matmul_q8.h"
+#include "float_dot-inl.h"  // Hsum; per-target guard: expanded once per Highway target
 
 HWY_BEFORE_NAMESPACE();
 namespace kiln::cpu {
@@ -52,13 +53,6 @@ struct Q8Tile {
   const float* yd;
 };
 
-// Must stay cpu_matmul.cpp's Hsum: the same additions in the same order.
-HWY_INLINE float Hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // [p[0], p[1]] x 8 as one broadcast load: written as asm because GCC otherwise keeps the
 // products in registers and spends a shuffle per pair on the multiply-side pipes.

@@ -1,6 +1,6 @@
 // backend/cpu/float_dot-inl.h: the f32-family dot arithmetic (F32/F16/BF16 weights, f32
 // activations) shared by cpu_matmul.cpp's DotTile and cpu_matmul_float.cpp's register-tiled
-// kernel. Both must run exactly these float ops per output (two accumulators over alternating
+// kernel, and the int8 kernels' final lane sum (Hsum, x86). Both must run exactly these float ops per output (two accumulators over alternating
 // vector chunks, one more chunk into the first, SumOfLanes, then a scalar tail), which is what
 // makes a token's output the same bits in any tile, call size or kernel (tests/ops
 // MatmulTiling, MatmulFloatTile). Included once per Highway target by both files.
@@ -43,6 +43,18 @@ struct LoadBF16 {
   }
   float at(int64_t i) const { return bf16_to_f32(p[i]); }
 };
+
+#if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
+// The 8 float lanes of an int8 kernel's accumulator summed in one fixed order: every Q8_0 /
+// K-quant kernel of cpu_matmul.cpp and cpu_matmul_q8.cpp ends with it, which is part of what
+// makes them the same bits as each other.
+HWY_INLINE float Hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 // The end of one output's dot: acc0 + acc1 summed across lanes, then elements [i, n) (fewer
 // than a vector) one at a time.
