@@ -64,6 +64,7 @@ struct Result {
   std::vector<double> read_gbps_samples, fraction_samples;
   double fraction_min = 0, fraction_max = 0;
   std::string profile;  // --cuda-profile: the per-kernel table of one extra pass
+  std::string host_note;  // CUDA: how much of the run the host waited on the GPU
 };
 
 #if KILN_WITH_CUDA
@@ -280,6 +281,11 @@ Status run(const BenchOptions& o) {
     const bool roofline = ng > 0 && n_seq == 1;  // one sequence's decode: weight-bound
     const std::vector<int32_t> tokens = random_tokens(np + ng, model.n_vocab(), 1234);
     KILN_TRY(fn(tokens));  // warm-up: page in weights, size scratch buffers
+#if KILN_WITH_CUDA
+    auto* cuda_be = dynamic_cast<CudaBackend*>(ld.backend.get());
+    const CudaStats cuda_st0 = cuda_be ? cuda_be->stats() : CudaStats{};
+    const auto wall0 = Clock::now();
+#endif
     uint64_t expert_bytes_run = 0;
     // Probes alternate with the repetitions (P0 R1 P1 R2 P2 ...): repetition i is paired with
     // the mean of the probes on either side of it, each probe serving both its neighbours.
@@ -298,6 +304,22 @@ Status run(const BenchOptions& o) {
     }
     summarise(r);
 #if KILN_WITH_CUDA
+    if (cuda_be) {
+      // Host-bound or GPU-bound: the share of the timed runs' wall time the host spent waiting
+      // for the GPU at the end of segments (the rest it spent recording and launching ops).
+      const CudaStats st1 = cuda_be->stats();
+      const double wall_ms =
+          std::chrono::duration<double, std::milli>(Clock::now() - wall0).count();
+      const double wait = st1.segment_wait_ms - cuda_st0.segment_wait_ms;
+      const double n_waits = double(st1.segment_waits - cuda_st0.segment_waits);
+      r.host_note = fmt::format(
+          "{}: the host waited for the GPU {:.1f} % of the timed runs' {:.0f} ms ({} waits, "
+          "{:.1f} µs each); graphs: {} captured, {} replayed, {} segments op by op\n",
+          name, wall_ms > 0 ? 100 * wait / wall_ms : 0.0, wall_ms, uint64_t(n_waits),
+          n_waits > 0 ? wait * 1e3 / n_waits : 0.0, st1.graph_captures - cuda_st0.graph_captures,
+          st1.graph_replays - cuda_st0.graph_replays,
+          st1.segments_eager - cuda_st0.segments_eager);
+    }
     if (cfg.cuda_profile) {
       KILN_ASSIGN_OR_RETURN(r.profile, profile_pass(*ld.backend, r, tokens, fn));
     }
@@ -406,6 +428,7 @@ Status run(const BenchOptions& o) {
             r.read_gbps, bws, r.roofline_ts, 100 * r.roofline_fraction, 100 * r.fraction_min,
             100 * r.fraction_max);
       }
+    for (const Result& r : results) fmt::print("{}", r.host_note);
     for (const Result& r : results) fmt::print("{}", r.profile);
     fmt::print("\nresident memory: {:.1f} MiB total, {:.1f} MiB file-backed (mapped weights), "
                "{:.1f} MiB anonymous (KV cache {:.1f} MiB + activations + runtime)\n",

@@ -87,6 +87,7 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
     CudaOptions o;
     o.progress = true;
     o.graphs = config.cuda_graphs;
+    o.pdl = config.cuda_pdl;
     o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
     o.immutable_region = model.gguf().mapping()->bytes();  // norms/biases cached, not staged
     if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
@@ -124,6 +125,7 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
       }
       o.progress = true;
       o.graphs = config.cuda_graphs;
+      o.pdl = config.cuda_pdl;
       o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
       if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
       else if (config.cuda_matmul == "v2") o.matmul = CudaMatmul::V2;

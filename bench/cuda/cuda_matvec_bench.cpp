@@ -9,7 +9,9 @@
 // includes its dequantization to f16 for cuBLAS. GB/s counts the weight bytes once per call.
 // Times are per call from back-to-back launches between two CUDA events (no host copies, no
 // per-launch synchronisation), medians of --iters samples.
-// Usage: cuda_matvec_bench [--iters N] [--v1] [--types q4_K,q8_0,...]. Prints one line per case,
+// Usage: cuda_matvec_bench [--iters N] [--v1] [--types q4_K,q8_0,...] [--shapes 4096x14336,...]
+// [--tokens 1,4,...] [--no-attention]. The graph column is measured twice, the second time
+// captured with programmatic dependent launch (kernels.h set_launch_pdl). Prints one line per case,
 // then the tables (lines starting with '|'). --float-rows-ab: only the rows-per-warp A/B of
 // V3's float kernel (bench_float_rows).
 // Host code (g++): it reaches the GPU only through kernels.h's launchers. It lives in
@@ -89,6 +91,7 @@ struct Result {
   int64_t k, rows, n_tok;
   double mib, us, gbps, frac, tflops;
   double graph_us;  // per call inside a CUDA graph (0: not measured, cuBLAS paths)
+  double graph_pdl_us;  // the same graph captured with programmatic dependent launch
   double max_rel_err;
   double err_bound;
 };
@@ -209,8 +212,10 @@ std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, const std::vect
       // The same launches captured once into a CUDA graph and replayed, as the device-resident
       // forward pass runs a decode step: launch gaps shrink to what the graph leaves. Not for
       // paths through cuBLAS (its workspace is not captured here).
-      double graph_us = 0;
-      if (!f16_gemm) {
+      double graph_us = 0, graph_pdl_us = 0;
+      for (bool pdl : {false, true}) {
+        if (f16_gemm) break;
+        kiln::cuda::set_launch_pdl(pdl);
         cudaStream_t gs = nullptr;
         BENCH_CHECK(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking));
         cudaGraph_t graph = nullptr;
@@ -232,7 +237,8 @@ std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, const std::vect
           BENCH_CHECK(cudaEventElapsedTime(&m, tm.a, tm.b));
           if (i >= 2) gms.push_back(m / reps);
         }
-        graph_us = median(gms) * 1e3;
+        (pdl ? graph_pdl_us : graph_us) = median(gms) * 1e3;
+        kiln::cuda::set_launch_pdl(false);
         cudaGraphExecDestroy(exec);
         cudaGraphDestroy(graph);
         cudaStreamDestroy(gs);
@@ -240,7 +246,7 @@ std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, const std::vect
       out.push_back(Result{std::string(kiln::dtype_name(t)), kernels_name(kernels), k, rows, n_tok,
                            mat_bytes / 1048576.0, sec * 1e6, gbps, gbps / read_gbps,
                            2.0 * double(k) * double(rows) * double(n_tok) / sec / 1e12, graph_us,
-                           worst, bound});
+                           graph_pdl_us, worst, bound});
     }
     cudaFree(dx);
     cudaFree(dy);
@@ -404,6 +410,117 @@ void bench_float_rows(int iters, size_t l2_bytes, double read_gbps, std::mt19937
   }
 }
 
+// --q8-variants: launch_matvec_q8_variant's one-token shapes, interleaved, back-to-back launches
+// with programmatic dependent launch (as a decode step runs them), the activations quantized
+// once; us per call, the best variant's share of the read bandwidth, and a bits check against
+// variant 0.
+void bench_q8_variants(int iters, size_t l2_bytes, double read_gbps, std::mt19937_64& rng) {
+  const int nv = kiln::cuda::matvec_q8_variants();
+  std::printf("\n| int8 matvec, 1 token | k x rows | MiB |");
+  for (int v = 0; v < nv; ++v) std::printf(" v%d us |", v);
+  std::printf(" best GB/s | of read BW (%.0f GB/s) | bits |\n|---|---|---|", read_gbps);
+  for (int v = 0; v < nv; ++v) std::printf("---|");
+  std::printf("---|---|---|\n");
+  const struct {
+    int64_t k, rows;
+  } shapes[] = {{4096, 1024}, {4096, 4096}, {4096, 14336}, {14336, 4096}, {4096, 32000}};
+  for (DType t : {DType::Q4_K, DType::Q6_K, DType::Q8_0, DType::Q5_K}) {
+    for (const auto& sh : shapes) {
+      const size_t rb = *kiln::row_bytes(t, uint64_t(sh.k));
+      const size_t mat_bytes = rb * size_t(sh.rows);
+      std::vector<float> src(static_cast<size_t>(sh.k));
+      std::normal_distribution<float> dist(0.0f, 0.05f);
+      std::vector<std::byte> host(mat_bytes);
+      for (int64_t r = 0; r < sh.rows; ++r) {
+        if (r < 64) {
+          for (float& v : src) v = dist(rng);
+          kiln::quant::quantize_row(t, src, std::span<std::byte>(host).subspan(r * rb, rb));
+        } else {
+          std::memcpy(host.data() + r * rb, host.data() + (r % 64) * rb, rb);
+        }
+      }
+      const int copies = int(std::max<size_t>(2, (4 * l2_bytes + mat_bytes - 1) / mat_bytes));
+      std::vector<void*> mats(copies);
+      for (void*& m : mats) {
+        BENCH_CHECK(cudaMalloc(&m, mat_bytes));
+        BENCH_CHECK(cudaMemcpy(m, host.data(), mat_bytes, cudaMemcpyHostToDevice));
+      }
+      std::vector<float> x(static_cast<size_t>(sh.k));
+      std::normal_distribution<float> xd(0.0f, 1.0f);
+      for (float& v : x) v = xd(rng);
+      float *dx = nullptr, *dy = nullptr;
+      void* act = nullptr;
+      BENCH_CHECK(cudaMalloc(&dx, x.size() * sizeof(float)));
+      BENCH_CHECK(cudaMalloc(&dy, size_t(sh.rows) * sizeof(float)));
+      BENCH_CHECK(cudaMalloc(&act, kiln::cuda::act_q8_bytes(sh.k, 1)));
+      BENCH_CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
+      BENCH_CHECK(kiln::cuda::launch_quantize_act_q8(dx, sh.k, 1, act, nullptr));
+      kiln::cuda::DeviceWeight w{t, sh.k, sh.rows, rb, static_cast<const std::byte*>(mats[0])};
+      std::vector<float> y0(size_t(sh.rows)), yv(size_t(sh.rows));
+      bool same = true;
+      std::vector<std::vector<float>> ms(static_cast<size_t>(nv));
+      kiln::cuda::set_launch_pdl(true);
+      for (int i = 0; i < iters + 2; ++i) {
+        for (int v = 0; v < nv; ++v) {
+          Timer tm;
+          constexpr int kReps = 20;
+          BENCH_CHECK(cudaEventRecord(tm.a));
+          bool na = false;
+          for (int j = 0; j < kReps && !na; ++j) {
+            w.data = static_cast<const std::byte*>(mats[(i * kReps + j) % copies]);
+            const cudaError_t e = kiln::cuda::launch_matvec_q8_variant(w, act, dy, v, nullptr);
+            na = e == cudaErrorNotSupported;
+            if (!na) BENCH_CHECK(e);
+          }
+          if (na) {  // this variant does not cover the type
+            BENCH_CHECK(cudaEventRecord(tm.b));
+            BENCH_CHECK(cudaEventSynchronize(tm.b));
+            continue;
+          }
+          BENCH_CHECK(cudaEventRecord(tm.b));
+          BENCH_CHECK(cudaEventSynchronize(tm.b));
+          float m = 0;
+          BENCH_CHECK(cudaEventElapsedTime(&m, tm.a, tm.b));
+          if (i >= 2) ms[size_t(v)].push_back(m / kReps);
+          if (i == 0) {
+            BENCH_CHECK(cudaMemcpy(v == 0 ? y0.data() : yv.data(), dy, y0.size() * sizeof(float),
+                                   cudaMemcpyDeviceToHost));
+            // Variants 6+ map units to lanes differently (other bits by design): checked
+            // against the host dequantization's magnitude instead.
+            if (v > 0 && v < 6) same = same && std::memcmp(y0.data(), yv.data(), y0.size() * 4) == 0;
+            if (v >= 6) {
+              double worst = 0, mag = 0;
+              for (size_t r = 0; r < y0.size(); ++r)
+                worst = std::max(worst, double(std::fabs(yv[r] - y0[r]))), mag = std::max(mag, double(std::fabs(y0[r])));
+              if (!(worst <= 1e-3 * mag + 1e-6)) same = false;
+            }
+          }
+        }
+      }
+      kiln::cuda::set_launch_pdl(false);
+      double best = 1e30;
+      std::printf("| %s | %lldx%lld | %.1f |", kiln::dtype_name(t).data(), (long long)sh.k,
+                  (long long)sh.rows, mat_bytes / 1048576.0);
+      for (int v = 0; v < nv; ++v) {
+        if (ms[size_t(v)].empty()) {
+          std::printf(" - |");
+          continue;
+        }
+        const double us = median(ms[size_t(v)]) * 1e3;
+        best = std::min(best, us);
+        std::printf(" %.1f |", us);
+      }
+      const double gbps = double(mat_bytes) / (best * 1e-6) / 1e9;
+      std::printf(" %.0f | %.1f %% | %s |\n", gbps, 100 * gbps / read_gbps, same ? "same" : "DIFFER");
+      std::fflush(stdout);
+      cudaFree(dx);
+      cudaFree(dy);
+      cudaFree(act);
+      for (void* m : mats) cudaFree(m);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -411,6 +528,10 @@ int main(int argc, char** argv) {
   bool with_v1 = false;
   std::string only;
   bool float_rows_ab = false;
+  bool attention = true;
+  bool q8_variants = false;
+  std::string only_shapes;  // ",4096x14336," style
+  std::vector<int64_t> n_toks = {1, 4, 16, 64};
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
       iters = std::max(1, std::atoi(argv[++i]));
@@ -420,9 +541,28 @@ int main(int argc, char** argv) {
       only = std::string(",").append(argv[++i]).append(",");
     } else if (std::strcmp(argv[i], "--float-rows-ab") == 0) {
       float_rows_ab = true;
+    } else if (std::strcmp(argv[i], "--q8-variants") == 0) {
+      q8_variants = true;
+    } else if (std::strcmp(argv[i], "--no-attention") == 0) {
+      attention = false;
+    } else if (std::strcmp(argv[i], "--shapes") == 0 && i + 1 < argc) {
+      only_shapes = std::string(",").append(argv[++i]).append(",");
+    } else if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) {
+      n_toks.clear();
+      for (const char* p = argv[++i]; *p;) {
+        char* end = nullptr;
+        const long v = std::strtol(p, &end, 10);
+        if (end == p || v < 1 || v > kiln::cuda::kQ8MaxTokens) {
+          std::fprintf(stderr, "cuda_matvec_bench: --tokens: expected 1..64, comma-separated\n");
+          return 2;
+        }
+        n_toks.push_back(v);
+        p = *end == ',' ? end + 1 : end;
+      }
     } else {
       std::fprintf(stderr, "usage: cuda_matvec_bench [--iters N] [--v1] [--types t1,t2,...] "
-                           "[--float-rows-ab]\n");
+                           "[--shapes KxR,...] [--tokens N,...] [--no-attention] "
+                           "[--float-rows-ab] [--q8-variants]\n");
       return 2;
     }
   }
@@ -443,6 +583,11 @@ int main(int argc, char** argv) {
     bench_float_rows(iters, size_t(prop.l2CacheSize), read_gbps, rng);
     return 0;
   }
+  if (q8_variants) {
+    std::mt19937_64 rng(9);
+    bench_q8_variants(iters, size_t(prop.l2CacheSize), read_gbps, rng);
+    return 0;
+  }
 
   const DType types[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0,
                          DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K,
@@ -451,11 +596,10 @@ int main(int argc, char** argv) {
     int64_t k, rows;
   };
   const Shape shapes[] = {{4096, 4096}, {4096, 14336}, {14336, 4096}, {4096, 32000}};
-  const std::vector<int64_t> n_toks = {1, 4, 16, 64};
   std::vector<kiln::cuda::MatmulKernels> sets = {kiln::cuda::MatmulKernels::V2,
                                                  kiln::cuda::MatmulKernels::V3};
   if (with_v1) sets.insert(sets.begin(), kiln::cuda::MatmulKernels::V1);
-  bench_attention(iters, read_gbps, prop.multiProcessorCount);
+  if (attention) bench_attention(iters, read_gbps, prop.multiProcessorCount);
   std::mt19937_64 rng(42);
   Scratch sc;
   sc.act_bytes = kiln::cuda::act_q8_bytes(14336, kiln::cuda::kQ8MaxTokens);
@@ -467,6 +611,9 @@ int main(int argc, char** argv) {
     key += ",";
     if (!only.empty() && only.find(key) == std::string::npos) continue;
     for (const Shape& sh : shapes) {
+      char sk[48];
+      std::snprintf(sk, sizeof sk, ",%lldx%lld,", (long long)sh.k, (long long)sh.rows);
+      if (!only_shapes.empty() && only_shapes.find(sk) == std::string::npos) continue;
       for (const Result& r : bench_type(t, sh.k, sh.rows, n_toks, sets, iters,
                                         size_t(prop.l2CacheSize), read_gbps, rng, sc)) {
         results.push_back(r);
@@ -499,20 +646,24 @@ int main(int argc, char** argv) {
   };
   std::printf(
       "\n| type | k x rows | tokens | MiB | v2 us | v3 us | v3 GB/s | v3 of read BW (%.0f GB/s) | "
-      "v3 TFLOP/s | v3 speedup | v3 in a graph: us, of read BW |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|\n",
+      "v3 TFLOP/s | v3 speedup | v3 in a graph: us, of read BW | graph with PDL: us, of read BW |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|\n",
       read_gbps);
   for (const Result& r : results) {
     if (r.kernels != "v3") continue;
     const Result* v2 = find(r, "v2");
-    char graph[64] = "";
+    char graph[64] = "", graph_pdl[64] = "";
     if (r.graph_us > 0)
       std::snprintf(graph, sizeof graph, "%.1f, %.1f %%", r.graph_us,
                     100 * r.mib * 1048576.0 / (r.graph_us * 1e-6) / 1e9 / read_gbps);
+    if (r.graph_pdl_us > 0)
+      std::snprintf(graph_pdl, sizeof graph_pdl, "%.1f, %.1f %%", r.graph_pdl_us,
+                    100 * r.mib * 1048576.0 / (r.graph_pdl_us * 1e-6) / 1e9 / read_gbps);
     std::printf(
-        "| %s | %lldx%lld | %lld | %.1f | %.1f | %.1f | %.0f | %.1f %% | %.2f | %.2fx | %s |\n",
+        "| %s | %lldx%lld | %lld | %.1f | %.1f | %.1f | %.0f | %.1f %% | %.2f | %.2fx | %s | %s |\n",
         r.type.c_str(), (long long)r.k, (long long)r.rows, (long long)r.n_tok, r.mib,
-        v2 ? v2->us : 0.0, r.us, r.gbps, 100 * r.frac, r.tflops, v2 ? v2->us / r.us : 0.0, graph);
+        v2 ? v2->us : 0.0, r.us, r.gbps, 100 * r.frac, r.tflops, v2 ? v2->us / r.us : 0.0, graph,
+        graph_pdl);
   }
   // Decode summary: one token, V3's share of the read bandwidth per type and shape.
   std::printf(
@@ -523,7 +674,7 @@ int main(int argc, char** argv) {
     std::string line = "| " + std::string(kiln::dtype_name(t)) + " |";
     bool any = false;
     for (const Shape& sh : shapes) {
-      Result like{std::string(kiln::dtype_name(t)), "v3", sh.k, sh.rows, 1, 0, 0, 0, 0, 0, 0, 0, 0};
+      Result like{std::string(kiln::dtype_name(t)), "v3", sh.k, sh.rows, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
       const Result* r = find(like, "v3");
       char cell[64] = " |";
       if (r)

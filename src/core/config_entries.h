@@ -80,5 +80,8 @@ KILN_CONFIG_ENTRY(int64_t, cuda_int8_max_tokens, 16,
 KILN_CONFIG_ENTRY(bool, cuda_profile, false,
                   "CUDA (kiln bench): time one extra pass of each test op by op with CUDA events "
                   "and print the per-kernel table (µs per step, GB/s of the weight reads)")
+KILN_CONFIG_ENTRY(bool, cuda_pdl, true,
+                  "CUDA: programmatic dependent launch: each decode-path kernel starts while the "
+                  "one before it drains and prefetches its weights meanwhile; same outputs")
 KILN_CONFIG_ENTRY(bool, cuda_graphs, true,
                   "CUDA: replay each repeated decode step as a CUDA graph (off: launch op by op)")

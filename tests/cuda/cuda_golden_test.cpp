@@ -268,6 +268,69 @@ TEST(CudaExpertTier, StreamingMatchesResidentBitForBit) {
   }
 }
 
+// Programmatic dependent launch (CudaOptions::pdl) changes when kernels start, never what they
+// compute: a prompt's logits and greedy decode steps (replayed from graphs) must be the same
+// bits with it on as off, and the segments must still be captured (PDL edges in a graph).
+TEST(CudaPdl, SameBitsAsWithout) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
+  int ran = 0;
+  for (const char* name : {"stories260K", "llama-gqa-q4_k_m", "llama-gqa-f16", "llama-gqa-q8_0",
+                           "gemma2-swa-q8_0", "qwen3-bpe-q8_0", "muse-glimmer-q4_k_m",
+                           "qwen3moe-q4_k_m"}) {
+    const std::string file = std::string(name) + ".gguf";
+    if (!std::filesystem::exists(testing::shared_dir() + "/testdata/models/" + file)) continue;
+    SCOPED_TRACE(name);
+    auto m = Model::load(testing::model_path(file));
+    ASSERT_TRUE(m.has_value()) << m.error();
+    std::vector<int32_t> prompt = golden::load(name).prompt_tokens;
+    prompt.resize(std::min<size_t>(prompt.size(), 40));
+    constexpr int kGen = 24;
+    auto run = [&](bool pdl, CudaStats* st) {
+      std::vector<float> out;
+      CudaOptions o;
+      const GgufFile& f = (*m)->gguf();
+      o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
+      o.pdl = pdl;
+      auto be = make_cuda_backend(o);
+      EXPECT_TRUE(be) << be.error();
+      if (!be) return out;
+      {
+        Session s(*m, **be, 256);
+        auto lg = s.eval(prompt, true);
+        EXPECT_TRUE(lg.has_value()) << lg.error();
+        if (!lg.has_value()) return out;
+        out.assign(lg->begin(), lg->end());
+        std::span<const float> last = lg->subspan(lg->size() - size_t((*m)->n_vocab()));
+        for (int i = 0; i < kGen; ++i) {
+          const auto id = int32_t(std::max_element(last.begin(), last.end()) - last.begin());
+          auto step = s.eval(std::span<const int32_t>(&id, 1), false);
+          EXPECT_TRUE(step.has_value()) << step.error();
+          if (!step.has_value()) return out;
+          out.insert(out.end(), step->begin(), step->end());
+          last = *step;
+        }
+      }
+      *st = (*be)->stats();
+      return out;
+    };
+    CudaStats off_st, on_st;
+    const std::vector<float> off = run(false, &off_st);
+    const std::vector<float> on = run(true, &on_st);
+    ASSERT_FALSE(off.empty());
+    ASSERT_EQ(on.size(), off.size());
+    EXPECT_EQ(std::memcmp(on.data(), off.data(), on.size() * sizeof(float)), 0)
+        << "logits with PDL differ from those without";
+    // The same segments were graphed both ways (a refused capture would run eagerly).
+    EXPECT_EQ(on_st.graph_captures, off_st.graph_captures);
+    EXPECT_EQ(on_st.graph_replays, off_st.graph_replays);
+    EXPECT_EQ(on_st.segments_eager, off_st.segments_eager);
+    fmt::print("  {:<22} pdl on/off: same bits over {} logits; {} captures, {} replays, {} eager\n",
+               name, on.size(), on_st.graph_captures, on_st.graph_replays, on_st.segments_eager);
+    ++ran;
+  }
+  EXPECT_GT(ran, 0) << "no fixture carried to this machine";
+}
+
 std::string param_name(const ::testing::TestParamInfo<std::tuple<Fixture, Weights>>& info) {
   std::string n = std::get<0>(info.param).name;
   if (std::get<1>(info.param) == Weights::ZeroCopy) n += "_zero_copy";

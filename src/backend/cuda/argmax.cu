@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace kiln::cuda {
 namespace {
@@ -17,6 +18,7 @@ __device__ __forceinline__ bool better(float v, int64_t i, float bv, int64_t bi)
 __global__ void argmax_kernel(const float* __restrict__ x, int64_t n, int64_t* out) {
   __shared__ float sv[32];
   __shared__ int64_t si[32];
+  pdl_enter();
   float bv = -INFINITY;
   int64_t bi = n;  // n: "none yet" (an all -inf / NaN row ends at index 0 below)
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
@@ -46,8 +48,7 @@ __global__ void argmax_kernel(const float* __restrict__ x, int64_t n, int64_t* o
 }  // namespace
 
 cudaError_t launch_argmax(const float* x, int64_t n, int64_t* out, cudaStream_t s) {
-  argmax_kernel<<<1, kThreads, 0, s>>>(x, n, out);
-  return cudaGetLastError();
+  return launch(argmax_kernel, 1, kThreads, 0, s, x, n, out);
 }
 
 }  // namespace kiln::cuda

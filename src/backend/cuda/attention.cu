@@ -17,6 +17,7 @@
 #include "backend/cuda/block_reduce.cuh"
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace kiln::cuda {
 namespace {
@@ -182,6 +183,7 @@ __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
 template <int G, int KB>
 __global__ void __launch_bounds__(kWarps * 32)
     attention_split_kernel(DeviceAttention a, int64_t keys_per_split, float* __restrict__ part) {
+  pdl_enter();
   attention_split_body<G, KB>(a, keys_per_split, part, blockIdx.x, blockIdx.y, gridDim.y);
 }
 
@@ -202,6 +204,7 @@ __device__ __forceinline__ int find_item(const AttentionBatchItem* items, int n,
 template <int G, int KB>
 __global__ void __launch_bounds__(kWarps * 32)
     attention_split_batch_kernel(const AttentionBatchItem* __restrict__ items, int n) {
+  pdl_enter();
   const int i = find_item(items, n, blockIdx.x, false);
   const AttentionBatchItem& it = items[i];
   const int64_t local = int64_t(blockIdx.x) - it.block0;
@@ -240,10 +243,12 @@ __device__ __forceinline__ void attention_merge_body(const float* __restrict__ p
 // grid: n_q * n_head blocks.
 __global__ void attention_merge_kernel(const float* __restrict__ part, int64_t n_split, int64_t hd,
                                        float* __restrict__ out) {
+  pdl_enter();
   attention_merge_body(part, n_split, hd, out, blockIdx.x);
 }
 
 __global__ void attention_merge_batch_kernel(const AttentionBatchItem* __restrict__ items, int n) {
+  pdl_enter();
   const int i = find_item(items, n, blockIdx.x, true);
   const AttentionBatchItem& it = items[i];
   attention_merge_body(it.part, it.n_split, it.a.head_dim, it.a.out,
@@ -506,15 +511,15 @@ cudaError_t launch_attention_batch(const AttentionBatchItem* items,
     merges += a.n_q * a.n_head;
   }
   const int n = int(host_items.size());
+  cudaError_t e;
   switch (g) {
-    case 8: attention_split_batch_kernel<8, 2><<<unsigned(blocks), kWarps * 32, 0, s>>>(items, n); break;
-    case 4: attention_split_batch_kernel<4, 4><<<unsigned(blocks), kWarps * 32, 0, s>>>(items, n); break;
-    case 2: attention_split_batch_kernel<2, 4><<<unsigned(blocks), kWarps * 32, 0, s>>>(items, n); break;
-    default: attention_split_batch_kernel<1, 4><<<unsigned(blocks), kWarps * 32, 0, s>>>(items, n); break;
+    case 8: e = launch(attention_split_batch_kernel<8, 2>, unsigned(blocks), kWarps * 32, 0, s, items, n); break;
+    case 4: e = launch(attention_split_batch_kernel<4, 4>, unsigned(blocks), kWarps * 32, 0, s, items, n); break;
+    case 2: e = launch(attention_split_batch_kernel<2, 4>, unsigned(blocks), kWarps * 32, 0, s, items, n); break;
+    default: e = launch(attention_split_batch_kernel<1, 4>, unsigned(blocks), kWarps * 32, 0, s, items, n); break;
   }
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  attention_merge_batch_kernel<<<unsigned(merges), 128, 0, s>>>(items, n);
-  return cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  return launch(attention_merge_batch_kernel, unsigned(merges), 128, 0, s, items, n);
 }
 
 size_t attention_scratch_floats(const DeviceAttention& a, int n_sm) {
@@ -533,24 +538,17 @@ cudaError_t launch_attention(const DeviceAttention& a, float* scratch, int n_sm,
   const Split sp = plan_split(a, n_sm);
   const int g = group_of(a);
   const dim3 grid(unsigned(a.n_q * (a.n_head / g)), unsigned(sp.n_split));
+  const int64_t kps = sp.keys_per_split;
+  cudaError_t e;
   switch (g) {
-    case 8:
-      attention_split_kernel<8, 2><<<grid, kWarps * 32, 0, s>>>(a, sp.keys_per_split, scratch);
-      break;
-    case 4:
-      attention_split_kernel<4, 4><<<grid, kWarps * 32, 0, s>>>(a, sp.keys_per_split, scratch);
-      break;
-    case 2:
-      attention_split_kernel<2, 4><<<grid, kWarps * 32, 0, s>>>(a, sp.keys_per_split, scratch);
-      break;
-    default:
-      attention_split_kernel<1, 4><<<grid, kWarps * 32, 0, s>>>(a, sp.keys_per_split, scratch);
-      break;
+    case 8: e = launch(attention_split_kernel<8, 2>, grid, kWarps * 32, 0, s, a, kps, scratch); break;
+    case 4: e = launch(attention_split_kernel<4, 4>, grid, kWarps * 32, 0, s, a, kps, scratch); break;
+    case 2: e = launch(attention_split_kernel<2, 4>, grid, kWarps * 32, 0, s, a, kps, scratch); break;
+    default: e = launch(attention_split_kernel<1, 4>, grid, kWarps * 32, 0, s, a, kps, scratch); break;
   }
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  attention_merge_kernel<<<unsigned(a.n_q * a.n_head), 128, 0, s>>>(scratch, sp.n_split, a.head_dim,
-                                                                    a.out);
-  return cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  return launch(attention_merge_kernel, unsigned(a.n_q * a.n_head), 128, 0, s,
+                static_cast<const float*>(scratch), sp.n_split, a.head_dim, a.out);
 }
 
 }  // namespace kiln::cuda

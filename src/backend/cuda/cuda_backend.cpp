@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <bit>
 #include <climits>
 #include <cstring>
@@ -177,6 +178,7 @@ struct CudaBackend::Impl {
   uint64_t flushes = 0;
   uint64_t expert_cache_option = 0;
   bool expert_async = true;
+  bool pdl = false;  // CudaOptions::pdl
   bool expert_copies_unfenced = false;  // copies queued since the last fence_expert_copies()
   cuda::Event expert_copy_ev;
   // The end of every op that looks weights up: its expert copies (queued on the compute
@@ -352,6 +354,8 @@ struct CudaBackend::Impl {
   };
   std::map<std::vector<uint64_t>, Graph> graphs;
   uint64_t n_eager = 0, n_captures = 0, n_replays = 0;
+  uint64_t n_waits = 0;  // flush()es that waited on launched chunks, and their wall time
+  double wait_ms = 0;
   uint64_t uploads_seen = 0;  // arena uploads known to have landed
   bool verify = false;
   std::deque<cuda::Event> prof_events;  // profile mode: two per pending op
@@ -544,6 +548,12 @@ struct CudaBackend::Impl {
   }
 
   cudaError_t enqueue_all(bool timed) {
+    // The launchers read the PDL switch per thread: on for this enqueue only.
+    struct PdlScope {
+      bool prev = cuda::launch_pdl();
+      explicit PdlScope(bool on) { cuda::set_launch_pdl(on); }
+      ~PdlScope() { cuda::set_launch_pdl(prev); }
+    } pdl_scope(pdl && !timed);
     if (in_used > chunk_in_start) {
       if (cudaError_t e = cudaMemcpyAsync(static_cast<std::byte*>(dev_in.get()) + chunk_in_start,
                                           pin_in->data() + chunk_in_start,
@@ -669,7 +679,13 @@ struct CudaBackend::Impl {
   // Runs everything recorded and waits for it; staging starts over.
   void flush() {
     launch_chunk();
-    if (launched) check_cuda(cudaStreamSynchronize(s()), "synchronize");
+    if (launched) {
+      const auto t0 = std::chrono::steady_clock::now();
+      check_cuda(cudaStreamSynchronize(s()), "synchronize");
+      wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                     .count();
+      ++n_waits;
+    }
     ++flushes;
     if (op_keys_seq == op_seq)
       for (uint64_t k : op_keys)
@@ -807,6 +823,8 @@ CudaStats CudaBackend::stats() const {
   st.segments_eager = impl_->n_eager;
   st.graph_captures = impl_->n_captures;
   st.graph_replays = impl_->n_replays;
+  st.segment_waits = impl_->n_waits;
+  st.segment_wait_ms = impl_->wait_ms;
   st.device_bytes = impl_->device_bytes;
   st.expert_hits = impl_->expert_hits;
   st.expert_misses = impl_->expert_misses;
@@ -1628,6 +1646,7 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   impl->expert_cache_option = options.expert_cache_bytes;
   impl->expert_policy = TierPolicy(options.expert_policy);
   impl->expert_async = options.expert_async_copies;
+  impl->pdl = options.pdl;
   if (cudaError_t e = impl->expert_copy_ev.create(); e != cudaSuccess)
     return Status::errorf("CUDA event: {}", cudaGetErrorString(e));
   impl->matmul_kernels =

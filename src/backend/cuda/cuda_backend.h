@@ -78,6 +78,12 @@ struct CudaOptions {
   // Queue an op's expert copies back to back and wait once for the last, instead of one
   // synchronous copy each; same results.
   bool expert_async_copies = true;
+  // Programmatic dependent launch (backend/cuda/launch.cuh): the decode-path kernels of a
+  // segment start while the kernel ahead drains and prefetch their weights meanwhile. Same
+  // results (the kernels' arithmetic does not change; CudaPdl.SameBitsAsWithout); not in
+  // profile mode, whose event nodes separate every kernel anyway. On by measurement: 8B
+  // Q4_K_M tg128 on the H200 299.5 -> 321 t/s (docs/BENCHMARKS.md, session 8).
+  bool pdl = true;
 };
 
 struct CudaOpTime {
@@ -99,6 +105,11 @@ struct CudaStats {
   // Resident segments (the ops between two synchronisations): launched op by op, captured into
   // a graph, replayed from one.
   uint64_t segments_eager = 0, graph_captures = 0, graph_replays = 0;
+  // Resident segments' end: how often the host waited for the GPU to finish one, and for how
+  // long in all. A decode step whose wait is near zero is bound by the host's recording of its
+  // ops, not by the GPU (kiln bench prints the share).
+  uint64_t segment_waits = 0;
+  double segment_wait_ms = 0;
   uint64_t device_bytes = 0;  // held now by alloc_bytes() buffers (scratch, KV planes)
   // The expert tier: slices found on the device, copied in, evicted; bytes copied and held.
   uint64_t expert_hits = 0, expert_misses = 0, expert_evictions = 0;

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace kiln::cuda {
 namespace {
@@ -16,6 +17,7 @@ unsigned grid_for(int64_t n) {
 }
 
 __global__ void unary_kernel(float* __restrict__ x, int64_t n, Unary op, float p) {
+  pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const float v = x[i];
@@ -35,6 +37,7 @@ __global__ void unary_kernel(float* __restrict__ x, int64_t n, Unary op, float p
 
 // Not __restrict__: out may alias a or b (each element is read before it is written).
 __global__ void binary_kernel(const float* a, const float* b, float* out, int64_t n, Binary op) {
+  pdl_enter();
   constexpr float kSqrt2OverPi = 0.79788456080286535588f;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -61,6 +64,7 @@ __global__ void binary_kernel(const float* a, const float* b, float* out, int64_
 __global__ void store_rows_f16_kernel(const float* __restrict__ src, int64_t width,
                                       const int32_t* __restrict__ rows, int64_t n_rows,
                                       uint16_t* __restrict__ plane) {
+  pdl_enter();
   const int64_t n = n_rows * width;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -72,6 +76,7 @@ __global__ void store_rows_f16_kernel(const float* __restrict__ src, int64_t wid
 
 // grid: (blocks over the largest item, items).
 __global__ void store_rows_f16_batch_kernel(const StoreRowsItem* __restrict__ items) {
+  pdl_enter();
   const StoreRowsItem it = items[blockIdx.y];
   const int64_t n = it.n_rows * it.width;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -87,30 +92,26 @@ cudaError_t launch_store_rows_f16_batch(const StoreRowsItem* items, int n_items,
                                         int64_t max_elems, cudaStream_t s) {
   if (n_items == 0 || max_elems == 0) return cudaSuccess;
   if (n_items > 65535) return cudaErrorInvalidValue;
-  store_rows_f16_batch_kernel<<<dim3(grid_for(max_elems), unsigned(n_items)), kThreads, 0, s>>>(
-      items);
-  return cudaGetLastError();
+  return launch(store_rows_f16_batch_kernel, dim3(grid_for(max_elems), unsigned(n_items)), kThreads,
+                0, s, items);
 }
 
 cudaError_t launch_unary(float* x, int64_t n, Unary op, float param, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
-  unary_kernel<<<grid_for(n), kThreads, 0, s>>>(x, n, op, param);
-  return cudaGetLastError();
+  return launch(unary_kernel, grid_for(n), kThreads, 0, s, x, n, op, param);
 }
 
 cudaError_t launch_binary(const float* a, const float* b, float* out, int64_t n, Binary op,
                           cudaStream_t s) {
   if (n == 0) return cudaSuccess;
-  binary_kernel<<<grid_for(n), kThreads, 0, s>>>(a, b, out, n, op);
-  return cudaGetLastError();
+  return launch(binary_kernel, grid_for(n), kThreads, 0, s, a, b, out, n, op);
 }
 
 cudaError_t launch_store_rows_f16(const float* src, int64_t width, const int32_t* rows,
                                   int64_t n_rows, uint16_t* plane, cudaStream_t s) {
   if (n_rows == 0 || width == 0) return cudaSuccess;
-  store_rows_f16_kernel<<<grid_for(n_rows * width), kThreads, 0, s>>>(src, width, rows, n_rows,
-                                                                      plane);
-  return cudaGetLastError();
+  return launch(store_rows_f16_kernel, grid_for(n_rows * width), kThreads, 0, s, src, width, rows,
+                n_rows, plane);
 }
 
 }  // namespace kiln::cuda

@@ -3,6 +3,7 @@
 
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace kiln::cuda {
 namespace {
@@ -11,6 +12,7 @@ namespace {
 template <DType T>
 __global__ void get_rows_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_cols,
                                 const int32_t* __restrict__ ids, float* __restrict__ out) {
+  pdl_enter();
   const int64_t i = blockIdx.x;
   const uint8_t* row = w + int64_t(ids[i]) * row_bytes;
   float* dst = out + i * n_cols;
@@ -31,11 +33,12 @@ cudaError_t launch_get_rows(const DeviceWeight& w, const int32_t* ids, int64_t n
                             cudaStream_t s) {
   if (!cuda_supports(w.dtype)) return cudaErrorInvalidValue;
   if (n_ids == 0 || w.n_cols == 0) return cudaSuccess;
+  cudaError_t e = cudaErrorInvalidValue;
   dispatch_dtype(w.dtype, [&]<DType T>() {
-    get_rows_kernel<T><<<unsigned(n_ids), 128, 0, s>>>(reinterpret_cast<const uint8_t*>(w.data),
-                                                       w.row_bytes, w.n_cols, ids, out);
+    e = launch(get_rows_kernel<T>, unsigned(n_ids), 128, 0, s,
+               reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_cols, ids, out);
   });
-  return cudaGetLastError();
+  return e;
 }
 
 }  // namespace kiln::cuda

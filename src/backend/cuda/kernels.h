@@ -84,6 +84,12 @@ cudaError_t launch_quantize_act_q8(const float* x, int64_t n_cols, int64_t n_tok
 // weights of the same input); w.dtype must be matvec_q8_supports and n_tok <= kQ8MaxTokens.
 cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_tok, float* y,
                              cudaStream_t s);
+// One-token launch shapes of launch_matvec_q8 for cuda_matvec_bench --q8-variants (units in
+// flight per lane, rows per warp, a register cap for occupancy; 16-byte aligned rows only).
+// Every variant gives the same bits; variant 0 is what launch_matvec_q8 runs.
+int matvec_q8_variants();
+cudaError_t launch_matvec_q8_variant(const DeviceWeight& w, const void* act, float* y, int variant,
+                                     cudaStream_t s);
 // V3's float-weight kernel (F32/F16/BF16 rows 16-byte aligned, n_cols % 8 == 0, 1-8 tokens)
 // with `rows` (1, 2 or 4) rows per warp sharing each activation load. Every `rows` gives the
 // same bits (one accumulation order per output); launch_matmul_v3 takes float_v3_rows's choice
@@ -175,6 +181,14 @@ struct StoreRowsItem {
 };
 cudaError_t launch_store_rows_f16_batch(const StoreRowsItem* items, int n_items,
                                         int64_t max_elems, cudaStream_t s);
+
+// --- launch.cuh / probe.cu: programmatic dependent launch (launch.cuh says why and how it stays
+// safe). While set on the calling thread, the decode-path launchers (quantization, V3 matvecs,
+// rmsnorm, rope, elementwise, KV stores, split attention, argmax, get_rows) start their kernel
+// with the PDL attribute; results are the same bits either way. Off unless set (the backend
+// sets it around its own enqueues when CudaOptions::pdl, the default).
+void set_launch_pdl(bool on);
+bool launch_pdl();
 
 // --- probe.cu: reads `bytes` (16-byte aligned) with `blocks` blocks; sink holds `blocks` floats.
 cudaError_t launch_read_probe(const void* data, size_t bytes, float* sink, int blocks,

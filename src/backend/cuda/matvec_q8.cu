@@ -24,6 +24,7 @@
 
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace kiln::cuda {
 namespace {
@@ -56,9 +57,28 @@ __device__ __forceinline__ void store_sums(const float (&acc)[R][NT], int nt, in
     }
 }
 
+// Before pdl_enter(): the start of the first row this warp takes (the weights, which no
+// kernel writes) into L2, by the grid's first token column only (the others read the same
+// rows). Under PDL this runs while the kernel ahead drains, so the first wave's first weight
+// reads overlap it; without PDL it costs a few instructions and no extra DRAM traffic (the
+// lines are read anyway). One row of at most kPrefetchRowBytes per warp: the first wave of
+// the f16 gate/up matvec (448 blocks x 8 warps x 4 rows of 8 KB) is the size of the L2, and
+// prefetching all of it made that kernel 25 % slower (cuda_matvec_bench, H200, session 8);
+// capped, the first wave prefetches ~8-11 MB.
+constexpr size_t kPrefetchRowBytes = 2304;  // one 4096-wide Q4_K row
+template <int R, int WARPS>
+__device__ __forceinline__ void prefetch_first_rows(const uint8_t* w, size_t row_bytes,
+                                                    int64_t n_rows, int lane, int warp) {
+  if (blockIdx.x != 0) return;
+  const int64_t r0 = (int64_t(blockIdx.y) * WARPS + warp) * R;
+  const size_t n = row_bytes < kPrefetchRowBytes ? row_bytes : kPrefetchRowBytes;
+  if (r0 < n_rows) prefetch_l2_warp(w + r0 * row_bytes, n, lane);
+}
+
 // ---- activations: one warp per 32-element block.
 __global__ void quantize_act_q8_kernel(const float* __restrict__ x, int64_t n_blocks,
                                        int8_t* __restrict__ q, float2* __restrict__ ds) {
+  pdl_enter();
   const int lane = threadIdx.x % kWarp;
   const int64_t b = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   if (b >= n_blocks) return;
@@ -296,11 +316,15 @@ enum Mode { kStaged = 0, kDirect16 = 1, kDirect2 = 2 };
 // grid: (ceil(n_tok / NT) token columns, row blocks); block: kQ8Warps warps, each carrying R
 // consecutive rows (the activation words are loaded once for R rows). The token column varies
 // fastest, so the columns of one row block run together and share its weight bytes in L2.
-template <DType T, int NT, int R, int MODE>
-__global__ void __launch_bounds__(kQ8Warps* kWarp)
-    matvec_q8_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
-                     int64_t n_cols, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
-                     int64_t n_tok, float* __restrict__ y) {
+// U: units per lane whose loads are issued together (direct modes); PF: prefetch the first
+// rows before pdl_enter(). Neither changes which units a lane sums or in which order, so
+// neither changes any output bit (nor does matvec_q8_kernel_mb's register cap).
+template <DType T, int NT, int R, int MODE, int U, bool PF>
+__device__ __forceinline__ void matvec_q8_body(const uint8_t* __restrict__ w, size_t row_bytes,
+                                               int64_t n_rows, int64_t n_cols,
+                                               const int8_t* __restrict__ xq,
+                                               const float2* __restrict__ xd, int64_t n_tok,
+                                               float* __restrict__ y) {
   constexpr int kCU = MODE == kStaged ? q8_chunk_units<T>() : kWarp;
   constexpr int kCV = MODE == kStaged ? q8_chunk_bytes<T>() / 16 : 1;
   static_assert(MODE != kStaged || (q8_chunk_bytes<T>() % 16 == 0 && kCU % kWarp == 0));
@@ -311,6 +335,8 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
   const int64_t n_units = n_cols / kBlk;
   const int8_t* xq_t = xq + t0 * n_cols;
   const float2* xd_t = xd + t0 * n_units;
+  if constexpr (PF) prefetch_first_rows<R, kQ8Warps>(w, row_bytes, n_rows, lane, warp);
+  pdl_enter();
   // Whole warps take the same rows: the __syncwarp()s below stay warp-uniform.
   for (int64_t rb = blockIdx.y;; rb += gridDim.y) {
     const int64_t r0 = (rb * kQ8Warps + warp) * R;
@@ -369,7 +395,6 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
       // U units per lane at a time, every load issued before any product: the unit index is
       // clamped (the loads stay in the row) and a unit past the end is dropped afterwards, so
       // the loads of a group are straight-line code the compiler can hoist together.
-      constexpr int U = R >= 4 ? 1 : 4 / R;
       for (int64_t g = lane; g < n_units; g += int64_t(kWarp) * U) {
         WUnit wu[U][R];
 #pragma unroll
@@ -391,6 +416,21 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
     store_sums<R, NT>(acc, nt, lane, t0, r0, n_rows, y);
   }
 }
+template <DType T, int NT, int R, int MODE, int U = (R >= 4 ? 1 : 4 / R), bool PF = true>
+__global__ void __launch_bounds__(kQ8Warps* kWarp)
+    matvec_q8_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
+                     int64_t n_cols, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                     int64_t n_tok, float* __restrict__ y) {
+  matvec_q8_body<T, NT, R, MODE, U, PF>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y);
+}
+// The same with at least MINB blocks per SM (a register cap: more warps in flight).
+template <DType T, int NT, int R, int MODE, int U, int MINB>
+__global__ void __launch_bounds__(kQ8Warps* kWarp, MINB)
+    matvec_q8_kernel_mb(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
+                        int64_t n_cols, const int8_t* __restrict__ xq,
+                        const float2* __restrict__ xd, int64_t n_tok, float* __restrict__ y) {
+  matvec_q8_body<T, NT, R, MODE, U, true>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y);
+}
 
 // ---- float weights, up to 8 tokens: lane l reads 8 consecutive elements at 8l + 256i (16- or
 // 32-byte loads, a warp's loads contiguous), f32 FMAs against f32 activations in a fixed
@@ -408,6 +448,8 @@ __global__ void __launch_bounds__(kFloatWarps* kWarp)
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t t0 = int64_t(blockIdx.x) * NT;
   const int nt = n_tok - t0 < NT ? int(n_tok - t0) : NT;
+  prefetch_first_rows<R, kFloatWarps>(w, row_bytes, n_rows, lane, warp);
+  pdl_enter();
   for (int64_t r0 = (int64_t(blockIdx.y) * kFloatWarps + warp) * R; r0 < n_rows;
        r0 += int64_t(gridDim.y) * kFloatWarps * R) {
     float acc[R][NT];
@@ -499,13 +541,20 @@ unsigned row_blocks(int64_t n_rows, int64_t rows_per_block) {
   return unsigned(std::min<int64_t>(n, 65535));  // the kernels loop over further row blocks
 }
 
-template <DType T, int NT, int R, int MODE>
+// MINB 0: matvec_q8_kernel (no register cap), else matvec_q8_kernel_mb.
+template <DType T, int NT, int R, int MODE, int U = (R >= 4 ? 1 : 4 / R), int MINB = 0,
+          bool PF = true>
 cudaError_t launch_q8_cfg(const DeviceWeight& w, const int8_t* xq, const float2* xd, int64_t n_tok,
                           float* y, cudaStream_t s) {
   const dim3 grid(unsigned((n_tok + NT - 1) / NT), row_blocks(w.n_rows, int64_t(kQ8Warps) * R));
-  matvec_q8_kernel<T, NT, R, MODE><<<grid, kQ8Warps * kWarp, 0, s>>>(
-      reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols, xq, xd, n_tok, y);
-  return cudaGetLastError();
+  if constexpr (MINB > 0)
+    return launch(matvec_q8_kernel_mb<T, NT, R, MODE, U, MINB>, grid, kQ8Warps * kWarp, 0, s,
+                  reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols, xq,
+                  xd, n_tok, y);
+  else
+    return launch(matvec_q8_kernel<T, NT, R, MODE, U, PF>, grid, kQ8Warps * kWarp, 0, s,
+                reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols, xq, xd,
+                n_tok, y);
 }
 
 // Tokens per launch column and rows per warp: one token streams one row per warp (the most
@@ -539,12 +588,12 @@ cudaError_t launch_q8_typed(const DeviceWeight& w, const int8_t* xq, const float
 }
 
 template <DType T, int NT, int R>
-void launch_float_v3_shape(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
-                           cudaStream_t s) {
+cudaError_t launch_float_v3_shape(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
+                                  cudaStream_t s) {
   const auto* wb = reinterpret_cast<const uint8_t*>(w.data);
   const dim3 grid(unsigned((n_tok + NT - 1) / NT), row_blocks(w.n_rows, int64_t(kFloatWarps) * R));
-  matvec_float_v3_kernel<T, NT, R>
-      <<<grid, kFloatWarps * kWarp, 0, s>>>(wb, w.row_bytes, w.n_rows, w.n_cols, x, n_tok, y);
+  return launch(matvec_float_v3_kernel<T, NT, R>, grid, kFloatWarps * kWarp, 0, s, wb, w.row_bytes,
+                w.n_rows, w.n_cols, x, n_tok, y);
 }
 
 // rows 1, 2 or 4 (rows per warp); tokens per launch column: 1, 4 (2-4 tokens) or 8 (5-8), so
@@ -553,17 +602,148 @@ template <DType T>
 cudaError_t launch_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
                             int rows, cudaStream_t s) {
   const auto go = [&]<int R>() {
-    if (n_tok == 1) launch_float_v3_shape<T, 1, R>(w, x, n_tok, y, s);
-    else if (n_tok <= 4) launch_float_v3_shape<T, 4, R>(w, x, n_tok, y, s);
-    else launch_float_v3_shape<T, 8, R>(w, x, n_tok, y, s);
+    if (n_tok == 1) return launch_float_v3_shape<T, 1, R>(w, x, n_tok, y, s);
+    if (n_tok <= 4) return launch_float_v3_shape<T, 4, R>(w, x, n_tok, y, s);
+    return launch_float_v3_shape<T, 8, R>(w, x, n_tok, y, s);
   };
-  if (rows == 4) go.template operator()<4>();
-  else if (rows == 2) go.template operator()<2>();
-  else go.template operator()<1>();
-  return cudaGetLastError();
+  if (rows == 4) return go.template operator()<4>();
+  if (rows == 2) return go.template operator()<2>();
+  return go.template operator()<1>();
+}
+
+// ---- Q4_K, one token, a lane per pair of sub-blocks (an experiment for --q8-variants; another
+// unit-to-lane mapping, so other bits than matvec_q8_kernel). Sub-blocks 2p and 2p+1 share
+// their 32 quant bytes (low and high nibbles) and the block header, so a pair costs one header
+// load and two 16-byte quant loads where two units cost two of each; the high nibbles are
+// used in place (q & 0xF0F0F0F0 = 16 h) through the unsigned x signed dp4a, and the exact sum
+// is shifted back.
+__device__ __forceinline__ int dp4a_us(uint32_t a, int b, int c) {
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+template <int UP, int MINB>
+__global__ void __launch_bounds__(kQ8Warps* kWarp, MINB)
+    matvec_q4k_pair_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
+                           int64_t n_cols, const int8_t* __restrict__ xq,
+                           const float2* __restrict__ xd, float* __restrict__ y) {
+  using kiln::quant::block_q4_K;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  prefetch_first_rows<1, kQ8Warps>(w, row_bytes, n_rows, lane, warp);
+  pdl_enter();
+  const int64_t n_pairs = n_cols / 64;
+  for (int64_t rb = blockIdx.y;; rb += gridDim.y) {
+    const int64_t r0 = rb * kQ8Warps + warp;
+    if (r0 >= n_rows) break;
+    const uint8_t* row = w + r0 * row_bytes;
+    float acc = 0.0f;
+    for (int64_t g = lane; g < n_pairs; g += int64_t(kWarp) * UP) {
+      uint4 hdr[UP], q0[UP], q1[UP];
+#pragma unroll
+      for (int k = 0; k < UP; ++k) {
+        const int64_t pc = g + kWarp * k < n_pairs ? g + kWarp * k : n_pairs - 1;
+        const uint8_t* b = row + (pc / 4) * sizeof(block_q4_K);
+        const int p = int(pc % 4);
+        hdr[k] = __ldg(reinterpret_cast<const uint4*>(b));
+        q0[k] = __ldg(reinterpret_cast<const uint4*>(b + 16 + 32 * p));
+        q1[k] = __ldg(reinterpret_cast<const uint4*>(b + 32 + 32 * p));
+      }
+#pragma unroll
+      for (int k = 0; k < UP; ++k) {
+        const bool valid = g + kWarp * k < n_pairs;
+        const int64_t pc = valid ? g + kWarp * k : n_pairs - 1;
+        const int p = int(pc % 4);
+        const float d = h2f_bits(uint16_t(hdr[k].x)), dmin = h2f_bits(uint16_t(hdr[k].x >> 16));
+        const uint32_t qw[8] = {q0[k].x, q0[k].y, q0[k].z, q0[k].w,
+                                q1[k].x, q1[k].y, q1[k].z, q1[k].w};
+        float a2 = acc;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = 2 * p + h;
+          const int sh = 8 * (j & 3);
+          const uint32_t a0 = hdr[k].y >> sh, a1 = hdr[k].z >> sh, a2w = hdr[k].w >> sh;
+          const int sc = int(j < 4 ? (a0 & 63u) : ((a2w & 0xFu) | ((a0 >> 2) & 0x30u)));
+          const int m = int(j < 4 ? (a1 & 63u) : (((a2w >> 4) & 0xFu) | ((a1 >> 2) & 0x30u)));
+          const int64_t u = pc * 2 + h;
+          const int4* a4 = reinterpret_cast<const int4*>(xq + u * kBlk);
+          const int4 x0 = __ldg(a4), x1 = __ldg(a4 + 1);
+          const float2 ds = __ldg(xd + u);
+          const int av[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+          int si = 0;
+          if (h == 0) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) si = __dp4a(int(qw[i] & 0x0F0F0F0Fu), av[i], si);
+          } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) si = dp4a_us(qw[i] & 0xF0F0F0F0u, av[i], si);
+            si >>= 4;  // exact: every product was 16 h a
+          }
+          a2 = __fmaf_rn(__fmul_rn(mul_rn(d, i2f(sc)), ds.x), i2f(si), a2);
+          a2 = __fmaf_rn(-mul_rn(dmin, i2f(m)), ds.y, a2);
+        }
+        acc = valid ? a2 : acc;
+      }
+    }
+    const float sum = warp_sum_rn(acc);
+    if (lane == 0) y[r0] = sum;
+  }
+}
+
+// One-token variants for cuda_matvec_bench --q8-variants (same bits as variant 0).
+template <DType T, int MODE>
+cudaError_t launch_q8_variant_mode(const DeviceWeight& w, const int8_t* xq, const float2* xd,
+                                   float* y, int v, cudaStream_t s) {
+  switch (v) {
+    case 0: return launch_q8_cfg<T, 1, 1, MODE, 4, 0>(w, xq, xd, 1, y, s);
+    case 1: return launch_q8_cfg<T, 1, 1, MODE, 4, 12>(w, xq, xd, 1, y, s);
+    case 2: return launch_q8_cfg<T, 1, 1, MODE, 4, 16>(w, xq, xd, 1, y, s);
+    case 3: return launch_q8_cfg<T, 1, 1, MODE, 8, 0>(w, xq, xd, 1, y, s);
+    case 4: return launch_q8_cfg<T, 1, 2, MODE, 2, 0>(w, xq, xd, 1, y, s);
+    case 5: return launch_q8_cfg<T, 1, 1, MODE, 4, 0, false>(w, xq, xd, 1, y, s);
+    default: break;
+  }
+  if constexpr (T == DType::Q4_K) {
+    const dim3 grid(1, row_blocks(w.n_rows, kQ8Warps));
+    const auto* wb = reinterpret_cast<const uint8_t*>(w.data);
+    switch (v) {
+      case 6: return launch(matvec_q4k_pair_kernel<2, 8>, grid, kQ8Warps * kWarp, 0, s, wb,
+                            w.row_bytes, w.n_rows, w.n_cols, xq, xd, y);
+      case 7: return launch(matvec_q4k_pair_kernel<2, 12>, grid, kQ8Warps * kWarp, 0, s, wb,
+                            w.row_bytes, w.n_rows, w.n_cols, xq, xd, y);
+      case 8: return launch(matvec_q4k_pair_kernel<4, 8>, grid, kQ8Warps * kWarp, 0, s, wb,
+                            w.row_bytes, w.n_rows, w.n_cols, xq, xd, y);
+      case 9: return launch(matvec_q4k_pair_kernel<1, 16>, grid, kQ8Warps * kWarp, 0, s, wb,
+                            w.row_bytes, w.n_rows, w.n_cols, xq, xd, y);
+      default: break;
+    }
+  }
+  return cudaErrorNotSupported;
 }
 
 }  // namespace
+
+int matvec_q8_variants() { return 10; }
+
+cudaError_t launch_matvec_q8_variant(const DeviceWeight& w, const void* act, float* y, int variant,
+                                     cudaStream_t s) {
+  if (!matvec_q8_supports(w.dtype) || act_q8_bytes(w.n_cols, 1) == 0 ||
+      reinterpret_cast<uintptr_t>(act) % 16 != 0 || reinterpret_cast<uintptr_t>(w.data) % 16 != 0 ||
+      w.row_bytes % 16 != 0)
+    return cudaErrorInvalidValue;
+  if (w.n_rows == 0) return cudaSuccess;
+  const auto* xq = static_cast<const int8_t*>(act);
+  const auto* xd = reinterpret_cast<const float2*>(xq + align16(size_t(w.n_cols)));
+  cudaError_t err = cudaErrorInvalidValue;
+  dispatch_dtype(w.dtype, [&]<DType T>() {
+    if constexpr (q8_chunk_units<T>() > 0) {
+      if ((w.n_cols / kBlk) % q8_chunk_units<T>() == 0)
+        err = launch_q8_variant_mode<T, kStaged>(w, xq, xd, y, variant, s);
+    } else if constexpr (q8_block_bytes<T>() > 0) {
+      err = launch_q8_variant_mode<T, kDirect16>(w, xq, xd, y, variant, s);
+    }
+  });
+  return err;
+}
 
 bool matvec_q8_supports(DType t) {
   switch (t) {
@@ -593,9 +773,8 @@ cudaError_t launch_quantize_act_q8(const float* x, int64_t n_cols, int64_t n_tok
   const int64_t n_blocks = n_tok * (n_cols / kBlk);
   constexpr int kThreads = 256;
   const int64_t per_block = kThreads / kWarp;
-  quantize_act_q8_kernel<<<unsigned((n_blocks + per_block - 1) / per_block), kThreads, 0, s>>>(
-      x, n_blocks, q, ds);
-  return cudaGetLastError();
+  return launch(quantize_act_q8_kernel, unsigned((n_blocks + per_block - 1) / per_block), kThreads,
+                0, s, x, n_blocks, q, ds);
 }
 
 cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_tok, float* y,

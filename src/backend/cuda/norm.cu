@@ -6,6 +6,7 @@
 
 #include "backend/cuda/block_reduce.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace kiln::cuda {
 namespace {
@@ -15,6 +16,7 @@ constexpr int kThreads = 256;
 __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ weight,
                                int64_t n, float eps, float* __restrict__ y) {
   __shared__ float shm[32];
+  pdl_enter();
   const float* xr = x + int64_t(blockIdx.x) * n;
   float* yr = y + int64_t(blockIdx.x) * n;
   float ss = 0.0f;
@@ -39,6 +41,7 @@ __global__ void __launch_bounds__(kVecThreads)
                        const float4* __restrict__ weight, int64_t n4, float eps,
                        float4* __restrict__ y) {
   __shared__ float shm[32];
+  pdl_enter();
   float4* xr = x + int64_t(blockIdx.x) * n4;
   float4* yr = y + int64_t(blockIdx.x) * n4;
   float4 v[V];
@@ -78,7 +81,7 @@ __global__ void __launch_bounds__(kVecThreads)
 // same path for the same row, or their bits would differ); false: not taken.
 template <bool kAdd>
 bool launch_vec(float* x, const float* a, const float* weight, int64_t n_rows, int64_t n,
-                float eps, float* y, cudaStream_t s) {
+                float eps, float* y, cudaStream_t s, cudaError_t* err) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (!(n % 4 == 0 && n <= 4 * kVecThreads * 4 && aligned(x) && aligned(y) &&
         (weight == nullptr || aligned(weight)) && (!kAdd || aligned(a))))
@@ -91,12 +94,16 @@ bool launch_vec(float* x, const float* a, const float* weight, int64_t n_rows, i
   // Threads: enough for the row (a multiple of 32), so a short row (a QK-norm head) does
   // not leave most of a 512-thread block idle.
   const int threads = int(std::min<int64_t>(kVecThreads, (n4 + 31) / 32 * 32));
+  cudaError_t e;
   if (n4 <= kVecThreads)
-    rmsnorm_vec_kernel<1, kAdd><<<unsigned(n_rows), threads, 0, s>>>(x4, a4, w4, n4, eps, y4);
+    e = launch(rmsnorm_vec_kernel<1, kAdd>, unsigned(n_rows), threads, 0, s, x4, a4, w4, n4, eps, y4);
   else if (n4 <= 2 * kVecThreads)
-    rmsnorm_vec_kernel<2, kAdd><<<unsigned(n_rows), kVecThreads, 0, s>>>(x4, a4, w4, n4, eps, y4);
+    e = launch(rmsnorm_vec_kernel<2, kAdd>, unsigned(n_rows), kVecThreads, 0, s, x4, a4, w4, n4,
+               eps, y4);
   else
-    rmsnorm_vec_kernel<4, kAdd><<<unsigned(n_rows), kVecThreads, 0, s>>>(x4, a4, w4, n4, eps, y4);
+    e = launch(rmsnorm_vec_kernel<4, kAdd>, unsigned(n_rows), kVecThreads, 0, s, x4, a4, w4, n4,
+               eps, y4);
+  *err = e;
   return true;
 }
 
@@ -119,16 +126,16 @@ cudaError_t launch_rmsnorm(const float* x, const float* weight, int64_t n_rows, 
                            float eps, float* y, cudaStream_t s) {
   if (n_rows == 0) return cudaSuccess;
   // kAdd = false never writes x.
-  if (launch_vec<false>(const_cast<float*>(x), nullptr, weight, n_rows, n, eps, y, s))
-    return cudaGetLastError();
-  rmsnorm_kernel<<<unsigned(n_rows), kThreads, 0, s>>>(x, weight, n, eps, y);
-  return cudaGetLastError();
+  cudaError_t e = cudaSuccess;
+  if (launch_vec<false>(const_cast<float*>(x), nullptr, weight, n_rows, n, eps, y, s, &e)) return e;
+  return launch(rmsnorm_kernel, unsigned(n_rows), kThreads, 0, s, x, weight, n, eps, y);
 }
 
 cudaError_t launch_add_rmsnorm(float* x, const float* a, const float* weight, int64_t n_rows,
                                int64_t n, float eps, float* y, cudaStream_t s) {
   if (n_rows == 0) return cudaSuccess;
-  if (launch_vec<true>(x, a, weight, n_rows, n, eps, y, s)) return cudaGetLastError();
+  cudaError_t e = cudaSuccess;
+  if (launch_vec<true>(x, a, weight, n_rows, n, eps, y, s, &e)) return e;
   if (cudaError_t e = launch_binary(x, a, x, n_rows * n, Binary::Add, s); e != cudaSuccess) return e;
   return launch_rmsnorm(x, weight, n_rows, n, eps, y, s);
 }

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.cuh"
 
 namespace kiln::cuda {
 namespace {
@@ -12,6 +13,7 @@ namespace {
 __global__ void rope_kernel(float* __restrict__ x, int64_t n_tok, int64_t n_head, int64_t head_dim,
                             const int32_t* __restrict__ pos, int64_t n_rot, float freq_base,
                             float freq_scale, bool neox) {
+  pdl_enter();
   const int64_t half = n_rot / 2;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= n_tok * n_head * half) return;
@@ -35,9 +37,8 @@ cudaError_t launch_rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_di
   const int64_t n = n_tok * n_head * (n_rot / 2);
   if (n == 0) return cudaSuccess;
   constexpr int kThreads = 256;
-  rope_kernel<<<unsigned((n + kThreads - 1) / kThreads), kThreads, 0, s>>>(
-      x, n_tok, n_head, head_dim, pos, n_rot, freq_base, freq_scale, neox);
-  return cudaGetLastError();
+  return launch(rope_kernel, unsigned((n + kThreads - 1) / kThreads), kThreads, 0, s, x, n_tok,
+                n_head, head_dim, pos, n_rot, freq_base, freq_scale, neox);
 }
 
 }  // namespace kiln::cuda
