@@ -221,6 +221,103 @@ TEST(CudaMatvecQ8, FloatRowsAndColumnsKeepBits) {
   EXPECT_EQ(cuda::launch_matvec_float_v3(wq, dx, 1, dy, 1, nullptr), cudaErrorInvalidValue);
 }
 
+// Grouped launches (launch_matvec_*_group): every output memcmp-equal to its weight's own
+// launch, for groups of 2-4 weights of odd row counts (partial row blocks at each task's end),
+// every int8 mode (staged, direct aligned, direct unaligned) and the float kernel's rows per
+// warp, 1-16 tokens; and what a group refuses.
+TEST(CudaMatvecQ8, GroupedLaunchHasEachWeightsBits) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(ops_seed() + 5);
+  struct G {
+    DType t;
+    int64_t k;
+    size_t misalign;
+    std::vector<int64_t> rows;
+  };
+  const G groups[] = {{DType::Q4_K, 512, 0, {96, 33, 1, 160}}, {DType::Q6_K, 2048, 0, {37, 64}},
+                      {DType::Q8_0, 2048, 0, {5, 129, 40}},    {DType::Q8_0, 96, 2, {7, 9}},
+                      {DType::Q5_0, 2048, 0, {17, 3, 11}},     {DType::Q4_K, 256, 0, {4501, 13}},
+                      {DType::F16, 264, 0, {37, 5, 64}},       {DType::BF16, 4104, 0, {9, 31}},
+                      {DType::F32, 24, 0, {1, 2, 3, 4}}};
+  for (const G& g : groups) {
+    const size_t rb = *row_bytes(g.t, g.k);
+    const bool is_float = g.t == DType::F16 || g.t == DType::BF16 || g.t == DType::F32;
+    std::vector<cuda::DeviceBuffer> wbufs(g.rows.size()), ybufs(g.rows.size()),
+        sbufs(g.rows.size());
+    std::vector<cuda::DeviceWeight> ws;
+    std::vector<float*> ys, solo;
+    for (size_t i = 0; i < g.rows.size(); ++i) {
+      std::vector<std::byte> bytes(rb * size_t(g.rows[i]));
+      for (int64_t r = 0; r < g.rows[i]; ++r)
+        quant::quantize_row(g.t, random_vec(rng, g.k, 0.05f),
+                            std::span<std::byte>(bytes).subspan(size_t(r) * rb, rb));
+      ws.push_back(cuda::DeviceWeight{g.t, g.k, g.rows[i], rb, reinterpret_cast<const std::byte*>(
+                                                                   to_device(wbufs[i], bytes, g.misalign))});
+      ys.push_back(static_cast<float*>(ybufs[i].ensure(size_t(16 * g.rows[i]) * 4, "y")));
+      solo.push_back(static_cast<float*>(sbufs[i].ensure(size_t(16 * g.rows[i]) * 4, "y")));
+    }
+    const std::vector<float> x = random_vec(rng, size_t(16 * g.k), 1.0f);
+    cuda::DeviceBuffer xbuf, abuf;
+    const float* dx = to_device(xbuf, x);
+    void* act = abuf.ensure(cuda::act_q8_bytes(g.k, 16) + 16, "act");
+    for (int64_t n_tok : {1, 2, 3, 4, 5, 8, 9, 16}) {
+      if (is_float && n_tok > 8) continue;
+      for (int rows : {1, 2, 4}) {
+        if (!is_float && rows > 1) continue;
+        SCOPED_TRACE(::testing::Message() << dtype_name(g.t) << " k " << g.k << " misalign "
+                                          << g.misalign << " n_tok " << n_tok << " rows " << rows
+                                          << " seed " << ops_seed() + 5);
+        for (size_t i = 0; i < ws.size(); ++i) {
+          cuda::check_cuda(cudaMemset(ys[i], 0xff, size_t(n_tok * ws[i].n_rows) * 4), "memset");
+          cuda::check_cuda(cudaMemset(solo[i], 0, size_t(n_tok * ws[i].n_rows) * 4), "memset");
+        }
+        if (is_float) {
+          ASSERT_EQ(cuda::launch_matvec_float_v3_group(ws, ys, dx, n_tok, rows, nullptr),
+                    cudaSuccess);
+          for (size_t i = 0; i < ws.size(); ++i)
+            ASSERT_EQ(cuda::launch_matvec_float_v3(ws[i], dx, n_tok, solo[i], rows, nullptr),
+                      cudaSuccess);
+        } else {
+          ASSERT_EQ(cuda::launch_quantize_act_q8(dx, g.k, n_tok, act, nullptr), cudaSuccess);
+          ASSERT_EQ(cuda::launch_matvec_q8_group(ws, ys, act, n_tok, nullptr), cudaSuccess);
+          for (size_t i = 0; i < ws.size(); ++i)
+            ASSERT_EQ(cuda::launch_matvec_q8(ws[i], act, n_tok, solo[i], nullptr), cudaSuccess);
+        }
+        cuda::check_cuda(cudaDeviceSynchronize(), "sync");
+        for (size_t i = 0; i < ws.size(); ++i) {
+          const size_t n = size_t(n_tok * ws[i].n_rows);
+          const std::vector<float> a = from_device(ys[i], n), b = from_device(solo[i], n);
+          ASSERT_EQ(std::memcmp(a.data(), b.data(), n * sizeof(float)), 0) << "weight " << i;
+          for (float v : a) ASSERT_TRUE(std::isfinite(v)) << "weight " << i;
+        }
+      }
+    }
+  }
+  // Refused, nothing launched: mixed types, mixed widths, five weights, an empty weight.
+  cuda::DeviceBuffer wbuf, ybuf, abuf, xbuf;
+  const std::vector<std::byte> bytes(size_t(1) << 16);
+  const auto* p = reinterpret_cast<const std::byte*>(to_device(wbuf, bytes));
+  float* y = static_cast<float*>(ybuf.ensure(1 << 16, "y"));
+  void* act = abuf.ensure(cuda::act_q8_bytes(256, 1), "act");
+  const float* dx = to_device(xbuf, std::vector<float>(256, 1.0f));
+  const cuda::DeviceWeight q8{DType::Q8_0, 256, 4, *row_bytes(DType::Q8_0, 256), p};
+  const cuda::DeviceWeight q4{DType::Q4_K, 256, 4, *row_bytes(DType::Q4_K, 256), p};
+  const cuda::DeviceWeight q8w{DType::Q8_0, 512, 4, *row_bytes(DType::Q8_0, 512), p};
+  const cuda::DeviceWeight q8e{DType::Q8_0, 256, 0, *row_bytes(DType::Q8_0, 256), p};
+  float* yy[5] = {y, y, y, y, y};
+  const cuda::DeviceWeight mixed[2] = {q8, q4}, widths[2] = {q8, q8w}, five[5] = {q8, q8, q8, q8, q8},
+                           empty[2] = {q8, q8e};
+  EXPECT_EQ(cuda::launch_matvec_q8_group(mixed, std::span(yy, 2), act, 1, nullptr), cudaErrorNotSupported);
+  EXPECT_EQ(cuda::launch_matvec_q8_group(widths, std::span(yy, 2), act, 1, nullptr), cudaErrorNotSupported);
+  EXPECT_EQ(cuda::launch_matvec_q8_group(five, std::span(yy, 5), act, 1, nullptr), cudaErrorNotSupported);
+  EXPECT_EQ(cuda::launch_matvec_q8_group(empty, std::span(yy, 2), act, 1, nullptr), cudaErrorNotSupported);
+  const cuda::DeviceWeight f16{DType::F16, 256, 4, 512, p};
+  const cuda::DeviceWeight f16s[2] = {f16, f16};
+  EXPECT_EQ(cuda::launch_matvec_float_v3_group(f16s, std::span(yy, 2), dx, 9, 1, nullptr), cudaErrorNotSupported);
+  EXPECT_EQ(cuda::launch_matvec_float_v3_group(f16s, std::span(yy, 2), dx, 1, 3, nullptr), cudaErrorNotSupported);
+  cuda::check_cuda(cudaDeviceSynchronize(), "sync");
+}
+
 // More rows than one wave of warps, so warps loop over row blocks; the 4096-wide rows of the
 // 8B shapes.
 TEST(CudaMatvecQ8, LargeShapes) {
@@ -354,8 +451,16 @@ TEST(CudaMatvecQ8, BackendV3MatchesReference) {
 // the shared input serves every weight, and each y has exactly the bits of matmul() of that
 // task alone; on V3 (up to 64 int8 tokens) and on the Auto default (int8 up to 16 tokens,
 // cuBLAS above: there the batch is one matmul() per task, so the same bits by construction).
+// Task lists: mixed types (one launch each), runs of one type (grouped launches, 3 and 2),
+// float weights (the grouped float path up to 8 tokens, matmul() per task above).
 TEST(CudaMatvecQ8, ResidentMatmulBatchEqualsOneMatmulPerTask) {
   REQUIRE_GPU();
+  const std::vector<std::vector<DType>> lists = {{DType::Q4_K, DType::Q6_K, DType::Q8_0},
+                                                 {DType::Q4_K, DType::Q4_K, DType::Q4_K},
+                                                 {DType::Q4_K, DType::Q4_K, DType::Q6_K},
+                                                 {DType::F16, DType::F16, DType::F16},
+                                                 {DType::BF16, DType::BF16}};
+  for (const std::vector<DType>& types : lists)
   for (CudaMatmul kernels : {CudaMatmul::V3, CudaMatmul::Auto}) {
     CudaOptions o;
     o.matmul = kernels;
@@ -365,11 +470,11 @@ TEST(CudaMatvecQ8, ResidentMatmulBatchEqualsOneMatmulPerTask) {
     Backend& b = **be;
     std::mt19937_64 rng(ops_seed());
     const int64_t k = 1024;
-    const DType types[3] = {DType::Q4_K, DType::Q6_K, DType::Q8_0};
+    const int nw = int(types.size());
     const int64_t rows[3] = {96, 33, 160};
     std::vector<std::vector<std::byte>> bytes(3);
     std::vector<WeightMatrix> ws;
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < nw; ++i) {
       const size_t rb = *row_bytes(types[i], k);
       bytes[i].resize(rb * size_t(rows[i]));
       for (int64_t r = 0; r < rows[i]; ++r)
@@ -378,22 +483,23 @@ TEST(CudaMatvecQ8, ResidentMatmulBatchEqualsOneMatmulPerTask) {
       ws.push_back(WeightMatrix{.dtype = types[i], .n_cols = k, .n_rows = rows[i],
                                 .row_bytes = rb, .bytes = bytes[i]});
     }
-    for (int64_t n_tok : {1, 3, 16, 17, 40}) {
+    for (int64_t n_tok : {1, 3, 8, 16, 17, 40}) {
       SCOPED_TRACE(::testing::Message() << "n_tok " << n_tok << " auto "
-                                        << (kernels == CudaMatmul::Auto));
+                                        << (kernels == CudaMatmul::Auto) << " first "
+                                        << dtype_name(types[0]) << " x" << nw);
       const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
       BackendBuffer<float> dx = b.alloc<float>(x.size());
       b.upload<float>(x, dx.span());
       std::vector<BackendBuffer<float>> batch_y, solo_y;
       std::vector<Backend::MatmulTask> tasks;
-      for (int i = 0; i < 3; ++i) {
+      for (int i = 0; i < nw; ++i) {
         batch_y.push_back(b.alloc<float>(size_t(n_tok * rows[i])));
         solo_y.push_back(b.alloc<float>(size_t(n_tok * rows[i])));
         tasks.push_back({&ws[i], dx.span(), batch_y.back().span()});
       }
       b.matmul_batch(tasks, n_tok);
-      for (int i = 0; i < 3; ++i) b.matmul(ws[i], dx.span(), n_tok, solo_y[i].span());
-      for (int i = 0; i < 3; ++i) {
+      for (int i = 0; i < nw; ++i) b.matmul(ws[i], dx.span(), n_tok, solo_y[i].span());
+      for (int i = 0; i < nw; ++i) {
         std::vector<float> hb(size_t(n_tok * rows[i]), NAN), hs(hb.size(), 0.0f);
         b.download<float>(batch_y[i].span(), hb);
         b.download<float>(solo_y[i].span(), hs);

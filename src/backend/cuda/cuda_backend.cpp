@@ -1062,9 +1062,32 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
 // is quantized once and every weight reads that (launch_matvec_q8 is what matmul() runs after
 // its own quantization of the same x, so each y has matmul()'s bits). Anything else: one
 // matmul() per task.
+// Consecutive tasks of one weight layout (type, row size, alignment) run as one grouped launch
+// (launch_matvec_*_group: each output has its own launch's bits); a group the launcher refuses
+// goes task by task. `one(i)` launches task i alone, `group(first, n)` a group.
+template <typename One, typename Group>
+cudaError_t run_grouped(std::span<const cuda::DeviceWeight> ws, One&& one, Group&& group) {
+  for (size_t i = 0; i < ws.size();) {
+    size_t n = 1;
+    while (i + n < ws.size() && n < size_t(cuda::kMatvecGroupMax) &&
+           ws[i + n].dtype == ws[i].dtype && ws[i + n].row_bytes == ws[i].row_bytes &&
+           (reinterpret_cast<uintptr_t>(ws[i + n].data) % 16 == 0) ==
+               (reinterpret_cast<uintptr_t>(ws[i].data) % 16 == 0))
+      ++n;
+    cudaError_t e = n > 1 ? group(i, n) : cudaErrorNotSupported;
+    if (e == cudaErrorNotSupported)
+      for (size_t j = i; j < i + n && (e == cudaErrorNotSupported || e == cudaSuccess); ++j)
+        e = one(j);
+    if (e != cudaSuccess) return e;
+    i += n;
+  }
+  return cudaSuccess;
+}
+
 void CudaBackend::matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok) {
   Impl& I = *impl_;
   std::unique_lock lock(I.mu);
+  if (matmul_batch_float(tasks, n_tok)) return;
   bool shared = tasks.size() > 1 && I.matmul_kernels == cuda::MatmulKernels::V3 &&
                 n_tok <= I.int8_max_tokens && I.is_dev(tasks[0].x.data());
   for (const MatmulTask& t : tasks) {
@@ -1110,14 +1133,85 @@ void CudaBackend::matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok)
                                n_cols, rows, n_tok, ones.size());
     I.next_bytes = bytes;
   }
+  std::vector<cuda::DeviceWeight> dws;
+  std::vector<float*> dys;
+  for (const One& o : ones) dws.push_back(o.w), dys.push_back(o.y);
   I.record("matmul_batch", [=](cudaStream_t st) {
     if (cudaError_t e = cuda::launch_quantize_act_q8(dx, n_cols, n_tok, act, st); e != cudaSuccess)
       return e;
-    for (const One& o : ones)
-      if (cudaError_t e = cuda::launch_matvec_q8(o.w, act, n_tok, o.y, st); e != cudaSuccess)
-        return e;
-    return cudaSuccess;
+    return run_grouped(
+        dws, [&](size_t i) { return cuda::launch_matvec_q8(dws[i], act, n_tok, dys[i], st); },
+        [&](size_t i, size_t n) {
+          return cuda::launch_matvec_q8_group(std::span(dws).subspan(i, n),
+                                              std::span(dys).subspan(i, n), act, n_tok, st);
+        });
   });
+}
+
+// Float weights sharing one resident input, up to kAutoFloatMaxTokens tokens on V3's float
+// kernel (what matmul() runs for each of them there): one grouped launch per run of the same
+// layout, with the rows per warp float_v3_rows gives the first (every choice has the same bits,
+// CudaMatvecQ8.FloatRowsAndColumnsKeepBits). False (nothing recorded) when that is not the
+// path each task would take alone.
+bool CudaBackend::matmul_batch_float(std::span<const MatmulTask> tasks, int64_t n_tok) {
+  Impl& I = *impl_;
+  if (tasks.size() < 2 || I.matmul_kernels != cuda::MatmulKernels::V3 || n_tok < 1 ||
+      n_tok > Impl::kAutoFloatMaxTokens || !I.is_dev(tasks[0].x.data()))
+    return false;
+  for (const MatmulTask& t : tasks) {
+    KILN_CHECK(static_cast<int64_t>(t.x.size()) == n_tok * t.w->n_cols &&
+                   static_cast<int64_t>(t.y.size()) == n_tok * t.w->n_rows,
+               "matmul_batch task shape");
+    const DType d = t.w->dtype;
+    if (t.x.data() != tasks[0].x.data() || t.w->n_cols != tasks[0].w->n_cols ||
+        !(d == DType::F16 || d == DType::BF16 || d == DType::F32) || !I.is_dev(t.y.data()) ||
+        t.w->content_key != 0)
+      return false;
+  }
+  ExpertCopyFence fence{I};
+  I.enter();
+  std::vector<cuda::DeviceWeight> dws;
+  std::vector<float*> dys;
+  for (const MatmulTask& t : tasks) {
+    dws.push_back(I.weight_resident(*t.w));
+    dys.push_back(t.y.data());
+  }
+  const float* dx = tasks[0].x.data();
+  // matmul()'s own route for each: the float kernel, not cuBLAS nor the V2 fallback.
+  for (const cuda::DeviceWeight& w : dws)
+    if (I.wants_gemm(cuda::MatmulKernels::V3, w, n_tok) ||
+        !cuda::float_v3_applies(w, dx, n_tok))
+      return false;
+  I.sig("matmul_batch_float", dx, n_tok, dws.size());
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < dws.size(); ++i) {
+    const cuda::DeviceWeight& w = dws[i];
+    I.sig("matmul_batch_float", w.data, w.dtype, w.n_cols, w.n_rows, w.row_bytes, dys[i]);
+    bytes += static_cast<uint64_t>(w.row_bytes) * static_cast<uint64_t>(w.n_rows);
+  }
+  if (I.profile) {
+    int64_t rows = 0;
+    for (const cuda::DeviceWeight& w : dws) rows += w.n_rows;
+    I.next_label = fmt::format("matmul {} {}x{} x{} matvec ({} weights, grouped launches)",
+                               dtype_name(dws[0].dtype), dws[0].n_cols, rows, n_tok, dws.size());
+    I.next_bytes = bytes;
+  }
+  I.record("matmul_batch_float", [=](cudaStream_t st) {
+    return run_grouped(
+        dws,
+        [&](size_t i) {
+          return cuda::launch_matvec_float_v3(
+              dws[i], dx, n_tok, dys[i],
+              cuda::float_v3_rows(dws[i].dtype, n_tok, dws[i].n_rows, dws[i].n_cols), st);
+        },
+        [&](size_t i, size_t n) {
+          const cuda::DeviceWeight& w = dws[i];
+          return cuda::launch_matvec_float_v3_group(
+              std::span(dws).subspan(i, n), std::span(dys).subspan(i, n), dx, n_tok,
+              cuda::float_v3_rows(w.dtype, n_tok, w.n_rows, w.n_cols), st);
+        });
+  });
+  return true;
 }
 
 void CudaBackend::get_rows(const WeightMatrix& w, std::span<const int32_t> ids,

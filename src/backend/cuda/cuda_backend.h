@@ -173,6 +173,8 @@ class CudaBackend final : public Backend {
 
  private:
   friend Expected<std::unique_ptr<Backend>> make_cuda_tp_group(int n, const CudaOptions& options);
+  // matmul_batch's float-weight path (grouped float-kernel launches); false: not taken.
+  bool matmul_batch_float(std::span<const MatmulTask> tasks, int64_t n_tok);
   std::unique_ptr<Impl> impl_;
 };
 

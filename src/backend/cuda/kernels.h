@@ -84,6 +84,18 @@ cudaError_t launch_quantize_act_q8(const float* x, int64_t n_cols, int64_t n_tok
 // weights of the same input); w.dtype must be matvec_q8_supports and n_tok <= kQ8MaxTokens.
 cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_tok, float* y,
                              cudaStream_t s);
+// Several weights of one type, width and row size against the same input in one launch (a
+// layer's Q/K/V or gate/up, ys[i] for ws[i]): each output has the bits launch_matvec_q8 /
+// launch_matvec_float_v3 write for that weight alone (the same kernel body per row, the same
+// launch shape); one grid instead of several saves the kernel boundaries and partial last
+// waves. cudaErrorNotSupported (nothing launched) when the weights differ in layout, there are
+// more than kMatvecGroupMax, or the rows pass one grid: launch them one by one then.
+inline constexpr int kMatvecGroupMax = 4;
+cudaError_t launch_matvec_q8_group(std::span<const DeviceWeight> ws, std::span<float* const> ys,
+                                   const void* act, int64_t n_tok, cudaStream_t s);
+cudaError_t launch_matvec_float_v3_group(std::span<const DeviceWeight> ws,
+                                         std::span<float* const> ys, const float* x,
+                                         int64_t n_tok, int rows, cudaStream_t s);
 // One-token launch shapes of launch_matvec_q8 for cuda_matvec_bench --q8-variants (units in
 // flight per lane, rows per warp, a register cap for occupancy; 16-byte aligned rows only).
 // Every variant gives the same bits; variant 0 is what launch_matvec_q8 runs.
@@ -97,6 +109,8 @@ cudaError_t launch_matvec_q8_variant(const DeviceWeight& w, const void* act, flo
 cudaError_t launch_matvec_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok,
                                    float* y, int rows, cudaStream_t s);
 int float_v3_rows(DType t, int64_t n_tok, int64_t n_rows, int64_t n_cols);
+// True when launch_matmul_v3 takes the float kernel for this weight, input and token count.
+bool float_v3_applies(const DeviceWeight& w, const float* x, int64_t n_tok);
 // The V3 matmul: the int8 path when it applies (act_scratch of act_q8_bytes), the float
 // kernel for float weights up to 8 tokens, else V2 (with gemm above kMatvecMaxTokens).
 cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,

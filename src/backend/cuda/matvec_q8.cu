@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <span>
 
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/kernels.h"
@@ -68,9 +69,10 @@ __device__ __forceinline__ void store_sums(const float (&acc)[R][NT], int nt, in
 constexpr size_t kPrefetchRowBytes = 2304;  // one 4096-wide Q4_K row
 template <int R, int WARPS>
 __device__ __forceinline__ void prefetch_first_rows(const uint8_t* w, size_t row_bytes,
-                                                    int64_t n_rows, int lane, int warp) {
+                                                    int64_t n_rows, int64_t rb, int lane,
+                                                    int warp) {
   if (blockIdx.x != 0) return;
-  const int64_t r0 = (int64_t(blockIdx.y) * WARPS + warp) * R;
+  const int64_t r0 = (rb * WARPS + warp) * R;
   const size_t n = row_bytes < kPrefetchRowBytes ? row_bytes : kPrefetchRowBytes;
   if (r0 < n_rows) prefetch_l2_warp(w + r0 * row_bytes, n, lane);
 }
@@ -313,6 +315,30 @@ __device__ __forceinline__ void dot_tokens(const WUnit (&wu)[R], const int8_t* _
 
 enum Mode { kStaged = 0, kDirect16 = 1, kDirect2 = 2 };
 
+// Several weights of one type, width and row size in one grid (launch_matvec_*_group): task i
+// owns row blocks [rb_end[i-1], rb_end[i]) of the grid's y dimension, which holds no more than
+// their sum (<= 65535), so every block takes exactly one row block of one task.
+struct GroupArgs {
+  const uint8_t* w[kMatvecGroupMax];
+  float* y[kMatvecGroupMax];
+  int64_t n_rows[kMatvecGroupMax];
+  int64_t rb_end[kMatvecGroupMax];
+  int n;
+};
+struct GroupTask {
+  const uint8_t* w;
+  float* y;
+  int64_t n_rows, rb;  // the task's rows, and this block's row block within them
+};
+__device__ __forceinline__ GroupTask group_task(const GroupArgs& g) {
+  const int64_t b = blockIdx.y;
+  GroupTask t{g.w[0], g.y[0], g.n_rows[0], b};
+#pragma unroll  // constant indices: the arguments stay in the parameter bank
+  for (int i = 1; i < kMatvecGroupMax; ++i)
+    if (i < g.n && b >= g.rb_end[i - 1]) t = GroupTask{g.w[i], g.y[i], g.n_rows[i], b - g.rb_end[i - 1]};
+  return t;
+}
+
 // grid: (ceil(n_tok / NT) token columns, row blocks); block: kQ8Warps warps, each carrying R
 // consecutive rows (the activation words are loaded once for R rows). The token column varies
 // fastest, so the columns of one row block run together and share its weight bytes in L2.
@@ -324,7 +350,7 @@ __device__ __forceinline__ void matvec_q8_body(const uint8_t* __restrict__ w, si
                                                int64_t n_rows, int64_t n_cols,
                                                const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int64_t n_tok,
-                                               float* __restrict__ y) {
+                                               float* __restrict__ y, int64_t rb_first) {
   constexpr int kCU = MODE == kStaged ? q8_chunk_units<T>() : kWarp;
   constexpr int kCV = MODE == kStaged ? q8_chunk_bytes<T>() / 16 : 1;
   static_assert(MODE != kStaged || (q8_chunk_bytes<T>() % 16 == 0 && kCU % kWarp == 0));
@@ -335,10 +361,11 @@ __device__ __forceinline__ void matvec_q8_body(const uint8_t* __restrict__ w, si
   const int64_t n_units = n_cols / kBlk;
   const int8_t* xq_t = xq + t0 * n_cols;
   const float2* xd_t = xd + t0 * n_units;
-  if constexpr (PF) prefetch_first_rows<R, kQ8Warps>(w, row_bytes, n_rows, lane, warp);
+  if constexpr (PF) prefetch_first_rows<R, kQ8Warps>(w, row_bytes, n_rows, rb_first, lane, warp);
   pdl_enter();
   // Whole warps take the same rows: the __syncwarp()s below stay warp-uniform.
-  for (int64_t rb = blockIdx.y;; rb += gridDim.y) {
+  // (A group's block: rb_first + gridDim.y is past its task's rows, one trip.)
+  for (int64_t rb = rb_first;; rb += gridDim.y) {
     const int64_t r0 = (rb * kQ8Warps + warp) * R;
     if (r0 >= n_rows) break;
     const uint8_t* rows[R];
@@ -421,7 +448,17 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
     matvec_q8_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
                      int64_t n_cols, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                      int64_t n_tok, float* __restrict__ y) {
-  matvec_q8_body<T, NT, R, MODE, U, PF>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y);
+  matvec_q8_body<T, NT, R, MODE, U, PF>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y,
+                                        blockIdx.y);
+}
+template <DType T, int NT, int R, int MODE>
+__global__ void __launch_bounds__(kQ8Warps* kWarp)
+    matvec_q8_group_kernel(GroupArgs g, size_t row_bytes, int64_t n_cols,
+                           const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                           int64_t n_tok) {
+  const GroupTask t = group_task(g);
+  matvec_q8_body<T, NT, R, MODE, (R >= 4 ? 1 : 4 / R), true>(t.w, row_bytes, t.n_rows, n_cols, xq,
+                                                            xd, n_tok, t.y, t.rb);
 }
 // The same with at least MINB blocks per SM (a register cap: more warps in flight).
 template <DType T, int NT, int R, int MODE, int U, int MINB>
@@ -429,7 +466,8 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp, MINB)
     matvec_q8_kernel_mb(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
                         int64_t n_cols, const int8_t* __restrict__ xq,
                         const float2* __restrict__ xd, int64_t n_tok, float* __restrict__ y) {
-  matvec_q8_body<T, NT, R, MODE, U, true>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y);
+  matvec_q8_body<T, NT, R, MODE, U, true>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y,
+                                          blockIdx.y);
 }
 
 // ---- float weights, up to 8 tokens: lane l reads 8 consecutive elements at 8l + 256i (16- or
@@ -441,16 +479,17 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp, MINB)
 // not depend on R, NT or the token's column of the launch, so every variant has the same
 // bits (CudaMatvecQ8.FloatRowsAndColumnsKeepBits).
 template <DType T, int NT, int R>
-__global__ void __launch_bounds__(kFloatWarps* kWarp)
-    matvec_float_v3_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
-                           int64_t n_cols, const float* __restrict__ x, int64_t n_tok,
-                           float* __restrict__ y) {
+__device__ __forceinline__ void matvec_float_v3_body(const uint8_t* __restrict__ w,
+                                                     size_t row_bytes, int64_t n_rows,
+                                                     int64_t n_cols, const float* __restrict__ x,
+                                                     int64_t n_tok, float* __restrict__ y,
+                                                     int64_t rb_first) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t t0 = int64_t(blockIdx.x) * NT;
   const int nt = n_tok - t0 < NT ? int(n_tok - t0) : NT;
-  prefetch_first_rows<R, kFloatWarps>(w, row_bytes, n_rows, lane, warp);
+  prefetch_first_rows<R, kFloatWarps>(w, row_bytes, n_rows, rb_first, lane, warp);
   pdl_enter();
-  for (int64_t r0 = (int64_t(blockIdx.y) * kFloatWarps + warp) * R; r0 < n_rows;
+  for (int64_t r0 = (rb_first * kFloatWarps + warp) * R; r0 < n_rows;
        r0 += int64_t(gridDim.y) * kFloatWarps * R) {
     float acc[R][NT];
 #pragma unroll
@@ -525,6 +564,20 @@ __global__ void __launch_bounds__(kFloatWarps* kWarp)
     store_sums<R, NT>(acc, nt, lane, t0, r0, n_rows, y);
   }
 }
+template <DType T, int NT, int R>
+__global__ void __launch_bounds__(kFloatWarps* kWarp)
+    matvec_float_v3_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
+                           int64_t n_cols, const float* __restrict__ x, int64_t n_tok,
+                           float* __restrict__ y) {
+  matvec_float_v3_body<T, NT, R>(w, row_bytes, n_rows, n_cols, x, n_tok, y, blockIdx.y);
+}
+template <DType T, int NT, int R>
+__global__ void __launch_bounds__(kFloatWarps* kWarp)
+    matvec_float_v3_group_kernel(GroupArgs g, size_t row_bytes, int64_t n_cols,
+                                 const float* __restrict__ x, int64_t n_tok) {
+  const GroupTask t = group_task(g);
+  matvec_float_v3_body<T, NT, R>(t.w, row_bytes, t.n_rows, n_cols, x, n_tok, t.y, t.rb);
+}
 
 constexpr bool is_float(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
 
@@ -559,32 +612,69 @@ cudaError_t launch_q8_cfg(const DeviceWeight& w, const int8_t* xq, const float2*
 
 // Tokens per launch column and rows per warp: one token streams one row per warp (the most
 // warps in flight); more tokens carry more rows so that each activation load serves several
-// dot products (the batched kernels are bound by L1 and dp4a issue, not by HBM).
-template <DType T, int MODE>
-cudaError_t launch_q8_mode(const DeviceWeight& w, const int8_t* xq, const float2* xd, int64_t n_tok,
-                           float* y, cudaStream_t s) {
-  if constexpr (MODE == kDirect2) {  // odd shapes (tests, small models): two instantiations
-    if (n_tok == 1) return launch_q8_cfg<T, 1, 1, MODE>(w, xq, xd, n_tok, y, s);
-    return launch_q8_cfg<T, 8, 4, MODE>(w, xq, xd, n_tok, y, s);
+// dot products (the batched kernels are bound by L1 and dp4a issue, not by HBM). The mode by
+// the rows' alignment. f.template operator()<NT, R, MODE>() launches; a group of weights takes
+// the same choice as each of them alone (same type, width, row size and alignment).
+template <DType T, typename F>
+cudaError_t with_q8_shape(const DeviceWeight& w, int64_t n_tok, F&& f) {
+  const auto modes = [&]<int MODE>() -> cudaError_t {
+    if constexpr (MODE == kDirect2) {  // odd shapes (tests, small models): two instantiations
+      if (n_tok == 1) return f.template operator()<1, 1, MODE>();
+      return f.template operator()<8, 4, MODE>();
+    } else {
+      if (n_tok == 1) return f.template operator()<1, 1, MODE>();
+      if (n_tok == 2) return f.template operator()<2, 1, MODE>();
+      if (n_tok <= 4) return f.template operator()<4, 2, MODE>();
+      return f.template operator()<8, 4, MODE>();
+    }
+  };
+  const bool aligned = reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0;
+  if constexpr (q8_chunk_units<T>() > 0) {
+    if (aligned && (w.n_cols / kBlk) % q8_chunk_units<T>() == 0)
+      return modes.template operator()<kStaged>();
   } else {
-    if (n_tok == 1) return launch_q8_cfg<T, 1, 1, MODE>(w, xq, xd, n_tok, y, s);
-    if (n_tok == 2) return launch_q8_cfg<T, 2, 1, MODE>(w, xq, xd, n_tok, y, s);
-    if (n_tok <= 4) return launch_q8_cfg<T, 4, 2, MODE>(w, xq, xd, n_tok, y, s);
-    return launch_q8_cfg<T, 8, 4, MODE>(w, xq, xd, n_tok, y, s);
+    if (aligned) return modes.template operator()<kDirect16>();
   }
+  return modes.template operator()<kDirect2>();
 }
 
 template <DType T>
 cudaError_t launch_q8_typed(const DeviceWeight& w, const int8_t* xq, const float2* xd,
                             int64_t n_tok, float* y, cudaStream_t s) {
-  const bool aligned = reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0;
-  if constexpr (q8_chunk_units<T>() > 0) {
-    if (aligned && (w.n_cols / kBlk) % q8_chunk_units<T>() == 0)
-      return launch_q8_mode<T, kStaged>(w, xq, xd, n_tok, y, s);
-  } else {
-    if (aligned) return launch_q8_mode<T, kDirect16>(w, xq, xd, n_tok, y, s);
+  return with_q8_shape<T>(w, n_tok, [&]<int NT, int R, int MODE>() {
+    return launch_q8_cfg<T, NT, R, MODE>(w, xq, xd, n_tok, y, s);
+  });
+}
+
+// The group's table (rows_per_block rows per block), or false when it is not one launch's
+// worth: more than kMatvecGroupMax weights, or more row blocks than a grid's y dimension.
+bool make_group(std::span<const DeviceWeight> ws, std::span<float* const> ys,
+                int64_t rows_per_block, GroupArgs* g) {
+  if (ws.empty() || ws.size() != ys.size() || ws.size() > size_t(kMatvecGroupMax)) return false;
+  int64_t end = 0;
+  *g = GroupArgs{};
+  g->n = int(ws.size());
+  for (size_t i = 0; i < ws.size(); ++i) {
+    g->w[i] = reinterpret_cast<const uint8_t*>(ws[i].data);
+    g->y[i] = ys[i];
+    g->n_rows[i] = ws[i].n_rows;
+    end += (ws[i].n_rows + rows_per_block - 1) / rows_per_block;
+    g->rb_end[i] = end;
   }
-  return launch_q8_mode<T, kDirect2>(w, xq, xd, n_tok, y, s);
+  return end > 0 && end <= 65535;
+}
+
+// Same type, width, row bytes and row alignment (so with_q8_shape / launch_float_v3's choice
+// is one for all), none empty.
+bool same_layout(std::span<const DeviceWeight> ws) {
+  const auto al = [](const DeviceWeight& w) {
+    return reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0;
+  };
+  for (const DeviceWeight& w : ws)
+    if (w.dtype != ws[0].dtype || w.n_cols != ws[0].n_cols || w.row_bytes != ws[0].row_bytes ||
+        al(w) != al(ws[0]) || w.n_rows <= 0)
+      return false;
+  return !ws.empty();
 }
 
 template <DType T, int NT, int R>
@@ -597,18 +687,24 @@ cudaError_t launch_float_v3_shape(const DeviceWeight& w, const float* x, int64_t
 }
 
 // rows 1, 2 or 4 (rows per warp); tokens per launch column: 1, 4 (2-4 tokens) or 8 (5-8), so
-// every token of a step of up to 8 reads the weights once.
-template <DType T>
-cudaError_t launch_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
-                            int rows, cudaStream_t s) {
+// every token of a step of up to 8 reads the weights once. f.template operator()<NT, R>().
+template <typename F>
+cudaError_t with_float_shape(int64_t n_tok, int rows, F&& f) {
   const auto go = [&]<int R>() {
-    if (n_tok == 1) return launch_float_v3_shape<T, 1, R>(w, x, n_tok, y, s);
-    if (n_tok <= 4) return launch_float_v3_shape<T, 4, R>(w, x, n_tok, y, s);
-    return launch_float_v3_shape<T, 8, R>(w, x, n_tok, y, s);
+    if (n_tok == 1) return f.template operator()<1, R>();
+    if (n_tok <= 4) return f.template operator()<4, R>();
+    return f.template operator()<8, R>();
   };
   if (rows == 4) return go.template operator()<4>();
   if (rows == 2) return go.template operator()<2>();
   return go.template operator()<1>();
+}
+template <DType T>
+cudaError_t launch_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
+                            int rows, cudaStream_t s) {
+  return with_float_shape(n_tok, rows, [&]<int NT, int R>() {
+    return launch_float_v3_shape<T, NT, R>(w, x, n_tok, y, s);
+  });
 }
 
 // ---- Q4_K, one token, a lane per pair of sub-blocks (an experiment for --q8-variants; another
@@ -629,7 +725,7 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp, MINB)
                            const float2* __restrict__ xd, float* __restrict__ y) {
   using kiln::quant::block_q4_K;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  prefetch_first_rows<1, kQ8Warps>(w, row_bytes, n_rows, lane, warp);
+  prefetch_first_rows<1, kQ8Warps>(w, row_bytes, n_rows, blockIdx.y, lane, warp);
   pdl_enter();
   const int64_t n_pairs = n_cols / 64;
   for (int64_t rb = blockIdx.y;; rb += gridDim.y) {
@@ -792,6 +888,50 @@ cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_t
   return err;
 }
 
+cudaError_t launch_matvec_q8_group(std::span<const DeviceWeight> ws, std::span<float* const> ys,
+                                   const void* act, int64_t n_tok, cudaStream_t s) {
+  if (!same_layout(ws) || ws.size() != ys.size() || !matvec_q8_supports(ws[0].dtype) ||
+      act_q8_bytes(ws[0].n_cols, n_tok) == 0 || reinterpret_cast<uintptr_t>(act) % 16 != 0)
+    return cudaErrorNotSupported;
+  const auto* xq = static_cast<const int8_t*>(act);
+  const auto* xd =
+      reinterpret_cast<const float2*>(xq + align16(size_t(n_tok) * size_t(ws[0].n_cols)));
+  cudaError_t err = cudaErrorNotSupported;
+  dispatch_dtype(ws[0].dtype, [&]<DType T>() {
+    if constexpr (q8_block_bytes<T>() > 0) {
+      err = with_q8_shape<T>(ws[0], n_tok, [&]<int NT, int R, int MODE>() {
+        GroupArgs g;
+        if (!make_group(ws, ys, int64_t(kQ8Warps) * R, &g)) return cudaErrorNotSupported;
+        const dim3 grid(unsigned((n_tok + NT - 1) / NT), unsigned(g.rb_end[g.n - 1]));
+        return launch(matvec_q8_group_kernel<T, NT, R, MODE>, grid, kQ8Warps * kWarp, 0, s, g,
+                      ws[0].row_bytes, ws[0].n_cols, xq, xd, n_tok);
+      });
+    }
+  });
+  return err;
+}
+
+cudaError_t launch_matvec_float_v3_group(std::span<const DeviceWeight> ws,
+                                         std::span<float* const> ys, const float* x,
+                                         int64_t n_tok, int rows, cudaStream_t s) {
+  if (!same_layout(ws) || ws.size() != ys.size() || !float_v3_fits(ws[0], x, n_tok) ||
+      !(rows == 1 || rows == 2 || rows == 4))
+    return cudaErrorNotSupported;
+  cudaError_t err = cudaErrorNotSupported;
+  dispatch_dtype(ws[0].dtype, [&]<DType T>() {
+    if constexpr (is_float(T)) {
+      err = with_float_shape(n_tok, rows, [&]<int NT, int R>() {
+        GroupArgs g;
+        if (!make_group(ws, ys, int64_t(kFloatWarps) * R, &g)) return cudaErrorNotSupported;
+        const dim3 grid(unsigned((n_tok + NT - 1) / NT), unsigned(g.rb_end[g.n - 1]));
+        return launch(matvec_float_v3_group_kernel<T, NT, R>, grid, kFloatWarps * kWarp, 0, s, g,
+                      ws[0].row_bytes, ws[0].n_cols, x, n_tok);
+      });
+    }
+  });
+  return err;
+}
+
 cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
                              void* act_scratch, size_t scratch_bytes, cudaStream_t s,
                              GemmWorkspace* gemm) {
@@ -827,6 +967,10 @@ cudaError_t launch_matvec_float_v3(const DeviceWeight& w, const float* x, int64_
 // rows per warp pay on matrices of many short rows (rows >= 2 x columns: FFN gate/up, the
 // output) at every token count, and for f16 on any large matrix at 2-4 tokens; long rows
 // (FFN down, 14336 wide) and the small K/V projections are fastest at one row per warp.
+bool float_v3_applies(const DeviceWeight& w, const float* x, int64_t n_tok) {
+  return cuda_supports(w.dtype) && float_v3_fits(w, x, n_tok);
+}
+
 int float_v3_rows(DType t, int64_t n_tok, int64_t n_rows, int64_t n_cols) {
   const bool wide = n_rows >= 2 * n_cols;
   if (t == DType::F32) return wide && n_tok > 1 ? 2 : 1;
