@@ -331,6 +331,32 @@ void bench_attention(int iters, double read_gbps, int n_sm) {
 // launch_matvec_float_v3), interleaved per case on the same data, 1-8 tokens, the 8B shapes
 // plus the 4096x1024 K/V projection; checks that every rows value gives rows = 1's bits and
 // prints one table (us per call, back-to-back launches over weight copies > 4x L2).
+// Device copies of one random rows x k matrix of type t (64 distinct rows, tiled), enough of
+// them to pass 4x the L2, so rotating over them reads HBM. The caller frees them.
+std::vector<void*> weight_copies(DType t, int64_t k, int64_t rows, size_t l2_bytes,
+                                 std::mt19937_64& rng) {
+  const size_t rb = *kiln::row_bytes(t, uint64_t(k));
+  const size_t mat_bytes = rb * size_t(rows);
+  std::vector<float> src(static_cast<size_t>(k));
+  std::normal_distribution<float> dist(0.0f, 0.05f);
+  std::vector<std::byte> host(mat_bytes);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r < 64) {
+      for (float& v : src) v = dist(rng);
+      kiln::quant::quantize_row(t, src, std::span<std::byte>(host).subspan(r * rb, rb));
+    } else {
+      std::memcpy(host.data() + r * rb, host.data() + (r % 64) * rb, rb);
+    }
+  }
+  const int copies = int(std::max<size_t>(2, (4 * l2_bytes + mat_bytes - 1) / mat_bytes));
+  std::vector<void*> mats(copies);
+  for (void*& m : mats) {
+    BENCH_CHECK(cudaMalloc(&m, mat_bytes));
+    BENCH_CHECK(cudaMemcpy(m, host.data(), mat_bytes, cudaMemcpyHostToDevice));
+  }
+  return mats;
+}
+
 void bench_float_rows(int iters, size_t l2_bytes, double read_gbps, std::mt19937_64& rng) {
   std::printf("\n| float kernel (v3) | k x rows | tokens | MiB | rows 1 us | rows 2 us | rows 4 us | best GB/s | of read BW (%.0f GB/s) | bits |\n"
               "|---|---|---|---|---|---|---|---|---|---|\n", read_gbps);
@@ -341,23 +367,8 @@ void bench_float_rows(int iters, size_t l2_bytes, double read_gbps, std::mt19937
     for (const auto& sh : shapes) {
       const size_t rb = *kiln::row_bytes(t, uint64_t(sh.k));
       const size_t mat_bytes = rb * size_t(sh.rows);
-      std::vector<float> src(static_cast<size_t>(sh.k));
-      std::normal_distribution<float> dist(0.0f, 0.05f);
-      std::vector<std::byte> host(mat_bytes);
-      for (int64_t r = 0; r < sh.rows; ++r) {
-        if (r < 64) {
-          for (float& v : src) v = dist(rng);
-          kiln::quant::quantize_row(t, src, std::span<std::byte>(host).subspan(r * rb, rb));
-        } else {
-          std::memcpy(host.data() + r * rb, host.data() + (r % 64) * rb, rb);
-        }
-      }
-      const int copies = int(std::max<size_t>(2, (4 * l2_bytes + mat_bytes - 1) / mat_bytes));
-      std::vector<void*> mats(copies);
-      for (void*& m : mats) {
-        BENCH_CHECK(cudaMalloc(&m, mat_bytes));
-        BENCH_CHECK(cudaMemcpy(m, host.data(), mat_bytes, cudaMemcpyHostToDevice));
-      }
+      const std::vector<void*> mats = weight_copies(t, sh.k, sh.rows, l2_bytes, rng);
+      const int copies = int(mats.size());
       for (int64_t n_tok : {1, 2, 4, 5, 8}) {
         std::vector<float> x(static_cast<size_t>(sh.k * n_tok));
         std::normal_distribution<float> xd(0.0f, 1.0f);
@@ -428,23 +439,8 @@ void bench_q8_variants(int iters, size_t l2_bytes, double read_gbps, std::mt1993
     for (const auto& sh : shapes) {
       const size_t rb = *kiln::row_bytes(t, uint64_t(sh.k));
       const size_t mat_bytes = rb * size_t(sh.rows);
-      std::vector<float> src(static_cast<size_t>(sh.k));
-      std::normal_distribution<float> dist(0.0f, 0.05f);
-      std::vector<std::byte> host(mat_bytes);
-      for (int64_t r = 0; r < sh.rows; ++r) {
-        if (r < 64) {
-          for (float& v : src) v = dist(rng);
-          kiln::quant::quantize_row(t, src, std::span<std::byte>(host).subspan(r * rb, rb));
-        } else {
-          std::memcpy(host.data() + r * rb, host.data() + (r % 64) * rb, rb);
-        }
-      }
-      const int copies = int(std::max<size_t>(2, (4 * l2_bytes + mat_bytes - 1) / mat_bytes));
-      std::vector<void*> mats(copies);
-      for (void*& m : mats) {
-        BENCH_CHECK(cudaMalloc(&m, mat_bytes));
-        BENCH_CHECK(cudaMemcpy(m, host.data(), mat_bytes, cudaMemcpyHostToDevice));
-      }
+      const std::vector<void*> mats = weight_copies(t, sh.k, sh.rows, l2_bytes, rng);
+      const int copies = int(mats.size());
       std::vector<float> x(static_cast<size_t>(sh.k));
       std::normal_distribution<float> xd(0.0f, 1.0f);
       for (float& v : x) v = xd(rng);

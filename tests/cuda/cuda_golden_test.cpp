@@ -129,6 +129,28 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
       fx.name, label, kernel_ms, slowest, slowest_ms, copy_ms);
 }
 
+// One session of 256 positions: the prompt's logits at every position, then n_gen greedy
+// decode steps' logits, all in one vector (empty after a failed eval, which is reported).
+std::vector<float> prefill_and_greedy(const std::shared_ptr<const Model>& m, Backend& be,
+                                      std::span<const int32_t> prompt, int n_gen) {
+  std::vector<float> out;
+  Session s(m, be, 256);
+  auto lg = s.eval(prompt, true);
+  EXPECT_TRUE(lg.has_value()) << lg.error();
+  if (!lg.has_value()) return {};
+  out.assign(lg->begin(), lg->end());
+  std::span<const float> last = lg->subspan(lg->size() - static_cast<size_t>(m->n_vocab()));
+  for (int i = 0; i < n_gen; ++i) {
+    const auto id = static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin());
+    auto step = s.eval(std::span<const int32_t>(&id, 1), false);
+    EXPECT_TRUE(step.has_value()) << step.error();
+    if (!step.has_value()) return {};
+    out.insert(out.end(), step->begin(), step->end());
+    last = *step;
+  }
+  return out;
+}
+
 // The shapes the golden prompts miss: a prompt of a few tokens (a graphable multi-token
 // segment), a long context (n_ctx 2048), then greedy decode replayed from graphs, against the
 // reference backend on the same session flow. Also the first resident attention (its scratch
@@ -192,25 +214,8 @@ TEST(CudaExpertTier, StreamingMatchesResidentBitForBit) {
     SCOPED_TRACE(name);
     std::vector<int32_t> prompt = golden::load(name).prompt_tokens;
     prompt.resize(std::min<size_t>(prompt.size(), 48));
-    constexpr int kGen = 12;
-    // Prefill logits (every position), then each greedy step's.
     auto run = [&](const std::shared_ptr<const Model>& m, Backend& be) {
-      std::vector<float> out;
-      Session s(m, be, 256);
-      auto lg = s.eval(prompt, true);
-      EXPECT_TRUE(lg.has_value()) << lg.error();
-      if (!lg.has_value()) return out;
-      out.assign(lg->begin(), lg->end());
-      std::span<const float> last = lg->subspan(lg->size() - static_cast<size_t>(m->n_vocab()));
-      for (int i = 0; i < kGen; ++i) {
-        const int32_t id = static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin());
-        auto step = s.eval(std::span<const int32_t>(&id, 1), false);
-        EXPECT_TRUE(step.has_value()) << step.error();
-        if (!step.has_value()) return out;
-        out.insert(out.end(), step->begin(), step->end());
-        last = *step;
-      }
-      return out;
+      return prefill_and_greedy(m, be, prompt, 12);
     };
     auto base_model = Model::load(testing::model_path(file));
     ASSERT_TRUE(base_model.has_value()) << base_model.error();
@@ -284,32 +289,15 @@ TEST(CudaPdl, SameBitsAsWithout) {
     ASSERT_TRUE(m.has_value()) << m.error();
     std::vector<int32_t> prompt = golden::load(name).prompt_tokens;
     prompt.resize(std::min<size_t>(prompt.size(), 40));
-    constexpr int kGen = 24;
     auto run = [&](bool pdl, CudaStats* st) {
-      std::vector<float> out;
       CudaOptions o;
       const GgufFile& f = (*m)->gguf();
       o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
       o.pdl = pdl;
       auto be = make_cuda_backend(o);
       EXPECT_TRUE(be) << be.error();
-      if (!be) return out;
-      {
-        Session s(*m, **be, 256);
-        auto lg = s.eval(prompt, true);
-        EXPECT_TRUE(lg.has_value()) << lg.error();
-        if (!lg.has_value()) return out;
-        out.assign(lg->begin(), lg->end());
-        std::span<const float> last = lg->subspan(lg->size() - size_t((*m)->n_vocab()));
-        for (int i = 0; i < kGen; ++i) {
-          const auto id = int32_t(std::max_element(last.begin(), last.end()) - last.begin());
-          auto step = s.eval(std::span<const int32_t>(&id, 1), false);
-          EXPECT_TRUE(step.has_value()) << step.error();
-          if (!step.has_value()) return out;
-          out.insert(out.end(), step->begin(), step->end());
-          last = *step;
-        }
-      }
+      if (!be) return std::vector<float>();
+      std::vector<float> out = prefill_and_greedy(*m, **be, prompt, 24);
       *st = (*be)->stats();
       return out;
     };
