@@ -500,6 +500,68 @@ BENCHMARK(BM_FloatTileOnOff)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(2.0);
 
+// The multi-pair attention kernel against the per-pair one (cpu::set_attention_multi), same
+// method as BM_KQPairOnOff (1 thread, thread CPU time, alternating, best of each, the bits
+// compared): the 1.1B model's heads (32 query / 8 KV heads of 64) at causal prefill (the
+// queries are the last n_q of n_kv positions) and at decode. args: n_q, n_kv.
+void BM_AttnMultiOnOff(benchmark::State& state) {
+  const int64_t n_q = state.range(0), n_kv = state.range(1);
+  const int64_t n_head = 32, n_head_kv = 8, hd = 64, q_w = n_head * hd, kv_w = n_head_kv * hd;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<f16> k(n_kv * kv_w), v(n_kv * kv_w);
+  for (size_t i = 0; i < k.size(); ++i) k[i] = f32_to_f16(nd(rng)), v[i] = f32_to_f16(nd(rng));
+  std::vector<float> q(n_q * q_w), out_on(q.size()), out_off(q.size());
+  for (float& x : q) x = nd(rng);
+  std::vector<int32_t> rows(n_kv), kv_pos(n_kv), q_pos(n_q);
+  for (int64_t j = 0; j < n_kv; ++j) rows[j] = kv_pos[j] = static_cast<int32_t>(j);
+  for (int64_t i = 0; i < n_q; ++i) q_pos[i] = static_cast<int32_t>(n_kv - n_q + i);
+  AttentionArgs a;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.kv_rows = rows;
+  a.kv_pos = kv_pos;
+  a.q_pos = q_pos;
+  a.n_q = n_q;
+  a.n_head = n_head;
+  a.n_head_kv = n_head_kv;
+  a.head_dim = hd;
+  a.scale = 0.125f;
+  Backend& be = backend(1);
+  double best_on = 1e30, best_off = 1e30;
+  for (auto _ : state) {
+    cpu::set_attention_multi(true);
+    a.out = out_on;
+    const double t0 = thread_cpu_s();
+    be.attention(a);
+    benchmark::DoNotOptimize(out_on.data());
+    const double t1 = thread_cpu_s();
+    cpu::set_attention_multi(false);
+    a.out = out_off;
+    be.attention(a);
+    benchmark::DoNotOptimize(out_off.data());
+    const double t2 = thread_cpu_s();
+    best_on = std::min(best_on, t1 - t0);
+    best_off = std::min(best_off, t2 - t1);
+  }
+  cpu::set_attention_multi(true);
+  if (std::memcmp(out_on.data(), out_off.data(), out_on.size() * sizeof(float)) != 0)
+    state.SkipWithError("multi-pair and per-pair attention differ");
+  state.SetLabel(std::string("attention multi-pair vs per-pair, ") + cpu_simd_target());
+  state.counters["new_us"] = best_on * 1e6;
+  state.counters["old_us"] = best_off * 1e6;
+  state.counters["speedup"] = best_off / best_on;
+}
+BENCHMARK(BM_AttnMultiOnOff)
+    ->Args({512, 512})
+    ->Args({64, 512})
+    ->Args({1, 512})
+    ->Args({1, 4096})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(1.0);
+
 // The one-token Q4_K / Q6_K kernels against the plain ones (cpu::set_kq_one_matvec), 1 thread,
 // thread CPU time, alternating within each iteration, best of each; also checks that the two
 // give the same bits. Shapes: the 1B dense model's FFN and a MoE expert slice (256 x 1024 and

@@ -60,6 +60,11 @@ KILN_CONFIG_ENTRY(bool, cpu_float_tile, true,
                   "CPU: F32/F16/BF16 matmuls of 2+ tokens (prefill) through the register-tiled "
                   "kernel (same bits as the one-row kernel; faster by bench/matvec_bench "
                   "BM_FloatTileOnOff and kiln bench pp512)")
+KILN_CONFIG_ENTRY(bool, cpu_attn_multi, true,
+                  "CPU: attention over heads a whole number of vectors wide through the multi-pair "
+                  "kernel (up to 4 (query, head) pairs of one KV head share each K/V row's load; "
+                  "same bits as the per-pair kernel; faster by bench/matvec_bench "
+                  "BM_AttnMultiOnOff and kiln bench pp512)")
 KILN_CONFIG_ENTRY(bool, cpu_kq_one, true,
                   "CPU: single-token (decode) Q4_K/Q6_K matvecs through 512-bit AVX-512 VNNI "
                   "kernels (same bits as the plain kernels; faster by bench/matvec_bench "

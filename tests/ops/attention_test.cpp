@@ -1,7 +1,7 @@
 // tests/ops/attention_test.cpp: cpu attention against the reference on ring-shaped KV
 // planes (physical rows out of logical order), GQA ratios 1/2/4, decode (1 query) and
 // prefill (many), sliding window, softcap, and queries that see no key at all; and the
-// grouped narrow-head kernel's bits against the per-pair kernel's.
+// grouped narrow-head and multi-pair wide-head kernels' bits against the per-pair kernel's.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -147,6 +147,85 @@ TEST(AttentionGrouped, SameBitsAsPerPairKernel) {
   }
   // The grouped path must actually have run here (every x86 target has >= 4 float lanes).
   EXPECT_GT(grouped_cases, 0);
+}
+
+// The multi-pair kernel (heads a whole number of vectors wide: up to 4 (query, head) pairs of
+// one KV head per task sharing K/V rows) must give the per-pair kernel's bits; with
+// cpu::set_attention_multi(false) the output is the per-pair kernel's, so this is also the
+// proof that the switch changes nothing but speed. Head widths of 1, 2, 3 (no multi: the
+// per-pair kernel both ways), 4 and 8 vectors of this target; GQA ratios 1/2/3/4/8 (runs of
+// pairs crossing queries, a short last run, a KV head's heads split over two tasks); 1..40
+// queries and ~300 (many key blocks, the diagonal inside a block); sliding window; softcap;
+// 1 and 2 threads; each query alone the same bits as in the batch.
+TEST(AttentionMulti, SameBitsAsPerPairKernel) {
+  std::mt19937_64 rng(ops_seed() ^ 0x3a7c11e5ULL);
+  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+  struct Restore {
+    ~Restore() { cpu::set_attention_multi(true); }
+  } restore;
+  auto cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  int multi_cases = 0;
+  std::vector<int64_t> q_counts;
+  for (int64_t n = 1; n <= 40; ++n) q_counts.push_back(n);
+  q_counts.push_back(297);
+  int64_t iter = 0;
+  for (int64_t n_q : q_counts) {
+    for (int64_t ratio : {1, 2, 3, 4, 8}) {
+      ++iter;
+      // Cycle the widths and options over the query counts so every count meets each ratio.
+      const int64_t widths[] = {16, 32, 48, 64, 128, 8};
+      const int64_t hd = widths[(iter + n_q) % 6];
+      const int64_t n_head_kv = 1 + static_cast<int64_t>(rng() % 3);
+      const int64_t n_head = n_head_kv * ratio;
+      const int64_t n_kv = n_q + static_cast<int64_t>(rng() % 150);
+      const int32_t window = rng() % 3 == 0 ? 1 + static_cast<int32_t>(rng() % 90) : 0;
+      const float softcap = rng() % 4 == 0 ? 20.0f : 0.0f;
+      SCOPED_TRACE(::testing::Message() << "hd " << hd << " heads " << n_head << "/" << n_head_kv
+                                        << " n_q " << n_q << " n_kv " << n_kv << " window "
+                                        << window << " softcap " << softcap);
+      if (cpu::attention_multi_pairs(hd) > 0) ++multi_cases;
+      const int64_t q_w = n_head * hd;
+      AttnProblem p = random_attention(rng, n_head, n_head_kv, hd, n_q, n_kv, n_kv + 7, window,
+                                       softcap, 3.0f, 2);
+      const std::vector<float>& q = p.q;
+      const std::vector<int32_t>& q_pos = p.q_pos;
+      AttentionArgs& a = p.args;
+      std::vector<float> on1(q.size(), NAN), on2(q.size(), NAN), off1(q.size(), NAN), off2(q.size(), NAN);
+      cpu::set_attention_multi(true);
+      a.out = on1;
+      cpu1->attention(a);
+      a.out = on2;
+      cpu2->attention(a);
+      cpu::set_attention_multi(false);
+      a.out = off1;
+      cpu1->attention(a);
+      a.out = off2;
+      cpu2->attention(a);
+      cpu::set_attention_multi(true);
+      ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
+          << "multi-pair vs per-pair kernel differ";
+      ASSERT_EQ(0, std::memcmp(on2.data(), off2.data(), on1.size() * sizeof(float)))
+          << "multi-pair vs per-pair kernel differ, 2 threads";
+      ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
+          << "multi-pair kernel: 1 vs 2 threads differ";
+      for (int64_t i = 0; i < n_q; i += std::max<int64_t>(1, n_q / 3)) {
+        std::vector<float> alone(q_w, NAN);
+        AttentionArgs b = a;
+        b.q = std::span<const float>(q).subspan(i * q_w, q_w);
+        b.q_pos = std::span<const int32_t>(q_pos).subspan(i, 1);
+        b.n_q = 1;
+        b.out = alone;
+        cpu2->attention(b);
+        ASSERT_EQ(0, std::memcmp(alone.data(), on1.data() + i * q_w, q_w * sizeof(float)))
+            << "query " << i << " alone differs from the batch of " << n_q;
+      }
+      if (n_q > 1) {
+        for (int64_t d = 0; d < q_w; ++d) ASSERT_EQ(on1[d], 0.0f);
+      }
+    }
+  }
+  // The multi-pair path must actually have run (64 floats are whole vectors on every x86 target).
+  EXPECT_GT(multi_cases, 0);
 }
 
 }  // namespace

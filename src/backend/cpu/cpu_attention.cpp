@@ -4,6 +4,9 @@
 // Heads narrower than a vector (tiny models) also take a grouped kernel that runs up to a
 // vector of (query, head) pairs of one KV head in its lanes, each lane doing the per-pair
 // kernel's arithmetic in the same order, so its bits are the per-pair kernel's.
+// Heads a whole number of vectors wide take the multi-pair kernel: up to four (query, head)
+// pairs of one KV head share each K and V row's load and f16 conversion, every pair doing the
+// per-pair kernel's float ops in its order, with its accumulator held in registers.
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_attention.cpp"
@@ -24,6 +27,8 @@ namespace kiln::cpu {
 inline constexpr int64_t kKeyBlock = 64;
 // Most lanes (pairs) the grouped kernel's scratch is sized for: 16 floats of AVX-512.
 inline constexpr int64_t kGroupMaxLanes = 16;
+// Most pairs of one multi-pair task; their scratch is a logit block each (plus padding).
+inline constexpr int64_t kMultiMaxPairs = 4;
 }
 #endif
 
@@ -268,6 +273,145 @@ void AttentionGroupK(const AttentionArgs& a, int64_t kvh, int64_t q0, int64_t q1
   }
 }
 
+// NP (query, head) pairs of KV head kvh: entries e0 .. e0 + n - 1 of the KV head's pairs in
+// (query, head) order, the last repeated where n < NP (computed, not stored). Per pair, the
+// steps of AttentionOneK in its order: the same key blocks, DotQK's two accumulators (chunk
+// pairs into a0 and a1, an odd last chunk into a0) and SumOfLanes, the block max, std::exp
+// rescale when the max grows, vector Exp over the pair's visible logits, then sum and V
+// accumulation in key order. Only the K / V loads and conversions are shared; the output
+// accumulators are element-wise, so keeping them in registers across keys changes no bit.
+template <size_t C, size_t NP>
+HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0, int64_t n, float* scratch) {
+  using V = hn::Vec<DF>;
+  const DF d;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t hd = a.head_dim, g = a.n_head / a.n_head_kv;
+  const int64_t q_w = a.n_head * hd, kv_w = a.n_head_kv * hd;
+  const int64_t n_kv = static_cast<int64_t>(a.kv_rows.size());
+  const int64_t n_phys = static_cast<int64_t>(a.k.size()) / kv_w;
+  KILN_CHECK(hd == static_cast<int64_t>(C) * N && n >= 1 && n <= static_cast<int64_t>(NP));
+  V q[NP][C], acc[NP][C];
+  float* out[NP];
+  float* logit[NP];
+  int32_t pos[NP];
+  float m[NP], l[NP];
+  for (size_t p = 0; p < NP; ++p) {
+    const int64_t e = e0 + std::min<int64_t>(static_cast<int64_t>(p), n - 1);
+    const int64_t qi = e / g, h = kvh * g + e % g;
+    for (size_t c = 0; c < C; ++c) {
+      q[p][c] = hn::LoadU(d, a.q.data() + qi * q_w + h * hd + c * N);
+      acc[p][c] = hn::Zero(d);
+    }
+    out[p] = a.out.data() + qi * q_w + h * hd;
+    logit[p] = scratch + p * (kKeyBlock + 64);
+    pos[p] = a.q_pos[qi];
+    m[p] = -INFINITY;
+    l[p] = 0;
+  }
+  uint32_t vis[kKeyBlock];  // bit p: pair p sees the block's key
+  for (int64_t j0 = 0; j0 < n_kv; j0 += kKeyBlock) {
+    const int64_t j1 = std::min(n_kv, j0 + kKeyBlock);
+    int64_t cnt[NP];
+    float bm[NP];
+    for (size_t p = 0; p < NP; ++p) cnt[p] = 0, bm[p] = -INFINITY;
+    uint32_t any = 0;
+    for (int64_t j = j0; j < j1; ++j) {
+      const int32_t kp = a.kv_pos[j];
+      uint32_t mask = 0;
+      for (size_t p = 0; p < NP; ++p)
+        if (!(kp > pos[p] || (a.window > 0 && pos[p] - kp >= a.window))) mask |= 1u << p;
+      vis[j - j0] = mask;
+      any |= mask;
+      if (mask == 0) continue;
+      const int32_t pr = a.kv_rows[j];
+      KILN_CHECK(pr >= 0 && pr < n_phys, "kv row {} of {}", pr, n_phys);
+      const auto* kh = reinterpret_cast<const hwy::float16_t*>(a.k.data() + pr * kv_w + kvh * hd);
+      V k[C];
+      for (size_t c = 0; c < C; ++c) k[c] = hn::PromoteTo(d, hn::LoadU(dh, kh + c * N));
+      for (size_t p = 0; p < NP; ++p) {
+        if (!(mask >> p & 1)) continue;
+        V a0 = hn::Zero(d), a1 = hn::Zero(d);
+        size_t c = 0;
+        for (; c + 2 <= C; c += 2) {
+          a0 = hn::MulAdd(q[p][c], k[c], a0);
+          a1 = hn::MulAdd(q[p][c + 1], k[c + 1], a1);
+        }
+        if (c < C) a0 = hn::MulAdd(q[p][c], k[c], a0);
+        float s = hn::GetLane(hn::SumOfLanes(d, hn::Add(a0, a1))) * a.scale;
+        if (a.softcap > 0) s = a.softcap * std::tanh(s / a.softcap);
+        logit[p][cnt[p]++] = s;
+        bm[p] = std::max(bm[p], s);
+      }
+    }
+    if (any == 0) continue;
+    for (size_t p = 0; p < NP; ++p) {
+      if (cnt[p] == 0) continue;
+      const float m_new = std::max(m[p], bm[p]);
+      if (m[p] != -INFINITY && m_new != m[p]) {
+        const float cf = std::exp(m[p] - m_new);
+        l[p] *= cf;
+        const V cv = hn::Set(d, cf);
+        for (size_t c = 0; c < C; ++c) acc[p][c] = hn::Mul(acc[p][c], cv);
+      }
+      m[p] = m_new;
+      const auto vm = hn::Set(d, m[p]);
+      for (int64_t j = 0; j < cnt[p]; j += N) {
+        const auto x = hn::Max(hn::Sub(hn::LoadU(d, logit[p] + j), vm), hn::Set(d, -87.0f));
+        hn::StoreU(hn::Exp(d, x), d, logit[p] + j);
+      }
+    }
+    int64_t used[NP];
+    for (size_t p = 0; p < NP; ++p) used[p] = 0;
+    for (int64_t j = j0; j < j1; ++j) {
+      const uint32_t mask = vis[j - j0];
+      if (mask == 0) continue;
+      const auto* vh = reinterpret_cast<const hwy::float16_t*>(a.v.data() + a.kv_rows[j] * kv_w + kvh * hd);
+      V v[C];
+      for (size_t c = 0; c < C; ++c) v[c] = hn::PromoteTo(d, hn::LoadU(dh, vh + c * N));
+      for (size_t p = 0; p < NP; ++p) {
+        if (!(mask >> p & 1)) continue;
+        const float w = logit[p][used[p]++];
+        l[p] += w;
+        const V wv = hn::Set(d, w);
+        for (size_t c = 0; c < C; ++c) acc[p][c] = hn::MulAdd(wv, v[c], acc[p][c]);
+      }
+    }
+  }
+  for (size_t p = 0; p < NP && static_cast<int64_t>(p) < n; ++p) {
+    if (l[p] == 0) {
+      std::fill(out[p], out[p] + hd, 0.0f);
+      continue;
+    }
+    const V inv = hn::Set(d, 1.0f / l[p]);
+    for (size_t c = 0; c < C; ++c) hn::StoreU(hn::Mul(acc[p][c], inv), d, out[p] + c * N);
+  }
+}
+
+// Pairs per multi-pair task, or 0 where the kernel does not apply: head_dim must be 1, 2, 4
+// or 8 whole vectors (no DotQK scalar tail; NP x C accumulators fit the register file).
+int64_t AttentionMultiPairsK(int64_t head_dim) {
+  const DF d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  if (head_dim % N != 0) return 0;
+  switch (head_dim / N) {
+    case 1: case 2: case 4: return kMultiMaxPairs;
+    case 8: return 2;
+    default: return 0;
+  }
+}
+
+void AttentionMultiK(const AttentionArgs& a, int64_t kvh, int64_t e0, int64_t n, float* scratch) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
+  switch (a.head_dim / N) {
+    case 1: return AttentionMultiT<1, kMultiMaxPairs>(a, kvh, e0, n, scratch);
+    case 2: return AttentionMultiT<2, kMultiMaxPairs>(a, kvh, e0, n, scratch);
+    case 4: return AttentionMultiT<4, kMultiMaxPairs>(a, kvh, e0, n, scratch);
+    case 8: return AttentionMultiT<8, 2>(a, kvh, e0, n, scratch);
+    default: KILN_CHECK(false, "multi-pair attention: head_dim {} over {} lanes", a.head_dim, N);
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace kiln::cpu
 HWY_AFTER_NAMESPACE();
@@ -277,6 +421,8 @@ namespace kiln::cpu {
 HWY_EXPORT(AttentionOneK);
 HWY_EXPORT(AttentionGroupK);
 HWY_EXPORT(AttentionGroupTokensK);
+HWY_EXPORT(AttentionMultiK);
+HWY_EXPORT(AttentionMultiPairsK);
 
 void attention_one(const AttentionArgs& a, int64_t i, int64_t h, float* scratch) {
   HWY_DYNAMIC_DISPATCH(AttentionOneK)(a, i, h, scratch);
@@ -288,11 +434,18 @@ int64_t attention_group_tokens(int64_t head_dim, int64_t group) {
 void attention_group(const AttentionArgs& a, int64_t kvh, int64_t q0, int64_t q1, float* scratch) {
   HWY_DYNAMIC_DISPATCH(AttentionGroupK)(a, kvh, q0, q1, scratch);
 }
+int64_t attention_multi_pairs(int64_t head_dim) {
+  if (!attention_multi()) return 0;
+  return HWY_DYNAMIC_DISPATCH(AttentionMultiPairsK)(head_dim);
+}
+void attention_multi(const AttentionArgs& a, int64_t kvh, int64_t e0, int64_t n, float* scratch) {
+  HWY_DYNAMIC_DISPATCH(AttentionMultiK)(a, kvh, e0, n, scratch);
+}
 // Per pair: acc[hd] + logits[kKeyBlock + a vector of padding] + row ids[kKeyBlock + padding].
 // Grouped: qt and acc [hd][lanes], logits [kKeyBlock][lanes], a key row, the block's V rows,
-// the lanes' positions.
+// the lanes' positions. Multi-pair: a padded logit block per pair.
 size_t attention_scratch_floats(int64_t head_dim) {
-  const int64_t one = head_dim + 2 * (kKeyBlock + 64);
+  const int64_t one = std::max(head_dim + 2 * (kKeyBlock + 64), kMultiMaxPairs * (kKeyBlock + 64));
   const int64_t grouped = 2 * head_dim * kGroupMaxLanes + kKeyBlock * kGroupMaxLanes + head_dim +
                           kKeyBlock * head_dim + kGroupMaxLanes;
   return static_cast<size_t>(std::max(one, grouped) + 16);
@@ -300,8 +453,11 @@ size_t attention_scratch_floats(int64_t head_dim) {
 
 namespace {
 std::atomic<bool> g_attention_grouped{true};
+std::atomic<bool> g_attention_multi{true};
 }  // namespace
 void set_attention_grouped(bool on) { g_attention_grouped.store(on, std::memory_order_relaxed); }
 bool attention_grouped() { return g_attention_grouped.load(std::memory_order_relaxed); }
+void set_attention_multi(bool on) { g_attention_multi.store(on, std::memory_order_relaxed); }
+bool attention_multi() { return g_attention_multi.load(std::memory_order_relaxed); }
 }  // namespace kiln::cpu
 #endif

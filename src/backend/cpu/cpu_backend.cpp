@@ -291,12 +291,29 @@ class CpuBackend final : public Backend {
       else body(0, tasks, 0);
       return;
     }
+    const int64_t n_q = a.n_q;
     // Causal prefill: query i sees about i keys, so contiguous runs of queries would leave the
     // thread with the last ones three times the first's work (parallel_for gives each thread
-    // one contiguous range). Taking queries from both ends in turn (0, n-1, 1, n-2, ...)
-    // balances the ranges; each (query, head) is computed alone, so the order changes no bit.
-    const int64_t tasks = a.n_q * a.n_head, n_q = a.n_q;
-    auto query_of = [n_q](int64_t k) { return k % 2 == 0 ? k / 2 : n_q - 1 - k / 2; };
+    // one contiguous range). Taking them from both ends in turn (0, n-1, 1, n-2, ...)
+    // balances the ranges; every pair is computed alone, so the order changes no bit.
+    auto both_ends = [](int64_t k, int64_t n) { return k % 2 == 0 ? k / 2 : n - 1 - k / 2; };
+    // Wide heads: one task per (KV head, run of np pairs of it), the runs from both ends.
+    if (const int64_t np = cpu::attention_multi_pairs(a.head_dim); np > 0) {
+      const int64_t per_kv = n_q * (a.n_head / a.n_head_kv), n_runs = (per_kv + np - 1) / np;
+      const int64_t tasks = a.n_head_kv * n_runs;
+      auto body = [&](int64_t b, int64_t e, int t) {
+        float* s = scratch + static_cast<size_t>(t) * per_thread;
+        for (int64_t task = b; task < e; ++task) {
+          const int64_t e0 = both_ends(task / a.n_head_kv, n_runs) * np;
+          cpu::attention_multi(a, task % a.n_head_kv, e0, std::min(np, per_kv - e0), s);
+        }
+      };
+      if (work >= kParallelWork && tasks >= 2) pool_.parallel_for(tasks, body);
+      else body(0, tasks, 0);
+      return;
+    }
+    const int64_t tasks = a.n_q * a.n_head;
+    auto query_of = [&](int64_t k) { return both_ends(k, n_q); };
     auto body = [&](int64_t b, int64_t e, int t) {
       float* s = scratch + static_cast<size_t>(t) * per_thread;
       for (int64_t task = b; task < e; ++task)

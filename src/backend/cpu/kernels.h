@@ -112,5 +112,14 @@ size_t attention_scratch_floats(int64_t head_dim);
 // the per-pair kernel's bits, so the switch exists for the test that proves it and bisecting.
 void set_attention_grouped(bool on);
 bool attention_grouped();
+// Heads a whole number of vectors wide (1, 2, 4 or 8): up to attention_multi_pairs(head_dim)
+// (query, head) pairs of KV head kvh per call, entries [e0, e0 + n) of that KV head's pairs
+// in (query, head) order (entry e: query e / group, head kvh * group + e % group), sharing
+// each K / V row's load; each output bit-identical to attention_one's (tests/ops
+// AttentionMulti). 0 where the kernel does not apply or --cpu-attn-multi is off.
+int64_t attention_multi_pairs(int64_t head_dim);
+void attention_multi(const AttentionArgs& a, int64_t kvh, int64_t e0, int64_t n, float* scratch);
+void set_attention_multi(bool on);
+bool attention_multi();
 
 }  // namespace kiln::cpu
