@@ -29,6 +29,8 @@ inline constexpr int64_t kKeyBlock = 64;
 inline constexpr int64_t kGroupMaxLanes = 16;
 // Most pairs of one multi-pair task; their scratch is a logit block each (plus padding).
 inline constexpr int64_t kMultiMaxPairs = 4;
+// Keys per SumOfLanes16 run (the multi-pair kernel's fully visible blocks, 512-bit targets).
+inline constexpr int64_t kTreeKeys = 16;
 }
 #endif
 
@@ -273,6 +275,37 @@ void AttentionGroupK(const AttentionArgs& a, int64_t kvh, int64_t q0, int64_t q1
   }
 }
 
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3 && HWY_COMPILER_GCC_ACTUAL
+// Lane t: the sum of s[t]'s 16 lanes, added in the tree of GCC's _mm512_reduce_add_ps (what
+// SumOfLanes is on these targets): halves 8 apart, then 4, then 2, then neighbours. Each level
+// pairs two keys' halves in one vector, so 16 keys take 15 adds instead of 16 x 4. Other
+// compilers' reduce trees are not this one, hence the GCC guard.
+HWY_INLINE hn::Vec<DF> SumOfLanes16(const hn::Vec<DF>* s) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 lo = _mm512_shuffle_f32x4(s[2 * i].raw, s[2 * i + 1].raw, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 hi = _mm512_shuffle_f32x4(s[2 * i].raw, s[2 * i + 1].raw, _MM_SHUFFLE(3, 2, 3, 2));
+    t[i] = _mm512_add_ps(hi, lo);  // blocks: y(2i) lanes 0-3, 4-7, then y(2i+1)'s
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512 lo = _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 hi = _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1));
+    u[i] = _mm512_add_ps(hi, lo);  // block b: z (4 lanes) of key 4i + b
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
+    const __m512 lo = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    const __m512 hi = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    w[i] = _mm512_add_ps(lo, hi);  // block b: z0+z2, z1+z3 of key 8i + b, then of 8i + 4 + b
+  }
+  const __m512 even = _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512 odd = _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1));
+  const __m512 r = _mm512_add_ps(even, odd);  // lane 4b + c: key 4c + b
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return hn::Vec<DF>{_mm512_permutexvar_ps(idx, r)};
+}
+#endif
+
 // NP (query, head) pairs of KV head kvh: entries e0 .. e0 + n - 1 of the KV head's pairs in
 // (query, head) order, the last repeated where n < NP (computed, not stored). Per pair, the
 // steps of AttentionOneK in its order: the same key blocks, DotQK's two accumulators (chunk
@@ -309,20 +342,68 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
     m[p] = -INFINITY;
     l[p] = 0;
   }
+  // Locals, not a.*: the logit stores could alias them, so the compiler would reload them.
+  const float scale = a.scale, softcap = a.softcap;
+  const int32_t window = a.window;
+  const uint32_t all = (1u << NP) - 1;
+  float* kf = scratch + NP * (kKeyBlock + 64);  // [kTreeKeys][hd]: a run of key rows in f32
   uint32_t vis[kKeyBlock];  // bit p: pair p sees the block's key
   for (int64_t j0 = 0; j0 < n_kv; j0 += kKeyBlock) {
     const int64_t j1 = std::min(n_kv, j0 + kKeyBlock);
     int64_t cnt[NP];
     float bm[NP];
     for (size_t p = 0; p < NP; ++p) cnt[p] = 0, bm[p] = -INFINITY;
-    uint32_t any = 0;
+    uint32_t any = 0, every = all;
     for (int64_t j = j0; j < j1; ++j) {
       const int32_t kp = a.kv_pos[j];
       uint32_t mask = 0;
       for (size_t p = 0; p < NP; ++p)
-        if (!(kp > pos[p] || (a.window > 0 && pos[p] - kp >= a.window))) mask |= 1u << p;
+        if (!(kp > pos[p] || (window > 0 && pos[p] - kp >= window))) mask |= 1u << p;
       vis[j - j0] = mask;
       any |= mask;
+      every &= mask;
+    }
+    if (any == 0) continue;
+    int64_t j = j0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3 && HWY_COMPILER_GCC_ACTUAL
+    // Every pair sees the whole block (causal prefill below the diagonal): runs of 16 keys
+    // converted once, each pair's 16 dots reduced together by SumOfLanes16 (SumOfLanes's tree).
+    if (every == all) {
+      for (; j + kTreeKeys <= j1; j += kTreeKeys) {
+        for (int64_t t = 0; t < kTreeKeys; ++t) {
+          const int32_t pr = a.kv_rows[j + t];
+          KILN_CHECK(pr >= 0 && pr < n_phys, "kv row {} of {}", pr, n_phys);
+          const auto* kh = reinterpret_cast<const hwy::float16_t*>(a.k.data() + pr * kv_w + kvh * hd);
+          for (size_t c = 0; c < C; ++c)
+            hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, kh + c * N)), d, kf + t * hd + c * N);
+        }
+        for (size_t p = 0; p < NP; ++p) {
+          V sum[kTreeKeys];
+          for (int64_t t = 0; t < kTreeKeys; ++t) {
+            const float* kt = kf + t * hd;
+            V a0 = hn::Zero(d), a1 = hn::Zero(d);
+            size_t c = 0;
+            for (; c + 2 <= C; c += 2) {
+              a0 = hn::MulAdd(q[p][c], hn::LoadU(d, kt + c * N), a0);
+              a1 = hn::MulAdd(q[p][c + 1], hn::LoadU(d, kt + (c + 1) * N), a1);
+            }
+            if (c < C) a0 = hn::MulAdd(q[p][c], hn::LoadU(d, kt + c * N), a0);
+            sum[t] = hn::Add(a0, a1);
+          }
+          float* lg = logit[p] + cnt[p];
+          hn::StoreU(hn::Mul(SumOfLanes16(sum), hn::Set(d, scale)), d, lg);
+          if (softcap > 0)
+            for (int64_t t = 0; t < kTreeKeys; ++t) lg[t] = softcap * std::tanh(lg[t] / softcap);
+          for (int64_t t = 0; t < kTreeKeys; ++t) bm[p] = std::max(bm[p], lg[t]);
+          cnt[p] += kTreeKeys;
+        }
+      }
+    }
+#else
+    (void)every;
+#endif
+    for (; j < j1; ++j) {
+      const uint32_t mask = vis[j - j0];
       if (mask == 0) continue;
       const int32_t pr = a.kv_rows[j];
       KILN_CHECK(pr >= 0 && pr < n_phys, "kv row {} of {}", pr, n_phys);
@@ -338,13 +419,12 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
           a1 = hn::MulAdd(q[p][c + 1], k[c + 1], a1);
         }
         if (c < C) a0 = hn::MulAdd(q[p][c], k[c], a0);
-        float s = hn::GetLane(hn::SumOfLanes(d, hn::Add(a0, a1))) * a.scale;
-        if (a.softcap > 0) s = a.softcap * std::tanh(s / a.softcap);
+        float s = hn::GetLane(hn::SumOfLanes(d, hn::Add(a0, a1))) * scale;
+        if (softcap > 0) s = softcap * std::tanh(s / softcap);
         logit[p][cnt[p]++] = s;
         bm[p] = std::max(bm[p], s);
       }
     }
-    if (any == 0) continue;
     for (size_t p = 0; p < NP; ++p) {
       if (cnt[p] == 0) continue;
       const float m_new = std::max(m[p], bm[p]);
@@ -443,9 +523,10 @@ void attention_multi(const AttentionArgs& a, int64_t kvh, int64_t e0, int64_t n,
 }
 // Per pair: acc[hd] + logits[kKeyBlock + a vector of padding] + row ids[kKeyBlock + padding].
 // Grouped: qt and acc [hd][lanes], logits [kKeyBlock][lanes], a key row, the block's V rows,
-// the lanes' positions. Multi-pair: a padded logit block per pair.
+// the lanes' positions. Multi-pair: a padded logit block per pair, a run of key rows.
 size_t attention_scratch_floats(int64_t head_dim) {
-  const int64_t one = std::max(head_dim + 2 * (kKeyBlock + 64), kMultiMaxPairs * (kKeyBlock + 64));
+  const int64_t one = std::max(head_dim + 2 * (kKeyBlock + 64),
+                               kMultiMaxPairs * (kKeyBlock + 64) + kTreeKeys * head_dim);
   const int64_t grouped = 2 * head_dim * kGroupMaxLanes + kKeyBlock * kGroupMaxLanes + head_dim +
                           kKeyBlock * head_dim + kGroupMaxLanes;
   return static_cast<size_t>(std::max(one, grouped) + 16);

@@ -297,15 +297,17 @@ class CpuBackend final : public Backend {
     // one contiguous range). Taking them from both ends in turn (0, n-1, 1, n-2, ...)
     // balances the ranges; every pair is computed alone, so the order changes no bit.
     auto both_ends = [](int64_t k, int64_t n) { return k % 2 == 0 ? k / 2 : n - 1 - k / 2; };
-    // Wide heads: one task per (KV head, run of np pairs of it), the runs from both ends.
+    // Wide heads: one task per (KV head, run of np pairs of it), KV-head-major so that a
+    // thread's consecutive tasks reread one KV head's rows (cache-resident) and not all of
+    // them; within a KV head the runs from both ends.
     if (const int64_t np = cpu::attention_multi_pairs(a.head_dim); np > 0) {
       const int64_t per_kv = n_q * (a.n_head / a.n_head_kv), n_runs = (per_kv + np - 1) / np;
       const int64_t tasks = a.n_head_kv * n_runs;
       auto body = [&](int64_t b, int64_t e, int t) {
         float* s = scratch + static_cast<size_t>(t) * per_thread;
         for (int64_t task = b; task < e; ++task) {
-          const int64_t e0 = both_ends(task / a.n_head_kv, n_runs) * np;
-          cpu::attention_multi(a, task % a.n_head_kv, e0, std::min(np, per_kv - e0), s);
+          const int64_t e0 = both_ends(task % n_runs, n_runs) * np;
+          cpu::attention_multi(a, task / n_runs, e0, std::min(np, per_kv - e0), s);
         }
       };
       if (work >= kParallelWork && tasks >= 2) pool_.parallel_for(tasks, body);
