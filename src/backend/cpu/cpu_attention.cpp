@@ -347,19 +347,38 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
   const int32_t window = a.window;
   const uint32_t all = (1u << NP) - 1;
   float* kf = scratch + NP * (kKeyBlock + 64);  // [kTreeKeys][hd]: a run of key rows in f32
-  uint32_t vis[kKeyBlock];  // bit p: pair p sees the block's key
+  const hn::RebindToSigned<DF> di;
+  int32_t vis[kKeyBlock];  // bit p: pair p sees the block's key
   for (int64_t j0 = 0; j0 < n_kv; j0 += kKeyBlock) {
     const int64_t j1 = std::min(n_kv, j0 + kKeyBlock);
     int64_t cnt[NP];
     float bm[NP];
     for (size_t p = 0; p < NP; ++p) cnt[p] = 0, bm[p] = -INFINITY;
-    uint32_t any = 0, every = all;
-    for (int64_t j = j0; j < j1; ++j) {
-      const int32_t kp = a.kv_pos[j];
+    // Visibility a vector of keys at a time: under the causal mask about half of a prefill's
+    // blocks are seen by no pair and cost only this.
+    auto v_or = hn::Zero(di), v_and = hn::Set(di, static_cast<int32_t>(all));
+    int64_t jv = j0;
+    for (; jv + N <= j1; jv += N) {
+      const auto kp = hn::LoadU(di, a.kv_pos.data() + jv);
+      auto m = hn::Zero(di);
+      for (size_t p = 0; p < NP; ++p) {
+        const auto vp = hn::Set(di, pos[p]);
+        auto seen = hn::Not(kp > vp);
+        if (window > 0) seen = hn::And(seen, hn::Set(di, window) > hn::Sub(vp, kp));
+        m = hn::Or(m, hn::IfThenElseZero(seen, hn::Set(di, static_cast<int32_t>(1u << p))));
+      }
+      hn::StoreU(m, di, vis + (jv - j0));
+      v_or = hn::Or(v_or, m);
+      v_and = hn::And(v_and, m);
+    }
+    uint32_t any = hn::AllTrue(di, hn::Eq(v_or, hn::Zero(di))) ? 0 : 1;
+    uint32_t every = hn::AllTrue(di, hn::Eq(v_and, hn::Set(di, static_cast<int32_t>(all)))) ? all : 0;
+    for (; jv < j1; ++jv) {
+      const int32_t kp = a.kv_pos[jv];
       uint32_t mask = 0;
       for (size_t p = 0; p < NP; ++p)
         if (!(kp > pos[p] || (window > 0 && pos[p] - kp >= window))) mask |= 1u << p;
-      vis[j - j0] = mask;
+      vis[jv - j0] = static_cast<int32_t>(mask);
       any |= mask;
       every &= mask;
     }
@@ -403,7 +422,7 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
     (void)every;
 #endif
     for (; j < j1; ++j) {
-      const uint32_t mask = vis[j - j0];
+      const uint32_t mask = static_cast<uint32_t>(vis[j - j0]);
       if (mask == 0) continue;
       const int32_t pr = a.kv_rows[j];
       KILN_CHECK(pr >= 0 && pr < n_phys, "kv row {} of {}", pr, n_phys);
@@ -441,10 +460,24 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
         hn::StoreU(hn::Exp(d, x), d, logit[p] + j);
       }
     }
+    if (every == all) {  // no per-pair tests: key j is logit j - j0 of every pair
+      for (int64_t j = j0; j < j1; ++j) {
+        const auto* vh = reinterpret_cast<const hwy::float16_t*>(a.v.data() + a.kv_rows[j] * kv_w + kvh * hd);
+        V v[C];
+        for (size_t c = 0; c < C; ++c) v[c] = hn::PromoteTo(d, hn::LoadU(dh, vh + c * N));
+        for (size_t p = 0; p < NP; ++p) {
+          const float w = logit[p][j - j0];
+          l[p] += w;
+          const V wv = hn::Set(d, w);
+          for (size_t c = 0; c < C; ++c) acc[p][c] = hn::MulAdd(wv, v[c], acc[p][c]);
+        }
+      }
+      continue;
+    }
     int64_t used[NP];
     for (size_t p = 0; p < NP; ++p) used[p] = 0;
     for (int64_t j = j0; j < j1; ++j) {
-      const uint32_t mask = vis[j - j0];
+      const uint32_t mask = static_cast<uint32_t>(vis[j - j0]);
       if (mask == 0) continue;
       const auto* vh = reinterpret_cast<const hwy::float16_t*>(a.v.data() + a.kv_rows[j] * kv_w + kvh * hd);
       V v[C];
