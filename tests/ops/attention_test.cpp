@@ -13,6 +13,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "attention_common.h"
 #include "backend/cpu/kernels.h"
+#include "hwy/targets.h"
 #include "ops_common.h"
 
 namespace kiln {
@@ -152,21 +153,20 @@ TEST(AttentionGrouped, SameBitsAsPerPairKernel) {
 // The multi-pair kernel (heads a whole number of vectors wide: up to 4 (query, head) pairs of
 // one KV head per task sharing K/V rows) must give the per-pair kernel's bits; with
 // cpu::set_attention_multi(false) the output is the per-pair kernel's, so this is also the
-// proof that the switch changes nothing but speed. Head widths of 1, 2, 3 (no multi: the
-// per-pair kernel both ways), 4 and 8 vectors of this target; GQA ratios 1/2/3/4/8 (runs of
-// pairs crossing queries, a short last run, a KV head's heads split over two tasks); 1..40
-// queries and ~300 (many key blocks, the diagonal inside a block); sliding window; softcap;
-// 1 and 2 threads; each query alone the same bits as in the batch.
-TEST(AttentionMulti, SameBitsAsPerPairKernel) {
-  std::mt19937_64 rng(ops_seed() ^ 0x3a7c11e5ULL);
-  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+// proof that the switch changes nothing but speed. Head widths 8..128 (on AVX-512 1, 2, 3 (no
+// multi: the per-pair kernel both ways), 4 and 8 vectors, 8 the grouped kernel's); GQA ratios
+// 1/2/3/4/8 (runs of pairs crossing queries, a short last run, a KV head's heads split over two
+// tasks); 1..40 queries and ~300 (many key blocks, the diagonal inside a block); sliding
+// window; softcap; 1 and 2 threads; each query alone the same bits as in the batch.
+// `light`: every third query count, for the other SIMD targets.
+void check_attention_multi(std::mt19937_64& rng, bool light) {
   struct Restore {
     ~Restore() { cpu::set_attention_multi(true); }
   } restore;
   auto cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
   int multi_cases = 0;
   std::vector<int64_t> q_counts;
-  for (int64_t n = 1; n <= 40; ++n) q_counts.push_back(n);
+  for (int64_t n = 1; n <= 40; n += light ? 3 : 1) q_counts.push_back(n);
   q_counts.push_back(297);
   int64_t iter = 0;
   for (int64_t n_q : q_counts) {
@@ -224,8 +224,29 @@ TEST(AttentionMulti, SameBitsAsPerPairKernel) {
       }
     }
   }
-  // The multi-pair path must actually have run (64 floats are whole vectors on every x86 target).
+  // The multi-pair path must actually have run (8 floats are 1, 2 or 8 vectors on every target).
   EXPECT_GT(multi_cases, 0);
+}
+
+TEST(AttentionMulti, SameBitsAsPerPairKernel) {
+  std::mt19937_64 rng(ops_seed() ^ 0x3a7c11e5ULL);
+  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+  check_attention_multi(rng, false);
+}
+
+// The same on every other SIMD target this machine can run: each has its own vector width, so
+// its own chunks per head and pairs per task (and no SumOfLanes16 below 512 bits).
+TEST(AttentionMulti, SameBitsOnEveryTarget) {
+  std::mt19937_64 rng(ops_seed() ^ 0x6b5d2c41ULL);
+  struct Unmock {
+    ~Unmock() { hwy::SetSupportedTargetsForTest(0); }
+  } unmock;
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+    check_attention_multi(rng, true);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
 }
 
 }  // namespace

@@ -295,7 +295,8 @@ class CpuBackend final : public Backend {
     // Causal prefill: query i sees about i keys, so contiguous runs of queries would leave the
     // thread with the last ones three times the first's work (parallel_for gives each thread
     // one contiguous range). Taking them from both ends in turn (0, n-1, 1, n-2, ...)
-    // balances the ranges; every pair is computed alone, so the order changes no bit.
+    // balances the ranges; each pair's arithmetic is its own in whichever task and thread it
+    // runs, so the order changes no bit.
     auto both_ends = [](int64_t k, int64_t n) { return k % 2 == 0 ? k / 2 : n - 1 - k / 2; };
     // Wide heads: one task per (KV head, run of np pairs of it), KV-head-major so that a
     // thread's consecutive tasks reread one KV head's rows (cache-resident) and not all of
