@@ -503,10 +503,11 @@ BENCHMARK(BM_FloatTileOnOff)
 // The multi-pair attention kernel against the per-pair one (cpu::set_attention_multi), same
 // method as BM_KQPairOnOff (1 thread, thread CPU time, alternating, best of each, the bits
 // compared): the 1.1B model's heads (32 query / 8 KV heads of 64) at causal prefill (the
-// queries are the last n_q of n_kv positions) and at decode. args: n_q, n_kv.
+// queries are the last n_q of n_kv positions) and at decode; also without GQA (32 KV heads),
+// where a decode task has one pair. args: n_q, n_kv, n_head_kv.
 void BM_AttnMultiOnOff(benchmark::State& state) {
   const int64_t n_q = state.range(0), n_kv = state.range(1);
-  const int64_t n_head = 32, n_head_kv = 8, hd = 64, q_w = n_head * hd, kv_w = n_head_kv * hd;
+  const int64_t n_head = 32, n_head_kv = state.range(2), hd = 64, q_w = n_head * hd, kv_w = n_head_kv * hd;
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;
   std::vector<f16> k(n_kv * kv_w), v(n_kv * kv_w);
@@ -554,10 +555,12 @@ void BM_AttnMultiOnOff(benchmark::State& state) {
   state.counters["speedup"] = best_off / best_on;
 }
 BENCHMARK(BM_AttnMultiOnOff)
-    ->Args({512, 512})
-    ->Args({64, 512})
-    ->Args({1, 512})
-    ->Args({1, 4096})
+    ->Args({512, 512, 8})
+    ->Args({64, 512, 8})
+    ->Args({1, 512, 8})
+    ->Args({1, 4096, 8})
+    ->Args({512, 512, 32})
+    ->Args({1, 4096, 32})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(1.0);

@@ -516,6 +516,11 @@ int64_t AttentionMultiPairsK(int64_t head_dim) {
 
 void AttentionMultiK(const AttentionArgs& a, int64_t kvh, int64_t e0, int64_t n, float* scratch) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
+  // A lone pair (decode without GQA, a run's last) would compute three padding pairs: per pair.
+  if (n == 1) {
+    const int64_t g = a.n_head / a.n_head_kv;
+    return AttentionOneK(a, e0 / g, kvh * g + e0 % g, scratch);
+  }
   switch (a.head_dim / N) {
     case 1: return AttentionMultiT<1, kMultiMaxPairs>(a, kvh, e0, n, scratch);
     case 2: return AttentionMultiT<2, kMultiMaxPairs>(a, kvh, e0, n, scratch);
