@@ -346,7 +346,9 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
   const float scale = a.scale, softcap = a.softcap;
   const int32_t window = a.window;
   const uint32_t all = (1u << NP) - 1;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3 && HWY_COMPILER_GCC_ACTUAL
   float* kf = scratch + NP * (kKeyBlock + 64);  // [kTreeKeys][hd]: a run of key rows in f32
+#endif
   const hn::RebindToSigned<DF> di;
   int32_t vis[kKeyBlock];  // bit p: pair p sees the block's key
   for (int64_t j0 = 0; j0 < n_kv; j0 += kKeyBlock) {
