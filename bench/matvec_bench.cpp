@@ -457,6 +457,21 @@ void KQBatchArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_KQBatchOnOff)->Apply(KQBatchArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
+// The Q4_K prefill kernel against the v2 batched one (cpu::set_kq_prefill_matmul), same method
+// as BM_KQPairOnOff: prefill (512 tokens) on the 1.1B model's Q4_K shapes (q/o 2048 x 2048, k
+// 512 x 2048, gate/up 8192 x 2048, down 2048 x 8192) and smaller token counts from
+// kQ4KPrefillMinTok.
+void BM_KQPrefillOnOff(benchmark::State& state) {
+  kq_switch_on_off(state, cpu::set_kq_prefill_matmul, "prefill");
+}
+void KQPrefillArgs(benchmark::internal::Benchmark* b) {
+  const auto q4k = static_cast<int64_t>(DType::Q4_K);
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{2048, 2048}, {512, 2048}, {8192, 2048}, {2048, 8192}})
+    b->Args({q4k, 512, rows, cols});
+  for (int64_t tok : {16, 32, 64}) b->Args({q4k, tok, 2048, 2048});
+}
+BENCHMARK(BM_KQPrefillOnOff)->Apply(KQPrefillArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
+
 // The 512-bit VNNI Q8_0-family kernel against the plain one (cpu::set_q8_vnni_matmul), same
 // method as BM_KQPairOnOff: prefill (512 tokens) on the 1B model's 2048 x 2048 and its FFN
 // down projection's 2048 x 8192 (and up's 8192 x 2048), Q4_0 once, and small token counts

@@ -56,6 +56,10 @@ KILN_CONFIG_ENTRY(bool, cpu_kq_batch, true,
                   "through the v2 batched AVX-512 VNNI kernels (cheaper block decode, two tokens per 512-bit "
                   "tail, software prefetch; same bits as the plain kernels; faster by "
                   "bench/matvec_bench BM_KQBatchOnOff, BM_LayerStepKQBatch, bench/serve_bench)")
+KILN_CONFIG_ENTRY(bool, cpu_kq_prefill, true,
+                  "CPU: Q4_K matmuls of 16+ tokens (prefill) through the AVX-512 VNNI prefill "
+                  "kernel (token pairs per register, K chunks; same bits as the plain kernel; "
+                  "faster by bench/matvec_bench BM_KQPrefillOnOff, kiln bench pp512)")
 KILN_CONFIG_ENTRY(bool, cpu_float_tile, true,
                   "CPU: F32/F16/BF16 matmuls of 2+ tokens (prefill) through the register-tiled "
                   "kernel (same bits as the one-row kernel; faster by bench/matvec_bench "

@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "cpu_matmul_kq.h"
 #include "cpu_matmul_q8.h"
 #include "float_dot-inl.h"  // per-target guard: expanded once per Highway target, like this file
 #include "kernels.h"
@@ -231,6 +232,8 @@ void UnpackRowQ8(const std::byte* row, int64_t nb, int8_t* q, float* d) {
 // cpu_matmul_q8.cpp; out: each token's DotQ8Family<T, Unpack> bits.
 void MatmulQ8Vnni(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch,
                   void (*unpack)(const std::byte*, int64_t, int8_t*, float*));
+// cpu_matmul_kq.cpp; out: each token's DotQ45K<T, false> bits.
+void MatmulQ4KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch);
 #endif
 
 // The 8 six-bit scales (bytes 0..7) and mins (bytes 8..15) of a Q4_K/Q5_K block.
@@ -1278,6 +1281,8 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       // The v2 batched kernel also beats the packed one on prefill (1.1B pp512 178-179 vs
       // 156-166 t/s, kiln bench; 12-64-token decode steps 1.4-1.9x: serve_bench widths), so
       // with it on the packed kernel is not used; bits are the same either way.
+      if (job.n_tok >= kQ4KPrefillMinTok && kq_prefill_matmul())
+        return MatmulQ4KPrefill(job, r0, r1, scratch);
       if (job.n_tok >= kKQBatchMinTok && kq_pair_matmul() && kq_batch_matmul())
         return MatmulKBatch<true>(job, r0, r1, scratch);
       if (job.n_tok >= kPackMinTok && q4k_packed_matmul()) return MatmulQ4KPacked(job, r0, r1, scratch);
@@ -1408,6 +1413,8 @@ size_t matmul_scratch_floats(const WeightMatrix& w) {
   size_t n = static_cast<size_t>(dequant_rows_per_block(w) * w.n_cols);
   if (w.dtype == DType::Q4_K) n = std::max(n, (q4k_packed_scratch_bytes(w) + 3) / 4);
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K) n = std::max(n, (kq_batch_tile_bytes(w.n_cols / 256) + 3) / 4);
+  if (w.dtype == DType::Q4_K)
+    n = std::max(n, (q4k_prefill_scratch_bytes(w.n_cols / 256, w.row_bytes) + 3) / 4);
   if (w.dtype == DType::Q8_0 || w.dtype == DType::Q4_0 || w.dtype == DType::Q5_0)
     n = std::max(n, (q8_vnni_scratch_bytes(w.n_cols) + 3) / 4);
   return n;
@@ -1416,7 +1423,7 @@ size_t matmul_scratch_floats(const WeightMatrix& w) {
 namespace {
 // The kernel switches (kernels.h): process-wide, set from the config by the apps, read per call.
 std::atomic<bool> g_q4k_packed{true}, g_kq_pair{true}, g_kq_one{true}, g_kq_batch{true},
-    g_q8_vnni{true};
+    g_q8_vnni{true}, g_kq_prefill{true};
 std::atomic<int64_t> g_matvec_prefetch{kDefaultMatvecPrefetchBytes};
 }  // namespace
 void set_q4k_packed_matmul(bool on) { g_q4k_packed.store(on, std::memory_order_relaxed); }
@@ -1429,6 +1436,8 @@ void set_kq_batch_matmul(bool on) { g_kq_batch.store(on, std::memory_order_relax
 bool kq_batch_matmul() { return g_kq_batch.load(std::memory_order_relaxed); }
 void set_q8_vnni_matmul(bool on) { g_q8_vnni.store(on, std::memory_order_relaxed); }
 bool q8_vnni_matmul() { return g_q8_vnni.load(std::memory_order_relaxed); }
+void set_kq_prefill_matmul(bool on) { g_kq_prefill.store(on, std::memory_order_relaxed); }
+bool kq_prefill_matmul() { return g_kq_prefill.load(std::memory_order_relaxed); }
 void set_matvec_prefetch_bytes(int64_t bytes) {
   g_matvec_prefetch.store(std::max<int64_t>(0, bytes), std::memory_order_relaxed);
 }
