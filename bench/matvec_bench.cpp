@@ -457,10 +457,10 @@ void KQBatchArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_KQBatchOnOff)->Apply(KQBatchArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
-// The Q4_K prefill kernel against the v2 batched one (cpu::set_kq_prefill_matmul), same method
-// as BM_KQPairOnOff: prefill (512 tokens) on the 1.1B model's Q4_K shapes (q/o 2048 x 2048, k
+// The Q4_K / Q6_K prefill kernels against the v2 batched ones (cpu::set_kq_prefill_matmul), same
+// method as BM_KQPairOnOff: prefill (512 tokens) on the 1.1B model's shapes (q/o 2048 x 2048, k/v
 // 512 x 2048, gate/up 8192 x 2048, down 2048 x 8192) and smaller token counts from
-// kQ4KPrefillMinTok.
+// kKQPrefillMinTok.
 void BM_KQPrefillOnOff(benchmark::State& state) {
   kq_switch_on_off(state, cpu::set_kq_prefill_matmul, "prefill");
 }
@@ -469,6 +469,9 @@ void KQPrefillArgs(benchmark::internal::Benchmark* b) {
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{2048, 2048}, {512, 2048}, {8192, 2048}, {2048, 8192}})
     b->Args({q4k, 512, rows, cols});
   for (int64_t tok : {16, 32, 64}) b->Args({q4k, tok, 2048, 2048});
+  const auto q6k = static_cast<int64_t>(DType::Q6_K);
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{2048, 8192}, {512, 2048}}) b->Args({q6k, 512, rows, cols});
+  for (int64_t tok : {64, 128}) b->Args({q6k, tok, 2048, 2048});
 }
 BENCHMARK(BM_KQPrefillOnOff)->Apply(KQPrefillArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 

@@ -278,16 +278,16 @@ TEST(MatmulKQBatch, SameBitsAsPlainKernel) {
   }
 }
 
-// The prefill Q4_K kernel (AVX-512 VNNI, cpu_matmul_kq.cpp) must give the plain kernel's bits:
+// The prefill Q4_K / Q6_K kernels (AVX-512 VNNI, cpu_matmul_kq.cpp) must give the plain kernels' bits:
 // with cpu::set_kq_prefill_matmul and the other K-quant switches off the output is the plain
 // kernel's, so this is also the proof that the switch changes nothing but speed. Raw random
 // blocks reach every quant, scale and min value (the packed word sums' bounds); odd row counts
 // split over 1 and 2 threads and, at 3328 columns, rows past one row block; rows of 1, 3, 8
 // (one K chunk), 9 and 13 blocks (a partial last chunk); token counts below the kernel's
-// minimum (the switch must not matter there), 16, and 17..23 and 37 (a last tile of 1, 3, 5, 7
-// and 5 tokens: a pair whose partner is missing), 64 and 509 (many tiles); a column block of a
+// minimum (the switch must not matter there), 64, and 65..71 and 509 (a last tile of 1, 3, 5, 7
+// and 5 tokens: a pair whose partner is missing); a column block of a
 // wider matrix (strided rows); one token all zero, one with a huge element, one with a NaN.
-TEST(MatmulQ4KPrefill, SameBitsAsPlainKernel) {
+TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
   static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
   std::mt19937_64 rng(ops_seed() ^ 0x61c88647ULL);
   SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
@@ -304,20 +304,21 @@ TEST(MatmulQ4KPrefill, SameBitsAsPlainKernel) {
   cpu::set_q4k_packed_matmul(false);
   cpu::set_kq_batch_matmul(false);
   cpu::set_kq_pair_matmul(false);
+  for (DType type : {DType::Q4_K, DType::Q6_K})
   for (int64_t k : {256, 768, 2048, 2304, 3328}) {
     for (int64_t n_rows : {1, 2, 3, 67, 131, 333}) {
       if (n_rows == 333 && k != 3328) continue;
       for (bool strided : {false, true}) {
         if (strided && n_rows != 67) continue;
         const int64_t k_all = strided ? k + 512 : k;
-        const size_t rb = *row_bytes(DType::Q4_K, k_all);
-        const std::vector<std::byte> bytes = random_k_rows(DType::Q4_K, k_all, n_rows, rng);
+        const size_t rb = *row_bytes(type, k_all);
+        const std::vector<std::byte> bytes = random_k_rows(type, k_all, n_rows, rng);
         const WeightMatrix full{
-            .dtype = DType::Q4_K, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+            .dtype = type, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
         const WeightMatrix w = strided ? full.columns(256, k) : full;
-        for (int64_t n_tok : {1, 2, 5, 9, 13, 16, 17, 19, 21, 23, 37, 64, 509}) {
+        for (int64_t n_tok : {1, 2, 5, 9, 13, 37, 63, 64, 65, 67, 69, 71, 509}) {
           if (n_tok == 509 && (k > 768 || n_rows > 67)) continue;
-          SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << n_rows << " strided "
+          SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
                                             << strided << " n_tok " << n_tok);
           std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
           std::fill_n(x.begin(), k, 0.0f);    // token 0: all zero (activation scale 0)

@@ -234,6 +234,8 @@ void MatmulQ8Vnni(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch,
                   void (*unpack)(const std::byte*, int64_t, int8_t*, float*));
 // cpu_matmul_kq.cpp; out: each token's DotQ45K<T, false> bits.
 void MatmulQ4KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch);
+// cpu_matmul_kq.cpp; out: each token's DotQ6K<T> bits.
+void MatmulQ6KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch);
 #endif
 
 // The 8 six-bit scales (bytes 0..7) and mins (bytes 8..15) of a Q4_K/Q5_K block.
@@ -1281,7 +1283,7 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       // The v2 batched kernel also beats the packed one on prefill (1.1B pp512 178-179 vs
       // 156-166 t/s, kiln bench; 12-64-token decode steps 1.4-1.9x: serve_bench widths), so
       // with it on the packed kernel is not used; bits are the same either way.
-      if (job.n_tok >= kQ4KPrefillMinTok && kq_prefill_matmul())
+      if (job.n_tok >= kKQPrefillMinTok && kq_prefill_matmul())
         return MatmulQ4KPrefill(job, r0, r1, scratch);
       if (job.n_tok >= kKQBatchMinTok && kq_pair_matmul() && kq_batch_matmul())
         return MatmulKBatch<true>(job, r0, r1, scratch);
@@ -1293,6 +1295,8 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::Q5_K: return MatmulInt<block_q8_K, KQ5_K>(job, r0, r1, 256);
     case DType::Q6_K:
 #if HWY_TARGET == HWY_AVX3_DL
+      if (job.n_tok >= kKQPrefillMinTok && kq_prefill_matmul())
+        return MatmulQ6KPrefill(job, r0, r1, scratch);
       if (job.n_tok >= kKQBatchMinTok && kq_pair_matmul() && kq_batch_matmul())
         return MatmulKBatch<false>(job, r0, r1, scratch);
       if (job.n_tok >= kKQTiledMinTok && kq_pair_matmul()) return MatmulKTiled<false>(job, r0, r1, scratch);
@@ -1413,8 +1417,8 @@ size_t matmul_scratch_floats(const WeightMatrix& w) {
   size_t n = static_cast<size_t>(dequant_rows_per_block(w) * w.n_cols);
   if (w.dtype == DType::Q4_K) n = std::max(n, (q4k_packed_scratch_bytes(w) + 3) / 4);
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K) n = std::max(n, (kq_batch_tile_bytes(w.n_cols / 256) + 3) / 4);
-  if (w.dtype == DType::Q4_K)
-    n = std::max(n, (q4k_prefill_scratch_bytes(w.n_cols / 256, w.row_bytes) + 3) / 4);
+  if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K)
+    n = std::max(n, (kq_prefill_scratch_bytes(w.dtype, w.n_cols / 256, w.row_bytes) + 3) / 4);
   if (w.dtype == DType::Q8_0 || w.dtype == DType::Q4_0 || w.dtype == DType::Q5_0)
     n = std::max(n, (q8_vnni_scratch_bytes(w.n_cols) + 3) / 4);
   return n;

@@ -1,5 +1,5 @@
-// backend/cpu/cpu_matmul_kq.cpp: Q4_K matmuls of many tokens (prefill) on AVX-512 VNNI, giving
-// each token the plain kernel's (cpu_matmul.cpp DotQ45K) bits.
+// backend/cpu/cpu_matmul_kq.cpp: Q4_K and Q6_K matmuls of many tokens (prefill) on AVX-512 VNNI,
+// giving each token the plain kernels' (cpu_matmul.cpp DotQ45K, DotQ6K) bits.
 //
 // The v2 batched kernel (cpu_matmul.cpp DotQ4KBatch) spends, per token and block, 4 vpdpbusd and
 // 2 vpdpwssd on the products, then per token pair a fold of the 16 lanes to 8, two multiplies
@@ -13,7 +13,8 @@
 // exact floats (the tile's bsum pairs and the row's mins, |product| < 2^24) instead of a madd and
 // a convert. Each int32 lane equals the plain kernel's (integer sums are exact in any order) and
 // each float lane sees the plain kernel's two FMAs on the same values in the same order, then
-// Hsum of its 8 lanes in order: the plain kernel's bits (tests/ops MatmulQ4KPrefill).
+// Hsum of its 8 lanes in order: the plain kernel's bits (tests/ops MatmulKQPrefill). Q6_K
+// (DotQ6KPrefill) follows the same plan.
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul_kq.cpp"
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "core/half.h"
@@ -83,6 +85,49 @@ void BuildMeta(const block_q4_K& b, Q4KMeta& mt) {
   mt.pad = 0;
 }
 
+// One (row, block) of Q6_K, decoded once per row block: the 6-bit quants of sub-block s (elements
+// 32s..32s+31, the plain kernel's order) with every dword twice, as the tile's token pairs need;
+// for sub-blocks 2j (low word) and 2j+1 (high word) the 16-element scales of dwords 0..7
+// (elements 0..15 of the sub-block) and 8..15 (16..31); the -32 offset's scales.
+struct alignas(64) Q6KMeta {
+  uint8_t w[8][64];
+  int16_t sc[4][32];
+  int16_t sc32[32];  // word 4l + 2u + v: -32 * scales[2l + v], against the tile's bsum words
+  float d, neg_dmin;  // f16_to_f32 of d; 0 (Q6_K has no min term)
+  uint8_t pad[56];
+};
+static_assert(sizeof(Q6KMeta) == kQ6KMetaBytes);
+
+KILN_KQ_VNNI void BuildMetaQ6(const quant::block_q6_K& b, Q6KMeta& mt) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  for (int h = 0; h < 2; ++h) {  // as the plain kernel (cpu_matmul.cpp DotQ6K) unpacks them
+    const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
+    const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
+    const __m256i w4[4] = {
+        _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+        _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30)),
+    };
+    for (int g = 0; g < 4; ++g)
+      _mm512_store_si512(mt.w[4 * h + g], _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(w4[g])));
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int dw = 0; dw < 16; ++dw) {
+      const int half = dw / 8;  // scales[2s + half] of sub-block s
+      mt.sc[j][2 * dw] = b.scales[2 * (2 * j) + half];
+      mt.sc[j][2 * dw + 1] = b.scales[2 * (2 * j + 1) + half];
+    }
+  for (int l = 0; l < 8; ++l)
+    for (int u = 0; u < 2; ++u)
+      for (int v = 0; v < 2; ++v) mt.sc32[4 * l + 2 * u + v] = static_cast<int16_t>(-32 * b.scales[2 * l + v]);
+  mt.d = f16_to_f32(b.d);
+  mt.neg_dmin = 0.0f;
+}
+
 // [p[0], p[1]] x 8 as one broadcast load (asm: GCC otherwise keeps the values in registers and
 // shuffles them on the multiply-side pipes, as in cpu_matmul_q8.cpp).
 HWY_INLINE __m512 BroadcastPair(const float* p) {
@@ -92,14 +137,17 @@ HWY_INLINE __m512 BroadcastPair(const float* p) {
 }
 
 // Tile of `pairs` token pairs for blocks [i0, i0 + n), per block (stride
-// q4k_prefill_tile_block_bytes(pairs)): [pair p][sub s] 64 bytes of interleaved quants; [pair p]
+// kq_prefill_tile_block_bytes(pairs)): [pair p][sub s] 64 bytes of interleaved quants; [pair p]
 // 16 floats, lane 2l + u: float(bsums[2l] + bsums[2l+1]) of token 2p + u; [group g] 16 floats:
 // the Q8_K scales of tokens 8g..8g+7, twice. A missing partner token is all zero.
+// Q6_K (kQ6) keeps the pair's bsums as words instead, dword 2l + u: token 2p + u's (bsums[2l],
+// bsums[2l+1]), for a vpmaddwd against the row's scales.
+template <bool kQ6>
 KILN_KQ_VNNI void FillTile(const block_q8_K* const* ys, int m, int pairs, int64_t i0, int64_t n,
                            std::byte* tile) {
   const __m512i inter = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
   const __m256i ones = _mm256_set1_epi16(1);
-  const size_t stride = q4k_prefill_tile_block_bytes(pairs);
+  const size_t stride = kq_prefill_tile_block_bytes(pairs);
   const int groups = (pairs + 3) / 4;
   for (int64_t ib = 0; ib < n; ++ib) {
     const int64_t i = i0 + ib;
@@ -115,11 +163,15 @@ KILN_KQ_VNNI void FillTile(const block_q8_K* const* ys, int m, int pairs, int64_
         _mm512_store_si512(tb + p * 512 + s * 64,
                            _mm512_permutexvar_epi32(inter, _mm512_inserti64x4(_mm512_castsi256_si512(ya), yb, 1)));
       }
-      const __m256i ba = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums)), ones);
-      const __m256i bb = b ? _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->bsums)), ones)
-                           : _mm256_setzero_si256();
-      _mm512_store_ps(bf + 16 * p, _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(
-                                       inter, _mm512_inserti64x4(_mm512_castsi256_si512(ba), bb, 1))));
+      const __m256i sa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums));
+      const __m256i sb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->bsums)) : _mm256_setzero_si256();
+      if constexpr (kQ6) {
+        _mm512_store_si512(bf + 16 * p, _mm512_permutexvar_epi32(inter, _mm512_inserti64x4(_mm512_castsi256_si512(sa), sb, 1)));
+      } else {
+        const __m256i ba = _mm256_madd_epi16(sa, ones), bb = _mm256_madd_epi16(sb, ones);
+        _mm512_store_ps(bf + 16 * p, _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(
+                                         inter, _mm512_inserti64x4(_mm512_castsi256_si512(ba), bb, 1))));
+      }
     }
     float* yd2 = bf + 16 * pairs;
     for (int g = 0; g < groups; ++g)
@@ -132,9 +184,10 @@ KILN_KQ_VNNI void FillTile(const block_q8_K* const* ys, int m, int pairs, int64_
 
 // One row's scale products for the chunk: scl[(ib * groups + g) * 16 ..] = [d * yd of tokens
 // 8g..8g+7 | -dmin * yd of the same], the plain kernel's d * y.d and -dmin * y.d.
-KILN_KQ_VNNI void RowScales(const Q4KMeta* meta, int64_t n, const std::byte* tile, int pairs,
+template <class Meta>
+KILN_KQ_VNNI void RowScales(const Meta* meta, int64_t n, const std::byte* tile, int pairs,
                             float* scl) {
-  const size_t stride = q4k_prefill_tile_block_bytes(pairs);
+  const size_t stride = kq_prefill_tile_block_bytes(pairs);
   const int groups = (pairs + 3) / 4;
   for (int64_t ib = 0; ib < n; ++ib) {
     const __m512 dm = _mm512_insertf32x8(_mm512_set1_ps(meta[ib].d), _mm256_set1_ps(meta[ib].neg_dmin), 1);
@@ -151,7 +204,7 @@ KILN_KQ_VNNI void DotQ4KPrefill(const block_q4_K* row, const Q4KMeta* meta, int6
                                 const std::byte* tile, const float* scl, float* acc_mem,
                                 bool first, bool last, float* out) {
   constexpr int G = (P + 3) / 4;
-  const size_t stride = q4k_prefill_tile_block_bytes(P);
+  const size_t stride = kq_prefill_tile_block_bytes(P);
   const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m512i bias_lo = _mm512_set1_epi32(kLowBias);
@@ -205,14 +258,64 @@ KILN_KQ_VNNI void DotQ4KPrefill(const block_q4_K* row, const Q4KMeta* meta, int6
   }
 }
 
-using DotFn = void (*)(const block_q4_K*, const Q4KMeta*, int64_t, const std::byte*, const float*,
-                       float*, bool, bool, float*);
+// Q6_K, the same register tile: isum starts at the -32 offset (one vpmaddwd of the tile's bsum
+// words against the row's), each pair of sub-blocks' lane sums (|sum| <= 4 * 63 * 127 < 2^15)
+// is packed into words by a blend and scaled by one vpdpwssd; one FMA per pair and block, as
+// the plain kernel's one per token and block.
+template <int P>
+KILN_KQ_VNNI void DotQ6KPrefill(const std::byte* /*row: decoded into meta*/, const Q6KMeta* meta,
+                                int64_t n, const std::byte* tile, const float* scl, float* acc_mem,
+                                bool first, bool last, float* out) {
+  constexpr int G = (P + 3) / 4;
+  const size_t stride = kq_prefill_tile_block_bytes(P);
+  __m512 acc[P];
+  for (int p = 0; p < P; ++p) acc[p] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc_mem + 16 * p);
+  for (int64_t ib = 0; ib < n; ++ib) {
+    const Q6KMeta& mt = meta[ib];
+    const std::byte* tb = tile + ib * stride;
+    const auto* bs = reinterpret_cast<const int16_t*>(tb + P * 512);
+    const float* si = scl + ib * G * 16;
+    const __m512i sc32 = _mm512_load_si512(mt.sc32);
+    for (int p = 0; p < P; ++p) {
+      const std::byte* a = tb + p * 512;
+      __m512i isum = _mm512_madd_epi16(_mm512_load_si512(bs + 32 * p), sc32);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(mt.w[2 * j]),
+                                               _mm512_load_si512(a + 2 * j * 64));
+        const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(mt.w[2 * j + 1]),
+                                               _mm512_load_si512(a + (2 * j + 1) * 64));
+        const __m512i pw = _mm512_mask_blend_epi16(0xAAAAAAAAu, da, _mm512_slli_epi32(db, 16));
+        isum = _mm512_dpwssd_epi32(isum, pw, _mm512_load_si512(mt.sc[j]));
+      }
+      acc[p] = _mm512_fmadd_ps(BroadcastPair(si + (p / 4) * 16 + 2 * (p % 4)), _mm512_cvtepi32_ps(isum), acc[p]);
+    }
+  }
+  if (!last) {
+    for (int p = 0; p < P; ++p) _mm512_store_ps(acc_mem + 16 * p, acc[p]);
+    return;
+  }
+  const __m512i deint = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int p = 0; p < P; ++p) {
+    const __m512 v = _mm512_permutexvar_ps(deint, acc[p]);
+    out[2 * p] = Hsum(_mm512_castps512_ps256(v));
+    out[2 * p + 1] = Hsum(_mm512_extractf32x8_ps(v, 1));
+  }
+}
+
+template <class Block, class Meta>
+using DotFn = void (*)(const Block*, const Meta*, int64_t, const std::byte*, const float*, float*,
+                       bool, bool, float*);
 template <int... Ps>
 constexpr auto MakeDots(std::integer_sequence<int, Ps...>) {
-  return std::array<DotFn, sizeof...(Ps)>{&DotQ4KPrefill<Ps + 1>...};
+  return std::array<DotFn<block_q4_K, Q4KMeta>, sizeof...(Ps)>{&DotQ4KPrefill<Ps + 1>...};
+}
+template <int... Ps>
+constexpr auto MakeDotsQ6(std::integer_sequence<int, Ps...>) {
+  return std::array<DotFn<std::byte, Q6KMeta>, sizeof...(Ps)>{&DotQ6KPrefill<Ps + 1>...};
 }
 // [pairs - 1]
-constexpr auto kDots = MakeDots(std::make_integer_sequence<int, kQ4KPrefillPairs>{});
+constexpr auto kDots = MakeDots(std::make_integer_sequence<int, kKQPrefillPairs>{});
+constexpr auto kDotsQ6 = MakeDotsQ6(std::make_integer_sequence<int, kKQPrefillPairs>{});
 
 template <class T>
 T* Align64(std::byte*& p, size_t count) {
@@ -224,52 +327,70 @@ T* Align64(std::byte*& p, size_t count) {
 
 }  // namespace
 
-// Row blocks (decoded once) x token tiles of 2 * kQ4KPrefillPairs x K chunks (tile built once
-// per row block, token tile and chunk) x rows. `scratch` holds q4k_prefill_scratch_bytes.
-void MatmulQ4KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
-  constexpr int P = static_cast<int>(kQ4KPrefillPairs);
+// Row blocks (decoded once) x token tiles of 2 * kKQPrefillPairs x K chunks (tile built once
+// per row block, token tile and chunk) x rows. `scratch` holds kq_prefill_scratch_bytes.
+template <bool kQ6>
+void MatmulKQPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  using Block = std::conditional_t<kQ6, quant::block_q6_K, block_q4_K>;
+  using Meta = std::conditional_t<kQ6, Q6KMeta, Q4KMeta>;
+  using Row = std::conditional_t<kQ6, std::byte, block_q4_K>;
+  constexpr int P = static_cast<int>(kKQPrefillPairs);
+  constexpr int G = (P + 3) / 4;
   const WeightMatrix& w = *job.w;
   const int64_t nb = w.n_cols / 256, ldy = w.n_rows;
-  const int64_t rb = q4k_prefill_rows_per_block(nb, w.row_bytes);
-  const int64_t chunk = std::min(nb, kQ4KPrefillChunk);
-  constexpr int G = (P + 3) / 4;
+  const int64_t rb = kq_prefill_rows_per_block(kq_prefill_row_bytes(w.dtype, nb, w.row_bytes));
+  const int64_t chunk = std::min(nb, kKQPrefillChunk);
   auto* sp = reinterpret_cast<std::byte*>(scratch);
-  Q4KMeta* meta = Align64<Q4KMeta>(sp, static_cast<size_t>(rb * nb));
-  std::byte* tile = Align64<std::byte>(sp, static_cast<size_t>(chunk) * q4k_prefill_tile_block_bytes(P));
+  Meta* meta = Align64<Meta>(sp, static_cast<size_t>(rb * nb));
+  std::byte* tile = Align64<std::byte>(sp, static_cast<size_t>(chunk) * kq_prefill_tile_block_bytes(P));
   float* acc = Align64<float>(sp, static_cast<size_t>(rb * P * 16));
   float* scl[2];
   scl[0] = Align64<float>(sp, static_cast<size_t>(chunk * G * 16));
   scl[1] = Align64<float>(sp, static_cast<size_t>(chunk * G * 16));
   const block_q8_K* ys[2 * P];
   float out[2 * P];
-  const auto row = [&](int64_t r) { return reinterpret_cast<const block_q4_K*>(w.row(r).data()); };
+  const auto row = [&](int64_t r) { return reinterpret_cast<const Block*>(w.row(r).data()); };
   for (int64_t b0 = r0; b0 < r1; b0 += rb) {
     const int64_t b1 = std::min(r1, b0 + rb);
     for (int64_t r = b0; r < b1; ++r)
-      for (int64_t i = 0; i < nb; ++i) BuildMeta(row(r)[i], meta[(r - b0) * nb + i]);
+      for (int64_t i = 0; i < nb; ++i) {
+        if constexpr (kQ6)
+          BuildMetaQ6(row(r)[i], meta[(r - b0) * nb + i]);
+        else
+          BuildMeta(row(r)[i], meta[(r - b0) * nb + i]);
+      }
     for (int64_t t0 = 0; t0 < job.n_tok; t0 += 2 * P) {
       const int m = static_cast<int>(std::min<int64_t>(2 * P, job.n_tok - t0));
       const int pairs = (m + 1) / 2;
       for (int k = 0; k < m; ++k)
         ys[k] = reinterpret_cast<const block_q8_K*>(job.xq + (t0 + k) * job.xq_row_bytes);
-      const DotFn dot = kDots[pairs - 1];
+      const DotFn<Row, Meta> dot = kQ6 ? DotFn<Row, Meta>(kDotsQ6[pairs - 1]) : DotFn<Row, Meta>(kDots[pairs - 1]);
       for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
         const int64_t n = std::min(nb, c0 + chunk) - c0;
         const bool first = c0 == 0, last = c0 + n == nb;
-        FillTile(ys, m, pairs, c0, n, tile);
+        FillTile<kQ6>(ys, m, pairs, c0, n, tile);
         // Each row's scale products are written one row ahead of their use (a load of part of a
         // just-stored vector waits for the store).
         RowScales(meta + c0, n, tile, pairs, scl[0]);
         for (int64_t r = b0; r < b1; ++r) {
           const int64_t k = r - b0;
           if (r + 1 < b1) RowScales(meta + (k + 1) * nb + c0, n, tile, pairs, scl[(k + 1) & 1]);
-          dot(row(r) + c0, meta + k * nb + c0, n, tile, scl[k & 1], acc + k * P * 16, first, last, out);
+          const Row* wr = nullptr;
+          if constexpr (!kQ6) wr = row(r) + c0;
+          dot(wr, meta + k * nb + c0, n, tile, scl[k & 1], acc + k * P * 16, first, last, out);
           if (last)
             for (int t = 0; t < m; ++t) job.y[(t0 + t) * ldy + r] = out[t];
         }
       }
     }
   }
+}
+
+void MatmulQ4KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  MatmulKQPrefill<false>(job, r0, r1, scratch);
+}
+void MatmulQ6KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  MatmulKQPrefill<true>(job, r0, r1, scratch);
 }
 
 #undef KILN_KQ_VNNI

@@ -1,40 +1,49 @@
-// backend/cpu/cpu_matmul_kq.h: what cpu_matmul.cpp and cpu_matmul_kq.cpp share about the Q4_K
-// prefill kernel: its minimum call size, row blocking and scratch.
+// backend/cpu/cpu_matmul_kq.h: what cpu_matmul.cpp and cpu_matmul_kq.cpp share about the Q4_K /
+// Q6_K prefill kernels: their minimum call size, row blocking and scratch.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
+#include "core/dtype.h"
 #include "kernels.h"
 
 namespace kiln::cpu {
-// Calls of this many tokens or more take the prefill kernel (fewer: the v2 batched kernels, whose
-// 8-token tile is built once per call and whose weights are not re-read from L2 per tile).
-constexpr int64_t kQ4KPrefillMinTok = 16;
+// Calls of this many tokens or more take the prefill kernels; fewer take the v2 batched kernels,
+// as decoding a row block costs about as much as a few token tiles save (bench/matvec_bench
+// BM_KQPrefillOnOff, 2048 x 2048, 1 thread: Q4_K 16 tokens 0.84x, 32 0.96x, 64 1.03x; Q6_K 16
+// tokens 0.49x).
+constexpr int64_t kKQPrefillMinTok = 64;
 // Token pairs per register tile (2 tokens share a 512-bit register), and blocks per K chunk:
 // the chunk's activation tile (pairs x 576 bytes + 64 per block) stays in L1 while every row of
 // the row block sweeps it.
-constexpr int64_t kQ4KPrefillPairs = 4, kQ4KPrefillChunk = 8;
-// Bytes per (row, block) of the per-row-block decode (scales as vpdpwssd words, mins, d, dmin).
-constexpr size_t kQ4KMetaBytes = 48;
-// Rows per row block: their weights and decoded scales stay in L2 (1 MiB per core on the dev
-// box) while every token tile sweeps them.
-inline int64_t q4k_prefill_rows_per_block(int64_t nb, size_t row_bytes) {
-  const auto per_row = static_cast<int64_t>(row_bytes + static_cast<size_t>(nb) * kQ4KMetaBytes);
-  return std::clamp<int64_t>((int64_t{384} << 10) / std::max<int64_t>(1, per_row), 2, 512);
+constexpr int64_t kKQPrefillPairs = 4, kKQPrefillChunk = 8;
+// Bytes per (row, block) of the per-row-block decode: Q4_K its scales as vpdpwssd words, mins,
+// d and dmin (the quants are read from the row); Q6_K also its quants, unpacked.
+constexpr size_t kQ4KMetaBytes = 48, kQ6KMetaBytes = 896;
+// The bytes per row a row block keeps: its weights (Q4_K) and decode.
+inline size_t kq_prefill_row_bytes(DType t, int64_t nb, size_t row_bytes) {
+  return t == DType::Q4_K ? row_bytes + static_cast<size_t>(nb) * kQ4KMetaBytes
+                          : static_cast<size_t>(nb) * kQ6KMetaBytes;
+}
+// Rows per row block: what they keep stays in L2 (1 MiB per core on the dev box) while every
+// token tile sweeps them.
+inline int64_t kq_prefill_rows_per_block(size_t per_row) {
+  return std::clamp<int64_t>((int64_t{384} << 10) / std::max<int64_t>(1, static_cast<int64_t>(per_row)), 2, 512);
 }
 // Activation tile bytes per block for `pairs` token pairs.
-inline size_t q4k_prefill_tile_block_bytes(int64_t pairs) {
+inline size_t kq_prefill_tile_block_bytes(int64_t pairs) {
   return static_cast<size_t>(pairs) * (8 * 64 + 64) + static_cast<size_t>((pairs + 3) / 4) * 64;
 }
-// A thread's scratch: decoded scales of a row block, one K chunk's tile, the row block's
-// float accumulators between K chunks, two rows' scale products, alignment slack.
-inline size_t q4k_prefill_scratch_bytes(int64_t nb, size_t row_bytes) {
-  const auto rb = static_cast<size_t>(q4k_prefill_rows_per_block(nb, row_bytes));
-  const auto chunk = static_cast<size_t>(std::min(nb, kQ4KPrefillChunk));
-  const auto groups = static_cast<size_t>((kQ4KPrefillPairs + 3) / 4);
-  return rb * static_cast<size_t>(nb) * kQ4KMetaBytes + chunk * q4k_prefill_tile_block_bytes(kQ4KPrefillPairs) +
-         rb * static_cast<size_t>(kQ4KPrefillPairs) * 64 + 2 * chunk * groups * 64 + 8 * 64;
+// A thread's scratch: a row block's decode, one K chunk's tile, the row block's float
+// accumulators between K chunks, two rows' scale products, alignment slack.
+inline size_t kq_prefill_scratch_bytes(DType t, int64_t nb, size_t row_bytes) {
+  const size_t meta = t == DType::Q4_K ? kQ4KMetaBytes : kQ6KMetaBytes;
+  const auto rb = static_cast<size_t>(kq_prefill_rows_per_block(kq_prefill_row_bytes(t, nb, row_bytes)));
+  const auto chunk = static_cast<size_t>(std::min(nb, kKQPrefillChunk));
+  const auto groups = static_cast<size_t>((kKQPrefillPairs + 3) / 4);
+  return rb * static_cast<size_t>(nb) * meta + chunk * kq_prefill_tile_block_bytes(kKQPrefillPairs) +
+         rb * static_cast<size_t>(kKQPrefillPairs) * 64 + 2 * chunk * groups * 64 + 8 * 64;
 }
 }  // namespace kiln::cpu

@@ -73,11 +73,11 @@ bool kq_batch_matmul();
 // and bisecting.
 void set_q8_vnni_matmul(bool on);
 bool q8_vnni_matmul();
-// Q4_K matmuls of kQ4KPrefillMinTok+ tokens (prefill) through the kernel of
-// cpu_matmul_kq.cpp (token pairs interleaved in 512-bit registers, each row block's scales
-// decoded once, K in chunks whose activation tile stays in L1) where the machine has AVX-512
-// VNNI; ahead of the v2 batched kernels. Output: the plain kernel's bits (tests/ops
-// MatmulQ4KPrefill), so the switch exists for that test, the benchmark and bisecting.
+// Q4_K and Q6_K matmuls of kKQPrefillMinTok+ tokens (prefill) through the kernels of
+// cpu_matmul_kq.cpp (token pairs interleaved in 512-bit registers, each row block decoded once,
+// K in chunks whose activation tile stays in L1) where the machine has AVX-512 VNNI; ahead of
+// the v2 batched kernels. Output: the plain kernels' bits (tests/ops MatmulKQPrefill), so the
+// switch exists for that test, the benchmark and bisecting.
 void set_kq_prefill_matmul(bool on);
 bool kq_prefill_matmul();
 // F32/F16/BF16 matmuls of kFloatTileMinTok+ tokens through the register-tiled kernel of
