@@ -468,7 +468,7 @@ void KQPrefillArgs(benchmark::internal::Benchmark* b) {
   const auto q4k = static_cast<int64_t>(DType::Q4_K);
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{2048, 2048}, {512, 2048}, {8192, 2048}, {2048, 8192}})
     b->Args({q4k, 512, rows, cols});
-  for (int64_t tok : {16, 32, 64}) b->Args({q4k, tok, 2048, 2048});
+  for (int64_t tok : {16, 32, 64, 128}) b->Args({q4k, tok, 2048, 2048});
   const auto q6k = static_cast<int64_t>(DType::Q6_K);
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{2048, 8192}, {512, 2048}}) b->Args({q6k, 512, rows, cols});
   for (int64_t tok : {64, 128}) b->Args({q6k, tok, 2048, 2048});
@@ -665,6 +665,10 @@ BENCHMARK(BM_LayerStepKQPair)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
 void BM_LayerStepKQBatch(benchmark::State& state) { layer_step_on_off(state, cpu::set_kq_batch_matmul); }
 BENCHMARK(BM_LayerStepKQBatch)->Arg(1)->Arg(2)->Arg(3)->Arg(4)->Arg(5)->Arg(8)
     ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+// The same step at prefill sizes with the prefill kernels on and off (off: the v2 batched ones).
+void BM_LayerStepKQPrefill(benchmark::State& state) { layer_step_on_off(state, cpu::set_kq_prefill_matmul); }
+BENCHMARK(BM_LayerStepKQPrefill)->Arg(64)->Arg(128)->Arg(512)
+    ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
 
 }  // namespace
 }  // namespace kiln::bench

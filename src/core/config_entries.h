@@ -57,7 +57,7 @@ KILN_CONFIG_ENTRY(bool, cpu_kq_batch, true,
                   "tail, software prefetch; same bits as the plain kernels; faster by "
                   "bench/matvec_bench BM_KQBatchOnOff, BM_LayerStepKQBatch, bench/serve_bench)")
 KILN_CONFIG_ENTRY(bool, cpu_kq_prefill, true,
-                  "CPU: Q4_K/Q6_K matmuls of 64+ tokens (prefill) through the AVX-512 VNNI prefill "
+                  "CPU: Q4_K/Q6_K matmuls of 128+ tokens (prefill) through the AVX-512 VNNI prefill "
                   "kernels (token pairs per register, K chunks; same bits as the plain kernels; "
                   "faster by bench/matvec_bench BM_KQPrefillOnOff, kiln bench pp512)")
 KILN_CONFIG_ENTRY(bool, cpu_float_tile, true,

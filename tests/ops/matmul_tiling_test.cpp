@@ -284,8 +284,8 @@ TEST(MatmulKQBatch, SameBitsAsPlainKernel) {
 // blocks reach every quant, scale and min value (the packed word sums' bounds); odd row counts
 // split over 1 and 2 threads and, at 3328 columns, rows past one row block; rows of 1, 3, 8
 // (one K chunk), 9 and 13 blocks (a partial last chunk); token counts below the kernel's
-// minimum (the switch must not matter there), 64, and 65..71 and 509 (a last tile of 1, 3, 5, 7
-// and 5 tokens: a pair whose partner is missing); a column block of a
+// minimum (the switch must not matter there), 128, and 129..135 and 509 (a last tile of 1, 3, 5,
+// 7 and 5 tokens: a pair whose partner is missing); a column block of a
 // wider matrix (strided rows); one token all zero, one with a huge element, one with a NaN.
 TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
   static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
@@ -316,7 +316,7 @@ TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
         const WeightMatrix full{
             .dtype = type, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
         const WeightMatrix w = strided ? full.columns(256, k) : full;
-        for (int64_t n_tok : {1, 2, 5, 9, 13, 37, 63, 64, 65, 67, 69, 71, 509}) {
+        for (int64_t n_tok : {1, 2, 5, 9, 13, 37, 127, 128, 129, 131, 133, 135, 509}) {
           if (n_tok == 509 && (k > 768 || n_rows > 67)) continue;
           SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
                                             << strided << " n_tok " << n_tok);
