@@ -492,6 +492,43 @@ void Q8VnniArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_Q8VnniOnOff)->Apply(Q8VnniArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
+// The AVX-512 Q8_K activation encoder against the scalar loop (cpu::set_q8k_quant_simd): 512
+// rows of 2048 and of 8192 (a prefill's matmul inputs), 1 thread, thread CPU time, alternating,
+// best of each; the bytes compared. args: columns.
+void BM_Q8KQuantOnOff(benchmark::State& state) {
+  const int64_t n = state.range(0), n_tok = 512;
+  std::vector<float> X(n_tok * n);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  for (float& v : X) v = nd(rng);
+  const size_t rb = cpu::act_row_bytes(cpu::ActKind::Q8_K, n);
+  std::vector<std::byte> on(rb * n_tok), off(on.size());
+  const auto run = [&](std::vector<std::byte>& dst) {
+    for (int64_t t = 0; t < n_tok; ++t)
+      cpu::quantize_act_row(cpu::ActKind::Q8_K, X.data() + t * n, n, dst.data() + t * rb);
+    benchmark::DoNotOptimize(dst.data());
+  };
+  double best_on = 1e30, best_off = 1e30;
+  for (auto _ : state) {
+    cpu::set_q8k_quant_simd(true);
+    const double t0 = thread_cpu_s();
+    run(on);
+    const double t1 = thread_cpu_s();
+    cpu::set_q8k_quant_simd(false);
+    run(off);
+    const double t2 = thread_cpu_s();
+    best_on = std::min(best_on, t1 - t0);
+    best_off = std::min(best_off, t2 - t1);
+  }
+  cpu::set_q8k_quant_simd(true);
+  if (std::memcmp(on.data(), off.data(), on.size()) != 0) state.SkipWithError("encoders differ");
+  state.SetLabel(std::string("q8_K encode, ") + cpu_simd_target());
+  state.counters["new_us"] = best_on * 1e6;
+  state.counters["old_us"] = best_off * 1e6;
+  state.counters["speedup"] = best_off / best_on;
+}
+BENCHMARK(BM_Q8KQuantOnOff)->Arg(2048)->Arg(8192)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
+
 // The register-tiled F32/F16/BF16 kernel against DotTile (cpu::set_float_tile_matmul), same
 // method as BM_KQPairOnOff (1 thread, thread CPU time, the bits compared): the 1.1B model's
 // projections (q/o 2048 x 2048, gate/up 8192 x 2048, down 2048 x 8192) at prefill and small

@@ -60,6 +60,9 @@ KILN_CONFIG_ENTRY(bool, cpu_kq_prefill, true,
                   "CPU: Q4_K/Q6_K matmuls of 128+ tokens (prefill) through the AVX-512 VNNI prefill "
                   "kernels (token pairs per register, K chunks; same bits as the plain kernels; "
                   "faster by bench/matvec_bench BM_KQPrefillOnOff, kiln bench pp512)")
+KILN_CONFIG_ENTRY(bool, cpu_q8k_quant_simd, true,
+                  "CPU: encode Q8_K activations (K-quant matmul inputs) with AVX-512 where "
+                  "available (same bytes as the scalar loop)")
 KILN_CONFIG_ENTRY(bool, cpu_float_tile, true,
                   "CPU: F32/F16/BF16 matmuls of 2+ tokens (prefill) through the register-tiled "
                   "kernel (same bits as the one-row kernel; faster by bench/matvec_bench "

@@ -344,7 +344,8 @@ TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
 // The CPU backend's Q8_K activation encoding (cpu::quantize_act_row, split into lanes for
 // speed) must stay the reference encoder's bytes: the scale comes from the first element of
 // the largest magnitude, so rows where +max and -max tie pin the pick; also all-zero rows,
-// -0, a NaN and an infinity (both encode to NaN scale and zero quants and sums).
+// -0, a NaN and an infinity (both encode to NaN scale and zero quants and sums). Both the
+// AVX-512 encoder (cpu::set_q8k_quant_simd) and the scalar loop.
 TEST(ActQuant, Q8KSameBytesAsReference) {
   std::mt19937_64 rng(ops_seed() ^ 0x9e3779b9ULL);
   SCOPED_TRACE(::testing::Message() << "seed " << ops_seed());
@@ -363,9 +364,13 @@ TEST(ActQuant, Q8KSameBytesAsReference) {
       x[256 + 17] = NAN;       // block 1: a NaN
       x[512 + 3] = -INFINITY;  // block 2: an infinity
     }
-    cpu::quantize_act_row(cpu::ActKind::Q8_K, x.data(), n, got.data());
     quant::quantize_row(DType::Q8_K, x, want);
-    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), bytes));
+    for (bool simd : {true, false}) {
+      cpu::set_q8k_quant_simd(simd);
+      cpu::quantize_act_row(cpu::ActKind::Q8_K, x.data(), n, got.data());
+      cpu::set_q8k_quant_simd(true);
+      ASSERT_EQ(0, std::memcmp(got.data(), want.data(), bytes)) << "simd " << simd;
+    }
   }
 }
 

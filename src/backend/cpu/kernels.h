@@ -80,6 +80,12 @@ bool q8_vnni_matmul();
 // switch exists for that test, the benchmark and bisecting.
 void set_kq_prefill_matmul(bool on);
 bool kq_prefill_matmul();
+// Q8_K activation encoding (quantize_act_row) with AVX-512 where the machine has it (default on;
+// the scalar loop is compiled for the baseline ISA). Output: the scalar loop's bytes (tests/ops
+// ActQuant.Q8KSameBytesAsReference, both settings), so the switch exists for that test and
+// bisecting.
+void set_q8k_quant_simd(bool on);
+bool q8k_quant_simd();
 // F32/F16/BF16 matmuls of kFloatTileMinTok+ tokens through the register-tiled kernel of
 // cpu_matmul_float.cpp (default on, faster by measurement: bench/matvec_bench
 // BM_FloatTileOnOff, kiln bench pp512). Output: DotTile's bits (tests/ops MatmulFloatTile), so
