@@ -3,18 +3,24 @@
 //
 // The v2 batched kernel (cpu_matmul.cpp DotQ4KBatch) spends, per token and block, 4 vpdpbusd and
 // 2 vpdpwssd on the products, then per token pair a fold of the 16 lanes to 8, two multiplies
-// for the scales d * y.d and -dmin * y.d, a madd and two converts: on Zen 5 the multiply pipes
-// (which also run the converts and FMAs) are the limit, and half their work is not the products.
-// Here the two tokens of a pair are interleaved by dword (dword 2L: token 2p's quants 4L..4L+3 of
-// one sub-block, 2L+1: token 2p+1's) and each sub-block's nibbles are duplicated to match, so one
-// vpdpbusd gives both tokens' 8 lane sums of one sub-block with no fold, and every lane of a
-// register shares one sub-block scale. The scale products come from one 16-wide multiply per row,
-// block and 8 tokens, broadcast per pair from memory; the min term's sum is the product of two
-// exact floats (the tile's bsum pairs and the row's mins, |product| < 2^24) instead of a madd and
-// a convert. Each int32 lane equals the plain kernel's (integer sums are exact in any order) and
-// each float lane sees the plain kernel's two FMAs on the same values in the same order, then
-// Hsum of its 8 lanes in order: the plain kernel's bits (tests/ops MatmulKQPrefill). Q6_K
-// (DotQ6KPrefill) follows the same plan.
+// for the scales d * y.d and -dmin * y.d, a madd and two converts, and it decodes each block per
+// 8-token tile. On the Zen 5 dev box vpdpbusd, vpdpwssd, vpmaddwd, vpshldd, FMAs and multiplies
+// share two pipes (2 per cycle in all; converts, shifts, logic and blends run beside them:
+// measured in isolation), and the loops run at ~3.5 vector ops per cycle, so what counts is the
+// ops around the products. Here the two tokens of a pair are interleaved by dword (dword 2L: token
+// 2p's quants 4L..4L+3 of one sub-block, 2L+1: token 2p+1's) and each sub-block's nibbles are
+// duplicated to match, so one vpdpbusd gives both tokens' 8 lane sums of one sub-block with no
+// fold, and every lane of a register shares one sub-block scale. The scale products come from one
+// 16-wide multiply per row, block and 8 tokens, broadcast per pair from memory; the min term's
+// sum is the product of two exact floats (the tile's bsum pairs and the row's mins, |product| <
+// 2^24) instead of a madd and a convert; scales are decoded once per row block; K runs in chunks
+// whose activation tile stays in L1 (the v2 kernel streams wide rows' tiles from L2).
+// bench/matvec_bench BM_KQPrefillOnOff, 512 tokens, 1 thread, against the v2 kernels: Q4_K K=2048
+// 1.08-1.11x, K=8192 1.3-1.5x; Q6_K K=2048 1.03-1.10x, K=8192 1.28-1.34x. Each int32 lane
+// equals the plain kernel's (integer sums are exact in any order) and each float lane sees the
+// plain kernel's two FMAs on the same values in the same order, then Hsum of its 8 lanes in
+// order: the plain kernel's bits (tests/ops MatmulKQPrefill). Q6_K (DotQ6KPrefill) follows the
+// same plan.
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul_kq.cpp"
@@ -234,8 +240,8 @@ KILN_KQ_VNNI void DotQ4KPrefill(const block_q4_K* row, const Q4KMeta* meta, int6
       for (int j = 0; j < 4; ++j) {
         const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2 * j + 1],
                                                _mm512_load_si512(a + (2 * j + 1) * 64));
-        // (db << 16) | kLowBias by a shift and an OR, not vpshldd: on Zen 5 that runs on the
-        // multiply pipes (with vpdpbusd/vpdpwssd, FMAs and multiplies), this loop's limit.
+        // (db << 16) | kLowBias by a shift and an OR beside the multiply pipes rather than a
+        // vpshldd on them (no measurable difference either way on the dev box).
         const __m512i hi = _mm512_or_si512(_mm512_slli_epi32(db, 16), bias_lo);
         const __m512i pw = _mm512_dpbusd_epi32(hi, w[2 * j], _mm512_load_si512(a + 2 * j * 64));
         isum = _mm512_dpwssd_epi32(isum, pw, sc[j]);
