@@ -15,8 +15,8 @@
 // sum is the product of two exact floats (the tile's bsum pairs and the row's mins, |product| <
 // 2^24) instead of a madd and a convert; scales are decoded once per row block; K runs in chunks
 // whose activation tile stays in L1 (the v2 kernel streams wide rows' tiles from L2).
-// bench/matvec_bench BM_KQPrefillOnOff, 512 tokens, 1 thread, against the v2 kernels: Q4_K K=2048
-// 1.08-1.11x, K=8192 1.3-1.5x; Q6_K K=2048 1.03-1.10x, K=8192 1.28-1.34x. Each int32 lane
+// bench/matvec_bench BM_KQPrefillOnOff, 512 tokens, 1 thread, against the v2 kernels: Q4_K
+// 1.04-1.30x at 2048 columns, 1.26-1.54x at 8192; Q6_K 1.03-1.10x / 1.28-1.34x. Each int32 lane
 // equals the plain kernel's (integer sums are exact in any order) and each float lane sees the
 // plain kernel's two FMAs on the same values in the same order, then Hsum of its 8 lanes in
 // order: the plain kernel's bits (tests/ops MatmulKQPrefill). Q6_K (DotQ6KPrefill) follows the
