@@ -1,5 +1,6 @@
 // backend/cpu/cpu_matmul_kq.h: what cpu_matmul.cpp and cpu_matmul_kq.cpp share about the Q4_K /
-// Q6_K prefill kernels: their minimum call size, row blocking and scratch.
+// Q6_K prefill kernels (their minimum call size, row blocking and scratch) and the AVX-512 Q8_K
+// activation encoder.
 #pragma once
 
 #include <algorithm>
@@ -47,4 +48,7 @@ inline size_t kq_prefill_scratch_bytes(DType t, int64_t nb, size_t row_bytes) {
   return rb * static_cast<size_t>(nb) * meta + chunk * kq_prefill_tile_block_bytes(kKQPrefillPairs) +
          rb * static_cast<size_t>(kKQPrefillPairs) * 64 + 2 * chunk * groups * 64 + 8 * 64;
 }
+// n / 256 Q8_K blocks of x at dst, quantize_act_row's bytes, where this machine has AVX-512
+// (returns false and writes nothing elsewhere).
+bool quantize_q8k_simd(const float* x, int64_t n, std::byte* dst);
 }  // namespace kiln::cpu
