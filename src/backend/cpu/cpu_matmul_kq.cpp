@@ -16,8 +16,9 @@
 // sum is the product of two exact floats (the tile's bsum pairs and the row's mins, |product| <
 // 2^24) instead of a madd and a convert; scales are decoded once per row block; K runs in chunks
 // whose activation tile stays in L1 (the v2 kernel streams wide rows' tiles from L2).
-// bench/matvec_bench BM_KQPrefillOnOff, 512 tokens, 1 thread, against the v2 kernels: Q4_K
-// 1.04-1.30x at 2048 columns, 1.26-1.54x at 8192; Q6_K 1.03-1.10x / 1.28-1.34x. Each int32 lane
+// bench/matvec_bench BM_KQPrefillOnOff, 512 tokens, 1 thread, against the v2 kernels (with the
+// 4-register Hsum tree below): Q4_K 1.14-1.15x at 2048 columns, 1.36-1.40x at 8192; Q6_K
+// 1.18-1.19x / 1.32x. Each int32 lane
 // equals the plain kernel's (integer sums are exact in any order) and each float lane sees the
 // plain kernel's two FMAs on the same values in the same order, then Hsum of its 8 lanes in
 // order: the plain kernel's bits (tests/ops MatmulKQPrefill). Q6_K (DotQ6KPrefill) follows the
@@ -110,6 +111,7 @@ bool QuantizeQ8KRowK(const float* x, int64_t n, std::byte* dst) {
 // Highway's AVX3_DL target string names AVX-VNNI but not AVX512-VNNI (as in cpu_matmul.cpp);
 // no lambdas in these functions: clang would compile them without the target.
 #define KILN_KQ_VNNI __attribute__((target(HWY_TARGET_STR ",avx512vnni"), noinline))
+#define KILN_KQ_INLINE __attribute__((target(HWY_TARGET_STR ",avx512vnni"), always_inline)) inline
 
 namespace {
 using quant::block_q4_K;
@@ -267,6 +269,34 @@ KILN_KQ_VNNI void RowScales(const Meta* meta, int64_t n, const std::byte* tile, 
   }
 }
 
+// out[2p + u] = Hsum of token u's 8 lanes of acc[p] (lanes 2l + u), for all pairs: with 4 pairs
+// as one tree over the 4 registers (Hsum's adds: lane l + lane l+4, then (0, 2) and (1, 3), then
+// (0, 1); IEEE adds commute), 13 ops instead of 4 x 13.
+template <int P>
+KILN_KQ_INLINE void HsumPairs(const __m512 (&acc)[P], float* out) {
+  if constexpr (P == 4) {
+    // [a.lo256 | b.lo256] + [a.hi256 | b.hi256]: per pair, s_i = v_i + v_{i+4} at lanes 2i + u.
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    // 128-bit lane k = pair k: [s0 + s2, s1 + s3] for tokens A, B (lanes 2i + u).
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+    // Lanes 0, 1 of each 128-bit lane: (s0 + s2) + (s1 + s3) of tokens A, B.
+    const __m512 r = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m512i pick = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(pick, r)));
+  } else {
+    const __m512i deint = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int p = 0; p < P; ++p) {
+      const __m512 v = _mm512_permutexvar_ps(deint, acc[p]);
+      out[2 * p] = Hsum(_mm512_castps512_ps256(v));
+      out[2 * p + 1] = Hsum(_mm512_extractf32x8_ps(v, 1));
+    }
+  }
+}
+
 // One row x P token pairs over the chunk's n blocks. acc: the pairs' float lanes carried
 // between chunks (read unless `first`); with `last`, out[t] for the 2P tokens instead.
 template <int P>
@@ -320,12 +350,7 @@ KILN_KQ_VNNI void DotQ4KPrefill(const block_q4_K* row, const Q4KMeta* meta, int6
     for (int p = 0; p < P; ++p) _mm512_store_ps(acc_mem + 16 * p, acc[p]);
     return;
   }
-  const __m512i deint = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  for (int p = 0; p < P; ++p) {
-    const __m512 v = _mm512_permutexvar_ps(deint, acc[p]);
-    out[2 * p] = Hsum(_mm512_castps512_ps256(v));
-    out[2 * p + 1] = Hsum(_mm512_extractf32x8_ps(v, 1));
-  }
+  HsumPairs<P>(acc, out);
 }
 
 // Q6_K, the same register tile: isum starts at the -32 offset (one vpmaddwd of the tile's bsum
@@ -364,12 +389,7 @@ KILN_KQ_VNNI void DotQ6KPrefill(const std::byte* /*row: decoded into meta*/, con
     for (int p = 0; p < P; ++p) _mm512_store_ps(acc_mem + 16 * p, acc[p]);
     return;
   }
-  const __m512i deint = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  for (int p = 0; p < P; ++p) {
-    const __m512 v = _mm512_permutexvar_ps(deint, acc[p]);
-    out[2 * p] = Hsum(_mm512_castps512_ps256(v));
-    out[2 * p + 1] = Hsum(_mm512_extractf32x8_ps(v, 1));
-  }
+  HsumPairs<P>(acc, out);
 }
 
 template <class Block, class Meta>
@@ -464,6 +484,7 @@ void MatmulQ6KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scrat
 }
 
 #undef KILN_KQ_VNNI
+#undef KILN_KQ_INLINE
 #endif  // HWY_ARCH_X86 && HWY_AVX3_DL
 }  // namespace HWY_NAMESPACE
 }  // namespace kiln::cpu
