@@ -60,6 +60,7 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
   cpu::set_q8_vnni_matmul(config.cpu_q8_vnni);
   cpu::set_kq_prefill_matmul(config.cpu_kq_prefill);
   cpu::set_q8k_quant_simd(config.cpu_q8k_quant_simd);
+  cpu::set_q8_quant_simd(config.cpu_q8_quant_simd);
   cpu::set_float_tile_matmul(config.cpu_float_tile);
   cpu::set_attention_multi(config.cpu_attn_multi);
   cpu::set_matvec_prefetch_bytes(config.cpu_matvec_prefetch);

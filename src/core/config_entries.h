@@ -63,6 +63,9 @@ KILN_CONFIG_ENTRY(bool, cpu_kq_prefill, true,
 KILN_CONFIG_ENTRY(bool, cpu_q8k_quant_simd, true,
                   "CPU: encode Q8_K activations (K-quant matmul inputs) with AVX-512 where "
                   "available (same bytes as the scalar loop)")
+KILN_CONFIG_ENTRY(bool, cpu_q8_quant_simd, true,
+                  "CPU: encode Q8_0 activations (Q8_0/Q4_0/Q5_0 matmul inputs) with AVX-512 where "
+                  "available (same bytes as the scalar loop)")
 KILN_CONFIG_ENTRY(bool, cpu_float_tile, true,
                   "CPU: F32/F16/BF16 matmuls of 2+ tokens (prefill) through the register-tiled "
                   "kernel (same bits as the one-row kernel; faster by bench/matvec_bench "

@@ -1346,6 +1346,7 @@ inline int32_t round_int(float f) {
 // result would be, instead of silently rounding garbage.
 void quantize_act_row(ActKind k, const float* x, int64_t n, std::byte* dst) {
   if (k == ActKind::Q8_0) {
+    if (q8_quant_simd() && quantize_q8_0_simd(x, n, dst)) return;
     auto* out = reinterpret_cast<ActQ8_0*>(dst);
     for (int64_t b = 0; b < n / 32; ++b) {
       const float* xb = x + b * 32;
@@ -1428,7 +1429,7 @@ size_t matmul_scratch_floats(const WeightMatrix& w) {
 namespace {
 // The kernel switches (kernels.h): process-wide, set from the config by the apps, read per call.
 std::atomic<bool> g_q4k_packed{true}, g_kq_pair{true}, g_kq_one{true}, g_kq_batch{true},
-    g_q8_vnni{true}, g_kq_prefill{true}, g_q8k_quant_simd{true};
+    g_q8_vnni{true}, g_kq_prefill{true}, g_q8k_quant_simd{true}, g_q8_quant_simd{true};
 std::atomic<int64_t> g_matvec_prefetch{kDefaultMatvecPrefetchBytes};
 }  // namespace
 void set_q4k_packed_matmul(bool on) { g_q4k_packed.store(on, std::memory_order_relaxed); }
@@ -1445,6 +1446,8 @@ void set_kq_prefill_matmul(bool on) { g_kq_prefill.store(on, std::memory_order_r
 bool kq_prefill_matmul() { return g_kq_prefill.load(std::memory_order_relaxed); }
 void set_q8k_quant_simd(bool on) { g_q8k_quant_simd.store(on, std::memory_order_relaxed); }
 bool q8k_quant_simd() { return g_q8k_quant_simd.load(std::memory_order_relaxed); }
+void set_q8_quant_simd(bool on) { g_q8_quant_simd.store(on, std::memory_order_relaxed); }
+bool q8_quant_simd() { return g_q8_quant_simd.load(std::memory_order_relaxed); }
 void set_matvec_prefetch_bytes(int64_t bytes) {
   g_matvec_prefetch.store(std::max<int64_t>(0, bytes), std::memory_order_relaxed);
 }

@@ -25,6 +25,7 @@
 #include "hwy/highway.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "cpu_matmul_q8.h"
@@ -250,6 +251,61 @@ void MatmulQ8Vnni(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch,
 
 #undef KILN_Q8_VNNI
 #endif  // HWY_ARCH_X86 && HWY_AVX3_DL
+
+// Q8_0 activation blocks with AVX-512 (where this target has it), the same bytes as
+// quantize_act_row's scalar loop, which is compiled for the baseline ISA (one serial max and one
+// serial probe chain per block). Every step is the loop's: the max of |x| skipping NaN
+// (vmaxps returns its second operand, the running max, when |x| is NaN; max is order-free),
+// "some x not finite" for the probe (x * 0 is NaN exactly then), d = amax / 127 and its inverse
+// in scalar, then per element the product and the rounding add as two separately rounded ops
+// (the _round forms: no FMA contraction, as the baseline loop has none) and the mantissa bits.
+bool QuantizeQ8_0RowK(const float* x, int64_t n, std::byte* dst) {
+#if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX3_DL
+  constexpr int kRn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512 magic = _mm512_set1_ps(12582912.f);
+  const __m512i mant = _mm512_set1_epi32(0x007fffff), half = _mm512_set1_epi32(0x00400000);
+  auto* out = reinterpret_cast<ActQ8_0*>(dst);
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const float* xb = x + b * 32;
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const __m512 a = _mm512_max_ps(_mm512_and_ps(x1, abs_mask),
+                                   _mm512_max_ps(_mm512_and_ps(x0, abs_mask), _mm512_setzero_ps()));
+    const bool bad = (_mm512_fpclass_ps_mask(x0, 0x99) | _mm512_fpclass_ps_mask(x1, 0x99)) != 0;
+    const float amax = _mm512_reduce_max_ps(a);
+    const float d = amax / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
+    ActQ8_0& q = out[b];
+    q.d = bad ? NAN : d;
+    if (bad) {
+      std::memset(q.qs, 0, sizeof(q.qs));
+      continue;
+    }
+    const __m512 iv = _mm512_set1_ps(id);
+    for (int h = 0; h < 2; ++h) {
+      const __m512 prod = _mm512_mul_round_ps(h ? x1 : x0, iv, kRn);
+      const __m512i bits = _mm512_castps_si512(_mm512_add_round_ps(prod, magic, kRn));
+      const __m512i qi = _mm512_sub_epi32(_mm512_and_si512(bits, mant), half);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.qs + 16 * h), _mm512_cvtepi32_epi8(qi));
+    }
+  }
+  return true;
+#else
+  (void)x;
+  (void)n;
+  (void)dst;
+  return false;
+#endif
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace kiln::cpu
 HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kiln::cpu {
+HWY_EXPORT(QuantizeQ8_0RowK);
+bool quantize_q8_0_simd(const float* x, int64_t n, std::byte* dst) {
+  return HWY_DYNAMIC_DISPATCH(QuantizeQ8_0RowK)(x, n, dst);
+}
+}  // namespace kiln::cpu
+#endif

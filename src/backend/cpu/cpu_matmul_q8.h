@@ -52,4 +52,7 @@ inline size_t q8_vnni_scratch_bytes(int64_t n_cols) {
   const auto unb = static_cast<size_t>(nb);
   return rb * unb * (kQ8PackBytes + 4) + tiles * unb * kQ8TileBlockBytes + unb * 32 + 8 * 64;
 }
+// n / 32 ActQ8_0 blocks of x at dst, quantize_act_row's bytes, where this machine has AVX-512
+// (returns false and writes nothing elsewhere).
+bool quantize_q8_0_simd(const float* x, int64_t n, std::byte* dst);
 }  // namespace kiln::cpu

@@ -86,6 +86,10 @@ bool kq_prefill_matmul();
 // bisecting.
 void set_q8k_quant_simd(bool on);
 bool q8k_quant_simd();
+// The same for the Q8_0 activation blocks of the Q8_0/Q4_0/Q5_0 matmuls (cpu_matmul_q8.cpp;
+// ActQuant.Q8_0SameBytesBothWays; ~2.5 % of a Q8_0 pp512 profile before).
+void set_q8_quant_simd(bool on);
+bool q8_quant_simd();
 // F32/F16/BF16 matmuls of kFloatTileMinTok+ tokens through the register-tiled kernel of
 // cpu_matmul_float.cpp (default on, faster by measurement: bench/matvec_bench
 // BM_FloatTileOnOff, kiln bench pp512). Output: DotTile's bits (tests/ops MatmulFloatTile), so
