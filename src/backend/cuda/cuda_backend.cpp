@@ -12,8 +12,8 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <chrono>
 #include <bit>
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <deque>
@@ -1058,10 +1058,6 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
   I.finish("matmul");
 }
 
-// Tasks that share one resident input (a layer's Q/K/V, gate/up) on V3's int8 path: the input
-// is quantized once and every weight reads that (launch_matvec_q8 is what matmul() runs after
-// its own quantization of the same x, so each y has matmul()'s bits). Anything else: one
-// matmul() per task.
 // Consecutive tasks of one weight layout (type, row size, alignment) run as one grouped launch
 // (launch_matvec_*_group: each output has its own launch's bits); a group the launcher refuses
 // goes task by task. `one(i)` launches task i alone, `group(first, n)` a group.
@@ -1084,6 +1080,11 @@ cudaError_t run_grouped(std::span<const cuda::DeviceWeight> ws, One&& one, Group
   return cudaSuccess;
 }
 
+// Tasks that share one resident input (a layer's Q/K/V, gate/up) on V3's int8 path: the input
+// is quantized once and every weight reads that (launch_matvec_q8 is what matmul() runs after
+// its own quantization of the same x, so each y has matmul()'s bits), same-layout runs of them
+// in one grouped launch; float weights take matmul_batch_float below. Anything else: one
+// matmul() per task.
 void CudaBackend::matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok) {
   Impl& I = *impl_;
   std::unique_lock lock(I.mu);

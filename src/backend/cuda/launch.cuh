@@ -18,7 +18,10 @@
 //   overlap: the one running and the next one waiting.
 // A kernel launched without the attribute (flag off, or a launcher that does not use launch())
 // runs as before: griddepcontrol.wait is then a no-op and the stream orders it fully. Copies,
-// event records and cuBLAS kernels between two of ours keep their full dependencies.
+// event records and cuBLAS kernels between two of ours keep their full dependencies; that is
+// also why reading weights before the wait is safe: no kernel writes weight memory, only copies
+// do (the arena upload, the MoE expert tier filling a slot), and a kernel after such a copy
+// starts after it, while the copy itself waits for every kernel queued before it.
 #pragma once
 
 #include <cuda_runtime.h>
