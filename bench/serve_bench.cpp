@@ -7,7 +7,10 @@
 // (what `kiln bench` tg measures) and the time of one batched decode step by batch width.
 // The CPU is shared with other work on the dev machine, so compare the ratios within one run.
 // Usage: serve_bench MODEL [threads=2] [streams=1,4,16] [n_gen=64] [n_prompt=64] [rounds=2]
-//                    [modes=batched,unbatched] [kq_batch=1] [widths=0,1,2,4,8,16]
+//                    [modes=batched,unbatched] [kq_batch=1] [widths=0,1,2,4,8,16] [repeats=1]
+// (repeats > 1: the streams list runs that many times in turn, and each batched run's aggregate
+// is divided by the first stream count's run of the same pass, minutes apart at most, so the
+// VM's drift cancels; the medians of those ratios are printed last.)
 // (kq_batch 0: cpu::set_kq_batch_matmul(false), for A/B runs of that kernel switch; widths:
 // the decode batch widths timed, 0 the Session::eval baseline, which x Session is against:
 // list it first.)
@@ -219,8 +222,9 @@ int main(int argc, char** argv) {
   const std::string modes = argc > 7 ? argv[7] : "batched,unbatched";
   const bool kq_batch = argc > 8 ? std::atoi(argv[8]) != 0 : true;
   const std::vector<int32_t> widths = parse_list(argc > 9 ? argv[9] : "0,1,2,4,8,16");
+  const int32_t repeats = argc > 10 ? std::atoi(argv[10]) : 1;
   cpu::set_kq_batch_matmul(kq_batch);
-  if (threads < 1 || n_gen < 1 || n_prompt < 1 || rounds < 1 || streams.empty()) {
+  if (threads < 1 || n_gen < 1 || n_prompt < 1 || rounds < 1 || streams.empty() || repeats < 1) {
     fmt::print(stderr, "serve_bench: threads, n_gen, n_prompt, rounds must be >= 1\n");
     return 2;
   }
@@ -248,17 +252,35 @@ int main(int argc, char** argv) {
   }
   fmt::print("| streams | mode | requests | tokens | seconds | aggregate t/s | x tg128 | TTFT p50 ms | TTFT p99 ms | errors |\n");
   fmt::print("|---|---|---|---|---|---|---|---|---|---|\n");
-  for (int32_t s : streams) {
-    for (const bool batched : {true, false}) {
-      const std::string name = batched ? "batched" : "unbatched";
-      if (("," + modes + ",").find("," + name + ",") == std::string::npos) continue;
-      const LoadResult r = run_load(*m, *be, s, batched, n_prompt, n_gen, rounds);
-      fmt::print("| {} | {} | {} | {} | {:.1f} | {:.2f} | {:.2f} | {:.0f} | {:.0f} | {} |\n", s,
-                 name, r.requests, r.tokens, r.seconds,
-                 r.tokens_per_s, r.tokens_per_s / tg, r.ttft_p50_ms, r.ttft_p99_ms, r.errors);
-      std::fflush(stdout);
+  std::vector<std::vector<double>> ratios(streams.size());  // batched, against streams[0]
+  for (int32_t pass = 0; pass < repeats; ++pass) {
+    double base = 0;
+    for (size_t si = 0; si < streams.size(); ++si) {
+      const int32_t s = streams[si];
+      for (const bool batched : {true, false}) {
+        const std::string name = batched ? "batched" : "unbatched";
+        if (("," + modes + ",").find("," + name + ",") == std::string::npos) continue;
+        const LoadResult r = run_load(*m, *be, s, batched, n_prompt, n_gen, rounds);
+        fmt::print("| {} | {} | {} | {} | {:.1f} | {:.2f} | {:.2f} | {:.0f} | {:.0f} | {} |\n", s,
+                   name, r.requests, r.tokens, r.seconds,
+                   r.tokens_per_s, r.tokens_per_s / tg, r.ttft_p50_ms, r.ttft_p99_ms, r.errors);
+        std::fflush(stdout);
+        if (!batched) continue;
+        if (si == 0) base = r.tokens_per_s;
+        if (base > 0) ratios[si].push_back(r.tokens_per_s / base);
+      }
     }
   }
+  if (repeats > 1)
+    for (size_t si = 1; si < streams.size(); ++si) {
+      std::vector<double> v = ratios[si];
+      if (v.empty()) continue;
+      std::sort(v.begin(), v.end());
+      std::string all;
+      for (double x : ratios[si]) all += fmt::format("{}{:.2f}", all.empty() ? "" : " ", x);
+      fmt::print("batched {} streams / {} stream(s), same pass: median {:.2f} ({})\n", streams[si],
+                 streams[0], v[v.size() / 2], all);
+    }
   fmt::print("load average after: {:.1f}\n", load_average());
   return 0;
 }
