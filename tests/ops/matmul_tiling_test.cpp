@@ -112,6 +112,17 @@ OnOff run_on_off(void (*set_on)(bool), Backend& one, Backend& two, const WeightM
   return r;
 }
 
+// The Q4_K/Q6_K kernel switches a test turns off, back to their defaults (all on) when it ends,
+// failed or not.
+struct KQSwitchesRestore {
+  ~KQSwitchesRestore() {
+    cpu::set_kq_prefill_matmul(true);
+    cpu::set_kq_batch_matmul(true);
+    cpu::set_kq_pair_matmul(true);
+    cpu::set_q4k_packed_matmul(true);
+  }
+};
+
 // The packed Q4_K prefill kernel (AVX-512 VNNI) must give the plain kernel's bits: with
 // cpu::set_q4k_packed_matmul(false) the output is the plain kernel's, so this is also the
 // proof that the switch changes nothing but speed. Raw random blocks reach every nibble and
@@ -122,13 +133,7 @@ TEST(MatmulQ4KPacked, SameBitsAsPlainKernel) {
   static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
   std::mt19937_64 rng(ops_seed() ^ 0x9e3779b9ULL);
   SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  struct Restore {
-    ~Restore() {
-      cpu::set_kq_prefill_matmul(true);
-      cpu::set_q4k_packed_matmul(true);
-      cpu::set_kq_batch_matmul(true);
-    }
-  } restore;
+  const KQSwitchesRestore restore;
   cpu::set_kq_prefill_matmul(false);  // from 16 tokens it would take Q4_K calls on and off
   cpu::set_kq_batch_matmul(false);  // with it on, the v2 batched kernels take these calls
   for (int64_t k : {256, 768}) {
@@ -167,14 +172,7 @@ TEST(MatmulKQPair, SameBitsAsPlainKernel) {
   static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
   std::mt19937_64 rng(ops_seed() ^ 0x7f4a7c15ULL);
   SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  struct Restore {
-    ~Restore() {
-      cpu::set_kq_prefill_matmul(true);
-      cpu::set_kq_pair_matmul(true);
-      cpu::set_q4k_packed_matmul(true);
-      cpu::set_kq_batch_matmul(true);
-    }
-  } restore;
+  const KQSwitchesRestore restore;
   cpu::set_kq_prefill_matmul(false);  // from 16 tokens it would take Q4_K calls on and off
   cpu::set_kq_batch_matmul(false);
   for (DType type : {DType::Q4_K, DType::Q6_K}) {
@@ -224,14 +222,7 @@ TEST(MatmulKQBatch, SameBitsAsPlainKernel) {
   static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
   std::mt19937_64 rng(ops_seed() ^ 0x2545f491ULL);
   SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  struct Restore {
-    ~Restore() {
-      cpu::set_kq_prefill_matmul(true);
-      cpu::set_kq_batch_matmul(true);
-      cpu::set_kq_pair_matmul(true);
-      cpu::set_q4k_packed_matmul(true);
-    }
-  } restore;
+  const KQSwitchesRestore restore;
   cpu::set_kq_prefill_matmul(false);  // from 16 tokens it would take Q4_K calls on and off
   // on: the batched kernels; off: the plain ones (kq_pair and, for Q4_K from 12 tokens, the
   // packed kernel off too).
@@ -291,14 +282,7 @@ TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
   static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
   std::mt19937_64 rng(ops_seed() ^ 0x61c88647ULL);
   SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  struct Restore {
-    ~Restore() {
-      cpu::set_kq_prefill_matmul(true);
-      cpu::set_kq_batch_matmul(true);
-      cpu::set_kq_pair_matmul(true);
-      cpu::set_q4k_packed_matmul(true);
-    }
-  } restore;
+  const KQSwitchesRestore restore;
   // on: the prefill kernel (the others off, so that fewer tokens take the plain kernel too);
   // off: the plain kernel.
   cpu::set_q4k_packed_matmul(false);
