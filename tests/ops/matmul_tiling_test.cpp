@@ -112,6 +112,31 @@ OnOff run_on_off(void (*set_on)(bool), Backend& one, Backend& two, const WeightM
   return r;
 }
 
+// n_tok random tokens of k: token 0 all zero (activation scale 0), token 1 with one huge element,
+// token 3 with a NaN (which must come out NaN).
+std::vector<float> edge_tokens(std::mt19937_64& rng, int64_t n_tok, int64_t k) {
+  std::vector<float> x = random_vec(rng, size_t(n_tok * k), 1.0f);
+  std::fill_n(x.begin(), k, 0.0f);
+  if (n_tok > 1) x[size_t(k + 5)] = 3e30f;
+  if (n_tok > 3) x[size_t(3 * k + 7)] = NAN;
+  return x;
+}
+
+// A kernel switch changes no bit: on with 1 and 2 threads equals off, and over edge_tokens'
+// batch token 3's NaN reaches its outputs while token 2 stays finite.
+void expect_same_bits_on_off(const OnOff& r, int64_t n_tok, int64_t n_rows, const char* kernel) {
+  ASSERT_EQ(0, std::memcmp(r.on1.data(), r.off1.data(), r.on1.size() * sizeof(float)))
+      << kernel << " vs plain kernel differ";
+  ASSERT_EQ(0, std::memcmp(r.on1.data(), r.on2.data(), r.on1.size() * sizeof(float)))
+      << kernel << " kernel: 1 vs 2 threads differ";
+  if (n_tok > 3) {
+    ASSERT_TRUE(std::isnan(r.on1[size_t(3 * n_rows)]));
+  }
+  if (n_tok > 2) {
+    ASSERT_FALSE(std::isnan(r.on1[size_t(2 * n_rows)]));
+  }
+}
+
 // The Q4_K/Q6_K kernel switches a test turns off, back to their defaults (all on) when it ends,
 // failed or not.
 struct KQSwitchesRestore {
@@ -188,22 +213,10 @@ TEST(MatmulKQPair, SameBitsAsPlainKernel) {
           cpu::set_q4k_packed_matmul(packed);
           SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows
                                             << " n_tok " << n_tok << " q4k packed " << packed);
-          std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
-          std::fill_n(x.begin(), k, 0.0f);        // token 0: all zero (activation scale 0)
-          if (n_tok > 1) x[k + 5] = 3e30f;        // token 1: one huge element
-          if (n_tok > 3) x[3 * k + 7] = NAN;      // token 3: NaN, which must come out NaN
-          const auto [on1, on2, off1] =
-              run_on_off(cpu::set_kq_pair_matmul, *cpu1, *cpu2, w, x, n_tok);
-          ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
-              << "small-batch vs plain kernel differ";
-          ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
-              << "small-batch kernel: 1 vs 2 threads differ";
-          if (n_tok > 3) {
-            ASSERT_TRUE(std::isnan(on1[3 * n_rows]));
-          }
-          if (n_tok > 2) {
-            ASSERT_FALSE(std::isnan(on1[2 * n_rows]));
-          }
+          const std::vector<float> x = edge_tokens(rng, n_tok, k);
+          expect_same_bits_on_off(run_on_off(cpu::set_kq_pair_matmul, *cpu1, *cpu2, w, x, n_tok), n_tok,
+                                  n_rows, "small-batch");
+          if (::testing::Test::HasFatalFailure()) return;
         }
       }
     }
@@ -247,21 +260,10 @@ TEST(MatmulKQBatch, SameBitsAsPlainKernel) {
             SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
                                               << n_rows << " strided " << strided << " n_tok "
                                               << n_tok);
-            std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
-            std::fill_n(x.begin(), k, 0.0f);    // token 0: all zero (activation scale 0)
-            x[k + 5] = 3e30f;                   // token 1: one huge element
-            if (n_tok > 3) x[3 * k + 7] = NAN;  // token 3: NaN, which must come out NaN
-            const auto [on1, on2, off1] = run_on_off(set_on, *cpu1, *cpu2, w, x, n_tok);
-            ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
-                << "batched v2 vs plain kernel differ";
-            ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
-                << "batched v2 kernel: 1 vs 2 threads differ";
-            if (n_tok > 3) {
-              ASSERT_TRUE(std::isnan(on1[3 * n_rows]));
-            }
-            if (n_tok > 2) {
-              ASSERT_FALSE(std::isnan(on1[2 * n_rows]));
-            }
+            const std::vector<float> x = edge_tokens(rng, n_tok, k);
+            expect_same_bits_on_off(run_on_off(set_on, *cpu1, *cpu2, w, x, n_tok), n_tok,
+                                    n_rows, "batched v2");
+            if (::testing::Test::HasFatalFailure()) return;
           }
         }
       }
@@ -304,21 +306,10 @@ TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
           if (n_tok == 509 && (k > 768 || n_rows > 67)) continue;
           SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
                                             << strided << " n_tok " << n_tok);
-          std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
-          std::fill_n(x.begin(), k, 0.0f);    // token 0: all zero (activation scale 0)
-          if (n_tok > 1) x[k + 5] = 3e30f;    // token 1: one huge element
-          if (n_tok > 3) x[3 * k + 7] = NAN;  // token 3: NaN, which must come out NaN
-          const auto [on1, on2, off1] = run_on_off(cpu::set_kq_prefill_matmul, *cpu1, *cpu2, w, x, n_tok);
-          ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
-              << "prefill vs plain kernel differ";
-          ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
-              << "prefill kernel: 1 vs 2 threads differ";
-          if (n_tok > 3) {
-            ASSERT_TRUE(std::isnan(on1[3 * n_rows]));
-          }
-          if (n_tok > 2) {
-            ASSERT_FALSE(std::isnan(on1[2 * n_rows]));
-          }
+          const std::vector<float> x = edge_tokens(rng, n_tok, k);
+          expect_same_bits_on_off(run_on_off(cpu::set_kq_prefill_matmul, *cpu1, *cpu2, w, x, n_tok), n_tok,
+                                  n_rows, "prefill");
+          if (::testing::Test::HasFatalFailure()) return;
         }
       }
     }
@@ -503,15 +494,10 @@ TEST(MatmulFloatTile, SameBitsAsDotTile) {
 // vector width and register tile (cpu_matmul_float.cpp kTileRows x kTileTok).
 TEST(MatmulFloatTile, SameBitsOnEveryTarget) {
   std::mt19937_64 rng(ops_seed() ^ 0x1f83d9abULL);
-  struct Unmock {
-    ~Unmock() { hwy::SetSupportedTargetsForTest(0); }
-  } unmock;
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
+  kiln::testing::for_each_simd_target([&] {
     SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
     check_float_tile(rng, true);
-    if (::testing::Test::HasFatalFailure()) return;
-  }
+  });
 }
 
 // Raw random Q8_0 / Q4_0 / Q5_0 rows: every quant value (Q8_0's -128 included, which
@@ -565,22 +551,10 @@ TEST(MatmulQ8Vnni, SameBitsAsPlainKernel) {
             SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
                                               << n_rows << " strided " << strided << " n_tok "
                                               << n_tok);
-            std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
-            std::fill_n(x.begin(), k, 0.0f);    // token 0: all zero (activation scale 0)
-            if (n_tok > 1) x[k + 5] = 3e30f;    // token 1: one huge element
-            if (n_tok > 3) x[3 * k + 7] = NAN;  // token 3: NaN, which must come out NaN
-            const auto [on1, on2, off1] =
-                run_on_off(cpu::set_q8_vnni_matmul, *cpu1, *cpu2, w, x, n_tok);
-            ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
-                << "VNNI vs plain kernel differ";
-            ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
-                << "VNNI kernel: 1 vs 2 threads differ";
-            if (n_tok > 3) {
-              ASSERT_TRUE(std::isnan(on1[3 * n_rows]));
-            }
-            if (n_tok > 2) {
-              ASSERT_FALSE(std::isnan(on1[2 * n_rows]));
-            }
+            const std::vector<float> x = edge_tokens(rng, n_tok, k);
+            expect_same_bits_on_off(run_on_off(cpu::set_q8_vnni_matmul, *cpu1, *cpu2, w, x, n_tok), n_tok,
+                                    n_rows, "VNNI");
+            if (::testing::Test::HasFatalFailure()) return;
           }
         }
       }

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include "hwy/targets.h"
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -34,6 +36,21 @@ inline ::testing::AssertionResult close(float got, float want, double tol) {
   if (diff <= tol) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << "got " << got << " want " << want << " |diff| " << diff
                                        << " > tol " << tol << " (seed " << ops_seed() << ")";
+}
+
+// check() once on every SIMD target this machine can run (Highway's dispatch pinned to each in
+// turn, restored afterwards, failed or not); stops at the first fatal failure. For the tests
+// that a kernel has the same bits on every target (each has its own vector width).
+template <typename F>
+void for_each_simd_target(F&& check) {
+  struct Unmock {
+    ~Unmock() { hwy::SetSupportedTargetsForTest(0); }
+  } unmock;
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    check();
+    if (::testing::Test::HasFatalFailure()) return;
+  }
 }
 
 }  // namespace kiln::testing
