@@ -300,7 +300,6 @@ HWY_INLINE void DotQ45K(const std::byte* row, int64_t nb, const block_q8_K* cons
 // Q6_K against Q8_K: d * sum_g sc_g * sum((q - 32) * a); the -32 uses Q8_K's bsums.
 template <int T>
 HWY_INLINE void DotQ6K(const std::byte* row, int64_t nb, const block_q8_K* const* ys, float* out) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -314,13 +313,8 @@ HWY_INLINE void DotQ6K(const std::byte* row, int64_t nb, const block_q8_K* const
     for (int h = 0; h < 2; ++h) {
       const __m256i ql0 = Load32(b->ql + 64 * h), ql1 = Load32(b->ql + 64 * h + 32);
       const __m256i qh = Load32(b->qh + 32 * h);
-      const __m256i w4[4] = {
-          _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-          _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30)),
-      };
+      __m256i w4[4];
+      Q6KGroups(ql0, ql1, qh, w4);
       for (int g = 0; g < 4; ++g) {
         const int sub = 4 * h + g;  // 32 elements, scales[2*sub] then scales[2*sub + 1]
         const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(b->scales[2 * sub + 1]),

@@ -171,19 +171,13 @@ struct alignas(64) Q6KMeta {
 static_assert(sizeof(Q6KMeta) == kQ6KMetaBytes);
 
 KILN_KQ_VNNI void BuildMetaQ6(const quant::block_q6_K& b, Q6KMeta& mt) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   for (int h = 0; h < 2; ++h) {  // as the plain kernel (cpu_matmul.cpp DotQ6K) unpacks them
     const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
     const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
-    const __m256i w4[4] = {
-        _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-        _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30)),
-    };
+    __m256i w4[4];
+    Q6KGroups(ql0, ql1, qh, w4);
     for (int g = 0; g < 4; ++g)
       _mm512_store_si512(mt.w[4 * h + g], _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(w4[g])));
   }
