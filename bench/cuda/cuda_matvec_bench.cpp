@@ -481,8 +481,8 @@ void bench_q8_variants(int iters, size_t l2_bytes, double read_gbps, std::mt1993
           if (i == 0) {
             BENCH_CHECK(cudaMemcpy(v == 0 ? y0.data() : yv.data(), dy, y0.size() * sizeof(float),
                                    cudaMemcpyDeviceToHost));
-            // Variants 6+ map units to lanes differently (other bits by design): checked
-            // against the host dequantization's magnitude instead.
+            // Variant 6 (Q4_K by single units, the mapping before the pairs) sums in another
+            // order (other bits by design): checked against variant 0's magnitude instead.
             if (v > 0 && v < 6) same = same && std::memcmp(y0.data(), yv.data(), y0.size() * 4) == 0;
             if (v >= 6) {
               double worst = 0, mag = 0;

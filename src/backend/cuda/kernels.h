@@ -98,7 +98,9 @@ cudaError_t launch_matvec_float_v3_group(std::span<const DeviceWeight> ws,
                                          int64_t n_tok, int rows, cudaStream_t s);
 // One-token launch shapes of launch_matvec_q8 for cuda_matvec_bench --q8-variants (units in
 // flight per lane, rows per warp, a register cap for occupancy; 16-byte aligned rows only).
-// Every variant gives the same bits; variant 0 is what launch_matvec_q8 runs.
+// Variants 0-5 give the same bits; variant 0 is what launch_matvec_q8 runs. Variant 6 (Q4_K
+// only, cudaErrorNotSupported for the others) is Q4_K by single units per lane instead of pairs,
+// the mapping before the pairs, other bits, for the A/B.
 int matvec_q8_variants();
 cudaError_t launch_matvec_q8_variant(const DeviceWeight& w, const void* act, float* y, int variant,
                                      cudaStream_t s);

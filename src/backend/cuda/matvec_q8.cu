@@ -6,11 +6,12 @@
 // int8x4 words that meet the activation words in __dp4a: one instruction per four products, one f32
 // FMA per unit.
 //
-// Each lane owns the units lane, lane + 32, ... of a row, accumulates each token in its own
-// register in that unit order, and the warp reduces with a fixed butterfly: a token's output is
-// the same bits whether the call holds 1 or 64 tokens and however many rows a warp carries
-// (docs/determinism.md); only explicit _rn intrinsics touch the floats so the compiler cannot
-// contract them differently per instantiation.
+// Each lane owns the units lane, lane + 32, ... of a row (Q4_K: the pairs of units that share
+// their quant bytes, lane, lane + 32, ..., each summed low unit first), accumulates each token
+// in its own register in that order, and the warp reduces with a fixed butterfly: a token's
+// output is the same bits whether the call holds 1 or 64 tokens and however many rows a warp
+// carries (docs/determinism.md); only explicit _rn intrinsics touch the floats so the compiler
+// cannot contract them differently per instantiation.
 //
 // Weight bytes: K-quant layouts with 16-byte aligned blocks (Q4_K 144 B, Q5_K 176 B) are read
 // straight from global memory with 16-byte loads; the 2-byte aligned ones (Q8_0 34 B, Q4_0
@@ -181,6 +182,17 @@ __device__ __forceinline__ void load_field(const uint8_t* p, uint32_t* w) {
   }
 }
 
+// llama.cpp's 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block, from its 12
+// scale bytes as words, branch-free (dequant.cuh's form picks bytes by a run-time index; this
+// is a third of the instructions): sub-blocks 0..3 keep 6 bits of bytes j and j + 4, 4..7 take
+// 4 bits of byte j + 4 and the top 2 of bytes j - 4 / j.
+__device__ __forceinline__ void k_scale_min(const uint32_t* sw, int j, int& sc, int& m) {
+  const int sh = 8 * (j & 3);
+  const uint32_t a0 = sw[0] >> sh, a1 = sw[1] >> sh, a2 = sw[2] >> sh;
+  sc = int(j < 4 ? (a0 & 63u) : ((a2 & 0xFu) | ((a0 >> 2) & 0x30u)));
+  m = int(j < 4 ? (a1 & 63u) : (((a2 >> 4) & 0xFu) | ((a1 >> 2) & 0x30u)));
+}
+
 // Unit u of the rows/chunk at `base` (A: dequant_unit's alignment of base and block size).
 template <DType T, int A>
 __device__ __forceinline__ void decode_unit(const uint8_t* base, int64_t u, WUnit& o) {
@@ -225,13 +237,8 @@ __device__ __forceinline__ void decode_unit(const uint8_t* base, int64_t u, WUni
     const float d = h2f_bits(uint16_t(dm)), dmin = h2f_bits(uint16_t(dm >> 16));
     uint32_t sw[3];
     load_field<12, field_align(A, kBs, 4)>(b + 4, sw);
-    // llama.cpp's 6-bit scale/min of sub-block j, branch-free (dequant.cuh's form picks bytes
-    // by a run-time index; this is a third of the instructions): sub-blocks 0..3 keep 6 bits
-    // of bytes j and j + 4, 4..7 take 4 bits of byte j + 4 and the top 2 of bytes j - 4 / j.
-    const int sh = 8 * (j & 3);
-    const uint32_t a0 = sw[0] >> sh, a1 = sw[1] >> sh, a2 = sw[2] >> sh;
-    const int sc = int(j < 4 ? (a0 & 63u) : ((a2 & 0xFu) | ((a0 >> 2) & 0x30u)));
-    const int m = int(j < 4 ? (a1 & 63u) : (((a2 >> 4) & 0xFu) | ((a1 >> 2) & 0x30u)));
+    int sc, m;
+    k_scale_min(sw, j, sc, m);
     o.d0 = mul_rn(d, i2f(sc));
     o.d1 = mul_rn(dmin, i2f(m));
     uint32_t q[8];
@@ -313,6 +320,96 @@ __device__ __forceinline__ void dot_tokens(const WUnit (&wu)[R], const int8_t* _
   }
 }
 
+// ---- Q4_K by pairs of units. Units 2p and 2p+1 of a block (sub-blocks) share their 32 quant
+// bytes (low and high nibbles) and the block header, so a lane that owns the pair reads one
+// header and two 16-byte quant vectors per 64 weights where two units cost two of each (one
+// token on the H200, 14336x4096: 13.7-14.8 us against 18.1; docs/BENCHMARKS.md, session 8).
+// The high nibbles are used in place (q & 0xF0F0F0F0 = 16 h) through the unsigned x signed
+// dp4a and the exact sum is shifted back. Per unit the floats are unit_dot's (scale, then min).
+__device__ __forceinline__ int dp4a_us(uint32_t a, int b, int c) {
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// Pair pc of a row as loaded: the block header (d and dmin as f16, 12 scale bytes) and the
+// pair's 32 quant bytes.
+struct Q4KPair {
+  uint32_t hdr[4];
+  uint32_t q[8];
+};
+// A: 16 (the row and its 144-byte blocks 16-byte aligned, so both fields are) or 2.
+template <int A>
+__device__ __forceinline__ void load_q4k_pair(const uint8_t* row, int64_t pc, Q4KPair& o) {
+  using kiln::quant::block_q4_K;
+  constexpr int kBs = sizeof(block_q4_K), kQs = offsetof(block_q4_K, qs);
+  static_assert(kBs == 144 && kQs == 16);
+  const uint8_t* b = row + (pc / 4) * kBs;
+  const uint8_t* qs = b + kQs + 32 * int(pc % 4);
+  if constexpr (A == 16) {
+    const uint4 h = __ldg(reinterpret_cast<const uint4*>(b));
+    const uint4 q0 = __ldg(reinterpret_cast<const uint4*>(qs));
+    const uint4 q1 = __ldg(reinterpret_cast<const uint4*>(qs + 16));
+    o.hdr[0] = h.x, o.hdr[1] = h.y, o.hdr[2] = h.z, o.hdr[3] = h.w;
+    o.q[0] = q0.x, o.q[1] = q0.y, o.q[2] = q0.z, o.q[3] = q0.w;
+    o.q[4] = q1.x, o.q[5] = q1.y, o.q[6] = q1.z, o.q[7] = q1.w;
+  } else {
+    load_field<16, field_align(A, kBs, 0)>(b, o.hdr);
+    load_field<32, field_align(A, kBs, kQs)>(qs, o.q);
+  }
+}
+
+// The R rows' pair pc (pc < n_units / 2) against the NT tokens' activation blocks 2pc and
+// 2pc + 1; valid as in dot_tokens. Unit 2pc goes through every token before unit 2pc + 1 (half
+// the activation and weight words live at a time); each token's sum still takes unit 2pc
+// first, whatever NT and R are.
+template <int NT, int R>
+__device__ __forceinline__ void dot_tokens_q4k_pair(const Q4KPair (&wp)[R],
+                                                    const int8_t* __restrict__ xq,
+                                                    const float2* __restrict__ xd, int64_t n_cols,
+                                                    int64_t n_units, int64_t pc, int nt,
+                                                    float (&acc)[R][NT], bool valid) {
+  const int p = int(pc % 4);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t u = 2 * pc + h;
+    float d0[R], d1[R];
+    uint32_t q[R][8];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      int sc, m;
+      k_scale_min(wp[i].hdr + 1, 2 * p + h, sc, m);
+      d0[i] = mul_rn(h2f_bits(uint16_t(wp[i].hdr[0])), i2f(sc));
+      d1[i] = mul_rn(h2f_bits(uint16_t(wp[i].hdr[0] >> 16)), i2f(m));
+#pragma unroll
+      for (int k = 0; k < 8; ++k) q[i][k] = wp[i].q[k] & (h == 0 ? 0x0F0F0F0Fu : 0xF0F0F0F0u);
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (NT > 1 && t >= nt) break;  // one token: no branch, so the loads below can move up
+      const int4* a4 = reinterpret_cast<const int4*>(xq + t * n_cols + u * kBlk);
+      const int4 x0 = __ldg(a4), x1 = __ldg(a4 + 1);
+      const float2 ds = __ldg(xd + t * n_units + u);
+      const int a[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        int s = 0;
+        if (h == 0) {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) s = __dp4a(int(q[i][k]), a[k], s);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) s = dp4a_us(q[i][k], a[k], s);
+          s >>= 4;  // exact: every product was 16 h a
+        }
+        float v = __fmaf_rn(__fmul_rn(d0[i], ds.x), i2f(s), acc[i][t]);
+        v = __fmaf_rn(-d1[i], ds.y, v);
+        acc[i][t] = valid ? v : acc[i][t];
+      }
+    }
+  }
+}
+
 enum Mode { kStaged = 0, kDirect16 = 1, kDirect2 = 2 };
 
 // Several weights of one type, width and row size in one grid (launch_matvec_*_group): task i
@@ -342,10 +439,12 @@ __device__ __forceinline__ GroupTask group_task(const GroupArgs& g) {
 // grid: (ceil(n_tok / NT) token columns, row blocks); block: kQ8Warps warps, each carrying R
 // consecutive rows (the activation words are loaded once for R rows). The token column varies
 // fastest, so the columns of one row block run together and share its weight bytes in L2.
-// U: units per lane whose loads are issued together (direct modes); PF: prefetch the first
-// rows before pdl_enter(). Neither changes which units a lane sums or in which order, so
-// neither changes any output bit (nor does matvec_q8_kernel_mb's register cap).
-template <DType T, int NT, int R, int MODE, int U, bool PF>
+// U: units per lane whose loads are issued together (direct modes; Q4_K: U / 2 pairs, at least
+// one); PF: prefetch the first rows before pdl_enter(). Neither changes which units a lane sums
+// or in which order, so neither changes any output bit (nor does matvec_q8_kernel_mb's register
+// cap). Q4K_UNITS: Q4_K by single units as the other types, the mapping before the pairs (other
+// bits), kept only for --q8-variants' A/B (matvec_q4k_units_kernel).
+template <DType T, int NT, int R, int MODE, int U, bool PF, bool Q4K_UNITS = false>
 __device__ __forceinline__ void matvec_q8_body(const uint8_t* __restrict__ w, size_t row_bytes,
                                                int64_t n_rows, int64_t n_cols,
                                                const int8_t* __restrict__ xq,
@@ -353,7 +452,9 @@ __device__ __forceinline__ void matvec_q8_body(const uint8_t* __restrict__ w, si
                                                float* __restrict__ y, int64_t rb_first) {
   constexpr int kCU = MODE == kStaged ? q8_chunk_units<T>() : kWarp;
   constexpr int kCV = MODE == kStaged ? q8_chunk_bytes<T>() / 16 : 1;
+  constexpr bool kPairs = T == DType::Q4_K && !Q4K_UNITS;
   static_assert(MODE != kStaged || (q8_chunk_bytes<T>() % 16 == 0 && kCU % kWarp == 0));
+  static_assert(!(kPairs && MODE == kStaged));
   __shared__ uint4 stage[MODE == kStaged ? kQ8Warps : 1][MODE == kStaged ? R : 1][kCV];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t t0 = int64_t(blockIdx.x) * NT;
@@ -418,6 +519,28 @@ __device__ __forceinline__ void matvec_q8_body(const uint8_t* __restrict__ w, si
         }
         __syncwarp();  // every lane is done with the chunk before it is overwritten
       }
+    } else if constexpr (kPairs) {
+      // The direct loop below with pairs for units: UP pairs per lane and row loaded before any
+      // product, the pair index clamped and a pair past the end dropped afterwards.
+      constexpr int UP = U >= 2 ? U / 2 : 1;
+      const int64_t n_pairs = n_units / 2;
+      for (int64_t g = lane; g < n_pairs; g += int64_t(kWarp) * UP) {
+        Q4KPair wp[UP][R];
+#pragma unroll
+        for (int k = 0; k < UP; ++k) {
+          const int64_t pc = g + int64_t(kWarp) * k;
+#pragma unroll
+          for (int i = 0; i < R; ++i)
+            load_q4k_pair<MODE == kDirect16 ? 16 : 2>(rows[i], pc < n_pairs ? pc : n_pairs - 1,
+                                                      wp[k][i]);
+        }
+#pragma unroll
+        for (int k = 0; k < UP; ++k) {
+          const int64_t pc = g + int64_t(kWarp) * k;
+          dot_tokens_q4k_pair<NT, R>(wp[k], xq_t, xd_t, n_cols, n_units,
+                                     pc < n_pairs ? pc : n_pairs - 1, nt, acc, pc < n_pairs);
+        }
+      }
     } else {
       // U units per lane at a time, every load issued before any product: the unit index is
       // clamped (the loads stay in the row) and a unit past the end is dropped afterwards, so
@@ -468,6 +591,15 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp, MINB)
                         const float2* __restrict__ xd, int64_t n_tok, float* __restrict__ y) {
   matvec_q8_body<T, NT, R, MODE, U, true>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y,
                                           blockIdx.y);
+}
+// Q4_K by single units (Q4K_UNITS), for --q8-variants only.
+template <int NT, int R, int MODE, int U>
+__global__ void __launch_bounds__(kQ8Warps* kWarp)
+    matvec_q4k_units_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
+                            int64_t n_cols, const int8_t* __restrict__ xq,
+                            const float2* __restrict__ xd, int64_t n_tok, float* __restrict__ y) {
+  matvec_q8_body<DType::Q4_K, NT, R, MODE, U, true, true>(w, row_bytes, n_rows, n_cols, xq, xd,
+                                                          n_tok, y, blockIdx.y);
 }
 
 // ---- float weights, up to 8 tokens: lane l reads 8 consecutive elements at 8l + 256i (16- or
@@ -628,6 +760,9 @@ cudaError_t with_q8_shape(const DeviceWeight& w, int64_t n_tok, F&& f) {
       return f.template operator()<8, 4, MODE>();
     }
   };
+  // Q4_K rows are whole 256-element blocks of four pairs (the pair loop's block index).
+  if constexpr (T == DType::Q4_K)
+    if (w.n_cols % 256 != 0) return cudaErrorInvalidValue;
   const bool aligned = reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0;
   if constexpr (q8_chunk_units<T>() > 0) {
     if (aligned && (w.n_cols / kBlk) % q8_chunk_units<T>() == 0)
@@ -707,85 +842,8 @@ cudaError_t launch_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok
   });
 }
 
-// ---- Q4_K, one token, a lane per pair of sub-blocks (an experiment for --q8-variants; another
-// unit-to-lane mapping, so other bits than matvec_q8_kernel). Sub-blocks 2p and 2p+1 share
-// their 32 quant bytes (low and high nibbles) and the block header, so a pair costs one header
-// load and two 16-byte quant loads where two units cost two of each; the high nibbles are
-// used in place (q & 0xF0F0F0F0 = 16 h) through the unsigned x signed dp4a, and the exact sum
-// is shifted back.
-__device__ __forceinline__ int dp4a_us(uint32_t a, int b, int c) {
-  int d;
-  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-template <int UP, int MINB>
-__global__ void __launch_bounds__(kQ8Warps* kWarp, MINB)
-    matvec_q4k_pair_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
-                           int64_t n_cols, const int8_t* __restrict__ xq,
-                           const float2* __restrict__ xd, float* __restrict__ y) {
-  using kiln::quant::block_q4_K;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  prefetch_first_rows<1, kQ8Warps>(w, row_bytes, n_rows, blockIdx.y, lane, warp);
-  pdl_enter();
-  const int64_t n_pairs = n_cols / 64;
-  for (int64_t rb = blockIdx.y;; rb += gridDim.y) {
-    const int64_t r0 = rb * kQ8Warps + warp;
-    if (r0 >= n_rows) break;
-    const uint8_t* row = w + r0 * row_bytes;
-    float acc = 0.0f;
-    for (int64_t g = lane; g < n_pairs; g += int64_t(kWarp) * UP) {
-      uint4 hdr[UP], q0[UP], q1[UP];
-#pragma unroll
-      for (int k = 0; k < UP; ++k) {
-        const int64_t pc = g + kWarp * k < n_pairs ? g + kWarp * k : n_pairs - 1;
-        const uint8_t* b = row + (pc / 4) * sizeof(block_q4_K);
-        const int p = int(pc % 4);
-        hdr[k] = __ldg(reinterpret_cast<const uint4*>(b));
-        q0[k] = __ldg(reinterpret_cast<const uint4*>(b + 16 + 32 * p));
-        q1[k] = __ldg(reinterpret_cast<const uint4*>(b + 32 + 32 * p));
-      }
-#pragma unroll
-      for (int k = 0; k < UP; ++k) {
-        const bool valid = g + kWarp * k < n_pairs;
-        const int64_t pc = valid ? g + kWarp * k : n_pairs - 1;
-        const int p = int(pc % 4);
-        const float d = h2f_bits(uint16_t(hdr[k].x)), dmin = h2f_bits(uint16_t(hdr[k].x >> 16));
-        const uint32_t qw[8] = {q0[k].x, q0[k].y, q0[k].z, q0[k].w,
-                                q1[k].x, q1[k].y, q1[k].z, q1[k].w};
-        float a2 = acc;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int j = 2 * p + h;
-          const int sh = 8 * (j & 3);
-          const uint32_t a0 = hdr[k].y >> sh, a1 = hdr[k].z >> sh, a2w = hdr[k].w >> sh;
-          const int sc = int(j < 4 ? (a0 & 63u) : ((a2w & 0xFu) | ((a0 >> 2) & 0x30u)));
-          const int m = int(j < 4 ? (a1 & 63u) : (((a2w >> 4) & 0xFu) | ((a1 >> 2) & 0x30u)));
-          const int64_t u = pc * 2 + h;
-          const int4* a4 = reinterpret_cast<const int4*>(xq + u * kBlk);
-          const int4 x0 = __ldg(a4), x1 = __ldg(a4 + 1);
-          const float2 ds = __ldg(xd + u);
-          const int av[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-          int si = 0;
-          if (h == 0) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) si = __dp4a(int(qw[i] & 0x0F0F0F0Fu), av[i], si);
-          } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) si = dp4a_us(qw[i] & 0xF0F0F0F0u, av[i], si);
-            si >>= 4;  // exact: every product was 16 h a
-          }
-          a2 = __fmaf_rn(__fmul_rn(mul_rn(d, i2f(sc)), ds.x), i2f(si), a2);
-          a2 = __fmaf_rn(-mul_rn(dmin, i2f(m)), ds.y, a2);
-        }
-        acc = valid ? a2 : acc;
-      }
-    }
-    const float sum = warp_sum_rn(acc);
-    if (lane == 0) y[r0] = sum;
-  }
-}
-
-// One-token variants for cuda_matvec_bench --q8-variants (same bits as variant 0).
+// One-token variants for cuda_matvec_bench --q8-variants: 0-5 have variant 0's bits; 6 is Q4_K
+// by single units (the mapping before the pairs, other bits) for the A/B.
 template <DType T, int MODE>
 cudaError_t launch_q8_variant_mode(const DeviceWeight& w, const int8_t* xq, const float2* xd,
                                    float* y, int v, cudaStream_t s) {
@@ -798,33 +856,24 @@ cudaError_t launch_q8_variant_mode(const DeviceWeight& w, const int8_t* xq, cons
     case 5: return launch_q8_cfg<T, 1, 1, MODE, 4, 0, false>(w, xq, xd, 1, y, s);
     default: break;
   }
-  if constexpr (T == DType::Q4_K) {
-    const dim3 grid(1, row_blocks(w.n_rows, kQ8Warps));
-    const auto* wb = reinterpret_cast<const uint8_t*>(w.data);
-    switch (v) {
-      case 6: return launch(matvec_q4k_pair_kernel<2, 8>, grid, kQ8Warps * kWarp, 0, s, wb,
-                            w.row_bytes, w.n_rows, w.n_cols, xq, xd, y);
-      case 7: return launch(matvec_q4k_pair_kernel<2, 12>, grid, kQ8Warps * kWarp, 0, s, wb,
-                            w.row_bytes, w.n_rows, w.n_cols, xq, xd, y);
-      case 8: return launch(matvec_q4k_pair_kernel<4, 8>, grid, kQ8Warps * kWarp, 0, s, wb,
-                            w.row_bytes, w.n_rows, w.n_cols, xq, xd, y);
-      case 9: return launch(matvec_q4k_pair_kernel<1, 16>, grid, kQ8Warps * kWarp, 0, s, wb,
-                            w.row_bytes, w.n_rows, w.n_cols, xq, xd, y);
-      default: break;
-    }
+  if constexpr (T == DType::Q4_K && MODE == kDirect16) {
+    if (v == 6)
+      return launch(matvec_q4k_units_kernel<1, 1, MODE, 4>, dim3(1, row_blocks(w.n_rows, kQ8Warps)),
+                    kQ8Warps * kWarp, 0, s, reinterpret_cast<const uint8_t*>(w.data), w.row_bytes,
+                    w.n_rows, w.n_cols, xq, xd, int64_t(1), y);
   }
   return cudaErrorNotSupported;
 }
 
 }  // namespace
 
-int matvec_q8_variants() { return 10; }
+int matvec_q8_variants() { return 7; }
 
 cudaError_t launch_matvec_q8_variant(const DeviceWeight& w, const void* act, float* y, int variant,
                                      cudaStream_t s) {
   if (!matvec_q8_supports(w.dtype) || act_q8_bytes(w.n_cols, 1) == 0 ||
       reinterpret_cast<uintptr_t>(act) % 16 != 0 || reinterpret_cast<uintptr_t>(w.data) % 16 != 0 ||
-      w.row_bytes % 16 != 0)
+      w.row_bytes % 16 != 0 || (w.dtype == DType::Q4_K && w.n_cols % 256 != 0))
     return cudaErrorInvalidValue;
   if (w.n_rows == 0) return cudaSuccess;
   const auto* xq = static_cast<const int8_t*>(act);
