@@ -1,9 +1,9 @@
 // tests/cuda/cuda_matvec_q8_test.cpp: MatmulKernels::V3 (matvec_q8.cu) on device memory through
 // kernels.h: int8-activation dp4a kernels for Q8_0 Q4_0 Q5_0 Q4_K Q5_K Q6_K and the float
 // kernel, against a double-precision reference on the host-dequantized weights, for every
-// kernel path (shared-memory staged rows, aligned and unaligned direct rows, 1..64 tokens),
-// and each token's output bit-identical to a 1-token call (docs/determinism.md). Skips with a
-// message when no GPU is present.
+// kernel path (shared-memory staged rows, aligned and unaligned direct rows, Q4_K's pairs of
+// units, 1..64 tokens), and each token's output bit-identical to a 1-token call
+// (docs/determinism.md). Skips with a message when no GPU is present.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -133,7 +133,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     const std::vector<float> y = run_v3(w, dx + t * c.k, 1, act, act_bytes, dy);
     std::copy(y.begin(), y.end(), single.begin() + t * c.rows);
   }
-  for (int64_t n_tok : {1, 2, 3, 4, 5, 8, 9, 16, 33, 64}) {
+  for (int64_t n_tok : {1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64}) {
     if (n_tok > max_tok) continue;
     SCOPED_TRACE(::testing::Message() << "n_tok " << n_tok);
     const std::vector<float> y = run_v3(w, dx, n_tok, act, act_bytes, dy);
@@ -149,7 +149,10 @@ void run_case(const Case& c, std::mt19937_64& rng) {
 
 // Each int8 type on its shared-memory staged path (rows 16-byte aligned, a whole number of
 // chunks), on the direct path, and on the 2-byte-load path (rows whose size is not a multiple
-// of 16, or a base moved by 2 bytes); several rows per warp with a partial last group.
+// of 16, or a base moved by 2 bytes); several rows per warp with a partial last group. Q4_K's
+// pairs (n_cols / 64 of them; 2 per lane in flight at 1-2 tokens, 1 from 3 tokens on): 4
+// (fewer than the lanes), 8, 12, 44 (lanes with 2 pairs and with 1), 64 (one full group of 2),
+// 224 (a partial last group of 2), on aligned and moved rows.
 TEST(CudaMatvecQ8, EveryTypeAndPathMatchesReferenceAndIsTokenInvariant) {
   REQUIRE_GPU();
   std::mt19937_64 rng(ops_seed());
@@ -157,7 +160,9 @@ TEST(CudaMatvecQ8, EveryTypeAndPathMatchesReferenceAndIsTokenInvariant) {
       {DType::Q8_0, 1024, 37, 0}, {DType::Q8_0, 2048, 5, 0},  {DType::Q8_0, 544, 7, 0},
       {DType::Q8_0, 1024, 9, 2},  {DType::Q4_0, 2048, 37, 0}, {DType::Q4_0, 96, 3, 0},
       {DType::Q5_0, 2048, 37, 0}, {DType::Q5_0, 160, 6, 0},   {DType::Q4_K, 512, 37, 0},
-      {DType::Q4_K, 768, 1, 2},   {DType::Q4_K, 256, 300, 0}, {DType::Q5_K, 768, 37, 0},
+      {DType::Q4_K, 768, 1, 2},   {DType::Q4_K, 256, 300, 0}, {DType::Q4_K, 256, 5, 2},
+      {DType::Q4_K, 2816, 7, 0},  {DType::Q4_K, 2816, 9, 2},  {DType::Q4_K, 4096, 37, 0},
+      {DType::Q4_K, 14336, 5, 0}, {DType::Q4_K, 14336, 3, 2}, {DType::Q5_K, 768, 37, 0},
       {DType::Q5_K, 512, 5, 2},   {DType::Q6_K, 2048, 37, 0}, {DType::Q6_K, 256, 7, 0},
       {DType::Q6_K, 4096, 3, 2},  {DType::F16, 256, 37, 0},   {DType::F32, 512, 9, 0},
       {DType::BF16, 1024, 5, 0},
@@ -237,6 +242,7 @@ TEST(CudaMatvecQ8, GroupedLaunchHasEachWeightsBits) {
   const G groups[] = {{DType::Q4_K, 512, 0, {96, 33, 1, 160}}, {DType::Q6_K, 2048, 0, {37, 64}},
                       {DType::Q8_0, 2048, 0, {5, 129, 40}},    {DType::Q8_0, 96, 2, {7, 9}},
                       {DType::Q5_0, 2048, 0, {17, 3, 11}},     {DType::Q4_K, 256, 0, {4501, 13}},
+                      {DType::Q4_K, 2816, 2, {5, 9, 1}},       {DType::Q4_K, 14336, 0, {7, 3}},
                       {DType::F16, 264, 0, {37, 5, 64}},       {DType::BF16, 4104, 0, {9, 31}},
                       {DType::F32, 24, 0, {1, 2, 3, 4}}};
   for (const G& g : groups) {
@@ -318,15 +324,50 @@ TEST(CudaMatvecQ8, GroupedLaunchHasEachWeightsBits) {
   cuda::check_cuda(cudaDeviceSynchronize(), "sync");
 }
 
-// More rows than one wave of warps, so warps loop over row blocks; the 4096-wide rows of the
-// 8B shapes.
+// More rows than one wave of warps, so warps loop over row blocks; the 4096- and 14336-wide
+// rows of the 8B shapes (Q4_K also on rows moved by 2 bytes).
 TEST(CudaMatvecQ8, LargeShapes) {
   REQUIRE_GPU();
   std::mt19937_64 rng(ops_seed() + 1);
-  for (const Case& c : {Case{DType::Q4_K, 1024, 4500, 0}, Case{DType::Q8_0, 4096, 1100, 0},
+  for (const Case& c : {Case{DType::Q4_K, 1024, 4500, 0}, Case{DType::Q4_K, 14336, 600, 0},
+                        Case{DType::Q4_K, 4096, 1500, 2}, Case{DType::Q8_0, 4096, 1100, 0},
                         Case{DType::Q6_K, 4096, 700, 0}}) {
     run_case(c, rng);
     if (HasFatalFailure()) return;
+  }
+}
+
+// Q4_K's pairs on 16-byte aligned rows (16-byte loads) and on rows moved by 2 bytes (aligned
+// words and funnel shifts, and the 8-token launch shape from 2 tokens on): the same pair order
+// per lane, so the same bits for every token count, with pair counts below, at and past one
+// lane group.
+TEST(CudaMatvecQ8, Q4KAlignedAndMovedRowsHaveTheSameBits) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(ops_seed() + 7);
+  for (int64_t k : {256, 2816, 4096, 14336}) {
+    const int64_t rows = 13;
+    const size_t rb = *row_bytes(DType::Q4_K, k);
+    std::vector<std::byte> bytes(rb * rows);
+    for (int64_t r = 0; r < rows; ++r)
+      quant::quantize_row(DType::Q4_K, random_vec(rng, k, 0.05f),
+                          std::span<std::byte>(bytes).subspan(size_t(r) * rb, rb));
+    const std::vector<float> x = random_vec(rng, size_t(kMaxTok * k), 1.0f);
+    cuda::DeviceBuffer wa, wm, xbuf, yabuf, ymbuf, abuf;
+    const cuda::DeviceWeight aligned{DType::Q4_K, k, rows, rb, to_device(wa, bytes)};
+    const cuda::DeviceWeight moved{DType::Q4_K, k, rows, rb, to_device(wm, bytes, 2)};
+    const float* dx = to_device(xbuf, x);
+    const size_t act_bytes = cuda::act_q8_bytes(k, kMaxTok);
+    void* act = abuf.ensure(act_bytes, "act");
+    float* dya = static_cast<float*>(yabuf.ensure(size_t(kMaxTok * rows) * sizeof(float), "y"));
+    float* dym = static_cast<float*>(ymbuf.ensure(size_t(kMaxTok * rows) * sizeof(float), "y"));
+    for (int64_t n_tok : {1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64}) {
+      SCOPED_TRACE(::testing::Message() << "k " << k << " n_tok " << n_tok << " seed "
+                                        << ops_seed() + 7);
+      const std::vector<float> ya = run_v3(aligned, dx, n_tok, act, act_bytes, dya);
+      const std::vector<float> ym = run_v3(moved, dx, n_tok, act, act_bytes, dym);
+      ASSERT_EQ(std::memcmp(ya.data(), ym.data(), ya.size() * sizeof(float)), 0);
+      for (float v : ya) ASSERT_TRUE(std::isfinite(v));
+    }
   }
 }
 
@@ -468,44 +509,45 @@ TEST(CudaMatvecQ8, ResidentMatmulBatchEqualsOneMatmulPerTask) {
     auto be = make_cuda_backend(o);
     ASSERT_TRUE(be) << be.error();
     Backend& b = **be;
-    std::mt19937_64 rng(ops_seed());
-    const int64_t k = 1024;
-    const int nw = int(types.size());
-    const int64_t rows[3] = {96, 33, 160};
-    std::vector<std::vector<std::byte>> bytes(3);
-    std::vector<WeightMatrix> ws;
-    for (int i = 0; i < nw; ++i) {
-      const size_t rb = *row_bytes(types[i], k);
-      bytes[i].resize(rb * size_t(rows[i]));
-      for (int64_t r = 0; r < rows[i]; ++r)
-        quant::quantize_row(types[i], random_vec(rng, k, 0.05f),
-                            std::span<std::byte>(bytes[i]).subspan(size_t(r) * rb, rb));
-      ws.push_back(WeightMatrix{.dtype = types[i], .n_cols = k, .n_rows = rows[i],
-                                .row_bytes = rb, .bytes = bytes[i]});
-    }
-    for (int64_t n_tok : {1, 3, 8, 16, 17, 40}) {
-      SCOPED_TRACE(::testing::Message() << "n_tok " << n_tok << " auto "
-                                        << (kernels == CudaMatmul::Auto) << " first "
-                                        << dtype_name(types[0]) << " x" << nw);
-      const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
-      BackendBuffer<float> dx = b.alloc<float>(x.size());
-      b.upload<float>(x, dx.span());
-      std::vector<BackendBuffer<float>> batch_y, solo_y;
-      std::vector<Backend::MatmulTask> tasks;
+    for (const int64_t k : {int64_t(1024), int64_t(2816)}) {  // Q4_K: 16 and 44 pairs a row
+      std::mt19937_64 rng(ops_seed());
+      const int nw = int(types.size());
+      const int64_t rows[3] = {96, 33, 160};
+      std::vector<std::vector<std::byte>> bytes(3);
+      std::vector<WeightMatrix> ws;
       for (int i = 0; i < nw; ++i) {
-        batch_y.push_back(b.alloc<float>(size_t(n_tok * rows[i])));
-        solo_y.push_back(b.alloc<float>(size_t(n_tok * rows[i])));
-        tasks.push_back({&ws[i], dx.span(), batch_y.back().span()});
+        const size_t rb = *row_bytes(types[i], k);
+        bytes[i].resize(rb * size_t(rows[i]));
+        for (int64_t r = 0; r < rows[i]; ++r)
+          quant::quantize_row(types[i], random_vec(rng, k, 0.05f),
+                              std::span<std::byte>(bytes[i]).subspan(size_t(r) * rb, rb));
+        ws.push_back(WeightMatrix{.dtype = types[i], .n_cols = k, .n_rows = rows[i],
+                                  .row_bytes = rb, .bytes = bytes[i]});
       }
-      b.matmul_batch(tasks, n_tok);
-      for (int i = 0; i < nw; ++i) b.matmul(ws[i], dx.span(), n_tok, solo_y[i].span());
-      for (int i = 0; i < nw; ++i) {
-        std::vector<float> hb(size_t(n_tok * rows[i]), NAN), hs(hb.size(), 0.0f);
-        b.download<float>(batch_y[i].span(), hb);
-        b.download<float>(solo_y[i].span(), hs);
-        EXPECT_EQ(std::memcmp(hb.data(), hs.data(), hb.size() * sizeof(float)), 0)
-            << dtype_name(types[i]);
-        for (float v : hb) ASSERT_TRUE(std::isfinite(v));
+      for (int64_t n_tok : {1, 3, 8, 16, 17, 40}) {
+        SCOPED_TRACE(::testing::Message() << "k " << k << " n_tok " << n_tok << " auto "
+                                          << (kernels == CudaMatmul::Auto) << " first "
+                                          << dtype_name(types[0]) << " x" << nw);
+        const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
+        BackendBuffer<float> dx = b.alloc<float>(x.size());
+        b.upload<float>(x, dx.span());
+        std::vector<BackendBuffer<float>> batch_y, solo_y;
+        std::vector<Backend::MatmulTask> tasks;
+        for (int i = 0; i < nw; ++i) {
+          batch_y.push_back(b.alloc<float>(size_t(n_tok * rows[i])));
+          solo_y.push_back(b.alloc<float>(size_t(n_tok * rows[i])));
+          tasks.push_back({&ws[i], dx.span(), batch_y.back().span()});
+        }
+        b.matmul_batch(tasks, n_tok);
+        for (int i = 0; i < nw; ++i) b.matmul(ws[i], dx.span(), n_tok, solo_y[i].span());
+        for (int i = 0; i < nw; ++i) {
+          std::vector<float> hb(size_t(n_tok * rows[i]), NAN), hs(hb.size(), 0.0f);
+          b.download<float>(batch_y[i].span(), hb);
+          b.download<float>(solo_y[i].span(), hs);
+          EXPECT_EQ(std::memcmp(hb.data(), hs.data(), hb.size() * sizeof(float)), 0)
+              << dtype_name(types[i]);
+          for (float v : hb) ASSERT_TRUE(std::isfinite(v));
+        }
       }
     }
   }
@@ -525,6 +567,10 @@ TEST(CudaMatvecQ8, RejectsWhatItCannotRun) {
             cudaErrorInvalidValue);
   const cuda::DeviceWeight q4k{DType::Q4_K, 256, 4, 144, static_cast<const std::byte*>(p)};
   EXPECT_EQ(cuda::launch_matvec_q8(q4k, p, kMaxTok + 1, static_cast<float*>(p), nullptr),
+            cudaErrorInvalidValue);
+  // Q4_K rows of a partial 256-element block (the pairs index whole blocks).
+  const cuda::DeviceWeight q4k_part{DType::Q4_K, 288, 4, 144, static_cast<const std::byte*>(p)};
+  EXPECT_EQ(cuda::launch_matvec_q8(q4k_part, p, 1, static_cast<float*>(p), nullptr),
             cudaErrorInvalidValue);
   EXPECT_EQ(cuda::launch_quantize_act_q8(static_cast<float*>(p), 100, 1, p, nullptr),
             cudaErrorInvalidValue);
