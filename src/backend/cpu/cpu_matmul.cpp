@@ -400,6 +400,17 @@ HWY_INLINE __m256i Fold512(__m512i v) {
   return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 HWY_INLINE __m512i Load64(const void* p) { return _mm512_loadu_si512(p); }
+// [lanes 0..7 of a + lanes 8..15 of a | the same of b]: Fold512 of two tokens (or rows) at
+// once, as [a.lo | b.hi] + [a.hi | b.lo] (a blend and one cross-lane shuffle); integer adds,
+// so each half is Fold512's value exactly.
+HWY_INLINE __m512i Fold512Pair(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_mask_blend_epi64(0xF0, a, b), _mm512_shuffle_i64x2(a, b, 0x4E));
+}
+// Hsum of the two 8-lane halves.
+HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
+  *lo = Hsum(_mm512_castps512_ps256(v));
+  *hi = Hsum(_mm512_extractf32x8_ps(v, 1));
+}
 // Highway's AVX3_DL target string names AVX-VNNI but not AVX512-VNNI, which the 512-bit forms
 // need; the kernels are called once per row, so they need not inline into their callers.
 #define KILN_VNNI512 __attribute__((target(HWY_TARGET_STR ",avx512vnni"), noinline))
@@ -546,15 +557,49 @@ KILN_VNNI512 void DotQ6KTiled(const std::byte* row, int64_t nb, KTile tile, int 
 // ScalesMinsK4 and f16_to_f32): in a one-token kernel this per-block work is a third of the
 // instructions.
 // R rows at once (independent accumulator chains, the activation loads shared); each row's
-// arithmetic is the one-row kernel's, so R changes no bits.
-template <int R>
-KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, const int8_t* aq,
-                            const block_q8_K* ys, float* out) {
+// arithmetic is the one-row kernel's, so R changes no bits. An even R runs the float tail of
+// rows 2j and 2j+1 in one 512-bit register (Fold512Pair, one convert, madd and FMA per term
+// for both rows, as DotQ4KBatch does for two tokens): every lane sees the one-row kernel's
+// operations in its order, so the bits stay (tests/ops MatmulKQOne: R = 4 and R = 1 rows of a
+// call against the plain kernel).
+
+// One row's block against the token's quants: the 16 int32 lane sums before Fold512, and the
+// block's [sc0..7 | m0..7] bytes.
+KILN_VNNI512_INLINE __m512i Q4KOneLaneSums(const block_q4_K* b, const __m512i (&a_lo)[2],
+                                           const __m512i (&a_hi)[2], __m128i* sm8) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m512i sc_idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
   const __m512i sc_idx1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  *sm8 = ScalesMins8(b);
+  const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(*sm8));
+  const __m512i sc[2] = {_mm512_permutexvar_epi32(sc_idx0, sc16),
+                         _mm512_permutexvar_epi32(sc_idx1, sc16)};
+  __m512i isum = _mm512_setzero_si512();
+  for (int p = 0; p < 2; ++p) {
+    const __m512i q = Load64(b->qs + 64 * p);
+    const __m512i da =
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(q, m4), a_lo[p]);
+    const __m512i db = _mm512_dpbusd_epi32(
+        _mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), a_hi[p]);
+    isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[p]);
+  }
+  return isum;
+}
+
+template <int R>
+KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, const int8_t* aq,
+                            const block_q8_K* ys, float* out) {
+  static_assert(R == 1 || R % 2 == 0);
+  constexpr int P = R / 2;  // row pairs (R even)
+  const __m128 sign_odd = _mm_castsi128_ps(_mm_set_epi32(static_cast<int>(0x80000000u), 0,
+                                                         static_cast<int>(0x80000000u), 0));
+  // [d0 * y.d x8 | d1 * y.d x8] and [-dmin0 * y.d x8 | -dmin1 * y.d x8] from lanes 0, 2 and
+  // 1, 3 of [d0 -dmin0 d1 -dmin1] * y.d
+  const __m512i idx_d = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(2), 1);
+  const __m512i idx_m = _mm512_inserti64x4(_mm512_set1_epi32(1), _mm256_set1_epi32(3), 1);
+  __m256 acc1 = _mm256_setzero_ps();
+  __m512 acc[P > 0 ? P : 1];
+  for (int q = 0; q < P; ++q) acc[q] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     const block_q8_K& y = ys[i];
     const __m512i a_lo[2] = {_mm512_load_si512(aq + i * 256),
@@ -562,33 +607,53 @@ KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, con
     const __m512i a_hi[2] = {_mm512_load_si512(aq + i * 256 + 64),
                              _mm512_load_si512(aq + i * 256 + 192)};
     const __m256i bsums = Load32(y.bsums);
-    for (int r = 0; r < R; ++r) {
-      const auto* b =
-          reinterpret_cast<const block_q4_K*>(row + r * stride + i * sizeof(block_q4_K));
+    const auto block = [&](int r) {
+      return reinterpret_cast<const block_q4_K*>(row + r * stride + i * sizeof(block_q4_K));
+    };
+    if constexpr (R == 1) {
+      const block_q4_K* b = block(0);
       uint32_t dd;
       std::memcpy(&dd, &b->d, 4);  // d, dmin: adjacent f16s
       const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
       const float d = _mm_cvtss_f32(dm), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-      const __m128i sm8 = ScalesMins8(b);  // [sc0..7 | m0..7]
+      __m128i sm8;
+      const __m512i isum = Q4KOneLaneSums(b, a_lo, a_hi, &sm8);
       const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8));  // m[k/2]
-      const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sm8));
-      const __m512i sc[2] = {_mm512_permutexvar_epi32(sc_idx0, sc16),
-                             _mm512_permutexvar_epi32(sc_idx1, sc16)};
-      __m512i isum = _mm512_setzero_si512();
-      for (int p = 0; p < 2; ++p) {
-        const __m512i q = Load64(b->qs + 64 * p);
-        const __m512i da =
-            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(q, m4), a_lo[p]);
-        const __m512i db = _mm512_dpbusd_epi32(
-            _mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), a_hi[p]);
-        isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[p]);
-      }
       const __m256i msum = _mm256_madd_epi16(bsums, mins16);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(Fold512(isum)), acc[r]);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * y.d), _mm256_cvtepi32_ps(msum), acc[r]);
+      acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(Fold512(isum)), acc1);
+      acc1 = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * y.d), _mm256_cvtepi32_ps(msum), acc1);
+    } else {
+      const __m512i bsums2 = _mm512_broadcast_i64x4(bsums);
+      const __m128 yd = _mm_set1_ps(y.d);
+      for (int q = 0; q < P; ++q) {
+        const block_q4_K* b0 = block(2 * q);
+        const block_q4_K* b1 = block(2 * q + 1);
+        uint32_t dd0, dd1;
+        std::memcpy(&dd0, &b0->d, 4);
+        std::memcpy(&dd1, &b1->d, 4);
+        // [d0 * y.d, -dmin0 * y.d, d1 * y.d, -dmin1 * y.d]: the one-row kernel's scalar
+        // products, each negation before its product as there (so a NaN y.d keeps its sign)
+        const __m128 dm = _mm_mul_ps(
+            _mm_xor_ps(_mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(dd1), static_cast<int>(dd0))),
+                       sign_odd),
+            yd);
+        const __m512 dy = _mm512_permutexvar_ps(idx_d, _mm512_castps128_ps512(dm));
+        const __m512 nmy = _mm512_permutexvar_ps(idx_m, _mm512_castps128_ps512(dm));
+        __m128i sm0, sm1;
+        const __m512i s0 = Q4KOneLaneSums(b0, a_lo, a_hi, &sm0);
+        const __m512i s1 = Q4KOneLaneSums(b1, a_lo, a_hi, &sm1);
+        const __m512i mins = _mm512_cvtepu8_epi16(
+            _mm256_set_m128i(_mm_unpackhi_epi8(sm1, sm1), _mm_unpackhi_epi8(sm0, sm0)));
+        const __m512i msum = _mm512_madd_epi16(bsums2, mins);
+        acc[q] = _mm512_fmadd_ps(dy, _mm512_cvtepi32_ps(Fold512Pair(s0, s1)), acc[q]);
+        acc[q] = _mm512_fmadd_ps(nmy, _mm512_cvtepi32_ps(msum), acc[q]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = Hsum(acc[r]);
+  if constexpr (R == 1)
+    out[0] = Hsum(acc1);
+  else
+    for (int q = 0; q < P; ++q) HsumPair(acc[q], out + 2 * q, out + 2 * q + 1);
 }
 
 // The token's nb blocks of quants into DotQ4KOne's order at 64-byte aligned `scratch`.
@@ -604,10 +669,11 @@ int8_t* ReorderQ4KOne(const block_q8_K* ys, int64_t nb, float* scratch) {
 }
 
 // Q6_K: the quants' own order matches the activation's (see DotQ6KTiled), so y.qs is read as
-// it is.
-template <int R>
-KILN_VNNI512 void DotQ6KOne(const std::byte* row, size_t stride, int64_t nb, const block_q8_K* ys,
-                            float* out) {
+// it is. The -32 offset (sum_g sc_g * 32 * bsum_g) is taken off after the fold (integers: the
+// same int32 as adding it first); an even R pairs rows as DotQ4KOne does.
+// One row's block: its lane sums without the offset, and the block's 16 scales as words.
+KILN_VNNI512_INLINE __m512i Q6KOneLaneSums(const block_q6_K* b, const __m512i (&ya)[2],
+                                           const __m512i (&yb)[2], __m256i* sc_all) {
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
   const __m512i shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
@@ -616,41 +682,74 @@ KILN_VNNI512 void DotQ6KOne(const std::byte* row, size_t stride, int64_t nb, con
        2, 6, 2, 6, 2, 6, 2, 6, 3, 7, 3, 7, 3, 7, 3, 7},
       {8,  12, 8,  12, 8,  12, 8,  12, 9,  13, 9,  13, 9,  13, 9,  13,
        10, 14, 10, 14, 10, 14, 10, 14, 11, 15, 11, 15, 11, 15, 11, 15}};
-  const __m512i sc_idx0 = _mm512_load_si512(kScIdx[0]), sc_idx1 = _mm512_load_si512(kScIdx[1]);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  *sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
+  const __m512i sc512 = _mm512_castsi256_si512(*sc_all);
+  const __m512i sc[2] = {_mm512_permutexvar_epi16(_mm512_load_si512(kScIdx[0]), sc512),
+                         _mm512_permutexvar_epi16(_mm512_load_si512(kScIdx[1]), sc512)};
+  __m512i isum = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512i ql = Load64(b->ql + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(Load32(b->qh + 32 * h));
+    const __m512i wa = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                       _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30));
+    const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                       _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30));
+    const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, ya[h]);
+    const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb, yb[h]);
+    isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[h]);
+  }
+  return isum;
+}
+
+template <int R>
+KILN_VNNI512 void DotQ6KOne(const std::byte* row, size_t stride, int64_t nb, const block_q8_K* ys,
+                            float* out) {
+  static_assert(R == 1 || R % 2 == 0);
+  constexpr int P = R / 2;
+  const __m512i idx_d = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
+  __m256 acc1 = _mm256_setzero_ps();
+  __m512 acc[P > 0 ? P : 1];
+  for (int q = 0; q < P; ++q) acc[q] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     const block_q8_K& y = ys[i];
     const __m512i ya[2] = {Load64(y.qs), Load64(y.qs + 128)},
                   yb[2] = {Load64(y.qs + 64), Load64(y.qs + 192)};
     const __m256i bsums = Load32(y.bsums);
-    for (int r = 0; r < R; ++r) {
-      const auto* b =
-          reinterpret_cast<const block_q6_K*>(row + r * stride + i * sizeof(block_q6_K));
+    const auto block = [&](int r) {
+      return reinterpret_cast<const block_q6_K*>(row + r * stride + i * sizeof(block_q6_K));
+    };
+    if constexpr (R == 1) {
+      const block_q6_K* b = block(0);
       const float d = _cvtsh_ss(b->d.bits);  // F16C: exact, f16_to_f32's value
-      const __m256i sc_all =
-          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
-      const __m512i sc512 = _mm512_castsi256_si512(sc_all);
-      const __m512i sc[2] = {_mm512_permutexvar_epi16(sc_idx0, sc512),
-                             _mm512_permutexvar_epi16(sc_idx1, sc512)};
-      // the -32 offset: sum_g sc_g * 32 * bsum_g
-      __m512i isum = _mm512_zextsi256_si512(_mm256_sub_epi32(
-          _mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bsums), 5)));
-      for (int h = 0; h < 2; ++h) {
-        const __m512i ql = Load64(b->ql + 64 * h);
-        const __m512i qh = _mm512_broadcast_i64x4(Load32(b->qh + 32 * h));
-        const __m512i wa = _mm512_or_si512(_mm512_and_si512(ql, m4),
-                                           _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30));
-        const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                           _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30));
-        const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, ya[h]);
-        const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb, yb[h]);
-        isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[h]);
+      __m256i sc_all;
+      const __m512i isum = Q6KOneLaneSums(b, ya, yb, &sc_all);
+      const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bsums), 5);
+      const __m256i s = _mm256_sub_epi32(Fold512(isum), off);
+      acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(s), acc1);
+    } else {
+      const __m512i bsums2 = _mm512_broadcast_i64x4(bsums);
+      const __m128 yd = _mm_set1_ps(y.d);
+      for (int q = 0; q < P; ++q) {
+        const block_q6_K* b0 = block(2 * q);
+        const block_q6_K* b1 = block(2 * q + 1);
+        const int dd = b0->d.bits | (b1->d.bits << 16);
+        // [d0 * y.d x8 | d1 * y.d x8]: the one-row kernel's products
+        const __m512 dy = _mm512_permutexvar_ps(
+            idx_d, _mm512_castps128_ps512(_mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(dd)), yd)));
+        __m256i sc0, sc1;
+        const __m512i s0 = Q6KOneLaneSums(b0, ya, yb, &sc0);
+        const __m512i s1 = Q6KOneLaneSums(b1, ya, yb, &sc1);
+        const __m512i sc2 = _mm512_inserti64x4(_mm512_castsi256_si512(sc0), sc1, 1);
+        const __m512i off = _mm512_slli_epi32(_mm512_madd_epi16(sc2, bsums2), 5);
+        const __m512i s = _mm512_sub_epi32(Fold512Pair(s0, s1), off);
+        acc[q] = _mm512_fmadd_ps(dy, _mm512_cvtepi32_ps(s), acc[q]);
       }
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(Fold512(isum)), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = Hsum(acc[r]);
+  if constexpr (R == 1)
+    out[0] = Hsum(acc1);
+  else
+    for (int q = 0; q < P; ++q) HsumPair(acc[q], out + 2 * q, out + 2 * q + 1);
 }
 
 // One-token kernels read each weight byte once, straight from DRAM, and the hardware
@@ -787,19 +886,9 @@ void MatmulKTiled(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
 // 4 tokens Q4_K 1.15-1.5x, Q6_K 1.0-1.2x, 8 tokens 1.05-1.3x; 2 and 3 tokens (against the plain
 // kernels) 1.4-2.7x; the 2-thread layer step (BM_LayerStepKQBatch) 1.3-1.9x at 2-8 tokens.
 
-// [lanes 0..7 of a + lanes 8..15 of a | the same of b]: Fold512 of two tokens at once, as
-// [a.lo | b.hi] + [a.hi | b.lo] (a blend and one cross-lane shuffle).
-HWY_INLINE __m512i Fold512Pair(__m512i a, __m512i b) {
-  return _mm512_add_epi32(_mm512_mask_blend_epi64(0xF0, a, b), _mm512_shuffle_i64x2(a, b, 0x4E));
-}
 // Q4_K's low words below carry this offset: 0 <= kLowBias + da < 2^15 for any Q4_K lane sum da
 // (|da| <= 4 * 15 * 128 = 7680).
 constexpr int32_t kLowBias = 8192;
-// Hsum of the two 8-lane halves.
-HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
-  *lo = Hsum(_mm512_castps512_ps256(v));
-  *hi = Hsum(_mm512_extractf32x8_ps(v, 1));
-}
 
 // The batched kernels' per-token lane sums, always_inline with the kernels' target (these were
 // lambdas, which clang compiles without the enclosing function's target attribute).
