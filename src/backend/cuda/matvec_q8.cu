@@ -297,6 +297,18 @@ __device__ __forceinline__ float unit_dot(const WUnit& wu, const int* a, float2 
   }
 }
 
+// Token t's activation block u: its 32 int8 quants as 8 words and (d, d * sum q).
+__device__ __forceinline__ void load_act_block(const int8_t* __restrict__ xq,
+                                               const float2* __restrict__ xd, int64_t n_cols,
+                                               int64_t n_units, int t, int64_t u, int (&a)[8],
+                                               float2& ds) {
+  const int4* a4 = reinterpret_cast<const int4*>(xq + t * n_cols + u * kBlk);
+  const int4 a0 = __ldg(a4), a1 = __ldg(a4 + 1);
+  ds = __ldg(xd + t * n_units + u);
+  a[0] = a0.x, a[1] = a0.y, a[2] = a0.z, a[3] = a0.w;
+  a[4] = a1.x, a[5] = a1.y, a[6] = a1.z, a[7] = a1.w;
+}
+
 // The R decoded units (one per row) against the NT tokens' activation block ug.
 // valid = false: the unit lies past the row's end (ug clamped into it): nothing is added, but
 // the loads stay unconditional so that they can be issued early.
@@ -308,10 +320,9 @@ __device__ __forceinline__ void dot_tokens(const WUnit (&wu)[R], const int8_t* _
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if (NT > 1 && t >= nt) break;  // one token: no branch, so the loads below can move up
-    const int4* a4 = reinterpret_cast<const int4*>(xq + t * n_cols + ug * kBlk);
-    const int4 a0 = __ldg(a4), a1 = __ldg(a4 + 1);
-    const float2 ds = __ldg(xd + t * n_units + ug);
-    const int a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+    int a[8];
+    float2 ds;
+    load_act_block(xq, xd, n_cols, n_units, t, ug, a, ds);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const float v = unit_dot<T>(wu[i], a, ds, acc[i][t]);
@@ -387,10 +398,9 @@ __device__ __forceinline__ void dot_tokens_q4k_pair(const Q4KPair (&wp)[R],
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       if (NT > 1 && t >= nt) break;  // one token: no branch, so the loads below can move up
-      const int4* a4 = reinterpret_cast<const int4*>(xq + t * n_cols + u * kBlk);
-      const int4 x0 = __ldg(a4), x1 = __ldg(a4 + 1);
-      const float2 ds = __ldg(xd + t * n_units + u);
-      const int a[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      int a[8];
+      float2 ds;
+      load_act_block(xq, xd, n_cols, n_units, t, u, a, ds);
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         int s = 0;
