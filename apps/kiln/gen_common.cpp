@@ -93,6 +93,9 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
     o.graphs = config.cuda_graphs;
     o.pdl = config.cuda_pdl;
     o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
+    o.int8_mma_min_tokens = config.cuda_int8_mma;
+    o.fuse_rope = config.cuda_fuse_rope;
+    o.fuse_swiglu = config.cuda_fuse_swiglu;
     o.immutable_region = model.gguf().mapping()->bytes();  // norms/biases cached, not staged
     if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
     else if (config.cuda_matmul == "v2") o.matmul = CudaMatmul::V2;
@@ -131,6 +134,9 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
       o.graphs = config.cuda_graphs;
       o.pdl = config.cuda_pdl;
       o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
+      o.int8_mma_min_tokens = config.cuda_int8_mma;
+      o.fuse_rope = config.cuda_fuse_rope;
+      o.fuse_swiglu = config.cuda_fuse_swiglu;
       if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
       else if (config.cuda_matmul == "v2") o.matmul = CudaMatmul::V2;
       else if (config.cuda_matmul == "v3") o.matmul = CudaMatmul::V3;

@@ -107,6 +107,9 @@ const char* kernels_name(kiln::cuda::MatmulKernels k) {
   }
 }
 
+// --mma-min N: launch_matmul_v3's tensor-core threshold (0: the dp4a kernels at every count).
+int g_mma_min = kiln::cuda::kQ8MmaMinTokens;
+
 struct Scratch {
   kiln::cuda::GemmWorkspace gemm;
   void* act = nullptr;
@@ -119,7 +122,7 @@ cudaError_t run_kernels(kiln::cuda::MatmulKernels kernels, const kiln::cuda::Dev
   kiln::cuda::GemmWorkspace* ws = nullptr;
   if (n_tok > kiln::cuda::kMatvecMaxTokens && sc.gemm.fits(w, n_tok)) ws = &sc.gemm;
   if (kernels == kiln::cuda::MatmulKernels::V3)
-    return kiln::cuda::launch_matmul_v3(w, dx, n_tok, dy, sc.act, sc.act_bytes, st, ws);
+    return kiln::cuda::launch_matmul_v3(w, dx, n_tok, dy, sc.act, sc.act_bytes, st, ws, g_mma_min);
   return kiln::cuda::launch_matmul(w, dx, n_tok, dy, st, kernels, ws);
 }
 
@@ -539,6 +542,8 @@ int main(int argc, char** argv) {
       float_rows_ab = true;
     } else if (std::strcmp(argv[i], "--q8-variants") == 0) {
       q8_variants = true;
+    } else if (std::strcmp(argv[i], "--mma-min") == 0 && i + 1 < argc) {
+      g_mma_min = std::max(0, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--no-attention") == 0) {
       attention = false;
     } else if (std::strcmp(argv[i], "--shapes") == 0 && i + 1 < argc) {
@@ -558,7 +563,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr, "usage: cuda_matvec_bench [--iters N] [--v1] [--types t1,t2,...] "
                            "[--shapes KxR,...] [--tokens N,...] [--no-attention] "
-                           "[--float-rows-ab] [--q8-variants]\n");
+                           "[--float-rows-ab] [--q8-variants] [--mma-min N]\n");
       return 2;
     }
   }

@@ -243,11 +243,28 @@ class Backend {
   // In place on x: [n_tok][n_head][head_dim]; token t rotates by pos[t].
   virtual void rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim,
                     std::span<const int32_t> pos, const RopeParams& p) = 0;
+  // A layer's Q ([n_tok][n_head_q][head_dim]) and K ([n_tok][n_head_k][head_dim]) by the same
+  // angles: the results of rope(q) then rope(k); a backend may run them as one op.
+  virtual void rope_qk(std::span<float> q, int64_t n_head_q, std::span<float> k, int64_t n_head_k,
+                       int64_t n_tok, int64_t head_dim, std::span<const int32_t> pos,
+                       const RopeParams& p) {
+    rope(q, n_tok, n_head_q, head_dim, pos, p);
+    rope(k, n_tok, n_head_k, head_dim, pos, p);
+  }
   // In place, per row of n.
   virtual void softmax(std::span<float> x, int64_t n) = 0;
   // out = silu(gate) * up  (SwiGLU), out = gelu_tanh(gate) * up (GeGLU, ggml's tanh form).
   virtual void swiglu(std::span<const float> gate, std::span<const float> up,
                       std::span<float> out) = 0;
+  // y = w . swiglu(gate, up) over n_tok tokens: the results of swiglu(gate, up, act) then
+  // matmul(w, act, n_tok, y). act is scratch: a backend that fuses the two may leave it
+  // unwritten.
+  virtual void swiglu_matmul(const WeightMatrix& w, std::span<const float> gate,
+                             std::span<const float> up, int64_t n_tok, std::span<float> act,
+                             std::span<float> y) {
+    swiglu(gate, up, act);
+    matmul(w, act, n_tok, y);
+  }
   virtual void geglu(std::span<const float> gate, std::span<const float> up,
                      std::span<float> out) = 0;
   // Elementwise; `out` may alias an input.

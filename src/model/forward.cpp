@@ -284,10 +284,7 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
     add_bias(v, lw.bv);
     if (!lw.q_norm.empty()) norm_in_place(q, lw.q_norm, hp.head_dim_k, hp.rms_eps);
     if (!lw.k_norm.empty()) norm_in_place(k, lw.k_norm, hp.head_dim_k, hp.rms_eps);
-    if (L.use_rope) {
-      be.rope(q, n, hp.n_head, hp.head_dim_k, batch.pos, L.rope);
-      be.rope(k, n, hp.n_head_kv, hp.head_dim_k, batch.pos, L.rope);
-    }
+    if (L.use_rope) be.rope_qk(q, hp.n_head, k, hp.n_head_kv, n, hp.head_dim_k, batch.pos, L.rope);
     rec(p + "Qcur", q, n);
     rec(p + "Kcur", k, n);
     rec(p + "Vcur", v, n);
@@ -360,9 +357,12 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
       const std::span<float> fa = sl(st.ff_act, n * L.n_ff);
       const Backend::MatmulTask gate_up[] = {{&lw.ffn_gate, h, fg}, {&lw.ffn_up, h, fu}};
       be.matmul_batch(gate_up, n);
-      if (hp.arch->act == FfnAct::Silu) be.swiglu(fg, fu, fa);
-      else be.geglu(fg, fu, fa);
-      be.matmul(lw.ffn_down, fa, n, a);
+      if (hp.arch->act == FfnAct::Silu) {
+        be.swiglu_matmul(lw.ffn_down, fg, fu, n, fa, a);  // fa: scratch, maybe unwritten
+      } else {
+        be.geglu(fg, fu, fa);
+        be.matmul(lw.ffn_down, fa, n, a);
+      }
     }
     be.all_reduce_sum(a);  // row-parallel down / this rank's experts
     if (!lw.post_ffn_norm.empty()) norm_in_place(a, lw.post_ffn_norm, E, hp.post_norm_eps);

@@ -324,6 +324,104 @@ TEST(CudaMatvecQ8, GroupedLaunchHasEachWeightsBits) {
   cuda::check_cuda(cudaDeviceSynchronize(), "sync");
 }
 
+// The tensor-core path (mma.sync, launch_matvec_q8 from mma_min_tokens tokens) against the dp4a
+// kernels (mma_min_tokens 0), memcmp: each output's float operations and their grouping are
+// the dp4a kernels' (matvec_q8.cu). Every tile width (nb 1, 2, 4 tiles of 8 tokens), token
+// counts that leave partial tiles and columns, rows that leave a partial block of 16, rows of
+// fewer than 32 units or pairs (virtual lanes with nothing to add) and of many (14336 wide),
+// Q6_K and Q8_0 rows moved by 2 bytes, NaN activations; grouped launches with the tensor cores
+// against their weights alone.
+TEST(CudaMatvecQ8, MmaHasTheDp4aBits) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(ops_seed() + 11);
+  const Case cases[] = {
+      {DType::Q4_K, 256, 37, 0},   {DType::Q4_K, 512, 16, 0},  {DType::Q4_K, 2816, 9, 0},
+      {DType::Q4_K, 4096, 70, 0},  {DType::Q4_K, 14336, 17, 0}, {DType::Q6_K, 256, 5, 0},
+      {DType::Q6_K, 2048, 33, 0},  {DType::Q6_K, 4096, 19, 2}, {DType::Q6_K, 14336, 3, 0},
+      {DType::Q8_0, 96, 7, 0},     {DType::Q8_0, 1024, 37, 0}, {DType::Q8_0, 4096, 21, 2},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << dtype_name(c.type) << " k " << c.k << " rows " << c.rows
+                                      << " misalign " << c.misalign << " seed "
+                                      << ops_seed() + 11);
+    const size_t rb = *row_bytes(c.type, c.k);
+    std::vector<std::byte> bytes(rb * size_t(c.rows));
+    for (int64_t r = 0; r < c.rows; ++r)
+      quant::quantize_row(c.type, random_vec(rng, c.k, 0.05f),
+                          std::span<std::byte>(bytes).subspan(size_t(r) * rb, rb));
+    std::vector<float> x = random_vec(rng, size_t(kMaxTok * c.k), 1.0f);
+    x[size_t(5 * c.k + 3)] = NAN;  // token 5's first block: NaN outputs on both paths
+    cuda::DeviceBuffer wbuf, xbuf, abuf, ybuf, zbuf;
+    const cuda::DeviceWeight w{c.type, c.k, c.rows, rb,
+                               reinterpret_cast<const std::byte*>(to_device(wbuf, bytes, c.misalign))};
+    const float* dx = to_device(xbuf, x);
+    void* act = abuf.ensure(cuda::act_q8_bytes(c.k, kMaxTok) + 16, "act");
+    const size_t n_max = size_t(kMaxTok * c.rows);
+    float* y = static_cast<float*>(ybuf.ensure(n_max * 4, "y"));
+    float* z = static_cast<float*>(zbuf.ensure(n_max * 4, "z"));
+    for (int64_t n_tok : {1, 3, 7, 8, 9, 16, 17, 24, 33, 64}) {
+      SCOPED_TRACE(::testing::Message() << "n_tok " << n_tok);
+      const size_t n = size_t(n_tok * c.rows);
+      ASSERT_EQ(cuda::launch_quantize_act_q8(dx, c.k, n_tok, act, nullptr), cudaSuccess);
+      ASSERT_EQ(cuda::launch_matvec_q8(w, act, n_tok, y, nullptr, 0), cudaSuccess);
+      const std::vector<float> want = from_device(y, n);
+      for (int nb : {1, 2, 4}) {
+        cuda::check_cuda(cudaMemset(z, 0xff, n * 4), "memset");
+        ASSERT_EQ(cuda::launch_matvec_q8_mma(w, act, n_tok, z, nb, nullptr), cudaSuccess);
+        cuda::check_cuda(cudaDeviceSynchronize(), "sync");
+        const std::vector<float> got = from_device(z, n);
+        for (size_t i = 0; i < n; ++i)
+          ASSERT_EQ(std::memcmp(&got[i], &want[i], 4), 0)
+              << "nb " << nb << " t " << i / size_t(c.rows) << " r " << i % size_t(c.rows) << ": "
+              << got[i] << " mma vs " << want[i] << " dp4a";
+      }
+      if (n_tok > 5) {
+        for (int64_t r = 0; r < c.rows; ++r) ASSERT_TRUE(std::isnan(want[size_t(5 * c.rows + r)]));
+      }
+      // Through launch_matvec_q8's threshold (the tensor cores from 8 tokens on).
+      cuda::check_cuda(cudaMemset(z, 0xff, n * 4), "memset");
+      ASSERT_EQ(cuda::launch_matvec_q8(w, act, n_tok, z, nullptr, 8), cudaSuccess);
+      cuda::check_cuda(cudaDeviceSynchronize(), "sync");
+      const std::vector<float> dflt = from_device(z, n);
+      ASSERT_EQ(std::memcmp(dflt.data(), want.data(), n * 4), 0);
+    }
+  }
+  // Grouped: a layer's Q/K/V-like weights of one layout, tensor cores on, against each alone
+  // on dp4a.
+  const size_t rb = *row_bytes(DType::Q4_K, 4096);
+  const int64_t rows[3] = {4096, 1024, 1024};
+  std::vector<cuda::DeviceBuffer> wbufs(3), ybufs(3), sbufs(3);
+  std::vector<cuda::DeviceWeight> ws;
+  std::vector<float*> ys, solo;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<std::byte> bytes(rb * size_t(rows[i]));
+    for (int64_t r = 0; r < rows[i]; ++r)
+      quant::quantize_row(DType::Q4_K, random_vec(rng, 4096, 0.05f),
+                          std::span<std::byte>(bytes).subspan(size_t(r) * rb, rb));
+    ws.push_back(cuda::DeviceWeight{DType::Q4_K, 4096, rows[i], rb,
+                                    reinterpret_cast<const std::byte*>(to_device(wbufs[i], bytes))});
+    ys.push_back(static_cast<float*>(ybufs[i].ensure(size_t(24 * rows[i]) * 4, "y")));
+    solo.push_back(static_cast<float*>(sbufs[i].ensure(size_t(24 * rows[i]) * 4, "y")));
+  }
+  const std::vector<float> x = random_vec(rng, size_t(24 * 4096), 1.0f);
+  cuda::DeviceBuffer xbuf, abuf;
+  const float* dx = to_device(xbuf, x);
+  void* act = abuf.ensure(cuda::act_q8_bytes(4096, 24) + 16, "act");
+  for (int64_t n_tok : {8, 13, 24}) {
+    SCOPED_TRACE(::testing::Message() << "group n_tok " << n_tok);
+    ASSERT_EQ(cuda::launch_quantize_act_q8(dx, 4096, n_tok, act, nullptr), cudaSuccess);
+    ASSERT_EQ(cuda::launch_matvec_q8_group(ws, ys, act, n_tok, nullptr, 1), cudaSuccess);
+    for (int i = 0; i < 3; ++i)
+      ASSERT_EQ(cuda::launch_matvec_q8(ws[i], act, n_tok, solo[i], nullptr, 0), cudaSuccess);
+    cuda::check_cuda(cudaDeviceSynchronize(), "sync");
+    for (int i = 0; i < 3; ++i) {
+      const size_t n = size_t(n_tok * rows[i]);
+      const std::vector<float> a = from_device(ys[i], n), b = from_device(solo[i], n);
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), n * 4), 0) << "weight " << i;
+    }
+  }
+}
+
 // More rows than one wave of warps, so warps loop over row blocks; the 4096- and 14336-wide
 // rows of the 8B shapes (Q4_K also on rows moved by 2 bytes).
 TEST(CudaMatvecQ8, LargeShapes) {

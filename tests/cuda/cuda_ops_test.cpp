@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -391,6 +392,102 @@ TEST(CudaOps, Rope) {
         for (size_t i = 0; i < a.size(); ++i)  // the angle in double, as the reference
           ASSERT_TRUE(close(b[i], a[i], 1e-6 * (1 + std::fabs(a[i]))))
               << "style " << int(style) << " hd " << head_dim << " n_rot " << n_rot << " i " << i;
+      }
+    }
+  }
+}
+
+// rope_qk on resident buffers: one launch for Q and K (CudaOptions::fuse_rope) against two
+// rope() ops and against the unfused rope_qk, memcmp; Q and K head counts as in GQA (32/8)
+// and odd ones, decode (1 token) and several tokens.
+TEST(CudaOps, RopeQkEqualsTwoRopes) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed() + 3);
+  for (bool fuse : {true, false}) {
+    CudaOptions o;
+    o.fuse_rope = fuse;
+    auto be = make_cuda_backend(o);
+    ASSERT_TRUE(be) << be.error();
+    Backend& b = **be;
+    for (RopeStyle style : {RopeStyle::Normal, RopeStyle::NeoX}) {
+      for (auto [hq, hk, hd, n_rot, n_tok] :
+           {std::array<int64_t, 5>{32, 8, 128, 128, 1}, std::array<int64_t, 5>{32, 8, 128, 64, 7},
+            std::array<int64_t, 5>{5, 3, 80, 80, 3}, std::array<int64_t, 5>{2, 2, 2, 2, 2}}) {
+        SCOPED_TRACE(::testing::Message() << "fuse " << fuse << " style " << int(style) << " hq "
+                                          << hq << " hk " << hk << " hd " << hd << " n_tok "
+                                          << n_tok);
+        std::vector<int32_t> pos(static_cast<size_t>(n_tok));
+        for (int64_t t = 0; t < n_tok; ++t) pos[size_t(t)] = int32_t(t * 997 + 3);
+        const RopeParams p{n_rot, style == RopeStyle::NeoX ? 1e6f : 1e4f, 0.5f, style};
+        const std::vector<float> q = random_vec(rng, size_t(n_tok * hq * hd));
+        const std::vector<float> k = random_vec(rng, size_t(n_tok * hk * hd));
+        BackendBuffer<float> q1 = b.alloc<float>(q.size()), k1 = b.alloc<float>(k.size());
+        BackendBuffer<float> q2 = b.alloc<float>(q.size()), k2 = b.alloc<float>(k.size());
+        b.upload<float>(q, q1.span());
+        b.upload<float>(k, k1.span());
+        b.upload<float>(q, q2.span());
+        b.upload<float>(k, k2.span());
+        b.rope_qk(q1.span(), hq, k1.span(), hk, n_tok, hd, pos, p);
+        b.rope(q2.span(), n_tok, hq, hd, pos, p);
+        b.rope(k2.span(), n_tok, hk, hd, pos, p);
+        std::vector<float> a(q.size()), c(q.size()), ak(k.size()), ck(k.size());
+        b.download<float>(q1.span(), a);
+        b.download<float>(q2.span(), c);
+        b.download<float>(k1.span(), ak);
+        b.download<float>(k2.span(), ck);
+        ASSERT_EQ(std::memcmp(a.data(), c.data(), a.size() * 4), 0);
+        ASSERT_EQ(std::memcmp(ak.data(), ck.data(), ak.size() * 4), 0);
+        // And the reference's values (host spans: the op's own check of the angles).
+        std::vector<float> rq = q;
+        ref().rope(rq, n_tok, hq, hd, pos, p);
+        for (size_t i = 0; i < rq.size(); ++i)
+          ASSERT_TRUE(close(a[i], rq[i], 1e-6 * (1 + std::fabs(rq[i])))) << "i " << i;
+      }
+    }
+  }
+}
+
+// swiglu_matmul on resident buffers (CudaOptions::fuse_swiglu: SwiGLU inside the int8
+// activation quantization) against swiglu() then matmul(), memcmp, on the int8 types (one token,
+// batched, the tensor-core range) and where the fused path does not apply (F16; 17 tokens, past
+// the int8 range of Auto, cuBLAS).
+TEST(CudaOps, SwigluMatmulEqualsTheTwoOps) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed() + 4);
+  for (bool fuse : {true, false}) {
+    CudaOptions o;
+    o.fuse_swiglu = fuse;
+    o.verify_weight_cache = true;
+    auto be = make_cuda_backend(o);
+    ASSERT_TRUE(be) << be.error();
+    Backend& b = **be;
+    for (DType t : {DType::Q4_K, DType::Q6_K, DType::Q8_0, DType::F16}) {
+      const int64_t k = 512, rows = 37;
+      const size_t rb = *row_bytes(t, k);
+      std::vector<std::byte> bytes(rb * size_t(rows));
+      for (int64_t r = 0; r < rows; ++r)
+        quant::quantize_row(t, random_vec(rng, k, 0.05f),
+                            std::span<std::byte>(bytes).subspan(size_t(r) * rb, rb));
+      const WeightMatrix w{.dtype = t, .n_cols = k, .n_rows = rows, .row_bytes = rb, .bytes = bytes};
+      for (int64_t n_tok : {1, 3, 8, 16, 17}) {
+        SCOPED_TRACE(::testing::Message() << "fuse " << fuse << " " << dtype_name(t) << " n_tok "
+                                          << n_tok);
+        const std::vector<float> g = random_vec(rng, size_t(n_tok * k), 4.0f);
+        const std::vector<float> u = random_vec(rng, size_t(n_tok * k));
+        BackendBuffer<float> dg = b.alloc<float>(g.size()), du = b.alloc<float>(u.size());
+        BackendBuffer<float> act = b.alloc<float>(g.size()), act2 = b.alloc<float>(g.size());
+        BackendBuffer<float> y1 = b.alloc<float>(size_t(n_tok * rows));
+        BackendBuffer<float> y2 = b.alloc<float>(size_t(n_tok * rows));
+        b.upload<float>(g, dg.span());
+        b.upload<float>(u, du.span());
+        b.swiglu_matmul(w, dg.span(), du.span(), n_tok, act.span(), y1.span());
+        b.swiglu(dg.span(), du.span(), act2.span());
+        b.matmul(w, act2.span(), n_tok, y2.span());
+        std::vector<float> a1(size_t(n_tok * rows)), a2(a1.size());
+        b.download<float>(y1.span(), a1);
+        b.download<float>(y2.span(), a2);
+        ASSERT_EQ(std::memcmp(a1.data(), a2.data(), a1.size() * 4), 0);
+        for (float v : a1) ASSERT_TRUE(std::isfinite(v));
       }
     }
   }

@@ -56,6 +56,9 @@ struct CudaBackend::Impl {
   cuda::MatmulKernels matmul_kernels = cuda::MatmulKernels::V2;
   // V3: the most tokens that take the int8 path; more go to the V2 paths (cuBLAS).
   int64_t int8_max_tokens = cuda::kQ8MaxTokens;
+  int mma_min_tokens = int(kInt8MmaMinTokens);  // CudaOptions::int8_mma_min_tokens
+  bool fuse_rope = true;                          // CudaOptions::fuse_rope
+  bool fuse_swiglu = true;                        // CudaOptions::fuse_swiglu
   bool auto_routing = false;  // CudaMatmul::Auto
   static constexpr int64_t kAutoFloatMaxTokens = 8;
   cuda::GemmWorkspace gemm;  // V2's prefill path, grown on demand
@@ -1030,9 +1033,10 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
                                  w.n_rows, n_tok, path);
       I.next_bytes = static_cast<uint64_t>(dw.row_bytes) * static_cast<uint64_t>(dw.n_rows);
     }
+    const int mma_min = I.mma_min_tokens;
     I.record("matmul", [=](cudaStream_t st) {
       if (kern == cuda::MatmulKernels::V3)
-        return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, st, gemm);
+        return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, st, gemm, mma_min);
       return cuda::launch_matmul(dw, dx, n_tok, dy, st, kern, gemm);
     });
     return;
@@ -1051,11 +1055,62 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
   std::byte* act = act_bytes ? I.buffer<std::byte>(2, act_bytes) : nullptr;
   I.launch("matmul", [&] {
     if (I.matmul_kernels == cuda::MatmulKernels::V3)
-      return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, I.s(), gemm);
+      return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, I.s(), gemm,
+                                    I.mma_min_tokens);
     return cuda::launch_matmul(dw, dx, n_tok, dy, I.s(), I.matmul_kernels, gemm);
   });
   I.download(y, static_cast<const float*>(dy));
   I.finish("matmul");
+}
+
+// SwiGLU inside the down projection's int8 activation quantization, where matmul() would take
+// V3's int8 path for w at n_tok (the same conditions, the same scratch, launch_matvec_q8 after
+// the quantization as launch_matmul_v3 runs it): the quantized blocks are those of the
+// separate swiglu() op's output (the same expression, act.cuh), so y has the unfused bits.
+// Anything else: swiglu() then matmul().
+void CudaBackend::swiglu_matmul(const WeightMatrix& w, std::span<const float> gate,
+                                std::span<const float> up, int64_t n_tok, std::span<float> act,
+                                std::span<float> y) {
+  KILN_CHECK(static_cast<int64_t>(gate.size()) == n_tok * w.n_cols &&
+                 up.size() == gate.size() && act.size() == gate.size(),
+             "swiglu_matmul: gate {} up {} act {} for {}x{}", gate.size(), up.size(), act.size(),
+             n_tok, w.n_cols);
+  KILN_CHECK(static_cast<int64_t>(y.size()) == n_tok * w.n_rows, "y {} != {}x{}", y.size(), n_tok,
+             w.n_rows);
+  Impl& I = *impl_;
+  std::unique_lock lock(I.mu);
+  const bool fused = I.fuse_swiglu && I.matmul_kernels == cuda::MatmulKernels::V3 &&
+                     cuda::matvec_q8_supports(w.dtype) && n_tok >= 1 &&
+                     n_tok <= I.int8_max_tokens && cuda::act_q8_bytes(w.n_cols, n_tok) > 0 &&
+                     I.is_dev(gate.data()) && I.is_dev(up.data()) && I.is_dev(y.data());
+  if (!fused) {
+    lock.unlock();
+    Backend::swiglu_matmul(w, gate, up, n_tok, act, y);
+    return;
+  }
+  ExpertCopyFence fence{I};
+  I.enter();
+  const cuda::DeviceWeight dw = I.weight_resident(w);
+  size_t act_bytes = 0;
+  std::byte* qa = I.v3_act(dw, n_tok, &act_bytes);
+  KILN_CHECK(qa != nullptr && act_bytes > 0, "swiglu_matmul: int8 scratch");
+  const float* dg = gate.data();
+  const float* du = up.data();
+  float* dy = y.data();
+  const int mma_min = I.mma_min_tokens;
+  I.sig("swiglu_matmul", dw.data, dw.dtype, dw.n_cols, dw.n_rows, dw.row_bytes, dg, du, n_tok, dy,
+        qa);
+  if (I.profile) {
+    I.next_label = fmt::format("matmul {} {}x{} x{} int8, swiglu fused", dtype_name(w.dtype),
+                               w.n_cols, w.n_rows, n_tok);
+    I.next_bytes = static_cast<uint64_t>(dw.row_bytes) * static_cast<uint64_t>(dw.n_rows);
+  }
+  I.record("swiglu_matmul", [=](cudaStream_t st) {
+    if (cudaError_t e = cuda::launch_quantize_act_q8(dg, dw.n_cols, n_tok, qa, st, du);
+        e != cudaSuccess)
+      return e;
+    return cuda::launch_matvec_q8(dw, qa, n_tok, dy, st, mma_min);
+  });
 }
 
 // Consecutive tasks of one weight layout (type, row size, alignment) run as one grouped launch
@@ -1137,14 +1192,17 @@ void CudaBackend::matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok)
   std::vector<cuda::DeviceWeight> dws;
   std::vector<float*> dys;
   for (const One& o : ones) dws.push_back(o.w), dys.push_back(o.y);
+  const int mma_min = I.mma_min_tokens;
   I.record("matmul_batch", [=](cudaStream_t st) {
     if (cudaError_t e = cuda::launch_quantize_act_q8(dx, n_cols, n_tok, act, st); e != cudaSuccess)
       return e;
     return run_grouped(
-        dws, [&](size_t i) { return cuda::launch_matvec_q8(dws[i], act, n_tok, dys[i], st); },
+        dws,
+        [&](size_t i) { return cuda::launch_matvec_q8(dws[i], act, n_tok, dys[i], st, mma_min); },
         [&](size_t i, size_t n) {
           return cuda::launch_matvec_q8_group(std::span(dws).subspan(i, n),
-                                              std::span(dys).subspan(i, n), act, n_tok, st);
+                                              std::span(dys).subspan(i, n), act, n_tok, st,
+                                              mma_min);
         });
   });
 }
@@ -1313,6 +1371,35 @@ void CudaBackend::rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_
   });
   I.download(x, static_cast<const float*>(dx));
   I.finish("rope");
+}
+
+void CudaBackend::rope_qk(std::span<float> q, int64_t n_head_q, std::span<float> k,
+                          int64_t n_head_k, int64_t n_tok, int64_t head_dim,
+                          std::span<const int32_t> pos, const RopeParams& p) {
+  Impl& I = *impl_;
+  std::unique_lock lock(I.mu);
+  if (!(I.fuse_rope && I.is_dev(q.data()) && I.is_dev(k.data()))) {
+    lock.unlock();
+    Backend::rope_qk(q, n_head_q, k, n_head_k, n_tok, head_dim, pos, p);  // two rope() ops
+    return;
+  }
+  KILN_CHECK(static_cast<int64_t>(q.size()) == n_tok * n_head_q * head_dim);
+  KILN_CHECK(static_cast<int64_t>(k.size()) == n_tok * n_head_k * head_dim);
+  KILN_CHECK(static_cast<int64_t>(pos.size()) == n_tok);
+  KILN_CHECK(p.n_rot > 0 && p.n_rot % 2 == 0 && p.n_rot <= head_dim, "n_rot {}", p.n_rot);
+  I.enter();
+  I.room(I.host_bytes(pos));
+  float* dq = q.data();
+  float* dk = k.data();
+  const int32_t* dpos = I.ints(pos);
+  const RopeParams rp = p;
+  const bool neox = p.style == RopeStyle::NeoX;
+  I.sig("rope_qk", dq, n_head_q, dk, n_head_k, n_tok, head_dim, dpos, rp.n_rot, rp.freq_base,
+        rp.freq_scale, neox);
+  I.record("rope_qk", [=](cudaStream_t st) {
+    return cuda::launch_rope_qk(dq, n_head_q, dk, n_head_k, n_tok, head_dim, dpos, rp.n_rot,
+                                rp.freq_base, rp.freq_scale, neox, st);
+  });
 }
 
 void CudaBackend::softmax(std::span<float> x, int64_t n) {
@@ -1742,6 +1829,12 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   impl->expert_policy = TierPolicy(options.expert_policy);
   impl->expert_async = options.expert_async_copies;
   impl->pdl = options.pdl;
+  impl->fuse_rope = options.fuse_rope;
+  impl->fuse_swiglu = options.fuse_swiglu;
+  if (options.int8_mma_min_tokens < 0 || options.int8_mma_min_tokens > cuda::kQ8MaxTokens)
+    return Status::errorf("cuda: int8 tensor-core token threshold {} (0..{}; 0: never)",
+                          options.int8_mma_min_tokens, cuda::kQ8MaxTokens);
+  impl->mma_min_tokens = int(options.int8_mma_min_tokens);
   if (cudaError_t e = impl->expert_copy_ev.create(); e != cudaSuccess)
     return Status::errorf("CUDA event: {}", cudaGetErrorString(e));
   impl->matmul_kernels =

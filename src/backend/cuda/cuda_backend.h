@@ -33,12 +33,16 @@ namespace kiln {
 // the GEMM above 8 tokens (V3's float kernel's limit).
 enum class CudaMatmul { V1, V2, V3, Auto };
 inline constexpr int64_t kAutoInt8MaxTokens = 16;
+inline constexpr int64_t kInt8MmaMinTokens = 0;  // off: measured no faster end to end
 
 struct CudaOptions {
   int device = 0;
   CudaMatmul matmul = CudaMatmul::Auto;
   // Auto: the most tokens a quantized matmul runs on V3's int8 kernels (more: cuBLAS), 1..64.
   int64_t auto_int8_max_tokens = kAutoInt8MaxTokens;
+  // V3/Auto: int8 matmuls of at least this many tokens (Q4_K, Q6_K, Q8_0) on the int8 tensor
+  // cores instead of dp4a, the same bits either way (kernels.h, launch_matvec_q8); 0: never.
+  int64_t int8_mma_min_tokens = kInt8MmaMinTokens;
   // Optional: the whole weight region (e.g. the GGUF mapping's tensor data). When set, it is
   // uploaded once, at creation, into one arena allocation through pinned staging on a copy
   // stream, and every WeightMatrix inside it is an offset into that arena.
@@ -68,6 +72,12 @@ struct CudaOptions {
   // graph survives a growing context. Off: every segment is launched op by op (profile mode
   // always is).
   bool graphs = true;
+  // rope_qk as one launch for Q and K (the angles computed once per token); off: two rope
+  // launches. The same kernel either way, so the same bits.
+  bool fuse_rope = true;
+  // swiglu_matmul on V3's int8 path: SwiGLU computed inside the activation quantization of
+  // the down projection (one launch fewer per layer); off: swiglu() then matmul(). Same bits.
+  bool fuse_swiglu = true;
   int64_t graph_kv_bucket = 256;
   // Device tier of streamed MoE experts (WeightMatrix::content_key != 0): at most this many
   // bytes of expert slices stay on the device. 0: half of the device memory free when the
@@ -152,9 +162,14 @@ class CudaBackend final : public Backend {
                    int64_t n, float eps, std::span<float> y) override;
   void rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim,
             std::span<const int32_t> pos, const RopeParams& p) override;
+  void rope_qk(std::span<float> q, int64_t n_head_q, std::span<float> k, int64_t n_head_k,
+               int64_t n_tok, int64_t head_dim, std::span<const int32_t> pos,
+               const RopeParams& p) override;
   void softmax(std::span<float> x, int64_t n) override;
   void swiglu(std::span<const float> gate, std::span<const float> up,
               std::span<float> out) override;
+  void swiglu_matmul(const WeightMatrix& w, std::span<const float> gate, std::span<const float> up,
+                     int64_t n_tok, std::span<float> act, std::span<float> y) override;
   void geglu(std::span<const float> gate, std::span<const float> up, std::span<float> out) override;
   void add(std::span<const float> a, std::span<const float> b, std::span<float> out) override;
   void mul(std::span<const float> a, std::span<const float> b, std::span<float> out) override;

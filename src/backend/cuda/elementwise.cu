@@ -3,6 +3,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "backend/cuda/act.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
 
@@ -51,7 +52,7 @@ __global__ void binary_kernel(const float* a, const float* b, float* out, int64_
         r = x * y;
         break;
       case Binary::SwiGLU:
-        r = x / (1.0f + expf(-x)) * y;
+        r = swiglu_one(x, y);
         break;
       case Binary::GeGLU:
         r = 0.5f * x * (1.0f + tanhf(kSqrt2OverPi * x * (1.0f + 0.044715f * x * x))) * y;

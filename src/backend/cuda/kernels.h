@@ -78,12 +78,25 @@ size_t act_q8_bytes(int64_t n_cols, int64_t n_tok);
 bool matvec_q8_supports(DType t);
 // x [n_tok][n_cols] f32 -> act (act_q8_bytes): per token, n_cols int8 then (d, d * sum q)
 // per 32-element block. NaN or inf in a block makes the block's scale NaN (propagates).
+// With up: the input is silu(x) * up (the bits of launch_binary(SwiGLU) then this).
 cudaError_t launch_quantize_act_q8(const float* x, int64_t n_cols, int64_t n_tok, void* act,
-                                   cudaStream_t s);
+                                   cudaStream_t s, const float* up = nullptr);
 // y = W x from activations launch_quantize_act_q8 wrote (so one quantization serves several
 // weights of the same input); w.dtype must be matvec_q8_supports and n_tok <= kQ8MaxTokens.
+// From mma_min_tokens tokens on (0: never) Q4_K (16-byte aligned rows), Q6_K and Q8_0 run on
+// the int8 tensor cores (mma.sync, sm_80+) with the same bits as the dp4a kernels: the exact
+// integer dot of each unit, then the dp4a kernels' float operations in their order
+// (matvec_q8.cu). Off by default: on the H200 it is 10-25 % faster than dp4a for Q4_K at
+// 16-64 tokens, mixed for Q6_K, slower for Q8_0, and the 8B Q4_K_M decode of 4 and 16
+// sequences is the same speed either way (docs/BENCHMARKS.md, CUDA session 10).
+inline constexpr int kQ8MmaMinTokens = 0;
 cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_tok, float* y,
-                             cudaStream_t s);
+                             cudaStream_t s, int mma_min_tokens = kQ8MmaMinTokens);
+// The tensor-core path alone, with nb (1, 2 or 4) tiles of 8 tokens per block column whatever
+// n_tok is (every nb has the same bits; for tests and cuda_matvec_bench). cudaErrorInvalidValue
+// where it does not apply (type, alignment, device).
+cudaError_t launch_matvec_q8_mma(const DeviceWeight& w, const void* act, int64_t n_tok,
+                                 float* y, int nb, cudaStream_t s);
 // Several weights of one type, width and row size against the same input in one launch (a
 // layer's Q/K/V or gate/up, ys[i] for ws[i]): each output has the bits launch_matvec_q8 /
 // launch_matvec_float_v3 write for that weight alone (the same kernel body per row, the same
@@ -92,7 +105,8 @@ cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_t
 // more than kMatvecGroupMax, or the rows pass one grid: launch them one by one then.
 inline constexpr int kMatvecGroupMax = 4;
 cudaError_t launch_matvec_q8_group(std::span<const DeviceWeight> ws, std::span<float* const> ys,
-                                   const void* act, int64_t n_tok, cudaStream_t s);
+                                   const void* act, int64_t n_tok, cudaStream_t s,
+                                   int mma_min_tokens = kQ8MmaMinTokens);
 cudaError_t launch_matvec_float_v3_group(std::span<const DeviceWeight> ws,
                                          std::span<float* const> ys, const float* x,
                                          int64_t n_tok, int rows, cudaStream_t s);
@@ -117,7 +131,8 @@ bool float_v3_applies(const DeviceWeight& w, const float* x, int64_t n_tok);
 // kernel for float weights up to 8 tokens, else V2 (with gemm above kMatvecMaxTokens).
 cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
                              void* act_scratch, size_t scratch_bytes, cudaStream_t s,
-                             GemmWorkspace* gemm = nullptr);
+                             GemmWorkspace* gemm = nullptr,
+                             int mma_min_tokens = kQ8MmaMinTokens);
 
 // --- get_rows.cu: out[i][:] = row ids[i] of w, dequantized.
 cudaError_t launch_get_rows(const DeviceWeight& w, const int32_t* ids, int64_t n_ids, float* out,
@@ -137,6 +152,11 @@ cudaError_t launch_softmax(float* x, int64_t n_rows, int64_t n, cudaStream_t s);
 cudaError_t launch_rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim,
                         const int32_t* pos, int64_t n_rot, float freq_base, float freq_scale,
                         bool neox, cudaStream_t s);
+// Q [n_tok][n_head_q][head_dim] and K [n_tok][n_head_k][head_dim] by the same angles in one
+// launch; the bits of launch_rope on each (the same kernel).
+cudaError_t launch_rope_qk(float* q, int64_t n_head_q, float* k, int64_t n_head_k, int64_t n_tok,
+                           int64_t head_dim, const int32_t* pos, int64_t n_rot, float freq_base,
+                           float freq_scale, bool neox, cudaStream_t s);
 
 // --- elementwise.cu
 enum class Unary { Scale, Softcap, Sigmoid };

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <span>
 
+#include "backend/cuda/act.cuh"
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
@@ -78,15 +79,20 @@ __device__ __forceinline__ void prefetch_first_rows(const uint8_t* w, size_t row
   if (r0 < n_rows) prefetch_l2_warp(w + r0 * row_bytes, n, lane);
 }
 
-// ---- activations: one warp per 32-element block.
-__global__ void quantize_act_q8_kernel(const float* __restrict__ x, int64_t n_blocks,
-                                       int8_t* __restrict__ q, float2* __restrict__ ds) {
+// ---- activations: one warp per 32-element block. SWIGLU: the input is swiglu_one(x, up),
+// computed here instead of by a separate elementwise op (the same expression, so the same
+// values, act.cuh).
+template <bool SWIGLU>
+__global__ void quantize_act_q8_kernel(const float* __restrict__ x, const float* __restrict__ up,
+                                       int64_t n_blocks, int8_t* __restrict__ q,
+                                       float2* __restrict__ ds) {
   pdl_enter();
   const int lane = threadIdx.x % kWarp;
   const int64_t b = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   if (b >= n_blocks) return;
   // Tokens are contiguous rows of n_cols (a multiple of 32): block b is elements 32b..32b+31.
-  const float v = __ldg(x + b * kBlk + lane);
+  float v = __ldg(x + b * kBlk + lane);
+  if constexpr (SWIGLU) v = swiglu_one(v, __ldg(up + b * kBlk + lane));
   float amax = fabsf(v);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -612,6 +618,359 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
                                                           n_tok, y, blockIdx.y);
 }
 
+// ---- batched decode on the int8 tensor cores (MatmulKernels::V3 from mma_min_tokens tokens,
+// off by default: kernels.h; Q4_K, Q6_K, Q8_0). The dp4a kernels above spend ~12 instructions
+// per (row, token, unit) and re-decode each weight unit for every column of 8 tokens: at 16-64
+// tokens they run at 2-10 % of the read bandwidth (cuda_matvec_bench, docs/BENCHMARKS.md).
+// Here mma.sync m16n8k32
+// (s8 x s8 -> s32) gives the exact integer dot of a unit for 16 rows x 8 tokens at once, and
+// the floats are what the dp4a kernels compute, in their order, so every output keeps its bits:
+// - a unit's integer dot is exact either way (|s| < 2^22), and its float update is unit_dot's
+//   (the same _rn operations on the same operands);
+// - the dp4a kernels' lane l sums units l, l + 32, ... (Q4_K: pairs l, l + 32, ..., low unit
+//   first) from 0.0f, then warp_sum_rn adds the 32 partial sums as a fixed tree: lane 0 ends
+//   with ((v0 + v16) + (v8 + v24)) + ... Here one accumulator runs over the same units for one
+//   "virtual lane" at a time, the virtual lanes taken in bit-reversed order (0, 16, 8, 24, ...)
+//   so that the tree's pairs are adjacent and a three-level stack holds the open subtrees;
+//   warp w of the block takes virtual lanes bitrev5(8w .. 8w + 7), whose subtree is c(0),
+//   c(2), c(1), c(3) of the butterfly (lanes = 0, 2, 1, 3 mod 4), and the block adds them as
+//   the last two butterfly steps do: (W0 + W1) + (W2 + W3).
+// IEEE addition is commutative, so only the grouping matters, and it is the butterfly's.
+// Tested with memcmp against the dp4a kernels at the same token count, whose outputs run_case
+// checks against one-token calls (tests/cuda/cuda_matvec_q8_test.cpp,
+// CudaMatvecQ8.MmaHasTheDp4aBits). Speed: each warp still runs one virtual lane's chain at a
+// time with two steps of loads in flight; at 64 tokens the kernel is ~15x slower than its
+// float-issue bound (4-5 FP ops per row, token and unit), i.e. latency-bound: more independent
+// chains per warp is the next step.
+constexpr int kMmaRows = 16;  // rows per block (one m16 tile, shared by the block's 4 warps)
+
+__device__ __forceinline__ int bitrev5(int i) { return int(__brev(unsigned(i)) >> 27); }
+
+// d[4] = A (16 x 32, row-major: a0 row g cols 4q.., a1 row g + 8, a2/a3 the same 16 columns
+// on) x B (32 x 8, b0 rows 4q.. of column g, b1 16 on): c0/c1 row g columns 2q, 2q + 1, c2/c3
+// row g + 8 (g = lane / 4, q = lane % 4). Integer accumulation: exact.
+__device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                       uint32_t a3, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%10, %11, %12, %13};"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+#else
+  d[0] = d[1] = d[2] = d[3] = 0;
+  __trap();  // sm_80+ only; the launcher refuses older devices
+#endif
+}
+
+// The float update of one unit for this thread's 4 x NB outputs, given the unit's integer dots
+// (c[nb]: rows g, g, g+8, g+8 x tokens 2q, 2q+1, 2q, 2q+1 of tile nb), the two rows' scales
+// and the tokens' (d, d * sum q): unit_dot's operations in unit_dot's order.
+template <DType T, int NB>
+__device__ __forceinline__ void mma_update(float (&acc)[NB][4], const int (&c)[NB][4],
+                                           const int (&c1)[NB][4], float d0g, float d1g,
+                                           float d0h, float d1h, const float2 (&ds)[NB][2]) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float d0 = e < 2 ? d0g : d0h, d1 = e < 2 ? d1g : d1h;
+      const float2 a = ds[nb][e & 1];
+      float v = acc[nb][e];
+      if constexpr (T == DType::Q6_K) {
+        v = __fmaf_rn(__fmul_rn(d0, a.x), i2f(c[nb][e]), v);
+        v = __fmaf_rn(__fmul_rn(d1, a.x), i2f(c1[nb][e]), v);
+      } else {
+        v = __fmaf_rn(__fmul_rn(d0, a.x), i2f(c[nb][e]), v);
+        if constexpr (T == DType::Q4_K) v = __fmaf_rn(-d1, a.y, v);
+      }
+      acc[nb][e] = v;
+    }
+}
+
+// One step of a virtual lane (Q4_K: a pair of units, else one unit) as loaded: the two rows'
+// A-fragment words and scale fields, and the activation words and (d, d * sum q) of the step's
+// units for this thread's tokens. Loading the next step before computing this one keeps two
+// steps' loads in flight per warp (one step at a time, each warp waited out a memory round
+// trip per unit: cuda_matvec_bench, session 10).
+template <DType T, int NB>
+struct MmaStep {
+  static constexpr int kU = T == DType::Q4_K ? 2 : 1;  // units per step
+  uint32_t wa[4];     // Q4_K: words 4q / 16 + 4q of rows g, h; Q6_K/Q8_0: a0..a3
+  uint32_t wx[4];     // Q4_K: header words dm/scales of row g (x, y, z, w); Q6_K: qh words
+  uint32_t wy[4];     // Q4_K: row h's header; Q6_K: d and scale bits per row
+  uint32_t b0[kU][NB], b1[kU][NB];
+  float2 ds[kU][NB][2];
+};
+
+template <DType T, int NB>
+__device__ __forceinline__ void mma_load(MmaStep<T, NB>& st, const uint8_t* rg, const uint8_t* rh,
+                                         const int8_t* const (&xb)[NB],
+                                         const float2* const (&xdc)[NB][2], int64_t i, int q) {
+  using namespace kiln::quant;
+  if constexpr (T == DType::Q4_K) {
+    constexpr int kBs = sizeof(block_q4_K), kQs = offsetof(block_q4_K, qs);
+    const int64_t bo = (i / 4) * kBs;
+    const int pp = int(i % 4);
+    const uint4 hg = __ldg(reinterpret_cast<const uint4*>(rg + bo));
+    const uint4 hh = __ldg(reinterpret_cast<const uint4*>(rh + bo));
+    st.wx[0] = hg.x, st.wx[1] = hg.y, st.wx[2] = hg.z, st.wx[3] = hg.w;
+    st.wy[0] = hh.x, st.wy[1] = hh.y, st.wy[2] = hh.z, st.wy[3] = hh.w;
+    const uint8_t* qg = rg + bo + kQs + 32 * pp + 4 * q;
+    const uint8_t* qh = rh + bo + kQs + 32 * pp + 4 * q;
+    st.wa[0] = __ldg(reinterpret_cast<const uint32_t*>(qg));
+    st.wa[1] = __ldg(reinterpret_cast<const uint32_t*>(qh));
+    st.wa[2] = __ldg(reinterpret_cast<const uint32_t*>(qg + 16));
+    st.wa[3] = __ldg(reinterpret_cast<const uint32_t*>(qh + 16));
+  } else if constexpr (T == DType::Q6_K) {
+    constexpr int kBs = sizeof(block_q6_K);
+    const int64_t bo = (i / 8) * kBs;
+    const int s = int(i % 8), hs = s / 4, qq = s % 4;
+    const int lo = offsetof(block_q6_K, ql) + 64 * hs + 32 * (qq & 1) + 4 * q;
+    const int ho = offsetof(block_q6_K, qh) + 32 * hs + 4 * q;
+    load_words_a2<4>(rg + bo + lo, &st.wa[0]);
+    load_words_a2<4>(rh + bo + lo, &st.wa[1]);
+    load_words_a2<4>(rg + bo + lo + 16, &st.wa[2]);
+    load_words_a2<4>(rh + bo + lo + 16, &st.wa[3]);
+    load_words_a2<4>(rg + bo + ho, &st.wx[0]);
+    load_words_a2<4>(rh + bo + ho, &st.wx[1]);
+    load_words_a2<4>(rg + bo + ho + 16, &st.wx[2]);
+    load_words_a2<4>(rh + bo + ho + 16, &st.wx[3]);
+    const int so = offsetof(block_q6_K, scales) + 8 * hs + 2 * qq;
+    st.wy[0] = load_u16(rg + bo + offsetof(block_q6_K, d));
+    st.wy[1] = load_u16(rh + bo + offsetof(block_q6_K, d));
+    st.wy[2] = load_u16(rg + bo + so);
+    st.wy[3] = load_u16(rh + bo + so);
+  } else {
+    static_assert(T == DType::Q8_0);
+    constexpr int kBs = sizeof(block_q8_0);
+    const uint8_t* bg = rg + i * kBs;
+    const uint8_t* bh = rh + i * kBs;
+    load_words_a2<4>(bg + 2 + 4 * q, &st.wa[0]);
+    load_words_a2<4>(bh + 2 + 4 * q, &st.wa[1]);
+    load_words_a2<4>(bg + 18 + 4 * q, &st.wa[2]);
+    load_words_a2<4>(bh + 18 + 4 * q, &st.wa[3]);
+    st.wy[0] = load_u16(bg);
+    st.wy[1] = load_u16(bh);
+  }
+#pragma unroll
+  for (int h = 0; h < MmaStep<T, NB>::kU; ++h) {
+    const int64_t u = MmaStep<T, NB>::kU * i + h;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const int8_t* p = xb[nb] + u * kBlk + 4 * q;
+      st.b0[h][nb] = __ldg(reinterpret_cast<const uint32_t*>(p));
+      st.b1[h][nb] = __ldg(reinterpret_cast<const uint32_t*>(p + 16));
+      st.ds[h][nb][0] = __ldg(xdc[nb][0] + u);
+      st.ds[h][nb][1] = __ldg(xdc[nb][1] + u);
+    }
+  }
+}
+
+template <DType T, int NB>
+__device__ __forceinline__ void mma_compute(const MmaStep<T, NB>& st, int64_t i,
+                                            float (&acc)[NB][4]) {
+  if constexpr (T == DType::Q4_K) {
+    const int pp = int(i % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      int scg, mg, sch, mh;
+      k_scale_min(st.wx + 1, 2 * pp + h, scg, mg);
+      k_scale_min(st.wy + 1, 2 * pp + h, sch, mh);
+      const float d0g = mul_rn(h2f_bits(uint16_t(st.wx[0])), i2f(scg));
+      const float d1g = mul_rn(h2f_bits(uint16_t(st.wx[0] >> 16)), i2f(mg));
+      const float d0h = mul_rn(h2f_bits(uint16_t(st.wy[0])), i2f(sch));
+      const float d1h = mul_rn(h2f_bits(uint16_t(st.wy[0] >> 16)), i2f(mh));
+      const int sft = 4 * h;
+      const uint32_t a0 = (st.wa[0] >> sft) & 0x0F0F0F0Fu, a1 = (st.wa[1] >> sft) & 0x0F0F0F0Fu;
+      const uint32_t a2 = (st.wa[2] >> sft) & 0x0F0F0F0Fu, a3 = (st.wa[3] >> sft) & 0x0F0F0F0Fu;
+      int c[NB][4];
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) mma_s8(c[nb], a0, a1, a2, a3, st.b0[h][nb], st.b1[h][nb]);
+      mma_update<T, NB>(acc, c, c, d0g, d1g, d0h, d1h, st.ds[h]);
+    }
+  } else if constexpr (T == DType::Q6_K) {
+    const int qq = int(i % 8) % 4;
+    const float dg = h2f_bits(uint16_t(st.wy[0])), dh = h2f_bits(uint16_t(st.wy[1]));
+    const float d0g = mul_rn(dg, i2f(int8_t(st.wy[2] & 0xFF)));
+    const float d1g = mul_rn(dg, i2f(int8_t(st.wy[2] >> 8)));
+    const float d0h = mul_rn(dh, i2f(int8_t(st.wy[3] & 0xFF)));
+    const float d1h = mul_rn(dh, i2f(int8_t(st.wy[3] >> 8)));
+    const int lshift = qq >= 2 ? 4 : 0;
+    uint32_t a[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      a[j] = __vsub4(((st.wa[j] >> lshift) & 0x0F0F0F0Fu) |
+                         (((st.wx[j] >> (2 * qq)) & 0x03030303u) << 4),
+                     0x20202020u);
+    // The two 16-element halves have their own scales: one product per half, the other
+    // half's A words zero.
+    int c0[NB][4], c1[NB][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      mma_s8(c0[nb], a[0], a[1], 0u, 0u, st.b0[0][nb], st.b1[0][nb]);
+      mma_s8(c1[nb], 0u, 0u, a[2], a[3], st.b0[0][nb], st.b1[0][nb]);
+    }
+    mma_update<T, NB>(acc, c0, c1, d0g, d1g, d0h, d1h, st.ds[0]);
+  } else {
+    const float d0g = h2f_bits(uint16_t(st.wy[0])), d0h = h2f_bits(uint16_t(st.wy[1]));
+    int c[NB][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+      mma_s8(c[nb], st.wa[0], st.wa[1], st.wa[2], st.wa[3], st.b0[0][nb], st.b1[0][nb]);
+    mma_update<T, NB>(acc, c, c, d0g, 0.0f, d0h, 0.0f, st.ds[0]);
+  }
+}
+
+// Rows rb * 16 .. + 15, tokens blockIdx.x * 8 NB .. of y. Q4_K rows 16-byte aligned; Q6_K and
+// Q8_0 rows 2-byte aligned (fields read as aligned words and funnel shifts).
+template <DType T, int NB>
+__device__ __forceinline__ void matvec_q8_mma_body(const uint8_t* __restrict__ w,
+                                                   size_t row_bytes, int64_t n_rows,
+                                                   int64_t n_cols, const int8_t* __restrict__ xq,
+                                                   const float2* __restrict__ xd, int64_t n_tok,
+                                                   float* __restrict__ y, int64_t rb) {
+  __shared__ float part[kQ8Warps][kMmaRows][8 * NB];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int g = lane >> 2, q = lane & 3;
+  const int64_t r0 = rb * kMmaRows, t0 = int64_t(blockIdx.x) * (8 * NB);
+  const int64_t n_units = n_cols / kBlk;
+  // Steps of a row: Q4_K pairs, else units; virtual lane l takes steps l, l + 32, ...
+  const int64_t n_steps = T == DType::Q4_K ? n_units / 2 : n_units;
+  // Rows past the matrix and tokens past the call repeat the last one; never stored.
+  const uint8_t* rg = w + (r0 + g < n_rows ? r0 + g : n_rows - 1) * row_bytes;
+  const uint8_t* rh = w + (r0 + g + 8 < n_rows ? r0 + g + 8 : n_rows - 1) * row_bytes;
+  const int8_t* xb[NB];
+  const float2* xdc[NB][2];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int64_t tb = t0 + 8 * nb + g, tc = t0 + 8 * nb + 2 * q;
+    xb[nb] = xq + (tb < n_tok ? tb : n_tok - 1) * n_cols;
+    xdc[nb][0] = xd + (tc < n_tok ? tc : n_tok - 1) * n_units;
+    xdc[nb][1] = xd + (tc + 1 < n_tok ? tc + 1 : n_tok - 1) * n_units;
+  }
+  pdl_enter();
+  float stk[3][NB][4];
+  float fin[NB][4];
+#pragma unroll
+  for (int ii = 0; ii < 8; ++ii) {
+    const int l = bitrev5(warp * 8 + ii);
+    float acc[NB][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nb][e] = 0.0f;
+    MmaStep<T, NB> cur, nxt;
+    if (l < n_steps) mma_load<T, NB>(cur, rg, rh, xb, xdc, l, q);
+    for (int64_t i = l; i < n_steps; i += kWarp) {
+      if (i + kWarp < n_steps) mma_load<T, NB>(nxt, rg, rh, xb, xdc, i + kWarp, q);
+      mma_compute<T, NB>(cur, i, acc);
+      cur = nxt;
+    }
+    // Close the subtrees this virtual lane completes (ii's trailing one bits).
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = acc[nb][e];
+        if (ii & 1) {
+          x = __fadd_rn(stk[0][nb][e], x);
+          if (ii & 2) {
+            x = __fadd_rn(stk[1][nb][e], x);
+            if (ii & 4) {
+              fin[nb][e] = __fadd_rn(stk[2][nb][e], x);
+            } else {
+              stk[2][nb][e] = x;
+            }
+          } else {
+            stk[1][nb][e] = x;
+          }
+        } else {
+          stk[0][nb][e] = x;
+        }
+      }
+  }
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) part[warp][g + 8 * (e >> 1)][8 * nb + 2 * q + (e & 1)] = fin[nb][e];
+  __syncthreads();
+  for (int i = threadIdx.x; i < kMmaRows * 8 * NB; i += kQ8Warps * kWarp) {
+    const int r = i / (8 * NB), t = i % (8 * NB);
+    if (r0 + r < n_rows && t0 + t < n_tok)
+      y[(t0 + t) * n_rows + r0 + r] = __fadd_rn(__fadd_rn(part[0][r][t], part[1][r][t]),
+                                                __fadd_rn(part[2][r][t], part[3][r][t]));
+  }
+}
+template <DType T, int NB>
+__global__ void __launch_bounds__(kQ8Warps* kWarp)
+    matvec_q8_mma_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
+                         int64_t n_cols, const int8_t* __restrict__ xq,
+                         const float2* __restrict__ xd, int64_t n_tok, float* __restrict__ y) {
+  matvec_q8_mma_body<T, NB>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y, blockIdx.y);
+}
+template <DType T, int NB>
+__global__ void __launch_bounds__(kQ8Warps* kWarp)
+    matvec_q8_mma_group_kernel(GroupArgs g, size_t row_bytes, int64_t n_cols,
+                               const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                               int64_t n_tok) {
+  const GroupTask t = group_task(g);
+  matvec_q8_mma_body<T, NB>(t.w, row_bytes, t.n_rows, n_cols, xq, xd, n_tok, t.y, t.rb);
+}
+
+template <DType T>
+constexpr bool mma_type() {
+  return T == DType::Q4_K || T == DType::Q6_K || T == DType::Q8_0;
+}
+// Whether the tensor-core path takes this weight at n_tok tokens: a supported type, at least
+// min_tokens tokens (0: never), Q4_K rows whole blocks and 16-byte aligned, a device that has
+// the instruction (sm_80+), row blocks within one grid.
+bool mma_applies(const DeviceWeight& w, int64_t n_tok, int min_tokens) {
+  if (min_tokens <= 0 || n_tok < min_tokens || (w.n_rows + kMmaRows - 1) / kMmaRows > 65535)
+    return false;
+  bool ok = false;
+  dispatch_dtype(w.dtype, [&]<DType T>() { ok = mma_type<T>(); });
+  if (!ok) return false;
+  if (w.dtype == DType::Q4_K &&
+      (w.n_cols % 256 != 0 || reinterpret_cast<uintptr_t>(w.data) % 16 != 0 || w.row_bytes % 16 != 0))
+    return false;
+  static const int major = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return v;
+  }();
+  return major >= 8;
+}
+// Tiles of 8 tokens per block column: 1 up to 8 tokens, else 2 (4 tiles spill registers with
+// two steps in flight).
+template <typename F>
+cudaError_t with_mma_shape(int64_t n_tok, F&& f) {
+  if (n_tok <= 8) return f.template operator()<1>();
+  return f.template operator()<2>();
+}
+template <DType T, int NB>
+cudaError_t launch_mma_nb(const DeviceWeight& w, const int8_t* xq, const float2* xd,
+                          int64_t n_tok, float* y, cudaStream_t s) {
+  const int64_t n_rb = (w.n_rows + kMmaRows - 1) / kMmaRows;
+  if (n_rb > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(unsigned((n_tok + 8 * NB - 1) / (8 * NB)), unsigned(n_rb));
+  return launch(matvec_q8_mma_kernel<T, NB>, grid, kQ8Warps * kWarp, 0, s,
+                reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols, xq, xd,
+                n_tok, y);
+}
+template <DType T>
+cudaError_t launch_mma_typed(const DeviceWeight& w, const int8_t* xq, const float2* xd,
+                             int64_t n_tok, float* y, cudaStream_t s) {
+  if constexpr (!mma_type<T>()) {
+    return cudaErrorInvalidValue;
+  } else {
+    return with_mma_shape(n_tok, [&]<int NB>() { return launch_mma_nb<T, NB>(w, xq, xd, n_tok, y, s); });
+  }
+}
+
 // ---- float weights, up to 8 tokens: lane l reads 8 consecutive elements at 8l + 256i (16- or
 // 32-byte loads, a warp's loads contiguous), f32 FMAs against f32 activations in a fixed
 // order per token. A warp takes R rows at a time so that each activation load (two float4s
@@ -931,34 +1290,59 @@ size_t act_q8_bytes(int64_t n_cols, int64_t n_tok) {
 }
 
 cudaError_t launch_quantize_act_q8(const float* x, int64_t n_cols, int64_t n_tok, void* act,
-                                   cudaStream_t s) {
+                                   cudaStream_t s, const float* up) {
   if (act_q8_bytes(n_cols, n_tok) == 0) return cudaErrorInvalidValue;
   auto* q = static_cast<int8_t*>(act);
   auto* ds = reinterpret_cast<float2*>(q + align16(size_t(n_tok) * size_t(n_cols)));
   const int64_t n_blocks = n_tok * (n_cols / kBlk);
   constexpr int kThreads = 256;
   const int64_t per_block = kThreads / kWarp;
-  return launch(quantize_act_q8_kernel, unsigned((n_blocks + per_block - 1) / per_block), kThreads,
-                0, s, x, n_blocks, q, ds);
+  const unsigned grid = unsigned((n_blocks + per_block - 1) / per_block);
+  if (up != nullptr)
+    return launch(quantize_act_q8_kernel<true>, grid, kThreads, 0, s, x, up, n_blocks, q, ds);
+  return launch(quantize_act_q8_kernel<false>, grid, kThreads, 0, s, x, up, n_blocks, q, ds);
 }
 
 cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_tok, float* y,
-                             cudaStream_t s) {
+                             cudaStream_t s, int mma_min_tokens) {
   if (!matvec_q8_supports(w.dtype) || act_q8_bytes(w.n_cols, n_tok) == 0 ||
       reinterpret_cast<uintptr_t>(act) % 16 != 0)
     return cudaErrorInvalidValue;
   if (w.n_rows == 0) return cudaSuccess;
   const auto* xq = static_cast<const int8_t*>(act);
   const auto* xd = reinterpret_cast<const float2*>(xq + align16(size_t(n_tok) * size_t(w.n_cols)));
+  const bool mma = mma_applies(w, n_tok, mma_min_tokens);
   cudaError_t err = cudaErrorInvalidValue;
   dispatch_dtype(w.dtype, [&]<DType T>() {
-    if constexpr (q8_block_bytes<T>() > 0) err = launch_q8_typed<T>(w, xq, xd, n_tok, y, s);
+    if constexpr (q8_block_bytes<T>() > 0)
+      err = mma ? launch_mma_typed<T>(w, xq, xd, n_tok, y, s)
+                : launch_q8_typed<T>(w, xq, xd, n_tok, y, s);
+  });
+  return err;
+}
+
+cudaError_t launch_matvec_q8_mma(const DeviceWeight& w, const void* act, int64_t n_tok,
+                                 float* y, int nb, cudaStream_t s) {
+  if (!mma_applies(w, n_tok, 1) || act_q8_bytes(w.n_cols, n_tok) == 0 ||
+      reinterpret_cast<uintptr_t>(act) % 16 != 0 || !(nb == 1 || nb == 2 || nb == 4))
+    return cudaErrorInvalidValue;
+  if (w.n_rows == 0) return cudaSuccess;
+  const auto* xq = static_cast<const int8_t*>(act);
+  const auto* xd = reinterpret_cast<const float2*>(xq + align16(size_t(n_tok) * size_t(w.n_cols)));
+  cudaError_t err = cudaErrorInvalidValue;
+  dispatch_dtype(w.dtype, [&]<DType T>() {
+    if constexpr (mma_type<T>()) {
+      err = nb == 1   ? launch_mma_nb<T, 1>(w, xq, xd, n_tok, y, s)
+            : nb == 2 ? launch_mma_nb<T, 2>(w, xq, xd, n_tok, y, s)
+                      : launch_mma_nb<T, 4>(w, xq, xd, n_tok, y, s);
+    }
   });
   return err;
 }
 
 cudaError_t launch_matvec_q8_group(std::span<const DeviceWeight> ws, std::span<float* const> ys,
-                                   const void* act, int64_t n_tok, cudaStream_t s) {
+                                   const void* act, int64_t n_tok, cudaStream_t s,
+                                   int mma_min_tokens) {
   if (!same_layout(ws) || ws.size() != ys.size() || !matvec_q8_supports(ws[0].dtype) ||
       act_q8_bytes(ws[0].n_cols, n_tok) == 0 || reinterpret_cast<uintptr_t>(act) % 16 != 0)
     return cudaErrorNotSupported;
@@ -966,6 +1350,21 @@ cudaError_t launch_matvec_q8_group(std::span<const DeviceWeight> ws, std::span<f
   const auto* xd =
       reinterpret_cast<const float2*>(xq + align16(size_t(n_tok) * size_t(ws[0].n_cols)));
   cudaError_t err = cudaErrorNotSupported;
+  // same_layout: the tensor-core choice of the first weight is every weight's.
+  if (mma_applies(ws[0], n_tok, mma_min_tokens)) {
+    dispatch_dtype(ws[0].dtype, [&]<DType T>() {
+      if constexpr (mma_type<T>()) {
+        err = with_mma_shape(n_tok, [&]<int NB>() {
+          GroupArgs g;
+          if (!make_group(ws, ys, kMmaRows, &g)) return cudaErrorNotSupported;
+          const dim3 grid(unsigned((n_tok + 8 * NB - 1) / (8 * NB)), unsigned(g.rb_end[g.n - 1]));
+          return launch(matvec_q8_mma_group_kernel<T, NB>, grid, kQ8Warps * kWarp, 0, s, g,
+                        ws[0].row_bytes, ws[0].n_cols, xq, xd, n_tok);
+        });
+      }
+    });
+    return err;
+  }
   dispatch_dtype(ws[0].dtype, [&]<DType T>() {
     if constexpr (q8_block_bytes<T>() > 0) {
       err = with_q8_shape<T>(ws[0], n_tok, [&]<int NT, int R, int MODE>() {
@@ -1003,7 +1402,7 @@ cudaError_t launch_matvec_float_v3_group(std::span<const DeviceWeight> ws,
 
 cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
                              void* act_scratch, size_t scratch_bytes, cudaStream_t s,
-                             GemmWorkspace* gemm) {
+                             GemmWorkspace* gemm, int mma_min_tokens) {
   if (!cuda_supports(w.dtype)) return cudaErrorInvalidValue;
   if (w.n_rows == 0 || n_tok == 0) return cudaSuccess;
   const size_t need = act_q8_bytes(w.n_cols, n_tok);
@@ -1012,7 +1411,7 @@ cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_to
     if (cudaError_t e = launch_quantize_act_q8(x, w.n_cols, n_tok, act_scratch, s);
         e != cudaSuccess)
       return e;
-    return launch_matvec_q8(w, act_scratch, n_tok, y, s);
+    return launch_matvec_q8(w, act_scratch, n_tok, y, s, mma_min_tokens);
   }
   if (float_v3_fits(w, x, n_tok))
     return launch_matvec_float_v3(w, x, n_tok, y, float_v3_rows(w.dtype, n_tok, w.n_rows, w.n_cols),

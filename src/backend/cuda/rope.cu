@@ -1,6 +1,11 @@
 // backend/cuda/rope.cu: rotary position embedding, in place, normal and NeoX pairings.
 // The angle is computed in double: pos * base^(-2i/n_rot) at positions in the tens of
 // thousands loses radians-level accuracy in f32, and the op is far too small to notice.
+// A layer's Q and K rotate by the same angles, so one launch serves both (rope_qk): each
+// block takes one token, computes its n_rot / 2 (cos, sin) pairs once into shared memory (the
+// double pow and sincos were most of the op's time, once per head before), then rotates every
+// Q and K head of the token. One kernel for both entry points, so rope(q), rope(k) and
+// rope_qk(q, k) give the same bits (CudaOps.RopeQkEqualsTwoRopes).
 #include <cuda_runtime.h>
 
 #include "backend/cuda/kernels.h"
@@ -9,36 +14,55 @@
 namespace kiln::cuda {
 namespace {
 
-// One thread per (token, head, pair).
-__global__ void rope_kernel(float* __restrict__ x, int64_t n_tok, int64_t n_head, int64_t head_dim,
-                            const int32_t* __restrict__ pos, int64_t n_rot, float freq_base,
-                            float freq_scale, bool neox) {
+constexpr int kThreads = 256;
+
+// grid: n_tok blocks. q: [n_tok][n_head_q][head_dim], k: [n_tok][n_head_k][head_dim] (k may be
+// null with n_head_k 0).
+__global__ void rope_qk_kernel(float* __restrict__ q, float* __restrict__ k, int64_t n_head_q,
+                               int64_t n_head_k, int64_t head_dim,
+                               const int32_t* __restrict__ pos, int64_t n_rot, float freq_base,
+                               float freq_scale, bool neox) {
+  extern __shared__ double cs_s[];  // [half] cos, then [half] sin
   pdl_enter();
-  const int64_t half = n_rot / 2;
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= n_tok * n_head * half) return;
-  const int64_t i = idx % half, th = idx / half, t = th / n_head;
-  float* v = x + th * head_dim;
-  const double theta = double(pos[t]) * double(freq_scale) *
-                       pow(double(freq_base), -2.0 * double(i) / double(n_rot));
-  double sn, cs;
-  sincos(theta, &sn, &cs);
-  const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
-  const double a = v[i0], b = v[i1];
-  v[i0] = float(a * cs - b * sn);
-  v[i1] = float(a * sn + b * cs);
+  const int64_t t = blockIdx.x, half = n_rot / 2;
+  for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
+    const double theta = double(pos[t]) * double(freq_scale) *
+                         pow(double(freq_base), -2.0 * double(i) / double(n_rot));
+    double sn, cs;
+    sincos(theta, &sn, &cs);
+    cs_s[i] = cs;
+    cs_s[half + i] = sn;
+  }
+  __syncthreads();
+  const int64_t n = (n_head_q + n_head_k) * half;
+  for (int64_t idx = threadIdx.x; idx < n; idx += blockDim.x) {
+    const int64_t h = idx / half, i = idx % half;
+    float* v = h < n_head_q ? q + (t * n_head_q + h) * head_dim
+                            : k + (t * n_head_k + (h - n_head_q)) * head_dim;
+    const double cs = cs_s[i], sn = cs_s[half + i];
+    const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+    const double a = v[i0], b = v[i1];
+    v[i0] = float(__dsub_rn(__dmul_rn(a, cs), __dmul_rn(b, sn)));
+    v[i1] = float(__dadd_rn(__dmul_rn(a, sn), __dmul_rn(b, cs)));
+  }
 }
 
 }  // namespace
 
+cudaError_t launch_rope_qk(float* q, int64_t n_head_q, float* k, int64_t n_head_k, int64_t n_tok,
+                           int64_t head_dim, const int32_t* pos, int64_t n_rot, float freq_base,
+                           float freq_scale, bool neox, cudaStream_t s) {
+  if (n_tok == 0 || n_rot == 0 || n_head_q + n_head_k == 0) return cudaSuccess;
+  if (n_tok > 0x7fffffff) return cudaErrorInvalidValue;
+  return launch(rope_qk_kernel, unsigned(n_tok), kThreads, size_t(n_rot) * sizeof(double), s, q,
+                k, n_head_q, n_head_k, head_dim, pos, n_rot, freq_base, freq_scale, neox);
+}
+
 cudaError_t launch_rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim,
                         const int32_t* pos, int64_t n_rot, float freq_base, float freq_scale,
                         bool neox, cudaStream_t s) {
-  const int64_t n = n_tok * n_head * (n_rot / 2);
-  if (n == 0) return cudaSuccess;
-  constexpr int kThreads = 256;
-  return launch(rope_kernel, unsigned((n + kThreads - 1) / kThreads), kThreads, 0, s, x, n_tok,
-                n_head, head_dim, pos, n_rot, freq_base, freq_scale, neox);
+  return launch_rope_qk(x, n_head, nullptr, 0, n_tok, head_dim, pos, n_rot, freq_base,
+                        freq_scale, neox, s);
 }
 
 }  // namespace kiln::cuda
