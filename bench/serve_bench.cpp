@@ -8,12 +8,14 @@
 // The CPU is shared with other work on the dev machine, so compare the ratios within one run.
 // Usage: serve_bench MODEL [threads=2] [streams=1,4,16] [n_gen=64] [n_prompt=64] [rounds=2]
 //                    [modes=batched,unbatched] [kq_batch=1] [widths=0,1,2,4,8,16] [repeats=1]
+//                    [prefetch_l2=1] [prefetch_bytes=cpu::kDefaultMatvecPrefetchBytes]
 // (repeats > 1: the streams list runs that many times in turn, and each batched run's aggregate
 // is divided by the first stream count's run of the same pass, minutes apart at most, so the
 // VM's drift cancels; the medians of those ratios are printed last.)
 // (kq_batch 0: cpu::set_kq_batch_matmul(false), for A/B runs of that kernel switch; widths:
 // the decode batch widths timed, 0 the Session::eval baseline, which x Session is against:
-// list it first.)
+// list it first; prefetch_l2 0: cpu::set_matvec_prefetch_l2(false), the kernels' older
+// prefetch, and prefetch_bytes its distance (cpu::set_matvec_prefetch_bytes), for A/B runs.)
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -211,7 +213,7 @@ int main(int argc, char** argv) {
   if (argc < 2) {
     fmt::print(stderr, "usage: serve_bench MODEL [threads=2] [streams=1,4,16] [n_gen=64] "
                        "[n_prompt=64] [rounds=2] [modes=batched,unbatched] [kq_batch=1] "
-                       "[widths=0,1,2,4,8,16]\n");
+                       "[widths=0,1,2,4,8,16] [repeats=1] [prefetch_l2=1] [prefetch_bytes]\n");
     return 2;
   }
   const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
@@ -223,7 +225,10 @@ int main(int argc, char** argv) {
   const bool kq_batch = argc > 8 ? std::atoi(argv[8]) != 0 : true;
   const std::vector<int32_t> widths = parse_list(argc > 9 ? argv[9] : "0,1,2,4,8,16");
   const int32_t repeats = argc > 10 ? std::atoi(argv[10]) : 1;
+  const bool prefetch_l2 = argc > 11 ? std::atoi(argv[11]) != 0 : true;
   cpu::set_kq_batch_matmul(kq_batch);
+  cpu::set_matvec_prefetch_l2(prefetch_l2);
+  if (argc > 12) cpu::set_matvec_prefetch_bytes(std::atoll(argv[12]));
   if (threads < 1 || n_gen < 1 || n_prompt < 1 || rounds < 1 || streams.empty() || repeats < 1) {
     fmt::print(stderr, "serve_bench: threads, n_gen, n_prompt, rounds must be >= 1\n");
     return 2;
@@ -234,8 +239,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   auto be = make_cpu_backend(threads);
-  fmt::print("serve_bench {} threads {} prompt {} gen {} rounds {} kq_batch {} load average {:.1f}\n",
-             argv[1], threads, n_prompt, n_gen, rounds, kq_batch ? 1 : 0, load_average());
+  fmt::print("serve_bench {} threads {} prompt {} gen {} rounds {} kq_batch {} prefetch_l2 {} "
+             "(ahead {} bytes) load average {:.1f}\n",
+             argv[1], threads, n_prompt, n_gen, rounds, kq_batch ? 1 : 0, prefetch_l2 ? 1 : 0,
+             cpu::matvec_prefetch_bytes(), load_average());
   const double tg = single_stream_tg(*m, *be, 128);
   fmt::print("single-stream decode (Session, tg128): {:.2f} t/s\n\n", tg);
   {

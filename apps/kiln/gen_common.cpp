@@ -64,6 +64,7 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
   cpu::set_float_tile_matmul(config.cpu_float_tile);
   cpu::set_attention_multi(config.cpu_attn_multi);
   cpu::set_matvec_prefetch_bytes(config.cpu_matvec_prefetch);
+  cpu::set_matvec_prefetch_l2(config.cpu_matvec_prefetch_l2);
   if (dev != "auto" && dev != "cuda" && dev != "cpu")
     return Status::errorf("unknown --device '{}' (auto, cuda or cpu)", dev);
   const bool streaming = config.expert_cache > 0 || config.expert_cap > 0;

@@ -83,9 +83,13 @@ KILN_CONFIG_ENTRY(bool, cpu_q8_vnni, true,
                   "CPU: Q8_0/Q4_0/Q5_0 matmuls of 8+ tokens (prefill) through the 512-bit "
                   "AVX-512 VNNI kernel (same bits as the plain kernel; faster by "
                   "bench/matvec_bench BM_Q8VnniOnOff, kiln bench pp512)")
-KILN_CONFIG_ENTRY(int64_t, cpu_matvec_prefetch, 2048,
+KILN_CONFIG_ENTRY(int64_t, cpu_matvec_prefetch, 16384,
                   "CPU: the one-token and v2 batched Q4_K/Q6_K kernels software-prefetch this "
                   "many bytes ahead of their rows (0: off; same results either way)")
+KILN_CONFIG_ENTRY(bool, cpu_matvec_prefetch_l2, true,
+                  "CPU: those kernels prefetch a span of lines per block step into L2 as they "
+                  "read (off: each row group's lines at its start into L1, which stalls on the "
+                  "miss buffers; same results either way; docs/BENCHMARKS.md)")
 KILN_CONFIG_ENTRY(std::string, cuda_matmul, "auto",
                   "CUDA matmul kernels: v1, v2 (f32 activations; cuBLAS above 16 tokens), v3 (int8 "
                   "activations, dp4a, up to 64 tokens), auto (v3 up to 16 tokens, cuBLAS above)")

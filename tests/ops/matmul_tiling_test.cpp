@@ -425,6 +425,50 @@ TEST(MatmulKQOne, SameBitsAsPlainKernel) {
   }
 }
 
+// How the one-token and v2 batched Q4_K / Q6_K kernels prefetch (cpu::set_matvec_prefetch_l2:
+// a span per block step into L2, or a row group's lines at its start) changes no bit, at
+// distances that put the span inside small matrices (64 bytes, 1 KiB) and past their end
+// (16 KiB: no span), and with prefetching off. Raw random blocks, odd row counts (a last row
+// group of 1..3 rows, a single left-over row) split over 1 and 2 threads, rows of 1..13 blocks
+// (13: the batched kernels' pieces of 4 tokens), 1..8 tokens; one token zero, one huge, one NaN.
+TEST(MatmulKQPrefetch, SameBitsBothWays) {
+  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  std::mt19937_64 rng(ops_seed() ^ 0x7f4a7c15ULL);
+  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+  struct Restore {
+    ~Restore() {
+      cpu::set_matvec_prefetch_l2(true);
+      cpu::set_matvec_prefetch_bytes(cpu::kDefaultMatvecPrefetchBytes);
+    }
+  } restore;
+  for (DType type : {DType::Q4_K, DType::Q6_K}) {
+    for (int64_t k : {256, 768, 2048, 3328}) {
+      for (int64_t n_rows : {3, 67, 130}) {
+        const size_t rb = *row_bytes(type, k);
+        const std::vector<std::byte> bytes = random_k_rows(type, k, n_rows, rng);
+        const WeightMatrix w{
+            .dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+        for (int64_t n_tok : {1, 2, 3, 4, 5, 8}) {
+          const std::vector<float> x = edge_tokens(rng, n_tok, k);
+          cpu::set_matvec_prefetch_bytes(0);
+          std::vector<float> none(size_t(n_tok * n_rows));
+          cpu1->matmul(w, x, n_tok, none);
+          for (int64_t ahead : {64, 1024, 16384}) {
+            SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
+                                              << n_rows << " n_tok " << n_tok << " ahead " << ahead);
+            cpu::set_matvec_prefetch_bytes(ahead);
+            const OnOff r = run_on_off(cpu::set_matvec_prefetch_l2, *cpu1, *cpu2, w, x, n_tok);
+            expect_same_bits_on_off(r, n_tok, n_rows, "L2 span prefetch");
+            ASSERT_EQ(0, std::memcmp(r.on1.data(), none.data(), none.size() * sizeof(float)))
+                << "prefetching on vs off differ";
+            if (::testing::Test::HasFatalFailure()) return;
+          }
+        }
+      }
+    }
+  }
+}
+
 // The register-tiled F32/F16/BF16 kernel (2+ tokens) must give DotTile's bits: with
 // cpu::set_float_tile_matmul(false) every call runs DotTile, so this is also the proof that the
 // switch changes nothing but speed. Widths below one vector, with a scalar tail and an odd last

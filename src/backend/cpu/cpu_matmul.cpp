@@ -416,6 +416,15 @@ HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
 #define KILN_VNNI512 __attribute__((target(HWY_TARGET_STR ",avx512vnni"), noinline))
 // Helpers inlined into those kernels (same target, so clang may inline them).
 #define KILN_VNNI512_INLINE __attribute__((target(HWY_TARGET_STR ",avx512vnni"), always_inline)) inline
+// The lines of the kBytes bytes from p into L2 (prefetcht1; a prefetch never faults): what the
+// one-token and v2 batched kernels issue per block step under matvec_prefetch_l2 (see
+// MatvecKOne), kBytes being the step's R rows of one block each, so the prefetched address
+// moves through memory as fast as the kernel reads.
+template <size_t kBytes>
+HWY_INLINE void PrefetchSpanL2(const std::byte* p) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (size_t j = 0; j < (kBytes + 63) / 64; ++j) _mm_prefetch(c + 64 * j, _MM_HINT_T1);
+}
 // A Q4_K block's 8 six-bit scales and 8 mins as bytes [sc0..7 | m0..7] (ScalesMinsK4 in two
 // 64-bit words: lo = [sc0..3 | m0..3], hi = [sc4..7 | m4..7], then one shuffle).
 KILN_VNNI512_INLINE __m128i ScalesMins8(const block_q4_K* b) {
@@ -588,7 +597,7 @@ KILN_VNNI512_INLINE __m512i Q4KOneLaneSums(const block_q4_K* b, const __m512i (&
 
 template <int R>
 KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, const int8_t* aq,
-                            const block_q8_K* ys, float* out) {
+                            const block_q8_K* ys, float* out, const std::byte* pf = nullptr) {
   static_assert(R == 1 || R % 2 == 0);
   constexpr int P = R / 2;  // row pairs (R even)
   const __m128 sign_odd = _mm_castsi128_ps(_mm_set_epi32(static_cast<int>(0x80000000u), 0,
@@ -601,6 +610,7 @@ KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, con
   __m512 acc[P > 0 ? P : 1];
   for (int q = 0; q < P; ++q) acc[q] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
+    if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_q4_K)>(pf + i * R * sizeof(block_q4_K));
     const block_q8_K& y = ys[i];
     const __m512i a_lo[2] = {_mm512_load_si512(aq + i * 256),
                              _mm512_load_si512(aq + i * 256 + 128)};
@@ -703,7 +713,7 @@ KILN_VNNI512_INLINE __m512i Q6KOneLaneSums(const block_q6_K* b, const __m512i (&
 
 template <int R>
 KILN_VNNI512 void DotQ6KOne(const std::byte* row, size_t stride, int64_t nb, const block_q8_K* ys,
-                            float* out) {
+                            float* out, const std::byte* pf = nullptr) {
   static_assert(R == 1 || R % 2 == 0);
   constexpr int P = R / 2;
   const __m512i idx_d = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
@@ -711,6 +721,7 @@ KILN_VNNI512 void DotQ6KOne(const std::byte* row, size_t stride, int64_t nb, con
   __m512 acc[P > 0 ? P : 1];
   for (int q = 0; q < P; ++q) acc[q] = _mm512_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
+    if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_q6_K)>(pf + i * R * sizeof(block_q6_K));
     const block_q8_K& y = ys[i];
     const __m512i ya[2] = {Load64(y.qs), Load64(y.qs + 128)},
                   yb[2] = {Load64(y.qs + 64), Load64(y.qs + 192)};
@@ -758,6 +769,14 @@ KILN_VNNI512 void DotQ6KOne(const std::byte* row, size_t stride, int64_t nb, con
 // of the streaming read bandwidth on one thread and 1.5x faster with the lines a few KB ahead
 // prefetched (kiln bench, 2026-12-01: 96-108 -> 148-174 t/s at 1 thread; 2 threads 191 -> 260
 // t/s). Distance: set_matvec_prefetch_bytes (--cpu-matvec-prefetch).
+// How (matvec_prefetch_l2, --cpu-matvec-prefetch-l2): on, each block step of a kernel call
+// prefetches the next R * block bytes of the stream `ahead` bytes in front of its row group into
+// L2 (PrefetchSpanL2), so prefetches go out at the rate the kernel reads; off, the lines of
+// [row + ahead, + R rows) at each row group's start into L1. On the Zen 4 VM (2026-12-02) the
+// burst stalls the core once the L1 miss buffers fill (perf: most of MatvecKOne's own samples
+// sit on its prefetch loop) and decode ran at 35-45 % of the read bandwidth (tg128 ~20 t/s on
+// the 1.1B Q4_K_M); spread into L2 16 KB ahead, at 68-86 % (median ~81 %, tg128 ~2x;
+// docs/BENCHMARKS.md). 8 and 24 KB ahead did no better on that VM.
 // Rows per one-token kernel call: enough independent chains to hide the multiply-add latency
 // on a row of a single block (the MoE down slices are 256 wide), few enough for the registers.
 constexpr int kOneRows = 4;
@@ -775,16 +794,22 @@ void MatvecKOne(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
   // (rows back to back only: a strided shard would fetch the gaps).
   const int64_t ahead = w.strided() ? 0 : matvec_prefetch_bytes();
   const std::byte* end = w.bytes.data() + w.bytes.size();
+  const bool spread = matvec_prefetch_l2();
   for (; r + kOneRows <= r1; r += kOneRows) {
+    const std::byte* pf = nullptr;  // the kernel's span prefetch (stays inside the matrix)
     if (ahead > 0) {
       const std::byte* p = w.row(r).data() + ahead;
-      const std::byte* p_end = std::min(end, p + kOneRows * rb);
-      for (; p < p_end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+      if (spread) {
+        if (p + kOneRows * rb <= end) pf = p;
+      } else {
+        const std::byte* p_end = std::min(end, p + kOneRows * rb);
+        for (; p < p_end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+      }
     }
     if constexpr (kQ4K)
-      DotQ4KOne<kOneRows>(w.row(r).data(), rb, nb, aq, y, job.y + r);
+      DotQ4KOne<kOneRows>(w.row(r).data(), rb, nb, aq, y, job.y + r, pf);
     else
-      DotQ6KOne<kOneRows>(w.row(r).data(), rb, nb, y, job.y + r);
+      DotQ6KOne<kOneRows>(w.row(r).data(), rb, nb, y, job.y + r, pf);
   }
   for (; r < r1; ++r) {
     if constexpr (kQ4K)
@@ -922,7 +947,7 @@ KILN_VNNI512_INLINE __m512i Q6KBatchLaneSums(const int8_t* at, const __m512i (&w
 // take the 512-bit tail, an odd last token DotQ4KTiled's 256-bit one.
 template <int T, int R>
 KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, KTile tile,
-                              const float* yde, int k0, float* out) {
+                              const float* yde, int k0, float* out, const std::byte* pf) {
   static_assert(T >= 1 && T <= 8);
   constexpr int P = T / 2, kOdd = T % 2;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -938,6 +963,7 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
     const int8_t* qi = tile.q + (i * 8 + k0) * 256;
     const int16_t* bi = tile.bsums + (i * 8 + k0) * 16;
     const float* ye = yde + (i * 8 + k0) * 8;
+    if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_q4_K)>(pf + i * R * sizeof(block_q4_K));
     for (int r = 0; r < R; ++r) {
       const auto* b =
           reinterpret_cast<const block_q4_K*>(row + r * stride + i * sizeof(block_q4_K));
@@ -998,7 +1024,7 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
 // the fold, two tokens per madd.
 template <int T, int R>
 KILN_VNNI512 void DotQ6KBatch(const std::byte* row, size_t stride, int64_t nb, KTile tile,
-                              const float* yde, int k0, float* out) {
+                              const float* yde, int k0, float* out, const std::byte* pf) {
   static_assert(T >= 1 && T <= 8);
   constexpr int P = T / 2, kOdd = T % 2;
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
@@ -1017,6 +1043,7 @@ KILN_VNNI512 void DotQ6KBatch(const std::byte* row, size_t stride, int64_t nb, K
     const int8_t* qi = tile.q + (i * 8 + k0) * 256;
     const int16_t* bi = tile.bsums + (i * 8 + k0) * 16;
     const float* ye = yde + (i * 8 + k0) * 8;
+    if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_q6_K)>(pf + i * R * sizeof(block_q6_K));
     for (int r = 0; r < R; ++r) {
       const auto* b =
           reinterpret_cast<const block_q6_K*>(row + r * stride + i * sizeof(block_q6_K));
@@ -1082,51 +1109,55 @@ const float* FillKTileYde(int64_t nb, const KTile& tile, std::byte* dst) {
 constexpr int kBatchTwoRowsMaxTok = 4;
 constexpr int64_t kBatchL1MaxBlocks = 12;
 // Tokens [0, T) of the tile (T <= 8) against rows r .. r+R-1 (R <= 2); out[rr * 8 + t] for
-// row r + rr.
+// row r + rr. pf (rows back to back only; nullptr: none): the R rows' bytes from there are
+// prefetched over the calls' block steps, once (the first piece's call).
 template <bool kQ4K, int R, int T>
 HWY_INLINE void DotKBatchRows(const std::byte* wr, size_t stride, int64_t nb, KTile tile,
-                              const float* yde, float* out) {
-  const auto dot = [&]<int U, int S>(const std::byte* w, int k0, float* o) {
+                              const float* yde, float* out, const std::byte* pf) {
+  const auto dot = [&]<int U, int S>(const std::byte* w, int k0, float* o, const std::byte* p) {
     if constexpr (kQ4K)
-      DotQ4KBatch<U, S>(w, stride, nb, tile, yde, k0, o);
+      DotQ4KBatch<U, S>(w, stride, nb, tile, yde, k0, o, p);
     else
-      DotQ6KBatch<U, S>(w, stride, nb, tile, yde, k0, o);
+      DotQ6KBatch<U, S>(w, stride, nb, tile, yde, k0, o, p);
   };
   if constexpr (R == 1 || T <= kBatchTwoRowsMaxTok) {
-    dot.template operator()<T, R>(wr, 0, out);
+    dot.template operator()<T, R>(wr, 0, out, pf);
   } else if (nb > kBatchL1MaxBlocks) {
     constexpr int kRest = T - kBatchTwoRowsMaxTok;
     float o[2 * 8];
-    dot.template operator()<kBatchTwoRowsMaxTok, R>(wr, 0, out);
-    dot.template operator()<kRest, R>(wr, kBatchTwoRowsMaxTok, o);
+    dot.template operator()<kBatchTwoRowsMaxTok, R>(wr, 0, out, pf);
+    dot.template operator()<kRest, R>(wr, kBatchTwoRowsMaxTok, o, nullptr);
     for (int rr = 0; rr < R; ++rr)
       for (int t = 0; t < kRest; ++t) out[rr * 8 + kBatchTwoRowsMaxTok + t] = o[rr * 8 + t];
   } else {
-    for (int rr = 0; rr < R; ++rr) dot.template operator()<T, 1>(wr + rr * stride, 0, out + rr * 8);
+    // one row per call: row rr's call prefetches the rr-th row's worth (stride == row bytes)
+    for (int rr = 0; rr < R; ++rr)
+      dot.template operator()<T, 1>(wr + rr * stride, 0, out + rr * 8,
+                                    pf != nullptr ? pf + rr * stride : nullptr);
   }
 }
 template <bool kQ4K, int R>
 HWY_INLINE void DotKBatchPieces(const WeightMatrix& w, int64_t r, int64_t nb, KTile tile,
-                                const float* yde, int m, float* out) {
+                                const float* yde, int m, float* out, const std::byte* pf) {
   const std::byte* wr = w.row(r).data();
   const size_t stride = w.stride();
   switch (m) {
     case 1:
-      return DotKBatchRows<kQ4K, R, 1>(wr, stride, nb, tile, yde, out);
+      return DotKBatchRows<kQ4K, R, 1>(wr, stride, nb, tile, yde, out, pf);
     case 2:
-      return DotKBatchRows<kQ4K, R, 2>(wr, stride, nb, tile, yde, out);
+      return DotKBatchRows<kQ4K, R, 2>(wr, stride, nb, tile, yde, out, pf);
     case 3:
-      return DotKBatchRows<kQ4K, R, 3>(wr, stride, nb, tile, yde, out);
+      return DotKBatchRows<kQ4K, R, 3>(wr, stride, nb, tile, yde, out, pf);
     case 4:
-      return DotKBatchRows<kQ4K, R, 4>(wr, stride, nb, tile, yde, out);
+      return DotKBatchRows<kQ4K, R, 4>(wr, stride, nb, tile, yde, out, pf);
     case 5:
-      return DotKBatchRows<kQ4K, R, 5>(wr, stride, nb, tile, yde, out);
+      return DotKBatchRows<kQ4K, R, 5>(wr, stride, nb, tile, yde, out, pf);
     case 6:
-      return DotKBatchRows<kQ4K, R, 6>(wr, stride, nb, tile, yde, out);
+      return DotKBatchRows<kQ4K, R, 6>(wr, stride, nb, tile, yde, out, pf);
     case 7:
-      return DotKBatchRows<kQ4K, R, 7>(wr, stride, nb, tile, yde, out);
+      return DotKBatchRows<kQ4K, R, 7>(wr, stride, nb, tile, yde, out, pf);
     default:
-      return DotKBatchRows<kQ4K, R, 8>(wr, stride, nb, tile, yde, out);
+      return DotKBatchRows<kQ4K, R, 8>(wr, stride, nb, tile, yde, out, pf);
   }
 }
 
@@ -1141,6 +1172,7 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
   const int64_t nb = w.n_cols / 256, ldy = w.n_rows;
   const int64_t rb = job.n_tok <= 8 ? r1 - r0 : rows_per_block(w);
   const int64_t ahead = w.strided() ? 0 : matvec_prefetch_bytes();
+  const bool spread = matvec_prefetch_l2();  // see MatvecKOne
   const std::byte* end = w.bytes.data() + w.bytes.size();
   const size_t stride = w.stride();
   const block_q8_K* ys[8];
@@ -1157,17 +1189,22 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
           FillKTileYde(nb, tile, reinterpret_cast<std::byte*>(scratch) + kq_tile_bytes(nb));
       int64_t r = b0;
       for (; r + 2 <= b1; r += 2) {
+        const std::byte* pf = nullptr;
         if (ahead > 0) {
           const std::byte* p = w.row(r).data() + ahead;
-          const std::byte* p_end = std::min(end, p + 2 * stride);
-          for (; p < p_end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+          if (spread) {
+            if (p + 2 * stride <= end) pf = p;
+          } else {
+            const std::byte* p_end = std::min(end, p + 2 * stride);
+            for (; p < p_end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+          }
         }
-        DotKBatchPieces<kQ4K, 2>(w, r, nb, tile, yde, m, out);
+        DotKBatchPieces<kQ4K, 2>(w, r, nb, tile, yde, m, out, pf);
         for (int rr = 0; rr < 2; ++rr)
           for (int j = 0; j < m; ++j) job.y[(t0 + j) * ldy + r + rr] = out[rr * 8 + j];
       }
       for (; r < b1; ++r) {
-        DotKBatchPieces<kQ4K, 1>(w, r, nb, tile, yde, m, out);
+        DotKBatchPieces<kQ4K, 1>(w, r, nb, tile, yde, m, out, nullptr);
         for (int j = 0; j < m; ++j) job.y[(t0 + j) * ldy + r] = out[j];
       }
     }
@@ -1514,6 +1551,7 @@ namespace {
 std::atomic<bool> g_q4k_packed{true}, g_kq_pair{true}, g_kq_one{true}, g_kq_batch{true},
     g_q8_vnni{true}, g_kq_prefill{true}, g_q8k_quant_simd{true}, g_q8_quant_simd{true};
 std::atomic<int64_t> g_matvec_prefetch{kDefaultMatvecPrefetchBytes};
+std::atomic<bool> g_matvec_prefetch_l2{true};
 }  // namespace
 void set_q4k_packed_matmul(bool on) { g_q4k_packed.store(on, std::memory_order_relaxed); }
 bool q4k_packed_matmul() { return g_q4k_packed.load(std::memory_order_relaxed); }
@@ -1535,6 +1573,8 @@ void set_matvec_prefetch_bytes(int64_t bytes) {
   g_matvec_prefetch.store(std::max<int64_t>(0, bytes), std::memory_order_relaxed);
 }
 int64_t matvec_prefetch_bytes() { return g_matvec_prefetch.load(std::memory_order_relaxed); }
+void set_matvec_prefetch_l2(bool on) { g_matvec_prefetch_l2.store(on, std::memory_order_relaxed); }
+bool matvec_prefetch_l2() { return g_matvec_prefetch_l2.load(std::memory_order_relaxed); }
 
 }  // namespace kiln::cpu
 #endif

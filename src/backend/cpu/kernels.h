@@ -110,9 +110,15 @@ bool kq_one_matvec();
 // the rows they work on (0: off; the hardware prefetchers alone leave decode well short of the
 // read bandwidth, see cpu_matmul.cpp). Prefetching changes no result. The default is also the literal default of
 // --cpu-matvec-prefetch in core/config_entries.h (core cannot see this header): keep them equal.
-inline constexpr int64_t kDefaultMatvecPrefetchBytes = 2048;
+// 16 KiB is the measured best for the L2 span prefetch below (the L1 burst's was 2048).
+inline constexpr int64_t kDefaultMatvecPrefetchBytes = 16384;
 void set_matvec_prefetch_bytes(int64_t bytes);
 int64_t matvec_prefetch_bytes();
+// How they prefetch (default on): on, a span of lines per block step inside the kernels' loop,
+// into L2; off, a row group's lines at its start, into L1 (the older way; see MatvecKOne in
+// cpu_matmul.cpp). Changes no result (tests/ops MatmulKQPrefetch).
+void set_matvec_prefetch_l2(bool on);
+bool matvec_prefetch_l2();
 
 // ---- attention (cpu_attention.cpp)
 // One (query i, head h) pair. scratch: attention_scratch_floats(head_dim) floats.
