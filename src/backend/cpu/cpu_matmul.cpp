@@ -427,7 +427,9 @@ HWY_INLINE void PrefetchSpanL2(const std::byte* p) {
 }
 // A Q4_K block's 8 six-bit scales and 8 mins as bytes [sc0..7 | m0..7] (ScalesMinsK4 in two
 // 64-bit words: lo = [sc0..3 | m0..3], hi = [sc4..7 | m4..7], then one shuffle).
-KILN_VNNI512_INLINE __m128i ScalesMins8(const block_q4_K* b) {
+// sc_even (if given): sc0 + sc2 + sc4 + sc6, from the same words (bytes of at most 63 each, so
+// lo + hi has no carry between bytes).
+KILN_VNNI512_INLINE __m128i ScalesMins8(const block_q4_K* b, int32_t* sc_even = nullptr) {
   uint64_t a;
   uint32_t c;
   std::memcpy(&a, b->scales, 8);
@@ -435,6 +437,10 @@ KILN_VNNI512_INLINE __m128i ScalesMins8(const block_q4_K* b) {
   const uint64_t lo = a & 0x3f3f3f3f3f3f3f3fULL;
   const uint64_t c2 = uint64_t{c} | (uint64_t{c} << 28);  // c | (c >> 4) << 32, nibble-masked below
   const uint64_t hi = (c2 & 0x0f0f0f0f0f0f0f0fULL) | (((a >> 6) & 0x0303030303030303ULL) << 4);
+  if (sc_even != nullptr) {
+    const uint64_t t = lo + hi;  // byte 0: sc0 + sc4, byte 2: sc2 + sc6
+    *sc_even = static_cast<int32_t>((t & 0xFF) + ((t >> 16) & 0xFF));
+  }
   return _mm_shuffle_epi32(_mm_set_epi64x(static_cast<int64_t>(hi), static_cast<int64_t>(lo)),
                            _MM_SHUFFLE(3, 1, 2, 0));
 }
@@ -955,7 +961,6 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
   const __m512i sc_idx1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
   const __m128 sign = _mm_castsi128_ps(_mm_set1_epi32(static_cast<int>(0x80000000u)));
   const __m512i bias_hi = _mm512_set1_epi32(kLowBias << 16);       // kLowBias as a high word
-  const __m512i neg_bias = _mm512_set1_epi32(-kLowBias & 0xFFFF);  // words [-kLowBias, 0]
   __m512 acc[R][P + kOdd];  // [r][P]: the odd token in the low 8 lanes
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < P + kOdd; ++q) acc[r][q] = _mm512_setzero_ps();
@@ -972,7 +977,8 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
       const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
       const __m512 d16 = _mm512_broadcastss_ps(dm);
       const __m512 nm16 = _mm512_broadcastss_ps(_mm_movehdup_ps(_mm_xor_ps(dm, sign)));  // -dmin
-      const __m128i sm8 = ScalesMins8(b);  // [sc0..7 | m0..7]
+      int32_t sc_even;
+      const __m128i sm8 = ScalesMins8(b, &sc_even);  // [sc0..7 | m0..7]
       const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8));  // m[k/2]
       const __m512i mins2 = _mm512_broadcast_i64x4(mins16);
       const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sm8));
@@ -986,10 +992,13 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
       }
       // PairWords(da, db) without the blend: (db << 16 | kLowBias) + da has da + kLowBias in
       // its low word (no borrow, see kLowBias) and db in its high word, so vpdpwssd adds the
-      // pair's scaled sums plus kLowBias * the low word's scale, which neg_k (the same for
-      // every token) takes back out. Every lane ends with DotQ4KTiled's int32.
-      const __m512i neg_k = _mm512_dpwssd_epi32(
-          _mm512_dpwssd_epi32(_mm512_setzero_si512(), neg_bias, sc[0]), neg_bias, sc[1]);
+      // pair's scaled sums plus kLowBias * the low word's scale. Summed over a block's four
+      // pairs and Fold512's two halves that extra is kLowBias * (sc0 + sc2 + sc4 + sc6), the
+      // same in every lane of every token, so neg_k takes it back out from lanes 0..7 (a
+      // scalar and one masked broadcast, where two vpdpwssd per row block gave the same sum
+      // split over both halves: the multiply pipes are what bounds this kernel). After
+      // Fold512 every lane ends with DotQ4KTiled's int32 (integer adds, exact in any order).
+      const __m512i neg_k = _mm512_maskz_set1_epi32(0x00FF, -kLowBias * sc_even);
       for (int q = 0; q < P; ++q) {
         const __m512i s0 = Q4KBatchLaneSums(qi + 2 * q * 256, wlo, whi, sc, neg_k, bias_hi);
         const __m512i s1 = Q4KBatchLaneSums(qi + (2 * q + 1) * 256, wlo, whi, sc, neg_k, bias_hi);
