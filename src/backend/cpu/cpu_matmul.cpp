@@ -578,25 +578,34 @@ KILN_VNNI512 void DotQ6KTiled(const std::byte* row, int64_t nb, KTile tile, int 
 // operations in its order, so the bits stay (tests/ops MatmulKQOne: R = 4 and R = 1 rows of a
 // call against the plain kernel).
 
-// One row's block against the token's quants: the 16 int32 lane sums before Fold512, and the
-// block's [sc0..7 | m0..7] bytes.
+// Q4_K's low words carry this offset: 0 <= kLowBias + da < 2^15 for any Q4_K lane sum da
+// (|da| <= 4 * 15 * 128 = 7680).
+constexpr int32_t kLowBias = 8192;
+
+// One row's block against the token's quants: the 16 int32 lane sums before Fold512 (Fold512 of
+// them is DotQ4KTiled's int32; the halves themselves differ), and the block's [sc0..7 | m0..7]
+// bytes. The sub-block pairs go into words as in DotQ4KBatch (vpshldd of db and kLowBias, then
+// vpdpbusd adds da: one op where PairWords takes a shift and a blend), and isum starts at the
+// correction, -kLowBias * (sc0 + sc2 + sc4 + sc6) in lanes 0..7.
 KILN_VNNI512_INLINE __m512i Q4KOneLaneSums(const block_q4_K* b, const __m512i (&a_lo)[2],
                                            const __m512i (&a_hi)[2], __m128i* sm8) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m512i sc_idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
   const __m512i sc_idx1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
-  *sm8 = ScalesMins8(b);
+  const __m512i bias_hi = _mm512_set1_epi32(kLowBias << 16);  // kLowBias as a high word
+  int32_t sc_even;
+  *sm8 = ScalesMins8(b, &sc_even);
   const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(*sm8));
   const __m512i sc[2] = {_mm512_permutexvar_epi32(sc_idx0, sc16),
                          _mm512_permutexvar_epi32(sc_idx1, sc16)};
-  __m512i isum = _mm512_setzero_si512();
+  __m512i isum = _mm512_maskz_set1_epi32(0x00FF, -kLowBias * sc_even);
   for (int p = 0; p < 2; ++p) {
     const __m512i q = Load64(b->qs + 64 * p);
-    const __m512i da =
-        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(q, m4), a_lo[p]);
     const __m512i db = _mm512_dpbusd_epi32(
         _mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), a_hi[p]);
-    isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[p]);
+    const __m512i pw = _mm512_dpbusd_epi32(_mm512_shldi_epi32(db, bias_hi, 16),
+                                           _mm512_and_si512(q, m4), a_lo[p]);
+    isum = _mm512_dpwssd_epi32(isum, pw, sc[p]);
   }
   return isum;
 }
@@ -917,9 +926,7 @@ void MatmulKTiled(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
 // 4 tokens Q4_K 1.15-1.5x, Q6_K 1.0-1.2x, 8 tokens 1.05-1.3x; 2 and 3 tokens (against the plain
 // kernels) 1.4-2.7x; the 2-thread layer step (BM_LayerStepKQBatch) 1.3-1.9x at 2-8 tokens.
 
-// Q4_K's low words below carry this offset: 0 <= kLowBias + da < 2^15 for any Q4_K lane sum da
-// (|da| <= 4 * 15 * 128 = 7680).
-constexpr int32_t kLowBias = 8192;
+// kLowBias (Q4_K's low-word offset, see DotQ4KBatch) is defined with the one-token kernels.
 
 // The batched kernels' per-token lane sums, always_inline with the kernels' target (these were
 // lambdas, which clang compiles without the enclosing function's target attribute).
