@@ -168,7 +168,7 @@ TEST_P(MoeDecodePath, OneTokenStepsMatchPrefillBitForBit) {
 }
 
 // The decode-speed switches of the CPU backend (one-token VNNI kernels, their software
-// prefetch) change no bits: a decode with all of them off gives the same
+// prefetch and its L2 span mode) change no bits: a decode with all of them off gives the same
 // logits, memcmp'd, as with all of them on (the defaults), on 2 threads.
 TEST_P(MoeDecodePath, DecodeSpeedSwitchesChangeNoBits) {
   const auto m = enginetest::load(GetParam());
@@ -179,11 +179,13 @@ TEST_P(MoeDecodePath, DecodeSpeedSwitchesChangeNoBits) {
     ~Restore() {
       cpu::set_kq_one_matvec(true);
       cpu::set_matvec_prefetch_bytes(cpu::kDefaultMatvecPrefetchBytes);
+      cpu::set_matvec_prefetch_l2(true);
     }
   } restore;
   const auto on = logits_chunked(m, *be, prompt, 1);
   cpu::set_kq_one_matvec(false);
   cpu::set_matvec_prefetch_bytes(0);
+  cpu::set_matvec_prefetch_l2(false);
   const auto off = logits_chunked(m, *be, prompt, 1);
   ASSERT_EQ(on.size(), off.size());
   EXPECT_EQ(0, std::memcmp(on.data(), off.data(), on.size() * sizeof(float))) << GetParam();
