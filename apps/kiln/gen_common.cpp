@@ -51,6 +51,25 @@ moe::StoreConfig expert_store_config(const Config& config) {
   return c;
 }
 
+#if KILN_WITH_CUDA
+// The CUDA kernel flags every CUDA backend of make_backend takes (one GPU or a TP group).
+static Status apply_cuda_flags(const Config& config, CudaOptions& o) {
+  o.progress = true;
+  o.graphs = config.cuda_graphs;
+  o.pdl = config.cuda_pdl;
+  o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
+  o.int8_mma_min_tokens = config.cuda_int8_mma;
+  o.fuse_rope = config.cuda_fuse_rope;
+  o.fuse_swiglu = config.cuda_fuse_swiglu;
+  if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
+  else if (config.cuda_matmul == "v2") o.matmul = CudaMatmul::V2;
+  else if (config.cuda_matmul == "v3") o.matmul = CudaMatmul::V3;
+  else if (config.cuda_matmul != "auto")
+    return Status::errorf("unknown --cuda-matmul '{}' (auto, v1, v2, v3)", config.cuda_matmul);
+  return Status::ok();
+}
+#endif
+
 Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config& config) {
   const std::string& dev = config.device;
   cpu::set_q4k_packed_matmul(config.cpu_q4k_packed);  // process-wide, like the CPU kernels
@@ -90,19 +109,8 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
     }
 #if KILN_WITH_CUDA
     CudaOptions o;
-    o.progress = true;
-    o.graphs = config.cuda_graphs;
-    o.pdl = config.cuda_pdl;
-    o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
-    o.int8_mma_min_tokens = config.cuda_int8_mma;
-    o.fuse_rope = config.cuda_fuse_rope;
-    o.fuse_swiglu = config.cuda_fuse_swiglu;
+    KILN_TRY(apply_cuda_flags(config, o));
     o.immutable_region = model.gguf().mapping()->bytes();  // norms/biases cached, not staged
-    if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
-    else if (config.cuda_matmul == "v2") o.matmul = CudaMatmul::V2;
-    else if (config.cuda_matmul == "v3") o.matmul = CudaMatmul::V3;
-    else if (config.cuda_matmul != "auto")
-      return Status::errorf("unknown --cuda-matmul '{}' (auto, v1, v2, v3)", config.cuda_matmul);
     auto group = make_cuda_tp_group(static_cast<int>(tp), o);
     if (!group) return Status::errorf("--tensor-parallel {}: {}", tp, group.error());
     return std::move(*group);
@@ -131,19 +139,7 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
       } else {
         o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
       }
-      o.progress = true;
-      o.graphs = config.cuda_graphs;
-      o.pdl = config.cuda_pdl;
-      o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
-      o.int8_mma_min_tokens = config.cuda_int8_mma;
-      o.fuse_rope = config.cuda_fuse_rope;
-      o.fuse_swiglu = config.cuda_fuse_swiglu;
-      if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
-      else if (config.cuda_matmul == "v2") o.matmul = CudaMatmul::V2;
-      else if (config.cuda_matmul == "v3") o.matmul = CudaMatmul::V3;
-      else if (config.cuda_matmul != "auto")
-        return Status::errorf("unknown --cuda-matmul '{}' (auto, v1, v2, v3)",
-                              config.cuda_matmul);
+      KILN_TRY(apply_cuda_flags(config, o));
       auto be = make_cuda_backend(o);
       if (be) {
         // Page-locks the store's slabs once, so the tier's copies are DMA.

@@ -383,6 +383,23 @@ struct CudaBackend::Impl {
              n_tok <= int8_max_tokens);
   }
 
+  // rope() and rope_qk() on resident memory (k null, n_head_k 0 for one tensor): one launch
+  // of the rope kernel, which serves both (rope.cu). Caller holds mu.
+  void record_rope(float* q, int64_t n_head_q, float* k, int64_t n_head_k, int64_t n_tok,
+                   int64_t head_dim, std::span<const int32_t> pos, const RopeParams& p) {
+    enter();
+    room(host_bytes(pos));
+    const int32_t* dpos = ints(pos);
+    const RopeParams rp = p;
+    const bool neox = p.style == RopeStyle::NeoX;
+    sig("rope", q, n_head_q, k, n_head_k, n_tok, head_dim, dpos, rp.n_rot, rp.freq_base,
+        rp.freq_scale, neox);
+    record("rope", [=](cudaStream_t st) {
+      return cuda::launch_rope_qk(q, n_head_q, k, n_head_k, n_tok, head_dim, dpos, rp.n_rot,
+                                  rp.freq_base, rp.freq_scale, neox, st);
+    });
+  }
+
   static uint64_t u64(const void* p) { return reinterpret_cast<uintptr_t>(p); }
   static uint64_t u64(float f) { return std::bit_cast<uint32_t>(f); }
   template <typename T>
@@ -1349,17 +1366,7 @@ void CudaBackend::rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
   if (I.is_dev(x.data())) {
-    I.enter();
-    I.room(I.host_bytes(pos));
-    float* dx = x.data();
-    const int32_t* dpos = I.ints(pos);
-    const RopeParams rp = p;
-    const bool neox = p.style == RopeStyle::NeoX;
-    I.sig("rope", dx, n_tok, n_head, head_dim, dpos, rp.n_rot, rp.freq_base, rp.freq_scale, neox);
-    I.record("rope", [=](cudaStream_t st) {
-      return cuda::launch_rope(dx, n_tok, n_head, head_dim, dpos, rp.n_rot, rp.freq_base,
-                               rp.freq_scale, neox, st);
-    });
+    I.record_rope(x.data(), n_head, nullptr, 0, n_tok, head_dim, pos, p);
     return;
   }
   I.begin_host_op({}, "rope");
@@ -1387,19 +1394,7 @@ void CudaBackend::rope_qk(std::span<float> q, int64_t n_head_q, std::span<float>
   KILN_CHECK(static_cast<int64_t>(k.size()) == n_tok * n_head_k * head_dim);
   KILN_CHECK(static_cast<int64_t>(pos.size()) == n_tok);
   KILN_CHECK(p.n_rot > 0 && p.n_rot % 2 == 0 && p.n_rot <= head_dim, "n_rot {}", p.n_rot);
-  I.enter();
-  I.room(I.host_bytes(pos));
-  float* dq = q.data();
-  float* dk = k.data();
-  const int32_t* dpos = I.ints(pos);
-  const RopeParams rp = p;
-  const bool neox = p.style == RopeStyle::NeoX;
-  I.sig("rope_qk", dq, n_head_q, dk, n_head_k, n_tok, head_dim, dpos, rp.n_rot, rp.freq_base,
-        rp.freq_scale, neox);
-  I.record("rope_qk", [=](cudaStream_t st) {
-    return cuda::launch_rope_qk(dq, n_head_q, dk, n_head_k, n_tok, head_dim, dpos, rp.n_rot,
-                                rp.freq_base, rp.freq_scale, neox, st);
-  });
+  I.record_rope(q.data(), n_head_q, k.data(), n_head_k, n_tok, head_dim, pos, p);
 }
 
 void CudaBackend::softmax(std::span<float> x, int64_t n) {
