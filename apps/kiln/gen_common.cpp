@@ -61,6 +61,11 @@ static Status apply_cuda_flags(const Config& config, CudaOptions& o) {
   o.int8_mma_min_tokens = config.cuda_int8_mma;
   o.fuse_rope = config.cuda_fuse_rope;
   o.fuse_swiglu = config.cuda_fuse_swiglu;
+  if (config.cuda_f16_cache < -1)
+    return Status::errorf("--cuda-f16-cache {} must be -1 (auto), 0 (off) or MiB",
+                          config.cuda_f16_cache);
+  o.f16_cache_bytes = config.cuda_f16_cache == -1 ? CudaOptions::kF16CacheAuto
+                                                  : uint64_t(config.cuda_f16_cache) << 20;
   if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
   else if (config.cuda_matmul == "v2") o.matmul = CudaMatmul::V2;
   else if (config.cuda_matmul == "v3") o.matmul = CudaMatmul::V3;

@@ -105,6 +105,10 @@ KILN_CONFIG_ENTRY(bool, cuda_fuse_rope, true,
 KILN_CONFIG_ENTRY(bool, cuda_fuse_swiglu, true,
                   "CUDA: SwiGLU computed inside the int8 quantization of the FFN down "
                   "projection's input (one launch fewer per layer); same outputs")
+KILN_CONFIG_ENTRY(int64_t, cuda_f16_cache, -1,
+                  "CUDA: MiB of f16 weight copies kept for the cuBLAS path (prefill, batches above "
+                  "--cuda-int8-max-tokens) instead of dequantizing on every call (0: off; -1, the "
+                  "default by measurement: a quarter of the free device memory); same outputs")
 KILN_CONFIG_ENTRY(bool, cuda_profile, false,
                   "CUDA (kiln bench): time one extra pass of each test op by op with CUDA events "
                   "and print the per-kernel table (µs per step, GB/s of the weight reads)")

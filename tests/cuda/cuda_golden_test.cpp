@@ -319,6 +319,65 @@ TEST(CudaPdl, SameBitsAsWithout) {
   EXPECT_GT(ran, 0) << "no fixture carried to this machine";
 }
 
+// The f16 weight cache (CudaOptions::f16_cache_bytes) changes where the cuBLAS path reads a
+// weight's halves from, never the halves or the GEMM: a 40-token prefill (above the int8 path's
+// 16 tokens) and greedy steps must be the same bits with it off, on, and capped below the
+// model's weights (some matmuls read copies, the rest dequantize into scratch), and a second
+// prompt on the same backend (reading copies written by the first) must match too.
+TEST(CudaF16Cache, SameBitsAsWithout) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
+  int ran = 0;
+  for (const char* name : {"stories260K-q8_0", "llama-gqa-q4_k_m", "llama-gqa-q6_k",
+                           "llama-gqa-q4_0", "gemma2-swa-q8_0", "qwen3-bpe-q8_0",
+                           "muse-glimmer-q4_k_m"}) {
+    const std::string file = std::string(name) + ".gguf";
+    if (!std::filesystem::exists(testing::shared_dir() + "/testdata/models/" + file)) continue;
+    SCOPED_TRACE(name);
+    auto m = Model::load(testing::model_path(file));
+    ASSERT_TRUE(m.has_value()) << m.error();
+    std::vector<int32_t> prompt = golden::load(name).prompt_tokens;
+    prompt.resize(std::min<size_t>(prompt.size(), 40));
+    ASSERT_GT(prompt.size(), 16u) << "the prompt must take the cuBLAS path";
+    auto run = [&](uint64_t cache, CudaStats* st, std::vector<float>* second) {
+      CudaOptions o;
+      const GgufFile& f = (*m)->gguf();
+      o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
+      o.f16_cache_bytes = cache;
+      auto be = make_cuda_backend(o);
+      EXPECT_TRUE(be) << be.error();
+      if (!be) return std::vector<float>();
+      std::vector<float> out = prefill_and_greedy(*m, **be, prompt, 8);
+      if (second) *second = prefill_and_greedy(*m, **be, prompt, 8);
+      *st = (*be)->stats();
+      return out;
+    };
+    CudaStats off_st, on_st, cap_st;
+    std::vector<float> on_again;
+    const std::vector<float> off = run(0, &off_st, nullptr);
+    const std::vector<float> on = run(uint64_t(1) << 30, &on_st, &on_again);
+    ASSERT_FALSE(off.empty());
+    EXPECT_EQ(off_st.f16_cache_weights, 0u);
+    EXPECT_GT(on_st.f16_cache_weights, 0u) << "no weight was copied: the test tests nothing";
+    // Half of what the uncapped run copied: the cap stops the cache part way.
+    const std::vector<float> capped = run(on_st.f16_cache_bytes / 2, &cap_st, nullptr);
+    EXPECT_GT(cap_st.f16_cache_weights, 0u);
+    EXPECT_LT(cap_st.f16_cache_weights, on_st.f16_cache_weights);
+    EXPECT_LE(cap_st.f16_cache_bytes, on_st.f16_cache_bytes / 2);
+    const std::vector<float>* const all[] = {&on, &on_again, &capped};
+    for (const std::vector<float>* v : all) {
+      ASSERT_EQ(v->size(), off.size());
+      EXPECT_EQ(std::memcmp(v->data(), off.data(), off.size() * sizeof(float)), 0)
+          << "logits with the f16 cache differ from those without";
+    }
+    fmt::print("  {:<22} f16 cache on/capped/off: same bits over {} logits; {} weights "
+               "({:.1f} MiB) copied, {} under the cap\n",
+               name, off.size(), on_st.f16_cache_weights, on_st.f16_cache_bytes / 1048576.0,
+               cap_st.f16_cache_weights);
+    ++ran;
+  }
+  EXPECT_GT(ran, 0) << "no fixture carried to this machine";
+}
+
 std::string param_name(const ::testing::TestParamInfo<std::tuple<Fixture, Weights>>& info) {
   std::string n = std::get<0>(info.param).name;
   if (std::get<1>(info.param) == Weights::ZeroCopy) n += "_zero_copy";

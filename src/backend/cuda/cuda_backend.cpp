@@ -542,6 +542,53 @@ struct CudaBackend::Impl {
     weights_ready();
     return d;
   }
+  // CudaOptions::f16_cache_bytes: f16 copies of region weights for the cuBLAS path, by the
+  // weight's device address. The region's bytes never change while the backend lives (the
+  // GGUF mapping is read-only; verify mode refreshes only weights outside it, see
+  // weight_resident), so a copy written once stays the weight's dequantization; copies are
+  // freed with the backend only, so no graph ever names a freed one.
+  std::unordered_map<const std::byte*, cuda::DeviceBuffer> f16_cache;
+  uint64_t f16_cache_option = 0, f16_cache_cap = 0, f16_cache_used = 0;
+  bool f16_cache_capped = false;
+  // The weight as the cuBLAS path should read it: its f16 copy (recording the one
+  // dequantization into it on first use, ahead of the caller's op in stream order) when the
+  // cache takes it, else dw itself. Records an op: call before the caller's staging.
+  cuda::DeviceWeight f16_cached(const WeightMatrix& w, const cuda::DeviceWeight& dw) {
+    if (f16_cache_option == 0 || dw.dtype == DType::F16 || w.content_key != 0 || w.strided() ||
+        !arena->holds(w.bytes))
+      return dw;
+    const size_t bytes = size_t(dw.n_rows) * size_t(dw.n_cols) * sizeof(uint16_t);
+    auto it = f16_cache.find(dw.data);
+    if (it == f16_cache.end()) {
+      if (!f16_cache_capped) {
+        f16_cache_capped = true;
+        f16_cache_cap = f16_cache_option;
+        if (f16_cache_option == CudaOptions::kF16CacheAuto) {
+          size_t free_b = 0, total_b = 0;
+          f16_cache_cap = cudaMemGetInfo(&free_b, &total_b) == cudaSuccess ? free_b / 4 : 0;
+        }
+      }
+      if (f16_cache_used + bytes > f16_cache_cap) return dw;
+      cuda::DeviceBuffer buf;
+      if (!buf.try_ensure(bytes)) {
+        f16_cache_cap = f16_cache_used;  // the device is full: take no more
+        return dw;
+      }
+      f16_cache_used += bytes;
+      void* out = buf.get();
+      it = f16_cache.emplace(dw.data, std::move(buf)).first;
+      sig("f16_cache", dw.data, out);
+      if (profile) {
+        next_label = fmt::format("f16 cache copy {} {}x{}", dtype_name(dw.dtype), dw.n_cols,
+                                 dw.n_rows);
+        next_bytes = uint64_t(dw.row_bytes) * uint64_t(dw.n_rows);
+      }
+      record("f16_cache", [=](cudaStream_t st) { return cuda::launch_dequant_f16(dw, out, st); });
+    }
+    return cuda::DeviceWeight{DType::F16, dw.n_cols, dw.n_rows,
+                              size_t(dw.n_cols) * sizeof(uint16_t),
+                              static_cast<const std::byte*>(it->second.get())};
+  }
   // Grow-only internal device scratch; growing moves it, so pending ops run first and graphs
   // that read the old one go.
   template <typename T>
@@ -852,6 +899,9 @@ CudaStats CudaBackend::stats() const {
   st.expert_bytes_copied = impl_->expert_copied;
   st.expert_bytes_held = impl_->expert_held;
   st.expert_cache_bytes = impl_->expert_cap;
+  st.f16_cache_weights = impl_->f16_cache.size();
+  st.f16_cache_bytes = impl_->f16_cache_used;
+  st.f16_cache_cap = impl_->f16_cache_cap;
   return st;
 }
 
@@ -1029,29 +1079,38 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
     float* dy = y.data();
     cuda::GemmWorkspace* gemm = nullptr;
     const cuda::MatmulKernels kern = I.matmul_kernels;
+    cuda::DeviceWeight cached = dw;  // what the cuBLAS path reads: dw or its f16 copy
     if (I.wants_gemm(kern, dw, n_tok)) {
-      // cuBLAS's workspace may move when it grows: such segments are never graphs, and
-      // ops recorded against the old one run before it does.
-      I.graphable = false;
+      // Ops recorded against the old workspace run before it grows.
       if (!I.gemm.fits(dw, n_tok)) I.flush();
       if (I.gemm.reserve(dw, n_tok)) gemm = &I.gemm;
+      if (gemm) cached = I.f16_cached(w, dw);
     }
     size_t act_bytes = 0;
     std::byte* act = kern == cuda::MatmulKernels::V3 ? I.v3_act(dw, n_tok, &act_bytes) : nullptr;
     I.room(I.float_room(x));
     const float* dx = I.floats(x);
     I.sig("matmul", dw.data, dw.dtype, dw.n_cols, dw.n_rows, dw.row_bytes, dx, n_tok, dy, kern,
-          act);
+          act, cached.data);
+    const bool from_cache = cached.data != dw.data;
     if (I.profile) {
-      const char* path = gemm ? "gemm"
-                         : act           ? "int8"
+      const char* path = from_cache ? "gemm, f16 cache"
+                         : gemm     ? "gemm"
+                         : act      ? "int8"
                          : I.wants_gemm(kern, dw, n_tok) ? "gemm" : "matvec";
       I.next_label = fmt::format("matmul {} {}x{} x{} {}", dtype_name(w.dtype), w.n_cols,
                                  w.n_rows, n_tok, path);
       I.next_bytes = static_cast<uint64_t>(dw.row_bytes) * static_cast<uint64_t>(dw.n_rows);
     }
+    // cuBLAS's workspace may move when it grows: segments that use it are never graphs. Set
+    // here, after everything above that may flush (a flush starts a graphable segment).
+    if (I.wants_gemm(kern, dw, n_tok)) I.graphable = false;
     const int mma_min = I.mma_min_tokens;
     I.record("matmul", [=](cudaStream_t st) {
+      // The f16 copy is what the GEMM would have dequantized into its scratch: cuBLAS reads
+      // it in place (gemm.cu) with the same call.
+      if (from_cache)
+        return cuda::launch_matmul(cached, dx, n_tok, dy, st, cuda::MatmulKernels::V2, gemm);
       if (kern == cuda::MatmulKernels::V3)
         return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, st, gemm, mma_min);
       return cuda::launch_matmul(dw, dx, n_tok, dy, st, kern, gemm);
@@ -1826,6 +1885,7 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   impl->pdl = options.pdl;
   impl->fuse_rope = options.fuse_rope;
   impl->fuse_swiglu = options.fuse_swiglu;
+  impl->f16_cache_option = options.f16_cache_bytes;
   if (options.int8_mma_min_tokens < 0 || options.int8_mma_min_tokens > cuda::kQ8MaxTokens)
     return Status::errorf("cuda: int8 tensor-core token threshold {} (0..{}; 0: never)",
                           options.int8_mma_min_tokens, cuda::kQ8MaxTokens);

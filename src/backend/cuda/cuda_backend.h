@@ -94,6 +94,14 @@ struct CudaOptions {
   // profile mode, whose event nodes separate every kernel anyway. On by measurement: 8B
   // Q4_K_M tg128 on the H200 299.5 -> 321 t/s (docs/BENCHMARKS.md, session 8).
   bool pdl = true;
+  // Matmuls that take the cuBLAS path (above auto_int8_max_tokens tokens: prefill, large
+  // batches) read an f16 copy of the weight kept on the device, written once at its first such
+  // call, instead of dequantizing it into scratch on every call. At most this many bytes of
+  // copies (weights of the region only: they never change); 0: off; kF16CacheAuto: a quarter
+  // of the device memory free at the first copy. Same results (the same dequantization and
+  // the same cuBLAS call on the same halves; CudaF16Cache.SameBitsAsWithout).
+  static constexpr uint64_t kF16CacheAuto = ~uint64_t(0);
+  uint64_t f16_cache_bytes = 0;
 };
 
 struct CudaOpTime {
@@ -124,6 +132,8 @@ struct CudaStats {
   // The expert tier: slices found on the device, copied in, evicted; bytes copied and held.
   uint64_t expert_hits = 0, expert_misses = 0, expert_evictions = 0;
   uint64_t expert_bytes_copied = 0, expert_bytes_held = 0, expert_cache_bytes = 0;
+  // CudaOptions::f16_cache_bytes: weights copied to f16, the bytes they hold, and the cap.
+  uint64_t f16_cache_weights = 0, f16_cache_bytes = 0, f16_cache_cap = 0;
 };
 
 class CudaBackend final : public Backend {

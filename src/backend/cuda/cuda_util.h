@@ -47,6 +47,19 @@ class DeviceBuffer {
     bytes_ = want;
     return ptr_;
   }
+  // ensure() that reports a refused allocation instead of aborting (the error is cleared).
+  bool try_ensure(size_t bytes) {
+    if (bytes <= bytes_ && ptr_) return true;
+    reset();
+    const size_t want = bytes < 256 ? 256 : bytes;
+    if (cudaMalloc(&ptr_, want) != cudaSuccess) {
+      cudaGetLastError();
+      ptr_ = nullptr;
+      return false;
+    }
+    bytes_ = want;
+    return true;
+  }
   void reset() {
     if (ptr_) cudaFree(ptr_);
     ptr_ = nullptr;

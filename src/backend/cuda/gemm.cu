@@ -143,11 +143,8 @@ bool GemmWorkspace::reserve(const DeviceWeight& w, int64_t n_tok) {
 #endif
 }
 
-cudaError_t launch_gemm_f16(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
-                            cudaStream_t s, const GemmWorkspace& gemm) {
-#if defined(KILN_HAVE_CUBLAS)
-  auto* wh = static_cast<__half*>(gemm.scratch());
-  auto* xh = reinterpret_cast<__half*>(static_cast<char*>(gemm.scratch()) + weight_half_bytes(w));
+cudaError_t launch_dequant_f16(const DeviceWeight& w, void* out, cudaStream_t s) {
+  auto* wh = static_cast<__half*>(out);
   const auto* wb = reinterpret_cast<const uint8_t*>(w.data);
   const int64_t n_units = w.n_rows * units_per_row(w.n_cols);
   const unsigned blocks = unsigned((n_units + 255) / 256);
@@ -155,13 +152,9 @@ cudaError_t launch_gemm_f16(const DeviceWeight& w, const float* x, int64_t n_tok
                        (!(w.dtype == DType::F32 || w.dtype == DType::F16 ||
                           w.dtype == DType::BF16) ||
                         w.n_cols % kUnit == 0);
-  // F16 weights already are what cuBLAS reads: it takes them in place (rows of n_cols halves,
-  // 16-byte aligned in the arena) instead of a copy into the scratch.
-  const bool in_place = w.dtype == DType::F16 && w.row_bytes == size_t(w.n_cols) * 2 &&
-                        reinterpret_cast<uintptr_t>(wb) % 16 == 0;
   const bool whole_units = w.n_cols % kUnit == 0;
   const unsigned staged_blocks = unsigned((n_units + kStageUnits - 1) / kStageUnits);
-  if (!in_place) dispatch_dtype(w.dtype, [&]<DType T>() {
+  dispatch_dtype(w.dtype, [&]<DType T>() {
     if (aligned && whole_units) {
       dequant_f16_staged_kernel<T, 16>
           <<<staged_blocks, kStageUnits, 0, s>>>(wb, w.row_bytes, w.n_rows, w.n_cols, wh);
@@ -174,7 +167,23 @@ cudaError_t launch_gemm_f16(const DeviceWeight& w, const float* x, int64_t n_tok
       dequant_f16_kernel<T, 2><<<blocks, 256, 0, s>>>(wb, w.row_bytes, w.n_rows, w.n_cols, wh);
     }
   });
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gemm_f16(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
+                            cudaStream_t s, const GemmWorkspace& gemm) {
+#if defined(KILN_HAVE_CUBLAS)
+  auto* wh = static_cast<__half*>(gemm.scratch());
+  auto* xh = reinterpret_cast<__half*>(static_cast<char*>(gemm.scratch()) + weight_half_bytes(w));
+  const auto* wb = reinterpret_cast<const uint8_t*>(w.data);
+  // F16 weights already are what cuBLAS reads: it takes them in place (rows of n_cols halves,
+  // 16-byte aligned in the arena) instead of a copy into the scratch. So does a weight's copy
+  // in the backend's f16 cache (CudaOptions::f16_cache_bytes), which launch_dequant_f16 wrote
+  // once: cuBLAS then reads the same halves it would read from the scratch.
+  const bool in_place = w.dtype == DType::F16 && w.row_bytes == size_t(w.n_cols) * 2 &&
+                        reinterpret_cast<uintptr_t>(wb) % 16 == 0;
+  if (!in_place)
+    if (cudaError_t e = launch_dequant_f16(w, wh, s); e != cudaSuccess) return e;
   const int64_t n_x = n_tok * w.n_cols;
   const int64_t xb = (n_x + 255) / 256;
   f32_to_f16_kernel<<<unsigned(xb < 4096 ? xb : 4096), 256, 0, s>>>(x, n_x, xh);

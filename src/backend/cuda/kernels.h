@@ -63,6 +63,10 @@ class GemmWorkspace {
   bool failed_ = false;
 };
 
+// w dequantized into n_rows x n_cols halves at `out` (rows back to back, 16-byte aligned):
+// the kernels the GEMM path runs into its scratch on every call, here for a cached copy.
+cudaError_t launch_dequant_f16(const DeviceWeight& w, void* out, cudaStream_t s);
+
 // Above this many tokens V2 uses the GEMM path (and V1 its tile kernel).
 inline constexpr int64_t kMatvecMaxTokens = 16;
 
