@@ -151,6 +151,27 @@ std::vector<float> prefill_and_greedy(const std::shared_ptr<const Model>& m, Bac
   return out;
 }
 
+// A fixture for the same-bits tests below (null when it was not carried to this machine) and
+// its golden prompt cut to 40 tokens, above the int8 path's 16: the prefill takes cuBLAS.
+std::shared_ptr<const Model> load_same_bits_fixture(const char* name,
+                                                    std::vector<int32_t>* prompt) {
+  const std::string file = std::string(name) + ".gguf";
+  if (!std::filesystem::exists(testing::shared_dir() + "/testdata/models/" + file)) return nullptr;
+  auto m = Model::load(testing::model_path(file));
+  EXPECT_TRUE(m.has_value()) << m.error();
+  if (!m.has_value()) return nullptr;
+  *prompt = golden::load(name).prompt_tokens;
+  prompt->resize(std::min<size_t>(prompt->size(), 40));
+  return *m;
+}
+// Options that upload the model's whole tensor data as the weight region.
+CudaOptions region_options(const Model& m) {
+  CudaOptions o;
+  const GgufFile& f = m.gguf();
+  o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
+  return o;
+}
+
 // The shapes the golden prompts miss: a prompt of a few tokens (a graphable multi-token
 // segment), a long context (n_ctx 2048), then greedy decode replayed from graphs, against the
 // reference backend on the same session flow. Also the first resident attention (its scratch
@@ -282,22 +303,17 @@ TEST(CudaPdl, SameBitsAsWithout) {
   for (const char* name : {"stories260K", "llama-gqa-q4_k_m", "llama-gqa-f16", "llama-gqa-q8_0",
                            "gemma2-swa-q8_0", "qwen3-bpe-q8_0", "muse-glimmer-q4_k_m",
                            "qwen3moe-q4_k_m"}) {
-    const std::string file = std::string(name) + ".gguf";
-    if (!std::filesystem::exists(testing::shared_dir() + "/testdata/models/" + file)) continue;
     SCOPED_TRACE(name);
-    auto m = Model::load(testing::model_path(file));
-    ASSERT_TRUE(m.has_value()) << m.error();
-    std::vector<int32_t> prompt = golden::load(name).prompt_tokens;
-    prompt.resize(std::min<size_t>(prompt.size(), 40));
+    std::vector<int32_t> prompt;
+    const std::shared_ptr<const Model> m = load_same_bits_fixture(name, &prompt);
+    if (!m) continue;
     auto run = [&](bool pdl, CudaStats* st) {
-      CudaOptions o;
-      const GgufFile& f = (*m)->gguf();
-      o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
+      CudaOptions o = region_options(*m);
       o.pdl = pdl;
       auto be = make_cuda_backend(o);
       EXPECT_TRUE(be) << be.error();
       if (!be) return std::vector<float>();
-      std::vector<float> out = prefill_and_greedy(*m, **be, prompt, 24);
+      std::vector<float> out = prefill_and_greedy(m, **be, prompt, 24);
       *st = (*be)->stats();
       return out;
     };
@@ -330,24 +346,19 @@ TEST(CudaF16Cache, SameBitsAsWithout) {
   for (const char* name : {"stories260K-q8_0", "llama-gqa-q4_k_m", "llama-gqa-q6_k",
                            "llama-gqa-q4_0", "gemma2-swa-q8_0", "qwen3-bpe-q8_0",
                            "muse-glimmer-q4_k_m"}) {
-    const std::string file = std::string(name) + ".gguf";
-    if (!std::filesystem::exists(testing::shared_dir() + "/testdata/models/" + file)) continue;
     SCOPED_TRACE(name);
-    auto m = Model::load(testing::model_path(file));
-    ASSERT_TRUE(m.has_value()) << m.error();
-    std::vector<int32_t> prompt = golden::load(name).prompt_tokens;
-    prompt.resize(std::min<size_t>(prompt.size(), 40));
+    std::vector<int32_t> prompt;
+    const std::shared_ptr<const Model> m = load_same_bits_fixture(name, &prompt);
+    if (!m) continue;
     ASSERT_GT(prompt.size(), 16u) << "the prompt must take the cuBLAS path";
     auto run = [&](uint64_t cache, CudaStats* st, std::vector<float>* second) {
-      CudaOptions o;
-      const GgufFile& f = (*m)->gguf();
-      o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
+      CudaOptions o = region_options(*m);
       o.f16_cache_bytes = cache;
       auto be = make_cuda_backend(o);
       EXPECT_TRUE(be) << be.error();
       if (!be) return std::vector<float>();
-      std::vector<float> out = prefill_and_greedy(*m, **be, prompt, 8);
-      if (second) *second = prefill_and_greedy(*m, **be, prompt, 8);
+      std::vector<float> out = prefill_and_greedy(m, **be, prompt, 8);
+      if (second) *second = prefill_and_greedy(m, **be, prompt, 8);
       *st = (*be)->stats();
       return out;
     };
