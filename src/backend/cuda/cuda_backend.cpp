@@ -1080,7 +1080,8 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
     cuda::GemmWorkspace* gemm = nullptr;
     const cuda::MatmulKernels kern = I.matmul_kernels;
     cuda::DeviceWeight cached = dw;  // what the cuBLAS path reads: dw or its f16 copy
-    if (I.wants_gemm(kern, dw, n_tok)) {
+    const bool wants_gemm = I.wants_gemm(kern, dw, n_tok);
+    if (wants_gemm) {
       // Ops recorded against the old workspace run before it grows.
       if (!I.gemm.fits(dw, n_tok)) I.flush();
       if (I.gemm.reserve(dw, n_tok)) gemm = &I.gemm;
@@ -1097,14 +1098,14 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
       const char* path = from_cache ? "gemm, f16 cache"
                          : gemm     ? "gemm"
                          : act      ? "int8"
-                         : I.wants_gemm(kern, dw, n_tok) ? "gemm" : "matvec";
+                         : wants_gemm ? "gemm" : "matvec";
       I.next_label = fmt::format("matmul {} {}x{} x{} {}", dtype_name(w.dtype), w.n_cols,
                                  w.n_rows, n_tok, path);
       I.next_bytes = static_cast<uint64_t>(dw.row_bytes) * static_cast<uint64_t>(dw.n_rows);
     }
     // cuBLAS's workspace may move when it grows: segments that use it are never graphs. Set
     // here, after everything above that may flush (a flush starts a graphable segment).
-    if (I.wants_gemm(kern, dw, n_tok)) I.graphable = false;
+    if (wants_gemm) I.graphable = false;
     const int mma_min = I.mma_min_tokens;
     I.record("matmul", [=](cudaStream_t st) {
       // The f16 copy is what the GEMM would have dequantized into its scratch: cuBLAS reads

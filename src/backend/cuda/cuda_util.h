@@ -40,25 +40,14 @@ class DeviceBuffer {
 
   // At least `bytes` bytes (contents not kept when it grows).
   void* ensure(size_t bytes, std::string_view what) {
-    if (bytes <= bytes_ && ptr_) return ptr_;
-    reset();
-    const size_t want = bytes < 256 ? 256 : bytes;
-    check_cuda(cudaMalloc(&ptr_, want), what);
-    bytes_ = want;
+    check_cuda(grow(bytes), what);
     return ptr_;
   }
   // ensure() that reports a refused allocation instead of aborting (the error is cleared).
   bool try_ensure(size_t bytes) {
-    if (bytes <= bytes_ && ptr_) return true;
-    reset();
-    const size_t want = bytes < 256 ? 256 : bytes;
-    if (cudaMalloc(&ptr_, want) != cudaSuccess) {
-      cudaGetLastError();
-      ptr_ = nullptr;
-      return false;
-    }
-    bytes_ = want;
-    return true;
+    if (grow(bytes) == cudaSuccess) return true;
+    cudaGetLastError();
+    return false;
   }
   void reset() {
     if (ptr_) cudaFree(ptr_);
@@ -68,6 +57,17 @@ class DeviceBuffer {
   void* get() const { return ptr_; }
 
  private:
+  cudaError_t grow(size_t bytes) {
+    if (bytes <= bytes_ && ptr_) return cudaSuccess;
+    reset();
+    const size_t want = bytes < 256 ? 256 : bytes;
+    if (cudaError_t e = cudaMalloc(&ptr_, want); e != cudaSuccess) {
+      ptr_ = nullptr;
+      return e;
+    }
+    bytes_ = want;
+    return cudaSuccess;
+  }
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
 };
