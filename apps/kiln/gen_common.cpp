@@ -56,6 +56,7 @@ moe::StoreConfig expert_store_config(const Config& config) {
 static Status apply_cuda_flags(const Config& config, CudaOptions& o) {
   o.progress = true;
   o.graphs = config.cuda_graphs;
+  o.gemm_graphs = config.cuda_gemm_graphs;
   o.pdl = config.cuda_pdl;
   o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
   o.int8_mma_min_tokens = config.cuda_int8_mma;

@@ -14,8 +14,10 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "backend/cuda/cuda_backend.h"
 #include "common/testdata.h"
@@ -384,6 +386,81 @@ TEST(CudaF16Cache, SameBitsAsWithout) {
                "({:.1f} MiB) copied, {} under the cap\n",
                name, off.size(), on_st.f16_cache_weights, on_st.f16_cache_bytes / 1048576.0,
                cap_st.f16_cache_weights);
+    ++ran;
+  }
+  EXPECT_GT(ran, 0) << "no fixture carried to this machine";
+}
+
+// CudaOptions::gemm_graphs captures segments with cuBLAS GEMMs into graphs instead of running
+// them op by op: the same calls on the same memory, so the same bits. 24 sessions decode in one
+// batch (above the int8 path's 16 tokens: every matmul takes cuBLAS) for 8 greedy steps after
+// their prompts; the repeated steps must be replayed from graphs with the option on (and not
+// with it off), and every prompt and step logit must equal the op-by-op run's.
+TEST(CudaGemmGraphs, SameBitsAsEager) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
+  constexpr int kSeqs = 24, kSteps = 8;
+  int ran = 0;
+  for (const char* name : {"stories260K-q8_0", "llama-gqa-q4_k_m", "llama-gqa-f16",
+                           "llama-gqa-q6_k", "gemma2-swa-q8_0", "qwen3-bpe-q8_0",
+                           "muse-glimmer-q4_k_m"}) {
+    SCOPED_TRACE(name);
+    std::vector<int32_t> prompt;
+    const std::shared_ptr<const Model> m = load_same_bits_fixture(name, &prompt);
+    if (!m) continue;
+    ASSERT_GT(prompt.size(), 16u) << "the prompt must take the cuBLAS path";
+    auto run = [&](bool gemm_graphs, CudaStats* st) {
+      CudaOptions o = region_options(*m);
+      o.gemm_graphs = gemm_graphs;
+      auto be = make_cuda_backend(o);
+      EXPECT_TRUE(be) << be.error();
+      if (!be) return std::vector<float>();
+      std::vector<float> out;
+      std::vector<std::unique_ptr<Session>> seqs;
+      std::vector<int32_t> next(kSeqs);
+      for (int i = 0; i < kSeqs; ++i) {
+        seqs.push_back(std::make_unique<Session>(m, **be, 256));
+        // Each session its own prompt: the golden one rotated by i.
+        std::vector<int32_t> p = prompt;
+        std::rotate(p.begin(), p.begin() + (i % p.size()), p.end());
+        auto lg = seqs.back()->eval(p, false);
+        EXPECT_TRUE(lg.has_value()) << lg.error();
+        if (!lg.has_value()) return std::vector<float>();
+        out.insert(out.end(), lg->begin(), lg->end());
+        next[i] = int32_t(std::max_element(lg->begin(), lg->end()) - lg->begin());
+      }
+      BatchEval batch(m, **be, kSeqs);
+      const size_t nv = static_cast<size_t>(m->n_vocab());
+      for (int step = 0; step < kSteps; ++step) {
+        std::vector<BatchEval::Item> items;
+        for (int i = 0; i < kSeqs; ++i)
+          items.push_back({seqs[i].get(), std::span<const int32_t>(&next[i], 1), false});
+        auto lg = batch.eval(items);
+        EXPECT_TRUE(lg.has_value()) << lg.error();
+        if (!lg.has_value()) return std::vector<float>();
+        out.insert(out.end(), lg->begin(), lg->end());
+        for (int i = 0; i < kSeqs; ++i) {
+          std::span<const float> row = lg->subspan(i * nv, nv);
+          next[i] = int32_t(std::max_element(row.begin(), row.end()) - row.begin());
+        }
+      }
+      *st = (*be)->stats();
+      return out;
+    };
+    CudaStats off_st, on_st;
+    const std::vector<float> off = run(false, &off_st);
+    const std::vector<float> on = run(true, &on_st);
+    ASSERT_FALSE(off.empty());
+    ASSERT_EQ(on.size(), off.size());
+    EXPECT_EQ(std::memcmp(on.data(), off.data(), on.size() * sizeof(float)), 0)
+        << "logits with cuBLAS segments in graphs differ from op by op";
+    // The batched steps were replayed with the option and could not be without it.
+    EXPECT_GE(on_st.graph_replays, off_st.graph_replays + kSteps / 2)
+        << "the cuBLAS steps were not replayed: the test tests nothing";
+    EXPECT_LT(on_st.segments_eager, off_st.segments_eager);
+    fmt::print("  {:<22} gemm graphs on/off: same bits over {} logits; replays {} / {}, eager "
+               "segments {} / {}\n",
+               name, on.size(), on_st.graph_replays, off_st.graph_replays, on_st.segments_eager,
+               off_st.segments_eager);
     ++ran;
   }
   EXPECT_GT(ran, 0) << "no fixture carried to this machine";

@@ -342,8 +342,11 @@ struct CudaBackend::Impl {
   uint64_t next_bytes = 0;
   std::vector<Pending> pending;
   std::vector<uint64_t> key;
-  bool graphable = true;  // false once the segment uses cuBLAS (its workspace may move)
+  // false once the segment uses cuBLAS without CudaOptions::gemm_graphs (its workspace is
+  // then cuBLAS's own pool, which a captured graph must not name)
+  bool graphable = true;
   bool graphs_on = true;
+  bool gemm_graphs = false;  // CudaOptions::gemm_graphs, and the fixed workspace was allocated
   int64_t kv_bucket = 256;
   // Graph mode pads an attention's key list to a bucket (row 0, position INT32_MAX: never
   // visible), so a decode step keeps its signature while the context grows within the bucket.
@@ -1082,8 +1085,12 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
     cuda::DeviceWeight cached = dw;  // what the cuBLAS path reads: dw or its f16 copy
     const bool wants_gemm = I.wants_gemm(kern, dw, n_tok);
     if (wants_gemm) {
-      // Ops recorded against the old workspace run before it grows.
-      if (!I.gemm.fits(dw, n_tok)) I.flush();
+      // Ops recorded against the old workspace run before it grows, and graphs that name
+      // the old scratch go with it (as internal() does for the other scratch buffers).
+      if (!I.gemm.fits(dw, n_tok)) {
+        I.flush();
+        I.destroy_graphs();
+      }
       if (I.gemm.reserve(dw, n_tok)) gemm = &I.gemm;
       if (gemm) cached = I.f16_cached(w, dw);
     }
@@ -1092,7 +1099,7 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
     I.room(I.float_room(x));
     const float* dx = I.floats(x);
     I.sig("matmul", dw.data, dw.dtype, dw.n_cols, dw.n_rows, dw.row_bytes, dx, n_tok, dy, kern,
-          act, cached.data);
+          act, cached.data, gemm ? gemm->scratch() : nullptr);
     const bool from_cache = cached.data != dw.data;
     if (I.profile) {
       const char* path = from_cache ? "gemm, f16 cache"
@@ -1103,9 +1110,12 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
                                  w.n_rows, n_tok, path);
       I.next_bytes = static_cast<uint64_t>(dw.row_bytes) * static_cast<uint64_t>(dw.n_rows);
     }
-    // cuBLAS's workspace may move when it grows: segments that use it are never graphs. Set
-    // here, after everything above that may flush (a flush starts a graphable segment).
-    if (wants_gemm) I.graphable = false;
+    // Without gemm_graphs cuBLAS works in its own pool's workspace, which a graph must not
+    // name: segments that use it are never graphs. With it, cuBLAS has a fixed workspace that
+    // lives as long as the backend, and the f16 scratch (in the signature above) only moves
+    // through the destroy_graphs() above. Set here, after everything above that may flush (a
+    // flush starts a graphable segment).
+    if (wants_gemm && !(I.gemm_graphs && gemm && gemm->cublas_workspace())) I.graphable = false;
     const int mma_min = I.mma_min_tokens;
     I.record("matmul", [=](cudaStream_t st) {
       // The f16 copy is what the GEMM would have dequantized into its scratch: cuBLAS reads
@@ -1877,6 +1887,8 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
     return Status::errorf("CUDA stream: {}", cudaGetErrorString(e));
   impl->profile = options.profile;
   impl->graphs_on = options.graphs;
+  impl->gemm_graphs = options.graphs && options.gemm_graphs;
+  if (impl->gemm_graphs) impl->gemm.use_fixed_workspace();
   impl->kv_bucket = std::max<int64_t>(1, options.graph_kv_bucket);
   impl->verify = options.verify_weight_cache;
   impl->immutable = options.immutable_region;

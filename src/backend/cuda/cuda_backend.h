@@ -72,6 +72,11 @@ struct CudaOptions {
   // graph survives a growing context. Off: every segment is launched op by op (profile mode
   // always is).
   bool graphs = true;
+  // With graphs: segments with cuBLAS GEMMs (prefill, batches above auto_int8_max_tokens) are
+  // captured and replayed too, cuBLAS working in a fixed workspace of its own (GemmWorkspace::
+  // use_fixed_workspace) instead of its pool. Off: such segments run op by op. Same results
+  // (the same calls on the same memory; CudaGemmGraphs.SameBitsAsEager).
+  bool gemm_graphs = false;
   // rope_qk as one launch for Q and K (the angles computed once per token); off: two rope
   // launches. The same kernel either way, so the same bits.
   bool fuse_rope = true;

@@ -102,6 +102,7 @@ __global__ void f32_to_f16_kernel(const float* __restrict__ x, int64_t n, __half
 
 GemmWorkspace::~GemmWorkspace() {
   if (scratch_) cudaFree(scratch_);
+  if (cublas_ws_) cudaFree(cublas_ws_);
 #if defined(KILN_HAVE_CUBLAS)
   if (handle_) cublasDestroy(static_cast<cublasHandle_t>(handle_));
 #endif
@@ -122,6 +123,10 @@ bool GemmWorkspace::reserve(const DeviceWeight& w, int64_t n_tok) {
       return false;
     }
     handle_ = h;
+    if (want_fixed_ && cudaMalloc(&cublas_ws_, kCublasWorkspaceBytes) != cudaSuccess) {
+      cudaGetLastError();
+      cublas_ws_ = nullptr;  // the caller keeps such segments out of graphs
+    }
   }
   const size_t need = needed_bytes(w, n_tok);
   if (need > bytes_) {
@@ -192,6 +197,11 @@ cudaError_t launch_gemm_f16(const DeviceWeight& w, const float* x, int64_t n_tok
   // W^T(k x rows)^T * X(k x n_tok).
   auto h = static_cast<cublasHandle_t>(gemm.handle());
   if (cublasSetStream(h, s) != CUBLAS_STATUS_SUCCESS) return cudaErrorNotSupported;
+  // cublasSetStream has just put the handle back on cuBLAS's own workspace pool.
+  if (gemm.cublas_workspace() &&
+      cublasSetWorkspace(h, gemm.cublas_workspace(), GemmWorkspace::kCublasWorkspaceBytes) !=
+          CUBLAS_STATUS_SUCCESS)
+    return cudaErrorNotSupported;
   const float alpha = 1.0f, beta = 0.0f;
   const int m = int(w.n_rows), n = int(n_tok), k = int(w.n_cols);
   const cublasStatus_t st =
