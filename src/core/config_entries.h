@@ -117,7 +117,8 @@ KILN_CONFIG_ENTRY(bool, cuda_pdl, true,
                   "one before it drains and prefetches its weights meanwhile; same outputs")
 KILN_CONFIG_ENTRY(bool, cuda_graphs, true,
                   "CUDA: replay each repeated decode step as a CUDA graph (off: launch op by op)")
-KILN_CONFIG_ENTRY(bool, cuda_gemm_graphs, false,
+KILN_CONFIG_ENTRY(bool, cuda_gemm_graphs, true,
                   "CUDA (with --cuda-graphs): steps that use cuBLAS (prefill, batches above "
                   "--cuda-int8-max-tokens) are replayed as graphs too, cuBLAS in a fixed "
-                  "workspace (off: op by op); same outputs")
+                  "workspace (off: op by op; on by measurement: 8B Q4_K_M x32/x64 +8-20 % on the "
+                  "H200); same outputs")

@@ -89,7 +89,26 @@ void run_golden(const Fixture& fx, Path path) {
     if (path == Path::RefBackend) be = make_ref_backend();
     ASSERT_TRUE(be);
     Session s(*m, *be, kCtx);
-    const golden::ExemptFn ex = exempt_with(s);
+    golden::ExemptFn ex = exempt_with(s);
+    if (ex) {
+      // Also the f32 reference pass's own near-ties: the reference suite exempts them, and a
+      // fast path whose router logits moved by rounding (other SIMD widths: the AVX2 build's
+      // float reductions are not the AVX-512 build's) can flip against llama.cpp at such a
+      // position while its own margin there is just above kRouterTieQuantized (mixtral-q4_k_m
+      // position 146 on a Zen 3 box: reference and cpu both ~1.0 off llama.cpp, 0.17 apart).
+      model::ReferenceSession rs(hp, (*m)->weights(), kCtx);
+      model::Capture ref_cap;
+      rs.set_capture(&ref_cap);
+      ASSERT_TRUE(rs.eval(g.prompt_tokens, false).has_value());
+      const std::vector<bool> ref_ties =
+          golden::routing_near_ties(ref_cap, hp, g.prompt_tokens.size(), tie_margin);
+      ex = [own = std::move(ex), ref_ties](size_t n_prompt) {
+        std::vector<bool> ties = own(n_prompt);
+        for (size_t p = 0; p < ties.size() && p < ref_ties.size(); ++p)
+          ties[p] = ties[p] || ref_ties[p];
+        return ties;
+      };
+    }
     r = golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); }, ex);
   }
   fmt::print("  {:<22} {:<9} worst |Δ| {:.4f} (excess over bound {:+.4f}), mean KL {}, greedy "

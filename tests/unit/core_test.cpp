@@ -1,8 +1,12 @@
 // tests/unit/core_test.cpp: Status/Expected, dtype table, f16/bf16 conversions.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <random>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "core/dtype.h"
 #include "core/half.h"
@@ -56,6 +60,23 @@ TEST(Half, F16RoundTripsEveryValue) {
     EXPECT_EQ(f32_to_f16(f).bits, h.bits) << b;
   }
 }
+
+#if defined(__x86_64__)
+__attribute__((target("f16c"))) float f16c_to_f32(uint16_t bits) { return _cvtsh_ss(bits); }
+
+// The AVX2 K-quant kernels (backend/cpu/kq_avx2-inl.h) read block scales with the F16C
+// instruction where the plain kernels, whose bits they must give, call f16_to_f32: the two must
+// agree bit for bit on every half, NaN payloads included (a NaN block scale reaches the output).
+TEST(Half, F16cInstructionIsF16ToF32) {
+  if (!__builtin_cpu_supports("f16c")) GTEST_SKIP() << "no F16C on this CPU";
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    const f16 h{uint16_t(b)};
+    ASSERT_EQ(std::bit_cast<uint32_t>(f16c_to_f32(uint16_t(b))),
+              std::bit_cast<uint32_t>(f16_to_f32(h)))
+        << std::hex << b;
+  }
+}
+#endif
 
 TEST(Half, F16RoundsToNearestEven) {
   EXPECT_EQ(f32_to_f16(1.0f).bits, 0x3C00);

@@ -24,6 +24,7 @@
 #include "cpu_matmul_kq.h"
 #include "cpu_matmul_q8.h"
 #include "float_dot-inl.h"  // per-target guard: expanded once per Highway target, like this file
+#include "kq_avx2-inl.h"    // the same
 #include "kernels.h"
 #include "quant/blocks.h"
 #include "quant/quant.h"
@@ -238,18 +239,7 @@ void MatmulQ4KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scrat
 void MatmulQ6KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch);
 #endif
 
-// The 8 six-bit scales (bytes 0..7) and mins (bytes 8..15) of a Q4_K/Q5_K block.
-HWY_INLINE void ScalesMinsK4(const uint8_t* packed, uint8_t out[16]) {
-  uint32_t u[4];
-  std::memcpy(u, packed, 12);
-  constexpr uint32_t kMask1 = 0x3f3f3f3f, kMask2 = 0x0f0f0f0f, kMask3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & kMask2) | (((u[1] >> 6) & kMask3) << 4);
-  const uint32_t aux = u[1] & kMask1;
-  u[1] = (u[2] & kMask2) | (((u[0] >> 6) & kMask3) << 4);
-  u[2] = aux;
-  u[0] &= kMask1;
-  std::memcpy(out, u, 16);
-}
+// ScalesMinsK4 (a Q4_K/Q5_K block's scales and mins as bytes): kq_avx2-inl.h.
 
 // Q4_K (kHigh = false) and Q5_K (kHigh = true) against Q8_K:
 // sum_j d*sc_j * sum(q*a) - dmin * sum_j m_j * bsum_j, the second term from Q8_K's bsums.
@@ -376,6 +366,38 @@ template <int T> struct KQ5_0 { static void run(const std::byte* w, int64_t nb, 
 template <int T> struct KQ4_K { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ45K<T, false>(w, nb, y, o); } };
 template <int T> struct KQ5_K { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ45K<T, true>(w, nb, y, o); } };
 template <int T> struct KQ6_K { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ6K<T>(w, nb, y, o); } };
+#if HWY_TARGET == HWY_AVX2
+template <int T> struct KQ4_KAvx2 { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ4KAvx2<T>(w, nb, y, o, matvec_prefetch_bytes()); } };
+template <int T> struct KQ6_KAvx2 { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ6KAvx2<T>(w, nb, y, o, matvec_prefetch_bytes()); } };
+// AVX2 machines' Q4_K / Q6_K kernels (kq_avx2-inl.h) under the switches of the AVX-512 kernels
+// that take the same calls there: one token kq_one, prefill kq_prefill, 2+ tokens kq_pair with
+// kq_batch. All off: the plain kernels, whose bits they give. Their rows are prefetched
+// --cpu-matvec-prefetch bytes ahead (0: not), as the AVX-512 one-token kernels' are.
+// One token: rows in pairs through DotQ4KAvx2Rows / DotQ6KAvx2Rows (each row the plain
+// one-token kernel's bits).
+template <bool kQ4>
+void MatvecKAvx2(const MatmulJob& job, int64_t r0, int64_t r1) {
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / 256, pf = matvec_prefetch_bytes();
+  const auto* y = reinterpret_cast<const block_q8_K*>(job.xq);
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2) {
+    const std::byte* rows[2] = {w.row(r).data(), w.row(r + 1).data()};
+    if constexpr (kQ4) DotQ4KAvx2Rows<2>(rows, nb, y, job.y + r, pf);
+    else DotQ6KAvx2Rows<2>(rows, nb, y, job.y + r, pf);
+  }
+  if (r < r1) {
+    const std::byte* row = w.row(r).data();
+    if constexpr (kQ4) DotQ4KAvx2Rows<1>(&row, nb, y, job.y + r, pf);
+    else DotQ6KAvx2Rows<1>(&row, nb, y, job.y + r, pf);
+  }
+}
+inline bool KQAvx2(int64_t n_tok) {
+  if (n_tok == 1) return kq_one_matvec();
+  if (n_tok >= kKQPrefillMinTok) return kq_prefill_matmul();
+  return kq_pair_matmul() && kq_batch_matmul();
+}
+#endif
 
 #if HWY_TARGET == HWY_AVX3_DL
 // ---------------------------------------------------------------- small-batch K-quants (VNNI)
@@ -1427,6 +1449,12 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       if (job.n_tok >= kKQTiledMinTok && kq_pair_matmul()) return MatmulKTiled<true>(job, r0, r1, scratch);
       if (job.n_tok == 1 && kq_one_matvec()) return MatvecKOne<true>(job, r0, r1, scratch);
 #endif
+#if HWY_TARGET == HWY_AVX2
+      if (KQAvx2(job.n_tok)) {
+        if (job.n_tok == 1) return MatvecKAvx2<true>(job, r0, r1);
+        return MatmulInt<block_q8_K, KQ4_KAvx2>(job, r0, r1, 256);
+      }
+#endif
       return MatmulInt<block_q8_K, KQ4_K>(job, r0, r1, 256);
     case DType::Q5_K: return MatmulInt<block_q8_K, KQ5_K>(job, r0, r1, 256);
     case DType::Q6_K:
@@ -1437,6 +1465,12 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
         return MatmulKBatch<false>(job, r0, r1, scratch);
       if (job.n_tok >= kKQTiledMinTok && kq_pair_matmul()) return MatmulKTiled<false>(job, r0, r1, scratch);
       if (job.n_tok == 1 && kq_one_matvec()) return MatvecKOne<false>(job, r0, r1, scratch);
+#endif
+#if HWY_TARGET == HWY_AVX2
+      if (KQAvx2(job.n_tok)) {
+        if (job.n_tok == 1) return MatvecKAvx2<false>(job, r0, r1);
+        return MatmulInt<block_q8_K, KQ6_KAvx2>(job, r0, r1, 256);
+      }
 #endif
       return MatmulInt<block_q8_K, KQ6_K>(job, r0, r1, 256);
 #endif
