@@ -646,6 +646,22 @@ BENCHMARK(BM_KQOneOnOff)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.5);
 
+// The AVX2 one-token Q8_0 kernel against the plain one (cpu::set_q8_one_matvec), as
+// BM_KQOneOnOff: 1 thread, alternating, best of each, same bits checked. args: rows, columns.
+void BM_Q8OneOnOff(benchmark::State& state) {
+  const BenchWeights& w = weights(DType::Q8_0, state.range(0), state.range(1));
+  const auto [best_on, best_off] = time_on_off(state, cpu::set_q8_one_matvec, w, 1, "one-token");
+  const double bytes = static_cast<double>(w.bytes.size());
+  state.counters["new_GB/s"] = bytes / best_on * 1e-9;
+  state.counters["old_GB/s"] = bytes / best_off * 1e-9;
+}
+BENCHMARK(BM_Q8OneOnOff)
+    ->Args({5632, 2048})
+    ->Args({2048, 5632})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5);
+
 // One decoder layer's matmuls of the 1.1B Q4_K_M model (q, k, v, o, gate, up, down: Q4_K with
 // Q6_K v and down, n_embd 2048, n_ff 8192, 4 KV heads of 128) at a decode step of `tokens`
 // tokens, 2 threads, wall time, a kernel switch on and off alternating, best of each. The

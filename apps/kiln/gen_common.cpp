@@ -82,6 +82,7 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
   cpu::set_kq_pair_matmul(config.cpu_kq_pair);
   cpu::set_kq_batch_matmul(config.cpu_kq_batch);
   cpu::set_kq_one_matvec(config.cpu_kq_one);
+  cpu::set_q8_one_matvec(config.cpu_q8_one);
   cpu::set_q8_vnni_matmul(config.cpu_q8_vnni);
   cpu::set_kq_prefill_matmul(config.cpu_kq_prefill);
   cpu::set_q8k_quant_simd(config.cpu_q8k_quant_simd);

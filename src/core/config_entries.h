@@ -79,6 +79,10 @@ KILN_CONFIG_ENTRY(bool, cpu_kq_one, true,
                   "CPU: single-token (decode) Q4_K/Q6_K matvecs through 512-bit AVX-512 VNNI "
                   "kernels (same bits as the plain kernels; faster by bench/matvec_bench "
                   "BM_KQOneOnOff: the plain ones are multiply-bound below the read bandwidth)")
+KILN_CONFIG_ENTRY(bool, cpu_q8_one, true,
+                  "CPU without AVX-512: single-token (decode) Q8_0 matvecs through the AVX2 "
+                  "two-row kernel (same bits as the plain kernel; faster by bench/matvec_bench "
+                  "BM_Q8OneOnOff)")
 KILN_CONFIG_ENTRY(bool, cpu_q8_vnni, true,
                   "CPU: Q8_0/Q4_0/Q5_0 matmuls of 8+ tokens (prefill) through the 512-bit "
                   "AVX-512 VNNI kernel (same bits as the plain kernel; faster by "

@@ -425,6 +425,59 @@ TEST(MatmulKQOne, SameBitsAsPlainKernel) {
   }
 }
 
+// The AVX2 one-token Q8_0 kernel (cpu::set_q8_one_matvec; machines without AVX-512, elsewhere
+// the switch changes no path) must give the plain kernel's bits: raw random quants (-128
+// included), finite block scales, rows of 1..65 blocks, odd row counts (the two-row calls and a
+// single row left over) over 1 and 2 threads, a column block of a wider matrix (strided rows);
+// the token zero, tiny, with a huge element, with a NaN.
+TEST(MatmulQ8One, SameBitsAsPlainKernel) {
+  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  std::mt19937_64 rng(ops_seed() ^ 0x3c6ef372ULL);
+  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+  struct Restore {
+    ~Restore() { cpu::set_q8_one_matvec(true); }
+  } restore;
+  for (int64_t k : {32, 96, 2048, 2080}) {
+    for (int64_t n_rows : {1, 2, 3, 67, 131}) {
+      for (bool strided : {false, true}) {
+        if (strided && n_rows != 67) continue;
+        const int64_t k_all = strided ? k + 64 : k;
+        const size_t rb = *row_bytes(DType::Q8_0, k_all);
+        std::vector<std::byte> bytes(rb * size_t(n_rows));
+        for (auto& b : bytes) b = static_cast<std::byte>(rng());
+        for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q8_0)) {
+          quant::block_q8_0 blk;
+          std::memcpy(&blk, bytes.data() + off, sizeof blk);
+          blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 6)));
+          if (rng() % 8 == 0) blk.qs[rng() % 32] = -128;
+          std::memcpy(bytes.data() + off, &blk, sizeof blk);
+        }
+        const WeightMatrix full{
+            .dtype = DType::Q8_0, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+        const WeightMatrix w = strided ? full.columns(32, k) : full;
+        for (int variant = 0; variant < 5; ++variant) {
+          SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << n_rows << " strided "
+                                            << strided << " variant " << variant);
+          std::vector<float> x = random_vec(rng, k, variant == 1 ? 1e-3f : 1.0f);
+          if (variant == 2) std::fill(x.begin(), x.end(), 0.0f);
+          if (variant == 3) x[5 % k] = 3e30f;
+          if (variant == 4) x[7 % k] = NAN;
+          const auto [on1, on2, off1] = run_on_off(cpu::set_q8_one_matvec, *cpu1, *cpu2, w, x, 1);
+          ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
+              << "one-token vs plain kernel differ";
+          ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
+              << "one-token kernel: 1 vs 2 threads differ";
+          if (variant == 4) {
+            ASSERT_TRUE(std::isnan(on1[0]));
+          } else {
+            ASSERT_FALSE(std::isnan(on1[0]));
+          }
+        }
+      }
+    }
+  }
+}
+
 // How the one-token and v2 batched Q4_K / Q6_K kernels prefetch (cpu::set_matvec_prefetch_l2:
 // a span per block step into L2, or a row group's lines at its start) changes no bit, at
 // distances that put the span inside small matrices (64 bytes, 1 KiB) and past their end

@@ -392,6 +392,22 @@ void MatvecKAvx2(const MatmulJob& job, int64_t r0, int64_t r1) {
     else DotQ6KAvx2Rows<1>(&row, nb, y, job.y + r, pf);
   }
 }
+// One token, Q8_0: rows in pairs through DotQ8_0Avx2Rows (cpu::q8_one_matvec; off: the plain
+// kernel, whose bits it gives: tests/ops MatmulQ8One).
+inline void MatvecQ8Avx2(const MatmulJob& job, int64_t r0, int64_t r1) {
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / 32, pf = matvec_prefetch_bytes();
+  const auto* y = reinterpret_cast<const ActQ8_0*>(job.xq);
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2) {
+    const std::byte* rows[2] = {w.row(r).data(), w.row(r + 1).data()};
+    DotQ8_0Avx2Rows<2>(rows, nb, y, job.y + r, pf);
+  }
+  if (r < r1) {
+    const std::byte* row = w.row(r).data();
+    DotQ8_0Avx2Rows<1>(&row, nb, y, job.y + r, pf);
+  }
+}
 inline bool KQAvx2(int64_t n_tok) {
   if (n_tok == 1) return kq_one_matvec();
   if (n_tok >= kKQPrefillMinTok) return kq_prefill_matmul();
@@ -1432,7 +1448,11 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ5_0>);
       return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
 #else
-    case DType::Q8_0: return MatmulInt<ActQ8_0, KQ8_0>(job, r0, r1, 32);
+    case DType::Q8_0:
+#if HWY_TARGET == HWY_AVX2
+      if (job.n_tok == 1 && q8_one_matvec()) return MatvecQ8Avx2(job, r0, r1);
+#endif
+      return MatmulInt<ActQ8_0, KQ8_0>(job, r0, r1, 32);
     case DType::Q4_0: return MatmulInt<ActQ8_0, KQ4_0>(job, r0, r1, 32);
     case DType::Q5_0: return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
 #endif
@@ -1599,7 +1619,8 @@ size_t matmul_scratch_floats(const WeightMatrix& w) {
 namespace {
 // The kernel switches (kernels.h): process-wide, set from the config by the apps, read per call.
 std::atomic<bool> g_q4k_packed{true}, g_kq_pair{true}, g_kq_one{true}, g_kq_batch{true},
-    g_q8_vnni{true}, g_kq_prefill{true}, g_q8k_quant_simd{true}, g_q8_quant_simd{true};
+    g_q8_vnni{true}, g_kq_prefill{true}, g_q8k_quant_simd{true}, g_q8_quant_simd{true},
+    g_q8_one{true};
 std::atomic<int64_t> g_matvec_prefetch{kDefaultMatvecPrefetchBytes};
 std::atomic<bool> g_matvec_prefetch_l2{true};
 }  // namespace
@@ -1609,6 +1630,8 @@ void set_kq_pair_matmul(bool on) { g_kq_pair.store(on, std::memory_order_relaxed
 bool kq_pair_matmul() { return g_kq_pair.load(std::memory_order_relaxed); }
 void set_kq_one_matvec(bool on) { g_kq_one.store(on, std::memory_order_relaxed); }
 bool kq_one_matvec() { return g_kq_one.load(std::memory_order_relaxed); }
+void set_q8_one_matvec(bool on) { g_q8_one.store(on, std::memory_order_relaxed); }
+bool q8_one_matvec() { return g_q8_one.load(std::memory_order_relaxed); }
 void set_kq_batch_matmul(bool on) { g_kq_batch.store(on, std::memory_order_relaxed); }
 bool kq_batch_matmul() { return g_kq_batch.load(std::memory_order_relaxed); }
 void set_q8_vnni_matmul(bool on) { g_q8_vnni.store(on, std::memory_order_relaxed); }

@@ -106,6 +106,11 @@ void matmul_float_tiled(const MatmulJob& job, int64_t r0, int64_t r1);
 // for that test, benchmarks and bisecting.
 void set_kq_one_matvec(bool on);
 bool kq_one_matvec();
+// Q8_0 single-token matvecs through the AVX2 two-row kernel (kq_avx2-inl.h; machines without
+// AVX-512 only; default on: bench/matvec_bench BM_Q8OneOnOff). Output: the plain kernel's bits
+// (tests/ops MatmulQ8One).
+void set_q8_one_matvec(bool on);
+bool q8_one_matvec();
 // Those one-token kernels and the v2 batched ones software-prefetch this many bytes ahead of
 // the rows they work on (0: off; the hardware prefetchers alone leave decode well short of the
 // read bandwidth, see cpu_matmul.cpp). Prefetching changes no result. The default is also the literal default of
