@@ -5,7 +5,11 @@
 // block takes one token, computes its n_rot / 2 (cos, sin) pairs once into shared memory (the
 // double pow and sincos were most of the op's time, once per head before), then rotates every
 // Q and K head of the token. One kernel for both entry points, so rope(q), rope(k) and
-// rope_qk(q, k) give the same bits (CudaOps.RopeQkEqualsTwoRopes).
+// rope_qk(q, k) give the same bits (CudaOps.RopeQkEqualsTwoRopes). A token's heads are spread
+// over kHeadsPerBlock-head blocks (grid.y), each computing the token's angles itself (the same
+// double ops, so the same values): with one block per token a decode step's single token left
+// 256 threads walking 40 heads in ten dependent load-rotate-store rounds (8.5 µs a layer in the
+// 8B profile, docs/BENCHMARKS.md session 12).
 #include <cuda_runtime.h>
 
 #include "backend/cuda/kernels.h"
@@ -15,9 +19,10 @@ namespace kiln::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int64_t kHeadsPerBlock = 4;
 
-// grid: n_tok blocks. q: [n_tok][n_head_q][head_dim], k: [n_tok][n_head_k][head_dim] (k may be
-// null with n_head_k 0).
+// grid: (n_tok, head groups of kHeadsPerBlock over the Q heads then the K heads). q:
+// [n_tok][n_head_q][head_dim], k: [n_tok][n_head_k][head_dim] (k may be null with n_head_k 0).
 __global__ void rope_qk_kernel(float* __restrict__ q, float* __restrict__ k, int64_t n_head_q,
                                int64_t n_head_k, int64_t head_dim,
                                const int32_t* __restrict__ pos, int64_t n_rot, float freq_base,
@@ -34,9 +39,11 @@ __global__ void rope_qk_kernel(float* __restrict__ q, float* __restrict__ k, int
     cs_s[half + i] = sn;
   }
   __syncthreads();
-  const int64_t n = (n_head_q + n_head_k) * half;
+  const int64_t h_begin = int64_t(blockIdx.y) * kHeadsPerBlock;
+  const int64_t h_end = min(n_head_q + n_head_k, h_begin + kHeadsPerBlock);
+  const int64_t n = (h_end - h_begin) * half;
   for (int64_t idx = threadIdx.x; idx < n; idx += blockDim.x) {
-    const int64_t h = idx / half, i = idx % half;
+    const int64_t h = h_begin + idx / half, i = idx % half;
     float* v = h < n_head_q ? q + (t * n_head_q + h) * head_dim
                             : k + (t * n_head_k + (h - n_head_q)) * head_dim;
     const double cs = cs_s[i], sn = cs_s[half + i];
@@ -53,9 +60,11 @@ cudaError_t launch_rope_qk(float* q, int64_t n_head_q, float* k, int64_t n_head_
                            int64_t head_dim, const int32_t* pos, int64_t n_rot, float freq_base,
                            float freq_scale, bool neox, cudaStream_t s) {
   if (n_tok == 0 || n_rot == 0 || n_head_q + n_head_k == 0) return cudaSuccess;
-  if (n_tok > 0x7fffffff) return cudaErrorInvalidValue;
-  return launch(rope_qk_kernel, unsigned(n_tok), kThreads, size_t(n_rot) * sizeof(double), s, q,
-                k, n_head_q, n_head_k, head_dim, pos, n_rot, freq_base, freq_scale, neox);
+  const int64_t groups = (n_head_q + n_head_k + kHeadsPerBlock - 1) / kHeadsPerBlock;
+  if (n_tok > 0x7fffffff || groups > 65535) return cudaErrorInvalidValue;
+  return launch(rope_qk_kernel, dim3(unsigned(n_tok), unsigned(groups)), dim3(kThreads),
+                size_t(n_rot) * sizeof(double), s, q, k, n_head_q, n_head_k, head_dim, pos, n_rot,
+                freq_base, freq_scale, neox);
 }
 
 cudaError_t launch_rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim,
