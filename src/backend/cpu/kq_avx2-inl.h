@@ -84,47 +84,66 @@ HWY_INLINE __m128i ScalesMinsK4Vec(const uint8_t* packed) {
                         static_cast<int>(w3));
 }
 
+// A Q4_K block's scales as the kernels use them: d, dmin, the mins as words (m[k/2] in word
+// k, for the madd with Q8_K's 16 bsums) and the 8 scales as words in both lanes.
+struct Q4KHead {
+  float d, dmin;
+  __m256i mins16, sc16;
+};
+HWY_INLINE Q4KHead LoadQ4KHead(const quant::block_q4_K* b) {
+  const __m128i smv = ScalesMinsK4Vec(b->scales);
+  const __m128i mins8 = _mm_srli_si128(smv, 8);
+  return Q4KHead{F16c(b->d), F16c(b->dmin), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins8, mins8)),
+                 _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv))};
+}
+// Sub-blocks 2j (lo) and 2j + 1 (hi) of a Q4_K block: their unsigned quants and scale vectors.
+HWY_INLINE void Q4KPair(const quant::block_q4_K* b, const Q4KHead& h, int j, __m256i& lo,
+                        __m256i& hi, __m256i& sc_lo, __m256i& sc_hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i q4 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs + 32 * j));
+  lo = _mm256_and_si256(q4, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+  sc_lo = _mm256_shuffle_epi8(h.sc16, WordSplat(2 * j, 2 * j));
+  sc_hi = _mm256_shuffle_epi8(h.sc16, WordSplat(2 * j + 1, 2 * j + 1));
+}
+// The int32 lanes of sub-blocks 2j, 2j + 1 against one token's 64 quants at a.
+HWY_INLINE __m256i Q4KPairDot(__m256i lo, __m256i hi, __m256i sc_lo, __m256i sc_hi,
+                              const int8_t* a) {
+  const __m256i p0 = _mm256_madd_epi16(
+      _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), sc_lo);
+  const __m256i p1 = _mm256_madd_epi16(
+      _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32))), sc_hi);
+  return _mm256_add_epi32(p0, p1);
+}
+// A Q4_K block's two FMAs into one token's accumulator, in the plain kernel's order.
+HWY_INLINE void Q4KBlockFma(const Q4KHead& h, __m256i isum, const quant::block_q8_K& y,
+                            __m256& acc) {
+  const __m256i msum =
+      _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums)), h.mins16);
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(h.d * y.d), _mm256_cvtepi32_ps(isum), acc);
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(-h.dmin * y.d), _mm256_cvtepi32_ps(msum), acc);
+}
+
 // DotQ45K<T, false>'s bits (Q4_K against Q8_K). pf: prefetch distance in bytes (0: none).
 template <int T>
 HWY_INLINE void DotQ4KAvx2(const std::byte* row, int64_t nb, const quant::block_q8_K* const* ys,
                            float* out, int64_t pf) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     const auto* b = reinterpret_cast<const quant::block_q4_K*>(row + i * sizeof(quant::block_q4_K));
     if (pf) PrefetchBlockL2<sizeof(quant::block_q4_K)>(reinterpret_cast<const std::byte*>(b) + pf);
-    const float d = F16c(b->d), dmin = F16c(b->dmin);
-    const __m128i smv = ScalesMinsK4Vec(b->scales);
-    const __m128i mins8 = _mm_srli_si128(smv, 8);
-    const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins8, mins8));  // m[k/2]
-    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));  // sc 0..7, both lanes
+    const Q4KHead h = LoadQ4KHead(b);
     __m256i isum[T];
     for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m256i q4 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs + 32 * j));
-      const __m256i lo = _mm256_and_si256(q4, m4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
-      const __m256i sc_lo = _mm256_shuffle_epi8(sc16, WordSplat(2 * j, 2 * j));
-      const __m256i sc_hi = _mm256_shuffle_epi8(sc16, WordSplat(2 * j + 1, 2 * j + 1));
-      for (int t = 0; t < T; ++t) {
-        const int8_t* a = ys[t][i].qs + 64 * j;
-        const __m256i p0 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), sc_lo);
-        const __m256i p1 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32))),
-            sc_hi);
-        isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(p0, p1));
-      }
+      __m256i lo, hi, sc_lo, sc_hi;
+      Q4KPair(b, h, j, lo, hi, sc_lo, sc_hi);
+      for (int t = 0; t < T; ++t)
+        isum[t] = _mm256_add_epi32(isum[t], Q4KPairDot(lo, hi, sc_lo, sc_hi, ys[t][i].qs + 64 * j));
     }
-    for (int t = 0; t < T; ++t) {
-      const quant::block_q8_K& y = ys[t][i];
-      const __m256i msum =
-          _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums)), mins16);
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(isum[t]), acc[t]);
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * y.d), _mm256_cvtepi32_ps(msum), acc[t]);
-    }
+    for (int t = 0; t < T; ++t) Q4KBlockFma(h, isum[t], ys[t][i], acc[t]);
   }
   for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
 }
@@ -137,44 +156,62 @@ HWY_INLINE void DotQ4KAvx2(const std::byte* row, int64_t nb, const quant::block_
 template <int R>
 HWY_INLINE void DotQ4KAvx2Rows(const std::byte* const* rows, int64_t nb,
                                const quant::block_q8_K* y, float* out, int64_t pf) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     if (pf)
       PrefetchBlockL2<R * sizeof(quant::block_q4_K)>(rows[0] + pf +
                                                      R * i * int64_t{sizeof(quant::block_q4_K)});
-    const quant::block_q8_K& yb = y[i];
-    const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(yb.bsums));
     for (int k = 0; k < R; ++k) {
       const auto* b = reinterpret_cast<const quant::block_q4_K*>(rows[k]) + i;
-      const float d = F16c(b->d), dmin = F16c(b->dmin);
-      const __m128i smv = ScalesMinsK4Vec(b->scales);
-      const __m128i mins8 = _mm_srli_si128(smv, 8);
-      const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins8, mins8));
-      const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));
+      const Q4KHead h = LoadQ4KHead(b);
       __m256i isum = _mm256_setzero_si256();
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        const __m256i q4 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs + 32 * j));
-        const __m256i lo = _mm256_and_si256(q4, m4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
-        const __m256i sc_lo = _mm256_shuffle_epi8(sc16, WordSplat(2 * j, 2 * j));
-        const __m256i sc_hi = _mm256_shuffle_epi8(sc16, WordSplat(2 * j + 1, 2 * j + 1));
-        const int8_t* a = yb.qs + 64 * j;
-        const __m256i p0 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), sc_lo);
-        const __m256i p1 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32))),
-            sc_hi);
-        isum = _mm256_add_epi32(isum, _mm256_add_epi32(p0, p1));
+        __m256i lo, hi, sc_lo, sc_hi;
+        Q4KPair(b, h, j, lo, hi, sc_lo, sc_hi);
+        isum = _mm256_add_epi32(isum, Q4KPairDot(lo, hi, sc_lo, sc_hi, y[i].qs + 64 * j));
       }
-      const __m256i msum = _mm256_madd_epi16(bsums, mins16);
-      acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d * yb.d), _mm256_cvtepi32_ps(isum), acc[k]);
-      acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * yb.d), _mm256_cvtepi32_ps(msum), acc[k]);
+      Q4KBlockFma(h, isum, y[i], acc[k]);
     }
   }
   for (int k = 0; k < R; ++k) out[k] = Hsum(acc[k]);
+}
+
+// A Q6_K block's scales as words: all 16 (for the -32 offset's madd with the bsums), and 0..7
+// and 8..15 in both lanes, of which sub-block s's vector (scales[2s] in the low lane,
+// scales[2s + 1] in the high one) is one shuffle (Q6KSubScale).
+struct Q6KHead {
+  float d;
+  __m256i sc_all, sc_a, sc_b;
+};
+HWY_INLINE Q6KHead LoadQ6KHead(const quant::block_q6_K* b) {
+  const __m256i sc_all =
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
+  return Q6KHead{F16c(b->d), sc_all, _mm256_permute2x128_si256(sc_all, sc_all, 0x00),
+                 _mm256_permute2x128_si256(sc_all, sc_all, 0x11)};
+}
+HWY_INLINE __m256i Q6KSubScale(const Q6KHead& h, int sub) {
+  const int g = sub % 4;
+  return _mm256_shuffle_epi8(sub < 4 ? h.sc_a : h.sc_b, WordSplat(2 * g, 2 * g + 1));
+}
+// Half hf of a Q6_K block as its four 32-quant groups (Q6KGroups).
+HWY_INLINE void Q6KHalf(const quant::block_q6_K* b, int hf, __m256i (&w4)[4]) {
+  const auto* ql = reinterpret_cast<const __m256i*>(b->ql + 64 * hf);
+  Q6KGroups(_mm256_loadu_si256(ql), _mm256_loadu_si256(ql + 1),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + 32 * hf)), w4);
+}
+// One token's int32 lanes start: the -32 offset, -sum_g sc_g * 32 * bsum_g.
+HWY_INLINE __m256i Q6KOffset(const Q6KHead& h, const quant::block_q8_K& y) {
+  return _mm256_sub_epi32(
+      _mm256_setzero_si256(),
+      _mm256_slli_epi32(
+          _mm256_madd_epi16(h.sc_all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums))), 5));
+}
+// Sub-block `sub` (quants w, scale vector sc) against one token's 32 quants at a.
+HWY_INLINE __m256i Q6KSubDot(__m256i w, __m256i sc, const int8_t* a) {
+  return _mm256_madd_epi16(
+      _mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), sc);
 }
 
 // DotQ6K<T>'s bits (Q6_K against Q8_K). pf: as above.
@@ -186,43 +223,27 @@ HWY_INLINE void DotQ6KAvx2(const std::byte* row, int64_t nb, const quant::block_
   for (int64_t i = 0; i < nb; ++i) {
     const auto* b = reinterpret_cast<const quant::block_q6_K*>(row + i * sizeof(quant::block_q6_K));
     if (pf) PrefetchBlockL2<sizeof(quant::block_q6_K)>(reinterpret_cast<const std::byte*>(b) + pf);
-    const float d = F16c(b->d);
-    const __m256i sc_all =
-        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
-    // Scales 0..7 and 8..15 as words in both lanes: sub-block s's vector (scales[2s] in the
-    // low lane, scales[2s + 1] in the high one) is one shuffle of one of them.
-    const __m256i sc_a = _mm256_permute2x128_si256(sc_all, sc_all, 0x00);
-    const __m256i sc_b = _mm256_permute2x128_si256(sc_all, sc_all, 0x11);
+    const Q6KHead h = LoadQ6KHead(b);
     __m256i isum[T];
-    for (int t = 0; t < T; ++t)  // the -32 offset: sum_g sc_g * 32 * bsum_g
-      isum[t] = _mm256_sub_epi32(
-          _mm256_setzero_si256(),
-          _mm256_slli_epi32(
-              _mm256_madd_epi16(sc_all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ys[t][i].bsums))),
-              5));
+    for (int t = 0; t < T; ++t) isum[t] = Q6KOffset(h, ys[t][i]);
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const auto* ql = reinterpret_cast<const __m256i*>(b->ql + 64 * h);
+    for (int hf = 0; hf < 2; ++hf) {
       __m256i w4[4];
-      Q6KGroups(_mm256_loadu_si256(ql), _mm256_loadu_si256(ql + 1),
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + 32 * h)), w4);
-      const __m256i sc_h = h == 0 ? sc_a : sc_b;
+      Q6KHalf(b, hf, w4);
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
-        const int sub = 4 * h + g;
-        const __m256i sc = _mm256_shuffle_epi8(sc_h, WordSplat(2 * g, 2 * g + 1));
-        for (int t = 0; t < T; ++t) {
-          const __m256i a =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ys[t][i].qs + 32 * sub));
-          isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w4[g], a), sc));
-        }
+        const int sub = 4 * hf + g;
+        const __m256i sc = Q6KSubScale(h, sub);
+        for (int t = 0; t < T; ++t)
+          isum[t] = _mm256_add_epi32(isum[t], Q6KSubDot(w4[g], sc, ys[t][i].qs + 32 * sub));
       }
     }
     for (int t = 0; t < T; ++t)
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * ys[t][i].d), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(h.d * ys[t][i].d), _mm256_cvtepi32_ps(isum[t]), acc[t]);
   }
   for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
 }
+
 // DotQ6K<1>'s bits for R rows against one token (as DotQ4KAvx2Rows).
 template <int R>
 HWY_INLINE void DotQ6KAvx2Rows(const std::byte* const* rows, int64_t nb,
@@ -233,37 +254,26 @@ HWY_INLINE void DotQ6KAvx2Rows(const std::byte* const* rows, int64_t nb,
     if (pf)
       PrefetchBlockL2<R * sizeof(quant::block_q6_K)>(rows[0] + pf +
                                                      R * i * int64_t{sizeof(quant::block_q6_K)});
-    const quant::block_q8_K& yb = y[i];
-    const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(yb.bsums));
     for (int k = 0; k < R; ++k) {
       const auto* b = reinterpret_cast<const quant::block_q6_K*>(rows[k]) + i;
-      const float d = F16c(b->d);
-      const __m256i sc_all =
-          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
-      const __m256i sc_a = _mm256_permute2x128_si256(sc_all, sc_all, 0x00);
-      const __m256i sc_b = _mm256_permute2x128_si256(sc_all, sc_all, 0x11);
-      __m256i isum =
-          _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bsums), 5));
+      const Q6KHead h = LoadQ6KHead(b);
+      __m256i isum = Q6KOffset(h, y[i]);
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const auto* ql = reinterpret_cast<const __m256i*>(b->ql + 64 * h);
+      for (int hf = 0; hf < 2; ++hf) {
         __m256i w4[4];
-        Q6KGroups(_mm256_loadu_si256(ql), _mm256_loadu_si256(ql + 1),
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qh + 32 * h)), w4);
-        const __m256i sc_h = h == 0 ? sc_a : sc_b;
+        Q6KHalf(b, hf, w4);
 #pragma GCC unroll 4
         for (int g = 0; g < 4; ++g) {
-          const __m256i sc = _mm256_shuffle_epi8(sc_h, WordSplat(2 * g, 2 * g + 1));
-          const __m256i a =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(yb.qs + 32 * (4 * h + g)));
-          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w4[g], a), sc));
+          const int sub = 4 * hf + g;
+          isum = _mm256_add_epi32(isum, Q6KSubDot(w4[g], Q6KSubScale(h, sub), y[i].qs + 32 * sub));
         }
       }
-      acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d * yb.d), _mm256_cvtepi32_ps(isum), acc[k]);
+      acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(h.d * y[i].d), _mm256_cvtepi32_ps(isum), acc[k]);
     }
   }
   for (int k = 0; k < R; ++k) out[k] = Hsum(acc[k]);
 }
+
 // Q8_0 against one token's Q8_0 activations (act: 4-byte float scale, then 32 quants, as
 // cpu_matmul_q8.h's ActQ8_0), R rows at a time: DotQ8Family<1, UnpackQ8_0>'s bits per row (|w|
 // times w's sign moved onto a, one maddubs and one madd per block, then one FMA of d_w * d_a in
