@@ -382,6 +382,31 @@ TEST(ActQuant, Q8_0SameBytesBothWays) {
   }
 }
 
+// A one-token kernel switch changes no bit of w x for five tokens: random, tiny (1e-3), all
+// zero (activation scale 0), one huge element, one NaN (which must come out NaN); on with 1 and
+// 2 threads against off.
+void expect_one_token_same_bits(void (*set_on)(bool), Backend& one, Backend& two,
+                                const WeightMatrix& w, std::mt19937_64& rng) {
+  const int64_t k = w.n_cols;
+  for (int variant = 0; variant < 5; ++variant) {
+    SCOPED_TRACE(::testing::Message() << "variant " << variant);
+    std::vector<float> x = random_vec(rng, k, variant == 1 ? 1e-3f : 1.0f);
+    if (variant == 2) std::fill(x.begin(), x.end(), 0.0f);  // activation scale 0
+    if (variant == 3) x[5] = 3e30f;                         // one huge element
+    if (variant == 4) x[7] = NAN;                           // must come out NaN
+    const auto [on1, on2, off1] = run_on_off(set_on, one, two, w, x, 1);
+    ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
+        << "one-token vs plain kernel differ";
+    ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
+        << "one-token kernel: 1 vs 2 threads differ";
+    if (variant == 4) {
+      ASSERT_TRUE(std::isnan(on1[0]));
+    } else {
+      ASSERT_FALSE(std::isnan(on1[0]));
+    }
+  }
+}
+
 // The one-token Q4_K / Q6_K kernels (AVX-512 VNNI, decode) must give the plain kernels' bits:
 // with cpu::set_kq_one_matvec(false) a single token runs the plain kernels, so this is also the
 // proof that the switch changes nothing but speed. Raw random blocks reach every quant, scale
@@ -402,24 +427,9 @@ TEST(MatmulKQOne, SameBitsAsPlainKernel) {
         const std::vector<std::byte> bytes = random_k_rows(type, k, n_rows, rng);
         const WeightMatrix w{
             .dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
-        for (int variant = 0; variant < 5; ++variant) {
-          SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows
-                                            << " variant " << variant);
-          std::vector<float> x = random_vec(rng, k, variant == 1 ? 1e-3f : 1.0f);
-          if (variant == 2) std::fill(x.begin(), x.end(), 0.0f);  // activation scale 0
-          if (variant == 3) x[5] = 3e30f;                         // one huge element
-          if (variant == 4) x[7] = NAN;                           // must come out NaN
-          const auto [on1, on2, off1] = run_on_off(cpu::set_kq_one_matvec, *cpu1, *cpu2, w, x, 1);
-          ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
-              << "one-token vs plain kernel differ";
-          ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
-              << "one-token kernel: 1 vs 2 threads differ";
-          if (variant == 4) {
-            ASSERT_TRUE(std::isnan(on1[0]));
-          } else {
-            ASSERT_FALSE(std::isnan(on1[0]));
-          }
-        }
+        SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows);
+        expect_one_token_same_bits(cpu::set_kq_one_matvec, *cpu1, *cpu2, w, rng);
+        if (::testing::Test::HasFatalFailure()) return;
       }
     }
   }
@@ -455,24 +465,10 @@ TEST(MatmulQ8One, SameBitsAsPlainKernel) {
         const WeightMatrix full{
             .dtype = DType::Q8_0, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
         const WeightMatrix w = strided ? full.columns(32, k) : full;
-        for (int variant = 0; variant < 5; ++variant) {
-          SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << n_rows << " strided "
-                                            << strided << " variant " << variant);
-          std::vector<float> x = random_vec(rng, k, variant == 1 ? 1e-3f : 1.0f);
-          if (variant == 2) std::fill(x.begin(), x.end(), 0.0f);
-          if (variant == 3) x[5 % k] = 3e30f;
-          if (variant == 4) x[7 % k] = NAN;
-          const auto [on1, on2, off1] = run_on_off(cpu::set_q8_one_matvec, *cpu1, *cpu2, w, x, 1);
-          ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
-              << "one-token vs plain kernel differ";
-          ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
-              << "one-token kernel: 1 vs 2 threads differ";
-          if (variant == 4) {
-            ASSERT_TRUE(std::isnan(on1[0]));
-          } else {
-            ASSERT_FALSE(std::isnan(on1[0]));
-          }
-        }
+        SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << n_rows << " strided "
+                                          << strided);
+        expect_one_token_same_bits(cpu::set_q8_one_matvec, *cpu1, *cpu2, w, rng);
+        if (::testing::Test::HasFatalFailure()) return;
       }
     }
   }

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "core/check.h"
 #include "cpu_matmul_kq.h"
@@ -369,45 +370,41 @@ template <int T> struct KQ6_K { static void run(const std::byte* w, int64_t nb, 
 #if HWY_TARGET == HWY_AVX2
 template <int T> struct KQ4_KAvx2 { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ4KAvx2<T>(w, nb, y, o, matvec_prefetch_bytes()); } };
 template <int T> struct KQ6_KAvx2 { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ6KAvx2<T>(w, nb, y, o, matvec_prefetch_bytes()); } };
-// AVX2 machines' Q4_K / Q6_K kernels (kq_avx2-inl.h) under the switches of the AVX-512 kernels
-// that take the same calls there: one token kq_one, prefill kq_prefill, 2+ tokens kq_pair with
-// kq_batch. All off: the plain kernels, whose bits they give. Their rows are prefetched
-// --cpu-matvec-prefetch bytes ahead (0: not), as the AVX-512 one-token kernels' are.
-// One token: rows in pairs through DotQ4KAvx2Rows / DotQ6KAvx2Rows (each row the plain
-// one-token kernel's bits).
+// One token on AVX2: rows in pairs (a single row left over) through a row-pair kernel of
+// kq_avx2-inl.h, dot(R, rows, nb, y, out, pf) with R = 2 or 1 as std::integral_constant; each
+// row gets the plain one-token kernel's bits. Rows are prefetched --cpu-matvec-prefetch bytes
+// ahead (0: not), as the AVX-512 one-token kernels' are.
+template <class Act, class Dot>
+void MatvecPairsAvx2(const MatmulJob& job, int64_t r0, int64_t r1, int64_t block_elems, Dot dot) {
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / block_elems, pf = matvec_prefetch_bytes();
+  const auto* y = reinterpret_cast<const Act*>(job.xq);
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2) {
+    const std::byte* rows[2] = {w.row(r).data(), w.row(r + 1).data()};
+    dot(std::integral_constant<int, 2>{}, rows, nb, y, job.y + r, pf);
+  }
+  if (r < r1) {
+    const std::byte* row = w.row(r).data();
+    dot(std::integral_constant<int, 1>{}, &row, nb, y, job.y + r, pf);
+  }
+}
 template <bool kQ4>
 void MatvecKAvx2(const MatmulJob& job, int64_t r0, int64_t r1) {
-  const WeightMatrix& w = *job.w;
-  const int64_t nb = w.n_cols / 256, pf = matvec_prefetch_bytes();
-  const auto* y = reinterpret_cast<const block_q8_K*>(job.xq);
-  int64_t r = r0;
-  for (; r + 2 <= r1; r += 2) {
-    const std::byte* rows[2] = {w.row(r).data(), w.row(r + 1).data()};
-    if constexpr (kQ4) DotQ4KAvx2Rows<2>(rows, nb, y, job.y + r, pf);
-    else DotQ6KAvx2Rows<2>(rows, nb, y, job.y + r, pf);
-  }
-  if (r < r1) {
-    const std::byte* row = w.row(r).data();
-    if constexpr (kQ4) DotQ4KAvx2Rows<1>(&row, nb, y, job.y + r, pf);
-    else DotQ6KAvx2Rows<1>(&row, nb, y, job.y + r, pf);
-  }
+  MatvecPairsAvx2<block_q8_K>(job, r0, r1, 256, [](auto R, auto... a) {
+    if constexpr (kQ4) DotQ4KAvx2Rows<decltype(R)::value>(a...);
+    else DotQ6KAvx2Rows<decltype(R)::value>(a...);
+  });
 }
-// One token, Q8_0: rows in pairs through DotQ8_0Avx2Rows (cpu::q8_one_matvec; off: the plain
-// kernel, whose bits it gives: tests/ops MatmulQ8One).
+// Q8_0 under cpu::q8_one_matvec (off: the plain kernel, whose bits it gives: tests/ops
+// MatmulQ8One).
 inline void MatvecQ8Avx2(const MatmulJob& job, int64_t r0, int64_t r1) {
-  const WeightMatrix& w = *job.w;
-  const int64_t nb = w.n_cols / 32, pf = matvec_prefetch_bytes();
-  const auto* y = reinterpret_cast<const ActQ8_0*>(job.xq);
-  int64_t r = r0;
-  for (; r + 2 <= r1; r += 2) {
-    const std::byte* rows[2] = {w.row(r).data(), w.row(r + 1).data()};
-    DotQ8_0Avx2Rows<2>(rows, nb, y, job.y + r, pf);
-  }
-  if (r < r1) {
-    const std::byte* row = w.row(r).data();
-    DotQ8_0Avx2Rows<1>(&row, nb, y, job.y + r, pf);
-  }
+  MatvecPairsAvx2<ActQ8_0>(job, r0, r1, 32,
+                           [](auto R, auto... a) { DotQ8_0Avx2Rows<decltype(R)::value>(a...); });
 }
+// AVX2 machines' Q4_K / Q6_K kernels (kq_avx2-inl.h) under the switches of the AVX-512 kernels
+// that take the same calls there: one token kq_one, prefill kq_prefill, 2+ tokens kq_pair with
+// kq_batch. All off: the plain kernels, whose bits they give.
 inline bool KQAvx2(int64_t n_tok) {
   if (n_tok == 1) return kq_one_matvec();
   if (n_tok >= kKQPrefillMinTok) return kq_prefill_matmul();

@@ -346,7 +346,7 @@ struct CudaBackend::Impl {
   // then cuBLAS's own pool, which a captured graph must not name)
   bool graphable = true;
   bool graphs_on = true;
-  bool gemm_graphs = false;  // CudaOptions::gemm_graphs, and the fixed workspace was allocated
+  bool gemm_graphs = false;  // CudaOptions::gemm_graphs (with graphs on)
   int64_t kv_bucket = 256;
   // Graph mode pads an attention's key list to a bucket (row 0, position INT32_MAX: never
   // visible), so a decode step keeps its signature while the context grows within the bucket.
