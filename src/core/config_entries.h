@@ -100,8 +100,8 @@ KILN_CONFIG_ENTRY(std::string, cuda_matmul, "auto",
 KILN_CONFIG_ENTRY(int64_t, cuda_int8_max_tokens, 16,
                   "CUDA (--cuda-matmul auto): quantized matmuls of up to this many tokens run the "
                   "int8 dp4a kernels, more take cuBLAS (1..64)")
-KILN_CONFIG_ENTRY(int64_t, cuda_int8_mma, 0,
-                  "CUDA: int8 matmuls of at least this many tokens (Q4_K, Q6_K, Q8_0) run on the "
+KILN_CONFIG_ENTRY(int64_t, cuda_int8_mma, 8,
+                  "CUDA: int8 matmuls of at least this many tokens (Q4_K, Q6_K) run on the "
                   "int8 tensor cores (mma.sync) instead of dp4a, with the same bits (0: never)")
 KILN_CONFIG_ENTRY(bool, cuda_fuse_rope, true,
                   "CUDA: a layer's Q and K rotary embedding as one launch (angles once per "

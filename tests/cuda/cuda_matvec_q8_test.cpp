@@ -336,7 +336,8 @@ TEST(CudaMatvecQ8, MmaHasTheDp4aBits) {
   std::mt19937_64 rng(ops_seed() + 11);
   const Case cases[] = {
       {DType::Q4_K, 256, 37, 0},   {DType::Q4_K, 512, 16, 0},  {DType::Q4_K, 2816, 9, 0},
-      {DType::Q4_K, 4096, 70, 0},  {DType::Q4_K, 14336, 17, 0}, {DType::Q6_K, 256, 5, 0},
+      {DType::Q4_K, 4096, 70, 0},  {DType::Q4_K, 14336, 17, 0}, {DType::Q4_K, 1536, 1100, 0},
+      {DType::Q6_K, 256, 5, 0},
       {DType::Q6_K, 2048, 33, 0},  {DType::Q6_K, 4096, 19, 2}, {DType::Q6_K, 14336, 3, 0},
       {DType::Q8_0, 96, 7, 0},     {DType::Q8_0, 1024, 37, 0}, {DType::Q8_0, 4096, 21, 2},
   };
@@ -365,16 +366,21 @@ TEST(CudaMatvecQ8, MmaHasTheDp4aBits) {
       ASSERT_EQ(cuda::launch_quantize_act_q8(dx, c.k, n_tok, act, nullptr), cudaSuccess);
       ASSERT_EQ(cuda::launch_matvec_q8(w, act, n_tok, y, nullptr, 0), cudaSuccess);
       const std::vector<float> want = from_device(y, n);
-      for (int nb : {1, 2, 4}) {
-        cuda::check_cuda(cudaMemset(z, 0xff, n * 4), "memset");
-        ASSERT_EQ(cuda::launch_matvec_q8_mma(w, act, n_tok, z, nb, nullptr), cudaSuccess);
-        cuda::check_cuda(cudaDeviceSynchronize(), "sync");
-        const std::vector<float> got = from_device(z, n);
-        for (size_t i = 0; i < n; ++i)
-          ASSERT_EQ(std::memcmp(&got[i], &want[i], 4), 0)
-              << "nb " << nb << " t " << i / size_t(c.rows) << " r " << i % size_t(c.rows) << ": "
-              << got[i] << " mma vs " << want[i] << " dp4a";
-      }
+      // Every form of the Q4_K/Q6_K kernel (through rings of 3, 4 or 6 shared-memory stages
+      // where the row is whole stages and nb <= 2; fragments from global memory otherwise).
+      for (int staged : {3, 4, 6, 0})
+        for (int nb : {1, 2, 4}) {
+          cuda::set_mma_stages(staged);
+          cuda::check_cuda(cudaMemset(z, 0xff, n * 4), "memset");
+          ASSERT_EQ(cuda::launch_matvec_q8_mma(w, act, n_tok, z, nb, nullptr), cudaSuccess);
+          cuda::check_cuda(cudaDeviceSynchronize(), "sync");
+          cuda::set_mma_stages(cuda::kMmaStagesDefault);
+          const std::vector<float> got = from_device(z, n);
+          for (size_t i = 0; i < n; ++i)
+            ASSERT_EQ(std::memcmp(&got[i], &want[i], 4), 0)
+                << "staged " << staged << " nb " << nb << " t " << i / size_t(c.rows) << " r "
+                << i % size_t(c.rows) << ": " << got[i] << " mma vs " << want[i] << " dp4a";
+        }
       if (n_tok > 5) {
         for (int64_t r = 0; r < c.rows; ++r) ASSERT_TRUE(std::isnan(want[size_t(5 * c.rows + r)]));
       }
@@ -407,7 +413,7 @@ TEST(CudaMatvecQ8, MmaHasTheDp4aBits) {
   cuda::DeviceBuffer xbuf, abuf;
   const float* dx = to_device(xbuf, x);
   void* act = abuf.ensure(cuda::act_q8_bytes(4096, 24) + 16, "act");
-  for (int64_t n_tok : {8, 13, 24}) {
+  for (int64_t n_tok : {8, 13, 16, 24}) {
     SCOPED_TRACE(::testing::Message() << "group n_tok " << n_tok);
     ASSERT_EQ(cuda::launch_quantize_act_q8(dx, 4096, n_tok, act, nullptr), cudaSuccess);
     ASSERT_EQ(cuda::launch_matvec_q8_group(ws, ys, act, n_tok, nullptr, 1), cudaSuccess);

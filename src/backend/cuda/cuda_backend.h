@@ -33,15 +33,18 @@ namespace kiln {
 // the GEMM above 8 tokens (V3's float kernel's limit).
 enum class CudaMatmul { V1, V2, V3, Auto };
 inline constexpr int64_t kAutoInt8MaxTokens = 16;
-inline constexpr int64_t kInt8MmaMinTokens = 0;  // off: measured no faster end to end
+// From 8 tokens: the shared-memory tensor-core kernels took the 8B Q4_K_M x16 decode from 1400
+// to 1815 t/s on the H200 (docs/BENCHMARKS.md, CUDA session 13); at 4 tokens they are slower
+// than dp4a (x4 855 -> 598 t/s).
+inline constexpr int64_t kInt8MmaMinTokens = 8;
 
 struct CudaOptions {
   int device = 0;
   CudaMatmul matmul = CudaMatmul::Auto;
   // Auto: the most tokens a quantized matmul runs on V3's int8 kernels (more: cuBLAS), 1..64.
   int64_t auto_int8_max_tokens = kAutoInt8MaxTokens;
-  // V3/Auto: int8 matmuls of at least this many tokens (Q4_K, Q6_K, Q8_0) on the int8 tensor
-  // cores instead of dp4a, the same bits either way (kernels.h, launch_matvec_q8); 0: never.
+  // V3/Auto: int8 matmuls of at least this many tokens (Q4_K, Q6_K) on the int8 tensor cores
+  // instead of dp4a, the same bits either way (kernels.h, launch_matvec_q8); 0: never.
   int64_t int8_mma_min_tokens = kInt8MmaMinTokens;
   // Optional: the whole weight region (e.g. the GGUF mapping's tensor data). When set, it is
   // uploaded once, at creation, into one arena allocation through pinned staging on a copy

@@ -96,18 +96,19 @@ cudaError_t launch_quantize_act_q8(const float* x, int64_t n_cols, int64_t n_tok
                                    cudaStream_t s, const float* up = nullptr);
 // y = W x from activations launch_quantize_act_q8 wrote (so one quantization serves several
 // weights of the same input); w.dtype must be matvec_q8_supports and n_tok <= kQ8MaxTokens.
-// From mma_min_tokens tokens on (0: never) Q4_K (16-byte aligned rows), Q6_K and Q8_0 run on
-// the int8 tensor cores (mma.sync, sm_80+) with the same bits as the dp4a kernels: the exact
+// From mma_min_tokens tokens on (0: never) Q4_K (16-byte aligned rows) and Q6_K run on the
+// int8 tensor cores (mma.sync, sm_80+) with the same bits as the dp4a kernels: the exact
 // integer dot of each unit, then the dp4a kernels' float operations in their order
-// (matvec_q8.cu). Off by default: on the H200 it is 10-25 % faster than dp4a for Q4_K at
-// 16-64 tokens, mixed for Q6_K, slower for Q8_0, and the 8B Q4_K_M decode of 4 and 16
-// sequences is the same speed either way (docs/BENCHMARKS.md, CUDA session 10).
-inline constexpr int kQ8MmaMinTokens = 0;
+// (matvec_q8.cu). From 8 tokens by default: on the H200 the shared-memory form is 1.3-1.9x
+// dp4a at 8-16 tokens (slower at 4), and the 8B Q4_K_M decode of 16 sequences went 1400 ->
+// 1815 t/s (docs/BENCHMARKS.md, CUDA session 13). Q8_0 stays on dp4a (its tensor-core kernel
+// is slower; launch_matvec_q8_mma still runs it).
+inline constexpr int kQ8MmaMinTokens = 8;
 cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_tok, float* y,
                              cudaStream_t s, int mma_min_tokens = kQ8MmaMinTokens);
-// The tensor-core path alone, with nb (1, 2 or 4) tiles of 8 tokens per block column whatever
-// n_tok is (every nb has the same bits; for tests and cuda_matvec_bench). cudaErrorInvalidValue
-// where it does not apply (type, alignment, device).
+// The tensor-core path alone (Q8_0 included), with nb (1, 2 or 4) tiles of 8 tokens per block
+// column whatever n_tok is (every nb has the same bits; for tests and cuda_matvec_bench).
+// cudaErrorInvalidValue where it does not apply (type, alignment, device).
 cudaError_t launch_matvec_q8_mma(const DeviceWeight& w, const void* act, int64_t n_tok,
                                  float* y, int nb, cudaStream_t s);
 // Several weights of one type, width and row size against the same input in one launch (a
@@ -238,6 +239,14 @@ cudaError_t launch_store_rows_f16_batch(const StoreRowsItem* items, int n_items,
 // sets it around its own enqueues when CudaOptions::pdl, the default).
 void set_launch_pdl(bool on);
 bool launch_pdl();
+// Which kernel the int8 tensor-core path runs for Q4_K and Q6_K rows of whole stages (512 /
+// 256 columns) at 8-16 tokens per block column: 3, 4 or 6, the one that streams rows and
+// activations through a ring of that many stages of shared memory; 0, the one that reads its
+// fragments from global memory (matvec_q8.cu). Same bits either way
+// (CudaMatvecQ8.MmaHasTheDp4aBits runs them all); per thread, for cuda_matvec_bench's A/B.
+inline constexpr int kMmaStagesDefault = 4;  // 3 / 4 / 6 measured: 4 (session 13)
+void set_mma_stages(int stages);
+int mma_stages();
 
 // --- probe.cu: reads `bytes` (16-byte aligned) with `blocks` blocks; sink holds `blocks` floats.
 cudaError_t launch_read_probe(const void* data, size_t bytes, float* sink, int blocks,

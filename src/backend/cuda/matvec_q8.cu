@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <span>
 
 #include "backend/cuda/act.cuh"
@@ -822,6 +823,54 @@ __device__ __forceinline__ void mma_compute(const MmaStep<T, NB>& st, int64_t i,
   }
 }
 
+// Virtual lane ii (0..7, the warp's ii-th in bit-reversed order) is done with its sum acc:
+// close the butterfly subtrees it completes (ii's trailing one bits), the three-level stack
+// holding the open ones; after ii = 7, fin holds the warp's subtree.
+template <int NB>
+__device__ __forceinline__ void mma_close_vlane(int ii, const float (&acc)[NB][4],
+                                                float (&stk)[3][NB][4], float (&fin)[NB][4]) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = acc[nb][e];
+      if (ii & 1) {
+        x = __fadd_rn(stk[0][nb][e], x);
+        if (ii & 2) {
+          x = __fadd_rn(stk[1][nb][e], x);
+          if (ii & 4) {
+            fin[nb][e] = __fadd_rn(stk[2][nb][e], x);
+          } else {
+            stk[2][nb][e] = x;
+          }
+        } else {
+          stk[1][nb][e] = x;
+        }
+      } else {
+        stk[0][nb][e] = x;
+      }
+    }
+}
+// The block's four warp subtrees added as the butterfly's last two steps do, (W0 + W1) +
+// (W2 + W3), and stored (rows and tokens past the call dropped). Ends with the block synced.
+template <int NB>
+__device__ __forceinline__ void mma_store_block(float (*part)[kMmaRows][8 * NB],
+                                                const float (&fin)[NB][4], int warp, int g, int q,
+                                                int64_t r0, int64_t t0, int64_t n_rows,
+                                                int64_t n_tok, float* __restrict__ y) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) part[warp][g + 8 * (e >> 1)][8 * nb + 2 * q + (e & 1)] = fin[nb][e];
+  __syncthreads();
+  for (int i = threadIdx.x; i < kMmaRows * 8 * NB; i += kQ8Warps * kWarp) {
+    const int r = i / (8 * NB), t = i % (8 * NB);
+    if (r0 + r < n_rows && t0 + t < n_tok)
+      y[(t0 + t) * n_rows + r0 + r] = __fadd_rn(__fadd_rn(part[0][r][t], part[1][r][t]),
+                                                __fadd_rn(part[2][r][t], part[3][r][t]));
+  }
+}
+
 // Rows rb * 16 .. + 15, tokens blockIdx.x * 8 NB .. of y. Q4_K rows 16-byte aligned; Q6_K and
 // Q8_0 rows 2-byte aligned (fields read as aligned words and funnel shifts).
 template <DType T, int NB>
@@ -867,40 +916,9 @@ __device__ __forceinline__ void matvec_q8_mma_body(const uint8_t* __restrict__ w
       mma_compute<T, NB>(cur, i, acc);
       cur = nxt;
     }
-    // Close the subtrees this virtual lane completes (ii's trailing one bits).
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = acc[nb][e];
-        if (ii & 1) {
-          x = __fadd_rn(stk[0][nb][e], x);
-          if (ii & 2) {
-            x = __fadd_rn(stk[1][nb][e], x);
-            if (ii & 4) {
-              fin[nb][e] = __fadd_rn(stk[2][nb][e], x);
-            } else {
-              stk[2][nb][e] = x;
-            }
-          } else {
-            stk[1][nb][e] = x;
-          }
-        } else {
-          stk[0][nb][e] = x;
-        }
-      }
+    mma_close_vlane<NB>(ii, acc, stk, fin);
   }
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) part[warp][g + 8 * (e >> 1)][8 * nb + 2 * q + (e & 1)] = fin[nb][e];
-  __syncthreads();
-  for (int i = threadIdx.x; i < kMmaRows * 8 * NB; i += kQ8Warps * kWarp) {
-    const int r = i / (8 * NB), t = i % (8 * NB);
-    if (r0 + r < n_rows && t0 + t < n_tok)
-      y[(t0 + t) * n_rows + r0 + r] = __fadd_rn(__fadd_rn(part[0][r][t], part[1][r][t]),
-                                                __fadd_rn(part[2][r][t], part[3][r][t]));
-  }
+  mma_store_block<NB>(part, fin, warp, g, q, r0, t0, n_rows, n_tok, y);
 }
 template <DType T, int NB>
 __global__ void __launch_bounds__(kQ8Warps* kWarp)
@@ -918,16 +936,352 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
   matvec_q8_mma_body<T, NB>(t.w, row_bytes, t.n_rows, n_cols, xq, xd, n_tok, t.y, t.rb);
 }
 
+// ---- Q4_K and Q6_K on the tensor cores through shared memory (what launch_mma_nb runs for them
+// at 8 or 16 tokens per block column, rows of whole stages). The kernel above loads each
+// fragment word straight from global memory: a warp's 4-byte loads touch 8 rows' (or 8 tokens')
+// lines, ~8 L1 wavefronts per 128 useful bytes, and each warp runs one virtual lane's chain of
+// loads at a time (at 16 tokens, Q4_K 4096x14336 took 67 us, ~5x the weights' read time). Here
+// the block copies its 16 rows and its tokens' activations one stage of 8 steps (Q4_K: pairs,
+// 512 columns; Q6_K: units, 256 columns, one block) at a time into shared memory with cp.async
+// (16-byte copies, STAGES - 1 stages in flight: the weights of the first ones before the PDL
+// wait), and every warp keeps the sums of all 8 of its virtual lanes in registers, so the
+// stages stream while the tensor cores work.
+// Same bits: a virtual lane l still adds its steps l, l + 32, ... in that order (stage k holds
+// steps 8k .. 8k + 7: one step of 2 of each warp's 8 virtual lanes), each step's floats are
+// mma_compute's, and the lanes close into the butterfly as above (mma_close_vlane,
+// mma_store_block). Q4_K: a lane takes its fragment's bytes 8q .. 8q + 7 of a unit as one
+// 8-byte word, for the weights and the activations alike: fragment column 4q + j holds byte
+// 8q + j and 16 + 4q + j byte 8q + 4 + j, one permutation of the unit's 32 products on both
+// operands, so the exact integer dot is unchanged. (Q6_K keeps mma_compute's columns: its two
+// 16-element halves have their own scales, one product each.)
+//
+// Q6_K blocks (210 bytes) are 2-byte aligned: a row's stage is copied as the 16-byte granules
+// that cover it (from its address rounded down, 14 granules), and read back at its offset in
+// the first one with aligned words and funnel shifts. Every granule copied holds a byte of the
+// block, so no copy leaves the 16-byte granules the weight's own bytes lie in (cudaMalloc
+// allocations are 256-byte aligned: nothing is read outside the allocation).
+constexpr int kMsSteps = 8;  // steps per stage
+template <DType T>
+struct MsType {
+  static constexpr bool kQ4 = T == DType::Q4_K;
+  static constexpr int kUnits = kQ4 ? 2 * kMsSteps : kMsSteps;  // activation units per stage
+  static constexpr int kCols = kUnits * kBlk;                     // columns per stage
+  static constexpr int kRowBytes = kQ4 ? 2 * 144 : 210;           // a row's bytes per stage
+  // A row's slot: Q4_K 288 bytes (= 32 mod 128: a half warp's 8-byte loads of rows g = 0..3
+  // at bytes 8q cover the 32 banks once); Q6_K 224, the granules of a 2-aligned block.
+  static constexpr int kWRow = kQ4 ? kRowBytes : 224;
+  // A token's int8 (Q4_K: 32 mod 128, as above; Q6_K's 4-byte loads of tokens g = 0..7: 76
+  // words apart, every bank once) and its (d, d sum q) float2s (tokens 2q: distinct banks).
+  static constexpr int kARow = kQ4 ? kUnits * kBlk + 32 : kUnits * kBlk + 48;
+  static constexpr int kDRow = kUnits + 2;
+};
+template <DType T, int NB>
+struct MsLayout {
+  using M = MsType<T>;
+  static constexpr int kTok = 8 * NB;
+  static constexpr int kW = kMmaRows * M::kWRow;
+  static constexpr int kA = kTok * M::kARow;
+  static constexpr int kD = kTok * M::kDRow * 8;
+  static constexpr int kStage = kW + kA + kD;
+  static_assert(kW % 16 == 0 && kA % 16 == 0 && kD % 16 == 0);
+  static_assert(kStage >= int(kQ8Warps * kMmaRows * 8 * NB * sizeof(float)));  // reused for part
+};
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+#else
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// Step p (0..7) of a stage for virtual lane sums acc (this lane's rows g, g + 8).
+template <int NB>
+__device__ __forceinline__ void ms_step_q4k(const uint8_t* sw, const uint8_t* sa, const float2* sd,
+                                            int p, int g, int q, float (&acc)[NB][4]) {
+  using M = MsType<DType::Q4_K>;
+  const int pp = p & 3;
+  const uint8_t* bg = sw + g * M::kWRow + (p >> 2) * 144;
+  const uint8_t* bh = bg + 8 * M::kWRow;
+  const uint4 hg = *reinterpret_cast<const uint4*>(bg);
+  const uint4 hh = *reinterpret_cast<const uint4*>(bh);
+  const uint2 qg = *reinterpret_cast<const uint2*>(bg + 16 + 32 * pp + 8 * q);
+  const uint2 qh = *reinterpret_cast<const uint2*>(bh + 16 + 32 * pp + 8 * q);
+  const uint32_t wx[4] = {hg.x, hg.y, hg.z, hg.w}, wy[4] = {hh.x, hh.y, hh.z, hh.w};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int scg, mg, sch, mh;
+    k_scale_min(wx + 1, 2 * pp + h, scg, mg);
+    k_scale_min(wy + 1, 2 * pp + h, sch, mh);
+    const float d0g = mul_rn(h2f_bits(uint16_t(wx[0])), i2f(scg));
+    const float d1g = mul_rn(h2f_bits(uint16_t(wx[0] >> 16)), i2f(mg));
+    const float d0h = mul_rn(h2f_bits(uint16_t(wy[0])), i2f(sch));
+    const float d1h = mul_rn(h2f_bits(uint16_t(wy[0] >> 16)), i2f(mh));
+    const int sft = 4 * h;
+    const uint32_t a0 = (qg.x >> sft) & 0x0F0F0F0Fu, a1 = (qh.x >> sft) & 0x0F0F0F0Fu;
+    const uint32_t a2 = (qg.y >> sft) & 0x0F0F0F0Fu, a3 = (qh.y >> sft) & 0x0F0F0F0Fu;
+    const int u = 2 * p + h;  // the unit within the stage
+    int c[NB][4];
+    float2 ds[NB][2];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const uint2 bw =
+          *reinterpret_cast<const uint2*>(sa + (8 * nb + g) * M::kARow + u * kBlk + 8 * q);
+      mma_s8(c[nb], a0, a1, a2, a3, bw.x, bw.y);
+      ds[nb][0] = sd[(8 * nb + 2 * q) * M::kDRow + u];
+      ds[nb][1] = sd[(8 * nb + 2 * q + 1) * M::kDRow + u];
+    }
+    mma_update<DType::Q4_K, NB>(acc, c, c, d0g, d1g, d0h, d1h, ds);
+  }
+}
+// bg / bh: rows g and g + 8's block (2-byte aligned in its slot); unit s (0..7) of it.
+template <int NB>
+__device__ __forceinline__ void ms_step_q6k(const uint8_t* bg, const uint8_t* bh,
+                                            const uint8_t* sa, const float2* sd, int s, int g,
+                                            int q, float (&acc)[NB][4]) {
+  using kiln::quant::block_q6_K;
+  using M = MsType<DType::Q6_K>;
+  const int hs = s / 4, qq = s % 4;
+  const int lo = offsetof(block_q6_K, ql) + 64 * hs + 32 * (qq & 1) + 4 * q;
+  const int ho = offsetof(block_q6_K, qh) + 32 * hs + 4 * q;
+  uint32_t wa[4], wx[4];
+  load_words_a2<4>(bg + lo, &wa[0]);
+  load_words_a2<4>(bh + lo, &wa[1]);
+  load_words_a2<4>(bg + lo + 16, &wa[2]);
+  load_words_a2<4>(bh + lo + 16, &wa[3]);
+  load_words_a2<4>(bg + ho, &wx[0]);
+  load_words_a2<4>(bh + ho, &wx[1]);
+  load_words_a2<4>(bg + ho + 16, &wx[2]);
+  load_words_a2<4>(bh + ho + 16, &wx[3]);
+  const int so = offsetof(block_q6_K, scales) + 8 * hs + 2 * qq;
+  const float dg = h2f_bits(load_u16(bg + offsetof(block_q6_K, d)));
+  const float dh = h2f_bits(load_u16(bh + offsetof(block_q6_K, d)));
+  const uint32_t sg = load_u16(bg + so), sh = load_u16(bh + so);
+  const float d0g = mul_rn(dg, i2f(int8_t(sg & 0xFF))), d1g = mul_rn(dg, i2f(int8_t(sg >> 8)));
+  const float d0h = mul_rn(dh, i2f(int8_t(sh & 0xFF))), d1h = mul_rn(dh, i2f(int8_t(sh >> 8)));
+  const int lshift = qq >= 2 ? 4 : 0;
+  uint32_t a[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    a[j] = __vsub4(((wa[j] >> lshift) & 0x0F0F0F0Fu) | (((wx[j] >> (2 * qq)) & 0x03030303u) << 4),
+                   0x20202020u);
+  int c0[NB][4], c1[NB][4];
+  float2 ds[NB][2];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const uint8_t* ab = sa + (8 * nb + g) * M::kARow + s * kBlk + 4 * q;
+    const uint32_t b0 = *reinterpret_cast<const uint32_t*>(ab);
+    const uint32_t b1 = *reinterpret_cast<const uint32_t*>(ab + 16);
+    mma_s8(c0[nb], a[0], a[1], 0u, 0u, b0, b1);
+    mma_s8(c1[nb], 0u, 0u, a[2], a[3], b0, b1);
+    ds[nb][0] = sd[(8 * nb + 2 * q) * M::kDRow + s];
+    ds[nb][1] = sd[(8 * nb + 2 * q + 1) * M::kDRow + s];
+  }
+  mma_update<DType::Q6_K, NB>(acc, c0, c1, d0g, d1g, d0h, d1h, ds);
+}
+
+// Stage k (= J mod 4) as warp `warp` sees it: its virtual lanes ii = b and b + 4 (b = J's two
+// bits swapped) are the ones whose step lies there (bitrev5(8 warp + ii) / 8 == J), at step
+// l % 8 of the stage. rg / rh: rows g and g + 8 in global memory (Q6_K: the offset of the
+// stage's block in its first granule).
+template <DType T, int NB, int J>
+__device__ __forceinline__ void ms_compute(const uint8_t* __restrict__ st, int k, int warp, int g,
+                                           int q, const uint8_t* rg, const uint8_t* rh,
+                                           float (&acc)[8][NB][4]) {
+  using L = MsLayout<T, NB>;
+  using M = MsType<T>;
+  constexpr int b = (J >> 1) | ((J & 1) << 1);
+  const uint8_t* sa = st + L::kW;
+  const float2* sd = reinterpret_cast<const float2*>(st + L::kW + L::kA);
+#pragma unroll
+  for (int v = 0; v < 2; ++v) {
+    const int ii = b + 4 * v;
+    const int p = bitrev5(warp * 8 + ii) & 7;  // the step within the stage
+    if constexpr (M::kQ4) {
+      ms_step_q4k<NB>(st, sa, sd, p, g, q, acc[ii]);
+    } else {
+      const int og = int(reinterpret_cast<uintptr_t>(rg + int64_t(k) * M::kRowBytes) & 15);
+      const int oh = int(reinterpret_cast<uintptr_t>(rh + int64_t(k) * M::kRowBytes) & 15);
+      ms_step_q6k<NB>(st + g * M::kWRow + og, st + (g + 8) * M::kWRow + oh, sa, sd, p, g, q,
+                      acc[ii]);
+    }
+  }
+}
+
+// Rows rb * 16 .. + 15, tokens blockIdx.x * 8 NB .. of y; n_cols a multiple of the stage's
+// columns, activations 16-byte aligned, Q4_K rows 16-byte aligned (ms_applies).
+template <DType T, int NB, int STAGES>
+__device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, size_t row_bytes,
+                                               int64_t n_rows, int64_t n_cols,
+                                               const int8_t* __restrict__ xq,
+                                               const float2* __restrict__ xd, int64_t n_tok,
+                                               float* __restrict__ y, int64_t rb) {
+  using L = MsLayout<T, NB>;
+  using M = MsType<T>;
+  extern __shared__ __align__(16) uint8_t sm[];
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  const int g = lane >> 2, q = lane & 3;
+  const int64_t r0 = rb * kMmaRows, t0 = int64_t(blockIdx.x) * L::kTok;
+  const int64_t n_units = n_cols / kBlk;
+  const int n_st = int(n_cols / M::kCols);
+  constexpr int kThreads = kQ8Warps * kWarp;
+  // Rows past the matrix and tokens past the call repeat the last one; never stored.
+  const auto row_at = [&](int64_t r) { return w + (r0 + r < n_rows ? r0 + r : n_rows - 1) * row_bytes; };
+  const uint8_t* rg = row_at(g);
+  const uint8_t* rh = row_at(g + 8);
+  const auto load_w = [&](int k) {
+    if (k >= n_st) return;
+    uint8_t* dst = sm + (k % STAGES) * L::kStage;
+    constexpr int kG = M::kWRow / 16;
+    for (int i = tid; i < kMmaRows * kG; i += kThreads) {
+      const int r = i / kG, c = i % kG;
+      const uint8_t* src = row_at(r) + int64_t(k) * M::kRowBytes;
+      if constexpr (!M::kQ4) src = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t(15));
+      cp_async16(dst + r * M::kWRow + 16 * c, src + 16 * c);
+    }
+  };
+  const auto load_a = [&](int k) {
+    if (k >= n_st) return;
+    uint8_t* dst = sm + (k % STAGES) * L::kStage + L::kW;
+    constexpr int kGa = M::kCols / 16, kGd = M::kUnits * 8 / 16;
+    for (int i = tid; i < L::kTok * kGa; i += kThreads) {
+      const int t = i / kGa, c = i % kGa;
+      const int64_t tok = t0 + t < n_tok ? t0 + t : n_tok - 1;
+      cp_async16(dst + t * M::kARow + 16 * c, xq + tok * n_cols + int64_t(k) * M::kCols + 16 * c);
+    }
+    for (int i = tid; i < L::kTok * kGd; i += kThreads) {
+      const int t = i / kGd, c = i % kGd;
+      const int64_t tok = t0 + t < n_tok ? t0 + t : n_tok - 1;
+      cp_async16(dst + L::kA + t * (M::kDRow * 8) + 16 * c,
+                 xd + tok * n_units + int64_t(k) * M::kUnits + 2 * c);
+    }
+  };
+  // The weights (which no kernel writes) of the first stages before the PDL wait.
+#pragma unroll
+  for (int k = 0; k < STAGES - 1; ++k) load_w(k);
+  pdl_enter();
+#pragma unroll
+  for (int k = 0; k < STAGES - 1; ++k) {
+    load_a(k);
+    cp_async_commit();
+  }
+  float acc[8][NB][4];
+#pragma unroll
+  for (int ii = 0; ii < 8; ++ii)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[ii][nb][e] = 0.0f;
+  const auto step = [&]<int J>(int k) {
+    cp_async_wait<STAGES - 2>();  // this thread's copies of stage k are done
+    __syncthreads();  // everyone's are, and everyone is done with stage k - 1's slot
+    load_w(k + STAGES - 1);
+    load_a(k + STAGES - 1);
+    cp_async_commit();  // possibly empty: one group per stage keeps the count
+    ms_compute<T, NB, J>(sm + (k % STAGES) * L::kStage, k, warp, g, q, rg, rh, acc);
+  };
+  for (int k = 0; k < n_st; k += 4) {
+    step.template operator()<0>(k);
+    if (k + 1 < n_st) step.template operator()<1>(k + 1);
+    if (k + 2 < n_st) step.template operator()<2>(k + 2);
+    if (k + 3 < n_st) step.template operator()<3>(k + 3);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is free for the warps' subtrees
+  float stk[3][NB][4];
+  float fin[NB][4];
+#pragma unroll
+  for (int ii = 0; ii < 8; ++ii) mma_close_vlane<NB>(ii, acc[ii], stk, fin);
+  mma_store_block<NB>(reinterpret_cast<float(*)[kMmaRows][8 * NB]>(sm), fin, warp, g, q, r0, t0,
+                      n_rows, n_tok, y);
+}
+// Register cap: 3 blocks per SM (Q4_K at 16 tokens: 206 registers uncapped, 2 blocks), 4 for
+// Q4_K at 8 tokens (Q6_K's step, more words per unit, spills 180-390 bytes under that cap).
+template <DType T, int NB>
+constexpr int kMsMinBlocks = NB == 1 && T == DType::Q4_K ? 4 : 3;
+template <DType T, int NB, int STAGES>
+__global__ void __launch_bounds__(kQ8Warps* kWarp, kMsMinBlocks<T, NB>)
+    matvec_ms_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
+                     int64_t n_cols, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                     int64_t n_tok, float* __restrict__ y) {
+  matvec_ms_body<T, NB, STAGES>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y, blockIdx.y);
+}
+template <DType T, int NB, int STAGES>
+__global__ void __launch_bounds__(kQ8Warps* kWarp, kMsMinBlocks<T, NB>)
+    matvec_ms_group_kernel(GroupArgs g, size_t row_bytes, int64_t n_cols,
+                           const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                           int64_t n_tok) {
+  const GroupTask t = group_task(g);
+  matvec_ms_body<T, NB, STAGES>(t.w, row_bytes, t.n_rows, n_cols, xq, xd, n_tok, t.y, t.rb);
+}
+// Whether launch_mma_nb takes the shared-memory kernel (given mma_applies).
+template <DType T, int NB>
+bool ms_applies(const DeviceWeight& w) {
+  if constexpr (T != DType::Q4_K && T != DType::Q6_K) return false;
+  return NB <= 2 && w.n_cols % MsType<T>::kCols == 0 && mma_stages() > 0;
+}
+// Launches kernel K (matvec_ms_kernel or its group form) with the ring of mma_stages() (3, 4
+// or 6) stages in dynamic shared memory.
+template <DType T, int NB, typename F>
+cudaError_t with_ms_stages(F&& f) {
+  const auto go = [&]<int S>() -> cudaError_t {
+    const int bytes = S * MsLayout<T, NB>::kStage;
+    return f.template operator()<S>(bytes);
+  };
+  switch (mma_stages()) {
+    case 4: return go.template operator()<4>();
+    case 6: return go.template operator()<6>();
+    default: return go.template operator()<3>();
+  }
+}
+// Above 48 KiB a kernel must opt in to its dynamic shared memory: once per device and kernel
+// (not while a graph is being captured, so the first call of each kernel sets it). G: the
+// group form.
+template <DType T, int NB, int S, bool G>
+cudaError_t ms_smem_opt_in() {
+  const int bytes = S * MsLayout<T, NB>::kStage;
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  static std::atomic<uint32_t> done{0};  // bit d: set on device d
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  const uint32_t bit = dev < 32 ? 1u << dev : 0u;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  cudaError_t e;
+  if constexpr (G)
+    e = cudaFuncSetAttribute(matvec_ms_group_kernel<T, NB, S>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  else
+    e = cudaFuncSetAttribute(matvec_ms_kernel<T, NB, S>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
+  return e;
+}
+
 template <DType T>
 constexpr bool mma_type() {
   return T == DType::Q4_K || T == DType::Q6_K || T == DType::Q8_0;
 }
 // Whether the tensor-core path takes this weight at n_tok tokens: a supported type, at least
 // min_tokens tokens (0: never), Q4_K rows whole blocks and 16-byte aligned, a device that has
-// the instruction (sm_80+), row blocks within one grid.
-bool mma_applies(const DeviceWeight& w, int64_t n_tok, int min_tokens) {
+// the instruction (sm_80+), row blocks within one grid. Q8_0 only when asked for by
+// launch_matvec_q8_mma (any_type): its tensor-core kernel, without the shared-memory form, is
+// slower than dp4a (14336x4096 at 8 tokens 99.5 against 65.2 us, docs/BENCHMARKS.md session 10).
+bool mma_applies(const DeviceWeight& w, int64_t n_tok, int min_tokens, bool any_type = false) {
   if (min_tokens <= 0 || n_tok < min_tokens || (w.n_rows + kMmaRows - 1) / kMmaRows > 65535)
     return false;
+  if (!any_type && w.dtype == DType::Q8_0) return false;
   bool ok = false;
   dispatch_dtype(w.dtype, [&]<DType T>() { ok = mma_type<T>(); });
   if (!ok) return false;
@@ -957,6 +1311,15 @@ cudaError_t launch_mma_nb(const DeviceWeight& w, const int8_t* xq, const float2*
   const int64_t n_rb = (w.n_rows + kMmaRows - 1) / kMmaRows;
   if (n_rb > 65535) return cudaErrorInvalidValue;
   const dim3 grid(unsigned((n_tok + 8 * NB - 1) / (8 * NB)), unsigned(n_rb));
+  if constexpr ((T == DType::Q4_K || T == DType::Q6_K) && NB <= 2) {
+    if (ms_applies<T, NB>(w))
+      return with_ms_stages<T, NB>([&]<int S>(int bytes) {
+        if (cudaError_t e = ms_smem_opt_in<T, NB, S, false>(); e != cudaSuccess) return e;
+        return launch(matvec_ms_kernel<T, NB, S>, grid, kQ8Warps * kWarp, size_t(bytes), s,
+                      reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols,
+                      xq, xd, n_tok, y);
+      });
+  }
   return launch(matvec_q8_mma_kernel<T, NB>, grid, kQ8Warps * kWarp, 0, s,
                 reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols, xq, xd,
                 n_tok, y);
@@ -1323,7 +1686,7 @@ cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_t
 
 cudaError_t launch_matvec_q8_mma(const DeviceWeight& w, const void* act, int64_t n_tok,
                                  float* y, int nb, cudaStream_t s) {
-  if (!mma_applies(w, n_tok, 1) || act_q8_bytes(w.n_cols, n_tok) == 0 ||
+  if (!mma_applies(w, n_tok, 1, true) || act_q8_bytes(w.n_cols, n_tok) == 0 ||
       reinterpret_cast<uintptr_t>(act) % 16 != 0 || !(nb == 1 || nb == 2 || nb == 4))
     return cudaErrorInvalidValue;
   if (w.n_rows == 0) return cudaSuccess;
@@ -1358,6 +1721,14 @@ cudaError_t launch_matvec_q8_group(std::span<const DeviceWeight> ws, std::span<f
           GroupArgs g;
           if (!make_group(ws, ys, kMmaRows, &g)) return cudaErrorNotSupported;
           const dim3 grid(unsigned((n_tok + 8 * NB - 1) / (8 * NB)), unsigned(g.rb_end[g.n - 1]));
+          if constexpr ((T == DType::Q4_K || T == DType::Q6_K) && NB <= 2) {
+            if (ms_applies<T, NB>(ws[0]))
+              return with_ms_stages<T, NB>([&]<int S>(int bytes) {
+                if (cudaError_t e = ms_smem_opt_in<T, NB, S, true>(); e != cudaSuccess) return e;
+                return launch(matvec_ms_group_kernel<T, NB, S>, grid, kQ8Warps * kWarp,
+                              size_t(bytes), s, g, ws[0].row_bytes, ws[0].n_cols, xq, xd, n_tok);
+              });
+          }
           return launch(matvec_q8_mma_group_kernel<T, NB>, grid, kQ8Warps * kWarp, 0, s, g,
                         ws[0].row_bytes, ws[0].n_cols, xq, xd, n_tok);
         });
