@@ -110,6 +110,7 @@ const char* kernels_name(kiln::cuda::MatmulKernels k) {
 // --mma-min N: launch_matmul_v3's tensor-core threshold (0: the dp4a kernels at every count).
 // --mma-stages N: Q4_K/Q6_K's tensor-core kernel with a ring of N (3, 4, 6) shared-memory
 // stages, or 0: reading its fragments from global memory (kernels.h set_mma_stages), for A/B.
+// --mma-warps N: that kernel with 4 or 8 warps per block (kernels.h set_mma_warps).
 int g_mma_min = kiln::cuda::kQ8MmaMinTokens;
 
 struct Scratch {
@@ -548,6 +549,8 @@ int main(int argc, char** argv) {
       g_mma_min = std::max(0, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--mma-stages") == 0 && i + 1 < argc) {
       kiln::cuda::set_mma_stages(std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--mma-warps") == 0 && i + 1 < argc) {
+      kiln::cuda::set_mma_warps(std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--no-attention") == 0) {
       attention = false;
     } else if (std::strcmp(argv[i], "--shapes") == 0 && i + 1 < argc) {
@@ -567,7 +570,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr, "usage: cuda_matvec_bench [--iters N] [--v1] [--types t1,t2,...] "
                            "[--shapes KxR,...] [--tokens N,...] [--no-attention] "
-                           "[--float-rows-ab] [--q8-variants] [--mma-min N] [--mma-stages N]\n");
+                           "[--float-rows-ab] [--q8-variants] [--mma-min N] [--mma-stages N] [--mma-warps N]\n");
       return 2;
     }
   }

@@ -33,9 +33,9 @@ namespace kiln {
 // the GEMM above 8 tokens (V3's float kernel's limit).
 enum class CudaMatmul { V1, V2, V3, Auto };
 inline constexpr int64_t kAutoInt8MaxTokens = 16;
-// From 8 tokens: the shared-memory tensor-core kernels took the 8B Q4_K_M x16 decode from 1400
-// to 1815 t/s on the H200 (docs/BENCHMARKS.md, CUDA session 13); at 4 tokens they are slower
-// than dp4a (x4 855 -> 598 t/s).
+// From 8 tokens: the shared-memory tensor-core kernels took the 8B Q4_K_M x16 decode from 1392
+// to 2075 t/s and x8 from 1173 to 1373 on the H200 (docs/BENCHMARKS.md, CUDA session 13); at 4
+// tokens they are slower than dp4a (x4 855 -> 598 t/s).
 inline constexpr int64_t kInt8MmaMinTokens = 8;
 
 struct CudaOptions {

@@ -99,9 +99,9 @@ cudaError_t launch_quantize_act_q8(const float* x, int64_t n_cols, int64_t n_tok
 // From mma_min_tokens tokens on (0: never) Q4_K (16-byte aligned rows) and Q6_K run on the
 // int8 tensor cores (mma.sync, sm_80+) with the same bits as the dp4a kernels: the exact
 // integer dot of each unit, then the dp4a kernels' float operations in their order
-// (matvec_q8.cu). From 8 tokens by default: on the H200 the shared-memory form is 1.3-1.9x
-// dp4a at 8-16 tokens (slower at 4), and the 8B Q4_K_M decode of 16 sequences went 1400 ->
-// 1815 t/s (docs/BENCHMARKS.md, CUDA session 13). Q8_0 stays on dp4a (its tensor-core kernel
+// (matvec_q8.cu). From 8 tokens by default: on the H200 the shared-memory form is 1.2-2.2x
+// dp4a at 8-16 tokens (slower at 4), and the 8B Q4_K_M decode of 16 sequences went 1392 ->
+// 2075 t/s (docs/BENCHMARKS.md, CUDA session 13). Q8_0 stays on dp4a (its tensor-core kernel
 // is slower; launch_matvec_q8_mma still runs it).
 inline constexpr int kQ8MmaMinTokens = 8;
 cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_tok, float* y,
@@ -247,6 +247,13 @@ bool launch_pdl();
 inline constexpr int kMmaStagesDefault = 4;  // 3 / 4 / 6 measured: 4 (session 13)
 void set_mma_stages(int stages);
 int mma_stages();
+// That kernel's warps per block (16 rows): 4, each summing 8 of the butterfly's 32 lanes, or
+// 8, each summing 4 (half the sums in registers per thread, 16 warps per SM instead of 12).
+// Same bits. 8: the 8B Q4_K_M decode of 16 sequences 1.30x dp4a with 4, 1.49x with 8
+// (docs/BENCHMARKS.md, CUDA session 13).
+inline constexpr int kMmaWarpsDefault = 8;
+void set_mma_warps(int warps);
+int mma_warps();
 
 // --- probe.cu: reads `bytes` (16-byte aligned) with `blocks` blocks; sink holds `blocks` floats.
 cudaError_t launch_read_probe(const void* data, size_t bytes, float* sink, int blocks,

@@ -8,11 +8,14 @@ namespace kiln::cuda {
 namespace {
 thread_local bool t_pdl = false;
 thread_local int t_mma_stages = kMmaStagesDefault;
+thread_local int t_mma_warps = kMmaWarpsDefault;
 }  // namespace
 
 void set_launch_pdl(bool on) { t_pdl = on; }
 bool launch_pdl() { return t_pdl; }
 void set_mma_stages(int stages) { t_mma_stages = stages; }
 int mma_stages() { return t_mma_stages; }
+void set_mma_warps(int warps) { t_mma_warps = warps; }
+int mma_warps() { return t_mma_warps; }
 
 }  // namespace kiln::cuda

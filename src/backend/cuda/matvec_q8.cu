@@ -851,23 +851,29 @@ __device__ __forceinline__ void mma_close_vlane(int ii, const float (&acc)[NB][4
       }
     }
 }
-// The block's four warp subtrees added as the butterfly's last two steps do, (W0 + W1) +
-// (W2 + W3), and stored (rows and tokens past the call dropped). Ends with the block synced.
-template <int NB>
+// The block's W warp subtrees added as the butterfly's last steps do: W = 4 (each warp the
+// lanes of one residue mod 4, in the order 0, 2, 1, 3): (W0 + W1) + (W2 + W3); W = 8 (residues
+// mod 8: 0, 4, 2, 6, 1, 5, 3, 7): ((W0 + W1) + (W2 + W3)) + ((W4 + W5) + (W6 + W7)); then stored
+// (rows and tokens past the call dropped). Ends with the block synced.
+template <int NB, int W = kQ8Warps>
 __device__ __forceinline__ void mma_store_block(float (*part)[kMmaRows][8 * NB],
                                                 const float (&fin)[NB][4], int warp, int g, int q,
                                                 int64_t r0, int64_t t0, int64_t n_rows,
                                                 int64_t n_tok, float* __restrict__ y) {
+  static_assert(W == 4 || W == 8);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
     for (int e = 0; e < 4; ++e) part[warp][g + 8 * (e >> 1)][8 * nb + 2 * q + (e & 1)] = fin[nb][e];
   __syncthreads();
-  for (int i = threadIdx.x; i < kMmaRows * 8 * NB; i += kQ8Warps * kWarp) {
+  for (int i = threadIdx.x; i < kMmaRows * 8 * NB; i += W * kWarp) {
     const int r = i / (8 * NB), t = i % (8 * NB);
-    if (r0 + r < n_rows && t0 + t < n_tok)
-      y[(t0 + t) * n_rows + r0 + r] = __fadd_rn(__fadd_rn(part[0][r][t], part[1][r][t]),
-                                                __fadd_rn(part[2][r][t], part[3][r][t]));
+    float v = __fadd_rn(__fadd_rn(part[0][r][t], part[1][r][t]),
+                        __fadd_rn(part[2][r][t], part[3][r][t]));
+    if constexpr (W == 8)
+      v = __fadd_rn(v, __fadd_rn(__fadd_rn(part[4][r][t], part[5][r][t]),
+                                 __fadd_rn(part[6][r][t], part[7][r][t])));
+    if (r0 + r < n_rows && t0 + t < n_tok) y[(t0 + t) * n_rows + r0 + r] = v;
   }
 }
 
@@ -944,12 +950,12 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
 // the block copies its 16 rows and its tokens' activations one stage of 8 steps (Q4_K: pairs,
 // 512 columns; Q6_K: units, 256 columns, one block) at a time into shared memory with cp.async
 // (16-byte copies, STAGES - 1 stages in flight: the weights of the first ones before the PDL
-// wait), and every warp keeps the sums of all 8 of its virtual lanes in registers, so the
-// stages stream while the tensor cores work.
+// wait), and every warp keeps the sums of all its virtual lanes in registers (8 warps of 4 by
+// default, or 4 of 8: mma_warps()), so the stages stream while the tensor cores work.
 // Same bits: a virtual lane l still adds its steps l, l + 32, ... in that order (stage k holds
-// steps 8k .. 8k + 7: one step of 2 of each warp's 8 virtual lanes), each step's floats are
-// mma_compute's, and the lanes close into the butterfly as above (mma_close_vlane,
-// mma_store_block). Q4_K: a lane takes its fragment's bytes 8q .. 8q + 7 of a unit as one
+// steps 8k .. 8k + 7 of each group of 32, one step of a quarter of the virtual lanes), each
+// step's floats are mma_compute's, and the lanes close into the butterfly as above
+// (mma_close_vlane, mma_store_block). Q4_K: a lane takes its fragment's bytes 8q .. 8q + 7 of a unit as one
 // 8-byte word, for the weights and the activations alike: fragment column 4q + j holds byte
 // 8q + j and 16 + 4q + j byte 8q + 4 + j, one permutation of the unit's 32 products on both
 // operands, so the exact integer dot is unchanged. (Q6_K keeps mma_compute's columns: its two
@@ -958,8 +964,9 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
 // Q6_K blocks (210 bytes) are 2-byte aligned: a row's stage is copied as the 16-byte granules
 // that cover it (from its address rounded down, 14 granules), and read back at its offset in
 // the first one with aligned words and funnel shifts. Every granule copied holds a byte of the
-// block, so no copy leaves the 16-byte granules the weight's own bytes lie in (cudaMalloc
-// allocations are 256-byte aligned: nothing is read outside the allocation).
+// block, so no copy leaves the 16-byte granules the weight's own bytes lie in: none starts
+// before its (256-byte aligned) allocation, and past the end one reads at most the rest of the
+// granule holding the last byte, never across a page (load_words_a2 relies on the same).
 constexpr int kMsSteps = 8;  // steps per stage
 template <DType T>
 struct MsType {
@@ -984,7 +991,7 @@ struct MsLayout {
   static constexpr int kD = kTok * M::kDRow * 8;
   static constexpr int kStage = kW + kA + kD;
   static_assert(kW % 16 == 0 && kA % 16 == 0 && kD % 16 == 0);
-  static_assert(kStage >= int(kQ8Warps * kMmaRows * 8 * NB * sizeof(float)));  // reused for part
+  static_assert(kStage >= int(8 * kMmaRows * 8 * NB * sizeof(float)));  // reused for part
 };
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -1092,23 +1099,24 @@ __device__ __forceinline__ void ms_step_q6k(const uint8_t* bg, const uint8_t* bh
   mma_update<DType::Q6_K, NB>(acc, c0, c1, d0g, d1g, d0h, d1h, ds);
 }
 
-// Stage k (= J mod 4) as warp `warp` sees it: its virtual lanes ii = b and b + 4 (b = J's two
-// bits swapped) are the ones whose step lies there (bitrev5(8 warp + ii) / 8 == J), at step
-// l % 8 of the stage. rg / rh: rows g and g + 8 in global memory (Q6_K: the offset of the
-// stage's block in its first granule).
-template <DType T, int NB, int J>
+// Stage k (= J mod 4) as warp `warp` of W sees it: of its VL = 32 / W virtual lanes
+// bitrev5(VL warp + ii), the ones whose step lies there (l / 8 == J) are ii = b and (VL = 8)
+// b + 4, b = J's two bits swapped, at step l % 8 of the stage. rg / rh: rows g and g + 8 in
+// global memory (Q6_K: the offset of the stage's block in its first granule).
+template <DType T, int NB, int J, int W>
 __device__ __forceinline__ void ms_compute(const uint8_t* __restrict__ st, int k, int warp, int g,
                                            int q, const uint8_t* rg, const uint8_t* rh,
-                                           float (&acc)[8][NB][4]) {
+                                           float (&acc)[32 / W][NB][4]) {
+  constexpr int VL = 32 / W;
   using L = MsLayout<T, NB>;
   using M = MsType<T>;
   constexpr int b = (J >> 1) | ((J & 1) << 1);
   const uint8_t* sa = st + L::kW;
   const float2* sd = reinterpret_cast<const float2*>(st + L::kW + L::kA);
 #pragma unroll
-  for (int v = 0; v < 2; ++v) {
+  for (int v = 0; v < VL / 4; ++v) {
     const int ii = b + 4 * v;
-    const int p = bitrev5(warp * 8 + ii) & 7;  // the step within the stage
+    const int p = bitrev5(warp * VL + ii) & 7;  // the step within the stage
     if constexpr (M::kQ4) {
       ms_step_q4k<NB>(st, sa, sd, p, g, q, acc[ii]);
     } else {
@@ -1122,7 +1130,7 @@ __device__ __forceinline__ void ms_compute(const uint8_t* __restrict__ st, int k
 
 // Rows rb * 16 .. + 15, tokens blockIdx.x * 8 NB .. of y; n_cols a multiple of the stage's
 // columns, activations 16-byte aligned, Q4_K rows 16-byte aligned (ms_applies).
-template <DType T, int NB, int STAGES>
+template <DType T, int NB, int STAGES, int W>
 __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, size_t row_bytes,
                                                int64_t n_rows, int64_t n_cols,
                                                const int8_t* __restrict__ xq,
@@ -1136,7 +1144,8 @@ __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, si
   const int64_t r0 = rb * kMmaRows, t0 = int64_t(blockIdx.x) * L::kTok;
   const int64_t n_units = n_cols / kBlk;
   const int n_st = int(n_cols / M::kCols);
-  constexpr int kThreads = kQ8Warps * kWarp;
+  constexpr int kThreads = W * kWarp;
+  constexpr int VL = 32 / W;  // virtual lanes per warp
   // Rows past the matrix and tokens past the call repeat the last one; never stored.
   const auto row_at = [&](int64_t r) { return w + (r0 + r < n_rows ? r0 + r : n_rows - 1) * row_bytes; };
   const uint8_t* rg = row_at(g);
@@ -1177,9 +1186,9 @@ __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, si
     load_a(k);
     cp_async_commit();
   }
-  float acc[8][NB][4];
+  float acc[VL][NB][4];
 #pragma unroll
-  for (int ii = 0; ii < 8; ++ii)
+  for (int ii = 0; ii < VL; ++ii)
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
@@ -1190,7 +1199,7 @@ __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, si
     load_w(k + STAGES - 1);
     load_a(k + STAGES - 1);
     cp_async_commit();  // possibly empty: one group per stage keeps the count
-    ms_compute<T, NB, J>(sm + (k % STAGES) * L::kStage, k, warp, g, q, rg, rh, acc);
+    ms_compute<T, NB, J, W>(sm + (k % STAGES) * L::kStage, k, warp, g, q, rg, rh, acc);
   };
   for (int k = 0; k < n_st; k += 4) {
     step.template operator()<0>(k);
@@ -1203,28 +1212,35 @@ __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, si
   float stk[3][NB][4];
   float fin[NB][4];
 #pragma unroll
-  for (int ii = 0; ii < 8; ++ii) mma_close_vlane<NB>(ii, acc[ii], stk, fin);
-  mma_store_block<NB>(reinterpret_cast<float(*)[kMmaRows][8 * NB]>(sm), fin, warp, g, q, r0, t0,
-                      n_rows, n_tok, y);
+  for (int ii = 0; ii < VL; ++ii) mma_close_vlane<NB>(ii, acc[ii], stk, fin);
+  if constexpr (VL == 4) {  // the warp's subtree closed at ii = 3, into the third level
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) fin[nb][e] = stk[2][nb][e];
+  }
+  mma_store_block<NB, W>(reinterpret_cast<float(*)[kMmaRows][8 * NB]>(sm), fin, warp, g, q, r0,
+                         t0, n_rows, n_tok, y);
 }
-// Register cap: 3 blocks per SM (Q4_K at 16 tokens: 206 registers uncapped, 2 blocks), 4 for
-// Q4_K at 8 tokens (Q6_K's step, more words per unit, spills 180-390 bytes under that cap).
-template <DType T, int NB>
-constexpr int kMsMinBlocks = NB == 1 && T == DType::Q4_K ? 4 : 3;
-template <DType T, int NB, int STAGES>
-__global__ void __launch_bounds__(kQ8Warps* kWarp, kMsMinBlocks<T, NB>)
+// Register cap: 4 warps, 3 blocks per SM (Q4_K at 16 tokens: 206 registers uncapped, 2
+// blocks), 4 for Q4_K at 8 tokens (Q6_K's step, more words per unit, spills 180-390 bytes under
+// that cap); 8 warps (half the sums per thread), 2 blocks.
+template <DType T, int NB, int W>
+constexpr int kMsMinBlocks = W == 8 ? 2 : NB == 1 && T == DType::Q4_K ? 4 : 3;
+template <DType T, int NB, int STAGES, int W>
+__global__ void __launch_bounds__(W* kWarp, kMsMinBlocks<T, NB, W>)
     matvec_ms_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
                      int64_t n_cols, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                      int64_t n_tok, float* __restrict__ y) {
-  matvec_ms_body<T, NB, STAGES>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y, blockIdx.y);
+  matvec_ms_body<T, NB, STAGES, W>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y, blockIdx.y);
 }
-template <DType T, int NB, int STAGES>
-__global__ void __launch_bounds__(kQ8Warps* kWarp, kMsMinBlocks<T, NB>)
+template <DType T, int NB, int STAGES, int W>
+__global__ void __launch_bounds__(W* kWarp, kMsMinBlocks<T, NB, W>)
     matvec_ms_group_kernel(GroupArgs g, size_t row_bytes, int64_t n_cols,
                            const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                            int64_t n_tok) {
   const GroupTask t = group_task(g);
-  matvec_ms_body<T, NB, STAGES>(t.w, row_bytes, t.n_rows, n_cols, xq, xd, n_tok, t.y, t.rb);
+  matvec_ms_body<T, NB, STAGES, W>(t.w, row_bytes, t.n_rows, n_cols, xq, xd, n_tok, t.y, t.rb);
 }
 // Whether launch_mma_nb takes the shared-memory kernel (given mma_applies).
 template <DType T, int NB>
@@ -1232,13 +1248,14 @@ bool ms_applies(const DeviceWeight& w) {
   if constexpr (T != DType::Q4_K && T != DType::Q6_K) return false;
   return NB <= 2 && w.n_cols % MsType<T>::kCols == 0 && mma_stages() > 0;
 }
-// Launches kernel K (matvec_ms_kernel or its group form) with the ring of mma_stages() (3, 4
-// or 6) stages in dynamic shared memory.
+// f.template operator()<S, W>(bytes) launches matvec_ms_kernel or its group form with the ring
+// of mma_stages() (3, 4 or 6) stages in dynamic shared memory and mma_warps() (4 or 8) warps.
 template <DType T, int NB, typename F>
 cudaError_t with_ms_stages(F&& f) {
   const auto go = [&]<int S>() -> cudaError_t {
     const int bytes = S * MsLayout<T, NB>::kStage;
-    return f.template operator()<S>(bytes);
+    if (mma_warps() == 8) return f.template operator()<S, 8>(bytes);
+    return f.template operator()<S, 4>(bytes);
   };
   switch (mma_stages()) {
     case 4: return go.template operator()<4>();
@@ -1249,7 +1266,7 @@ cudaError_t with_ms_stages(F&& f) {
 // Above 48 KiB a kernel must opt in to its dynamic shared memory: once per device and kernel
 // (not while a graph is being captured, so the first call of each kernel sets it). G: the
 // group form.
-template <DType T, int NB, int S, bool G>
+template <DType T, int NB, int S, int W, bool G>
 cudaError_t ms_smem_opt_in() {
   const int bytes = S * MsLayout<T, NB>::kStage;
   if (bytes <= 48 * 1024) return cudaSuccess;
@@ -1260,10 +1277,10 @@ cudaError_t ms_smem_opt_in() {
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
   cudaError_t e;
   if constexpr (G)
-    e = cudaFuncSetAttribute(matvec_ms_group_kernel<T, NB, S>,
+    e = cudaFuncSetAttribute(matvec_ms_group_kernel<T, NB, S, W>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   else
-    e = cudaFuncSetAttribute(matvec_ms_kernel<T, NB, S>,
+    e = cudaFuncSetAttribute(matvec_ms_kernel<T, NB, S, W>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
   return e;
@@ -1313,9 +1330,9 @@ cudaError_t launch_mma_nb(const DeviceWeight& w, const int8_t* xq, const float2*
   const dim3 grid(unsigned((n_tok + 8 * NB - 1) / (8 * NB)), unsigned(n_rb));
   if constexpr ((T == DType::Q4_K || T == DType::Q6_K) && NB <= 2) {
     if (ms_applies<T, NB>(w))
-      return with_ms_stages<T, NB>([&]<int S>(int bytes) {
-        if (cudaError_t e = ms_smem_opt_in<T, NB, S, false>(); e != cudaSuccess) return e;
-        return launch(matvec_ms_kernel<T, NB, S>, grid, kQ8Warps * kWarp, size_t(bytes), s,
+      return with_ms_stages<T, NB>([&]<int S, int W>(int bytes) {
+        if (cudaError_t e = ms_smem_opt_in<T, NB, S, W, false>(); e != cudaSuccess) return e;
+        return launch(matvec_ms_kernel<T, NB, S, W>, grid, W * kWarp, size_t(bytes), s,
                       reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols,
                       xq, xd, n_tok, y);
       });
@@ -1723,9 +1740,9 @@ cudaError_t launch_matvec_q8_group(std::span<const DeviceWeight> ws, std::span<f
           const dim3 grid(unsigned((n_tok + 8 * NB - 1) / (8 * NB)), unsigned(g.rb_end[g.n - 1]));
           if constexpr ((T == DType::Q4_K || T == DType::Q6_K) && NB <= 2) {
             if (ms_applies<T, NB>(ws[0]))
-              return with_ms_stages<T, NB>([&]<int S>(int bytes) {
-                if (cudaError_t e = ms_smem_opt_in<T, NB, S, true>(); e != cudaSuccess) return e;
-                return launch(matvec_ms_group_kernel<T, NB, S>, grid, kQ8Warps * kWarp,
+              return with_ms_stages<T, NB>([&]<int S, int W>(int bytes) {
+                if (cudaError_t e = ms_smem_opt_in<T, NB, S, W, true>(); e != cudaSuccess) return e;
+                return launch(matvec_ms_group_kernel<T, NB, S, W>, grid, W * kWarp,
                               size_t(bytes), s, g, ws[0].row_bytes, ws[0].n_cols, xq, xd, n_tok);
               });
           }
