@@ -570,7 +570,8 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr, "usage: cuda_matvec_bench [--iters N] [--v1] [--types t1,t2,...] "
                            "[--shapes KxR,...] [--tokens N,...] [--no-attention] "
-                           "[--float-rows-ab] [--q8-variants] [--mma-min N] [--mma-stages N] [--mma-warps N]\n");
+                           "[--float-rows-ab] [--q8-variants] [--mma-min N] [--mma-stages N] "
+                           "[--mma-warps N]\n");
       return 2;
     }
   }

@@ -955,11 +955,11 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
 // Same bits: a virtual lane l still adds its steps l, l + 32, ... in that order (stage k holds
 // steps 8k .. 8k + 7 of each group of 32, one step of a quarter of the virtual lanes), each
 // step's floats are mma_compute's, and the lanes close into the butterfly as above
-// (mma_close_vlane, mma_store_block). Q4_K: a lane takes its fragment's bytes 8q .. 8q + 7 of a unit as one
-// 8-byte word, for the weights and the activations alike: fragment column 4q + j holds byte
-// 8q + j and 16 + 4q + j byte 8q + 4 + j, one permutation of the unit's 32 products on both
-// operands, so the exact integer dot is unchanged. (Q6_K keeps mma_compute's columns: its two
-// 16-element halves have their own scales, one product each.)
+// (mma_close_vlane, mma_store_block). Q4_K: a lane takes its fragment's bytes 8q .. 8q + 7 of a
+// unit as one 8-byte word, for the weights and the activations alike: fragment column 4q + j
+// holds byte 8q + j and 16 + 4q + j byte 8q + 4 + j, one permutation of the unit's 32
+// products on both operands, so the exact integer dot is unchanged. (Q6_K keeps mma_compute's
+// columns: its two 16-element halves have their own scales, one product each.)
 //
 // Q6_K blocks (210 bytes) are 2-byte aligned: a row's stage is copied as the 16-byte granules
 // that cover it (from its address rounded down, 14 granules), and read back at its offset in
@@ -1147,7 +1147,9 @@ __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, si
   constexpr int kThreads = W * kWarp;
   constexpr int VL = 32 / W;  // virtual lanes per warp
   // Rows past the matrix and tokens past the call repeat the last one; never stored.
-  const auto row_at = [&](int64_t r) { return w + (r0 + r < n_rows ? r0 + r : n_rows - 1) * row_bytes; };
+  const auto row_at = [&](int64_t r) {
+    return w + (r0 + r < n_rows ? r0 + r : n_rows - 1) * row_bytes;
+  };
   const uint8_t* rg = row_at(g);
   const uint8_t* rh = row_at(g + 8);
   const auto load_w = [&](int k) {
@@ -1157,7 +1159,8 @@ __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, si
     for (int i = tid; i < kMmaRows * kG; i += kThreads) {
       const int r = i / kG, c = i % kG;
       const uint8_t* src = row_at(r) + int64_t(k) * M::kRowBytes;
-      if constexpr (!M::kQ4) src = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t(15));
+      if constexpr (!M::kQ4)  // the granule holding the block's first byte
+        src = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~uintptr_t(15));
       cp_async16(dst + r * M::kWRow + 16 * c, src + 16 * c);
     }
   };
@@ -1242,48 +1245,52 @@ __global__ void __launch_bounds__(W* kWarp, kMsMinBlocks<T, NB, W>)
   const GroupTask t = group_task(g);
   matvec_ms_body<T, NB, STAGES, W>(t.w, row_bytes, t.n_rows, n_cols, xq, xd, n_tok, t.y, t.rb);
 }
-// Whether launch_mma_nb takes the shared-memory kernel (given mma_applies).
+// The types and tile counts the shared-memory form is built for.
+template <DType T, int NB>
+constexpr bool kMsForm = (T == DType::Q4_K || T == DType::Q6_K) && NB <= 2;
+// Whether launch_mma_nb / the group launch take the shared-memory form (given mma_applies).
 template <DType T, int NB>
 bool ms_applies(const DeviceWeight& w) {
-  if constexpr (T != DType::Q4_K && T != DType::Q6_K) return false;
-  return NB <= 2 && w.n_cols % MsType<T>::kCols == 0 && mma_stages() > 0;
-}
-// f.template operator()<S, W>(bytes) launches matvec_ms_kernel or its group form with the ring
-// of mma_stages() (3, 4 or 6) stages in dynamic shared memory and mma_warps() (4 or 8) warps.
-template <DType T, int NB, typename F>
-cudaError_t with_ms_stages(F&& f) {
-  const auto go = [&]<int S>() -> cudaError_t {
-    const int bytes = S * MsLayout<T, NB>::kStage;
-    if (mma_warps() == 8) return f.template operator()<S, 8>(bytes);
-    return f.template operator()<S, 4>(bytes);
-  };
-  switch (mma_stages()) {
-    case 4: return go.template operator()<4>();
-    case 6: return go.template operator()<6>();
-    default: return go.template operator()<3>();
-  }
+  return w.n_cols % MsType<T>::kCols == 0 && mma_stages() > 0;
 }
 // Above 48 KiB a kernel must opt in to its dynamic shared memory: once per device and kernel
-// (not while a graph is being captured, so the first call of each kernel sets it). G: the
-// group form.
-template <DType T, int NB, int S, int W, bool G>
-cudaError_t ms_smem_opt_in() {
-  const int bytes = S * MsLayout<T, NB>::kStage;
+// (not while a graph is being captured, so the first call of each kernel sets it).
+template <typename K>
+cudaError_t ms_smem_opt_in(K kernel, int bytes, std::atomic<uint32_t>& done) {
   if (bytes <= 48 * 1024) return cudaSuccess;
-  static std::atomic<uint32_t> done{0};  // bit d: set on device d
   int dev = 0;
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  const uint32_t bit = dev < 32 ? 1u << dev : 0u;
+  const uint32_t bit = dev < 32 ? 1u << dev : 0u;  // bit d: set on device d
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  cudaError_t e;
-  if constexpr (G)
-    e = cudaFuncSetAttribute(matvec_ms_group_kernel<T, NB, S, W>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  else
-    e = cudaFuncSetAttribute(matvec_ms_kernel<T, NB, S, W>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  const cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
   return e;
+}
+// matvec_ms_kernel (G: its group form, args a GroupArgs first) with the ring of mma_stages()
+// (3, 4 or 6) stages in dynamic shared memory and mma_warps() (4 or 8) warps.
+template <DType T, int NB, bool G, typename... A>
+cudaError_t launch_ms(dim3 grid, cudaStream_t s, A... args) {
+  const auto go = [&]<int S, int W>() -> cudaError_t {
+    constexpr int kBytes = S * MsLayout<T, NB>::kStage;
+    static std::atomic<uint32_t> done{0};  // one per kernel
+    const auto kernel = [] {
+      if constexpr (G)
+        return matvec_ms_group_kernel<T, NB, S, W>;
+      else
+        return matvec_ms_kernel<T, NB, S, W>;
+    }();
+    if (cudaError_t e = ms_smem_opt_in(kernel, kBytes, done); e != cudaSuccess) return e;
+    return launch(kernel, grid, W * kWarp, size_t(kBytes), s, args...);
+  };
+  const auto stages = [&]<int S>() {
+    return mma_warps() == 8 ? go.template operator()<S, 8>() : go.template operator()<S, 4>();
+  };
+  switch (mma_stages()) {
+    case 4: return stages.template operator()<4>();
+    case 6: return stages.template operator()<6>();
+    default: return stages.template operator()<3>();
+  }
 }
 
 template <DType T>
@@ -1328,14 +1335,10 @@ cudaError_t launch_mma_nb(const DeviceWeight& w, const int8_t* xq, const float2*
   const int64_t n_rb = (w.n_rows + kMmaRows - 1) / kMmaRows;
   if (n_rb > 65535) return cudaErrorInvalidValue;
   const dim3 grid(unsigned((n_tok + 8 * NB - 1) / (8 * NB)), unsigned(n_rb));
-  if constexpr ((T == DType::Q4_K || T == DType::Q6_K) && NB <= 2) {
+  if constexpr (kMsForm<T, NB>) {
     if (ms_applies<T, NB>(w))
-      return with_ms_stages<T, NB>([&]<int S, int W>(int bytes) {
-        if (cudaError_t e = ms_smem_opt_in<T, NB, S, W, false>(); e != cudaSuccess) return e;
-        return launch(matvec_ms_kernel<T, NB, S, W>, grid, W * kWarp, size_t(bytes), s,
-                      reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols,
-                      xq, xd, n_tok, y);
-      });
+      return launch_ms<T, NB, false>(grid, s, reinterpret_cast<const uint8_t*>(w.data),
+                                     w.row_bytes, w.n_rows, w.n_cols, xq, xd, n_tok, y);
   }
   return launch(matvec_q8_mma_kernel<T, NB>, grid, kQ8Warps * kWarp, 0, s,
                 reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols, xq, xd,
@@ -1738,13 +1741,10 @@ cudaError_t launch_matvec_q8_group(std::span<const DeviceWeight> ws, std::span<f
           GroupArgs g;
           if (!make_group(ws, ys, kMmaRows, &g)) return cudaErrorNotSupported;
           const dim3 grid(unsigned((n_tok + 8 * NB - 1) / (8 * NB)), unsigned(g.rb_end[g.n - 1]));
-          if constexpr ((T == DType::Q4_K || T == DType::Q6_K) && NB <= 2) {
+          if constexpr (kMsForm<T, NB>) {
             if (ms_applies<T, NB>(ws[0]))
-              return with_ms_stages<T, NB>([&]<int S, int W>(int bytes) {
-                if (cudaError_t e = ms_smem_opt_in<T, NB, S, W, true>(); e != cudaSuccess) return e;
-                return launch(matvec_ms_group_kernel<T, NB, S, W>, grid, W * kWarp,
-                              size_t(bytes), s, g, ws[0].row_bytes, ws[0].n_cols, xq, xd, n_tok);
-              });
+              return launch_ms<T, NB, true>(grid, s, g, ws[0].row_bytes, ws[0].n_cols, xq, xd,
+                                            n_tok);
           }
           return launch(matvec_q8_mma_group_kernel<T, NB>, grid, kQ8Warps * kWarp, 0, s, g,
                         ws[0].row_bytes, ws[0].n_cols, xq, xd, n_tok);
