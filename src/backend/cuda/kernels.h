@@ -254,6 +254,11 @@ int mma_stages();
 inline constexpr int kMmaWarpsDefault = 8;
 void set_mma_warps(int warps);
 int mma_warps();
+// Q4_K in that kernel: the stage's (scale, min) of every unit and row decoded once by the
+// block into shared memory (one more barrier per stage) instead of by each lane for its rows.
+// Same bits. Off until measured.
+void set_mma_pre_scales(bool on);
+bool mma_pre_scales();
 
 // --- probe.cu: reads `bytes` (16-byte aligned) with `blocks` blocks; sink holds `blocks` floats.
 cudaError_t launch_read_probe(const void* data, size_t bytes, float* sink, int blocks,

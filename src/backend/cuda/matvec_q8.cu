@@ -1014,32 +1014,48 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// Step p (0..7) of a stage for virtual lane sums acc (this lane's rows g, g + 8).
-template <int NB>
+// A Q4_K unit's (scale, min) as floats: sub-block j (0..7) of the block whose 16-byte header
+// words are hw (d and dmin as f16, then the 12 scale bytes).
+__device__ __forceinline__ float2 q4k_unit_scales(const uint32_t (&hw)[4], int j) {
+  int sc, m;
+  k_scale_min(hw + 1, j, sc, m);
+  return make_float2(mul_rn(h2f_bits(uint16_t(hw[0])), i2f(sc)),
+                     mul_rn(h2f_bits(uint16_t(hw[0] >> 16)), i2f(m)));
+}
+// PRE: the stage's (scale, min) of unit u, row r, at pre[u * kMmaRows + r] (ms_decode_scales),
+// instead of each lane decoding its rows' headers (the four lanes of a row repeated that work).
+template <int NB, bool PRE>
 __device__ __forceinline__ void ms_step_q4k(const uint8_t* sw, const uint8_t* sa, const float2* sd,
-                                            int p, int g, int q, float (&acc)[NB][4]) {
+                                            const float2* pre, int p, int g, int q,
+                                            float (&acc)[NB][4]) {
   using M = MsType<DType::Q4_K>;
   const int pp = p & 3;
   const uint8_t* bg = sw + g * M::kWRow + (p >> 2) * 144;
   const uint8_t* bh = bg + 8 * M::kWRow;
-  const uint4 hg = *reinterpret_cast<const uint4*>(bg);
-  const uint4 hh = *reinterpret_cast<const uint4*>(bh);
   const uint2 qg = *reinterpret_cast<const uint2*>(bg + 16 + 32 * pp + 8 * q);
   const uint2 qh = *reinterpret_cast<const uint2*>(bh + 16 + 32 * pp + 8 * q);
-  const uint32_t wx[4] = {hg.x, hg.y, hg.z, hg.w}, wy[4] = {hh.x, hh.y, hh.z, hh.w};
+  uint32_t wx[4] = {}, wy[4] = {};
+  if constexpr (!PRE) {
+    const uint4 hg = *reinterpret_cast<const uint4*>(bg);
+    const uint4 hh = *reinterpret_cast<const uint4*>(bh);
+    wx[0] = hg.x, wx[1] = hg.y, wx[2] = hg.z, wx[3] = hg.w;
+    wy[0] = hh.x, wy[1] = hh.y, wy[2] = hh.z, wy[3] = hh.w;
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    int scg, mg, sch, mh;
-    k_scale_min(wx + 1, 2 * pp + h, scg, mg);
-    k_scale_min(wy + 1, 2 * pp + h, sch, mh);
-    const float d0g = mul_rn(h2f_bits(uint16_t(wx[0])), i2f(scg));
-    const float d1g = mul_rn(h2f_bits(uint16_t(wx[0] >> 16)), i2f(mg));
-    const float d0h = mul_rn(h2f_bits(uint16_t(wy[0])), i2f(sch));
-    const float d1h = mul_rn(h2f_bits(uint16_t(wy[0] >> 16)), i2f(mh));
+    const int u = 2 * p + h;  // the unit within the stage
+    float2 sg, sh;
+    if constexpr (PRE) {
+      sg = pre[u * kMmaRows + g];
+      sh = pre[u * kMmaRows + g + 8];
+    } else {
+      sg = q4k_unit_scales(wx, 2 * pp + h);
+      sh = q4k_unit_scales(wy, 2 * pp + h);
+    }
+    const float d0g = sg.x, d1g = sg.y, d0h = sh.x, d1h = sh.y;
     const int sft = 4 * h;
     const uint32_t a0 = (qg.x >> sft) & 0x0F0F0F0Fu, a1 = (qh.x >> sft) & 0x0F0F0F0Fu;
     const uint32_t a2 = (qg.y >> sft) & 0x0F0F0F0Fu, a3 = (qh.y >> sft) & 0x0F0F0F0Fu;
-    const int u = 2 * p + h;  // the unit within the stage
     int c[NB][4];
     float2 ds[NB][2];
 #pragma unroll
@@ -1051,6 +1067,17 @@ __device__ __forceinline__ void ms_step_q4k(const uint8_t* sw, const uint8_t* sa
       ds[nb][1] = sd[(8 * nb + 2 * q + 1) * M::kDRow + u];
     }
     mma_update<DType::Q4_K, NB>(acc, c, c, d0g, d1g, d0h, d1h, ds);
+  }
+}
+// Every (unit, row) (scale, min) of a Q4_K stage into pre, by the block's threads together.
+template <int THREADS>
+__device__ __forceinline__ void ms_decode_scales(const uint8_t* sw, float2* pre, int tid) {
+  using M = MsType<DType::Q4_K>;
+  for (int i = tid; i < M::kUnits * kMmaRows; i += THREADS) {
+    const int u = i / kMmaRows, r = i % kMmaRows, p = u / 2;
+    const uint4 hb = *reinterpret_cast<const uint4*>(sw + r * M::kWRow + (p >> 2) * 144);
+    const uint32_t hw[4] = {hb.x, hb.y, hb.z, hb.w};
+    pre[i] = q4k_unit_scales(hw, 2 * (p & 3) + (u & 1));
   }
 }
 // bg / bh: rows g and g + 8's block (2-byte aligned in its slot); unit s (0..7) of it.
@@ -1103,10 +1130,10 @@ __device__ __forceinline__ void ms_step_q6k(const uint8_t* bg, const uint8_t* bh
 // bitrev5(VL warp + ii), the ones whose step lies there (l / 8 == J) are ii = b and (VL = 8)
 // b + 4, b = J's two bits swapped, at step l % 8 of the stage. rg / rh: rows g and g + 8 in
 // global memory (Q6_K: the offset of the stage's block in its first granule).
-template <DType T, int NB, int J, int W>
+template <DType T, int NB, int J, int W, bool PRE>
 __device__ __forceinline__ void ms_compute(const uint8_t* __restrict__ st, int k, int warp, int g,
                                            int q, const uint8_t* rg, const uint8_t* rh,
-                                           float (&acc)[32 / W][NB][4]) {
+                                           const float2* pre, float (&acc)[32 / W][NB][4]) {
   constexpr int VL = 32 / W;
   using L = MsLayout<T, NB>;
   using M = MsType<T>;
@@ -1118,7 +1145,7 @@ __device__ __forceinline__ void ms_compute(const uint8_t* __restrict__ st, int k
     const int ii = b + 4 * v;
     const int p = bitrev5(warp * VL + ii) & 7;  // the step within the stage
     if constexpr (M::kQ4) {
-      ms_step_q4k<NB>(st, sa, sd, p, g, q, acc[ii]);
+      ms_step_q4k<NB, PRE>(st, sa, sd, pre, p, g, q, acc[ii]);
     } else {
       const int og = int(reinterpret_cast<uintptr_t>(rg + int64_t(k) * M::kRowBytes) & 15);
       const int oh = int(reinterpret_cast<uintptr_t>(rh + int64_t(k) * M::kRowBytes) & 15);
@@ -1130,7 +1157,7 @@ __device__ __forceinline__ void ms_compute(const uint8_t* __restrict__ st, int k
 
 // Rows rb * 16 .. + 15, tokens blockIdx.x * 8 NB .. of y; n_cols a multiple of the stage's
 // columns, activations 16-byte aligned, Q4_K rows 16-byte aligned (ms_applies).
-template <DType T, int NB, int STAGES, int W>
+template <DType T, int NB, int STAGES, int W, bool PRE>
 __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, size_t row_bytes,
                                                int64_t n_rows, int64_t n_cols,
                                                const int8_t* __restrict__ xq,
@@ -1202,7 +1229,12 @@ __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, si
     load_w(k + STAGES - 1);
     load_a(k + STAGES - 1);
     cp_async_commit();  // possibly empty: one group per stage keeps the count
-    ms_compute<T, NB, J, W>(sm + (k % STAGES) * L::kStage, k, warp, g, q, rg, rh, acc);
+    float2* pre = reinterpret_cast<float2*>(sm + STAGES * L::kStage);
+    if constexpr (PRE) {
+      ms_decode_scales<kThreads>(sm + (k % STAGES) * L::kStage, pre, tid);
+      __syncthreads();  // pre is written (the barrier above: everyone is done with the last one)
+    }
+    ms_compute<T, NB, J, W, PRE>(sm + (k % STAGES) * L::kStage, k, warp, g, q, rg, rh, pre, acc);
   };
   for (int k = 0; k < n_st; k += 4) {
     step.template operator()<0>(k);
@@ -1230,20 +1262,28 @@ __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, si
 // that cap); 8 warps (half the sums per thread), 2 blocks.
 template <DType T, int NB, int W>
 constexpr int kMsMinBlocks = W == 8 ? 2 : NB == 1 && T == DType::Q4_K ? 4 : 3;
-template <DType T, int NB, int STAGES, int W>
+template <DType T, int NB, int STAGES, int W, bool PRE>
 __global__ void __launch_bounds__(W* kWarp, kMsMinBlocks<T, NB, W>)
     matvec_ms_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
                      int64_t n_cols, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                      int64_t n_tok, float* __restrict__ y) {
-  matvec_ms_body<T, NB, STAGES, W>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y, blockIdx.y);
+  matvec_ms_body<T, NB, STAGES, W, PRE>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y,
+                                        blockIdx.y);
 }
-template <DType T, int NB, int STAGES, int W>
+template <DType T, int NB, int STAGES, int W, bool PRE>
 __global__ void __launch_bounds__(W* kWarp, kMsMinBlocks<T, NB, W>)
     matvec_ms_group_kernel(GroupArgs g, size_t row_bytes, int64_t n_cols,
                            const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                            int64_t n_tok) {
   const GroupTask t = group_task(g);
-  matvec_ms_body<T, NB, STAGES, W>(t.w, row_bytes, t.n_rows, n_cols, xq, xd, n_tok, t.y, t.rb);
+  matvec_ms_body<T, NB, STAGES, W, PRE>(t.w, row_bytes, t.n_rows, n_cols, xq, xd, n_tok, t.y,
+                                        t.rb);
+}
+// Dynamic shared memory of a form: the ring, and with PRE a stage's decoded Q4_K scales.
+template <DType T, int NB, int S, bool PRE>
+constexpr int ms_smem_bytes() {
+  return S * MsLayout<T, NB>::kStage +
+         (PRE ? MsType<DType::Q4_K>::kUnits * kMmaRows * int(sizeof(float2)) : 0);
 }
 // The types and tile counts the shared-memory form is built for.
 template <DType T, int NB>
@@ -1271,20 +1311,27 @@ cudaError_t ms_smem_opt_in(K kernel, int bytes, std::atomic<uint32_t>& done) {
 // (3, 4 or 6) stages in dynamic shared memory and mma_warps() (4 or 8) warps.
 template <DType T, int NB, bool G, typename... A>
 cudaError_t launch_ms(dim3 grid, cudaStream_t s, A... args) {
-  const auto go = [&]<int S, int W>() -> cudaError_t {
-    constexpr int kBytes = S * MsLayout<T, NB>::kStage;
+  const auto go = [&]<int S, int W, bool PRE>() -> cudaError_t {
+    constexpr int kBytes = ms_smem_bytes<T, NB, S, PRE>();
     static std::atomic<uint32_t> done{0};  // one per kernel
     const auto kernel = [] {
       if constexpr (G)
-        return matvec_ms_group_kernel<T, NB, S, W>;
+        return matvec_ms_group_kernel<T, NB, S, W, PRE>;
       else
-        return matvec_ms_kernel<T, NB, S, W>;
+        return matvec_ms_kernel<T, NB, S, W, PRE>;
     }();
     if (cudaError_t e = ms_smem_opt_in(kernel, kBytes, done); e != cudaSuccess) return e;
     return launch(kernel, grid, W * kWarp, size_t(kBytes), s, args...);
   };
+  const auto warps = [&]<int S, bool PRE>() {
+    return mma_warps() == 8 ? go.template operator()<S, 8, PRE>()
+                            : go.template operator()<S, 4, PRE>();
+  };
+  // Only Q4_K has scales to decode ahead (ms_decode_scales).
   const auto stages = [&]<int S>() {
-    return mma_warps() == 8 ? go.template operator()<S, 8>() : go.template operator()<S, 4>();
+    if constexpr (T == DType::Q4_K)
+      if (mma_pre_scales()) return warps.template operator()<S, true>();
+    return warps.template operator()<S, false>();
   };
   switch (mma_stages()) {
     case 4: return stages.template operator()<4>();
