@@ -111,7 +111,8 @@ const char* kernels_name(kiln::cuda::MatmulKernels k) {
 // --mma-stages N: Q4_K/Q6_K's tensor-core kernel with a ring of N (3, 4, 6) shared-memory
 // stages, or 0: reading its fragments from global memory (kernels.h set_mma_stages), for A/B.
 // --mma-warps N: that kernel with 4 or 8 warps per block (kernels.h set_mma_warps).
-// --mma-pre-scales: Q4_K's scales decoded once per stage (kernels.h set_mma_pre_scales).
+// --mma-pre-scales / --no-mma-pre-scales: Q4_K's scales decoded once per stage or by each lane
+// (kernels.h set_mma_pre_scales; on by default).
 int g_mma_min = kiln::cuda::kQ8MmaMinTokens;
 
 struct Scratch {
@@ -554,6 +555,8 @@ int main(int argc, char** argv) {
       kiln::cuda::set_mma_warps(std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--mma-pre-scales") == 0) {
       kiln::cuda::set_mma_pre_scales(true);
+    } else if (std::strcmp(argv[i], "--no-mma-pre-scales") == 0) {
+      kiln::cuda::set_mma_pre_scales(false);
     } else if (std::strcmp(argv[i], "--no-attention") == 0) {
       attention = false;
     } else if (std::strcmp(argv[i], "--shapes") == 0 && i + 1 < argc) {
@@ -574,7 +577,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "usage: cuda_matvec_bench [--iters N] [--v1] [--types t1,t2,...] "
                            "[--shapes KxR,...] [--tokens N,...] [--no-attention] "
                            "[--float-rows-ab] [--q8-variants] [--mma-min N] [--mma-stages N] "
-                           "[--mma-warps N] [--mma-pre-scales]\n");
+                           "[--mma-warps N] [--[no-]mma-pre-scales]\n");
       return 2;
     }
   }

@@ -119,6 +119,9 @@ KILN_CONFIG_ENTRY(bool, cuda_profile, false,
 KILN_CONFIG_ENTRY(bool, cuda_pdl, true,
                   "CUDA: programmatic dependent launch: each decode-path kernel starts while the "
                   "one before it drains and prefetches its weights meanwhile; same outputs")
+KILN_CONFIG_ENTRY(bool, cuda_mma_pre_scales, true,
+                  "CUDA: Q4_K in the int8 tensor-core matmul (8-16 tokens): each stage's scales "
+                  "decoded once per block into shared memory, not by every lane; same outputs")
 KILN_CONFIG_ENTRY(bool, cuda_graphs, true,
                   "CUDA: replay each repeated decode step as a CUDA graph (off: launch op by op)")
 KILN_CONFIG_ENTRY(bool, cuda_gemm_graphs, true,

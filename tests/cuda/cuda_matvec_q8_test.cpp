@@ -379,7 +379,7 @@ TEST(CudaMatvecQ8, MmaHasTheDp4aBits) {
           cuda::check_cuda(cudaDeviceSynchronize(), "sync");
           cuda::set_mma_stages(cuda::kMmaStagesDefault);
           cuda::set_mma_warps(cuda::kMmaWarpsDefault);
-          cuda::set_mma_pre_scales(false);
+          cuda::set_mma_pre_scales(cuda::kMmaPreScalesDefault);
           const std::vector<float> got = from_device(z, n);
           for (size_t i = 0; i < n; ++i)
             ASSERT_EQ(std::memcmp(&got[i], &want[i], 4), 0)

@@ -182,6 +182,8 @@ struct CudaBackend::Impl {
   uint64_t expert_cache_option = 0;
   bool expert_async = true;
   bool pdl = false;  // CudaOptions::pdl
+  bool mma_pre_scales = cuda::kMmaPreScalesDefault;  // CudaOptions::mma_pre_scales
+  static_assert(CudaOptions{}.mma_pre_scales == cuda::kMmaPreScalesDefault);
   bool expert_copies_unfenced = false;  // copies queued since the last fence_expert_copies()
   cuda::Event expert_copy_ev;
   // The end of every op that looks weights up: its expert copies (queued on the compute
@@ -624,6 +626,11 @@ struct CudaBackend::Impl {
       explicit PdlScope(bool on) { cuda::set_launch_pdl(on); }
       ~PdlScope() { cuda::set_launch_pdl(prev); }
     } pdl_scope(pdl && !timed);
+    struct PreScalesScope {
+      bool prev = cuda::mma_pre_scales();
+      explicit PreScalesScope(bool on) { cuda::set_mma_pre_scales(on); }
+      ~PreScalesScope() { cuda::set_mma_pre_scales(prev); }
+    } pre_scales_scope(mma_pre_scales);
     if (in_used > chunk_in_start) {
       if (cudaError_t e = cudaMemcpyAsync(static_cast<std::byte*>(dev_in.get()) + chunk_in_start,
                                           pin_in->data() + chunk_in_start,
@@ -1896,6 +1903,7 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   impl->expert_policy = TierPolicy(options.expert_policy);
   impl->expert_async = options.expert_async_copies;
   impl->pdl = options.pdl;
+  impl->mma_pre_scales = options.mma_pre_scales;
   impl->fuse_rope = options.fuse_rope;
   impl->fuse_swiglu = options.fuse_swiglu;
   impl->f16_cache_option = options.f16_cache_bytes;

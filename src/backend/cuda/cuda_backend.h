@@ -102,6 +102,10 @@ struct CudaOptions {
   // profile mode, whose event nodes separate every kernel anyway. On by measurement: 8B
   // Q4_K_M tg128 on the H200 299.5 -> 321 t/s (docs/BENCHMARKS.md, session 8).
   bool pdl = true;
+  // Q4_K in the int8 tensor-core kernel (8-16 tokens): each stage's scales decoded once per
+  // block into shared memory (kernels.h set_mma_pre_scales). Same results
+  // (CudaMatvecQ8.MmaHasTheDp4aBits); on by measurement (docs/BENCHMARKS.md, session 14).
+  bool mma_pre_scales = true;  // kernels.h kMmaPreScalesDefault (cuda_backend.cpp asserts it)
   // Matmuls that take the cuBLAS path (above auto_int8_max_tokens tokens: prefill, large
   // batches) read an f16 copy of the weight kept on the device, written once at its first such
   // call, instead of dequantizing it into scratch on every call. At most this many bytes of

@@ -256,7 +256,10 @@ void set_mma_warps(int warps);
 int mma_warps();
 // Q4_K in that kernel: the stage's (scale, min) of every unit and row decoded once by the
 // block into shared memory (one more barrier per stage) instead of by each lane for its rows.
-// Same bits. Off until measured.
+// Same bits. On by measurement: 1-11 % less time per call at 8 and 16 tokens on the 8B shapes
+// (H200, docs/BENCHMARKS.md, CUDA session 14). The backend sets it per enqueue from
+// CudaOptions::mma_pre_scales.
+inline constexpr bool kMmaPreScalesDefault = true;
 void set_mma_pre_scales(bool on);
 bool mma_pre_scales();
 

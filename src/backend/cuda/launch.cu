@@ -9,7 +9,7 @@ namespace {
 thread_local bool t_pdl = false;
 thread_local int t_mma_stages = kMmaStagesDefault;
 thread_local int t_mma_warps = kMmaWarpsDefault;
-thread_local bool t_mma_pre = false;
+thread_local bool t_mma_pre = kMmaPreScalesDefault;
 }  // namespace
 
 void set_launch_pdl(bool on) { t_pdl = on; }
