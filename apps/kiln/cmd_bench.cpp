@@ -33,6 +33,7 @@
 #include "sampling/sampler.h"
 #if KILN_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/kernel_trace.h"
 #endif
 
 namespace kiln::app {
@@ -64,6 +65,7 @@ struct Result {
   std::vector<double> read_gbps_samples, fraction_samples;
   double fraction_min = 0, fraction_max = 0;
   std::string profile;  // --cuda-profile: the per-kernel table of one extra pass
+  std::string trace;    // --cuda-trace: the kernel records' table of one extra pass
   std::string host_note;  // CUDA: how much of the run the host waited on the GPU
 };
 
@@ -105,6 +107,44 @@ Expected<std::string> profile_pass(Backend& be, const Result& r, const std::vect
       "step: {:.1f} µs ({:.1f} %) outside any kernel\n",
       total_ms * 1e3 / steps, step_us, step_us - total_ms * 1e3 / steps,
       step_us > 0 ? 100 * (step_us - total_ms * 1e3 / steps) / step_us : 0.0);
+  return out;
+}
+
+// One extra pass of a test under CUPTI's kernel records (--cuda-trace): the step as the timed
+// runs ran it (graphs, PDL), each kernel's own GPU time per step, and the GPU's idle time: the
+// pass's span per step against the time at least one kernel ran.
+template <typename F>
+Expected<std::string> trace_pass(Backend& be, const Result& r, const std::vector<int32_t>& tokens,
+                                 F&& fn) {
+  if (!dynamic_cast<CudaBackend*>(&be))
+    return std::string("(--cuda-trace: not a single-GPU CUDA backend)\n");
+  Expected<std::unique_ptr<cuda::KernelTrace>> trace = cuda::KernelTrace::start();
+  if (!trace) return fmt::format("(--cuda-trace: {})\n", trace.status().message());
+  Expected<double> ts = fn(tokens);
+  Expected<std::vector<cuda::KernelRecord>> recs = (*trace)->stop();
+  if (!ts) return ts.status();
+  if (!recs) return fmt::format("(--cuda-trace: {})\n", recs.status().message());
+  const double steps = r.n_gen > 0 ? double(r.n_gen) : 1.0;
+  const cuda::KernelTraceSummary s = cuda::summarize_kernel_trace(*recs, steps);
+  std::string out = fmt::format(
+      "\n{} kernel trace (CUPTI: each kernel's GPU start and end in one more pass; per step = "
+      "{}): {} kernels\n\n| kernel | calls/step | µs/step | µs/call | share |\n"
+      "|---|---:|---:|---:|---:|\n",
+      r.test, r.n_gen > 0 ? "one decode step" : "the whole prompt", s.kernels);
+  for (const cuda::KernelTraceRow& row : s.rows)
+    out += fmt::format("| {} | {:.1f} | {:.1f} | {:.2f} | {:.1f} % |\n", row.name,
+                       row.calls_per_step, row.us_per_step, row.us_per_call,
+                       s.kernel_us_per_step > 0 ? 100 * row.us_per_step / s.kernel_us_per_step
+                                                : 0.0);
+  out += fmt::format(
+      "\nper step: kernels {:.1f} µs (overlaps counted twice), the GPU busy {:.1f} µs of a "
+      "{:.1f} µs span (idle {:.1f} µs, {:.1f} %); this pass {:.1f} t/s\n",
+      s.kernel_us_per_step, s.busy_us_per_step, s.span_us_per_step,
+      s.span_us_per_step - s.busy_us_per_step,
+      s.span_us_per_step > 0
+          ? 100 * (s.span_us_per_step - s.busy_us_per_step) / s.span_us_per_step
+          : 0.0,
+      *ts);
   return out;
 }
 #endif
@@ -323,6 +363,9 @@ Status run(const BenchOptions& o) {
     if (cfg.cuda_profile) {
       KILN_ASSIGN_OR_RETURN(r.profile, profile_pass(*ld.backend, r, tokens, fn));
     }
+    if (cfg.cuda_trace) {
+      KILN_ASSIGN_OR_RETURN(r.trace, trace_pass(*ld.backend, r, tokens, fn));
+    }
 #endif
     if (roofline) {
       r.dense_bytes = dense_bytes_per_token(model);
@@ -430,6 +473,7 @@ Status run(const BenchOptions& o) {
       }
     for (const Result& r : results) fmt::print("{}", r.host_note);
     for (const Result& r : results) fmt::print("{}", r.profile);
+    for (const Result& r : results) fmt::print("{}", r.trace);
     fmt::print("\nresident memory: {:.1f} MiB total, {:.1f} MiB file-backed (mapped weights), "
                "{:.1f} MiB anonymous (KV cache {:.1f} MiB + activations + runtime)\n",
                double(mem.rss) / (1 << 20), double(mem.rss_file) / (1 << 20),

@@ -116,6 +116,10 @@ KILN_CONFIG_ENTRY(int64_t, cuda_f16_cache, -1,
 KILN_CONFIG_ENTRY(bool, cuda_profile, false,
                   "CUDA (kiln bench): time one extra pass of each test op by op with CUDA events "
                   "and print the per-kernel table (µs per step, GB/s of the weight reads)")
+KILN_CONFIG_ENTRY(bool, cuda_trace, false,
+                  "CUDA (kiln bench): one extra pass of each test with CUPTI's kernel records "
+                  "(each kernel's own GPU time, inside graphs, PDL as configured): µs per step "
+                  "by kernel and the GPU's idle time")
 KILN_CONFIG_ENTRY(bool, cuda_pdl, true,
                   "CUDA: programmatic dependent launch: each decode-path kernel starts while the "
                   "one before it drains and prefetches its weights meanwhile; same outputs")
