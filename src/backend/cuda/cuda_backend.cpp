@@ -620,17 +620,17 @@ struct CudaBackend::Impl {
   }
 
   cudaError_t enqueue_all(bool timed) {
-    // The launchers read the PDL switch per thread: on for this enqueue only.
-    struct PdlScope {
-      bool prev = cuda::launch_pdl();
-      explicit PdlScope(bool on) { cuda::set_launch_pdl(on); }
-      ~PdlScope() { cuda::set_launch_pdl(prev); }
-    } pdl_scope(pdl && !timed);
-    struct PreScalesScope {
-      bool prev = cuda::mma_pre_scales();
-      explicit PreScalesScope(bool on) { cuda::set_mma_pre_scales(on); }
-      ~PreScalesScope() { cuda::set_mma_pre_scales(prev); }
-    } pre_scales_scope(mma_pre_scales);
+    // The launchers read their switches (PDL, the tensor-core kernel's pre-decoded scales) per
+    // thread: this backend's settings for this enqueue only, the caller's restored after.
+    struct SwitchScope {
+      void (*set)(bool);
+      bool prev;
+      SwitchScope(bool (*get)(), void (*s)(bool), bool on) : set(s), prev(get()) { s(on); }
+      ~SwitchScope() { set(prev); }
+    };
+    const SwitchScope pdl_scope(cuda::launch_pdl, cuda::set_launch_pdl, pdl && !timed);
+    const SwitchScope pre_scales_scope(cuda::mma_pre_scales, cuda::set_mma_pre_scales,
+                                       mma_pre_scales);
     if (in_used > chunk_in_start) {
       if (cudaError_t e = cudaMemcpyAsync(static_cast<std::byte*>(dev_in.get()) + chunk_in_start,
                                           pin_in->data() + chunk_in_start,
