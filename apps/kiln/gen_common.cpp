@@ -59,6 +59,8 @@ static Status apply_cuda_flags(const Config& config, CudaOptions& o) {
   o.gemm_graphs = config.cuda_gemm_graphs;
   o.pdl = config.cuda_pdl;
   o.mma_pre_scales = config.cuda_mma_pre_scales;
+  o.direct_download = config.cuda_direct_download;
+  o.attention_skip_empty = config.cuda_attn_skip_empty;
   o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
   o.int8_mma_min_tokens = config.cuda_int8_mma;
   o.fuse_rope = config.cuda_fuse_rope;

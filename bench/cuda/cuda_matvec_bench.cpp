@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -335,6 +336,99 @@ void bench_attention(int iters, double read_gbps, int n_sm) {
   }
 }
 
+// Batched decode attention (kernels.h launch_attention_batch): S sequences of one query each
+// (32/8 heads x 128, f16 KV), each over `ctx` visible keys padded with invisible ones to the
+// CUDA graph bucket (256 keys, as kiln's graph mode stages them), in one launch pair. Checks
+// the outputs (every V element 0.125) before timing.
+void bench_attention_batch(int iters, int n_sm) {
+  std::printf("\n| batched decode attention (32/8 heads x 128) | sequences | visible keys | padded "
+              "keys | us per call | us, empty slices walked |\n|---|---|---|---|---|---|\n");
+  for (int64_t n_seq : {int64_t{1}, int64_t{16}, int64_t{64}}) {
+    for (int64_t ctx : {int64_t{64}, int64_t{128}, int64_t{1024}}) {
+      const int64_t n_kv = (ctx + 255) / 256 * 256;
+      const int64_t kv_w = 8 * 128, q_w = 32 * 128;
+      const size_t plane = size_t(n_kv * kv_w);
+      std::vector<uint16_t> kv(plane, 0x3000);  // 0.125
+      std::vector<int32_t> rows(n_kv), pos(n_kv);
+      for (int64_t j = 0; j < n_kv; ++j) {
+        rows[j] = j < ctx ? int32_t((j + 17) % ctx) : 0;
+        pos[j] = j < ctx ? int32_t(j) : INT32_MAX;
+      }
+      const int32_t q_pos = int32_t(ctx - 1);
+      uint16_t *dk, *dv;
+      int32_t *drows, *dpos, *dqpos;
+      float *dq, *dout, *dpart;
+      kiln::cuda::AttentionBatchItem* ditems;
+      BENCH_CHECK(cudaMalloc(&dk, plane * 2));
+      BENCH_CHECK(cudaMalloc(&dv, plane * 2));
+      BENCH_CHECK(cudaMemcpy(dk, kv.data(), plane * 2, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMemcpy(dv, kv.data(), plane * 2, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMalloc(&drows, rows.size() * 4));
+      BENCH_CHECK(cudaMalloc(&dpos, pos.size() * 4));
+      BENCH_CHECK(cudaMalloc(&dqpos, 4));
+      BENCH_CHECK(cudaMemcpy(drows, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMemcpy(dpos, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMemcpy(dqpos, &q_pos, 4, cudaMemcpyHostToDevice));
+      std::vector<float> q(size_t(n_seq * q_w), 0.01f);
+      BENCH_CHECK(cudaMalloc(&dq, q.size() * 4));
+      BENCH_CHECK(cudaMemcpy(dq, q.data(), q.size() * 4, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMalloc(&dout, q.size() * 4));
+      // Every sequence reads the same planes (the bench times the kernels, not the footprint).
+      std::vector<kiln::cuda::AttentionBatchItem> items(static_cast<size_t>(n_seq));
+      size_t part_floats = 0;
+      for (int64_t i = 0; i < n_seq; ++i) {
+        kiln::cuda::DeviceAttention& a = items[size_t(i)].a;
+        a.n_q = 1, a.n_kv = n_kv, a.n_head = 32, a.n_head_kv = 8, a.head_dim = 128;
+        a.scale = 1.0f / std::sqrt(128.0f);
+        a.q = dq + i * q_w, a.out = dout + i * q_w;
+        a.k = dk, a.v = dv, a.kv_rows = drows, a.kv_pos = dpos, a.q_pos = dqpos;
+        part_floats += kiln::cuda::attention_scratch_floats(a, n_sm);
+      }
+      BENCH_CHECK(cudaMalloc(&dpart, part_floats * 4));
+      size_t off = 0;
+      for (auto& it : items) {
+        it.part = dpart + off;
+        off += kiln::cuda::attention_scratch_floats(it.a, n_sm);
+      }
+      kiln::cuda::plan_attention_batch(items, n_sm);
+      BENCH_CHECK(cudaMalloc(&ditems, items.size() * sizeof(items[0])));
+      BENCH_CHECK(cudaMemcpy(ditems, items.data(), items.size() * sizeof(items[0]),
+                             cudaMemcpyHostToDevice));
+      BENCH_CHECK(kiln::cuda::launch_attention_batch(ditems, items, nullptr));
+      std::vector<float> out(q.size());
+      BENCH_CHECK(cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost));
+      for (float v : out)
+        if (!(std::fabs(v - 0.125f) < 1e-6f)) {
+          std::printf("cuda_matvec_bench: batched attention output %g, want 0.125\n", v);
+          std::exit(1);
+        }
+      // Empty slices skipped (the default) and walked, interleaved per iteration.
+      Timer tm;
+      std::vector<float> ms[2];
+      for (int i = 0; i < iters + 2; ++i) {
+        for (int skip = 0; skip < 2; ++skip) {
+          kiln::cuda::set_attention_skip_empty(skip == 1);
+          BENCH_CHECK(cudaEventRecord(tm.a));
+          for (int r = 0; r < 20; ++r)
+            BENCH_CHECK(kiln::cuda::launch_attention_batch(ditems, items, nullptr));
+          BENCH_CHECK(cudaEventRecord(tm.b));
+          BENCH_CHECK(cudaEventSynchronize(tm.b));
+          float m = 0;
+          BENCH_CHECK(cudaEventElapsedTime(&m, tm.a, tm.b));
+          if (i >= 2) ms[skip].push_back(m / 20);
+        }
+      }
+      kiln::cuda::set_attention_skip_empty(kiln::cuda::kAttentionSkipEmptyDefault);
+      std::printf("| decode | %lld | %lld | %lld | %.1f | %.1f |\n", (long long)n_seq,
+                  (long long)ctx, (long long)n_kv, median(ms[1]) * 1e3, median(ms[0]) * 1e3);
+      std::fflush(stdout);
+      for (void* p : {(void*)dk, (void*)dv, (void*)drows, (void*)dpos, (void*)dqpos, (void*)dq,
+                      (void*)dout, (void*)dpart, (void*)ditems})
+        cudaFree(p);
+    }
+  }
+}
+
 // --float-rows-ab: V3's float-weight kernel with 1, 2 and 4 rows per warp (kernels.h
 // launch_matvec_float_v3), interleaved per case on the same data, 1-8 tokens, the 8B shapes
 // plus the 4096x1024 K/V projection; checks that every rows value gives rows = 1's bits and
@@ -614,7 +708,10 @@ int main(int argc, char** argv) {
   std::vector<kiln::cuda::MatmulKernels> sets = {kiln::cuda::MatmulKernels::V2,
                                                  kiln::cuda::MatmulKernels::V3};
   if (with_v1) sets.insert(sets.begin(), kiln::cuda::MatmulKernels::V1);
-  if (attention) bench_attention(iters, read_gbps, prop.multiProcessorCount);
+  if (attention) {
+    bench_attention(iters, read_gbps, prop.multiProcessorCount);
+    bench_attention_batch(iters, prop.multiProcessorCount);
+  }
   std::mt19937_64 rng(42);
   Scratch sc;
   sc.act_bytes = kiln::cuda::act_q8_bytes(14336, kiln::cuda::kQ8MaxTokens);

@@ -15,8 +15,10 @@
 #include <functional>
 #include <memory>
 #include <new>
+#include <numeric>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "core/check.h"
 #include "core/dtype.h"
@@ -299,6 +301,33 @@ class Backend {
   }
   // Index of the largest value (first on ties).
   virtual int64_t argmax(std::span<const float> x) = 0;
+  // The k largest values of each of the rows of x ([rows][n], backend memory) in sampling order
+  // (sampling/sampler.h): descending value, ascending index on ties; into host arrays
+  // ids/vals [rows][k]. 1 <= k <= n. Waits for the ops before it, like download (a device
+  // backend ships k values per row instead of n). NaN values: unspecified order. The default
+  // works on host memory (a partial sort per row); a device backend overrides it. Inline, like
+  // every other default here: an out-of-line virtual would become Backend's key function and
+  // pin its typeinfo to one library that sanitizer builds of the others do not link.
+  virtual void top_k(std::span<const float> x, int64_t n, int32_t k, std::span<int32_t> ids,
+                     std::span<float> vals) {
+    KILN_CHECK(n > 0 && k >= 1 && k <= n && x.size() % static_cast<size_t>(n) == 0,
+               "top_k: k {} of rows of {} ({} values)", k, n, x.size());
+    const size_t rows = x.size() / static_cast<size_t>(n), kk = static_cast<size_t>(k);
+    KILN_CHECK(ids.size() == rows * kk && vals.size() == ids.size(),
+               "top_k: {} ids and {} values for {} rows of {}", ids.size(), vals.size(), rows, k);
+    std::vector<int32_t> idx(static_cast<size_t>(n));
+    for (size_t r = 0; r < rows; ++r) {
+      const float* row = x.data() + r * static_cast<size_t>(n);
+      std::iota(idx.begin(), idx.end(), 0);
+      std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [row](int32_t a, int32_t b) {
+        return row[a] != row[b] ? row[a] > row[b] : a < b;
+      });
+      for (size_t j = 0; j < kk; ++j) {
+        ids[r * kk + j] = idx[j];
+        vals[r * kk + j] = row[idx[j]];
+      }
+    }
+  }
 
   // --- Tensor parallelism (model/tensor_parallel.h). A group backend (backend/tp_group.h)
   // stands for tp_size() rank backends that run each forward step together, every rank over

@@ -130,6 +130,7 @@ class HostRank final : public Backend {
   void store_rows_f16(std::span<const float> src, int64_t width, std::span<const int32_t> rows, std::span<f16> plane) override { in_->store_rows_f16(src, width, rows, plane); }
   void attention(const AttentionArgs& a) override { in_->attention(a); }
   int64_t argmax(std::span<const float> x) override { return in_->argmax(x); }
+  void top_k(std::span<const float> x, int64_t n, int32_t k, std::span<int32_t> ids, std::span<float> vals) override { in_->top_k(x, n, k, ids, vals); }
 
  private:
   std::unique_ptr<Backend> in_;

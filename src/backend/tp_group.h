@@ -37,6 +37,7 @@ class TpGroup final : public Backend {
   void zero_bytes(std::span<std::byte> d) override { ranks_[0]->zero_bytes(d); }
   void synchronize() override;  // every rank
   double read_bandwidth_gbps() override { return ranks_[0]->read_bandwidth_gbps(); }
+  std::shared_ptr<void> register_host_memory(std::span<std::byte> m) override { return ranks_[0]->register_host_memory(m); }
   void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok, std::span<float> y) override { ranks_[0]->matmul(w, x, n_tok, y); }
   void matmul_batch(std::span<const MatmulTask> t, int64_t n_tok) override { ranks_[0]->matmul_batch(t, n_tok); }
   void get_rows(const WeightMatrix& w, std::span<const int32_t> ids, std::span<float> out) override { ranks_[0]->get_rows(w, ids, out); }
@@ -53,6 +54,7 @@ class TpGroup final : public Backend {
   void store_rows_f16(std::span<const float> src, int64_t width, std::span<const int32_t> rows, std::span<f16> plane) override { ranks_[0]->store_rows_f16(src, width, rows, plane); }
   void attention(const AttentionArgs& a) override { ranks_[0]->attention(a); }
   int64_t argmax(std::span<const float> x) override { return ranks_[0]->argmax(x); }
+  void top_k(std::span<const float> x, int64_t n, int32_t k, std::span<int32_t> ids, std::span<float> vals) override { ranks_[0]->top_k(x, n, k, ids, vals); }
 
  private:
   void worker(int rank);

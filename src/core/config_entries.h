@@ -126,6 +126,13 @@ KILN_CONFIG_ENTRY(bool, cuda_pdl, true,
 KILN_CONFIG_ENTRY(bool, cuda_mma_pre_scales, true,
                   "CUDA: Q4_K in the int8 tensor-core matmul (8-16 tokens): each stage's scales "
                   "decoded once per block into shared memory, not by every lane; same outputs")
+KILN_CONFIG_ENTRY(bool, cuda_direct_download, true,
+                  "CUDA: logits downloaded by DMA straight into the session's page-locked host "
+                  "buffer (off: through the backend's pinned buffer and a host copy); same "
+                  "outputs")
+KILN_CONFIG_ENTRY(bool, cuda_attn_skip_empty, true,
+                  "CUDA: decode attention skips key slices with no visible key (the graph's "
+                  "padded key bucket) instead of walking them; same outputs")
 KILN_CONFIG_ENTRY(bool, cuda_graphs, true,
                   "CUDA: replay each repeated decode step as a CUDA graph (off: launch op by op)")
 KILN_CONFIG_ENTRY(bool, cuda_gemm_graphs, true,

@@ -208,7 +208,7 @@ Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, 
   KILN_TRY(model::validate_batch(hp, tokens, n_pos_, n_ctx_));
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t V = hp.n_vocab;
-  logits_.resize(static_cast<size_t>((all_logits ? n : 1) * V));
+  logits_.resize(static_cast<size_t>((all_logits ? n : 1) * V), backend_);
   Impl& s = *impl_;
   const int32_t max_batch = s.kv().max_batch();
   for (size_t r = 0; r < s.ranks.size(); ++r)
@@ -223,8 +223,8 @@ Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, 
     }
     s.bind_layers(hp.n_layer);
     std::span<float> out;
-    if (all_logits) out = std::span<float>(logits_).subspan(static_cast<size_t>(done * V), static_cast<size_t>(chunk * V));
-    else if (last_chunk) out = std::span<float>(logits_);
+    if (all_logits) out = logits_.span().subspan(static_cast<size_t>(done * V), static_cast<size_t>(chunk * V));
+    else if (last_chunk) out = logits_.span();
     else {
       // Earlier chunks' logits are not wanted, but forward() always produces one row.
       s.discard.resize(static_cast<size_t>(V));
@@ -250,7 +250,7 @@ Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, 
     done += chunk;
   }
   n_pos_ += static_cast<int32_t>(n);
-  return std::span<const float>(logits_);
+  return std::span<const float>(logits_.span());
 }
 
 struct BatchEval::Impl {
@@ -262,7 +262,7 @@ struct BatchEval::Impl {
   };
   std::vector<Rank> ranks;                   // [tp_size]
   std::vector<int32_t> tokens, pos;          // [n_tok] the items' tokens, concatenated
-  std::vector<float> logits;                 // [rows][n_vocab]
+  HostLogits logits;                         // [rows][n_vocab]
 };
 
 BatchEval::BatchEval(std::shared_ptr<const Model> model, Backend& backend, int32_t max_tokens)
@@ -332,7 +332,7 @@ Expected<std::span<const float>> BatchEval::eval(std::span<const Item> items) {
     const auto ap = s.kv().append_pos();
     b.pos.insert(b.pos.end(), ap.begin(), ap.end());
   }
-  b.logits.resize(static_cast<size_t>(rows) * static_cast<size_t>(hp.n_vocab));
+  b.logits.resize(static_cast<size_t>(rows) * static_cast<size_t>(hp.n_vocab), backend_);
   backend_.tp_run([&](int r) {
     Impl::Rank& rk = b.ranks[static_cast<size_t>(r)];
     model::ForwardBatch fb;
@@ -341,13 +341,13 @@ Expected<std::span<const float>> BatchEval::eval(std::span<const Item> items) {
     fb.seqs = rk.seqs;
     const model::Shard& sh = b.shards[static_cast<size_t>(r)];
     model::forward(sh.hp, sh.w, backend_.tp_rank(r), rk.fwd, fb,
-                   r == 0 ? std::span<float>(b.logits) : std::span<float>());
+                   r == 0 ? b.logits.span() : std::span<float>());
   });
   for (const Item& it : items) {
     it.session->impl_->commit();
     it.session->n_pos_ += static_cast<int32_t>(it.tokens.size());
   }
-  return std::span<const float>(b.logits);
+  return std::span<const float>(b.logits.span());
 }
 
 }  // namespace kiln

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "engine/host_logits.h"
 #include "core/status.h"
 #include "format/gguf.h"
 #include "model/capture.h"
@@ -113,7 +114,7 @@ class Session {
   int32_t n_pos_ = 0;
   struct Impl;  // KV cache + forward scratch (session.cpp)
   std::unique_ptr<Impl> impl_;
-  std::vector<float> logits_;  // [n_out][n_vocab]
+  HostLogits logits_;  // [n_out][n_vocab]
   model::Capture* capture_ = nullptr;
   friend class BatchEval;
 };

@@ -213,4 +213,33 @@ int32_t Sampler::sample(std::span<const float> logits) {
   return sample_dist(cands_, rng_);
 }
 
+int32_t Sampler::candidates_needed(int32_t most) const {
+  const SamplerParams& p = params_;
+  if (!p.logit_bias.empty()) return 0;
+  const bool penalties = p.penalty_last_n > 0 && (p.repeat_penalty != 1.0f ||
+                                                  p.frequency_penalty != 0.0f ||
+                                                  p.presence_penalty != 0.0f);
+  if (penalties) return 0;
+  if (p.temperature <= 0.0f) return 1;
+  if (p.top_k <= 0 || p.top_k >= n_vocab_ || p.top_k > most) return 0;
+  return p.top_k;
+}
+
+int32_t Sampler::sample_top(std::span<const int32_t> ids, std::span<const float> logits) {
+  const int32_t need = candidates_needed(std::numeric_limits<int32_t>::max());
+  KILN_CHECK(need > 0, "sample_top: these sampling parameters need the whole row");
+  KILN_CHECK(ids.size() == logits.size() && ids.size() >= size_t(need),
+             "sample_top: {} candidates ({} logits) for {} needed", ids.size(), logits.size(),
+             need);
+  // What sample() holds after its top-k stage: the first `need` of the row, sorted.
+  cands_.items.resize(size_t(need));
+  for (size_t i = 0; i < size_t(need); ++i) cands_.items[i] = {ids[i], logits[i], 0};
+  cands_.sorted = true;
+  if (params_.temperature <= 0.0f) return greedy(cands_);
+  top_p(cands_, params_.top_p);
+  min_p(cands_, params_.min_p);
+  temperature(cands_, params_.temperature);
+  return sample_dist(cands_, rng_);
+}
+
 }  // namespace kiln

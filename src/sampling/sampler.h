@@ -82,6 +82,14 @@ class Sampler {
   // accept() with the id actually appended to the sequence (prompt tokens included, if the
   // penalties should see them).
   int32_t sample(std::span<const float> logits);
+  // How many of the row's best candidates (in sampling order: Backend::top_k) decide the next
+  // id exactly as sample() of the whole row would: 1 for greedy, top_k when top-k sampling
+  // cuts the row first; 0 when the whole row matters (a logit bias or penalties, which
+  // change logits before the cut, or no top-k cut, or one above `most`).
+  int32_t candidates_needed(int32_t most) const;
+  // sample() from those candidates: ids/logits the row's first candidates_needed() (or more)
+  // in sampling order. Same id, same RNG draws as sample() of the row.
+  int32_t sample_top(std::span<const int32_t> ids, std::span<const float> logits);
   void accept(int32_t id);
   void reset();  // clears the history and reseeds
 

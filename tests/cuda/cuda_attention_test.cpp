@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 
@@ -106,6 +107,46 @@ TEST(CudaAttention, Configurations) {
 // the f32 bound of the reference. Sequences of different lengths (splits from 1 to many), 1-3
 // queries, rings, a window and a softcap, plus one prefill-sized sequence (the tile kernel)
 // in the same batch. store_rows_f16_batch likewise against store_rows_f16.
+// A decode key list padded as graph mode pads it (invisible keys at row 0, position INT32_MAX,
+// up to the bucket): with kernels.h set_attention_skip_empty the slices holding only padding
+// write their empty partials at once; the bits must be those of walking them. GQA groups 1-8,
+// head sizes 64 (P 1), 128 (P 2) and 256 (P 4), a window and a softcap.
+TEST(CudaAttention, SkipEmptySlicesSameBits) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  struct Shape {
+    int64_t n_head, n_head_kv, hd, n_kv;
+    int32_t window;
+    float softcap;
+  };
+  for (const Shape c : {Shape{32, 8, 128, 70, 0, 0.0f}, Shape{8, 8, 64, 300, 0, 0.0f},
+                        Shape{16, 2, 256, 33, 20, 30.0f}, Shape{8, 4, 96, 129, 0, 0.0f}}) {
+    SCOPED_TRACE(::testing::Message() << "heads " << c.n_head << "/" << c.n_head_kv << " hd "
+                                      << c.hd << " n_kv " << c.n_kv << " seed " << ops_seed());
+    AttnProblem p = random_attention(rng, c.n_head, c.n_head_kv, c.hd, 1, c.n_kv, c.n_kv + 3,
+                                     c.window, c.softcap, 2.0f, 3);
+    const int64_t padded = (c.n_kv + 255) / 256 * 256 + 256;
+    p.kv_rows.resize(size_t(padded), 0);
+    p.kv_pos.resize(size_t(padded), INT32_MAX);
+    p.args.kv_rows = p.kv_rows;
+    p.args.kv_pos = p.kv_pos;
+    std::vector<float> walk(p.q.size(), NAN), skip(p.q.size(), NAN), want(p.q.size(), NAN);
+    p.args.out = want;
+    cuda_under_test().ref->attention(p.args);
+    const bool prev = cuda::attention_skip_empty();
+    cuda::set_attention_skip_empty(false);
+    p.args.out = walk;
+    cuda_under_test().cuda->attention(p.args);
+    cuda::set_attention_skip_empty(true);
+    p.args.out = skip;
+    cuda_under_test().cuda->attention(p.args);
+    cuda::set_attention_skip_empty(prev);
+    ASSERT_EQ(std::memcmp(walk.data(), skip.data(), walk.size() * sizeof(float)), 0);
+    for (size_t i = 0; i < want.size(); ++i)
+      ASSERT_NEAR(skip[i], want[i], 1e-3f * (1.0f + std::fabs(want[i]))) << i;
+  }
+}
+
 TEST(CudaAttention, BatchOfSequencesHasEachSequencesBits) {
   KILN_REQUIRE_CUDA();
   CudaBackend& be = *cuda_under_test().cuda;

@@ -8,7 +8,9 @@
 #include <array>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #include "core/check.h"
 #include "core/dtype.h"
@@ -571,6 +573,86 @@ TEST(CudaOps, Argmax) {
     std::fill(x.begin(), x.end(), -INFINITY);
     EXPECT_EQ(gpu().argmax(x), ref().argmax(x)) << "all -inf, n " << n;
   }
+}
+
+// Device top-k against the host default (Backend::top_k) on host spans and on device memory:
+// single and many rows, vocabularies below one chunk and of real sizes, k from 1 (greedy) to
+// the kernel's most, ties (equal values, first index first), -inf, -0 beside +0.
+TEST(CudaOps, TopKSameAsHost) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  struct Case {
+    int64_t rows, n;
+    int32_t k;
+  };
+  for (const Case c : {Case{1, 1, 1}, Case{1, 7, 7}, Case{3, 1000, 40}, Case{2, 1025, 256},
+                       Case{1, 32000, 1}, Case{1, 32000, 40}, Case{64, 32000, 40},
+                       Case{5, 152064, 100}, Case{2, 4097, 256}}) {
+    SCOPED_TRACE(::testing::Message() << "rows " << c.rows << " n " << c.n << " k " << c.k
+                                      << " seed " << ops_seed());
+    std::vector<float> x = random_vec(rng, size_t(c.rows * c.n));
+    if (c.n > 100) {  // ties across chunks, infinities, signed zeros
+      for (int64_t r = 0; r < c.rows; ++r) {
+        float* row = x.data() + r * c.n;
+        row[c.n - 1] = row[c.n / 2] = row[3] = 9.0f;
+        row[5] = -INFINITY;
+        row[c.n - 2] = 0.0f, row[1] = -0.0f;
+      }
+    }
+    const size_t m = size_t(c.rows * c.k);
+    std::vector<int32_t> want_i(m), got_i(m, -1), dev_i(m, -1);
+    std::vector<float> want_v(m), got_v(m), dev_v(m);
+    ref().top_k(x, c.n, c.k, want_i, want_v);
+    gpu().top_k(x, c.n, c.k, got_i, got_v);
+    EXPECT_EQ(got_i, want_i) << "host spans";
+    EXPECT_EQ(std::memcmp(got_v.data(), want_v.data(), m * 4), 0) << "host spans";
+    BackendBuffer<float> d = gpu().alloc<float>(x.size());
+    gpu().upload(std::span<const float>(x), d.span());
+    gpu().top_k(d.span(), c.n, c.k, dev_i, dev_v);
+    EXPECT_EQ(dev_i, want_i) << "device memory";
+    EXPECT_EQ(std::memcmp(dev_v.data(), want_v.data(), m * 4), 0) << "device memory";
+  }
+  // Beyond the kernel's k: the rows are downloaded and sorted on the host, same answer.
+  std::vector<float> x = random_vec(rng, 3000);
+  std::vector<int32_t> want_i(1000), got_i(1000);
+  std::vector<float> want_v(1000), got_v(1000);
+  ref().top_k(x, 3000, 1000, want_i, want_v);
+  gpu().top_k(x, 3000, 1000, got_i, got_v);
+  EXPECT_EQ(got_i, want_i);
+}
+
+// A download into host memory page-locked through register_host_memory (engine/host_logits.h
+// does that for the logits) takes the direct DMA; one into plain memory the pinned bounce
+// buffer. Same bytes both ways, whole or a part at an offset.
+TEST(CudaOps, DirectDownloadSameBytesAsStaged) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  const size_t n = 32000 * 3 + 5;
+  const std::vector<float> x = random_vec(rng, n);
+  BackendBuffer<float> d = gpu().alloc<float>(n);
+  gpu().upload(std::span<const float>(x), d.span());
+  const size_t bytes = (n * 4 + 4095) / 4096 * 4096;
+  std::unique_ptr<float, void (*)(void*)> mem(static_cast<float*>(std::aligned_alloc(4096, bytes)),
+                                              std::free);
+  const std::span<float> p(mem.get(), n);
+  std::shared_ptr<void> reg =
+      gpu().register_host_memory(std::as_writable_bytes(std::span<float>(mem.get(), bytes / 4)));
+  ASSERT_NE(reg, nullptr) << "register_host_memory refused";
+  std::vector<float> plain(n);
+  for (int rep = 0; rep < 2; ++rep) {
+    std::fill(p.begin(), p.end(), 0.0f);
+    gpu().download(std::span<const float>(d.span()), p);
+    gpu().download(std::span<const float>(d.span()), std::span<float>(plain));
+    ASSERT_EQ(std::memcmp(p.data(), x.data(), n * 4), 0) << "direct download, rep " << rep;
+    ASSERT_EQ(std::memcmp(plain.data(), x.data(), n * 4), 0) << "staged download, rep " << rep;
+  }
+  // A part of the buffer, at an offset.
+  std::fill(p.begin(), p.end(), 0.0f);
+  gpu().download(std::span<const float>(d.span()).subspan(7, 1000), p.subspan(3, 1000));
+  EXPECT_EQ(std::memcmp(p.data() + 3, x.data() + 7, 1000 * 4), 0);
+  EXPECT_EQ(p[2], 0.0f);
+  EXPECT_EQ(p[1003], 0.0f);
+  reg.reset();  // unregistered before the memory is freed
 }
 
 }  // namespace

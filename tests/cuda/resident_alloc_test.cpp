@@ -52,6 +52,7 @@ class FakeDeviceBackend final : public Backend {
   }
   void download_bytes(std::span<const std::byte> src, std::span<std::byte> host) override {
     ++downloads_;
+    if (is_registered(host)) ++pinned_downloads_;
     EXPECT_FALSE(is_fake(host.data()));
     const auto s = real(src);
     std::memcpy(host.data(), s.data(), s.size());
@@ -116,6 +117,27 @@ class FakeDeviceBackend final : public Backend {
   }
   int64_t argmax(std::span<const float> x) override { return inner_.argmax(real(x)); }
 
+  // Page-locking, as the CUDA backend does it: the ranges are remembered until the handle goes;
+  // registering a page already registered fails (cudaHostRegister's rule).
+  std::shared_ptr<void> register_host_memory(std::span<std::byte> mem) override {
+    const auto a = reinterpret_cast<uintptr_t>(mem.data());
+    for (const auto& [b, n] : registered_)
+      if (a / 4096 <= (b + n - 1) / 4096 && b / 4096 <= (a + mem.size() - 1) / 4096) {
+        ADD_FAILURE() << "a page registered twice";
+        return nullptr;
+      }
+    registered_[a] = mem.size();
+    return std::shared_ptr<void>(mem.data(), [this, a](void*) { registered_.erase(a); });
+  }
+  bool is_registered(std::span<const std::byte> host) const {
+    const auto a = reinterpret_cast<uintptr_t>(host.data());
+    auto it = registered_.upper_bound(a);
+    if (it == registered_.begin()) return false;
+    --it;
+    return a + host.size() <= it->first + it->second;
+  }
+  size_t n_registered() const { return registered_.size(); }
+  uint64_t pinned_downloads() const { return pinned_downloads_; }
   uint64_t downloads() const { return downloads_; }
   uint64_t allocated_bytes() const { return allocated_bytes_; }
 
@@ -124,6 +146,8 @@ class FakeDeviceBackend final : public Backend {
     std::unique_ptr<std::byte[]> real;
     size_t bytes = 0;
   };
+  std::map<uintptr_t, size_t> registered_;
+  uint64_t pinned_downloads_ = 0;
   bool is_fake(const void* p) const { return find(p) != nullptr; }
   const std::pair<const uintptr_t, Region>* find(const void* p) const {
     const auto a = reinterpret_cast<uintptr_t>(p);
@@ -206,9 +230,14 @@ TEST_P(ResidentAlloc, BitIdenticalToHostMemory) {
     pack_dev = std::move(*p);
     EXPECT_EQ(pack_dev, pack_host) << "kvpack from device planes differs from host planes";
     downloads_before = dev.downloads();
-    // A decode step downloads its logits once; nothing else crosses for a dense model.
+    const uint64_t pinned_before = dev.pinned_downloads();
+    // A decode step downloads its logits once, into the session's page-locked buffer (engine/
+    // host_logits.h); nothing else crosses for a dense model.
     const int32_t tok = 3;
-    ASSERT_TRUE(resident.eval(std::span<const int32_t>(&tok, 1), false).has_value());
+    auto step = resident.eval(std::span<const int32_t>(&tok, 1), false);
+    ASSERT_TRUE(step.has_value());
+    EXPECT_TRUE(dev.is_registered(std::as_bytes(*step))) << "logits not in page-locked memory";
+    EXPECT_EQ(dev.pinned_downloads() - pinned_before, 1u);
     if ((*m)->hparams().layers[0].n_expert == 0) {
       EXPECT_EQ(dev.downloads() - downloads_before, 1u);
     } else {  // plus one router download per MoE layer
@@ -216,6 +245,7 @@ TEST_P(ResidentAlloc, BitIdenticalToHostMemory) {
     }
     EXPECT_GT(dev.allocated_bytes(), resident.kv_bytes());
   }
+  EXPECT_EQ(dev.n_registered(), 0u) << "a session left host memory page-locked";
   ASSERT_EQ(want.size(), got.size());
   EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
       << "logits differ between host memory and backend-allocated memory";

@@ -5,8 +5,11 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <random>
 #include <set>
+#include <vector>
 
+#include "backend/backend.h"
 #include "sampling/sampler.h"
 
 namespace kiln {
@@ -252,6 +255,71 @@ TEST(Sampler, RejectsBadParameters) {
   EXPECT_FALSE(Sampler::create(p, 10));
   EXPECT_FALSE(Sampler::create(SamplerParams{}, 0));
   EXPECT_TRUE(Sampler::create(SamplerParams{}, 10));
+}
+
+}  // namespace
+}  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// Sampling from a backend's top-k candidates (Backend::top_k, what a GPU ships instead of the
+// whole row) gives the ids sample() of the whole row gives, draw for draw, whenever
+// candidates_needed() says it may; and says it may not where a stage before the cut would
+// change the logits.
+TEST(Sampler, TopCandidatesGiveTheSameIds) {
+  auto be = make_ref_backend();
+  std::mt19937_64 rng(77);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  const int32_t V = 3001;
+  std::vector<SamplerParams> ps;
+  for (float temp : {0.0f, 0.3f, 0.8f, 1.5f})
+    for (int32_t k : {1, 5, 40})
+      for (float top_p : {0.5f, 0.95f, 1.0f})
+        for (float min_p : {0.0f, 0.05f}) {
+          SamplerParams p;
+          p.temperature = temp, p.top_k = k, p.top_p = top_p, p.min_p = min_p;
+          p.seed = uint64_t(ps.size());
+          ps.push_back(p);
+        }
+  int checked = 0;
+  for (const SamplerParams& p : ps) {
+    auto full = Sampler::create(p, V);
+    auto top = Sampler::create(p, V);
+    ASSERT_TRUE(full && top);
+    const int32_t k = top->candidates_needed(256);
+    ASSERT_EQ(k, p.temperature <= 0 ? 1 : p.top_k);
+    std::vector<float> logits(V);
+    std::vector<int32_t> ids(static_cast<size_t>(k));
+    std::vector<float> vals(static_cast<size_t>(k));
+    for (int step = 0; step < 50; ++step) {
+      for (float& l : logits) l = std::round(nd(rng) * 4) / 4;  // coarse: many ties
+      be->top_k(logits, V, k, ids, vals);
+      const int32_t a = full->sample(logits), b = top->sample_top(ids, vals);
+      ASSERT_EQ(a, b) << "temp " << p.temperature << " k " << p.top_k << " step " << step;
+      full->accept(a);
+      top->accept(b);
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, int(ps.size()) * 50);
+
+  // The whole row is needed: a bias, penalties, no top-k cut, a cut above the backend's most.
+  SamplerParams p;
+  p.logit_bias = {{3, 1.0f}};
+  EXPECT_EQ(Sampler::create(p, V)->candidates_needed(256), 0);
+  p = SamplerParams{};
+  p.repeat_penalty = 1.1f;
+  EXPECT_EQ(Sampler::create(p, V)->candidates_needed(256), 0);
+  p.penalty_last_n = 0;  // penalties that see no history
+  EXPECT_EQ(Sampler::create(p, V)->candidates_needed(256), p.top_k);
+  p = SamplerParams{};
+  p.top_k = 0;
+  EXPECT_EQ(Sampler::create(p, V)->candidates_needed(256), 0);
+  p.top_k = 300;
+  EXPECT_EQ(Sampler::create(p, V)->candidates_needed(256), 0);
+  p.temperature = 0;  // greedy ignores top-k
+  EXPECT_EQ(Sampler::create(p, V)->candidates_needed(256), 1);
 }
 
 }  // namespace

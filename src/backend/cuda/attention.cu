@@ -24,9 +24,8 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kMaxHeadDim = 256;
-constexpr int kPairs = kMaxHeadDim / 64;  // f16 pairs (half2) each lane owns: d = 2 lane + 64 c
 constexpr int64_t kMinKeysPerSplit = 32;
-constexpr int kMaxGroup = 8;  // query heads one block serves (registers: 2 kPairs floats each)
+constexpr int kMaxGroup = 8;  // query heads one block serves (registers: 2 P floats each)
 
 // Query heads per block: the largest of 8, 4, 2, 1 dividing the GQA ratio, so that every head
 // of a block reads the same KV head and each K/V row is loaded once for all of them (with
@@ -58,54 +57,74 @@ Split plan_split(const DeviceAttention& a, int n_sm) {
 // and heads G * (x % (n_head / G)) .. + G - 1, one KV head. Each warp takes runs of KB keys
 // (run r of the slice: warp r % kWarps): it loads each key's K and V rows once (4-byte half2
 // loads, a warp's loads contiguous), scores them against the G queries, and keeps G online
-// softmaxes. Partial
-// layout per (q, head, split): [head_dim] unnormalised acc, then max, then sum.
+// softmaxes. Each lane owns P f16 pairs of a row (d = 2 lane + 64 c, c < P): P is the
+// head size's, not the largest one's, so a 128-wide head keeps half the registers of a 256-wide
+// one (and more blocks fit on an SM); the pairs past the head size were never computed.
+// Partial layout per (q, head, split): [head_dim] unnormalised acc, then max, then sum.
+// skip_empty (kernels.h set_attention_skip_empty): a slice with no visible key (the padding of
+// a graph's key bucket past a short context) writes the empty partial (zeros, -inf, 0) at once,
+// the bits the full walk would have left.
 // The body is shared by the one-sequence kernel (bx, by = blockIdx) and the batched one (bx, by
 // from the block's place in its sequence's range), so a sequence's result has the same bits
 // either way.
-template <int G, int KB>
+template <int G, int KB, int P>
 __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
                                                      int64_t keys_per_split,
                                                      float* __restrict__ part, int64_t bx,
-                                                     int64_t by, int64_t n_split) {
-  __shared__ float q_s[G][kMaxHeadDim];
-  __shared__ float acc_s[kWarps][kMaxHeadDim];
+                                                     int64_t by, int64_t n_split,
+                                                     bool skip_empty) {
+  constexpr int HD = 64 * P;  // the widest head this instantiation serves
+  __shared__ float q_s[G][HD];
+  __shared__ float acc_s[kWarps][G][HD];
   __shared__ float m_s[kWarps][G], l_s[kWarps][G];
   const int64_t groups = a.n_head / G;
   const int64_t qi = bx / groups, h0 = (bx % groups) * G;
   const int64_t hd = a.head_dim, kv_w = a.n_head_kv * hd;
   const int64_t kvh = h0 / (a.n_head / a.n_head_kv);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int64_t i = threadIdx.x; i < G * hd; i += blockDim.x)
-    q_s[i / hd][i % hd] = a.q[(qi * a.n_head + h0) * hd + i];
-  __syncthreads();
   const int32_t qp = a.q_pos[qi];
   const int64_t j0 = by * keys_per_split;
   const int64_t j1 = min(a.n_kv, j0 + keys_per_split);
+  auto visible = [&](int32_t kp) { return kp <= qp && !(a.window > 0 && qp - kp >= a.window); };
 
-  float m[G], l[G], acc[G][kPairs][2];
+  // The queries and (skip_empty) the slice's positions load in the same round trip; one
+  // barrier both publishes q_s and tells whether any key of the slice is visible.
+  for (int64_t i = threadIdx.x; i < G * hd; i += blockDim.x)
+    q_s[i / hd][i % hd] = a.q[(qi * a.n_head + h0) * hd + i];
+  bool any = !skip_empty;
+  for (int64_t j = j0 + threadIdx.x; j < j1 && !any; j += blockDim.x) any = visible(a.kv_pos[j]);
+  if (!__syncthreads_or(any)) {
+    for (int64_t i = threadIdx.x; i < int64_t(G) * (hd + 2); i += blockDim.x) {
+      const int64_t g = i / (hd + 2), d = i % (hd + 2);
+      part[((qi * a.n_head + h0 + g) * n_split + by) * (hd + 2) + d] =
+          d == hd ? -INFINITY : 0.0f;
+    }
+    return;
+  }
+
+  float m[G], l[G], acc[G][P][2];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     m[g] = -INFINITY, l[g] = 0.0f;
 #pragma unroll
-    for (int c = 0; c < kPairs; ++c) acc[g][c][0] = acc[g][c][1] = 0.0f;
+    for (int c = 0; c < P; ++c) acc[g][c][0] = acc[g][c][1] = 0.0f;
   }
   // KB keys per warp per step, every K/V load of the step issued before any score: a decode
   // block walks its slice as a chain of memory round trips, and KB of them overlap. The keys
   // are then folded into the online softmaxes one at a time, in key order.
   for (int64_t jb = j0 + int64_t(warp) * KB; jb < j1; jb += int64_t(kWarps) * KB) {
     bool vis[KB];
-    float2 kf[KB][kPairs], vf[KB][kPairs];
+    float2 kf[KB][P], vf[KB][P];
 #pragma unroll
     for (int b = 0; b < KB; ++b) {
       const int64_t j = jb + b < j1 ? jb + b : j1 - 1;  // clamped: loaded, never used
-      const int32_t kp = a.kv_pos[j];
-      vis[b] = jb + b < j1 && kp <= qp && !(a.window > 0 && qp - kp >= a.window);
+      vis[b] = jb + b < j1 && visible(a.kv_pos[j]);
       const int64_t base = int64_t(a.kv_rows[j]) * kv_w + kvh * hd;
 #pragma unroll
-      for (int c = 0; c < kPairs; ++c) {
+      for (int c = 0; c < P; ++c) {
         const int64_t d = 2 * lane + 64 * c;
         kf[b][c] = vf[b][c] = make_float2(0.0f, 0.0f);
+        // Not predicated on vis: the K/V loads then wait only for kv_rows, not kv_pos too.
         if (d < hd) {  // hd even: a pair never straddles the end; rows are 4-byte aligned
           kf[b][c] = __half22float2(*reinterpret_cast<const __half2*>(a.k + base + d));
           vf[b][c] = __half22float2(*reinterpret_cast<const __half2*>(a.v + base + d));
@@ -119,7 +138,7 @@ __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
       for (int g = 0; g < G; ++g) {
         float dot = 0.0f;
 #pragma unroll
-        for (int c = 0; c < kPairs; ++c) {
+        for (int c = 0; c < P; ++c) {
           const int64_t d = 2 * lane + 64 * c;
           if (d < hd) {
             dot = fmaf(q_s[g][d], kf[b][c].x, dot);
@@ -134,7 +153,7 @@ __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
         const float p = expf(logit - m_new);
         l[g] = l[g] * corr + p;
 #pragma unroll
-        for (int c = 0; c < kPairs; ++c) {
+        for (int c = 0; c < P; ++c) {
           acc[g][c][0] = acc[g][c][0] * corr + p * vf[b][c].x;
           acc[g][c][1] = acc[g][c][1] * corr + p * vf[b][c].y;
         }
@@ -142,49 +161,53 @@ __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
       }
     }
   }
-  if (lane == 0) {
-#pragma unroll
-    for (int g = 0; g < G; ++g) m_s[warp][g] = m[g], l_s[warp][g] = l[g];
-  }
-  // One head at a time through acc_s: the warps' partials merged in warp order.
+  // The warps' partials merged in warp order, every head at once.
 #pragma unroll
   for (int g = 0; g < G; ++g) {
+    if (lane == 0) m_s[warp][g] = m[g], l_s[warp][g] = l[g];
 #pragma unroll
-    for (int c = 0; c < kPairs; ++c) {
+    for (int c = 0; c < P; ++c) {
       const int64_t d = 2 * lane + 64 * c;
-      if (d < hd) acc_s[warp][d] = acc[g][c][0], acc_s[warp][d + 1] = acc[g][c][1];
+      if (d < hd) acc_s[warp][g][d] = acc[g][c][0], acc_s[warp][g][d + 1] = acc[g][c][1];
     }
-    __syncthreads();
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < int64_t(G) * hd; i += blockDim.x) {
+    const int g = int(i / hd);
+    const int64_t d = i % hd;
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w][g]);
-    float* out = part + ((qi * a.n_head + h0 + g) * n_split + by) * (hd + 2);
-    for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
-      float s = 0.0f;
-      if (mx != -INFINITY) {
+    float s = 0.0f;
+    if (mx != -INFINITY) {
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w)
-          if (m_s[w][g] != -INFINITY) s += acc_s[w][d] * expf(m_s[w][g] - mx);
-      }
-      out[d] = s;
+      for (int w = 0; w < kWarps; ++w)
+        if (m_s[w][g] != -INFINITY) s += acc_s[w][g][d] * expf(m_s[w][g] - mx);
     }
-    if (threadIdx.x == 0) {
-      float sum = 0.0f;
-      if (mx != -INFINITY)
-        for (int w = 0; w < kWarps; ++w)
-          if (m_s[w][g] != -INFINITY) sum += l_s[w][g] * expf(m_s[w][g] - mx);
-      out[hd] = mx;
-      out[hd + 1] = sum;
-    }
-    __syncthreads();  // acc_s is rewritten for the next head
+    part[((qi * a.n_head + h0 + g) * n_split + by) * (hd + 2) + d] = s;
+  }
+  if (threadIdx.x < G) {
+    const int g = int(threadIdx.x);
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w][g]);
+    float sum = 0.0f;
+    if (mx != -INFINITY)
+      for (int w = 0; w < kWarps; ++w)
+        if (m_s[w][g] != -INFINITY) sum += l_s[w][g] * expf(m_s[w][g] - mx);
+    float* out = part + ((qi * a.n_head + h0 + g) * n_split + by) * (hd + 2);
+    out[hd] = mx;
+    out[hd + 1] = sum;
   }
 }
 
-template <int G, int KB>
+template <int G, int KB, int P>
 __global__ void __launch_bounds__(kWarps * 32)
-    attention_split_kernel(DeviceAttention a, int64_t keys_per_split, float* __restrict__ part) {
+    attention_split_kernel(DeviceAttention a, int64_t keys_per_split, float* __restrict__ part,
+                           bool skip_empty) {
   pdl_enter();
-  attention_split_body<G, KB>(a, keys_per_split, part, blockIdx.x, blockIdx.y, gridDim.y);
+  attention_split_body<G, KB, P>(a, keys_per_split, part, blockIdx.x, blockIdx.y, gridDim.y,
+                                 skip_empty);
 }
 
 // The item whose block range [first[i], first[i + 1]) holds block b (items in order).
@@ -201,15 +224,16 @@ __device__ __forceinline__ int find_item(const AttentionBatchItem* items, int n,
 
 // Several sequences' split kernels in one grid: block b belongs to the item whose range holds
 // it and runs exactly the block that item's own launch would run there.
-template <int G, int KB>
+template <int G, int KB, int P>
 __global__ void __launch_bounds__(kWarps * 32)
-    attention_split_batch_kernel(const AttentionBatchItem* __restrict__ items, int n) {
+    attention_split_batch_kernel(const AttentionBatchItem* __restrict__ items, int n,
+                                 bool skip_empty) {
   pdl_enter();
   const int i = find_item(items, n, blockIdx.x, false);
   const AttentionBatchItem& it = items[i];
   const int64_t local = int64_t(blockIdx.x) - it.block0;
-  attention_split_body<G, KB>(it.a, it.keys_per_split, it.part, local / it.n_split,
-                              local % it.n_split, it.n_split);
+  attention_split_body<G, KB, P>(it.a, it.keys_per_split, it.part, local / it.n_split,
+                              local % it.n_split, it.n_split, skip_empty);
 }
 
 // One (query, head): merges the splits' partials and normalises.
@@ -473,7 +497,31 @@ cudaError_t launch_tile_hd(const DeviceAttention& a, cudaStream_t s) {
   }
 }
 
+// f(one-sequence kernel, batched kernel) of the instantiation for group g and this head size:
+// KB 2 for 8 heads (registers), P the head's f16 pairs per lane (3 served by 4: the pairs past
+// the head are skipped either way).
+template <int G, int KB, typename F>
+cudaError_t with_split_kernel_p(int64_t hd, F&& f) {
+  if (hd <= 64) return f(attention_split_kernel<G, KB, 1>, attention_split_batch_kernel<G, KB, 1>);
+  if (hd <= 128) return f(attention_split_kernel<G, KB, 2>, attention_split_batch_kernel<G, KB, 2>);
+  return f(attention_split_kernel<G, KB, 4>, attention_split_batch_kernel<G, KB, 4>);
+}
+template <typename F>
+cudaError_t with_split_kernel(int g, int64_t hd, F&& f) {
+  switch (g) {
+    case 8: return with_split_kernel_p<8, 2>(hd, f);
+    case 4: return with_split_kernel_p<4, 4>(hd, f);
+    case 2: return with_split_kernel_p<2, 4>(hd, f);
+    default: return with_split_kernel_p<1, 4>(hd, f);
+  }
+}
+
+thread_local bool g_skip_empty = kAttentionSkipEmptyDefault;
+
 }  // namespace
+
+void set_attention_skip_empty(bool on) { g_skip_empty = on; }
+bool attention_skip_empty() { return g_skip_empty; }
 
 bool attention_uses_tiles(const DeviceAttention& a) { return tile_path(a); }
 
@@ -511,13 +559,9 @@ cudaError_t launch_attention_batch(const AttentionBatchItem* items,
     merges += a.n_q * a.n_head;
   }
   const int n = int(host_items.size());
-  cudaError_t e;
-  switch (g) {
-    case 8: e = launch(attention_split_batch_kernel<8, 2>, unsigned(blocks), kWarps * 32, 0, s, items, n); break;
-    case 4: e = launch(attention_split_batch_kernel<4, 4>, unsigned(blocks), kWarps * 32, 0, s, items, n); break;
-    case 2: e = launch(attention_split_batch_kernel<2, 4>, unsigned(blocks), kWarps * 32, 0, s, items, n); break;
-    default: e = launch(attention_split_batch_kernel<1, 4>, unsigned(blocks), kWarps * 32, 0, s, items, n); break;
-  }
+  const cudaError_t e = with_split_kernel(g, a0.head_dim, [&](auto, auto batch) {
+    return launch(batch, unsigned(blocks), kWarps * 32, 0, s, items, n, attention_skip_empty());
+  });
   if (e != cudaSuccess) return e;
   return launch(attention_merge_batch_kernel, unsigned(merges), 128, 0, s, items, n);
 }
@@ -539,13 +583,9 @@ cudaError_t launch_attention(const DeviceAttention& a, float* scratch, int n_sm,
   const int g = group_of(a);
   const dim3 grid(unsigned(a.n_q * (a.n_head / g)), unsigned(sp.n_split));
   const int64_t kps = sp.keys_per_split;
-  cudaError_t e;
-  switch (g) {
-    case 8: e = launch(attention_split_kernel<8, 2>, grid, kWarps * 32, 0, s, a, kps, scratch); break;
-    case 4: e = launch(attention_split_kernel<4, 4>, grid, kWarps * 32, 0, s, a, kps, scratch); break;
-    case 2: e = launch(attention_split_kernel<2, 4>, grid, kWarps * 32, 0, s, a, kps, scratch); break;
-    default: e = launch(attention_split_kernel<1, 4>, grid, kWarps * 32, 0, s, a, kps, scratch); break;
-  }
+  const cudaError_t e = with_split_kernel(g, a.head_dim, [&](auto one, auto) {
+    return launch(one, grid, kWarps * 32, 0, s, a, kps, scratch, attention_skip_empty());
+  });
   if (e != cudaSuccess) return e;
   return launch(attention_merge_kernel, unsigned(a.n_q * a.n_head), 128, 0, s,
                 static_cast<const float*>(scratch), sp.n_split, a.head_dim, a.out);

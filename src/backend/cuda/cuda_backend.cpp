@@ -182,8 +182,27 @@ struct CudaBackend::Impl {
   uint64_t expert_cache_option = 0;
   bool expert_async = true;
   bool pdl = false;  // CudaOptions::pdl
+  // Host ranges page-locked through register_host_memory, by start address; shared with the
+  // handles' deleters, which may run after this backend is gone (an expert store's slabs).
+  struct Pinned {
+    std::mutex mu;
+    std::map<uintptr_t, size_t> ranges;
+    // True when [p, p + n) lies inside one registered range.
+    bool holds(const void* p, size_t n) {
+      const auto a = reinterpret_cast<uintptr_t>(p);
+      std::lock_guard lk(mu);
+      auto it = ranges.upper_bound(a);
+      if (it == ranges.begin()) return false;
+      --it;
+      return a + n <= it->first + it->second;
+    }
+  };
+  std::shared_ptr<Pinned> pinned = std::make_shared<Pinned>();
+  bool direct_download = true;  // CudaOptions::direct_download
   bool mma_pre_scales = cuda::kMmaPreScalesDefault;  // CudaOptions::mma_pre_scales
   static_assert(CudaOptions{}.mma_pre_scales == cuda::kMmaPreScalesDefault);
+  bool attention_skip_empty = cuda::kAttentionSkipEmptyDefault;  // CudaOptions::attention_skip_empty
+  static_assert(CudaOptions{}.attention_skip_empty == cuda::kAttentionSkipEmptyDefault);
   bool expert_copies_unfenced = false;  // copies queued since the last fence_expert_copies()
   cuda::Event expert_copy_ev;
   // The end of every op that looks weights up: its expert copies (queued on the compute
@@ -368,6 +387,8 @@ struct CudaBackend::Impl {
   bool verify = false;
   std::deque<cuda::Event> prof_events;  // profile mode: two per pending op
   cuda::DeviceBuffer attn_part, argmax_out;
+  cuda::DeviceBuffer topk_v, topk_i;  // top_k's passes and result
+  size_t topk_v_cap = 0, topk_i_cap = 0;
   cuda::DeviceBuffer act_q8;  // MatmulKernels::V3's quantized activations
   size_t act_q8_cap = 0;
   // V3: the activation scratch for this matmul (null when the int8 path does not apply).
@@ -631,6 +652,8 @@ struct CudaBackend::Impl {
     const SwitchScope pdl_scope(cuda::launch_pdl, cuda::set_launch_pdl, pdl && !timed);
     const SwitchScope pre_scales_scope(cuda::mma_pre_scales, cuda::set_mma_pre_scales,
                                        mma_pre_scales);
+    const SwitchScope skip_empty_scope(cuda::attention_skip_empty,
+                                       cuda::set_attention_skip_empty, attention_skip_empty);
     if (in_used > chunk_in_start) {
       if (cudaError_t e = cudaMemcpyAsync(static_cast<std::byte*>(dev_in.get()) + chunk_in_start,
                                           pin_in->data() + chunk_in_start,
@@ -920,12 +943,21 @@ std::shared_ptr<void> CudaBackend::register_host_memory(std::span<std::byte> mem
   void* p = mem.data();
   if (cudaError_t e = cudaHostRegister(p, mem.size(), cudaHostRegisterPortable); e != cudaSuccess) {
     cudaGetLastError();
-    log_notice("cuda: could not page-lock {} MiB of expert slabs ({}); copies read pageable "
+    log_notice("cuda: could not page-lock {} MiB of host memory ({}); copies read pageable "
                "memory", mem.size() >> 20, cudaGetErrorString(e));
     return nullptr;
   }
-  // cudaHostUnregister is synchronous; the store releases this before unmapping the memory.
-  return std::shared_ptr<void>(p, [](void* q) {
+  std::shared_ptr<Impl::Pinned> pinned = impl_->pinned;
+  {
+    std::lock_guard lk(pinned->mu);
+    pinned->ranges[reinterpret_cast<uintptr_t>(p)] = mem.size();
+  }
+  // cudaHostUnregister is synchronous; the owner releases this before freeing the memory.
+  return std::shared_ptr<void>(p, [pinned](void* q) {
+    {
+      std::lock_guard lk(pinned->mu);
+      pinned->ranges.erase(reinterpret_cast<uintptr_t>(q));
+    }
     cudaHostUnregister(q);
     cudaGetLastError();
   });
@@ -989,16 +1021,19 @@ void CudaBackend::download_bytes(std::span<const std::byte> src, std::span<std::
     std::memcpy(host.data(), src.data(), src.size());
     return;
   }
-  I.reserve_out(src.size());
-  std::byte* out = I.pin_out->data();
   const std::byte* d = src.data();
   const size_t n = src.size();
+  // Page-locked destination (register_host_memory: a session's logits): one DMA straight into
+  // it, no pinned bounce buffer and host copy (8 MB of logits per step at 64 sequences).
+  const bool direct = I.direct_download && I.pinned->holds(host.data(), n);
+  if (!direct) I.reserve_out(n);
+  std::byte* out = direct ? host.data() : I.pin_out->data();
   I.sig("download", d, n, out);
   I.record("download", [=](cudaStream_t st) {
     return cudaMemcpyAsync(out, d, n, cudaMemcpyDeviceToHost, st);
   });
   I.flush();
-  std::memcpy(host.data(), out, n);
+  if (!direct) std::memcpy(host.data(), out, n);
 }
 
 void CudaBackend::copy_bytes(std::span<const std::byte> src, std::span<std::byte> dst) {
@@ -1794,6 +1829,59 @@ int64_t CudaBackend::argmax(std::span<const float> x) {
   return best;
 }
 
+void CudaBackend::top_k(std::span<const float> x, int64_t n, int32_t k, std::span<int32_t> ids,
+                        std::span<float> vals) {
+  KILN_CHECK(n > 0 && k >= 1 && k <= n && x.size() % static_cast<size_t>(n) == 0,
+             "top_k: k {} of rows of {} ({} values)", k, n, x.size());
+  const auto rows = static_cast<int64_t>(x.size()) / n;
+  KILN_CHECK(ids.size() == static_cast<size_t>(rows * k) && vals.size() == ids.size(),
+             "top_k: {} ids and {} values for {} rows of {}", ids.size(), vals.size(), rows, k);
+  Impl& I = *impl_;
+  if (k > cuda::kTopKMax || rows > 65535) {  // beyond the kernel: the whole rows, sorted here
+    std::vector<float> host(x.size());
+    download(x, std::span<float>(host));
+    Backend::top_k(host, n, k, ids, vals);
+    return;
+  }
+  const size_t half = cuda::top_k_scratch(rows, n, k), n_out = static_cast<size_t>(rows * k);
+  std::lock_guard lock(I.mu);
+  if (I.is_dev(x.data())) {
+    I.enter();
+    // Scratch and the download buffer first: growing either flushes.
+    float* sv = I.internal<float>(I.topk_v, 2 * half + n_out, I.topk_v_cap);
+    int32_t* si = I.internal<int32_t>(I.topk_i, 2 * half + n_out, I.topk_i_cap);
+    I.reserve_out(n_out * (sizeof(float) + sizeof(int32_t)));
+    std::byte* out = I.pin_out->data();
+    const float* dx = x.data();
+    float* ov = sv + 2 * half;
+    int32_t* oi = si + 2 * half;
+    I.sig("top_k", dx, rows, n, k, sv, si, out);
+    I.record("top_k", [=](cudaStream_t st) {
+      if (cudaError_t e = cuda::launch_top_k(dx, rows, n, k, sv, si, ov, oi, st); e != cudaSuccess)
+        return e;
+      if (cudaError_t e = cudaMemcpyAsync(out, ov, n_out * sizeof(float), cudaMemcpyDeviceToHost, st);
+          e != cudaSuccess)
+        return e;
+      return cudaMemcpyAsync(out + n_out * sizeof(float), oi, n_out * sizeof(int32_t),
+                             cudaMemcpyDeviceToHost, st);
+    });
+    I.flush();
+    std::memcpy(vals.data(), out, n_out * sizeof(float));
+    std::memcpy(ids.data(), out + n_out * sizeof(float), n_out * sizeof(int32_t));
+    return;
+  }
+  I.begin_host_op({}, "top_k");
+  const float* dx = I.upload<float>(0, x);
+  float* sv = I.buffer<float>(1, 2 * half + n_out);
+  int32_t* si = I.buffer<int32_t>(2, 2 * half + n_out);
+  I.launch("top_k", [&] {
+    return cuda::launch_top_k(dx, rows, n, k, sv, si, sv + 2 * half, si + 2 * half, I.s());
+  });
+  I.download(vals, static_cast<const float*>(sv + 2 * half));
+  I.download(ids, static_cast<const int32_t*>(si + 2 * half));
+  I.finish("top_k");
+}
+
 void CudaBackend::all_reduce_sum(std::span<float> x) {
 #if KILN_HAVE_NCCL
   Impl& I = *impl_;
@@ -1904,6 +1992,8 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   impl->expert_async = options.expert_async_copies;
   impl->pdl = options.pdl;
   impl->mma_pre_scales = options.mma_pre_scales;
+  impl->direct_download = options.direct_download;
+  impl->attention_skip_empty = options.attention_skip_empty;
   impl->fuse_rope = options.fuse_rope;
   impl->fuse_swiglu = options.fuse_swiglu;
   impl->f16_cache_option = options.f16_cache_bytes;

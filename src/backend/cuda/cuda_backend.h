@@ -106,6 +106,14 @@ struct CudaOptions {
   // block into shared memory (kernels.h set_mma_pre_scales). Same results
   // (CudaMatvecQ8.MmaHasTheDp4aBits); on by measurement (docs/BENCHMARKS.md, session 14).
   bool mma_pre_scales = true;  // kernels.h kMmaPreScalesDefault (cuda_backend.cpp asserts it)
+  // A download into host memory page-locked through register_host_memory (the engine's
+  // logits buffers) is one DMA straight into it; off: through the backend's own pinned buffer
+  // and a host memcpy, as into any other host memory. Same bytes (CudaDirectDownload test).
+  bool direct_download = true;
+  // Decode attention: a block whose slice of keys holds no visible one (a graph's key bucket
+  // padded past a short context) writes its empty partial at once (kernels.h
+  // set_attention_skip_empty). Same results (CudaOps.AttentionSkipEmptySameBits).
+  bool attention_skip_empty = true;  // kernels.h kAttentionSkipEmptyDefault (asserted)
   // Matmuls that take the cuBLAS path (above auto_int8_max_tokens tokens: prefill, large
   // batches) read an f16 copy of the weight kept on the device, written once at its first such
   // call, instead of dequantizing it into scratch on every call. At most this many bytes of
@@ -204,6 +212,8 @@ class CudaBackend final : public Backend {
   void attention_batch(std::span<const AttentionArgs> seqs) override;
   void store_rows_f16_batch(std::span<const StoreRowsTask> tasks) override;
   int64_t argmax(std::span<const float> x) override;
+  void top_k(std::span<const float> x, int64_t n, int32_t k, std::span<int32_t> ids,
+             std::span<float> vals) override;
   // On a rank of make_cuda_tp_group(): an NCCL all-reduce (sum) on the compute stream,
   // recorded like any resident op. Alone: nothing.
   void all_reduce_sum(std::span<float> x) override;

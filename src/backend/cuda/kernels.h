@@ -186,6 +186,14 @@ cudaError_t launch_store_rows_f16(const float* src, int64_t width, const int32_t
 // --- argmax.cu: *out = index of the largest x (first on ties).
 cudaError_t launch_argmax(const float* x, int64_t n, int64_t* out, cudaStream_t s);
 
+// --- top_k.cu: the k largest of each row of x ([rows][n]) in sampling order (descending
+// value, ascending index on ties) into out_v/out_i [rows][k]; 1 <= k <= min(n, kTopKMax).
+// scratch_v/scratch_i: 2 * top_k_scratch(rows, n, k) entries each.
+inline constexpr int32_t kTopKMax = 256;
+size_t top_k_scratch(int64_t rows, int64_t n, int32_t k);
+cudaError_t launch_top_k(const float* x, int64_t rows, int64_t n, int32_t k, float* scratch_v,
+                         int32_t* scratch_i, float* out_v, int32_t* out_i, cudaStream_t s);
+
 // --- attention.cu: split-K flash attention over f16 planes through the row map.
 struct DeviceAttention {
   const float* q = nullptr;     // [n_q][n_head * head_dim]
@@ -262,6 +270,13 @@ int mma_warps();
 inline constexpr bool kMmaPreScalesDefault = true;
 void set_mma_pre_scales(bool on);
 bool mma_pre_scales();
+
+// Decode attention's split kernel: a block whose slice of keys holds no visible one (the
+// graph's key bucket padded past a short context) writes the empty partial without walking
+// the slice. Same bits. The backend sets it per enqueue from CudaOptions::attention_skip_empty.
+inline constexpr bool kAttentionSkipEmptyDefault = true;
+void set_attention_skip_empty(bool on);
+bool attention_skip_empty();
 
 // --- probe.cu: reads `bytes` (16-byte aligned) with `blocks` blocks; sink holds `blocks` floats.
 cudaError_t launch_read_probe(const void* data, size_t bytes, float* sink, int blocks,
