@@ -178,8 +178,22 @@ Status run(RunOptions o) {
   if (!o.draft.empty() || o.spec_ngram) return run_speculative(o, cfg, ld, prompt, n_ctx);
 
   Session session(ld.model, *ld.backend, n_ctx);
+  // Greedy or plain top-k sampling needs only each step's best candidates (--device-sampling):
+  // a GPU then downloads k values per token instead of the vocabulary. Same ids.
+  constexpr int32_t kTopKMost = 256;  // beyond it a whole row is as cheap (cuda::kTopKMax)
+  const int32_t k_top = cfg.device_sampling ? sampler.candidates_needed(kTopKMost) : 0;
+  std::span<const float> logits;
+  Session::TopK top;
+  auto eval = [&](std::span<const int32_t> toks) -> Status {
+    if (k_top > 0) {
+      KILN_ASSIGN_OR_RETURN(top, session.eval_top_k(toks, k_top));
+    } else {
+      KILN_ASSIGN_OR_RETURN(logits, session.eval(toks, false));
+    }
+    return Status::ok();
+  };
   const auto t_prefill = Clock::now();
-  KILN_ASSIGN_OR_RETURN(std::span<const float> logits, session.eval(prompt, false));
+  KILN_TRY(eval(prompt));
   const double prefill_s = seconds_since(t_prefill);
 
   std::vector<int32_t> out_ids;
@@ -192,7 +206,7 @@ Status run(RunOptions o) {
   double cold_s = -1;
   const auto t_decode = Clock::now();
   for (int32_t i = 0; i < o.n_predict; ++i) {
-    const int32_t id = sampler.sample(logits);
+    const int32_t id = k_top > 0 ? sampler.sample_top(top.ids, top.logits) : sampler.sample(logits);
     sampler.accept(id);
     out_ids.push_back(id);
     if (tok.is_eog(id)) {
@@ -206,7 +220,7 @@ Status run(RunOptions o) {
     }
     if (i + 1 == o.n_predict) break;  // the last sampled token needs no forward pass
     const int32_t next[1] = {id};
-    KILN_ASSIGN_OR_RETURN(logits, session.eval(next, false));
+    KILN_TRY(eval(next));
     if (i + 1 == kColdSteps) cold_s = seconds_since(t_decode);
   }
   const std::string rest = stream.flush();

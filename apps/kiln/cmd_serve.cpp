@@ -65,6 +65,7 @@ Status serve(ServeOptions o) {
   if (o.max_body_kib < 1) return Status::error("--max-body-kib must be >= 1");
   o.server.max_body_bytes = o.max_body_kib * 1024;
   o.server.cpu_threads = static_cast<int>(cfg.threads);
+  o.server.device_sampling = cfg.device_sampling;
   o.server.experts = expert_store_config(cfg);
   KILN_ASSIGN_OR_RETURN(o.server.routing, model::parse_routing(cfg.moe_routing));
   // The same backend choice as kiln run: --device, --tensor-parallel, --cuda-* options.

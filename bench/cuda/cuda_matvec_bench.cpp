@@ -264,6 +264,18 @@ std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, const std::vect
   return out;
 }
 
+// The attention tables' check: with every V element 0.125 each output must be 0.125 (a wrong
+// kernel is not timed).
+void expect_all_eighths(const float* dout, size_t n, const char* what) {
+  std::vector<float> out(n);
+  BENCH_CHECK(cudaMemcpy(out.data(), dout, n * 4, cudaMemcpyDeviceToHost));
+  for (float v : out)
+    if (!(std::fabs(v - 0.125f) < 1e-6f)) {
+      std::printf("cuda_matvec_bench: %s output %g, want 0.125\n", what, v);
+      std::exit(1);
+    }
+}
+
 // Split-K flash-decode attention (kernels.h launch_attention) on the 8B shape: 32 query heads
 // over 8 KV heads of 128, one query (decode) or 4, contexts of 4k and 32k keys stored as a ring
 // (physical rows rotated). GB/s counts the K and V bytes once per call.
@@ -305,13 +317,7 @@ void bench_attention(int iters, double read_gbps, int n_sm) {
       BENCH_CHECK(cudaMalloc(&dpart, kiln::cuda::attention_scratch_floats(a, n_sm) * 4));
       // Every V element is 0.125: each output must be 0.125 (a wrong kernel is not timed).
       BENCH_CHECK(kiln::cuda::launch_attention(a, dpart, n_sm, nullptr));
-      std::vector<float> out(q.size());
-      BENCH_CHECK(cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost));
-      for (float v : out)
-        if (!(std::fabs(v - 0.125f) < 1e-6f)) {
-          std::printf("cuda_matvec_bench: attention output %g, want 0.125\n", v);
-          std::exit(1);
-        }
+      expect_all_eighths(dout, q.size(), "attention");
       Timer tm;
       std::vector<float> ms;
       for (int i = 0; i < iters + 2; ++i) {
@@ -395,13 +401,7 @@ void bench_attention_batch(int iters, int n_sm) {
       BENCH_CHECK(cudaMemcpy(ditems, items.data(), items.size() * sizeof(items[0]),
                              cudaMemcpyHostToDevice));
       BENCH_CHECK(kiln::cuda::launch_attention_batch(ditems, items, nullptr));
-      std::vector<float> out(q.size());
-      BENCH_CHECK(cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost));
-      for (float v : out)
-        if (!(std::fabs(v - 0.125f) < 1e-6f)) {
-          std::printf("cuda_matvec_bench: batched attention output %g, want 0.125\n", v);
-          std::exit(1);
-        }
+      expect_all_eighths(dout, q.size(), "batched attention");
       // Empty slices skipped (the default) and walked, interleaved per iteration.
       Timer tm;
       std::vector<float> ms[2];

@@ -126,6 +126,10 @@ KILN_CONFIG_ENTRY(bool, cuda_pdl, true,
 KILN_CONFIG_ENTRY(bool, cuda_mma_pre_scales, true,
                   "CUDA: Q4_K in the int8 tensor-core matmul (8-16 tokens): each stage's scales "
                   "decoded once per block into shared memory, not by every lane; same outputs")
+KILN_CONFIG_ENTRY(bool, device_sampling, true,
+                  "greedy or plain top-k sampling (no logit bias, penalties or logprobs) takes "
+                  "each step's best candidates from the backend (a GPU downloads k values, not "
+                  "the vocabulary); same ids. Off: whole logit rows")
 KILN_CONFIG_ENTRY(bool, cuda_direct_download, true,
                   "CUDA: logits downloaded by DMA straight into the session's page-locked host "
                   "buffer (off: through the backend's pinned buffer and a host copy); same "

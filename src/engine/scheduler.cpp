@@ -335,14 +335,42 @@ void Scheduler::step() {
   }
 }
 
+// Beyond this many candidates a whole row is as cheap to hand over (cuda::kTopKMax).
+constexpr int32_t kTopKMost = 256;
+
 void Scheduler::run_group(std::span<Work> work, bool batched) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   std::vector<std::span<const float>> logits(work.size());
+  std::vector<Session::TopK> tops(work.size());
   std::vector<std::string> errors(work.size());
   bool done = false;
   const auto V = static_cast<size_t>(model_->n_vocab());
-  if (batched) {
+  // Candidates instead of logit rows when every item samples from them (no drafts, no
+  // logprobs): as many as the neediest asks for; each takes its own first ones.
+  int32_t top_k = 0;
+  for (const Work& w : work) {
+    const Request& r = *w.slot->req;
+    const int32_t need = cfg_.device_sampling && w.n_draft == 0 && r.params.top_logprobs < 0
+                             ? r.sampler.candidates_needed(kTopKMost)
+                             : 0;
+    if (need == 0) {
+      top_k = 0;
+      break;
+    }
+    top_k = std::max(top_k, need);
+  }
+  if (batched && top_k > 0) {
+    std::vector<BatchEval::Item> items;
+    for (const Work& w : work) items.push_back({w.slot->session.get(), w.tokens, false});
+    auto out = batch_->eval_top_k(items, top_k);
+    if (out) {
+      const auto k = static_cast<size_t>(top_k);
+      for (size_t i = 0; i < work.size(); ++i)
+        tops[i] = {out->ids.subspan(i * k, k), out->logits.subspan(i * k, k)};
+      done = true;
+    }
+  } else if (batched) {
     std::vector<BatchEval::Item> items;
     for (const Work& w : work) items.push_back({w.slot->session.get(), w.tokens, w.n_draft > 0});
     auto out = batch_->eval(items);
@@ -360,6 +388,12 @@ void Scheduler::run_group(std::span<Work> work, bool batched) {
   }
   if (!done) {
     for (size_t i = 0; i < work.size(); ++i) {
+      if (top_k > 0) {
+        auto out = work[i].slot->session->eval_top_k(work[i].tokens, top_k);
+        if (out) tops[i] = *out;
+        else errors[i] = out.error();
+        continue;
+      }
       auto out = work[i].slot->session->eval(work[i].tokens, work[i].n_draft > 0);
       if (out) logits[i] = *out;
       else errors[i] = out.error();  // each session owns its logits buffer: spans stay valid
@@ -378,13 +412,14 @@ void Scheduler::run_group(std::span<Work> work, bool batched) {
     counters_.prefill_seconds += dt * f;
     counters_.decode_seconds += dt * (1 - f);
     counters_.forward_passes += batched && done ? 1 : work.size();
+    if (top_k > 0) counters_.candidate_passes += batched && done ? 1 : work.size();
     counters_.forward_tokens += static_cast<uint64_t>(n_total);
   }
   for (size_t i = 0; i < work.size(); ++i) {
     Slot& s = *work[i].slot;
     if (!errors[i].empty()) finish(s, FinishReason::kError, errors[i]);
     else if (work[i].n_draft > 0) accept_drafts(s, work[i], logits[i]);
-    else advance(s, work[i].tokens, logits[i]);
+    else advance(s, work[i].tokens, logits[i], top_k > 0 ? &tops[i] : nullptr);
     std::lock_guard lk(mu_);
     slot_pos_[s.id] = s.session->n_pos();
     slot_kv_bytes_[s.id] = s.session->kv_bytes();
@@ -392,7 +427,8 @@ void Scheduler::run_group(std::span<Work> work, bool batched) {
   }
 }
 
-void Scheduler::advance(Slot& s, std::span<const int32_t> in, std::span<const float> logits) {
+void Scheduler::advance(Slot& s, std::span<const int32_t> in, std::span<const float> logits,
+                        const Session::TopK* top) {
   Request& r = *s.req;
   s.cached.insert(s.cached.end(), in.begin(), in.end());
   if (!s.decoding) {
@@ -400,7 +436,9 @@ void Scheduler::advance(Slot& s, std::span<const int32_t> in, std::span<const fl
     if (s.cursor < r.params.prompt.size()) return;
     s.decoding = true;
   }
-  emit_token(s, r.sampler.sample(logits), logits);
+  // emit_token reads the logits only for logprobs, which a candidates step never has.
+  const int32_t id = top ? r.sampler.sample_top(top->ids, top->logits) : r.sampler.sample(logits);
+  emit_token(s, id, logits);
 }
 
 void Scheduler::draft(Slot& s, Work& w) {

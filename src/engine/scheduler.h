@@ -56,6 +56,11 @@ struct SchedulerConfig {
   // n-gram (prompt lookup) draft tokens per decode step for requests that leave
   // GenerationParams::n_draft unset (issue 10); 0: off (`kiln serve --draft-ngram`).
   int32_t draft_ngram = 0;
+  // Requests that sample only from a row's best candidates (Sampler::candidates_needed > 0:
+  // greedy, or top-k with no bias, penalties or logprobs) get those from Backend::top_k: a
+  // forward call whose requests all qualify downloads k values per row, not the vocabulary.
+  // Same ids (Sampler.TopCandidatesGiveTheSameIds). false: whole logit rows.
+  bool device_sampling = true;
 };
 
 struct GenerationParams {
@@ -122,6 +127,7 @@ struct SchedulerStats {
   uint64_t kv_bytes = 0;
   int64_t kv_positions_used = 0, kv_positions_total = 0;
   uint64_t forward_passes = 0, forward_tokens = 0;  // model steps and the tokens they held
+  uint64_t candidate_passes = 0;  // of those, the ones that returned top-k candidates, not rows
   // Speculative decoding: verify steps, draft tokens proposed and accepted, drafting time.
   uint64_t spec_steps = 0, spec_drafted = 0, spec_accepted = 0;
   double spec_draft_seconds = 0;
@@ -166,7 +172,9 @@ class Scheduler {
   // Evaluates `work` (one forward call when batched), then samples and emits for each item.
   void run_group(std::span<Work> work, bool batched);
   // After a slot evaluated `in`: advance the prompt cursor or sample the next token.
-  void advance(Slot& s, std::span<const int32_t> in, std::span<const float> logits);
+  // `top`: the row's best candidates instead (logits then empty; run_group's rule).
+  void advance(Slot& s, std::span<const int32_t> in, std::span<const float> logits,
+               const Session::TopK* top = nullptr);
   // n-gram drafts for a decoding slot; the work's tokens become [last, drafts...].
   void draft(Slot& s, Work& w);
   // After a verify (last token + drafts, all logits): keep the accepted prefix, roll back the

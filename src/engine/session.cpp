@@ -204,11 +204,25 @@ Status Session::rollback(int32_t n_pos) {
 }
 
 Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, bool all_logits) {
+  KILN_TRY(eval_impl(tokens, all_logits, 0));
+  return std::span<const float>(logits_.span());
+}
+
+Expected<Session::TopK> Session::eval_top_k(std::span<const int32_t> tokens, int32_t k) {
+  if (k < 1 || k > n_vocab())
+    return Status::errorf("top-k of {} candidates outside 1..{}", k, n_vocab());
+  KILN_TRY(eval_impl(tokens, false, k));
+  return TopK{top_ids_, top_vals_};
+}
+
+Status Session::eval_impl(std::span<const int32_t> tokens, bool all_logits, int32_t top_k) {
   const model::HParams& hp = model_->hparams();
   KILN_TRY(model::validate_batch(hp, tokens, n_pos_, n_ctx_));
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t V = hp.n_vocab;
   logits_.resize(static_cast<size_t>((all_logits ? n : 1) * V), backend_);
+  top_ids_.resize(static_cast<size_t>(top_k));
+  top_vals_.resize(static_cast<size_t>(top_k));
   Impl& s = *impl_;
   const int32_t max_batch = s.kv().max_batch();
   for (size_t r = 0; r < s.ranks.size(); ++r)
@@ -240,6 +254,11 @@ Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, 
       b.pos = rs.kv.append_pos();
       b.kv = rs.layer_kv;
       b.all_logits = all_logits;
+      if (last_chunk && top_k > 0 && r == 0) {
+        b.top_k = top_k;
+        b.top_ids = top_ids_;
+        b.top_vals = top_vals_;
+      }
       // Capture records the last chunk (tests capture single-chunk batches), on rank 0.
       b.capture = last_chunk && r == 0 ? capture_ : nullptr;
       const model::Shard& sh = s.shards[static_cast<size_t>(r)];
@@ -250,7 +269,7 @@ Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, 
     done += chunk;
   }
   n_pos_ += static_cast<int32_t>(n);
-  return std::span<const float>(logits_.span());
+  return Status::ok();
 }
 
 struct BatchEval::Impl {
@@ -263,12 +282,14 @@ struct BatchEval::Impl {
   std::vector<Rank> ranks;                   // [tp_size]
   std::vector<int32_t> tokens, pos;          // [n_tok] the items' tokens, concatenated
   HostLogits logits;                         // [rows][n_vocab]
+  std::vector<int32_t> top_ids;              // eval_top_k: [items][k]
+  std::vector<float> top_vals;
 };
 
 BatchEval::BatchEval(std::shared_ptr<const Model> model, Backend& backend, int32_t max_tokens)
     : model_(std::move(model)), backend_(backend), max_tokens_(max_tokens) {
   KILN_CHECK(model_ != nullptr && max_tokens > 0);
-  impl_.reset(new Impl{shards_for(*model_, backend_), {}, {}, {}, {}});
+  impl_.reset(new Impl{shards_for(*model_, backend_), {}, {}, {}, {}, {}, {}});
   for (const model::Shard& sh : impl_->shards)
     impl_->ranks.push_back(Impl::Rank{model::ForwardState(sh.hp, max_tokens), {}, {}});
 }
@@ -276,6 +297,21 @@ BatchEval::BatchEval(std::shared_ptr<const Model> model, Backend& backend, int32
 BatchEval::~BatchEval() = default;
 
 Expected<std::span<const float>> BatchEval::eval(std::span<const Item> items) {
+  KILN_TRY(eval_impl(items, 0));
+  return std::span<const float>(impl_->logits.span());
+}
+
+Expected<Session::TopK> BatchEval::eval_top_k(std::span<const Item> items, int32_t k) {
+  if (k < 1 || k > model_->n_vocab())
+    return Status::errorf("batch: top-k of {} candidates outside 1..{}", k, model_->n_vocab());
+  for (size_t i = 0; i < items.size(); ++i)
+    if (items[i].all_logits)
+      return Status::errorf("batch item {}: top-k candidates are of the last token only", i);
+  KILN_TRY(eval_impl(items, k));
+  return Session::TopK{impl_->top_ids, impl_->top_vals};
+}
+
+Status BatchEval::eval_impl(std::span<const Item> items, int32_t top_k) {
   const model::HParams& hp = model_->hparams();
   if (items.empty()) return Status::error("batch: no items to evaluate");
   int64_t total = 0, rows = 0;
@@ -333,12 +369,19 @@ Expected<std::span<const float>> BatchEval::eval(std::span<const Item> items) {
     b.pos.insert(b.pos.end(), ap.begin(), ap.end());
   }
   b.logits.resize(static_cast<size_t>(rows) * static_cast<size_t>(hp.n_vocab), backend_);
+  b.top_ids.resize(static_cast<size_t>(rows) * static_cast<size_t>(top_k));
+  b.top_vals.resize(b.top_ids.size());
   backend_.tp_run([&](int r) {
     Impl::Rank& rk = b.ranks[static_cast<size_t>(r)];
     model::ForwardBatch fb;
     fb.tokens = b.tokens;
     fb.pos = b.pos;
     fb.seqs = rk.seqs;
+    if (top_k > 0 && r == 0) {
+      fb.top_k = top_k;
+      fb.top_ids = b.top_ids;
+      fb.top_vals = b.top_vals;
+    }
     const model::Shard& sh = b.shards[static_cast<size_t>(r)];
     model::forward(sh.hp, sh.w, backend_.tp_rank(r), rk.fwd, fb,
                    r == 0 ? b.logits.span() : std::span<float>());
@@ -347,7 +390,7 @@ Expected<std::span<const float>> BatchEval::eval(std::span<const Item> items) {
     it.session->impl_->commit();
     it.session->n_pos_ += static_cast<int32_t>(it.tokens.size());
   }
-  return std::span<const float>(b.logits.span());
+  return Status::ok();
 }
 
 }  // namespace kiln

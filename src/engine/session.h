@@ -81,6 +81,17 @@ class Session {
   // The span stays valid until the next eval/rollback. Errors (state unchanged): empty input,
   // a token id outside [0, n_vocab), n_pos() + n > n_ctx().
   Expected<std::span<const float>> eval(std::span<const int32_t> tokens, bool all_logits);
+  // A token row's k best candidates in sampling order (Backend::top_k): what a sampler whose
+  // Sampler::candidates_needed() is at most k needs instead of the whole row. ids and logits
+  // [rows][k], valid until the next eval.
+  struct TopK {
+    std::span<const int32_t> ids;
+    std::span<const float> logits;
+  };
+  // eval(tokens, false) that returns the last token's k best candidates instead of its logits
+  // (a device backend downloads k values, not the vocabulary). 1 <= k <= n_vocab(); otherwise
+  // the same errors as eval().
+  Expected<TopK> eval_top_k(std::span<const int32_t> tokens, int32_t k);
   // Forgets every position >= n_pos (0 <= n_pos <= n_pos()).
   Status rollback(int32_t n_pos);
 
@@ -114,7 +125,10 @@ class Session {
   int32_t n_pos_ = 0;
   struct Impl;  // KV cache + forward scratch (session.cpp)
   std::unique_ptr<Impl> impl_;
+  Status eval_impl(std::span<const int32_t> tokens, bool all_logits, int32_t top_k);
   HostLogits logits_;  // [n_out][n_vocab]
+  std::vector<int32_t> top_ids_;  // eval_top_k: [k]
+  std::vector<float> top_vals_;
   model::Capture* capture_ = nullptr;
   friend class BatchEval;
 };
@@ -143,10 +157,15 @@ class BatchEval {
   // repeated session, another model, empty tokens, an id outside the vocabulary, more than
   // the session's max_batch() tokens, context overflow, more than max_tokens() in all.
   Expected<std::span<const float>> eval(std::span<const Item> items);
+  // eval(items) that returns each item's last-token k best candidates in sampling order
+  // (Session::TopK, [items][k]) instead of its logits. No item may ask for all_logits;
+  // 1 <= k <= n_vocab.
+  Expected<Session::TopK> eval_top_k(std::span<const Item> items, int32_t k);
 
   int32_t max_tokens() const { return max_tokens_; }
 
  private:
+  Status eval_impl(std::span<const Item> items, int32_t top_k);
   std::shared_ptr<const Model> model_;
   Backend& backend_;
   int32_t max_tokens_ = 0;

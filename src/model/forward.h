@@ -44,6 +44,12 @@ struct ForwardBatch {
   std::span<const SeqSlice> seqs;
   bool all_logits = false;          // false: logits of the last token (of each sequence) only
   Capture* capture = nullptr;       // optional: records the named activations
+  // > 0: each output row's top_k best candidates in sampling order (Backend::top_k) go to
+  // top_ids/top_vals [n_out][top_k], and a device backend downloads only those: `logits` is
+  // then left unwritten there (unless capture records it); a host backend computes in it.
+  int32_t top_k = 0;
+  std::span<int32_t> top_ids;
+  std::span<float> top_vals;
 };
 
 // Activation scratch for batches of up to max_batch tokens, reused across steps.

@@ -144,6 +144,7 @@ Status HttpServer::load() {
   cfg.max_queue = s.opt.max_queue;
   cfg.remote_prefill = s.opt.remote_prefill;
   cfg.draft_ngram = s.opt.draft_ngram;
+  cfg.device_sampling = s.opt.device_sampling;
   const auto eog = s.tok->eog_ids();
   cfg.eog_ids.assign(eog.begin(), eog.end());
   auto sch = Scheduler::create(s.model, *s.backend, cfg);
@@ -513,6 +514,9 @@ std::string HttpServer::Impl::metrics() const {
          s.kv_positions_total ? double(s.kv_positions_used) / double(s.kv_positions_total) : 0);
   metric("forward_passes_total", "counter", "model forward passes (one per batched step)", double(s.forward_passes));
   metric("forward_tokens_total", "counter", "tokens evaluated by those passes", double(s.forward_tokens));
+  metric("candidate_passes_total", "counter",
+         "forward passes that returned each row's top-k candidates (device sampling), not logits",
+         double(s.candidate_passes));
   metric("spec_steps_total", "counter", "speculative verify steps (n-gram drafts)", double(s.spec_steps));
   metric("spec_drafted_tokens_total", "counter", "draft tokens proposed", double(s.spec_drafted));
   metric("spec_accepted_tokens_total", "counter", "draft tokens accepted", double(s.spec_accepted));

@@ -36,6 +36,7 @@ struct ServerOptions {
   // `--role decode`: prompts' KV comes from a prefill node (SchedulerConfig::remote_prefill).
   std::function<bool(Session&, std::span<const int32_t>)> remote_prefill;
   int32_t draft_ngram = 0;       // n-gram draft tokens per decode step (SchedulerConfig); 0: off
+  bool device_sampling = true;   // SchedulerConfig::device_sampling
   // MoE experts streamed through the slab cache (--expert-cache/--expert-cap); off by default.
   moe::StoreConfig experts;
   // --moe-routing: a benchmark override of MoE routing (model/routing.h); the router's by default.

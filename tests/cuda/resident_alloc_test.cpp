@@ -116,6 +116,13 @@ class FakeDeviceBackend final : public Backend {
     inner_.attention(r);
   }
   int64_t argmax(std::span<const float> x) override { return inner_.argmax(real(x)); }
+  void top_k(std::span<const float> x, int64_t n, int32_t k, std::span<int32_t> ids,
+             std::span<float> vals) override {
+    ++top_ks_;
+    EXPECT_FALSE(is_fake(ids.data()) || is_fake(vals.data())) << "top_k writes host arrays";
+    inner_.top_k(real(x), n, k, ids, vals);
+  }
+  uint64_t top_ks() const { return top_ks_; }
 
   // Page-locking, as the CUDA backend does it: the ranges are remembered until the handle goes;
   // registering a page already registered fails (cudaHostRegister's rule).
@@ -147,7 +154,7 @@ class FakeDeviceBackend final : public Backend {
     size_t bytes = 0;
   };
   std::map<uintptr_t, size_t> registered_;
-  uint64_t pinned_downloads_ = 0;
+  uint64_t pinned_downloads_ = 0, top_ks_ = 0;
   bool is_fake(const void* p) const { return find(p) != nullptr; }
   const std::pair<const uintptr_t, Region>* find(const void* p) const {
     const auto a = reinterpret_cast<uintptr_t>(p);
@@ -244,6 +251,23 @@ TEST_P(ResidentAlloc, BitIdenticalToHostMemory) {
       EXPECT_GT(dev.downloads() - downloads_before, 1u);
     }
     EXPECT_GT(dev.allocated_bytes(), resident.kv_bytes());
+  }
+  {
+    // A candidates step: the backend's top_k on the device rows, no logits downloaded (a
+    // dense model downloads nothing), the candidates those of host memory.
+    Session on_host(*m, *cpu, 128, 16), on_dev(*m, dev, 128, 16);
+    ASSERT_TRUE(on_host.eval(prompt, false).has_value());
+    ASSERT_TRUE(on_dev.eval(prompt, false).has_value());
+    const int32_t tok = 5;
+    auto want = on_host.eval_top_k(std::span<const int32_t>(&tok, 1), 8);
+    ASSERT_TRUE(want.has_value()) << want.error();
+    const uint64_t d0 = dev.downloads(), t0 = dev.top_ks();
+    auto top = on_dev.eval_top_k(std::span<const int32_t>(&tok, 1), 8);
+    ASSERT_TRUE(top.has_value()) << top.error();
+    EXPECT_EQ(dev.top_ks() - t0, 1u);
+    if ((*m)->hparams().layers[0].n_expert == 0) EXPECT_EQ(dev.downloads(), d0);
+    EXPECT_TRUE(std::equal(top->ids.begin(), top->ids.end(), want->ids.begin(), want->ids.end()));
+    EXPECT_EQ(std::memcmp(top->logits.data(), want->logits.data(), 8 * sizeof(float)), 0);
   }
   EXPECT_EQ(dev.n_registered(), 0u) << "a session left host memory page-locked";
   ASSERT_EQ(want.size(), got.size());

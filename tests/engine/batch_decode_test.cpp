@@ -219,3 +219,60 @@ TEST(BatchEval, RefusesBadBatchesAndLeavesSessionsUnchanged) {
 
 }  // namespace
 }  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// The top-k forms of Session::eval and BatchEval::eval hand back what Backend::top_k makes of
+// the rows the plain forms return, and leave each session where the plain form would.
+TEST(TopKEval, SameCandidatesAsTheWholeRows) {
+  auto m = enginetest::load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend(2);
+  const int32_t V = m->n_vocab();
+  const auto pa = enginetest::random_prompt(9, V, 11), pb = enginetest::random_prompt(4, V, 12);
+  for (int32_t k : {1, 40, V}) {
+    SCOPED_TRACE(k);
+    Session a(m, *be, 64, 8), a2(m, *be, 64, 8), b(m, *be, 64, 8), b2(m, *be, 64, 8);
+    // One session, a prompt longer than the batch (chunks): the last token's candidates.
+    auto rows = a.eval(pa, false);
+    ASSERT_TRUE(rows.has_value()) << rows.error();
+    std::vector<int32_t> want_i(static_cast<size_t>(k));
+    std::vector<float> want_v(static_cast<size_t>(k));
+    be->top_k(*rows, V, k, want_i, want_v);
+    auto top = a2.eval_top_k(pa, k);
+    ASSERT_TRUE(top.has_value()) << top.error();
+    EXPECT_TRUE(std::equal(top->ids.begin(), top->ids.end(), want_i.begin(), want_i.end()));
+    EXPECT_EQ(std::memcmp(top->logits.data(), want_v.data(), want_v.size() * 4), 0);
+    EXPECT_EQ(a2.n_pos(), a.n_pos());
+    // Two sessions in one batch (a second step of `a`, the first of `b`).
+    BatchEval batch(m, *be, 16);
+    const int32_t next[1] = {7};
+    auto whole = batch.eval(std::vector<BatchEval::Item>{{&a, next}, {&b, pb}});
+    ASSERT_TRUE(whole.has_value()) << whole.error();
+    std::vector<int32_t> wi(2 * static_cast<size_t>(k));
+    std::vector<float> wv(wi.size());
+    be->top_k(*whole, V, k, wi, wv);
+    auto tops = batch.eval_top_k(std::vector<BatchEval::Item>{{&a2, next}, {&b2, pb}}, k);
+    ASSERT_TRUE(tops.has_value()) << tops.error();
+    EXPECT_TRUE(std::equal(tops->ids.begin(), tops->ids.end(), wi.begin(), wi.end()));
+    EXPECT_EQ(std::memcmp(tops->logits.data(), wv.data(), wv.size() * 4), 0);
+    EXPECT_EQ(b2.n_pos(), b.n_pos());
+  }
+  Session s(m, *be, 64, 8);
+  const int32_t one[1] = {3};
+  for (int32_t bad : {0, V + 1}) {
+    auto r = s.eval_top_k(one, bad);
+    ASSERT_FALSE(r.has_value());
+    EXPECT_NE(r.error().find("top-k"), std::string::npos) << r.error();
+  }
+  EXPECT_EQ(s.n_pos(), 0);
+  BatchEval batch(m, *be, 8);
+  auto r = batch.eval_top_k(std::vector<BatchEval::Item>{{&s, one, true}}, 4);
+  ASSERT_FALSE(r.has_value());
+  EXPECT_NE(r.error().find("last token only"), std::string::npos) << r.error();
+  EXPECT_EQ(s.n_pos(), 0);
+}
+
+}  // namespace
+}  // namespace kiln

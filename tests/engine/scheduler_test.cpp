@@ -170,6 +170,59 @@ TEST(Scheduler, SameIdsAloneAndConcurrentInShuffledOrders) {
               "prompt tokens reused from slot caches\n", static_cast<long long>(reused));
 }
 
+// Requests that sample from candidates (greedy; top-k without bias or penalties) give the ids
+// they give from whole logit rows: alone, batched together, and batched beside a request
+// that needs whole rows (penalties), which turns the step back to rows.
+TEST(Scheduler, CandidateSamplingSameIdsAsWholeRows) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend(2);
+  std::vector<GenerationParams> reqs;
+  for (int i = 0; i < 5; ++i) {
+    GenerationParams p;
+    p.prompt = random_prompt(4 + 6 * i, m->n_vocab(), 500 + i);
+    p.sampling.temperature = i == 0 ? 0.0f : 0.9f;
+    p.sampling.top_k = i == 1 ? 1 : 20 + 10 * i;
+    p.sampling.seed = 77 + static_cast<uint64_t>(i);
+    if (i == 4) p.sampling.repeat_penalty = 1.2f;  // whole rows
+    p.max_tokens = 20;
+    reqs.push_back(p);
+  }
+  std::vector<std::vector<int32_t>> got[2];
+  for (int device_sampling = 0; device_sampling < 2; ++device_sampling) {
+    for (bool batched : {false, true}) {
+      // Without the penalised request too: every step of the batch then uses candidates.
+      for (size_t n : {reqs.size() - 1, reqs.size()}) {
+        SchedulerConfig cfg{.n_slots = 5, .n_ctx = 128, .prefill_chunk = 7};
+        cfg.batch_decode = batched;
+        cfg.device_sampling = device_sampling == 1;
+        auto sch = Scheduler::create(m, *be, cfg);
+        ASSERT_TRUE(sch.has_value()) << sch.error();
+        std::vector<std::shared_ptr<GenStream>> streams;
+        for (size_t i = 0; i < n; ++i) {
+          auto sub = (*sch)->submit(reqs[i]);
+          ASSERT_TRUE(sub.stream) << sub.message;
+          streams.push_back(sub.stream);
+        }
+        for (size_t i = 0; i < n; ++i) {
+          const Outcome o = drain(*streams[i]);
+          EXPECT_EQ(o.finish, FinishReason::kLength);
+          got[device_sampling].push_back(o.ids);
+        }
+        // Which path the steps took: candidates only with the flag, for every step only when
+        // no request needs whole rows.
+        const SchedulerStats st = (*sch)->stats();
+        EXPECT_GT(st.forward_passes, 0u);
+        if (device_sampling == 0) EXPECT_EQ(st.candidate_passes, 0u);
+        else if (n < reqs.size()) EXPECT_EQ(st.candidate_passes, st.forward_passes);
+        else EXPECT_LT(st.candidate_passes, st.forward_passes);
+      }
+    }
+  }
+  ASSERT_EQ(got[0].size(), got[1].size());
+  for (size_t i = 0; i < got[0].size(); ++i) EXPECT_EQ(got[1][i], got[0][i]) << "request run " << i;
+}
+
 TEST(Scheduler, QueueBoundRejectsBeyondLimit) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
