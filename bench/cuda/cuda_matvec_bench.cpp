@@ -264,6 +264,15 @@ std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, const std::vect
   return out;
 }
 
+// A device copy of h (freed by the caller).
+template <typename T>
+T* to_device(const std::vector<T>& h) {
+  T* d = nullptr;
+  BENCH_CHECK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)));
+  BENCH_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
 // The attention tables' check: with every V element 0.125 each output must be 0.125 (a wrong
 // kernel is not timed).
 void expect_all_eighths(const float* dout, size_t n, const char* what) {
@@ -296,21 +305,9 @@ void bench_attention(int iters, double read_gbps, int n_sm) {
       const size_t plane = size_t(n_kv * kv_w);
       std::vector<uint16_t> kv(plane, 0x3000);  // 0.125
       std::vector<float> q(size_t(n_q * q_w), 0.01f);
-      uint16_t *dk, *dv;
-      int32_t *drows, *dpos, *dqpos;
-      float *dq, *dout, *dpart;
-      BENCH_CHECK(cudaMalloc(&dk, plane * 2));
-      BENCH_CHECK(cudaMalloc(&dv, plane * 2));
-      BENCH_CHECK(cudaMemcpy(dk, kv.data(), plane * 2, cudaMemcpyHostToDevice));
-      BENCH_CHECK(cudaMemcpy(dv, kv.data(), plane * 2, cudaMemcpyHostToDevice));
-      BENCH_CHECK(cudaMalloc(&drows, rows.size() * 4));
-      BENCH_CHECK(cudaMalloc(&dpos, pos.size() * 4));
-      BENCH_CHECK(cudaMalloc(&dqpos, q_pos.size() * 4));
-      BENCH_CHECK(cudaMemcpy(drows, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice));
-      BENCH_CHECK(cudaMemcpy(dpos, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice));
-      BENCH_CHECK(cudaMemcpy(dqpos, q_pos.data(), q_pos.size() * 4, cudaMemcpyHostToDevice));
-      BENCH_CHECK(cudaMalloc(&dq, q.size() * 4));
-      BENCH_CHECK(cudaMemcpy(dq, q.data(), q.size() * 4, cudaMemcpyHostToDevice));
+      uint16_t *dk = to_device(kv), *dv = to_device(kv);
+      int32_t *drows = to_device(rows), *dpos = to_device(pos), *dqpos = to_device(q_pos);
+      float *dq = to_device(q), *dout, *dpart;
       BENCH_CHECK(cudaMalloc(&dout, q.size() * 4));
       a.q = dq, a.k = dk, a.v = dv, a.kv_rows = drows, a.kv_pos = dpos, a.q_pos = dqpos;
       a.out = dout;
@@ -360,24 +357,12 @@ void bench_attention_batch(int iters, int n_sm) {
         rows[j] = j < ctx ? int32_t((j + 17) % ctx) : 0;
         pos[j] = j < ctx ? int32_t(j) : INT32_MAX;
       }
-      const int32_t q_pos = int32_t(ctx - 1);
-      uint16_t *dk, *dv;
-      int32_t *drows, *dpos, *dqpos;
-      float *dq, *dout, *dpart;
+      const std::vector<int32_t> q_pos = {int32_t(ctx - 1)};
+      const std::vector<float> q(size_t(n_seq * q_w), 0.01f);
+      uint16_t *dk = to_device(kv), *dv = to_device(kv);
+      int32_t *drows = to_device(rows), *dpos = to_device(pos), *dqpos = to_device(q_pos);
+      float *dq = to_device(q), *dout, *dpart;
       kiln::cuda::AttentionBatchItem* ditems;
-      BENCH_CHECK(cudaMalloc(&dk, plane * 2));
-      BENCH_CHECK(cudaMalloc(&dv, plane * 2));
-      BENCH_CHECK(cudaMemcpy(dk, kv.data(), plane * 2, cudaMemcpyHostToDevice));
-      BENCH_CHECK(cudaMemcpy(dv, kv.data(), plane * 2, cudaMemcpyHostToDevice));
-      BENCH_CHECK(cudaMalloc(&drows, rows.size() * 4));
-      BENCH_CHECK(cudaMalloc(&dpos, pos.size() * 4));
-      BENCH_CHECK(cudaMalloc(&dqpos, 4));
-      BENCH_CHECK(cudaMemcpy(drows, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice));
-      BENCH_CHECK(cudaMemcpy(dpos, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice));
-      BENCH_CHECK(cudaMemcpy(dqpos, &q_pos, 4, cudaMemcpyHostToDevice));
-      std::vector<float> q(size_t(n_seq * q_w), 0.01f);
-      BENCH_CHECK(cudaMalloc(&dq, q.size() * 4));
-      BENCH_CHECK(cudaMemcpy(dq, q.data(), q.size() * 4, cudaMemcpyHostToDevice));
       BENCH_CHECK(cudaMalloc(&dout, q.size() * 4));
       // Every sequence reads the same planes (the bench times the kernels, not the footprint).
       std::vector<kiln::cuda::AttentionBatchItem> items(static_cast<size_t>(n_seq));
