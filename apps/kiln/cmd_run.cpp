@@ -180,8 +180,7 @@ Status run(RunOptions o) {
   Session session(ld.model, *ld.backend, n_ctx);
   // Greedy or plain top-k sampling needs only each step's best candidates (--device-sampling):
   // a GPU then downloads k values per token instead of the vocabulary. Same ids.
-  constexpr int32_t kTopKMost = 256;  // beyond it a whole row is as cheap (cuda::kTopKMax)
-  const int32_t k_top = cfg.device_sampling ? sampler.candidates_needed(kTopKMost) : 0;
+  const int32_t k_top = cfg.device_sampling ? sampler.candidates_needed(Backend::kTopKMost) : 0;
   std::span<const float> logits;
   Session::TopK top;
   auto eval = [&](std::span<const int32_t> toks) -> Status {

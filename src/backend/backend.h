@@ -310,11 +310,7 @@ class Backend {
   // pin its typeinfo to one library that sanitizer builds of the others do not link.
   virtual void top_k(std::span<const float> x, int64_t n, int32_t k, std::span<int32_t> ids,
                      std::span<float> vals) {
-    KILN_CHECK(n > 0 && k >= 1 && k <= n && x.size() % static_cast<size_t>(n) == 0,
-               "top_k: k {} of rows of {} ({} values)", k, n, x.size());
-    const size_t rows = x.size() / static_cast<size_t>(n), kk = static_cast<size_t>(k);
-    KILN_CHECK(ids.size() == rows * kk && vals.size() == ids.size(),
-               "top_k: {} ids and {} values for {} rows of {}", ids.size(), vals.size(), rows, k);
+    const size_t rows = top_k_rows(x, n, k, ids, vals), kk = static_cast<size_t>(k);
     std::vector<int32_t> idx(static_cast<size_t>(n));
     for (size_t r = 0; r < rows; ++r) {
       const float* row = x.data() + r * static_cast<size_t>(n);
@@ -327,6 +323,19 @@ class Backend {
         vals[r * kk + j] = row[idx[j]];
       }
     }
+  }
+  // The most candidates per row worth asking top_k for: the CUDA kernel's limit (beyond it the
+  // backend downloads the rows anyway, and a sampler may as well take them whole).
+  static constexpr int32_t kTopKMost = 256;
+  // top_k's argument rules, checked; the number of rows.
+  static size_t top_k_rows(std::span<const float> x, int64_t n, int32_t k,
+                           std::span<const int32_t> ids, std::span<const float> vals) {
+    KILN_CHECK(n > 0 && k >= 1 && k <= n && x.size() % static_cast<size_t>(n) == 0,
+               "top_k: k {} of rows of {} ({} values)", k, n, x.size());
+    const size_t rows = x.size() / static_cast<size_t>(n);
+    KILN_CHECK(ids.size() == rows * static_cast<size_t>(k) && vals.size() == ids.size(),
+               "top_k: {} ids and {} values for {} rows of {}", ids.size(), vals.size(), rows, k);
+    return rows;
   }
 
   // --- Tensor parallelism (model/tensor_parallel.h). A group backend (backend/tp_group.h)

@@ -21,7 +21,6 @@ class HostLogits {
   std::span<float> resize(size_t n, Backend& be);
   std::span<float> span() const { return {data_.get(), size_}; }
   void clear() { size_ = 0; }
-  bool pinned() const { return reg_ != nullptr; }
 
  private:
   struct Free {

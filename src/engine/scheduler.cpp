@@ -335,9 +335,6 @@ void Scheduler::step() {
   }
 }
 
-// Beyond this many candidates a whole row is as cheap to hand over (cuda::kTopKMax).
-constexpr int32_t kTopKMost = 256;
-
 void Scheduler::run_group(std::span<Work> work, bool batched) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
@@ -352,7 +349,7 @@ void Scheduler::run_group(std::span<Work> work, bool batched) {
   for (const Work& w : work) {
     const Request& r = *w.slot->req;
     const int32_t need = cfg_.device_sampling && w.n_draft == 0 && r.params.top_logprobs < 0
-                             ? r.sampler.candidates_needed(kTopKMost)
+                             ? r.sampler.candidates_needed(Backend::kTopKMost)
                              : 0;
     if (need == 0) {
       top_k = 0;
@@ -360,21 +357,18 @@ void Scheduler::run_group(std::span<Work> work, bool batched) {
     }
     top_k = std::max(top_k, need);
   }
-  if (batched && top_k > 0) {
-    std::vector<BatchEval::Item> items;
-    for (const Work& w : work) items.push_back({w.slot->session.get(), w.tokens, false});
-    auto out = batch_->eval_top_k(items, top_k);
-    if (out) {
-      const auto k = static_cast<size_t>(top_k);
-      for (size_t i = 0; i < work.size(); ++i)
-        tops[i] = {out->ids.subspan(i * k, k), out->logits.subspan(i * k, k)};
-      done = true;
-    }
-  } else if (batched) {
+  if (batched) {
     std::vector<BatchEval::Item> items;
     for (const Work& w : work) items.push_back({w.slot->session.get(), w.tokens, w.n_draft > 0});
-    auto out = batch_->eval(items);
-    if (out) {
+    if (top_k > 0) {  // no item has drafts, so none asks for all its rows
+      auto out = batch_->eval_top_k(items, top_k);
+      if (out) {
+        const auto k = static_cast<size_t>(top_k);
+        for (size_t i = 0; i < work.size(); ++i)
+          tops[i] = {out->ids.subspan(i * k, k), out->logits.subspan(i * k, k)};
+        done = true;
+      }
+    } else if (auto out = batch_->eval(items)) {
       size_t row = 0;
       for (size_t i = 0; i < work.size(); ++i) {
         const size_t rows = work[i].n_draft > 0 ? work[i].tokens.size() : 1;

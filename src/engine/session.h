@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "engine/host_logits.h"
 #include "core/status.h"
+#include "engine/host_logits.h"
 #include "format/gguf.h"
 #include "model/capture.h"
 #include "model/hparams.h"

@@ -411,13 +411,9 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
   be.matmul(w.output, hn, n_out, out);
   if (hp.logit_scale != 1.0f) be.scale(out, hp.logit_scale);
   if (hp.final_softcap > 0) be.softcap(out, hp.final_softcap);
-  if (batch.top_k > 0) {
-    KILN_CHECK(batch.top_ids.size() == static_cast<size_t>(n_out * batch.top_k) &&
-                   batch.top_vals.size() == batch.top_ids.size(),
-               "top-k of {} rows of {}: {} ids, {} values", n_out, batch.top_k,
-               batch.top_ids.size(), batch.top_vals.size());
+  // top_k checks that top_ids/top_vals hold n_out rows of top_k.
+  if (batch.top_k > 0)
     be.top_k(std::span<const float>(out), hp.n_vocab, batch.top_k, batch.top_ids, batch.top_vals);
-  }
   if (on_device && (batch.top_k == 0 || batch.capture))
     be.download(std::span<const float>(out), logits);
   rec("result_output", logits, n_out);

@@ -207,6 +207,10 @@ int32_t Sampler::sample(std::span<const float> logits) {
                   params_.presence_penalty);
   if (params_.temperature <= 0.0f) return greedy(cands_);
   top_k(cands_, params_.top_k);
+  return sample_after_top_k();
+}
+
+int32_t Sampler::sample_after_top_k() {
   top_p(cands_, params_.top_p);
   min_p(cands_, params_.min_p);
   temperature(cands_, params_.temperature);
@@ -236,10 +240,7 @@ int32_t Sampler::sample_top(std::span<const int32_t> ids, std::span<const float>
   for (size_t i = 0; i < size_t(need); ++i) cands_.items[i] = {ids[i], logits[i], 0};
   cands_.sorted = true;
   if (params_.temperature <= 0.0f) return greedy(cands_);
-  top_p(cands_, params_.top_p);
-  min_p(cands_, params_.min_p);
-  temperature(cands_, params_.temperature);
-  return sample_dist(cands_, rng_);
+  return sample_after_top_k();
 }
 
 }  // namespace kiln

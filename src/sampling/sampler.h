@@ -97,6 +97,8 @@ class Sampler {
 
  private:
   Sampler(const SamplerParams& p, int32_t n_vocab) : params_(p), n_vocab_(n_vocab), rng_(p.seed) {}
+  // The chain's stages after the top-k cut, on cands_ (sample() and sample_top() share them).
+  int32_t sample_after_top_k();
   SamplerParams params_;
   int32_t n_vocab_;
   Rng rng_;

@@ -1831,11 +1831,8 @@ int64_t CudaBackend::argmax(std::span<const float> x) {
 
 void CudaBackend::top_k(std::span<const float> x, int64_t n, int32_t k, std::span<int32_t> ids,
                         std::span<float> vals) {
-  KILN_CHECK(n > 0 && k >= 1 && k <= n && x.size() % static_cast<size_t>(n) == 0,
-             "top_k: k {} of rows of {} ({} values)", k, n, x.size());
-  const auto rows = static_cast<int64_t>(x.size()) / n;
-  KILN_CHECK(ids.size() == static_cast<size_t>(rows * k) && vals.size() == ids.size(),
-             "top_k: {} ids and {} values for {} rows of {}", ids.size(), vals.size(), rows, k);
+  static_assert(cuda::kTopKMax == kTopKMost);
+  const auto rows = static_cast<int64_t>(top_k_rows(x, n, k, ids, vals));
   Impl& I = *impl_;
   if (k > cuda::kTopKMax || rows > 65535) {  // beyond the kernel: the whole rows, sorted here
     std::vector<float> host(x.size());

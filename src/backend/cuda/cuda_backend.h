@@ -108,11 +108,11 @@ struct CudaOptions {
   bool mma_pre_scales = true;  // kernels.h kMmaPreScalesDefault (cuda_backend.cpp asserts it)
   // A download into host memory page-locked through register_host_memory (the engine's
   // logits buffers) is one DMA straight into it; off: through the backend's own pinned buffer
-  // and a host memcpy, as into any other host memory. Same bytes (CudaDirectDownload test).
+  // and a host memcpy, as into any other host memory. Same bytes (CudaOps.DirectDownloadSameBytesAsStaged).
   bool direct_download = true;
   // Decode attention: a block whose slice of keys holds no visible one (a graph's key bucket
   // padded past a short context) writes its empty partial at once (kernels.h
-  // set_attention_skip_empty). Same results (CudaOps.AttentionSkipEmptySameBits).
+  // set_attention_skip_empty). Same results (CudaAttention.SkipEmptySlicesSameBits).
   bool attention_skip_empty = true;  // kernels.h kAttentionSkipEmptyDefault (asserted)
   // Matmuls that take the cuBLAS path (above auto_int8_max_tokens tokens: prefill, large
   // batches) read an f16 copy of the weight kept on the device, written once at its first such
