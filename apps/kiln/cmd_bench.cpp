@@ -44,6 +44,9 @@ struct BenchOptions {
   std::vector<int32_t> n_prompt{512};
   std::vector<int32_t> n_gen{128};
   std::vector<int32_t> n_seq;  // batched decode widths (tgN xS), none by default
+  // llama-bench's -d: each test runs after this many tokens already in the KV cache ("tg128 @
+  // d4096"); the prefix is filled once per depth, untimed, and every repetition rolls back to it.
+  std::vector<int32_t> n_depth{0};
   int32_t reps = 5;
   std::string output = "md";
   std::shared_ptr<ConfigOverrides> config;
@@ -51,7 +54,7 @@ struct BenchOptions {
 
 struct Result {
   std::string test;  // "pp512" / "tg128" / "tg128 x16"
-  int32_t n_prompt = 0, n_gen = 0, n_seq = 1;
+  int32_t n_prompt = 0, n_gen = 0, n_seq = 1, n_depth = 0;
   std::vector<double> ts;  // tokens/s per repetition
   double mean = 0, stddev = 0;
   double gbps = 0;  // tg only: weight bytes per token / seconds per token
@@ -128,14 +131,16 @@ Expected<std::string> trace_pass(Backend& be, const Result& r, const std::vector
   const cuda::KernelTraceSummary s = cuda::summarize_kernel_trace(*recs, steps);
   std::string out = fmt::format(
       "\n{} kernel trace (CUPTI: each kernel's GPU start and end in one more pass; per step = "
-      "{}): {} kernels\n\n| kernel | calls/step | µs/step | µs/call | share |\n"
-      "|---|---:|---:|---:|---:|\n",
+      "{}): {} kernels; busy added = what each kernel adds to the time the GPU is busy (its "
+      "own duration also counts its PDL wait for the kernel ahead)\n\n| kernel | calls/step | "
+      "µs/step | µs/call | busy added µs/step | of busy |\n|---|---:|---:|---:|---:|---:|\n",
       r.test, r.n_gen > 0 ? "one decode step" : "the whole prompt", s.kernels);
   for (const cuda::KernelTraceRow& row : s.rows)
-    out += fmt::format("| {} | {:.1f} | {:.1f} | {:.2f} | {:.1f} % |\n", row.name,
+    out += fmt::format("| {} | {:.1f} | {:.1f} | {:.2f} | {:.1f} | {:.1f} % |\n", row.name,
                        row.calls_per_step, row.us_per_step, row.us_per_call,
-                       s.kernel_us_per_step > 0 ? 100 * row.us_per_step / s.kernel_us_per_step
-                                                : 0.0);
+                       row.added_us_per_step,
+                       s.busy_us_per_step > 0 ? 100 * row.added_us_per_step / s.busy_us_per_step
+                                              : 0.0);
   out += fmt::format(
       "\nper step: kernels {:.1f} µs (overlaps counted twice), the GPU busy {:.1f} µs of a "
       "{:.1f} µs span (idle {:.1f} µs, {:.1f} %); this pass {:.1f} t/s\n",
@@ -237,15 +242,16 @@ std::vector<int32_t> random_tokens(int32_t n, int32_t n_vocab, uint64_t seed) {
   return t;
 }
 
-Expected<double> time_prefill(Session& s, std::span<const int32_t> tokens) {
-  KILN_TRY(s.rollback(0));
+// Each timed pass starts from the first `depth` positions of the cache (filled by fill_prefix).
+Expected<double> time_prefill(Session& s, std::span<const int32_t> tokens, int32_t depth) {
+  KILN_TRY(s.rollback(depth));
   const auto t0 = Clock::now();
   KILN_TRY(s.eval(tokens, false));
   return double(tokens.size()) / std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-Expected<double> time_decode(Session& s, std::span<const int32_t> tokens) {
-  KILN_TRY(s.rollback(0));
+Expected<double> time_decode(Session& s, std::span<const int32_t> tokens, int32_t depth) {
+  KILN_TRY(s.rollback(depth));
   const auto t0 = Clock::now();
   for (int32_t id : tokens) {
     const int32_t one[1] = {id};
@@ -254,11 +260,12 @@ Expected<double> time_decode(Session& s, std::span<const int32_t> tokens) {
   return double(tokens.size()) / std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// S sessions from empty caches, then n steps in which each appends one token, all S in one
-// BatchEval step: aggregate tokens/s.
+// S sessions from their first `depth` positions, then n steps in which each appends one token,
+// all S in one BatchEval step: aggregate tokens/s.
 Expected<double> time_batched_decode(std::span<const std::unique_ptr<Session>> seqs,
-                                     BatchEval& batch, std::span<const int32_t> tokens) {
-  for (const auto& s : seqs) KILN_TRY(s->rollback(0));
+                                     BatchEval& batch, std::span<const int32_t> tokens,
+                                     int32_t depth) {
+  for (const auto& s : seqs) KILN_TRY(s->rollback(depth));
   std::vector<BatchEval::Item> items(seqs.size());
   const auto t0 = Clock::now();
   for (size_t step = 0; step < tokens.size(); ++step) {
@@ -268,6 +275,13 @@ Expected<double> time_batched_decode(std::span<const std::unique_ptr<Session>> s
   }
   return double(tokens.size() * seqs.size()) /
          std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// The untimed context of -d: the session's cache holds exactly `prefix` afterwards.
+Status fill_prefix(Session& s, std::span<const int32_t> prefix) {
+  KILN_TRY(s.rollback(0));
+  if (!prefix.empty()) KILN_TRY(s.eval(prefix, false));
+  return Status::ok();
 }
 
 Status run(const BenchOptions& o) {
@@ -287,6 +301,12 @@ Status run(const BenchOptions& o) {
   }
   for (int32_t s : o.n_seq)
     if (s < 1 || s > 1024) return Status::errorf("--n-seq {} must be 1..1024", s);
+  int32_t most_depth = 0;
+  for (int32_t d : o.n_depth) {
+    if (d < 0) return Status::errorf("-d {} must be >= 0", d);
+    most_depth = std::max(most_depth, d);
+  }
+  n_max += most_depth;
   KILN_ASSIGN_OR_RETURN(std::string path, resolve_model_path(o.model, cfg));
   KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(path, cfg));
   const Model& model = *ld.model;
@@ -311,13 +331,14 @@ Status run(const BenchOptions& o) {
       bandwidth = std::make_unique<ReadBandwidth>(threads);
 
   std::vector<Result> results;
-  auto bench = [&](const std::string& name, int32_t np, int32_t ng, int32_t n_seq,
+  auto bench = [&](const std::string& name, int32_t np, int32_t ng, int32_t n_seq, int32_t depth,
                    auto&& fn) -> Status {
     Result r;
-    r.test = name;
+    r.test = depth > 0 ? fmt::format("{} @ d{}", name, depth) : name;
     r.n_prompt = np;
     r.n_gen = ng;
     r.n_seq = n_seq;
+    r.n_depth = depth;
     const bool roofline = ng > 0 && n_seq == 1;  // one sequence's decode: weight-bound
     const std::vector<int32_t> tokens = random_tokens(np + ng, model.n_vocab(), 1234);
     KILN_TRY(fn(tokens));  // warm-up: page in weights, size scratch buffers
@@ -385,25 +406,38 @@ Status run(const BenchOptions& o) {
     results.push_back(std::move(r));
     return Status::ok();
   };
-  for (int32_t np : o.n_prompt)
-    if (np > 0)
-      KILN_TRY(bench(fmt::format("pp{}", np), np, 0, 1,
-                     [&](const std::vector<int32_t>& t) { return time_prefill(session, t); }));
-  for (int32_t ng : o.n_gen)
-    if (ng > 0)
-      KILN_TRY(bench(fmt::format("tg{}", ng), 0, ng, 1,
-                     [&](const std::vector<int32_t>& t) { return time_decode(session, t); }));
+  // The -d prefix of each depth: its own tokens (not those of the tests), the same for every
+  // sequence.
+  auto prefix_of = [&](int32_t d) { return random_tokens(d, model.n_vocab(), 99); };
+  for (int32_t d : o.n_depth) {
+    const std::vector<int32_t> prefix = prefix_of(d);
+    KILN_TRY(fill_prefix(session, prefix));
+    for (int32_t np : o.n_prompt)
+      if (np > 0)
+        KILN_TRY(bench(fmt::format("pp{}", np), np, 0, 1, d, [&](const std::vector<int32_t>& t) {
+          return time_prefill(session, t, d);
+        }));
+    for (int32_t ng : o.n_gen)
+      if (ng > 0)
+        KILN_TRY(bench(fmt::format("tg{}", ng), 0, ng, 1, d, [&](const std::vector<int32_t>& t) {
+          return time_decode(session, t, d);
+        }));
+  }
   for (int32_t ns : o.n_seq) {
     std::vector<std::unique_ptr<Session>> seqs;
     for (int32_t i = 0; i < ns; ++i)
       seqs.push_back(std::make_unique<Session>(ld.model, *ld.backend, n_max, 1));
     BatchEval batch(ld.model, *ld.backend, ns);
-    for (int32_t ng : o.n_gen)
-      if (ng > 0)
-        KILN_TRY(bench(fmt::format("tg{} x{}", ng, ns), 0, ng, ns,
-                       [&](const std::vector<int32_t>& t) {
-                         return time_batched_decode(seqs, batch, t);
-                       }));
+    for (int32_t d : o.n_depth) {
+      const std::vector<int32_t> prefix = prefix_of(d);
+      for (const auto& s : seqs) KILN_TRY(fill_prefix(*s, prefix));
+      for (int32_t ng : o.n_gen)
+        if (ng > 0)
+          KILN_TRY(bench(fmt::format("tg{} x{}", ng, ns), 0, ng, ns, d,
+                         [&](const std::vector<int32_t>& t) {
+                           return time_batched_decode(seqs, batch, t, d);
+                         }));
+    }
   }
   bandwidth.reset();  // its 512 MiB are not part of the memory figures below
   const MemoryUse mem = memory_use();
@@ -425,6 +459,7 @@ Status run(const BenchOptions& o) {
                           {"n_prompt", r.n_prompt},
                           {"n_gen", r.n_gen},
                           {"n_seq", r.n_seq},
+                          {"n_depth", r.n_depth},
                           {"avg_ts", r.mean},
                           {"stddev_ts", r.stddev},
                           {"samples_ts", r.ts},
@@ -507,6 +542,10 @@ void add_bench_command(CLI::App& app, int& exit_code) {
       ->delimiter(',');
   cmd->add_option("--n-seq", o->n_seq,
                   "also decode this many sequences together (tgN xS, aggregate t/s; list)")
+      ->delimiter(',');
+  cmd->add_option("-d,--n-depth", o->n_depth,
+                  "run each test after this many tokens already in the KV cache (tgN @ dD; "
+                  "filled once per depth, untimed; list; default 0)")
       ->delimiter(',');
   cmd->add_option("-r,--repetitions", o->reps, "repetitions per test (default 5)");
   cmd->add_option("-o,--output", o->output, "md or json (default md)");

@@ -61,6 +61,7 @@ static Status apply_cuda_flags(const Config& config, CudaOptions& o) {
   o.mma_pre_scales = config.cuda_mma_pre_scales;
   o.direct_download = config.cuda_direct_download;
   o.attention_skip_empty = config.cuda_attn_skip_empty;
+  o.attention_warp_tiles = config.cuda_attn_warp_tiles;
   o.auto_int8_max_tokens = config.cuda_int8_max_tokens;
   o.int8_mma_min_tokens = config.cuda_int8_mma;
   o.fuse_rope = config.cuda_fuse_rope;

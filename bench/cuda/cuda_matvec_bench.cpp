@@ -287,11 +287,12 @@ void expect_all_eighths(const float* dout, size_t n, const char* what) {
 
 // Split-K flash-decode attention (kernels.h launch_attention) on the 8B shape: 32 query heads
 // over 8 KV heads of 128, one query (decode) or 4, contexts of 4k and 32k keys stored as a ring
-// (physical rows rotated). GB/s counts the K and V bytes once per call.
+// (physical rows rotated); the split kernel and the warp-tile kernel (DeviceAttention::
+// warp_tiles) interleaved per iteration. GB/s counts the K and V bytes once per call.
 void bench_attention(int iters, double read_gbps, int n_sm) {
   std::printf(
-      "\n| attention (32/8 heads x 128, f16 KV) | keys | queries | KV MiB | us | GB/s | of "
-      "read BW (%.0f GB/s) |\n|---|---|---|---|---|---|---|\n",
+      "\n| attention (32/8 heads x 128, f16 KV) | keys | queries | KV MiB | split us | warp "
+      "tiles us | warp tiles GB/s | of read BW (%.0f GB/s) |\n|---|---|---|---|---|---|---|---|\n",
       read_gbps);
   for (int64_t n_kv : {int64_t{4096}, int64_t{32768}}) {
     for (int64_t n_q : {int64_t{1}, int64_t{4}}) {
@@ -311,26 +312,34 @@ void bench_attention(int iters, double read_gbps, int n_sm) {
       BENCH_CHECK(cudaMalloc(&dout, q.size() * 4));
       a.q = dq, a.k = dk, a.v = dv, a.kv_rows = drows, a.kv_pos = dpos, a.q_pos = dqpos;
       a.out = dout;
-      BENCH_CHECK(cudaMalloc(&dpart, kiln::cuda::attention_scratch_floats(a, n_sm) * 4));
-      // Every V element is 0.125: each output must be 0.125 (a wrong kernel is not timed).
-      BENCH_CHECK(kiln::cuda::launch_attention(a, dpart, n_sm, nullptr));
-      expect_all_eighths(dout, q.size(), "attention");
-      Timer tm;
-      std::vector<float> ms;
-      for (int i = 0; i < iters + 2; ++i) {
-        BENCH_CHECK(cudaEventRecord(tm.a));
-        for (int r = 0; r < 20; ++r)
-          BENCH_CHECK(kiln::cuda::launch_attention(a, dpart, n_sm, nullptr));
-        BENCH_CHECK(cudaEventRecord(tm.b));
-        BENCH_CHECK(cudaEventSynchronize(tm.b));
-        float m = 0;
-        BENCH_CHECK(cudaEventElapsedTime(&m, tm.a, tm.b));
-        if (i >= 2) ms.push_back(m / 20);
+      kiln::cuda::DeviceAttention forms[2] = {a, a};
+      forms[1].warp_tiles = true;
+      size_t part = 0;
+      for (const auto& f : forms) part = std::max(part, kiln::cuda::attention_scratch_floats(f, n_sm));
+      BENCH_CHECK(cudaMalloc(&dpart, part * 4));
+      for (const auto& f : forms) {
+        BENCH_CHECK(cudaMemset(dout, 0, q.size() * 4));
+        BENCH_CHECK(kiln::cuda::launch_attention(f, dpart, n_sm, nullptr));
+        expect_all_eighths(dout, q.size(), f.warp_tiles ? "attention (warp tiles)" : "attention");
       }
-      const double sec = median(ms) * 1e-3, bytes = 2.0 * double(plane) * 2;
-      std::printf("| decode | %lld | %lld | %.1f | %.1f | %.0f | %.1f %% |\n", (long long)n_kv,
-                  (long long)n_q, bytes / 1048576.0, sec * 1e6, bytes / sec / 1e9,
-                  100 * bytes / sec / 1e9 / read_gbps);
+      Timer tm;
+      std::vector<float> ms[2];
+      for (int i = 0; i < iters + 2; ++i) {
+        for (int w = 0; w < 2; ++w) {
+          BENCH_CHECK(cudaEventRecord(tm.a));
+          for (int r = 0; r < 20; ++r)
+            BENCH_CHECK(kiln::cuda::launch_attention(forms[w], dpart, n_sm, nullptr));
+          BENCH_CHECK(cudaEventRecord(tm.b));
+          BENCH_CHECK(cudaEventSynchronize(tm.b));
+          float m = 0;
+          BENCH_CHECK(cudaEventElapsedTime(&m, tm.a, tm.b));
+          if (i >= 2) ms[w].push_back(m / 20);
+        }
+      }
+      const double bytes = 2.0 * double(plane) * 2, sec = median(ms[1]) * 1e-3;
+      std::printf("| decode | %lld | %lld | %.1f | %.1f | %.1f | %.0f | %.1f %% |\n",
+                  (long long)n_kv, (long long)n_q, bytes / 1048576.0, median(ms[0]) * 1e3,
+                  sec * 1e6, bytes / sec / 1e9, 100 * bytes / sec / 1e9 / read_gbps);
       std::fflush(stdout);
       for (void* p : {(void*)dk, (void*)dv, (void*)drows, (void*)dpos, (void*)dqpos, (void*)dq,
                       (void*)dout, (void*)dpart})
@@ -340,18 +349,21 @@ void bench_attention(int iters, double read_gbps, int n_sm) {
 }
 
 // Batched decode attention (kernels.h launch_attention_batch): S sequences of one query each
-// (32/8 heads x 128, f16 KV), each over `ctx` visible keys padded with invisible ones to the
-// CUDA graph bucket (256 keys, as kiln's graph mode stages them), in one launch pair. Checks
-// the outputs (every V element 0.125) before timing.
+// (32/8 heads x 128, f16 KV, each sequence its own planes), each over `ctx` visible keys padded
+// with invisible ones to the CUDA graph bucket (256 keys, as kiln's graph mode stages them), in
+// one launch pair. Three forms interleaved per iteration: the split kernel skipping empty
+// slices (its default), walking them, and the warp-tile kernel. Checks the outputs (every V
+// element 0.125) before timing; GB/s counts the visible keys' K and V bytes once.
 void bench_attention_batch(int iters, int n_sm) {
   std::printf("\n| batched decode attention (32/8 heads x 128) | sequences | visible keys | padded "
-              "keys | us per call | us, empty slices walked |\n|---|---|---|---|---|---|\n");
+              "keys | split us | split, empty slices walked | warp tiles us | warp tiles GB/s "
+              "|\n|---|---|---|---|---|---|---|---|\n");
   for (int64_t n_seq : {int64_t{1}, int64_t{16}, int64_t{64}}) {
     for (int64_t ctx : {int64_t{64}, int64_t{128}, int64_t{1024}}) {
       const int64_t n_kv = (ctx + 255) / 256 * 256;
       const int64_t kv_w = 8 * 128, q_w = 32 * 128;
       const size_t plane = size_t(n_kv * kv_w);
-      std::vector<uint16_t> kv(plane, 0x3000);  // 0.125
+      std::vector<uint16_t> kv(plane * size_t(n_seq), 0x3000);  // 0.125
       std::vector<int32_t> rows(n_kv), pos(n_kv);
       for (int64_t j = 0; j < n_kv; ++j) {
         rows[j] = j < ctx ? int32_t((j + 17) % ctx) : 0;
@@ -361,54 +373,64 @@ void bench_attention_batch(int iters, int n_sm) {
       const std::vector<float> q(size_t(n_seq * q_w), 0.01f);
       uint16_t *dk = to_device(kv), *dv = to_device(kv);
       int32_t *drows = to_device(rows), *dpos = to_device(pos), *dqpos = to_device(q_pos);
-      float *dq = to_device(q), *dout, *dpart;
-      kiln::cuda::AttentionBatchItem* ditems;
+      float *dq = to_device(q), *dout;
       BENCH_CHECK(cudaMalloc(&dout, q.size() * 4));
-      // Every sequence reads the same planes (the bench times the kernels, not the footprint).
-      std::vector<kiln::cuda::AttentionBatchItem> items(static_cast<size_t>(n_seq));
-      size_t part_floats = 0;
-      for (int64_t i = 0; i < n_seq; ++i) {
-        kiln::cuda::DeviceAttention& a = items[size_t(i)].a;
-        a.n_q = 1, a.n_kv = n_kv, a.n_head = 32, a.n_head_kv = 8, a.head_dim = 128;
-        a.scale = 1.0f / std::sqrt(128.0f);
-        a.q = dq + i * q_w, a.out = dout + i * q_w;
-        a.k = dk, a.v = dv, a.kv_rows = drows, a.kv_pos = dpos, a.q_pos = dqpos;
-        part_floats += kiln::cuda::attention_scratch_floats(a, n_sm);
+      // Two plans (split kernel, warp tiles), each with its own scratch and device table.
+      std::vector<kiln::cuda::AttentionBatchItem> items[2];
+      float* dpart[2];
+      kiln::cuda::AttentionBatchItem* ditems[2];
+      for (int w = 0; w < 2; ++w) {
+        items[w].resize(static_cast<size_t>(n_seq));
+        size_t part_floats = 0;
+        for (int64_t i = 0; i < n_seq; ++i) {
+          kiln::cuda::DeviceAttention& a = items[w][size_t(i)].a;
+          a.n_q = 1, a.n_kv = n_kv, a.n_head = 32, a.n_head_kv = 8, a.head_dim = 128;
+          a.scale = 1.0f / std::sqrt(128.0f);
+          a.q = dq + i * q_w, a.out = dout + i * q_w;
+          a.k = dk + size_t(i) * plane, a.v = dv + size_t(i) * plane;
+          a.kv_rows = drows, a.kv_pos = dpos, a.q_pos = dqpos;
+          a.warp_tiles = w == 1;
+          part_floats += kiln::cuda::attention_scratch_floats(a, n_sm);
+        }
+        BENCH_CHECK(cudaMalloc(&dpart[w], part_floats * 4));
+        size_t off = 0;
+        for (auto& it : items[w]) {
+          it.part = dpart[w] + off;
+          off += kiln::cuda::attention_scratch_floats(it.a, n_sm);
+        }
+        kiln::cuda::plan_attention_batch(items[w], n_sm);
+        ditems[w] = to_device(items[w]);
+        BENCH_CHECK(cudaMemset(dout, 0, q.size() * 4));
+        BENCH_CHECK(kiln::cuda::launch_attention_batch(ditems[w], items[w], nullptr));
+        expect_all_eighths(dout, q.size(),
+                           w ? "batched attention (warp tiles)" : "batched attention");
       }
-      BENCH_CHECK(cudaMalloc(&dpart, part_floats * 4));
-      size_t off = 0;
-      for (auto& it : items) {
-        it.part = dpart + off;
-        off += kiln::cuda::attention_scratch_floats(it.a, n_sm);
-      }
-      kiln::cuda::plan_attention_batch(items, n_sm);
-      BENCH_CHECK(cudaMalloc(&ditems, items.size() * sizeof(items[0])));
-      BENCH_CHECK(cudaMemcpy(ditems, items.data(), items.size() * sizeof(items[0]),
-                             cudaMemcpyHostToDevice));
-      BENCH_CHECK(kiln::cuda::launch_attention_batch(ditems, items, nullptr));
-      expect_all_eighths(dout, q.size(), "batched attention");
-      // Empty slices skipped (the default) and walked, interleaved per iteration.
+      // Forms 0/1: the split kernel skipping / walking empty slices; 2: warp tiles.
       Timer tm;
-      std::vector<float> ms[2];
+      std::vector<float> ms[3];
       for (int i = 0; i < iters + 2; ++i) {
-        for (int skip = 0; skip < 2; ++skip) {
-          kiln::cuda::set_attention_skip_empty(skip == 1);
+        for (int f = 0; f < 3; ++f) {
+          const int w = f == 2 ? 1 : 0;
+          kiln::cuda::set_attention_skip_empty(f == 0);
           BENCH_CHECK(cudaEventRecord(tm.a));
           for (int r = 0; r < 20; ++r)
-            BENCH_CHECK(kiln::cuda::launch_attention_batch(ditems, items, nullptr));
+            BENCH_CHECK(kiln::cuda::launch_attention_batch(ditems[w], items[w], nullptr));
           BENCH_CHECK(cudaEventRecord(tm.b));
           BENCH_CHECK(cudaEventSynchronize(tm.b));
           float m = 0;
           BENCH_CHECK(cudaEventElapsedTime(&m, tm.a, tm.b));
-          if (i >= 2) ms[skip].push_back(m / 20);
+          if (i >= 2) ms[f].push_back(m / 20);
         }
       }
       kiln::cuda::set_attention_skip_empty(kiln::cuda::kAttentionSkipEmptyDefault);
-      std::printf("| decode | %lld | %lld | %lld | %.1f | %.1f |\n", (long long)n_seq,
-                  (long long)ctx, (long long)n_kv, median(ms[1]) * 1e3, median(ms[0]) * 1e3);
+      const double bytes = double(n_seq) * double(ctx) * double(kv_w) * 2 * 2;
+      std::printf("| decode | %lld | %lld | %lld | %.1f | %.1f | %.1f | %.0f |\n",
+                  (long long)n_seq, (long long)ctx, (long long)n_kv, median(ms[0]) * 1e3,
+                  median(ms[1]) * 1e3, median(ms[2]) * 1e3, bytes / (median(ms[2]) * 1e-3) / 1e9);
       std::fflush(stdout);
       for (void* p : {(void*)dk, (void*)dv, (void*)drows, (void*)dpos, (void*)dqpos, (void*)dq,
-                      (void*)dout, (void*)dpart, (void*)ditems})
+                      (void*)dout, (void*)dpart[0], (void*)dpart[1], (void*)ditems[0],
+                      (void*)ditems[1]})
         cudaFree(p);
     }
   }

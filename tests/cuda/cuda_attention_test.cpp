@@ -27,6 +27,15 @@ using kiln::testing::random_vec;
 using kiln::testing::AttnProblem;
 using kiln::testing::random_attention;
 
+// CudaOptions::attention_warp_tiles on the shared backend for one scope (the decode path's
+// warp-tile kernel instead of the split kernel).
+struct WarpTilesScope {
+  explicit WarpTilesScope(bool on) { cuda_under_test().cuda->set_attention_warp_tiles(on); }
+  ~WarpTilesScope() {
+    cuda_under_test().cuda->set_attention_warp_tiles(cuda::kAttentionWarpTilesDefault);
+  }
+};
+
 struct AttnCase {
   int64_t n_head, n_head_kv, head_dim, n_q, n_kv;
   int32_t window;
@@ -79,8 +88,8 @@ void run_case(const AttnCase& c, std::mt19937_64& rng) {
   }
 }
 
-TEST(CudaAttention, Configurations) {
-  KILN_REQUIRE_CUDA();
+void run_configurations(bool warp_tiles) {
+  const WarpTilesScope scope(warp_tiles);
   std::mt19937_64 rng(ops_seed());
   const AttnCase cases[] = {
       {1, 1, 64, 1, 1, 0, 0},          {4, 4, 64, 1, 37, 0, 0},     {8, 2, 64, 1, 129, 0, 0},
@@ -93,12 +102,80 @@ TEST(CudaAttention, Configurations) {
       {32, 8, 128, 512, 512, 0, 0},    {8, 8, 128, 33, 33, 0, 0},   {8, 1, 64, 100, 1000, 0, 0},
       {4, 2, 64, 40, 77, 16, 0},       {8, 2, 128, 64, 130, 0, 30.0f},
       {16, 4, 64, 257, 300, 100, 0},
+      // Warp tiles: one slice (<= 256 keys, written without a merge), several, key counts off
+      // the 32-key tile and the 128-key warp round, GQA 1-8, heads 32-256.
+      {32, 8, 128, 1, 256, 0, 0},      {32, 8, 128, 1, 257, 0, 0},  {32, 8, 128, 2, 1000, 0, 0},
+      {8, 1, 64, 1, 95, 0, 0},         {16, 16, 256, 1, 600, 0, 0}, {8, 4, 160, 3, 333, 40, 0},
   };
   for (const AttnCase& c : cases) run_case(c, rng);
+}
+
+TEST(CudaAttention, Configurations) {
+  KILN_REQUIRE_CUDA();
+  run_configurations(false);
   cuda::DeviceAttention prefill;  // the 8B shape's prefill chunk takes the tile kernel
   prefill.n_q = 512, prefill.n_kv = 512, prefill.n_head = 32, prefill.n_head_kv = 8;
   prefill.head_dim = 128;
   EXPECT_TRUE(cuda::attention_uses_tiles(prefill));
+}
+
+// The same cases with the warp-tile decode kernel (the prefill shapes still take the tile
+// kernel): the same f32 bound of the reference as the split kernel.
+TEST(CudaAttention, WarpTilesConfigurations) {
+  KILN_REQUIRE_CUDA();
+  EXPECT_TRUE(cuda::attention_warp_tiles_fit(128, reinterpret_cast<void*>(256),
+                                             reinterpret_cast<void*>(512)));
+  EXPECT_FALSE(cuda::attention_warp_tiles_fit(100, reinterpret_cast<void*>(256),
+                                              reinterpret_cast<void*>(512)));
+  EXPECT_FALSE(cuda::attention_warp_tiles_fit(128, reinterpret_cast<void*>(258),
+                                              reinterpret_cast<void*>(512)));
+  run_configurations(true);
+}
+
+// A decode key list padded as graph mode pads it, whose padding and some out-of-window keys
+// point at a row holding inf and NaN in K and V that no visible key uses: neither kernel lets it
+// reach the output (the warp-tile kernel reads a visible key's rows for them; the split kernel
+// skips them), and both stay within the f32 bound of the reference.
+TEST(CudaAttention, InvisibleRowsNeverReachTheOutput) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  for (const bool wt : {false, true}) {
+    const WarpTilesScope scope(wt);
+    for (const int64_t n_kv : {int64_t{70}, int64_t{300}}) {
+      SCOPED_TRACE(::testing::Message() << "warp tiles " << wt << " n_kv " << n_kv << " seed "
+                                        << ops_seed());
+      const int64_t n_head = 32, n_head_kv = 8, hd = 128, kv_w = n_head_kv * hd;
+      AttnProblem p = random_attention(rng, n_head, n_head_kv, hd, 1, n_kv, n_kv + 3,
+                                       /*window=*/50, 0.0f, 2.0f, 3);
+      // A ring row no key uses: poisoned, and what every padding key and a third of the keys
+      // before the window point at.
+      std::vector<bool> used(size_t(n_kv + 3), false);
+      for (int32_t r : p.kv_rows) used[size_t(r)] = true;
+      const auto poison = int32_t(std::find(used.begin(), used.end(), false) - used.begin());
+      ASSERT_LT(poison, n_kv + 3);
+      for (int64_t j = 0; j + 50 < n_kv; j += 3) p.kv_rows[size_t(j)] = poison;
+      for (int64_t d = 0; d < kv_w; ++d) {
+        p.k[size_t(poison * kv_w + d)] = f32_to_f16(d % 2 ? INFINITY : NAN);
+        p.v[size_t(poison * kv_w + d)] = f32_to_f16(d % 2 ? NAN : -INFINITY);
+      }
+      const int64_t padded = (n_kv + 255) / 256 * 256;
+      p.kv_rows.resize(size_t(padded), poison);
+      p.kv_pos.resize(size_t(padded), INT32_MAX);
+      p.args.k = p.k;
+      p.args.v = p.v;
+      p.args.kv_rows = p.kv_rows;
+      p.args.kv_pos = p.kv_pos;
+      std::vector<float> got(p.q.size(), NAN), want(p.q.size(), NAN);
+      p.args.out = want;
+      cuda_under_test().ref->attention(p.args);
+      p.args.out = got;
+      cuda_under_test().cuda->attention(p.args);
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(want[i])) << i;
+        ASSERT_TRUE(close(got[i], want[i], 2e-5 * (1 + std::fabs(want[i])))) << i;
+      }
+    }
+  }
 }
 
 // A batched decode step's attention (Backend::attention_batch on device memory: one launch
@@ -113,6 +190,7 @@ TEST(CudaAttention, Configurations) {
 // head sizes 64 (P 1), 128 (P 2) and 256 (P 4), a window and a softcap.
 TEST(CudaAttention, SkipEmptySlicesSameBits) {
   KILN_REQUIRE_CUDA();
+  const WarpTilesScope split_kernel(false);  // the switch belongs to the split kernel
   std::mt19937_64 rng(ops_seed());
   struct Shape {
     int64_t n_head, n_head_kv, hd, n_kv;
@@ -147,8 +225,8 @@ TEST(CudaAttention, SkipEmptySlicesSameBits) {
   }
 }
 
-TEST(CudaAttention, BatchOfSequencesHasEachSequencesBits) {
-  KILN_REQUIRE_CUDA();
+void run_batch_of_sequences(bool warp_tiles) {
+  const WarpTilesScope scope(warp_tiles);
   CudaBackend& be = *cuda_under_test().cuda;
   Backend& ref = *cuda_under_test().ref;
   std::mt19937_64 rng(ops_seed());
@@ -264,8 +342,20 @@ TEST(CudaAttention, BatchOfSequencesHasEachSequencesBits) {
   }
 }
 
+TEST(CudaAttention, BatchOfSequencesHasEachSequencesBits) {
+  KILN_REQUIRE_CUDA();
+  run_batch_of_sequences(false);
+}
+
+TEST(CudaAttention, WarpTilesBatchOfSequencesHasEachSequencesBits) {
+  KILN_REQUIRE_CUDA();
+  run_batch_of_sequences(true);
+}
+
 TEST(CudaAttention, NoKeysGivesZeros) {
   KILN_REQUIRE_CUDA();
+  for (const bool wt : {false, true}) {
+  const WarpTilesScope scope(wt);
   std::vector<float> q(2 * 64, 1.0f), out(q.size(), NAN);
   std::vector<f16> k(64), v(64);
   AttentionArgs a;
@@ -281,6 +371,7 @@ TEST(CudaAttention, NoKeysGivesZeros) {
   a.out = out;
   cuda_under_test().cuda->attention(a);  // n_kv = 0
   for (float x : out) ASSERT_EQ(x, 0.0f);
+  }
 }
 
 }  // namespace

@@ -50,7 +50,9 @@ constexpr int32_t kCtx = 512;  // llama.cpp produced the golden data with n_ctx 
 // ArenaV3: CudaOptions::matmul = V3 (int8 activations and dp4a for the quantized decode, up
 // to 64 tokens). Arena runs the default (Auto: V3 up to 16 tokens, cuBLAS above); ArenaV2 the
 // f32-activation kernels it replaced as the default.
-enum class Weights { Arena, ZeroCopy, ArenaV1, ArenaV2, ArenaV3 };
+// ArenaAltAttention: the default kernels but the other decode attention kernel
+// (CudaOptions::attention_warp_tiles flipped from its default), so both stay golden-tested.
+enum class Weights { Arena, ZeroCopy, ArenaV1, ArenaV2, ArenaV3, ArenaAltAttention };
 
 class CudaGolden : public ::testing::TestWithParam<std::tuple<Fixture, Weights>> {};
 
@@ -73,13 +75,17 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
   if (std::get<1>(GetParam()) == Weights::ArenaV1) o.matmul = CudaMatmul::V1;
   if (std::get<1>(GetParam()) == Weights::ArenaV2) o.matmul = CudaMatmul::V2;
   if (std::get<1>(GetParam()) == Weights::ArenaV3) o.matmul = CudaMatmul::V3;
+  if (std::get<1>(GetParam()) == Weights::ArenaAltAttention)
+    o.attention_warp_tiles = !CudaOptions{}.attention_warp_tiles;
   auto be = make_cuda_backend(o);
   ASSERT_TRUE(be) << be.error();
   const golden::Bounds b = golden::bounds_for(fx.quantized);
   const char* label = std::get<1>(GetParam()) == Weights::ArenaV1   ? "cuda-v1"
                       : std::get<1>(GetParam()) == Weights::ArenaV2 ? "cuda-v2"
                       : std::get<1>(GetParam()) == Weights::ArenaV3 ? "cuda-v3"
-                                                                      : "cuda   ";
+                      : std::get<1>(GetParam()) == Weights::ArenaAltAttention
+                          ? (o.attention_warp_tiles ? "cuda-wt" : "cuda-sk")
+                          : "cuda   ";
   Session s(*m, **be, kCtx);
   // Quantized MoE fixtures skip the prompt positions where this backend's own router logits
   // are a near-tie, exactly as the CPU suites do (tests/golden: the same rule and margin).
@@ -472,6 +478,7 @@ std::string param_name(const ::testing::TestParamInfo<std::tuple<Fixture, Weight
   if (std::get<1>(info.param) == Weights::ArenaV1) n += "_matmul_v1";
   if (std::get<1>(info.param) == Weights::ArenaV2) n += "_matmul_v2";
   if (std::get<1>(info.param) == Weights::ArenaV3) n += "_matmul_v3";
+  if (std::get<1>(info.param) == Weights::ArenaAltAttention) n += "_alt_attention";
   for (char& c : n)
     if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
   return n;
@@ -488,6 +495,10 @@ INSTANTIATE_TEST_SUITE_P(ArenaV2, CudaGolden,
 INSTANTIATE_TEST_SUITE_P(ArenaV1, CudaGolden,
                          ::testing::Combine(::testing::ValuesIn(kFixtures),
                                             ::testing::Values(Weights::ArenaV1)),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(ArenaAltAttention, CudaGolden,
+                         ::testing::Combine(::testing::ValuesIn(kFixtures),
+                                            ::testing::Values(Weights::ArenaAltAttention)),
                          param_name);
 INSTANTIATE_TEST_SUITE_P(ArenaV3, CudaGolden,
                          ::testing::Combine(::testing::ValuesIn(kFixtures),

@@ -43,13 +43,28 @@ TEST(KernelTrace, SummaryPerStepBusyAndIdle) {
   EXPECT_DOUBLE_EQ(s.busy_us_per_step, 59e-3 / 2);
   EXPECT_DOUBLE_EQ(s.kernel_us_per_step, 64e-3 / 2);
   ASSERT_EQ(s.rows.size(), 3u);
-  EXPECT_EQ(s.rows[0].name, "b_kernel");  // 40 ns, then a (20), then c (4)
+  // Busy added: b 20 + 15 (its [105, 110) overlaps a), a 10 + 10, c 4: rows by that, and they
+  // sum to the busy time.
+  EXPECT_EQ(s.rows[0].name, "b_kernel");
   EXPECT_DOUBLE_EQ(s.rows[0].us_per_step, 40e-3 / 2);
+  EXPECT_DOUBLE_EQ(s.rows[0].added_us_per_step, 35e-3 / 2);
   EXPECT_DOUBLE_EQ(s.rows[0].calls_per_step, 1.0);
   EXPECT_DOUBLE_EQ(s.rows[0].us_per_call, 20e-3);
   EXPECT_EQ(s.rows[1].name, "a_kernel");
+  EXPECT_DOUBLE_EQ(s.rows[1].added_us_per_step, 20e-3 / 2);
   EXPECT_EQ(s.rows[2].name, "c_kernel");
   EXPECT_DOUBLE_EQ(s.rows[2].calls_per_step, 0.5);
+  EXPECT_DOUBLE_EQ(s.rows[2].added_us_per_step, 4e-3 / 2);
+  // A kernel started early (PDL) that waits inside the one ahead adds only what it runs past it.
+  const cuda::KernelTraceSummary w = cuda::summarize_kernel_trace(
+      {{0, 100, "big"}, {10, 104, "waits"}, {104, 110, "next"}}, 1);
+  ASSERT_EQ(w.rows.size(), 3u);
+  EXPECT_EQ(w.rows[0].name, "big");
+  EXPECT_DOUBLE_EQ(w.rows[0].added_us_per_step, 100e-3);
+  EXPECT_DOUBLE_EQ(w.rows[1].added_us_per_step, 6e-3);  // "next" 6 beats "waits" 4
+  EXPECT_EQ(w.rows[1].name, "next");
+  EXPECT_DOUBLE_EQ(w.rows[2].us_per_step, 94e-3);
+  EXPECT_DOUBLE_EQ(w.rows[2].added_us_per_step, 4e-3);
   // No records: zeros, no rows; a record ending before it starts counts as empty.
   const cuda::KernelTraceSummary e = cuda::summarize_kernel_trace({}, 3);
   EXPECT_EQ(e.kernels, 0u);

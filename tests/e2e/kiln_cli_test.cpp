@@ -199,6 +199,25 @@ TEST(KilnBench, JsonParses) {
   expect_clean_error(run_kiln({"bench", "-o", "xml"}), "md or json");
 }
 
+// llama-bench's -d: each test after a prefix of that many tokens in the cache, named
+// "tgN @ dD" (the prefix untimed, so a deeper cache may not lose its pp and tg tests).
+TEST(KilnBench, DepthListRunsEveryTestAtEachDepth) {
+  Proc p = run_kiln({"bench", "-p", "16", "-n", "4", "-d", "0,24", "--n-seq", "2", "-r", "1",
+                     "-o", "json", "--threads", "2"});
+  ASSERT_EQ(p.rc, 0) << p.err;
+  auto j = nlohmann::json::parse(p.out);
+  ASSERT_TRUE(j.is_array());
+  std::vector<std::string> tests;
+  for (auto& r : j) {
+    tests.push_back(r["test"].get<std::string>());
+    EXPECT_EQ(r["n_depth"].get<int>(), tests.back().find("@ d24") != std::string::npos ? 24 : 0);
+    EXPECT_GT(r["avg_ts"].get<double>(), 0) << tests.back();
+  }
+  EXPECT_EQ(tests, (std::vector<std::string>{"pp16", "tg4", "pp16 @ d24", "tg4 @ d24", "tg4 x2",
+                                             "tg4 x2 @ d24"}));
+  expect_clean_error(run_kiln({"bench", "--n-depth=-1"}), "-d -1");
+}
+
 TEST(KilnMkmodel, OutputLoadsAndRunsAndIsDeterministic) {
   const std::string dir = testing::temp_dir();
   const std::vector<std::string> shape = {"--n-embd", "256", "--n-layer", "3", "--n-ff", "512",

@@ -13,8 +13,10 @@
 
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 
 #include "backend/cuda/block_reduce.cuh"
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
@@ -26,6 +28,8 @@ constexpr int kWarps = 4;
 constexpr int kMaxHeadDim = 256;
 constexpr int64_t kMinKeysPerSplit = 32;
 constexpr int kMaxGroup = 8;  // query heads one block serves (registers: 2 P floats each)
+constexpr int kTileKeys = 32;                 // warp-tile kernel: keys per warp and step
+constexpr int64_t kWtMinKeysPerSplit = 256;   // and its shortest slice
 
 // Query heads per block: the largest of 8, 4, 2, 1 dividing the GQA ratio, so that every head
 // of a block reads the same KV head and each K/V row is loaded once for all of them (with
@@ -42,14 +46,22 @@ struct Split {
 };
 
 // Enough blocks to fill the GPU four times: few (query, head group) items (decode) split their
-// keys over more blocks, each with at least kMinKeysPerSplit keys.
+// keys over more blocks, each with at least kMinKeysPerSplit keys (warp tiles: at least
+// kWtMinKeysPerSplit, whole tiles for every warp). Depends on this item alone, so a sequence
+// gets the same plan, and the same bits, alone or in a batch.
 Split plan_split(const DeviceAttention& a, int n_sm) {
   Split sp;
   const int64_t items = a.n_q * (a.n_head / group_of(a));
   const int64_t want = (4 * int64_t(n_sm) + items - 1) / items;
-  const int64_t most = (a.n_kv + kMinKeysPerSplit - 1) / kMinKeysPerSplit;
+  const int64_t min_keys = a.warp_tiles ? kWtMinKeysPerSplit : kMinKeysPerSplit;
+  const int64_t most = (a.n_kv + min_keys - 1) / min_keys;
   sp.n_split = std::max<int64_t>(1, std::min(want, most));
   sp.keys_per_split = (a.n_kv + sp.n_split - 1) / sp.n_split;
+  if (a.warp_tiles) {
+    constexpr int64_t step = int64_t(kWarps) * kTileKeys;
+    sp.keys_per_split = std::max<int64_t>(step, (sp.keys_per_split + step - 1) / step * step);
+    sp.n_split = std::max<int64_t>(1, (a.n_kv + sp.keys_per_split - 1) / sp.keys_per_split);
+  }
   return sp;
 }
 
@@ -236,6 +248,215 @@ __global__ void __launch_bounds__(kWarps * 32)
                               local % it.n_split, it.n_split, skip_empty);
 }
 
+// ------------------------------------------------ decode: warp tiles (kernels.h warp_tiles)
+// The split kernel above spreads a key's head dimensions over the lanes, so every key costs
+// each head a warp reduction and every lane computes the same softmax step: a chain of
+// dependent shuffles and exps per key. Here a warp takes 32 keys at a time, one per lane:
+// - scores: each lane dots its key's K row (16-byte loads) with the G queries held in shared
+//   memory (two accumulators a query: even and odd dimensions);
+// - softmax: one warp max per head and tile, one exp per (key, head), a per-lane running sum
+//   of the weights (summed over the warp once, at the end);
+// - values: the lanes own hd / 32 dimensions each and fold the tile's 32 V rows with the
+//   weights broadcast from shared memory. The tile's V rows are copied into shared memory by
+//   cp.async before the scores (HD <= 128; no registers held), so one memory round trip
+//   serves a tile; the next tile's rows and positions load while this one computes.
+// An invisible key of a tile with a visible one reads the first visible key's rows (weight 0):
+// its scores are dropped and its V row adds 0 times a row the reference reads too.
+// Slices are whole tiles per warp and at least kWtMinKeysPerSplit keys, so a decode step's
+// padded 256-key bucket is one slice: the block then writes the normalised output itself and
+// no merge kernel runs (a query that sees no key gets zeros, as the reference defines).
+// Otherwise the partials have the split kernel's layout and the same merge kernels serve.
+template <int G, int HD>
+__device__ __forceinline__ void attention_wt_body(const DeviceAttention& a,
+                                                  int64_t keys_per_split,
+                                                  float* __restrict__ part, int64_t bx,
+                                                  int64_t by, int64_t n_split) {
+  constexpr int D = HD / 32;           // value dimensions per lane
+  constexpr bool kVAhead = HD <= 128;  // the tile's V rows copied ahead into shared memory
+  // Per warp: the tile's V rows (kVAhead), later reused for the warp's accumulators.
+  constexpr int kVBytes = kVAhead ? kTileKeys * HD * 2 : 0;
+  constexpr int kWarpBytes = kVBytes > G * HD * 4 ? kVBytes : G * HD * 4;
+  using VChunk = typename std::conditional<
+      D == 2, uint32_t, typename std::conditional<D == 4, uint2, uint4>::type>::type;
+  __shared__ __align__(16) float q_s[G][HD];
+  __shared__ __align__(16) unsigned char warp_s[kWarps][kWarpBytes];
+  __shared__ __align__(16) float p_s[kWarps][kTileKeys][G];
+  __shared__ float m_s[kWarps][G], l_s[kWarps][G];
+  __shared__ int32_t row_s[kVAhead ? 1 : kWarps][kTileKeys];
+  const int64_t groups = a.n_head / G;
+  const int64_t qi = bx / groups, h0 = (bx % groups) * G;
+  const int64_t hd = a.head_dim, kv_w = a.n_head_kv * hd;
+  const int64_t kvh = h0 / (a.n_head / a.n_head_kv);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int32_t qp = a.q_pos[qi];
+  const int64_t j0 = by * keys_per_split;
+  const int64_t j1 = min(a.n_kv, j0 + keys_per_split);
+  auto visible = [&](int32_t kp) { return kp <= qp && !(a.window > 0 && qp - kp >= a.window); };
+  VChunk* v_s = reinterpret_cast<VChunk*>(warp_s[warp]);  // [key][32 lanes]
+  float* acc_s = reinterpret_cast<float*>(warp_s[warp]);  // [G][HD], after the walk
+
+  for (int64_t i = threadIdx.x; i < int64_t(G) * HD; i += blockDim.x) {
+    const int64_t g = i / HD, d = i % HD;
+    q_s[g][d] = d < hd ? a.q[(qi * a.n_head + h0 + g) * hd + d] : 0.0f;
+  }
+  // The first tile's rows and positions load beside the queries.
+  int64_t jt = j0 + int64_t(warp) * kTileKeys;
+  int32_t next_row = 0, next_pos = INT_MAX;
+  if (jt + lane < j1) next_row = a.kv_rows[jt + lane], next_pos = a.kv_pos[jt + lane];
+  __syncthreads();
+
+  float m[G], l[G], acc[G][D];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY, l[g] = 0.0f;
+#pragma unroll
+    for (int d = 0; d < D; ++d) acc[g][d] = 0.0f;
+  }
+  const bool v_lane = lane * D < hd;  // hd % 8 == 0: a lane's dimensions are all in or all out
+  const uint16_t* v_head = a.v + kvh * hd + lane * D;
+  for (; jt < j1; jt += int64_t(kWarps) * kTileKeys) {
+    const bool vis = jt + lane < j1 && visible(next_pos);
+    int32_t row = next_row;
+    const int64_t jn = jt + int64_t(kWarps) * kTileKeys + lane;
+    if (jn < j1) next_row = a.kv_rows[jn], next_pos = a.kv_pos[jn];
+    const unsigned mask = __ballot_sync(0xffffffffu, vis);
+    if (mask == 0) continue;  // warp-uniform
+    const int32_t vis_row = __shfl_sync(0xffffffffu, row, __ffs(mask) - 1);
+    if (!vis) row = vis_row;
+
+    if constexpr (kVAhead) {
+      // Each lane copies its own dimensions of every key's V row, which only it reads back:
+      // no barrier, only its own wait.
+#pragma unroll
+      for (int k = 0; k < kTileKeys; ++k) {
+        const int32_t r = __shfl_sync(0xffffffffu, row, k);
+        if (v_lane) cp_async<D * 2>(v_s + k * 32 + lane, v_head + int64_t(r) * kv_w);
+      }
+      cp_async_commit();
+    }
+
+    const uint16_t* kr = a.k + int64_t(row) * kv_w + kvh * hd;
+    float s0[G], s1[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) s0[g] = s1[g] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < HD / 8; ++c) {
+      if (c * 8 < hd) {
+        const uint4 u = *reinterpret_cast<const uint4*>(kr + 8 * c);
+        const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __half22float2(h[i]);
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            s0[g] = fmaf(q_s[g][8 * c + 2 * i], f.x, s0[g]);
+            s1[g] = fmaf(q_s[g][8 * c + 2 * i + 1], f.y, s1[g]);
+          }
+        }
+      }
+    }
+    float corr[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float logit = (s0[g] + s1[g]) * a.scale;
+      if (a.softcap > 0) logit = a.softcap * tanhf(logit / a.softcap);
+      if (!vis) logit = -INFINITY;
+      const float m_new = fmaxf(m[g], warp_reduce_max(logit));  // finite: a key is visible
+      corr[g] = expf(m[g] - m_new);                             // m = -inf the first time: 0
+      const float p = vis ? expf(logit - m_new) : 0.0f;
+      l[g] = l[g] * corr[g] + p;
+      m[g] = m_new;
+      p_s[warp][lane][g] = p;
+    }
+    if constexpr (!kVAhead) row_s[warp][lane] = row;
+    __syncwarp();
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int d = 0; d < D; ++d) acc[g][d] *= corr[g];
+    auto fold = [&](int k, const VChunk& vk) {
+      const __half2* h = reinterpret_cast<const __half2*>(&vk);
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) {
+        const float2 f = __half22float2(h[i]);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float p = p_s[warp][k][g];
+          acc[g][2 * i] = fmaf(p, f.x, acc[g][2 * i]);
+          acc[g][2 * i + 1] = fmaf(p, f.y, acc[g][2 * i + 1]);
+        }
+      }
+    };
+    if constexpr (kVAhead) {
+      cp_async_wait<0>();
+      if (v_lane) {
+#pragma unroll
+        for (int k = 0; k < kTileKeys; ++k) fold(k, v_s[k * 32 + lane]);
+      }
+    } else if (v_lane) {
+#pragma unroll 8
+      for (int k = 0; k < kTileKeys; ++k)
+        fold(k, *reinterpret_cast<const VChunk*>(v_head + int64_t(row_s[warp][k]) * kv_w));
+    }
+    __syncwarp();  // p_s and row_s are rewritten by the next tile
+  }
+  // The warps' partials merged in warp order, every head at once (as the split kernel). The
+  // accumulators take the place of the warp's V rows (each lane is past its last read of them:
+  // the __syncwarp ending the walk).
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float lw = warp_reduce_sum(l[g]);
+    if (lane == 0) m_s[warp][g] = m[g], l_s[warp][g] = lw;
+    if (v_lane) {
+#pragma unroll
+      for (int d = 0; d < D; ++d) acc_s[g * HD + lane * D + d] = acc[g][d];
+    }
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < int64_t(G) * hd; i += blockDim.x) {
+    const int g = int(i / hd);
+    const int64_t d = i % hd;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w][g]);
+    float s = 0.0f, sum = 0.0f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w)
+        if (m_s[w][g] != -INFINITY) {
+          const float e = expf(m_s[w][g] - mx);
+          s += reinterpret_cast<const float*>(warp_s[w])[g * HD + d] * e;
+          sum += l_s[w][g] * e;
+        }
+    }
+    if (n_split == 1) {  // the whole key list: normalised here, no merge kernel
+      a.out[(qi * a.n_head + h0 + g) * hd + d] = mx == -INFINITY ? 0.0f : s * (1.0f / sum);
+      continue;
+    }
+    float* out = part + ((qi * a.n_head + h0 + g) * n_split + by) * (hd + 2);
+    out[d] = s;
+    if (d == 0) out[hd] = mx, out[hd + 1] = sum;
+  }
+}
+
+template <int G, int HD>
+__global__ void __launch_bounds__(kWarps * 32)
+    attention_wt_kernel(DeviceAttention a, int64_t keys_per_split, float* __restrict__ part) {
+  pdl_enter();
+  attention_wt_body<G, HD>(a, keys_per_split, part, blockIdx.x, blockIdx.y, gridDim.y);
+}
+
+template <int G, int HD>
+__global__ void __launch_bounds__(kWarps * 32)
+    attention_wt_batch_kernel(const AttentionBatchItem* __restrict__ items, int n) {
+  pdl_enter();
+  const int i = find_item(items, n, blockIdx.x, false);
+  const AttentionBatchItem& it = items[i];
+  const int64_t local = int64_t(blockIdx.x) - it.block0;
+  attention_wt_body<G, HD>(it.a, it.keys_per_split, it.part, local / it.n_split,
+                           local % it.n_split, it.n_split);
+}
+
 // One (query, head): merges the splits' partials and normalises.
 __device__ __forceinline__ void attention_merge_body(const float* __restrict__ part,
                                                      int64_t n_split, int64_t hd,
@@ -275,6 +496,7 @@ __global__ void attention_merge_batch_kernel(const AttentionBatchItem* __restric
   pdl_enter();
   const int i = find_item(items, n, blockIdx.x, true);
   const AttentionBatchItem& it = items[i];
+  if (it.a.warp_tiles && it.n_split == 1) return;  // the warp-tile block wrote it
   attention_merge_body(it.part, it.n_split, it.a.head_dim, it.a.out,
                        int64_t(blockIdx.x) - it.merge0);
 }
@@ -516,6 +738,30 @@ cudaError_t with_split_kernel(int g, int64_t hd, F&& f) {
   }
 }
 
+// f(one-sequence kernel, batched kernel) of the warp-tile instantiation for group g and this
+// head size (HD the smallest of 64, 128, 256 holding it).
+template <int G, typename F>
+cudaError_t with_wt_kernel_hd(int64_t hd, F&& f) {
+  if (hd <= 64) return f(attention_wt_kernel<G, 64>, attention_wt_batch_kernel<G, 64>);
+  if (hd <= 128) return f(attention_wt_kernel<G, 128>, attention_wt_batch_kernel<G, 128>);
+  return f(attention_wt_kernel<G, 256>, attention_wt_batch_kernel<G, 256>);
+}
+template <typename F>
+cudaError_t with_wt_kernel(int g, int64_t hd, F&& f) {
+  switch (g) {
+    case 8: return with_wt_kernel_hd<8>(hd, f);
+    case 4: return with_wt_kernel_hd<4>(hd, f);
+    case 2: return with_wt_kernel_hd<2>(hd, f);
+    default: return with_wt_kernel_hd<1>(hd, f);
+  }
+}
+
+// The warp-tile kernel's 16-byte K loads: head size a multiple of 8, planes 16-byte aligned.
+bool warp_tiles_ok(const DeviceAttention& a) {
+  return a.head_dim % 8 == 0 && reinterpret_cast<uintptr_t>(a.k) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(a.v) % 16 == 0;
+}
+
 thread_local bool g_skip_empty = kAttentionSkipEmptyDefault;
 
 }  // namespace
@@ -524,6 +770,14 @@ void set_attention_skip_empty(bool on) { g_skip_empty = on; }
 bool attention_skip_empty() { return g_skip_empty; }
 
 bool attention_uses_tiles(const DeviceAttention& a) { return tile_path(a); }
+
+bool attention_warp_tiles_fit(int64_t head_dim, const void* k, const void* v) {
+  DeviceAttention a;
+  a.head_dim = head_dim;
+  a.k = static_cast<const uint16_t*>(k);
+  a.v = static_cast<const uint16_t*>(v);
+  return head_dim > 0 && head_dim <= kMaxHeadDim && warp_tiles_ok(a);
+}
 
 int64_t plan_attention_batch(std::span<AttentionBatchItem> items, int n_sm) {
   int64_t blocks = 0, merges = 0;
@@ -546,6 +800,7 @@ cudaError_t launch_attention_batch(const AttentionBatchItem* items,
   const DeviceAttention& a0 = host_items.front().a;
   const int g = group_of(a0);
   int64_t blocks = 0, merges = 0;
+  bool merge_needed = false;
   for (const AttentionBatchItem& it : host_items) {
     const DeviceAttention& a = it.a;
     // One kernel instantiation serves every item: same heads, group and head size; each on
@@ -553,16 +808,24 @@ cudaError_t launch_attention_batch(const AttentionBatchItem* items,
     if (a.n_head != a0.n_head || a.n_head_kv != a0.n_head_kv || a.head_dim != a0.head_dim ||
         a.head_dim <= 0 || a.head_dim > kMaxHeadDim || a.head_dim % 2 != 0 ||
         a.n_head % a.n_head_kv != 0 || a.n_q <= 0 || a.n_kv <= 0 || tile_path(a) ||
+        a.warp_tiles != a0.warp_tiles || (a.warp_tiles && !warp_tiles_ok(a)) ||
         it.block0 != blocks || it.merge0 != merges)
       return cudaErrorInvalidValue;
     blocks += a.n_q * (a.n_head / g) * it.n_split;
     merges += a.n_q * a.n_head;
+    merge_needed = merge_needed || !a.warp_tiles || it.n_split > 1;
   }
   const int n = int(host_items.size());
-  const cudaError_t e = with_split_kernel(g, a0.head_dim, [&](auto, auto batch) {
-    return launch(batch, unsigned(blocks), kWarps * 32, 0, s, items, n, attention_skip_empty());
-  });
-  if (e != cudaSuccess) return e;
+  const cudaError_t e =
+      a0.warp_tiles
+          ? with_wt_kernel(g, a0.head_dim, [&](auto, auto batch) {
+              return launch(batch, unsigned(blocks), kWarps * 32, 0, s, items, n);
+            })
+          : with_split_kernel(g, a0.head_dim, [&](auto, auto batch) {
+              return launch(batch, unsigned(blocks), kWarps * 32, 0, s, items, n,
+                            attention_skip_empty());
+            });
+  if (e != cudaSuccess || !merge_needed) return e;
   return launch(attention_merge_batch_kernel, unsigned(merges), 128, 0, s, items, n);
 }
 
@@ -583,10 +846,18 @@ cudaError_t launch_attention(const DeviceAttention& a, float* scratch, int n_sm,
   const int g = group_of(a);
   const dim3 grid(unsigned(a.n_q * (a.n_head / g)), unsigned(sp.n_split));
   const int64_t kps = sp.keys_per_split;
-  const cudaError_t e = with_split_kernel(g, a.head_dim, [&](auto one, auto) {
-    return launch(one, grid, kWarps * 32, 0, s, a, kps, scratch, attention_skip_empty());
-  });
-  if (e != cudaSuccess) return e;
+  if (a.warp_tiles) {
+    if (!warp_tiles_ok(a)) return cudaErrorInvalidValue;
+    const cudaError_t e = with_wt_kernel(g, a.head_dim, [&](auto one, auto) {
+      return launch(one, grid, kWarps * 32, 0, s, a, kps, scratch);
+    });
+    if (e != cudaSuccess || sp.n_split == 1) return e;
+  } else {
+    const cudaError_t e = with_split_kernel(g, a.head_dim, [&](auto one, auto) {
+      return launch(one, grid, kWarps * 32, 0, s, a, kps, scratch, attention_skip_empty());
+    });
+    if (e != cudaSuccess) return e;
+  }
   return launch(attention_merge_kernel, unsigned(a.n_q * a.n_head), 128, 0, s,
                 static_cast<const float*>(scratch), sp.n_split, a.head_dim, a.out);
 }

@@ -203,6 +203,8 @@ struct CudaBackend::Impl {
   static_assert(CudaOptions{}.mma_pre_scales == cuda::kMmaPreScalesDefault);
   bool attention_skip_empty = cuda::kAttentionSkipEmptyDefault;  // CudaOptions::attention_skip_empty
   static_assert(CudaOptions{}.attention_skip_empty == cuda::kAttentionSkipEmptyDefault);
+  bool attention_warp_tiles = cuda::kAttentionWarpTilesDefault;  // CudaOptions::attention_warp_tiles
+  static_assert(CudaOptions{}.attention_warp_tiles == cuda::kAttentionWarpTilesDefault);
   bool expert_copies_unfenced = false;  // copies queued since the last fence_expert_copies()
   cuda::Event expert_copy_ev;
   // The end of every op that looks weights up: its expert copies (queued on the compute
@@ -897,6 +899,13 @@ struct ExpertCopyFence {
 
 const std::string& CudaBackend::device_name() const { return impl_->device_name; }
 
+void CudaBackend::set_attention_warp_tiles(bool on) {
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  // Part of each recorded op's plan and graph signature: ops recorded before keep theirs.
+  I.attention_warp_tiles = on;
+}
+
 void CudaBackend::set_profile(bool on) {
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
@@ -1571,8 +1580,11 @@ void check_attention_args(const AttentionArgs& a) {
 
 // The kernel's view of a: its shapes and scalars for n_kv keys (the pointers are set by the
 // caller, which knows where each array lives).
-cuda::DeviceAttention attention_shape(const AttentionArgs& a, int64_t n_kv) {
+// warp_tiles: CudaOptions::attention_warp_tiles, taken where the kernel can serve the planes.
+cuda::DeviceAttention attention_shape(const AttentionArgs& a, int64_t n_kv, bool warp_tiles) {
   cuda::DeviceAttention d;
+  d.warp_tiles =
+      warp_tiles && cuda::attention_warp_tiles_fit(a.head_dim, a.k.data(), a.v.data());
   d.n_q = a.n_q;
   d.n_kv = n_kv;
   d.n_head = a.n_head;
@@ -1646,7 +1658,7 @@ void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
     for (const AttentionArgs& a : seqs) {
       check_attention_args(a);
       const cuda::DeviceAttention shape =
-          attention_shape(a, static_cast<int64_t>(a.kv_rows.size()));
+          attention_shape(a, static_cast<int64_t>(a.kv_rows.size()), I.attention_warp_tiles);
       const AttentionArgs& a0 = seqs.front();
       if (I.is_dev(a.out.data()) && I.is_dev(a.k.data()) && I.is_dev(a.v.data()) && a.n_q > 0 &&
           !a.kv_rows.empty() && a.head_dim % 2 == 0 && a.n_head == a0.n_head &&
@@ -1670,7 +1682,8 @@ void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
     const auto n_kv = static_cast<int64_t>(a.kv_rows.size());
     pads[i] = I.kv_pad(n_kv);  // exactly as attention() pads it alone
     cuda::DeviceAttention& d = items[i].a;
-    d = attention_shape(a, std::max<int64_t>(n_kv, static_cast<int64_t>(pads[i])));
+    d = attention_shape(a, std::max<int64_t>(n_kv, static_cast<int64_t>(pads[i])),
+                        I.attention_warp_tiles);
     part_floats += cuda::attention_scratch_floats(d, I.n_sm);
     room += I.float_room(a.q) + I.host_bytes(a.kv_rows, pads[i]) +
             I.host_bytes(a.kv_pos, pads[i]) + I.host_bytes(a.q_pos);
@@ -1699,7 +1712,7 @@ void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
   for (const cuda::AttentionBatchItem& it : items) {
     const cuda::DeviceAttention& d = it.a;
     I.sig("attention_batch", d.q, d.k, d.v, d.kv_rows, d.kv_pos, d.q_pos, d.n_q, d.n_kv,
-          d.n_head, d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out);
+          d.n_head, d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out, d.warp_tiles);
   }
   if (I.profile) I.next_label = fmt::format("attention x{} sequences (one launch)", items.size());
   I.record("attention_batch", [=](cudaStream_t st) {
@@ -1760,8 +1773,8 @@ void CudaBackend::attention(const AttentionArgs& a) {
                "cuda attention: device output needs device KV planes");
     I.enter();
     const size_t pad_n = I.kv_pad(n_kv);
-    cuda::DeviceAttention d =
-        attention_shape(a, std::max<int64_t>(n_kv, static_cast<int64_t>(pad_n)));
+    cuda::DeviceAttention d = attention_shape(
+        a, std::max<int64_t>(n_kv, static_cast<int64_t>(pad_n)), I.attention_warp_tiles);
     // Scratch first: growing it flushes, which restarts staging, so nothing may be staged
     // for this op before (the staged pointers would then name reused staging space).
     float* part =
@@ -1776,19 +1789,20 @@ void CudaBackend::attention(const AttentionArgs& a) {
     d.q_pos = I.ints(a.q_pos);
     const int n_sm = I.n_sm;
     I.sig("attention", d.q, d.k, d.v, d.kv_rows, d.kv_pos, d.q_pos, d.n_q, d.n_kv, d.n_head,
-          d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out, part);
+          d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out, part, d.warp_tiles);
     I.record("attention",
              [=](cudaStream_t st) { return cuda::launch_attention(d, part, n_sm, st); });
     return;
   }
   I.begin_host_op({a.q.data(), a.k.data(), a.v.data()}, "attention");
-  cuda::DeviceAttention d = attention_shape(a, n_kv);
+  cuda::DeviceAttention d = attention_shape(a, n_kv, I.attention_warp_tiles);
   d.q = I.upload<float>(0, a.q);
   d.k = reinterpret_cast<const uint16_t*>(I.upload<f16>(1, a.k));
   d.v = reinterpret_cast<const uint16_t*>(I.upload<f16>(2, a.v));
   d.kv_rows = I.upload<int32_t>(3, a.kv_rows);
   d.kv_pos = I.upload<int32_t>(4, a.kv_pos);
   d.q_pos = I.upload<int32_t>(5, a.q_pos);
+  d.warp_tiles = I.attention_warp_tiles && cuda::attention_warp_tiles_fit(a.head_dim, d.k, d.v);
   float* dout = I.buffer<float>(6, a.out.size());
   d.out = dout;
   float* part = I.buffer<float>(7, cuda::attention_scratch_floats(d, I.n_sm));
@@ -1991,6 +2005,7 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   impl->mma_pre_scales = options.mma_pre_scales;
   impl->direct_download = options.direct_download;
   impl->attention_skip_empty = options.attention_skip_empty;
+  impl->attention_warp_tiles = options.attention_warp_tiles;
   impl->fuse_rope = options.fuse_rope;
   impl->fuse_swiglu = options.fuse_swiglu;
   impl->f16_cache_option = options.f16_cache_bytes;

@@ -114,6 +114,13 @@ struct CudaOptions {
   // padded past a short context) writes its empty partial at once (kernels.h
   // set_attention_skip_empty). Same results (CudaAttention.SkipEmptySlicesSameBits).
   bool attention_skip_empty = true;  // kernels.h kAttentionSkipEmptyDefault (asserted)
+  // Decode attention by the warp-tile kernel (kernels.h DeviceAttention::warp_tiles): a warp
+  // scores 32 keys at a time, one per lane, over slices of 256+ keys; a different summation
+  // order from the split kernel (results within the same bound of the reference), so a flag
+  // with its default set by measurement (on: 8B Q4_K_M x64 +33 %, x16 +5 % on the H200).
+  // Every sequence of a step takes the same kernel, alone or batched. Head sizes that are not
+  // a multiple of 8 keep the split kernel.
+  bool attention_warp_tiles = true;  // kernels.h kAttentionWarpTilesDefault (asserted)
   // Matmuls that take the cuBLAS path (above auto_int8_max_tokens tokens: prefill, large
   // batches) read an f16 copy of the weight kept on the device, written once at its first such
   // call, instead of dequantizing it into scratch on every call. At most this many bytes of
@@ -170,6 +177,8 @@ class CudaBackend final : public Backend {
   // Turns per-op timing (CudaOptions::profile) on or off between segments and clears the
   // times gathered so far: `kiln bench --cuda-profile` times one extra pass of each test.
   void set_profile(bool on);
+  // CudaOptions::attention_warp_tiles for the ops recorded from now on (tests, benches).
+  void set_attention_warp_tiles(bool on);
 
   bool device_memory() const override { return true; }
   BackendBytes alloc_bytes(size_t bytes) override;

@@ -23,7 +23,7 @@ KernelTraceSummary summarize_kernel_trace(const std::vector<KernelRecord>& recor
   std::vector<std::pair<uint64_t, uint64_t>> iv;
   iv.reserve(records.size());
   struct Acc {
-    uint64_t calls = 0, ns = 0;
+    uint64_t calls = 0, ns = 0, added = 0;
   };
   std::map<std::string, Acc> by_name;
   uint64_t total_ns = 0;
@@ -34,6 +34,18 @@ KernelTraceSummary summarize_kernel_trace(const std::vector<KernelRecord>& recor
     ++a.calls;
     a.ns += end - r.start_ns;
     total_ns += end - r.start_ns;
+  }
+  // Added busy time: records by start (ties by end), each credited with what it extends the
+  // union of those before it by.
+  std::vector<size_t> idx(records.size());
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+  std::sort(idx.begin(), idx.end(), [&](size_t x, size_t y) { return iv[x] < iv[y]; });
+  uint64_t reach = 0;
+  for (size_t i : idx) {
+    const auto [b, e] = iv[i];
+    const uint64_t from = std::max(b, reach);
+    if (e > from) by_name[short_kernel_name(records[i].name)].added += e - from;
+    reach = std::max(reach, e);
   }
   std::sort(iv.begin(), iv.end());
   uint64_t busy = 0, cur_begin = iv[0].first, cur_end = iv[0].second, last_end = iv[0].second;
@@ -53,9 +65,11 @@ KernelTraceSummary summarize_kernel_trace(const std::vector<KernelRecord>& recor
   s.kernel_us_per_step = double(total_ns) * 1e-3 / steps;
   for (const auto& [name, a] : by_name)
     s.rows.push_back(KernelTraceRow{name, double(a.calls) / steps, double(a.ns) * 1e-3 / steps,
-                                    double(a.ns) * 1e-3 / double(a.calls)});
+                                    double(a.ns) * 1e-3 / double(a.calls),
+                                    double(a.added) * 1e-3 / steps});
   std::sort(s.rows.begin(), s.rows.end(), [](const KernelTraceRow& a, const KernelTraceRow& b) {
-    return a.us_per_step != b.us_per_step ? a.us_per_step > b.us_per_step : a.name < b.name;
+    return a.added_us_per_step != b.added_us_per_step ? a.added_us_per_step > b.added_us_per_step
+                                                      : a.name < b.name;
   });
   return s;
 }

@@ -27,13 +27,17 @@ struct KernelRecord {
 struct KernelTraceRow {
   std::string name;  // short_kernel_name
   double calls_per_step = 0, us_per_step = 0, us_per_call = 0;
+  // The part of the busy time this kernel adds: of each call, what ends after every kernel
+  // that started before it. With PDL a kernel starts while the one ahead drains and waits for
+  // it, so its own duration counts that wait; this does not. The rows sum to the busy time.
+  double added_us_per_step = 0;
 };
 struct KernelTraceSummary {
   uint64_t kernels = 0;
   double span_us_per_step = 0;  // first kernel's start to last kernel's end, per step
   double busy_us_per_step = 0;  // time at least one kernel ran (the union of the intervals)
   double kernel_us_per_step = 0;  // sum of the kernels' durations (overlaps counted twice)
-  std::vector<KernelTraceRow> rows;  // by us_per_step, largest first; ties by name
+  std::vector<KernelTraceRow> rows;  // by added_us_per_step, largest first; ties by name
 };
 // Per-step figures of `steps` steps' records (steps >= 1), kernels grouped by short name.
 KernelTraceSummary summarize_kernel_trace(const std::vector<KernelRecord>& records, double steps);

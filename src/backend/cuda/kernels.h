@@ -206,6 +206,12 @@ struct DeviceAttention {
   int32_t window = 0;
   float scale = 1, softcap = 0;
   float* out = nullptr;  // [n_q][n_head * head_dim]
+  // Decode (the split path) by the warp-tile kernel: a warp scores 32 keys at a time, one per
+  // lane, and slices are 256+ keys (a short context needs no merge kernel). Different
+  // summation order from the split kernel: a flag with a measured default
+  // (CudaOptions::attention_warp_tiles). Needs attention_warp_tiles_fit. Part of the plan, so
+  // set before attention_scratch_floats / plan_attention_batch.
+  bool warp_tiles = false;
 };
 // Floats of scratch launch_attention needs for these shapes on this device (partial results
 // of the key splits); pass at least that many in `scratch`.
@@ -214,6 +220,9 @@ cudaError_t launch_attention(const DeviceAttention& a, float* scratch, int n_sm,
 // True when launch_attention takes the tensor-core prefill kernel for these shapes (f16 Q and
 // P: a looser bound than the split kernel's f32 path).
 bool attention_uses_tiles(const DeviceAttention& a);
+// Whether the warp-tile decode kernel can serve these planes (head size a multiple of 8 up to
+// 256, 16-byte aligned planes).
+bool attention_warp_tiles_fit(int64_t head_dim, const void* k, const void* v);
 // Several sequences' attention in one launch pair (a batched decode step: each sequence a few
 // queries over its own planes). Each item's output has the bits of launch_attention of that
 // item alone: the same split plan and the same block code. Items must not take the tile path
@@ -275,6 +284,10 @@ bool mma_pre_scales();
 // graph's key bucket padded past a short context) writes the empty partial without walking
 // the slice. Same bits. The backend sets it per enqueue from CudaOptions::attention_skip_empty.
 inline constexpr bool kAttentionSkipEmptyDefault = true;
+// DeviceAttention::warp_tiles's default (CudaOptions::attention_warp_tiles mirrors it). On by
+// measurement: 8B Q4_K_M on the H200 x64 6792 -> 9038 t/s, x16 2188 -> 2307, tg128 the same
+// (docs/BENCHMARKS.md, CUDA session 16).
+inline constexpr bool kAttentionWarpTilesDefault = true;
 void set_attention_skip_empty(bool on);
 bool attention_skip_empty();
 

@@ -26,6 +26,7 @@
 #include <span>
 
 #include "backend/cuda/act.cuh"
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/dequant.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/launch.cuh"
@@ -993,26 +994,6 @@ struct MsLayout {
   static_assert(kW % 16 == 0 && kA % 16 == 0 && kD % 16 == 0);
   static_assert(kStage >= int(8 * kMmaRows * 8 * NB * sizeof(float)));  // reused for part
 };
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned d = unsigned(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-#else
-  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
 
 // A Q4_K unit's (scale, min) as floats: sub-block j (0..7) of the block whose 16-byte header
 // words are hw (d and dmin as f16, then the 12 scale bytes).
