@@ -424,9 +424,13 @@ Status run(const BenchOptions& o) {
         }));
   }
   for (int32_t ns : o.n_seq) {
+    // The batched sessions only ever step one token, so their scratch is sized for one; with
+    // -d they also prefill the prefix, in chunks of 256 (one token at a time, 4096 tokens of
+    // prefix for 16 sequences were 65536 decode steps).
+    const int32_t seq_batch = most_depth > 0 ? 256 : 1;
     std::vector<std::unique_ptr<Session>> seqs;
     for (int32_t i = 0; i < ns; ++i)
-      seqs.push_back(std::make_unique<Session>(ld.model, *ld.backend, n_max, 1));
+      seqs.push_back(std::make_unique<Session>(ld.model, *ld.backend, n_max, seq_batch));
     BatchEval batch(ld.model, *ld.backend, ns);
     for (int32_t d : o.n_depth) {
       const std::vector<int32_t> prefix = prefix_of(d);
