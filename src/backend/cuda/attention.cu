@@ -295,9 +295,19 @@ __device__ __forceinline__ void attention_wt_body(const DeviceAttention& a,
   VChunk* v_s = reinterpret_cast<VChunk*>(warp_s[warp]);  // [key][32 lanes]
   float* acc_s = reinterpret_cast<float*>(warp_s[warp]);  // [G][HD], after the walk
 
-  for (int64_t i = threadIdx.x; i < int64_t(G) * HD; i += blockDim.x) {
-    const int64_t g = i / HD, d = i % HD;
-    q_s[g][d] = d < hd ? a.q[(qi * a.n_head + h0 + g) * hd + d] : 0.0f;
+  // Every query load is issued before any is stored: a loop striding by blockDim.x stores
+  // each load before issuing the next, one memory round trip per iteration.
+  constexpr int kQPerThread = (G * HD + kWarps * 32 - 1) / (kWarps * 32);
+  float qv[kQPerThread];
+#pragma unroll
+  for (int k = 0; k < kQPerThread; ++k) {
+    const int i = int(threadIdx.x) + k * kWarps * 32, g = i / HD, d = i % HD;
+    qv[k] = i < G * HD && d < hd ? a.q[(qi * a.n_head + h0 + g) * hd + d] : 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < kQPerThread; ++k) {
+    const int i = int(threadIdx.x) + k * kWarps * 32;
+    if (i < G * HD) q_s[i / HD][i % HD] = qv[k];
   }
   // The first tile's rows and positions load beside the queries.
   int64_t jt = j0 + int64_t(warp) * kTileKeys;
