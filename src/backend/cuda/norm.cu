@@ -44,12 +44,14 @@ __global__ void __launch_bounds__(kVecThreads)
   pdl_enter();
   float4* xr = x + int64_t(blockIdx.x) * n4;
   float4* yr = y + int64_t(blockIdx.x) * n4;
-  float4 v[V];
+  float4 v[V], w[V];
   float ss = 0.0f;
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     const int64_t i = threadIdx.x + int64_t(k) * kVecThreads;
     v[k] = i < n4 ? xr[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // The weight in the same round trip as x (after the block's reduction it would be a second).
+    w[k] = weight && i < n4 ? weight[i] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
     if constexpr (kAdd) {
       if (i < n4) {
         const float4 q = a[int64_t(blockIdx.x) * n4 + i];
@@ -69,10 +71,7 @@ __global__ void __launch_bounds__(kVecThreads)
     const int64_t i = threadIdx.x + int64_t(k) * kVecThreads;
     if (i >= n4) break;
     float4 o = make_float4(v[k].x * inv, v[k].y * inv, v[k].z * inv, v[k].w * inv);
-    if (weight) {
-      const float4 w = weight[i];
-      o.x *= w.x, o.y *= w.y, o.z *= w.z, o.w *= w.w;
-    }
+    if (weight) o.x *= w[k].x, o.y *= w[k].y, o.z *= w[k].z, o.w *= w[k].w;
     yr[i] = o;
   }
 }
