@@ -65,6 +65,40 @@ Split plan_split(const DeviceAttention& a, int n_sm) {
   return sp;
 }
 
+// The largest of the block's warps' running maxima of head g (-inf when no warp saw a key).
+template <int G>
+__device__ __forceinline__ float warps_max(const float (&m_s)[kWarps][G], int g) {
+  float mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w][g]);
+  return mx;
+}
+
+// Where a decode block sits, shared by the split and warp-tile kernels: block bx serves query
+// qi = bx / (n_head / G) and heads h0 .. h0 + G - 1 (one KV head, kvh), slice by of the keys,
+// [j0, j1); visible(kp): whether that query sees the key at position kp.
+template <int G>
+struct BlockPlace {
+  const DeviceAttention& a;
+  int64_t qi, h0, hd, kv_w, kvh;
+  int32_t qp;
+  int64_t j0, j1;
+  __device__ __forceinline__ BlockPlace(const DeviceAttention& a_, int64_t keys_per_split,
+                                        int64_t bx, int64_t by)
+      : a(a_),
+        qi(bx / (a_.n_head / G)),
+        h0((bx % (a_.n_head / G)) * G),
+        hd(a_.head_dim),
+        kv_w(a_.n_head_kv * a_.head_dim),
+        kvh(h0 / (a_.n_head / a_.n_head_kv)),
+        qp(a_.q_pos[qi]),
+        j0(by * keys_per_split),
+        j1(min(a_.n_kv, j0 + keys_per_split)) {}
+  __device__ __forceinline__ bool visible(int32_t kp) const {
+    return kp <= qp && !(a.window > 0 && qp - kp >= a.window);
+  }
+};
+
 // grid: (n_q * n_head / G, n_split); block: kWarps warps. Block x serves query x / (n_head / G)
 // and heads G * (x % (n_head / G)) .. + G - 1, one KV head. Each warp takes runs of KB keys
 // (run r of the slice: warp r % kWarps): it loads each key's K and V rows once (4-byte half2
@@ -89,15 +123,11 @@ __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
   __shared__ float q_s[G][HD];
   __shared__ float acc_s[kWarps][G][HD];
   __shared__ float m_s[kWarps][G], l_s[kWarps][G];
-  const int64_t groups = a.n_head / G;
-  const int64_t qi = bx / groups, h0 = (bx % groups) * G;
-  const int64_t hd = a.head_dim, kv_w = a.n_head_kv * hd;
-  const int64_t kvh = h0 / (a.n_head / a.n_head_kv);
+  const BlockPlace<G> at(a, keys_per_split, bx, by);
+  const int64_t qi = at.qi, h0 = at.h0, hd = at.hd, kv_w = at.kv_w, kvh = at.kvh;
+  const int64_t j0 = at.j0, j1 = at.j1;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int32_t qp = a.q_pos[qi];
-  const int64_t j0 = by * keys_per_split;
-  const int64_t j1 = min(a.n_kv, j0 + keys_per_split);
-  auto visible = [&](int32_t kp) { return kp <= qp && !(a.window > 0 && qp - kp >= a.window); };
+  auto visible = [&](int32_t kp) { return at.visible(kp); };
 
   // The queries and (skip_empty) the slice's positions load in the same round trip; one
   // barrier both publishes q_s and tells whether any key of the slice is visible.
@@ -187,9 +217,7 @@ __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
   for (int64_t i = threadIdx.x; i < int64_t(G) * hd; i += blockDim.x) {
     const int g = int(i / hd);
     const int64_t d = i % hd;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w][g]);
+    const float mx = warps_max(m_s, g);
     float s = 0.0f;
     if (mx != -INFINITY) {
 #pragma unroll
@@ -200,9 +228,7 @@ __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
   }
   if (threadIdx.x < G) {
     const int g = int(threadIdx.x);
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w][g]);
+    const float mx = warps_max(m_s, g);
     float sum = 0.0f;
     if (mx != -INFINITY)
       for (int w = 0; w < kWarps; ++w)
@@ -283,15 +309,11 @@ __device__ __forceinline__ void attention_wt_body(const DeviceAttention& a,
   __shared__ __align__(16) float p_s[kWarps][kTileKeys][G];
   __shared__ float m_s[kWarps][G], l_s[kWarps][G];
   __shared__ int32_t row_s[kVAhead ? 1 : kWarps][kTileKeys];
-  const int64_t groups = a.n_head / G;
-  const int64_t qi = bx / groups, h0 = (bx % groups) * G;
-  const int64_t hd = a.head_dim, kv_w = a.n_head_kv * hd;
-  const int64_t kvh = h0 / (a.n_head / a.n_head_kv);
+  const BlockPlace<G> at(a, keys_per_split, bx, by);
+  const int64_t qi = at.qi, h0 = at.h0, hd = at.hd, kv_w = at.kv_w, kvh = at.kvh;
+  const int64_t j0 = at.j0, j1 = at.j1;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int32_t qp = a.q_pos[qi];
-  const int64_t j0 = by * keys_per_split;
-  const int64_t j1 = min(a.n_kv, j0 + keys_per_split);
-  auto visible = [&](int32_t kp) { return kp <= qp && !(a.window > 0 && qp - kp >= a.window); };
+  auto visible = [&](int32_t kp) { return at.visible(kp); };
   VChunk* v_s = reinterpret_cast<VChunk*>(warp_s[warp]);  // [key][32 lanes]
   float* acc_s = reinterpret_cast<float*>(warp_s[warp]);  // [G][HD], after the walk
 
@@ -426,9 +448,7 @@ __device__ __forceinline__ void attention_wt_body(const DeviceAttention& a,
   for (int64_t i = threadIdx.x; i < int64_t(G) * hd; i += blockDim.x) {
     const int g = int(i / hd);
     const int64_t d = i % hd;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w][g]);
+    const float mx = warps_max(m_s, g);
     float s = 0.0f, sum = 0.0f;
     if (mx != -INFINITY) {
 #pragma unroll
@@ -766,12 +786,6 @@ cudaError_t with_wt_kernel(int g, int64_t hd, F&& f) {
   }
 }
 
-// The warp-tile kernel's 16-byte K loads: head size a multiple of 8, planes 16-byte aligned.
-bool warp_tiles_ok(const DeviceAttention& a) {
-  return a.head_dim % 8 == 0 && reinterpret_cast<uintptr_t>(a.k) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(a.v) % 16 == 0;
-}
-
 thread_local bool g_skip_empty = kAttentionSkipEmptyDefault;
 
 }  // namespace
@@ -781,13 +795,12 @@ bool attention_skip_empty() { return g_skip_empty; }
 
 bool attention_uses_tiles(const DeviceAttention& a) { return tile_path(a); }
 
+// The warp-tile kernel's 16-byte K loads: head size a multiple of 8, planes 16-byte aligned.
 bool attention_warp_tiles_fit(int64_t head_dim, const void* k, const void* v) {
-  DeviceAttention a;
-  a.head_dim = head_dim;
-  a.k = static_cast<const uint16_t*>(k);
-  a.v = static_cast<const uint16_t*>(v);
-  return head_dim > 0 && head_dim <= kMaxHeadDim && warp_tiles_ok(a);
+  return head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0;
 }
+
 
 int64_t plan_attention_batch(std::span<AttentionBatchItem> items, int n_sm) {
   int64_t blocks = 0, merges = 0;
@@ -818,7 +831,8 @@ cudaError_t launch_attention_batch(const AttentionBatchItem* items,
     if (a.n_head != a0.n_head || a.n_head_kv != a0.n_head_kv || a.head_dim != a0.head_dim ||
         a.head_dim <= 0 || a.head_dim > kMaxHeadDim || a.head_dim % 2 != 0 ||
         a.n_head % a.n_head_kv != 0 || a.n_q <= 0 || a.n_kv <= 0 || tile_path(a) ||
-        a.warp_tiles != a0.warp_tiles || (a.warp_tiles && !warp_tiles_ok(a)) ||
+        a.warp_tiles != a0.warp_tiles ||
+        (a.warp_tiles && !attention_warp_tiles_fit(a.head_dim, a.k, a.v)) ||
         it.block0 != blocks || it.merge0 != merges)
       return cudaErrorInvalidValue;
     blocks += a.n_q * (a.n_head / g) * it.n_split;
@@ -857,7 +871,7 @@ cudaError_t launch_attention(const DeviceAttention& a, float* scratch, int n_sm,
   const dim3 grid(unsigned(a.n_q * (a.n_head / g)), unsigned(sp.n_split));
   const int64_t kps = sp.keys_per_split;
   if (a.warp_tiles) {
-    if (!warp_tiles_ok(a)) return cudaErrorInvalidValue;
+    if (!attention_warp_tiles_fit(a.head_dim, a.k, a.v)) return cudaErrorInvalidValue;
     const cudaError_t e = with_wt_kernel(g, a.head_dim, [&](auto one, auto) {
       return launch(one, grid, kWarps * 32, 0, s, a, kps, scratch);
     });

@@ -1660,7 +1660,11 @@ void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
       const cuda::DeviceAttention shape =
           attention_shape(a, static_cast<int64_t>(a.kv_rows.size()), I.attention_warp_tiles);
       const AttentionArgs& a0 = seqs.front();
-      if (I.is_dev(a.out.data()) && I.is_dev(a.k.data()) && I.is_dev(a.v.data()) && a.n_q > 0 &&
+      // One kernel serves the launch: every item must take the first one's (warp tiles or not).
+      const bool same_kernel =
+          shape.warp_tiles == attention_shape(a0, 0, I.attention_warp_tiles).warp_tiles;
+      if (same_kernel && I.is_dev(a.out.data()) && I.is_dev(a.k.data()) &&
+          I.is_dev(a.v.data()) && a.n_q > 0 &&
           !a.kv_rows.empty() && a.head_dim % 2 == 0 && a.n_head == a0.n_head &&
           a.n_head_kv == a0.n_head_kv && a.head_dim == a0.head_dim &&
           !cuda::attention_uses_tiles(shape))
@@ -1795,7 +1799,8 @@ void CudaBackend::attention(const AttentionArgs& a) {
     return;
   }
   I.begin_host_op({a.q.data(), a.k.data(), a.v.data()}, "attention");
-  cuda::DeviceAttention d = attention_shape(a, n_kv, I.attention_warp_tiles);
+  // Host spans: whether the kernel fits is decided on the device copies, below.
+  cuda::DeviceAttention d = attention_shape(a, n_kv, false);
   d.q = I.upload<float>(0, a.q);
   d.k = reinterpret_cast<const uint16_t*>(I.upload<f16>(1, a.k));
   d.v = reinterpret_cast<const uint16_t*>(I.upload<f16>(2, a.v));
