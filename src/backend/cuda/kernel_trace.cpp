@@ -20,47 +20,37 @@ KernelTraceSummary summarize_kernel_trace(const std::vector<KernelRecord>& recor
   if (steps < 1) steps = 1;
   s.kernels = records.size();
   if (records.empty()) return s;
-  std::vector<std::pair<uint64_t, uint64_t>> iv;
-  iv.reserve(records.size());
   struct Acc {
     uint64_t calls = 0, ns = 0, added = 0;
   };
-  std::map<std::string, Acc> by_name;
+  std::map<std::string, Acc> by_name;  // node addresses stay valid as it grows
+  struct Rec {
+    uint64_t begin, end;
+    Acc* acc;
+  };
+  std::vector<Rec> recs;
+  recs.reserve(records.size());
   uint64_t total_ns = 0;
   for (const KernelRecord& r : records) {
     const uint64_t end = std::max(r.end_ns, r.start_ns);
-    iv.emplace_back(r.start_ns, end);
     Acc& a = by_name[short_kernel_name(r.name)];
     ++a.calls;
     a.ns += end - r.start_ns;
     total_ns += end - r.start_ns;
+    recs.push_back({r.start_ns, end, &a});
   }
-  // Added busy time: records by start (ties by end), each credited with what it extends the
-  // union of those before it by.
-  std::vector<size_t> idx(records.size());
-  for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
-  std::sort(idx.begin(), idx.end(), [&](size_t x, size_t y) { return iv[x] < iv[y]; });
-  uint64_t reach = 0;
-  for (size_t i : idx) {
-    const auto [b, e] = iv[i];
-    const uint64_t from = std::max(b, reach);
-    if (e > from) by_name[short_kernel_name(records[i].name)].added += e - from;
-    reach = std::max(reach, e);
+  // One sweep by start (ties by end): each record is credited with what it extends the union
+  // of those before it by; those credits sum to the union, the busy time.
+  std::sort(recs.begin(), recs.end(), [](const Rec& x, const Rec& y) {
+    return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
+  });
+  uint64_t reach = 0, busy = 0;
+  for (const Rec& r : recs) {
+    const uint64_t from = std::max(r.begin, reach);
+    if (r.end > from) r.acc->added += r.end - from, busy += r.end - from;
+    reach = std::max(reach, r.end);
   }
-  std::sort(iv.begin(), iv.end());
-  uint64_t busy = 0, cur_begin = iv[0].first, cur_end = iv[0].second, last_end = iv[0].second;
-  for (size_t i = 1; i < iv.size(); ++i) {
-    last_end = std::max(last_end, iv[i].second);
-    if (iv[i].first > cur_end) {
-      busy += cur_end - cur_begin;
-      cur_begin = iv[i].first;
-      cur_end = iv[i].second;
-    } else {
-      cur_end = std::max(cur_end, iv[i].second);
-    }
-  }
-  busy += cur_end - cur_begin;
-  s.span_us_per_step = double(last_end - iv[0].first) * 1e-3 / steps;
+  s.span_us_per_step = double(reach - recs.front().begin) * 1e-3 / steps;  // reach: last end
   s.busy_us_per_step = double(busy) * 1e-3 / steps;
   s.kernel_us_per_step = double(total_ns) * 1e-3 / steps;
   for (const auto& [name, a] : by_name)
