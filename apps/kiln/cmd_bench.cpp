@@ -380,6 +380,13 @@ Status run(const BenchOptions& o) {
           n_waits > 0 ? wait * 1e3 / n_waits : 0.0, st1.graph_captures - cuda_st0.graph_captures,
           st1.graph_replays - cuda_st0.graph_replays,
           st1.segments_eager - cuda_st0.segments_eager);
+      if (st1.l2_prefetch_hints > cuda_st0.l2_prefetch_hints)
+        r.host_note += fmt::format(
+            "{}: L2 prefetch (--cuda-l2-prefetch): {} hints recorded, {:.1f} MiB each on "
+            "average\n",
+            name, st1.l2_prefetch_hints - cuda_st0.l2_prefetch_hints,
+            double(st1.l2_prefetch_bytes - cuda_st0.l2_prefetch_bytes) / 1048576.0 /
+                double(st1.l2_prefetch_hints - cuda_st0.l2_prefetch_hints));
     }
     if (cfg.cuda_profile) {
       KILN_ASSIGN_OR_RETURN(r.profile, profile_pass(*ld.backend, r, tokens, fn));

@@ -66,6 +66,10 @@ static Status apply_cuda_flags(const Config& config, CudaOptions& o) {
   o.int8_mma_min_tokens = config.cuda_int8_mma;
   o.fuse_rope = config.cuda_fuse_rope;
   o.fuse_swiglu = config.cuda_fuse_swiglu;
+  if (config.cuda_l2_prefetch < 0 || config.cuda_l2_prefetch > 4096)
+    return Status::errorf("--cuda-l2-prefetch {} must be 0 (off) to 4096 MiB",
+                          config.cuda_l2_prefetch);
+  o.l2_prefetch_bytes = uint64_t(config.cuda_l2_prefetch) << 20;
   if (config.cuda_f16_cache < -1)
     return Status::errorf("--cuda-f16-cache {} must be -1 (auto), 0 (off) or MiB",
                           config.cuda_f16_cache);

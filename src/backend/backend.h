@@ -242,6 +242,14 @@ class Backend {
     add(x, a, x);
     rmsnorm(x, weight, n, eps, y);
   }
+  // A hint: the matmuls that come next (over n_tok tokens) read these weights, in this order.
+  // A device backend may start pulling their leading bytes into its cache now, while the ops
+  // recorded before those matmuls run; no result may change. Null entries and matrices of no
+  // rows are skipped. Default: nothing.
+  virtual void prefetch_weights(std::span<const WeightMatrix* const> ws, int64_t n_tok) {
+    (void)ws;
+    (void)n_tok;
+  }
   // In place on x: [n_tok][n_head][head_dim]; token t rotates by pos[t].
   virtual void rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim,
                     std::span<const int32_t> pos, const RopeParams& p) = 0;

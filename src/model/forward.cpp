@@ -261,6 +261,24 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
   const std::span<float> v = sl(st.v, n * hp.v_width()), o = sl(st.o, n * hp.o_width());
   if (batch.capture) batch.capture->clear();
 
+  // Backend::prefetch_weights: the weights the next matmuls read, named before the
+  // latency-bound ops that precede them (a device backend may pull them into its cache while
+  // those run). Issued after each matmul for the ones after the next few small ops; never
+  // changes a result.
+  auto ahead = [&](std::initializer_list<const WeightMatrix*> ws) {
+    be.prefetch_weights(std::span<const WeightMatrix* const>(ws.begin(), ws.size()), n);
+  };
+  // The next layer's attention weights, or the output head after the last layer.
+  auto next_attn = [&](int32_t il) {
+    if (il + 1 < hp.n_layer) {
+      const LayerWeights& nw = w.layers[il + 1];
+      ahead({&nw.wq, &nw.wk, &nw.wv, &nw.wo});
+    } else if (want_logits) {
+      const WeightMatrix* out_w[] = {&w.output};
+      be.prefetch_weights(out_w, n_out);  // the head reads n_out rows, not n
+    }
+  };
+  ahead({&w.layers[0].wq, &w.layers[0].wk, &w.layers[0].wv});
   be.get_rows(w.token_embd, batch.tokens, x);
   if (hp.embd_scale != 1.0f) be.scale(x, hp.embd_scale);
   if (hp.arch->embd_rmsnorm) norm_in_place(x, {}, E, hp.rms_eps);
@@ -279,6 +297,16 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
     // each output is bit-identical to its own matmul (Backend::matmul_batch's contract).
     const Backend::MatmulTask qkv[] = {{&lw.wq, h, q}, {&lw.wk, h, k}, {&lw.wv, h, v}};
     be.matmul_batch(qkv, n);
+    // Ahead of RoPE, the KV stores and attention: the output projection and the FFN's first
+    // matmuls (a MoE layer's experts are not known yet). Named again before attention, the
+    // longest of a decode step's small ops: each hint goes on where the last one stopped.
+    auto attn_ahead = [&] {
+      if (L.n_expert > 0)
+        ahead({&lw.wgate_attn, &lw.wo, &lw.ffn_gate_inp});
+      else
+        ahead({&lw.wgate_attn, &lw.wo, &lw.ffn_gate, &lw.ffn_up});
+    };
+    attn_ahead();
     add_bias(q, lw.bq);
     add_bias(k, lw.bk);
     add_bias(v, lw.bv);
@@ -334,6 +362,7 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
                  "two sequences of one batch share a KV plane (layer {})", il);
     }
     be.store_rows_f16_batch(stores);
+    attn_ahead();
     be.attention_batch(attns);
     rec(p + "kqv_out", o, n);
     if (lw.wgate_attn.n_rows > 0) {
@@ -343,6 +372,7 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
       be.mul(o, g, o);
     }
     be.matmul(lw.wo, o, n, a);
+    if (L.n_expert == 0) ahead({&lw.ffn_gate, &lw.ffn_up, &lw.ffn_down});
     be.all_reduce_sum(a);  // row-parallel: each rank holds its heads' share of the sum
     if (!lw.post_attn_norm.empty()) norm_in_place(a, lw.post_attn_norm, E, hp.post_norm_eps);
     rec(p + "attn_out", a, n);
@@ -357,6 +387,7 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
       const std::span<float> fa = sl(st.ff_act, n * L.n_ff);
       const Backend::MatmulTask gate_up[] = {{&lw.ffn_gate, h, fg}, {&lw.ffn_up, h, fu}};
       be.matmul_batch(gate_up, n);
+      ahead({&lw.ffn_down});
       if (hp.arch->act == FfnAct::Silu) {
         be.swiglu_matmul(lw.ffn_down, fg, fu, n, fa, a);  // fa: scratch, maybe unwritten
       } else {
@@ -364,6 +395,7 @@ void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
         be.matmul(lw.ffn_down, fa, n, a);
       }
     }
+    next_attn(il);
     be.all_reduce_sum(a);  // row-parallel down / this rank's experts
     if (!lw.post_ffn_norm.empty()) norm_in_place(a, lw.post_ffn_norm, E, hp.post_norm_eps);
     rec(p + "ffn_out", a, n);

@@ -343,6 +343,64 @@ TEST(CudaPdl, SameBitsAsWithout) {
   EXPECT_GT(ran, 0) << "no fixture carried to this machine";
 }
 
+// L2 prefetch hints (CudaOptions::l2_prefetch_bytes) change where the matvecs find their weight
+// bytes, never what they load or compute: a prompt's logits and greedy decode steps (replayed
+// from graphs, the prefetch kernel a branch of each) must be the same bits with it off, with a
+// budget far below a layer's weights (hints continue one another) and with one above them,
+// and the steps must still be replayed from graphs. Only K-quant weights are prefetched
+// (kernels.h l2_prefetch_type): a Q8_0 model launches no prefetch at all.
+TEST(CudaL2Prefetch, SameBitsAsWithout) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
+  int ran = 0;
+  for (const char* name : {"llama-gqa-q4_k_m", "llama-gqa-q5_k_m", "llama-gqa-q6_k",
+                           "muse-glimmer-q4_k_m", "qwen3moe-q4_k_m", "mixtral-q4_k_m",
+                           "llama-gqa-q8_0"}) {
+    SCOPED_TRACE(name);
+    std::vector<int32_t> prompt;
+    const std::shared_ptr<const Model> m = load_same_bits_fixture(name, &prompt);
+    if (!m) continue;
+    const bool kquant = std::string_view(name).find("_k") != std::string_view::npos;
+    auto run = [&](uint64_t budget, CudaStats* st) {
+      CudaOptions o = region_options(*m);
+      o.l2_prefetch_bytes = budget;
+      auto be = make_cuda_backend(o);
+      EXPECT_TRUE(be) << be.error();
+      if (!be) return std::vector<float>();
+      std::vector<float> out = prefill_and_greedy(m, **be, prompt, 24);
+      *st = (*be)->stats();
+      return out;
+    };
+    CudaStats off_st, small_st, big_st;
+    const std::vector<float> off = run(0, &off_st);
+    const std::vector<float> small = run(16 << 10, &small_st);
+    const std::vector<float> big = run(uint64_t(64) << 20, &big_st);
+    ASSERT_FALSE(off.empty());
+    EXPECT_EQ(off_st.l2_prefetch_hints, 0u);
+    if (kquant) {
+      EXPECT_GT(small_st.l2_prefetch_hints, 0u) << "no hint launched a prefetch: nothing tested";
+      EXPECT_GT(big_st.l2_prefetch_bytes, small_st.l2_prefetch_bytes);
+    } else {
+      EXPECT_EQ(big_st.l2_prefetch_hints, 0u) << "a weight type without a gain was prefetched";
+    }
+    for (const std::vector<float>* v : {&small, &big}) {
+      ASSERT_EQ(v->size(), off.size());
+      EXPECT_EQ(std::memcmp(v->data(), off.data(), off.size() * sizeof(float)), 0)
+          << "logits with L2 prefetch differ from those without";
+    }
+    // The prefetch ops lengthen a step's op list, so it may span more chunks (graphs), but
+    // the steps are still replayed from graphs.
+    for (const CudaStats* st : {&small_st, &big_st})
+      EXPECT_GE(st->graph_replays, off_st.graph_replays);
+    fmt::print("  {:<22} l2 prefetch off/16 KiB/64 MiB: same bits over {} logits; {} and {} "
+               "hints, {:.2f} and {:.2f} MiB; {} captures, {} replays\n",
+               name, off.size(), small_st.l2_prefetch_hints, big_st.l2_prefetch_hints,
+               small_st.l2_prefetch_bytes / 1048576.0, big_st.l2_prefetch_bytes / 1048576.0,
+               big_st.graph_captures, big_st.graph_replays);
+    ++ran;
+  }
+  EXPECT_GT(ran, 0) << "no fixture carried to this machine";
+}
+
 // The f16 weight cache (CudaOptions::f16_cache_bytes) changes where the cuBLAS path reads a
 // weight's halves from, never the halves or the GEMM: a 40-token prefill (above the int8 path's
 // 16 tokens) and greedy steps must be the same bits with it off, on, and capped below the

@@ -59,6 +59,33 @@ struct CudaBackend::Impl {
   int mma_min_tokens = int(kInt8MmaMinTokens);  // CudaOptions::int8_mma_min_tokens
   bool fuse_rope = true;                          // CudaOptions::fuse_rope
   bool fuse_swiglu = true;                        // CudaOptions::fuse_swiglu
+  // CudaOptions::l2_prefetch_bytes (l2_prefetch.h): a hint's ranges are pulled into L2 by a
+  // kernel on `side`, forked from the compute stream after the op recorded before the hint
+  // and joined back at the end of the chunk (in a graph: a branch), so no kernel of the
+  // compute stream waits for it. Unset: hints are ignored.
+  // Safe beside the compute stream's kernels because it only reads region weights, which no
+  // kernel writes and whose upload landed before the backend was made (make_cuda_backend
+  // waits for it), and L2 is the device memory's point of coherence: a prefetched line is the
+  // line every later load would read.
+  std::optional<cuda::L2PrefetchPlan> l2_plan;
+  cuda::Stream side;
+  cuda::Event fork_ev, join_ev;
+  bool side_forked = false;  // enqueue_all: a prefetch was launched on `side` since the join
+  uint64_t l2_hints = 0, l2_bytes = 0;
+  // Records a prefetch of `ranges` after the ops recorded so far. Caller holds mu.
+  void record_prefetch(std::vector<cuda::PrefetchRange> ranges) {
+    enter();
+    for (const cuda::PrefetchRange& r : ranges) sig("l2_prefetch", r.p, r.bytes);
+    ++l2_hints;
+    for (const cuda::PrefetchRange& r : ranges) l2_bytes += r.bytes;
+    record("l2_prefetch", [this, ranges = std::move(ranges)](cudaStream_t st) {
+      if (cudaError_t e = cudaEventRecord(fork_ev.get(), st); e != cudaSuccess) return e;
+      if (cudaError_t e = cudaStreamWaitEvent(side.get(), fork_ev.get(), 0); e != cudaSuccess)
+        return e;
+      side_forked = true;
+      return cuda::launch_l2_prefetch(ranges, side.get());
+    });
+  }
   bool auto_routing = false;  // CudaMatmul::Auto
   static constexpr int64_t kAutoFloatMaxTokens = 8;
   cuda::GemmWorkspace gemm;  // V2's prefill path, grown on demand
@@ -203,6 +230,7 @@ struct CudaBackend::Impl {
   static_assert(CudaOptions{}.mma_pre_scales == cuda::kMmaPreScalesDefault);
   bool attention_skip_empty = cuda::kAttentionSkipEmptyDefault;  // CudaOptions::attention_skip_empty
   static_assert(CudaOptions{}.attention_skip_empty == cuda::kAttentionSkipEmptyDefault);
+  static_assert(CudaOptions{}.l2_prefetch_bytes == cuda::kL2PrefetchBytesDefault);
   bool attention_warp_tiles = cuda::kAttentionWarpTilesDefault;  // CudaOptions::attention_warp_tiles
   static_assert(CudaOptions{}.attention_warp_tiles == cuda::kAttentionWarpTilesDefault);
   bool expert_copies_unfenced = false;  // copies queued since the last fence_expert_copies()
@@ -568,6 +596,7 @@ struct CudaBackend::Impl {
     cuda::DeviceWeight d{w.dtype, w.n_cols, w.n_rows, w.row_bytes, nullptr};
     d.data = device_weight_bytes(w);
     weights_ready();
+    if (l2_plan) l2_plan->consumed(d.data);
     return d;
   }
   // CudaOptions::f16_cache_bytes: f16 copies of region weights for the cuBLAS path, by the
@@ -663,6 +692,7 @@ struct CudaBackend::Impl {
           e != cudaSuccess)
         return e;
     }
+    side_forked = false;
     size_t ev = 0;
     for (const Pending& p : pending) {
       if (timed) {
@@ -680,6 +710,14 @@ struct CudaBackend::Impl {
             cudaEventRecordWithFlags(prof_events[ev + 1].get(), s(), cudaEventRecordExternal),
             "event record");
       ev += 2;
+    }
+    // The prefetch branch rejoins the compute stream (a capture must end joined): what comes
+    // after this chunk also waits for its prefetch kernels, which return once their threads
+    // have issued the fetches (~4 µs a launch on the H200), long before a chunk's last op.
+    if (side_forked) {
+      side_forked = false;
+      if (cudaError_t e = cudaEventRecord(join_ev.get(), side.get()); e != cudaSuccess) return e;
+      if (cudaError_t e = cudaStreamWaitEvent(s(), join_ev.get(), 0); e != cudaSuccess) return e;
     }
     return cudaSuccess;
   }
@@ -793,6 +831,7 @@ struct CudaBackend::Impl {
       for (uint64_t k : op_keys)
         if (auto it = experts.find(k); it != experts.end()) it->second.epoch = flushes;
     launched = false;
+    if (l2_plan) l2_plan->reset();
     pending.clear();
     key.clear();
     graphable = true;
@@ -899,6 +938,28 @@ struct ExpertCopyFence {
 
 const std::string& CudaBackend::device_name() const { return impl_->device_name; }
 
+void CudaBackend::prefetch_weights(std::span<const WeightMatrix* const> ws, int64_t n_tok) {
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  // Only one-token steps (kL2PrefetchMaxTokens), the K-quants (l2_prefetch_type), and only
+  // region weights the matvec kernels read in place: not a streamed expert (its slot may not
+  // be filled yet), a gathered column block, a weight the cuBLAS path reads (an f16 copy or
+  // scratch), nor weights mapped from host memory (zero-copy: over PCIe).
+  if (!I.l2_plan || I.arena->stats().zero_copy || n_tok > cuda::kL2PrefetchMaxTokens) return;
+  std::vector<std::span<const std::byte>> dev;
+  for (const WeightMatrix* w : ws) {
+    if (w == nullptr || w->n_rows == 0 || w->content_key != 0 || w->strided() ||
+        !cuda::l2_prefetch_type(w->dtype) || !I.arena->holds(w->bytes))
+      continue;
+    const cuda::DeviceWeight dw{w->dtype, w->n_cols, w->n_rows, w->row_bytes,
+                                I.arena->lookup(w->bytes)};
+    if (I.wants_gemm(I.matmul_kernels, dw, n_tok)) continue;
+    dev.emplace_back(dw.data, w->bytes.size());
+  }
+  std::vector<cuda::PrefetchRange> ranges = I.l2_plan->hint(dev);
+  if (!ranges.empty()) I.record_prefetch(std::move(ranges));
+}
+
 void CudaBackend::set_attention_warp_tiles(bool on) {
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
@@ -944,6 +1005,8 @@ CudaStats CudaBackend::stats() const {
   st.f16_cache_weights = impl_->f16_cache.size();
   st.f16_cache_bytes = impl_->f16_cache_used;
   st.f16_cache_cap = impl_->f16_cache_cap;
+  st.l2_prefetch_hints = impl_->l2_hints;
+  st.l2_prefetch_bytes = impl_->l2_bytes;
   return st;
 }
 
@@ -2013,6 +2076,16 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   impl->attention_warp_tiles = options.attention_warp_tiles;
   impl->fuse_rope = options.fuse_rope;
   impl->fuse_swiglu = options.fuse_swiglu;
+  if (options.l2_prefetch_bytes > 0) {
+    if (cudaError_t e = impl->side.create(); e != cudaSuccess)
+      return Status::errorf("CUDA stream: {}", cudaGetErrorString(e));
+    for (cuda::Event* ev : {&impl->fork_ev, &impl->join_ev})
+      if (cudaError_t e = ev->create(); e != cudaSuccess)
+        return Status::errorf("CUDA event: {}", cudaGetErrorString(e));
+    // Hinted bytes not yet read stay within 3/4 of the L2: the matvec that reads them, and
+    // the small ops before it, keep the rest.
+    impl->l2_plan.emplace(options.l2_prefetch_bytes, size_t(prop.l2CacheSize) / 4 * 3);
+  }
   impl->f16_cache_option = options.f16_cache_bytes;
   if (options.int8_mma_min_tokens < 0 || options.int8_mma_min_tokens > cuda::kQ8MaxTokens)
     return Status::errorf("cuda: int8 tensor-core token threshold {} (0..{}; 0: never)",

@@ -129,6 +129,14 @@ struct CudaOptions {
   // the same cuBLAS call on the same halves; CudaF16Cache.SameBitsAsWithout).
   static constexpr uint64_t kF16CacheAuto = ~uint64_t(0);
   uint64_t f16_cache_bytes = 0;
+  // Backend::prefetch_weights hints: each pulls up to this many more leading bytes of the
+  // named weights into L2 (backend/cuda/l2_prefetch.h), by a kernel on a second stream while
+  // the latency-bound ops before their matvecs run; hinted bytes not yet read stay within 3/4
+  // of the L2. One-token steps and K-quant weights only (kernels.h l2_prefetch_type). 0: hints
+  // are ignored. Same results (only where loads find their bytes changes;
+  // CudaL2Prefetch.SameBitsAsWithout). 8 MiB by measurement (kernels.h
+  // kL2PrefetchBytesDefault, asserted): 8B Q4_K_M tg128 +0.5 to +3.0 % on the H200.
+  uint64_t l2_prefetch_bytes = uint64_t(8) << 20;
 };
 
 struct CudaOpTime {
@@ -161,6 +169,8 @@ struct CudaStats {
   uint64_t expert_bytes_copied = 0, expert_bytes_held = 0, expert_cache_bytes = 0;
   // CudaOptions::f16_cache_bytes: weights copied to f16, the bytes they hold, and the cap.
   uint64_t f16_cache_weights = 0, f16_cache_bytes = 0, f16_cache_cap = 0;
+  // CudaOptions::l2_prefetch_bytes: hints that launched a prefetch, and the bytes they named.
+  uint64_t l2_prefetch_hints = 0, l2_prefetch_bytes = 0;
 };
 
 class CudaBackend final : public Backend {
@@ -226,6 +236,9 @@ class CudaBackend final : public Backend {
   // On a rank of make_cuda_tp_group(): an NCCL all-reduce (sum) on the compute stream,
   // recorded like any resident op. Alone: nothing.
   void all_reduce_sum(std::span<float> x) override;
+  // CudaOptions::l2_prefetch_bytes > 0: the leading bytes of the weights (region weights that
+  // the matvec kernels read for n_tok tokens) pulled into L2 after the ops recorded so far.
+  void prefetch_weights(std::span<const WeightMatrix* const> ws, int64_t n_tok) override;
 
  private:
   friend Expected<std::unique_ptr<Backend>> make_cuda_tp_group(int n, const CudaOptions& options);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <span>
 
+#include "backend/cuda/l2_prefetch.h"
 #include "core/dtype.h"
 
 namespace kiln::cuda {
@@ -290,6 +291,33 @@ inline constexpr bool kAttentionSkipEmptyDefault = true;
 inline constexpr bool kAttentionWarpTilesDefault = true;
 void set_attention_skip_empty(bool on);
 bool attention_skip_empty();
+
+// --- prefetch.cu: the ranges' bytes pulled into L2 (l2_prefetch.h), at most
+// kL2PrefetchMaxRanges ranges per launch (more are dropped). A hint to the cache: it returns at
+// once and no result depends on it. Launched on a stream of its own (cuda_backend.cpp).
+inline constexpr int kL2PrefetchMaxRanges = 8;
+// Hints of steps with more tokens are ignored: measured at one token only, where the matvecs
+// alternate with latency-bound small ops. Batched steps' int8 tensor-core matmuls are bound
+// by instruction issue, not by the weights' reads: 16 sequences lost 2 % with hints on
+// (docs/BENCHMARKS.md, CUDA session 17).
+inline constexpr int64_t kL2PrefetchMaxTokens = 1;
+// CudaOptions::l2_prefetch_bytes's default: on by measurement for the K-quants (8B Q4_K_M
+// tg128 on the H200 +0.5 to +3.0 % in six alternations over three device runs; 16 MiB and
+// more lose 2-6 %: docs/BENCHMARKS.md, CUDA session 17).
+inline constexpr uint64_t kL2PrefetchBytesDefault = uint64_t(8) << 20;
+// The weight types hints prefetch: the K-quants, whose one-token kernels read at 45-65 % of the
+// bandwidth and gain from L2 hits. Q8_0 (71 %) and F16 (77-98 %) measured no gain (Q8_0 tg128
+// 317-320 t/s either way) or a loss (F16 -2 %): their hints are dropped.
+constexpr bool l2_prefetch_type(DType t) {
+  return t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K;
+}
+struct L2PrefetchArgs {
+  const void* p[kL2PrefetchMaxRanges];
+  size_t bytes[kL2PrefetchMaxRanges];
+  int64_t first_piece[kL2PrefetchMaxRanges];  // the range's first 16 KiB piece in the grid
+  int n;
+};
+cudaError_t launch_l2_prefetch(std::span<const PrefetchRange> ranges, cudaStream_t s);
 
 // --- probe.cu: reads `bytes` (16-byte aligned) with `blocks` blocks; sink holds `blocks` floats.
 cudaError_t launch_read_probe(const void* data, size_t bytes, float* sink, int blocks,
