@@ -72,12 +72,15 @@ struct CudaBackend::Impl {
   cuda::Event fork_ev, join_ev;
   bool side_forked = false;  // enqueue_all: a prefetch was launched on `side` since the join
   uint64_t l2_hints = 0, l2_bytes = 0;
+  std::vector<std::span<const std::byte>> l2_named;  // prefetch_weights' scratch
   // Records a prefetch of `ranges` after the ops recorded so far. Caller holds mu.
   void record_prefetch(std::vector<cuda::PrefetchRange> ranges) {
     enter();
-    for (const cuda::PrefetchRange& r : ranges) sig("l2_prefetch", r.p, r.bytes);
     ++l2_hints;
-    for (const cuda::PrefetchRange& r : ranges) l2_bytes += r.bytes;
+    for (const cuda::PrefetchRange& r : ranges) {
+      sig("l2_prefetch", r.p, r.bytes);
+      l2_bytes += r.bytes;
+    }
     record("l2_prefetch", [this, ranges = std::move(ranges)](cudaStream_t st) {
       if (cudaError_t e = cudaEventRecord(fork_ev.get(), st); e != cudaSuccess) return e;
       if (cudaError_t e = cudaStreamWaitEvent(side.get(), fork_ev.get(), 0); e != cudaSuccess)
@@ -941,22 +944,19 @@ const std::string& CudaBackend::device_name() const { return impl_->device_name;
 void CudaBackend::prefetch_weights(std::span<const WeightMatrix* const> ws, int64_t n_tok) {
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  // Only one-token steps (kL2PrefetchMaxTokens), the K-quants (l2_prefetch_type), and only
-  // region weights the matvec kernels read in place: not a streamed expert (its slot may not
-  // be filled yet), a gathered column block, a weight the cuBLAS path reads (an f16 copy or
-  // scratch), nor weights mapped from host memory (zero-copy: over PCIe).
+  // Only one-token steps (kL2PrefetchMaxTokens: one token always takes a matvec kernel, which
+  // reads the weight's own bytes in place), the K-quants (l2_prefetch_type), and only region
+  // weights: not a streamed expert (its slot may not be filled yet), a gathered column block,
+  // nor weights mapped from host memory (zero-copy: over PCIe).
   if (!I.l2_plan || I.arena->stats().zero_copy || n_tok > cuda::kL2PrefetchMaxTokens) return;
-  std::vector<std::span<const std::byte>> dev;
+  I.l2_named.clear();
   for (const WeightMatrix* w : ws) {
     if (w == nullptr || w->n_rows == 0 || w->content_key != 0 || w->strided() ||
         !cuda::l2_prefetch_type(w->dtype) || !I.arena->holds(w->bytes))
       continue;
-    const cuda::DeviceWeight dw{w->dtype, w->n_cols, w->n_rows, w->row_bytes,
-                                I.arena->lookup(w->bytes)};
-    if (I.wants_gemm(I.matmul_kernels, dw, n_tok)) continue;
-    dev.emplace_back(dw.data, w->bytes.size());
+    I.l2_named.emplace_back(I.arena->lookup(w->bytes), w->bytes.size());  // an offset: holds()
   }
-  std::vector<cuda::PrefetchRange> ranges = I.l2_plan->hint(dev);
+  std::vector<cuda::PrefetchRange> ranges = I.l2_plan->hint(I.l2_named);
   if (!ranges.empty()) I.record_prefetch(std::move(ranges));
 }
 

@@ -71,7 +71,6 @@ class L2PrefetchPlan {
     held_ = 0;
   }
   size_t held() const { return held_; }
-  size_t budget() const { return budget_; }
 
  private:
   size_t budget_, cap_;
