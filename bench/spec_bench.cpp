@@ -2,8 +2,8 @@
 // and interleaved (the CPU is shared with other work, so only ratios are meaningful).
 // Usage: spec_bench TARGET.gguf DRAFT.gguf [n_tokens=200] [k=4 | k,k,...] [repeats=3]
 //                   [threads=1] [prompts=all|story|repetitive] [device=cpu|cuda|auto]
-// The backend is made as `kiln run --device` makes it (apps/kiln/gen_common.cpp; KILN_*
-// variables such as KILN_CUDA_MATMUL apply), one backend for target and draft as there.
+// The backend is made as `kiln run --device` makes it (engine/runtime.h; KILN_* variables and
+// KILN_DEV apply), one backend for target and draft as there.
 // Prints the cost of a (k+1)-token verify eval and of one draft-model token relative to one
 // target decode step (the two numbers that decide whether speculation can pay), then, per
 // prompt: plain greedy t/s, and per k draft-model and n-gram speculative t/s with the ratio to
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "apps/kiln/gen_common.h"
+#include "engine/runtime.h"
 #include "core/config.h"
 #include "engine/speculative.h"
 #include "sampling/spec_verify.h"
@@ -192,7 +192,12 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "spec_bench: {}\n", cfg.error());
     return 2;
   }
-  auto backend = app::make_backend(**tm, *cfg);
+  auto eo = engine_options(*cfg);
+  if (!eo) {
+    fmt::print(stderr, "spec_bench: {}\n", eo.error());
+    return 2;
+  }
+  auto backend = Runtime::make_backend(**tm, *eo);
   if (!backend) {
     fmt::print(stderr, "spec_bench: {}\n", backend.error());
     return 1;

@@ -31,10 +31,8 @@
 #include "core/counters.h"
 #include "core/log.h"
 #include "sampling/sampler.h"
-#if KILN_WITH_CUDA
-#include "backend/cuda/cuda_backend.h"
-#include "backend/cuda/kernel_trace.h"
-#endif
+#include "engine/device_probe.h"
+#include "engine/runtime.h"
 
 namespace kiln::app {
 namespace {
@@ -49,6 +47,7 @@ struct BenchOptions {
   std::vector<int32_t> n_depth{0};
   int32_t reps = 5;
   std::string output = "md";
+  bool cuda_profile = false, cuda_trace = false;
   std::shared_ptr<ConfigOverrides> config;
 };
 
@@ -72,87 +71,6 @@ struct Result {
   std::string host_note;  // CUDA: how much of the run the host waited on the GPU
 };
 
-#if KILN_WITH_CUDA
-// One extra pass of a test op by op with CUDA events (--cuda-profile): per kernel (matmuls by
-// type, shape, token count and path) the time per step, its share, and for weight reads the
-// GB/s; then the sum against the step time the timed (graph) runs measured. The difference is
-// what no kernel accounts for: launch gaps, host work between segments, synchronisation.
-template <typename F>
-Expected<std::string> profile_pass(Backend& be, const Result& r, const std::vector<int32_t>& tokens,
-                                   F&& fn) {
-  auto* cuda = dynamic_cast<CudaBackend*>(&be);
-  if (!cuda) return std::string("(--cuda-profile: not a single-GPU CUDA backend)\n");
-  cuda->set_profile(true);
-  Expected<double> ts = fn(tokens);
-  std::vector<CudaOpTime> ops = cuda->stats().ops;
-  cuda->set_profile(false);
-  if (!ts) return ts.status();
-  const double steps = r.n_gen > 0 ? double(r.n_gen) : 1.0;
-  const double tok_per_step = r.n_gen > 0 ? double(r.n_seq) : double(r.n_prompt);
-  const double step_us = r.mean > 0 ? tok_per_step / r.mean * 1e6 : 0;
-  std::sort(ops.begin(), ops.end(),
-            [](const CudaOpTime& a, const CudaOpTime& b) { return a.kernel_ms > b.kernel_ms; });
-  double total_ms = 0;
-  for (const CudaOpTime& op : ops) total_ms += op.kernel_ms;
-  std::string out = fmt::format(
-      "\n{} per kernel (one pass op by op with CUDA events; per step = {}):\n\n"
-      "| kernel | calls/step | µs/step | share | weight GB/s |\n|---|---:|---:|---:|---:|\n",
-      r.test, r.n_gen > 0 ? "one decode step" : "the whole prompt");
-  for (const CudaOpTime& op : ops)
-    out += fmt::format("| {} | {:.1f} | {:.1f} | {:.1f} % | {} |\n", op.op,
-                       double(op.calls) / steps, op.kernel_ms * 1e3 / steps,
-                       total_ms > 0 ? 100 * op.kernel_ms / total_ms : 0.0,
-                       op.bytes > 0 && op.kernel_ms > 0
-                           ? fmt::format("{:.0f}", double(op.bytes) / (op.kernel_ms * 1e-3) * 1e-9)
-                           : std::string("-"));
-  out += fmt::format(
-      "\nkernels {:.1f} µs per step; the timed runs (graphs as configured) took {:.1f} µs per "
-      "step: {:.1f} µs ({:.1f} %) outside any kernel\n",
-      total_ms * 1e3 / steps, step_us, step_us - total_ms * 1e3 / steps,
-      step_us > 0 ? 100 * (step_us - total_ms * 1e3 / steps) / step_us : 0.0);
-  return out;
-}
-
-// One extra pass of a test under CUPTI's kernel records (--cuda-trace): the step as the timed
-// runs ran it (graphs, PDL), each kernel's own GPU time per step, and the GPU's idle time: the
-// pass's span per step against the time at least one kernel ran.
-template <typename F>
-Expected<std::string> trace_pass(Backend& be, const Result& r, const std::vector<int32_t>& tokens,
-                                 F&& fn) {
-  if (!dynamic_cast<CudaBackend*>(&be))
-    return std::string("(--cuda-trace: not a single-GPU CUDA backend)\n");
-  Expected<std::unique_ptr<cuda::KernelTrace>> trace = cuda::KernelTrace::start();
-  if (!trace) return fmt::format("(--cuda-trace: {})\n", trace.status().message());
-  Expected<double> ts = fn(tokens);
-  Expected<std::vector<cuda::KernelRecord>> recs = (*trace)->stop();
-  if (!ts) return ts.status();
-  if (!recs) return fmt::format("(--cuda-trace: {})\n", recs.status().message());
-  const double steps = r.n_gen > 0 ? double(r.n_gen) : 1.0;
-  const cuda::KernelTraceSummary s = cuda::summarize_kernel_trace(*recs, steps);
-  std::string out = fmt::format(
-      "\n{} kernel trace (CUPTI: each kernel's GPU start and end in one more pass; per step = "
-      "{}): {} kernels; busy added = what each kernel adds to the time the GPU is busy (its "
-      "own duration also counts its PDL wait for the kernel ahead)\n\n| kernel | calls/step | "
-      "µs/step | µs/call | busy added µs/step | of busy |\n|---|---:|---:|---:|---:|---:|\n",
-      r.test, r.n_gen > 0 ? "one decode step" : "the whole prompt", s.kernels);
-  for (const cuda::KernelTraceRow& row : s.rows)
-    out += fmt::format("| {} | {:.1f} | {:.1f} | {:.2f} | {:.1f} | {:.1f} % |\n", row.name,
-                       row.calls_per_step, row.us_per_step, row.us_per_call,
-                       row.added_us_per_step,
-                       s.busy_us_per_step > 0 ? 100 * row.added_us_per_step / s.busy_us_per_step
-                                              : 0.0);
-  out += fmt::format(
-      "\nper step: kernels {:.1f} µs (overlaps counted twice), the GPU busy {:.1f} µs of a "
-      "{:.1f} µs span (idle {:.1f} µs, {:.1f} %); this pass {:.1f} t/s\n",
-      s.kernel_us_per_step, s.busy_us_per_step, s.span_us_per_step,
-      s.span_us_per_step - s.busy_us_per_step,
-      s.span_us_per_step > 0
-          ? 100 * (s.span_us_per_step - s.busy_us_per_step) / s.span_us_per_step
-          : 0.0,
-      *ts);
-  return out;
-}
-#endif
 
 // Weight bytes a decode step reads outside the experts: every tensor once, except that the
 // token embedding contributes one row (a lookup) unless it doubles as the output matrix; the
@@ -308,12 +226,14 @@ Status run(const BenchOptions& o) {
   }
   n_max += most_depth;
   KILN_ASSIGN_OR_RETURN(std::string path, resolve_model_path(o.model, cfg));
-  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(path, cfg));
-  const Model& model = *ld.model;
+  KILN_ASSIGN_OR_RETURN(const EngineOptions eo, engine_options(cfg));
+  KILN_ASSIGN_OR_RETURN(Runtime rt, Runtime::open(path, eo));
+  const Model& model = *rt.model();
+  Backend& backend = rt.backend();
   if (n_max > model.n_ctx_train())
     log_notice("bench: {} tokens exceed the model's training context {}", n_max,
                model.n_ctx_train());
-  Session session(ld.model, *ld.backend, n_max);
+  Session session(rt.model(), backend, n_max);
   const MemoryUse mem_before = memory_use();
   const int threads = cfg.threads > 0 ? int(cfg.threads) : int(std::thread::hardware_concurrency());
   // Counts the expert weight bytes every forward pass computed with (model/forward.cpp).
@@ -324,8 +244,8 @@ Status run(const BenchOptions& o) {
   // A tensor-parallel group reads each rank's share of the weights from that rank's memory at
   // once: its roofline bandwidth is the sum over the ranks (rank 0's reading, times N).
   for (int32_t ng : o.n_gen)
-    if (ng > 0 && ld.backend->device_memory() && device_gbps == 0)
-      device_gbps = ld.backend->read_bandwidth_gbps() * ld.backend->tp_size();
+    if (ng > 0 && backend.device_memory() && device_gbps == 0)
+      device_gbps = backend.read_bandwidth_gbps() * backend.tp_size();
   for (int32_t ng : o.n_gen)
     if (ng > 0 && !bandwidth && device_gbps == 0)
       bandwidth = std::make_unique<ReadBandwidth>(threads);
@@ -342,11 +262,8 @@ Status run(const BenchOptions& o) {
     const bool roofline = ng > 0 && n_seq == 1;  // one sequence's decode: weight-bound
     const std::vector<int32_t> tokens = random_tokens(np + ng, model.n_vocab(), 1234);
     KILN_TRY(fn(tokens));  // warm-up: page in weights, size scratch buffers
-#if KILN_WITH_CUDA
-    auto* cuda_be = dynamic_cast<CudaBackend*>(ld.backend.get());
-    const CudaStats cuda_st0 = cuda_be ? cuda_be->stats() : CudaStats{};
+    const DeviceCounters dev0 = device_counters(backend);
     const auto wall0 = Clock::now();
-#endif
     uint64_t expert_bytes_run = 0;
     // Probes alternate with the repetitions (P0 R1 P1 R2 P2 ...): repetition i is paired with
     // the mean of the probes on either side of it, each probe serving both its neighbours.
@@ -364,37 +281,42 @@ Status run(const BenchOptions& o) {
       }
     }
     summarise(r);
-#if KILN_WITH_CUDA
-    if (cuda_be) {
+    if (dev0.available) {
       // Host-bound or GPU-bound: the share of the timed runs' wall time the host spent waiting
       // for the GPU at the end of segments (the rest it spent recording and launching ops).
-      const CudaStats st1 = cuda_be->stats();
+      const DeviceCounters dev1 = device_counters(backend);
       const double wall_ms =
           std::chrono::duration<double, std::milli>(Clock::now() - wall0).count();
-      const double wait = st1.segment_wait_ms - cuda_st0.segment_wait_ms;
-      const double n_waits = double(st1.segment_waits - cuda_st0.segment_waits);
+      const double wait = dev1.segment_wait_ms - dev0.segment_wait_ms;
+      const double n_waits = double(dev1.segment_waits - dev0.segment_waits);
       r.host_note = fmt::format(
           "{}: the host waited for the GPU {:.1f} % of the timed runs' {:.0f} ms ({} waits, "
           "{:.1f} µs each); graphs: {} captured, {} replayed, {} segments op by op\n",
           name, wall_ms > 0 ? 100 * wait / wall_ms : 0.0, wall_ms, uint64_t(n_waits),
-          n_waits > 0 ? wait * 1e3 / n_waits : 0.0, st1.graph_captures - cuda_st0.graph_captures,
-          st1.graph_replays - cuda_st0.graph_replays,
-          st1.segments_eager - cuda_st0.segments_eager);
-      if (st1.l2_prefetch_hints > cuda_st0.l2_prefetch_hints)
+          n_waits > 0 ? wait * 1e3 / n_waits : 0.0, dev1.graph_captures - dev0.graph_captures,
+          dev1.graph_replays - dev0.graph_replays, dev1.segments_eager - dev0.segments_eager);
+      if (dev1.l2_prefetch_hints > dev0.l2_prefetch_hints)
         r.host_note += fmt::format(
-            "{}: L2 prefetch (--cuda-l2-prefetch): {} hints recorded, {:.1f} MiB each on "
-            "average\n",
-            name, st1.l2_prefetch_hints - cuda_st0.l2_prefetch_hints,
-            double(st1.l2_prefetch_bytes - cuda_st0.l2_prefetch_bytes) / 1048576.0 /
-                double(st1.l2_prefetch_hints - cuda_st0.l2_prefetch_hints));
+            "{}: L2 prefetch: {} hints recorded, {:.1f} MiB each on average\n", name,
+            dev1.l2_prefetch_hints - dev0.l2_prefetch_hints,
+            double(dev1.l2_prefetch_bytes - dev0.l2_prefetch_bytes) / 1048576.0 /
+                double(dev1.l2_prefetch_hints - dev0.l2_prefetch_hints));
     }
-    if (cfg.cuda_profile) {
-      KILN_ASSIGN_OR_RETURN(r.profile, profile_pass(*ld.backend, r, tokens, fn));
+    if (o.cuda_profile || o.cuda_trace) {
+      ProbePass pass;
+      pass.test = r.test;
+      pass.decode = r.n_gen > 0;
+      pass.steps = r.n_gen > 0 ? double(r.n_gen) : 1.0;
+      const double tok_per_step = r.n_gen > 0 ? double(r.n_seq) : double(r.n_prompt);
+      pass.step_us = r.mean > 0 ? tok_per_step / r.mean * 1e6 : 0;
+      pass.run = [&] { return fn(tokens); };
+      if (o.cuda_profile) {
+        KILN_ASSIGN_OR_RETURN(r.profile, profile_pass(backend, pass));
+      }
+      if (o.cuda_trace) {
+        KILN_ASSIGN_OR_RETURN(r.trace, trace_pass(backend, pass));
+      }
     }
-    if (cfg.cuda_trace) {
-      KILN_ASSIGN_OR_RETURN(r.trace, trace_pass(*ld.backend, r, tokens, fn));
-    }
-#endif
     if (roofline) {
       r.dense_bytes = dense_bytes_per_token(model);
       r.expert_bytes = double(expert_bytes_run) / (double(ng) * o.reps);
@@ -437,8 +359,8 @@ Status run(const BenchOptions& o) {
     const int32_t seq_batch = most_depth > 0 ? 256 : 1;
     std::vector<std::unique_ptr<Session>> seqs;
     for (int32_t i = 0; i < ns; ++i)
-      seqs.push_back(std::make_unique<Session>(ld.model, *ld.backend, n_max, seq_batch));
-    BatchEval batch(ld.model, *ld.backend, ns);
+      seqs.push_back(std::make_unique<Session>(rt.model(), backend, n_max, seq_batch));
+    BatchEval batch(rt.model(), backend, ns);
     for (int32_t d : o.n_depth) {
       const std::vector<int32_t> prefix = prefix_of(d);
       for (const auto& s : seqs) KILN_TRY(fill_prefix(*s, prefix));
@@ -464,7 +386,7 @@ Status run(const BenchOptions& o) {
                           {"model_type", model.arch_name()},
                           {"model_size", model.weight_bytes()},
                           {"model_n_params", n_params},
-                          {"backend", std::string(ld.backend->name())},
+                          {"backend", std::string(backend.name())},
                           {"n_threads", threads},
                           {"test", r.test},
                           {"n_prompt", r.n_prompt},
@@ -500,7 +422,7 @@ Status run(const BenchOptions& o) {
     for (const Result& r : results)
       fmt::print("| {} {} | {:.2f} GiB | {:.2f} B | {} | {} | {} | {:.2f} ± {:.2f} | {} |\n",
                  model.arch_name(), model_name, size_gib, double(n_params) * 1e-9,
-                 ld.backend->name(), threads, r.test, r.mean, r.stddev,
+                 backend.name(), threads, r.test, r.mean, r.stddev,
                  r.n_gen > 0 && r.n_seq == 1 ? fmt::format("{:.1f}", r.gbps) : std::string("-"));
     for (const Result& r : results)
       if (r.n_gen > 0 && r.n_seq == 1) {
@@ -560,6 +482,12 @@ void add_bench_command(CLI::App& app, int& exit_code) {
       ->delimiter(',');
   cmd->add_option("-r,--repetitions", o->reps, "repetitions per test (default 5)");
   cmd->add_option("-o,--output", o->output, "md or json (default md)");
+  cmd->add_flag("--cuda-profile", o->cuda_profile,
+                "CUDA: time one more pass of each test op by op with CUDA events and print the "
+                "per-kernel table");
+  cmd->add_flag("--cuda-trace", o->cuda_trace,
+                "CUDA: one more pass of each test under CUPTI's kernel records (graphs and PDL "
+                "as configured) and print the kernels' GPU time per step and the idle time");
   o->config = add_config_options(cmd);
   cmd->callback([o, &exit_code] {
     if (Status s = run(*o); !s) {

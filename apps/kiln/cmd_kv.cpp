@@ -36,7 +36,7 @@ struct KvOptions {
 
 struct Prepared {
   Config cfg;
-  Loaded ld;
+  std::unique_ptr<Runtime> rt;
   int32_t n_ctx = 0;
 };
 
@@ -47,8 +47,10 @@ Expected<Prepared> prepare(const KvOptions& o) {
   if (o.n_ctx < 0) return Status::errorf("-c {} must be >= 0", o.n_ctx);
   if (o.n_predict < 0) return Status::errorf("-n {} must be >= 0", o.n_predict);
   KILN_ASSIGN_OR_RETURN(std::string path, resolve_model_path(o.model, p.cfg));
-  KILN_ASSIGN_OR_RETURN(p.ld, load_for_inference(path, p.cfg));
-  p.n_ctx = o.n_ctx > 0 ? o.n_ctx : std::min(p.ld.model->n_ctx_train(), 4096);
+  KILN_ASSIGN_OR_RETURN(const EngineOptions eo, engine_options(p.cfg));
+  KILN_ASSIGN_OR_RETURN(Runtime rt, Runtime::open(path, eo));
+  p.rt = std::make_unique<Runtime>(std::move(rt));
+  p.n_ctx = o.n_ctx > 0 ? o.n_ctx : std::min(p.rt->model()->n_ctx_train(), 4096);
   return p;
 }
 
@@ -81,12 +83,12 @@ Status kv_save(const KvOptions& o) {
   if (o.prompt.empty()) return Status::error("empty prompt (give -p PROMPT)");
   if (o.file.empty()) return Status::error("no output file (give -o FILE)");
   KILN_ASSIGN_OR_RETURN(Prepared p, prepare(o));
-  const auto prompt = p.ld.tokenizer->encode(o.prompt, /*add_special=*/true, false);
+  const auto prompt = p.rt->tokenizer().encode(o.prompt, /*add_special=*/true, false);
   if (prompt.empty()) return Status::error("the prompt tokenized to nothing");
   if (int64_t(prompt.size()) > p.n_ctx)
     return Status::errorf("prompt of {} tokens does not fit the context of {} (-c)", prompt.size(),
                           p.n_ctx);
-  Session s(p.ld.model, *p.ld.backend, p.n_ctx);
+  Session s(p.rt->model(), p.rt->backend(), p.n_ctx);
   KILN_TRY(s.eval(prompt, false));
   KILN_TRY(transfer::save_session_file(s, o.file));
   fmt::print(stderr, "kiln kv save: {} positions -> {}\n", s.n_pos(), o.file);
@@ -97,16 +99,16 @@ Status kv_load(const KvOptions& o) {
   if (o.file.empty()) return Status::error("no pack (give -i FILE)");
   if (o.prompt.empty()) return Status::error("give -p TEXT to continue the saved sequence with");
   KILN_ASSIGN_OR_RETURN(Prepared p, prepare(o));
-  Session s(p.ld.model, *p.ld.backend, p.n_ctx);
+  Session s(p.rt->model(), p.rt->backend(), p.n_ctx);
   KILN_TRY(transfer::load_session_file(s, o.file));
   const int32_t restored = s.n_pos();
-  const auto more = p.ld.tokenizer->encode(o.prompt, /*add_special=*/false, false);
+  const auto more = p.rt->tokenizer().encode(o.prompt, /*add_special=*/false, false);
   if (more.empty()) return Status::error("the continuation tokenized to nothing");
   if (int64_t(restored) + int64_t(more.size()) > p.n_ctx)
     return Status::errorf("{} restored + {} new tokens exceed the context of {} (-c)", restored,
                           more.size(), p.n_ctx);
   KILN_ASSIGN_OR_RETURN(std::span<const float> logits, s.eval(more, false));
-  KILN_ASSIGN_OR_RETURN(std::vector<int32_t> ids, generate(s, *p.ld.tokenizer, logits, o.n_predict));
+  KILN_ASSIGN_OR_RETURN(std::vector<int32_t> ids, generate(s, p.rt->tokenizer(), logits, o.n_predict));
   fmt::print(stderr, "kiln kv load: {} positions restored, {} new, {} generated\n", restored,
              more.size(), ids.size());
   fmt::print(stderr, "kiln kv load: ids xxh64 {}\n", hash_ids(ids));
@@ -147,7 +149,7 @@ Status kv_remote(const KvOptions& o) {
   KILN_ASSIGN_OR_RETURN(transfer::TransportKind kind, transfer::transport_from_name(o.transport));
   if (o.timeout_ms <= 0) return Status::errorf("--timeout-ms {} must be > 0", o.timeout_ms);
   KILN_ASSIGN_OR_RETURN(Prepared p, prepare(o));
-  const auto prompt = p.ld.tokenizer->encode(o.prompt, /*add_special=*/true, false);
+  const auto prompt = p.rt->tokenizer().encode(o.prompt, /*add_special=*/true, false);
   if (prompt.empty()) return Status::error("the prompt tokenized to nothing");
   if (int64_t(prompt.size()) >= p.n_ctx)
     return Status::errorf("prompt of {} tokens leaves no room in the context of {} (-c)",
@@ -157,13 +159,13 @@ Status kv_remote(const KvOptions& o) {
     KILN_ASSIGN_OR_RETURN(auto hp, transfer::parse_host_port(o.peer));
     peer = transfer::tcp_or_ucx_peer(kind, hp.first, hp.second, transfer::Millis(o.timeout_ms));
   }
-  Session s(p.ld.model, *p.ld.backend, p.n_ctx);
+  Session s(p.rt->model(), p.rt->backend(), p.n_ctx);
   transfer::RemoteStats rs;
   const auto t0 = Clock::now();
   KILN_ASSIGN_OR_RETURN(std::span<const float> logits,
                         transfer::prefill(s, prompt, peer ? &*peer : nullptr, &rs));
   const double ttft = seconds_since(t0);
-  KILN_ASSIGN_OR_RETURN(std::vector<int32_t> ids, generate(s, *p.ld.tokenizer, logits, o.n_predict));
+  KILN_ASSIGN_OR_RETURN(std::vector<int32_t> ids, generate(s, p.rt->tokenizer(), logits, o.n_predict));
   if (rs.bytes)
     fmt::print(stderr,
                "kiln kv remote: prompt {} tokens, remote prefill + transfer {:.3f} s, {} bytes "

@@ -13,8 +13,7 @@
 #include <vector>
 
 #include "apps/kiln/commands.h"
-#include "backend/backend.h"
-#include "backend/cpu/cpu_backend.h"
+#include "engine/runtime.h"
 #include "engine/session.h"
 #include "model/reference.h"
 #include "tokenizer/tokenizer.h"
@@ -72,8 +71,15 @@ int run_logits(const LogitsOptions& o) {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<Session> session;
   std::unique_ptr<model::ReferenceSession> reference;
-  if (o.device == "cpu") backend = make_cpu_backend(o.threads);
-  else if (o.device == "ref") backend = make_ref_backend();
+  if (o.device == "cpu") {
+    EngineOptions eo;
+    eo.device = Device::Cpu;
+    eo.threads = o.threads;
+    auto be = Runtime::make_backend(**model, eo);
+    if (!be) return fail(be.error());
+    backend = std::move(*be);
+  }
+  else if (o.device == "ref") backend = Runtime::make_reference_backend();
   else if (o.device != "reference")
     return fail(fmt::format("unknown --device '{}' (cpu, ref, reference)", o.device));
   if (backend) session = std::make_unique<Session>(*model, *backend, n_ctx);

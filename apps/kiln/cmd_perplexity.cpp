@@ -48,8 +48,9 @@ Status run(const PplOptions& o) {
   std::fclose(f);
 
   KILN_ASSIGN_OR_RETURN(std::string path, resolve_model_path(o.model, cfg));
-  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(path, cfg));
-  const Tokenizer& tok = *ld.tokenizer;
+  KILN_ASSIGN_OR_RETURN(const EngineOptions eo, engine_options(cfg));
+  KILN_ASSIGN_OR_RETURN(Runtime rt, Runtime::open(path, eo));
+  const Tokenizer& tok = rt.tokenizer();
   const std::vector<int32_t> tokens = tok.encode(text, /*add_special=*/true, false);
   const int32_t n_ctx = o.n_ctx;
   if (int64_t(tokens.size()) < 2 * int64_t(n_ctx))
@@ -60,11 +61,11 @@ Status run(const PplOptions& o) {
   const int32_t bos = tok.bos();
   const bool add_bos = tok.add_bos() && bos != kTokenNull;
   const int32_t first = n_ctx / 2;
-  const int32_t n_vocab = ld.model->n_vocab();
+  const int32_t n_vocab = rt.model()->n_vocab();
 
   fmt::print(stderr, "kiln perplexity: {} tokens, {} chunks of {}, scoring positions {}..{}\n",
              tokens.size(), n_chunk, n_ctx, first, n_ctx - 2);
-  Session session(ld.model, *ld.backend, n_ctx);
+  Session session(rt.model(), rt.backend(), n_ctx);
   double sum = 0, sum2 = 0;
   int64_t count = 0;
   const auto t0 = std::chrono::steady_clock::now();

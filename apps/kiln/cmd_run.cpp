@@ -68,14 +68,14 @@ Status parse_logit_bias(const std::vector<std::string>& specs,
 
 // Speculative path of `kiln run` (issue 10): same output contract (greedy ids identical to
 // plain decoding; sampled ids distributed as plain sampling), plus acceptance figures.
-Status run_speculative(const RunOptions& o, const Config& cfg, const Loaded& ld,
+Status run_speculative(const RunOptions& o, const Config& cfg, Runtime& rt,
                        std::span<const int32_t> prompt, int32_t n_ctx) {
-  const Tokenizer& tok = *ld.tokenizer;
+  const Tokenizer& tok = rt.tokenizer();
   std::unique_ptr<Drafter> drafter;
   if (!o.draft.empty()) {
     if (o.spec_ngram) return Status::error("give either --draft MODEL or --spec-ngram, not both");
     KILN_ASSIGN_OR_RETURN(auto dm, Model::load(o.draft));
-    KILN_ASSIGN_OR_RETURN(drafter, ModelDrafter::create(dm, *ld.backend, n_ctx, ld.model->n_vocab()));
+    KILN_ASSIGN_OR_RETURN(drafter, ModelDrafter::create(dm, rt.backend(), n_ctx, rt.model()->n_vocab()));
   } else {
     drafter = std::make_unique<NgramDrafter>(1, 3);
   }
@@ -84,7 +84,7 @@ Status run_speculative(const RunOptions& o, const Config& cfg, const Loaded& ld,
   sp.n_draft = o.draft_n;
   sp.sampling = o.sampling;
   sp.draft_sampling = o.sampling;
-  Session session(ld.model, *ld.backend, n_ctx);
+  Session session(rt.model(), rt.backend(), n_ctx);
   KILN_ASSIGN_OR_RETURN(auto dec, SpeculativeDecoder::create(session, *drafter, sp));
   const auto t_prefill = Clock::now();
   KILN_TRY(dec->start(prompt));
@@ -159,9 +159,10 @@ Status run(RunOptions o) {
   KILN_TRY(parse_logit_bias(o.logit_bias, o.sampling.logit_bias));
 
   KILN_ASSIGN_OR_RETURN(std::string path, resolve_model_path(o.model, cfg));
-  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(path, cfg));
-  const Tokenizer& tok = *ld.tokenizer;
-  const int32_t n_ctx = o.n_ctx > 0 ? o.n_ctx : std::min(ld.model->n_ctx_train(), 4096);
+  KILN_ASSIGN_OR_RETURN(const EngineOptions eo, engine_options(cfg));
+  KILN_ASSIGN_OR_RETURN(Runtime rt, Runtime::open(path, eo));
+  const Tokenizer& tok = rt.tokenizer();
+  const int32_t n_ctx = o.n_ctx > 0 ? o.n_ctx : std::min(rt.model()->n_ctx_train(), 4096);
 
   const std::vector<int32_t> prompt = tok.encode(o.prompt, /*add_special=*/true, false);
   if (prompt.empty()) return Status::error("the prompt tokenized to nothing");
@@ -172,12 +173,12 @@ Status run(RunOptions o) {
     return Status::errorf("-n {} with a prompt of {} tokens exceeds the context of {} (-c); "
                           "at most -n {}", o.n_predict, prompt.size(), n_ctx,
                           n_ctx - int64_t(prompt.size()));
-  KILN_ASSIGN_OR_RETURN(Sampler sampler, Sampler::create(o.sampling, ld.model->n_vocab()));
+  KILN_ASSIGN_OR_RETURN(Sampler sampler, Sampler::create(o.sampling, rt.model()->n_vocab()));
   for (int32_t id : prompt) sampler.accept(id);
 
-  if (!o.draft.empty() || o.spec_ngram) return run_speculative(o, cfg, ld, prompt, n_ctx);
+  if (!o.draft.empty() || o.spec_ngram) return run_speculative(o, cfg, rt, prompt, n_ctx);
 
-  Session session(ld.model, *ld.backend, n_ctx);
+  Session session(rt.model(), rt.backend(), n_ctx);
   // Greedy or plain top-k sampling needs only each step's best candidates (--device-sampling):
   // a GPU then downloads k values per token instead of the vocabulary. Same ids.
   const int32_t k_top = cfg.device_sampling ? sampler.candidates_needed(Backend::kTopKMost) : 0;
@@ -243,8 +244,8 @@ Status run(RunOptions o) {
                "stats: model {} ({}), {:.1f} MiB of weights, load {:.1f} ms, backend {}\n"
                "stats: context {} positions, KV cache {:.2f} MiB\n"
                "stats: RSS {:.1f} MiB (file-backed {:.1f} MiB, anonymous {:.1f} MiB)\n",
-               path, ld.model->arch_name(), double(ld.model->weight_bytes()) / (1 << 20),
-               ld.load_seconds * 1e3, ld.backend->name(), n_ctx,
+               path, rt.model()->arch_name(), double(rt.model()->weight_bytes()) / (1 << 20),
+               rt.load_seconds() * 1e3, rt.backend().name(), n_ctx,
                double(session.kv_bytes()) / (1 << 20), double(mem.rss) / (1 << 20),
                double(mem.rss_file) / (1 << 20), double(mem.rss_anon) / (1 << 20));
     if (cold_s > 0 && n_decode_evals > size_t(kColdSteps))

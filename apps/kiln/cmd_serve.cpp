@@ -64,12 +64,8 @@ Status serve(ServeOptions o) {
                           GenerationParams::kMaxDraft);
   if (o.max_body_kib < 1) return Status::error("--max-body-kib must be >= 1");
   o.server.max_body_bytes = o.max_body_kib * 1024;
-  o.server.cpu_threads = static_cast<int>(cfg.threads);
-  o.server.device_sampling = cfg.device_sampling;
-  o.server.experts = expert_store_config(cfg);
-  KILN_ASSIGN_OR_RETURN(o.server.routing, model::parse_routing(cfg.moe_routing));
-  // The same backend choice as kiln run: --device, --tensor-parallel, --cuda-* options.
-  o.server.make_backend = [cfg](const Model& m) { return make_backend(m, cfg); };
+  // The same runtime as kiln run: --device, --threads, --tensor-parallel, expert budgets.
+  KILN_ASSIGN_OR_RETURN(o.server.engine, engine_options(cfg));
   if (o.role != "standalone" && o.role != "prefill" && o.role != "decode")
     return Status::errorf("--role '{}' must be standalone, prefill or decode", o.role);
   if (o.prefill_timeout_ms <= 0)

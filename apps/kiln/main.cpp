@@ -1,6 +1,7 @@
 // apps/kiln/main.cpp: the `kiln` command line. Parses, dispatches to a subcommand, and turns
 // any error into one line on stderr with a non-zero exit status.
 #include <cstdio>
+#include <string>
 
 #include "apps/kiln/commands.h"
 
@@ -25,7 +26,13 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version, --dev help
+    // Every bad command line is one line on stderr and status 1, like every other error.
+    std::string msg = e.what();
+    for (char& c : msg)
+      if (c == '\n') c = ' ';
+    std::fprintf(stderr, "kiln: %s (--help lists the options)\n", msg.c_str());
+    return 1;
   }
   return exit_code;
 }

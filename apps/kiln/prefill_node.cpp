@@ -19,10 +19,11 @@ Status run_prefill_node(const PrefillNodeOptions& o, const Config& cfg, const si
   if (o.port < 0 || o.port > 65535) return Status::errorf("--kv-port {} must be in [0, 65535]", o.port);
   if (o.chunk < 1) return Status::errorf("--prefill-chunk {} must be >= 1", o.chunk);
   if (o.timeout_ms <= 0) return Status::errorf("--timeout-ms {} must be > 0", o.timeout_ms);
-  KILN_ASSIGN_OR_RETURN(Loaded ld, load_for_inference(o.model_path, cfg));
+  KILN_ASSIGN_OR_RETURN(const EngineOptions eo, engine_options(cfg));
+  KILN_ASSIGN_OR_RETURN(Runtime rt, Runtime::open(o.model_path, eo));
   KILN_ASSIGN_OR_RETURN(auto listener, transfer::listen(kind, o.host, o.port));
   fmt::print(stderr, "kiln: prefill node ({}), model {}, listening on {} {}:{}\n",
-             ld.backend->name(), o.model_path, o.transport, o.host, listener->port());
+             rt.backend().name(), o.model_path, o.transport, o.host, listener->port());
   std::fflush(stderr);
   std::atomic<bool> stop{false};
   std::thread worker([&] {
@@ -32,7 +33,7 @@ Status run_prefill_node(const PrefillNodeOptions& o, const Config& cfg, const si
       auto link = listener->accept(transfer::Millis(200));
       if (!link) continue;  // timeout: look at the stop flag again
       const auto t0 = std::chrono::steady_clock::now();
-      Status s = transfer::serve_prefill(**link, ld.model, *ld.backend, popt);
+      Status s = transfer::serve_prefill(**link, rt.model(), rt.backend(), popt);
       const double secs =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (s) log_info("prefill for {} served in {:.3f} s", (*link)->describe(), secs);

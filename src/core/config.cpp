@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdlib>
 
+#include <fmt/format.h>
+
 namespace kiln {
 
 namespace {
@@ -65,8 +67,8 @@ constexpr ConfigType type_of() {
   }
 }
 
-#define KILN_CONFIG_ENTRY(type, name, def, help)                                         \
-  ConfigEntry{#name, type_of<type>(), help,                                              \
+#define KILN_CONFIG_ENTRY(scope, type, name, def, help)                                  \
+  ConfigEntry{#name, type_of<type>(), ConfigScope::scope, help,                          \
               [](const Config& c) { return to_text(c.name); },                           \
               [](Config& c, std::string_view text) { return parse_into(text, c.name); }},
 const ConfigEntry kEntries[] = {
@@ -126,18 +128,62 @@ Status validate(const Config& c) {
   return Status::ok();
 }
 
+Expected<std::pair<std::string, std::string>> parse_dev_assignment(std::string_view arg) {
+  const size_t eq = arg.find('=');
+  if (eq == std::string_view::npos || eq == 0)
+    return Status::errorf("--dev '{}': expected name=value ('--dev help' lists the names)", arg);
+  std::string name(arg.substr(0, eq));
+  for (char& ch : name)
+    if (ch == '-') ch = '_';
+  const ConfigEntry* e = find_config_entry(name);
+  if (e == nullptr)
+    return Status::errorf("--dev '{}': unknown name '{}' ('--dev help' lists them)", arg, name);
+  if (e->scope != ConfigScope::Dev)
+    return Status::errorf("--dev '{}': '{}' is an option of its own: use {}", arg, name,
+                          e->cli_flag());
+  return std::pair{std::string(kDevPrefix) + name, std::string(arg.substr(eq + 1))};
+}
+
+std::string dev_help() {
+  std::string out;
+  for (const ConfigEntry& e : kEntries)
+    if (e.scope == ConfigScope::Dev)
+      out += fmt::format("  {}={}\n      {}\n", e.name, e.default_text(), e.help);
+  return out;
+}
+
 Expected<Config> load_config(const ConfigOverrides& cli, const EnvLookup& env) {
   Config c;
   for (const ConfigEntry& e : kEntries) {
+    if (e.scope != ConfigScope::User) continue;
     const std::string var = e.env_name();
     const char* v = env ? env(var.c_str()) : nullptr;
     if (v == nullptr) continue;
     if (Status s = e.set(c, v); !s) return s.context(var);
   }
-  for (const auto& [name, text] : cli) {
+  if (const char* dev = env ? env("KILN_DEV") : nullptr) {
+    std::string_view rest(dev);
+    while (!rest.empty()) {
+      const size_t comma = rest.find(',');
+      const std::string_view item = rest.substr(0, comma);
+      rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+      if (item.empty()) continue;
+      auto kv = parse_dev_assignment(item);
+      if (!kv) return kv.status().context("KILN_DEV");
+      const ConfigEntry* e = find_config_entry(kv->first.substr(kDevPrefix.size()));
+      if (Status s = e->set(c, kv->second); !s) return s.context("KILN_DEV " + std::string(e->name));
+    }
+  }
+  for (const auto& [given, text] : cli) {
+    const bool dev = given.rfind(kDevPrefix, 0) == 0;
+    const std::string name = dev ? given.substr(kDevPrefix.size()) : given;
     const ConfigEntry* e = find_config_entry(name);
     if (!e) return Status::errorf("unknown option '{}'", name);
-    if (Status s = e->set(c, text); !s) return s.context(e->cli_flag());
+    if (dev != (e->scope == ConfigScope::Dev))
+      return dev ? Status::errorf("--dev {}: an option of its own: use {}", name, e->cli_flag())
+                 : Status::errorf("'{}' is set only through --dev {}=VALUE", name, e->name);
+    const std::string where = dev ? "--dev " + std::string(e->name) : e->cli_flag();
+    if (Status s = e->set(c, text); !s) return s.context(where);
   }
   KILN_TRY(validate(c));
   return c;

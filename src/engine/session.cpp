@@ -14,44 +14,37 @@
 
 namespace kiln {
 
-Expected<std::shared_ptr<const Model>> Model::load(const std::string& path) {
+Expected<std::shared_ptr<const Model>> Model::load(const std::string& path,
+                                                   const LoadOptions& options) {
   auto g = GgufFile::open(path);
   if (!g) return g.status().context(fmt::format("loading model '{}'", path));
-  auto m = from_gguf(std::move(*g));
-  if (!m) return m.status().context(fmt::format("loading model '{}'", path));
-  return m;
-}
-
-Expected<std::shared_ptr<const Model>> Model::load(const std::string& path,
-                                                   const moe::StoreConfig& experts) {
-  KILN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> m, load(path));
+  auto built = build(std::move(*g));
+  if (!built) return built.status().context(fmt::format("loading model '{}'", path));
+  std::shared_ptr<Model> m = std::move(*built);
+  m->hp_.routing = options.routing;
   const auto* mapped = dynamic_cast<const moe::MappedExpertSource*>(m->w_.experts.get());
-  if (!experts.enabled() || mapped == nullptr) return m;
-  std::vector<moe::StoreLayer> layers;
-  for (size_t il = 0; il < mapped->layers().size(); ++il)
-    layers.push_back({mapped->layers()[il], m->hp_.layers[il].n_expert_used});
-  auto store = moe::ExpertStore::create(path, m->gguf_.mapping()->data(), std::move(layers),
-                                        experts);
-  if (!store) return store.status().context(fmt::format("loading model '{}'", path));
-  // Not shared with anyone yet, and created non-const: swapping the source is safe here.
-  const_cast<Model&>(*m).w_.experts = std::move(*store);
-  return m;
+  if (options.experts.enabled() && mapped != nullptr) {
+    std::vector<moe::StoreLayer> layers;
+    for (size_t il = 0; il < mapped->layers().size(); ++il)
+      layers.push_back({mapped->layers()[il], m->hp_.layers[il].n_expert_used});
+    auto store = moe::ExpertStore::create(path, m->gguf_.mapping()->data(), std::move(layers),
+                                          options.experts);
+    if (!store) return store.status().context(fmt::format("loading model '{}'", path));
+    m->w_.experts = std::move(*store);
+  }
+  return std::shared_ptr<const Model>(std::move(m));
 }
 
-Expected<std::shared_ptr<const Model>> Model::load(const std::string& path,
-                                                   const moe::StoreConfig& experts,
-                                                   const model::RoutingOverride& routing) {
-  KILN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> m, load(path, experts));
-  // As above: not shared with anyone yet, and created non-const.
-  const_cast<Model&>(*m).hp_.routing = routing;
-  return m;
-}
-
-Expected<std::shared_ptr<const Model>> Model::from_gguf(GgufFile gguf) {
+Expected<std::shared_ptr<Model>> Model::build(GgufFile gguf) {
   std::shared_ptr<Model> m(new Model());
   m->gguf_ = std::move(gguf);
   KILN_ASSIGN_OR_RETURN(m->hp_, model::read_hparams(m->gguf_));
   KILN_ASSIGN_OR_RETURN(m->w_, model::bind_weights(m->gguf_, m->hp_));
+  return m;
+}
+
+Expected<std::shared_ptr<const Model>> Model::from_gguf(GgufFile gguf) {
+  KILN_ASSIGN_OR_RETURN(std::shared_ptr<Model> m, build(std::move(gguf)));
   return std::shared_ptr<const Model>(std::move(m));
 }
 

@@ -24,18 +24,23 @@ class KvCache;
 
 class Model {
  public:
+  // What Model::load does beyond opening the file. Converts from a StoreConfig, so
+  // `Model::load(path, store_config)` reads as before.
+  struct LoadOptions {
+    LoadOptions(moe::StoreConfig experts = {}, model::RoutingOverride routing = {})
+        : experts(experts), routing(routing) {}
+    // MoE experts streamed from the file through an LRU cache of slabs when
+    // experts.enabled() (moe/expert_store.h; outputs identical). Dense models ignore it.
+    moe::StoreConfig experts;
+    // MoE routing overridden for benchmarks (model/routing.h; not the model's outputs unless
+    // it is the default).
+    model::RoutingOverride routing;
+  };
   // Opens and validates `path`: known architecture, hyper-parameters, every tensor present
-  // with the shape the hyper-parameters imply. Errors name the key or tensor at fault.
-  static Expected<std::shared_ptr<const Model>> load(const std::string& path);
-  // Same, with MoE experts streamed from the file through an LRU cache of slabs when
-  // `experts.enabled()` (moe/expert_store.h; outputs identical). Dense models ignore it.
+  // with the shape the hyper-parameters imply. Errors name the file and the key or tensor at
+  // fault.
   static Expected<std::shared_ptr<const Model>> load(const std::string& path,
-                                                     const moe::StoreConfig& experts);
-  // Same, with MoE routing overridden for benchmarks (model/routing.h; not the model's
-  // outputs unless `routing` is the default).
-  static Expected<std::shared_ptr<const Model>> load(const std::string& path,
-                                                     const moe::StoreConfig& experts,
-                                                     const model::RoutingOverride& routing);
+                                                     const LoadOptions& options = {});
   // Same, for a file already opened (tests build GGUFs in memory).
   static Expected<std::shared_ptr<const Model>> from_gguf(GgufFile gguf);
 
@@ -53,6 +58,8 @@ class Model {
 
  private:
   Model() = default;
+  // The model before it is shared (and so still mutable): load() finishes it.
+  static Expected<std::shared_ptr<Model>> build(GgufFile gguf);
   GgufFile gguf_;  // owns the mapping every weight view points into
   model::HParams hp_;
   model::Weights w_;

@@ -50,6 +50,14 @@ std::shared_ptr<const MappedFile> MappedFile::from_bytes(std::vector<std::byte> 
   return std::shared_ptr<const MappedFile>(mf);
 }
 
+Status MappedFile::lock_in_ram() const {
+  if (size_ == 0) return Status::ok();
+  if (::mlock(data_, size_) != 0)
+    return Status::errorf("mlock of {} bytes of '{}' refused: {}", size_, name_,
+                          std::strerror(errno));
+  return Status::ok();
+}
+
 MappedFile::~MappedFile() {
   if (mapped_) ::munmap(const_cast<std::byte*>(data_), size_);
 }

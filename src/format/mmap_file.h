@@ -30,6 +30,9 @@ class MappedFile {
   uint64_t size() const { return size_; }
   const std::string& name() const { return name_; }
   bool is_mapped() const { return mapped_; }
+  // mlock(2) of the whole mapping (the lock ends with the mapping). Errors say why (e.g.
+  // RLIMIT_MEMLOCK); callers fall back to pageable weights with a notice.
+  Status lock_in_ram() const;
 
  private:
   MappedFile() = default;

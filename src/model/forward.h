@@ -59,8 +59,7 @@ class ForwardState {
   int32_t max_batch() const { return max_batch_; }
 
  private:
-  friend void forward(const HParams&, const Weights&, Backend&, ForwardState&,
-                      const ForwardBatch&, std::span<float>);
+  friend class ForwardPass;  // forward.cpp: one call of forward()
   int32_t max_batch_;
   // Activation scratch lives in the memory of the backend that runs the step (device memory
   // on a GPU), allocated on the first forward() with that backend; the element counts are

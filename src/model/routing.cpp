@@ -47,7 +47,7 @@ Expected<RoutingOverride> parse_routing(std::string_view text) {
       return r;
     }
   }
-  return Status::errorf("--moe-routing '{}': expected model, uniform, zipf or zipf:S with "
+  return Status::errorf("moe_routing '{}': expected model, uniform, zipf or zipf:S with "
                         "0 < S <= 8", text);
 }
 

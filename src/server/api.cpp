@@ -302,13 +302,6 @@ ApiResult<DetokenizeRequest> parse_detokenize_request(std::string_view body) {
   return r;
 }
 
-std::string fallback_chat_prompt(const std::vector<ChatMessage>& messages) {
-  std::string out;
-  for (const ChatMessage& m : messages) out += fmt::format("{}: {}\n", m.role, m.content);
-  out += "assistant:";
-  return out;
-}
-
 namespace {
 // Length of the longest suffix of `s` that could still grow into a complete UTF-8 character.
 size_t incomplete_utf8_tail(std::string_view s) {

@@ -17,8 +17,9 @@
 #include <random>
 #include <thread>
 
-#include "backend/cpu/cpu_backend.h"
 #include "core/counters.h"
+#include "engine/chat.h"
+#include "engine/runtime.h"
 #include "engine/scheduler.h"
 #include "engine/session.h"
 #include "format/gguf.h"
@@ -64,13 +65,13 @@ struct HttpServer::Impl {
   std::atomic<bool> stopping{false};
   std::mutex stop_mu;
 
-  // Set once by load() before `ready` is published; read-only afterwards.
+  // Set once by load() before `ready` is published; read-only afterwards. The scheduler runs
+  // on the runtime's backend: declared after it, so destroyed first.
+  std::optional<Runtime> rt;
   std::shared_ptr<const Model> model;
-  std::optional<Tokenizer> tok;
-  std::unique_ptr<Backend> backend;
+  Tokenizer* tok = nullptr;                      // rt's
+  const ChatTemplate* chat_template = nullptr;   // rt's; nullptr: the file has none
   std::unique_ptr<Scheduler> scheduler;
-  std::optional<ChatTemplate> chat_template;
-  std::string bos_text, eos_text;
 
   std::atomic<uint64_t> n_http_requests{0}, n_http_errors{0}, n_completions{0};
   std::atomic<uint64_t> id_counter{0};
@@ -116,27 +117,13 @@ Status HttpServer::start() {
 
 Status HttpServer::load() {
   Impl& s = *impl_;
-  auto model = Model::load(s.opt.model_path, s.opt.experts, s.opt.routing);
-  if (!model) return model.status();
-  auto tok = Tokenizer::from_gguf((*model)->gguf());
-  if (!tok) return tok.status().context(fmt::format("{}: tokenizer", s.opt.model_path));
-  s.model = *model;
-  s.tok.emplace(std::move(*tok));
-  if (const GgufValue* v = s.model->gguf().find("tokenizer.chat_template");
-      v && std::holds_alternative<std::string>(v->v)) {
-    auto t = ChatTemplate::parse(v->str());
-    if (!t) return t.status().context(fmt::format("{}: tokenizer.chat_template", s.opt.model_path));
-    s.chat_template.emplace(std::move(*t));
-  }
-  if (s.tok->bos() != kTokenNull) s.bos_text = s.tok->token_text(s.tok->bos());
-  if (s.tok->eos() != kTokenNull) s.eos_text = s.tok->token_text(s.tok->eos());
-  if (s.opt.make_backend) {
-    auto be = s.opt.make_backend(*s.model);
-    if (!be) return be.status();
-    s.backend = std::move(*be);
-  } else {
-    s.backend = make_cpu_backend(s.opt.cpu_threads);
-  }
+  auto rt = Runtime::open(s.opt.model_path, s.opt.engine);
+  if (!rt) return rt.status();  // its message names the file
+  s.rt.emplace(std::move(*rt));
+  // Pointers into the runtime only once it sits where it stays.
+  KILN_ASSIGN_OR_RETURN(s.chat_template, s.rt->chat_template());
+  s.model = s.rt->model();
+  s.tok = &s.rt->tokenizer();
   SchedulerConfig cfg;
   cfg.n_slots = s.opt.n_parallel;
   cfg.n_ctx = s.opt.n_ctx;
@@ -144,10 +131,10 @@ Status HttpServer::load() {
   cfg.max_queue = s.opt.max_queue;
   cfg.remote_prefill = s.opt.remote_prefill;
   cfg.draft_ngram = s.opt.draft_ngram;
-  cfg.device_sampling = s.opt.device_sampling;
+  cfg.device_sampling = s.opt.engine.device_sampling;
   const auto eog = s.tok->eog_ids();
   cfg.eog_ids.assign(eog.begin(), eog.end());
-  auto sch = Scheduler::create(s.model, *s.backend, cfg);
+  auto sch = Scheduler::create(s.model, s.rt->backend(), cfg);
   if (!sch) return sch.status();
   s.scheduler = std::move(*sch);
   s.ready.store(true, std::memory_order_release);
@@ -207,30 +194,13 @@ std::optional<ApiError> HttpServer::Impl::build_prompt(const CompletionRequest& 
     }
     return std::nullopt;
   }
-  std::string text;
-  if (chat_template) {
-    nlohmann::ordered_json ctx;
-    ctx["messages"] = nlohmann::ordered_json::array();
-    for (const ChatMessage& m : r.messages)
-      ctx["messages"].push_back({{"role", m.role}, {"content", m.content}});
-    ctx["add_generation_prompt"] = true;
-    ctx["bos_token"] = bos_text;
-    ctx["eos_token"] = eos_text;
-    auto out = chat_template->render(ctx);
-    if (!out) {
-      ApiError e = make_error(400, fmt::format("chat template: {}", out.error()),
-                              "invalid_request_error", "template_error");
-      e.param = "messages";
-      return e;
-    }
-    text = std::move(*out);
-  } else {
-    text = fallback_chat_prompt(r.messages);
+  auto prompt = chat_prompt(t, chat_template, r.messages);
+  if (!prompt) {
+    ApiError e = make_error(400, prompt.error(), "invalid_request_error", "template_error");
+    e.param = "messages";
+    return e;
   }
-  // Templates write special tokens as text; they must become those tokens.
-  ids = t.encode(text, /*add_special=*/false, /*parse_special=*/true);
-  if (t.add_bos() && t.bos() != kTokenNull && (ids.empty() || ids[0] != t.bos()))
-    ids.insert(ids.begin(), t.bos());
+  ids = std::move(*prompt);
   return std::nullopt;
 }
 
@@ -400,7 +370,7 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
 
   auto job = std::make_shared<Job>(r.stop);
   job->stream = sub.stream;
-  job->tok = &*tok;
+  job->tok = tok;
   job->chat = chat;
   job->include_usage = r.include_usage;
   job->top_logprobs = r.top_logprobs;
@@ -567,7 +537,8 @@ void HttpServer::Impl::routes() {
     if (!authorized(req, res) || !check_ready(res)) return;
     json m = {{"id", model_name}, {"object", "model"}, {"created", unix_seconds()}, {"owned_by", "kiln"},
               {"meta", {{"n_ctx", scheduler->n_ctx()}, {"n_vocab", model->n_vocab()},
-                        {"arch", model->arch_name()}, {"chat_template", chat_template.has_value()}}}};
+                        {"arch", model->arch_name()}, {"chat_template", chat_template != nullptr},
+                        {"backend", std::string(rt->backend().name())}}}};
     res.set_content(json{{"object", "list"}, {"data", json::array({m})}}.dump(), "application/json");
   });
   http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {

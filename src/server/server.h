@@ -9,10 +9,8 @@
 #include <span>
 #include <string>
 
-#include "backend/backend.h"
 #include "core/status.h"
-#include "model/routing.h"
-#include "moe/expert_store.h"
+#include "engine/runtime.h"
 
 namespace kiln {
 class Model;
@@ -31,19 +29,13 @@ struct ServerOptions {
   int32_t max_queue = 64;        // waiting requests beyond the slots; more get 503
   std::string api_key;           // non-empty: /v1/*, /tokenize, /detokenize need "Bearer <key>"
   size_t max_body_bytes = 1 << 20;  // larger bodies get 413
-  int cpu_threads = 0;           // backend threads; 0: one per core
   int http_threads = 0;          // 0: n_parallel + max_queue + 8 (streams hold a thread each)
   // `--role decode`: prompts' KV comes from a prefill node (SchedulerConfig::remote_prefill).
   std::function<bool(Session&, std::span<const int32_t>)> remote_prefill;
   int32_t draft_ngram = 0;       // n-gram draft tokens per decode step (SchedulerConfig); 0: off
-  bool device_sampling = true;   // SchedulerConfig::device_sampling
-  // MoE experts streamed through the slab cache (--expert-cache/--expert-cap); off by default.
-  moe::StoreConfig experts;
-  // --moe-routing: a benchmark override of MoE routing (model/routing.h); the router's by default.
-  model::RoutingOverride routing;
-  // How the backend for the loaded model is made (kiln serve: --device, --tensor-parallel);
-  // empty: the CPU backend with cpu_threads. An error fails load() with its message.
-  std::function<Expected<std::unique_ptr<Backend>>(const Model&)> make_backend;
+  // How the model is opened (engine/runtime.h): device, threads, tensor parallelism, expert
+  // tiers; device_sampling goes to the scheduler.
+  EngineOptions engine;
 };
 
 class HttpServer {

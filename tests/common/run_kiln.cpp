@@ -16,13 +16,17 @@ extern char** environ;
 namespace kiln::testing {
 
 KilnProc run_kiln(const std::vector<std::string>& args) {
+  return run_program(kiln_binary(), args);
+}
+
+KilnProc run_program(const std::string& path, const std::vector<std::string>& args) {
   static const std::string dir = temp_dir();
   const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> full = {kiln_binary()};
+  std::vector<std::string> full = {path};
   full.insert(full.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (std::string& a : full) argv.push_back(a.data());

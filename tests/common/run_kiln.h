@@ -16,6 +16,8 @@ struct KilnProc {
 // kiln_binary() with `args`; stdout and stderr are captured whole. A failure to start is a
 // test failure (rc stays -1).
 KilnProc run_kiln(const std::vector<std::string>& args);
+// The same for another program of the build (the examples).
+KilnProc run_program(const std::string& path, const std::vector<std::string>& args);
 
 // A failed command as kiln promises: exit status 1 (not a crash), one stderr line mentioning
 // `what`.

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -91,22 +92,67 @@ TEST(KilnRun, SameSeedSameText) {
   EXPECT_NE(hash_line(a.err), hash_line(c.err)) << "different seeds gave identical 40 tokens";
 }
 
-// The packed Q4_K prefill kernel is an optional optimisation: with --no-cpu-q4k-packed the
-// whole generation is the same, bit for bit (kernel-level proof: MatmulQ4KPacked in tests/ops).
-// The prompt is long enough (> 12 tokens) that the prefill takes the packed kernel.
-TEST(KilnRun, PackedQ4KFlagChangesNothingButSpeed) {
+// The CPU's fast kernels change nothing but speed: with the developer door's
+// --dev cpu_portable=true (every op on the portable kernels, as on a machine without AVX-512 or
+// AVX2) the whole generation is the same, bit for bit (kernel-level proofs: tests/ops). The
+// prompt is long enough (> 12 tokens) that the prefill takes the batched kernels.
+TEST(KilnRun, PortableKernelsChangeNothingButSpeed) {
   const std::string model = testing::model_path("llama-gqa-q4_k_m.gguf");
   const std::string prompt =
       "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly "
       "and a large fawn jumped quickly over white zinc boxes";
-  Proc on = run_kiln({"run", "-m", model, "--device", "cpu", "-p", prompt, "-n", "24", "--temp", "0"});
-  Proc off = run_kiln({"run", "-m", model, "--device", "cpu", "--no-cpu-q4k-packed", "-p", prompt,
-                       "-n", "24", "--temp", "0"});
-  ASSERT_EQ(on.rc, 0) << on.err;
-  ASSERT_EQ(off.rc, 0) << off.err;
-  EXPECT_FALSE(hash_line(on.err).empty());
-  EXPECT_EQ(hash_line(on.err), hash_line(off.err));
-  EXPECT_EQ(on.out, off.out);
+  Proc fast = run_kiln({"run", "-m", model, "--device", "cpu", "-p", prompt, "-n", "24", "--temp", "0"});
+  Proc portable = run_kiln({"run", "-m", model, "--device", "cpu", "--dev", "cpu_portable=true",
+                            "-p", prompt, "-n", "24", "--temp", "0"});
+  ASSERT_EQ(fast.rc, 0) << fast.err;
+  ASSERT_EQ(portable.rc, 0) << portable.err;
+  EXPECT_FALSE(hash_line(fast.err).empty());
+  EXPECT_EQ(hash_line(fast.err), hash_line(portable.err));
+  EXPECT_EQ(fast.out, portable.out);
+}
+
+// The options a person sets, and only those: `kiln serve --help` fits a screen (30 options at
+// most), every default it prints is the real one, the developer door is not listed, and a
+// developer key given to the wrong door is one line naming the right one.
+TEST(KilnCli, ServeHelpIsShortAndTrue) {
+  Proc h = run_kiln({"serve", "--help"});
+  ASSERT_EQ(h.rc, 0) << h.err;
+  size_t options = 0;
+  std::istringstream lines(h.out);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("  -", 0) == 0) ++options;
+  EXPECT_GE(options, 10u) << h.out;
+  EXPECT_LE(options, 30u) << h.out;
+  EXPECT_EQ(h.out.find("{false}"), std::string::npos) << h.out;
+  EXPECT_EQ(h.out.find("{true}"), std::string::npos) << h.out;
+  EXPECT_EQ(h.out.find("--cuda-"), std::string::npos) << h.out;
+  EXPECT_EQ(h.out.find("--cpu-"), std::string::npos) << h.out;
+  EXPECT_EQ(h.out.find("NAME=VALUE"), std::string::npos) << h.out;  // --dev is unlisted
+  EXPECT_NE(h.out.find("-t,--threads"), std::string::npos) << h.out;
+  EXPECT_NE(h.out.find("default auto"), std::string::npos) << h.out;  // --device
+  Proc dev = run_kiln({"run", "--dev", "help"});
+  ASSERT_EQ(dev.rc, 0) << dev.err;
+  EXPECT_NE(dev.out.find("cuda_graphs=true"), std::string::npos) << dev.out;
+  EXPECT_NE(dev.out.find("cpu_portable=false"), std::string::npos) << dev.out;
+  expect_clean_error(run_kiln({"run", "-p", "x", "--dev", "threads=2"}), "use --threads");
+  expect_clean_error(run_kiln({"run", "-p", "x", "--dev", "cuda_graph=1"}),
+                     "unknown name 'cuda_graph'");
+  expect_clean_error(run_kiln({"run", "-p", "x", "--dev", "cuda_l2_prefetch=9999"}),
+                     "cuda_l2_prefetch 9999");
+  expect_clean_error(run_kiln({"run", "-p", "x", "--cuda-graphs"}), "--cuda-graphs");
+}
+
+// --mlock locks the mapped weights (or says in one notice line why it could not) and changes
+// nothing else.
+TEST(KilnRun, MlockChangesNothingButResidency) {
+  const std::string model = testing::model_path("stories260K.gguf");
+  Proc plain = run_kiln({"run", "-m", model, "-p", "Once upon a time", "-n", "16", "--temp", "0"});
+  Proc locked = run_kiln(
+      {"run", "-m", model, "-p", "Once upon a time", "-n", "16", "--temp", "0", "--mlock"});
+  ASSERT_EQ(plain.rc, 0) << plain.err;
+  ASSERT_EQ(locked.rc, 0) << locked.err;
+  EXPECT_EQ(plain.out, locked.out);
+  EXPECT_EQ(hash_line(plain.err), hash_line(locked.err));
 }
 
 TEST(KilnRun, DemoModelIsTheDefault) {

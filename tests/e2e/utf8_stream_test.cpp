@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "apps/kiln/utf8_stream.h"
+#include "tokenizer/utf8_stream.h"
 
 namespace kiln::app {
 namespace {

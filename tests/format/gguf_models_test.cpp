@@ -6,6 +6,7 @@
 
 #include "common/testdata.h"
 #include "format/gguf.h"
+#include "format/mmap_file.h"
 
 namespace kiln {
 namespace {
@@ -51,6 +52,21 @@ TEST(GgufModels, Stories260KFacts) {
   ASSERT_FALSE(missing);
   EXPECT_NE(missing.error().find("not found"), std::string::npos);
   EXPECT_FALSE(g->tensor("no.such.tensor"));
+}
+
+}  // namespace
+}  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// MappedFile::lock_in_ram (kiln --mlock): the whole mapping locked, or an error saying why.
+TEST(MappedFile, LockInRamLocksOrSaysWhy) {
+  auto f = MappedFile::open(testing::model_path("stories260K.gguf"));
+  ASSERT_TRUE(f) << f.error();
+  const Status st = (*f)->lock_in_ram();
+  if (!st) EXPECT_NE(st.message().find("mlock"), std::string::npos) << st.message();
+  EXPECT_TRUE(MappedFile::from_bytes({})->lock_in_ram()) << "nothing to lock is not an error";
 }
 
 }  // namespace

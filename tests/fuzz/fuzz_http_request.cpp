@@ -53,7 +53,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (char ch : body.substr(0, 512)) out += m.push(std::string_view(&ch, 1));
     out += m.flush();
     require(out.size() <= std::min<size_t>(body.size(), 512), "stop matcher invented bytes");
-    if (chat) (void)kiln::server::fallback_chat_prompt(c.messages);
+    if (chat) (void)kiln::fallback_chat_prompt(c.messages);
   }
   if (auto t = kiln::server::parse_tokenize_request(body); auto* e = std::get_if<kiln::server::ApiError>(&t))
     check_error(*e);

@@ -37,7 +37,7 @@ TEST(Routing, ParseNamesEveryFormAndRejectsTheRest) {
   for (const char* bad : {"", "Uniform", "zipf:", "zipf:0", "zipf:-1", "zipf:9", "zipf:1x", "top2"}) {
     auto r = parse_routing(bad);
     ASSERT_FALSE(r.has_value()) << bad;
-    EXPECT_NE(r.error().find("--moe-routing '" + std::string(bad) + "'"), std::string::npos)
+    EXPECT_NE(r.error().find("moe_routing '" + std::string(bad) + "'"), std::string::npos)
         << r.error();
   }
 }
@@ -146,14 +146,14 @@ TEST(Routing, DefaultIsTheModelsRoutingAndOverridesChangeTheExperts) {
   auto be = make_cpu_backend(2);
   auto plain = Model::load(path);
   ASSERT_TRUE(plain.has_value()) << plain.error();
-  auto model = Model::load(path, {}, *parse_routing("model"));
-  auto uniform = Model::load(path, {}, *parse_routing("uniform"));
+  auto model = Model::load(path, {{}, *parse_routing("model")});
+  auto uniform = Model::load(path, {{}, *parse_routing("uniform")});
   ASSERT_TRUE(model.has_value() && uniform.has_value());
   const std::vector<float> a = prefill_and_steps(*plain, *be, 6);
   const std::vector<float> b = prefill_and_steps(*model, *be, 6);
   ASSERT_EQ(a.size(), b.size());
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
-      << "--moe-routing model must be the plain run, bit for bit";
+      << "moe_routing model must be the plain run, bit for bit";
   const std::vector<float> c = prefill_and_steps(*uniform, *be, 6);
   ASSERT_EQ(c.size(), a.size());
   EXPECT_NE(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)), 0)

@@ -151,11 +151,11 @@ TEST(ExpertStore, RoutingOverridesKeepStreamingIdentical) {
     for (const char* routing : {"uniform", "zipf:1.1"}) {
       SCOPED_TRACE(std::string(file) + " " + routing);
       const model::RoutingOverride ro = *model::parse_routing(routing);
-      auto resident = Model::load(testing::model_path(file), {}, ro);
+      auto resident = Model::load(testing::model_path(file), {{}, ro});
       ASSERT_TRUE(resident.has_value()) << resident.error();
       const RunResult base = run(*resident, *be, prompt, 8);
       for (int cap : {2, 3}) {
-        auto m = Model::load(testing::model_path(file), {.cap = cap}, ro);
+        auto m = Model::load(testing::model_path(file), {moe::StoreConfig{.cap = cap}, ro});
         ASSERT_TRUE(m.has_value()) << m.error();
         const RunResult r = run(*m, *be, prompt, 8);
         EXPECT_EQ(r.ids, base.ids) << "cap " << cap;

@@ -15,8 +15,6 @@
 #include "core/counters.h"
 #include "format/gguf.h"
 #include "format/gguf_writer.h"
-#include "backend/cpu/cpu_backend.h"
-#include "backend/tp_group.h"
 #include "engine/session.h"
 #include "server/server.h"
 
@@ -35,7 +33,7 @@ Running start(ServerOptions o, bool load = true) {
   if (o.model_path.empty()) o.model_path = testing::model_path("stories260K.gguf");
   o.host = "127.0.0.1";
   o.port = 0;
-  o.cpu_threads = 1;
+  o.engine.threads = 1;
   if (o.n_ctx == 0) o.n_ctx = 256;
   Running r;
   r.srv = std::make_unique<HttpServer>(o);
@@ -473,23 +471,20 @@ TEST(Server, StopEndsInFlightStreamsCleanly) {
   r.srv->stop();  // idempotent
 }
 
-// A tensor-parallel backend (two CPU ranks, backend/tp_group.h) through ServerOptions::
-// make_backend: the scheduler's batched steps run on both ranks and serve the same greedy text
-// as one backend, for several concurrent requests.
+// A tensor-parallel backend (two CPU ranks, backend/tp_group.h) through the runtime's
+// options (--device cpu --tensor-parallel 2): the scheduler's batched steps run on both ranks
+// and serve the same greedy text as one backend, for several concurrent requests.
 TEST(Server, TensorParallelBackendServesTheSameText) {
-  static std::atomic<int> groups_made{0};
   auto complete = [](bool tp) {
     ServerOptions o;
     o.model_path = testing::model_path("stories260K.gguf");
-    if (tp)
-      o.make_backend = [](const Model& m) -> Expected<std::unique_ptr<Backend>> {
-        KILN_TRY(check_tensor_parallel(m, 2));
-        ++groups_made;
-        std::vector<std::unique_ptr<Backend>> ranks;
-        for (int r = 0; r < 2; ++r) ranks.push_back(make_cpu_backend(1));
-        return make_host_tp_group(std::move(ranks));
-      };
+    if (tp) {
+      o.engine.device = Device::Cpu;
+      o.engine.tensor_parallel = 2;
+    }
     Running r = start(o);
+    const json models = json::parse(r.cli->Get("/v1/models")->body);
+    EXPECT_EQ(models["data"][0]["meta"]["backend"], tp ? "cpu x2" : "cpu") << models.dump();
     std::vector<std::string> texts(3);
     std::vector<std::thread> clients;
     for (int i = 0; i < 3; ++i)
@@ -507,7 +502,6 @@ TEST(Server, TensorParallelBackendServesTheSameText) {
     return texts;
   };
   const std::vector<std::string> one = complete(false), two = complete(true);
-  EXPECT_EQ(groups_made.load(), 1) << "the server did not use ServerOptions::make_backend";
   EXPECT_FALSE(one[0].empty());
   EXPECT_EQ(one, two);
 }
@@ -524,7 +518,7 @@ TEST(Server, ExpertStreamingServesTheSameText) {
   auto complete = [](const moe::StoreConfig& experts) {
     ServerOptions o;
     o.model_path = testing::model_path("qwen3moe-q4_k_m.gguf");
-    o.experts = experts;
+    o.engine.experts = experts;
     Running r = start(o);
     const json c = post_json(*r.cli, "/v1/completions",
                              {{"prompt", "Once upon a time"}, {"max_tokens", 12}, {"temperature", 0}},

@@ -1,6 +1,7 @@
 // tests/unit/config_test.cpp: the config registry: every entry is well-formed, precedence is
 // default < KILN_* variable < CLI option, bad values are one-line errors naming their source,
-// and the CLI binding (apps/kiln/config_cli) covers every entry.
+// Dev entries go only through the --dev / KILN_DEV door, and the CLI binding
+// (apps/kiln/config_cli) lists exactly the User entries.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -29,6 +30,8 @@ TEST(Config, EveryEntryIsWellFormed) {
     EXPECT_FALSE(e.help.empty());
     for (char c : e.name) EXPECT_TRUE((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_');
     EXPECT_EQ(e.env_name().rfind("KILN_", 0), 0u);
+    // The help must not carry figures (they live in docs/BENCHMARKS.md).
+    EXPECT_EQ(e.help.find("H200"), std::string::npos);
     EXPECT_EQ(e.cli_flag().rfind("--", 0), 0u);
     EXPECT_EQ(find_config_entry(e.name), &e);
     EXPECT_EQ(find_config_entry(e.cli_flag()), &e);
@@ -101,23 +104,67 @@ TEST(Config, LogLevels) {
   EXPECT_FALSE(parse_log_level("verbose"));
 }
 
-TEST(ConfigCli, EveryEntryIsAnOptionAndOverridesTheEnvironment) {
+TEST(Config, DevEntriesOnlyThroughTheDevDoor) {
+  // KILN_DEV sets Dev entries; KILN_<NAME> of a Dev entry is not read.
+  auto e = load_config({}, fake_env({{"KILN_DEV", "cuda_graphs=false,cuda-l2-prefetch=4"},
+                                     {"KILN_CUDA_PDL", "false"}}));
+  ASSERT_TRUE(e) << e.error();
+  EXPECT_FALSE(e->cuda_graphs);
+  EXPECT_EQ(e->cuda_l2_prefetch, 4);
+  EXPECT_TRUE(e->cuda_pdl);
+  // The command line's --dev wins over KILN_DEV.
+  auto kv = parse_dev_assignment("cuda_graphs=true");
+  ASSERT_TRUE(kv) << kv.error();
+  auto c = load_config({*kv}, fake_env({{"KILN_DEV", "cuda_graphs=false"}}));
+  ASSERT_TRUE(c) << c.error();
+  EXPECT_TRUE(c->cuda_graphs);
+  // A User entry is not a --dev key, a Dev entry not a plain option, unknown names are named.
+  EXPECT_NE(parse_dev_assignment("threads=3").error().find("use --threads"), std::string::npos);
+  EXPECT_NE(parse_dev_assignment("nope=1").error().find("unknown name 'nope'"), std::string::npos);
+  EXPECT_NE(parse_dev_assignment("cuda_graphs").error().find("name=value"), std::string::npos);
+  auto plain = load_config({{"cuda_graphs", "false"}}, fake_env({}));
+  ASSERT_FALSE(plain);
+  EXPECT_NE(plain.error().find("--dev cuda_graphs=VALUE"), std::string::npos) << plain.error();
+  auto bad = load_config({}, fake_env({{"KILN_DEV", "cuda_graphs=maybe"}}));
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.error().find("KILN_DEV cuda_graphs"), std::string::npos) << bad.error();
+  // --dev help lists every Dev entry and no User entry.
+  const std::string help = dev_help();
+  for (const ConfigEntry& entry : config_entries())
+    EXPECT_EQ(help.find("  " + std::string(entry.name) + "=") != std::string::npos,
+              entry.scope == ConfigScope::Dev)
+        << entry.name;
+}
+
+TEST(ConfigCli, UserEntriesAreOptionsAndOverrideTheEnvironment) {
   CLI::App app("test");
   auto overrides = app::add_config_options(&app);
-  for (const ConfigEntry& e : config_entries())
-    EXPECT_NE(app.get_option_no_throw(e.cli_flag()), nullptr) << e.cli_flag();
-  const char* argv[] = {"test", "--threads", "6", "--no-mlock", "--stats", "--log-level=warn"};
-  ASSERT_NO_THROW(app.parse(6, const_cast<char**>(argv)));
+  for (const ConfigEntry& e : config_entries()) {
+    if (e.scope != ConfigScope::User) {
+      EXPECT_EQ(app.get_option_no_throw(e.cli_flag()), nullptr) << e.cli_flag();
+      continue;
+    }
+    const bool on = e.type == ConfigType::Bool && e.default_text() == "true";
+    const std::string flag = on ? "--no-" + e.cli_flag().substr(2) : e.cli_flag();
+    EXPECT_NE(app.get_option_no_throw(flag), nullptr) << flag;
+  }
+  const char* argv[] = {"test", "-t", "6", "--stats", "--log-level=warn", "--dev",
+                        "cuda_pdl=false"};
+  ASSERT_NO_THROW(app.parse(7, const_cast<char**>(argv)));
   auto c = load_config(*overrides, fake_env({{"KILN_THREADS", "2"}, {"KILN_MLOCK", "1"}}));
   ASSERT_TRUE(c) << c.error();
   EXPECT_EQ(c->threads, 6);
-  EXPECT_FALSE(c->mlock);
+  EXPECT_TRUE(c->mlock);
   EXPECT_TRUE(c->stats);
+  EXPECT_FALSE(c->cuda_pdl);
   EXPECT_EQ(c->log_level, "warn");
-  // Help names the variable and the default.
+  // Help names the variable and the real default, and never CLI11's "{false}" marker.
   const std::string help = app.help();
   EXPECT_NE(help.find("KILN_THREADS"), std::string::npos);
-  EXPECT_NE(help.find("--no-mlock"), std::string::npos);
+  EXPECT_NE(help.find("default notice"), std::string::npos);
+  EXPECT_EQ(help.find("{false}"), std::string::npos) << help;
+  EXPECT_EQ(help.find("NAME=VALUE"), std::string::npos) << help;  // --dev is unlisted
+  EXPECT_EQ(help.find("--cuda"), std::string::npos) << help;
 }
 
 }  // namespace

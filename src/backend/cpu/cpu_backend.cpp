@@ -382,4 +382,8 @@ std::unique_ptr<Backend> make_cpu_backend(int n_threads) {
 
 const char* cpu_simd_target() { return cpu::target_name(); }
 
+std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options) {
+  return make_cpu_backend(options.threads);
+}
+
 }  // namespace kiln

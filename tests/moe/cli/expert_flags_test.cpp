@@ -58,28 +58,28 @@ TEST(ExpertFlags, TooSmallBudgetIsOneLineErrorAndStatsShowCounters) {
   EXPECT_NE(st.err.find("load latency p50"), std::string::npos) << st.err;
 }
 
-// --moe-routing: a bad value is a one-line error naming it; uniform routing streams with the
+// --dev moe_routing: a bad value is a one-line error naming it; uniform routing streams with the
 // same text as resident, and --stats shows its popularity (far flatter than the model's) and
 // the cold/warm split of the decode time.
 TEST(ExpertFlags, RoutingOverrideStreamsIdenticallyAndShowsItsPopularity) {
   const std::string m = testing::model_path("qwen3moe-q4_k_m.gguf");
-  const Proc bad = run_kiln({"run", "-m", m, "-p", "x", "-n", "2", "--moe-routing", "zipf:0"});
+  const Proc bad = run_kiln({"run", "-m", m, "-p", "x", "-n", "2", "--dev", "moe_routing=zipf:0"});
   EXPECT_EQ(bad.rc, 1) << bad.err;
-  EXPECT_NE(bad.err.find("--moe-routing 'zipf:0'"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("moe_routing 'zipf:0'"), std::string::npos) << bad.err;
   EXPECT_EQ(std::count(bad.err.begin(), bad.err.end(), '\n'), 1) << bad.err;
   // kiln serve reads the same option (not ignored): the same error before it listens.
-  const Proc bad_serve = run_kiln({"serve", "-m", m, "--port", "0", "--moe-routing", "Zipf"});
+  const Proc bad_serve = run_kiln({"serve", "-m", m, "--port", "0", "--dev", "moe_routing=Zipf"});
   EXPECT_EQ(bad_serve.rc, 1) << bad_serve.err;
-  EXPECT_NE(bad_serve.err.find("--moe-routing 'Zipf'"), std::string::npos) << bad_serve.err;
-  // --expert-device-policy (the CUDA tier's eviction order) is checked on every device.
+  EXPECT_NE(bad_serve.err.find("moe_routing 'Zipf'"), std::string::npos) << bad_serve.err;
+  // expert_device_policy (the CUDA tier's eviction order) is checked on every device.
   const Proc bad_policy = run_kiln({"run", "-m", m, "-p", "x", "-n", "2", "--expert-cap", "2",
-                                    "--expert-device-policy", "fifo"});
+                                    "--dev", "expert_device_policy=fifo"});
   EXPECT_EQ(bad_policy.rc, 1) << bad_policy.err;
-  EXPECT_NE(bad_policy.err.find("--expert-device-policy: unknown expert device policy 'fifo'"),
+  EXPECT_NE(bad_policy.err.find("--dev expert_device_policy: unknown expert device policy 'fifo'"),
             std::string::npos) << bad_policy.err;
   EXPECT_EQ(std::count(bad_policy.err.begin(), bad_policy.err.end(), '\n'), 1) << bad_policy.err;
   const std::vector<std::string> base = {"run", "-m", m, "-p", "Once upon a time", "-n", "64",
-                                         "--threads", "2", "--moe-routing", "uniform", "--stats"};
+                                         "--threads", "2", "--dev", "moe_routing=uniform", "--stats"};
   const Proc resident = run_kiln(base);
   ASSERT_EQ(resident.rc, 0) << resident.err;
   EXPECT_NE(resident.err.find("stats: decode steps 1-8: "), std::string::npos) << resident.err;
@@ -95,7 +95,7 @@ TEST(ExpertFlags, RoutingOverrideStreamsIdenticallyAndShowsItsPopularity) {
     return at == std::string::npos ? -1.0 : std::stod(err.substr(at + needle.size()));
   };
   std::vector<std::string> own = args;
-  own[10] = "model";
+  own[10] = "moe_routing=model";
   const Proc model_routed = run_kiln(own);
   ASSERT_EQ(model_routed.rc, 0) << model_routed.err;
   const double uniform_top = top25(streamed.err), model_top = top25(model_routed.err);

@@ -1,0 +1,192 @@
+// engine/runtime.cpp: Runtime::open and the one place that decides which backend runs a
+// model (device, tensor-parallel group, expert tiers) from typed, already-checked options.
+#include "engine/runtime.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <variant>
+#include <vector>
+
+#include "backend/tp_group.h"
+#include "core/log.h"
+#include "core/thread_pool.h"
+
+namespace kiln {
+
+Expected<Device> parse_device(std::string_view name) {
+  if (name == "auto") return Device::Auto;
+  if (name == "cpu") return Device::Cpu;
+  if (name == "cuda") return Device::Cuda;
+  return Status::errorf("unknown --device '{}' (auto, cuda or cpu)", name);
+}
+
+Expected<EngineOptions> engine_options(const Config& config) {
+  KILN_TRY(validate(config));
+  EngineOptions o;
+  o.threads = static_cast<int>(config.threads);
+  KILN_ASSIGN_OR_RETURN(o.device, parse_device(config.device));
+  if (config.tensor_parallel < 1 || config.tensor_parallel > 64)
+    return Status::errorf("--tensor-parallel {}: must be 1..64", config.tensor_parallel);
+  o.tensor_parallel = static_cast<int>(config.tensor_parallel);
+  o.mlock = config.mlock;
+  if (config.expert_cache < 0)
+    return Status::errorf("--expert-cache {}: must not be negative", config.expert_cache);
+  if (config.expert_cap < 0)
+    return Status::errorf("--expert-cap {}: must not be negative", config.expert_cap);
+  o.experts.cache_bytes = config.expert_cache;
+  o.experts.cap = config.expert_cap;
+  o.experts.prefetch = config.expert_prefetch;
+  if (config.expert_device_cache < 0)
+    return Status::errorf("--expert-device-cache {}: must not be negative",
+                          config.expert_device_cache);
+  o.expert_device_cache = static_cast<uint64_t>(config.expert_device_cache);
+  // Checked on every device, so a typo fails where it is made, not on the next GPU run.
+  const auto policy = parse_tier_eviction(config.expert_device_policy);
+  if (!policy) return Status::errorf("--dev expert_device_policy: {}", policy.error());
+  o.expert_device_policy = *policy;
+  o.expert_device_async = config.expert_device_async;
+  KILN_ASSIGN_OR_RETURN(o.routing, model::parse_routing(config.moe_routing));
+  o.device_sampling = config.device_sampling;
+  o.cpu.portable_kernels = config.cpu_portable;
+
+  CudaOptions& c = o.cuda;
+  c.graphs = config.cuda_graphs;
+  c.gemm_graphs = config.cuda_gemm_graphs;
+  c.pdl = config.cuda_pdl;
+  c.mma_pre_scales = config.cuda_mma_pre_scales;
+  c.direct_download = config.cuda_direct_download;
+  c.attention_skip_empty = config.cuda_attn_skip_empty;
+  c.attention_warp_tiles = config.cuda_attn_warp_tiles;
+  c.fuse_rope = config.cuda_fuse_rope;
+  c.fuse_swiglu = config.cuda_fuse_swiglu;
+  if (config.cuda_int8_max_tokens < 1 || config.cuda_int8_max_tokens > 64)
+    return Status::errorf("--dev cuda_int8_max_tokens {}: must be 1..64",
+                          config.cuda_int8_max_tokens);
+  c.auto_int8_max_tokens = config.cuda_int8_max_tokens;
+  if (config.cuda_int8_mma < 0 || config.cuda_int8_mma > 64)
+    return Status::errorf("--dev cuda_int8_mma {}: must be 0 (never) to 64", config.cuda_int8_mma);
+  c.int8_mma_min_tokens = config.cuda_int8_mma;
+  if (config.cuda_l2_prefetch < 0 || config.cuda_l2_prefetch > 4096)
+    return Status::errorf("--dev cuda_l2_prefetch {}: must be 0 (off) to 4096 MiB",
+                          config.cuda_l2_prefetch);
+  c.l2_prefetch_bytes = uint64_t(config.cuda_l2_prefetch) << 20;
+  if (config.cuda_f16_cache < -1)
+    return Status::errorf("--dev cuda_f16_cache {}: must be -1 (auto), 0 (off) or MiB",
+                          config.cuda_f16_cache);
+  c.f16_cache_bytes = config.cuda_f16_cache == -1 ? CudaOptions::kF16CacheAuto
+                                                  : uint64_t(config.cuda_f16_cache) << 20;
+  if (config.cuda_matmul == "v2") c.matmul = CudaMatmul::V2;
+  else if (config.cuda_matmul == "v3") c.matmul = CudaMatmul::V3;
+  else if (config.cuda_matmul == "auto") c.matmul = CudaMatmul::Auto;
+  else
+    return Status::errorf("--dev cuda_matmul '{}': auto, v2 or v3", config.cuda_matmul);
+  return o;
+}
+
+Expected<std::unique_ptr<Backend>> Runtime::make_backend(const Model& model,
+                                                         const EngineOptions& o) {
+  CpuOptions cpu = o.cpu;
+  cpu.threads = o.threads;
+  const bool streaming = o.experts.enabled();
+  const int tp = o.tensor_parallel;
+  if (tp < 1 || tp > 64) return Status::errorf("--tensor-parallel {}: must be 1..64", tp);
+  if (tp > 1) {
+    if (Status st = check_tensor_parallel(model, tp); !st)
+      return Status::errorf("--tensor-parallel {}: {}", tp, st.message());
+    if (streaming)
+      return Status::error("--tensor-parallel does not support MoE expert streaming "
+                           "(--expert-cache/--expert-cap)");
+    if (o.device == Device::Cpu) {
+      std::vector<std::unique_ptr<Backend>> ranks;
+      const int threads = o.threads > 0 ? o.threads : ThreadPool::default_threads();
+      cpu.threads = std::max(1, threads / tp);
+      for (int r = 0; r < tp; ++r) ranks.push_back(make_cpu_backend(cpu));
+      return make_host_tp_group(std::move(ranks));
+    }
+#if KILN_WITH_CUDA
+    CudaOptions c = o.cuda;
+    c.progress = o.progress;
+    c.immutable_region = model.gguf().mapping()->bytes();  // norms/biases cached, not staged
+    auto group = make_cuda_tp_group(tp, c);
+    if (!group) return Status::errorf("--tensor-parallel {}: {}", tp, group.error());
+    return std::move(*group);
+#else
+    return Status::errorf("--tensor-parallel {} needs CUDA GPUs, and this kiln was built "
+                          "without CUDA (KILN_CUDA=OFF); --device cpu runs it on CPU backends",
+                          tp);
+#endif
+  }
+#if KILN_WITH_CUDA
+  if (o.device == Device::Cuda || (o.device == Device::Auto && cuda_device_count() > 0)) {
+    CudaOptions c = o.cuda;
+    c.progress = o.progress;
+    const GgufFile& f = model.gguf();
+    if (streaming) {
+      // Streamed experts live in the store's host slabs and reach the device through the
+      // backend's expert tier: the file is not uploaded as a whole; dense weights are
+      // uploaded on first use, norms cached from the mapping.
+      c.immutable_region = f.mapping()->bytes();
+      c.expert_cache_bytes = o.expert_device_cache;
+      c.expert_policy = o.expert_device_policy;
+      c.expert_async_copies = o.expert_device_async;
+    } else {
+      c.weight_region = f.mapping()->bytes().subspan(f.data_offset());
+    }
+    auto be = make_cuda_backend(c);
+    if (be) {
+      // Page-locks the store's slabs once, so the tier's copies are DMA.
+      if (auto* store = dynamic_cast<moe::ExpertStore*>(model.weights().experts.get()))
+        store->register_slabs(
+            [b = be->get()](std::span<std::byte> m) { return b->register_host_memory(m); });
+      return std::unique_ptr<Backend>(std::move(*be));
+    }
+    if (o.device == Device::Cuda) return Status::errorf("--device cuda: {}", be.error());
+    log_notice("device: {}; running on the CPU", be.error());
+  }
+#else
+  if (o.device == Device::Cuda)
+    return Status::error("--device cuda: this kiln was built without CUDA (KILN_CUDA=OFF)");
+#endif
+  return make_cpu_backend(cpu);
+}
+
+std::unique_ptr<Backend> Runtime::make_reference_backend() { return make_ref_backend(); }
+
+Expected<Runtime> Runtime::open(const std::string& path, const EngineOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Runtime rt;
+  rt.options_ = options;
+  auto model = Model::load(path, {options.experts, options.routing});
+  if (!model) return model.status();  // its message names the file
+  rt.model_ = std::move(*model);
+  if (options.mlock) {
+    if (Status st = rt.model_->gguf().mapping()->lock_in_ram(); !st)
+      log_notice("--mlock: {}; the weights stay pageable", st.message());
+  }
+  auto tok = Tokenizer::from_gguf(rt.model_->gguf());
+  if (!tok) return tok.status().context(fmt::format("{}: tokenizer", path));
+  rt.tokenizer_ = std::make_unique<Tokenizer>(std::move(*tok));
+  if (const GgufValue* v = rt.model_->gguf().find("tokenizer.chat_template");
+      v && std::holds_alternative<std::string>(v->v)) {
+    auto t = ChatTemplate::parse(v->str());
+    if (t) rt.chat_template_.emplace(std::move(*t));
+    else rt.chat_template_status_ = t.status().context(fmt::format("{}: tokenizer.chat_template", path));
+  }
+  KILN_ASSIGN_OR_RETURN(rt.backend_, make_backend(*rt.model_, options));
+  rt.load_seconds_ =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return rt;
+}
+
+Expected<const ChatTemplate*> Runtime::chat_template() const {
+  if (!chat_template_status_) return chat_template_status_;
+  return chat_template_ ? &*chat_template_ : nullptr;
+}
+
+Runtime::Runtime(Runtime&&) noexcept = default;
+Runtime& Runtime::operator=(Runtime&&) noexcept = default;
+Runtime::~Runtime() = default;
+
+}  // namespace kiln

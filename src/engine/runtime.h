@@ -1,0 +1,96 @@
+// engine/runtime.h: one way to open a model for inference, shared by every front end (run,
+// serve, bench, perplexity, kv, the prefill node) and by programs embedding kiln: the model,
+// its tokenizer and chat template, and the backend the options ask for (device, tensor-
+// parallel group, MoE expert tiers). Front ends never build a backend themselves.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "backend/backend.h"
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/tier_policy.h"
+#include "core/config.h"
+#include "core/status.h"
+#include "engine/session.h"
+#include "moe/expert_store.h"
+#include "model/routing.h"
+#include "tokenizer/jinja/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kiln {
+
+enum class Device { Auto, Cpu, Cuda };
+Expected<Device> parse_device(std::string_view name);  // "auto" | "cpu" | "cuda"
+
+// Everything Runtime::open needs, typed. engine_options() fills it from the config registry
+// (command line, KILN_* variables, --dev) and checks each value once, there.
+struct EngineOptions {
+  int threads = 0;  // CPU kernel threads; <= 0: one per core
+  // Auto: CUDA when this build has it and a GPU is present (a refused GPU: one notice line,
+  // then the CPU); Cuda: an error naming the reason when there is none.
+  Device device = Device::Auto;
+  int tensor_parallel = 1;  // ranks every layer is split over (1..64)
+  bool mlock = false;       // lock the mapped weights in RAM; fails open with a notice
+  moe::StoreConfig experts; // streamed MoE experts (host slab tier); off by default
+  // The CUDA expert tier (streamed experts only): device bytes (0: half the free memory),
+  // eviction order, queued copies.
+  uint64_t expert_device_cache = 0;
+  TierEviction expert_device_policy = TierEviction::Lfu;
+  bool expert_device_async = true;
+  model::RoutingOverride routing;  // benchmarks only: MoE routing drawn, not the router's
+  bool device_sampling = true;     // front ends: sample from the backend's top-k (same ids)
+  bool progress = true;            // CUDA: print the weight upload's progress
+  // Per-instance backend options (kernel switches for tests and bisecting). The runtime sets
+  // cpu.threads from `threads` and the CUDA weight regions from the model.
+  CpuOptions cpu;
+  CudaOptions cuda;
+};
+Expected<EngineOptions> engine_options(const Config& config);
+
+class Runtime {
+ public:
+  // Model::load (experts, routing) + mlock + tokenizer + chat template (when the file has
+  // one) + the backend. Errors name the file, the option or the device at fault.
+  static Expected<Runtime> open(const std::string& path, const EngineOptions& options);
+
+  // The backend `options` ask for, for a model already loaded. A CUDA backend holds the
+  // model's weights in device memory: it must not outlive `model`.
+  static Expected<std::unique_ptr<Backend>> make_backend(const Model& model,
+                                                         const EngineOptions& options);
+
+  // The scalar reference backend (backend/ref): the oracle every fast backend is tested
+  // against, for front ends that compare with it (kiln logits --device ref).
+  static std::unique_ptr<Backend> make_reference_backend();
+
+  const std::shared_ptr<const Model>& model() const { return model_; }
+  Tokenizer& tokenizer() { return *tokenizer_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  // The file's tokenizer.chat_template, parsed: nullptr when the file has none, the parse
+  // error (naming the file) when it does not parse. Front ends that render chats (serve)
+  // fail on the error; the others never need the template.
+  Expected<const ChatTemplate*> chat_template() const;
+  Backend& backend() const { return *backend_; }
+  const EngineOptions& options() const { return options_; }
+  double load_seconds() const { return load_seconds_; }
+
+  Runtime(Runtime&&) noexcept;
+  Runtime& operator=(Runtime&&) noexcept;
+  ~Runtime();
+
+ private:
+  Runtime() = default;
+  EngineOptions options_;
+  std::shared_ptr<const Model> model_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::optional<ChatTemplate> chat_template_;
+  Status chat_template_status_;
+  // Declared last: destroyed first, before the model whose weights it may hold.
+  std::unique_ptr<Backend> backend_;
+  double load_seconds_ = 0;
+};
+
+}  // namespace kiln
