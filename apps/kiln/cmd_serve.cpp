@@ -13,6 +13,7 @@
 #include "apps/kiln/gen_common.h"
 #include "apps/kiln/prefill_node.h"
 #include "core/log.h"
+#include "format/gguf.h"
 #include "engine/scheduler.h"
 #include "server/server.h"
 #include "transfer/remote_prefill.h"
@@ -102,6 +103,10 @@ Status serve(ServeOptions o) {
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   if (o.role == "prefill") return serve_prefill_role(o, cfg, sigs);
 
+  // A file that is not a readable GGUF fails here, in one line, before anything listens (the
+  // full load, which can take minutes, runs after: /health says 503 meanwhile).
+  if (auto f = GgufFile::open(o.server.model_path); !f)
+    return f.status().context(fmt::format("loading model '{}'", o.server.model_path));
   server::HttpServer srv(o.server);
   KILN_TRY(srv.start());
   fmt::print(stderr, "kiln serve: listening on http://{}:{}\n", o.server.host, srv.port());

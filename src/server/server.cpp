@@ -7,6 +7,7 @@
 
 #include <httplib.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <cctype>
@@ -63,6 +64,7 @@ struct HttpServer::Impl {
   std::string model_name;
   std::atomic<bool> ready{false};
   std::atomic<bool> stopping{false};
+  std::atomic<bool> listen_ended{false};  // the listen thread returned
   std::mutex stop_mu;
 
   // Set once by load() before `ready` is published; read-only afterwards. The scheduler runs
@@ -106,12 +108,24 @@ Status HttpServer::start() {
   s.http.set_read_timeout(30, 0);
   s.http.set_write_timeout(30, 0);
   s.routes();
+  // cpp-httplib's default sets SO_REUSEPORT, which lets a second server bind a busy port and
+  // the kernel split the connections between the two: SO_REUSEADDR only (a restart may reuse
+  // a port in TIME_WAIT; a live listener keeps it).
+  s.http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   if (s.opt.port == 0) s.port = s.http.bind_to_any_port(s.opt.host);
   else s.port = s.http.bind_to_port(s.opt.host, s.opt.port) ? s.opt.port : -1;
   if (s.port < 0)
-    return Status::errorf("cannot listen on {}:{} (address in use or not available)", s.opt.host,
-                          s.opt.port);
-  s.thread = std::thread([&s] { s.http.listen_after_bind(); });
+    return Status::errorf("port {} in use or not available on {}", s.opt.port, s.opt.host);
+  s.thread = std::thread([&s] {
+    s.http.listen_after_bind();
+    s.listen_ended.store(true);
+  });
+  // httplib's stop() does nothing until the listen loop runs, and the loop would then never
+  // end: stop() may be called as soon as start() returns (a failed load), so wait for it.
+  while (!s.http.is_running() && !s.listen_ended.load()) std::this_thread::sleep_for(1ms);
   return Status::ok();
 }
 

@@ -155,6 +155,14 @@ TEST(KilnRun, MlockChangesNothingButResidency) {
   EXPECT_EQ(hash_line(plain.err), hash_line(locked.err));
 }
 
+// A model that cannot be read fails `kiln serve` in one line, before it listens (it used to
+// listen, answer 503 forever and ignore SIGINT).
+TEST(KilnServe, UnreadableModelFailsBeforeListening) {
+  Proc p = run_kiln({"serve", "-m", "/nonexistent.gguf", "--port", "0"});
+  expect_clean_error(p, "/nonexistent.gguf");
+  EXPECT_EQ(p.err.find("listening"), std::string::npos) << p.err;
+}
+
 TEST(KilnRun, DemoModelIsTheDefault) {
   Proc p = run_kiln({"run", "-p", "Once upon a time", "-n", "8", "--temp", "0", "--stats"});
   ASSERT_EQ(p.rc, 0) << p.err;

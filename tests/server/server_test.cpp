@@ -165,6 +165,30 @@ TEST(Server, HealthIs503UntilLoadedThenServesEveryRoute) {
   EXPECT_GE(metric(*r.cli, "registry_test_server_timer_count"), 1);
 }
 
+// A busy port is refused with one line naming it (cpp-httplib's SO_REUSEPORT would let two
+// servers share it and split the requests), and stop() right after start() returns at once
+// (it was a no-op until the listen loop ran, which then never ended).
+TEST(Server, BusyPortIsRefusedAndStopRightAfterStartReturns) {
+  Running a = start({}, /*load=*/false);
+  ServerOptions o;
+  o.model_path = testing::model_path("stories260K.gguf");
+  o.host = "127.0.0.1";
+  o.port = a.srv->port();
+  HttpServer b(o);
+  const Status st = b.start();
+  ASSERT_FALSE(st);
+  EXPECT_NE(st.message().find("port " + std::to_string(o.port) + " in use"), std::string::npos)
+      << st.message();
+  for (int i = 0; i < 20; ++i) {
+    ServerOptions quick;
+    quick.host = "127.0.0.1";
+    quick.port = 0;
+    HttpServer srv(quick);
+    ASSERT_TRUE(srv.start());
+    srv.stop();
+  }
+}
+
 TEST(Server, StreamsSseWithUsageAndDone) {
   Running r = start({});
   const json body = {{"messages", {{{"role", "user"}, {"content", "Tell me a story"}}}},
