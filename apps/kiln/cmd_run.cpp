@@ -2,12 +2,14 @@
 // generated text; stderr gets the speeds (prefill / decode tokens per second) and a hash of
 // the generated ids, so two runs can be compared without diffing text.
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -32,7 +34,23 @@ struct RunOptions {
   std::string draft;        // --draft MODEL: speculative decoding with a draft model
   bool spec_ngram = false;  // --spec-ngram: speculative decoding with prompt lookup
   int32_t draft_n = 4;      // --draft-n: tokens drafted per verify step
+  int64_t seed = 42;        // -1: drawn from std::random_device
 };
+
+// After the generated text: the stats lines on stderr must start on a line of their own where
+// a person sees both streams together (a terminal, or 2>&1 into one file), while stdout piped
+// elsewhere stays exactly the generated text.
+void end_text_output() {
+  std::fflush(stdout);
+  struct stat out {}, err {};
+  if (::isatty(::fileno(stdout))) {
+    std::fputc('\n', stdout);
+  } else if (::fstat(::fileno(stdout), &out) == 0 && ::fstat(::fileno(stderr), &err) == 0 &&
+             out.st_dev == err.st_dev && out.st_ino == err.st_ino) {
+    std::fputc('\n', stderr);
+  }
+  std::fflush(stdout);
+}
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) {
@@ -112,8 +130,7 @@ Status run_speculative(const RunOptions& o, const Config& cfg, Runtime& rt,
   }
   const std::string rest = stream.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
-  if (::isatty(::fileno(stdout))) std::fputc('\n', stdout);
-  std::fflush(stdout);
+  end_text_output();
   const double decode_s = seconds_since(t_decode);
   const SpecStats& s = dec->stats();
   fmt::print(stderr,
@@ -143,18 +160,27 @@ Status run(RunOptions o) {
   if (auto lvl = parse_log_level(cfg.log_level)) set_log_level(*lvl);
   if (!o.prompt_file.empty()) {
     if (!o.prompt.empty()) return Status::error("give either -p PROMPT or -f FILE, not both");
-    std::FILE* f = std::fopen(o.prompt_file.c_str(), "rb");
+    const bool from_stdin = o.prompt_file == "-";
+    std::FILE* f = from_stdin ? stdin : std::fopen(o.prompt_file.c_str(), "rb");
     if (!f) return Status::errorf("cannot read prompt file '{}'", o.prompt_file);
     char buf[65536];
     size_t n;
     while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) o.prompt.append(buf, n);
-    std::fclose(f);
+    if (!from_stdin) std::fclose(f);
   }
   if (o.prompt.empty()) return Status::error("empty prompt (give -p PROMPT or -f FILE)");
   if (size_t bad = invalid_utf8_offset(o.prompt); bad != std::string::npos)
     return Status::errorf("prompt is not valid UTF-8 (byte {} = 0x{:02x})", bad,
                           static_cast<unsigned char>(o.prompt[bad]));
-  if (o.n_predict <= 0) return Status::errorf("-n {} must be > 0", o.n_predict);
+  if (o.n_predict == 0 || o.n_predict < -1)
+    return Status::errorf("-n {} must be > 0, or -1 (until the end)", o.n_predict);
+  if (o.seed < -1) return Status::errorf("--seed {} must be >= 0, or -1 (random)", o.seed);
+  if (o.seed == -1) {
+    o.sampling.seed = (uint64_t(std::random_device{}()) << 32) | std::random_device{}();
+    fmt::print(stderr, "kiln run: seed {}\n", o.sampling.seed);
+  } else {
+    o.sampling.seed = static_cast<uint64_t>(o.seed);
+  }
   if (o.n_ctx < 0) return Status::errorf("-c {} must be >= 0", o.n_ctx);
   KILN_TRY(parse_logit_bias(o.logit_bias, o.sampling.logit_bias));
 
@@ -169,6 +195,12 @@ Status run(RunOptions o) {
   if (int64_t(prompt.size()) > n_ctx)
     return Status::errorf("prompt of {} tokens does not fit the context of {} (-c)",
                           prompt.size(), n_ctx);
+  if (o.n_predict == -1) {  // llama.cpp's -n -1: until the end of generation or of the context
+    if (int64_t(prompt.size()) >= n_ctx)
+      return Status::errorf("prompt of {} tokens leaves no room in the context of {} (-c)",
+                            prompt.size(), n_ctx);
+    o.n_predict = n_ctx - static_cast<int32_t>(prompt.size());
+  }
   if (int64_t(prompt.size()) + o.n_predict > n_ctx)
     return Status::errorf("-n {} with a prompt of {} tokens exceeds the context of {} (-c); "
                           "at most -n {}", o.n_predict, prompt.size(), n_ctx,
@@ -225,8 +257,7 @@ Status run(RunOptions o) {
   }
   const std::string rest = stream.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
-  if (::isatty(::fileno(stdout))) std::fputc('\n', stdout);  // keep piped output exact
-  std::fflush(stdout);
+  end_text_output();
   const double decode_s = seconds_since(t_decode);
 
   // Decode speed counts forward passes: every sampled token but the last ran one.
@@ -265,11 +296,12 @@ Status run(RunOptions o) {
 void add_run_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("run", "generate text from a prompt");
   auto o = std::make_shared<RunOptions>();
-  o->sampling.seed = 42;
   cmd->add_option("-m,--model", o->model, "GGUF model (default: the demo model stories260K)");
   cmd->add_option("-p,--prompt", o->prompt, "prompt text");
-  cmd->add_option("-f,--file", o->prompt_file, "read the prompt from a file");
-  cmd->add_option("-n,--n-predict", o->n_predict, "tokens to generate (default 128)");
+  cmd->add_option("-f,--file", o->prompt_file, "read the prompt from a file (- : standard input)");
+  cmd->add_option("-n,--n-predict", o->n_predict,
+                  "tokens to generate (default 128; -1: until the end of generation or of the "
+                  "context)");
   cmd->add_option("-c,--ctx-size", o->n_ctx, "context size (default min(training, 4096))");
   cmd->add_option("--temp", o->sampling.temperature, "temperature; <= 0: greedy (default 0.8)");
   cmd->add_option("--top-k", o->sampling.top_k, "top-k, 0 = off (default 40)");
@@ -280,7 +312,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--presence-penalty", o->sampling.presence_penalty, "presence penalty");
   cmd->add_option("--frequency-penalty", o->sampling.frequency_penalty, "frequency penalty");
   cmd->add_option("--logit-bias", o->logit_bias, "ID+BIAS or ID-BIAS (repeatable; -inf bans)");
-  cmd->add_option("-s,--seed", o->sampling.seed, "sampling seed (default 42)");
+  cmd->add_option("-s,--seed", o->seed, "sampling seed (default 42; -1: a random one, printed)");
   cmd->add_option("--draft", o->draft, "speculative decoding with this draft model (same vocabulary)");
   cmd->add_flag("--spec-ngram", o->spec_ngram, "speculative decoding with n-gram prompt lookup");
   cmd->add_option("--draft-n", o->draft_n, "tokens drafted per verify step (default 4)");

@@ -15,15 +15,21 @@ extern char** environ;
 
 namespace kiln::testing {
 
-KilnProc run_kiln(const std::vector<std::string>& args) {
-  return run_program(kiln_binary(), args);
+KilnProc run_kiln(const std::vector<std::string>& args, const std::string* stdin_text) {
+  return run_program(kiln_binary(), args, stdin_text);
 }
 
-KilnProc run_program(const std::string& path, const std::vector<std::string>& args) {
+KilnProc run_program(const std::string& path, const std::vector<std::string>& args,
+                     const std::string* stdin_text) {
   static const std::string dir = temp_dir();
   const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
+  const std::string in_path = dir + "/stdin";
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
+  if (stdin_text != nullptr) {
+    write_file(in_path, *stdin_text);
+    posix_spawn_file_actions_addopen(&fa, 0, in_path.c_str(), O_RDONLY, 0);
+  }
   posix_spawn_file_actions_addopen(&fa, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   posix_spawn_file_actions_addopen(&fa, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   std::vector<std::string> full = {path};

@@ -15,9 +15,11 @@ struct KilnProc {
 
 // kiln_binary() with `args`; stdout and stderr are captured whole. A failure to start is a
 // test failure (rc stays -1).
-KilnProc run_kiln(const std::vector<std::string>& args);
+// stdin_text: what the child reads on standard input (else it inherits the test's).
+KilnProc run_kiln(const std::vector<std::string>& args, const std::string* stdin_text = nullptr);
 // The same for another program of the build (the examples).
-KilnProc run_program(const std::string& path, const std::vector<std::string>& args);
+KilnProc run_program(const std::string& path, const std::vector<std::string>& args,
+                     const std::string* stdin_text = nullptr);
 
 // A failed command as kiln promises: exit status 1 (not a crash), one stderr line mentioning
 // `what`.

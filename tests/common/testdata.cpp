@@ -49,6 +49,12 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+void write_file(const std::string& path, std::string_view bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!f) die(fmt::format("cannot write '{}'", path));
+}
+
 std::string kiln_binary() {
   if (const char* e = std::getenv("KILN_BIN"); e && *e) return e;
   return std::string(KILN_BINARY_DIR_FALLBACK);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 namespace kiln::testing {
 
@@ -12,6 +13,7 @@ const std::string& shared_dir();
 std::string shared_path(const std::string& rel);  // shared_dir() + "/" + rel, must exist
 std::string model_path(const std::string& file);  // testdata/models/<file>
 std::string read_file(const std::string& path);   // whole file; aborts if unreadable
+void write_file(const std::string& path, std::string_view bytes);  // aborts if unwritable
 // Path of the built `kiln` binary (KILN_BIN, set by ctest).
 std::string kiln_binary();
 // A fresh empty directory for this test's output files.

@@ -163,6 +163,28 @@ TEST(KilnServe, UnreadableModelFailsBeforeListening) {
   EXPECT_EQ(p.err.find("listening"), std::string::npos) << p.err;
 }
 
+// llama.cpp's spellings: -f - reads the prompt from standard input, -n -1 generates until the
+// end of generation or of the context, --seed -1 draws a seed and prints it.
+TEST(KilnRun, StdinPromptUnboundedLengthAndRandomSeed) {
+  const std::string model = testing::model_path("stories260K.gguf");
+  const std::string prompt = "Once upon a time";
+  Proc arg = run_kiln({"run", "-m", model, "-p", prompt, "-n", "12", "--temp", "0"});
+  Proc in = run_kiln({"run", "-m", model, "-f", "-", "-n", "12", "--temp", "0"}, &prompt);
+  ASSERT_EQ(arg.rc, 0) << arg.err;
+  ASSERT_EQ(in.rc, 0) << in.err;
+  EXPECT_EQ(arg.out, in.out);
+  Proc all = run_kiln({"run", "-m", model, "-p", prompt, "-n", "-1", "-c", "40", "--temp", "0"});
+  ASSERT_EQ(all.rc, 0) << all.err;
+  EXPECT_TRUE(all.err.find("generated 35 tokens") != std::string::npos ||
+              all.err.find("(end of generation)") != std::string::npos)
+      << all.err;
+  Proc random = run_kiln({"run", "-m", model, "-p", prompt, "-n", "4", "--seed", "-1"});
+  ASSERT_EQ(random.rc, 0) << random.err;
+  EXPECT_NE(random.err.find("kiln run: seed "), std::string::npos) << random.err;
+  expect_clean_error(run_kiln({"run", "-m", model, "-p", prompt, "-n", "-2"}), "-n -2");
+  expect_clean_error(run_kiln({"run", "-m", model, "-p", prompt, "--seed", "-5"}), "--seed -5");
+}
+
 TEST(KilnRun, DemoModelIsTheDefault) {
   Proc p = run_kiln({"run", "-p", "Once upon a time", "-n", "8", "--temp", "0", "--stats"});
   ASSERT_EQ(p.rc, 0) << p.err;
