@@ -81,7 +81,8 @@ struct HttpServer::Impl {
   void routes();
   bool authorized(const httplib::Request& req, httplib::Response& res) const;
   bool check_ready(httplib::Response& res) const;
-  void completion(const httplib::Request& req, httplib::Response& res, bool chat);
+  void completion(const httplib::Request& req, httplib::Response& res, const std::string& body,
+                  bool chat);
   std::optional<ApiError> build_prompt(const CompletionRequest& r, std::vector<int32_t>& ids) const;
   std::string metrics() const;
 };
@@ -328,12 +329,13 @@ struct Job {
 
 }  // namespace
 
-void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response& res, bool chat) {
+void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response& res,
+                                  const std::string& body, bool chat) {
   if (!authorized(req, res) || !check_ready(res)) return;
   const int32_t n_ctx = scheduler->n_ctx();
   Limits limits;
   limits.max_tokens = n_ctx;
-  auto parsed = parse_completion_request(req.body, chat, limits);
+  auto parsed = parse_completion_request(body, chat, limits);
   if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(res, *e);
   CompletionRequest& r = std::get<CompletionRequest>(parsed);
 
@@ -555,15 +557,52 @@ void HttpServer::Impl::routes() {
                         {"backend", std::string(rt->backend().name())}}}};
     res.set_content(json{{"object", "list"}, {"data", json::array({m})}}.dump(), "application/json");
   });
-  http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    completion(req, res, true);
-  });
-  http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    completion(req, res, false);
-  });
-  http.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+  // Every body is read here, not by httplib: --max-body-kib holds for chunked bodies too
+  // (httplib bounds only Content-Length ones), reading stops at the limit instead of after the
+  // whole body, and the body is JSON whatever Content-Type says (httplib would refuse an
+  // x-www-form-urlencoded body -- curl -d's default -- over 8 KiB with a misleading 413).
+  using BodyHandler =
+      std::function<void(const httplib::Request&, httplib::Response&, const std::string&)>;
+  auto post = [this](const char* path, BodyHandler handle) {
+    http.Post(path, [this, handle](const httplib::Request& req, httplib::Response& res,
+                                   const httplib::ContentReader& reader) {
+      std::string body;
+      bool too_large = false;
+      const bool read = reader([&](const char* data, size_t n) {
+        if (body.size() + n > opt.max_body_bytes) {
+          too_large = true;
+          return false;
+        }
+        body.append(data, n);
+        return true;
+      });
+      if (too_large || res.status == 413) {
+        res.set_header("Connection", "close");  // the rest of the body is never read
+        return send_error(res, make_error(413, fmt::format("the request body exceeds the limit "
+                                                           "of {} KiB (--max-body-kib)",
+                                                           opt.max_body_bytes / 1024),
+                                          "invalid_request_error", "request_too_large"));
+      }
+      if (!read) {
+        res.set_header("Connection", "close");
+        return send_error(res, make_error(400, "the request body could not be read",
+                                          "invalid_request_error", "bad_body"));
+      }
+      handle(req, res, body);
+    });
+  };
+  post("/v1/chat/completions",
+       [this](const httplib::Request& req, httplib::Response& res, const std::string& body) {
+         completion(req, res, body, true);
+       });
+  post("/v1/completions",
+       [this](const httplib::Request& req, httplib::Response& res, const std::string& body) {
+         completion(req, res, body, false);
+       });
+  post("/tokenize", [this](const httplib::Request& req, httplib::Response& res,
+                           const std::string& body) {
     if (!authorized(req, res) || !check_ready(res)) return;
-    auto r = parse_tokenize_request(req.body);
+    auto r = parse_tokenize_request(body);
     if (auto* e = std::get_if<ApiError>(&r)) return send_error(res, *e);
     const TokenizeRequest& t = std::get<TokenizeRequest>(r);
     const auto ids = tok->encode(t.content, t.add_special, /*parse_special=*/true);
@@ -575,9 +614,10 @@ void HttpServer::Impl::routes() {
     res.set_content(json{{"tokens", tokens}}.dump(-1, ' ', false, json::error_handler_t::replace),
                     "application/json");
   });
-  http.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+  post("/detokenize", [this](const httplib::Request& req, httplib::Response& res,
+                             const std::string& body) {
     if (!authorized(req, res) || !check_ready(res)) return;
-    auto r = parse_detokenize_request(req.body);
+    auto r = parse_detokenize_request(body);
     if (auto* e = std::get_if<ApiError>(&r)) return send_error(res, *e);
     const DetokenizeRequest& d = std::get<DetokenizeRequest>(r);
     for (size_t i = 0; i < d.tokens.size(); ++i)

@@ -189,6 +189,45 @@ TEST(Server, BusyPortIsRefusedAndStopRightAfterStartReturns) {
   }
 }
 
+// --max-body-kib holds for chunked bodies (httplib bounded only Content-Length ones: 150 MiB
+// chunked got 200), reading stops at the limit, and a JSON body sent as curl -d's default
+// x-www-form-urlencoded is read as JSON, not refused over 8 KiB with a misleading 413.
+TEST(Server, BodyLimitHoldsForChunkedBodiesAndAnyContentType) {
+  ServerOptions o;
+  o.max_body_bytes = 64 << 10;
+  Running r = start(o);
+  // 20 KiB of JSON, form content type: read and answered.
+  const std::string text(20 << 10, 'a');
+  const std::string small = json{{"content", text}}.dump();
+  auto form = r.cli->Post("/tokenize", small, "application/x-www-form-urlencoded");
+  ASSERT_TRUE(form);
+  EXPECT_EQ(form->status, 200) << form->body;
+  // 1 MiB chunked: 413 naming the limit, without reading it all.
+  size_t sent = 0;
+  httplib::Client c("127.0.0.1", r.srv->port());
+  auto chunked = c.Post(
+      "/v1/completions",
+      [&](size_t, httplib::DataSink& sink) {
+        const std::string piece(16 << 10, ' ');
+        if (sent >= (size_t(1) << 20)) {
+          sink.done();
+          return true;
+        }
+        sent += piece.size();
+        return sink.write(piece.data(), piece.size());
+      },
+      "application/json");
+  if (chunked) {  // the server may close before the client has sent everything
+    EXPECT_EQ(chunked->status, 413) << chunked->body;
+    EXPECT_NE(chunked->body.find("64 KiB"), std::string::npos) << chunked->body;
+  }
+  // Content-Length over the limit: the same answer.
+  auto big = r.cli->Post("/tokenize", std::string(100 << 10, ' '), "application/json");
+  ASSERT_TRUE(big);
+  EXPECT_EQ(big->status, 413);
+  EXPECT_NE(big->body.find("request_too_large"), std::string::npos) << big->body;
+}
+
 TEST(Server, StreamsSseWithUsageAndDone) {
   Running r = start({});
   const json body = {{"messages", {{{"role", "user"}, {"content", "Tell me a story"}}}},
