@@ -75,7 +75,7 @@ static Status apply_cuda_flags(const Config& config, CudaOptions& o) {
                           config.cuda_f16_cache);
   o.f16_cache_bytes = config.cuda_f16_cache == -1 ? CudaOptions::kF16CacheAuto
                                                   : uint64_t(config.cuda_f16_cache) << 20;
-  if (config.cuda_matmul == "v1") o.matmul = CudaMatmul::V1;
+  if (config.cuda_matmul == "v1") return Status::error("--cuda-matmul v1 was removed (issue 31)");
   else if (config.cuda_matmul == "v2") o.matmul = CudaMatmul::V2;
   else if (config.cuda_matmul == "v3") o.matmul = CudaMatmul::V3;
   else if (config.cuda_matmul != "auto")

@@ -13,9 +13,8 @@
 namespace kiln::testing {
 
 struct CudaUnderTest {
-  std::unique_ptr<CudaBackend> cuda;     // null when no device; matmul V2
-  std::unique_ptr<CudaBackend> cuda_v1;  // the same with CudaOptions::matmul = V1
-  std::string why_not;                // the creation error when null
+  std::unique_ptr<CudaBackend> cuda;  // null when no device; matmul V2
+  std::string why_not;               // the creation error when null
   std::unique_ptr<Backend> ref = make_ref_backend();
 };
 
@@ -32,9 +31,6 @@ inline CudaUnderTest& cuda_under_test() {
     auto be = make_cuda_backend(o);
     if (be) {
       u.cuda = std::move(*be);
-      o.matmul = CudaMatmul::V1;
-      auto v1 = make_cuda_backend(o);
-      if (v1) u.cuda_v1 = std::move(*v1);  // else the V1 checks fail on the null
       fprintf(stderr, "cuda device: %s\n", u.cuda->device_name().c_str());
     } else {
       u.why_not = be.error();

@@ -433,7 +433,6 @@ struct CudaBackend::Impl {
   }
   // V2 and V3 take the cuBLAS path above 16 tokens, except V3's int8 path (up to 64).
   bool wants_gemm(cuda::MatmulKernels k, const cuda::DeviceWeight& w, int64_t n_tok) const {
-    if (k == cuda::MatmulKernels::V1) return false;
     // Auto: F16 weights above V3's float kernel (8 tokens) go to cuBLAS, which reads them in
     // place; V2's f32-activation matvec read them at 140-380 GB/s at 16 tokens.
     if (auto_routing && w.dtype == DType::F16 && n_tok > kAutoFloatMaxTokens) return true;
@@ -1235,10 +1234,10 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
       // The f16 copy is what the GEMM would have dequantized into its scratch: cuBLAS reads
       // it in place (gemm.cu) with the same call.
       if (from_cache)
-        return cuda::launch_matmul(cached, dx, n_tok, dy, st, cuda::MatmulKernels::V2, gemm);
+        return cuda::launch_matmul(cached, dx, n_tok, dy, st, gemm);
       if (kern == cuda::MatmulKernels::V3)
         return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, st, gemm, mma_min);
-      return cuda::launch_matmul(dw, dx, n_tok, dy, st, kern, gemm);
+      return cuda::launch_matmul(dw, dx, n_tok, dy, st, gemm);
     });
     return;
   }
@@ -1258,7 +1257,7 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
     if (I.matmul_kernels == cuda::MatmulKernels::V3)
       return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, I.s(), gemm,
                                     I.mma_min_tokens);
-    return cuda::launch_matmul(dw, dx, n_tok, dy, I.s(), I.matmul_kernels, gemm);
+    return cuda::launch_matmul(dw, dx, n_tok, dy, I.s(), gemm);
   });
   I.download(y, static_cast<const float*>(dy));
   I.finish("matmul");
@@ -2093,8 +2092,7 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   impl->mma_min_tokens = int(options.int8_mma_min_tokens);
   if (cudaError_t e = impl->expert_copy_ev.create(); e != cudaSuccess)
     return Status::errorf("CUDA event: {}", cudaGetErrorString(e));
-  impl->matmul_kernels =
-      options.matmul == CudaMatmul::V1 ? cuda::MatmulKernels::V1 : cuda::MatmulKernels::V2;
+  impl->matmul_kernels = cuda::MatmulKernels::V2;
   if (options.matmul == CudaMatmul::V3 || options.matmul == CudaMatmul::Auto)
     impl->matmul_kernels = cuda::MatmulKernels::V3;
   if (options.matmul == CudaMatmul::Auto) {

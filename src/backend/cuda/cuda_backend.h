@@ -23,15 +23,15 @@
 
 namespace kiln {
 
-// The matmul kernels (backend/cuda/kernels.h's MatmulKernels): V1, the first slice's (f32
-// throughout); V2, shared-memory activations for decode and f16 tensor-core GEMM (cuBLAS) for
-// more than 16 tokens. V1 stays selectable to compare and to fall back. V3 (matvec_q8.cu):
+// The matmul kernels (backend/cuda/kernels.h's MatmulKernels): V2, shared-memory activations
+// for decode and f16 tensor-core GEMM (cuBLAS) for more than 16 tokens (the first slice's f32
+// kernels, once selectable as V1, remain only as its fallbacks). V3 (matvec_q8.cu):
 // up to 64 tokens with int8-quantized activations and dp4a for Q8_0 Q4_0 Q5_0 Q4_K Q5_K Q6_K
 // (token-invariant bits), else V2. Auto (the default): V3 up to kAutoInt8MaxTokens tokens,
 // V2's cuBLAS GEMM above: at 64 tokens the dp4a kernels take 2.4-2.9x the GEMM's time while at
 // 16 they take 0.3x of V2's (docs/BENCHMARKS.md, "CUDA decode kernels V3"); F16 weights take
 // the GEMM above 8 tokens (V3's float kernel's limit).
-enum class CudaMatmul { V1, V2, V3, Auto };
+enum class CudaMatmul { V2, V3, Auto };
 inline constexpr int64_t kAutoInt8MaxTokens = 16;
 // From 8 tokens: the shared-memory tensor-core kernels took the 8B Q4_K_M x16 decode from 1392
 // to 2075 t/s and x8 from 1173 to 1373 on the H200 (docs/BENCHMARKS.md, CUDA session 13); at 4
