@@ -46,19 +46,28 @@ namespace kiln {
 using cuda::check_cuda;
 
 struct CudaBackend::Impl {
-  int device = 0;
+  explicit Impl(const CudaOptions& options) : opts(options) {}
+  // Validated once, by make_cuda_backend, and read from here: every switch of the op table and
+  // its rooms. Profiling (set_profile) is run-time state, not an option (profile below).
+  const CudaOptions opts;
+  // What CudaOptions::matmul and auto_int8_max_tokens make of a matmul: V3's kernels (V3 and
+  // Auto) or V2's; the most tokens that take V3's int8 path (Auto: auto_int8_max_tokens, V3:
+  // all its kernels take, more go to the V2 paths: cuBLAS); Auto's routing of F16 weights.
+  cuda::MatmulKernels kernels() const {
+    return opts.matmul == CudaMatmul::V2 ? cuda::MatmulKernels::V2 : cuda::MatmulKernels::V3;
+  }
+  int64_t int8_max_tokens() const {
+    return opts.matmul == CudaMatmul::Auto ? opts.auto_int8_max_tokens : cuda::kQ8MaxTokens;
+  }
+  bool auto_routing() const { return opts.matmul == CudaMatmul::Auto; }
+  int mma_min_tokens() const { return int(opts.int8_mma_min_tokens); }
+  bool gemm_graphs() const { return opts.graphs && opts.gemm_graphs; }
 #if KILN_HAVE_NCCL
   ncclComm_t comm = nullptr;  // a rank of a tensor-parallel group: owned, destroyed first
 #endif
   int n_sm = 1;
   std::string device_name;
   cuda::Stream compute, copy;
-  cuda::MatmulKernels matmul_kernels = cuda::MatmulKernels::V2;
-  // V3: the most tokens that take the int8 path; more go to the V2 paths (cuBLAS).
-  int64_t int8_max_tokens = cuda::kQ8MaxTokens;
-  int mma_min_tokens = int(kInt8MmaMinTokens);  // CudaOptions::int8_mma_min_tokens
-  bool fuse_rope = true;                          // CudaOptions::fuse_rope
-  bool fuse_swiglu = true;                        // CudaOptions::fuse_swiglu
   // CudaOptions::l2_prefetch_bytes (l2_prefetch.h): a hint's ranges are pulled into L2 by a
   // kernel on `side`, forked from the compute stream after the op recorded before the hint
   // and joined back at the end of the chunk (in a graph: a branch), so no kernel of the
@@ -89,7 +98,6 @@ struct CudaBackend::Impl {
       return cuda::launch_l2_prefetch(ranges, side.get());
     });
   }
-  bool auto_routing = false;  // CudaMatmul::Auto
   static constexpr int64_t kAutoFloatMaxTokens = 8;
   cuda::GemmWorkspace gemm;  // V2's prefill path, grown on demand
   std::unique_ptr<cuda::WeightArena> arena;
@@ -106,7 +114,7 @@ struct CudaBackend::Impl {
   // Every op starts here: op_seq names the op being built (the expert tier keeps the slices
   // this op has looked up, whose pointers it is about to record).
   void enter() {
-    check_cuda(cudaSetDevice(device), "set device");
+    check_cuda(cudaSetDevice(opts.device), "set device");
     ++op_seq;
   }
   uint64_t op_seq = 0;
@@ -194,7 +202,7 @@ struct CudaBackend::Impl {
     uint64_t op = 0;        // op_seq when last looked up
   };
   std::unordered_map<uint64_t, ExpertSlot> experts;
-  TierPolicy expert_policy{TierEviction::Lfu};
+  TierPolicy expert_policy{opts.expert_policy};
   std::multimap<size_t, cuda::DeviceBuffer> expert_free;  // evicted buffers, by size
   uint64_t expert_cap = 0;  // bytes; set on first use from CudaOptions::expert_cache_bytes
   uint64_t expert_held = 0, expert_hits = 0, expert_misses = 0, expert_evictions = 0;
@@ -209,9 +217,6 @@ struct CudaBackend::Impl {
   }
   uint64_t expert_copied = 0;
   uint64_t flushes = 0;
-  uint64_t expert_cache_option = 0;
-  bool expert_async = true;
-  bool pdl = false;  // CudaOptions::pdl
   // Host ranges page-locked through register_host_memory, by start address; shared with the
   // handles' deleters, which may run after this backend is gone (an expert store's slabs).
   struct Pinned {
@@ -228,13 +233,9 @@ struct CudaBackend::Impl {
     }
   };
   std::shared_ptr<Pinned> pinned = std::make_shared<Pinned>();
-  bool direct_download = true;  // CudaOptions::direct_download
-  bool mma_pre_scales = cuda::kMmaPreScalesDefault;  // CudaOptions::mma_pre_scales
   static_assert(CudaOptions{}.mma_pre_scales == cuda::kMmaPreScalesDefault);
-  bool attention_skip_empty = cuda::kAttentionSkipEmptyDefault;  // CudaOptions::attention_skip_empty
   static_assert(CudaOptions{}.attention_skip_empty == cuda::kAttentionSkipEmptyDefault);
   static_assert(CudaOptions{}.l2_prefetch_bytes == cuda::kL2PrefetchBytesDefault);
-  bool attention_warp_tiles = cuda::kAttentionWarpTilesDefault;  // CudaOptions::attention_warp_tiles
   static_assert(CudaOptions{}.attention_warp_tiles == cuda::kAttentionWarpTilesDefault);
   bool expert_copies_unfenced = false;  // copies queued since the last fence_expert_copies()
   cuda::Event expert_copy_ev;
@@ -273,7 +274,7 @@ struct CudaBackend::Impl {
     if (expert_cap == 0) {
       size_t free_b = 0, total_b = 0;
       check_cuda(cudaMemGetInfo(&free_b, &total_b), "device memory info");
-      expert_cap = expert_cache_option ? expert_cache_option : free_b / 2;
+      expert_cap = opts.expert_cache_bytes ? opts.expert_cache_bytes : free_b / 2;
     }
     const size_t need = w.bytes.size();
     KILN_CHECK(need <= expert_cap, "cuda: the expert device cache ({} MiB) is smaller than one "
@@ -319,7 +320,7 @@ struct CudaBackend::Impl {
     // (ExpertStore::register_slabs) a DMA. The slot is read by no pending or running op (the
     // eviction rule above), so the copy may run ahead of the recorded ones.
     std::byte* dst = static_cast<std::byte*>(buf.get()) + offset;
-    if (expert_async) {
+    if (opts.expert_async_copies) {
       check_cuda(cudaMemcpyAsync(dst, w.bytes.data(), need, cudaMemcpyHostToDevice, s()),
                  "expert slice upload");
       expert_copies_unfenced = true;
@@ -399,14 +400,12 @@ struct CudaBackend::Impl {
   // false once the segment uses cuBLAS without CudaOptions::gemm_graphs (its workspace is
   // then cuBLAS's own pool, which a captured graph must not name)
   bool graphable = true;
-  bool graphs_on = true;
-  bool gemm_graphs = false;  // CudaOptions::gemm_graphs (with graphs on)
-  int64_t kv_bucket = 256;
   // Graph mode pads an attention's key list to a bucket (row 0, position INT32_MAX: never
   // visible), so a decode step keeps its signature while the context grows within the bucket.
   size_t kv_pad(int64_t n_kv) const {
-    if (!graphs_on || profile || kv_bucket <= 1 || n_kv <= 0) return 0;
-    return static_cast<size_t>((n_kv + kv_bucket - 1) / kv_bucket * kv_bucket);
+    const int64_t bucket = opts.graph_kv_bucket;
+    if (!opts.graphs || profile || bucket <= 1 || n_kv <= 0) return 0;
+    return static_cast<size_t>((n_kv + bucket - 1) / bucket * bucket);
   }
   struct Graph {
     cudaGraphExec_t exec = nullptr;
@@ -417,7 +416,6 @@ struct CudaBackend::Impl {
   uint64_t n_waits = 0;  // flush()es that waited on launched chunks, and their wall time
   double wait_ms = 0;
   uint64_t uploads_seen = 0;  // arena uploads known to have landed
-  bool verify = false;
   std::deque<cuda::Event> prof_events;  // profile mode: two per pending op
   cuda::DeviceBuffer attn_part, argmax_out;
   cuda::DeviceBuffer topk_v, topk_i;  // top_k's passes and result
@@ -426,7 +424,7 @@ struct CudaBackend::Impl {
   size_t act_q8_cap = 0;
   // V3: the activation scratch for this matmul (null when the int8 path does not apply).
   std::byte* v3_act(const cuda::DeviceWeight& w, int64_t n_tok, size_t* bytes) {
-    *bytes = cuda::matvec_q8_supports(w.dtype) && n_tok <= int8_max_tokens
+    *bytes = cuda::matvec_q8_supports(w.dtype) && n_tok <= int8_max_tokens()
                  ? cuda::act_q8_bytes(w.n_cols, n_tok)
                  : 0;
     return *bytes ? internal<std::byte>(act_q8, *bytes, act_q8_cap) : nullptr;
@@ -435,10 +433,10 @@ struct CudaBackend::Impl {
   bool wants_gemm(cuda::MatmulKernels k, const cuda::DeviceWeight& w, int64_t n_tok) const {
     // Auto: F16 weights above V3's float kernel (8 tokens) go to cuBLAS, which reads them in
     // place; V2's f32-activation matvec read them at 140-380 GB/s at 16 tokens.
-    if (auto_routing && w.dtype == DType::F16 && n_tok > kAutoFloatMaxTokens) return true;
+    if (auto_routing() && w.dtype == DType::F16 && n_tok > kAutoFloatMaxTokens) return true;
     if (n_tok <= cuda::kMatvecMaxTokens) return false;
     return !(k == cuda::MatmulKernels::V3 && cuda::matvec_q8_supports(w.dtype) &&
-             n_tok <= int8_max_tokens);
+             n_tok <= int8_max_tokens());
   }
 
   // rope() and rope_qk() on resident memory (k null, n_head_k 0 for one tensor): one launch
@@ -475,7 +473,7 @@ struct CudaBackend::Impl {
     next_label.clear();
     next_bytes = 0;
     // Graph mode launches every kChunkOps ops, eager mode every op; profile mode only at flush.
-    if (!profile && pending.size() >= (graphs_on ? kChunkOps : 1)) launch_chunk();
+    if (!profile && pending.size() >= (opts.graphs ? kChunkOps : 1)) launch_chunk();
   }
   static constexpr size_t kChunkOps = 48;
   size_t chunk_in_start = 0;  // staging bytes before it were copied by earlier chunks
@@ -540,8 +538,8 @@ struct CudaBackend::Impl {
   }
   // Device address of a read-only float input: device memory as is, weights (norm weights,
   // biases) from the arena, any other host array staged.
-  std::span<const std::byte> immutable;  // CudaOptions::immutable_region
   bool cached_floats(std::span<const std::byte> b) const {
+    const std::span<const std::byte> immutable = opts.immutable_region;
     return arena->holds(b) ||
            (!immutable.empty() && b.data() >= immutable.data() &&
             b.data() + b.size() <= immutable.data() + immutable.size());
@@ -594,7 +592,7 @@ struct CudaBackend::Impl {
                w.bytes.size(), w.n_rows, w.row_bytes, w.stride());
     // verify mode (tests) may refresh a cached weight in place: pending ops must read the
     // bytes they were recorded with.
-    if (verify && w.content_key == 0 && !arena->holds(w.bytes)) flush();
+    if (opts.verify_weight_cache && w.content_key == 0 && !arena->holds(w.bytes)) flush();
     cuda::DeviceWeight d{w.dtype, w.n_cols, w.n_rows, w.row_bytes, nullptr};
     d.data = device_weight_bytes(w);
     weights_ready();
@@ -607,13 +605,13 @@ struct CudaBackend::Impl {
   // weight_resident), so a copy written once stays the weight's dequantization; copies are
   // freed with the backend only, so no graph ever names a freed one.
   std::unordered_map<const std::byte*, cuda::DeviceBuffer> f16_cache;
-  uint64_t f16_cache_option = 0, f16_cache_cap = 0, f16_cache_used = 0;
+  uint64_t f16_cache_cap = 0, f16_cache_used = 0;
   bool f16_cache_capped = false;
   // The weight as the cuBLAS path should read it: its f16 copy (recording the one
   // dequantization into it on first use, ahead of the caller's op in stream order) when the
   // cache takes it, else dw itself. Records an op: call before the caller's staging.
   cuda::DeviceWeight f16_cached(const WeightMatrix& w, const cuda::DeviceWeight& dw) {
-    if (f16_cache_option == 0 || dw.dtype == DType::F16 || w.content_key != 0 || w.strided() ||
+    if (opts.f16_cache_bytes == 0 || dw.dtype == DType::F16 || w.content_key != 0 || w.strided() ||
         !arena->holds(w.bytes))
       return dw;
     const size_t bytes = size_t(dw.n_rows) * size_t(dw.n_cols) * sizeof(uint16_t);
@@ -621,8 +619,8 @@ struct CudaBackend::Impl {
     if (it == f16_cache.end()) {
       if (!f16_cache_capped) {
         f16_cache_capped = true;
-        f16_cache_cap = f16_cache_option;
-        if (f16_cache_option == CudaOptions::kF16CacheAuto) {
+        f16_cache_cap = opts.f16_cache_bytes;
+        if (opts.f16_cache_bytes == CudaOptions::kF16CacheAuto) {
           size_t free_b = 0, total_b = 0;
           f16_cache_cap = cudaMemGetInfo(&free_b, &total_b) == cudaSuccess ? free_b / 4 : 0;
         }
@@ -682,11 +680,11 @@ struct CudaBackend::Impl {
       SwitchScope(bool (*get)(), void (*s)(bool), bool on) : set(s), prev(get()) { s(on); }
       ~SwitchScope() { set(prev); }
     };
-    const SwitchScope pdl_scope(cuda::launch_pdl, cuda::set_launch_pdl, pdl && !timed);
+    const SwitchScope pdl_scope(cuda::launch_pdl, cuda::set_launch_pdl, opts.pdl && !timed);
     const SwitchScope pre_scales_scope(cuda::mma_pre_scales, cuda::set_mma_pre_scales,
-                                       mma_pre_scales);
+                                       opts.mma_pre_scales);
     const SwitchScope skip_empty_scope(cuda::attention_skip_empty,
-                                       cuda::set_attention_skip_empty, attention_skip_empty);
+                                       cuda::set_attention_skip_empty, opts.attention_skip_empty);
     if (in_used > chunk_in_start) {
       if (cudaError_t e = cudaMemcpyAsync(static_cast<std::byte*>(dev_in.get()) + chunk_in_start,
                                           pin_in->data() + chunk_in_start,
@@ -746,7 +744,7 @@ struct CudaBackend::Impl {
     if (pending.empty()) return;
     enter();
     bool done = false;
-    if (graphs_on && graphable && !profile) {
+    if (opts.graphs && graphable && !profile) {
       key.push_back(chunk_in_start);
       key.push_back(in_used);
       if (graphs.size() > 1024) destroy_graphs();
@@ -917,7 +915,7 @@ CudaBackend::CudaBackend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 CudaBackend::~CudaBackend() {
   if (impl_) {
-    cudaSetDevice(impl_->device);
+    cudaSetDevice(impl_->opts.device);
     {
       std::lock_guard lock(impl_->mu);
       impl_->flush();
@@ -957,13 +955,6 @@ void CudaBackend::prefetch_weights(std::span<const WeightMatrix* const> ws, int6
   }
   std::vector<cuda::PrefetchRange> ranges = I.l2_plan->hint(I.l2_named);
   if (!ranges.empty()) I.record_prefetch(std::move(ranges));
-}
-
-void CudaBackend::set_attention_warp_tiles(bool on) {
-  Impl& I = *impl_;
-  std::lock_guard lock(I.mu);
-  // Part of each recorded op's plan and graph signature: ops recorded before keep theirs.
-  I.attention_warp_tiles = on;
 }
 
 void CudaBackend::set_profile(bool on) {
@@ -1096,7 +1087,7 @@ void CudaBackend::download_bytes(std::span<const std::byte> src, std::span<std::
   const size_t n = src.size();
   // Page-locked destination (register_host_memory: a session's logits): one DMA straight into
   // it, no pinned bounce buffer and host copy (8 MB of logits per step at 64 sequences).
-  const bool direct = I.direct_download && I.pinned->holds(host.data(), n);
+  const bool direct = I.opts.direct_download && I.pinned->holds(host.data(), n);
   if (!direct) I.reserve_out(n);
   std::byte* out = direct ? host.data() : I.pin_out->data();
   I.sig("download", d, n, out);
@@ -1194,7 +1185,7 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
     const cuda::DeviceWeight dw = I.weight_resident(w);
     float* dy = y.data();
     cuda::GemmWorkspace* gemm = nullptr;
-    const cuda::MatmulKernels kern = I.matmul_kernels;
+    const cuda::MatmulKernels kern = I.kernels();
     cuda::DeviceWeight cached = dw;  // what the cuBLAS path reads: dw or its f16 copy
     const bool wants_gemm = I.wants_gemm(kern, dw, n_tok);
     if (wants_gemm) {
@@ -1228,8 +1219,8 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
     // lives as long as the backend, and the f16 scratch (in the signature above) only moves
     // through the destroy_graphs() above. Set here, after everything above that may flush (a
     // flush starts a graphable segment).
-    if (wants_gemm && !(I.gemm_graphs && gemm && gemm->cublas_workspace())) I.graphable = false;
-    const int mma_min = I.mma_min_tokens;
+    if (wants_gemm && !(I.gemm_graphs() && gemm && gemm->cublas_workspace())) I.graphable = false;
+    const int mma_min = I.mma_min_tokens();
     I.record("matmul", [=](cudaStream_t st) {
       // The f16 copy is what the GEMM would have dequantized into its scratch: cuBLAS reads
       // it in place (gemm.cu) with the same call.
@@ -1246,17 +1237,17 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
   const float* dx = I.upload<float>(0, x);
   float* dy = I.buffer<float>(1, y.size());
   cuda::GemmWorkspace* gemm = nullptr;
-  if (I.wants_gemm(I.matmul_kernels, dw, n_tok) && I.gemm.reserve(dw, n_tok)) gemm = &I.gemm;
-  const size_t act_bytes = I.matmul_kernels == cuda::MatmulKernels::V3 &&
+  if (I.wants_gemm(I.kernels(), dw, n_tok) && I.gemm.reserve(dw, n_tok)) gemm = &I.gemm;
+  const size_t act_bytes = I.kernels() == cuda::MatmulKernels::V3 &&
                                    cuda::matvec_q8_supports(dw.dtype) &&
-                                   n_tok <= I.int8_max_tokens
+                                   n_tok <= I.int8_max_tokens()
                                ? cuda::act_q8_bytes(dw.n_cols, n_tok)
                                : 0;
   std::byte* act = act_bytes ? I.buffer<std::byte>(2, act_bytes) : nullptr;
   I.launch("matmul", [&] {
-    if (I.matmul_kernels == cuda::MatmulKernels::V3)
+    if (I.kernels() == cuda::MatmulKernels::V3)
       return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, I.s(), gemm,
-                                    I.mma_min_tokens);
+                                    I.mma_min_tokens());
     return cuda::launch_matmul(dw, dx, n_tok, dy, I.s(), gemm);
   });
   I.download(y, static_cast<const float*>(dy));
@@ -1279,9 +1270,9 @@ void CudaBackend::swiglu_matmul(const WeightMatrix& w, std::span<const float> ga
              w.n_rows);
   Impl& I = *impl_;
   std::unique_lock lock(I.mu);
-  const bool fused = I.fuse_swiglu && I.matmul_kernels == cuda::MatmulKernels::V3 &&
+  const bool fused = I.opts.fuse_swiglu && I.kernels() == cuda::MatmulKernels::V3 &&
                      cuda::matvec_q8_supports(w.dtype) && n_tok >= 1 &&
-                     n_tok <= I.int8_max_tokens && cuda::act_q8_bytes(w.n_cols, n_tok) > 0 &&
+                     n_tok <= I.int8_max_tokens() && cuda::act_q8_bytes(w.n_cols, n_tok) > 0 &&
                      I.is_dev(gate.data()) && I.is_dev(up.data()) && I.is_dev(y.data());
   if (!fused) {
     lock.unlock();
@@ -1297,7 +1288,7 @@ void CudaBackend::swiglu_matmul(const WeightMatrix& w, std::span<const float> ga
   const float* dg = gate.data();
   const float* du = up.data();
   float* dy = y.data();
-  const int mma_min = I.mma_min_tokens;
+  const int mma_min = I.mma_min_tokens();
   I.sig("swiglu_matmul", dw.data, dw.dtype, dw.n_cols, dw.n_rows, dw.row_bytes, dg, du, n_tok, dy,
         qa);
   if (I.profile) {
@@ -1344,8 +1335,8 @@ void CudaBackend::matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok)
   Impl& I = *impl_;
   std::unique_lock lock(I.mu);
   if (matmul_batch_float(tasks, n_tok)) return;
-  bool shared = tasks.size() > 1 && I.matmul_kernels == cuda::MatmulKernels::V3 &&
-                n_tok <= I.int8_max_tokens && I.is_dev(tasks[0].x.data());
+  bool shared = tasks.size() > 1 && I.kernels() == cuda::MatmulKernels::V3 &&
+                n_tok <= I.int8_max_tokens() && I.is_dev(tasks[0].x.data());
   for (const MatmulTask& t : tasks) {
     if (!shared) break;
     KILN_CHECK(static_cast<int64_t>(t.x.size()) == n_tok * t.w->n_cols &&
@@ -1392,7 +1383,7 @@ void CudaBackend::matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok)
   std::vector<cuda::DeviceWeight> dws;
   std::vector<float*> dys;
   for (const One& o : ones) dws.push_back(o.w), dys.push_back(o.y);
-  const int mma_min = I.mma_min_tokens;
+  const int mma_min = I.mma_min_tokens();
   I.record("matmul_batch", [=](cudaStream_t st) {
     if (cudaError_t e = cuda::launch_quantize_act_q8(dx, n_cols, n_tok, act, st); e != cudaSuccess)
       return e;
@@ -1414,7 +1405,7 @@ void CudaBackend::matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok)
 // path each task would take alone.
 bool CudaBackend::matmul_batch_float(std::span<const MatmulTask> tasks, int64_t n_tok) {
   Impl& I = *impl_;
-  if (tasks.size() < 2 || I.matmul_kernels != cuda::MatmulKernels::V3 || n_tok < 1 ||
+  if (tasks.size() < 2 || I.kernels() != cuda::MatmulKernels::V3 || n_tok < 1 ||
       n_tok > Impl::kAutoFloatMaxTokens || !I.is_dev(tasks[0].x.data()))
     return false;
   for (const MatmulTask& t : tasks) {
@@ -1568,7 +1559,7 @@ void CudaBackend::rope_qk(std::span<float> q, int64_t n_head_q, std::span<float>
                           std::span<const int32_t> pos, const RopeParams& p) {
   Impl& I = *impl_;
   std::unique_lock lock(I.mu);
-  if (!(I.fuse_rope && I.is_dev(q.data()) && I.is_dev(k.data()))) {
+  if (!(I.opts.fuse_rope && I.is_dev(q.data()) && I.is_dev(k.data()))) {
     lock.unlock();
     Backend::rope_qk(q, n_head_q, k, n_head_k, n_tok, head_dim, pos, p);  // two rope() ops
     return;
@@ -1720,11 +1711,11 @@ void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
     for (const AttentionArgs& a : seqs) {
       check_attention_args(a);
       const cuda::DeviceAttention shape =
-          attention_shape(a, static_cast<int64_t>(a.kv_rows.size()), I.attention_warp_tiles);
+          attention_shape(a, static_cast<int64_t>(a.kv_rows.size()), I.opts.attention_warp_tiles);
       const AttentionArgs& a0 = seqs.front();
       // One kernel serves the launch: every item must take the first one's (warp tiles or not).
       const bool same_kernel =
-          shape.warp_tiles == attention_shape(a0, 0, I.attention_warp_tiles).warp_tiles;
+          shape.warp_tiles == attention_shape(a0, 0, I.opts.attention_warp_tiles).warp_tiles;
       if (same_kernel && I.is_dev(a.out.data()) && I.is_dev(a.k.data()) &&
           I.is_dev(a.v.data()) && a.n_q > 0 &&
           !a.kv_rows.empty() && a.head_dim % 2 == 0 && a.n_head == a0.n_head &&
@@ -1749,7 +1740,7 @@ void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
     pads[i] = I.kv_pad(n_kv);  // exactly as attention() pads it alone
     cuda::DeviceAttention& d = items[i].a;
     d = attention_shape(a, std::max<int64_t>(n_kv, static_cast<int64_t>(pads[i])),
-                        I.attention_warp_tiles);
+                        I.opts.attention_warp_tiles);
     part_floats += cuda::attention_scratch_floats(d, I.n_sm);
     room += I.float_room(a.q) + I.host_bytes(a.kv_rows, pads[i]) +
             I.host_bytes(a.kv_pos, pads[i]) + I.host_bytes(a.q_pos);
@@ -1840,7 +1831,7 @@ void CudaBackend::attention(const AttentionArgs& a) {
     I.enter();
     const size_t pad_n = I.kv_pad(n_kv);
     cuda::DeviceAttention d = attention_shape(
-        a, std::max<int64_t>(n_kv, static_cast<int64_t>(pad_n)), I.attention_warp_tiles);
+        a, std::max<int64_t>(n_kv, static_cast<int64_t>(pad_n)), I.opts.attention_warp_tiles);
     // Scratch first: growing it flushes, which restarts staging, so nothing may be staged
     // for this op before (the staged pointers would then name reused staging space).
     float* part =
@@ -1869,7 +1860,7 @@ void CudaBackend::attention(const AttentionArgs& a) {
   d.kv_rows = I.upload<int32_t>(3, a.kv_rows);
   d.kv_pos = I.upload<int32_t>(4, a.kv_pos);
   d.q_pos = I.upload<int32_t>(5, a.q_pos);
-  d.warp_tiles = I.attention_warp_tiles && cuda::attention_warp_tiles_fit(a.head_dim, d.k, d.v);
+  d.warp_tiles = I.opts.attention_warp_tiles && cuda::attention_warp_tiles_fit(a.head_dim, d.k, d.v);
   float* dout = I.buffer<float>(6, a.out.size());
   d.out = dout;
   float* part = I.buffer<float>(7, cuda::attention_scratch_floats(d, I.n_sm));
@@ -2022,6 +2013,22 @@ Expected<std::unique_ptr<Backend>> make_cuda_tp_group(int n, const CudaOptions& 
 #endif
 }
 
+namespace {
+// CudaOptions' ranges, checked once at creation: one line naming the option and the range.
+Status validate(const CudaOptions& o) {
+  if (o.auto_int8_max_tokens < 1 || o.auto_int8_max_tokens > cuda::kQ8MaxTokens)
+    return Status::errorf("cuda: int8 matmul token limit {} (1..{})", o.auto_int8_max_tokens,
+                          cuda::kQ8MaxTokens);
+  if (o.int8_mma_min_tokens < 0 || o.int8_mma_min_tokens > cuda::kQ8MaxTokens)
+    return Status::errorf("cuda: int8 tensor-core token threshold {} (0..{}; 0: never)",
+                          o.int8_mma_min_tokens, cuda::kQ8MaxTokens);
+  if (o.graph_kv_bucket < 1)
+    return Status::errorf("cuda: graph KV bucket {} keys (at least 1; 1: no padding)",
+                          o.graph_kv_bucket);
+  return Status::ok();
+}
+}  // namespace
+
 int cuda_device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -2040,8 +2047,8 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   if (n == 0) return Status::error("no CUDA device: the driver reports none");
   if (options.device < 0 || options.device >= n)
     return Status::errorf("CUDA device {} does not exist ({} present)", options.device, n);
-  auto impl = std::make_unique<CudaBackend::Impl>();
-  impl->device = options.device;
+  KILN_TRY(validate(options));
+  auto impl = std::make_unique<CudaBackend::Impl>(options);
   if (cudaError_t e = cudaSetDevice(options.device); e != cudaSuccess)
     return Status::errorf("CUDA device {}: {}", options.device, cudaGetErrorString(e));
   cudaDeviceProp prop{};
@@ -2059,22 +2066,7 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   if (cudaError_t e = impl->copy.create(); e != cudaSuccess)
     return Status::errorf("CUDA stream: {}", cudaGetErrorString(e));
   impl->profile = options.profile;
-  impl->graphs_on = options.graphs;
-  impl->gemm_graphs = options.graphs && options.gemm_graphs;
-  if (impl->gemm_graphs) impl->gemm.use_fixed_workspace();
-  impl->kv_bucket = std::max<int64_t>(1, options.graph_kv_bucket);
-  impl->verify = options.verify_weight_cache;
-  impl->immutable = options.immutable_region;
-  impl->expert_cache_option = options.expert_cache_bytes;
-  impl->expert_policy = TierPolicy(options.expert_policy);
-  impl->expert_async = options.expert_async_copies;
-  impl->pdl = options.pdl;
-  impl->mma_pre_scales = options.mma_pre_scales;
-  impl->direct_download = options.direct_download;
-  impl->attention_skip_empty = options.attention_skip_empty;
-  impl->attention_warp_tiles = options.attention_warp_tiles;
-  impl->fuse_rope = options.fuse_rope;
-  impl->fuse_swiglu = options.fuse_swiglu;
+  if (impl->gemm_graphs()) impl->gemm.use_fixed_workspace();
   if (options.l2_prefetch_bytes > 0) {
     if (cudaError_t e = impl->side.create(); e != cudaSuccess)
       return Status::errorf("CUDA stream: {}", cudaGetErrorString(e));
@@ -2085,23 +2077,8 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
     // the small ops before it, keep the rest.
     impl->l2_plan.emplace(options.l2_prefetch_bytes, size_t(prop.l2CacheSize) / 4 * 3);
   }
-  impl->f16_cache_option = options.f16_cache_bytes;
-  if (options.int8_mma_min_tokens < 0 || options.int8_mma_min_tokens > cuda::kQ8MaxTokens)
-    return Status::errorf("cuda: int8 tensor-core token threshold {} (0..{}; 0: never)",
-                          options.int8_mma_min_tokens, cuda::kQ8MaxTokens);
-  impl->mma_min_tokens = int(options.int8_mma_min_tokens);
   if (cudaError_t e = impl->expert_copy_ev.create(); e != cudaSuccess)
     return Status::errorf("CUDA event: {}", cudaGetErrorString(e));
-  impl->matmul_kernels = cuda::MatmulKernels::V2;
-  if (options.matmul == CudaMatmul::V3 || options.matmul == CudaMatmul::Auto)
-    impl->matmul_kernels = cuda::MatmulKernels::V3;
-  if (options.matmul == CudaMatmul::Auto) {
-    if (options.auto_int8_max_tokens < 1 || options.auto_int8_max_tokens > cuda::kQ8MaxTokens)
-      return Status::errorf("cuda: int8 matmul token limit {} (1..{})",
-                            options.auto_int8_max_tokens, cuda::kQ8MaxTokens);
-    impl->int8_max_tokens = options.auto_int8_max_tokens;
-    impl->auto_routing = true;
-  }
   if (options.profile) {
     for (cuda::Event& e : impl->ev)
       if (cudaError_t err = e.create(/*timing=*/true); err != cudaSuccess)

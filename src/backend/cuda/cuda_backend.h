@@ -38,13 +38,16 @@ inline constexpr int64_t kAutoInt8MaxTokens = 16;
 // tokens they are slower than dp4a (x4 855 -> 598 t/s).
 inline constexpr int64_t kInt8MmaMinTokens = 8;
 
+// Copied once by make_cuda_backend, which checks the ranges below (one line per bad value), and
+// fixed for the backend's life; a different setting is a second backend.
 struct CudaOptions {
   int device = 0;
   CudaMatmul matmul = CudaMatmul::Auto;
-  // Auto: the most tokens a quantized matmul runs on V3's int8 kernels (more: cuBLAS), 1..64.
+  // Auto: the most tokens a quantized matmul runs on V3's int8 kernels (more: cuBLAS), 1..64
+  // (checked whatever `matmul` is).
   int64_t auto_int8_max_tokens = kAutoInt8MaxTokens;
   // V3/Auto: int8 matmuls of at least this many tokens (Q4_K, Q6_K) on the int8 tensor cores
-  // instead of dp4a, the same bits either way (kernels.h, launch_matvec_q8); 0: never.
+  // instead of dp4a, the same bits either way (kernels.h, launch_matvec_q8); 0: never; 0..64.
   int64_t int8_mma_min_tokens = kInt8MmaMinTokens;
   // Optional: the whole weight region (e.g. the GGUF mapping's tensor data). When set, it is
   // uploaded once, at creation, into one arena allocation through pinned staging on a copy
@@ -68,7 +71,8 @@ struct CudaOptions {
   // correct). Fails open: if the driver refuses, one notice line and the arena upload.
   bool zero_copy = false;
   // Time every op with CUDA events (kernels vs the host<->device copies of this host-span
-  // backend); adds a few microseconds per op. Read with CudaBackend::stats().
+  // backend); adds a few microseconds per op. Read with CudaBackend::stats(). Only where the
+  // profiler starts: CudaBackend::set_profile turns it on and off later.
   bool profile = false;
   // Replay a resident segment (the ops between two downloads) as a CUDA graph the second time
   // it is seen, and pad attention key lists to buckets of this many keys so a decode step's
@@ -86,7 +90,7 @@ struct CudaOptions {
   // swiglu_matmul on V3's int8 path: SwiGLU computed inside the activation quantization of
   // the down projection (one launch fewer per layer); off: swiglu() then matmul(). Same bits.
   bool fuse_swiglu = true;
-  int64_t graph_kv_bucket = 256;
+  int64_t graph_kv_bucket = 256;  // keys, at least 1 (1: no padding)
   // Device tier of streamed MoE experts (WeightMatrix::content_key != 0): at most this many
   // bytes of expert slices stay on the device. 0: half of the device memory free when the
   // first one arrives.
@@ -184,11 +188,11 @@ class CudaBackend final : public Backend {
   std::string_view name() const override { return "cuda"; }
   const std::string& device_name() const;  // "NVIDIA H200 (sm_90, 132 SMs, 140.4 GiB)"
   CudaStats stats() const;
-  // Turns per-op timing (CudaOptions::profile) on or off between segments and clears the
-  // times gathered so far: `kiln bench --cuda-profile` times one extra pass of each test.
+  // Turns per-op timing on or off between segments and clears the times gathered so far:
+  // `kiln bench --cuda-profile` times one extra pass of each test. Run-time state of the
+  // profiler, not an option: CudaOptions::profile is only where it starts; every other
+  // CudaOptions field is fixed for the backend's life.
   void set_profile(bool on);
-  // CudaOptions::attention_warp_tiles for the ops recorded from now on (tests, benches).
-  void set_attention_warp_tiles(bool on);
 
   bool device_memory() const override { return true; }
   BackendBytes alloc_bytes(size_t bytes) override;
