@@ -1,6 +1,7 @@
 // backend/cuda/cuda_backend.h: the CUDA backend behind the op table. A plain C++ header (no
 // CUDA types), so model and app code can create one without CUDA headers; everything CUDA
-// lives behind the pimpl in cuda_backend.cpp and the kernels in *.cu.
+// lives behind the pimpl (backend_impl.h and the rooms it composes; the file map is in
+// docs/architecture.md) and the kernels in *.cu.
 //
 // Two ways to call the ops. Resident (the forward pass): activations and KV planes live in
 // memory from alloc_bytes(), weights in the device arena; ops only enqueue work on one stream
