@@ -3,13 +3,12 @@
 // 14336x4096 ffn down, 4096x32000 output) at 1, 4, 16 and 64 tokens (decode and batched
 // decode), reported against a device-memory streaming-read kernel measured in the same run.
 // Each shape rotates over enough weight copies to exceed the L2 several times, so the figures
-// are HBM figures. Every case runs MatmulKernels::V2 and V3 (kernels.h; --v1 adds V1) on the
-// same data, interleaved, and the table shows V3's GB/s, its share of the read bandwidth and
+// are HBM figures. Every case runs MatmulKernels::V2 and V3 (kernels.h) on the same data, interleaved, and the table shows V3's GB/s, its share of the read bandwidth and
 // its speedup over V2. V3 times include the activation quantization; V2 above 16 tokens
 // includes its dequantization to f16 for cuBLAS. GB/s counts the weight bytes once per call.
 // Times are per call from back-to-back launches between two CUDA events (no host copies, no
 // per-launch synchronisation), medians of --iters samples.
-// Usage: cuda_matvec_bench [--iters N] [--v1] [--types q4_K,q8_0,...] [--shapes 4096x14336,...]
+// Usage: cuda_matvec_bench [--iters N] [--types q4_K,q8_0,...] [--shapes 4096x14336,...]
 // [--tokens 1,4,...] [--no-attention]. The graph column is measured twice, the second time
 // captured with programmatic dependent launch (kernels.h set_launch_pdl). Prints one line per case,
 // then the tables (lines starting with '|'). --float-rows-ab: only the rows-per-warp A/B of
@@ -88,7 +87,7 @@ double stream_read_gbps(int iters, int n_sm) {
 
 struct Result {
   std::string type;
-  std::string kernels;  // v1, v2, v3
+  std::string kernels;  // v2, v3
   int64_t k, rows, n_tok;
   double mib, us, gbps, frac, tflops;
   double graph_us;  // per call inside a CUDA graph (0: not measured, cuBLAS paths)
@@ -98,14 +97,7 @@ struct Result {
 };
 
 const char* kernels_name(kiln::cuda::MatmulKernels k) {
-  switch (k) {
-    case kiln::cuda::MatmulKernels::V1:
-      return "v1";
-    case kiln::cuda::MatmulKernels::V2:
-      return "v2";
-    default:
-      return "v3";
-  }
+  return k == kiln::cuda::MatmulKernels::V2 ? "v2" : "v3";
 }
 
 // --mma-min N: launch_matmul_v3's tensor-core threshold (0: the dp4a kernels at every count).
@@ -129,7 +121,7 @@ cudaError_t run_kernels(kiln::cuda::MatmulKernels kernels, const kiln::cuda::Dev
   if (n_tok > kiln::cuda::kMatvecMaxTokens && sc.gemm.fits(w, n_tok)) ws = &sc.gemm;
   if (kernels == kiln::cuda::MatmulKernels::V3)
     return kiln::cuda::launch_matmul_v3(w, dx, n_tok, dy, sc.act, sc.act_bytes, st, ws, g_mma_min);
-  return kiln::cuda::launch_matmul(w, dx, n_tok, dy, st, kernels, ws);
+  return kiln::cuda::launch_matmul(w, dx, n_tok, dy, st, ws);
 }
 
 // One weight type and shape at each token count, every kernel set, interleaved per token count.
@@ -192,7 +184,6 @@ std::vector<Result> bench_type(DType t, int64_t k, int64_t rows, const std::vect
       const bool v3_int8 = kernels == kiln::cuda::MatmulKernels::V3 &&
                            kiln::cuda::matvec_q8_supports(t) && n_tok <= kiln::cuda::kQ8MaxTokens;
       const bool f16_gemm = n_tok > kiln::cuda::kMatvecMaxTokens &&
-                            kernels != kiln::cuda::MatmulKernels::V1 &&
                             !(v3_int8 || (kernels == kiln::cuda::MatmulKernels::V3 && n_tok <= 8));
       // int8 activations: |error| ~ 1e-4 of sum |w x| here; the bound only catches a broken
       // kernel (tests/cuda checks the statistical bound).
@@ -530,124 +521,22 @@ void bench_float_rows(int iters, size_t l2_bytes, double read_gbps, std::mt19937
   }
 }
 
-// --q8-variants: launch_matvec_q8_variant's one-token shapes, interleaved, back-to-back launches
-// with programmatic dependent launch (as a decode step runs them), the activations quantized
-// once; us per call, the best variant's share of the read bandwidth, and a bits check against
-// variant 0.
-void bench_q8_variants(int iters, size_t l2_bytes, double read_gbps, std::mt19937_64& rng) {
-  const int nv = kiln::cuda::matvec_q8_variants();
-  std::printf("\n| int8 matvec, 1 token | k x rows | MiB |");
-  for (int v = 0; v < nv; ++v) std::printf(" v%d us |", v);
-  std::printf(" best GB/s | of read BW (%.0f GB/s) | bits |\n|---|---|---|", read_gbps);
-  for (int v = 0; v < nv; ++v) std::printf("---|");
-  std::printf("---|---|---|\n");
-  const struct {
-    int64_t k, rows;
-  } shapes[] = {{4096, 1024}, {4096, 4096}, {4096, 14336}, {14336, 4096}, {4096, 32000}};
-  for (DType t : {DType::Q4_K, DType::Q6_K, DType::Q8_0, DType::Q5_K}) {
-    for (const auto& sh : shapes) {
-      const size_t rb = *kiln::row_bytes(t, uint64_t(sh.k));
-      const size_t mat_bytes = rb * size_t(sh.rows);
-      const std::vector<void*> mats = weight_copies(t, sh.k, sh.rows, l2_bytes, rng);
-      const int copies = int(mats.size());
-      std::vector<float> x(static_cast<size_t>(sh.k));
-      std::normal_distribution<float> xd(0.0f, 1.0f);
-      for (float& v : x) v = xd(rng);
-      float *dx = nullptr, *dy = nullptr;
-      void* act = nullptr;
-      BENCH_CHECK(cudaMalloc(&dx, x.size() * sizeof(float)));
-      BENCH_CHECK(cudaMalloc(&dy, size_t(sh.rows) * sizeof(float)));
-      BENCH_CHECK(cudaMalloc(&act, kiln::cuda::act_q8_bytes(sh.k, 1)));
-      BENCH_CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
-      BENCH_CHECK(kiln::cuda::launch_quantize_act_q8(dx, sh.k, 1, act, nullptr));
-      kiln::cuda::DeviceWeight w{t, sh.k, sh.rows, rb, static_cast<const std::byte*>(mats[0])};
-      std::vector<float> y0(size_t(sh.rows)), yv(size_t(sh.rows));
-      bool same = true;
-      std::vector<std::vector<float>> ms(static_cast<size_t>(nv));
-      kiln::cuda::set_launch_pdl(true);
-      for (int i = 0; i < iters + 2; ++i) {
-        for (int v = 0; v < nv; ++v) {
-          Timer tm;
-          constexpr int kReps = 20;
-          BENCH_CHECK(cudaEventRecord(tm.a));
-          bool na = false;
-          for (int j = 0; j < kReps && !na; ++j) {
-            w.data = static_cast<const std::byte*>(mats[(i * kReps + j) % copies]);
-            const cudaError_t e = kiln::cuda::launch_matvec_q8_variant(w, act, dy, v, nullptr);
-            na = e == cudaErrorNotSupported;
-            if (!na) BENCH_CHECK(e);
-          }
-          if (na) {  // this variant does not cover the type
-            BENCH_CHECK(cudaEventRecord(tm.b));
-            BENCH_CHECK(cudaEventSynchronize(tm.b));
-            continue;
-          }
-          BENCH_CHECK(cudaEventRecord(tm.b));
-          BENCH_CHECK(cudaEventSynchronize(tm.b));
-          float m = 0;
-          BENCH_CHECK(cudaEventElapsedTime(&m, tm.a, tm.b));
-          if (i >= 2) ms[size_t(v)].push_back(m / kReps);
-          if (i == 0) {
-            BENCH_CHECK(cudaMemcpy(v == 0 ? y0.data() : yv.data(), dy, y0.size() * sizeof(float),
-                                   cudaMemcpyDeviceToHost));
-            // Variant 6 (Q4_K by single units, the mapping before the pairs) sums in another
-            // order (other bits by design): checked against variant 0's magnitude instead.
-            if (v > 0 && v < 6) same = same && std::memcmp(y0.data(), yv.data(), y0.size() * 4) == 0;
-            if (v >= 6) {
-              double worst = 0, mag = 0;
-              for (size_t r = 0; r < y0.size(); ++r)
-                worst = std::max(worst, double(std::fabs(yv[r] - y0[r]))), mag = std::max(mag, double(std::fabs(y0[r])));
-              if (!(worst <= 1e-3 * mag + 1e-6)) same = false;
-            }
-          }
-        }
-      }
-      kiln::cuda::set_launch_pdl(false);
-      double best = 1e30;
-      std::printf("| %s | %lldx%lld | %.1f |", kiln::dtype_name(t).data(), (long long)sh.k,
-                  (long long)sh.rows, mat_bytes / 1048576.0);
-      for (int v = 0; v < nv; ++v) {
-        if (ms[size_t(v)].empty()) {
-          std::printf(" - |");
-          continue;
-        }
-        const double us = median(ms[size_t(v)]) * 1e3;
-        best = std::min(best, us);
-        std::printf(" %.1f |", us);
-      }
-      const double gbps = double(mat_bytes) / (best * 1e-6) / 1e9;
-      std::printf(" %.0f | %.1f %% | %s |\n", gbps, 100 * gbps / read_gbps, same ? "same" : "DIFFER");
-      std::fflush(stdout);
-      cudaFree(dx);
-      cudaFree(dy);
-      cudaFree(act);
-      for (void* m : mats) cudaFree(m);
-    }
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   int iters = 20;
-  bool with_v1 = false;
   std::string only;
   bool float_rows_ab = false;
   bool attention = true;
-  bool q8_variants = false;
   std::string only_shapes;  // ",4096x14336," style
   std::vector<int64_t> n_toks = {1, 4, 16, 64};
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
       iters = std::max(1, std::atoi(argv[++i]));
-    } else if (std::strcmp(argv[i], "--v1") == 0) {
-      with_v1 = true;
     } else if (std::strcmp(argv[i], "--types") == 0 && i + 1 < argc) {
       only = std::string(",").append(argv[++i]).append(",");
     } else if (std::strcmp(argv[i], "--float-rows-ab") == 0) {
       float_rows_ab = true;
-    } else if (std::strcmp(argv[i], "--q8-variants") == 0) {
-      q8_variants = true;
     } else if (std::strcmp(argv[i], "--mma-min") == 0 && i + 1 < argc) {
       g_mma_min = std::max(0, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--mma-stages") == 0 && i + 1 < argc) {
@@ -675,9 +564,9 @@ int main(int argc, char** argv) {
         p = *end == ',' ? end + 1 : end;
       }
     } else {
-      std::fprintf(stderr, "usage: cuda_matvec_bench [--iters N] [--v1] [--types t1,t2,...] "
+      std::fprintf(stderr, "usage: cuda_matvec_bench [--iters N] [--types t1,t2,...] "
                            "[--shapes KxR,...] [--tokens N,...] [--no-attention] "
-                           "[--float-rows-ab] [--q8-variants] [--mma-min N] [--mma-stages N] "
+                           "[--float-rows-ab] [--mma-min N] [--mma-stages N] "
                            "[--mma-warps N] [--[no-]mma-pre-scales]\n");
       return 2;
     }
@@ -699,11 +588,6 @@ int main(int argc, char** argv) {
     bench_float_rows(iters, size_t(prop.l2CacheSize), read_gbps, rng);
     return 0;
   }
-  if (q8_variants) {
-    std::mt19937_64 rng(9);
-    bench_q8_variants(iters, size_t(prop.l2CacheSize), read_gbps, rng);
-    return 0;
-  }
 
   const DType types[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0,
                          DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K,
@@ -712,9 +596,8 @@ int main(int argc, char** argv) {
     int64_t k, rows;
   };
   const Shape shapes[] = {{4096, 4096}, {4096, 14336}, {14336, 4096}, {4096, 32000}};
-  std::vector<kiln::cuda::MatmulKernels> sets = {kiln::cuda::MatmulKernels::V2,
-                                                 kiln::cuda::MatmulKernels::V3};
-  if (with_v1) sets.insert(sets.begin(), kiln::cuda::MatmulKernels::V1);
+  const std::vector<kiln::cuda::MatmulKernels> sets = {kiln::cuda::MatmulKernels::V2,
+                                                       kiln::cuda::MatmulKernels::V3};
   if (attention) {
     bench_attention(iters, read_gbps, prop.multiProcessorCount);
     bench_attention_batch(iters, prop.multiProcessorCount);

@@ -27,14 +27,12 @@ using kiln::testing::random_vec;
 using kiln::testing::AttnProblem;
 using kiln::testing::random_attention;
 
-// CudaOptions::attention_warp_tiles on the shared backend for one scope (the decode path's
-// warp-tile kernel instead of the split kernel).
-struct WarpTilesScope {
-  explicit WarpTilesScope(bool on) { cuda_under_test().cuda->set_attention_warp_tiles(on); }
-  ~WarpTilesScope() {
-    cuda_under_test().cuda->set_attention_warp_tiles(cuda::kAttentionWarpTilesDefault);
-  }
-};
+// The backend under test with CudaOptions::attention_warp_tiles = warp_tiles (the decode
+// path's warp-tile kernel, or the split kernel): the shared one or its twin with the other.
+CudaBackend& attention_backend(bool warp_tiles) {
+  kiln::testing::CudaUnderTest& u = cuda_under_test();
+  return warp_tiles == CudaOptions{}.attention_warp_tiles ? *u.cuda : *u.cuda_alt_attention;
+}
 
 struct AttnCase {
   int64_t n_head, n_head_kv, head_dim, n_q, n_kv;
@@ -42,7 +40,7 @@ struct AttnCase {
   float softcap;
 };
 
-void run_case(const AttnCase& c, std::mt19937_64& rng) {
+void run_case(CudaBackend& be, const AttnCase& c, std::mt19937_64& rng) {
   SCOPED_TRACE(::testing::Message()
                << "heads " << c.n_head << "/" << c.n_head_kv << " hd " << c.head_dim << " n_q "
                << c.n_q << " n_kv " << c.n_kv << " window " << c.window << " softcap " << c.softcap
@@ -58,7 +56,7 @@ void run_case(const AttnCase& c, std::mt19937_64& rng) {
   a.out = out_ref;
   cuda_under_test().ref->attention(a);
   a.out = out_gpu;
-  cuda_under_test().cuda->attention(a);
+  be.attention(a);
   cuda::DeviceAttention shape;
   shape.n_q = c.n_q, shape.n_kv = c.n_kv, shape.n_head = c.n_head, shape.n_head_kv = c.n_head_kv;
   shape.head_dim = c.head_dim;
@@ -89,7 +87,7 @@ void run_case(const AttnCase& c, std::mt19937_64& rng) {
 }
 
 void run_configurations(bool warp_tiles) {
-  const WarpTilesScope scope(warp_tiles);
+  CudaBackend& be = attention_backend(warp_tiles);
   std::mt19937_64 rng(ops_seed());
   const AttnCase cases[] = {
       {1, 1, 64, 1, 1, 0, 0},          {4, 4, 64, 1, 37, 0, 0},     {8, 2, 64, 1, 129, 0, 0},
@@ -107,7 +105,7 @@ void run_configurations(bool warp_tiles) {
       {32, 8, 128, 1, 256, 0, 0},      {32, 8, 128, 1, 257, 0, 0},  {32, 8, 128, 2, 1000, 0, 0},
       {8, 1, 64, 1, 95, 0, 0},         {16, 16, 256, 1, 600, 0, 0}, {8, 4, 160, 3, 333, 40, 0},
   };
-  for (const AttnCase& c : cases) run_case(c, rng);
+  for (const AttnCase& c : cases) run_case(be, c, rng);
 }
 
 TEST(CudaAttention, Configurations) {
@@ -140,7 +138,7 @@ TEST(CudaAttention, InvisibleRowsNeverReachTheOutput) {
   KILN_REQUIRE_CUDA();
   std::mt19937_64 rng(ops_seed());
   for (const bool wt : {false, true}) {
-    const WarpTilesScope scope(wt);
+    CudaBackend& be = attention_backend(wt);
     for (const int64_t n_kv : {int64_t{70}, int64_t{300}}) {
       SCOPED_TRACE(::testing::Message() << "warp tiles " << wt << " n_kv " << n_kv << " seed "
                                         << ops_seed());
@@ -169,7 +167,7 @@ TEST(CudaAttention, InvisibleRowsNeverReachTheOutput) {
       p.args.out = want;
       cuda_under_test().ref->attention(p.args);
       p.args.out = got;
-      cuda_under_test().cuda->attention(p.args);
+      be.attention(p.args);
       for (size_t i = 0; i < want.size(); ++i) {
         ASSERT_TRUE(std::isfinite(want[i])) << i;
         ASSERT_TRUE(close(got[i], want[i], 2e-5 * (1 + std::fabs(want[i])))) << i;
@@ -190,7 +188,7 @@ TEST(CudaAttention, InvisibleRowsNeverReachTheOutput) {
 // head sizes 64 (P 1), 128 (P 2) and 256 (P 4), a window and a softcap.
 TEST(CudaAttention, SkipEmptySlicesSameBits) {
   KILN_REQUIRE_CUDA();
-  const WarpTilesScope split_kernel(false);  // the switch belongs to the split kernel
+  CudaBackend& be = attention_backend(false);  // the switch belongs to the split kernel
   std::mt19937_64 rng(ops_seed());
   struct Shape {
     int64_t n_head, n_head_kv, hd, n_kv;
@@ -214,10 +212,10 @@ TEST(CudaAttention, SkipEmptySlicesSameBits) {
     const bool prev = cuda::attention_skip_empty();
     cuda::set_attention_skip_empty(false);
     p.args.out = walk;
-    cuda_under_test().cuda->attention(p.args);
+    be.attention(p.args);
     cuda::set_attention_skip_empty(true);
     p.args.out = skip;
-    cuda_under_test().cuda->attention(p.args);
+    be.attention(p.args);
     cuda::set_attention_skip_empty(prev);
     ASSERT_EQ(std::memcmp(walk.data(), skip.data(), walk.size() * sizeof(float)), 0);
     for (size_t i = 0; i < want.size(); ++i)
@@ -226,8 +224,7 @@ TEST(CudaAttention, SkipEmptySlicesSameBits) {
 }
 
 void run_batch_of_sequences(bool warp_tiles) {
-  const WarpTilesScope scope(warp_tiles);
-  CudaBackend& be = *cuda_under_test().cuda;
+  CudaBackend& be = attention_backend(warp_tiles);
   Backend& ref = *cuda_under_test().ref;
   std::mt19937_64 rng(ops_seed());
   struct Shape {
@@ -355,7 +352,6 @@ TEST(CudaAttention, WarpTilesBatchOfSequencesHasEachSequencesBits) {
 TEST(CudaAttention, NoKeysGivesZeros) {
   KILN_REQUIRE_CUDA();
   for (const bool wt : {false, true}) {
-  const WarpTilesScope scope(wt);
   std::vector<float> q(2 * 64, 1.0f), out(q.size(), NAN);
   std::vector<f16> k(64), v(64);
   AttentionArgs a;
@@ -369,7 +365,7 @@ TEST(CudaAttention, NoKeysGivesZeros) {
   a.n_head_kv = 1;
   a.head_dim = 64;
   a.out = out;
-  cuda_under_test().cuda->attention(a);  // n_kv = 0
+  attention_backend(wt).attention(a);  // n_kv = 0
   for (float x : out) ASSERT_EQ(x, 0.0f);
   }
 }

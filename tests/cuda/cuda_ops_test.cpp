@@ -12,6 +12,8 @@
 #include <cstring>
 #include <memory>
 
+#include "backend/cuda/cuda_util.h"
+#include "backend/cuda/kernels.h"
 #include "core/check.h"
 #include "core/dtype.h"
 #include "cuda_test_common.h"
@@ -29,11 +31,6 @@ using Kernels = ::kiln::CudaMatmul;  // the name CudaMatmul is the parity suite'
 
 Backend& ref() { return *cuda_under_test().ref; }
 CudaBackend& gpu() { return *cuda_under_test().cuda; }
-CudaBackend& gpu(Kernels kernels) {
-  kiln::testing::CudaUnderTest& u = cuda_under_test();
-  KILN_CHECK(kernels == Kernels::V2 || u.cuda_v1, "the V1 backend could not be created");
-  return kernels == Kernels::V1 ? *u.cuda_v1 : *u.cuda;
-}
 
 struct TestWeights {
   std::vector<std::byte> bytes;
@@ -98,26 +95,23 @@ TEST_P(CudaMatmul, AllShapesAndPaths) {
   for (int64_t k : c.ks) {
     for (int64_t n_rows : {1, 3, 31, 257}) {
       TestWeights w = make_weights(c.type, n_rows, k, rng);
-      // 1: matvec; 3, 9 (8 + 1): batched matvec columns; 17, 70: the tiled kernel with
-      // partial tiles in both directions.
+      // 1: matvec; 3, 9 (8 + 1): batched matvec columns; 17, 70: the GEMM path with partial
+      // tiles in both directions (the f32 tile kernel: MatmulTileFallbackWithoutGemm).
       for (int64_t n_tok : {1, 3, 9, 17, 70}) {
         const std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
         std::vector<float> y_ref(n_tok * n_rows);
         ref().matmul(w.m, x, n_tok, y_ref);
-        for (Kernels kernels : {Kernels::V1, Kernels::V2}) {
-          SCOPED_TRACE(::testing::Message()
-                       << dtype_name(c.type) << " matmul V" << (kernels == Kernels::V1 ? 1 : 2)
-                       << " rows " << n_rows << " k " << k << " n_tok " << n_tok << " seed "
-                       << ops_seed());
-          std::vector<float> y(y_ref.size(), NAN);
-          gpu(kernels).matmul(w.m, x, n_tok, y);
-          for (int64_t t = 0; t < n_tok; ++t)
-            for (int64_t r = 0; r < n_rows; ++r)
-              ASSERT_TRUE(close(y[t * n_rows + r], y_ref[t * n_rows + r],
-                                matmul_tol_for(kernels, n_tok, w.deq.data() + r * k,
-                                               x.data() + t * k, k)))
-                  << "t " << t << " r " << r;
-        }
+        SCOPED_TRACE(::testing::Message() << dtype_name(c.type) << " matmul V2 rows " << n_rows
+                                          << " k " << k << " n_tok " << n_tok << " seed "
+                                          << ops_seed());
+        std::vector<float> y(y_ref.size(), NAN);
+        gpu().matmul(w.m, x, n_tok, y);
+        for (int64_t t = 0; t < n_tok; ++t)
+          for (int64_t r = 0; r < n_rows; ++r)
+            ASSERT_TRUE(close(y[t * n_rows + r], y_ref[t * n_rows + r],
+                              matmul_tol_for(Kernels::V2, n_tok, w.deq.data() + r * k,
+                                             x.data() + t * k, k)))
+                << "t " << t << " r " << r;
       }
     }
   }
@@ -146,20 +140,66 @@ TEST(CudaOps, MatmulNanActivationPropagates) {
     for (int64_t n_tok : {1, 20}) {
       std::vector<float> x = random_vec(rng, 256 * n_tok);
       for (int64_t tok = 0; tok < n_tok; ++tok) x[tok * 256 + 17] = NAN;
-      for (Kernels kernels : {Kernels::V1, Kernels::V2}) {
-        std::vector<float> y(5 * n_tok, 0.0f);
-        gpu(kernels).matmul(w.m, x, n_tok, y);
-        for (float v : y)
-          EXPECT_TRUE(std::isnan(v)) << dtype_name(t) << " n_tok " << n_tok << " V"
-                                     << (kernels == Kernels::V1 ? 1 : 2);
-      }
+      std::vector<float> y(5 * n_tok, 0.0f);
+      gpu().matmul(w.m, x, n_tok, y);
+      for (float v : y) EXPECT_TRUE(std::isnan(v)) << dtype_name(t) << " n_tok " << n_tok;
+    }
+  }
+}
+
+// V2 above 16 tokens without a GEMM workspace (a build without cuBLAS, or cuBLAS refusing to
+// reserve one): the first slice's f32 tile kernel, on device memory through kernels.h, held to
+// the f32 bound, partial tiles in both directions; a NaN activation reaches its token's outputs.
+// (CudaOptions::matmul = V1 ran this kernel through the backend until issue 31 removed V1.)
+TEST(CudaOps, MatmulTileFallbackWithoutGemm) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  struct Shape {
+    DType type;
+    int64_t n_rows, k;
+  };
+  for (const Shape sh : {Shape{DType::F32, 65, 31}, Shape{DType::F16, 130, 96},
+                         Shape{DType::BF16, 3, 100}, Shape{DType::Q8_0, 70, 544},
+                         Shape{DType::Q4_1, 5, 160}, Shape{DType::Q3_K, 31, 256},
+                         Shape{DType::Q4_K, 257, 768}, Shape{DType::Q6_K, 64, 2048}}) {
+    TestWeights w = make_weights(sh.type, sh.n_rows, sh.k, rng);
+    cuda::DeviceBuffer wbuf, xbuf, ybuf;
+    auto* dw = static_cast<std::byte*>(wbuf.ensure(w.bytes.size(), "w"));
+    cuda::check_cuda(cudaMemcpy(dw, w.bytes.data(), w.bytes.size(), cudaMemcpyHostToDevice), "w");
+    const cuda::DeviceWeight d{sh.type, sh.k, sh.n_rows, w.m.row_bytes, dw};
+    for (int64_t n_tok : {17, 70}) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(sh.type) << " rows " << sh.n_rows << " k "
+                                        << sh.k << " n_tok " << n_tok << " seed " << ops_seed());
+      std::vector<float> x = random_vec(rng, n_tok * sh.k, 1.0f);
+      x[size_t(5 * sh.k + sh.k / 2)] = NAN;  // token 5
+      std::vector<float> y_ref(n_tok * sh.n_rows), y(y_ref.size(), 0.0f);
+      ref().matmul(w.m, x, n_tok, y_ref);
+      auto* dx = static_cast<float*>(xbuf.ensure(x.size() * sizeof(float), "x"));
+      auto* dy = static_cast<float*>(ybuf.ensure(y.size() * sizeof(float), "y"));
+      cuda::check_cuda(
+          cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice), "x");
+      cuda::check_cuda(cuda::launch_matmul(d, dx, n_tok, dy, nullptr, nullptr), "tile kernel");
+      cuda::check_cuda(
+          cudaMemcpy(y.data(), dy, y.size() * sizeof(float), cudaMemcpyDeviceToHost), "y");
+      for (int64_t t = 0; t < n_tok; ++t)
+        for (int64_t r = 0; r < sh.n_rows; ++r) {
+          const float got = y[size_t(t * sh.n_rows + r)];
+          if (t == 5) {
+            ASSERT_TRUE(std::isnan(got)) << "r " << r;
+            continue;
+          }
+          ASSERT_TRUE(close(got, y_ref[size_t(t * sh.n_rows + r)],
+                            matmul_tol(w.deq.data() + r * sh.k, x.data() + t * sh.k, sh.k)))
+              << "t " << t << " r " << r;
+        }
     }
   }
 }
 
 // V2's shape-dependent choices: more rows than one resident wave of warps (each warp loops
 // over rows), activations too wide for 4 tokens of shared memory (one token per column), too
-// wide for shared memory at all (V1 runs), and a prefill large enough for the GEMM path.
+// wide for shared memory at all (the first kernels run, once V1), and a prefill large enough
+// for the GEMM path.
 TEST(CudaOps, MatmulV2ShapePaths) {
   KILN_REQUIRE_CUDA();
   std::mt19937_64 rng(ops_seed());
@@ -183,7 +223,7 @@ TEST(CudaOps, MatmulV2ShapePaths) {
       const std::vector<float> x = random_vec(rng, n_tok * sh.k, 1.0f);
       std::vector<float> y_ref(n_tok * sh.n_rows), y(y_ref.size(), NAN);
       ref().matmul(w.m, x, n_tok, y_ref);
-      gpu(Kernels::V2).matmul(w.m, x, n_tok, y);
+      gpu().matmul(w.m, x, n_tok, y);
       for (int64_t t = 0; t < n_tok; ++t)
         for (int64_t r = 0; r < sh.n_rows; ++r)
           ASSERT_TRUE(close(y[t * sh.n_rows + r], y_ref[t * sh.n_rows + r],

@@ -9,13 +9,16 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "core/check.h"
 
 namespace kiln::testing {
 
 struct CudaUnderTest {
-  std::unique_ptr<CudaBackend> cuda;     // null when no device; matmul V2
-  std::unique_ptr<CudaBackend> cuda_v1;  // the same with CudaOptions::matmul = V1
-  std::string why_not;                // the creation error when null
+  std::unique_ptr<CudaBackend> cuda;  // null when no device; matmul V2
+  // The same with CudaOptions::attention_warp_tiles flipped from its default (the other decode
+  // attention kernel; options are fixed for a backend's life).
+  std::unique_ptr<CudaBackend> cuda_alt_attention;
+  std::string why_not;  // the creation error when null
   std::unique_ptr<Backend> ref = make_ref_backend();
 };
 
@@ -32,9 +35,10 @@ inline CudaUnderTest& cuda_under_test() {
     auto be = make_cuda_backend(o);
     if (be) {
       u.cuda = std::move(*be);
-      o.matmul = CudaMatmul::V1;
-      auto v1 = make_cuda_backend(o);
-      if (v1) u.cuda_v1 = std::move(*v1);  // else the V1 checks fail on the null
+      o.attention_warp_tiles = !o.attention_warp_tiles;
+      auto alt = make_cuda_backend(o);
+      KILN_CHECK(alt.has_value(), "the second CUDA backend: {}", alt.error());
+      u.cuda_alt_attention = std::move(*alt);
       fprintf(stderr, "cuda device: %s\n", u.cuda->device_name().c_str());
     } else {
       u.why_not = be.error();

@@ -1,6 +1,7 @@
 // backend/cuda/cuda_backend.h: the CUDA backend behind the op table. A plain C++ header (no
 // CUDA types), so model and app code can create one without CUDA headers; everything CUDA
-// lives behind the pimpl in cuda_backend.cpp and the kernels in *.cu.
+// lives behind the pimpl (backend_impl.h and the rooms it composes; the file map is in
+// docs/architecture.md) and the kernels in *.cu.
 //
 // Two ways to call the ops. Resident (the forward pass): activations and KV planes live in
 // memory from alloc_bytes(), weights in the device arena; ops only enqueue work on one stream
@@ -23,28 +24,31 @@
 
 namespace kiln {
 
-// The matmul kernels (backend/cuda/kernels.h's MatmulKernels): V1, the first slice's (f32
-// throughout); V2, shared-memory activations for decode and f16 tensor-core GEMM (cuBLAS) for
-// more than 16 tokens. V1 stays selectable to compare and to fall back. V3 (matvec_q8.cu):
+// The matmul kernels (backend/cuda/kernels.h's MatmulKernels): V2, shared-memory activations
+// for decode and f16 tensor-core GEMM (cuBLAS) for more than 16 tokens (the first slice's f32
+// kernels, once selectable as V1, remain only as its fallbacks). V3 (matvec_q8.cu):
 // up to 64 tokens with int8-quantized activations and dp4a for Q8_0 Q4_0 Q5_0 Q4_K Q5_K Q6_K
 // (token-invariant bits), else V2. Auto (the default): V3 up to kAutoInt8MaxTokens tokens,
 // V2's cuBLAS GEMM above: at 64 tokens the dp4a kernels take 2.4-2.9x the GEMM's time while at
 // 16 they take 0.3x of V2's (docs/BENCHMARKS.md, "CUDA decode kernels V3"); F16 weights take
 // the GEMM above 8 tokens (V3's float kernel's limit).
-enum class CudaMatmul { V1, V2, V3, Auto };
+enum class CudaMatmul { V2, V3, Auto };
 inline constexpr int64_t kAutoInt8MaxTokens = 16;
 // From 8 tokens: the shared-memory tensor-core kernels took the 8B Q4_K_M x16 decode from 1392
 // to 2075 t/s and x8 from 1173 to 1373 on the H200 (docs/BENCHMARKS.md, CUDA session 13); at 4
 // tokens they are slower than dp4a (x4 855 -> 598 t/s).
 inline constexpr int64_t kInt8MmaMinTokens = 8;
 
+// Copied once by make_cuda_backend, which checks the ranges below (one line per bad value), and
+// fixed for the backend's life; a different setting is a second backend.
 struct CudaOptions {
   int device = 0;
   CudaMatmul matmul = CudaMatmul::Auto;
-  // Auto: the most tokens a quantized matmul runs on V3's int8 kernels (more: cuBLAS), 1..64.
+  // Auto: the most tokens a quantized matmul runs on V3's int8 kernels (more: cuBLAS), 1..64
+  // (checked whatever `matmul` is).
   int64_t auto_int8_max_tokens = kAutoInt8MaxTokens;
   // V3/Auto: int8 matmuls of at least this many tokens (Q4_K, Q6_K) on the int8 tensor cores
-  // instead of dp4a, the same bits either way (kernels.h, launch_matvec_q8); 0: never.
+  // instead of dp4a, the same bits either way (kernels.h, launch_matvec_q8); 0: never; 0..64.
   int64_t int8_mma_min_tokens = kInt8MmaMinTokens;
   // Optional: the whole weight region (e.g. the GGUF mapping's tensor data). When set, it is
   // uploaded once, at creation, into one arena allocation through pinned staging on a copy
@@ -68,7 +72,8 @@ struct CudaOptions {
   // correct). Fails open: if the driver refuses, one notice line and the arena upload.
   bool zero_copy = false;
   // Time every op with CUDA events (kernels vs the host<->device copies of this host-span
-  // backend); adds a few microseconds per op. Read with CudaBackend::stats().
+  // backend); adds a few microseconds per op. Read with CudaBackend::stats(). Only where the
+  // profiler starts: CudaBackend::set_profile turns it on and off later.
   bool profile = false;
   // Replay a resident segment (the ops between two downloads) as a CUDA graph the second time
   // it is seen, and pad attention key lists to buckets of this many keys so a decode step's
@@ -86,7 +91,7 @@ struct CudaOptions {
   // swiglu_matmul on V3's int8 path: SwiGLU computed inside the activation quantization of
   // the down projection (one launch fewer per layer); off: swiglu() then matmul(). Same bits.
   bool fuse_swiglu = true;
-  int64_t graph_kv_bucket = 256;
+  int64_t graph_kv_bucket = 256;  // keys, at least 1 (1: no padding)
   // Device tier of streamed MoE experts (WeightMatrix::content_key != 0): at most this many
   // bytes of expert slices stay on the device. 0: half of the device memory free when the
   // first one arrives.
@@ -184,11 +189,11 @@ class CudaBackend final : public Backend {
   std::string_view name() const override { return "cuda"; }
   const std::string& device_name() const;  // "NVIDIA H200 (sm_90, 132 SMs, 140.4 GiB)"
   CudaStats stats() const;
-  // Turns per-op timing (CudaOptions::profile) on or off between segments and clears the
-  // times gathered so far: `kiln bench --cuda-profile` times one extra pass of each test.
+  // Turns per-op timing on or off between segments and clears the times gathered so far:
+  // `kiln bench --cuda-profile` times one extra pass of each test. Run-time state of the
+  // profiler, not an option: CudaOptions::profile is only where it starts; every other
+  // CudaOptions field is fixed for the backend's life.
   void set_profile(bool on);
-  // CudaOptions::attention_warp_tiles for the ops recorded from now on (tests, benches).
-  void set_attention_warp_tiles(bool on);
 
   bool device_memory() const override { return true; }
   BackendBytes alloc_bytes(size_t bytes) override;

@@ -3,7 +3,7 @@
 // the tensor cores with f32 accumulation and f32 output. The rounding costs at most 2^-11 of
 // each operand (about 1e-3 of sum |w x|: the bound tests/cuda checks for this path), the same
 // trade llama.cpp's cuBLAS path makes; activations beyond the f16 range (65504) would
-// overflow, which V1's f32 tile kernel does not.
+// overflow, which the f32 tile kernel (matvec.cu, the fallback without cuBLAS) does not.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 

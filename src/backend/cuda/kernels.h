@@ -28,19 +28,20 @@ struct DeviceWeight {
 };
 
 // --- matvec.cu: y[t][r] = sum_c W[r][c] x[t][c], dequantization fused.
-// V1: the first kernels (one row per warp, activations read per lane from global memory; the
-// 64x64 f32 tile kernel above 16 tokens). V2: activations staged once per block in padded
-// shared memory (conflict-free 16-byte reads), float rows read with lane-contiguous 16-byte
-// loads, several rows per warp; above 16 tokens the weight is dequantized to f16 and cuBLAS
-// runs the product on tensor cores (f16 inputs, f32 accumulation; needs a GemmWorkspace
-// reserved for the shape, else the V1 tile kernel runs).
+// V2: activations staged once per block in padded shared memory (conflict-free 16-byte reads),
+// float rows read with lane-contiguous 16-byte loads, several rows per warp; above 16 tokens
+// the weight is dequantized to f16 and cuBLAS runs the product on tensor cores (f16 inputs, f32
+// accumulation; needs a GemmWorkspace reserved for the shape). Its fallbacks are the first
+// kernels (once selectable as V1, removed as a choice in issue 31): one row per warp with the
+// activations read per lane from global memory where they do not fit in shared memory, and
+// the 64x64 f32 tile kernel above 16 tokens without a workspace (no cuBLAS, or it refused).
 // V3 (matvec_q8.cu): decode and batched decode up to kQ8MaxTokens tokens with the activations
 // quantized once per call into int8 blocks of 32 (scale and sum, per token) and __dp4a dot
 // products for Q8_0 Q4_0 Q5_0 Q4_K Q5_K Q6_K; float weights up to 8 tokens with 16-byte loads
 // and f32 FMAs. Each output is one fixed reduction order whatever the number of tokens (bit-
 // identical per token, docs/determinism.md). Other types and shapes run V2. Needs the
 // activation scratch of launch_matmul_v3.
-enum class MatmulKernels { V1, V2, V3 };
+enum class MatmulKernels { V2, V3 };
 
 // The cuBLAS handle and f16 scratch of V2's many-token path. reserve() allocates (synchronous,
 // never inside a launcher); launch_matmul only uses what was reserved.
@@ -50,7 +51,7 @@ class GemmWorkspace {
   ~GemmWorkspace();
   GemmWorkspace(const GemmWorkspace&) = delete;
   GemmWorkspace& operator=(const GemmWorkspace&) = delete;
-  // Makes room for w times n_tok activations; false (and the tile-kernel fallback) when
+  // Makes room for w times n_tok activations; false (and the f32 tile-kernel fallback) when
   // cuBLAS is missing from the build or refuses.
   bool reserve(const DeviceWeight& w, int64_t n_tok);
   bool fits(const DeviceWeight& w, int64_t n_tok) const;
@@ -77,12 +78,12 @@ class GemmWorkspace {
 // the kernels the GEMM path runs into its scratch on every call, here for a cached copy.
 cudaError_t launch_dequant_f16(const DeviceWeight& w, void* out, cudaStream_t s);
 
-// Above this many tokens V2 uses the GEMM path (and V1 its tile kernel).
+// Above this many tokens V2 uses the GEMM path (without a workspace: the f32 tile kernel).
 inline constexpr int64_t kMatvecMaxTokens = 16;
 
+// V2 (MatmulKernels::V3 without its activation scratch runs this too: launch_matmul_v3).
 cudaError_t launch_matmul(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
-                          cudaStream_t s, MatmulKernels k = MatmulKernels::V1,
-                          GemmWorkspace* gemm = nullptr);
+                          cudaStream_t s, GemmWorkspace* gemm = nullptr);
 // --- matvec_q8.cu: MatmulKernels::V3.
 inline constexpr int64_t kQ8MaxTokens = 64;
 // Bytes of activation scratch launch_matmul_v3 needs for n_tok rows of n_cols (0 when the
@@ -125,14 +126,6 @@ cudaError_t launch_matvec_q8_group(std::span<const DeviceWeight> ws, std::span<f
 cudaError_t launch_matvec_float_v3_group(std::span<const DeviceWeight> ws,
                                          std::span<float* const> ys, const float* x,
                                          int64_t n_tok, int rows, cudaStream_t s);
-// One-token launch shapes of launch_matvec_q8 for cuda_matvec_bench --q8-variants (units in
-// flight per lane, rows per warp, a register cap for occupancy; 16-byte aligned rows only).
-// Variants 0-5 give the same bits; variant 0 is what launch_matvec_q8 runs. Variant 6 (Q4_K
-// only, cudaErrorNotSupported for the others) is Q4_K by single units per lane instead of pairs,
-// the mapping before the pairs, other bits, for the A/B.
-int matvec_q8_variants();
-cudaError_t launch_matvec_q8_variant(const DeviceWeight& w, const void* act, float* y, int variant,
-                                     cudaStream_t s);
 // V3's float-weight kernel (F32/F16/BF16 rows 16-byte aligned, n_cols % 8 == 0, 1-8 tokens)
 // with `rows` (1, 2 or 4) rows per warp sharing each activation load. Every `rows` gives the
 // same bits (one accumulation order per output); launch_matmul_v3 takes float_v3_rows's choice

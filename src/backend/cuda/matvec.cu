@@ -262,9 +262,11 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
-// ---- V2 (MatmulKernels::V2). V1 above reads each lane's 128 contiguous activation bytes
-// straight from global memory: every float4 load of a warp touches 32 different cache lines
-// (32 L1 wavefronts), which capped V1 near 3 weights per clock per SM whatever the type. V2
+// ---- V2 (MatmulKernels::V2). The first kernels above (once selectable as V1; now V2's
+// fallbacks: activations too wide for shared memory, and the tile kernel above 16 tokens
+// without a GEMM workspace) read each lane's 128 contiguous activation bytes straight from
+// global memory: every float4 load of a warp touches 32 different cache lines (32 L1
+// wavefronts), which capped them near 3 weights per clock per SM whatever the type. V2
 // stages the block's activations once in shared memory, each 32-element unit padded to 36
 // floats: 8 consecutive lanes (one shared-memory phase) then read 8 different 4-bank groups,
 // conflict-free. A block's 8 warps walk rows with a stride of the grid, so the staging is
@@ -479,7 +481,7 @@ cudaError_t launch_v2(K kernel, dim3 grid, size_t smem, const DeviceWeight& w, c
 }
 
 // V2 for up to kMatvecMaxTokens tokens; false when the activations do not fit in shared
-// memory (the caller runs V1).
+// memory (the caller runs launch_matvec, the first kernels).
 template <DType T, int A>
 bool launch_matvec_v2(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
                       cudaStream_t s, cudaError_t* err) {
@@ -538,12 +540,11 @@ void launch_matvec(const DeviceWeight& w, const float* x, int64_t n_tok, float* 
 
 template <DType T>
 cudaError_t matmul_typed(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
-                         cudaStream_t s, MatmulKernels k, GemmWorkspace* gemm) {
+                         cudaStream_t s, GemmWorkspace* gemm) {
   const auto* wb = reinterpret_cast<const uint8_t*>(w.data);
   // The caller hands a workspace only when it chose the GEMM for this shape (above 16 tokens,
   // or F16 weights above 8 under CudaMatmul::Auto).
-  if (k == MatmulKernels::V2 && gemm != nullptr && gemm->fits(w, n_tok))
-    return launch_gemm_f16(w, x, n_tok, y, s, *gemm);
+  if (gemm != nullptr && gemm->fits(w, n_tok)) return launch_gemm_f16(w, x, n_tok, y, s, *gemm);
   if (n_tok <= kMatvecMaxTokens) {
     // Up to 16 tokens: the weight is read at most twice; the tiled kernel would idle most
     // of its 64-token tile. Rows that start 16-byte aligned (GGUF data in the arena, with
@@ -551,12 +552,10 @@ cudaError_t matmul_typed(const DeviceWeight& w, const float* x, int64_t n_tok, f
     const bool aligned = reinterpret_cast<uintptr_t>(wb) % 16 == 0 && w.row_bytes % 16 == 0 &&
                          reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                          (!is_float_type(T) || w.n_cols % kUnit == 0);
-    if (k == MatmulKernels::V2) {
-      cudaError_t err = cudaSuccess;
-      const bool ran = aligned ? launch_matvec_v2<T, 16>(w, x, n_tok, y, s, &err)
-                               : launch_matvec_v2<T, 2>(w, x, n_tok, y, s, &err);
-      if (ran) return err;
-    }
+    cudaError_t err = cudaSuccess;
+    const bool ran = aligned ? launch_matvec_v2<T, 16>(w, x, n_tok, y, s, &err)
+                             : launch_matvec_v2<T, 2>(w, x, n_tok, y, s, &err);
+    if (ran) return err;
     if (aligned) {
       launch_matvec<T, 16>(w, x, n_tok, y, s);
     } else {
@@ -574,13 +573,11 @@ cudaError_t matmul_typed(const DeviceWeight& w, const float* x, int64_t n_tok, f
 }  // namespace
 
 cudaError_t launch_matmul(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
-                          cudaStream_t s, MatmulKernels k, GemmWorkspace* gemm) {
+                          cudaStream_t s, GemmWorkspace* gemm) {
   if (!cuda_supports(w.dtype)) return cudaErrorInvalidValue;
   if (w.n_rows == 0 || n_tok == 0) return cudaSuccess;
-  if (k == MatmulKernels::V3) k = MatmulKernels::V2;  // V3 without its scratch: launch_matmul_v3
   cudaError_t err = cudaSuccess;
-  dispatch_dtype(w.dtype,
-                 [&]<DType T>() { err = matmul_typed<T>(w, x, n_tok, y, s, k, gemm); });
+  dispatch_dtype(w.dtype, [&]<DType T>() { err = matmul_typed<T>(w, x, n_tok, y, s, gemm); });
   return err;
 }
 

@@ -458,11 +458,8 @@ __device__ __forceinline__ GroupTask group_task(const GroupArgs& g) {
 // consecutive rows (the activation words are loaded once for R rows). The token column varies
 // fastest, so the columns of one row block run together and share its weight bytes in L2.
 // U: units per lane whose loads are issued together (direct modes; Q4_K: U / 2 pairs, at least
-// one); PF: prefetch the first rows before pdl_enter(). Neither changes which units a lane sums
-// or in which order, so neither changes any output bit (nor does matvec_q8_kernel_mb's register
-// cap). Q4K_UNITS: Q4_K by single units as the other types, the mapping before the pairs (other
-// bits), kept only for --q8-variants' A/B (matvec_q4k_units_kernel).
-template <DType T, int NT, int R, int MODE, int U, bool PF, bool Q4K_UNITS = false>
+// one); it does not change which units a lane sums or in which order, so no output bit.
+template <DType T, int NT, int R, int MODE, int U>
 __device__ __forceinline__ void matvec_q8_body(const uint8_t* __restrict__ w, size_t row_bytes,
                                                int64_t n_rows, int64_t n_cols,
                                                const int8_t* __restrict__ xq,
@@ -470,7 +467,7 @@ __device__ __forceinline__ void matvec_q8_body(const uint8_t* __restrict__ w, si
                                                float* __restrict__ y, int64_t rb_first) {
   constexpr int kCU = MODE == kStaged ? q8_chunk_units<T>() : kWarp;
   constexpr int kCV = MODE == kStaged ? q8_chunk_bytes<T>() / 16 : 1;
-  constexpr bool kPairs = T == DType::Q4_K && !Q4K_UNITS;
+  constexpr bool kPairs = T == DType::Q4_K;
   static_assert(MODE != kStaged || (q8_chunk_bytes<T>() % 16 == 0 && kCU % kWarp == 0));
   static_assert(!(kPairs && MODE == kStaged));
   __shared__ uint4 stage[MODE == kStaged ? kQ8Warps : 1][MODE == kStaged ? R : 1][kCV];
@@ -480,7 +477,7 @@ __device__ __forceinline__ void matvec_q8_body(const uint8_t* __restrict__ w, si
   const int64_t n_units = n_cols / kBlk;
   const int8_t* xq_t = xq + t0 * n_cols;
   const float2* xd_t = xd + t0 * n_units;
-  if constexpr (PF) prefetch_first_rows<R, kQ8Warps>(w, row_bytes, n_rows, rb_first, lane, warp);
+  prefetch_first_rows<R, kQ8Warps>(w, row_bytes, n_rows, rb_first, lane, warp);
   pdl_enter();
   // Whole warps take the same rows: the __syncwarp()s below stay warp-uniform.
   // (A group's block: rb_first + gridDim.y is past its task's rows, one trip.)
@@ -584,13 +581,12 @@ __device__ __forceinline__ void matvec_q8_body(const uint8_t* __restrict__ w, si
     store_sums<R, NT>(acc, nt, lane, t0, r0, n_rows, y);
   }
 }
-template <DType T, int NT, int R, int MODE, int U = (R >= 4 ? 1 : 4 / R), bool PF = true>
+template <DType T, int NT, int R, int MODE, int U = (R >= 4 ? 1 : 4 / R)>
 __global__ void __launch_bounds__(kQ8Warps* kWarp)
     matvec_q8_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
                      int64_t n_cols, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                      int64_t n_tok, float* __restrict__ y) {
-  matvec_q8_body<T, NT, R, MODE, U, PF>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y,
-                                        blockIdx.y);
+  matvec_q8_body<T, NT, R, MODE, U>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y, blockIdx.y);
 }
 template <DType T, int NT, int R, int MODE>
 __global__ void __launch_bounds__(kQ8Warps* kWarp)
@@ -598,26 +594,8 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
                            const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                            int64_t n_tok) {
   const GroupTask t = group_task(g);
-  matvec_q8_body<T, NT, R, MODE, (R >= 4 ? 1 : 4 / R), true>(t.w, row_bytes, t.n_rows, n_cols, xq,
-                                                            xd, n_tok, t.y, t.rb);
-}
-// The same with at least MINB blocks per SM (a register cap: more warps in flight).
-template <DType T, int NT, int R, int MODE, int U, int MINB>
-__global__ void __launch_bounds__(kQ8Warps* kWarp, MINB)
-    matvec_q8_kernel_mb(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
-                        int64_t n_cols, const int8_t* __restrict__ xq,
-                        const float2* __restrict__ xd, int64_t n_tok, float* __restrict__ y) {
-  matvec_q8_body<T, NT, R, MODE, U, true>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y,
-                                          blockIdx.y);
-}
-// Q4_K by single units (Q4K_UNITS), for --q8-variants only.
-template <int NT, int R, int MODE, int U>
-__global__ void __launch_bounds__(kQ8Warps* kWarp)
-    matvec_q4k_units_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
-                            int64_t n_cols, const int8_t* __restrict__ xq,
-                            const float2* __restrict__ xd, int64_t n_tok, float* __restrict__ y) {
-  matvec_q8_body<DType::Q4_K, NT, R, MODE, U, true, true>(w, row_bytes, n_rows, n_cols, xq, xd,
-                                                          n_tok, y, blockIdx.y);
+  matvec_q8_body<T, NT, R, MODE, (R >= 4 ? 1 : 4 / R)>(t.w, row_bytes, t.n_rows, n_cols, xq, xd,
+                                                      n_tok, t.y, t.rb);
 }
 
 // ---- batched decode on the int8 tensor cores (MatmulKernels::V3 from mma_min_tokens tokens,
@@ -1506,18 +1484,11 @@ unsigned row_blocks(int64_t n_rows, int64_t rows_per_block) {
   return unsigned(std::min<int64_t>(n, 65535));  // the kernels loop over further row blocks
 }
 
-// MINB 0: matvec_q8_kernel (no register cap), else matvec_q8_kernel_mb.
-template <DType T, int NT, int R, int MODE, int U = (R >= 4 ? 1 : 4 / R), int MINB = 0,
-          bool PF = true>
+template <DType T, int NT, int R, int MODE>
 cudaError_t launch_q8_cfg(const DeviceWeight& w, const int8_t* xq, const float2* xd, int64_t n_tok,
                           float* y, cudaStream_t s) {
   const dim3 grid(unsigned((n_tok + NT - 1) / NT), row_blocks(w.n_rows, int64_t(kQ8Warps) * R));
-  if constexpr (MINB > 0)
-    return launch(matvec_q8_kernel_mb<T, NT, R, MODE, U, MINB>, grid, kQ8Warps * kWarp, 0, s,
-                  reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols, xq,
-                  xd, n_tok, y);
-  else
-    return launch(matvec_q8_kernel<T, NT, R, MODE, U, PF>, grid, kQ8Warps * kWarp, 0, s,
+  return launch(matvec_q8_kernel<T, NT, R, MODE>, grid, kQ8Warps * kWarp, 0, s,
                 reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols, xq, xd,
                 n_tok, y);
 }
@@ -1536,8 +1507,8 @@ cudaError_t with_q8_shape(const DeviceWeight& w, int64_t n_tok, F&& f) {
     } else {
       // Q4_K's pairs, one token: two rows per warp (the activation words loaded once for both)
       // measured 7-21 % faster than one on the 8B shape's 4096x14336, 14336x4096 and
-      // 4096x32000, within 5 % on 4096x1024 / 4096x4096 (H200, cuda_matvec_bench
-      // --q8-variants v4 against v0, session 9); R changes no bits.
+      // 4096x32000, within 5 % on 4096x1024 / 4096x4096 (H200, cuda_matvec_bench's one-token
+      // launch-shape A/B, since removed, v4 against v0, session 9); R changes no bits.
       if (n_tok == 1) {
         if constexpr (T == DType::Q4_K && MODE == kDirect16)
           return f.template operator()<1, 2, MODE>();
@@ -1631,54 +1602,7 @@ cudaError_t launch_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok
   });
 }
 
-// One-token variants for cuda_matvec_bench --q8-variants: 0-5 have variant 0's bits; 6 is Q4_K
-// by single units (the mapping before the pairs, other bits) for the A/B. The default launch
-// is variant 0's shape, but variant 4's (two rows per warp) for Q4_K on aligned rows.
-template <DType T, int MODE>
-cudaError_t launch_q8_variant_mode(const DeviceWeight& w, const int8_t* xq, const float2* xd,
-                                   float* y, int v, cudaStream_t s) {
-  switch (v) {
-    case 0: return launch_q8_cfg<T, 1, 1, MODE, 4, 0>(w, xq, xd, 1, y, s);
-    case 1: return launch_q8_cfg<T, 1, 1, MODE, 4, 12>(w, xq, xd, 1, y, s);
-    case 2: return launch_q8_cfg<T, 1, 1, MODE, 4, 16>(w, xq, xd, 1, y, s);
-    case 3: return launch_q8_cfg<T, 1, 1, MODE, 8, 0>(w, xq, xd, 1, y, s);
-    case 4: return launch_q8_cfg<T, 1, 2, MODE, 2, 0>(w, xq, xd, 1, y, s);
-    case 5: return launch_q8_cfg<T, 1, 1, MODE, 4, 0, false>(w, xq, xd, 1, y, s);
-    default: break;
-  }
-  if constexpr (T == DType::Q4_K && MODE == kDirect16) {
-    if (v == 6)
-      return launch(matvec_q4k_units_kernel<1, 1, MODE, 4>, dim3(1, row_blocks(w.n_rows, kQ8Warps)),
-                    kQ8Warps * kWarp, 0, s, reinterpret_cast<const uint8_t*>(w.data), w.row_bytes,
-                    w.n_rows, w.n_cols, xq, xd, int64_t(1), y);
-  }
-  return cudaErrorNotSupported;
-}
-
 }  // namespace
-
-int matvec_q8_variants() { return 7; }
-
-cudaError_t launch_matvec_q8_variant(const DeviceWeight& w, const void* act, float* y, int variant,
-                                     cudaStream_t s) {
-  if (!matvec_q8_supports(w.dtype) || act_q8_bytes(w.n_cols, 1) == 0 ||
-      reinterpret_cast<uintptr_t>(act) % 16 != 0 || reinterpret_cast<uintptr_t>(w.data) % 16 != 0 ||
-      w.row_bytes % 16 != 0 || (w.dtype == DType::Q4_K && w.n_cols % 256 != 0))
-    return cudaErrorInvalidValue;
-  if (w.n_rows == 0) return cudaSuccess;
-  const auto* xq = static_cast<const int8_t*>(act);
-  const auto* xd = reinterpret_cast<const float2*>(xq + align16(size_t(w.n_cols)));
-  cudaError_t err = cudaErrorInvalidValue;
-  dispatch_dtype(w.dtype, [&]<DType T>() {
-    if constexpr (q8_chunk_units<T>() > 0) {
-      if ((w.n_cols / kBlk) % q8_chunk_units<T>() == 0)
-        err = launch_q8_variant_mode<T, kStaged>(w, xq, xd, y, variant, s);
-    } else if constexpr (q8_block_bytes<T>() > 0) {
-      err = launch_q8_variant_mode<T, kDirect16>(w, xq, xd, y, variant, s);
-    }
-  });
-  return err;
-}
 
 bool matvec_q8_supports(DType t) {
   switch (t) {
@@ -1832,7 +1756,7 @@ cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_to
   if (float_v3_fits(w, x, n_tok))
     return launch_matvec_float_v3(w, x, n_tok, y, float_v3_rows(w.dtype, n_tok, w.n_rows, w.n_cols),
                                   s);
-  return launch_matmul(w, x, n_tok, y, s, MatmulKernels::V2, gemm);
+  return launch_matmul(w, x, n_tok, y, s, gemm);
 }
 
 cudaError_t launch_matvec_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok,

@@ -1,0 +1,275 @@
+// backend/cuda/ops_attention.cpp: the op table's attention and KV-plane stores (cuda_backend.h):
+// attention, attention_batch (the split-kernel sequences of a decode step in one launch pair),
+// store_rows_f16 and store_rows_f16_batch, resident or on host spans.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <vector>
+
+#include "backend/cuda/backend_impl.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_util.h"
+#include "backend/cuda/kernels.h"
+#include "core/check.h"
+#include "core/log.h"
+
+namespace kiln {
+
+using cuda::check_cuda;
+
+namespace {
+void check_attention_args(const AttentionArgs& a) {
+  KILN_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0);
+  KILN_CHECK(a.head_dim > 0 && a.head_dim <= 256, "cuda attention: head_dim {} (at most 256)",
+             a.head_dim);
+  const int64_t hd = a.head_dim, q_w = a.n_head * hd, kv_w = a.n_head_kv * hd;
+  const int64_t n_kv = static_cast<int64_t>(a.kv_rows.size());
+  KILN_CHECK(static_cast<int64_t>(a.q.size()) == a.n_q * q_w);
+  KILN_CHECK(a.out.size() == a.q.size());
+  KILN_CHECK(static_cast<int64_t>(a.q_pos.size()) == a.n_q);
+  KILN_CHECK(static_cast<int64_t>(a.kv_pos.size()) == n_kv);
+  KILN_CHECK(a.k.size() == a.v.size() && a.k.size() % kv_w == 0);
+  const int64_t n_phys = static_cast<int64_t>(a.k.size()) / kv_w;
+  for (int32_t r : a.kv_rows) KILN_CHECK(r >= 0 && r < n_phys, "kv row {} of {}", r, n_phys);
+}
+
+// The kernel's view of a: its shapes and scalars for n_kv keys (the pointers are set by the
+// caller, which knows where each array lives).
+// warp_tiles: CudaOptions::attention_warp_tiles, taken where the kernel can serve the planes.
+cuda::DeviceAttention attention_shape(const AttentionArgs& a, int64_t n_kv, bool warp_tiles) {
+  cuda::DeviceAttention d;
+  d.warp_tiles = warp_tiles && cuda::attention_warp_tiles_fit(a.head_dim, a.k.data(), a.v.data());
+  d.n_q = a.n_q;
+  d.n_kv = n_kv;
+  d.n_head = a.n_head;
+  d.n_head_kv = a.n_head_kv;
+  d.head_dim = a.head_dim;
+  d.window = a.window;
+  d.scale = a.scale;
+  d.softcap = a.softcap;
+  d.out = a.out.data();
+  return d;
+}
+
+void check_store_rows(std::span<const float> src, int64_t width, std::span<const int32_t> rows,
+                      std::span<const f16> plane) {
+  KILN_CHECK(width > 0 && src.size() == rows.size() * static_cast<size_t>(width));
+  KILN_CHECK(plane.size() % width == 0);
+  const int64_t n_phys = static_cast<int64_t>(plane.size()) / width;
+  for (int32_t r : rows) KILN_CHECK(r >= 0 && r < n_phys, "row {} of {}", r, n_phys);
+}
+}  // namespace
+
+void CudaBackend::store_rows_f16(std::span<const float> src, int64_t width,
+                                 std::span<const int32_t> rows, std::span<f16> plane) {
+  check_store_rows(src, width, rows, plane);
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  if (I.mem.is_dev(plane.data())) {
+    I.enter();
+    I.seg.room(I.float_room(src) + I.seg.host_bytes(rows));
+    const float* dsrc = I.floats(src);
+    const int32_t* drows = I.seg.ints(rows);
+    auto* dplane = reinterpret_cast<uint16_t*>(plane.data());
+    const auto nr = static_cast<int64_t>(rows.size());
+    I.seg.sig("store_rows_f16", dsrc, width, drows, nr, dplane);
+    I.seg.record("store_rows_f16", [=](cudaStream_t st) {
+      return cuda::launch_store_rows_f16(dsrc, width, drows, nr, dplane, st);
+    });
+    return;
+  }
+  I.host.begin({src.data()}, "store_rows_f16");
+  // The plane lives on the host here: convert into dense rows on the device, then scatter on
+  // the host; a device-resident plane passes its own rows to the same kernel.
+  std::vector<int32_t> dense(rows.size());
+  std::iota(dense.begin(), dense.end(), 0);
+  const float* dsrc = I.host.upload<float>(0, src);
+  const int32_t* drows = I.host.upload<int32_t>(1, std::span<const int32_t>(dense));
+  uint16_t* dout = I.host.buffer<uint16_t>(2, src.size());
+  I.host.launch("store_rows_f16", [&] {
+    return cuda::launch_store_rows_f16(dsrc, width, drows, static_cast<int64_t>(rows.size()), dout,
+                                       I.s());
+  });
+  std::vector<f16> host(src.size());
+  check_cuda(
+      cudaMemcpyAsync(host.data(), dout, host.size() * sizeof(f16), cudaMemcpyDeviceToHost, I.s()),
+      "copy to host");
+  I.host.finish("store_rows_f16");
+  for (size_t i = 0; i < rows.size(); ++i)
+    std::copy_n(host.begin() + static_cast<ptrdiff_t>(i * width), width,
+                plane.begin() + static_cast<ptrdiff_t>(rows[i] * width));
+}
+
+// The sequences that take the split kernel run as one launch pair (plan_attention_batch gives
+// each the plan it would get alone, so each out has attention()'s bits); prefill-sized ones
+// (the tile kernel) and host-span calls run one attention() each.
+void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
+  Impl& I = *impl_;
+  std::vector<const AttentionArgs*> batched;
+  {
+    std::lock_guard lock(I.mu);
+    for (const AttentionArgs& a : seqs) {
+      check_attention_args(a);
+      const cuda::DeviceAttention shape =
+          attention_shape(a, static_cast<int64_t>(a.kv_rows.size()), I.opts.attention_warp_tiles);
+      const AttentionArgs& a0 = seqs.front();
+      // One kernel serves the launch: every item must take the first one's (warp tiles or not).
+      const bool same_kernel =
+          shape.warp_tiles == attention_shape(a0, 0, I.opts.attention_warp_tiles).warp_tiles;
+      if (same_kernel && I.mem.is_dev(a.out.data()) && I.mem.is_dev(a.k.data()) &&
+          I.mem.is_dev(a.v.data()) && a.n_q > 0 && !a.kv_rows.empty() && a.head_dim % 2 == 0 &&
+          a.n_head == a0.n_head && a.n_head_kv == a0.n_head_kv && a.head_dim == a0.head_dim &&
+          !cuda::attention_uses_tiles(shape))
+        batched.push_back(&a);
+    }
+  }
+  if (batched.size() < 2) batched.clear();
+  for (const AttentionArgs& a : seqs)
+    if (std::find(batched.begin(), batched.end(), &a) == batched.end()) attention(a);
+  if (batched.empty()) return;
+
+  std::lock_guard lock(I.mu);
+  I.enter();
+  std::vector<cuda::AttentionBatchItem> items(batched.size());
+  std::vector<size_t> pads(batched.size(), 0);
+  size_t part_floats = 0, room = 0;
+  for (size_t i = 0; i < batched.size(); ++i) {
+    const AttentionArgs& a = *batched[i];
+    const auto n_kv = static_cast<int64_t>(a.kv_rows.size());
+    pads[i] = I.seg.kv_pad(n_kv);  // exactly as attention() pads it alone
+    cuda::DeviceAttention& d = items[i].a;
+    d = attention_shape(a, std::max<int64_t>(n_kv, static_cast<int64_t>(pads[i])),
+                        I.opts.attention_warp_tiles);
+    part_floats += cuda::attention_scratch_floats(d, I.n_sm);
+    room += I.float_room(a.q) + I.seg.host_bytes(a.kv_rows, pads[i]) +
+            I.seg.host_bytes(a.kv_pos, pads[i]) + I.seg.host_bytes(a.q_pos);
+  }
+  // Scratch first (growing it flushes), then every staged array and the table.
+  float* part = I.internal<float>(I.attn_part, part_floats, I.attn_cap);
+  I.seg.room(room + items.size() * sizeof(cuda::AttentionBatchItem) + 16);
+  size_t off = 0;
+  for (size_t i = 0; i < batched.size(); ++i) {
+    const AttentionArgs& a = *batched[i];
+    cuda::DeviceAttention& d = items[i].a;
+    d.q = I.floats(a.q);
+    d.k = reinterpret_cast<const uint16_t*>(a.k.data());
+    d.v = reinterpret_cast<const uint16_t*>(a.v.data());
+    d.kv_rows = I.seg.ints(a.kv_rows, pads[i], 0);
+    d.kv_pos = I.seg.ints(a.kv_pos, pads[i], INT32_MAX);
+    d.q_pos = I.seg.ints(a.q_pos);
+    items[i].part = part + off;
+    off += cuda::attention_scratch_floats(d, I.n_sm);
+  }
+  cuda::plan_attention_batch(items, I.n_sm);
+  const auto* table = reinterpret_cast<const cuda::AttentionBatchItem*>(
+      I.seg.stage(items.data(), items.size() * sizeof(cuda::AttentionBatchItem),
+                  items.size() * sizeof(cuda::AttentionBatchItem)));
+  I.seg.sig("attention_batch", table, items.size(), part);
+  for (const cuda::AttentionBatchItem& it : items) {
+    const cuda::DeviceAttention& d = it.a;
+    I.seg.sig("attention_batch", d.q, d.k, d.v, d.kv_rows, d.kv_pos, d.q_pos, d.n_q, d.n_kv,
+              d.n_head, d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out, d.warp_tiles);
+  }
+  if (I.prof.on()) I.seg.label(fmt::format("attention x{} sequences (one launch)", items.size()));
+  I.seg.record("attention_batch",
+               [=](cudaStream_t st) { return cuda::launch_attention_batch(table, items, st); });
+}
+
+void CudaBackend::store_rows_f16_batch(std::span<const StoreRowsTask> tasks) {
+  Impl& I = *impl_;
+  bool resident = tasks.size() > 1 && tasks.size() <= 65535;
+  {
+    std::lock_guard lock(I.mu);
+    for (const StoreRowsTask& t : tasks) {
+      check_store_rows(t.src, t.width, t.rows, t.plane);
+      resident = resident && I.mem.is_dev(t.plane.data());
+    }
+  }
+  if (!resident) {
+    Backend::store_rows_f16_batch(tasks);
+    return;
+  }
+  std::lock_guard lock(I.mu);
+  I.enter();
+  size_t room = tasks.size() * sizeof(cuda::StoreRowsItem) + 16;
+  for (const StoreRowsTask& t : tasks) room += I.float_room(t.src) + I.seg.host_bytes(t.rows);
+  I.seg.room(room);
+  std::vector<cuda::StoreRowsItem> items(tasks.size());
+  int64_t most = 0;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const StoreRowsTask& t = tasks[i];
+    items[i].src = I.floats(t.src);
+    items[i].rows = I.seg.ints(t.rows);
+    items[i].n_rows = static_cast<int64_t>(t.rows.size());
+    items[i].width = t.width;
+    items[i].plane = reinterpret_cast<uint16_t*>(t.plane.data());
+    most = std::max(most, items[i].n_rows * t.width);
+  }
+  const auto* table = reinterpret_cast<const cuda::StoreRowsItem*>(
+      I.seg.stage(items.data(), items.size() * sizeof(cuda::StoreRowsItem),
+                  items.size() * sizeof(cuda::StoreRowsItem)));
+  I.seg.sig("store_rows_f16_batch", table, items.size(), most);
+  for (const cuda::StoreRowsItem& it : items)
+    I.seg.sig("store_rows_f16_batch", it.src, it.rows, it.n_rows, it.width, it.plane);
+  const int n = static_cast<int>(items.size());
+  if (I.prof.on()) I.seg.label(fmt::format("store_rows_f16 x{} (one launch)", n));
+  I.seg.record("store_rows_f16_batch", [=](cudaStream_t st) {
+    return cuda::launch_store_rows_f16_batch(table, n, most, st);
+  });
+}
+
+void CudaBackend::attention(const AttentionArgs& a) {
+  check_attention_args(a);
+  const int64_t n_kv = static_cast<int64_t>(a.kv_rows.size());
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  if (I.mem.is_dev(a.out.data())) {
+    KILN_CHECK(I.mem.is_dev(a.k.data()) && I.mem.is_dev(a.v.data()),
+               "cuda attention: device output needs device KV planes");
+    I.enter();
+    const size_t pad_n = I.seg.kv_pad(n_kv);
+    cuda::DeviceAttention d = attention_shape(
+        a, std::max<int64_t>(n_kv, static_cast<int64_t>(pad_n)), I.opts.attention_warp_tiles);
+    // Scratch first: growing it flushes, which restarts staging, so nothing may be staged
+    // for this op before (the staged pointers would then name reused staging space).
+    float* part =
+        I.internal<float>(I.attn_part, cuda::attention_scratch_floats(d, I.n_sm), I.attn_cap);
+    I.seg.room(I.float_room(a.q) + I.seg.host_bytes(a.kv_rows, pad_n) +
+               I.seg.host_bytes(a.kv_pos, pad_n) + I.seg.host_bytes(a.q_pos));
+    d.q = I.floats(a.q);
+    d.k = reinterpret_cast<const uint16_t*>(a.k.data());
+    d.v = reinterpret_cast<const uint16_t*>(a.v.data());
+    d.kv_rows = I.seg.ints(a.kv_rows, pad_n, 0);
+    d.kv_pos = I.seg.ints(a.kv_pos, pad_n, INT32_MAX);
+    d.q_pos = I.seg.ints(a.q_pos);
+    const int n_sm = I.n_sm;
+    I.seg.sig("attention", d.q, d.k, d.v, d.kv_rows, d.kv_pos, d.q_pos, d.n_q, d.n_kv, d.n_head,
+              d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out, part, d.warp_tiles);
+    I.seg.record("attention",
+                 [=](cudaStream_t st) { return cuda::launch_attention(d, part, n_sm, st); });
+    return;
+  }
+  I.host.begin({a.q.data(), a.k.data(), a.v.data()}, "attention");
+  // Host spans: whether the kernel fits is decided on the device copies, below.
+  cuda::DeviceAttention d = attention_shape(a, n_kv, false);
+  d.q = I.host.upload<float>(0, a.q);
+  d.k = reinterpret_cast<const uint16_t*>(I.host.upload<f16>(1, a.k));
+  d.v = reinterpret_cast<const uint16_t*>(I.host.upload<f16>(2, a.v));
+  d.kv_rows = I.host.upload<int32_t>(3, a.kv_rows);
+  d.kv_pos = I.host.upload<int32_t>(4, a.kv_pos);
+  d.q_pos = I.host.upload<int32_t>(5, a.q_pos);
+  d.warp_tiles =
+      I.opts.attention_warp_tiles && cuda::attention_warp_tiles_fit(a.head_dim, d.k, d.v);
+  float* dout = I.host.buffer<float>(6, a.out.size());
+  d.out = dout;
+  float* part = I.host.buffer<float>(7, cuda::attention_scratch_floats(d, I.n_sm));
+  I.host.launch("attention", [&] { return cuda::launch_attention(d, part, I.n_sm, I.s()); });
+  I.host.download(a.out, static_cast<const float*>(dout));
+  I.host.finish("attention");
+}
+
+}  // namespace kiln
