@@ -61,13 +61,20 @@ Expected<std::string> render(const TemplateArgs& a) {
   if (a.bos_token) bos = *a.bos_token;
   if (a.eos_token) eos = *a.eos_token;
 
-  KILN_ASSIGN_OR_RETURN(std::string messages_text, read_text(a.messages_file));
+  // The array itself ('[' first) or a file holding it.
+  const size_t first = a.messages_file.find_first_not_of(" \t\r\n");
+  const bool inline_json = first != std::string::npos && a.messages_file[first] == '[';
+  const std::string where = inline_json ? std::string("--messages") : "'" + a.messages_file + "'";
+  std::string messages_text = a.messages_file;
+  if (!inline_json) {
+    KILN_ASSIGN_OR_RETURN(messages_text, read_text(a.messages_file));
+  }
   nlohmann::ordered_json messages = nlohmann::ordered_json::parse(messages_text, nullptr, false);
-  if (messages.is_discarded()) return Status::errorf("'{}' is not valid JSON", a.messages_file);
-  if (!messages.is_array()) return Status::errorf("'{}' must hold a JSON array of messages", a.messages_file);
+  if (messages.is_discarded()) return Status::errorf("{} is not valid JSON", where);
+  if (!messages.is_array()) return Status::errorf("{} must hold a JSON array of messages", where);
   for (size_t k = 0; k < messages.size(); ++k)
     if (!messages[k].is_object() || !messages[k].contains("role"))
-      return Status::errorf("'{}': message {} is not an object with a \"role\"", a.messages_file, k);
+      return Status::errorf("{}: message {} is not an object with a \"role\"", where, k);
 
   nlohmann::ordered_json ctx = nlohmann::ordered_json::object();
   ctx["messages"] = std::move(messages);
@@ -85,7 +92,7 @@ void add_template_command(CLI::App& app, int& exit_code) {
   auto* m = cmd->add_option("-m,--model", a->model, "GGUF file whose tokenizer.chat_template is used");
   auto* t = cmd->add_option("--template", a->template_file, "Jinja template file");
   m->excludes(t);
-  cmd->add_option("--messages", a->messages_file, "JSON array of {\"role\", \"content\"} messages")->required();
+  cmd->add_option("--messages", a->messages_file, "a JSON array of {\"role\", \"content\"} messages, or a file holding one")->required();
   cmd->add_flag("--add-generation-prompt", a->add_generation_prompt, "end with the assistant prompt");
   cmd->add_option_function<std::string>("--bos-token", [a](const std::string& s) { a->bos_token = s; }, "bos_token value");
   cmd->add_option_function<std::string>("--eos-token", [a](const std::string& s) { a->eos_token = s; }, "eos_token value");

@@ -185,6 +185,24 @@ TEST(KilnRun, StdinPromptUnboundedLengthAndRandomSeed) {
   expect_clean_error(run_kiln({"run", "-m", model, "-p", prompt, "--seed", "-5"}), "--seed -5");
 }
 
+// kiln template --messages takes the JSON array itself, as its help says, or a file holding it.
+TEST(KilnTemplate, MessagesInlineOrFromAFile) {
+  const std::string tmpl = testing::shared_dir() + "/testdata/templates/Apertus-8B-Instruct.jinja";
+  const std::string msgs = R"([{"role": "user", "content": "Hello there"}])";
+  Proc inline_json = run_kiln({"template", "--template", tmpl, "--messages", msgs,
+                               "--add-generation-prompt"});
+  ASSERT_EQ(inline_json.rc, 0) << inline_json.err;
+  EXPECT_NE(inline_json.out.find("Hello there"), std::string::npos) << inline_json.out;
+  const std::string file = testing::temp_dir() + "/messages.json";
+  testing::write_file(file, msgs);
+  Proc from_file = run_kiln({"template", "--template", tmpl, "--messages", file,
+                             "--add-generation-prompt"});
+  ASSERT_EQ(from_file.rc, 0) << from_file.err;
+  EXPECT_EQ(inline_json.out, from_file.out);
+  expect_clean_error(run_kiln({"template", "--template", tmpl, "--messages", "[{\"x\": 1}]"}),
+                     "--messages: message 0");
+}
+
 TEST(KilnRun, DemoModelIsTheDefault) {
   Proc p = run_kiln({"run", "-p", "Once upon a time", "-n", "8", "--temp", "0", "--stats"});
   ASSERT_EQ(p.rc, 0) << p.err;
