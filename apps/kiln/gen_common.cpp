@@ -17,20 +17,20 @@ namespace fs = std::filesystem;
 
 Expected<std::string> resolve_model_path(const std::string& model, const Config& config) {
   if (!model.empty()) return model;
-  const std::string rel = "testdata/models/stories260K.gguf";
-  std::string shared = config.shared_dir;
-  if (shared.empty()) {
-    std::error_code ec;
-    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-    if (ec) return Status::error("no -m MODEL given and the kiln binary's path is unknown");
-    // <repo>/build/<preset>/kiln -> <repo>/../shared
-    shared = (exe.parent_path().parent_path().parent_path().parent_path() / "shared").string();
+  const std::string name = "stories260K.gguf";
+  std::vector<fs::path> tried;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    tried.push_back(exe.parent_path() / "models" / name);                       // build tree
+    tried.push_back(exe.parent_path().parent_path() / "share/kiln/models" / name);  // installed
   }
-  const fs::path p = fs::path(shared) / rel;
-  if (!fs::exists(p))
-    return Status::errorf("no -m MODEL given and the demo model '{}' does not exist (set "
-                          "--shared-dir or KILN_SHARED_DIR)", p.string());
-  return p.string();
+  if (!config.shared_dir.empty()) tried.push_back(fs::path(config.shared_dir) / "testdata/models" / name);
+  for (const fs::path& p : tried)
+    if (fs::exists(p)) return p.string();
+  return Status::errorf("no -m MODEL given and the demo model {} is not where it is installed "
+                        "({}); give -m MODEL",
+                        name, tried.empty() ? std::string("?") : tried.front().string());
 }
 
 std::string hash_ids(std::span<const int32_t> ids) {

@@ -13,9 +13,9 @@
 
 namespace kiln::app {
 
-// `model` if given; else the demo model testdata/models/stories260K.gguf under
-// config.shared_dir, or under <repo>/../shared where the running binary is
-// <repo>/build/<preset>/kiln.
+// `model` if given; else the demo model stories260K.gguf shipped with kiln: models/ beside the
+// binary (the build tree), ../share/kiln/models (an installed tree), or, when --shared-dir is
+// set, its testdata/models.
 Expected<std::string> resolve_model_path(const std::string& model, const Config& config);
 
 // xxhash64 of the ids' little-endian int32 bytes, as 16 hex digits.

@@ -14,8 +14,6 @@ KILN_CONFIG_ENTRY(User, std::string, log_level, "notice",
 KILN_CONFIG_ENTRY(User, bool, stats, false, "print counters and timers when the command ends")
 KILN_CONFIG_ENTRY(User, bool, mlock, false,
                   "lock the mapped weights in RAM (mlock); falls back with a notice if refused")
-KILN_CONFIG_ENTRY(User, std::string, shared_dir, "",
-                  "folder with testdata/ (demo model); empty: ../shared beside the checkout")
 KILN_CONFIG_ENTRY(User, std::string, device, "auto",
                   "cuda, cpu, or auto (cuda when this build has it and a GPU is present)")
 KILN_CONFIG_ENTRY(User, int64_t, tensor_parallel, 1,
@@ -34,6 +32,9 @@ KILN_CONFIG_ENTRY(User, bool, expert_prefetch, false,
                   "MoE streaming: while a layer runs, load the experts the next layer used last")
 
 // ---- Dev: tests, bisecting, benchmarks (`--dev name=value`)
+KILN_CONFIG_ENTRY(Dev, std::string, shared_dir, "",
+                  "a folder with testdata/models/stories260K.gguf, where the demo model is looked "
+                  "for after the one shipped beside the binary")
 KILN_CONFIG_ENTRY(Dev, std::string, expert_device_policy, "lfu",
                   "CUDA expert tier eviction order: lfu (fewest uses, counts halving over "
                   "time) or lru; same outputs")

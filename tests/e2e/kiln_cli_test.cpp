@@ -208,6 +208,9 @@ TEST(KilnRun, DemoModelIsTheDefault) {
   ASSERT_EQ(p.rc, 0) << p.err;
   EXPECT_FALSE(p.out.empty());
   EXPECT_NE(p.err.find("stories260K.gguf"), std::string::npos) << p.err;
+  // The copy shipped beside the binary, not ../shared's: a clone alone runs the demo.
+  EXPECT_EQ(p.err.find("testdata/models"), std::string::npos) << p.err;
+  EXPECT_NE(p.err.find("/models/stories260K.gguf"), std::string::npos) << p.err;
   EXPECT_NE(p.err.find("KV cache"), std::string::npos) << p.err;
 }
 
