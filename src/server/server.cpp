@@ -7,6 +7,9 @@
 
 #include <httplib.h>
 #include <signal.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <atomic>
@@ -38,6 +41,41 @@ namespace {
 int64_t unix_seconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(
              std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// The socket of the connection a request came on, or -1. cpp-httplib 0.11 hands a handler no
+// connection, and a non-streaming request whose client has gone must still stop generating:
+// the connection is found by its two addresses among this process's sockets. Safe because
+// httplib keeps that socket open until the handler returns, so the fd cannot be reused while
+// the handler polls it.
+int connection_fd(const httplib::Request& req) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
+    int fd = -1;
+    try {
+      fd = std::stoi(entry.path().filename().string());
+    } catch (const std::exception&) {
+      continue;
+    }
+    sockaddr_storage local{}, peer{};
+    socklen_t ll = sizeof local, pl = sizeof peer;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ll) != 0) continue;
+    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0) continue;
+    auto port_of = [](const sockaddr_storage& a) {
+      if (a.ss_family == AF_INET) return int(ntohs(reinterpret_cast<const sockaddr_in&>(a).sin_port));
+      if (a.ss_family == AF_INET6) return int(ntohs(reinterpret_cast<const sockaddr_in6&>(a).sin6_port));
+      return -1;
+    };
+    if (port_of(local) == req.local_port && port_of(peer) == req.remote_port) return fd;
+  }
+  return -1;
+}
+
+// Whether the peer of `fd` has closed its side (or the socket failed).
+bool peer_gone(int fd) {
+  if (fd < 0) return false;
+  pollfd p{fd, POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
 void send_error(httplib::Response& res, const ApiError& e) {
@@ -396,9 +434,16 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   job->n_prompt = static_cast<int32_t>(n_prompt);
 
   if (!r.stream) {
+    // A client that goes away cancels the request within a poll period, as a stream's does.
+    const int fd = connection_fd(req);
+    auto checked = std::chrono::steady_clock::now();
     for (;;) {
-      auto e = job->stream->next(1000ms);
-      if (!e) continue;  // the scheduler always ends a request (shutdown cancels)
+      auto e = job->stream->next(100ms);
+      if (const auto now = std::chrono::steady_clock::now(); now - checked >= 100ms) {
+        checked = now;
+        if (peer_gone(fd)) job->stream->cancel();  // the scheduler then ends the request
+      }
+      if (!e) continue;  // the scheduler always ends a request (shutdown and cancel too)
       if (e->kind == GenEvent::Kind::kToken) {
         if (!job->done) job->on_token(*e);
         continue;

@@ -228,6 +228,36 @@ TEST(Server, BodyLimitHoldsForChunkedBodiesAndAnyContentType) {
   EXPECT_NE(big->body.find("request_too_large"), std::string::npos) << big->body;
 }
 
+// A non-streaming request whose client goes away is cancelled within about a second, as a
+// stream's is (it used to generate to max_tokens).
+TEST(Server, NonStreamingRequestOfAGoneClientIsCancelled) {
+  ServerOptions o;
+  o.n_ctx = 2048;  // 2000 tokens take ~0.8 s on one thread here, far more under sanitizers
+  Running r = start(o);
+  auto cancelled = [&] {
+    const std::string m = r.cli->Get("/metrics")->body;
+    const std::string key = "\nkiln_requests_cancelled_total ";
+    const size_t at = m.find(key);
+    return at == std::string::npos ? -1.0 : std::stod(m.substr(at + key.size()));
+  };
+  const double before = cancelled();
+  ASSERT_GE(before, 0);
+  {
+    httplib::Client c("127.0.0.1", r.srv->port());
+    c.set_read_timeout(0, 50000);  // gives up after 50 ms and closes the connection
+    auto res = c.Post("/v1/completions",
+                      json{{"prompt", "Once"}, {"max_tokens", 2000}, {"logit_bias", kNoEos}}.dump(),
+                      "application/json");
+    EXPECT_FALSE(res) << "a 2000-token answer in 50 ms?";
+  }
+  double after = before;
+  for (int i = 0; i < 50 && after == before; ++i) {
+    std::this_thread::sleep_for(100ms);
+    after = cancelled();
+  }
+  EXPECT_EQ(after, before + 1) << "the request kept generating after its client left";
+}
+
 TEST(Server, StreamsSseWithUsageAndDone) {
   Running r = start({});
   const json body = {{"messages", {{{"role", "user"}, {"content", "Tell me a story"}}}},
