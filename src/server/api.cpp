@@ -193,6 +193,32 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
     if (r.prompt.empty() && r.prompt_ids.empty()) return bad("prompt", "'prompt' must not be empty");
   }
 
+  // Fail closed: a field this server does not implement is refused by name, never ignored
+  // (a client relying on tools or response_format must not get plain text back as if they
+  // had been applied). `user` is an end-user id for the caller's records: no effect to apply.
+  static constexpr std::string_view kCommon[] = {
+      "model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty",
+      "presence_penalty", "frequency_penalty", "seed", "stream", "stream_options", "stop",
+      "logit_bias", "logprobs", "user"};
+  static constexpr std::string_view kChat[] = {"messages", "top_logprobs"};
+  static constexpr std::string_view kText[] = {"prompt"};
+  for (auto kv = j.begin(); kv != j.end(); ++kv) {
+    const std::string_view key = kv.key();
+    auto has = [&](std::span<const std::string_view> set) {
+      return std::find(set.begin(), set.end(), key) != set.end();
+    };
+    if (has(kCommon) || has(chat ? std::span<const std::string_view>(kChat)
+                                 : std::span<const std::string_view>(kText)))
+      continue;
+    return bad(std::string(key),
+               fmt::format("'{}' is not supported by this server{}", key,
+                           has(chat ? std::span<const std::string_view>(kText)
+                                    : std::span<const std::string_view>(kChat))
+                               ? (chat ? " on /v1/chat/completions" : " on /v1/completions")
+                               : ""),
+               "unsupported_parameter");
+  }
+
   int64_t v = 0;
   bool present = false;
   KILN_API_TRY(get_int(j, "n", INT64_MIN, INT64_MAX, v, present));
@@ -209,6 +235,10 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
   KILN_API_TRY(get_number(j, "top_p", 0.0f, 1.0f, r.top_p));
   KILN_API_TRY(get_number(j, "presence_penalty", -2.0f, 2.0f, r.presence_penalty));
   KILN_API_TRY(get_number(j, "frequency_penalty", -2.0f, 2.0f, r.frequency_penalty));
+  KILN_API_TRY(get_number(j, "min_p", 0.0f, 1.0f, r.min_p));
+  KILN_API_TRY(get_number(j, "repeat_penalty", 0.0f, 10.0f, r.repeat_penalty));
+  KILN_API_TRY(get_int(j, "top_k", 0, INT32_MAX, v, present));
+  if (present) r.top_k = static_cast<int32_t>(v);
   KILN_API_TRY(get_int(j, "seed", INT64_MIN, INT64_MAX, v, present));
   if (present) r.seed = static_cast<uint64_t>(v);
   KILN_API_TRY(get_bool(j, "stream", r.stream));

@@ -42,6 +42,9 @@ struct CompletionRequest {
   float temperature = 1.0f;
   float top_p = 1.0f;
   float presence_penalty = 0, frequency_penalty = 0;
+  int32_t top_k = 0;             // llama.cpp's extension; 0: off
+  float min_p = 0;               // llama.cpp's extension; 0: off
+  float repeat_penalty = 1.0f;   // llama.cpp's extension; 1: off
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;  // at most 4, each non-empty
   bool stream = false;

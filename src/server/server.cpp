@@ -399,8 +399,9 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   p.top_logprobs = r.top_logprobs;
   p.sampling.temperature = r.temperature;  // 0: greedy
   p.sampling.top_p = r.top_p;
-  p.sampling.top_k = 0;
-  p.sampling.min_p = 0;
+  p.sampling.top_k = r.top_k;
+  p.sampling.min_p = r.min_p;
+  p.sampling.repeat_penalty = r.repeat_penalty;
   p.sampling.presence_penalty = r.presence_penalty;
   p.sampling.frequency_penalty = r.frequency_penalty;
   for (const auto& [id, bias] : r.logit_bias)

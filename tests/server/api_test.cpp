@@ -55,6 +55,17 @@ TEST(Api, RejectsBadRequestsNamingTheField) {
       {R"({"prompt": [1, -2]})", false, "prompt"},
       {R"({"prompt": {"x": 1}})", false, "prompt"},
       {R"({"prompt": "x", "logprobs": 30})", false, "logprobs"},
+      // Fail closed: what the server does not implement is refused by name.
+      {R"({"messages": [{"role": "user", "content": "x"}], "tools": []})", true, "tools"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"})", true, "tool_choice"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})", true, "response_format"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "unknown_field": [1]})", true, "unknown_field"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "prompt": "y"})", true, "prompt"},
+      {R"({"prompt": "x", "echo": true})", false, "echo"},
+      {R"({"prompt": "x", "messages": []})", false, "messages"},
+      {R"({"prompt": "x", "top_k": -1})", false, "top_k"},
+      {R"({"prompt": "x", "min_p": 1.5})", false, "min_p"},
+      {R"({"prompt": "x", "repeat_penalty": -1})", false, "repeat_penalty"},
   };
   for (const Case& c : cases) {
     const ApiError e = err_of(c.body, c.chat);
@@ -75,7 +86,8 @@ TEST(Api, ParsesAFullChatRequest) {
           {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
           "max_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 42, "stop": "END", "stream": true,
           "stream_options": {"include_usage": true}, "n": 1, "logprobs": true, "top_logprobs": 3,
-          "logit_bias": {"2": -100, "7": 1.5}, "unknown_field": [1]})",
+          "logit_bias": {"2": -100, "7": 1.5}, "top_k": 5, "min_p": 0.1, "repeat_penalty": 1.2,
+          "user": "someone"})",
       true);
   ASSERT_TRUE(std::holds_alternative<CompletionRequest>(r)) << std::get<ApiError>(r).message;
   const auto& c = std::get<CompletionRequest>(r);
@@ -91,6 +103,9 @@ TEST(Api, ParsesAFullChatRequest) {
   EXPECT_EQ(c.top_logprobs, 3);
   ASSERT_EQ(c.logit_bias.size(), 2u);
   EXPECT_TRUE(std::isinf(c.logit_bias[0].second));
+  EXPECT_EQ(c.top_k, 5);
+  EXPECT_EQ(c.min_p, 0.1f);
+  EXPECT_EQ(c.repeat_penalty, 1.2f);
 
   auto p = parse_completion_request(R"({"prompt": [1, 5, 9]})", false);
   ASSERT_TRUE(std::holds_alternative<CompletionRequest>(p));
