@@ -72,7 +72,7 @@ int run_logits(const LogitsOptions& o) {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<Session> session;
   std::unique_ptr<model::ReferenceSession> reference;
-  if (o.device == "cpu") backend = make_cpu_backend(o.threads);
+  if (o.device == "cpu") backend = make_cpu_backend({.threads = o.threads});
   else if (o.device == "ref") backend = make_ref_backend();
   else if (o.device != "reference")
     return fail(fmt::format("unknown --device '{}' (cpu, ref, reference)", o.device));

@@ -86,19 +86,6 @@ static Status apply_cuda_flags(const Config& config, CudaOptions& o) {
 
 Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config& config) {
   const std::string& dev = config.device;
-  cpu::set_q4k_packed_matmul(config.cpu_q4k_packed);  // process-wide, like the CPU kernels
-  cpu::set_kq_pair_matmul(config.cpu_kq_pair);
-  cpu::set_kq_batch_matmul(config.cpu_kq_batch);
-  cpu::set_kq_one_matvec(config.cpu_kq_one);
-  cpu::set_q8_one_matvec(config.cpu_q8_one);
-  cpu::set_q8_vnni_matmul(config.cpu_q8_vnni);
-  cpu::set_kq_prefill_matmul(config.cpu_kq_prefill);
-  cpu::set_q8k_quant_simd(config.cpu_q8k_quant_simd);
-  cpu::set_q8_quant_simd(config.cpu_q8_quant_simd);
-  cpu::set_float_tile_matmul(config.cpu_float_tile);
-  cpu::set_attention_multi(config.cpu_attn_multi);
-  cpu::set_matvec_prefetch_bytes(config.cpu_matvec_prefetch);
-  cpu::set_matvec_prefetch_l2(config.cpu_matvec_prefetch_l2);
   if (dev != "auto" && dev != "cuda" && dev != "cpu")
     return Status::errorf("unknown --device '{}' (auto, cuda or cpu)", dev);
   const bool streaming = config.expert_cache > 0 || config.expert_cap > 0;
@@ -119,7 +106,7 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
                                                                    ? config.threads
                                                                    : ThreadPool::default_threads()) /
                                                 static_cast<int>(tp));
-      for (int64_t r = 0; r < tp; ++r) ranks.push_back(make_cpu_backend(per_rank));
+      for (int64_t r = 0; r < tp; ++r) ranks.push_back(make_cpu_backend({.threads = per_rank}));
       return make_host_tp_group(std::move(ranks));
     }
 #if KILN_WITH_CUDA
@@ -173,7 +160,7 @@ Expected<std::unique_ptr<Backend>> make_backend(const Model& model, const Config
   if (dev == "cuda")
     return Status::error("--device cuda: this kiln was built without CUDA (KILN_CUDA=OFF)");
 #endif
-  return std::unique_ptr<Backend>(make_cpu_backend(static_cast<int>(config.threads)));
+  return std::unique_ptr<Backend>(make_cpu_backend({.threads = static_cast<int>(config.threads)}));
 }
 
 Expected<Loaded> load_for_inference(const std::string& path, int threads) {

@@ -135,7 +135,7 @@ Status HttpServer::load() {
     if (!be) return be.status();
     s.backend = std::move(*be);
   } else {
-    s.backend = make_cpu_backend(s.opt.cpu_threads);
+    s.backend = make_cpu_backend({.threads = s.opt.cpu_threads});
   }
   SchedulerConfig cfg;
   cfg.n_slots = s.opt.n_parallel;

@@ -486,7 +486,7 @@ TEST(Server, TensorParallelBackendServesTheSameText) {
         KILN_TRY(check_tensor_parallel(m, 2));
         ++groups_made;
         std::vector<std::unique_ptr<Backend>> ranks;
-        for (int r = 0; r < 2; ++r) ranks.push_back(make_cpu_backend(1));
+        for (int r = 0; r < 2; ++r) ranks.push_back(make_cpu_backend({.threads = 1}));
         return make_host_tp_group(std::move(ranks));
       };
     Running r = start(o);

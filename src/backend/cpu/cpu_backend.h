@@ -8,9 +8,18 @@
 
 namespace kiln {
 
-// n_threads <= 0: one per hardware thread. One caller at a time per backend object (calls
-// are serialised by a mutex; scratch buffers are owned by the object and reused).
-std::unique_ptr<Backend> make_cpu_backend(int n_threads);
+// How one CPU backend instance runs; two instances in a process may differ.
+struct CpuOptions {
+  int threads = 0;  // <= 0: one per hardware thread
+  // Tests and bisecting only, set in code (never from the command line): true runs the
+  // portable kernels -- what a machine without AVX-512 VNNI / AVX2 gets -- for every op: the
+  // oracle each fast kernel's same-bits test compares with. Same bits either way.
+  bool portable_kernels = false;
+};
+
+// One caller at a time per backend object (calls are serialised by a mutex; scratch buffers
+// are owned by the object and reused).
+std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options);
 
 // Name of the SIMD target the kernels dispatch to on this machine ("AVX3_DL", "AVX2", ...).
 const char* cpu_simd_target();
