@@ -149,39 +149,42 @@ void expect_same_bits(const FastPortable& r, int64_t n_tok, int64_t n_rows, cons
 
 // The v2 batched Q4_K / Q6_K kernels (AVX-512 VNNI, 2+ tokens; on AVX2 machines kq_avx2-inl.h's)
 // must give the plain kernels' bits, which the portable backend runs, so this is also the proof
-// that the fast kernels change nothing but speed. Raw random blocks reach every quant, scale and
-// min value; odd row counts (the two-row calls and a
-// single row left over) split over 1 and 2 threads; 2..9 tokens (every token count of one
-// tile, pairs and an odd last token) and 13/37 (several tiles, row-blocked); rows of 1..8
-// blocks and of 13 (above kBatchL1MaxBlocks: 5+ tokens in pieces); a column block of a wider
-// matrix (strided rows); one token all zero, one with a huge element, one with a NaN.
+// that the fast kernels change nothing but speed. On every SIMD target this machine runs (so an
+// AVX-512 machine tests the AVX2 kernels too). Raw random blocks reach every quant, scale and min
+// value; odd row counts (the two-row calls and a single row left over) split over 1 and 2 threads;
+// 2..9 tokens (every token count of one tile, pairs and an odd last token) and 13/37 (several
+// tiles, row-blocked); rows of 1..8 blocks and of 13 (above kBatchL1MaxBlocks: 5+ tokens in
+// pieces); a column block of a wider matrix (strided rows); one token all zero, one with a huge
+// element, one with a NaN.
 TEST(MatmulKQBatch, SameBitsAsPlainKernel) {
   std::mt19937_64 rng(ops_seed() ^ 0x2545f491ULL);
-  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  for (DType type : {DType::Q4_K, DType::Q6_K}) {
-    for (int64_t k : {256, 768, 2048, 3328}) {
-      for (int64_t n_rows : {1, 2, 3, 67, 131}) {
-        for (bool strided : {false, true}) {
-          if (strided && n_rows != 67) continue;
-          // strided: columns [256, 256 + k) of a matrix 512 wider.
-          const int64_t k_all = strided ? k + 512 : k;
-          const size_t rb = *row_bytes(type, k_all);
-          const std::vector<std::byte> bytes = random_k_rows(type, k_all, n_rows, rng);
-          const WeightMatrix full{
-              .dtype = type, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
-          const WeightMatrix w = strided ? full.columns(256, k) : full;
-          for (int64_t n_tok : {2, 3, 4, 5, 6, 7, 8, 9, 13, 37}) {
-            SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
-                                              << n_rows << " strided " << strided << " n_tok "
-                                              << n_tok);
-            const std::vector<float> x = edge_tokens(rng, n_tok, k);
-            expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "batched v2");
-            if (::testing::Test::HasFatalFailure()) return;
+  kiln::testing::for_each_simd_target([&] {
+    SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+    for (DType type : {DType::Q4_K, DType::Q6_K}) {
+      for (int64_t k : {256, 768, 2048, 3328}) {
+        for (int64_t n_rows : {1, 2, 3, 67, 131}) {
+          for (bool strided : {false, true}) {
+            if (strided && n_rows != 67) continue;
+            // strided: columns [256, 256 + k) of a matrix 512 wider.
+            const int64_t k_all = strided ? k + 512 : k;
+            const size_t rb = *row_bytes(type, k_all);
+            const std::vector<std::byte> bytes = random_k_rows(type, k_all, n_rows, rng);
+            const WeightMatrix full{
+                .dtype = type, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+            const WeightMatrix w = strided ? full.columns(256, k) : full;
+            for (int64_t n_tok : {2, 3, 4, 5, 6, 7, 8, 9, 13, 37}) {
+              SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
+                                                << n_rows << " strided " << strided << " n_tok "
+                                                << n_tok);
+              const std::vector<float> x = edge_tokens(rng, n_tok, k);
+              expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "batched v2");
+              if (::testing::Test::HasFatalFailure()) return;
+            }
           }
         }
       }
     }
-  }
+  });
 }
 
 // The prefill Q4_K / Q6_K kernels (AVX-512 VNNI, cpu_matmul_kq.cpp; on AVX2 machines
@@ -306,65 +309,70 @@ void expect_one_token_same_bits(const WeightMatrix& w, std::mt19937_64& rng) {
   }
 }
 
-// The one-token Q4_K / Q6_K kernels (AVX-512 VNNI, decode; on AVX2 machines kq_avx2-inl.h's)
-// must give the plain kernels' bits, which the portable backend runs, so this is also the proof
-// that the fast kernels change nothing but speed. Raw random blocks reach every quant, scale and
-// min value (the int16 lane sums' bounds and the vector decoding of the 6-bit scales); widths
-// of 1, 3 and 4 blocks (the expert slices' 1024 columns) and of 13 (matrices where the software
-// prefetch's span lies inside for most row groups and past the end for the last), odd row
-// counts (a last row group of 1..3 rows) split over 1 and 2 threads; an all-zero token, one
-// with a huge element and one with a NaN.
+// The one-token Q4_K / Q6_K kernels (AVX-512 VNNI, decode; on AVX2 machines kq_avx2-inl.h's) must
+// give the plain kernels' bits, which the portable backend runs, so this is also the proof that the
+// fast kernels change nothing but speed. On every SIMD target this machine runs. Raw random blocks
+// reach every quant, scale and min value (the int16 lane sums' bounds and the vector decoding of
+// the 6-bit scales); widths of 1, 3 and 4 blocks (the expert slices' 1024 columns) and of 13
+// (matrices where the software prefetch's span lies inside for most row groups and past the end for
+// the last), odd row counts (a last row group of 1..3 rows) split over 1 and 2 threads; an all-zero
+// token, one with a huge element and one with a NaN.
 TEST(MatmulKQOne, SameBitsAsPlainKernel) {
   std::mt19937_64 rng(ops_seed() ^ 0x5bd1e995ULL);
-  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  for (DType type : {DType::Q4_K, DType::Q6_K}) {
-    for (int64_t k : {256, 768, 1024, 3328}) {
-      for (int64_t n_rows : {1, 3, 67, 131}) {
-        const size_t rb = *row_bytes(type, k);
-        const std::vector<std::byte> bytes = random_k_rows(type, k, n_rows, rng);
-        const WeightMatrix w{
-            .dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
-        SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows);
-        expect_one_token_same_bits(w, rng);
-        if (::testing::Test::HasFatalFailure()) return;
+  kiln::testing::for_each_simd_target([&] {
+    SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+    for (DType type : {DType::Q4_K, DType::Q6_K}) {
+      for (int64_t k : {256, 768, 1024, 3328}) {
+        for (int64_t n_rows : {1, 3, 67, 131}) {
+          const size_t rb = *row_bytes(type, k);
+          const std::vector<std::byte> bytes = random_k_rows(type, k, n_rows, rng);
+          const WeightMatrix w{
+              .dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+          SCOPED_TRACE(::testing::Message()
+                       << dtype_name(type) << " k " << k << " rows " << n_rows);
+          expect_one_token_same_bits(w, rng);
+          if (::testing::Test::HasFatalFailure()) return;
+        }
       }
     }
-  }
+  });
 }
 
-// The AVX2 one-token Q8_0 kernel (machines without AVX-512; elsewhere fast and portable take
-// the same path) must give the plain kernel's bits: raw random quants (-128
-// included), finite block scales, rows of 1..65 blocks, odd row counts (the two-row calls and a
-// single row left over) over 1 and 2 threads, a column block of a wider matrix (strided rows);
-// the token zero, tiny, with a huge element, with a NaN.
+// The AVX2 one-token Q8_0 kernel (machines without AVX-512; on every SIMD target this machine runs,
+// where the others' fast and portable paths are the same) must give the plain kernel's bits: raw
+// random quants (-128 included), finite block scales, rows of 1..65 blocks, odd row counts (the
+// two-row calls and a single row left over) over 1 and 2 threads, a column block of a wider matrix
+// (strided rows); the token zero, tiny, with a huge element, with a NaN.
 TEST(MatmulQ8One, SameBitsAsPlainKernel) {
   std::mt19937_64 rng(ops_seed() ^ 0x3c6ef372ULL);
-  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  for (int64_t k : {32, 96, 2048, 2080}) {
-    for (int64_t n_rows : {1, 2, 3, 67, 131}) {
-      for (bool strided : {false, true}) {
-        if (strided && n_rows != 67) continue;
-        const int64_t k_all = strided ? k + 64 : k;
-        const size_t rb = *row_bytes(DType::Q8_0, k_all);
-        std::vector<std::byte> bytes(rb * size_t(n_rows));
-        for (auto& b : bytes) b = static_cast<std::byte>(rng());
-        for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q8_0)) {
-          quant::block_q8_0 blk;
-          std::memcpy(&blk, bytes.data() + off, sizeof blk);
-          blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 6)));
-          if (rng() % 8 == 0) blk.qs[rng() % 32] = -128;
-          std::memcpy(bytes.data() + off, &blk, sizeof blk);
+  kiln::testing::for_each_simd_target([&] {
+    SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+    for (int64_t k : {32, 96, 2048, 2080}) {
+      for (int64_t n_rows : {1, 2, 3, 67, 131}) {
+        for (bool strided : {false, true}) {
+          if (strided && n_rows != 67) continue;
+          const int64_t k_all = strided ? k + 64 : k;
+          const size_t rb = *row_bytes(DType::Q8_0, k_all);
+          std::vector<std::byte> bytes(rb * size_t(n_rows));
+          for (auto& b : bytes) b = static_cast<std::byte>(rng());
+          for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q8_0)) {
+            quant::block_q8_0 blk;
+            std::memcpy(&blk, bytes.data() + off, sizeof blk);
+            blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 6)));
+            if (rng() % 8 == 0) blk.qs[rng() % 32] = -128;
+            std::memcpy(bytes.data() + off, &blk, sizeof blk);
+          }
+          const WeightMatrix full{.dtype = DType::Q8_0, .n_cols = k_all, .n_rows = n_rows,
+                                  .row_bytes = rb, .bytes = bytes};
+          const WeightMatrix w = strided ? full.columns(32, k) : full;
+          SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << n_rows << " strided "
+                                            << strided);
+          expect_one_token_same_bits(w, rng);
+          if (::testing::Test::HasFatalFailure()) return;
         }
-        const WeightMatrix full{
-            .dtype = DType::Q8_0, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
-        const WeightMatrix w = strided ? full.columns(32, k) : full;
-        SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << n_rows << " strided "
-                                          << strided);
-        expect_one_token_same_bits(w, rng);
-        if (::testing::Test::HasFatalFailure()) return;
       }
     }
-  }
+  });
 }
 
 // The register-tiled F32/F16/BF16 kernel (2+ tokens) must give DotTile's bits: the portable
