@@ -454,9 +454,9 @@ KILN_VNNI512_INLINE __m128i ScalesMins8(const block_q4_K* b, int32_t* sc_even = 
 }
 
 // ---------------------------------------------------------------- single-token K-quants (VNNI)
-// A decode step's matvec (one token) through the lane sums above, reading the
-// token's Q8_K row in place (no tile: a tile fill would be paid per call, and decode calls are
-// many and small, e.g. the 256x1024 expert slices of a MoE layer). On the dev box (EPYC, Zen 5)
+// A decode step's matvec (one token) through the lane sums above, reading the token's Q8_K row
+// in place (no tile: a tile fill would be paid per call, and decode calls are many and small,
+// e.g. the 256x1024 expert slices of a MoE layer). On the dev box (EPYC, Zen 5)
 // the plain one-token kernels are bound by their instructions, not by memory (bench/matvec_bench
 // BM_Matvec: Q4_K ~21 GB/s per core and 2 threads twice that, while 2 threads stream 35-60 GB/s
 // from DRAM), so decode of a Q4_K_M model was compute-bound; these run 1.8-2x faster
