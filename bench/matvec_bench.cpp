@@ -167,7 +167,15 @@ const BenchWeights& weights(DType type, int64_t n_rows, int64_t n_cols) {
 }
 
 Backend& backend(int threads) {
-  static std::unique_ptr<Backend> b1 = make_cpu_backend(1), b2 = make_cpu_backend(2);
+  static std::unique_ptr<Backend> b1 = make_cpu_backend({.threads = 1}),
+                                  b2 = make_cpu_backend({.threads = 2});
+  return threads == 1 ? *b1 : *b2;
+}
+// The same with the portable kernels (CpuOptions::portable_kernels): the *OnOff benchmarks'
+// "old" side, the kernels a machine without the fast ones' features runs.
+Backend& portable_backend(int threads) {
+  static std::unique_ptr<Backend> b1 = make_cpu_backend({.threads = 1, .portable_kernels = true}),
+                                  b2 = make_cpu_backend({.threads = 2, .portable_kernels = true});
   return threads == 1 ? *b1 : *b2;
 }
 
@@ -335,90 +343,29 @@ BENCHMARK(BM_Q4KOverF32CpuRatio)
     ->Arg(static_cast<int64_t>(DType::Q8_0))->Arg(static_cast<int64_t>(DType::F16))
     ->UseRealTime()->Unit(benchmark::kMillisecond)->Iterations(8);
 
-// The packed Q4_K prefill kernel against the plain one (cpu::set_q4k_packed_matmul) on the
-// 4096x4096 matrix, alternating within each iteration, best time of each; also checks that the
-// two give the same bits. args: tokens, threads (1 thread: thread CPU time, else wall time),
-// rows, columns.
-void BM_Q4KPackedOnOff(benchmark::State& state) {
-  const int64_t n_tok = state.range(0);
-  const int threads = static_cast<int>(state.range(1));
-  const int64_t n_rows = state.range(2), n_cols = state.range(3);
-  const BenchWeights& w = weights(DType::Q4_K, n_rows, n_cols);
-  std::vector<float> X(n_tok * n_cols), C_on(n_tok * n_rows), C_off(n_tok * n_rows);
-  std::mt19937 rng(1);
-  std::normal_distribution<float> nd;
-  for (float& v : X) v = nd(rng);
-  Backend& be = backend(threads);
-  const auto now = [threads] {
-    return threads == 1 ? thread_cpu_s()
-                        : std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  };
-  cpu::set_kq_batch_matmul(false);  // with it on, the v2 batched kernel takes these calls
-  double best_on = 1e30, best_off = 1e30;
-  for (auto _ : state) {
-    cpu::set_q4k_packed_matmul(true);
-    const double t0 = now();
-    be.matmul(w.m, X, n_tok, C_on);
-    benchmark::DoNotOptimize(C_on.data());
-    const double t1 = now();
-    cpu::set_q4k_packed_matmul(false);
-    be.matmul(w.m, X, n_tok, C_off);
-    benchmark::DoNotOptimize(C_off.data());
-    const double t2 = now();
-    best_on = std::min(best_on, t1 - t0);
-    best_off = std::min(best_off, t2 - t1);
-  }
-  cpu::set_kq_batch_matmul(true);
-  cpu::set_q4k_packed_matmul(true);
-  if (std::memcmp(C_on.data(), C_off.data(), C_on.size() * sizeof(float)) != 0)
-    state.SkipWithError("packed and plain Q4_K kernels differ");
-  const double flop = 2.0 * static_cast<double>(n_tok * n_rows * n_cols) / 1e9;
-  state.SetLabel(std::string("q4_K packed vs plain, ") + cpu_simd_target());
-  state.counters["packed_GFLOP/s"] = flop / best_on;
-  state.counters["plain_GFLOP/s"] = flop / best_off;
-  state.counters["speedup"] = best_off / best_on;
-}
-void PackedOnOffArgs(benchmark::internal::Benchmark* b) {
-  for (int64_t tok : {512, 8, 12, 16, 32})
-    for (int64_t threads : {1, 2}) b->Args({tok, threads, kGemmM, kGemmK});
-  // Other projection shapes: 8B-class FFN up/down, 1B-class FFN up/down.
-  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{14336, 4096}, {4096, 14336}, {8192, 2048}, {2048, 8192}})
-    b->Args({512, 1, rows, cols});
-}
-BENCHMARK(BM_Q4KPackedOnOff)->Apply(PackedOnOffArgs)
-    ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
-
-// The small-batch Q4_K / Q6_K kernels against the plain ones (cpu::set_kq_pair_matmul) at
-// decode-of-several-streams token counts, on the 1B model's FFN shapes, 1 thread, thread CPU
-// time, alternating within each iteration, best of each; also checks that the two give the
-// same bits. args: type, tokens, rows, columns. (Below 4 tokens both runs take the plain
-// kernels, so 1 and 2 tokens read 1.0 by construction; Q4_K at 12+ tokens takes the packed
-// kernel either way.)
-// A kernel switch on vs off on one matmul (1 thread, thread CPU time, alternating within
-// each iteration, best of each), the two outputs compared bit for bit; sets the new/old
-// counters and returns the best times (new, old) in seconds.
-std::pair<double, double> time_on_off(benchmark::State& state, void (*set)(bool),
-                                      const BenchWeights& w, int64_t n_tok, const char* what) {
+// The fast kernels against the portable ones on one matmul (1 thread, thread CPU time,
+// alternating within each iteration, best of each), the two outputs compared bit for bit; sets
+// the new/old counters and returns the best times (new, old) in seconds.
+std::pair<double, double> time_on_off(benchmark::State& state, const BenchWeights& w,
+                                      int64_t n_tok, const char* what) {
   std::vector<float> X(n_tok * w.m.n_cols), C_on(n_tok * w.m.n_rows), C_off(n_tok * w.m.n_rows);
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   for (float& v : X) v = nd(rng);
-  Backend& be = backend(1);
+  Backend& fast = backend(1);
+  Backend& portable = portable_backend(1);
   double best_on = 1e30, best_off = 1e30;
   for (auto _ : state) {
-    set(true);
     const double t0 = thread_cpu_s();
-    be.matmul(w.m, X, n_tok, C_on);
+    fast.matmul(w.m, X, n_tok, C_on);
     benchmark::DoNotOptimize(C_on.data());
     const double t1 = thread_cpu_s();
-    set(false);
-    be.matmul(w.m, X, n_tok, C_off);
+    portable.matmul(w.m, X, n_tok, C_off);
     benchmark::DoNotOptimize(C_off.data());
     const double t2 = thread_cpu_s();
     best_on = std::min(best_on, t1 - t0);
     best_off = std::min(best_off, t2 - t1);
   }
-  set(true);
   if (std::memcmp(C_on.data(), C_off.data(), C_on.size() * sizeof(float)) != 0)
     state.SkipWithError((std::string(what) + " and plain kernels differ").c_str());
   state.SetLabel(std::string(dtype_name(w.m.dtype)) + " " + what + " vs plain, " + cpu_simd_target());
@@ -428,27 +375,19 @@ std::pair<double, double> time_on_off(benchmark::State& state, void (*set)(bool)
   return {best_on, best_off};
 }
 
-// A kernel switch on/off with args (type, tokens, rows, columns), per-token time added.
-void kq_switch_on_off(benchmark::State& state, void (*set)(bool), const char* what) {
+// Fast vs portable with args (type, tokens, rows, columns), per-token time added.
+void kq_switch_on_off(benchmark::State& state, const char* what) {
   const auto type = static_cast<DType>(state.range(0));
   const int64_t n_tok = state.range(1), n_rows = state.range(2), n_cols = state.range(3);
-  const double best_on = time_on_off(state, set, weights(type, n_rows, n_cols), n_tok, what).first;
+  const double best_on = time_on_off(state, weights(type, n_rows, n_cols), n_tok, what).first;
   state.counters["new_us/tok"] = best_on * 1e6 / static_cast<double>(n_tok);
 }
-void BM_KQPairOnOff(benchmark::State& state) {
-  kq_switch_on_off(state, cpu::set_kq_pair_matmul, "small-batch");
-}
-void KQPairArgs(benchmark::internal::Benchmark* b) {
-  for (DType type : {DType::Q4_K, DType::Q6_K})
-    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{5632, 2048}, {2048, 5632}})
-      for (int64_t tok : {1, 2, 4, 8}) b->Args({static_cast<int64_t>(type), tok, rows, cols});
-}
-BENCHMARK(BM_KQPairOnOff)->Apply(KQPairArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
-// The v2 batched Q4_K / Q6_K kernels against the small-batch ones (cpu::set_kq_batch_matmul),
-// same method as BM_KQPairOnOff; at 2 and 3 tokens the old path is the plain kernels.
+// The v2 batched Q4_K / Q6_K kernels against the plain ones at decode-of-several-streams token
+// counts on the 1B model's FFN shapes and a k/v projection: 1 thread, thread CPU time,
+// alternating within each iteration, best of each, the bits compared.
 void BM_KQBatchOnOff(benchmark::State& state) {
-  kq_switch_on_off(state, cpu::set_kq_batch_matmul, "batched v2");
+  kq_switch_on_off(state, "batched v2");
 }
 void KQBatchArgs(benchmark::internal::Benchmark* b) {
   for (DType type : {DType::Q4_K, DType::Q6_K})
@@ -457,12 +396,12 @@ void KQBatchArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_KQBatchOnOff)->Apply(KQBatchArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
-// The Q4_K / Q6_K prefill kernels against the v2 batched ones (cpu::set_kq_prefill_matmul), same
-// method as BM_KQPairOnOff: prefill (512 tokens) on the 1.1B model's shapes (q/o 2048 x 2048, k/v
-// 512 x 2048, gate/up 8192 x 2048, down 2048 x 8192) and smaller token counts from
-// kKQPrefillMinTok.
+// The Q4_K / Q6_K prefill kernels against the plain ones, same method as BM_KQBatchOnOff:
+// prefill (512 tokens) on the 1.1B model's shapes (q/o 2048 x 2048, k/v 512 x 2048, gate/up
+// 8192 x 2048, down 2048 x 8192) and smaller token counts (below kKQPrefillMinTok the fast side
+// is the v2 batched kernels).
 void BM_KQPrefillOnOff(benchmark::State& state) {
-  kq_switch_on_off(state, cpu::set_kq_prefill_matmul, "prefill");
+  kq_switch_on_off(state, "prefill");
 }
 void KQPrefillArgs(benchmark::internal::Benchmark* b) {
   const auto q4k = static_cast<int64_t>(DType::Q4_K);
@@ -475,12 +414,12 @@ void KQPrefillArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_KQPrefillOnOff)->Apply(KQPrefillArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
-// The 512-bit VNNI Q8_0-family kernel against the plain one (cpu::set_q8_vnni_matmul), same
-// method as BM_KQPairOnOff: prefill (512 tokens) on the 1B model's 2048 x 2048 and its FFN
-// down projection's 2048 x 8192 (and up's 8192 x 2048), Q4_0 once, and small token counts
-// from kQ8VnniMinTok (below it both runs take the plain kernel).
+// The 512-bit VNNI Q8_0-family kernel against the plain one, same method as BM_KQBatchOnOff:
+// prefill (512 tokens) on the 1B model's 2048 x 2048 and its FFN down projection's 2048 x 8192 (and
+// up's 8192 x 2048), Q4_0 once, and small token counts from kQ8VnniMinTok (below it both runs take
+// the plain kernel).
 void BM_Q8VnniOnOff(benchmark::State& state) {
-  kq_switch_on_off(state, cpu::set_q8_vnni_matmul, "VNNI 512");
+  kq_switch_on_off(state, "VNNI 512");
 }
 void Q8VnniArgs(benchmark::internal::Benchmark* b) {
   const auto q8 = static_cast<int64_t>(DType::Q8_0);
@@ -492,7 +431,7 @@ void Q8VnniArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_Q8VnniOnOff)->Apply(Q8VnniArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
-// The AVX-512 Q8_K activation encoder against the scalar loop (cpu::set_q8k_quant_simd): 512
+// The AVX-512 Q8_K activation encoder against the scalar loop (quantize_act_row's portable): 512
 // rows of 2048 and of 8192 (a prefill's matmul inputs), 1 thread, thread CPU time, alternating,
 // best of each; the bytes compared. args: columns.
 void BM_Q8KQuantOnOff(benchmark::State& state) {
@@ -503,24 +442,21 @@ void BM_Q8KQuantOnOff(benchmark::State& state) {
   for (float& v : X) v = nd(rng);
   const size_t rb = cpu::act_row_bytes(cpu::ActKind::Q8_K, n);
   std::vector<std::byte> on(rb * n_tok), off(on.size());
-  const auto run = [&](std::vector<std::byte>& dst) {
+  const auto run = [&](std::vector<std::byte>& dst, bool portable) {
     for (int64_t t = 0; t < n_tok; ++t)
-      cpu::quantize_act_row(cpu::ActKind::Q8_K, X.data() + t * n, n, dst.data() + t * rb);
+      cpu::quantize_act_row(cpu::ActKind::Q8_K, X.data() + t * n, n, dst.data() + t * rb, portable);
     benchmark::DoNotOptimize(dst.data());
   };
   double best_on = 1e30, best_off = 1e30;
   for (auto _ : state) {
-    cpu::set_q8k_quant_simd(true);
     const double t0 = thread_cpu_s();
-    run(on);
+    run(on, false);
     const double t1 = thread_cpu_s();
-    cpu::set_q8k_quant_simd(false);
-    run(off);
+    run(off, true);
     const double t2 = thread_cpu_s();
     best_on = std::min(best_on, t1 - t0);
     best_off = std::min(best_off, t2 - t1);
   }
-  cpu::set_q8k_quant_simd(true);
   if (std::memcmp(on.data(), off.data(), on.size()) != 0) state.SkipWithError("encoders differ");
   state.SetLabel(std::string("q8_K encode, ") + cpu_simd_target());
   state.counters["new_us"] = best_on * 1e6;
@@ -529,12 +465,12 @@ void BM_Q8KQuantOnOff(benchmark::State& state) {
 }
 BENCHMARK(BM_Q8KQuantOnOff)->Arg(2048)->Arg(8192)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
-// The register-tiled F32/F16/BF16 kernel against DotTile (cpu::set_float_tile_matmul), same
-// method as BM_KQPairOnOff (1 thread, thread CPU time, the bits compared): the 1.1B model's
-// projections (q/o 2048 x 2048, gate/up 8192 x 2048, down 2048 x 8192) at prefill and small
-// batches; F32 and BF16 on one shape. Below kFloatTileMinTok tokens both runs are DotTile.
+// The register-tiled F32/F16/BF16 kernel against DotTile, same method as BM_KQBatchOnOff (1 thread,
+// thread CPU time, the bits compared): the 1.1B model's projections (q/o 2048 x 2048, gate/up 8192
+// x 2048, down 2048 x 8192) at prefill and small batches; F32 and BF16 on one shape. Below
+// kFloatTileMinTok tokens both runs are DotTile.
 void BM_FloatTileOnOff(benchmark::State& state) {
-  kq_switch_on_off(state, cpu::set_float_tile_matmul, "float tile");
+  kq_switch_on_off(state, "float tile");
   const double flop = 2.0 * static_cast<double>(state.range(1) * state.range(2) * state.range(3));
   state.counters["new_GFLOP/s"] = flop / state.counters["new_us"] * 1e-3;
   state.counters["old_GFLOP/s"] = flop / state.counters["old_us"] * 1e-3;
@@ -555,11 +491,11 @@ BENCHMARK(BM_FloatTileOnOff)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(2.0);
 
-// The multi-pair attention kernel against the per-pair one (cpu::set_attention_multi), same
-// method as BM_KQPairOnOff (1 thread, thread CPU time, alternating, best of each, the bits
-// compared): the 1.1B model's heads (32 query / 8 KV heads of 64) at causal prefill (the
-// queries are the last n_q of n_kv positions) and at decode; also without GQA (32 KV heads),
-// where a decode task has one pair. args: n_q, n_kv, n_head_kv.
+// The multi-pair attention kernel against the per-pair one, same method as BM_KQBatchOnOff (1
+// thread, thread CPU time, alternating, best of each, the bits compared): the 1.1B model's heads
+// (32 query / 8 KV heads of 64) at causal prefill (the queries are the last n_q of n_kv positions)
+// and at decode; also without GQA (32 KV heads), where a decode task has one pair. args: n_q, n_kv,
+// n_head_kv.
 void BM_AttnMultiOnOff(benchmark::State& state) {
   const int64_t n_q = state.range(0), n_kv = state.range(1);
   const int64_t n_head = 32, n_head_kv = state.range(2), hd = 64, q_w = n_head * hd, kv_w = n_head_kv * hd;
@@ -584,24 +520,22 @@ void BM_AttnMultiOnOff(benchmark::State& state) {
   a.n_head_kv = n_head_kv;
   a.head_dim = hd;
   a.scale = 0.125f;
-  Backend& be = backend(1);
+  Backend& fast = backend(1);
+  Backend& portable = portable_backend(1);
   double best_on = 1e30, best_off = 1e30;
   for (auto _ : state) {
-    cpu::set_attention_multi(true);
     a.out = out_on;
     const double t0 = thread_cpu_s();
-    be.attention(a);
+    fast.attention(a);
     benchmark::DoNotOptimize(out_on.data());
     const double t1 = thread_cpu_s();
-    cpu::set_attention_multi(false);
     a.out = out_off;
-    be.attention(a);
+    portable.attention(a);
     benchmark::DoNotOptimize(out_off.data());
     const double t2 = thread_cpu_s();
     best_on = std::min(best_on, t1 - t0);
     best_off = std::min(best_off, t2 - t1);
   }
-  cpu::set_attention_multi(true);
   if (std::memcmp(out_on.data(), out_off.data(), out_on.size() * sizeof(float)) != 0)
     state.SkipWithError("multi-pair and per-pair attention differ");
   state.SetLabel(std::string("attention multi-pair vs per-pair, ") + cpu_simd_target());
@@ -620,7 +554,7 @@ BENCHMARK(BM_AttnMultiOnOff)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(1.0);
 
-// The one-token Q4_K / Q6_K kernels against the plain ones (cpu::set_kq_one_matvec), 1 thread,
+// The one-token Q4_K / Q6_K kernels against the plain ones, 1 thread,
 // thread CPU time, alternating within each iteration, best of each; also checks that the two
 // give the same bits. Shapes: the 1B dense model's FFN and a MoE expert slice (256 x 1024 and
 // 1024 x 256, 147 KB: L2-resident here, so this is the kernels' arithmetic). args: type, rows,
@@ -629,7 +563,7 @@ void BM_KQOneOnOff(benchmark::State& state) {
   const auto type = static_cast<DType>(state.range(0));
   const int64_t n_rows = state.range(1), n_cols = state.range(2);
   const BenchWeights& w = weights(type, n_rows, n_cols);
-  const auto [best_on, best_off] = time_on_off(state, cpu::set_kq_one_matvec, w, 1, "one-token");
+  const auto [best_on, best_off] = time_on_off(state, w, 1, "one-token");
   const double bytes = static_cast<double>(w.bytes.size());
   state.counters["new_GB/s"] = bytes / best_on * 1e-9;
   state.counters["old_GB/s"] = bytes / best_off * 1e-9;
@@ -646,11 +580,12 @@ BENCHMARK(BM_KQOneOnOff)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.5);
 
-// The AVX2 one-token Q8_0 kernel against the plain one (cpu::set_q8_one_matvec), as
+// The AVX2 one-token Q8_0 kernel against the plain one (on AVX-512 machines both sides run the
+// plain kernel), as
 // BM_KQOneOnOff: 1 thread, alternating, best of each, same bits checked. args: rows, columns.
 void BM_Q8OneOnOff(benchmark::State& state) {
   const BenchWeights& w = weights(DType::Q8_0, state.range(0), state.range(1));
-  const auto [best_on, best_off] = time_on_off(state, cpu::set_q8_one_matvec, w, 1, "one-token");
+  const auto [best_on, best_off] = time_on_off(state, w, 1, "one-token");
   const double bytes = static_cast<double>(w.bytes.size());
   state.counters["new_GB/s"] = bytes / best_on * 1e-9;
   state.counters["old_GB/s"] = bytes / best_off * 1e-9;
@@ -664,9 +599,9 @@ BENCHMARK(BM_Q8OneOnOff)
 
 // One decoder layer's matmuls of the 1.1B Q4_K_M model (q, k, v, o, gate, up, down: Q4_K with
 // Q6_K v and down, n_embd 2048, n_ff 8192, 4 KV heads of 128) at a decode step of `tokens`
-// tokens, 2 threads, wall time, a kernel switch on and off alternating, best of each. The
-// step ratio against tokens = 1 is what batched decode of several streams gains.
-void layer_step_on_off(benchmark::State& state, void (*set)(bool)) {
+// tokens, 2 threads, wall time, the fast kernels and the portable ones alternating, best of
+// each. The step ratio against tokens = 1 is what batched decode of several streams gains.
+void layer_step_on_off(benchmark::State& state) {
   const int64_t n_tok = state.range(0);
   struct Mm {
     DType type;
@@ -683,8 +618,7 @@ void layer_step_on_off(benchmark::State& state, void (*set)(bool)) {
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   for (float& v : X) v = nd(rng);
-  Backend& be = backend(2);
-  const auto step = [&] {
+  const auto step = [&](Backend& be) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const WeightMatrix& m = ws[i]->m;
       be.matmul(m, std::span<const float>(X.data(), n_tok * m.n_cols), n_tok,
@@ -695,31 +629,26 @@ void layer_step_on_off(benchmark::State& state, void (*set)(bool)) {
   const auto wall = [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
   double best_on = 1e30, best_off = 1e30;
   for (auto _ : state) {
-    set(true);
     const double t0 = wall();
-    step();
+    step(backend(2));
     const double t1 = wall();
-    set(false);
-    step();
+    step(portable_backend(2));
     const double t2 = wall();
     best_on = std::min(best_on, t1 - t0);
     best_off = std::min(best_off, t2 - t1);
   }
-  set(true);
   state.SetLabel(std::string("1.1B layer step, 2 threads, ") + cpu_simd_target());
   state.counters["new_ms"] = best_on * 1e3;
   state.counters["old_ms"] = best_off * 1e3;
   state.counters["speedup"] = best_off / best_on;
 }
-void BM_LayerStepKQPair(benchmark::State& state) { layer_step_on_off(state, cpu::set_kq_pair_matmul); }
-BENCHMARK(BM_LayerStepKQPair)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
-    ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
-// The same step with the v2 batched kernels on and off (off: the small-batch kernels).
-void BM_LayerStepKQBatch(benchmark::State& state) { layer_step_on_off(state, cpu::set_kq_batch_matmul); }
+// Decode-sized steps: the one-token and v2 batched kernels against the plain ones.
+void BM_LayerStepKQBatch(benchmark::State& state) { layer_step_on_off(state); }
 BENCHMARK(BM_LayerStepKQBatch)->Arg(1)->Arg(2)->Arg(3)->Arg(4)->Arg(5)->Arg(8)
     ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
-// The same step at prefill sizes with the prefill kernels on and off (off: the v2 batched ones).
-void BM_LayerStepKQPrefill(benchmark::State& state) { layer_step_on_off(state, cpu::set_kq_prefill_matmul); }
+// The same step at prefill sizes: the prefill kernels (from kKQPrefillMinTok tokens) against
+// the plain ones.
+void BM_LayerStepKQPrefill(benchmark::State& state) { layer_step_on_off(state); }
 BENCHMARK(BM_LayerStepKQPrefill)->Arg(64)->Arg(128)->Arg(512)
     ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
 

@@ -7,15 +7,13 @@
 // (what `kiln bench` tg measures) and the time of one batched decode step by batch width.
 // The CPU is shared with other work on the dev machine, so compare the ratios within one run.
 // Usage: serve_bench MODEL [threads=2] [streams=1,4,16] [n_gen=64] [n_prompt=64] [rounds=2]
-//                    [modes=batched,unbatched] [kq_batch=1] [widths=0,1,2,4,8,16] [repeats=1]
-//                    [prefetch_l2=1] [prefetch_bytes=cpu::kDefaultMatvecPrefetchBytes]
+//                    [modes=batched,unbatched] [fast=1] [widths=0,1,2,4,8,16] [repeats=1]
 // (repeats > 1: the streams list runs that many times in turn, and each batched run's aggregate
 // is divided by the first stream count's run of the same pass, minutes apart at most, so the
 // VM's drift cancels; the medians of those ratios are printed last.)
-// (kq_batch 0: cpu::set_kq_batch_matmul(false), for A/B runs of that kernel switch; widths:
-// the decode batch widths timed, 0 the Session::eval baseline, which x Session is against:
-// list it first; prefetch_l2 0: cpu::set_matvec_prefetch_l2(false), the kernels' older
-// prefetch, and prefetch_bytes its distance (cpu::set_matvec_prefetch_bytes), for A/B runs.)
+// (fast 0: the backend's portable kernels (CpuOptions::portable_kernels), for A/B runs of the
+// fast ones; widths: the decode batch widths timed, 0 the Session::eval baseline, which
+// x Session is against: list it first.)
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -28,7 +26,6 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
-#include "backend/cpu/kernels.h"
 #include "engine/scheduler.h"
 
 using namespace kiln;
@@ -210,10 +207,10 @@ double load_average() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) {
+  if (argc < 2 || argc > 11) {
     fmt::print(stderr, "usage: serve_bench MODEL [threads=2] [streams=1,4,16] [n_gen=64] "
-                       "[n_prompt=64] [rounds=2] [modes=batched,unbatched] [kq_batch=1] "
-                       "[widths=0,1,2,4,8,16] [repeats=1] [prefetch_l2=1] [prefetch_bytes]\n");
+                       "[n_prompt=64] [rounds=2] [modes=batched,unbatched] [fast=1] "
+                       "[widths=0,1,2,4,8,16] [repeats=1]\n");
     return 2;
   }
   const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
@@ -222,13 +219,9 @@ int main(int argc, char** argv) {
   const int32_t n_prompt = argc > 5 ? std::atoi(argv[5]) : 64;
   const int32_t rounds = argc > 6 ? std::atoi(argv[6]) : 2;
   const std::string modes = argc > 7 ? argv[7] : "batched,unbatched";
-  const bool kq_batch = argc > 8 ? std::atoi(argv[8]) != 0 : true;
+  const bool fast = argc > 8 ? std::atoi(argv[8]) != 0 : true;
   const std::vector<int32_t> widths = parse_list(argc > 9 ? argv[9] : "0,1,2,4,8,16");
   const int32_t repeats = argc > 10 ? std::atoi(argv[10]) : 1;
-  const bool prefetch_l2 = argc > 11 ? std::atoi(argv[11]) != 0 : true;
-  cpu::set_kq_batch_matmul(kq_batch);
-  cpu::set_matvec_prefetch_l2(prefetch_l2);
-  if (argc > 12) cpu::set_matvec_prefetch_bytes(std::atoll(argv[12]));
   if (threads < 1 || n_gen < 1 || n_prompt < 1 || rounds < 1 || streams.empty() || repeats < 1) {
     fmt::print(stderr, "serve_bench: threads, n_gen, n_prompt, rounds must be >= 1\n");
     return 2;
@@ -238,11 +231,9 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "serve_bench: {}\n", m.error());
     return 1;
   }
-  auto be = make_cpu_backend(threads);
-  fmt::print("serve_bench {} threads {} prompt {} gen {} rounds {} kq_batch {} prefetch_l2 {} "
-             "(ahead {} bytes) load average {:.1f}\n",
-             argv[1], threads, n_prompt, n_gen, rounds, kq_batch ? 1 : 0, prefetch_l2 ? 1 : 0,
-             cpu::matvec_prefetch_bytes(), load_average());
+  auto be = make_cpu_backend({.threads = threads, .portable_kernels = !fast});
+  fmt::print("serve_bench {} threads {} prompt {} gen {} rounds {} fast {} load average {:.1f}\n",
+             argv[1], threads, n_prompt, n_gen, rounds, fast ? 1 : 0, load_average());
   const double tg = single_stream_tg(*m, *be, 128);
   fmt::print("single-stream decode (Session, tg128): {:.2f} t/s\n\n", tg);
   {

@@ -209,7 +209,7 @@ TEST_P(ResidentAlloc, BitIdenticalToHostMemory) {
   if (!have(file)) GTEST_SKIP() << file << " not present";
   auto m = Model::load(testing::model_path(file));
   ASSERT_TRUE(m.has_value()) << m.error();
-  auto cpu = make_cpu_backend(2);
+  auto cpu = make_cpu_backend({.threads = 2});
   FakeDeviceBackend dev(*cpu);
   // A prompt longer than the chunk (max_batch 16) and the gemma2 window: several chunks, ring
   // wrap-around, and plane growth (a device copy of the old rows).
@@ -284,7 +284,7 @@ TEST(ResidentAllocCapture, SameNodesAsHostMemory) {
   if (!have("stories260K.gguf")) GTEST_SKIP() << "stories260K.gguf not present";
   auto m = Model::load(testing::model_path("stories260K.gguf"));
   ASSERT_TRUE(m.has_value()) << m.error();
-  auto cpu = make_cpu_backend(2);
+  auto cpu = make_cpu_backend({.threads = 2});
   FakeDeviceBackend dev(*cpu);
   const std::vector<int32_t> prompt = {1, 300, 42, 7, 99};
   model::Capture a, b;
@@ -311,7 +311,7 @@ TEST(ResidentAllocCapture, SameNodesAsHostMemory) {
 
 // The host defaults of the API on a plain backend: zero-filled aligned memory, and copies.
 TEST(BackendAlloc, HostDefaults) {
-  auto cpu = make_cpu_backend(1);
+  auto cpu = make_cpu_backend({.threads = 1});
   EXPECT_FALSE(cpu->device_memory());
   BackendBuffer<float> b = cpu->alloc<float>(1000);
   ASSERT_EQ(b.size(), 1000u);

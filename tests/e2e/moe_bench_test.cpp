@@ -19,7 +19,6 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
-#include "backend/cpu/kernels.h"
 #include "common/run_kiln.h"
 #include "common/testdata.h"
 #include "engine/engine_test_util.h"
@@ -154,7 +153,7 @@ class MoeDecodePath : public ::testing::TestWithParam<std::string> {};
 TEST_P(MoeDecodePath, OneTokenStepsMatchPrefillBitForBit) {
   const auto m = enginetest::load(GetParam());
   ASSERT_NE(m, nullptr);
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   const std::vector<int32_t> prompt = enginetest::random_prompt(40, m->n_vocab(), 11);
   const auto whole = logits_chunked(m, *be, prompt, 64);
   const auto steps = logits_chunked(m, *be, prompt, 1);
@@ -167,52 +166,33 @@ TEST_P(MoeDecodePath, OneTokenStepsMatchPrefillBitForBit) {
                                       << first_diff / size_t(m->n_vocab());
 }
 
-// The decode-speed switches of the CPU backend (one-token VNNI kernels, their software
-// prefetch and its L2 span mode) change no bits: a decode with all of them off gives the same
-// logits, memcmp'd, as with all of them on (the defaults), on 2 threads.
+// The CPU backend's decode-speed kernels (one-token VNNI kernels and their software prefetch)
+// change no bits: a decode with the portable kernels (CpuOptions::portable_kernels) gives the
+// same logits, memcmp'd, as with the fast ones (the default), on 2 threads.
 TEST_P(MoeDecodePath, DecodeSpeedSwitchesChangeNoBits) {
   const auto m = enginetest::load(GetParam());
   ASSERT_NE(m, nullptr);
-  auto be = make_cpu_backend(2);
+  auto fast = make_cpu_backend({.threads = 2});
+  auto portable = make_cpu_backend({.threads = 2, .portable_kernels = true});
   const std::vector<int32_t> prompt = enginetest::random_prompt(24, m->n_vocab(), 12);
-  struct Restore {
-    ~Restore() {
-      cpu::set_kq_one_matvec(true);
-      cpu::set_matvec_prefetch_bytes(cpu::kDefaultMatvecPrefetchBytes);
-      cpu::set_matvec_prefetch_l2(true);
-    }
-  } restore;
-  const auto on = logits_chunked(m, *be, prompt, 1);
-  cpu::set_kq_one_matvec(false);
-  cpu::set_matvec_prefetch_bytes(0);
-  cpu::set_matvec_prefetch_l2(false);
-  const auto off = logits_chunked(m, *be, prompt, 1);
+  const auto on = logits_chunked(m, *fast, prompt, 1);
+  const auto off = logits_chunked(m, *portable, prompt, 1);
   ASSERT_EQ(on.size(), off.size());
   EXPECT_EQ(0, std::memcmp(on.data(), off.data(), on.size() * sizeof(float))) << GetParam();
 }
 
-// The multi-token kernel switches (v2 batched kernels, small-batch kernels, packed Q4_K
-// prefill) change no bits either: a prefill in 64-token chunks (every expert's matmul sees
-// 2+ rows) and 4-token chunks with all of them off, i.e. the plain kernels, gives the logits
-// of the defaults, memcmp'd.
+// The multi-token kernels (v2 batched, prefill) change no bits either: a prefill in 64-token
+// chunks (every expert's matmul sees 2+ rows) and 4-token chunks with the portable kernels
+// gives the logits of the fast ones, memcmp'd.
 TEST_P(MoeDecodePath, BatchKernelSwitchesChangeNoBits) {
   const auto m = enginetest::load(GetParam());
   ASSERT_NE(m, nullptr);
-  auto be = make_cpu_backend(2);
+  auto fast = make_cpu_backend({.threads = 2});
+  auto portable = make_cpu_backend({.threads = 2, .portable_kernels = true});
   const std::vector<int32_t> prompt = enginetest::random_prompt(40, m->n_vocab(), 13);
-  struct Restore {
-    ~Restore() { set(true); }
-    static void set(bool on) {
-      cpu::set_kq_batch_matmul(on);
-      cpu::set_kq_pair_matmul(on);
-      cpu::set_q4k_packed_matmul(on);
-    }
-  } restore;
   for (int chunk : {64, 4}) {
-    Restore::set(true);
-    const auto on = logits_chunked(m, *be, prompt, chunk);
-    Restore::set(false);
-    const auto off = logits_chunked(m, *be, prompt, chunk);
+    const auto on = logits_chunked(m, *fast, prompt, chunk);
+    const auto off = logits_chunked(m, *portable, prompt, chunk);
     ASSERT_EQ(on.size(), off.size());
     EXPECT_EQ(0, std::memcmp(on.data(), off.data(), on.size() * sizeof(float)))
         << GetParam() << ", chunks of " << chunk;

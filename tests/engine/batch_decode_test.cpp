@@ -119,7 +119,7 @@ class BatchInvariance : public ::testing::TestWithParam<std::string> {};
 TEST_P(BatchInvariance, BatchedDecodeLogitsAreBitIdenticalToAlone) {
   auto m = load(GetParam());
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   // Staggered joins, prompts of different lengths chunked beside other sequences' decode
   // tokens, early finishers: the batch composition changes almost every step. Prompts and
   // decodes run past the sliding windows (8 or 16 positions) so rings wrap.
@@ -168,7 +168,7 @@ TEST(BatchEval, RefusesBadBatchesAndLeavesSessionsUnchanged) {
   ASSERT_TRUE(m);
   auto other = load("stories260K-q8_0.gguf");
   ASSERT_TRUE(other);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   Session a(m, *be, 32, 8), b(m, *be, 32, 8), c(other, *be, 32, 8);
   BatchEval batch(m, *be, 12);
   const auto pa = random_prompt(5, m->n_vocab(), 1), pb = random_prompt(7, m->n_vocab(), 2);
@@ -228,7 +228,7 @@ namespace {
 TEST(TopKEval, SameCandidatesAsTheWholeRows) {
   auto m = enginetest::load("stories260K.gguf");
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   const int32_t V = m->n_vocab();
   const auto pa = enginetest::random_prompt(9, V, 11), pb = enginetest::random_prompt(4, V, 12);
   for (int32_t k : {1, 40, V}) {

@@ -38,7 +38,7 @@ class ChunkInvariance : public ::testing::TestWithParam<std::string> {};
 TEST_P(ChunkInvariance, ChunkedLogitsAreBitIdentical) {
   auto m = load(GetParam());
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   const auto prompt = random_prompt(97, m->n_vocab(), 7);
   const auto whole = logits_chunked(m, *be, prompt, 512);
   ASSERT_EQ(whole.size(), prompt.size() * static_cast<size_t>(m->n_vocab()));
@@ -120,7 +120,7 @@ std::vector<GenerationParams> eight_requests(int32_t n_vocab) {
 TEST(Scheduler, SameIdsAloneAndConcurrentInShuffledOrders) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   const auto reqs = eight_requests(m->n_vocab());
 
   // Reference: one slot, one request at a time, prompt in one chunk.
@@ -176,7 +176,7 @@ TEST(Scheduler, SameIdsAloneAndConcurrentInShuffledOrders) {
 TEST(Scheduler, CandidateSamplingSameIdsAsWholeRows) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   std::vector<GenerationParams> reqs;
   for (int i = 0; i < 5; ++i) {
     GenerationParams p;
@@ -226,7 +226,7 @@ TEST(Scheduler, CandidateSamplingSameIdsAsWholeRows) {
 TEST(Scheduler, QueueBoundRejectsBeyondLimit) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   auto sch = Scheduler::create(m, *be, {.n_slots = 1, .n_ctx = 256, .max_queue = 2});
   ASSERT_TRUE(sch.has_value());
   GenerationParams p;
@@ -257,7 +257,7 @@ TEST(Scheduler, QueueBoundRejectsBeyondLimit) {
 TEST(Scheduler, ZeroQueueStillFillsIdleSlots) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   auto sch = Scheduler::create(m, *be, {.n_slots = 2, .n_ctx = 256, .max_queue = 0});
   ASSERT_TRUE(sch.has_value());
   GenerationParams p;
@@ -277,7 +277,7 @@ TEST(Scheduler, ZeroQueueStillFillsIdleSlots) {
 TEST(Scheduler, CancelFreesSlotForNextRequest) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   auto sch = Scheduler::create(m, *be, {.n_slots = 1, .n_ctx = 256});
   ASSERT_TRUE(sch.has_value());
   GenerationParams p;
@@ -304,7 +304,7 @@ TEST(Scheduler, CancelFreesSlotForNextRequest) {
 TEST(Scheduler, StopsAtContextEnd) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   auto sch = Scheduler::create(m, *be, {.n_slots = 2, .n_ctx = 32});
   ASSERT_TRUE(sch.has_value());
   GenerationParams p;
@@ -322,7 +322,7 @@ TEST(Scheduler, StopsAtContextEnd) {
 TEST(Scheduler, RejectsInvalidRequests) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   auto sch = Scheduler::create(m, *be, {.n_slots = 1, .n_ctx = 16});
   ASSERT_TRUE(sch.has_value());
   GenerationParams p;
@@ -346,7 +346,7 @@ TEST(Scheduler, RejectsInvalidRequests) {
 TEST(Scheduler, ShutdownCancelsInFlightAndQueued) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   auto sch = Scheduler::create(m, *be, {.n_slots = 2, .n_ctx = 256});
   ASSERT_TRUE(sch.has_value());
   GenerationParams p;
@@ -390,7 +390,7 @@ TEST(Scheduler, NgramDraftingKeepsGreedyIdsAndIsReproducible) {
   for (const char* file : {"stories260K.gguf", "gemma2-swa-f16.gguf"}) {
     auto m = load(file);
     ASSERT_TRUE(m);
-    auto be = make_cpu_backend(2);
+    auto be = make_cpu_backend({.threads = 2});
     std::vector<GenerationParams> reqs;
     for (uint32_t i = 0; i < 4; ++i) {
       GenerationParams p;
@@ -443,7 +443,7 @@ TEST(Scheduler, NgramDraftingKeepsGreedyIdsAndIsReproducible) {
 TEST(Scheduler, RejectsOverlongDrafts) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   auto sch = Scheduler::create(m, *be, {.n_slots = 1, .n_ctx = 64});
   ASSERT_TRUE(sch.has_value());
   GenerationParams p;

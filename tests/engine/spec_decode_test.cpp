@@ -86,7 +86,7 @@ TEST_P(GreedyIdentity, SameIdsAsPlainGreedy) {
   auto tm = load(GetParam().target);
   auto dm = load(GetParam().draft);
   ASSERT_TRUE(tm && dm);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   const int32_t n_gen = 48, k = 4;
   // max_batch k+1: sliding-window rings get capacity window + 5 and wrap many times.
   Session target(tm, *be, 128, k + 1);
@@ -187,7 +187,7 @@ TEST(SpecDecode, DraftModelPrefillsPromptInStart) {
   auto tm = load("stories260K.gguf");
   auto dm = load("stories260K-q8_0.gguf");
   ASSERT_TRUE(tm && dm);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   const int32_t k = 4;
   Session target(tm, *be, 64, k + 1);
   auto md = ModelDrafter::create(dm, *be, 64, tm->n_vocab());
@@ -249,7 +249,7 @@ TEST_P(SpecRollback, WrappedRingRejectionAtEveryOffsetKeepsLogitsExact) {
   bool has_ring = false;
   for (const auto& L : m->hparams().layers) has_ring |= L.window > 0;
   ASSERT_TRUE(has_ring) << GetParam() << " should have sliding-window layers";
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   const int32_t k = 4, n_gen = 70;
   Session ref(m, *be, 96, k + 1);
   SamplerParams greedy;
@@ -328,7 +328,7 @@ class CaptureDrafter final : public Drafter {
 TEST(SpecDecoder, BlockDrafterHookSeesTargetHiddenStates) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   Session target(m, *be, 64, 8), ref(m, *be, 64, 8);
   SamplerParams greedy;
   greedy.temperature = 0;
@@ -350,7 +350,7 @@ TEST(SpecDecoder, RejectsBadSetups) {
   auto m = load("stories260K.gguf");
   auto other = load("babyllama-tok105-f32.gguf");
   ASSERT_TRUE(m && other);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   Session target(m, *be, 64, 4);
   NgramDrafter ng;
   SpecParams sp;
@@ -421,7 +421,7 @@ TEST(SpecSampling, PerPositionFrequenciesMatchPlainSampling) {
   auto tm = load("stories260K.gguf");
   auto dm = load("stories260K-q8_0.gguf");
   ASSERT_TRUE(tm && dm);
-  auto be = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
   const int32_t n_pos = 5, n_seeds = 1200, k = 3;
   // A short real-ish prompt: BOS + a few tokens, so the first tokens are not near-certain.
   const std::vector<int32_t> prompt = {1, 400, 261, 300};

@@ -25,7 +25,7 @@ using enginetest::random_prompt;
 
 std::unique_ptr<Backend> cpu_group(int n) {
   std::vector<std::unique_ptr<Backend>> ranks;
-  for (int r = 0; r < n; ++r) ranks.push_back(make_cpu_backend(1));
+  for (int r = 0; r < n; ++r) ranks.push_back(make_cpu_backend({.threads = 1}));
   return make_host_tp_group(std::move(ranks));
 }
 
@@ -100,7 +100,7 @@ TEST(TensorParallel, SessionMatchesOneBackend) {
   for (const char* file : {"stories260K.gguf", "qwen3moe-f16.gguf", "gemma3-swa-f16.gguf"}) {
     auto m = load(file);
     ASSERT_TRUE(m);
-    auto one = make_cpu_backend(1);
+    auto one = make_cpu_backend({.threads = 1});
     for (int n : {2, 4}) {
       if (!check_tensor_parallel(*m, n).is_ok()) continue;  // 4 ranks: stories260K only
       auto group = cpu_group(n);
@@ -162,7 +162,7 @@ TEST(TensorParallel, BatchEvalMatchesSessionsOnTheGroup) {
     EXPECT_EQ(0, std::memcmp(both.data() + V, b->data(), V * sizeof(float))) << "step " << step;
   }
   // A session of a plain backend cannot join the group's batch.
-  auto one = make_cpu_backend(1);
+  auto one = make_cpu_backend({.threads = 1});
   Session plain(m, *one, 64);
   ASSERT_TRUE(plain.eval(p1, false).has_value());
   const int32_t t = 3;

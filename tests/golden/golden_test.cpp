@@ -75,13 +75,13 @@ void run_golden(const Fixture& fx, Path path) {
   } else {
     std::unique_ptr<Backend> be;
 #if KILN_HAVE_CPU_BACKEND
-    if (path == Path::CpuBackend) be = make_cpu_backend(2);
+    if (path == Path::CpuBackend) be = make_cpu_backend({.threads = 2});
     if (path == Path::CpuTp2 || path == Path::CpuTp4) {
       const int n = path == Path::CpuTp2 ? 2 : 4;
       const Status split = check_tensor_parallel(**m, n);
       ASSERT_TRUE(split.is_ok()) << split.message();
       std::vector<std::unique_ptr<Backend>> ranks;
-      for (int r = 0; r < n; ++r) ranks.push_back(make_cpu_backend(1));
+      for (int r = 0; r < n; ++r) ranks.push_back(make_cpu_backend({.threads = 1}));
       be = make_host_tp_group(std::move(ranks));
       ASSERT_EQ(be->tp_size(), n);
     }

@@ -67,7 +67,7 @@ TEST_P(KvpackModels, SaveInstallContinuesIdentically) {
   const Case c = GetParam();
   auto m = load(c.file);
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   const auto prompt = prompt_for(*m, c.n_prompt);
   constexpr int kSteps = 12;
 
@@ -102,8 +102,8 @@ TEST_P(KvpackModels, RemotePrefillMatchesLocal) {
   const Case c = GetParam();
   auto m = load(c.file);
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(1);
-  auto be_remote = make_cpu_backend(1);
+  auto be = make_cpu_backend({.threads = 1});
+  auto be_remote = make_cpu_backend({.threads = 1});
   const auto prompt = prompt_for(*m, c.n_prompt);
   constexpr int kSteps = 12;
 
@@ -167,7 +167,7 @@ TEST(KvpackIdentity, DistinguishesModelsAndIsStable) {
 TEST(KvpackSession, RefusedPackLeavesTheSessionAsItWas) {
   auto a = load("stories260K.gguf"), q = load("stories260K-q8_0.gguf");
   ASSERT_TRUE(a && q);
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   const auto prompt = prompt_for(*a, 20);
   Session src(q, *be, 128, 16);
   ASSERT_TRUE(src.eval(prompt, false).has_value());
@@ -198,7 +198,7 @@ TEST(KvpackSession, RefusedPackLeavesTheSessionAsItWas) {
 TEST(KvpackSession, FileRoundTrip) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   const auto prompt = prompt_for(*m, 25);
   Session a(m, *be, 128, 16);
   auto la = a.eval(prompt, false);

@@ -31,8 +31,8 @@ Fixture& fixture() {
     auto m = Model::load(testing::model_path("stories260K.gguf"));
     KILN_CHECK(m.has_value(), "{}", m.error());
     x.model = *m;
-    x.be = make_cpu_backend(1);
-    x.be_remote = make_cpu_backend(1);
+    x.be = make_cpu_backend({.threads = 1});
+    x.be_remote = make_cpu_backend({.threads = 1});
     std::mt19937 rng(7);
     for (int i = 0; i < 60; ++i) x.prompt.push_back(int32_t(rng() % 500 + 1));
     Session s(x.model, *x.be, 128, 16);

@@ -185,29 +185,29 @@ TEST(FastVsReference, Qwen2BiasesRefBackend) {
 // The cpu backend may round activations to 8-bit blocks for quantized weights (as llama.cpp
 // does), so its bound is looser on the quantized model.
 TEST(FastVsReference, Stories260KCpuBackend) {
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   run_compare(load("stories260K.gguf"), *be, 1e-2, 40);
 }
 TEST(FastVsReference, LlamaGqaQ4KCpuBackend) {
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   run_compare(load("llama-gqa-q4_k_m.gguf"), *be, 5e-2, 24);
 }
 TEST(FastVsReference, Gemma3RingCpuBackend) {
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   run_compare(load("gemma3-swa-f16.gguf"), *be, 1e-2, 24);
 }
 TEST(FastVsReference, MuseGlimmerRingCpuBackend) {
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   run_compare(load("muse-glimmer-f16.gguf"), *be, 1e-2, 40);
 }
 // f16 experts: the cpu backend's 8-bit activation blocks on quantized experts would flip
 // near-tie routing decisions and make node errors jump (see tests/golden's router margin).
 TEST(FastVsReference, Qwen3MoeCpuBackend) {
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   run_compare(load("qwen3moe-f16.gguf"), *be, 1e-2, 24);
 }
 TEST(FastVsReference, Qwen2BiasesCpuBackend) {
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   run_compare(random_qwen2(), *be, 1e-2, 30);
 }
 #endif

@@ -143,7 +143,7 @@ std::vector<float> prefill_and_steps(const std::shared_ptr<const Model>& m, Back
 
 TEST(Routing, DefaultIsTheModelsRoutingAndOverridesChangeTheExperts) {
   const std::string path = testing::model_path("qwen3moe-q4_k_m.gguf");
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   auto plain = Model::load(path);
   ASSERT_TRUE(plain.has_value()) << plain.error();
   auto model = Model::load(path, {{}, *parse_routing("model")});

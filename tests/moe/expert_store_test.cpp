@@ -77,7 +77,7 @@ class Identity : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(Identity, SameIdsAndBitIdenticalLogitsUnderEveryBudget) {
   const std::string file = GetParam();
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   const std::vector<int32_t> prompt = prompt_of(file, 48);
   const int n_gen = 12;
   const RunResult base = run(load(file), *be, prompt, n_gen);
@@ -145,7 +145,7 @@ INSTANTIATE_TEST_SUITE_P(Models, Identity,
 // (layer, position, token) alone, so a streaming run routes as the resident one. Uniform
 // routing is the caches' worst case: more misses than the model's own skewed routing.
 TEST(ExpertStore, RoutingOverridesKeepStreamingIdentical) {
-  auto be = make_cpu_backend(2);
+  auto be = make_cpu_backend({.threads = 2});
   for (const char* file : {"qwen3moe-q4_k_m.gguf", "mixtral-q4_k_m.gguf"}) {
     const std::vector<int32_t> prompt = prompt_of(file, 24);
     for (const char* routing : {"uniform", "zipf:1.1"}) {
@@ -307,7 +307,7 @@ TEST(ExpertStore, ConcurrentGetsUnderConstantEvictionSeeMappedBytes) {
 TEST(ExpertStore, SessionsOnThreadsShareOneStore) {
   const std::string file = "qwen3moe-f16.gguf";
   const std::vector<int32_t> prompt = prompt_of(file, 24);
-  auto be0 = make_cpu_backend(1);
+  auto be0 = make_cpu_backend({.threads = 1});
   const RunResult base = run(load(file), *be0, prompt, 6);
   auto m = load(file, {.cap = 2, .prefetch = true, .n_readers = 2});
   ASSERT_NE(m, nullptr);
@@ -315,7 +315,7 @@ TEST(ExpertStore, SessionsOnThreadsShareOneStore) {
   std::vector<std::thread> threads;
   for (size_t t = 0; t < results.size(); ++t)
     threads.emplace_back([&, t] {
-      auto be = make_cpu_backend(1);
+      auto be = make_cpu_backend({.threads = 1});
       results[t] = run(m, *be, prompt, 6);
     });
   for (std::thread& th : threads) th.join();

@@ -107,7 +107,7 @@ ChildResult run_child(const std::string& path, const moe::StoreConfig& cfg, uint
     }
     auto m = Model::load(path, cfg);
     if (!m.has_value()) fail(m.error());
-    auto be = make_cpu_backend(1);
+    auto be = make_cpu_backend({.threads = 1});
     Session s(*m, *be, 320);
     std::vector<int32_t> prompt;
     for (int i = 0; i < 256; ++i) prompt.push_back(1 + (i * 37) % 500);

@@ -80,8 +80,8 @@ void expect_each_query_alone_equal(Backend& be, const AttentionArgs& a, const st
 TEST(AttentionVsRef, Configurations) {
   std::mt19937_64 rng(ops_seed());
   auto ref = make_ref_backend();
-  auto cpu1 = make_cpu_backend(1);
-  auto cpu3 = make_cpu_backend(3);
+  auto cpu1 = make_cpu_backend({.threads = 1});
+  auto cpu3 = make_cpu_backend({.threads = 3});
   for (int64_t ratio : {1, 2, 4}) {
     for (int64_t n_q : {1, 7}) {
       for (int32_t window : {0, 5}) {
@@ -100,9 +100,9 @@ TEST(AttentionVsRef, Configurations) {
 }
 
 // The grouped kernel (heads narrower than a vector: several (query, head) pairs of one KV
-// head in the lanes) must give the per-pair kernel's bits: with cpu::set_attention_grouped(
-// false) the output is the per-pair kernel's, so this is also the proof that the switch
-// changes nothing but speed. Fresh random inputs every run; head_dim 1..15 (on a target of
+// head in the lanes) must give the per-pair kernel's bits, which the portable backend
+// (CpuOptions::portable_kernels) runs, so this is also the proof that it changes nothing but
+// speed. Fresh random inputs every run; head_dim 1..15 (on a target of
 // 16 float lanes all grouped; where vectors are narrower the widths at or above the lane count
 // take the per-pair kernel both ways), GQA groups 1..16, 1..37 queries (partial runs of
 // queries per task, a speculative verify's 2..9), key counts across key blocks, ring rows,
@@ -111,10 +111,8 @@ TEST(AttentionVsRef, Configurations) {
 TEST(AttentionGrouped, SameBitsAsPerPairKernel) {
   std::mt19937_64 rng(ops_seed() ^ 0x51ed270bULL);
   SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  struct Restore {
-    ~Restore() { cpu::set_attention_grouped(true); }
-  } restore;
-  auto cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  auto cpu1 = make_cpu_backend({.threads = 1}), cpu2 = make_cpu_backend({.threads = 2});
+  auto portable1 = make_cpu_backend({.threads = 1, .portable_kernels = true});
   int grouped_cases = 0;
   for (int64_t hd : {1, 3, 4, 7, 8, 12, 15}) {
     for (int64_t group : {1, 2, 3, 4, 8, 16}) {
@@ -127,7 +125,7 @@ TEST(AttentionGrouped, SameBitsAsPerPairKernel) {
         SCOPED_TRACE(::testing::Message() << "hd " << hd << " heads " << n_head << "/" << n_head_kv
                                           << " n_q " << n_q << " n_kv " << n_kv << " window "
                                           << window << " softcap " << softcap);
-        if (cpu::attention_group_tokens(hd, group) > 0) ++grouped_cases;
+        if (cpu::attention_group_tokens(hd, group, /*portable=*/false) > 0) ++grouped_cases;
         const int64_t q_w = n_head * hd;
         // A verify batch attends over its own rows causally; with more than one query the
         // first sees nothing. Large enough logits that the running max grows inside and across
@@ -138,15 +136,12 @@ TEST(AttentionGrouped, SameBitsAsPerPairKernel) {
         const std::vector<int32_t>& q_pos = p.q_pos;
         AttentionArgs& a = p.args;
         std::vector<float> on1(q.size(), NAN), on2(q.size(), NAN), off1(q.size(), NAN);
-        cpu::set_attention_grouped(true);
         a.out = on1;
         cpu1->attention(a);
         a.out = on2;
         cpu2->attention(a);
-        cpu::set_attention_grouped(false);
         a.out = off1;
-        cpu1->attention(a);
-        cpu::set_attention_grouped(true);
+        portable1->attention(a);
         ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
             << "grouped vs per-pair kernel differ";
         ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
@@ -160,20 +155,18 @@ TEST(AttentionGrouped, SameBitsAsPerPairKernel) {
   EXPECT_GT(grouped_cases, 0);
 }
 
-// The multi-pair kernel (heads a whole number of vectors wide: up to 4 (query, head) pairs of
-// one KV head per task sharing K/V rows) must give the per-pair kernel's bits; with
-// cpu::set_attention_multi(false) the output is the per-pair kernel's, so this is also the
-// proof that the switch changes nothing but speed. Head widths 8..128 (on AVX-512 1, 2, 3 (no
-// multi: the per-pair kernel both ways), 4 and 8 vectors, 8 the grouped kernel's); GQA ratios
-// 1/2/3/4/8 (runs of pairs crossing queries, a short last run, a KV head's heads split over two
-// tasks); 1..40 queries and ~300 (many key blocks, the diagonal inside a block); sliding
-// window; softcap; 1 and 2 threads; each query alone the same bits as in the batch.
+// The multi-pair kernel (heads a whole number of vectors wide: up to 4 (query, head) pairs of one
+// KV head per task sharing K/V rows) must give the per-pair kernel's bits, which the portable
+// backend runs, so this is also the proof that it changes nothing but speed. Head widths 8..128 (on
+// AVX-512 1, 2, 3 (no multi: the per-pair kernel both ways), 4 and 8 vectors, 8 the grouped
+// kernel's); GQA ratios 1/2/3/4/8 (runs of pairs crossing queries, a short last run, a KV head's
+// heads split over two tasks); 1..40 queries and ~300 (many key blocks, the diagonal inside a
+// block); sliding window; softcap; 1 and 2 threads; each query alone the same bits as in the batch.
 // `light`: every third query count, for the other SIMD targets.
 void check_attention_multi(std::mt19937_64& rng, bool light) {
-  struct Restore {
-    ~Restore() { cpu::set_attention_multi(true); }
-  } restore;
-  auto cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  auto cpu1 = make_cpu_backend({.threads = 1}), cpu2 = make_cpu_backend({.threads = 2});
+  auto portable1 = make_cpu_backend({.threads = 1, .portable_kernels = true});
+  auto portable2 = make_cpu_backend({.threads = 2, .portable_kernels = true});
   int multi_cases = 0;
   std::vector<int64_t> q_counts;
   for (int64_t n = 1; n <= 40; n += light ? 3 : 1) q_counts.push_back(n);
@@ -193,7 +186,7 @@ void check_attention_multi(std::mt19937_64& rng, bool light) {
       SCOPED_TRACE(::testing::Message() << "hd " << hd << " heads " << n_head << "/" << n_head_kv
                                         << " n_q " << n_q << " n_kv " << n_kv << " window "
                                         << window << " softcap " << softcap);
-      if (cpu::attention_multi_pairs(hd) > 0) ++multi_cases;
+      if (cpu::attention_multi_pairs(hd, /*portable=*/false) > 0) ++multi_cases;
       const int64_t q_w = n_head * hd;
       AttnProblem p = random_attention(rng, n_head, n_head_kv, hd, n_q, n_kv, n_kv + 7, window,
                                        softcap, 3.0f, 2);
@@ -201,17 +194,14 @@ void check_attention_multi(std::mt19937_64& rng, bool light) {
       const std::vector<int32_t>& q_pos = p.q_pos;
       AttentionArgs& a = p.args;
       std::vector<float> on1(q.size(), NAN), on2(q.size(), NAN), off1(q.size(), NAN), off2(q.size(), NAN);
-      cpu::set_attention_multi(true);
       a.out = on1;
       cpu1->attention(a);
       a.out = on2;
       cpu2->attention(a);
-      cpu::set_attention_multi(false);
       a.out = off1;
-      cpu1->attention(a);
+      portable1->attention(a);
       a.out = off2;
-      cpu2->attention(a);
-      cpu::set_attention_multi(true);
+      portable2->attention(a);
       ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
           << "multi-pair vs per-pair kernel differ";
       ASSERT_EQ(0, std::memcmp(on2.data(), off2.data(), on1.size() * sizeof(float)))

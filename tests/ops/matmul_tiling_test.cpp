@@ -27,7 +27,8 @@ class MatmulTiling : public ::testing::TestWithParam<DType> {};
 
 TEST_P(MatmulTiling, TokenResultsIndependentOfBatchAndThreads) {
   const DType type = GetParam();
-  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  static std::unique_ptr<Backend> cpu1 = make_cpu_backend({.threads = 1}),
+                                  cpu2 = make_cpu_backend({.threads = 2});
   std::mt19937_64 rng(ops_seed() ^ (static_cast<uint64_t>(type) << 8));
   const int64_t blk = traits(type).block_size;
   // k: two blocks of the type (three for 32-wide ones), so every path runs its block loop.
@@ -94,21 +95,30 @@ std::vector<std::byte> random_k_rows(DType type, int64_t k, int64_t n_rows, std:
   return bytes;
 }
 
-// w x with a kernel switch on (1 and 2 threads) and off (1 thread).
-struct OnOff {
-  std::vector<float> on1, on2, off1;
+// Backends with the fast kernels on 1 and 2 threads, and one with the portable kernels
+// (CpuOptions::portable_kernels), every fast kernel's oracle.
+struct Cpus {
+  std::unique_ptr<Backend> fast1 = make_cpu_backend({.threads = 1});
+  std::unique_ptr<Backend> fast2 = make_cpu_backend({.threads = 2});
+  std::unique_ptr<Backend> portable = make_cpu_backend({.threads = 1, .portable_kernels = true});
 };
-OnOff run_on_off(void (*set_on)(bool), Backend& one, Backend& two, const WeightMatrix& w,
-                 const std::vector<float>& x, int64_t n_tok) {
-  OnOff r;
-  r.on1.resize(size_t(n_tok * w.n_rows));
-  r.on2.resize(r.on1.size());
-  r.off1.resize(r.on1.size());
-  set_on(true);
-  one.matmul(w, x, n_tok, r.on1);
-  two.matmul(w, x, n_tok, r.on2);
-  set_on(false);
-  one.matmul(w, x, n_tok, r.off1);
+Cpus& cpus() {
+  static Cpus c;
+  return c;
+}
+
+// w x through the fast kernels (1 and 2 threads) and the portable ones (1 thread).
+struct FastPortable {
+  std::vector<float> fast1, fast2, portable;
+};
+FastPortable run_fast_portable(const WeightMatrix& w, const std::vector<float>& x, int64_t n_tok) {
+  FastPortable r;
+  r.fast1.resize(size_t(n_tok * w.n_rows));
+  r.fast2.resize(r.fast1.size());
+  r.portable.resize(r.fast1.size());
+  cpus().fast1->matmul(w, x, n_tok, r.fast1);
+  cpus().fast2->matmul(w, x, n_tok, r.fast2);
+  cpus().portable->matmul(w, x, n_tok, r.portable);
   return r;
 }
 
@@ -122,174 +132,73 @@ std::vector<float> edge_tokens(std::mt19937_64& rng, int64_t n_tok, int64_t k) {
   return x;
 }
 
-// A kernel switch changes no bit: on with 1 and 2 threads equals off, and over edge_tokens'
-// batch token 3's NaN reaches its outputs while token 2 stays finite.
-void expect_same_bits_on_off(const OnOff& r, int64_t n_tok, int64_t n_rows, const char* kernel) {
-  ASSERT_EQ(0, std::memcmp(r.on1.data(), r.off1.data(), r.on1.size() * sizeof(float)))
+// The fast kernels change no bit: fast with 1 and 2 threads equals portable, and over
+// edge_tokens' batch token 3's NaN reaches its outputs while token 2 stays finite.
+void expect_same_bits(const FastPortable& r, int64_t n_tok, int64_t n_rows, const char* kernel) {
+  ASSERT_EQ(0, std::memcmp(r.fast1.data(), r.portable.data(), r.fast1.size() * sizeof(float)))
       << kernel << " vs plain kernel differ";
-  ASSERT_EQ(0, std::memcmp(r.on1.data(), r.on2.data(), r.on1.size() * sizeof(float)))
+  ASSERT_EQ(0, std::memcmp(r.fast1.data(), r.fast2.data(), r.fast1.size() * sizeof(float)))
       << kernel << " kernel: 1 vs 2 threads differ";
   if (n_tok > 3) {
-    ASSERT_TRUE(std::isnan(r.on1[size_t(3 * n_rows)]));
+    ASSERT_TRUE(std::isnan(r.fast1[size_t(3 * n_rows)]));
   }
   if (n_tok > 2) {
-    ASSERT_FALSE(std::isnan(r.on1[size_t(2 * n_rows)]));
+    ASSERT_FALSE(std::isnan(r.fast1[size_t(2 * n_rows)]));
   }
 }
 
-// The Q4_K/Q6_K kernel switches a test turns off, back to their defaults (all on) when it ends,
-// failed or not.
-struct KQSwitchesRestore {
-  ~KQSwitchesRestore() {
-    cpu::set_kq_prefill_matmul(true);
-    cpu::set_kq_batch_matmul(true);
-    cpu::set_kq_pair_matmul(true);
-    cpu::set_q4k_packed_matmul(true);
-  }
-};
-
-// The packed Q4_K prefill kernel (AVX-512 VNNI) must give the plain kernel's bits: with
-// cpu::set_q4k_packed_matmul(false) the output is the plain kernel's, so this is also the
-// proof that the switch changes nothing but speed. Raw random blocks reach every nibble and
-// 6-bit scale/min value (the packed sums' bounds); row counts cross row blocks and leave odd
-// rows, token counts leave partial tiles (and 5 stays below the packed kernel's minimum);
-// one token is zero, one huge, one NaN.
-TEST(MatmulQ4KPacked, SameBitsAsPlainKernel) {
-  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
-  std::mt19937_64 rng(ops_seed() ^ 0x9e3779b9ULL);
-  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  const KQSwitchesRestore restore;
-  cpu::set_kq_prefill_matmul(false);  // from 16 tokens it would take Q4_K calls on and off
-  cpu::set_kq_batch_matmul(false);  // with it on, the v2 batched kernels take these calls
-  for (int64_t k : {256, 768}) {
-    for (int64_t n_rows : {1, 2, 3, 67, 131}) {
-      const size_t rb = *row_bytes(DType::Q4_K, k);
-      const std::vector<std::byte> bytes = random_k_rows(DType::Q4_K, k, n_rows, rng);
-      const WeightMatrix w{.dtype = DType::Q4_K, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
-      for (int64_t n_tok : {5, 12, 13, 16, 19, 37}) {
-        SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << n_rows << " n_tok " << n_tok);
-        std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
-        std::fill_n(x.begin(), k, 0.0f);  // token 0: all zero (activation scale 0)
-        x[k + 5] = 3e30f;                 // token 1: one huge element
-        x[4 * k + 7] = NAN;               // token 4: NaN, which must come out NaN either way
-        const auto [on1, on2, off1] =
-            run_on_off(cpu::set_q4k_packed_matmul, *cpu1, *cpu2, w, x, n_tok);
-        ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
-            << "packed vs plain kernel differ";
-        ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
-            << "packed kernel: 1 vs 2 threads differ";
-        ASSERT_TRUE(std::isnan(off1[4 * n_rows]));
-        ASSERT_FALSE(std::isnan(off1[2 * n_rows]));
-      }
-    }
-  }
-}
-
-// The small-batch Q4_K / Q6_K kernels (AVX-512 VNNI, 2+ tokens) must give the plain kernels'
-// bits: with cpu::set_kq_pair_matmul(false) the output is the plain kernels', so this is also
-// the proof that the switch changes nothing but speed. Raw random blocks reach every quant and
-// scale value (the int16 lane sums' bounds: 6-bit quants against -127/127 activations); odd
-// row counts across row blocks, 1..9 tokens (every piece of the 8/4/2/1 token tiling) and
-// 13/37 (several token tiles, row-blocked), 1 and 2 threads; one token is zero, one holds a
-// huge element, one a NaN. (The v2 batched kernels, which take these calls by default, are
-// off here: MatmulKQBatch tests them.)
-TEST(MatmulKQPair, SameBitsAsPlainKernel) {
-  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
-  std::mt19937_64 rng(ops_seed() ^ 0x7f4a7c15ULL);
-  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  const KQSwitchesRestore restore;
-  cpu::set_kq_prefill_matmul(false);  // from 16 tokens it would take Q4_K calls on and off
-  cpu::set_kq_batch_matmul(false);
-  for (DType type : {DType::Q4_K, DType::Q6_K}) {
-    for (int64_t k : {256, 768}) {
-      for (int64_t n_rows : {1, 3, 67, 131}) {
-        const size_t rb = *row_bytes(type, k);
-        const std::vector<std::byte> bytes = random_k_rows(type, k, n_rows, rng);
-        const WeightMatrix w{.dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
-        for (int64_t n_tok : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 37}) {
-          // Q4_K: 12+ tokens take the packed kernel unless it is off, which runs the small-batch
-          // kernel's row-blocked path instead (Q6_K's always).
-          const bool packed = !(type == DType::Q4_K && n_tok >= 12);
-          cpu::set_q4k_packed_matmul(packed);
-          SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows
-                                            << " n_tok " << n_tok << " q4k packed " << packed);
-          const std::vector<float> x = edge_tokens(rng, n_tok, k);
-          expect_same_bits_on_off(run_on_off(cpu::set_kq_pair_matmul, *cpu1, *cpu2, w, x, n_tok), n_tok,
-                                  n_rows, "small-batch");
-          if (::testing::Test::HasFatalFailure()) return;
-        }
-      }
-    }
-  }
-}
-
-// The v2 batched Q4_K / Q6_K kernels (AVX-512 VNNI, 2+ tokens) must give the plain kernels'
-// bits: with cpu::set_kq_batch_matmul and set_kq_pair_matmul both off the output is the plain
-// kernels', so this is also the proof that the switch changes nothing but speed. Raw random
-// blocks reach every quant, scale and min value; odd row counts (the two-row calls and a
-// single row left over) split over 1 and 2 threads; 2..9 tokens (every token count of one
-// tile, pairs and an odd last token) and 13/37 (several tiles, row-blocked); rows of 1..8
-// blocks and of 13 (above kBatchL1MaxBlocks: 5+ tokens in pieces); a column block of a wider
-// matrix (strided rows); one token all zero, one with a huge element, one with a NaN.
+// The v2 batched Q4_K / Q6_K kernels (AVX-512 VNNI, 2+ tokens; on AVX2 machines kq_avx2-inl.h's)
+// must give the plain kernels' bits, which the portable backend runs, so this is also the proof
+// that the fast kernels change nothing but speed. On every SIMD target this machine runs (so an
+// AVX-512 machine tests the AVX2 kernels too). Raw random blocks reach every quant, scale and min
+// value; odd row counts (the two-row calls and a single row left over) split over 1 and 2 threads;
+// 2..9 tokens (every token count of one tile, pairs and an odd last token) and 13/37 (several
+// tiles, row-blocked); rows of 1..8 blocks and of 13 (above kBatchL1MaxBlocks: 5+ tokens in
+// pieces); a column block of a wider matrix (strided rows); one token all zero, one with a huge
+// element, one with a NaN.
 TEST(MatmulKQBatch, SameBitsAsPlainKernel) {
-  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
   std::mt19937_64 rng(ops_seed() ^ 0x2545f491ULL);
-  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  const KQSwitchesRestore restore;
-  cpu::set_kq_prefill_matmul(false);  // from 16 tokens it would take Q4_K calls on and off
-  // on: the batched kernels; off: the plain ones (kq_pair and, for Q4_K from 12 tokens, the
-  // packed kernel off too).
-  cpu::set_q4k_packed_matmul(false);
-  const auto set_on = [](bool on) {
-    cpu::set_kq_batch_matmul(on);
-    cpu::set_kq_pair_matmul(on);
-  };
-  for (DType type : {DType::Q4_K, DType::Q6_K}) {
-    for (int64_t k : {256, 768, 2048, 3328}) {
-      for (int64_t n_rows : {1, 2, 3, 67, 131}) {
-        for (bool strided : {false, true}) {
-          if (strided && n_rows != 67) continue;
-          // strided: columns [256, 256 + k) of a matrix 512 wider.
-          const int64_t k_all = strided ? k + 512 : k;
-          const size_t rb = *row_bytes(type, k_all);
-          const std::vector<std::byte> bytes = random_k_rows(type, k_all, n_rows, rng);
-          const WeightMatrix full{
-              .dtype = type, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
-          const WeightMatrix w = strided ? full.columns(256, k) : full;
-          for (int64_t n_tok : {2, 3, 4, 5, 6, 7, 8, 9, 13, 37}) {
-            SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
-                                              << n_rows << " strided " << strided << " n_tok "
-                                              << n_tok);
-            const std::vector<float> x = edge_tokens(rng, n_tok, k);
-            expect_same_bits_on_off(run_on_off(set_on, *cpu1, *cpu2, w, x, n_tok), n_tok,
-                                    n_rows, "batched v2");
-            if (::testing::Test::HasFatalFailure()) return;
+  kiln::testing::for_each_simd_target([&] {
+    SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+    for (DType type : {DType::Q4_K, DType::Q6_K}) {
+      for (int64_t k : {256, 768, 2048, 3328}) {
+        for (int64_t n_rows : {1, 2, 3, 67, 131}) {
+          for (bool strided : {false, true}) {
+            if (strided && n_rows != 67) continue;
+            // strided: columns [256, 256 + k) of a matrix 512 wider.
+            const int64_t k_all = strided ? k + 512 : k;
+            const size_t rb = *row_bytes(type, k_all);
+            const std::vector<std::byte> bytes = random_k_rows(type, k_all, n_rows, rng);
+            const WeightMatrix full{
+                .dtype = type, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+            const WeightMatrix w = strided ? full.columns(256, k) : full;
+            for (int64_t n_tok : {2, 3, 4, 5, 6, 7, 8, 9, 13, 37}) {
+              SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
+                                                << n_rows << " strided " << strided << " n_tok "
+                                                << n_tok);
+              const std::vector<float> x = edge_tokens(rng, n_tok, k);
+              expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "batched v2");
+              if (::testing::Test::HasFatalFailure()) return;
+            }
           }
         }
       }
     }
-  }
+  });
 }
 
-// The prefill Q4_K / Q6_K kernels (AVX-512 VNNI, cpu_matmul_kq.cpp) must give the plain kernels' bits:
-// with cpu::set_kq_prefill_matmul and the other K-quant switches off the output is the plain
-// kernel's, so this is also the proof that the switch changes nothing but speed. Raw random
-// blocks reach every quant, scale and min value (the packed word sums' bounds); odd row counts
-// split over 1 and 2 threads and, at 3328 columns, rows past one row block; rows of 1, 3, 8
-// (one K chunk), 9 and 13 blocks (a partial last chunk); token counts below the kernel's
-// minimum (the switch must not matter there), 128, and 129..135 and 509 (a last tile of 1, 3, 5,
-// 7 and 5 tokens: a pair whose partner is missing); a column block of a
-// wider matrix (strided rows); one token all zero, one with a huge element, one with a NaN.
+// The prefill Q4_K / Q6_K kernels (AVX-512 VNNI, cpu_matmul_kq.cpp; on AVX2 machines
+// kq_avx2-inl.h's) must give the plain kernels' bits, which the portable backend runs, so this is
+// also the proof that the fast kernels change nothing but speed. Raw random blocks reach every
+// quant, scale and min value (the packed word sums' bounds); odd row counts split over 1 and 2
+// threads and, at 3328 columns, rows past one row block; rows of 1, 3, 8 (one K chunk), 9 and 13
+// blocks (a partial last chunk); token counts below the kernel's minimum (the one-token and
+// batched kernels there), 128, and 129..135 and 509 (a last tile of 1, 3, 5, 7 and 5 tokens: a
+// pair whose partner is missing); a column block of a wider matrix (strided rows); one token all
+// zero, one with a huge element, one with a NaN.
 TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
-  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
   std::mt19937_64 rng(ops_seed() ^ 0x61c88647ULL);
   SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  const KQSwitchesRestore restore;
-  // on: the prefill kernel (the others off, so that fewer tokens take the plain kernel too);
-  // off: the plain kernel.
-  cpu::set_q4k_packed_matmul(false);
-  cpu::set_kq_batch_matmul(false);
-  cpu::set_kq_pair_matmul(false);
   for (DType type : {DType::Q4_K, DType::Q6_K})
   for (int64_t k : {256, 768, 2048, 2304, 3328}) {
     for (int64_t n_rows : {1, 2, 3, 67, 131, 333}) {
@@ -307,8 +216,7 @@ TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
           SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
                                             << strided << " n_tok " << n_tok);
           const std::vector<float> x = edge_tokens(rng, n_tok, k);
-          expect_same_bits_on_off(run_on_off(cpu::set_kq_prefill_matmul, *cpu1, *cpu2, w, x, n_tok), n_tok,
-                                  n_rows, "prefill");
+          expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "prefill");
           if (::testing::Test::HasFatalFailure()) return;
         }
       }
@@ -320,7 +228,7 @@ TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
 // speed) must stay the reference encoder's bytes: the scale comes from the first element of
 // the largest magnitude, so rows where +max and -max tie pin the pick; also all-zero rows,
 // -0, a NaN and an infinity (both encode to NaN scale and zero quants and sums). Both the
-// AVX-512 encoder (cpu::set_q8k_quant_simd) and the scalar loop.
+// AVX-512 encoder (portable = false) and the scalar loop (portable = true).
 TEST(ActQuant, Q8KSameBytesAsReference) {
   std::mt19937_64 rng(ops_seed() ^ 0x9e3779b9ULL);
   SCOPED_TRACE(::testing::Message() << "seed " << ops_seed());
@@ -340,16 +248,14 @@ TEST(ActQuant, Q8KSameBytesAsReference) {
       x[512 + 3] = -INFINITY;  // block 2: an infinity
     }
     quant::quantize_row(DType::Q8_K, x, want);
-    for (bool simd : {true, false}) {
-      cpu::set_q8k_quant_simd(simd);
-      cpu::quantize_act_row(cpu::ActKind::Q8_K, x.data(), n, got.data());
-      cpu::set_q8k_quant_simd(true);
-      ASSERT_EQ(0, std::memcmp(got.data(), want.data(), bytes)) << "simd " << simd;
+    for (bool portable : {false, true}) {
+      cpu::quantize_act_row(cpu::ActKind::Q8_K, x.data(), n, got.data(), portable);
+      ASSERT_EQ(0, std::memcmp(got.data(), want.data(), bytes)) << "portable " << portable;
     }
   }
 }
 
-// The AVX-512 Q8_0 activation encoder (cpu::set_q8_quant_simd) writes the scalar loop's bytes:
+// The AVX-512 Q8_0 activation encoder (portable = false) writes the scalar loop's bytes:
 // random blocks, small integers (ties of +-max, exact .5 products), zeros and -0, a NaN, an
 // infinity, huge and tiny magnitudes.
 TEST(ActQuant, Q8_0SameBytesBothWays) {
@@ -371,22 +277,18 @@ TEST(ActQuant, Q8_0SameBytesBothWays) {
       }
       if (variant % 5 == 3)
         for (size_t i = 0; i < x.size(); ++i) x[i] *= (i % 3 == 0) ? 1e30f : 1e-30f;
-      cpu::set_q8_quant_simd(true);
-      cpu::quantize_act_row(cpu::ActKind::Q8_0, x.data(), n, simd.data());
-      cpu::set_q8_quant_simd(false);
-      cpu::quantize_act_row(cpu::ActKind::Q8_0, x.data(), n, scalar.data());
-      cpu::set_q8_quant_simd(true);
+      cpu::quantize_act_row(cpu::ActKind::Q8_0, x.data(), n, simd.data(), /*portable=*/false);
+      cpu::quantize_act_row(cpu::ActKind::Q8_0, x.data(), n, scalar.data(), /*portable=*/true);
       // NaN scales compare by bits: both sides write the same NAN constant.
       ASSERT_EQ(0, std::memcmp(simd.data(), scalar.data(), bytes));
     }
   }
 }
 
-// A one-token kernel switch changes no bit of w x for five tokens: random, tiny (1e-3), all
-// zero (activation scale 0), one huge element, one NaN (which must come out NaN); on with 1 and
-// 2 threads against off.
-void expect_one_token_same_bits(void (*set_on)(bool), Backend& one, Backend& two,
-                                const WeightMatrix& w, std::mt19937_64& rng) {
+// The one-token kernels change no bit of w x for five tokens: random, tiny (1e-3), all zero
+// (activation scale 0), one huge element, one NaN (which must come out NaN); fast with 1 and 2
+// threads against portable.
+void expect_one_token_same_bits(const WeightMatrix& w, std::mt19937_64& rng) {
   const int64_t k = w.n_cols;
   for (int variant = 0; variant < 5; ++variant) {
     SCOPED_TRACE(::testing::Message() << "variant " << variant);
@@ -394,143 +296,94 @@ void expect_one_token_same_bits(void (*set_on)(bool), Backend& one, Backend& two
     if (variant == 2) std::fill(x.begin(), x.end(), 0.0f);  // activation scale 0
     if (variant == 3) x[5] = 3e30f;                         // one huge element
     if (variant == 4) x[7] = NAN;                           // must come out NaN
-    const auto [on1, on2, off1] = run_on_off(set_on, one, two, w, x, 1);
-    ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
+    const auto [fast1, fast2, portable] = run_fast_portable(w, x, 1);
+    ASSERT_EQ(0, std::memcmp(fast1.data(), portable.data(), fast1.size() * sizeof(float)))
         << "one-token vs plain kernel differ";
-    ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
+    ASSERT_EQ(0, std::memcmp(fast1.data(), fast2.data(), fast1.size() * sizeof(float)))
         << "one-token kernel: 1 vs 2 threads differ";
     if (variant == 4) {
-      ASSERT_TRUE(std::isnan(on1[0]));
+      ASSERT_TRUE(std::isnan(fast1[0]));
     } else {
-      ASSERT_FALSE(std::isnan(on1[0]));
+      ASSERT_FALSE(std::isnan(fast1[0]));
     }
   }
 }
 
-// The one-token Q4_K / Q6_K kernels (AVX-512 VNNI, decode) must give the plain kernels' bits:
-// with cpu::set_kq_one_matvec(false) a single token runs the plain kernels, so this is also the
-// proof that the switch changes nothing but speed. Raw random blocks reach every quant, scale
-// and min value (the int16 lane sums' bounds and the vector decoding of the 6-bit scales);
-// widths of 1, 3 and 4 blocks (the expert slices' 1024 columns), odd row counts split over 1
-// and 2 threads; an all-zero token, one with a huge element and one with a NaN.
+// The one-token Q4_K / Q6_K kernels (AVX-512 VNNI, decode; on AVX2 machines kq_avx2-inl.h's) must
+// give the plain kernels' bits, which the portable backend runs, so this is also the proof that the
+// fast kernels change nothing but speed. On every SIMD target this machine runs. Raw random blocks
+// reach every quant, scale and min value (the int16 lane sums' bounds and the vector decoding of
+// the 6-bit scales); widths of 1, 3 and 4 blocks (the expert slices' 1024 columns) and of 13
+// (matrices where the software prefetch's span lies inside for most row groups and past the end for
+// the last), odd row counts (a last row group of 1..3 rows) split over 1 and 2 threads; an all-zero
+// token, one with a huge element and one with a NaN.
 TEST(MatmulKQOne, SameBitsAsPlainKernel) {
-  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
   std::mt19937_64 rng(ops_seed() ^ 0x5bd1e995ULL);
-  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  struct Restore {
-    ~Restore() { cpu::set_kq_one_matvec(true); }
-  } restore;
-  for (DType type : {DType::Q4_K, DType::Q6_K}) {
-    for (int64_t k : {256, 768, 1024}) {
-      for (int64_t n_rows : {1, 3, 67, 131}) {
-        const size_t rb = *row_bytes(type, k);
-        const std::vector<std::byte> bytes = random_k_rows(type, k, n_rows, rng);
-        const WeightMatrix w{
-            .dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
-        SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows);
-        expect_one_token_same_bits(cpu::set_kq_one_matvec, *cpu1, *cpu2, w, rng);
-        if (::testing::Test::HasFatalFailure()) return;
+  kiln::testing::for_each_simd_target([&] {
+    SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+    for (DType type : {DType::Q4_K, DType::Q6_K}) {
+      for (int64_t k : {256, 768, 1024, 3328}) {
+        for (int64_t n_rows : {1, 3, 67, 131}) {
+          const size_t rb = *row_bytes(type, k);
+          const std::vector<std::byte> bytes = random_k_rows(type, k, n_rows, rng);
+          const WeightMatrix w{
+              .dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+          SCOPED_TRACE(::testing::Message()
+                       << dtype_name(type) << " k " << k << " rows " << n_rows);
+          expect_one_token_same_bits(w, rng);
+          if (::testing::Test::HasFatalFailure()) return;
+        }
       }
     }
-  }
+  });
 }
 
-// The AVX2 one-token Q8_0 kernel (cpu::set_q8_one_matvec; machines without AVX-512, elsewhere
-// the switch changes no path) must give the plain kernel's bits: raw random quants (-128
-// included), finite block scales, rows of 1..65 blocks, odd row counts (the two-row calls and a
-// single row left over) over 1 and 2 threads, a column block of a wider matrix (strided rows);
-// the token zero, tiny, with a huge element, with a NaN.
+// The AVX2 one-token Q8_0 kernel (machines without AVX-512; on every SIMD target this machine runs,
+// where the others' fast and portable paths are the same) must give the plain kernel's bits: raw
+// random quants (-128 included), finite block scales, rows of 1..65 blocks, odd row counts (the
+// two-row calls and a single row left over) over 1 and 2 threads, a column block of a wider matrix
+// (strided rows); the token zero, tiny, with a huge element, with a NaN.
 TEST(MatmulQ8One, SameBitsAsPlainKernel) {
-  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
   std::mt19937_64 rng(ops_seed() ^ 0x3c6ef372ULL);
-  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  struct Restore {
-    ~Restore() { cpu::set_q8_one_matvec(true); }
-  } restore;
-  for (int64_t k : {32, 96, 2048, 2080}) {
-    for (int64_t n_rows : {1, 2, 3, 67, 131}) {
-      for (bool strided : {false, true}) {
-        if (strided && n_rows != 67) continue;
-        const int64_t k_all = strided ? k + 64 : k;
-        const size_t rb = *row_bytes(DType::Q8_0, k_all);
-        std::vector<std::byte> bytes(rb * size_t(n_rows));
-        for (auto& b : bytes) b = static_cast<std::byte>(rng());
-        for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q8_0)) {
-          quant::block_q8_0 blk;
-          std::memcpy(&blk, bytes.data() + off, sizeof blk);
-          blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 6)));
-          if (rng() % 8 == 0) blk.qs[rng() % 32] = -128;
-          std::memcpy(bytes.data() + off, &blk, sizeof blk);
-        }
-        const WeightMatrix full{
-            .dtype = DType::Q8_0, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
-        const WeightMatrix w = strided ? full.columns(32, k) : full;
-        SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << n_rows << " strided "
-                                          << strided);
-        expect_one_token_same_bits(cpu::set_q8_one_matvec, *cpu1, *cpu2, w, rng);
-        if (::testing::Test::HasFatalFailure()) return;
-      }
-    }
-  }
-}
-
-// How the one-token and v2 batched Q4_K / Q6_K kernels prefetch (cpu::set_matvec_prefetch_l2:
-// a span per block step into L2, or a row group's lines at its start) changes no bit, at
-// distances that put the span inside small matrices (64 bytes, 1 KiB) and past their end
-// (16 KiB: no span), and with prefetching off. Raw random blocks, odd row counts (a last row
-// group of 1..3 rows, a single left-over row) split over 1 and 2 threads, rows of 1..13 blocks
-// (13: the batched kernels' pieces of 4 tokens), 1..8 tokens; one token zero, one huge, one NaN.
-TEST(MatmulKQPrefetch, SameBitsBothWays) {
-  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
-  std::mt19937_64 rng(ops_seed() ^ 0x7f4a7c15ULL);
-  SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  struct Restore {
-    ~Restore() {
-      cpu::set_matvec_prefetch_l2(true);
-      cpu::set_matvec_prefetch_bytes(cpu::kDefaultMatvecPrefetchBytes);
-    }
-  } restore;
-  for (DType type : {DType::Q4_K, DType::Q6_K}) {
-    for (int64_t k : {256, 768, 2048, 3328}) {
-      for (int64_t n_rows : {3, 67, 130}) {
-        const size_t rb = *row_bytes(type, k);
-        const std::vector<std::byte> bytes = random_k_rows(type, k, n_rows, rng);
-        const WeightMatrix w{
-            .dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
-        for (int64_t n_tok : {1, 2, 3, 4, 5, 8}) {
-          const std::vector<float> x = edge_tokens(rng, n_tok, k);
-          cpu::set_matvec_prefetch_bytes(0);
-          std::vector<float> none(size_t(n_tok * n_rows));
-          cpu1->matmul(w, x, n_tok, none);
-          for (int64_t ahead : {64, 1024, 16384}) {
-            SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
-                                              << n_rows << " n_tok " << n_tok << " ahead " << ahead);
-            cpu::set_matvec_prefetch_bytes(ahead);
-            const OnOff r = run_on_off(cpu::set_matvec_prefetch_l2, *cpu1, *cpu2, w, x, n_tok);
-            expect_same_bits_on_off(r, n_tok, n_rows, "L2 span prefetch");
-            ASSERT_EQ(0, std::memcmp(r.on1.data(), none.data(), none.size() * sizeof(float)))
-                << "prefetching on vs off differ";
-            if (::testing::Test::HasFatalFailure()) return;
+  kiln::testing::for_each_simd_target([&] {
+    SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
+    for (int64_t k : {32, 96, 2048, 2080}) {
+      for (int64_t n_rows : {1, 2, 3, 67, 131}) {
+        for (bool strided : {false, true}) {
+          if (strided && n_rows != 67) continue;
+          const int64_t k_all = strided ? k + 64 : k;
+          const size_t rb = *row_bytes(DType::Q8_0, k_all);
+          std::vector<std::byte> bytes(rb * size_t(n_rows));
+          for (auto& b : bytes) b = static_cast<std::byte>(rng());
+          for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q8_0)) {
+            quant::block_q8_0 blk;
+            std::memcpy(&blk, bytes.data() + off, sizeof blk);
+            blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 6)));
+            if (rng() % 8 == 0) blk.qs[rng() % 32] = -128;
+            std::memcpy(bytes.data() + off, &blk, sizeof blk);
           }
+          const WeightMatrix full{.dtype = DType::Q8_0, .n_cols = k_all, .n_rows = n_rows,
+                                  .row_bytes = rb, .bytes = bytes};
+          const WeightMatrix w = strided ? full.columns(32, k) : full;
+          SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << n_rows << " strided "
+                                            << strided);
+          expect_one_token_same_bits(w, rng);
+          if (::testing::Test::HasFatalFailure()) return;
         }
       }
     }
-  }
+  });
 }
 
-// The register-tiled F32/F16/BF16 kernel (2+ tokens) must give DotTile's bits: with
-// cpu::set_float_tile_matmul(false) every call runs DotTile, so this is also the proof that the
-// switch changes nothing but speed. Widths below one vector, with a scalar tail and an odd last
+// The register-tiled F32/F16/BF16 kernel (2+ tokens) must give DotTile's bits: the portable
+// backend runs DotTile for every call, so this is also the proof that the tiled kernel changes
+// nothing but speed. Widths below one vector, with a scalar tail and an odd last
 // vector chunk; every token count of 1..37 (each partial tile) and 509 (fewer at the wide
 // widths); row counts that leave partial row tiles and, at the wide widths, cross row blocks
 // (768 KiB of weights), split over 1 and 2 threads; a column block of a wider matrix (strided
 // rows); one token with a NaN, one with a huge element.
 // One pass of MatmulFloatTile over its shapes; `light`: a subset, for the other SIMD targets.
 void check_float_tile(std::mt19937_64& rng, bool light) {
-  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
-  struct Restore {
-    ~Restore() { cpu::set_float_tile_matmul(true); }
-  } restore;
   for (DType type : {DType::F32, DType::F16, DType::BF16}) {
     for (int64_t k : {5, 37, 100, 2048 + 16 + 3, 4099}) {
       const bool wide = k > 2048;
@@ -560,16 +413,15 @@ void check_float_tile(std::mt19937_64& rng, bool light) {
             std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
             if (n_tok > 1) x[k + k / 2] = 3e30f;    // token 1: one huge element
             if (n_tok > 2) x[2 * k + k - 1] = NAN;  // token 2: NaN (in the tail where k has one)
-            const auto [on1, on2, off1] =
-                run_on_off(cpu::set_float_tile_matmul, *cpu1, *cpu2, w, x, n_tok);
-            ASSERT_EQ(0, std::memcmp(on1.data(), off1.data(), on1.size() * sizeof(float)))
+            const auto [fast1, fast2, portable] = run_fast_portable(w, x, n_tok);
+            ASSERT_EQ(0, std::memcmp(fast1.data(), portable.data(), fast1.size() * sizeof(float)))
                 << "float tile vs DotTile differ";
-            ASSERT_EQ(0, std::memcmp(on1.data(), on2.data(), on1.size() * sizeof(float)))
+            ASSERT_EQ(0, std::memcmp(fast1.data(), fast2.data(), fast1.size() * sizeof(float)))
                 << "float tile: 1 vs 2 threads differ";
             if (n_tok > 2) {
-              ASSERT_TRUE(std::isnan(on1[2 * n_rows]));
+              ASSERT_TRUE(std::isnan(fast1[2 * n_rows]));
             }
-            ASSERT_FALSE(std::isnan(on1[0]));
+            ASSERT_FALSE(std::isnan(fast1[0]));
           }
         }
       }
@@ -610,20 +462,16 @@ std::vector<std::byte> random_q8_family_rows(DType type, int64_t k, int64_t n_ro
 }
 
 // The 512-bit VNNI Q8_0 / Q4_0 / Q5_0 kernel (AVX-512 VNNI, 8+ tokens) must give the plain
-// kernel's bits: with cpu::set_q8_vnni_matmul(false) the output is the plain kernel's, so this
-// is also the proof that the switch changes nothing but speed. Raw random blocks reach every
+// kernel's bits, which the portable backend runs, so this is also the proof that it changes
+// nothing but speed. Raw random blocks reach every
 // quant value; row counts leave register tiles of 1..3 rows and cross row blocks (64 rows at
 // 32 columns, 20 at 8192); 1..37 tokens (every tile remainder, odd tokens, several tiles) and
 // 512; widths of 1 and 3 blocks and the 1B model's 2048 / 8192; a column block of a wider
 // matrix (strided rows); 1 and 2 threads; one token all zero, one with a huge element, one
 // with a NaN.
 TEST(MatmulQ8Vnni, SameBitsAsPlainKernel) {
-  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
   std::mt19937_64 rng(ops_seed() ^ 0x3c6ef372ULL);
   SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  struct Restore {
-    ~Restore() { cpu::set_q8_vnni_matmul(true); }
-  } restore;
   std::vector<int64_t> all_tok, few_tok = {1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 37, 512};
   for (int64_t t = 1; t <= 37; ++t) all_tok.push_back(t);
   all_tok.push_back(512);
@@ -645,8 +493,7 @@ TEST(MatmulQ8Vnni, SameBitsAsPlainKernel) {
                                               << n_rows << " strided " << strided << " n_tok "
                                               << n_tok);
             const std::vector<float> x = edge_tokens(rng, n_tok, k);
-            expect_same_bits_on_off(run_on_off(cpu::set_q8_vnni_matmul, *cpu1, *cpu2, w, x, n_tok), n_tok,
-                                    n_rows, "VNNI");
+            expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "VNNI");
             if (::testing::Test::HasFatalFailure()) return;
           }
         }
@@ -660,7 +507,8 @@ TEST(MatmulQ8Vnni, SameBitsAsPlainKernel) {
 // over all tasks' rows) and beyond them (one matmul per task), with tasks sharing an input
 // (Q/K/V, gate/up) or not, mixed weight types and encodings, 1 and 2 threads.
 TEST(MatmulBatch, EachTaskHasItsOwnMatmulBits) {
-  static std::unique_ptr<Backend> cpu1 = make_cpu_backend(1), cpu2 = make_cpu_backend(2);
+  static std::unique_ptr<Backend> cpu1 = make_cpu_backend({.threads = 1}),
+                                  cpu2 = make_cpu_backend({.threads = 2});
   std::mt19937_64 rng(ops_seed() ^ 0xba7c4);
   struct Spec {
     DType type;

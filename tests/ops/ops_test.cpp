@@ -22,8 +22,9 @@ using kiln::testing::random_vec;
 
 struct Backends {
   std::unique_ptr<Backend> ref = make_ref_backend();
-  std::unique_ptr<Backend> cpu1 = make_cpu_backend(1);
-  std::unique_ptr<Backend> cpu3 = make_cpu_backend(3);  // more threads than cores: odd splits
+  std::unique_ptr<Backend> cpu1 = make_cpu_backend({.threads = 1});
+  // more threads than cores: odd splits
+  std::unique_ptr<Backend> cpu3 = make_cpu_backend({.threads = 3});
 };
 
 Backends& backends() {

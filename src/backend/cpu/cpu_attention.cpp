@@ -15,7 +15,6 @@
 #include "hwy/contrib/math/math-inl.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 
 #include "core/check.h"
@@ -547,15 +546,15 @@ HWY_EXPORT(AttentionMultiPairsK);
 void attention_one(const AttentionArgs& a, int64_t i, int64_t h, float* scratch) {
   HWY_DYNAMIC_DISPATCH(AttentionOneK)(a, i, h, scratch);
 }
-int64_t attention_group_tokens(int64_t head_dim, int64_t group) {
-  if (!attention_grouped()) return 0;
+int64_t attention_group_tokens(int64_t head_dim, int64_t group, bool portable) {
+  if (portable) return 0;
   return HWY_DYNAMIC_DISPATCH(AttentionGroupTokensK)(head_dim, group);
 }
 void attention_group(const AttentionArgs& a, int64_t kvh, int64_t q0, int64_t q1, float* scratch) {
   HWY_DYNAMIC_DISPATCH(AttentionGroupK)(a, kvh, q0, q1, scratch);
 }
-int64_t attention_multi_pairs(int64_t head_dim) {
-  if (!attention_multi()) return 0;
+int64_t attention_multi_pairs(int64_t head_dim, bool portable) {
+  if (portable) return 0;
   return HWY_DYNAMIC_DISPATCH(AttentionMultiPairsK)(head_dim);
 }
 void attention_multi(const AttentionArgs& a, int64_t kvh, int64_t e0, int64_t n, float* scratch) {
@@ -571,14 +570,5 @@ size_t attention_scratch_floats(int64_t head_dim) {
                           kKeyBlock * head_dim + kGroupMaxLanes;
   return static_cast<size_t>(std::max(one, grouped) + 16);
 }
-
-namespace {
-std::atomic<bool> g_attention_grouped{true};
-std::atomic<bool> g_attention_multi{true};
-}  // namespace
-void set_attention_grouped(bool on) { g_attention_grouped.store(on, std::memory_order_relaxed); }
-bool attention_grouped() { return g_attention_grouped.load(std::memory_order_relaxed); }
-void set_attention_multi(bool on) { g_attention_multi.store(on, std::memory_order_relaxed); }
-bool attention_multi() { return g_attention_multi.load(std::memory_order_relaxed); }
 }  // namespace kiln::cpu
 #endif

@@ -24,7 +24,7 @@ constexpr int64_t kParallelWork = 1 << 15;
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int n_threads) : pool_(n_threads) {}
+  explicit CpuBackend(const CpuOptions& o) : pool_(o.threads), portable_(o.portable_kernels) {}
   std::string_view name() const override { return "cpu"; }
 
   void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
@@ -43,6 +43,7 @@ class CpuBackend final : public Backend {
     job.x = x.data();
     job.n_tok = n_tok;
     job.y = y.data();
+    job.portable = portable_;
     const cpu::ActKind kind = cpu::act_kind(w.dtype);
     if (kind != cpu::ActKind::F32) {
       job.xq_row_bytes = cpu::act_row_bytes(kind, w.n_cols);
@@ -51,7 +52,8 @@ class CpuBackend final : public Backend {
       const size_t rb = job.xq_row_bytes;
       const int64_t n = w.n_cols;
       auto quantize = [&](int64_t b, int64_t e, int) {
-        for (int64_t t = b; t < e; ++t) cpu::quantize_act_row(kind, x.data() + t * n, n, xq + t * rb);
+        for (int64_t t = b; t < e; ++t)
+          cpu::quantize_act_row(kind, x.data() + t * n, n, xq + t * rb, portable_);
       };
       if (n_tok * n >= kParallelWork) pool_.parallel_for(n_tok, quantize);
       else quantize(0, n_tok, 0);
@@ -106,6 +108,7 @@ class CpuBackend final : public Backend {
       job.x = tasks[i].x.data();
       job.n_tok = n_tok;
       job.y = tasks[i].y.data();
+      job.portable = portable_;
       const cpu::ActKind kind = cpu::act_kind(w.dtype);
       if (kind == cpu::ActKind::F32) continue;
       job.xq_row_bytes = cpu::act_row_bytes(kind, w.n_cols);
@@ -122,7 +125,7 @@ class CpuBackend final : public Backend {
         std::byte* xq = act_.data() + act_used;
         for (int64_t t = 0; t < n_tok; ++t)
           cpu::quantize_act_row(kind, job.x + t * w.n_cols, w.n_cols,
-                                xq + static_cast<size_t>(t) * job.xq_row_bytes);
+                                xq + static_cast<size_t>(t) * job.xq_row_bytes, portable_);
         act_used += round64(job.xq_row_bytes * static_cast<size_t>(n_tok));
         job.xq = xq;
       }
@@ -278,7 +281,8 @@ class CpuBackend final : public Backend {
     float* scratch = thread_scratch(per_thread);
     const int64_t work = a.n_q * a.n_head * static_cast<int64_t>(a.kv_rows.size()) * a.head_dim;
     // Narrow heads: one task per (KV head, run of queries), the pairs in vector lanes.
-    if (const int64_t tq = cpu::attention_group_tokens(a.head_dim, a.n_head / a.n_head_kv); tq > 0) {
+    const int64_t group = a.n_head / a.n_head_kv;
+    if (const int64_t tq = cpu::attention_group_tokens(a.head_dim, group, portable_); tq > 0) {
       const int64_t n_runs = (a.n_q + tq - 1) / tq, tasks = a.n_head_kv * n_runs;
       auto body = [&](int64_t b, int64_t e, int t) {
         float* s = scratch + static_cast<size_t>(t) * per_thread;
@@ -301,8 +305,8 @@ class CpuBackend final : public Backend {
     // Wide heads: one task per (KV head, run of np pairs of it), KV-head-major so that a
     // thread's consecutive tasks reread one KV head's rows (cache-resident) and not all of
     // them; within a KV head the runs from both ends.
-    if (const int64_t np = cpu::attention_multi_pairs(a.head_dim); np > 0) {
-      const int64_t per_kv = n_q * (a.n_head / a.n_head_kv), n_runs = (per_kv + np - 1) / np;
+    if (const int64_t np = cpu::attention_multi_pairs(a.head_dim, portable_); np > 0) {
+      const int64_t per_kv = n_q * group, n_runs = (per_kv + np - 1) / np;
       const int64_t tasks = a.n_head_kv * n_runs;
       auto body = [&](int64_t b, int64_t e, int t) {
         float* s = scratch + static_cast<size_t>(t) * per_thread;
@@ -367,6 +371,7 @@ class CpuBackend final : public Backend {
   }
 
   ThreadPool pool_;
+  const bool portable_;           // CpuOptions::portable_kernels: every op's plain kernel
   std::mutex mu_;                 // guards the scratch buffers below
   std::vector<std::byte> act_;    // [n_tok][act_row_bytes]: quantized activations of a call
   std::vector<cpu::MatmulJob> batch_jobs_;  // matmul_batch: one job per task
@@ -376,14 +381,10 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(int n_threads) {
-  return std::make_unique<CpuBackend>(n_threads);
+std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options) {
+  return std::make_unique<CpuBackend>(options);
 }
 
 const char* cpu_simd_target() { return cpu::target_name(); }
-
-std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options) {
-  return make_cpu_backend(options.threads);
-}
 
 }  // namespace kiln

@@ -8,6 +8,7 @@
 
 namespace kiln {
 
+// How one CPU backend instance runs; two instances in a process may differ.
 struct CpuOptions {
   int threads = 0;  // <= 0: one per hardware thread
   // Tests and bisecting only, set in code (never from the command line): true runs the
@@ -15,12 +16,10 @@ struct CpuOptions {
   // oracle each fast kernel's same-bits test compares with. Same bits either way.
   bool portable_kernels = false;
 };
-// TEMPORARY until the per-instance kernel switches land (branch cpu-options).
-std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options);
 
-// n_threads <= 0: one per hardware thread. One caller at a time per backend object (calls
-// are serialised by a mutex; scratch buffers are owned by the object and reused).
-std::unique_ptr<Backend> make_cpu_backend(int n_threads);
+// One caller at a time per backend object (calls are serialised by a mutex; scratch buffers
+// are owned by the object and reused).
+std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options);
 
 // Name of the SIMD target the kernels dispatch to on this machine ("AVX3_DL", "AVX2", ...).
 const char* cpu_simd_target();

@@ -4,11 +4,11 @@
 // vpdpbusd/vpdpwssd); F32/F16/BF16 weights use f32 FMA after hardware conversion (2+ tokens:
 // the register-tiled kernel of cpu_matmul_float.cpp, with this file's DotTile bits); other
 // types dequantize a block of rows once and reuse it for every token. Each weight block is
-// unpacked once per tile of several tokens, which is what makes prefill fast. Q4_K prefill on
-// AVX-512 VNNI takes a packed kernel (below) whose results are the plain kernel's bits, and
-// Q4_K/Q6_K of 2+ tokens (batched decode) batched kernels (v2, or with that switch off the
-// small-batch ones from 4 tokens) and of one token (decode) 512-bit one-token kernels, all with
-// the same property; so does Q8_0/Q4_0/Q5_0 prefill there (cpu_matmul_q8.cpp).
+// unpacked once per tile of several tokens, which is what makes prefill fast. On AVX-512 VNNI
+// Q4_K/Q6_K of one token (decode) take 512-bit one-token kernels and of 2+ tokens (batched
+// decode) the v2 batched kernels (below), prefill the kernels of cpu_matmul_kq.cpp, all with the
+// plain kernels' bits; so does Q8_0/Q4_0/Q5_0 prefill there (cpu_matmul_q8.cpp). A job marked
+// portable (kernels.h) takes the plain kernels only.
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul.cpp"
@@ -16,7 +16,6 @@
 #include "hwy/highway.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -41,35 +40,10 @@ inline int64_t rows_per_block(const WeightMatrix& w) {
 inline int64_t dequant_rows_per_block(const WeightMatrix& w) {
   return std::clamp<int64_t>((64 << 10) / std::max<int64_t>(1, w.n_cols), 1, 16);
 }
-// The packed Q4_K prefill kernel's register tile: 2 weight rows x 4 tokens (8 int32
-// accumulators; each activation load serves both rows, and 4 tokens' activations stay in L1).
-constexpr int64_t kPackRows = 2, kPackTok = 4;
-// Fewer tokens than this take the plain kernel: packing a row block costs about as much as a
-// few token tiles (bench/matvec_bench BM_Q4KPackedOnOff, 1 and 2 threads: 8 tokens 0.95x,
-// 12 tokens 1.09x, 32 tokens 1.18x, 512 tokens 1.3x).
-constexpr int64_t kPackMinTok = 12;
-// One Q4_K block unpacked for that kernel, once per row block and reused by every token tile.
-struct alignas(32) Q4KPacked {
-  uint8_t w[4][2][32];  // [pair j][sub 2j, 2j+1]: the nibbles as bytes
-  int32_t neg_corr[8];  // -128 * sum_sub sc * (sum of the lane's 4 nibbles): undoes the +128 bias
-  int16_t mins16[16];   // m[k/2], against Q8_K's 16 bsums
-  uint32_t sc2[4];      // sc[2j] | sc[2j+1] << 16: the pair's scales as vpdpwssd words
-  float d, neg_dmin;
-};
-// Bytes of a thread's scratch the packed kernel uses: packed rows, biased activation tile,
-// the tile's bsums and scales, plus alignment slack.
-inline size_t q4k_packed_scratch_bytes(const WeightMatrix& w) {
-  const int64_t nb = w.n_cols / 256;
-  return static_cast<size_t>(rows_per_block(w) * nb) * sizeof(Q4KPacked) +
-         static_cast<size_t>(kPackTok * w.n_cols) + static_cast<size_t>(nb * kPackTok * 32) +
-         static_cast<size_t>(nb * 8 * 4) + 128;
-}
-// Calls of fewer tokens keep the plain Q4_K/Q6_K kernels (see MatmulKTiled).
-constexpr int64_t kKQTiledMinTok = 4;
-// With the v2 batched kernels on (kq_batch_matmul), calls of this many tokens or more take them.
+// Calls of this many tokens or more (below kKQPrefillMinTok) take the v2 batched kernels.
 constexpr int64_t kKQBatchMinTok = 2;
-// Bytes of a thread's scratch the small-batch Q4_K/Q6_K kernels' activation tile uses (8
-// tokens: aligned quants, bsums, scales, alignment slack).
+// Bytes of a thread's scratch the batched Q4_K/Q6_K kernels' activation tile uses (8 tokens:
+// aligned quants, bsums, scales, alignment slack).
 inline size_t kq_tile_bytes(int64_t nb) { return static_cast<size_t>(nb) * 8 * (256 + 32 + 4) + 64; }
 // The v2 batched kernels' (MatmulKBatch) tile: that tile, then its scales broadcast 8-wide.
 inline size_t kq_batch_tile_bytes(int64_t nb) { return kq_tile_bytes(nb) + static_cast<size_t>(nb) * 8 * 32 + 64; }
@@ -368,16 +342,16 @@ template <int T> struct KQ4_K { static void run(const std::byte* w, int64_t nb, 
 template <int T> struct KQ5_K { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ45K<T, true>(w, nb, y, o); } };
 template <int T> struct KQ6_K { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ6K<T>(w, nb, y, o); } };
 #if HWY_TARGET == HWY_AVX2
-template <int T> struct KQ4_KAvx2 { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ4KAvx2<T>(w, nb, y, o, matvec_prefetch_bytes()); } };
-template <int T> struct KQ6_KAvx2 { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ6KAvx2<T>(w, nb, y, o, matvec_prefetch_bytes()); } };
+template <int T> struct KQ4_KAvx2 { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ4KAvx2<T>(w, nb, y, o, kMatvecPrefetchBytes); } };
+template <int T> struct KQ6_KAvx2 { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ6KAvx2<T>(w, nb, y, o, kMatvecPrefetchBytes); } };
 // One token on AVX2: rows in pairs (a single row left over) through a row-pair kernel of
 // kq_avx2-inl.h, dot(R, rows, nb, y, out, pf) with R = 2 or 1 as std::integral_constant; each
-// row gets the plain one-token kernel's bits. Rows are prefetched --cpu-matvec-prefetch bytes
-// ahead (0: not), as the AVX-512 one-token kernels' are.
+// row gets the plain one-token kernel's bits. Rows are prefetched kMatvecPrefetchBytes ahead,
+// as the AVX-512 one-token kernels' are.
 template <class Act, class Dot>
 void MatvecPairsAvx2(const MatmulJob& job, int64_t r0, int64_t r1, int64_t block_elems, Dot dot) {
   const WeightMatrix& w = *job.w;
-  const int64_t nb = w.n_cols / block_elems, pf = matvec_prefetch_bytes();
+  const int64_t nb = w.n_cols / block_elems, pf = kMatvecPrefetchBytes;
   const auto* y = reinterpret_cast<const Act*>(job.xq);
   int64_t r = r0;
   for (; r + 2 <= r1; r += 2) {
@@ -396,36 +370,35 @@ void MatvecKAvx2(const MatmulJob& job, int64_t r0, int64_t r1) {
     else DotQ6KAvx2Rows<decltype(R)::value>(a...);
   });
 }
-// Q8_0 under cpu::q8_one_matvec (off: the plain kernel, whose bits it gives: tests/ops
+// Q8_0's one-token kernel (portable: the plain kernel, whose bits it gives: tests/ops
 // MatmulQ8One).
 inline void MatvecQ8Avx2(const MatmulJob& job, int64_t r0, int64_t r1) {
   MatvecPairsAvx2<ActQ8_0>(job, r0, r1, 32,
                            [](auto R, auto... a) { DotQ8_0Avx2Rows<decltype(R)::value>(a...); });
 }
-// AVX2 machines' Q4_K / Q6_K kernels (kq_avx2-inl.h) under the switches of the AVX-512 kernels
-// that take the same calls there: one token kq_one, prefill kq_prefill, 2+ tokens kq_pair with
-// kq_batch. All off: the plain kernels, whose bits they give.
-inline bool KQAvx2(int64_t n_tok) {
-  if (n_tok == 1) return kq_one_matvec();
-  if (n_tok >= kKQPrefillMinTok) return kq_prefill_matmul();
-  return kq_pair_matmul() && kq_batch_matmul();
-}
 #endif
 
 #if HWY_TARGET == HWY_AVX3_DL
-// ---------------------------------------------------------------- small-batch K-quants (VNNI)
-// For 4+ tokens (decode of several streams; Q4_K below the packed kernel's minimum) the plain
-// Q4_K/Q6_K kernels are bound by the two multiply pipes (maddubs + vpdpwssd per 32 products,
-// plus the per-token tail), not by memory. Here 512-bit vpdpbusd multiplies the unsigned quants
-// (Q4_K nibbles 0..15, Q6_K 0..63) of two sub-blocks straight against the signed activations:
-// each lane holds the sum of 4 products, the same 4 as a plain-kernel lane, and |sum| <=
-// 4 * 63 * 127 < 2^15. Two such results are interleaved as words (a blend, so no carry between
-// them) and one vpdpwssd applies the scales of 4 sub-blocks: 12 multiply-pipe slots per block
-// and token instead of 16. Integer sums are exact in any order, so after folding the two
-// 256-bit halves every int32 lane equals the plain kernel's; the float steps are the plain
-// kernel's ops in the same order, so each token's output is the plain kernel's bits (a single
-// token takes the one-token variants below, DotQ4KOne / DotQ6KOne). Measured on Zen 4, one
-// thread, bench/matvec_bench BM_KQPairOnOff: 1.1-1.2x at 2, 4 and 8 tokens; used from 4.
+// ---------------------------------------------------------------- K-quant lane sums (VNNI)
+// The plain Q4_K/Q6_K kernels are bound by the two multiply pipes (maddubs + vpdpwssd per 32
+// products, plus the per-token tail), not by memory. In the one-token and batched kernels below
+// 512-bit vpdpbusd multiplies the unsigned quants (Q4_K nibbles 0..15, Q6_K 0..63) of two
+// sub-blocks straight against the signed activations: each lane holds the sum of 4 products,
+// the same 4 as a plain-kernel lane, and |sum| <= 4 * 63 * 127 < 2^15. Two such results are
+// paired as words (no carry between them) and one vpdpwssd applies the scales of 4 sub-blocks:
+// 12 multiply-pipe slots per block and token instead of 16. Integer sums are exact in any
+// order, so after folding the two 256-bit halves (Fold512) every int32 lane equals the plain
+// kernel's; the float steps are the plain kernel's ops in the same order, so each output is the
+// plain kernel's bits.
+//
+// Lane layout. Q4_K: one 64-byte load of qs yields [sub 4p | sub 4p+2] (low nibbles) and
+// [sub 4p+1 | sub 4p+3] (high nibbles) for p = 0, 1, and the activations are ordered to match;
+// dword j of the scale words is sc[2j] | sc[2j+1] << 16, pair p's lanes 0..7 take dword 2p and
+// lanes 8..15 dword 2p+1. Q6_K (quants in their own order, the activations' too): each half h
+// holds sub-blocks 4h..4h+3; (4h, 4h+1) and (4h+2, 4h+3) fill one register each, so lanes 0..7
+// carry sub-blocks 4h | 4h+2 << 16 and lanes 8..15 4h+1 | 4h+3 << 16. Lanes 0..3 of a
+// sub-block take its first 16-element scale, lanes 4..7 the second, as in the plain kernel:
+// dword lane L takes scale words 8h + L/4 and 8h + L/4 + 4.
 
 // Word 2L: the low word of lane L of `even`; word 2L+1: that of `odd` (both fit int16).
 HWY_INLINE __m512i PairWords(__m512i even, __m512i odd) {
@@ -452,9 +425,9 @@ HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
 // Helpers inlined into those kernels (same target, so clang may inline them).
 #define KILN_VNNI512_INLINE __attribute__((target(HWY_TARGET_STR ",avx512vnni"), always_inline)) inline
 // The lines of the kBytes bytes from p into L2 (prefetcht1; a prefetch never faults): what the
-// one-token and v2 batched kernels issue per block step under matvec_prefetch_l2 (see
-// MatvecKOne), kBytes being the step's R rows of one block each, so the prefetched address
-// moves through memory as fast as the kernel reads.
+// one-token and v2 batched kernels issue per block step (see MatvecKOne), kBytes being the
+// step's R rows of one block each, so the prefetched address moves through memory as fast as
+// the kernel reads.
 template <size_t kBytes>
 HWY_INLINE void PrefetchSpanL2(const std::byte* p) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -480,125 +453,15 @@ KILN_VNNI512_INLINE __m128i ScalesMins8(const block_q4_K* b, int32_t* sc_even = 
                            _MM_SHUFFLE(3, 1, 2, 0));
 }
 
-// Q4_K through a per-call activation tile: the tokens' Q8_K quants are copied once into
-// 64-byte aligned rows ordered as the weights unpack ([sub 4p | sub 4p+2], [sub 4p+1 |
-// sub 4p+3] for p = 0, 1), so one 64-byte load of qs yields both pairs' weights with an AND
-// and a shift, every activation load is aligned, and the 8 tokens' scales d * y.d come from
-// one vector multiply per block. Tile slot k of block i: q[(i*8 + k)*256], bsums[(i*8 + k)*16],
-// yd[i*8 + k].
-struct KTile {
-  const int8_t* q;
-  const int16_t* bsums;
-  const float* yd;
-};
-
-template <int T>
-KILN_VNNI512 void DotQ4KTiled(const std::byte* row, int64_t nb, KTile tile, int k0, float* out) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  const __m512i sc_idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
-  const __m512i sc_idx1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i) {
-    const auto* b = reinterpret_cast<const block_q4_K*>(row + i * sizeof(block_q4_K));
-    const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
-    alignas(16) uint8_t sm[16];
-    ScalesMinsK4(b->scales, sm);
-    const __m128i sm8 = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
-    const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8));  // m[k/2]
-    // Dword j of sc16: sc[2j] | sc[2j+1] << 16. Pair p: lanes 0..7 dword 2p, lanes 8..15 2p+1.
-    const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sm8));
-    const __m512i sc[2] = {_mm512_permutexvar_epi32(sc_idx0, sc16), _mm512_permutexvar_epi32(sc_idx1, sc16)};
-    __m512i wlo[2], whi[2];
-    for (int p = 0; p < 2; ++p) {
-      const __m512i q = Load64(b->qs + 64 * p);
-      wlo[p] = _mm512_and_si512(q, m4);
-      whi[p] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-    }
-    alignas(32) float dy[8], dmy[8];
-    const __m256 yv = _mm256_load_ps(tile.yd + i * 8);
-    _mm256_store_ps(dy, _mm256_mul_ps(_mm256_set1_ps(d), yv));
-    _mm256_store_ps(dmy, _mm256_mul_ps(_mm256_set1_ps(-dmin), yv));
-    const int8_t* qi = tile.q + (i * 8 + k0) * 256;
-    const int16_t* bi = tile.bsums + (i * 8 + k0) * 16;
-    for (int t = 0; t < T; ++t) {
-      __m512i isum = _mm512_setzero_si512();
-      for (int p = 0; p < 2; ++p) {
-        const int8_t* a = qi + t * 256 + 128 * p;
-        const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[p], _mm512_load_si512(a));
-        const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), whi[p], _mm512_load_si512(a + 64));
-        isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[p]);
-      }
-      const __m256i msum = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(bi + t * 16)), mins16);
-      acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(dy + k0 + t), _mm256_cvtepi32_ps(Fold512(isum)), acc[t]);
-      acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(dmy + k0 + t), _mm256_cvtepi32_ps(msum), acc[t]);
-    }
-  }
-  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
-}
-
-// Q6_K through the same tile (quants in their own order): each half h holds sub-blocks
-// 4h..4h+3; (4h, 4h+1) and (4h+2, 4h+3) fill one register each, so lanes 0..7 carry sub-blocks
-// 4h | 4h+2 << 16 and lanes 8..15 4h+1 | 4h+3 << 16. Lanes 0..3 of a sub-block take its first
-// 16-element scale, lanes 4..7 the second, as in the plain kernel: dword lane L takes scale
-// words 8h + L/4 and 8h + L/4 + 4.
-template <int T>
-KILN_VNNI512 void DotQ6KTiled(const std::byte* row, int64_t nb, KTile tile, int k0, float* out) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-  const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-  const __m512i shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-  alignas(64) static constexpr int16_t kScIdx[2][32] = {
-      {0, 4, 0, 4, 0, 4, 0, 4, 1, 5, 1, 5, 1, 5, 1, 5, 2, 6, 2, 6, 2, 6, 2, 6, 3, 7, 3, 7, 3, 7, 3, 7},
-      {8, 12, 8, 12, 8, 12, 8, 12, 9, 13, 9, 13, 9, 13, 9, 13,
-       10, 14, 10, 14, 10, 14, 10, 14, 11, 15, 11, 15, 11, 15, 11, 15}};
-  const __m512i sc_idx0 = _mm512_load_si512(kScIdx[0]), sc_idx1 = _mm512_load_si512(kScIdx[1]);
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i) {
-    const auto* b = reinterpret_cast<const block_q6_K*>(row + i * sizeof(block_q6_K));
-    const float d = f16_to_f32(b->d);
-    const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
-    const __m512i sc512 = _mm512_castsi256_si512(sc_all);
-    const __m512i sc[2] = {_mm512_permutexvar_epi16(sc_idx0, sc512), _mm512_permutexvar_epi16(sc_idx1, sc512)};
-    __m512i wa[2], wb[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m512i ql = Load64(b->ql + 64 * h);
-      const __m512i qh = _mm512_broadcast_i64x4(Load32(b->qh + 32 * h));
-      wa[h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, shl), m30));
-      wb[h] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                              _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30));
-    }
-    alignas(32) float dy[8];
-    _mm256_store_ps(dy, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_load_ps(tile.yd + i * 8)));
-    const int8_t* qi = tile.q + (i * 8 + k0) * 256;
-    const int16_t* bi = tile.bsums + (i * 8 + k0) * 16;
-    for (int t = 0; t < T; ++t) {
-      const __m256i bs = _mm256_load_si256(reinterpret_cast<const __m256i*>(bi + t * 16));
-      // the -32 offset: sum_g sc_g * 32 * bsum_g
-      __m512i isum = _mm512_zextsi256_si512(
-          _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bs), 5)));
-      for (int h = 0; h < 2; ++h) {
-        const int8_t* a = qi + t * 256 + 128 * h;
-        const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa[h], _mm512_load_si512(a));
-        const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb[h], _mm512_load_si512(a + 64));
-        isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[h]);
-      }
-      acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(dy + k0 + t), _mm256_cvtepi32_ps(Fold512(isum)), acc[t]);
-    }
-  }
-  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
-}
-
 // ---------------------------------------------------------------- single-token K-quants (VNNI)
-// A decode step's matvec (one token) through the small-batch kernels' arithmetic, reading the
-// token's Q8_K row in place (no tile: a tile fill would be paid per call, and decode calls are
-// many and small, e.g. the 256x1024 expert slices of a MoE layer). On the dev box (EPYC, Zen 5)
+// A decode step's matvec (one token) through the lane sums above, reading the token's Q8_K row
+// in place (no tile: a tile fill would be paid per call, and decode calls are many and small,
+// e.g. the 256x1024 expert slices of a MoE layer). On the dev box (EPYC, Zen 5)
 // the plain one-token kernels are bound by their instructions, not by memory (bench/matvec_bench
 // BM_Matvec: Q4_K ~21 GB/s per core and 2 threads twice that, while 2 threads stream 35-60 GB/s
 // from DRAM), so decode of a Q4_K_M model was compute-bound; these run 1.8-2x faster
-// (BM_KQOneOnOff: Q4_K 41 GB/s, Q6_K 63 GB/s per core on L3-resident FFN shapes). Same lane
-// sums and float steps as DotQ4KTiled / DotQ6KTiled (see above), hence the plain kernels' bits
-// (tests/ops MatmulKQOne).
+// (BM_KQOneOnOff: Q4_K 41 GB/s, Q6_K 63 GB/s per core on L3-resident FFN shapes). The lane
+// sums and float steps above, hence the plain kernels' bits (tests/ops MatmulKQOne).
 //
 // Q4_K: a 64-byte load of qs yields [sub 4p | sub 4p+2] (low nibbles) and [sub 4p+1 | sub 4p+3]
 // (high nibbles); `aq` is the token's quants in that order (ReorderQ4KOne, once per call, 64-byte
@@ -618,7 +481,7 @@ KILN_VNNI512 void DotQ6KTiled(const std::byte* row, int64_t nb, KTile tile, int 
 constexpr int32_t kLowBias = 8192;
 
 // One row's block against the token's quants: the 16 int32 lane sums before Fold512 (Fold512 of
-// them is DotQ4KTiled's int32; the halves themselves differ), and the block's [sc0..7 | m0..7]
+// them is the plain kernel's int32; the halves themselves differ), and the block's [sc0..7 | m0..7]
 // bytes. The sub-block pairs go into words as in DotQ4KBatch (vpshldd of db and kLowBias, then
 // vpdpbusd adds da: one op where PairWords takes a shift and a blend), and isum starts at the
 // correction, -kLowBias * (sc0 + sc2 + sc4 + sc6) in lanes 0..7.
@@ -728,7 +591,7 @@ int8_t* ReorderQ4KOne(const block_q8_K* ys, int64_t nb, float* scratch) {
   return q;
 }
 
-// Q6_K: the quants' own order matches the activation's (see DotQ6KTiled), so y.qs is read as
+// Q6_K: the quants' own order matches the activation's (see the lane layout), so y.qs is read as
 // it is. The -32 offset (sum_g sc_g * 32 * bsum_g) is taken off after the fold (integers: the
 // same int32 as adding it first); an even R pairs rows as DotQ4KOne does.
 // One row's block: its lane sums without the offset, and the block's 16 scales as words.
@@ -813,22 +676,19 @@ KILN_VNNI512 void DotQ6KOne(const std::byte* row, size_t stride, int64_t nb, con
     for (int q = 0; q < P; ++q) HsumPair(acc[q], out + 2 * q, out + 2 * q + 1);
 }
 
-// One-token kernels read each weight byte once, straight from DRAM, and the hardware
-// prefetchers alone leave the core's read stream short of what it can pull: on the Zen 5 dev
-// box a qwen3moe ~1B decode (expert slices of 147 KB, rows of 576 / 840 bytes) ran at 45-52 %
-// of the streaming read bandwidth on one thread and 1.5x faster with the lines a few KB ahead
-// prefetched (kiln bench, 2026-12-01: 96-108 -> 148-174 t/s at 1 thread; 2 threads 191 -> 260
-// t/s). Distance: set_matvec_prefetch_bytes (--cpu-matvec-prefetch).
-// How (matvec_prefetch_l2, --cpu-matvec-prefetch-l2): on, each block step of a kernel call
-// prefetches the next R * block bytes of the stream `ahead` bytes in front of its row group into
-// L2 (PrefetchSpanL2), so prefetches go out at the rate the kernel reads; off, the lines of
-// [row + ahead, + R rows) at each row group's start into L1. On the Zen 4 VM (2026-12-02) the
-// burst stalls the core once the L1 miss buffers fill (perf: most of MatvecKOne's own samples
-// sit on its prefetch loop) and decode ran at 35-45 % of the read bandwidth (tg128 ~20 t/s on
-// the 1.1B Q4_K_M); spread into L2 16 KB ahead, at 68-86 % (median ~81 %, tg128 ~2x;
-// docs/BENCHMARKS.md). 8 and 24 KB ahead did no better on that VM.
-// Rows per one-token kernel call: enough independent chains to hide the multiply-add latency
-// on a row of a single block (the MoE down slices are 256 wide), few enough for the registers.
+// One-token kernels read each weight byte once, straight from DRAM, and the hardware prefetchers
+// alone leave the core's read stream short of what it can pull: on the Zen 5 dev box a qwen3moe ~1B
+// decode (expert slices of 147 KB, rows of 576 / 840 bytes) ran at 45-52 % of the streaming read
+// bandwidth on one thread and 1.5x faster with the lines a few KB ahead prefetched (kiln bench,
+// 2026-12-01: 96-108 -> 148-174 t/s at 1 thread; 2 threads 191 -> 260 t/s). Distance:
+// kMatvecPrefetchBytes. How: each block step of a kernel call prefetches the next R * block bytes
+// of the stream kMatvecPrefetchBytes in front of its row group into L2 (PrefetchSpanL2), so
+// prefetches go out at the rate the kernel reads. Prefetching a row group's lines at its start into
+// L1 instead (the first way, deleted since) stalls the core once the L1 miss buffers fill: on the
+// Zen 4 VM (2026-12-02) decode ran at about half the read bandwidth it reaches this way
+// (docs/BENCHMARKS.md). Rows per one-token kernel call: enough independent chains to hide the
+// multiply-add latency on a row of a single block (the MoE down slices are 256 wide), few enough
+// for the registers.
 constexpr int kOneRows = 4;
 // Rows [r0, r1) of a one-token job through DotQ4KOne / DotQ6KOne; `scratch` holds
 // kq_tile_bytes(nb) (Q4_K's reordered quants use nb * 256 + 64 of them).
@@ -840,21 +700,15 @@ void MatvecKOne(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
   const int8_t* aq = kQ4K ? ReorderQ4KOne(y, nb, scratch) : nullptr;
   const size_t rb = w.stride();  // row r + k starts k strides after row r
   int64_t r = r0;
-  // Software prefetch `ahead` bytes in front of each group of rows, up to the matrix's end
-  // (rows back to back only: a strided shard would fetch the gaps).
-  const int64_t ahead = w.strided() ? 0 : matvec_prefetch_bytes();
+  // Software prefetch kMatvecPrefetchBytes in front of each group of rows, up to the
+  // matrix's end (rows back to back only: a strided shard would fetch the gaps).
+  const bool prefetch = !w.strided();
   const std::byte* end = w.bytes.data() + w.bytes.size();
-  const bool spread = matvec_prefetch_l2();
   for (; r + kOneRows <= r1; r += kOneRows) {
     const std::byte* pf = nullptr;  // the kernel's span prefetch (stays inside the matrix)
-    if (ahead > 0) {
-      const std::byte* p = w.row(r).data() + ahead;
-      if (spread) {
-        if (p + kOneRows * rb <= end) pf = p;
-      } else {
-        const std::byte* p_end = std::min(end, p + kOneRows * rb);
-        for (; p < p_end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-      }
+    if (prefetch) {
+      const std::byte* p = w.row(r).data() + kMatvecPrefetchBytes;
+      if (p + kOneRows * rb <= end) pf = p;
     }
     if constexpr (kQ4K)
       DotQ4KOne<kOneRows>(w.row(r).data(), rb, nb, aq, y, job.y + r, pf);
@@ -868,6 +722,33 @@ void MatvecKOne(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       DotQ6KOne<1>(w.row(r).data(), rb, nb, y, job.y + r);
   }
 }
+
+// ---------------------------------------------------------------- batched K-quants, v2 (VNNI)
+// The lane sums above for 2+ tokens (the decode of several streams, and prefill below
+// kKQPrefillMinTok) with little work around them: with the sums alone, the decode of a few
+// streams was bound by instructions on the Zen 5 dev box and, once cheaper, by DRAM latency,
+// which the software prefetch below hides. Around the sums:
+// - the per-block decoding is DotQ4KOne's (F16C, 64-bit scale words, no stack round trip);
+// - the float tail runs two tokens per 512-bit register: tokens 2q and 2q+1 fold their 16-lane
+//   sums into one register's low and high 8 lanes (Fold512Pair), then one convert and one FMA
+//   per term serve both, against the tokens' scales broadcast 8-wide (FillKTileYde); an odd
+//   last token takes the 256-bit tail;
+// - Q4_K pairs its two sub-block sums into words by an offset instead of a blend (kLowBias);
+// - two rows per call (up to kBatchTwoRowsMaxTok tokens) share the activation loads.
+// Each int32 lane ends with the plain kernel's value (integer sums are exact in any order) and
+// each float lane sees the plain kernel's ops in its order, hence its bits (tests/ops
+// MatmulKQBatch).
+
+// The batched kernels' activation tile (built per call, or per row block past 8 tokens): the
+// tokens' Q8_K quants copied once into 64-byte aligned rows, for Q4_K ordered as its weights
+// unpack (see the lane layout above), so every activation load is aligned, and the 8 tokens'
+// scales d * y.d come from one vector multiply per block. Tile slot k of block i:
+// q[(i*8 + k)*256], bsums[(i*8 + k)*16], yd[i*8 + k].
+struct KTile {
+  const int8_t* q;
+  const int16_t* bsums;
+  const float* yd;
+};
 
 // Fills the tile with tokens [0, m) (m <= 8) of `ys`, the quants in Q4_K's pair order or (Q6_K)
 // as they are; unused slots' scales are zero.
@@ -893,73 +774,6 @@ void FillKTile(const block_q8_K* const* ys, int m, int64_t nb, std::byte* scratc
   }
   *tile = KTile{q, bs, yd};
 }
-
-// MatmulInt's loop through the tiled kernels: pieces of 8 and 4 tokens take them, pieces of 2
-// and 1 the plain kernels (same bits either way): at 2 tokens the tiled kernel is 1.2x faster
-// on one thread but measured 2-4% slower in a 2-thread layer step (bench/matvec_bench
-// BM_LayerStepKQPair), where 2-token decode is mostly bound by memory. Up to 8 tokens (decode of several streams)
-// fill the tile once per call; more tokens go row block by row block as MatmulInt does, so the
-// weights stay in L2 across token tiles, refilling the tile per (row block, token tile), which
-// costs about 1/rows_per_block of the arithmetic. `scratch` holds kq_tile_bytes(nb).
-template <bool kQ4K>
-void MatmulKTiled(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
-  const WeightMatrix& w = *job.w;
-  const int64_t nb = w.n_cols / 256, ldy = w.n_rows;
-  const int64_t rb = job.n_tok <= 8 ? r1 - r0 : rows_per_block(w);
-  const block_q8_K* ys[8];
-  float out[8];
-  KTile tile;
-  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
-    const int64_t b1 = std::min(r1, b0 + rb);
-    for (int64_t t0 = 0; t0 < job.n_tok; t0 += 8) {
-      const int m = static_cast<int>(std::min<int64_t>(8, job.n_tok - t0));
-      for (int k = 0; k < m; ++k)
-        ys[k] = reinterpret_cast<const block_q8_K*>(job.xq + (t0 + k) * job.xq_row_bytes);
-      FillKTile<kQ4K>(ys, m, nb, reinterpret_cast<std::byte*>(scratch), &tile);
-      for (int64_t r = b0; r < b1; ++r) {
-        const std::byte* wr = w.row(r).data();
-        int k = 0;
-        if constexpr (kQ4K) {
-          if (m == 8) {
-            DotQ4KTiled<8>(wr, nb, tile, 0, out);
-            k = 8;
-          }
-          for (; m - k >= 4; k += 4) DotQ4KTiled<4>(wr, nb, tile, k, out + k);
-          for (; m - k >= 2; k += 2) DotQ45K<2, false>(wr, nb, ys + k, out + k);
-          for (; k < m; ++k) DotQ45K<1, false>(wr, nb, ys + k, out + k);
-        } else {
-          if (m == 8) {
-            DotQ6KTiled<8>(wr, nb, tile, 0, out);
-            k = 8;
-          }
-          for (; m - k >= 4; k += 4) DotQ6KTiled<4>(wr, nb, tile, k, out + k);
-          for (; m - k >= 2; k += 2) DotQ6K<2>(wr, nb, ys + k, out + k);
-          for (; k < m; ++k) DotQ6K<1>(wr, nb, ys + k, out + k);
-        }
-        for (int j = 0; j < m; ++j) job.y[(t0 + j) * ldy + r] = out[j];
-      }
-    }
-  }
-}
-
-// ---------------------------------------------------------------- batched K-quants, v2 (VNNI)
-// The lane sums of DotQ4KTiled / DotQ6KTiled with less work around them, for the decode of 2-8
-// streams, which on the 2-core Zen 5 dev box was bound by those kernels' instructions (4
-// tokens: a layer step 3x a 1-token one, bench/matvec_bench BM_LayerStepKQPair) and, once they
-// were cheaper, by DRAM latency (BM_LayerStepKQBatch at 4 tokens: 2.0 ms without the software
-// prefetch below, 1.3-1.5 ms with it). Changes against those kernels:
-// - the per-block decoding is DotQ4KOne's (F16C, 64-bit scale words, no stack round trip);
-// - the float tail runs two tokens per 512-bit register: tokens 2q and 2q+1 fold their 16-lane
-//   sums into one register's low and high 8 lanes (Fold512Pair), then one convert and one FMA
-//   per term serve both, against the tokens' scales broadcast 8-wide (FillKTileYde); an odd
-//   last token takes the 256-bit tail;
-// - Q4_K pairs its two sub-block sums into words by an offset instead of a blend (kLowBias);
-// - two rows per call (up to kBatchTwoRowsMaxTok tokens) share the activation loads.
-// Each int32 lane ends with the plain kernel's value (integer sums are exact in any order) and
-// each float lane sees the plain kernel's ops in its order, hence its bits (tests/ops
-// MatmulKQBatch). Measured (BM_KQBatchOnOff, 1 thread, FFN shapes, against the tiled kernels):
-// 4 tokens Q4_K 1.15-1.5x, Q6_K 1.0-1.2x, 8 tokens 1.05-1.3x; 2 and 3 tokens (against the plain
-// kernels) 1.4-2.7x; the 2-thread layer step (BM_LayerStepKQBatch) 1.3-1.9x at 2-8 tokens.
 
 // kLowBias (Q4_K's low-word offset, see DotQ4KBatch) is defined with the one-token kernels.
 
@@ -992,7 +806,7 @@ KILN_VNNI512_INLINE __m512i Q6KBatchLaneSums(const int8_t* at, const __m512i (&w
 }
 
 // Tile tokens k0..k0+T-1 x R rows `stride` bytes apart; out[r * 8 + t - k0]. Pairs of tokens
-// take the 512-bit tail, an odd last token DotQ4KTiled's 256-bit one.
+// take the 512-bit tail, an odd last token a 256-bit one.
 template <int T, int R>
 KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, KTile tile,
                               const float* yde, int k0, float* out, const std::byte* pf) {
@@ -1039,7 +853,7 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
       // same in every lane of every token, so neg_k takes it back out from lanes 0..7 (a
       // scalar and one masked broadcast, where two vpdpwssd per row block gave the same sum
       // split over both halves: the multiply pipes are what bounds this kernel). After
-      // Fold512 every lane ends with DotQ4KTiled's int32 (integer adds, exact in any order).
+      // Fold512 every lane ends with the plain kernel's int32 (integer adds, exact in any order).
       const __m512i neg_k = _mm512_maskz_set1_epi32(0x00FF, -kLowBias * sc_even);
       for (int q = 0; q < P; ++q) {
         const __m512i s0 = Q4KBatchLaneSums(qi + 2 * q * 256, wlo, whi, sc, neg_k, bias_hi);
@@ -1071,7 +885,7 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
   }
 }
 
-// Q6_K: DotQ6KTiled's lane sums; the -32 offset (sum_g sc_g * 32 * bsum_g) is taken off after
+// Q6_K: the lane sums above; the -32 offset (sum_g sc_g * 32 * bsum_g) is taken off after
 // the fold, two tokens per madd.
 template <int T, int R>
 KILN_VNNI512 void DotQ6KBatch(const std::byte* row, size_t stride, int64_t nb, KTile tile,
@@ -1154,9 +968,9 @@ const float* FillKTileYde(int64_t nb, const KTile& tile, std::byte* dst) {
 // Up to this many tokens two rows share a kernel call. More tokens: where the tile of all of
 // them fits in L1 (nb <= kBatchL1MaxBlocks: 8 tokens x 320 bytes per block) one row per call
 // (two rows' accumulators leave too few registers: BM_KQBatchOnOff at 8 tokens on 5632 x
-// 2048, 1 thread, one row 1.15x the tiled kernels, two rows 0.95x); wider rows, two rows per
-// call in pieces of 4 tokens, so each piece's tile stays in L1 (2048 x 5632 at 8 tokens:
-// 1.2x the tiled kernels, one row per call 0.85-1.0x).
+// 2048, 1 thread, one row 1.15x the v1 tiled kernels (since deleted), two rows 0.95x); wider
+// rows, two rows per call in pieces of 4 tokens, so each piece's tile stays in L1 (2048 x 5632
+// at 8 tokens: 1.2x the tiled kernels, one row per call 0.85-1.0x).
 constexpr int kBatchTwoRowsMaxTok = 4;
 constexpr int64_t kBatchL1MaxBlocks = 12;
 // Tokens [0, T) of the tile (T <= 8) against rows r .. r+R-1 (R <= 2); out[rr * 8 + t] for
@@ -1212,8 +1026,11 @@ HWY_INLINE void DotKBatchPieces(const WeightMatrix& w, int64_t r, int64_t nb, KT
   }
 }
 
-// MatmulKTiled's loop through the v2 kernels, rows two at a time, each pair's lines
-// set_matvec_prefetch_bytes ahead prefetched as in MatvecKOne (once the arithmetic is cheap
+// Rows [r0, r1) of a job of 2+ tokens through the v2 kernels. Up to 8 tokens (decode of several
+// streams) fill the tile once per call; more tokens go row block by row block as MatmulInt
+// does, so the weights stay in L2 across token tiles, refilling the tile per (row block, token
+// tile), which costs about 1/rows_per_block of the arithmetic. Rows two at a time, each pair's
+// lines kMatvecPrefetchBytes ahead prefetched as in MatvecKOne (once the arithmetic is cheap
 // enough the hardware prefetchers alone leave the cores waiting on DRAM: serve_bench's 4-wide
 // decode step 50 ms without, 30 ms with 2-8 KB, 1-token steps ~21 ms). `scratch` holds
 // kq_batch_tile_bytes(nb).
@@ -1222,8 +1039,7 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
   const WeightMatrix& w = *job.w;
   const int64_t nb = w.n_cols / 256, ldy = w.n_rows;
   const int64_t rb = job.n_tok <= 8 ? r1 - r0 : rows_per_block(w);
-  const int64_t ahead = w.strided() ? 0 : matvec_prefetch_bytes();
-  const bool spread = matvec_prefetch_l2();  // see MatvecKOne
+  const bool prefetch = !w.strided();  // see MatvecKOne
   const std::byte* end = w.bytes.data() + w.bytes.size();
   const size_t stride = w.stride();
   const block_q8_K* ys[8];
@@ -1241,14 +1057,9 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
       int64_t r = b0;
       for (; r + 2 <= b1; r += 2) {
         const std::byte* pf = nullptr;
-        if (ahead > 0) {
-          const std::byte* p = w.row(r).data() + ahead;
-          if (spread) {
-            if (p + 2 * stride <= end) pf = p;
-          } else {
-            const std::byte* p_end = std::min(end, p + 2 * stride);
-            for (; p < p_end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-          }
+        if (prefetch) {
+          const std::byte* p = w.row(r).data() + kMatvecPrefetchBytes;
+          if (p + 2 * stride <= end) pf = p;
         }
         DotKBatchPieces<kQ4K, 2>(w, r, nb, tile, yde, m, out, pf);
         for (int rr = 0; rr < 2; ++rr)
@@ -1265,149 +1076,6 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
 #undef KILN_VNNI512_INLINE
 #endif  // HWY_AVX3_DL
 
-#if HWY_TARGET == HWY_AVX3_DL
-// ---------------------------------------------------------------- packed Q4_K prefill (VNNI)
-// The plain kernel spends two multiply-pipe ops per 32 products (maddubs, then vpdpwssd with the
-// sub-block scale). Here vpdpbusd multiplies the nibbles straight against the activations,
-// biased to unsigned (a + 128), so every 4-product lane sum P' lies in [0, 4 * 255 * 15]: the
-// sums of a pair of sub-blocks pack into one int32 (odd << 16 | even, no borrow) and one vpdpwssd
-// applies both scales, 3 ops per 64 products. A per-row correction, computed once per row block,
-// takes the bias back out. Each int32 lane ends exactly equal to the plain kernel's, and the
-// float steps are the same ops in the same order, so the output is the plain kernel's bits.
-
-// Two sub-blocks' lane sums of u * w, packed as words for vpdpwssd.
-HWY_INLINE __m256i PackPair(__m256i u_even, __m256i u_odd, __m256i w_even, __m256i w_odd) {
-  return DotU8I8(_mm256_slli_epi32(DotU8I8(_mm256_setzero_si256(), u_odd, w_odd), 16), u_even, w_even);
-}
-
-HWY_INLINE void PackQ4K(const block_q4_K& b, Q4KPacked& p) {
-  alignas(16) uint8_t sm[16];
-  ScalesMinsK4(b.scales, sm);
-  const __m256i m4 = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8(static_cast<char>(0x80));
-  __m256i corr = _mm256_setzero_si256();
-  for (int j = 0; j < 4; ++j) {
-    const __m256i q4 = Load32(b.qs + 32 * j);
-    const __m256i we = _mm256_and_si256(q4, m4), wo = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(p.w[j][0]), we);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(p.w[j][1]), wo);
-    p.sc2[j] = sm[2 * j] | (static_cast<uint32_t>(sm[2 * j + 1]) << 16);
-    corr = DotI16(corr, PackPair(bias, bias, we, wo), _mm256_set1_epi32(static_cast<int>(p.sc2[j])));
-  }
-  _mm256_store_si256(reinterpret_cast<__m256i*>(p.neg_corr), _mm256_sub_epi32(_mm256_setzero_si256(), corr));
-  const __m128i mins8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8));
-  _mm256_store_si256(reinterpret_cast<__m256i*>(p.mins16), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins8, mins8)));
-  p.d = f16_to_f32(b.d);
-  p.neg_dmin = -f16_to_f32(b.dmin);
-}
-
-// R packed rows x T tokens. tile[((i*4 + j)*T + t)*64 ..]: token t's biased activations of
-// sub-blocks 2j, 2j+1 of block i; bsums[(i*T + t)*16 ..]; yd[i*8 + t]: the token's Q8_K scale.
-template <int R, int T>
-HWY_INLINE void DotQ4KPacked(const Q4KPacked* const* pr, int64_t nb, const uint8_t* tile,
-                             const int16_t* bsums, const float* yd, float* out) {
-  __m256 acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i) {
-    // d * y.d and -dmin * y.d of every token at once: the same products the plain kernel forms.
-    alignas(32) float dy[R][8], dmy[R][8];
-    const __m256 yd8 = _mm256_load_ps(yd + i * 8);
-    __m256i isum[R][T];
-    for (int r = 0; r < R; ++r) {
-      const Q4KPacked& p = pr[r][i];
-      _mm256_store_ps(dy[r], _mm256_mul_ps(_mm256_set1_ps(p.d), yd8));
-      _mm256_store_ps(dmy[r], _mm256_mul_ps(_mm256_set1_ps(p.neg_dmin), yd8));
-      const __m256i nc = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.neg_corr));
-      for (int t = 0; t < T; ++t) isum[r][t] = nc;
-    }
-    const uint8_t* ti = tile + i * 4 * T * 64;
-    for (int j = 0; j < 4; ++j) {
-      __m256i we[R], wo[R], sc[R];
-      for (int r = 0; r < R; ++r) {
-        const Q4KPacked& p = pr[r][i];
-        we[r] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.w[j][0]));
-        wo[r] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.w[j][1]));
-        sc[r] = _mm256_set1_epi32(static_cast<int>(p.sc2[j]));
-      }
-      for (int t = 0; t < T; ++t) {
-        const __m256i ue = Load32(ti + (j * T + t) * 64), uo = Load32(ti + (j * T + t) * 64 + 32);
-        for (int r = 0; r < R; ++r) isum[r][t] = DotI16(isum[r][t], PackPair(ue, uo, we[r], wo[r]), sc[r]);
-      }
-    }
-    for (int t = 0; t < T; ++t) {
-      const __m256i bs = Load32(bsums + (i * T + t) * 16);
-      for (int r = 0; r < R; ++r) {
-        const __m256i mins16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(pr[r][i].mins16));
-        const __m256i msum = _mm256_madd_epi16(bs, mins16);
-        acc[r][t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dy[r][t]), _mm256_cvtepi32_ps(isum[r][t]), acc[r][t]);
-        acc[r][t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dmy[r][t]), _mm256_cvtepi32_ps(msum), acc[r][t]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) out[r * T + t] = Hsum(acc[r][t]);
-}
-
-// Row blocks x tiles of kPackTok tokens through DotQ4KPacked; a row or tokens left over take
-// the plain kernel (same bits). `scratch` holds q4k_packed_scratch_bytes(w).
-void MatmulQ4KPacked(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
-  constexpr int R = static_cast<int>(kPackRows), T = static_cast<int>(kPackTok);
-  const WeightMatrix& w = *job.w;
-  const int64_t nb = w.n_cols / 256, ldy = w.n_rows, rb = rows_per_block(w);
-  auto* packed = reinterpret_cast<Q4KPacked*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t{63});
-  auto* tile = reinterpret_cast<uint8_t*>(packed + rb * nb);
-  auto* bsums = reinterpret_cast<int16_t*>(tile + T * w.n_cols);
-  auto* yd = reinterpret_cast<float*>(bsums + nb * T * 16);
-  const auto act = [&](int64_t t) {
-    return reinterpret_cast<const block_q8_K*>(job.xq + t * job.xq_row_bytes);
-  };
-  const int64_t n_full = job.n_tok / T * T;
-  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
-  const block_q8_K* ys[kIntTile];
-  float out[kIntTile * 2];
-  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
-    const int64_t b1 = std::min(r1, b0 + rb);
-    for (int64_t r = b0; r < b1; ++r) {
-      const auto* blocks = reinterpret_cast<const block_q4_K*>(w.row(r).data());
-      for (int64_t i = 0; i < nb; ++i) PackQ4K(blocks[i], packed[(r - b0) * nb + i]);
-    }
-    for (int64_t t0 = 0; t0 < n_full; t0 += T) {
-      for (int t = 0; t < T; ++t) ys[t] = act(t0 + t);
-      for (int64_t i = 0; i < nb; ++i) {
-        for (int t = 0; t < 8; ++t) yd[i * 8 + t] = t < T ? ys[t][i].d : 0.0f;
-        for (int t = 0; t < T; ++t) {
-          const block_q8_K& y = ys[t][i];
-          std::memcpy(bsums + (i * T + t) * 16, y.bsums, sizeof(y.bsums));
-          for (int h = 0; h < 8; ++h)  // h = 2j + odd
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + ((i * 4 + h / 2) * T + t) * 64 + (h & 1) * 32),
-                                _mm256_xor_si256(Load32(y.qs + 32 * h), bias));
-        }
-      }
-      int64_t r = b0;
-      for (; r + R <= b1; r += R) {
-        const Q4KPacked* pr[R];
-        for (int q = 0; q < R; ++q) pr[q] = packed + (r + q - b0) * nb;
-        DotQ4KPacked<R, T>(pr, nb, tile, bsums, yd, out);
-        for (int q = 0; q < R; ++q)
-          for (int t = 0; t < T; ++t) job.y[(t0 + t) * ldy + r + q] = out[q * T + t];
-      }
-      for (; r < b1; ++r) {
-        KQ4_K<T>::run(w.row(r).data(), nb, ys, out);
-        for (int t = 0; t < T; ++t) job.y[(t0 + t) * ldy + r] = out[t];
-      }
-    }
-    const int m = static_cast<int>(job.n_tok - n_full);  // < T tokens left
-    for (int t = 0; t < m; ++t) ys[t] = act(n_full + t);
-    for (int64_t r = b0; m > 0 && r < b1; ++r) {
-      const std::byte* wr = w.row(r).data();
-      int k = 0;
-      for (; m - k >= 2; k += 2) KQ4_K<2>::run(wr, nb, ys + k, out + k);
-      for (; k < m; ++k) KQ4_K<1>::run(wr, nb, ys + k, out + k);
-      for (int t = 0; t < m; ++t) job.y[(n_full + t) * ldy + r] = out[t];
-    }
-  }
-}
-#endif  // HWY_AVX3_DL
 #endif  // KILN_INT8
 
 bool HasInt8PathK(DType t) {
@@ -1433,21 +1101,21 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 #if KILN_INT8
 #if HWY_TARGET == HWY_AVX3_DL
     case DType::Q8_0:
-      if (job.n_tok >= kQ8VnniMinTok && q8_vnni_matmul())
+      if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ8_0>);
       return MatmulInt<ActQ8_0, KQ8_0>(job, r0, r1, 32);
     case DType::Q4_0:
-      if (job.n_tok >= kQ8VnniMinTok && q8_vnni_matmul())
+      if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ4_0>);
       return MatmulInt<ActQ8_0, KQ4_0>(job, r0, r1, 32);
     case DType::Q5_0:
-      if (job.n_tok >= kQ8VnniMinTok && q8_vnni_matmul())
+      if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ5_0>);
       return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
 #else
     case DType::Q8_0:
 #if HWY_TARGET == HWY_AVX2
-      if (job.n_tok == 1 && q8_one_matvec()) return MatvecQ8Avx2(job, r0, r1);
+      if (!job.portable && job.n_tok == 1) return MatvecQ8Avx2(job, r0, r1);
 #endif
       return MatmulInt<ActQ8_0, KQ8_0>(job, r0, r1, 32);
     case DType::Q4_0: return MatmulInt<ActQ8_0, KQ4_0>(job, r0, r1, 32);
@@ -1455,19 +1123,14 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 #endif
     case DType::Q4_K:
 #if HWY_TARGET == HWY_AVX3_DL
-      // The v2 batched kernel also beats the packed one on prefill (1.1B pp512 178-179 vs
-      // 156-166 t/s, kiln bench; 12-64-token decode steps 1.4-1.9x: serve_bench widths), so
-      // with it on the packed kernel is not used; bits are the same either way.
-      if (job.n_tok >= kKQPrefillMinTok && kq_prefill_matmul())
-        return MatmulQ4KPrefill(job, r0, r1, scratch);
-      if (job.n_tok >= kKQBatchMinTok && kq_pair_matmul() && kq_batch_matmul())
-        return MatmulKBatch<true>(job, r0, r1, scratch);
-      if (job.n_tok >= kPackMinTok && q4k_packed_matmul()) return MatmulQ4KPacked(job, r0, r1, scratch);
-      if (job.n_tok >= kKQTiledMinTok && kq_pair_matmul()) return MatmulKTiled<true>(job, r0, r1, scratch);
-      if (job.n_tok == 1 && kq_one_matvec()) return MatvecKOne<true>(job, r0, r1, scratch);
+      if (!job.portable) {
+        if (job.n_tok >= kKQPrefillMinTok) return MatmulQ4KPrefill(job, r0, r1, scratch);
+        if (job.n_tok >= kKQBatchMinTok) return MatmulKBatch<true>(job, r0, r1, scratch);
+        if (job.n_tok == 1) return MatvecKOne<true>(job, r0, r1, scratch);
+      }
 #endif
 #if HWY_TARGET == HWY_AVX2
-      if (KQAvx2(job.n_tok)) {
+      if (!job.portable) {
         if (job.n_tok == 1) return MatvecKAvx2<true>(job, r0, r1);
         return MatmulInt<block_q8_K, KQ4_KAvx2>(job, r0, r1, 256);
       }
@@ -1476,15 +1139,14 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::Q5_K: return MatmulInt<block_q8_K, KQ5_K>(job, r0, r1, 256);
     case DType::Q6_K:
 #if HWY_TARGET == HWY_AVX3_DL
-      if (job.n_tok >= kKQPrefillMinTok && kq_prefill_matmul())
-        return MatmulQ6KPrefill(job, r0, r1, scratch);
-      if (job.n_tok >= kKQBatchMinTok && kq_pair_matmul() && kq_batch_matmul())
-        return MatmulKBatch<false>(job, r0, r1, scratch);
-      if (job.n_tok >= kKQTiledMinTok && kq_pair_matmul()) return MatmulKTiled<false>(job, r0, r1, scratch);
-      if (job.n_tok == 1 && kq_one_matvec()) return MatvecKOne<false>(job, r0, r1, scratch);
+      if (!job.portable) {
+        if (job.n_tok >= kKQPrefillMinTok) return MatmulQ6KPrefill(job, r0, r1, scratch);
+        if (job.n_tok >= kKQBatchMinTok) return MatmulKBatch<false>(job, r0, r1, scratch);
+        if (job.n_tok == 1) return MatvecKOne<false>(job, r0, r1, scratch);
+      }
 #endif
 #if HWY_TARGET == HWY_AVX2
-      if (KQAvx2(job.n_tok)) {
+      if (!job.portable) {
         if (job.n_tok == 1) return MatvecKAvx2<false>(job, r0, r1);
         return MatmulInt<block_q8_K, KQ6_KAvx2>(job, r0, r1, 256);
       }
@@ -1531,9 +1193,9 @@ inline int32_t round_int(float f) {
 
 // A non-finite input makes the block scale NaN so the dot product is NaN too, as the f32
 // result would be, instead of silently rounding garbage.
-void quantize_act_row(ActKind k, const float* x, int64_t n, std::byte* dst) {
+void quantize_act_row(ActKind k, const float* x, int64_t n, std::byte* dst, bool portable) {
   if (k == ActKind::Q8_0) {
-    if (q8_quant_simd() && quantize_q8_0_simd(x, n, dst)) return;
+    if (!portable && quantize_q8_0_simd(x, n, dst)) return;
     auto* out = reinterpret_cast<ActQ8_0*>(dst);
     for (int64_t b = 0; b < n / 32; ++b) {
       const float* xb = x + b * 32;
@@ -1548,7 +1210,7 @@ void quantize_act_row(ActKind k, const float* x, int64_t n, std::byte* dst) {
         out[b].qs[i] = static_cast<int8_t>(std::isnan(probe) ? 0 : round_int(xb[i] * id));
     }
   } else if (k == ActKind::Q8_K) {
-    if (q8k_quant_simd() && quantize_q8k_simd(x, n, dst)) return;
+    if (!portable && quantize_q8k_simd(x, n, dst)) return;
     auto* out = reinterpret_cast<quant::block_q8_K*>(dst);
     for (int64_t b = 0; b < n / 256; ++b) {
       const float* xb = x + b * 256;
@@ -1597,14 +1259,13 @@ void quantize_act_row(ActKind k, const float* x, int64_t n, std::byte* dst) {
 void matmul_rows(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
   const DType t = job.w->dtype;
   if ((t == DType::F32 || t == DType::F16 || t == DType::BF16) && job.n_tok >= kFloatTileMinTok &&
-      float_tile_matmul())
+      !job.portable)
     return matmul_float_tiled(job, r0, r1);
   HWY_DYNAMIC_DISPATCH(MatmulRowsK)(job, r0, r1, scratch);
 }
 
 size_t matmul_scratch_floats(const WeightMatrix& w) {
   size_t n = static_cast<size_t>(dequant_rows_per_block(w) * w.n_cols);
-  if (w.dtype == DType::Q4_K) n = std::max(n, (q4k_packed_scratch_bytes(w) + 3) / 4);
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K) n = std::max(n, (kq_batch_tile_bytes(w.n_cols / 256) + 3) / 4);
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K)
     n = std::max(n, (kq_prefill_scratch_bytes(w.dtype, w.n_cols / 256, w.row_bytes) + 3) / 4);
@@ -1612,39 +1273,6 @@ size_t matmul_scratch_floats(const WeightMatrix& w) {
     n = std::max(n, (q8_vnni_scratch_bytes(w.n_cols) + 3) / 4);
   return n;
 }
-
-namespace {
-// The kernel switches (kernels.h): process-wide, set from the config by the apps, read per call.
-std::atomic<bool> g_q4k_packed{true}, g_kq_pair{true}, g_kq_one{true}, g_kq_batch{true},
-    g_q8_vnni{true}, g_kq_prefill{true}, g_q8k_quant_simd{true}, g_q8_quant_simd{true},
-    g_q8_one{true};
-std::atomic<int64_t> g_matvec_prefetch{kDefaultMatvecPrefetchBytes};
-std::atomic<bool> g_matvec_prefetch_l2{true};
-}  // namespace
-void set_q4k_packed_matmul(bool on) { g_q4k_packed.store(on, std::memory_order_relaxed); }
-bool q4k_packed_matmul() { return g_q4k_packed.load(std::memory_order_relaxed); }
-void set_kq_pair_matmul(bool on) { g_kq_pair.store(on, std::memory_order_relaxed); }
-bool kq_pair_matmul() { return g_kq_pair.load(std::memory_order_relaxed); }
-void set_kq_one_matvec(bool on) { g_kq_one.store(on, std::memory_order_relaxed); }
-bool kq_one_matvec() { return g_kq_one.load(std::memory_order_relaxed); }
-void set_q8_one_matvec(bool on) { g_q8_one.store(on, std::memory_order_relaxed); }
-bool q8_one_matvec() { return g_q8_one.load(std::memory_order_relaxed); }
-void set_kq_batch_matmul(bool on) { g_kq_batch.store(on, std::memory_order_relaxed); }
-bool kq_batch_matmul() { return g_kq_batch.load(std::memory_order_relaxed); }
-void set_q8_vnni_matmul(bool on) { g_q8_vnni.store(on, std::memory_order_relaxed); }
-bool q8_vnni_matmul() { return g_q8_vnni.load(std::memory_order_relaxed); }
-void set_kq_prefill_matmul(bool on) { g_kq_prefill.store(on, std::memory_order_relaxed); }
-bool kq_prefill_matmul() { return g_kq_prefill.load(std::memory_order_relaxed); }
-void set_q8k_quant_simd(bool on) { g_q8k_quant_simd.store(on, std::memory_order_relaxed); }
-bool q8k_quant_simd() { return g_q8k_quant_simd.load(std::memory_order_relaxed); }
-void set_q8_quant_simd(bool on) { g_q8_quant_simd.store(on, std::memory_order_relaxed); }
-bool q8_quant_simd() { return g_q8_quant_simd.load(std::memory_order_relaxed); }
-void set_matvec_prefetch_bytes(int64_t bytes) {
-  g_matvec_prefetch.store(std::max<int64_t>(0, bytes), std::memory_order_relaxed);
-}
-int64_t matvec_prefetch_bytes() { return g_matvec_prefetch.load(std::memory_order_relaxed); }
-void set_matvec_prefetch_l2(bool on) { g_matvec_prefetch_l2.store(on, std::memory_order_relaxed); }
-bool matvec_prefetch_l2() { return g_matvec_prefetch_l2.load(std::memory_order_relaxed); }
 
 }  // namespace kiln::cpu
 #endif

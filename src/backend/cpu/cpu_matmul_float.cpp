@@ -14,7 +14,6 @@
 #include "hwy/highway.h"
 
 #include <algorithm>
-#include <atomic>
 
 #include "core/check.h"
 #include "core/dtype.h"
@@ -154,11 +153,5 @@ HWY_EXPORT(MatmulFloatTiledK);
 void matmul_float_tiled(const MatmulJob& job, int64_t r0, int64_t r1) {
   HWY_DYNAMIC_DISPATCH(MatmulFloatTiledK)(job, r0, r1);
 }
-
-namespace {
-std::atomic<bool> g_float_tile{true};
-}  // namespace
-void set_float_tile_matmul(bool on) { g_float_tile.store(on, std::memory_order_relaxed); }
-bool float_tile_matmul() { return g_float_tile.load(std::memory_order_relaxed); }
 }  // namespace kiln::cpu
 #endif

@@ -16,7 +16,7 @@
 // sum is the product of two exact floats (the tile's bsum pairs and the row's mins, |product| <
 // 2^24) instead of a madd and a convert; scales are decoded once per row block; K runs in chunks
 // whose activation tile stays in L1 (the v2 kernel streams wide rows' tiles from L2).
-// bench/matvec_bench BM_KQPrefillOnOff, 512 tokens, 1 thread, against the v2 kernels (with the
+// bench/matvec_bench BM_KQPrefillOnOff, 512 tokens, 1 thread, then against the v2 kernels (with the
 // 4-register Hsum tree below): Q4_K 1.14-1.15x at 2048 columns, 1.36-1.40x at 8192; Q6_K
 // 1.18-1.19x / 1.32x. Each int32 lane
 // equals the plain kernel's (integer sums are exact in any order) and each float lane sees the

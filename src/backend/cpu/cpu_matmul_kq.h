@@ -11,11 +11,11 @@
 #include "kernels.h"
 
 namespace kiln::cpu {
-// Calls of this many tokens or more take the prefill kernels; fewer take the v2 batched kernels,
-// as decoding a row block costs about as much as a few token tiles save (bench/matvec_bench,
-// 2026-12-02: BM_KQPrefillOnOff, 2048 x 2048, 1 thread: Q4_K 16 tokens 0.84x, 32 0.96x, 64
-// 1.03x; Q6_K 16 tokens 0.49x; BM_LayerStepKQPrefill, 2 threads: 64 tokens 0.97x, 128 1.09x,
-// 512 1.14x).
+// Calls of this many tokens or more take the prefill kernels; fewer take the v2 batched kernels, as
+// decoding a row block costs about as much as a few token tiles save (bench/matvec_bench,
+// 2026-12-02, when these benchmarks compared the two: BM_KQPrefillOnOff, 2048 x 2048, 1 thread:
+// Q4_K 16 tokens 0.84x, 32 0.96x, 64 1.03x; Q6_K 16 tokens 0.49x; BM_LayerStepKQPrefill, 2 threads:
+// 64 tokens 0.97x, 128 1.09x, 512 1.14x).
 constexpr int64_t kKQPrefillMinTok = 128;
 // Token pairs per register tile (2 tokens share a 512-bit register), and blocks per K chunk:
 // the chunk's activation tile (pairs x 576 bytes + 64 per block) stays in L1 while every row of
