@@ -1,7 +1,8 @@
-// tests/cuda/cuda_ops_test.cpp: every non-attention op of the CUDA backend against the scalar
-// reference backend on fresh random inputs (seed printed on failure), odd sizes and every
-// weight type, with the error bound of each path stated where it is checked; plus the weight
-// arena's caching. Every test skips with a message when no GPU is present.
+// tests/cuda/cuda_ops_test.cpp: the CUDA backend's own paths against the scalar reference
+// backend on fresh random inputs (seed printed on failure), odd sizes and every weight type:
+// matmuls, the fused ops' bits, rope_qk, top_k, downloads; plus the weight arena's caching.
+// The ops every backend shares run in tests/ops/backend_ops_test.cpp (compiled into this
+// executable with the CUDA backend). Every test skips with a message when no GPU is present.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -234,24 +235,6 @@ TEST(CudaOps, MatmulV2ShapePaths) {
   }
 }
 
-TEST(CudaOps, GetRowsEveryTypeBitExact) {
-  KILN_REQUIRE_CUDA();
-  std::mt19937_64 rng(ops_seed());
-  for (DType t :
-       {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0,
-        DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
-    const int64_t k = traits(t).block_size == 1 ? 67 : 512;
-    TestWeights w = make_weights(t, 31, k, rng);
-    const std::vector<int32_t> ids = {30, 0, 7, 7, 12};
-    std::vector<float> a(ids.size() * k), b(a.size(), NAN);
-    ref().get_rows(w.m, ids, a);
-    gpu().get_rows(w.m, ids, b);
-    // The GPU decodes with separately rounded products, as the reference does: exact.
-    for (size_t i = 0; i < a.size(); ++i)
-      ASSERT_EQ(std::bit_cast<uint32_t>(b[i]), std::bit_cast<uint32_t>(a[i]))
-          << dtype_name(t) << " " << i << " seed " << ops_seed();
-  }
-}
 
 TEST(CudaOps, WeightArenaUploadsOnceAndSeesChangedBytes) {
   KILN_REQUIRE_CUDA();
@@ -347,29 +330,6 @@ TEST(CudaOps, BadDeviceIndexIsAnError) {
   EXPECT_NE(be.error().find("does not exist"), std::string::npos) << be.error();
 }
 
-TEST(CudaOps, RmsnormAndSoftmax) {
-  KILN_REQUIRE_CUDA();
-  std::mt19937_64 rng(ops_seed());
-  for (int64_t n : {1, 3, 31, 128, 257, 2048, 4096, 5003, 8192, 12288, 16384}) {
-    for (int64_t rows : {1, 3, 31}) {
-      const std::vector<float> x = random_vec(rng, rows * n, 3.0f), wt = random_vec(rng, n);
-      std::vector<float> a(x.size()), b(x.size(), NAN);
-      for (bool with_w : {false, true}) {
-        std::span<const float> ws = with_w ? std::span<const float>(wt) : std::span<const float>();
-        ref().rmsnorm(x, ws, n, 1e-6f, a);
-        gpu().rmsnorm(x, ws, n, 1e-6f, b);
-        for (size_t i = 0; i < a.size(); ++i)  // f32 tree sum of squares, rsqrtf (2 ulp)
-          ASSERT_TRUE(close(b[i], a[i], 2e-6 * std::fabs(a[i]) + 1e-7))
-              << "rmsnorm n " << n << " i " << i;
-      }
-      std::vector<float> s1 = x, s2 = x;
-      ref().softmax(s1, n);
-      gpu().softmax(s2, n);
-      for (size_t i = 0; i < s1.size(); ++i)  // expf within 2 ulp, f32 sum
-        ASSERT_TRUE(close(s2[i], s1[i], 1e-5 * s1[i] + 1e-9)) << "softmax n " << n << " i " << i;
-    }
-  }
-}
 
 // The fused residual add + norm (forward.cpp's block boundaries) must keep the bits of the two
 // ops it replaces, in device memory (the resident path a real run takes: the fused kernel
@@ -417,27 +377,6 @@ TEST(CudaOps, AddRmsnormHasTheBitsOfAddThenRmsnorm) {
   }
 }
 
-TEST(CudaOps, Rope) {
-  KILN_REQUIRE_CUDA();
-  std::mt19937_64 rng(ops_seed());
-  for (RopeStyle style : {RopeStyle::Normal, RopeStyle::NeoX}) {
-    for (int64_t head_dim : {2, 64, 80, 128}) {
-      for (int64_t n_rot : {head_dim, head_dim / 2 + (head_dim / 2) % 2}) {
-        if (n_rot == 0) continue;
-        const int64_t n_tok = 5, n_head = 3;
-        std::vector<int32_t> pos = {0, 1, 17, 4095, 131071};
-        RopeParams p{n_rot, style == RopeStyle::NeoX ? 1e6f : 1e4f, 1.0f, style};
-        if (head_dim == 80) p.freq_scale = 0.25f;
-        std::vector<float> a = random_vec(rng, n_tok * n_head * head_dim), b = a;
-        ref().rope(a, n_tok, n_head, head_dim, pos, p);
-        gpu().rope(b, n_tok, n_head, head_dim, pos, p);
-        for (size_t i = 0; i < a.size(); ++i)  // the angle in double, as the reference
-          ASSERT_TRUE(close(b[i], a[i], 1e-6 * (1 + std::fabs(a[i]))))
-              << "style " << int(style) << " hd " << head_dim << " n_rot " << n_rot << " i " << i;
-      }
-    }
-  }
-}
 
 // rope_qk on resident buffers: one launch for Q and K (CudaOptions::fuse_rope) against two
 // rope() ops and against the unfused rope_qk, memcmp; Q and K head counts as in GQA (32/8)
@@ -535,85 +474,8 @@ TEST(CudaOps, SwigluMatmulEqualsTheTwoOps) {
   }
 }
 
-TEST(CudaOps, Elementwise) {
-  KILN_REQUIRE_CUDA();
-  std::mt19937_64 rng(ops_seed());
-  for (size_t n : {size_t{1}, size_t{3}, size_t{31}, size_t{257}, size_t{70001}, size_t{5000000}}) {
-    const std::vector<float> g = random_vec(rng, n, 4.0f), u = random_vec(rng, n, 2.0f);
-    std::vector<float> a(n), b(n, NAN);
-    ref().swiglu(g, u, a);
-    gpu().swiglu(g, u, b);
-    for (size_t i = 0; i < n; ++i)
-      ASSERT_TRUE(close(b[i], a[i], 1e-5 * std::fabs(a[i]) + 1e-6 * std::fabs(u[i])))
-          << "swiglu " << i;
-    ref().geglu(g, u, a);
-    gpu().geglu(g, u, b);
-    for (size_t i = 0; i < n; ++i)  // tanhf within 2 ulp; 1 + tanh cancels for g << 0
-      ASSERT_TRUE(close(b[i], a[i],
-                        1e-5 * std::fabs(a[i]) + 1e-6 * (1 + std::fabs(g[i])) * std::fabs(u[i])))
-          << "geglu " << i;
-    ref().add(g, u, a);
-    gpu().add(g, u, b);
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "add " << i;
-    ref().mul(g, u, a);
-    gpu().mul(g, u, b);
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "mul " << i;
-    b = g;
-    gpu().add(b, u, b);  // aliasing out == a
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], g[i] + u[i], 0)) << "add aliased " << i;
-    a = g;
-    b = g;
-    ref().scale(a, 0.37f);
-    gpu().scale(b, 0.37f);
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "scale " << i;
-    a = g;
-    b = g;
-    ref().softcap(a, 3.0f);
-    gpu().softcap(b, 3.0f);
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 2e-6 * 3.0)) << "softcap " << i;
-    a = g;
-    b = g;
-    ref().sigmoid(a);
-    gpu().sigmoid(b);
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 1e-6)) << "sigmoid " << i;
-  }
-}
 
-TEST(CudaOps, StoreRowsF16BitExact) {
-  KILN_REQUIRE_CUDA();
-  std::mt19937_64 rng(ops_seed());
-  const int64_t width = 67, n_phys = 9;
-  std::vector<float> src = random_vec(rng, 4 * width, 100.0f);
-  src[0] = 70000.0f;  // overflows to inf
-  src[1] = 1e-6f;     // subnormal in f16
-  src[2] = -0.0f;
-  src[3] = 65520.0f;  // exactly halfway to the f16 overflow threshold: rounds to inf
-  const std::vector<int32_t> rows = {8, 0, 3, 5};
-  std::vector<f16> pa(n_phys * width), pb(n_phys * width);
-  for (size_t i = 0; i < pa.size(); ++i) pa[i].bits = pb[i].bits = static_cast<uint16_t>(i);
-  ref().store_rows_f16(src, width, rows, pa);
-  gpu().store_rows_f16(src, width, rows, pb);
-  // Rows not written keep their old bits in both.
-  for (size_t i = 0; i < pa.size(); ++i)
-    ASSERT_EQ(pa[i].bits, pb[i].bits) << i << " seed " << ops_seed();
-}
 
-TEST(CudaOps, Argmax) {
-  KILN_REQUIRE_CUDA();
-  std::mt19937_64 rng(ops_seed());
-  for (size_t n : {size_t{1}, size_t{3}, size_t{257}, size_t{32000}, size_t{152064}}) {
-    std::vector<float> x = random_vec(rng, n);
-    EXPECT_EQ(gpu().argmax(x), ref().argmax(x)) << n;
-    if (n > 3) {
-      x[n / 2] = x[n - 1] = 50.0f;  // tie: first wins
-      EXPECT_EQ(gpu().argmax(x), ref().argmax(x)) << n;
-      x[1] = 50.0f;
-      EXPECT_EQ(gpu().argmax(x), 1) << n;
-    }
-    std::fill(x.begin(), x.end(), -INFINITY);
-    EXPECT_EQ(gpu().argmax(x), ref().argmax(x)) << "all -inf, n " << n;
-  }
-}
 
 // Device top-k against the host default (Backend::top_k) on host spans and on device memory:
 // single and many rows, vocabularies below one chunk and of real sizes, k from 1 (greedy) to

@@ -1,6 +1,6 @@
-// tests/ops/ops_test.cpp: every non-attention op of the cpu backend against the scalar
-// reference backend, on fresh random inputs (seed printed on failure), odd sizes, each weight
-// type, with the error bound of each path stated where it is checked.
+// tests/ops/ops_test.cpp: the cpu backend's matmuls against the scalar reference backend, on
+// fresh random inputs (seed printed on failure), odd sizes, each weight type, with the error
+// bound of each path stated where it is checked (the other ops: backend_ops_test.cpp).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -145,124 +145,7 @@ TEST(MatmulVsRef, NanActivationPropagates) {
   }
 }
 
-TEST(OpsVsRef, GetRows) {
-  std::mt19937_64 rng(ops_seed());
-  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_K, DType::Q6_K}) {
-    TestWeights w = make_weights(t, 31, 256, rng);
-    const std::vector<int32_t> ids = {30, 0, 7, 7, 12};
-    std::vector<float> a(ids.size() * 256), b(a.size(), NAN);
-    backends().ref->get_rows(w.m, ids, a);
-    backends().cpu3->get_rows(w.m, ids, b);
-    for (size_t i = 0; i < a.size(); ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << dtype_name(t) << " " << i;
-  }
-}
-
-TEST(OpsVsRef, RmsnormAndSoftmax) {
-  std::mt19937_64 rng(ops_seed());
-  for (int64_t n : {1, 3, 31, 257, 4096}) {
-    for (int64_t rows : {1, 3, 31}) {
-      const std::vector<float> x = random_vec(rng, rows * n, 3.0f), wt = random_vec(rng, n);
-      std::vector<float> a(x.size()), b(x.size(), NAN);
-      for (bool with_w : {false, true}) {
-        std::span<const float> ws = with_w ? std::span<const float>(wt) : std::span<const float>();
-        backends().ref->rmsnorm(x, ws, n, 1e-6f, a);
-        backends().cpu3->rmsnorm(x, ws, n, 1e-6f, b);
-        for (size_t i = 0; i < a.size(); ++i)  // f32 sum of squares vs double: 2e-6 relative
-          ASSERT_TRUE(close(b[i], a[i], 2e-6 * std::fabs(a[i]) + 1e-7)) << "rmsnorm n " << n << " i " << i;
-      }
-      std::vector<float> s1 = x, s2 = x;
-      backends().ref->softmax(s1, n);
-      backends().cpu3->softmax(s2, n);
-      for (size_t i = 0; i < s1.size(); ++i)  // hwy Exp is within 1 ulp: 1e-5 relative
-        ASSERT_TRUE(close(s2[i], s1[i], 1e-5 * s1[i] + 1e-9)) << "softmax n " << n << " i " << i;
-    }
-  }
-}
-
-TEST(OpsVsRef, Rope) {
-  std::mt19937_64 rng(ops_seed());
-  for (RopeStyle style : {RopeStyle::Normal, RopeStyle::NeoX}) {
-    for (int64_t head_dim : {2, 64, 80}) {
-      for (int64_t n_rot : {head_dim, head_dim / 2 + (head_dim / 2) % 2}) {
-        if (n_rot == 0) continue;
-        const int64_t n_tok = 5, n_head = 3;
-        std::vector<int32_t> pos = {0, 1, 17, 4095, 131071};
-        RopeParams p{n_rot, style == RopeStyle::NeoX ? 1e6f : 1e4f, 1.0f, style};
-        if (head_dim == 80) p.freq_scale = 0.25f;
-        std::vector<float> a = random_vec(rng, n_tok * n_head * head_dim), b = a;
-        backends().ref->rope(a, n_tok, n_head, head_dim, pos, p);
-        backends().cpu3->rope(b, n_tok, n_head, head_dim, pos, p);
-        for (size_t i = 0; i < a.size(); ++i)  // f32 sin/cos of a double-reduced angle
-          ASSERT_TRUE(close(b[i], a[i], 4e-6 * (1 + std::fabs(a[i]))))
-              << "style " << int(style) << " hd " << head_dim << " n_rot " << n_rot << " i " << i;
-      }
-    }
-  }
-}
-
-TEST(OpsVsRef, Elementwise) {
-  std::mt19937_64 rng(ops_seed());
-  for (size_t n : {size_t{1}, size_t{3}, size_t{31}, size_t{257}, size_t{70001}}) {
-    const std::vector<float> g = random_vec(rng, n, 4.0f), u = random_vec(rng, n, 2.0f);
-    std::vector<float> a(n), b(n, NAN);
-    backends().ref->swiglu(g, u, a);
-    backends().cpu3->swiglu(g, u, b);
-    for (size_t i = 0; i < n; ++i)
-      ASSERT_TRUE(close(b[i], a[i], 1e-5 * std::fabs(a[i]) + 1e-6 * std::fabs(u[i]))) << "swiglu " << i;
-    backends().ref->geglu(g, u, a);
-    backends().cpu3->geglu(g, u, b);
-    for (size_t i = 0; i < n; ++i)  // tanh within 4 ulp; 1 + tanh cancels for g << 0
-      ASSERT_TRUE(close(b[i], a[i], 1e-5 * std::fabs(a[i]) + 1e-6 * (1 + std::fabs(g[i])) * std::fabs(u[i])))
-          << "geglu " << i;
-    backends().ref->add(g, u, a);
-    backends().cpu3->add(g, u, b);
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "add " << i;
-    backends().ref->mul(g, u, a);
-    backends().cpu3->mul(g, u, b);
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "mul " << i;
-    b = g;
-    backends().cpu3->add(b, u, b);  // aliasing out == a
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], g[i] + u[i], 0)) << "add aliased " << i;
-    a = g;
-    b = g;
-    backends().ref->scale(a, 0.37f);
-    backends().cpu3->scale(b, 0.37f);
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "scale " << i;
-    a = g;
-    b = g;
-    backends().ref->softcap(a, 3.0f);
-    backends().cpu3->softcap(b, 3.0f);
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 2e-6 * 3.0)) << "softcap " << i;
-    a = g;
-    b = g;
-    backends().ref->sigmoid(a);
-    backends().cpu3->sigmoid(b);
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 1e-6)) << "sigmoid " << i;
-  }
-}
-
-TEST(OpsVsRef, StoreRowsF16BitExact) {
-  std::mt19937_64 rng(ops_seed());
-  const int64_t width = 67, n_phys = 9;
-  std::vector<float> src = random_vec(rng, 4 * width, 100.0f);
-  src[0] = 70000.0f;  // overflows to inf
-  src[1] = 1e-6f;     // subnormal in f16
-  src[2] = -0.0f;
-  const std::vector<int32_t> rows = {8, 0, 3, 5};
-  std::vector<f16> pa(n_phys * width), pb(n_phys * width);
-  backends().ref->store_rows_f16(src, width, rows, pa);
-  backends().cpu3->store_rows_f16(src, width, rows, pb);
-  for (size_t i = 0; i < pa.size(); ++i) ASSERT_EQ(pa[i].bits, pb[i].bits) << i << " seed " << ops_seed();
-}
-
-TEST(OpsVsRef, Argmax) {
-  std::mt19937_64 rng(ops_seed());
-  for (size_t n : {size_t{1}, size_t{3}, size_t{257}, size_t{32000}}) {
-    std::vector<float> x = random_vec(rng, n);
-    if (n > 3) x[n / 2] = x[n - 1] = 50.0f;  // tie: first wins
-    EXPECT_EQ(backends().cpu3->argmax(x), backends().ref->argmax(x)) << n;
-  }
-}
+// The other ops, on every backend: backend_ops_test.cpp.
 
 }  // namespace
 }  // namespace kiln

@@ -1,0 +1,194 @@
+// tests/ops/backend_ops_test.cpp: one op suite for every backend. The non-matmul ops of each
+// backend in backends_under_test() (tests/ops/backend_suite.h: the CPU variants here, the CUDA
+// backend in kiln_cuda_ops_tests) against the scalar reference backend, on fresh random
+// inputs (seed printed on failure) and odd sizes, with the bound each op's arithmetic allows.
+// Matmuls and attention have their own suites: their bounds depend on each backend's paths.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+#include "backend/backend.h"
+#include "core/dtype.h"
+#include "ops/backend_suite.h"
+#include "ops/ops_common.h"
+#include "quant/quant.h"
+
+namespace kiln {
+namespace {
+
+using kiln::testing::BackendUnderTest;
+using kiln::testing::close;
+using kiln::testing::ops_seed;
+using kiln::testing::random_vec;
+
+Backend& ref() {
+  static std::unique_ptr<Backend> r = make_ref_backend();
+  return *r;
+}
+
+class BackendOps : public ::testing::TestWithParam<BackendUnderTest> {
+ protected:
+  void SetUp() override {
+    be_ = GetParam().get();
+    if (be_ == nullptr) GTEST_SKIP() << GetParam().why();
+  }
+  Backend& be() { return *be_; }
+
+ private:
+  Backend* be_ = nullptr;
+};
+
+// Rows of a quantized random matrix, decoded by both: the decode rounds each product
+// separately, as the reference does, so the bits are equal.
+TEST_P(BackendOps, GetRowsEveryTypeBitExact) {
+  std::mt19937_64 rng(ops_seed());
+  for (DType t :
+       {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0,
+        DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+    const int64_t k = traits(t).block_size == 1 ? 67 : 512, n_rows = 31;
+    const size_t rb = *row_bytes(t, k);
+    std::vector<std::byte> bytes(rb * n_rows);
+    for (int64_t r = 0; r < n_rows; ++r)
+      quant::quantize_row(t, random_vec(rng, k, 0.05f),
+                          std::span<std::byte>(bytes).subspan(r * rb, rb));
+    const WeightMatrix w{.dtype = t, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+    const std::vector<int32_t> ids = {30, 0, 7, 7, 12};
+    std::vector<float> a(ids.size() * k), b(a.size(), NAN);
+    ref().get_rows(w, ids, a);
+    be().get_rows(w, ids, b);
+    for (size_t i = 0; i < a.size(); ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(b[i]), std::bit_cast<uint32_t>(a[i]))
+          << dtype_name(t) << " " << i << " seed " << ops_seed();
+  }
+}
+
+TEST_P(BackendOps, RmsnormAndSoftmax) {
+  std::mt19937_64 rng(ops_seed());
+  for (int64_t n : {1, 3, 31, 128, 257, 2048, 4096, 5003, 8192, 12288, 16384}) {
+    for (int64_t rows : {1, 3, 31}) {
+      const std::vector<float> x = random_vec(rng, rows * n, 3.0f), wt = random_vec(rng, n);
+      std::vector<float> a(x.size()), b(x.size(), NAN);
+      for (bool with_w : {false, true}) {
+        std::span<const float> ws = with_w ? std::span<const float>(wt) : std::span<const float>();
+        ref().rmsnorm(x, ws, n, 1e-6f, a);
+        be().rmsnorm(x, ws, n, 1e-6f, b);
+        for (size_t i = 0; i < a.size(); ++i)  // f32 sum of squares vs double, rsqrt: 2e-6
+          ASSERT_TRUE(close(b[i], a[i], 2e-6 * std::fabs(a[i]) + 1e-7))
+              << "rmsnorm n " << n << " i " << i;
+      }
+      std::vector<float> s1 = x, s2 = x;
+      ref().softmax(s1, n);
+      be().softmax(s2, n);
+      for (size_t i = 0; i < s1.size(); ++i)  // exp within 2 ulp, an f32 sum: 1e-5 relative
+        ASSERT_TRUE(close(s2[i], s1[i], 1e-5 * s1[i] + 1e-9)) << "softmax n " << n << " i " << i;
+    }
+  }
+}
+
+TEST_P(BackendOps, Rope) {
+  std::mt19937_64 rng(ops_seed());
+  for (RopeStyle style : {RopeStyle::Normal, RopeStyle::NeoX}) {
+    for (int64_t head_dim : {2, 64, 80, 128}) {
+      for (int64_t n_rot : {head_dim, head_dim / 2 + (head_dim / 2) % 2}) {
+        if (n_rot == 0) continue;
+        const int64_t n_tok = 5, n_head = 3;
+        std::vector<int32_t> pos = {0, 1, 17, 4095, 131071};
+        RopeParams p{n_rot, style == RopeStyle::NeoX ? 1e6f : 1e4f, 1.0f, style};
+        if (head_dim == 80) p.freq_scale = 0.25f;
+        std::vector<float> a = random_vec(rng, n_tok * n_head * head_dim), b = a;
+        ref().rope(a, n_tok, n_head, head_dim, pos, p);
+        be().rope(b, n_tok, n_head, head_dim, pos, p);
+        for (size_t i = 0; i < a.size(); ++i)
+          ASSERT_TRUE(close(b[i], a[i], GetParam().rope_rel * (1 + std::fabs(a[i]))))
+              << "style " << int(style) << " hd " << head_dim << " n_rot " << n_rot << " i " << i;
+      }
+    }
+  }
+}
+
+TEST_P(BackendOps, Elementwise) {
+  std::mt19937_64 rng(ops_seed());
+  for (size_t n : {size_t{1}, size_t{3}, size_t{31}, size_t{257}, size_t{70001}, size_t{5000000}}) {
+    const std::vector<float> g = random_vec(rng, n, 4.0f), u = random_vec(rng, n, 2.0f);
+    std::vector<float> a(n), b(n, NAN);
+    ref().swiglu(g, u, a);
+    be().swiglu(g, u, b);
+    for (size_t i = 0; i < n; ++i)
+      ASSERT_TRUE(close(b[i], a[i], 1e-5 * std::fabs(a[i]) + 1e-6 * std::fabs(u[i])))
+          << "swiglu " << i;
+    ref().geglu(g, u, a);
+    be().geglu(g, u, b);
+    for (size_t i = 0; i < n; ++i)  // tanh within 4 ulp; 1 + tanh cancels for g << 0
+      ASSERT_TRUE(close(b[i], a[i],
+                        1e-5 * std::fabs(a[i]) + 1e-6 * (1 + std::fabs(g[i])) * std::fabs(u[i])))
+          << "geglu " << i;
+    ref().add(g, u, a);
+    be().add(g, u, b);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "add " << i;
+    ref().mul(g, u, a);
+    be().mul(g, u, b);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "mul " << i;
+    b = g;
+    be().add(b, u, b);  // aliasing out == a
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], g[i] + u[i], 0)) << "add aliased " << i;
+    a = g;
+    b = g;
+    ref().scale(a, 0.37f);
+    be().scale(b, 0.37f);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "scale " << i;
+    a = g;
+    b = g;
+    ref().softcap(a, 3.0f);
+    be().softcap(b, 3.0f);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 2e-6 * 3.0)) << "softcap " << i;
+    a = g;
+    b = g;
+    ref().sigmoid(a);
+    be().sigmoid(b);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 1e-6)) << "sigmoid " << i;
+  }
+}
+
+TEST_P(BackendOps, StoreRowsF16BitExact) {
+  std::mt19937_64 rng(ops_seed());
+  const int64_t width = 67, n_phys = 9;
+  std::vector<float> src = random_vec(rng, 4 * width, 100.0f);
+  src[0] = 70000.0f;  // overflows to inf
+  src[1] = 1e-6f;     // subnormal in f16
+  src[2] = -0.0f;
+  src[3] = 65520.0f;  // exactly halfway to the f16 overflow threshold: rounds to inf
+  const std::vector<int32_t> rows = {8, 0, 3, 5};
+  std::vector<f16> pa(n_phys * width), pb(n_phys * width);
+  for (size_t i = 0; i < pa.size(); ++i) pa[i].bits = pb[i].bits = static_cast<uint16_t>(i);
+  ref().store_rows_f16(src, width, rows, pa);
+  be().store_rows_f16(src, width, rows, pb);
+  // Rows not written keep their old bits in both.
+  for (size_t i = 0; i < pa.size(); ++i)
+    ASSERT_EQ(pa[i].bits, pb[i].bits) << i << " seed " << ops_seed();
+}
+
+TEST_P(BackendOps, Argmax) {
+  std::mt19937_64 rng(ops_seed());
+  for (size_t n : {size_t{1}, size_t{3}, size_t{257}, size_t{32000}, size_t{152064}}) {
+    std::vector<float> x = random_vec(rng, n);
+    EXPECT_EQ(be().argmax(x), ref().argmax(x)) << n;
+    if (n > 3) {
+      x[n / 2] = x[n - 1] = 50.0f;  // tie: first wins
+      EXPECT_EQ(be().argmax(x), ref().argmax(x)) << n;
+      x[1] = 50.0f;
+      EXPECT_EQ(be().argmax(x), 1) << n;
+    }
+    std::fill(x.begin(), x.end(), -INFINITY);
+    EXPECT_EQ(be().argmax(x), ref().argmax(x)) << "all -inf, n " << n;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, BackendOps,
+                         ::testing::ValuesIn(kiln::testing::backends_under_test()),
+                         [](const auto& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace kiln
