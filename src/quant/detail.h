@@ -42,19 +42,14 @@ void quantize_q8_K(std::span<const float> src, MutBytes dst);
 
 // Elements per block: 32 for the legacy formats, a 256-element super-block for the K-quants.
 template <typename Block>
-inline constexpr int kBlockElems = kQK_K;
-template <>
-inline constexpr int kBlockElems<block_q4_0> = kQK4_0;
-template <>
-inline constexpr int kBlockElems<block_q4_1> = kQK4_1;
-template <>
-inline constexpr int kBlockElems<block_q5_0> = kQK5_0;
-template <>
-inline constexpr int kBlockElems<block_q5_1> = kQK5_1;
-template <>
-inline constexpr int kBlockElems<block_q8_0> = kQK8_0;
-template <>
-inline constexpr int kBlockElems<block_q8_1> = kQK8_1;
+inline constexpr bool kIsLegacy =
+    std::is_same_v<Block, block_q4_0> || std::is_same_v<Block, block_q4_1> ||
+    std::is_same_v<Block, block_q5_0> || std::is_same_v<Block, block_q5_1> ||
+    std::is_same_v<Block, block_q8_0> || std::is_same_v<Block, block_q8_1>;
+static_assert(kQK4_0 == 32 && kQK4_1 == 32 && kQK5_0 == 32 && kQK5_1 == 32 && kQK8_0 == 32 &&
+              kQK8_1 == 32);
+template <typename Block>
+inline constexpr int kBlockElems = kIsLegacy<Block> ? 32 : kQK_K;
 
 // Blocks in a row of n elements. quant.cpp checked the row against dtype.cpp's table before
 // dispatching, so a partial block here is a broken invariant.
