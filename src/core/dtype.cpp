@@ -28,15 +28,6 @@ constexpr std::array kTable = {
     Row{35, {"tq2_0", 256, 66}},  Row{39, {"mxfp4", 32, 17}},
 };
 
-bool iequal(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (std::tolower(static_cast<unsigned char>(a[i])) !=
-        std::tolower(static_cast<unsigned char>(b[i])))
-      return false;
-  return true;
-}
-
 }  // namespace
 
 std::optional<DTypeTraits> dtype_traits(uint32_t raw) {
@@ -53,9 +44,18 @@ DTypeTraits traits(DType t) {
 
 std::string_view dtype_name(DType t) { return traits(t).name; }
 
+bool type_names_equal(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(a[i])) !=
+        std::tolower(static_cast<unsigned char>(b[i])))
+      return false;
+  return true;
+}
+
 std::optional<DType> dtype_from_name(std::string_view name) {
   for (const Row& r : kTable)
-    if (iequal(r.t.name, name)) return static_cast<DType>(r.id);
+    if (type_names_equal(r.t.name, name)) return static_cast<DType>(r.id);
   return std::nullopt;
 }
 

@@ -29,6 +29,9 @@ DTypeTraits traits(DType t);  // aborts on an unknown enumerator (cannot happen 
 std::string_view dtype_name(DType t);
 // Parses llama.cpp names, case-insensitive ("Q4_K", "q8_0", "f16").
 std::optional<DType> dtype_from_name(std::string_view name);
+// The comparison dtype_from_name uses, for names built from type names (llama-quantize's
+// presets: "q4_k_m" names Q4_K_M). ASCII only, as llama.cpp's names are.
+bool type_names_equal(std::string_view a, std::string_view b);
 
 // Bytes of one row of n elements; nullopt if n is not a multiple of the block size.
 std::optional<uint64_t> row_bytes(DType t, uint64_t n);

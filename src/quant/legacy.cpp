@@ -2,8 +2,8 @@
 // reference encoders (quantize_row_*_ref, float op for float op so output is byte-identical),
 // and the scalar dot products of ggml's generic CPU path.
 #include <algorithm>
-#include <cmath>
 #include <cfloat>
+#include <cmath>
 
 #include "quant/blocks.h"
 #include "quant/detail.h"
@@ -13,368 +13,183 @@ namespace {
 
 constexpr int kQK = 32;
 
-int64_t n_blocks(size_t n) {
-  KILN_CHECK(n % kQK == 0, "row of {} elements is not a multiple of {}", n, kQK);
-  return static_cast<int64_t>(n / kQK);
-}
+// The formats differ in three ways only: how many bits a code has (4, 5 or 8), whether the
+// block carries a min (x = d * q + m, the "_1" formats) and, for those without, the offset
+// the codes are stored at (x = d * (q - offset)).
+template <typename Block>
+constexpr bool kHasMin = requires(Block b) {
+  b.m;
+};
+template <typename Block>
+constexpr bool kHasHighBits = requires(Block b) {
+  b.qh;
+};
+template <typename Block>
+constexpr bool kIsQ8 = sizeof(Block::qs) == kQK;
+template <typename Block>
+constexpr int kCodeOffset = 0;
+template <>
+constexpr int kCodeOffset<block_q4_0> = 8;
+template <>
+constexpr int kCodeOffset<block_q5_0> = 16;
+template <typename Block>
+constexpr int kCodeMax = kHasHighBits<Block> ? 31 : 15;  // 4- and 5-bit formats
 
-// Largest |x| of a block and the signed value that has it (the scale's sign follows it so
-// the extreme value lands exactly on the most negative code).
-void signed_absmax(const float* x, float& amax, float& max) {
-  amax = 0.0f;
-  max = 0.0f;
-  for (int j = 0; j < kQK; ++j) {
-    const float v = x[j];
-    if (amax < std::fabs(v)) {
-      amax = std::fabs(v);
-      max = v;
-    }
-  }
-}
-
-void min_max(const float* x, float& min, float& max) {
-  min = FLT_MAX;
-  max = -FLT_MAX;
-  for (int j = 0; j < kQK; ++j) {
-    if (x[j] < min) min = x[j];
-    if (x[j] > max) max = x[j];
-  }
-}
-
-uint32_t load_qh(const uint8_t qh[4]) {
-  uint32_t v;
-  std::memcpy(&v, qh, 4);
-  return v;
-}
-
-}  // namespace
-
-void dequantize_q4_0(Bytes src, std::span<float> dst) {
-  const int64_t nb = n_blocks(dst.size());
-  for (int64_t i = 0; i < nb; ++i) {
-    const auto b = load_block<block_q4_0>(src, i);
-    const float d = h2f(b.d);
-    float* y = dst.data() + i * kQK;
+// The codes of a block in element order (unsigned; Q8's signed).
+template <typename Block>
+void unpack_codes(const Block& b, int q[kQK]) {
+  if constexpr (kIsQ8<Block>) {
+    for (int j = 0; j < kQK; ++j) q[j] = b.qs[j];
+  } else {
+    // Element j sits in the low nibble of qs[j], element j+16 in the high one; a 5-bit
+    // format keeps bit 4 of element j in bit j of qh.
+    uint32_t qh = 0;
+    if constexpr (kHasHighBits<Block>) std::memcpy(&qh, b.qh, sizeof(qh));
     for (int j = 0; j < kQK / 2; ++j) {
-      y[j] = static_cast<float>((b.qs[j] & 0x0F) - 8) * d;
-      y[j + kQK / 2] = static_cast<float>((b.qs[j] >> 4) - 8) * d;
+      q[j] = static_cast<int>((b.qs[j] & 0x0F) | (((qh >> j) << 4) & 0x10));
+      q[j + kQK / 2] = static_cast<int>((b.qs[j] >> 4) | ((qh >> (j + 12)) & 0x10));
     }
   }
 }
 
-void dequantize_q4_1(Bytes src, std::span<float> dst) {
-  const int64_t nb = n_blocks(dst.size());
-  for (int64_t i = 0; i < nb; ++i) {
-    const auto b = load_block<block_q4_1>(src, i);
-    const float d = h2f(b.d), m = h2f(b.m);
-    float* y = dst.data() + i * kQK;
+template <typename Block>
+void pack_codes(const uint8_t q[kQK], Block& b) {
+  if constexpr (kHasHighBits<Block>) {
+    uint32_t qh = 0;
     for (int j = 0; j < kQK / 2; ++j) {
-      y[j] = static_cast<float>(b.qs[j] & 0x0F) * d + m;
-      y[j + kQK / 2] = static_cast<float>(b.qs[j] >> 4) * d + m;
+      b.qs[j] = static_cast<uint8_t>((q[j] & 0x0F) | ((q[j + kQK / 2] & 0x0F) << 4));
+      qh |= ((q[j] & 0x10u) >> 4) << j;
+      qh |= ((q[j + kQK / 2] & 0x10u) >> 4) << (j + kQK / 2);
     }
+    std::memcpy(b.qh, &qh, sizeof(qh));
+  } else {
+    for (int j = 0; j < kQK / 2; ++j) b.qs[j] = static_cast<uint8_t>(q[j] | (q[j + kQK / 2] << 4));
   }
 }
 
-void dequantize_q5_0(Bytes src, std::span<float> dst) {
-  const int64_t nb = n_blocks(dst.size());
-  for (int64_t i = 0; i < nb; ++i) {
-    const auto b = load_block<block_q5_0>(src, i);
+template <typename Block>
+void dequantize(Bytes src, std::span<float> dst) {
+  decode_blocks<Block>(src, dst, [](const Block& b, float* y) {
+    int q[kQK];
+    unpack_codes(b, q);
     const float d = h2f(b.d);
-    const uint32_t qh = load_qh(b.qh);
-    float* y = dst.data() + i * kQK;
-    for (int j = 0; j < kQK / 2; ++j) {
-      const uint32_t xh0 = ((qh >> j) << 4) & 0x10;
-      const uint32_t xh1 = (qh >> (j + 12)) & 0x10;
-      y[j] = static_cast<float>(static_cast<int>((b.qs[j] & 0x0F) | xh0) - 16) * d;
-      y[j + kQK / 2] = static_cast<float>(static_cast<int>((b.qs[j] >> 4) | xh1) - 16) * d;
+    if constexpr (kHasMin<Block>) {
+      const float m = h2f(b.m);
+      for (int j = 0; j < kQK; ++j) y[j] = static_cast<float>(q[j]) * d + m;
+    } else {
+      for (int j = 0; j < kQK; ++j) y[j] = static_cast<float>(q[j] - kCodeOffset<Block>) * d;
     }
-  }
-}
-
-void dequantize_q5_1(Bytes src, std::span<float> dst) {
-  const int64_t nb = n_blocks(dst.size());
-  for (int64_t i = 0; i < nb; ++i) {
-    const auto b = load_block<block_q5_1>(src, i);
-    const float d = h2f(b.d), m = h2f(b.m);
-    const uint32_t qh = load_qh(b.qh);
-    float* y = dst.data() + i * kQK;
-    for (int j = 0; j < kQK / 2; ++j) {
-      const uint32_t xh0 = ((qh >> j) << 4) & 0x10;
-      const uint32_t xh1 = (qh >> (j + 12)) & 0x10;
-      y[j] = static_cast<float>((b.qs[j] & 0x0F) | xh0) * d + m;
-      y[j + kQK / 2] = static_cast<float>((b.qs[j] >> 4) | xh1) * d + m;
-    }
-  }
-}
-
-void dequantize_q8_0(Bytes src, std::span<float> dst) {
-  const int64_t nb = n_blocks(dst.size());
-  for (int64_t i = 0; i < nb; ++i) {
-    const auto b = load_block<block_q8_0>(src, i);
-    const float d = h2f(b.d);
-    for (int j = 0; j < kQK; ++j) dst[i * kQK + j] = static_cast<float>(b.qs[j]) * d;
-  }
-}
-
-void dequantize_q8_1(Bytes src, std::span<float> dst) {
-  const int64_t nb = n_blocks(dst.size());
-  for (int64_t i = 0; i < nb; ++i) {
-    const auto b = load_block<block_q8_1>(src, i);
-    const float d = h2f(b.d);
-    for (int j = 0; j < kQK; ++j) dst[i * kQK + j] = static_cast<float>(b.qs[j]) * d;
-  }
+  });
 }
 
 // --- reference encoders: each mirrors llama.cpp's quantize_row_*_ref expression by
 // expression (the casts and the order of float operations decide the last bit).
 
-void quantize_q4_0(std::span<const float> src, MutBytes dst) {
-  const int64_t nb = n_blocks(src.size());
-  for (int64_t i = 0; i < nb; ++i) {
-    const float* x = src.data() + i * kQK;
-    block_q4_0 b{};
-    if (!all_finite(x, kQK)) {
-      b.d = nan_f16();
-      store_block(dst, i, b);
-      continue;
+// Q4_0 Q4_1 Q5_0 Q5_1.
+template <typename Block>
+void encode_q4_q5(const float* x, Block& b) {
+  constexpr int nmax = kCodeMax<Block>;
+  uint8_t q[kQK];
+  if constexpr (kHasMin<Block>) {
+    float min = FLT_MAX;
+    float max = -FLT_MAX;
+    for (int j = 0; j < kQK; ++j) {
+      if (x[j] < min) min = x[j];
+      if (x[j] > max) max = x[j];
     }
-    float amax, max;
-    signed_absmax(x, amax, max);
-    const float d = max / -8;
-    const float id = d ? 1.0f / d : 0.0f;
-    b.d = f2h(d);
-    for (int j = 0; j < kQK / 2; ++j) {
-      const float x0 = x[j] * id;
-      const float x1 = x[kQK / 2 + j] * id;
-      const uint8_t xi0 = std::min<int8_t>(15, static_cast<int8_t>(x0 + 8.5f));
-      const uint8_t xi1 = std::min<int8_t>(15, static_cast<int8_t>(x1 + 8.5f));
-      b.qs[j] = static_cast<uint8_t>(xi0 | (xi1 << 4));
-    }
-    store_block(dst, i, b);
-  }
-}
-
-void quantize_q4_1(std::span<const float> src, MutBytes dst) {
-  const int64_t nb = n_blocks(src.size());
-  for (int64_t i = 0; i < nb; ++i) {
-    const float* x = src.data() + i * kQK;
-    block_q4_1 b{};
-    if (!all_finite(x, kQK)) {
-      b.d = b.m = nan_f16();
-      store_block(dst, i, b);
-      continue;
-    }
-    float min, max;
-    min_max(x, min, max);
-    const float d = (max - min) / ((1 << 4) - 1);
+    const float d = (max - min) / nmax;
     const float id = d ? 1.0f / d : 0.0f;
     b.d = f2h(d);
     b.m = f2h(min);
-    for (int j = 0; j < kQK / 2; ++j) {
-      const float x0 = (x[j] - min) * id;
-      const float x1 = (x[kQK / 2 + j] - min) * id;
-      const uint8_t xi0 = std::min<int8_t>(15, static_cast<int8_t>(x0 + 0.5f));
-      const uint8_t xi1 = std::min<int8_t>(15, static_cast<int8_t>(x1 + 0.5f));
-      b.qs[j] = static_cast<uint8_t>(xi0 | (xi1 << 4));
+    for (int j = 0; j < kQK; ++j) {
+      const float v = (x[j] - min) * id + 0.5f;
+      // llama.cpp's q5_1 encoder has no clamp: (max - min) * id rounds to 31 at most.
+      if constexpr (std::is_same_v<Block, block_q5_1>)
+        q[j] = static_cast<uint8_t>(v);
+      else
+        q[j] = std::min<int8_t>(nmax, static_cast<int8_t>(v));
     }
-    store_block(dst, i, b);
-  }
-}
-
-void quantize_q5_0(std::span<const float> src, MutBytes dst) {
-  const int64_t nb = n_blocks(src.size());
-  for (int64_t i = 0; i < nb; ++i) {
-    const float* x = src.data() + i * kQK;
-    block_q5_0 b{};
-    if (!all_finite(x, kQK)) {
-      b.d = nan_f16();
-      store_block(dst, i, b);
-      continue;
-    }
-    float amax, max;
-    signed_absmax(x, amax, max);
-    const float d = max / -16;
+  } else {
+    // The scale's sign follows the largest |x|, so that value takes code 0.
+    const float d = signed_absmax(x, kQK).max / -kCodeOffset<Block>;
     const float id = d ? 1.0f / d : 0.0f;
     b.d = f2h(d);
-    uint32_t qh = 0;
-    for (int j = 0; j < kQK / 2; ++j) {
-      const float x0 = x[j] * id;
-      const float x1 = x[kQK / 2 + j] * id;
-      const uint8_t xi0 = std::min<int8_t>(31, static_cast<int8_t>(x0 + 16.5f));
-      const uint8_t xi1 = std::min<int8_t>(31, static_cast<int8_t>(x1 + 16.5f));
-      b.qs[j] = static_cast<uint8_t>((xi0 & 0x0F) | ((xi1 & 0x0F) << 4));
-      qh |= ((xi0 & 0x10u) >> 4) << j;
-      qh |= ((xi1 & 0x10u) >> 4) << (j + kQK / 2);
-    }
-    std::memcpy(b.qh, &qh, sizeof(qh));
-    store_block(dst, i, b);
+    constexpr float kRound = kCodeOffset<Block> + 0.5f;
+    for (int j = 0; j < kQK; ++j)
+      q[j] = std::min<int8_t>(nmax, static_cast<int8_t>(x[j] * id + kRound));
   }
+  pack_codes(q, b);
 }
 
-void quantize_q5_1(std::span<const float> src, MutBytes dst) {
-  const int64_t nb = n_blocks(src.size());
-  for (int64_t i = 0; i < nb; ++i) {
-    const float* x = src.data() + i * kQK;
-    block_q5_1 b{};
-    if (!all_finite(x, kQK)) {
-      b.d = b.m = nan_f16();
-      store_block(dst, i, b);
-      continue;
-    }
-    float min, max;
-    min_max(x, min, max);
-    const float d = (max - min) / ((1 << 5) - 1);
-    const float id = d ? 1.0f / d : 0.0f;
-    b.d = f2h(d);
-    b.m = f2h(min);
-    uint32_t qh = 0;
-    for (int j = 0; j < kQK / 2; ++j) {
-      const float x0 = (x[j] - min) * id;
-      const float x1 = (x[kQK / 2 + j] - min) * id;
-      const uint8_t xi0 = static_cast<uint8_t>(x0 + 0.5f);
-      const uint8_t xi1 = static_cast<uint8_t>(x1 + 0.5f);
-      b.qs[j] = static_cast<uint8_t>((xi0 & 0x0F) | ((xi1 & 0x0F) << 4));
-      qh |= ((xi0 & 0x10u) >> 4) << j;
-      qh |= ((xi1 & 0x10u) >> 4) << (j + kQK / 2);
-    }
-    std::memcpy(b.qh, &qh, sizeof(qh));
-    store_block(dst, i, b);
+// Q8_0 Q8_1 (Q8_1 also stores d times the sum of its codes, for the dots' min term).
+template <typename Block>
+void encode_q8(const float* x, Block& b) {
+  const float d = signed_absmax(x, kQK).amax / ((1 << 7) - 1);
+  const float id = d ? 1.0f / d : 0.0f;
+  b.d = f2h(d);
+  int sum = 0;
+  for (int j = 0; j < kQK; ++j) {
+    b.qs[j] = static_cast<int8_t>(std::round(x[j] * id));
+    sum += b.qs[j];
   }
+  if constexpr (requires { b.s; }) b.s = f2h(static_cast<float>(sum) * d);
 }
 
-void quantize_q8_0(std::span<const float> src, MutBytes dst) {
-  const int64_t nb = n_blocks(src.size());
-  for (int64_t i = 0; i < nb; ++i) {
-    const float* x = src.data() + i * kQK;
-    block_q8_0 b{};
-    if (!all_finite(x, kQK)) {
-      b.d = nan_f16();
-      store_block(dst, i, b);
-      continue;
-    }
-    float amax = 0.0f;
-    for (int j = 0; j < kQK; ++j) amax = std::max(amax, std::fabs(x[j]));
-    const float d = amax / ((1 << 7) - 1);
-    const float id = d ? 1.0f / d : 0.0f;
-    b.d = f2h(d);
-    for (int j = 0; j < kQK; ++j) b.qs[j] = static_cast<int8_t>(std::round(x[j] * id));
-    store_block(dst, i, b);
-  }
-}
-
-void quantize_q8_1(std::span<const float> src, MutBytes dst) {
-  const int64_t nb = n_blocks(src.size());
-  for (int64_t i = 0; i < nb; ++i) {
-    const float* x = src.data() + i * kQK;
-    block_q8_1 b{};
-    if (!all_finite(x, kQK)) {
-      b.d = b.s = nan_f16();
-      store_block(dst, i, b);
-      continue;
-    }
-    float amax = 0.0f;
-    for (int j = 0; j < kQK; ++j) amax = std::max(amax, std::fabs(x[j]));
-    const float d = amax / ((1 << 7) - 1);
-    const float id = d ? 1.0f / d : 0.0f;
-    b.d = f2h(d);
-    int sum = 0;
-    for (int j = 0; j < kQK / 2; ++j) {
-      const float v0 = x[j] * id;
-      const float v1 = x[kQK / 2 + j] * id;
-      b.qs[j] = static_cast<int8_t>(std::round(v0));
-      b.qs[kQK / 2 + j] = static_cast<int8_t>(std::round(v1));
-      sum += b.qs[j] + b.qs[kQK / 2 + j];
-    }
-    b.s = f2h(static_cast<float>(sum) * d);
-    store_block(dst, i, b);
-  }
+template <typename Block>
+void quantize(std::span<const float> src, MutBytes dst) {
+  encode_blocks<Block>(src, dst, [](const float* x, Block& b) {
+    if constexpr (kIsQ8<Block>)
+      encode_q8(x, b);
+    else
+      encode_q4_q5(x, b);
+  });
 }
 
 // --- dot products: integer sums per block, one float multiply-add per block.
 
-float dot_q4_0_q8_0(int64_t n, Bytes w, Bytes a) {
-  const int64_t nb = n_blocks(static_cast<size_t>(n));
+template <typename WBlock, typename ABlock>
+float dot(int64_t n, Bytes w, Bytes a) {
   float sumf = 0;
-  for (int64_t ib = 0; ib < nb; ++ib) {
-    const auto x = load_block<block_q4_0>(w, ib);
-    const auto y = load_block<block_q8_0>(a, ib);
-    int sumi0 = 0, sumi1 = 0;
-    for (int j = 0; j < kQK / 2; ++j) {
-      sumi0 += ((x.qs[j] & 0x0F) - 8) * y.qs[j];
-      sumi1 += ((x.qs[j] >> 4) - 8) * y.qs[j + kQK / 2];
-    }
-    sumf += static_cast<float>(sumi0 + sumi1) * h2f(x.d) * h2f(y.d);
-  }
-  return sumf;
-}
-
-float dot_q4_1_q8_1(int64_t n, Bytes w, Bytes a) {
-  const int64_t nb = n_blocks(static_cast<size_t>(n));
-  float sumf = 0;
-  for (int64_t ib = 0; ib < nb; ++ib) {
-    const auto x = load_block<block_q4_1>(w, ib);
-    const auto y = load_block<block_q8_1>(a, ib);
-    int sumi0 = 0, sumi1 = 0;
-    for (int j = 0; j < kQK / 2; ++j) {
-      sumi0 += (x.qs[j] & 0x0F) * y.qs[j];
-      sumi1 += (x.qs[j] >> 4) * y.qs[j + kQK / 2];
-    }
-    sumf += (h2f(x.d) * h2f(y.d)) * static_cast<float>(sumi0 + sumi1) + h2f(x.m) * h2f(y.s);
-  }
-  return sumf;
-}
-
-float dot_q5_0_q8_0(int64_t n, Bytes w, Bytes a) {
-  const int64_t nb = n_blocks(static_cast<size_t>(n));
-  float sumf = 0;
-  for (int64_t ib = 0; ib < nb; ++ib) {
-    const auto x = load_block<block_q5_0>(w, ib);
-    const auto y = load_block<block_q8_0>(a, ib);
-    const uint32_t qh = load_qh(x.qh);
-    int sumi0 = 0, sumi1 = 0;
-    for (int j = 0; j < kQK / 2; ++j) {
-      const uint32_t xh0 = ((qh & (1u << j)) >> j) << 4;
-      const uint32_t xh1 = (qh & (1u << (j + 16))) >> (j + 12);
-      const int x0 = static_cast<int>((x.qs[j] & 0x0F) | xh0) - 16;
-      const int x1 = static_cast<int>((x.qs[j] >> 4) | xh1) - 16;
-      sumi0 += x0 * y.qs[j];
-      sumi1 += x1 * y.qs[j + kQK / 2];
-    }
-    sumf += (h2f(x.d) * h2f(y.d)) * static_cast<float>(sumi0 + sumi1);
-  }
-  return sumf;
-}
-
-float dot_q5_1_q8_1(int64_t n, Bytes w, Bytes a) {
-  const int64_t nb = n_blocks(static_cast<size_t>(n));
-  float sumf = 0;
-  for (int64_t ib = 0; ib < nb; ++ib) {
-    const auto x = load_block<block_q5_1>(w, ib);
-    const auto y = load_block<block_q8_1>(a, ib);
-    const uint32_t qh = load_qh(x.qh);
-    int sumi0 = 0, sumi1 = 0;
-    for (int j = 0; j < kQK / 2; ++j) {
-      const uint32_t xh0 = ((qh >> j) << 4) & 0x10;
-      const uint32_t xh1 = (qh >> (j + 12)) & 0x10;
-      sumi0 += static_cast<int>((x.qs[j] & 0x0F) | xh0) * y.qs[j];
-      sumi1 += static_cast<int>((x.qs[j] >> 4) | xh1) * y.qs[j + kQK / 2];
-    }
-    sumf += (h2f(x.d) * h2f(y.d)) * static_cast<float>(sumi0 + sumi1) + h2f(x.m) * h2f(y.s);
-  }
-  return sumf;
-}
-
-float dot_q8_0_q8_0(int64_t n, Bytes w, Bytes a) {
-  const int64_t nb = n_blocks(static_cast<size_t>(n));
-  float sumf = 0;
-  for (int64_t ib = 0; ib < nb; ++ib) {
-    const auto x = load_block<block_q8_0>(w, ib);
-    const auto y = load_block<block_q8_0>(a, ib);
+  for_each_block_pair<WBlock, ABlock>(n, w, a, [&](const WBlock& x, const ABlock& y) {
+    int q[kQK];
+    unpack_codes(x, q);
     int sumi = 0;
-    for (int j = 0; j < kQK; ++j) sumi += x.qs[j] * y.qs[j];
-    sumf += static_cast<float>(sumi) * (h2f(x.d) * h2f(y.d));
-  }
+    for (int j = 0; j < kQK; ++j) {
+      const int code = q[j] - kCodeOffset<WBlock>;
+      sumi += code * y.qs[j];
+    }
+    // ggml's q4_0 dot scales left to right; the others multiply the two scales first.
+    if constexpr (kHasMin<WBlock>)
+      sumf += (h2f(x.d) * h2f(y.d)) * static_cast<float>(sumi) + h2f(x.m) * h2f(y.s);
+    else if constexpr (std::is_same_v<WBlock, block_q4_0>)
+      sumf += static_cast<float>(sumi) * h2f(x.d) * h2f(y.d);
+    else
+      sumf += (h2f(x.d) * h2f(y.d)) * static_cast<float>(sumi);
+  });
   return sumf;
+}
+
+template <typename Block>
+constexpr RowCodec codec(DType t) {
+  return {t, DType::F32, dequantize<Block>, quantize<Block>, nullptr};
+}
+template <typename Block, typename ABlock>
+constexpr RowCodec codec(DType t, DType dot_type) {
+  return {t, dot_type, dequantize<Block>, quantize<Block>, dot<Block, ABlock>};
+}
+
+}  // namespace
+
+std::span<const RowCodec> legacy_codecs() {
+  static constexpr RowCodec kCodecs[] = {
+      codec<block_q4_0, block_q8_0>(DType::Q4_0, DType::Q8_0),
+      codec<block_q4_1, block_q8_1>(DType::Q4_1, DType::Q8_1),
+      codec<block_q5_0, block_q8_0>(DType::Q5_0, DType::Q8_0),
+      codec<block_q5_1, block_q8_1>(DType::Q5_1, DType::Q8_1),
+      codec<block_q8_0, block_q8_0>(DType::Q8_0, DType::Q8_0),
+      codec<block_q8_1>(DType::Q8_1),  // an activation format: no dot of its own
+  };
+  return kCodecs;
 }
 
 }  // namespace kiln::quant::detail

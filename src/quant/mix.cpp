@@ -5,20 +5,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cctype>
 #include <charconv>
 
 namespace kiln::quant {
 namespace {
-
-bool iequal(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (std::tolower(static_cast<unsigned char>(a[i])) !=
-        std::tolower(static_cast<unsigned char>(b[i])))
-      return false;
-  return true;
-}
 
 bool contains(std::string_view s, std::string_view part) {
   return s.find(part) != std::string_view::npos;
@@ -184,7 +174,7 @@ const std::vector<Preset>& presets() {
 
 std::optional<Preset> preset_from_name(std::string_view name) {
   for (const Preset& p : presets())
-    if (iequal(p.name, name)) return p;
+    if (type_names_equal(p.name, name)) return p;
   return std::nullopt;
 }
 

@@ -13,6 +13,8 @@ namespace kiln::quant {
 namespace {
 
 using detail::Bytes;
+using detail::MutBytes;
+using detail::RowCodec;
 
 void check_row(DType t, size_t n_elems, size_t n_bytes, const char* what) {
   const auto rb = row_bytes(t, n_elems);
@@ -22,52 +24,52 @@ void check_row(DType t, size_t n_elems, size_t n_bytes, const char* what) {
              dtype_name(t), n_elems, *rb, n_bytes);
 }
 
+void copy_from_f32(Bytes src, std::span<float> dst) {
+  std::memcpy(dst.data(), src.data(), src.size());
+}
+void copy_to_f32(std::span<const float> src, MutBytes dst) {
+  std::memcpy(dst.data(), src.data(), dst.size());
+}
+template <typename Half, float (*kToF32)(Half)>
+void decode_halves(Bytes src, std::span<float> dst) {
+  for (size_t i = 0; i < dst.size(); ++i)
+    dst[i] = kToF32(detail::load_block<Half>(src, static_cast<int64_t>(i)));
+}
+template <typename Half, Half (*kFromF32)(float)>
+void encode_halves(std::span<const float> src, MutBytes dst) {
+  for (size_t i = 0; i < src.size(); ++i)
+    detail::store_block(dst, static_cast<int64_t>(i), kFromF32(src[i]));
+}
+
+constexpr RowCodec kFloatCodecs[] = {
+    {DType::F32, DType::F32, copy_from_f32, copy_to_f32, nullptr},
+    {DType::F16, DType::F32, decode_halves<f16, f16_to_f32>, encode_halves<f16, f32_to_f16>,
+     nullptr},
+    {DType::BF16, DType::F32, decode_halves<bf16, bf16_to_f32>, encode_halves<bf16, f32_to_bf16>,
+     nullptr},
+};
+
+// The one place that knows which types have reference row functions; null for the others.
+const RowCodec* find_codec(DType t) {
+  const std::span<const RowCodec> families[] = {kFloatCodecs, detail::legacy_codecs(),
+                                                detail::kquant_codecs()};
+  for (std::span<const RowCodec> family : families)
+    for (const RowCodec& c : family)
+      if (c.type == t) return &c;
+  return nullptr;
+}
+
 }  // namespace
 
-bool can_dequantize(DType t) {
-  switch (t) {
-    case DType::F32: case DType::F16: case DType::BF16:
-    case DType::Q4_0: case DType::Q4_1: case DType::Q5_0: case DType::Q5_1:
-    case DType::Q8_0: case DType::Q8_1:
-    case DType::Q2_K: case DType::Q3_K: case DType::Q4_K: case DType::Q5_K: case DType::Q6_K:
-    case DType::Q8_K:
-      return true;
-    default:
-      return false;
-  }
-}
+bool can_dequantize(DType t) { return find_codec(t) != nullptr; }
 
 bool can_quantize(DType t) { return can_dequantize(t); }
 
 void dequantize_row(DType t, std::span<const std::byte> src, std::span<float> dst) {
   check_row(t, dst.size(), src.size(), "dequantize_row");
-  switch (t) {
-    case DType::F32:
-      std::memcpy(dst.data(), src.data(), src.size());
-      return;
-    case DType::F16:
-      for (size_t i = 0; i < dst.size(); ++i)
-        dst[i] = f16_to_f32(detail::load_block<f16>(src, static_cast<int64_t>(i)));
-      return;
-    case DType::BF16:
-      for (size_t i = 0; i < dst.size(); ++i)
-        dst[i] = bf16_to_f32(detail::load_block<bf16>(src, static_cast<int64_t>(i)));
-      return;
-    case DType::Q4_0: return detail::dequantize_q4_0(src, dst);
-    case DType::Q4_1: return detail::dequantize_q4_1(src, dst);
-    case DType::Q5_0: return detail::dequantize_q5_0(src, dst);
-    case DType::Q5_1: return detail::dequantize_q5_1(src, dst);
-    case DType::Q8_0: return detail::dequantize_q8_0(src, dst);
-    case DType::Q8_1: return detail::dequantize_q8_1(src, dst);
-    case DType::Q2_K: return detail::dequantize_q2_K(src, dst);
-    case DType::Q3_K: return detail::dequantize_q3_K(src, dst);
-    case DType::Q4_K: return detail::dequantize_q4_K(src, dst);
-    case DType::Q5_K: return detail::dequantize_q5_K(src, dst);
-    case DType::Q6_K: return detail::dequantize_q6_K(src, dst);
-    case DType::Q8_K: return detail::dequantize_q8_K(src, dst);
-    default:
-      KILN_CHECK(false, "dequantize_row: no decoder for {}", dtype_name(t));
-  }
+  const RowCodec* c = find_codec(t);
+  KILN_CHECK(c != nullptr, "dequantize_row: no decoder for {}", dtype_name(t));
+  c->dequantize(src, dst);
 }
 
 void quantize_row(DType t, std::span<const float> src, std::span<std::byte> dst,
@@ -76,46 +78,14 @@ void quantize_row(DType t, std::span<const float> src, std::span<std::byte> dst,
   // llama.cpp's imatrix searches (quantize_row_*_impl) are not ported yet; refusing beats
   // silently producing the plain reference encoding for a caller that asked for weighting.
   KILN_CHECK(importance.empty(), "quantize_row: importance weights are not supported yet");
-  switch (t) {
-    case DType::F32:
-      std::memcpy(dst.data(), src.data(), dst.size());
-      return;
-    case DType::F16:
-      for (size_t i = 0; i < src.size(); ++i)
-        detail::store_block(dst, static_cast<int64_t>(i), f32_to_f16(src[i]));
-      return;
-    case DType::BF16:
-      for (size_t i = 0; i < src.size(); ++i)
-        detail::store_block(dst, static_cast<int64_t>(i), f32_to_bf16(src[i]));
-      return;
-    case DType::Q4_0: return detail::quantize_q4_0(src, dst);
-    case DType::Q4_1: return detail::quantize_q4_1(src, dst);
-    case DType::Q5_0: return detail::quantize_q5_0(src, dst);
-    case DType::Q5_1: return detail::quantize_q5_1(src, dst);
-    case DType::Q8_0: return detail::quantize_q8_0(src, dst);
-    case DType::Q8_1: return detail::quantize_q8_1(src, dst);
-    case DType::Q2_K: return detail::quantize_q2_K(src, dst);
-    case DType::Q3_K: return detail::quantize_q3_K(src, dst);
-    case DType::Q4_K: return detail::quantize_q4_K(src, dst);
-    case DType::Q5_K: return detail::quantize_q5_K(src, dst);
-    case DType::Q6_K: return detail::quantize_q6_K(src, dst);
-    case DType::Q8_K: return detail::quantize_q8_K(src, dst);
-    default:
-      KILN_CHECK(false, "quantize_row: no encoder for {}", dtype_name(t));
-  }
+  const RowCodec* c = find_codec(t);
+  KILN_CHECK(c != nullptr, "quantize_row: no encoder for {}", dtype_name(t));
+  c->quantize(src, dst);
 }
 
 DType vec_dot_type(DType t) {
-  switch (t) {
-    case DType::Q4_0: case DType::Q5_0: case DType::Q8_0:
-      return DType::Q8_0;
-    case DType::Q4_1: case DType::Q5_1:
-      return DType::Q8_1;
-    case DType::Q2_K: case DType::Q3_K: case DType::Q4_K: case DType::Q5_K: case DType::Q6_K:
-      return DType::Q8_K;
-    default:
-      return DType::F32;
-  }
+  const RowCodec* c = find_codec(t);
+  return c != nullptr ? c->dot_type : DType::F32;
 }
 
 float vec_dot(DType t, int64_t n, std::span<const std::byte> w, std::span<const std::byte> act) {
@@ -123,21 +93,9 @@ float vec_dot(DType t, int64_t n, std::span<const std::byte> w, std::span<const 
   check_row(t, static_cast<size_t>(n), w.size(), "vec_dot weights");
   const DType at = vec_dot_type(t);
   check_row(at, static_cast<size_t>(n), act.size(), "vec_dot activations");
-  switch (t) {
-    case DType::Q4_0: return detail::dot_q4_0_q8_0(n, w, act);
-    case DType::Q4_1: return detail::dot_q4_1_q8_1(n, w, act);
-    case DType::Q5_0: return detail::dot_q5_0_q8_0(n, w, act);
-    case DType::Q5_1: return detail::dot_q5_1_q8_1(n, w, act);
-    case DType::Q8_0: return detail::dot_q8_0_q8_0(n, w, act);
-    case DType::Q2_K: return detail::dot_q2_K_q8_K(n, w, act);
-    case DType::Q3_K: return detail::dot_q3_K_q8_K(n, w, act);
-    case DType::Q4_K: return detail::dot_q4_K_q8_K(n, w, act);
-    case DType::Q5_K: return detail::dot_q5_K_q8_K(n, w, act);
-    case DType::Q6_K: return detail::dot_q6_K_q8_K(n, w, act);
-    default:
-      break;
-  }
-  KILN_CHECK(can_dequantize(t), "vec_dot: unsupported weight type {}", dtype_name(t));
+  const RowCodec* c = find_codec(t);
+  if (c != nullptr && c->dot != nullptr) return c->dot(n, w, act);
+  KILN_CHECK(c != nullptr, "vec_dot: unsupported weight type {}", dtype_name(t));
   // Float weights (and the activation formats, if ever used as weights) against f32:
   // decode, then accumulate in double like ggml's scalar float dots.
   std::vector<float> wf(static_cast<size_t>(n));

@@ -131,6 +131,16 @@ TEST(QuantModels, TypeChoicesMatchLlamaCpp) {
   }
 }
 
+// Preset names compare as dtype names do (core/dtype's type_names_equal).
+TEST(QuantModels, PresetNamesIgnoreCase) {
+  const auto p = preset_from_name("q4_k_m");
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->name, "Q4_K_M");
+  EXPECT_EQ(preset_from_name("bF16")->base, DType::BF16);
+  EXPECT_FALSE(preset_from_name("Q4_K_"));
+  EXPECT_FALSE(preset_from_name("Q4_K_MM"));
+}
+
 // stories260K.gguf holds f32 weights and stories260K-q8_0.gguf is llama.cpp's Q8_0 of it
 // (with the f16 fallback for the 172-column ffn_down): same input, so every byte must agree.
 TEST(QuantModels, Q8_0OfF32ModelIsByteIdenticalToLlamaCpp) {
