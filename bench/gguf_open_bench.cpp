@@ -86,12 +86,13 @@ int main(int argc, char** argv) {
 
   const double rss_mb = (double(rss1) - double(rss0)) / (1 << 20);
   const double median_ms = times[times.size() / 2];
-  fmt::print("file: {} bytes ({:.2f} GiB), {} tensors, written in {:.0f} ms (sparse)\n",
-             file_bytes, file_bytes / double(1 << 30), n_tensors, write_ms);
-  fmt::print("open + validate: first {:.2f} ms, median of {} {:.2f} ms, max {:.2f} ms  "
-             "(target < 50 ms: {})\n",
-             first_ms, times.size(), median_ms, times.back(),
-             std::max(first_ms, median_ms) < 50 ? "met" : "MISSED");
+  fmt::print("file: {} bytes ({:.2f} GiB), {} tensors, written in {:.0f} ms (sparse)\n", file_bytes,
+             file_bytes / double(1 << 30), n_tensors, write_ms);
+  fmt::print(
+      "open + validate: first {:.2f} ms, median of {} {:.2f} ms, max {:.2f} ms  "
+      "(target < 50 ms: {})\n",
+      first_ms, times.size(), median_ms, times.back(),
+      std::max(first_ms, median_ms) < 50 ? "met" : "MISSED");
   fmt::print("RSS growth after open: {:.2f} MiB (target < 16 MB: {})\n", rss_mb,
              rss_mb < 16 ? "met" : "MISSED");
   return 0;

@@ -24,7 +24,9 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 // Process CPU seconds (all threads): on a loaded machine wall time measures the queue for a
 // core, CPU time what the work itself costs.
 double cpu_now() {
@@ -63,10 +65,11 @@ Expected<double> through(transfer::TransportKind kind, std::span<const uint8_t> 
     }
     // Tile-sized sends, as a prefill node streams them.
     for (size_t off = 0; off < pack.size() && producer_status; off += size_t(4) << 20)
-      producer_status = (*link)->send(pack.subspan(off, std::min(pack.size() - off, size_t(4) << 20)),
-                                      transfer::Millis(10000));
+      producer_status = (*link)->send(
+          pack.subspan(off, std::min(pack.size() - off, size_t(4) << 20)), transfer::Millis(10000));
     uint8_t ack = 0;
-    if (producer_status) producer_status = transfer::recv_exact(**link, {&ack, 1}, transfer::Millis(10000));
+    if (producer_status)
+      producer_status = transfer::recv_exact(**link, {&ack, 1}, transfer::Millis(10000));
   });
   const auto t0 = Clock::now();
   Status st;
@@ -86,9 +89,12 @@ Expected<double> through(transfer::TransportKind kind, std::span<const uint8_t> 
     std::vector<uint8_t> buf(size_t(1) << 20);
     while (st && !parser.done()) {
       auto n = (*link)->recv(buf, transfer::Millis(10000));
-      if (!n) st = n.status();
-      else if (*n == 0) st = parser.finish();
-      else st = parser.push({buf.data(), *n});
+      if (!n)
+        st = n.status();
+      else if (*n == 0)
+        st = parser.finish();
+      else
+        st = parser.push({buf.data(), *n});
     }
     if (st) {
       auto kv = in->finish();
@@ -131,7 +137,8 @@ int main(int argc, char** argv) {
     done += n;
   }
   const kvpack::Identity id{.engine_abi = 1, .kv_dtype = 1, .model = 1, .tokenizer = 2};
-  std::vector<kvpack::LayerKind> kinds(size_t(n_layer), {.width = width, .window = 0, .rope = true});
+  std::vector<kvpack::LayerKind> kinds(size_t(n_layer),
+                                       {.width = width, .window = 0, .rope = true});
 
   std::vector<transfer::TransportKind> links = {transfer::TransportKind::Tcp};
   if (transfer::ucx_built()) links.push_back(transfer::TransportKind::Ucx);
@@ -165,8 +172,8 @@ int main(int argc, char** argv) {
              n_layer, width, n_pos, double(bytes) / (1 << 20), reps);
   fmt::print("  {:<36} {:>9} {:>9} {:>10} {:>10}\n", "", "wall s", "MB/s", "CPU s", "MB/CPU-s");
   auto line = [&](const char* what, double s, double c) {
-    fmt::print("  {:<36} {:9.3f} {:9.0f} {:10.3f} {:10.0f}\n", what, s, double(bytes) / s / 1e6,
-               c, double(bytes) / c / 1e6);
+    fmt::print("  {:<36} {:9.3f} {:9.0f} {:10.3f} {:10.0f}\n", what, s, double(bytes) / s / 1e6, c,
+               double(bytes) / c / 1e6);
   };
   line("encode (gather + checksums)", best(t_enc), best(c_enc));
   line("parse + verify + install", best(t_load), best(c_load));

@@ -55,7 +55,8 @@ void GemmF32(const float* W, const float* X, float* C, int64_t K, int64_t M, int
           for (int j = 0; j < 4; ++j) acc[i][j] = hn::MulAdd(w[i], x[j], acc[i][j]);
       }
       for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 4; ++j) C[(t + j) * M + r + i] = hn::GetLane(hn::SumOfLanes(d, acc[i][j]));
+        for (int j = 0; j < 4; ++j)
+          C[(t + j) * M + r + i] = hn::GetLane(hn::SumOfLanes(d, acc[i][j]));
     }
   }
 }
@@ -153,15 +154,27 @@ const BenchWeights& weights(DType type, int64_t n_rows, int64_t n_cols) {
       for (size_t i = 0; i < w->bytes.size() / 2; ++i) h[i] = f32_to_bf16(nd(rng));
       break;
     }
-    case DType::Q8_0: fix_blocks<block_q8_0>(w->bytes, [](block_q8_0& b) { b.d = f32_to_f16(0.01f); }); break;
-    case DType::Q4_0: fix_blocks<block_q4_0>(w->bytes, [](block_q4_0& b) { b.d = f32_to_f16(0.01f); }); break;
-    case DType::Q4_K: fix_blocks<block_q4_K>(w->bytes, [](block_q4_K& b) { b.d = b.dmin = f32_to_f16(0.01f); }); break;
-    case DType::Q5_K: fix_blocks<block_q5_K>(w->bytes, [](block_q5_K& b) { b.d = b.dmin = f32_to_f16(0.01f); }); break;
-    case DType::Q6_K: fix_blocks<block_q6_K>(w->bytes, [](block_q6_K& b) { b.d = f32_to_f16(0.01f); }); break;
-    default: break;
+    case DType::Q8_0:
+      fix_blocks<block_q8_0>(w->bytes, [](block_q8_0& b) { b.d = f32_to_f16(0.01f); });
+      break;
+    case DType::Q4_0:
+      fix_blocks<block_q4_0>(w->bytes, [](block_q4_0& b) { b.d = f32_to_f16(0.01f); });
+      break;
+    case DType::Q4_K:
+      fix_blocks<block_q4_K>(w->bytes, [](block_q4_K& b) { b.d = b.dmin = f32_to_f16(0.01f); });
+      break;
+    case DType::Q5_K:
+      fix_blocks<block_q5_K>(w->bytes, [](block_q5_K& b) { b.d = b.dmin = f32_to_f16(0.01f); });
+      break;
+    case DType::Q6_K:
+      fix_blocks<block_q6_K>(w->bytes, [](block_q6_K& b) { b.d = f32_to_f16(0.01f); });
+      break;
+    default:
+      break;
   }
   (void)s;
-  w->m = WeightMatrix{.dtype = type, .n_cols = n_cols, .n_rows = n_rows, .row_bytes = rb, .bytes = w->bytes};
+  w->m = WeightMatrix{
+      .dtype = type, .n_cols = n_cols, .n_rows = n_rows, .row_bytes = rb, .bytes = w->bytes};
   cache.push_back(std::move(w));
   return *cache.back();
 }
@@ -199,7 +212,8 @@ void BM_Matvec(benchmark::State& state) {
   }
   const double bytes = static_cast<double>(w.bytes.size());
   state.SetLabel(std::string(dtype_name(type)) + " " + cpu_simd_target());
-  state.counters["GB/s"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GB/s"] =
+      benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["of_read_bw"] = benchmark::Counter(bytes / 1e9 / measure_read_gbps(),
                                                     benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -238,7 +252,8 @@ void BM_GemmF32(benchmark::State& state) {
   ThreadPool pool(static_cast<int>(state.range(0)));
   for (auto _ : state) {
     pool.parallel_for(kGemmM / 4, [&](int64_t b, int64_t e, int) {
-      HWY_DYNAMIC_DISPATCH(GemmF32)(W.data(), X.data(), C.data(), kGemmK, kGemmM, kGemmTok, b * 4, e * 4);
+      HWY_DYNAMIC_DISPATCH(GemmF32)
+      (W.data(), X.data(), C.data(), kGemmK, kGemmM, kGemmTok, b * 4, e * 4);
     });
     benchmark::DoNotOptimize(C.data());
   }
@@ -265,9 +280,13 @@ void BM_MatmulPrefill(benchmark::State& state) {
                                                  benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_MatmulPrefill)
-    ->Arg(static_cast<int64_t>(DType::Q4_K))->Arg(static_cast<int64_t>(DType::Q6_K))
-    ->Arg(static_cast<int64_t>(DType::Q8_0))->Arg(static_cast<int64_t>(DType::F16))
-    ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+    ->Arg(static_cast<int64_t>(DType::Q4_K))
+    ->Arg(static_cast<int64_t>(DType::Q6_K))
+    ->Arg(static_cast<int64_t>(DType::Q8_0))
+    ->Arg(static_cast<int64_t>(DType::F16))
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(2.0);
 
 // The issue-3 ratio measured robustly on a shared machine: Q4_K matmul and the f32 GEMM
 // alternate within each iteration (same shape, 2 threads each) and the best time of each over
@@ -289,7 +308,8 @@ void BM_Q4KOverF32Ratio(benchmark::State& state) {
     benchmark::DoNotOptimize(C.data());
     auto t1 = clock::now();
     pool.parallel_for(kGemmM / 4, [&](int64_t b, int64_t e, int) {
-      HWY_DYNAMIC_DISPATCH(GemmF32)(W.data(), X.data(), C.data(), kGemmK, kGemmM, kGemmTok, b * 4, e * 4);
+      HWY_DYNAMIC_DISPATCH(GemmF32)
+      (W.data(), X.data(), C.data(), kGemmK, kGemmM, kGemmTok, b * 4, e * 4);
     });
     benchmark::DoNotOptimize(C.data());
     auto t2 = clock::now();
@@ -326,7 +346,8 @@ void BM_Q4KOverF32CpuRatio(benchmark::State& state) {
     be.matmul(w.m, X, kGemmTok, C);
     benchmark::DoNotOptimize(C.data());
     const double t1 = thread_cpu_s();
-    HWY_DYNAMIC_DISPATCH(GemmF32)(W.data(), X.data(), C.data(), kGemmK, kGemmM, kGemmTok, 0, kGemmM);
+    HWY_DYNAMIC_DISPATCH(GemmF32)
+    (W.data(), X.data(), C.data(), kGemmK, kGemmM, kGemmTok, 0, kGemmM);
     benchmark::DoNotOptimize(C.data());
     const double t2 = thread_cpu_s();
     best_q = std::min(best_q, t1 - t0);
@@ -339,15 +360,19 @@ void BM_Q4KOverF32CpuRatio(benchmark::State& state) {
   state.counters["ratio"] = best_f / best_q;
 }
 BENCHMARK(BM_Q4KOverF32CpuRatio)
-    ->Arg(static_cast<int64_t>(DType::Q4_K))->Arg(static_cast<int64_t>(DType::Q6_K))
-    ->Arg(static_cast<int64_t>(DType::Q8_0))->Arg(static_cast<int64_t>(DType::F16))
-    ->UseRealTime()->Unit(benchmark::kMillisecond)->Iterations(8);
+    ->Arg(static_cast<int64_t>(DType::Q4_K))
+    ->Arg(static_cast<int64_t>(DType::Q6_K))
+    ->Arg(static_cast<int64_t>(DType::Q8_0))
+    ->Arg(static_cast<int64_t>(DType::F16))
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(8);
 
 // The fast kernels against the portable ones on one matmul (1 thread, thread CPU time,
 // alternating within each iteration, best of each), the two outputs compared bit for bit; sets
 // the new/old counters and returns the best times (new, old) in seconds.
-std::pair<double, double> time_on_off(benchmark::State& state, const BenchWeights& w,
-                                      int64_t n_tok, const char* what) {
+std::pair<double, double> time_on_off(benchmark::State& state, const BenchWeights& w, int64_t n_tok,
+                                      const char* what) {
   std::vector<float> X(n_tok * w.m.n_cols), C_on(n_tok * w.m.n_rows), C_off(n_tok * w.m.n_rows);
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
@@ -368,7 +393,8 @@ std::pair<double, double> time_on_off(benchmark::State& state, const BenchWeight
   }
   if (std::memcmp(C_on.data(), C_off.data(), C_on.size() * sizeof(float)) != 0)
     state.SkipWithError((std::string(what) + " and plain kernels differ").c_str());
-  state.SetLabel(std::string(dtype_name(w.m.dtype)) + " " + what + " vs plain, " + cpu_simd_target());
+  state.SetLabel(std::string(dtype_name(w.m.dtype)) + " " + what + " vs plain, " +
+                 cpu_simd_target());
   state.counters["new_us"] = best_on * 1e6;
   state.counters["old_us"] = best_off * 1e6;
   state.counters["speedup"] = best_off / best_on;
@@ -386,41 +412,45 @@ void kq_switch_on_off(benchmark::State& state, const char* what) {
 // The v2 batched Q4_K / Q6_K kernels against the plain ones at decode-of-several-streams token
 // counts on the 1B model's FFN shapes and a k/v projection: 1 thread, thread CPU time,
 // alternating within each iteration, best of each, the bits compared.
-void BM_KQBatchOnOff(benchmark::State& state) {
-  kq_switch_on_off(state, "batched v2");
-}
+void BM_KQBatchOnOff(benchmark::State& state) { kq_switch_on_off(state, "batched v2"); }
 void KQBatchArgs(benchmark::internal::Benchmark* b) {
   for (DType type : {DType::Q4_K, DType::Q6_K})
     for (auto [rows, cols] : {std::pair<int64_t, int64_t>{5632, 2048}, {2048, 5632}, {512, 2048}})
       for (int64_t tok : {2, 3, 4, 5, 8}) b->Args({static_cast<int64_t>(type), tok, rows, cols});
 }
-BENCHMARK(BM_KQBatchOnOff)->Apply(KQBatchArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
+BENCHMARK(BM_KQBatchOnOff)
+    ->Apply(KQBatchArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5);
 
 // The Q4_K / Q6_K prefill kernels against the plain ones, same method as BM_KQBatchOnOff:
 // prefill (512 tokens) on the 1.1B model's shapes (q/o 2048 x 2048, k/v 512 x 2048, gate/up
 // 8192 x 2048, down 2048 x 8192) and smaller token counts (below kKQPrefillMinTok the fast side
 // is the v2 batched kernels).
-void BM_KQPrefillOnOff(benchmark::State& state) {
-  kq_switch_on_off(state, "prefill");
-}
+void BM_KQPrefillOnOff(benchmark::State& state) { kq_switch_on_off(state, "prefill"); }
 void KQPrefillArgs(benchmark::internal::Benchmark* b) {
   const auto q4k = static_cast<int64_t>(DType::Q4_K);
-  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{2048, 2048}, {512, 2048}, {8192, 2048}, {2048, 8192}})
+  for (auto [rows, cols] :
+       {std::pair<int64_t, int64_t>{2048, 2048}, {512, 2048}, {8192, 2048}, {2048, 8192}})
     b->Args({q4k, 512, rows, cols});
   for (int64_t tok : {16, 32, 64, 128}) b->Args({q4k, tok, 2048, 2048});
   const auto q6k = static_cast<int64_t>(DType::Q6_K);
-  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{2048, 8192}, {512, 2048}}) b->Args({q6k, 512, rows, cols});
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{2048, 8192}, {512, 2048}})
+    b->Args({q6k, 512, rows, cols});
   for (int64_t tok : {64, 128}) b->Args({q6k, tok, 2048, 2048});
 }
-BENCHMARK(BM_KQPrefillOnOff)->Apply(KQPrefillArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
+BENCHMARK(BM_KQPrefillOnOff)
+    ->Apply(KQPrefillArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5);
 
 // The 512-bit VNNI Q8_0-family kernel against the plain one, same method as BM_KQBatchOnOff:
 // prefill (512 tokens) on the 1B model's 2048 x 2048 and its FFN down projection's 2048 x 8192 (and
 // up's 8192 x 2048), Q4_0 once, and small token counts from kQ8VnniMinTok (below it both runs take
 // the plain kernel).
-void BM_Q8VnniOnOff(benchmark::State& state) {
-  kq_switch_on_off(state, "VNNI 512");
-}
+void BM_Q8VnniOnOff(benchmark::State& state) { kq_switch_on_off(state, "VNNI 512"); }
 void Q8VnniArgs(benchmark::internal::Benchmark* b) {
   const auto q8 = static_cast<int64_t>(DType::Q8_0);
   b->Args({q8, 512, 2048, 2048});
@@ -429,7 +459,11 @@ void Q8VnniArgs(benchmark::internal::Benchmark* b) {
   b->Args({static_cast<int64_t>(DType::Q4_0), 512, 2048, 2048});
   for (int64_t tok : {8, 16, 64}) b->Args({q8, tok, 2048, 2048});
 }
-BENCHMARK(BM_Q8VnniOnOff)->Apply(Q8VnniArgs)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
+BENCHMARK(BM_Q8VnniOnOff)
+    ->Apply(Q8VnniArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5);
 
 // The AVX-512 Q8_K activation encoder against the scalar loop (quantize_act_row's portable): 512
 // rows of 2048 and of 8192 (a prefill's matmul inputs), 1 thread, thread CPU time, alternating,
@@ -463,7 +497,12 @@ void BM_Q8KQuantOnOff(benchmark::State& state) {
   state.counters["old_us"] = best_off * 1e6;
   state.counters["speedup"] = best_off / best_on;
 }
-BENCHMARK(BM_Q8KQuantOnOff)->Arg(2048)->Arg(8192)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
+BENCHMARK(BM_Q8KQuantOnOff)
+    ->Arg(2048)
+    ->Arg(8192)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5);
 
 // The register-tiled F32/F16/BF16 kernel against DotTile, same method as BM_KQBatchOnOff (1 thread,
 // thread CPU time, the bits compared): the 1.1B model's projections (q/o 2048 x 2048, gate/up 8192
@@ -498,7 +537,8 @@ BENCHMARK(BM_FloatTileOnOff)
 // n_head_kv.
 void BM_AttnMultiOnOff(benchmark::State& state) {
   const int64_t n_q = state.range(0), n_kv = state.range(1);
-  const int64_t n_head = 32, n_head_kv = state.range(2), hd = 64, q_w = n_head * hd, kv_w = n_head_kv * hd;
+  const int64_t n_head = 32, n_head_kv = state.range(2), hd = 64, q_w = n_head * hd,
+                kv_w = n_head_kv * hd;
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;
   std::vector<f16> k(n_kv * kv_w), v(n_kv * kv_w);
@@ -607,7 +647,7 @@ void layer_step_on_off(benchmark::State& state) {
     DType type;
     int64_t rows, cols;
   };
-  const Mm mms[] = {{DType::Q4_K, 2048, 2048}, {DType::Q4_K, 512, 2048}, {DType::Q6_K, 512, 2048},
+  const Mm mms[] = {{DType::Q4_K, 2048, 2048}, {DType::Q4_K, 512, 2048},  {DType::Q6_K, 512, 2048},
                     {DType::Q4_K, 2048, 2048}, {DType::Q4_K, 8192, 2048}, {DType::Q4_K, 8192, 2048},
                     {DType::Q6_K, 2048, 8192}};
   // gate and up are distinct matrices (a cache-resident copy would flatter the step).
@@ -626,7 +666,10 @@ void layer_step_on_off(benchmark::State& state) {
     }
     benchmark::DoNotOptimize(Y.data());
   };
-  const auto wall = [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
+  const auto wall = [] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  };
   double best_on = 1e30, best_off = 1e30;
   for (auto _ : state) {
     const double t0 = wall();
@@ -644,13 +687,26 @@ void layer_step_on_off(benchmark::State& state) {
 }
 // Decode-sized steps: the one-token and v2 batched kernels against the plain ones.
 void BM_LayerStepKQBatch(benchmark::State& state) { layer_step_on_off(state); }
-BENCHMARK(BM_LayerStepKQBatch)->Arg(1)->Arg(2)->Arg(3)->Arg(4)->Arg(5)->Arg(8)
-    ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+BENCHMARK(BM_LayerStepKQBatch)
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(3)
+    ->Arg(4)
+    ->Arg(5)
+    ->Arg(8)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(2.0);
 // The same step at prefill sizes: the prefill kernels (from kKQPrefillMinTok tokens) against
 // the plain ones.
 void BM_LayerStepKQPrefill(benchmark::State& state) { layer_step_on_off(state); }
-BENCHMARK(BM_LayerStepKQPrefill)->Arg(64)->Arg(128)->Arg(512)
-    ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
+BENCHMARK(BM_LayerStepKQPrefill)
+    ->Arg(64)
+    ->Arg(128)
+    ->Arg(512)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(3.0);
 
 }  // namespace
 }  // namespace kiln::bench

@@ -33,7 +33,8 @@
 
 namespace {
 
-#define KILN_BS_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma"), noinline))
+#define KILN_BS_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma"), noinline))
 
 double thread_cpu_s() {
   timespec ts;
@@ -50,22 +51,22 @@ constexpr int kRows = 128, kTok = 512, kNb = 64;  // one row block, 2048 columns
 using Vecs = std::vector<int32_t>;
 using FVecs = std::vector<float>;
 struct Lanes {
-  Vecs wq;                   // [row][block] x 16
-  std::vector<float> wd;     // [row][block]
-  Vecs tq;                   // [tile][block][pair][2] x 16
-  std::vector<float> yd;     // [tile][block][8]
+  Vecs wq;                // [row][block] x 16
+  std::vector<float> wd;  // [row][block]
+  Vecs tq;                // [tile][block][pair][2] x 16
+  std::vector<float> yd;  // [tile][block][8]
 };
 // The experiment's layout: 4-row groups x 4-token groups per 512-bit register (lane 4r + t).
 struct BlockSum {
-  Vecs wq;    // [row group][block][chunk] x 16: dword chunk of row r in lanes 4r..4r+3
-  FVecs wd;   // [row group][block] x 16: dw of row r in lanes 4r..4r+3
-  Vecs yq;    // [token group][block][chunk] x 16: dword chunk of token t in lanes 4r+t
-  Vecs yc;    // [token group][block] x 16: -128 * sum of token t's block
-  FVecs yd;   // [token group][block] x 16
+  Vecs wq;   // [row group][block][chunk] x 16: dword chunk of row r in lanes 4r..4r+3
+  FVecs wd;  // [row group][block] x 16: dw of row r in lanes 4r..4r+3
+  Vecs yq;   // [token group][block][chunk] x 16: dword chunk of token t in lanes 4r+t
+  Vecs yc;   // [token group][block] x 16: -128 * sum of token t's block
+  FVecs yd;  // [token group][block] x 16
 };
 
 struct Problem {
-  std::vector<int8_t> w, y;  // [row][col], [token][col]
+  std::vector<int8_t> w, y;   // [row][col], [token][col]
   std::vector<float> wd, yd;  // [row][block], [token][block]
 };
 
@@ -98,7 +99,8 @@ Lanes pack_lanes(const Problem& p) {
   for (int r = 0; r < kRows; ++r)
     for (int i = 0; i < kNb; ++i) {
       alignas(64) int32_t d[16];
-      for (int k = 0; k < 16; ++k) d[k] = dword(&p.w[(r * kNb + i) * 32 + 4 * (k / 2)]) ^ int32_t(0x80808080);
+      for (int k = 0; k < 16; ++k)
+        d[k] = dword(&p.w[(r * kNb + i) * 32 + 4 * (k / 2)]) ^ int32_t(0x80808080);
       std::copy(d, d + 16, &l.wq[(r * kNb + i) * 16]);
     }
   l.tq.resize(kTok / 8 * kNb * 8 * 16);
@@ -132,7 +134,8 @@ BlockSum pack_blocksum(const Problem& p) {
       std::copy(dv, dv + 16, &b.wd[(g * kNb + i) * 16]);
       for (int c = 0; c < 8; ++c) {
         alignas(64) int32_t d[16];
-        for (int k = 0; k < 16; ++k) d[k] = dword(&p.w[((g * 4 + k / 4) * kNb + i) * 32 + 4 * c]) ^ int32_t(0x80808080);
+        for (int k = 0; k < 16; ++k)
+          d[k] = dword(&p.w[((g * 4 + k / 4) * kNb + i) * 32 + 4 * c]) ^ int32_t(0x80808080);
         std::copy(d, d + 16, &b.wq[((g * kNb + i) * 8 + c) * 16]);
       }
     }
@@ -178,7 +181,8 @@ KILN_BS_TARGET void dot_lanes(const Lanes& l, float* out) {
         for (int r = 0; r < 4; ++r) w[r] = _mm512_loadu_si512(&l.wq[((r0 + r) * kNb + i) * 16]);
         const int32_t* ai = &l.tq[(tt * kNb + i) * 8 * 16];
         for (int p = 0; p < 4; ++p) {
-          const __m512i y = _mm512_loadu_si512(ai + 2 * p * 16), corr = _mm512_loadu_si512(ai + (2 * p + 1) * 16);
+          const __m512i y = _mm512_loadu_si512(ai + 2 * p * 16),
+                        corr = _mm512_loadu_si512(ai + (2 * p + 1) * 16);
           for (int r = 0; r < 4; ++r) {
             const __m512i lanes = _mm512_dpbusd_epi32(corr, w[r], y);
             double pair;
@@ -211,7 +215,8 @@ KILN_BS_TARGET void dot_blocksum(const BlockSum& b, float* out) {
         for (auto& v : a) v = _mm512_setzero_ps();
       for (int i = 0; i < kNb; ++i) {
         __m512i s[2][4];
-        for (int h = 0; h < 4; ++h) s[0][h] = s[1][h] = _mm512_loadu_si512(&b.yc[((h0 + h) * kNb + i) * 16]);
+        for (int h = 0; h < 4; ++h)
+          s[0][h] = s[1][h] = _mm512_loadu_si512(&b.yc[((h0 + h) * kNb + i) * 16]);
         for (int c = 0; c < 8; ++c) {
           const __m512i w0 = _mm512_loadu_si512(&b.wq[((g0 * kNb + i) * 8 + c) * 16]);
           const __m512i w1 = _mm512_loadu_si512(&b.wq[(((g0 + 1) * kNb + i) * 8 + c) * 16]);
@@ -224,15 +229,17 @@ KILN_BS_TARGET void dot_blocksum(const BlockSum& b, float* out) {
         for (int g = 0; g < 2; ++g) {
           const __m512 wd = _mm512_loadu_ps(&b.wd[((g0 + g) * kNb + i) * 16]);
           for (int h = 0; h < 4; ++h)
-            acc[g][h] = _mm512_fmadd_ps(_mm512_mul_ps(wd, _mm512_loadu_ps(&b.yd[((h0 + h) * kNb + i) * 16])),
-                                        _mm512_cvtepi32_ps(s[g][h]), acc[g][h]);
+            acc[g][h] = _mm512_fmadd_ps(
+                _mm512_mul_ps(wd, _mm512_loadu_ps(&b.yd[((h0 + h) * kNb + i) * 16])),
+                _mm512_cvtepi32_ps(s[g][h]), acc[g][h]);
         }
       }
       for (int g = 0; g < 2; ++g)
         for (int h = 0; h < 4; ++h) {
           alignas(64) float v[16];
           _mm512_store_ps(v, acc[g][h]);
-          for (int k = 0; k < 16; ++k) out[((h0 + h) * 4 + k % 4) * kRows + (g0 + g) * 4 + k / 4] = v[k];
+          for (int k = 0; k < 16; ++k)
+            out[((h0 + h) * 4 + k % 4) * kRows + (g0 + g) * 4 + k / 4] = v[k];
         }
     }
   }
@@ -257,7 +264,8 @@ Rows16 pack_rows16(const Problem& p) {
       for (int k = 0; k < 16; ++k) b.wd[(g * kNb + i) * 16 + k] = p.wd[(g * 16 + k) * kNb + i];
       for (int c = 0; c < 8; ++c)
         for (int k = 0; k < 16; ++k)
-          b.wq[((g * kNb + i) * 8 + c) * 16 + k] = dword(&p.w[((g * 16 + k) * kNb + i) * 32 + 4 * c]) ^ int32_t(0x80808080);
+          b.wq[((g * kNb + i) * 8 + c) * 16 + k] =
+              dword(&p.w[((g * 16 + k) * kNb + i) * 32 + 4 * c]) ^ int32_t(0x80808080);
     }
   b.yq.resize(kTok * kNb * 8);
   b.yc.resize(kTok * kNb);
@@ -267,7 +275,8 @@ Rows16 pack_rows16(const Problem& p) {
       int sum = 0;
       for (int e = 0; e < 32; ++e) sum += p.y[(t * kNb + i) * 32 + e];
       b.yc[t * kNb + i] = -128 * sum;
-      for (int c = 0; c < 8; ++c) b.yq[(t * kNb + i) * 8 + c] = dword(&p.y[(t * kNb + i) * 32 + 4 * c]);
+      for (int c = 0; c < 8; ++c)
+        b.yq[(t * kNb + i) * 8 + c] = dword(&p.y[(t * kNb + i) * 32 + 4 * c]);
     }
   return b;
 }
@@ -288,7 +297,8 @@ KILN_BS_TARGET void dot_rows16(const Rows16& b, float* out) {
         }
         for (int c = 0; c < 8; ++c) {
           __m512i w[RG];
-          for (int g = 0; g < RG; ++g) w[g] = _mm512_loadu_si512(&b.wq[(((g0 + g) * kNb + i) * 8 + c) * 16]);
+          for (int g = 0; g < RG; ++g)
+            w[g] = _mm512_loadu_si512(&b.wq[(((g0 + g) * kNb + i) * 8 + c) * 16]);
           for (int t = 0; t < T; ++t) {
             const __m512i y = _mm512_set1_epi32(b.yq[((t0 + t) * kNb + i) * 8 + c]);
             for (int g = 0; g < RG; ++g) s[g][t] = _mm512_dpbusd_epi32(s[g][t], w[g], y);
@@ -302,7 +312,8 @@ KILN_BS_TARGET void dot_rows16(const Rows16& b, float* out) {
         }
       }
       for (int g = 0; g < RG; ++g)
-        for (int t = 0; t < T; ++t) _mm512_storeu_ps(&out[(t0 + t) * kRows + (g0 + g) * 16], acc[g][t]);
+        for (int t = 0; t < T; ++t)
+          _mm512_storeu_ps(&out[(t0 + t) * kRows + (g0 + g) * 16], acc[g][t]);
     }
   }
 }
@@ -335,13 +346,15 @@ void BM_Q8Rows16VsLanes(benchmark::State& state) {
       double ref = 0;
       for (int i = 0; i < kNb; ++i) {
         long s = 0;
-        for (int e = 0; e < 32; ++e) s += long(p.w[(r * kNb + i) * 32 + e]) * p.y[(t * kNb + i) * 32 + e];
+        for (int e = 0; e < 32; ++e)
+          s += long(p.w[(r * kNb + i) * 32 + e]) * p.y[(t * kNb + i) * 32 + e];
         ref += double(p.wd[r * kNb + i]) * p.yd[t * kNb + i] * double(s);
       }
       worst = std::max(worst, std::fabs(out_b[t * kRows + r] - ref) / (1 + std::fabs(ref)));
     }
   if (worst > 1e-4) state.SkipWithError("the experiment computes the wrong dot");
-  const double macs_b = double(kRows) * (kTok / T * T) * kNb * 32, macs_l = double(kRows) * kTok * kNb * 32;
+  const double macs_b = double(kRows) * (kTok / T * T) * kNb * 32,
+               macs_l = double(kRows) * kTok * kNb * 32;
   state.counters["rows16_GMAC/s"] = macs_b / best_b * 1e-9;
   state.counters["lanes_GMAC/s"] = macs_l / best_l * 1e-9;
   state.counters["speedup"] = (macs_b / best_b) / (macs_l / best_l);
@@ -354,7 +367,9 @@ BENCHMARK(BM_Q8Rows16VsLanes<1, 12>)->UseRealTime()->Unit(benchmark::kMillisecon
 BENCHMARK(BM_Q8Rows16VsLanes<4, 2>)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
 BENCHMARK(BM_Q8Rows16VsLanes<4, 3>)->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
 
-bool has_vnni() { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"); }
+bool has_vnni() {
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+}
 
 void BM_Q8BlockSumVsLanes(benchmark::State& state) {
   if (!has_vnni()) {
@@ -384,7 +399,8 @@ void BM_Q8BlockSumVsLanes(benchmark::State& state) {
       double ref = 0;
       for (int i = 0; i < kNb; ++i) {
         long s = 0;
-        for (int e = 0; e < 32; ++e) s += long(p.w[(r * kNb + i) * 32 + e]) * p.y[(t * kNb + i) * 32 + e];
+        for (int e = 0; e < 32; ++e)
+          s += long(p.w[(r * kNb + i) * 32 + e]) * p.y[(t * kNb + i) * 32 + e];
         ref += double(p.wd[r * kNb + i]) * p.yd[t * kNb + i] * double(s);
       }
       worst = std::max(worst, std::fabs(out_b[t * kRows + r] - ref) / (1 + std::fabs(ref)));

@@ -174,7 +174,8 @@ std::vector<double> step_times(const std::shared_ptr<const Model>& m, Backend& b
           const int32_t one[1] = {last};
           if (!s.eval(one, false)) std::exit(1);
         }
-        if (round > 0) secs[wi] += std::chrono::duration<double>(Clock::now() - t0).count() / n_steps / 2;
+        if (round > 0)
+          secs[wi] += std::chrono::duration<double>(Clock::now() - t0).count() / n_steps / 2;
         continue;
       }
       std::vector<std::unique_ptr<Session>> ss;
@@ -187,11 +188,13 @@ std::vector<double> step_times(const std::shared_ptr<const Model>& m, Backend& b
         last[i] = p.back();
       }
       std::vector<BatchEval::Item> items;
-      for (int32_t i = 0; i < w; ++i) items.push_back({ss[i].get(), std::span<const int32_t>(&last[i], 1)});
+      for (int32_t i = 0; i < w; ++i)
+        items.push_back({ss[i].get(), std::span<const int32_t>(&last[i], 1)});
       const auto t0 = Clock::now();
       for (int32_t k = 0; k < n_steps; ++k)
         if (!batch.eval(items)) std::exit(1);
-      if (round > 0) secs[wi] += std::chrono::duration<double>(Clock::now() - t0).count() / n_steps / 2;
+      if (round > 0)
+        secs[wi] += std::chrono::duration<double>(Clock::now() - t0).count() / n_steps / 2;
     }
   }
   return secs;
@@ -208,9 +211,10 @@ double load_average() {
 
 int main(int argc, char** argv) {
   if (argc < 2 || argc > 11) {
-    fmt::print(stderr, "usage: serve_bench MODEL [threads=2] [streams=1,4,16] [n_gen=64] "
-                       "[n_prompt=64] [rounds=2] [modes=batched,unbatched] [fast=1] "
-                       "[widths=0,1,2,4,8,16] [repeats=1]\n");
+    fmt::print(stderr,
+               "usage: serve_bench MODEL [threads=2] [streams=1,4,16] [n_gen=64] "
+               "[n_prompt=64] [rounds=2] [modes=batched,unbatched] [fast=1] "
+               "[widths=0,1,2,4,8,16] [repeats=1]\n");
     return 2;
   }
   const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
@@ -248,7 +252,9 @@ int main(int argc, char** argv) {
     fmt::print("\n");
     std::fflush(stdout);
   }
-  fmt::print("| streams | mode | requests | tokens | seconds | aggregate t/s | x tg128 | TTFT p50 ms | TTFT p99 ms | errors |\n");
+  fmt::print(
+      "| streams | mode | requests | tokens | seconds | aggregate t/s | x tg128 | TTFT p50 ms | "
+      "TTFT p99 ms | errors |\n");
   fmt::print("|---|---|---|---|---|---|---|---|---|---|\n");
   std::vector<std::vector<double>> ratios(streams.size());  // batched, against streams[0]
   for (int32_t pass = 0; pass < repeats; ++pass) {
@@ -260,8 +266,8 @@ int main(int argc, char** argv) {
         if (("," + modes + ",").find("," + name + ",") == std::string::npos) continue;
         const LoadResult r = run_load(*m, *be, s, batched, n_prompt, n_gen, rounds);
         fmt::print("| {} | {} | {} | {} | {:.1f} | {:.2f} | {:.2f} | {:.0f} | {:.0f} | {} |\n", s,
-                   name, r.requests, r.tokens, r.seconds,
-                   r.tokens_per_s, r.tokens_per_s / tg, r.ttft_p50_ms, r.ttft_p99_ms, r.errors);
+                   name, r.requests, r.tokens, r.seconds, r.tokens_per_s, r.tokens_per_s / tg,
+                   r.ttft_p50_ms, r.ttft_p99_ms, r.errors);
         std::fflush(stdout);
         if (!batched) continue;
         if (si == 0) base = r.tokens_per_s;

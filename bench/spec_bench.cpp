@@ -169,8 +169,9 @@ int main(int argc, char** argv) {
   const std::string device = argc > 8 ? argv[8] : "cpu";
   if (n < 1 || repeats < 1 || threads < 1 ||
       (which != "all" && which != "story" && which != "repetitive")) {
-    fmt::print(stderr, "spec_bench: bad arguments (n_tokens, repeats, threads >= 1; prompts "
-                       "all|story|repetitive)\n");
+    fmt::print(stderr,
+               "spec_bench: bad arguments (n_tokens, repeats, threads >= 1; prompts "
+               "all|story|repetitive)\n");
     return 2;
   }
   const int32_t k_max = *std::max_element(ks.begin(), ks.end());
@@ -219,13 +220,13 @@ int main(int argc, char** argv) {
       {"repetitive",
        "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat on "
        "the log. The cat sat on the mat. The dog sat on the log. The cat sat on the mat."}};
-  if (which != "all")
-    std::erase_if(prompts, [&](const auto& p) { return p.first != which; });
-  fmt::print("target {} ({:.0f} MiB) draft {} ({:.0f} MiB)\nn={} k={} repeats={} threads={} "
-             "backend {} (best of repeats, interleaved)\n",
-             argv[1], double((*tm)->weight_bytes()) / 1048576.0, argv[2],
-             double((*dm)->weight_bytes()) / 1048576.0, n, fmt::join(ks, ","), repeats, threads,
-             be->name());
+  if (which != "all") std::erase_if(prompts, [&](const auto& p) { return p.first != which; });
+  fmt::print(
+      "target {} ({:.0f} MiB) draft {} ({:.0f} MiB)\nn={} k={} repeats={} threads={} "
+      "backend {} (best of repeats, interleaved)\n",
+      argv[1], double((*tm)->weight_bytes()) / 1048576.0, argv[2],
+      double((*dm)->weight_bytes()) / 1048576.0, n, fmt::join(ks, ","), repeats, threads,
+      be->name());
   // Verify cost: speculation can only win where a (k+1)-token eval costs much less than k+1
   // one-token evals (weight-bandwidth-bound decode), and a draft-model token much less than a
   // target one.
@@ -248,21 +249,22 @@ int main(int argc, char** argv) {
     std::vector<int32_t> fill(size_t(mid - base), prompt.back());
     (void)plain.eval(fill, false);
     const double t1m = time_eval(plain, mid, prompt.back(), 1);
-    fmt::print("eval cost: target 1 token {:.3f} ms at context {} ({:.1f} GB/s of weights), "
-               "{:.3f} ms at context {}; draft 1 token {:.3f} ms ({:.2f}x target at {})\n",
-               t1 * 1e3, base, double((*tm)->weight_bytes()) / t1 / 1e9, t1m * 1e3, mid, d1 * 1e3,
-               draft_ratio, base);
+    fmt::print(
+        "eval cost: target 1 token {:.3f} ms at context {} ({:.1f} GB/s of weights), "
+        "{:.3f} ms at context {}; draft 1 token {:.3f} ms ({:.2f}x target at {})\n",
+        t1 * 1e3, base, double((*tm)->weight_bytes()) / t1 / 1e9, t1m * 1e3, mid, d1 * 1e3,
+        draft_ratio, base);
     for (int32_t k = 1; k <= k_cost; ++k) {
       (void)plain.rollback(mid);
       const double tkm = time_eval(plain, mid, prompt.back(), size_t(k + 1));
       (void)plain.rollback(base);
       const double tk = time_eval(plain, base, prompt.back(), size_t(k + 1));
       verify_ratio[size_t(k)] = tkm / t1m;
-      fmt::print("  verify k={}: {} tokens at context {}: {:.3f} ms = {:.2f}x one token; at "
-                 "context {}: {:.3f} ms = {:.2f}x (the break-even acceptance length), {:.2f}x "
-                 "per token\n",
-                 k, k + 1, base, tk * 1e3, tk / t1, mid, tkm * 1e3, tkm / t1m,
-                 tkm / t1m / double(k + 1));
+      fmt::print(
+          "  verify k={}: {} tokens at context {}: {:.3f} ms = {:.2f}x one token; at "
+          "context {}: {:.3f} ms = {:.2f}x (the break-even acceptance length), {:.2f}x "
+          "per token\n",
+          k, k + 1, base, tk * 1e3, tk / t1, mid, tkm * 1e3, tkm / t1m, tkm / t1m / double(k + 1));
       (void)plain.eval(fill, false);
     }
     (void)plain.rollback(0);

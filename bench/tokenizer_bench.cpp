@@ -50,13 +50,52 @@ const std::string& english() {
 const std::string& mixed() {
   static const std::string text = [] {
     static const char* parts[] = {
-        "def ", "return ", "for (int i = 0; i < n; ++i) {", "}", "    ", "\t", "\n", "\n\n",
-        "x_", "value", "count", " = ", " += ", "==", "->", "::", "(", ")", "[", "]", ";", ", ",
-        "0x1F", "3.14159", "42", "1000000", "\"str\"", "'c'", "// note: ", "# comment ",
-        "caf\xC3\xA9 ", "na\xC3\xAFve ", "\xC3\x9C" "ber ", "\xD0\xBF\xD1\x80\xD0\xB8\xD0\xB2\xD0\xB5\xD1\x82 ",
-        "\xCE\xBA\xCF\x8C\xCF\x83\xCE\xBC\xCE\xB5 ", "\xE4\xB8\xAD\xE6\x96\x87\xE5\xAD\x97 ",
-        "\xED\x95\x9C\xEA\xB5\xAD\xEC\x96\xB4 ", "\xE3\x81\x93\xE3\x82\x93\xE3\x81\xAB\xE3\x81\xA1\xE3\x81\xAF",
-        "\xF0\x9F\x99\x82", "\xF0\x9F\xA6\x99 ", "\xE2\x86\x92 ", "\xC2\xA0", "  ", "it's ", "We'll ",
+        "def ",
+        "return ",
+        "for (int i = 0; i < n; ++i) {",
+        "}",
+        "    ",
+        "\t",
+        "\n",
+        "\n\n",
+        "x_",
+        "value",
+        "count",
+        " = ",
+        " += ",
+        "==",
+        "->",
+        "::",
+        "(",
+        ")",
+        "[",
+        "]",
+        ";",
+        ", ",
+        "0x1F",
+        "3.14159",
+        "42",
+        "1000000",
+        "\"str\"",
+        "'c'",
+        "// note: ",
+        "# comment ",
+        "caf\xC3\xA9 ",
+        "na\xC3\xAFve ",
+        "\xC3\x9C"
+        "ber ",
+        "\xD0\xBF\xD1\x80\xD0\xB8\xD0\xB2\xD0\xB5\xD1\x82 ",
+        "\xCE\xBA\xCF\x8C\xCF\x83\xCE\xBC\xCE\xB5 ",
+        "\xE4\xB8\xAD\xE6\x96\x87\xE5\xAD\x97 ",
+        "\xED\x95\x9C\xEA\xB5\xAD\xEC\x96\xB4 ",
+        "\xE3\x81\x93\xE3\x82\x93\xE3\x81\xAB\xE3\x81\xA1\xE3\x81\xAF",
+        "\xF0\x9F\x99\x82",
+        "\xF0\x9F\xA6\x99 ",
+        "\xE2\x86\x92 ",
+        "\xC2\xA0",
+        "  ",
+        "it's ",
+        "We'll ",
     };
     uint64_t s = 0x9E3779B97F4A7C15ull;
     std::string t;
@@ -124,8 +163,10 @@ void load(benchmark::State& state, const std::string& name) {
 
 BENCHMARK_CAPTURE(encode, gpt2_english, "gpt-2", english)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(encode, gpt2_mixed, "gpt-2", mixed)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(encode, deepseek_coder_english, "deepseek-coder", english)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(encode, deepseek_coder_mixed, "deepseek-coder", mixed)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(encode, deepseek_coder_english, "deepseek-coder", english)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(encode, deepseek_coder_mixed, "deepseek-coder", mixed)
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(encode, llama_spm_english, "llama-spm", english)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(encode, llama_spm_mixed, "llama-spm", mixed)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(decode, gpt2_english, "gpt-2")->Unit(benchmark::kMillisecond);

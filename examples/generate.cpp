@@ -28,7 +28,8 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     return true;
   };
-  kiln::api::Result<kiln::api::Generation> out = kiln::api::Result<kiln::api::Generation>::failure("");
+  kiln::api::Result<kiln::api::Generation> out =
+      kiln::api::Result<kiln::api::Generation>::failure("");
   if (chat) {
     const kiln::api::Message messages[] = {{"user", argv[2]}};
     auto prompt = (*model)->chat_prompt(messages);

@@ -66,11 +66,10 @@ struct Result {
   double read_gbps = 0, roofline_ts = 0, roofline_fraction = 0;
   std::vector<double> read_gbps_samples, fraction_samples;
   double fraction_min = 0, fraction_max = 0;
-  std::string profile;  // --cuda-profile: the per-kernel table of one extra pass
-  std::string trace;    // --cuda-trace: the kernel records' table of one extra pass
+  std::string profile;    // --cuda-profile: the per-kernel table of one extra pass
+  std::string trace;      // --cuda-trace: the kernel records' table of one extra pass
   std::string host_note;  // CUDA: how much of the run the host waited on the GPU
 };
-
 
 // Weight bytes a decode step reads outside the experts: every tensor once, except that the
 // token embedding contributes one row (a lookup) unless it doubles as the output matrix; the
@@ -117,7 +116,8 @@ class ReadBandwidth {
   static constexpr size_t kWords = size_t{512} << 20 >> 3;  // 512 MiB
   using Clock = std::chrono::steady_clock;
   uint64_t sum(int t) const {
-    const size_t b = kWords * size_t(t) / size_t(threads_), e = kWords * size_t(t + 1) / size_t(threads_);
+    const size_t b = kWords * size_t(t) / size_t(threads_),
+                 e = kWords * size_t(t + 1) / size_t(threads_);
     const uint64_t* p = buf_.data();
     uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;  // independent chains so loads overlap
     size_t i = b;
@@ -296,11 +296,11 @@ Status run(const BenchOptions& o) {
           n_waits > 0 ? wait * 1e3 / n_waits : 0.0, dev1.graph_captures - dev0.graph_captures,
           dev1.graph_replays - dev0.graph_replays, dev1.segments_eager - dev0.segments_eager);
       if (dev1.l2_prefetch_hints > dev0.l2_prefetch_hints)
-        r.host_note += fmt::format(
-            "{}: L2 prefetch: {} hints recorded, {:.1f} MiB each on average\n", name,
-            dev1.l2_prefetch_hints - dev0.l2_prefetch_hints,
-            double(dev1.l2_prefetch_bytes - dev0.l2_prefetch_bytes) / 1048576.0 /
-                double(dev1.l2_prefetch_hints - dev0.l2_prefetch_hints));
+        r.host_note +=
+            fmt::format("{}: L2 prefetch: {} hints recorded, {:.1f} MiB each on average\n", name,
+                        dev1.l2_prefetch_hints - dev0.l2_prefetch_hints,
+                        double(dev1.l2_prefetch_bytes - dev0.l2_prefetch_bytes) / 1048576.0 /
+                            double(dev1.l2_prefetch_hints - dev0.l2_prefetch_hints));
     }
     if (o.cuda_profile || o.cuda_trace) {
       ProbePass pass;
@@ -343,14 +343,12 @@ Status run(const BenchOptions& o) {
     KILN_TRY(fill_prefix(session, prefix));
     for (int32_t np : o.n_prompt)
       if (np > 0)
-        KILN_TRY(bench(fmt::format("pp{}", np), np, 0, 1, d, [&](const std::vector<int32_t>& t) {
-          return time_prefill(session, t, d);
-        }));
+        KILN_TRY(bench(fmt::format("pp{}", np), np, 0, 1, d,
+                       [&](const std::vector<int32_t>& t) { return time_prefill(session, t, d); }));
     for (int32_t ng : o.n_gen)
       if (ng > 0)
-        KILN_TRY(bench(fmt::format("tg{}", ng), 0, ng, 1, d, [&](const std::vector<int32_t>& t) {
-          return time_decode(session, t, d);
-        }));
+        KILN_TRY(bench(fmt::format("tg{}", ng), 0, ng, 1, d,
+                       [&](const std::vector<int32_t>& t) { return time_decode(session, t, d); }));
   }
   for (int32_t ns : o.n_seq) {
     // The batched sessions only ever step one token, so their scratch is sized for one; with
@@ -421,8 +419,8 @@ Status run(const BenchOptions& o) {
     fmt::print("| ----- | ---: | -----: | ------- | ------: | ---: | --: | ---: |\n");
     for (const Result& r : results)
       fmt::print("| {} {} | {:.2f} GiB | {:.2f} B | {} | {} | {} | {:.2f} ± {:.2f} | {} |\n",
-                 model.arch_name(), model_name, size_gib, double(n_params) * 1e-9,
-                 backend.name(), threads, r.test, r.mean, r.stddev,
+                 model.arch_name(), model_name, size_gib, double(n_params) * 1e-9, backend.name(),
+                 threads, r.test, r.mean, r.stddev,
                  r.n_gen > 0 && r.n_seq == 1 ? fmt::format("{:.1f}", r.gbps) : std::string("-"));
     for (const Result& r : results)
       if (r.n_gen > 0 && r.n_seq == 1) {
@@ -442,10 +440,11 @@ Status run(const BenchOptions& o) {
     for (const Result& r : results) fmt::print("{}", r.host_note);
     for (const Result& r : results) fmt::print("{}", r.profile);
     for (const Result& r : results) fmt::print("{}", r.trace);
-    fmt::print("\nresident memory: {:.1f} MiB total, {:.1f} MiB file-backed (mapped weights), "
-               "{:.1f} MiB anonymous (KV cache {:.1f} MiB + activations + runtime)\n",
-               double(mem.rss) / (1 << 20), double(mem.rss_file) / (1 << 20),
-               double(mem.rss_anon) / (1 << 20), double(session.kv_bytes()) / (1 << 20));
+    fmt::print(
+        "\nresident memory: {:.1f} MiB total, {:.1f} MiB file-backed (mapped weights), "
+        "{:.1f} MiB anonymous (KV cache {:.1f} MiB + activations + runtime)\n",
+        double(mem.rss) / (1 << 20), double(mem.rss_file) / (1 << 20),
+        double(mem.rss_anon) / (1 << 20), double(session.kv_bytes()) / (1 << 20));
   }
   if (cfg.stats) {  // counters (expert store: hits, misses, bytes, stall) and the store summary
     const auto counters = process_counters().snapshot();

@@ -28,8 +28,11 @@ std::string render_value(const GgufValue& v, size_t max_items) {
       for (char c : s) out += (c == '\n') ? std::string("\\n") : std::string(1, c);
       return "\"" + out + "\"";
     }
-    case GgufType::BOOL: return std::get<bool>(v.v) ? "true" : "false";
-    case GgufType::FLOAT32: case GgufType::FLOAT64: return fmt::format("{}", std::get<double>(v.v));
+    case GgufType::BOOL:
+      return std::get<bool>(v.v) ? "true" : "false";
+    case GgufType::FLOAT32:
+    case GgufType::FLOAT64:
+      return fmt::format("{}", std::get<double>(v.v));
     case GgufType::ARRAY: {
       const GgufArray& a = v.arr();
       std::string out = fmt::format("[{} x {}] [", a.items.size(), gguf_type_name(a.elem_type));
@@ -46,9 +49,13 @@ std::string render_value(const GgufValue& v, size_t max_items) {
 
 nlohmann::json json_value(const GgufValue& v, size_t max_items) {
   switch (v.type) {
-    case GgufType::STRING: return v.str();
-    case GgufType::BOOL: return std::get<bool>(v.v);
-    case GgufType::FLOAT32: case GgufType::FLOAT64: return std::get<double>(v.v);
+    case GgufType::STRING:
+      return v.str();
+    case GgufType::BOOL:
+      return std::get<bool>(v.v);
+    case GgufType::FLOAT32:
+    case GgufType::FLOAT64:
+      return std::get<double>(v.v);
     case GgufType::ARRAY: {
       nlohmann::json items = nlohmann::json::array();
       const GgufArray& a = v.arr();

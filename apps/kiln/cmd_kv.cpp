@@ -108,7 +108,8 @@ Status kv_load(const KvOptions& o) {
     return Status::errorf("{} restored + {} new tokens exceed the context of {} (-c)", restored,
                           more.size(), p.n_ctx);
   KILN_ASSIGN_OR_RETURN(std::span<const float> logits, s.eval(more, false));
-  KILN_ASSIGN_OR_RETURN(std::vector<int32_t> ids, generate(s, p.rt->tokenizer(), logits, o.n_predict));
+  KILN_ASSIGN_OR_RETURN(std::vector<int32_t> ids,
+                        generate(s, p.rt->tokenizer(), logits, o.n_predict));
   fmt::print(stderr, "kiln kv load: {} positions restored, {} new, {} generated\n", restored,
              more.size(), ids.size());
   fmt::print(stderr, "kiln kv load: ids xxh64 {}\n", hash_ids(ids));
@@ -165,7 +166,8 @@ Status kv_remote(const KvOptions& o) {
   KILN_ASSIGN_OR_RETURN(std::span<const float> logits,
                         transfer::prefill(s, prompt, peer ? &*peer : nullptr, &rs));
   const double ttft = seconds_since(t0);
-  KILN_ASSIGN_OR_RETURN(std::vector<int32_t> ids, generate(s, p.rt->tokenizer(), logits, o.n_predict));
+  KILN_ASSIGN_OR_RETURN(std::vector<int32_t> ids,
+                        generate(s, p.rt->tokenizer(), logits, o.n_predict));
   if (rs.bytes)
     fmt::print(stderr,
                "kiln kv remote: prompt {} tokens, remote prefill + transfer {:.3f} s, {} bytes "

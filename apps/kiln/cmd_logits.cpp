@@ -36,9 +36,8 @@ std::vector<int32_t> top_ids(std::span<const float> x, int k) {
   std::vector<int32_t> ids(x.size());
   std::iota(ids.begin(), ids.end(), 0);
   k = std::min<int>(k, static_cast<int>(ids.size()));
-  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
-    return x[a] > x[b] || (x[a] == x[b] && a < b);
-  });
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                    [&](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
   ids.resize(static_cast<size_t>(k));
   return ids;
 }
@@ -60,7 +59,8 @@ int run_logits(const LogitsOptions& o) {
   if (!model) return fail(model.error());
   auto tok = Tokenizer::from_gguf((*model)->gguf());
   if (!tok) return fail(fmt::format("tokenizer: {}", tok.error()));
-  const std::vector<int32_t> prompt = tok->encode(text, /*add_special=*/true, /*parse_special=*/false);
+  const std::vector<int32_t> prompt =
+      tok->encode(text, /*add_special=*/true, /*parse_special=*/false);
   if (prompt.empty()) return fail("the prompt has no tokens");
   const int32_t n_ctx = o.n_ctx > 0 ? o.n_ctx : (*model)->n_ctx_train();
   if (static_cast<int64_t>(prompt.size()) + o.n_predict > n_ctx)
@@ -78,12 +78,15 @@ int run_logits(const LogitsOptions& o) {
     auto be = Runtime::make_backend(**model, eo);
     if (!be) return fail(be.error());
     backend = std::move(*be);
-  }
-  else if (o.device == "ref") backend = Runtime::make_reference_backend();
+  } else if (o.device == "ref")
+    backend = Runtime::make_reference_backend();
   else if (o.device != "reference")
     return fail(fmt::format("unknown --device '{}' (cpu, ref, reference)", o.device));
-  if (backend) session = std::make_unique<Session>(*model, *backend, n_ctx);
-  else reference = std::make_unique<model::ReferenceSession>((*model)->hparams(), (*model)->weights(), n_ctx);
+  if (backend)
+    session = std::make_unique<Session>(*model, *backend, n_ctx);
+  else
+    reference =
+        std::make_unique<model::ReferenceSession>((*model)->hparams(), (*model)->weights(), n_ctx);
   auto eval = [&](std::span<const int32_t> t, bool all) {
     return session ? session->eval(t, all) : reference->eval(t, all);
   };
@@ -142,7 +145,8 @@ void add_logits_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--device", o->device, "cpu, ref (scalar backend) or reference (f32 oracle)")
       ->capture_default_str();
   cmd->add_option("-t,--threads", o->threads, "CPU threads (0: all)")->capture_default_str();
-  cmd->add_option("-c,--ctx-size", o->n_ctx, "context size (0: the model's)")->capture_default_str();
+  cmd->add_option("-c,--ctx-size", o->n_ctx, "context size (0: the model's)")
+      ->capture_default_str();
   cmd->add_option("--top-k", o->top_k, "logits listed per prompt position")->capture_default_str();
   cmd->callback([o, &exit_code] { exit_code = run_logits(*o); });
 }

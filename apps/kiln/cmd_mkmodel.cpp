@@ -1,10 +1,10 @@
 // apps/kiln/cmd_mkmodel.cpp: `kiln mkmodel`: writes a random-weight GGUF of any size and type
 // in the llama, gemma3 (sliding window, QK-norm, sandwich norms, tied output) or qwen3moe
 // (experts) shape, or llama with experts (Mixtral layout): benchmarks at 1B/8B scale without
-// downloads. Random router weights route nearly uniformly over the experts. Tensors are produced and
-// quantized at write time, one at a time, so a multi-GB file needs no more RAM than its
-// largest tensor. The vocabulary is a minimal valid SentencePiece one (byte fallback plus
-// ASCII pieces) so `kiln run` and `kiln bench` can tokenize prompts for it.
+// downloads. Random router weights route nearly uniformly over the experts. Tensors are produced
+// and quantized at write time, one at a time, so a multi-GB file needs no more RAM than its largest
+// tensor. The vocabulary is a minimal valid SentencePiece one (byte fallback plus ASCII pieces) so
+// `kiln run` and `kiln bench` can tokenize prompts for it.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -32,7 +32,7 @@ struct MkModelOptions {
   int32_t n_embd = 2048, n_layer = 16, n_ff = 8192, n_head = 32, n_head_kv = 8;
   int32_t head_dim = 0;  // 0: n_embd / n_head
   int32_t n_vocab = 32000, n_ctx = 4096;
-  int32_t window = 512, swa_pattern = 6;                // gemma3 only
+  int32_t window = 512, swa_pattern = 6;                  // gemma3 only
   int32_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0;  // 0 experts: dense FFN
   // Router rows scaled by (1 + e)^-skew: expert e's logits spread less the larger e is, so
   // top-k favours the low ids (a popularity decaying with the id). 0: plain. A plain random
@@ -48,7 +48,6 @@ struct MkModelOptions {
   uint64_t seed = 1;
   int threads = 0;
 };
-
 
 uint64_t name_hash(const std::string& s) {
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
@@ -102,7 +101,7 @@ Vocab make_vocab(int32_t n_vocab) {
 struct TensorPlan {
   std::string name;
   std::vector<int64_t> ne;
-  float scale = 0;  // uniform in [-scale, scale]; 0 means constant 1 (norm weights)
+  float scale = 0;      // uniform in [-scale, scale]; 0 means constant 1 (norm weights)
   float row_decay = 0;  // row r further scaled by (1 + r)^-row_decay (--router-skew)
 };
 
@@ -221,12 +220,13 @@ Status validate(const MkModelOptions& o) {
   if (o.moe() && (o.n_expert_used < 1 || o.n_expert_used > o.n_expert))
     return Status::errorf("--n-expert-used {} outside [1, --n-expert {}]", o.n_expert_used,
                           o.n_expert);
-  if (!o.moe() && o.n_expert_used != 0)
-    return Status::error("--n-expert-used needs --n-expert");
+  if (!o.moe() && o.n_expert_used != 0) return Status::error("--n-expert-used needs --n-expert");
   if (o.n_ff_exp < 0) return Status::errorf("--n-ff-exp = {} must be > 0", o.n_ff_exp);
   if (o.n_vocab < 260 || o.n_vocab > (1 << 24))
-    return Status::errorf("--n-vocab {} outside [260, 16777216] (the vocabulary needs the 259 "
-                          "special and byte tokens plus pieces)", o.n_vocab);
+    return Status::errorf(
+        "--n-vocab {} outside [260, 16777216] (the vocabulary needs the 259 "
+        "special and byte tokens plus pieces)",
+        o.n_vocab);
   return Status::ok();
 }
 
@@ -241,7 +241,8 @@ Expected<std::vector<DType>> plan_types(const MkModelOptions& o, const quant::Pr
     if (ne.size() > 1) ne[1] = 1;
     skel.add_tensor_zeros(t.name, DType::F32, ne);
   }
-  KILN_ASSIGN_OR_RETURN(GgufFile g, GgufFile::parse(MappedFile::from_bytes(skel.write_to_memory())));
+  KILN_ASSIGN_OR_RETURN(GgufFile g,
+                        GgufFile::parse(MappedFile::from_bytes(skel.write_to_memory())));
   KILN_ASSIGN_OR_RETURN(std::vector<DType> types, quant::plan_tensor_types(preset, g));
   for (size_t i = 0; i < plan.size(); ++i) {
     if (plan[i].ne.size() == 1) types[i] = DType::F32;  // norms stay f32, as llama.cpp keeps them
@@ -284,8 +285,10 @@ int run_mkmodel(const MkModelOptions& o) {
     const int64_t n_cols = t.ne[0];
     const auto rb = row_bytes(type, uint64_t(n_cols));
     if (!rb) {
-      fmt::print(stderr, "kiln mkmodel: tensor '{}': row length {} is not a multiple of {}'s "
-                 "block size {}\n", t.name, n_cols, dtype_name(type), traits(type).block_size);
+      fmt::print(stderr,
+                 "kiln mkmodel: tensor '{}': row length {} is not a multiple of {}'s "
+                 "block size {}\n",
+                 t.name, n_cols, dtype_name(type), traits(type).block_size);
       return 1;
     }
     n_params += uint64_t(n_cols * n_rows);
@@ -298,19 +301,23 @@ int run_mkmodel(const MkModelOptions& o) {
         std::vector<float> row(static_cast<size_t>(n_cols));
         for (int64_t r = r0; r < r1; ++r) {
           uint64_t state = tensor_seed + uint64_t(r) * 0xD1B54A32D192ED03ull;
-          const double decay = t.row_decay > 0 ? std::pow(1.0 + double(r), -double(t.row_decay)) : 1.0;
+          const double decay =
+              t.row_decay > 0 ? std::pow(1.0 + double(r), -double(t.row_decay)) : 1.0;
           for (float& x : row) {
-            if (t.scale == 0) { x = 1.0f; continue; }
+            if (t.scale == 0) {
+              x = 1.0f;
+              continue;
+            }
             const double u = double(splitmix64(state) >> 11) * 0x1.0p-53;  // [0, 1)
-            x = t.row_decay > 0 ? float((2 * u - 1) * t.scale * decay) : float((2 * u - 1) * t.scale);
+            x = t.row_decay > 0 ? float((2 * u - 1) * t.scale * decay)
+                                : float((2 * u - 1) * t.scale);
           }
           quant::quantize_row(type, row, out.subspan(size_t(r) * row_size, row_size));
         }
       };
       const int nt = int(std::min<int64_t>(n_threads, n_rows));
       std::vector<std::thread> pool;
-      for (int k = 1; k < nt; ++k)
-        pool.emplace_back(fill, n_rows * k / nt, n_rows * (k + 1) / nt);
+      for (int k = 1; k < nt; ++k) pool.emplace_back(fill, n_rows * k / nt, n_rows * (k + 1) / nt);
       fill(0, n_rows / nt);
       for (std::thread& th : pool) th.join();
       return Status::ok();
@@ -320,11 +327,12 @@ int run_mkmodel(const MkModelOptions& o) {
     fmt::print(stderr, "kiln mkmodel: {}\n", s.message());
     return 1;
   }
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  fmt::print(stderr, "kiln mkmodel: wrote {} ({} {}, {:.3f} B parameters, {:.1f} MiB of weights) "
-             "in {:.1f} s\n", o.out, o.arch, preset->name, double(n_params) * 1e-9,
-             double(n_bytes) / (1 << 20), secs);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fmt::print(stderr,
+             "kiln mkmodel: wrote {} ({} {}, {:.3f} B parameters, {:.1f} MiB of weights) "
+             "in {:.1f} s\n",
+             o.out, o.arch, preset->name, double(n_params) * 1e-9, double(n_bytes) / (1 << 20),
+             secs);
   return 0;
 }
 

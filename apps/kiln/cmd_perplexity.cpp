@@ -92,8 +92,7 @@ Status run(const PplOptions& o) {
   // Standard error of the mean NLL, carried to PPL (as llama-perplexity reports it).
   const double var = count > 1 ? (sum2 / double(count) - mean * mean) / double(count - 1) : 0;
   const double err = ppl * std::sqrt(std::max(0.0, var));
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   fmt::print("Final estimate: PPL = {:.4f} +/- {:.5f}\n", ppl, err);
   fmt::print(stderr, "kiln perplexity: {} scored tokens, {:.2f} s ({:.1f} t/s evaluated)\n", count,
              secs, double(n_chunk * n_ctx) / secs);

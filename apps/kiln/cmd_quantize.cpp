@@ -62,8 +62,9 @@ int run_quantize(const QuantizeArgs& a) {
   if (!preset)
     return fail(fmt::format("unknown type '{}' (known: {})", a.type, quant::preset_names()));
   if (a.threads < 0) return fail(fmt::format("--threads must be >= 0, got {}", a.threads));
-  const int threads =
-      a.threads > 0 ? a.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = a.threads > 0
+                          ? a.threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
   auto src = GgufFile::open(a.in);
   if (!src) return fail(src.error());
@@ -76,11 +77,13 @@ int run_quantize(const QuantizeArgs& a) {
     const DType to = (*plan)[i];
     if (to == t.dtype) continue;
     if (!quant::can_dequantize(t.dtype))
-      return fail(fmt::format("tensor '{}': cannot decode its type {}", t.name, dtype_name(t.dtype)));
+      return fail(
+          fmt::format("tensor '{}': cannot decode its type {}", t.name, dtype_name(t.dtype)));
     if (is_quantized(t.dtype) && !a.allow_requantize)
-      return fail(fmt::format("tensor '{}' is already {}; re-quantizing loses quality "
-                              "(pass --allow-requantize to do it anyway)",
-                              t.name, dtype_name(t.dtype)));
+      return fail(
+          fmt::format("tensor '{}' is already {}; re-quantizing loses quality "
+                      "(pass --allow-requantize to do it anyway)",
+                      t.name, dtype_name(t.dtype)));
   }
 
   GgufWriter w;
@@ -99,13 +102,16 @@ int run_quantize(const QuantizeArgs& a) {
     std::vector<int64_t> ne(t.ne.begin(), t.ne.begin() + std::max(1, t.n_dims));
     in_bytes += t.n_bytes;
     out_bytes += *row_bytes(to, static_cast<uint64_t>(t.ne[0])) * static_cast<uint64_t>(t.n_rows());
-    w.add_tensor_produced(t.name, to, ne, [&g, &t, to, threads, progress, done](std::span<std::byte> out) {
-      progress->step(*done, fmt::format("{} {} -> {}", t.name, dtype_name(t.dtype), dtype_name(to)));
-      Status s = quant::convert_rows(t.dtype, to, t.ne[0], t.n_rows(), g.view(t).bytes, out, threads);
-      ++*done;
-      if (!s) return s.context(fmt::format("tensor '{}'", t.name));
-      return Status::ok();
-    });
+    w.add_tensor_produced(
+        t.name, to, ne, [&g, &t, to, threads, progress, done](std::span<std::byte> out) {
+          progress->step(*done,
+                         fmt::format("{} {} -> {}", t.name, dtype_name(t.dtype), dtype_name(to)));
+          Status s =
+              quant::convert_rows(t.dtype, to, t.ne[0], t.n_rows(), g.view(t).bytes, out, threads);
+          ++*done;
+          if (!s) return s.context(fmt::format("tensor '{}'", t.name));
+          return Status::ok();
+        });
   }
   const auto start = std::chrono::steady_clock::now();
   const Status s = w.write(a.out);
@@ -114,7 +120,8 @@ int run_quantize(const QuantizeArgs& a) {
   if (!s) return fail(s.message());
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  fmt::print(stderr, "kiln quantize: {} -> {} ({}): {:.2f} MiB -> {:.2f} MiB of tensor data in {:.2f} s\n",
+  fmt::print(stderr,
+             "kiln quantize: {} -> {} ({}): {:.2f} MiB -> {:.2f} MiB of tensor data in {:.2f} s\n",
              a.in, a.out, preset->name, in_bytes / 1048576.0, out_bytes / 1048576.0, secs);
   return 0;
 }
@@ -122,7 +129,8 @@ int run_quantize(const QuantizeArgs& a) {
 }  // namespace
 
 void add_quantize_command(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("quantize", "re-encode a GGUF model's weights (llama.cpp presets)");
+  auto* cmd =
+      app.add_subcommand("quantize", "re-encode a GGUF model's weights (llama.cpp presets)");
   auto args = std::make_shared<QuantizeArgs>();
   cmd->add_option("input", args->in, "source GGUF file")->required();
   cmd->add_option("output", args->out, "GGUF file to write")->required();

@@ -42,7 +42,8 @@ struct RunOptions {
 // elsewhere stays exactly the generated text.
 void end_text_output() {
   std::fflush(stdout);
-  struct stat out {}, err {};
+  struct stat out {
+  }, err{};
   if (::isatty(::fileno(stdout))) {
     std::fputc('\n', stdout);
   } else if (::fstat(::fileno(stdout), &out) == 0 && ::fstat(::fileno(stderr), &err) == 0 &&
@@ -70,8 +71,10 @@ Status parse_logit_bias(const std::vector<std::string>& specs,
       if (used != at) throw std::invalid_argument("id");
       std::string b = s.substr(at + (s[at] == '=' ? 1 : 0));
       float bias;
-      if (b == "-inf") bias = -INFINITY;
-      else if (b == "+inf") bias = INFINITY;
+      if (b == "-inf")
+        bias = -INFINITY;
+      else if (b == "+inf")
+        bias = INFINITY;
       else {
         bias = std::stof(b, &used);
         if (used != b.size()) throw std::invalid_argument("bias");
@@ -93,11 +96,13 @@ Status run_speculative(const RunOptions& o, const Config& cfg, Runtime& rt,
   if (!o.draft.empty()) {
     if (o.spec_ngram) return Status::error("give either --draft MODEL or --spec-ngram, not both");
     KILN_ASSIGN_OR_RETURN(auto dm, Model::load(o.draft));
-    KILN_ASSIGN_OR_RETURN(drafter, ModelDrafter::create(dm, rt.backend(), n_ctx, rt.model()->n_vocab()));
+    KILN_ASSIGN_OR_RETURN(drafter,
+                          ModelDrafter::create(dm, rt.backend(), n_ctx, rt.model()->n_vocab()));
   } else {
     drafter = std::make_unique<NgramDrafter>(1, 3);
   }
-  if (o.draft_n < 1 || o.draft_n > 64) return Status::errorf("--draft-n {} outside [1, 64]", o.draft_n);
+  if (o.draft_n < 1 || o.draft_n > 64)
+    return Status::errorf("--draft-n {} outside [1, 64]", o.draft_n);
   SpecParams sp;
   sp.n_draft = o.draft_n;
   sp.sampling = o.sampling;
@@ -139,12 +144,13 @@ Status run_speculative(const RunOptions& o, const Config& cfg, Runtime& rt,
              prompt.size(), double(prompt.size()) / prefill_s, prefill_s * 1e3, out_ids.size(),
              stopped_by_eog ? " (end of generation)" : "",
              decode_s > 0 ? double(out_ids.size()) / decode_s : 0.0, decode_s * 1e3);
-  fmt::print(stderr,
-             "kiln run: speculative ({}, k={}): {} verify steps, drafted {}, accepted {} ({:.1f}%), "
-             "{:.2f} tokens/step, draft {:.1f} ms, verify {:.1f} ms\n",
-             drafter->name(), o.draft_n, s.steps, s.drafted, s.accepted,
-             s.drafted ? 100.0 * double(s.accepted) / double(s.drafted) : 0.0,
-             s.tokens_per_step(), s.draft_s * 1e3, s.verify_s * 1e3);
+  fmt::print(
+      stderr,
+      "kiln run: speculative ({}, k={}): {} verify steps, drafted {}, accepted {} ({:.1f}%), "
+      "{:.2f} tokens/step, draft {:.1f} ms, verify {:.1f} ms\n",
+      drafter->name(), o.draft_n, s.steps, s.drafted, s.accepted,
+      s.drafted ? 100.0 * double(s.accepted) / double(s.drafted) : 0.0, s.tokens_per_step(),
+      s.draft_s * 1e3, s.verify_s * 1e3);
   fmt::print(stderr, "kiln run: ids xxh64 {}\n", hash_ids(out_ids));
   if (cfg.stats) {
     fmt::print(stderr, "stats: config\n{}", describe(cfg));
@@ -193,8 +199,8 @@ Status run(RunOptions o) {
   const std::vector<int32_t> prompt = tok.encode(o.prompt, /*add_special=*/true, false);
   if (prompt.empty()) return Status::error("the prompt tokenized to nothing");
   if (int64_t(prompt.size()) > n_ctx)
-    return Status::errorf("prompt of {} tokens does not fit the context of {} (-c)",
-                          prompt.size(), n_ctx);
+    return Status::errorf("prompt of {} tokens does not fit the context of {} (-c)", prompt.size(),
+                          n_ctx);
   if (o.n_predict == -1) {  // llama.cpp's -n -1: until the end of generation or of the context
     if (int64_t(prompt.size()) >= n_ctx)
       return Status::errorf("prompt of {} tokens leaves no room in the context of {} (-c)",
@@ -202,9 +208,10 @@ Status run(RunOptions o) {
     o.n_predict = n_ctx - static_cast<int32_t>(prompt.size());
   }
   if (int64_t(prompt.size()) + o.n_predict > n_ctx)
-    return Status::errorf("-n {} with a prompt of {} tokens exceeds the context of {} (-c); "
-                          "at most -n {}", o.n_predict, prompt.size(), n_ctx,
-                          n_ctx - int64_t(prompt.size()));
+    return Status::errorf(
+        "-n {} with a prompt of {} tokens exceeds the context of {} (-c); "
+        "at most -n {}",
+        o.n_predict, prompt.size(), n_ctx, n_ctx - int64_t(prompt.size()));
   KILN_ASSIGN_OR_RETURN(Sampler sampler, Sampler::create(o.sampling, rt.model()->n_vocab()));
   for (int32_t id : prompt) sampler.accept(id);
 
@@ -313,7 +320,8 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--frequency-penalty", o->sampling.frequency_penalty, "frequency penalty");
   cmd->add_option("--logit-bias", o->logit_bias, "ID+BIAS or ID-BIAS (repeatable; -inf bans)");
   cmd->add_option("-s,--seed", o->seed, "sampling seed (default 42; -1: a random one, printed)");
-  cmd->add_option("--draft", o->draft, "speculative decoding with this draft model (same vocabulary)");
+  cmd->add_option("--draft", o->draft,
+                  "speculative decoding with this draft model (same vocabulary)");
   cmd->add_flag("--spec-ngram", o->spec_ngram, "speculative decoding with n-gram prompt lookup");
   cmd->add_option("--draft-n", o->draft_n, "tokens drafted per verify step (default 4)");
   o->config = add_config_options(cmd);

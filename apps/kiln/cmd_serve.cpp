@@ -55,11 +55,13 @@ Status serve(ServeOptions o) {
   KILN_ASSIGN_OR_RETURN(o.server.model_path, resolve_model_path(o.model, cfg));
   if (o.server.port < 0 || o.server.port > 65535)
     return Status::errorf("--port {} must be in [0, 65535]", o.server.port);
-  if (o.server.n_parallel < 1) return Status::errorf("--parallel {} must be >= 1", o.server.n_parallel);
+  if (o.server.n_parallel < 1)
+    return Status::errorf("--parallel {} must be >= 1", o.server.n_parallel);
   if (o.server.n_ctx < 0) return Status::errorf("--ctx-size {} must be >= 0", o.server.n_ctx);
   if (o.server.prefill_chunk < 1)
     return Status::errorf("--prefill-chunk {} must be >= 1", o.server.prefill_chunk);
-  if (o.server.max_queue < 0) return Status::errorf("--max-queue {} must be >= 0", o.server.max_queue);
+  if (o.server.max_queue < 0)
+    return Status::errorf("--max-queue {} must be >= 0", o.server.max_queue);
   if (o.server.draft_ngram < 0 || o.server.draft_ngram > GenerationParams::kMaxDraft)
     return Status::errorf("--draft-ngram {} must be in [0, {}]", o.server.draft_ngram,
                           GenerationParams::kMaxDraft);
@@ -72,8 +74,10 @@ Status serve(ServeOptions o) {
   if (o.prefill_timeout_ms <= 0)
     return Status::errorf("--prefill-timeout-ms {} must be > 0", o.prefill_timeout_ms);
   if (o.role == "decode") {
-    if (o.prefill_peer.empty()) return Status::error("--role decode needs --prefill-peer HOST:PORT");
-    KILN_ASSIGN_OR_RETURN(transfer::TransportKind kind, transfer::transport_from_name(o.kv_transport));
+    if (o.prefill_peer.empty())
+      return Status::error("--role decode needs --prefill-peer HOST:PORT");
+    KILN_ASSIGN_OR_RETURN(transfer::TransportKind kind,
+                          transfer::transport_from_name(o.kv_transport));
     KILN_ASSIGN_OR_RETURN(auto hp, transfer::parse_host_port(o.prefill_peer));
     auto peer = std::make_shared<transfer::PrefillPeer>(transfer::tcp_or_ucx_peer(
         kind, hp.first, hp.second, transfer::Millis(o.prefill_timeout_ms)));
@@ -112,11 +116,13 @@ Status serve(ServeOptions o) {
   fmt::print(stderr, "kiln serve: listening on http://{}:{}\n", o.server.host, srv.port());
   std::fflush(stderr);
   KILN_TRY(srv.load());
-  fmt::print(stderr, "kiln serve: model {} ready ({} slots)\n", srv.model_name(), o.server.n_parallel);
+  fmt::print(stderr, "kiln serve: model {} ready ({} slots)\n", srv.model_name(),
+             o.server.n_parallel);
   std::fflush(stderr);
   int sig = 0;
   sigwait(&sigs, &sig);
-  fmt::print(stderr, "kiln serve: {} received, shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  fmt::print(stderr, "kiln serve: {} received, shutting down\n",
+             sig == SIGTERM ? "SIGTERM" : "SIGINT");
   srv.stop();
   fmt::print(stderr, "kiln serve: stopped\n");
   return Status::ok();
@@ -131,11 +137,14 @@ void add_serve_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--host", o->server.host, "address to listen on (default 127.0.0.1)");
   cmd->add_option("--port", o->server.port, "port (default 8080; 0: any free port)");
   cmd->add_option("--parallel", o->server.n_parallel, "concurrent slots (default 4)");
-  cmd->add_option("-c,--ctx-size", o->server.n_ctx, "context per slot (default min(training, 4096))");
-  cmd->add_option("--prefill-chunk", o->server.prefill_chunk, "prompt tokens per slot step (default 256)");
+  cmd->add_option("-c,--ctx-size", o->server.n_ctx,
+                  "context per slot (default min(training, 4096))");
+  cmd->add_option("--prefill-chunk", o->server.prefill_chunk,
+                  "prompt tokens per slot step (default 256)");
   cmd->add_option("--max-queue", o->server.max_queue, "waiting requests before 503 (default 64)");
-  cmd->add_option("--draft-ngram", o->server.draft_ngram,
-                  "speculative decoding with up to N n-gram (prompt lookup) drafts per step (default 0: off)");
+  cmd->add_option(
+      "--draft-ngram", o->server.draft_ngram,
+      "speculative decoding with up to N n-gram (prompt lookup) drafts per step (default 0: off)");
   cmd->add_option("--api-key", o->server.api_key, "require 'Authorization: Bearer KEY'");
   cmd->add_option("--max-body-kib", o->max_body_kib, "request body limit in KiB (default 1024)");
   cmd->add_option("--role", o->role, "standalone (default), prefill or decode (docs/kvpack.md)");

@@ -38,10 +38,12 @@ Expected<std::string> special_token(const GgufFile& g, std::string_view id_key) 
   if (!g.has(id_key)) return std::string();
   KILN_ASSIGN_OR_RETURN(uint32_t id, g.get<uint32_t>(id_key));
   const GgufValue* toks = g.find("tokenizer.ggml.tokens");
-  if (!toks || !toks->is_array()) return Status::errorf("{} is set but tokenizer.ggml.tokens is missing", id_key);
+  if (!toks || !toks->is_array())
+    return Status::errorf("{} is set but tokenizer.ggml.tokens is missing", id_key);
   const GgufArray& arr = toks->arr();
   if (id >= arr.items.size() || !arr.items[id].is_string())
-    return Status::errorf("{} = {} is outside the vocabulary ({} tokens)", id_key, id, arr.items.size());
+    return Status::errorf("{} = {} is outside the vocabulary ({} tokens)", id_key, id,
+                          arr.items.size());
   return arr.items[id].str();
 }
 
@@ -51,7 +53,8 @@ Expected<std::string> render(const TemplateArgs& a) {
   if (!a.model.empty()) {
     KILN_ASSIGN_OR_RETURN(GgufFile g, GgufFile::open(a.model));
     if (!g.has("tokenizer.chat_template"))
-      return Status::errorf("'{}' has no tokenizer.chat_template (use --template FILE.jinja)", a.model);
+      return Status::errorf("'{}' has no tokenizer.chat_template (use --template FILE.jinja)",
+                            a.model);
     KILN_ASSIGN_OR_RETURN(source, g.get<std::string>("tokenizer.chat_template"));
     KILN_ASSIGN_OR_RETURN(bos, special_token(g, "tokenizer.ggml.bos_token_id"));
     KILN_ASSIGN_OR_RETURN(eos, special_token(g, "tokenizer.ggml.eos_token_id"));
@@ -89,13 +92,19 @@ Expected<std::string> render(const TemplateArgs& a) {
 void add_template_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("template", "render a chat template over a JSON conversation");
   auto a = std::make_shared<TemplateArgs>();
-  auto* m = cmd->add_option("-m,--model", a->model, "GGUF file whose tokenizer.chat_template is used");
+  auto* m =
+      cmd->add_option("-m,--model", a->model, "GGUF file whose tokenizer.chat_template is used");
   auto* t = cmd->add_option("--template", a->template_file, "Jinja template file");
   m->excludes(t);
-  cmd->add_option("--messages", a->messages_file, "a JSON array of {\"role\", \"content\"} messages, or a file holding one")->required();
-  cmd->add_flag("--add-generation-prompt", a->add_generation_prompt, "end with the assistant prompt");
-  cmd->add_option_function<std::string>("--bos-token", [a](const std::string& s) { a->bos_token = s; }, "bos_token value");
-  cmd->add_option_function<std::string>("--eos-token", [a](const std::string& s) { a->eos_token = s; }, "eos_token value");
+  cmd->add_option("--messages", a->messages_file,
+                  "a JSON array of {\"role\", \"content\"} messages, or a file holding one")
+      ->required();
+  cmd->add_flag("--add-generation-prompt", a->add_generation_prompt,
+                "end with the assistant prompt");
+  cmd->add_option_function<std::string>(
+      "--bos-token", [a](const std::string& s) { a->bos_token = s; }, "bos_token value");
+  cmd->add_option_function<std::string>(
+      "--eos-token", [a](const std::string& s) { a->eos_token = s; }, "eos_token value");
   cmd->callback([a, &exit_code] {
     if (a->model.empty() && a->template_file.empty()) {
       fmt::print(stderr, "kiln template: one of -m MODEL or --template FILE is required\n");

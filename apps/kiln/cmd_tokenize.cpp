@@ -34,16 +34,27 @@ std::string quote_piece(const std::string& p) {
   std::string out = "'";
   for (size_t i = 0; i < p.size();) {
     const auto b = static_cast<uint8_t>(p[i]);
-    if (b == '\n') out += "\\n";
-    else if (b == '\t') out += "\\t";
-    else if (b == '\r') out += "\\r";
-    else if (b == '\\') out += "\\\\";
-    else if (b == '\'') out += "\\'";
-    else if (b == ' ') out += ' ';
-    else if (b < 0x20 || b == 0x7F) out += fmt::format("\\x{:02x}", b);
-    else if (b < 0x80) out += static_cast<char>(b);
+    if (b == '\n')
+      out += "\\n";
+    else if (b == '\t')
+      out += "\\t";
+    else if (b == '\r')
+      out += "\\r";
+    else if (b == '\\')
+      out += "\\\\";
+    else if (b == '\'')
+      out += "\\'";
+    else if (b == ' ')
+      out += ' ';
+    else if (b < 0x20 || b == 0x7F)
+      out += fmt::format("\\x{:02x}", b);
+    else if (b < 0x80)
+      out += static_cast<char>(b);
     else {
-      const size_t len = b >= 0xF0 && b < 0xF5 ? 4 : b >= 0xE0 && b < 0xF0 ? 3 : b >= 0xC2 && b < 0xE0 ? 2 : 0;
+      const size_t len = b >= 0xF0 && b < 0xF5   ? 4
+                         : b >= 0xE0 && b < 0xF0 ? 3
+                         : b >= 0xC2 && b < 0xE0 ? 2
+                                                 : 0;
       bool ok = len > 0 && i + len <= p.size();
       for (size_t k = 1; ok && k < len; ++k) ok = (static_cast<uint8_t>(p[i + k]) & 0xC0) == 0x80;
       if (ok) {
@@ -63,8 +74,7 @@ int run_tokenize(const TokenizeArgs& a, bool have_text) {
     fmt::print(stderr, "kiln tokenize: {}\n", msg);
     return 1;
   };
-  if (have_text == !a.file.empty())
-    return fail("give exactly one of TEXT or -f FILE");
+  if (have_text == !a.file.empty()) return fail("give exactly one of TEXT or -f FILE");
   std::string text = a.text;
   if (!a.file.empty()) {
     if (a.file == "-") {
@@ -115,9 +125,8 @@ void add_tokenize_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--parse-special", args->parse_special,
                 "text matching a special token's text becomes that token");
   cmd->add_flag("--pieces", args->pieces, "print a second line with each token's piece");
-  cmd->callback([args, text_opt, &exit_code] {
-    exit_code = run_tokenize(*args, text_opt->count() > 0);
-  });
+  cmd->callback(
+      [args, text_opt, &exit_code] { exit_code = run_tokenize(*args, text_opt->count() > 0); });
 }
 
 }  // namespace kiln::app

@@ -44,9 +44,10 @@ std::shared_ptr<ConfigOverrides> add_config_options(CLI::App* cmd) {
          [out](const std::vector<std::string>& args) {
            for (const std::string& a : args) {
              if (a == "help") {
-               std::fputs("kiln --dev NAME=VALUE (or KILN_DEV=\"NAME=VALUE,...\"): developer "
-                          "tuning for tests, bisecting and benchmarks\n",
-                          stdout);
+               std::fputs(
+                   "kiln --dev NAME=VALUE (or KILN_DEV=\"NAME=VALUE,...\"): developer "
+                   "tuning for tests, bisecting and benchmarks\n",
+                   stdout);
                std::fputs(dev_help().c_str(), stdout);
                throw CLI::Success();
              }

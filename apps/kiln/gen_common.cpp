@@ -11,7 +11,6 @@
 #include <fstream>
 #include <vector>
 
-
 namespace kiln::app {
 namespace fs = std::filesystem;
 
@@ -22,15 +21,17 @@ Expected<std::string> resolve_model_path(const std::string& model, const Config&
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (!ec) {
-    tried.push_back(exe.parent_path() / "models" / name);                       // build tree
+    tried.push_back(exe.parent_path() / "models" / name);                           // build tree
     tried.push_back(exe.parent_path().parent_path() / "share/kiln/models" / name);  // installed
   }
-  if (!config.shared_dir.empty()) tried.push_back(fs::path(config.shared_dir) / "testdata/models" / name);
+  if (!config.shared_dir.empty())
+    tried.push_back(fs::path(config.shared_dir) / "testdata/models" / name);
   for (const fs::path& p : tried)
     if (fs::exists(p)) return p.string();
-  return Status::errorf("no -m MODEL given and the demo model {} is not where it is installed "
-                        "({}); give -m MODEL",
-                        name, tried.empty() ? std::string("?") : tried.front().string());
+  return Status::errorf(
+      "no -m MODEL given and the demo model {} is not where it is installed "
+      "({}); give -m MODEL",
+      name, tried.empty() ? std::string("?") : tried.front().string());
 }
 
 std::string hash_ids(std::span<const int32_t> ids) {
@@ -49,9 +50,12 @@ MemoryUse memory_use() {
   std::string line;
   while (std::getline(f, line)) {
     unsigned long long kb = 0;
-    if (std::sscanf(line.c_str(), "VmRSS: %llu", &kb) == 1) m.rss = kb * 1024;
-    else if (std::sscanf(line.c_str(), "RssFile: %llu", &kb) == 1) m.rss_file = kb * 1024;
-    else if (std::sscanf(line.c_str(), "RssAnon: %llu", &kb) == 1) m.rss_anon = kb * 1024;
+    if (std::sscanf(line.c_str(), "VmRSS: %llu", &kb) == 1)
+      m.rss = kb * 1024;
+    else if (std::sscanf(line.c_str(), "RssFile: %llu", &kb) == 1)
+      m.rss_file = kb * 1024;
+    else if (std::sscanf(line.c_str(), "RssAnon: %llu", &kb) == 1)
+      m.rss_anon = kb * 1024;
   }
   return m;
 }

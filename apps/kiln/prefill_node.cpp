@@ -16,7 +16,8 @@ namespace kiln::app {
 
 Status run_prefill_node(const PrefillNodeOptions& o, const Config& cfg, const sigset_t& sigs) {
   KILN_ASSIGN_OR_RETURN(transfer::TransportKind kind, transfer::transport_from_name(o.transport));
-  if (o.port < 0 || o.port > 65535) return Status::errorf("--kv-port {} must be in [0, 65535]", o.port);
+  if (o.port < 0 || o.port > 65535)
+    return Status::errorf("--kv-port {} must be in [0, 65535]", o.port);
   if (o.chunk < 1) return Status::errorf("--prefill-chunk {} must be >= 1", o.chunk);
   if (o.timeout_ms <= 0) return Status::errorf("--timeout-ms {} must be > 0", o.timeout_ms);
   KILN_ASSIGN_OR_RETURN(const EngineOptions eo, engine_options(cfg));
@@ -36,8 +37,10 @@ Status run_prefill_node(const PrefillNodeOptions& o, const Config& cfg, const si
       Status s = transfer::serve_prefill(**link, rt.model(), rt.backend(), popt);
       const double secs =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (s) log_info("prefill for {} served in {:.3f} s", (*link)->describe(), secs);
-      else log_notice("prefill for {} failed: {}", (*link)->describe(), s.message());
+      if (s)
+        log_info("prefill for {} served in {:.3f} s", (*link)->describe(), secs);
+      else
+        log_notice("prefill for {} failed: {}", (*link)->describe(), s.message());
     }
   });
   int sig = 0;

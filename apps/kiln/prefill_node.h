@@ -19,8 +19,8 @@ struct PrefillNodeOptions {
   std::string host = "127.0.0.1";
   std::string transport = "tcp";  // tcp or ucx
   int port = 7070;
-  int32_t chunk = 256;            // prompt tokens per forward step
-  int64_t timeout_ms = 30000;     // a stalled decode node is dropped after this
+  int32_t chunk = 256;         // prompt tokens per forward step
+  int64_t timeout_ms = 30000;  // a stalled decode node is dropped after this
 };
 
 // `sigs` (SIGTERM, SIGINT) must already be blocked in every thread; the node waits for one.

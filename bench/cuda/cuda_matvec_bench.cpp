@@ -3,12 +3,13 @@
 // 14336x4096 ffn down, 4096x32000 output) at 1, 4, 16 and 64 tokens (decode and batched
 // decode), reported against a device-memory streaming-read kernel measured in the same run.
 // Each shape rotates over enough weight copies to exceed the L2 several times, so the figures
-// are HBM figures. Every case runs MatmulKernels::V2 and V3 (kernels.h) on the same data, interleaved, and the table shows V3's GB/s, its share of the read bandwidth and
-// its speedup over V2. V3 times include the activation quantization; V2 above 16 tokens
-// includes its dequantization to f16 for cuBLAS. GB/s counts the weight bytes once per call.
-// Times are per call from back-to-back launches between two CUDA events (no host copies, no
-// per-launch synchronisation), medians of --iters samples.
-// Usage: cuda_matvec_bench [--iters N] [--types q4_K,q8_0,...] [--shapes 4096x14336,...]
+// are HBM figures. Every case runs MatmulKernels::V2 and V3 (kernels.h) on the same data,
+// interleaved, and the table shows V3's GB/s, its share of the read bandwidth and its speedup over
+// V2. V3 times include the activation quantization; V2 above 16 tokens includes its dequantization
+// to f16 for cuBLAS. GB/s counts the weight bytes once per call. Times are per call from
+// back-to-back launches between two CUDA events (no host copies, no per-launch synchronisation),
+// medians of --iters samples. Usage: cuda_matvec_bench [--iters N] [--types q4_K,q8_0,...]
+// [--shapes 4096x14336,...]
 // [--tokens 1,4,...] [--no-attention]. The graph column is measured twice, the second time
 // captured with programmatic dependent launch (kernels.h set_launch_pdl). Prints one line per case,
 // then the tables (lines starting with '|'). --float-rows-ab: only the rows-per-warp A/B of
@@ -90,7 +91,7 @@ struct Result {
   std::string kernels;  // v2, v3
   int64_t k, rows, n_tok;
   double mib, us, gbps, frac, tflops;
-  double graph_us;  // per call inside a CUDA graph (0: not measured, cuBLAS paths)
+  double graph_us;      // per call inside a CUDA graph (0: not measured, cuBLAS paths)
   double graph_pdl_us;  // the same graph captured with programmatic dependent launch
   double max_rel_err;
   double err_bound;
@@ -306,7 +307,8 @@ void bench_attention(int iters, double read_gbps, int n_sm) {
       kiln::cuda::DeviceAttention forms[2] = {a, a};
       forms[1].warp_tiles = true;
       size_t part = 0;
-      for (const auto& f : forms) part = std::max(part, kiln::cuda::attention_scratch_floats(f, n_sm));
+      for (const auto& f : forms)
+        part = std::max(part, kiln::cuda::attention_scratch_floats(f, n_sm));
       BENCH_CHECK(cudaMalloc(&dpart, part * 4));
       for (const auto& f : forms) {
         BENCH_CHECK(cudaMemset(dout, 0, q.size() * 4));
@@ -346,9 +348,10 @@ void bench_attention(int iters, double read_gbps, int n_sm) {
 // slices (its default), walking them, and the warp-tile kernel. Checks the outputs (every V
 // element 0.125) before timing; GB/s counts the visible keys' K and V bytes once.
 void bench_attention_batch(int iters, int n_sm) {
-  std::printf("\n| batched decode attention (32/8 heads x 128) | sequences | visible keys | padded "
-              "keys | split us | split, empty slices walked | warp tiles us | warp tiles GB/s "
-              "|\n|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "\n| batched decode attention (32/8 heads x 128) | sequences | visible keys | padded "
+      "keys | split us | split, empty slices walked | warp tiles us | warp tiles GB/s "
+      "|\n|---|---|---|---|---|---|---|---|\n");
   for (int64_t n_seq : {int64_t{1}, int64_t{16}, int64_t{64}}) {
     for (int64_t ctx : {int64_t{64}, int64_t{128}, int64_t{1024}}) {
       const int64_t n_kv = (ctx + 255) / 256 * 256;
@@ -415,13 +418,13 @@ void bench_attention_batch(int iters, int n_sm) {
       }
       kiln::cuda::set_attention_skip_empty(kiln::cuda::kAttentionSkipEmptyDefault);
       const double bytes = double(n_seq) * double(ctx) * double(kv_w) * 2 * 2;
-      std::printf("| decode | %lld | %lld | %lld | %.1f | %.1f | %.1f | %.0f |\n",
-                  (long long)n_seq, (long long)ctx, (long long)n_kv, median(ms[0]) * 1e3,
-                  median(ms[1]) * 1e3, median(ms[2]) * 1e3, bytes / (median(ms[2]) * 1e-3) / 1e9);
+      std::printf("| decode | %lld | %lld | %lld | %.1f | %.1f | %.1f | %.0f |\n", (long long)n_seq,
+                  (long long)ctx, (long long)n_kv, median(ms[0]) * 1e3, median(ms[1]) * 1e3,
+                  median(ms[2]) * 1e3, bytes / (median(ms[2]) * 1e-3) / 1e9);
       std::fflush(stdout);
-      for (void* p : {(void*)dk, (void*)dv, (void*)drows, (void*)dpos, (void*)dqpos, (void*)dq,
-                      (void*)dout, (void*)dpart[0], (void*)dpart[1], (void*)ditems[0],
-                      (void*)ditems[1]})
+      for (void* p :
+           {(void*)dk, (void*)dv, (void*)drows, (void*)dpos, (void*)dqpos, (void*)dq, (void*)dout,
+            (void*)dpart[0], (void*)dpart[1], (void*)ditems[0], (void*)ditems[1]})
         cudaFree(p);
     }
   }
@@ -458,8 +461,11 @@ std::vector<void*> weight_copies(DType t, int64_t k, int64_t rows, size_t l2_byt
 }
 
 void bench_float_rows(int iters, size_t l2_bytes, double read_gbps, std::mt19937_64& rng) {
-  std::printf("\n| float kernel (v3) | k x rows | tokens | MiB | rows 1 us | rows 2 us | rows 4 us | best GB/s | of read BW (%.0f GB/s) | bits |\n"
-              "|---|---|---|---|---|---|---|---|---|---|\n", read_gbps);
+  std::printf(
+      "\n| float kernel (v3) | k x rows | tokens | MiB | rows 1 us | rows 2 us | rows 4 us | best "
+      "GB/s | of read BW (%.0f GB/s) | bits |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n",
+      read_gbps);
   const struct {
     int64_t k, rows;
   } shapes[] = {{4096, 1024}, {4096, 4096}, {4096, 14336}, {14336, 4096}};
@@ -491,7 +497,8 @@ void bench_float_rows(int iters, size_t l2_bytes, double read_gbps, std::mt19937
             BENCH_CHECK(cudaEventRecord(tm.a));
             for (int j = 0; j < kReps; ++j) {
               w.data = static_cast<const std::byte*>(mats[(i * kReps + j) % copies]);
-              BENCH_CHECK(kiln::cuda::launch_matvec_float_v3(w, dx, n_tok, dy, row_opts[o], nullptr));
+              BENCH_CHECK(
+                  kiln::cuda::launch_matvec_float_v3(w, dx, n_tok, dy, row_opts[o], nullptr));
             }
             BENCH_CHECK(cudaEventRecord(tm.b));
             BENCH_CHECK(cudaEventSynchronize(tm.b));
@@ -564,10 +571,11 @@ int main(int argc, char** argv) {
         p = *end == ',' ? end + 1 : end;
       }
     } else {
-      std::fprintf(stderr, "usage: cuda_matvec_bench [--iters N] [--types t1,t2,...] "
-                           "[--shapes KxR,...] [--tokens N,...] [--no-attention] "
-                           "[--float-rows-ab] [--mma-min N] [--mma-stages N] "
-                           "[--mma-warps N] [--[no-]mma-pre-scales]\n");
+      std::fprintf(stderr,
+                   "usage: cuda_matvec_bench [--iters N] [--types t1,t2,...] "
+                   "[--shapes KxR,...] [--tokens N,...] [--no-attention] "
+                   "[--float-rows-ab] [--mma-min N] [--mma-stages N] "
+                   "[--mma-warps N] [--[no-]mma-pre-scales]\n");
       return 2;
     }
   }
@@ -662,7 +670,8 @@ int main(int argc, char** argv) {
       std::snprintf(graph_pdl, sizeof graph_pdl, "%.1f, %.1f %%", r.graph_pdl_us,
                     100 * r.mib * 1048576.0 / (r.graph_pdl_us * 1e-6) / 1e9 / read_gbps);
     std::printf(
-        "| %s | %lldx%lld | %lld | %.1f | %.1f | %.1f | %.0f | %.1f %% | %.2f | %.2fx | %s | %s |\n",
+        "| %s | %lldx%lld | %lld | %.1f | %.1f | %.1f | %.0f | %.1f %% | %.2f | %.2fx | %s | %s "
+        "|\n",
         r.type.c_str(), (long long)r.k, (long long)r.rows, (long long)r.n_tok, r.mib,
         v2 ? v2->us : 0.0, r.us, r.gbps, 100 * r.frac, r.tflops, v2 ? v2->us / r.us : 0.0, graph,
         graph_pdl);
@@ -676,7 +685,8 @@ int main(int argc, char** argv) {
     std::string line = "| " + std::string(kiln::dtype_name(t)) + " |";
     bool any = false;
     for (const Shape& sh : shapes) {
-      Result like{std::string(kiln::dtype_name(t)), "v3", sh.k, sh.rows, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+      Result like{
+          std::string(kiln::dtype_name(t)), "v3", sh.k, sh.rows, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
       const Result* r = find(like, "v3");
       char cell[64] = " |";
       if (r)

@@ -62,8 +62,7 @@ Result<Generation> Model::generate(std::string_view prompt, const GenerateOption
   return generate(ids, options, on_text);
 }
 
-Result<Generation> Model::generate(std::span<const int32_t> prompt,
-                                   const GenerateOptions& options,
+Result<Generation> Model::generate(std::span<const int32_t> prompt, const GenerateOptions& options,
                                    const std::function<bool(std::string_view)>& on_text) {
   using R = Result<Generation>;
   const Tokenizer& tok = impl_->rt.tokenizer();

@@ -66,10 +66,10 @@ struct WeightMatrix {
   // of the type's block (whole quant blocks per row). KILN_CHECK on a misaligned request.
   WeightMatrix columns(int64_t first, int64_t count) const {
     const int64_t blk = traits(dtype).block_size;
-    KILN_CHECK(first >= 0 && count > 0 && first + count <= n_cols && first % blk == 0 &&
-                   count % blk == 0,
-               "columns [{}, +{}) of a {}-wide {} matrix (block {})", first, count, n_cols,
-               dtype_name(dtype), blk);
+    KILN_CHECK(
+        first >= 0 && count > 0 && first + count <= n_cols && first % blk == 0 && count % blk == 0,
+        "columns [{}, +{}) of a {}-wide {} matrix (block {})", first, count, n_cols,
+        dtype_name(dtype), blk);
     const size_t bpb = traits(dtype).type_size;  // bytes per block
     WeightMatrix m = *this;
     m.n_cols = count;
@@ -172,7 +172,9 @@ class Backend {
   virtual void copy_bytes(std::span<const std::byte> src, std::span<std::byte> dst) {
     std::copy(src.begin(), src.end(), dst.begin());
   }
-  virtual void zero_bytes(std::span<std::byte> dst) { std::fill(dst.begin(), dst.end(), std::byte{0}); }
+  virtual void zero_bytes(std::span<std::byte> dst) {
+    std::fill(dst.begin(), dst.end(), std::byte{0});
+  }
   // Waits until every op issued so far has finished (a no-op on host backends).
   virtual void synchronize() {}
   // Registers host memory that weights will be copied from (page-locked on CUDA, so copies

@@ -14,7 +14,9 @@ Expected<TierEviction> parse_tier_eviction(std::string_view name) {
   return Status::errorf("unknown expert device policy '{}' (lru, lfu)", name);
 }
 
-std::string_view tier_eviction_name(TierEviction e) { return e == TierEviction::Lru ? "lru" : "lfu"; }
+std::string_view tier_eviction_name(TierEviction e) {
+  return e == TierEviction::Lru ? "lru" : "lfu";
+}
 
 TierPolicy::TierPolicy(TierEviction order, uint64_t aging_period)
     : order_(order), aging_period_(aging_period) {}

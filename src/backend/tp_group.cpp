@@ -113,24 +113,55 @@ class HostRank final : public Backend {
   void all_reduce_sum(std::span<float> x) override { coll_->all_reduce_sum(rank_, x); }
 
   BackendBytes alloc_bytes(size_t bytes) override { return in_->alloc_bytes(bytes); }
-  void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok, std::span<float> y) override { in_->matmul(w, x, n_tok, y); }
-  void matmul_batch(std::span<const MatmulTask> t, int64_t n_tok) override { in_->matmul_batch(t, n_tok); }
-  void get_rows(const WeightMatrix& w, std::span<const int32_t> ids, std::span<float> out) override { in_->get_rows(w, ids, out); }
-  void rmsnorm(std::span<const float> x, std::span<const float> w, int64_t n, float eps, std::span<float> y) override { in_->rmsnorm(x, w, n, eps, y); }
-  void add_rmsnorm(std::span<float> x, std::span<const float> a, std::span<const float> w, int64_t n, float eps, std::span<float> y) override { in_->add_rmsnorm(x, a, w, n, eps, y); }
-  void rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim, std::span<const int32_t> pos, const RopeParams& p) override { in_->rope(x, n_tok, n_head, head_dim, pos, p); }
+  void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
+              std::span<float> y) override {
+    in_->matmul(w, x, n_tok, y);
+  }
+  void matmul_batch(std::span<const MatmulTask> t, int64_t n_tok) override {
+    in_->matmul_batch(t, n_tok);
+  }
+  void get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
+                std::span<float> out) override {
+    in_->get_rows(w, ids, out);
+  }
+  void rmsnorm(std::span<const float> x, std::span<const float> w, int64_t n, float eps,
+               std::span<float> y) override {
+    in_->rmsnorm(x, w, n, eps, y);
+  }
+  void add_rmsnorm(std::span<float> x, std::span<const float> a, std::span<const float> w,
+                   int64_t n, float eps, std::span<float> y) override {
+    in_->add_rmsnorm(x, a, w, n, eps, y);
+  }
+  void rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim,
+            std::span<const int32_t> pos, const RopeParams& p) override {
+    in_->rope(x, n_tok, n_head, head_dim, pos, p);
+  }
   void softmax(std::span<float> x, int64_t n) override { in_->softmax(x, n); }
-  void swiglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override { in_->swiglu(g, u, o); }
-  void geglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override { in_->geglu(g, u, o); }
-  void add(std::span<const float> a, std::span<const float> b, std::span<float> o) override { in_->add(a, b, o); }
-  void mul(std::span<const float> a, std::span<const float> b, std::span<float> o) override { in_->mul(a, b, o); }
+  void swiglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
+    in_->swiglu(g, u, o);
+  }
+  void geglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
+    in_->geglu(g, u, o);
+  }
+  void add(std::span<const float> a, std::span<const float> b, std::span<float> o) override {
+    in_->add(a, b, o);
+  }
+  void mul(std::span<const float> a, std::span<const float> b, std::span<float> o) override {
+    in_->mul(a, b, o);
+  }
   void scale(std::span<float> x, float s) override { in_->scale(x, s); }
   void softcap(std::span<float> x, float cap) override { in_->softcap(x, cap); }
   void sigmoid(std::span<float> x) override { in_->sigmoid(x); }
-  void store_rows_f16(std::span<const float> src, int64_t width, std::span<const int32_t> rows, std::span<f16> plane) override { in_->store_rows_f16(src, width, rows, plane); }
+  void store_rows_f16(std::span<const float> src, int64_t width, std::span<const int32_t> rows,
+                      std::span<f16> plane) override {
+    in_->store_rows_f16(src, width, rows, plane);
+  }
   void attention(const AttentionArgs& a) override { in_->attention(a); }
   int64_t argmax(std::span<const float> x) override { return in_->argmax(x); }
-  void top_k(std::span<const float> x, int64_t n, int32_t k, std::span<int32_t> ids, std::span<float> vals) override { in_->top_k(x, n, k, ids, vals); }
+  void top_k(std::span<const float> x, int64_t n, int32_t k, std::span<int32_t> ids,
+             std::span<float> vals) override {
+    in_->top_k(x, n, k, ids, vals);
+  }
 
  private:
   std::unique_ptr<Backend> in_;
@@ -146,7 +177,8 @@ std::unique_ptr<Backend> make_host_tp_group(std::vector<std::unique_ptr<Backend>
   auto coll = std::make_shared<HostCollective>(n);
   std::vector<std::unique_ptr<Backend>> wrapped;
   for (int r = 0; r < n; ++r)
-    wrapped.push_back(std::make_unique<HostRank>(std::move(ranks[static_cast<size_t>(r)]), coll, r));
+    wrapped.push_back(
+        std::make_unique<HostRank>(std::move(ranks[static_cast<size_t>(r)]), coll, r));
   return std::make_unique<TpGroup>(std::move(wrapped));
 }
 

@@ -31,30 +31,66 @@ class TpGroup final : public Backend {
   // Everything else: rank 0.
   bool device_memory() const override { return ranks_[0]->device_memory(); }
   BackendBytes alloc_bytes(size_t bytes) override { return ranks_[0]->alloc_bytes(bytes); }
-  void upload_bytes(std::span<const std::byte> h, std::span<std::byte> d) override { ranks_[0]->upload_bytes(h, d); }
-  void download_bytes(std::span<const std::byte> d, std::span<std::byte> h) override { ranks_[0]->download_bytes(d, h); }
-  void copy_bytes(std::span<const std::byte> s, std::span<std::byte> d) override { ranks_[0]->copy_bytes(s, d); }
+  void upload_bytes(std::span<const std::byte> h, std::span<std::byte> d) override {
+    ranks_[0]->upload_bytes(h, d);
+  }
+  void download_bytes(std::span<const std::byte> d, std::span<std::byte> h) override {
+    ranks_[0]->download_bytes(d, h);
+  }
+  void copy_bytes(std::span<const std::byte> s, std::span<std::byte> d) override {
+    ranks_[0]->copy_bytes(s, d);
+  }
   void zero_bytes(std::span<std::byte> d) override { ranks_[0]->zero_bytes(d); }
   void synchronize() override;  // every rank
   double read_bandwidth_gbps() override { return ranks_[0]->read_bandwidth_gbps(); }
-  std::shared_ptr<void> register_host_memory(std::span<std::byte> m) override { return ranks_[0]->register_host_memory(m); }
-  void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok, std::span<float> y) override { ranks_[0]->matmul(w, x, n_tok, y); }
-  void matmul_batch(std::span<const MatmulTask> t, int64_t n_tok) override { ranks_[0]->matmul_batch(t, n_tok); }
-  void get_rows(const WeightMatrix& w, std::span<const int32_t> ids, std::span<float> out) override { ranks_[0]->get_rows(w, ids, out); }
-  void rmsnorm(std::span<const float> x, std::span<const float> w, int64_t n, float eps, std::span<float> y) override { ranks_[0]->rmsnorm(x, w, n, eps, y); }
-  void rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim, std::span<const int32_t> pos, const RopeParams& p) override { ranks_[0]->rope(x, n_tok, n_head, head_dim, pos, p); }
+  std::shared_ptr<void> register_host_memory(std::span<std::byte> m) override {
+    return ranks_[0]->register_host_memory(m);
+  }
+  void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
+              std::span<float> y) override {
+    ranks_[0]->matmul(w, x, n_tok, y);
+  }
+  void matmul_batch(std::span<const MatmulTask> t, int64_t n_tok) override {
+    ranks_[0]->matmul_batch(t, n_tok);
+  }
+  void get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
+                std::span<float> out) override {
+    ranks_[0]->get_rows(w, ids, out);
+  }
+  void rmsnorm(std::span<const float> x, std::span<const float> w, int64_t n, float eps,
+               std::span<float> y) override {
+    ranks_[0]->rmsnorm(x, w, n, eps, y);
+  }
+  void rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim,
+            std::span<const int32_t> pos, const RopeParams& p) override {
+    ranks_[0]->rope(x, n_tok, n_head, head_dim, pos, p);
+  }
   void softmax(std::span<float> x, int64_t n) override { ranks_[0]->softmax(x, n); }
-  void swiglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override { ranks_[0]->swiglu(g, u, o); }
-  void geglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override { ranks_[0]->geglu(g, u, o); }
-  void add(std::span<const float> a, std::span<const float> b, std::span<float> o) override { ranks_[0]->add(a, b, o); }
-  void mul(std::span<const float> a, std::span<const float> b, std::span<float> o) override { ranks_[0]->mul(a, b, o); }
+  void swiglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
+    ranks_[0]->swiglu(g, u, o);
+  }
+  void geglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
+    ranks_[0]->geglu(g, u, o);
+  }
+  void add(std::span<const float> a, std::span<const float> b, std::span<float> o) override {
+    ranks_[0]->add(a, b, o);
+  }
+  void mul(std::span<const float> a, std::span<const float> b, std::span<float> o) override {
+    ranks_[0]->mul(a, b, o);
+  }
   void scale(std::span<float> x, float s) override { ranks_[0]->scale(x, s); }
   void softcap(std::span<float> x, float cap) override { ranks_[0]->softcap(x, cap); }
   void sigmoid(std::span<float> x) override { ranks_[0]->sigmoid(x); }
-  void store_rows_f16(std::span<const float> src, int64_t width, std::span<const int32_t> rows, std::span<f16> plane) override { ranks_[0]->store_rows_f16(src, width, rows, plane); }
+  void store_rows_f16(std::span<const float> src, int64_t width, std::span<const int32_t> rows,
+                      std::span<f16> plane) override {
+    ranks_[0]->store_rows_f16(src, width, rows, plane);
+  }
   void attention(const AttentionArgs& a) override { ranks_[0]->attention(a); }
   int64_t argmax(std::span<const float> x) override { return ranks_[0]->argmax(x); }
-  void top_k(std::span<const float> x, int64_t n, int32_t k, std::span<int32_t> ids, std::span<float> vals) override { ranks_[0]->top_k(x, n, k, ids, vals); }
+  void top_k(std::span<const float> x, int64_t n, int32_t k, std::span<int32_t> ids,
+             std::span<float> vals) override {
+    ranks_[0]->top_k(x, n, k, ids, vals);
+  }
 
  private:
   void worker(int rank);

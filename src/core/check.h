@@ -24,9 +24,9 @@ std::string check_msg(fmt::format_string<Args...> f, Args&&... args) {
 }
 }  // namespace kiln::detail
 
-#define KILN_CHECK(cond, ...)                                                   \
-  do {                                                                          \
-    if (!(cond)) [[unlikely]]                                                   \
-      ::kiln::detail::check_failed(__FILE__, __LINE__, #cond,                   \
+#define KILN_CHECK(cond, ...)                                               \
+  do {                                                                      \
+    if (!(cond)) [[unlikely]]                                               \
+      ::kiln::detail::check_failed(__FILE__, __LINE__, #cond,               \
                                    ::kiln::detail::check_msg(__VA_ARGS__)); \
   } while (0)

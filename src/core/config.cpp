@@ -21,8 +21,14 @@ std::string lower(std::string_view s) {
 
 Status parse_into(std::string_view text, bool& out) {
   const std::string t = lower(text);
-  if (t == "1" || t == "true" || t == "on" || t == "yes") { out = true; return Status::ok(); }
-  if (t == "0" || t == "false" || t == "off" || t == "no") { out = false; return Status::ok(); }
+  if (t == "1" || t == "true" || t == "on" || t == "yes") {
+    out = true;
+    return Status::ok();
+  }
+  if (t == "0" || t == "false" || t == "off" || t == "no") {
+    out = false;
+    return Status::ok();
+  }
   return Status::errorf("'{}': expected a boolean (1/0, true/false, on/off, yes/no)", text);
 }
 
@@ -58,18 +64,24 @@ std::string to_text(const std::string& v) { return v; }
 
 template <typename T>
 constexpr ConfigType type_of() {
-  if constexpr (std::is_same_v<T, bool>) return ConfigType::Bool;
-  else if constexpr (std::is_same_v<T, int64_t>) return ConfigType::Int;
-  else if constexpr (std::is_same_v<T, double>) return ConfigType::Double;
+  if constexpr (std::is_same_v<T, bool>)
+    return ConfigType::Bool;
+  else if constexpr (std::is_same_v<T, int64_t>)
+    return ConfigType::Int;
+  else if constexpr (std::is_same_v<T, double>)
+    return ConfigType::Double;
   else {
     static_assert(std::is_same_v<T, std::string>, "config entries are bool/int64_t/double/string");
     return ConfigType::String;
   }
 }
 
-#define KILN_CONFIG_ENTRY(scope, type, name, def, help)                                  \
-  ConfigEntry{#name, type_of<type>(), ConfigScope::scope, help,                          \
-              [](const Config& c) { return to_text(c.name); },                           \
+#define KILN_CONFIG_ENTRY(scope, type, name, def, help)        \
+  ConfigEntry{#name,                                           \
+              type_of<type>(),                                 \
+              ConfigScope::scope,                              \
+              help,                                            \
+              [](const Config& c) { return to_text(c.name); }, \
               [](Config& c, std::string_view text) { return parse_into(text, c.name); }},
 const ConfigEntry kEntries[] = {
 #include "core/config_entries.h"
@@ -80,10 +92,14 @@ const ConfigEntry kEntries[] = {
 
 std::string_view config_type_name(ConfigType t) {
   switch (t) {
-    case ConfigType::Bool: return "bool";
-    case ConfigType::Int: return "int";
-    case ConfigType::Double: return "number";
-    case ConfigType::String: return "string";
+    case ConfigType::Bool:
+      return "bool";
+    case ConfigType::Int:
+      return "int";
+    case ConfigType::Double:
+      return "number";
+    case ConfigType::String:
+      return "string";
   }
   return "?";
 }
@@ -171,7 +187,8 @@ Expected<Config> load_config(const ConfigOverrides& cli, const EnvLookup& env) {
       auto kv = parse_dev_assignment(item);
       if (!kv) return kv.status().context("KILN_DEV");
       const ConfigEntry* e = find_config_entry(kv->first.substr(kDevPrefix.size()));
-      if (Status s = e->set(c, kv->second); !s) return s.context("KILN_DEV " + std::string(e->name));
+      if (Status s = e->set(c, kv->second); !s)
+        return s.context("KILN_DEV " + std::string(e->name));
     }
   }
   for (const auto& [given, text] : cli) {

@@ -35,8 +35,8 @@ struct ConfigEntry {
   ConfigType type;
   ConfigScope scope;
   std::string_view help;
-  std::string (*get)(const Config&);                 // current value as text
-  Status (*set)(Config&, std::string_view text);     // parse + store; error names the value
+  std::string (*get)(const Config&);              // current value as text
+  Status (*set)(Config&, std::string_view text);  // parse + store; error names the value
 
   std::string cli_flag() const;  // "--log-level"
   std::string env_name() const;  // "KILN_LOG_LEVEL" (Dev entries: set through KILN_DEV)

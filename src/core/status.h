@@ -47,13 +47,22 @@ class Status {
 template <typename T>
 class Expected {
  public:
-  Expected(T value) : v_(std::move(value)) {}                   // NOLINT: implicit by design
+  Expected(T value) : v_(std::move(value)) {}                    // NOLINT: implicit by design
   Expected(Status err) : v_(std::move(err)) { check_failed(); }  // NOLINT
   bool has_value() const { return v_.index() == 0; }
   explicit operator bool() const { return has_value(); }
-  T& value() & { check_value(); return std::get<0>(v_); }
-  const T& value() const& { check_value(); return std::get<0>(v_); }
-  T&& value() && { check_value(); return std::move(std::get<0>(v_)); }
+  T& value() & {
+    check_value();
+    return std::get<0>(v_);
+  }
+  const T& value() const& {
+    check_value();
+    return std::get<0>(v_);
+  }
+  T&& value() && {
+    check_value();
+    return std::move(std::get<0>(v_));
+  }
   T& operator*() & { return value(); }
   const T& operator*() const& { return value(); }
   T* operator->() { return &value(); }
@@ -84,22 +93,24 @@ class Expected {
 }  // namespace kiln
 
 // Propagate a failed Status / Expected out of the current function.
-#define KILN_TRY(expr)                                 \
-  do {                                                 \
-    auto&& kiln_try_s_ = (expr);                       \
+#define KILN_TRY(expr)                                           \
+  do {                                                           \
+    auto&& kiln_try_s_ = (expr);                                 \
     if (!kiln_try_s_) return ::kiln::detail_status(kiln_try_s_); \
   } while (0)
 
 namespace kiln {
 inline Status detail_status(const Status& s) { return s; }
 template <typename T>
-inline Status detail_status(const Expected<T>& e) { return e.status(); }
+inline Status detail_status(const Expected<T>& e) {
+  return e.status();
+}
 }  // namespace kiln
 
 #define KILN_CONCAT_INNER_(a, b) a##b
 #define KILN_CONCAT_(a, b) KILN_CONCAT_INNER_(a, b)
 // KILN_ASSIGN_OR_RETURN(auto x, expr): x = *expr or return its Status.
-#define KILN_ASSIGN_OR_RETURN(lhs, expr)                                   \
-  auto KILN_CONCAT_(kiln_e_, __LINE__) = (expr);                          \
+#define KILN_ASSIGN_OR_RETURN(lhs, expr)                                                 \
+  auto KILN_CONCAT_(kiln_e_, __LINE__) = (expr);                                         \
   if (!KILN_CONCAT_(kiln_e_, __LINE__)) return KILN_CONCAT_(kiln_e_, __LINE__).status(); \
   lhs = std::move(*KILN_CONCAT_(kiln_e_, __LINE__))

@@ -49,12 +49,12 @@ Expected<std::string> profile_pass(Backend& backend, const ProbePass& pass) {
       "| kernel | calls/step | µs/step | share | weight GB/s |\n|---|---:|---:|---:|---:|\n",
       pass.test, pass.decode ? "one decode step" : "the whole prompt");
   for (const CudaOpTime& op : ops)
-    out += fmt::format("| {} | {:.1f} | {:.1f} | {:.1f} % | {} |\n", op.op,
-                       double(op.calls) / steps, op.kernel_ms * 1e3 / steps,
-                       total_ms > 0 ? 100 * op.kernel_ms / total_ms : 0.0,
-                       op.bytes > 0 && op.kernel_ms > 0
-                           ? fmt::format("{:.0f}", double(op.bytes) / (op.kernel_ms * 1e-3) * 1e-9)
-                           : std::string("-"));
+    out +=
+        fmt::format("| {} | {:.1f} | {:.1f} | {:.1f} % | {} |\n", op.op, double(op.calls) / steps,
+                    op.kernel_ms * 1e3 / steps, total_ms > 0 ? 100 * op.kernel_ms / total_ms : 0.0,
+                    op.bytes > 0 && op.kernel_ms > 0
+                        ? fmt::format("{:.0f}", double(op.bytes) / (op.kernel_ms * 1e-3) * 1e-9)
+                        : std::string("-"));
   const double kernel_us = total_ms * 1e3 / steps;
   out += fmt::format(
       "\nkernels {:.1f} µs per step; the timed runs (graphs as configured) took {:.1f} µs per "
@@ -81,19 +81,17 @@ Expected<std::string> trace_pass(Backend& backend, const ProbePass& pass) {
       "µs/step | µs/call | busy added µs/step | of busy |\n|---|---:|---:|---:|---:|---:|\n",
       pass.test, pass.decode ? "one decode step" : "the whole prompt", s.kernels);
   for (const cuda::KernelTraceRow& row : s.rows)
-    out += fmt::format("| {} | {:.1f} | {:.1f} | {:.2f} | {:.1f} | {:.1f} % |\n", row.name,
-                       row.calls_per_step, row.us_per_step, row.us_per_call,
-                       row.added_us_per_step,
-                       s.busy_us_per_step > 0 ? 100 * row.added_us_per_step / s.busy_us_per_step
-                                              : 0.0);
+    out += fmt::format(
+        "| {} | {:.1f} | {:.1f} | {:.2f} | {:.1f} | {:.1f} % |\n", row.name, row.calls_per_step,
+        row.us_per_step, row.us_per_call, row.added_us_per_step,
+        s.busy_us_per_step > 0 ? 100 * row.added_us_per_step / s.busy_us_per_step : 0.0);
   out += fmt::format(
       "\nper step: kernels {:.1f} µs (overlaps counted twice), the GPU busy {:.1f} µs of a "
       "{:.1f} µs span (idle {:.1f} µs, {:.1f} %); this pass {:.1f} t/s\n",
       s.kernel_us_per_step, s.busy_us_per_step, s.span_us_per_step,
       s.span_us_per_step - s.busy_us_per_step,
-      s.span_us_per_step > 0
-          ? 100 * (s.span_us_per_step - s.busy_us_per_step) / s.span_us_per_step
-          : 0.0,
+      s.span_us_per_step > 0 ? 100 * (s.span_us_per_step - s.busy_us_per_step) / s.span_us_per_step
+                             : 0.0,
       *ts);
   return out;
 }

@@ -25,10 +25,10 @@ DeviceCounters device_counters(const Backend& backend);
 
 // What one pass of a benchmark is, for the tables below.
 struct ProbePass {
-  std::string test;        // "tg128", "pp512 @ d4096", ...
-  double steps = 1;        // steps in one pass (tokens generated, or 1 for a prompt)
-  bool decode = false;     // a step is one decode step (else the whole prompt)
-  double step_us = 0;      // the timed runs' time per step
+  std::string test;     // "tg128", "pp512 @ d4096", ...
+  double steps = 1;     // steps in one pass (tokens generated, or 1 for a prompt)
+  bool decode = false;  // a step is one decode step (else the whole prompt)
+  double step_us = 0;   // the timed runs' time per step
   // Runs the pass once; returns its tokens/s.
   std::function<Expected<double>()> run;
 };

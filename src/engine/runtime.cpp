@@ -77,9 +77,12 @@ Expected<EngineOptions> engine_options(const Config& config) {
                           config.cuda_f16_cache);
   c.f16_cache_bytes = config.cuda_f16_cache == -1 ? CudaOptions::kF16CacheAuto
                                                   : uint64_t(config.cuda_f16_cache) << 20;
-  if (config.cuda_matmul == "v2") c.matmul = CudaMatmul::V2;
-  else if (config.cuda_matmul == "v3") c.matmul = CudaMatmul::V3;
-  else if (config.cuda_matmul == "auto") c.matmul = CudaMatmul::Auto;
+  if (config.cuda_matmul == "v2")
+    c.matmul = CudaMatmul::V2;
+  else if (config.cuda_matmul == "v3")
+    c.matmul = CudaMatmul::V3;
+  else if (config.cuda_matmul == "auto")
+    c.matmul = CudaMatmul::Auto;
   else
     return Status::errorf("--dev cuda_matmul '{}': auto, v2 or v3", config.cuda_matmul);
   return o;
@@ -96,8 +99,9 @@ Expected<std::unique_ptr<Backend>> Runtime::make_backend(const Model& model,
     if (Status st = check_tensor_parallel(model, tp); !st)
       return Status::errorf("--tensor-parallel {}: {}", tp, st.message());
     if (streaming)
-      return Status::error("--tensor-parallel does not support MoE expert streaming "
-                           "(--expert-cache/--expert-cap)");
+      return Status::error(
+          "--tensor-parallel does not support MoE expert streaming "
+          "(--expert-cache/--expert-cap)");
     if (o.device == Device::Cpu) {
       std::vector<std::unique_ptr<Backend>> ranks;
       const int threads = o.threads > 0 ? o.threads : ThreadPool::default_threads();
@@ -113,9 +117,10 @@ Expected<std::unique_ptr<Backend>> Runtime::make_backend(const Model& model,
     if (!group) return Status::errorf("--tensor-parallel {}: {}", tp, group.error());
     return std::move(*group);
 #else
-    return Status::errorf("--tensor-parallel {} needs CUDA GPUs, and this kiln was built "
-                          "without CUDA (KILN_CUDA=OFF); --device cpu runs it on CPU backends",
-                          tp);
+    return Status::errorf(
+        "--tensor-parallel {} needs CUDA GPUs, and this kiln was built "
+        "without CUDA (KILN_CUDA=OFF); --device cpu runs it on CPU backends",
+        tp);
 #endif
   }
 #if KILN_WITH_CUDA
@@ -171,12 +176,14 @@ Expected<Runtime> Runtime::open(const std::string& path, const EngineOptions& op
   if (const GgufValue* v = rt.model_->gguf().find("tokenizer.chat_template");
       v && std::holds_alternative<std::string>(v->v)) {
     auto t = ChatTemplate::parse(v->str());
-    if (t) rt.chat_template_.emplace(std::move(*t));
-    else rt.chat_template_status_ = t.status().context(fmt::format("{}: tokenizer.chat_template", path));
+    if (t)
+      rt.chat_template_.emplace(std::move(*t));
+    else
+      rt.chat_template_status_ =
+          t.status().context(fmt::format("{}: tokenizer.chat_template", path));
   }
   KILN_ASSIGN_OR_RETURN(rt.backend_, make_backend(*rt.model_, options));
-  rt.load_seconds_ =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  rt.load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return rt;
 }
 

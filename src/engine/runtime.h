@@ -33,9 +33,9 @@ struct EngineOptions {
   // Auto: CUDA when this build has it and a GPU is present (a refused GPU: one notice line,
   // then the CPU); Cuda: an error naming the reason when there is none.
   Device device = Device::Auto;
-  int tensor_parallel = 1;  // ranks every layer is split over (1..64)
-  bool mlock = false;       // lock the mapped weights in RAM; fails open with a notice
-  moe::StoreConfig experts; // streamed MoE experts (host slab tier); off by default
+  int tensor_parallel = 1;   // ranks every layer is split over (1..64)
+  bool mlock = false;        // lock the mapped weights in RAM; fails open with a notice
+  moe::StoreConfig experts;  // streamed MoE experts (host slab tier); off by default
   // The CUDA expert tier (streamed experts only): device bytes (0: half the free memory),
   // eviction order, queued copies.
   uint64_t expert_device_cache = 0;

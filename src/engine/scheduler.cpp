@@ -16,10 +16,14 @@ namespace kiln {
 
 const char* finish_reason_name(FinishReason r) {
   switch (r) {
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kCancelled: return "cancelled";
-    case FinishReason::kError: return "error";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kCancelled:
+      return "cancelled";
+    case FinishReason::kError:
+      return "error";
   }
   return "error";
 }
@@ -51,13 +55,13 @@ struct Scheduler::Request {
 struct Scheduler::Slot {
   int32_t id = 0;
   std::unique_ptr<Session> session;
-  std::vector<int32_t> cached;  // tokens whose KV rows the session holds, in position order
+  std::vector<int32_t> cached;   // tokens whose KV rows the session holds, in position order
   std::unique_ptr<Request> req;  // null: idle
   size_t cursor = 0;             // next prompt token to evaluate
   bool decoding = false;
-  int32_t last = 0;              // sampled, not yet evaluated
+  int32_t last = 0;  // sampled, not yet evaluated
   int32_t n_generated = 0, n_reused = 0;
-  bool remote_pending = false;   // admitted with an empty cache; cfg_.remote_prefill not yet tried
+  bool remote_pending = false;  // admitted with an empty cache; cfg_.remote_prefill not yet tried
   // Speculative decoding scratch: the verify input [last, drafts...], the drafter's view of
   // the sequence, target probabilities [k + 1][n_vocab].
   std::vector<int32_t> spec_in, spec_hist;
@@ -129,7 +133,8 @@ Scheduler::Submitted Scheduler::submit(GenerationParams p) {
     return invalid(fmt::format("n_draft {} must be <= {}", p.n_draft, GenerationParams::kMaxDraft));
   auto sampler = Sampler::create(p.sampling, model_->n_vocab());
   if (!sampler) return invalid(sampler.error());
-  int32_t n_draft = p.n_draft < 0 ? std::min(cfg_.draft_ngram, GenerationParams::kMaxDraft) : p.n_draft;
+  int32_t n_draft =
+      p.n_draft < 0 ? std::min(cfg_.draft_ngram, GenerationParams::kMaxDraft) : p.n_draft;
   if (!validate_spec_sampling(p.sampling).is_ok()) n_draft = 0;  // plain decoding, same result
   // Penalties see the prompt, as in `kiln run`.
   for (int32_t id : p.prompt) sampler->accept(id);
@@ -150,8 +155,8 @@ Scheduler::Submitted Scheduler::submit(GenerationParams p) {
     if (static_cast<int32_t>(queue_.size()) >= cfg_.max_queue + idle) {
       ++counters_.requests_rejected;
       out.error = SubmitError::kQueueFull;
-      out.message = fmt::format("all {} slots busy and {} requests queued", cfg_.n_slots,
-                                queue_.size());
+      out.message =
+          fmt::format("all {} slots busy and {} requests queued", cfg_.n_slots, queue_.size());
       return out;
     }
     ++counters_.requests_total;
@@ -316,9 +321,10 @@ void Scheduler::step() {
     Slot& s = *slots_[(prefill_rr_ + k) % n];
     if (!s.req || s.decoding) continue;
     const std::vector<int32_t>& prompt = s.req->params.prompt;
-    const int64_t len = std::min<int64_t>({cfg_.prefill_chunk, room,
-                                           static_cast<int64_t>(prompt.size() - s.cursor)});
-    prefill.push_back({&s, std::span<const int32_t>(prompt).subspan(s.cursor, static_cast<size_t>(len))});
+    const int64_t len = std::min<int64_t>(
+        {cfg_.prefill_chunk, room, static_cast<int64_t>(prompt.size() - s.cursor)});
+    prefill.push_back(
+        {&s, std::span<const int32_t>(prompt).subspan(s.cursor, static_cast<size_t>(len))});
     room -= len;
   }
   prefill_rr_ = (prefill_rr_ + 1) % n;
@@ -384,13 +390,17 @@ void Scheduler::run_group(std::span<Work> work, bool batched) {
     for (size_t i = 0; i < work.size(); ++i) {
       if (top_k > 0) {
         auto out = work[i].slot->session->eval_top_k(work[i].tokens, top_k);
-        if (out) tops[i] = *out;
-        else errors[i] = out.error();
+        if (out)
+          tops[i] = *out;
+        else
+          errors[i] = out.error();
         continue;
       }
       auto out = work[i].slot->session->eval(work[i].tokens, work[i].n_draft > 0);
-      if (out) logits[i] = *out;
-      else errors[i] = out.error();  // each session owns its logits buffer: spans stay valid
+      if (out)
+        logits[i] = *out;
+      else
+        errors[i] = out.error();  // each session owns its logits buffer: spans stay valid
     }
   }
   const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -411,9 +421,12 @@ void Scheduler::run_group(std::span<Work> work, bool batched) {
   }
   for (size_t i = 0; i < work.size(); ++i) {
     Slot& s = *work[i].slot;
-    if (!errors[i].empty()) finish(s, FinishReason::kError, errors[i]);
-    else if (work[i].n_draft > 0) accept_drafts(s, work[i], logits[i]);
-    else advance(s, work[i].tokens, logits[i], top_k > 0 ? &tops[i] : nullptr);
+    if (!errors[i].empty())
+      finish(s, FinishReason::kError, errors[i]);
+    else if (work[i].n_draft > 0)
+      accept_drafts(s, work[i], logits[i]);
+    else
+      advance(s, work[i].tokens, logits[i], top_k > 0 ? &tops[i] : nullptr);
     std::lock_guard lk(mu_);
     slot_pos_[s.id] = s.session->n_pos();
     slot_kv_bytes_[s.id] = s.session->kv_bytes();
@@ -440,9 +453,9 @@ void Scheduler::draft(Slot& s, Work& w) {
   const Request& r = *s.req;
   // The verify input must fit one KV append (rings roll back only within the last batch),
   // the context, and the tokens the request may still emit (the target adds one of its own).
-  const int64_t k = std::min<int64_t>({r.n_draft, s.session->max_batch() - 1,
-                                       n_ctx_ - s.session->n_pos() - 1,
-                                       r.params.max_tokens - s.n_generated - 1});
+  const int64_t k =
+      std::min<int64_t>({r.n_draft, s.session->max_batch() - 1, n_ctx_ - s.session->n_pos() - 1,
+                         r.params.max_tokens - s.n_generated - 1});
   if (k <= 0) return;
   s.spec_hist.assign(s.cached.begin(), s.cached.end());
   s.spec_hist.push_back(s.last);
@@ -476,8 +489,8 @@ void Scheduler::accept_drafts(Slot& s, const Work& w, std::span<const float> row
     // The drafts are deterministic (q one-hot): the rejection rule on the target's p.
     s.spec_p.resize(static_cast<size_t>(k + 1) * static_cast<size_t>(V));
     for (int32_t i = 0; i <= k; ++i) {
-      sampling_probs(rows.subspan(static_cast<size_t>(i) * V, V), r.params.sampling,
-                     s.spec_scratch, s.spec_row);
+      sampling_probs(rows.subspan(static_cast<size_t>(i) * V, V), r.params.sampling, s.spec_scratch,
+                     s.spec_row);
       std::copy(s.spec_row.begin(), s.spec_row.end(), s.spec_p.begin() + ptrdiff_t(i) * V);
     }
     vr = verify_sampled(s.spec_p, {}, drafts, V, r.spec_rng);

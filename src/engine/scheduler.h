@@ -36,10 +36,10 @@
 namespace kiln {
 
 struct SchedulerConfig {
-  int32_t n_slots = 4;         // concurrent sequences (--parallel)
-  int32_t n_ctx = 0;           // positions per slot; <= 0: min(training context, 4096)
-  int32_t prefill_chunk = 256; // most prompt tokens one slot evaluates per step
-  int32_t max_queue = 64;      // requests waiting for a slot; beyond it submit() refuses
+  int32_t n_slots = 4;           // concurrent sequences (--parallel)
+  int32_t n_ctx = 0;             // positions per slot; <= 0: min(training context, 4096)
+  int32_t prefill_chunk = 256;   // most prompt tokens one slot evaluates per step
+  int32_t max_queue = 64;        // requests waiting for a slot; beyond it submit() refuses
   std::vector<int32_t> eog_ids;  // ids that end generation (tokenizer's end-of-generation set)
   // All decoding slots share one forward call per step. false: one call per slot (the
   // unbatched path, kept so benchmarks can compare both in one process).
@@ -66,8 +66,8 @@ struct SchedulerConfig {
 struct GenerationParams {
   std::vector<int32_t> prompt;  // token ids, non-empty, each in [0, n_vocab)
   SamplerParams sampling;
-  int32_t max_tokens = 16;      // >= 1; prompt + max_tokens may exceed n_ctx (stops at n_ctx)
-  int32_t top_logprobs = -1;    // < 0: no logprobs; 0..20: chosen token's + this many top ones
+  int32_t max_tokens = 16;    // >= 1; prompt + max_tokens may exceed n_ctx (stops at n_ctx)
+  int32_t top_logprobs = -1;  // < 0: no logprobs; 0..20: chosen token's + this many top ones
   // Speculative decoding with n-gram (prompt lookup) drafts: up to this many draft tokens
   // per decode step, verified in the slot's share of the step's forward pass (0: off, < 0:
   // SchedulerConfig::draft_ngram; at most kMaxDraft). Greedy requests get exactly the ids of
@@ -90,13 +90,13 @@ struct GenEvent {
   enum class Kind { kToken, kDone } kind = Kind::kToken;
   // kToken
   int32_t id = 0;
-  float logprob = 0;                // log-softmax of the raw logits (only with top_logprobs >= 0)
-  std::vector<TokenLogprob> top;    // most likely ids, best first
+  float logprob = 0;              // log-softmax of the raw logits (only with top_logprobs >= 0)
+  std::vector<TokenLogprob> top;  // most likely ids, best first
   // kDone
   FinishReason finish = FinishReason::kStop;
-  std::string error;                // kError: what went wrong
-  int32_t n_prompt = 0;             // prompt tokens
-  int32_t n_reused = 0;             // prompt tokens whose KV rows were reused from the slot
+  std::string error;     // kError: what went wrong
+  int32_t n_prompt = 0;  // prompt tokens
+  int32_t n_reused = 0;  // prompt tokens whose KV rows were reused from the slot
   int32_t n_generated = 0;
   int32_t slot = -1;
 };

@@ -172,8 +172,9 @@ const KvCache& Session::kv_cache() const { return impl_->ranks[0].kv; }
 
 Status Session::install_kv(KvCache&& kv) {
   if (tp_size() > 1)
-    return Status::error("install_kv: a tensor-parallel session's KV is split over its GPUs "
-                         "(kvpack does not carry it)");
+    return Status::error(
+        "install_kv: a tensor-parallel session's KV is split over its GPUs "
+        "(kvpack does not carry it)");
   const KvCache& mine = impl_->kv();
   bool same = kv.n_layers() == mine.n_layers() && kv.n_ctx() == mine.n_ctx() &&
               kv.max_batch() == mine.max_batch() && kv.n_pending() == 0;
@@ -230,8 +231,10 @@ Status Session::eval_impl(std::span<const int32_t> tokens, bool all_logits, int3
     }
     s.bind_layers(hp.n_layer);
     std::span<float> out;
-    if (all_logits) out = logits_.span().subspan(static_cast<size_t>(done * V), static_cast<size_t>(chunk * V));
-    else if (last_chunk) out = logits_.span();
+    if (all_logits)
+      out = logits_.span().subspan(static_cast<size_t>(done * V), static_cast<size_t>(chunk * V));
+    else if (last_chunk)
+      out = logits_.span();
     else {
       // Earlier chunks' logits are not wanted, but forward() always produces one row.
       s.discard.resize(static_cast<size_t>(V));
@@ -266,16 +269,16 @@ Status Session::eval_impl(std::span<const int32_t> tokens, bool all_logits, int3
 }
 
 struct BatchEval::Impl {
-  std::vector<model::Shard> shards;          // [tp_size]
+  std::vector<model::Shard> shards;  // [tp_size]
   struct Rank {
     model::ForwardState fwd;
-    std::vector<model::LayerKv> layer_kv;    // [n_items][n_layer]
-    std::vector<model::SeqSlice> seqs;       // [n_items]
+    std::vector<model::LayerKv> layer_kv;  // [n_items][n_layer]
+    std::vector<model::SeqSlice> seqs;     // [n_items]
   };
-  std::vector<Rank> ranks;                   // [tp_size]
-  std::vector<int32_t> tokens, pos;          // [n_tok] the items' tokens, concatenated
-  HostLogits logits;                         // [rows][n_vocab]
-  std::vector<int32_t> top_ids;              // eval_top_k: [items][k]
+  std::vector<Rank> ranks;           // [tp_size]
+  std::vector<int32_t> tokens, pos;  // [n_tok] the items' tokens, concatenated
+  HostLogits logits;                 // [rows][n_vocab]
+  std::vector<int32_t> top_ids;      // eval_top_k: [items][k]
   std::vector<float> top_vals;
 };
 
@@ -320,8 +323,8 @@ Status BatchEval::eval_impl(std::span<const Item> items, int32_t top_k) {
     if (Status st = model::validate_batch(hp, items[i].tokens, s->n_pos(), s->n_ctx()); !st)
       return st.context(fmt::format("batch item {}", i));
     if (n > s->max_batch())
-      return Status::errorf("batch item {}: {} tokens exceed the session's batch limit {}", i,
-                            n, s->max_batch());
+      return Status::errorf("batch item {}: {} tokens exceed the session's batch limit {}", i, n,
+                            s->max_batch());
     total += n;
     rows += items[i].all_logits ? n : 1;
   }

@@ -133,7 +133,7 @@ class Session {
   struct Impl;  // KV cache + forward scratch (session.cpp)
   std::unique_ptr<Impl> impl_;
   Status eval_impl(std::span<const int32_t> tokens, bool all_logits, int32_t top_k);
-  HostLogits logits_;  // [n_out][n_vocab]
+  HostLogits logits_;             // [n_out][n_vocab]
   std::vector<int32_t> top_ids_;  // eval_top_k: [k]
   std::vector<float> top_vals_;
   model::Capture* capture_ = nullptr;
@@ -154,9 +154,9 @@ class BatchEval {
   BatchEval& operator=(const BatchEval&) = delete;
 
   struct Item {
-    Session* session = nullptr;         // distinct sessions of this BatchEval's model
-    std::span<const int32_t> tokens;    // appended at session->n_pos().., <= its max_batch()
-    bool all_logits = false;            // every token's logits, not only the last one's
+    Session* session = nullptr;       // distinct sessions of this BatchEval's model
+    std::span<const int32_t> tokens;  // appended at session->n_pos().., <= its max_batch()
+    bool all_logits = false;          // every token's logits, not only the last one's
   };
   // Appends each item's tokens to its session and returns logits row-major [rows][n_vocab]:
   // item by item, one row (its last token) or, with all_logits, one per token; valid until

@@ -32,7 +32,8 @@ Expected<std::unique_ptr<ModelDrafter>> ModelDrafter::create(std::shared_ptr<con
         "draft model vocabulary has {} tokens but the target's has {}; speculative decoding "
         "needs the same vocabulary",
         draft->n_vocab(), target_n_vocab);
-  return std::unique_ptr<ModelDrafter>(new ModelDrafter(std::move(draft), backend, n_ctx, max_batch));
+  return std::unique_ptr<ModelDrafter>(
+      new ModelDrafter(std::move(draft), backend, n_ctx, max_batch));
 }
 
 Status ModelDrafter::sync(std::span<const int32_t> history) {
@@ -211,7 +212,8 @@ Expected<SpecStep> SpeculativeDecoder::step() {
                             drafter_.name(), draft_.tokens.size(), k);
     for (int32_t t : draft_.tokens)
       if (t < 0 || t >= V)
-        return Status::errorf("{} drafter proposed token {} outside the vocabulary", drafter_.name(), t);
+        return Status::errorf("{} drafter proposed token {} outside the vocabulary",
+                              drafter_.name(), t);
     if (!draft_.probs.empty() && draft_.probs.size() != draft_.tokens.size() * size_t(V))
       return Status::errorf("{} drafter returned {} probabilities for {} tokens", drafter_.name(),
                             draft_.probs.size(), draft_.tokens.size());
@@ -237,8 +239,8 @@ Expected<SpecStep> SpeculativeDecoder::step() {
   } else {
     p_.resize(size_t(n_draft + 1) * size_t(V));
     for (int32_t i = 0; i <= n_draft; ++i) {
-      sampling_probs(logits->subspan(size_t(i) * size_t(V), size_t(V)), params_.sampling,
-                     scratch_, row_);
+      sampling_probs(logits->subspan(size_t(i) * size_t(V), size_t(V)), params_.sampling, scratch_,
+                     row_);
       std::copy(row_.begin(), row_.end(), p_.begin() + ptrdiff_t(i) * V);
     }
     vr = verify_sampled(p_, draft_.probs, draft_.tokens, V, rng_);

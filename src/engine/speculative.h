@@ -77,8 +77,8 @@ class ModelDrafter final : public Drafter {
                                                         Backend& backend, int32_t n_ctx,
                                                         int32_t target_n_vocab,
                                                         int32_t max_batch = 0);
-  uint64_t n_reprefills() const { return n_reprefills_; }  // ring rollbacks that fell back
-  size_t n_evaluated() const { return evaluated_.size(); }   // tokens the draft KV holds
+  uint64_t n_reprefills() const { return n_reprefills_; }   // ring rollbacks that fell back
+  size_t n_evaluated() const { return evaluated_.size(); }  // tokens the draft KV holds
   std::string name() const override { return "draft-model"; }
   Status propose(const DraftRequest& req, Draft& out) override;
   Status prepare(std::span<const int32_t> prompt) override;
@@ -107,8 +107,8 @@ class NgramDrafter final : public Drafter {
 };
 
 struct SpecParams {
-  int32_t n_draft = 4;                 // k: draft tokens per verify step (>= 1)
-  SamplerParams sampling;              // target; temperature <= 0: greedy verification
+  int32_t n_draft = 4;     // k: draft tokens per verify step (>= 1)
+  SamplerParams sampling;  // target; temperature <= 0: greedy verification
   // Draft sampling when sampling (ignored for greedy). Any q is correct (the rejection rule
   // corrects it); closer to the target's p means longer acceptance.
   SamplerParams draft_sampling;
@@ -126,7 +126,7 @@ struct SpecStats {
 };
 
 struct SpecStep {
-  std::vector<int32_t> tokens;   // emitted this step (>= 1): accepted drafts + target's own
+  std::vector<int32_t> tokens;  // emitted this step (>= 1): accepted drafts + target's own
   int32_t n_drafted = 0;
   int32_t n_accepted = 0;
   // Target logits of the kept verify rows ([n_accepted + 1][n_vocab]): row i scored the

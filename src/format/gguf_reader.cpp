@@ -23,11 +23,21 @@ bool valid_utf8(std::string_view s) {
     unsigned c = p[i];
     size_t len;
     uint32_t cp;
-    if (c < 0x80) { ++i; continue; }
-    if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; }
-    else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; }
-    else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; }
-    else return false;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    if ((c & 0xE0) == 0xC0) {
+      len = 2;
+      cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3;
+      cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4;
+      cp = c & 0x07;
+    } else
+      return false;
     if (i + len > n) return false;
     for (size_t k = 1; k < len; ++k) {
       if ((p[i + k] & 0xC0) != 0x80) return false;
@@ -44,12 +54,25 @@ bool valid_utf8(std::string_view s) {
 // Minimum bytes one element of a type occupies on disk (strings: the 8-byte length).
 uint64_t min_encoded_size(GgufType t) {
   switch (t) {
-    case GgufType::UINT8: case GgufType::INT8: case GgufType::BOOL: return 1;
-    case GgufType::UINT16: case GgufType::INT16: return 2;
-    case GgufType::UINT32: case GgufType::INT32: case GgufType::FLOAT32: return 4;
-    case GgufType::UINT64: case GgufType::INT64: case GgufType::FLOAT64: return 8;
-    case GgufType::STRING: return 8;
-    case GgufType::ARRAY: return 12;
+    case GgufType::UINT8:
+    case GgufType::INT8:
+    case GgufType::BOOL:
+      return 1;
+    case GgufType::UINT16:
+    case GgufType::INT16:
+      return 2;
+    case GgufType::UINT32:
+    case GgufType::INT32:
+    case GgufType::FLOAT32:
+      return 4;
+    case GgufType::UINT64:
+    case GgufType::INT64:
+    case GgufType::FLOAT64:
+      return 8;
+    case GgufType::STRING:
+      return 8;
+    case GgufType::ARRAY:
+      return 12;
   }
   return 1;
 }
@@ -68,8 +91,10 @@ std::string shown(std::string_view s) {
   std::string out;
   for (size_t i = 0; i < s.size() && i < kMax; ++i) {
     const auto c = static_cast<unsigned char>(s[i]);
-    if (c < 0x20 || c == 0x7F) out += fmt::format("\\x{:02x}", c);
-    else out += static_cast<char>(c);
+    if (c < 0x20 || c == 0x7F)
+      out += fmt::format("\\x{:02x}", c);
+    else
+      out += static_cast<char>(c);
   }
   if (s.size() > kMax) out += fmt::format("... ({} bytes)", s.size());
   return out;
@@ -78,17 +103,22 @@ std::string shown(std::string_view s) {
 }  // namespace
 
 std::string_view gguf_type_name(GgufType t) {
-  static constexpr std::string_view names[] = {"u8",   "i8",     "u16",   "i16", "u32",
-                                               "i32",  "f32",    "bool",  "str", "array",
-                                               "u64",  "i64",    "f64"};
+  static constexpr std::string_view names[] = {"u8",   "i8",  "u16",   "i16", "u32", "i32", "f32",
+                                               "bool", "str", "array", "u64", "i64", "f64"};
   auto i = static_cast<uint32_t>(t);
   return i < std::size(names) ? names[i] : std::string_view("?");
 }
 
 bool GgufValue::is_integer() const {
   switch (type) {
-    case GgufType::UINT8: case GgufType::INT8: case GgufType::UINT16: case GgufType::INT16:
-    case GgufType::UINT32: case GgufType::INT32: case GgufType::UINT64: case GgufType::INT64:
+    case GgufType::UINT8:
+    case GgufType::INT8:
+    case GgufType::UINT16:
+    case GgufType::INT16:
+    case GgufType::UINT32:
+    case GgufType::INT32:
+    case GgufType::UINT64:
+    case GgufType::INT64:
       return true;
     default:
       return false;
@@ -112,7 +142,8 @@ class GgufParser {
                   uint8_t(m[0]), uint8_t(m[1]), uint8_t(m[2]), uint8_t(m[3]));
     }
     uint32_t version = 0;
-    if (!read_raw(&version, 4)) return fail("truncated at the version field (file is {} bytes)", size);
+    if (!read_raw(&version, 4))
+      return fail("truncated at the version field (file is {} bytes)", size);
     if (version == 1) return fail("GGUF version 1 is not supported (only versions 2 and 3)");
     if ((version & 0xFFFF) == 0 && version != 0)
       return fail("GGUF version field {:#x} looks byte-swapped: big-endian files are not supported",
@@ -128,7 +159,8 @@ class GgufParser {
     // info at least 8 + 4 + 8 + 4 + 8 bytes. Counts that could not fit are rejected before
     // anything is reserved.
     if (n_kv > remaining() / 13)
-      return fail("metadata count {} cannot fit in the {} bytes left in the file", n_kv, remaining());
+      return fail("metadata count {} cannot fit in the {} bytes left in the file", n_kv,
+                  remaining());
     if (n_tensors > remaining() / 32)
       return fail("tensor count {} cannot fit in the {} bytes left in the file", n_tensors,
                   remaining());
@@ -141,7 +173,8 @@ class GgufParser {
       if (!valid_utf8(kv.key)) return fail("metadata pair {}: key is not valid UTF-8", i);
       uint32_t type = 0;
       if (!read_raw(&type, 4)) return fail("metadata '{}': truncated at its type", shown(kv.key));
-      if (!known_type(type)) return fail("metadata '{}': unknown value type {}", shown(kv.key), type);
+      if (!known_type(type))
+        return fail("metadata '{}': unknown value type {}", shown(kv.key), type);
       if (!read_value(static_cast<GgufType>(type), kv.value, 0))
         return fail("metadata '{}': {}", shown(kv.key), err_);
       if (g.kv_index_.count(kv.key)) return fail("duplicate metadata key '{}'", shown(kv.key));
@@ -150,8 +183,8 @@ class GgufParser {
     }
 
     if (const GgufValue* a = g.find("general.alignment")) {
-      if (!a->is_integer()) return fail("general.alignment has type {}, expected an integer",
-                                        gguf_type_name(a->type));
+      if (!a->is_integer())
+        return fail("general.alignment has type {}, expected an integer", gguf_type_name(a->type));
       auto al = gguf_convert<uint64_t>(*a, "general.alignment");
       if (!al || *al == 0 || (*al & (*al - 1)) != 0 || *al > (1u << 30))
         return fail("general.alignment must be a power of two (got {})",
@@ -168,7 +201,8 @@ class GgufParser {
       if (!read_string(t.name)) return fail("tensor {}: name: {}", i, err_);
       if (t.name.empty()) return fail("tensor {}: empty name", i);
       if (t.name.size() > kMaxTensorName)
-        return fail("tensor {}: name is {} bytes long (at most {})", i, t.name.size(), kMaxTensorName);
+        return fail("tensor {}: name is {} bytes long (at most {})", i, t.name.size(),
+                    kMaxTensorName);
       uint32_t n_dims = 0;
       if (!read_raw(&n_dims, 4)) return fail("tensor '{}': truncated at n_dims", shown(t.name));
       if (n_dims < 1 || n_dims > kMaxDims)
@@ -177,7 +211,8 @@ class GgufParser {
       for (uint32_t d = 0; d < n_dims; ++d) {
         int64_t ne = 0;
         if (!read_raw(&ne, 8)) return fail("tensor '{}': truncated in its shape", shown(t.name));
-        if (ne < 1) return fail("tensor '{}': dimension {} is {} (must be >= 1)", shown(t.name), d, ne);
+        if (ne < 1)
+          return fail("tensor '{}': dimension {} is {} (must be >= 1)", shown(t.name), d, ne);
         t.ne[d] = ne;
       }
       uint32_t type = 0;
@@ -185,18 +220,19 @@ class GgufParser {
       auto tr = dtype_traits(type);
       if (!tr) return fail("tensor '{}': unknown tensor type {}", shown(t.name), type);
       t.dtype = static_cast<DType>(type);
-      if (!read_raw(&t.offset, 8)) return fail("tensor '{}': truncated at its offset", shown(t.name));
+      if (!read_raw(&t.offset, 8))
+        return fail("tensor '{}': truncated at its offset", shown(t.name));
 
       // Element count and byte size, each multiplication checked against overflow.
       int64_t n_el = 1;
       for (int d = 0; d < kMaxDims; ++d) {
         if (__builtin_mul_overflow(n_el, t.ne[d], &n_el))
-          return fail("tensor '{}': shape [{}, {}, {}, {}] overflows 64 bits", shown(t.name), t.ne[0],
-                      t.ne[1], t.ne[2], t.ne[3]);
+          return fail("tensor '{}': shape [{}, {}, {}, {}] overflows 64 bits", shown(t.name),
+                      t.ne[0], t.ne[1], t.ne[2], t.ne[3]);
       }
       if (t.ne[0] % tr->block_size != 0)
-        return fail("tensor '{}': row length {} is not a multiple of the {} block size {}", shown(t.name),
-                    t.ne[0], tr->name, tr->block_size);
+        return fail("tensor '{}': row length {} is not a multiple of the {} block size {}",
+                    shown(t.name), t.ne[0], tr->name, tr->block_size);
       uint64_t n_bytes = 0;
       if (__builtin_mul_overflow(static_cast<uint64_t>(n_el / tr->block_size),
                                  static_cast<uint64_t>(tr->type_size), &n_bytes))
@@ -221,9 +257,10 @@ class GgufParser {
     for (const TensorInfo& t : g.tensors_) {
       uint64_t end = 0;
       if (__builtin_add_overflow(t.offset, t.n_bytes, &end) || end > data_size)
-        return fail("tensor '{}': data at offset {} + {} bytes runs past the end of the data "
-                    "section ({} bytes, file is {} bytes)",
-                    shown(t.name), t.offset, t.n_bytes, data_size, size);
+        return fail(
+            "tensor '{}': data at offset {} + {} bytes runs past the end of the data "
+            "section ({} bytes, file is {} bytes)",
+            shown(t.name), t.offset, t.n_bytes, data_size, size);
     }
     // No two tensors may share bytes: sort by offset and compare neighbours.
     std::vector<const TensorInfo*> by_off;
@@ -235,8 +272,8 @@ class GgufParser {
       const TensorInfo* a = by_off[i - 1];
       const TensorInfo* b = by_off[i];
       if (a->offset + a->n_bytes > b->offset)
-        return fail("tensors '{}' (offset {}, {} bytes) and '{}' (offset {}) overlap", shown(a->name),
-                    a->offset, a->n_bytes, shown(b->name), b->offset);
+        return fail("tensors '{}' (offset {}, {} bytes) and '{}' (offset {}) overlap",
+                    shown(a->name), a->offset, a->n_bytes, shown(b->name), b->offset);
     }
     return g;
   }
@@ -285,16 +322,26 @@ class GgufParser {
   bool read_value(GgufType type, GgufValue& v, int depth) {
     v.type = type;
     switch (type) {
-      case GgufType::UINT8: return read_num<uint8_t, uint64_t>(v);
-      case GgufType::INT8: return read_num<int8_t, int64_t>(v);
-      case GgufType::UINT16: return read_num<uint16_t, uint64_t>(v);
-      case GgufType::INT16: return read_num<int16_t, int64_t>(v);
-      case GgufType::UINT32: return read_num<uint32_t, uint64_t>(v);
-      case GgufType::INT32: return read_num<int32_t, int64_t>(v);
-      case GgufType::UINT64: return read_num<uint64_t, uint64_t>(v);
-      case GgufType::INT64: return read_num<int64_t, int64_t>(v);
-      case GgufType::FLOAT32: return read_num<float, double>(v);
-      case GgufType::FLOAT64: return read_num<double, double>(v);
+      case GgufType::UINT8:
+        return read_num<uint8_t, uint64_t>(v);
+      case GgufType::INT8:
+        return read_num<int8_t, int64_t>(v);
+      case GgufType::UINT16:
+        return read_num<uint16_t, uint64_t>(v);
+      case GgufType::INT16:
+        return read_num<int16_t, int64_t>(v);
+      case GgufType::UINT32:
+        return read_num<uint32_t, uint64_t>(v);
+      case GgufType::INT32:
+        return read_num<int32_t, int64_t>(v);
+      case GgufType::UINT64:
+        return read_num<uint64_t, uint64_t>(v);
+      case GgufType::INT64:
+        return read_num<int64_t, int64_t>(v);
+      case GgufType::FLOAT32:
+        return read_num<float, double>(v);
+      case GgufType::FLOAT64:
+        return read_num<double, double>(v);
       case GgufType::BOOL: {
         uint8_t b = 0;
         if (!read_raw(&b, 1)) return false;
@@ -331,8 +378,10 @@ class GgufParser {
           return false;
         }
         if (n > array_budget_) {
-          err_ = fmt::format("array of {} elements exceeds the limit of {} array elements in "
-                             "all metadata", n, kMaxArrayElements);
+          err_ = fmt::format(
+              "array of {} elements exceeds the limit of {} array elements in "
+              "all metadata",
+              n, kMaxArrayElements);
           return false;
         }
         array_budget_ -= n;
@@ -467,9 +516,9 @@ Expected<std::vector<T>> GgufFile::get_array(std::string_view key) const {
   return out;
 }
 
-#define KILN_GGUF_INSTANTIATE(T)                                               \
-  template Expected<T> gguf_convert<T>(const GgufValue&, std::string_view);   \
-  template Expected<T> GgufFile::get<T>(std::string_view) const;              \
+#define KILN_GGUF_INSTANTIATE(T)                                            \
+  template Expected<T> gguf_convert<T>(const GgufValue&, std::string_view); \
+  template Expected<T> GgufFile::get<T>(std::string_view) const;            \
   template Expected<std::vector<T>> GgufFile::get_array<T>(std::string_view) const;
 KILN_GGUF_INSTANTIATE(bool)
 KILN_GGUF_INSTANTIATE(std::string)

@@ -80,8 +80,10 @@ Status check_value(const GgufValue& v, std::string_view key, int depth) {
   } else if (is_signed_type(v.type)) {
     if (!std::holds_alternative<int64_t>(v.v)) return bad();
     const int64_t x = std::get<int64_t>(v.v);
-    const int bits = v.type == GgufType::INT8 ? 8 : v.type == GgufType::INT16 ? 16
-                     : v.type == GgufType::INT32 ? 32 : 64;
+    const int bits = v.type == GgufType::INT8    ? 8
+                     : v.type == GgufType::INT16 ? 16
+                     : v.type == GgufType::INT32 ? 32
+                                                 : 64;
     if (bits < 64 && (x < -(int64_t(1) << (bits - 1)) || x >= (int64_t(1) << (bits - 1))))
       return Status::errorf("metadata '{}': {} does not fit type {}", key, x,
                             gguf_type_name(v.type));
@@ -109,18 +111,42 @@ Status check_value(const GgufValue& v, std::string_view key, int depth) {
 
 void put_value(Sink& s, const GgufValue& v) {
   switch (v.type) {
-    case GgufType::UINT8: s.raw<uint8_t>(uint8_t(std::get<uint64_t>(v.v))); break;
-    case GgufType::UINT16: s.raw<uint16_t>(uint16_t(std::get<uint64_t>(v.v))); break;
-    case GgufType::UINT32: s.raw<uint32_t>(uint32_t(std::get<uint64_t>(v.v))); break;
-    case GgufType::UINT64: s.raw<uint64_t>(std::get<uint64_t>(v.v)); break;
-    case GgufType::INT8: s.raw<int8_t>(int8_t(std::get<int64_t>(v.v))); break;
-    case GgufType::INT16: s.raw<int16_t>(int16_t(std::get<int64_t>(v.v))); break;
-    case GgufType::INT32: s.raw<int32_t>(int32_t(std::get<int64_t>(v.v))); break;
-    case GgufType::INT64: s.raw<int64_t>(std::get<int64_t>(v.v)); break;
-    case GgufType::FLOAT32: s.raw<float>(float(std::get<double>(v.v))); break;
-    case GgufType::FLOAT64: s.raw<double>(std::get<double>(v.v)); break;
-    case GgufType::BOOL: s.raw<uint8_t>(std::get<bool>(v.v) ? 1 : 0); break;
-    case GgufType::STRING: s.str(v.str()); break;
+    case GgufType::UINT8:
+      s.raw<uint8_t>(uint8_t(std::get<uint64_t>(v.v)));
+      break;
+    case GgufType::UINT16:
+      s.raw<uint16_t>(uint16_t(std::get<uint64_t>(v.v)));
+      break;
+    case GgufType::UINT32:
+      s.raw<uint32_t>(uint32_t(std::get<uint64_t>(v.v)));
+      break;
+    case GgufType::UINT64:
+      s.raw<uint64_t>(std::get<uint64_t>(v.v));
+      break;
+    case GgufType::INT8:
+      s.raw<int8_t>(int8_t(std::get<int64_t>(v.v)));
+      break;
+    case GgufType::INT16:
+      s.raw<int16_t>(int16_t(std::get<int64_t>(v.v)));
+      break;
+    case GgufType::INT32:
+      s.raw<int32_t>(int32_t(std::get<int64_t>(v.v)));
+      break;
+    case GgufType::INT64:
+      s.raw<int64_t>(std::get<int64_t>(v.v));
+      break;
+    case GgufType::FLOAT32:
+      s.raw<float>(float(std::get<double>(v.v)));
+      break;
+    case GgufType::FLOAT64:
+      s.raw<double>(std::get<double>(v.v));
+      break;
+    case GgufType::BOOL:
+      s.raw<uint8_t>(std::get<bool>(v.v) ? 1 : 0);
+      break;
+    case GgufType::STRING:
+      s.str(v.str());
+      break;
     case GgufType::ARRAY: {
       const GgufArray& a = v.arr();
       s.raw<uint32_t>(static_cast<uint32_t>(a.elem_type));
@@ -174,8 +200,9 @@ void GgufWriter::set(const std::string& key, GgufValue value) {
     // The layout follows the declared alignment, so the two can never disagree.
     auto al = gguf_convert<uint32_t>(value, key);
     if (!al || *al == 0 || (*al & (*al - 1)) != 0)
-      return note_error(Status::errorf("GGUF writer: general.alignment must be a power of two "
-                                       "that fits u32"));
+      return note_error(
+          Status::errorf("GGUF writer: general.alignment must be a power of two "
+                         "that fits u32"));
     alignment_ = *al;
   }
   for (GgufKV& kv : kvs_) {
@@ -242,8 +269,9 @@ Status GgufWriter::check_tensor(const std::string& name, DType dtype,
   for (const Tensor& t : tensors_)
     if (t.name == name) return Status::errorf("GGUF writer: duplicate tensor '{}'", name);
   auto tr = dtype_traits(static_cast<uint32_t>(dtype));
-  if (!tr) return Status::errorf("GGUF writer: tensor '{}': unknown dtype {}", name,
-                                 static_cast<uint32_t>(dtype));
+  if (!tr)
+    return Status::errorf("GGUF writer: tensor '{}': unknown dtype {}", name,
+                          static_cast<uint32_t>(dtype));
   if (ne.empty() || ne.size() > static_cast<size_t>(kMaxDims))
     return Status::errorf("GGUF writer: tensor '{}' has {} dims (must be 1..{})", name, ne.size(),
                           kMaxDims);
@@ -256,8 +284,10 @@ Status GgufWriter::check_tensor(const std::string& name, DType dtype,
       return Status::errorf("GGUF writer: tensor '{}': element count overflows", name);
   }
   if (ne[0] % tr->block_size != 0)
-    return Status::errorf("GGUF writer: tensor '{}': row length {} is not a multiple of the {} "
-                          "block size {}", name, ne[0], tr->name, tr->block_size);
+    return Status::errorf(
+        "GGUF writer: tensor '{}': row length {} is not a multiple of the {} "
+        "block size {}",
+        name, ne[0], tr->name, tr->block_size);
   if (__builtin_mul_overflow(n_el / tr->block_size, uint64_t{tr->type_size}, &n_bytes))
     return Status::errorf("GGUF writer: tensor '{}': byte size overflows", name);
   return Status::ok();
@@ -273,8 +303,8 @@ void GgufWriter::add_tensor(const std::string& name, DType dtype, std::vector<in
   tensors_.push_back(Tensor{name, dtype, std::move(ne), n_bytes, data, nullptr, false});
 }
 
-void GgufWriter::add_tensor_produced(const std::string& name, DType dtype,
-                                     std::vector<int64_t> ne, Producer produce) {
+void GgufWriter::add_tensor_produced(const std::string& name, DType dtype, std::vector<int64_t> ne,
+                                     Producer produce) {
   uint64_t n_bytes = 0;
   if (Status s = check_tensor(name, dtype, ne, n_bytes); !s) return note_error(s);
   if (!produce) return note_error(Status::errorf("GGUF writer: tensor '{}': no producer", name));

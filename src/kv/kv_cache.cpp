@@ -87,9 +87,10 @@ Status KvRowMap::restore(int32_t lo, int32_t n_pos) {
                           n_pos - lo, capacity_);
   // The next query (position n_pos) reads keys n_pos-window+1.. : they must be retained.
   if (is_ring() && lo > std::max(0, n_pos - window_ + 1))
-    return Status::errorf("kv restore: ring (window {}) retains from {}, but position {} needs "
-                          "keys from {}",
-                          window_, lo, n_pos, std::max(0, n_pos - window_ + 1));
+    return Status::errorf(
+        "kv restore: ring (window {}) retains from {}, but position {} needs "
+        "keys from {}",
+        window_, lo, n_pos, std::max(0, n_pos - window_ + 1));
   lo_ = lo;
   hi_ = n_pos;
   n_pending_ = 0;
@@ -170,8 +171,7 @@ Status KvCache::ensure_rows(Layer& l, int32_t rows_needed) {
     for (Plane* p : {&l.k, &l.v}) {
       BackendBuffer<f16> grown = config_.backend->alloc<f16>(n);
       const size_t old = static_cast<size_t>(p->rows) * static_cast<size_t>(l.width);
-      if (old)
-        config_.backend->copy(std::span<const f16>(p->dev.data(), old), grown.span());
+      if (old) config_.backend->copy(std::span<const f16>(p->dev.data(), old), grown.span());
       p->dev = std::move(grown);
       p->rows = static_cast<int32_t>(rows);
     }
@@ -267,9 +267,10 @@ Status KvCache::restore(int32_t n_pos, std::span<const int32_t> lo) {
     const size_t m = layers_[i].map;
     if (set[m]) {
       if (probe[m].lo() != lo[i])
-        return Status::errorf("kv restore: layer {} retains from {} but another layer of window "
-                              "{} from {}",
-                              i, lo[i], layers_[i].window, probe[m].lo());
+        return Status::errorf(
+            "kv restore: layer {} retains from {} but another layer of window "
+            "{} from {}",
+            i, lo[i], layers_[i].window, probe[m].lo());
       continue;
     }
     Status s = probe[m].restore(lo[i], n_pos);

@@ -50,8 +50,8 @@ class KvRowMap {
   int32_t capacity() const { return capacity_; }
   int32_t window() const { return window_; }
   bool is_ring() const { return window_ > 0; }
-  int32_t n_pos() const { return hi_; }          // committed positions
-  int32_t lo() const { return lo_; }             // oldest retained position
+  int32_t n_pos() const { return hi_; }  // committed positions
+  int32_t lo() const { return lo_; }     // oldest retained position
   int32_t n_pending() const { return n_pending_; }
 
   // Physical row of a retained (or pending) position; KILN_CHECKs the range.
@@ -151,7 +151,7 @@ class KvCache {
   bool on_device() const { return config_.backend && config_.backend->device_memory(); }
   Backend* backend() const { return config_.backend; }
 
-  size_t bytes_allocated() const;    // K + V bytes of all planes now
+  size_t bytes_allocated() const;  // K + V bytes of all planes now
   // KILN_POISON builds: an error if any row listed in kv_rows(layer) still holds the poison
   // pattern (a key read before it was written). Other builds: always ok.
   Status check_kv_rows_written(int layer) const;
@@ -162,7 +162,7 @@ class KvCache {
   // row is written before it is listed in kv_rows. KILN_POISON builds fill fresh rows with
   // kPoisonF16 so a premature read shows up.
   struct Plane {
-    F16Buffer data;  // [rows][width]
+    F16Buffer data;          // [rows][width]
     BackendBuffer<f16> dev;  // instead of data, when the planes live in device memory
     int32_t rows = 0;
     f16* ptr() const { return dev.empty() ? const_cast<f16*>(data.data()) : dev.data(); }

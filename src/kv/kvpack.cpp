@@ -104,10 +104,8 @@ Status check_compatible(const Header& pack, const Identity& mine,
     return differs("layer count", pack.layers.size(), layers.size());
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerKind &a = pack.layers[l], &b = layers[l];
-    if (a.width != b.width)
-      return differs(fmt::format("layer {} KV width", l), a.width, b.width);
-    if (a.window != b.window)
-      return differs(fmt::format("layer {} window", l), a.window, b.window);
+    if (a.width != b.width) return differs(fmt::format("layer {} KV width", l), a.width, b.width);
+    if (a.window != b.window) return differs(fmt::format("layer {} window", l), a.window, b.window);
     if (a.rope != b.rope)
       return differs(fmt::format("layer {} kind", l), a.rope ? "RoPE" : "NoPE",
                      b.rope ? "RoPE" : "NoPE");
@@ -126,10 +124,10 @@ Expected<Header> header_for(const KvCache& cache, const Identity& id,
   h.layers.assign(layers.begin(), layers.end());
   for (int l = 0; l < cache.n_layers(); ++l) {
     if (cache.width(l) != layers[size_t(l)].width || cache.window(l) != layers[size_t(l)].window)
-      return Status::errorf("kvpack: layer {} of the cache (width {}, window {}) does not match "
-                            "the producer's (width {}, window {})",
-                            l, cache.width(l), cache.window(l), layers[size_t(l)].width,
-                            layers[size_t(l)].window);
+      return Status::errorf(
+          "kvpack: layer {} of the cache (width {}, window {}) does not match "
+          "the producer's (width {}, window {})",
+          l, cache.width(l), cache.window(l), layers[size_t(l)].width, layers[size_t(l)].window);
     h.lo.push_back(cache.row_map(l).lo());
   }
   return h;
@@ -167,9 +165,10 @@ Status Writer::tile(const KvCache& cache, int layer, int32_t first_pos, int32_t 
                           layer, first_pos, n_rows, next_[L], h_.n_pos);
   const KvRowMap& map = cache.row_map(layer);
   if (first_pos < map.lo() || first_pos + n_rows > map.n_pos())
-    return Status::errorf("kvpack writer: layer {} rows [{}, {}) not retained (cache holds [{}, "
-                          "{}))",
-                          layer, first_pos, first_pos + n_rows, map.lo(), map.n_pos());
+    return Status::errorf(
+        "kvpack writer: layer {} rows [{}, {}) not retained (cache holds [{}, "
+        "{}))",
+        layer, first_pos, first_pos + n_rows, map.lo(), map.n_pos());
   const int64_t width = h_.layers[L].width;
   if (cache.width(layer) != width)
     return Status::errorf("kvpack writer: layer {} width {} != header {}", layer,
@@ -200,8 +199,8 @@ Status Writer::tile(const KvCache& cache, int layer, int32_t first_pos, int32_t 
       while (p + run < first_pos + n_rows && map.row_of(p + run) == row0 + run) ++run;
       const size_t at = out.size();
       out.resize(at + rb * size_t(run));
-      const std::span<const f16> src = plane.subspan(size_t(row0) * size_t(width),
-                                                     size_t(run) * size_t(width));
+      const std::span<const f16> src =
+          plane.subspan(size_t(row0) * size_t(width), size_t(run) * size_t(width));
       std::span<f16> dst(reinterpret_cast<f16*>(out.data() + at), src.size());
       cache.backend()->download(src, dst);
       p += run;
@@ -318,21 +317,22 @@ Status Parser::step() {
         const uint32_t flags = get<uint32_t>(e + 12);
         h_.lo[l] = get<int32_t>(e + 16);
         if (k.width <= 0 || k.width > kMaxWidth)
-          return Status::errorf("kvpack layer {}: width {} outside [1, {}]", l, k.width,
-                                kMaxWidth);
+          return Status::errorf("kvpack layer {}: width {} outside [1, {}]", l, k.width, kMaxWidth);
         if (k.window < 0) return Status::errorf("kvpack layer {}: window {} < 0", l, k.window);
         if ((flags & ~kFlagRope) != 0 || get<uint32_t>(e + 20) != 0)
           return Status::errorf("kvpack layer {}: unknown flags {:#x}", l, flags);
         k.rope = (flags & kFlagRope) != 0;
         if (h_.lo[l] < 0 || h_.lo[l] > h_.n_pos || (k.window == 0 && h_.lo[l] != 0))
-          return Status::errorf("kvpack layer {}: oldest position {} invalid (window {}, {} "
-                                "positions)",
-                                l, h_.lo[l], k.window, h_.n_pos);
+          return Status::errorf(
+              "kvpack layer {}: oldest position {} invalid (window {}, {} "
+              "positions)",
+              l, h_.lo[l], k.window, h_.n_pos);
         for (size_t j = 0; j < l; ++j)
           if (h_.layers[j].window == k.window && h_.lo[j] != h_.lo[l])
-            return Status::errorf("kvpack layer {}: oldest position {} differs from layer {} "
-                                  "({}) of the same window",
-                                  l, h_.lo[l], j, h_.lo[j]);
+            return Status::errorf(
+                "kvpack layer {}: oldest position {} differs from layer {} "
+                "({}) of the same window",
+                l, h_.lo[l], j, h_.lo[j]);
       }
       hash_->update(buf_);
       next_ = h_.lo;
@@ -426,8 +426,8 @@ Expected<Installer> Installer::begin(const Header& h, const Identity& mine,
                                      std::span<const LayerKind> layers, KvCache fresh) {
   KILN_TRY(check_compatible(h, mine, layers));
   if (static_cast<size_t>(fresh.n_layers()) != h.layers.size())
-    return Status::errorf("kvpack install: {} layers in the pack, {} in the cache",
-                          h.layers.size(), fresh.n_layers());
+    return Status::errorf("kvpack install: {} layers in the pack, {} in the cache", h.layers.size(),
+                          fresh.n_layers());
   if (h.n_pos > fresh.n_ctx())
     return Status::errorf("kvpack install: the pack holds {} positions, the slot's context is {}",
                           h.n_pos, fresh.n_ctx());

@@ -82,10 +82,10 @@ std::span<const f16> F16Buffer::row(size_t r, size_t width) const {
 
 std::vector<size_t> poisoned_rows(std::span<const f16> plane, size_t width, size_t first_row,
                                   size_t n_rows) {
-  KILN_CHECK(width > 0 && first_row <= plane.size() / width &&
-                 n_rows <= plane.size() / width - first_row,
-             "rows [{}, +{}) of width {} in a plane of {} elements", first_row, n_rows, width,
-             plane.size());
+  KILN_CHECK(
+      width > 0 && first_row <= plane.size() / width && n_rows <= plane.size() / width - first_row,
+      "rows [{}, +{}) of width {} in a plane of {} elements", first_row, n_rows, width,
+      plane.size());
   std::vector<size_t> out;
   for (size_t r = first_row; r < first_row + n_rows; ++r) {
     const f16* p = plane.data() + r * width;
@@ -97,8 +97,10 @@ std::vector<size_t> poisoned_rows(std::span<const f16> plane, size_t width, size
 Status check_not_poisoned(std::span<const f16> values, std::string_view what) {
   for (size_t i = 0; i < values.size(); ++i)
     if (values[i].bits == kPoisonF16)
-      return Status::errorf("{}: element {} holds the poison pattern {:#06x}: read before "
-                            "it was written", what, i, kPoisonF16);
+      return Status::errorf(
+          "{}: element {} holds the poison pattern {:#06x}: read before "
+          "it was written",
+          what, i, kPoisonF16);
   return Status::ok();
 }
 

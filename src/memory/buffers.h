@@ -40,12 +40,17 @@ class AlignedArray {
   AlignedArray() = default;
   explicit AlignedArray(size_t n);  // storage is NOT initialised; callers fill it
   ~AlignedArray() { aligned_free(p_); }
-  AlignedArray(AlignedArray&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr; o.n_ = 0; }
+  AlignedArray(AlignedArray&& o) noexcept : p_(o.p_), n_(o.n_) {
+    o.p_ = nullptr;
+    o.n_ = 0;
+  }
   AlignedArray& operator=(AlignedArray&& o) noexcept {
     if (this != &o) {
       aligned_free(p_);
-      p_ = o.p_; n_ = o.n_;
-      o.p_ = nullptr; o.n_ = 0;
+      p_ = o.p_;
+      n_ = o.n_;
+      o.p_ = nullptr;
+      o.n_ = 0;
     }
     return *this;
   }

@@ -13,28 +13,28 @@ enum class FfnAct { Silu, GeluTanh };
 
 // How layers alternate between full and sliding-window attention.
 enum class SwaRule {
-  None,          // every layer full
-  Pattern,       // layer il slides iff il % pattern < pattern - 1 (llama.cpp's swa pattern)
+  None,     // every layer full
+  Pattern,  // layer il slides iff il % pattern < pattern - 1 (llama.cpp's swa pattern)
 };
 
 struct ArchInfo {
-  std::string_view name;              // general.architecture
+  std::string_view name;  // general.architecture
   RopeStyle rope_style = RopeStyle::Normal;
-  bool qkv_bias = false;              // attn_{q,k,v}.bias present (qwen2)
-  bool qk_norm = false;               // attn_{q,k}_norm: per-head RMS norm before RoPE
-  bool post_norms = false;            // post_attention_norm / post_ffw_norm (sandwich)
-  bool attn_gate = false;             // attn_gate: sigmoid gate on attention output
-  bool embd_scale_sqrt = false;       // embeddings multiplied by sqrt(n_embd)
-  bool embd_rmsnorm = false;          // embeddings RMS-normalised (no weight) before layer 0
-  bool experts_allowed = false;       // {arch}.expert_count may select an MoE layout
-  bool experts_required = false;      // {arch}.expert_count must be present (qwen3moe)
-  bool full_layers_nope = false;      // full-attention layers skip RoPE
-  bool swa_rope_unscaled = false;     // sliding layers ignore rope.scaling (gemma3)
-  float post_norm_eps = 0;             // > 0: eps of the post norms (else the metadata eps)
+  bool qkv_bias = false;           // attn_{q,k,v}.bias present (qwen2)
+  bool qk_norm = false;            // attn_{q,k}_norm: per-head RMS norm before RoPE
+  bool post_norms = false;         // post_attention_norm / post_ffw_norm (sandwich)
+  bool attn_gate = false;          // attn_gate: sigmoid gate on attention output
+  bool embd_scale_sqrt = false;    // embeddings multiplied by sqrt(n_embd)
+  bool embd_rmsnorm = false;       // embeddings RMS-normalised (no weight) before layer 0
+  bool experts_allowed = false;    // {arch}.expert_count may select an MoE layout
+  bool experts_required = false;   // {arch}.expert_count must be present (qwen3moe)
+  bool full_layers_nope = false;   // full-attention layers skip RoPE
+  bool swa_rope_unscaled = false;  // sliding layers ignore rope.scaling (gemma3)
+  float post_norm_eps = 0;         // > 0: eps of the post norms (else the metadata eps)
   FfnAct act = FfnAct::Silu;
   SwaRule swa = SwaRule::None;
-  int default_swa_pattern = 0;        // used when {arch}.attention.sliding_window_pattern is absent
-  bool supported = true;              // false: recognised but its forward pass is not built yet
+  int default_swa_pattern = 0;  // used when {arch}.attention.sliding_window_pattern is absent
+  bool supported = true;        // false: recognised but its forward pass is not built yet
 };
 
 // The row for `name`, or nullptr for an architecture kiln does not know.

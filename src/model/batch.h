@@ -19,8 +19,8 @@ inline Status validate_batch(const HParams& hp, std::span<const int32_t> tokens,
       return Status::errorf("token id {} at index {} is outside the vocabulary [0, {})", tokens[i],
                             i, hp.n_vocab);
   if (static_cast<int64_t>(n_pos) + static_cast<int64_t>(tokens.size()) > n_ctx)
-    return Status::errorf("context overflow: {} positions used + {} new tokens > n_ctx {}",
-                          n_pos, tokens.size(), n_ctx);
+    return Status::errorf("context overflow: {} positions used + {} new tokens > n_ctx {}", n_pos,
+                          tokens.size(), n_ctx);
   return Status::ok();
 }
 

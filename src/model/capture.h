@@ -13,8 +13,8 @@
 namespace kiln::model {
 
 struct CapturedNode {
-  int64_t n_rows = 0;  // tokens of the eval call
-  int64_t width = 0;   // values per token
+  int64_t n_rows = 0;       // tokens of the eval call
+  int64_t width = 0;        // values per token
   std::vector<float> data;  // [n_rows][width]
 };
 

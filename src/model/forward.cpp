@@ -110,12 +110,12 @@ class ForwardPass {
   // cache while those run); it never changes a result. Each point of the step at which a hint
   // goes out, and what it names, is decided here.
   enum class Hint {
-    Start,            // the first layer's Q, K, V (before the embedding lookup)
-    AttentionOps,     // after Q/K/V, and again before attention: the output projection and
-                      // the FFN's first matmuls (a MoE layer's experts are not known yet)
-    AfterAttention,   // after the output projection of a dense layer: its whole FFN
-    AfterGateUp,      // the down projection
-    LayerEnd,         // the next layer's attention weights, or the output head
+    Start,           // the first layer's Q, K, V (before the embedding lookup)
+    AttentionOps,    // after Q/K/V, and again before attention: the output projection and
+                     // the FFN's first matmuls (a MoE layer's experts are not known yet)
+    AfterAttention,  // after the output projection of a dense layer: its whole FFN
+    AfterGateUp,     // the down projection
+    LayerEnd,        // the next layer's attention weights, or the output head
   };
   void hint(Hint at, int32_t il);
   void hint_weights(std::initializer_list<const WeightMatrix*> ws, int64_t n_tok);
@@ -145,8 +145,10 @@ class ForwardPass {
   // Backend::rmsnorm does not promise that x and y may alias; go through scratch.
   void norm_in_place(std::span<float> y, std::span<const float> wt, int64_t width, float eps);
   void ffn_act(std::span<const float> g, std::span<const float> u, std::span<float> out) {
-    if (hp_.arch->act == FfnAct::Silu) be_.swiglu(g, u, out);
-    else be_.geglu(g, u, out);
+    if (hp_.arch->act == FfnAct::Silu)
+      be_.swiglu(g, u, out);
+    else
+      be_.geglu(g, u, out);
   }
 
   const HParams& hp_;
@@ -183,8 +185,8 @@ ForwardPass::ForwardPass(const HParams& hp, const Weights& w, Backend& be, Forwa
   seqs_ = batch.seqs.empty() ? std::span<const SeqSlice>(&whole_, 1) : batch.seqs;
   for (size_t i = 0, next = 0; i < seqs_.size(); ++i) {
     KILN_CHECK(seqs_[i].first == static_cast<int32_t>(next) && seqs_[i].n_tok > 0,
-               "sequence {} covers tokens [{}, +{}), expected to start at {}", i,
-               seqs_[i].first, seqs_[i].n_tok, next);
+               "sequence {} covers tokens [{}, +{}), expected to start at {}", i, seqs_[i].first,
+               seqs_[i].n_tok, next);
     KILN_CHECK(static_cast<int32_t>(seqs_[i].kv.size()) == hp.n_layer);
     next += static_cast<size_t>(seqs_[i].n_tok);
     if (i + 1 == seqs_.size()) KILN_CHECK(static_cast<int64_t>(next) == n);
@@ -192,9 +194,9 @@ ForwardPass::ForwardPass(const HParams& hp, const Weights& w, Backend& be, Forwa
   for (const SeqSlice& sq : seqs_) n_out_ += batch.all_logits || sq.all_logits ? sq.n_tok : 1;
   // No logits: a tensor-parallel rank other than 0, which skips the (replicated) output head.
   want_logits_ = !logits.empty();
-  KILN_CHECK(want_logits_ ? static_cast<int64_t>(logits.size()) == n_out_ * hp.n_vocab
-                          : hp.tp_rank != 0,
-             "logits of {} floats for {} rows", logits.size(), n_out_);
+  KILN_CHECK(
+      want_logits_ ? static_cast<int64_t>(logits.size()) == n_out_ * hp.n_vocab : hp.tp_rank != 0,
+      "logits of {} floats for {} rows", logits.size(), n_out_);
   st.bind(be);
   on_device_ = be.device_memory();
   x_ = sl(st.x, n * E_);
@@ -264,8 +266,10 @@ void ForwardPass::run() {
   embed();
   for (int32_t il = 0; il < hp_.n_layer; ++il) {
     attention_block(il);
-    if (hp_.layers[static_cast<size_t>(il)].n_expert > 0) moe_ffn_block(il);
-    else dense_ffn_block(il);
+    if (hp_.layers[static_cast<size_t>(il)].n_expert > 0)
+      moe_ffn_block(il);
+    else
+      dense_ffn_block(il);
     layer_end(il);
   }
   if (!want_logits_) {
@@ -515,8 +519,7 @@ void ForwardPass::layer_end(int32_t il) {
   // The FFN's residual add with the next layer's attn_norm (h is free again: the FFN has
   // consumed it); the last layer's output norm runs on a subset of rows in output_head.
   if (il + 1 < hp_.n_layer) {
-    be_.add_rmsnorm(x_, a_, w_.layers[static_cast<size_t>(il) + 1].attn_norm, E_, hp_.rms_eps,
-                    h_);
+    be_.add_rmsnorm(x_, a_, w_.layers[static_cast<size_t>(il) + 1].attn_norm, E_, hp_.rms_eps, h_);
   } else {
     be_.add(x_, a_, x_);
   }
@@ -531,8 +534,7 @@ void ForwardPass::output_head() {
   if (n_out != n && seqs_.size() > 1) {
     int64_t o_row = 0;
     for (const SeqSlice& sq : seqs_) {
-      const int64_t first =
-          batch_.all_logits || sq.all_logits ? sq.first : sq.first + sq.n_tok - 1;
+      const int64_t first = batch_.all_logits || sq.all_logits ? sq.first : sq.first + sq.n_tok - 1;
       const auto rows = x_.subspan(static_cast<size_t>(first * E),
                                    static_cast<size_t>((sq.first + sq.n_tok - first) * E));
       be_.copy(std::span<const float>(rows), a_.subspan(static_cast<size_t>(o_row * E)));

@@ -42,8 +42,8 @@ struct ForwardBatch {
   // logits hold, sequence by sequence, every token's row (its all_logits, or the batch's) or
   // its last token's.
   std::span<const SeqSlice> seqs;
-  bool all_logits = false;          // false: logits of the last token (of each sequence) only
-  Capture* capture = nullptr;       // optional: records the named activations
+  bool all_logits = false;     // false: logits of the last token (of each sequence) only
+  Capture* capture = nullptr;  // optional: records the named activations
   // > 0: each output row's top_k best candidates in sampling order (Backend::top_k) go to
   // top_ids/top_vals [n_out][top_k], and a device backend downloads only those: `logits` is
   // then left unwritten there (unless capture records it); a host backend computes in it.

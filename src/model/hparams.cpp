@@ -29,7 +29,8 @@ class KeyReader {
 };
 
 Status check_range(const std::string& key, int64_t v, int64_t lo, int64_t hi) {
-  if (v < lo || v > hi) return Status::errorf("metadata '{}' = {} out of range [{}, {}]", key, v, lo, hi);
+  if (v < lo || v > hi)
+    return Status::errorf("metadata '{}' = {} out of range [{}, {}]", key, v, lo, hi);
   return Status::ok();
 }
 
@@ -66,8 +67,9 @@ Expected<HParams> read_hparams(const GgufFile& g) {
   KILN_TRY(check_range(r.key("attention.value_length"), hp.head_dim_v, 1, 65536));
   // The KV cache keeps K and V planes of one width and the attention op takes one head_dim.
   if (hp.head_dim_v != hp.head_dim_k)
-    return Status::errorf("'{}' = {} differs from '{}' = {}: not supported", r.key("attention.value_length"),
-                          hp.head_dim_v, r.key("attention.key_length"), hp.head_dim_k);
+    return Status::errorf("'{}' = {} differs from '{}' = {}: not supported",
+                          r.key("attention.value_length"), hp.head_dim_v,
+                          r.key("attention.key_length"), hp.head_dim_k);
   KILN_ASSIGN_OR_RETURN(hp.n_rot, r.opt<int32_t>("rope.dimension_count", hp.head_dim_k));
   KILN_TRY(check_range(r.key("rope.dimension_count"), hp.n_rot, 0, hp.head_dim_k));
   if (hp.n_rot % 2 != 0)
@@ -75,7 +77,8 @@ Expected<HParams> read_hparams(const GgufFile& g) {
 
   KILN_ASSIGN_OR_RETURN(hp.rms_eps, r.opt<float>("attention.layer_norm_rms_epsilon", 1e-5f));
   if (!(hp.rms_eps >= 0 && hp.rms_eps < 1))
-    return Status::errorf("metadata '{}' = {} out of range", r.key("attention.layer_norm_rms_epsilon"), hp.rms_eps);
+    return Status::errorf("metadata '{}' = {} out of range",
+                          r.key("attention.layer_norm_rms_epsilon"), hp.rms_eps);
   hp.post_norm_eps = arch.post_norm_eps > 0 ? arch.post_norm_eps : hp.rms_eps;
   KILN_ASSIGN_OR_RETURN(hp.attn_softcap, r.opt<float>("attn_logit_softcapping", 0.0f));
   KILN_ASSIGN_OR_RETURN(hp.final_softcap, r.opt<float>("final_logit_softcapping", 0.0f));
@@ -90,12 +93,14 @@ Expected<HParams> read_hparams(const GgufFile& g) {
   rope.n_rot = hp.n_rot;
   rope.style = arch.rope_style;
   KILN_ASSIGN_OR_RETURN(rope.freq_base, r.opt<float>("rope.freq_base", 10000.0f));
-  if (!(rope.freq_base > 0)) return Status::errorf("metadata '{}' must be > 0", r.key("rope.freq_base"));
+  if (!(rope.freq_base > 0))
+    return Status::errorf("metadata '{}' must be > 0", r.key("rope.freq_base"));
   KILN_ASSIGN_OR_RETURN(std::string scaling_type, r.opt<std::string>("rope.scaling.type", "none"));
   KILN_ASSIGN_OR_RETURN(float scaling_factor, r.opt<float>("rope.scaling.factor", 0.0f));
   if (scaling_type == "linear") {
     if (!(scaling_factor > 0))
-      return Status::errorf("metadata '{}' must be > 0 for linear scaling", r.key("rope.scaling.factor"));
+      return Status::errorf("metadata '{}' must be > 0 for linear scaling",
+                            r.key("rope.scaling.factor"));
     rope.freq_scale = 1.0f / scaling_factor;
   } else if (scaling_type != "none") {
     return Status::errorf("metadata '{}' = '{}' is not supported (none, linear)",
@@ -108,8 +113,8 @@ Expected<HParams> read_hparams(const GgufFile& g) {
   if (arch.swa != SwaRule::None) {
     KILN_ASSIGN_OR_RETURN(window, r.req<int32_t>("attention.sliding_window"));
     KILN_TRY(check_range(r.key("attention.sliding_window"), window, 1, 1 << 24));
-    KILN_ASSIGN_OR_RETURN(pattern, r.opt<int32_t>("attention.sliding_window_pattern",
-                                                  arch.default_swa_pattern));
+    KILN_ASSIGN_OR_RETURN(
+        pattern, r.opt<int32_t>("attention.sliding_window_pattern", arch.default_swa_pattern));
     KILN_TRY(check_range(r.key("attention.sliding_window_pattern"), pattern, 1, 4096));
   }
 

@@ -19,11 +19,11 @@ enum class AttnKind { Full, Sliding };
 
 struct LayerDesc {
   AttnKind kind = AttnKind::Full;
-  int32_t window = 0;         // > 0 for sliding layers: keys with q_pos - k_pos < window
-  bool use_rope = true;       // false: NoPE layer
-  RopeParams rope;            // per layer: base differs between local and global layers
-  int32_t n_ff = 0;           // dense FFN width (0 for an MoE layer)
-  int32_t n_expert = 0;       // > 0: MoE layer
+  int32_t window = 0;    // > 0 for sliding layers: keys with q_pos - k_pos < window
+  bool use_rope = true;  // false: NoPE layer
+  RopeParams rope;       // per layer: base differs between local and global layers
+  int32_t n_ff = 0;      // dense FFN width (0 for an MoE layer)
+  int32_t n_expert = 0;  // > 0: MoE layer
   int32_t n_expert_used = 0;
   int32_t n_ff_expert = 0;
 };

@@ -152,7 +152,10 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
         double mx = -INFINITY;
         for (int64_t j = 0; j < n_kv; ++j) {
           const bool visible = j <= pos[t] && (L.window <= 0 || pos[t] - j < L.window);
-          if (!visible) { score[j] = -INFINITY; continue; }
+          if (!visible) {
+            score[j] = -INFINITY;
+            continue;
+          }
           const float* kv = k_[il].data() + (j * hp_.n_head_kv + kvh) * hk;
           double s = 0;
           for (int64_t d = 0; d < hk; ++d) s += double(qv[d]) * double(kv[d]);
@@ -178,7 +181,8 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
     rec(p + "kqv_out", o);
     if (lw.wgate_attn.n_rows > 0) {
       matmul(lw.wgate_attn, h, n, gate);
-      for (size_t i = 0; i < o.size(); ++i) o[i] *= static_cast<float>(1.0 / (1.0 + std::exp(-double(gate[i]))));
+      for (size_t i = 0; i < o.size(); ++i)
+        o[i] *= static_cast<float>(1.0 / (1.0 + std::exp(-double(gate[i]))));
     }
     matmul(lw.wo, o, n, a);
     if (!lw.post_attn_norm.empty()) rmsnorm(a, E, hp_.post_norm_eps, lw.post_attn_norm);

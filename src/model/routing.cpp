@@ -47,15 +47,20 @@ Expected<RoutingOverride> parse_routing(std::string_view text) {
       return r;
     }
   }
-  return Status::errorf("moe_routing '{}': expected model, uniform, zipf or zipf:S with "
-                        "0 < S <= 8", text);
+  return Status::errorf(
+      "moe_routing '{}': expected model, uniform, zipf or zipf:S with "
+      "0 < S <= 8",
+      text);
 }
 
 std::string routing_name(const RoutingOverride& r) {
   switch (r.kind) {
-    case RoutingOverride::Kind::Model: return "model";
-    case RoutingOverride::Kind::Uniform: return "uniform";
-    case RoutingOverride::Kind::Zipf: return fmt::format("zipf:{}", r.zipf_s);
+    case RoutingOverride::Kind::Model:
+      return "model";
+    case RoutingOverride::Kind::Uniform:
+      return "uniform";
+    case RoutingOverride::Kind::Zipf:
+      return fmt::format("zipf:{}", r.zipf_s);
   }
   return "?";
 }

@@ -8,8 +8,8 @@ namespace {
 Status check_columns(const WeightMatrix& m, int64_t per_rank, const char* what, int n) {
   const int64_t blk = traits(m.dtype).block_size;
   if (per_rank % blk != 0)
-    return Status::errorf("{}'s {} columns per rank (of {}) are not whole {} blocks of {}",
-                          what, per_rank, n, dtype_name(m.dtype), blk);
+    return Status::errorf("{}'s {} columns per rank (of {}) are not whole {} blocks of {}", what,
+                          per_rank, n, dtype_name(m.dtype), blk);
   return Status::ok();
 }
 
@@ -21,8 +21,7 @@ std::span<const float> part(std::span<const float> v, int64_t per_rank, int rank
 }  // namespace
 
 Expected<Shard> shard_model(const HParams& hp, const Weights& w, int rank, int n) {
-  if (n < 1 || rank < 0 || rank >= n)
-    return Status::errorf("rank {} of {} ranks", rank, n);
+  if (n < 1 || rank < 0 || rank >= n) return Status::errorf("rank {} of {} ranks", rank, n);
   Shard s{hp, w};
   s.w.owned.clear();  // the views point into the model's own copies
   if (n == 1) return s;
@@ -50,8 +49,8 @@ Expected<Shard> shard_model(const HParams& hp, const Weights& w, int rank, int n
     lw.wo = lw.wo.columns(ow * rank, ow);
     if (L.n_expert == 0) {
       if (L.n_ff % n != 0)
-        return Status::errorf("{}'s FFN width {} does not split evenly over {} ranks", blk,
-                              L.n_ff, n);
+        return Status::errorf("{}'s FFN width {} does not split evenly over {} ranks", blk, L.n_ff,
+                              n);
       const int64_t f = L.n_ff / n;
       KILN_TRY(check_columns(lw.ffn_down, f, (blk + ".ffn_down").c_str(), n));
       lw.ffn_gate = lw.ffn_gate.rows(f * rank, f);

@@ -44,7 +44,8 @@ class Binder {
     int d = 0;
     for (int64_t n : ne) ok = ok && t->ne[d++] == n;
     if (!ok)
-      return Status::errorf("tensor '{}': shape {}, expected {}", name, shape_str(*t), shape_str(ne));
+      return Status::errorf("tensor '{}': shape {}, expected {}", name, shape_str(*t),
+                            shape_str(ne));
     if (!quant::can_dequantize(t->dtype))
       return Status::errorf("tensor '{}': dtype {} is not supported", name, dtype_name(t->dtype));
     return g_.view(*t);

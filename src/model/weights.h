@@ -28,14 +28,14 @@ struct LayerWeights {
   std::span<const float> ffn_norm;        // [n_embd]
   WeightMatrix ffn_gate, ffn_up;          // [n_ff][n_embd] (dense layers)
   WeightMatrix ffn_down;                  // [n_embd][n_ff] (dense layers)
-  WeightMatrix ffn_gate_inp;              // [n_expert][n_embd] router (MoE layers), else n_rows == 0
-  std::span<const float> post_ffn_norm;   // [n_embd] (post_norms), else empty
+  WeightMatrix ffn_gate_inp;             // [n_expert][n_embd] router (MoE layers), else n_rows == 0
+  std::span<const float> post_ffn_norm;  // [n_embd] (post_norms), else empty
 };
 
 struct Weights {
-  WeightMatrix token_embd;            // [n_vocab][n_embd]
-  std::span<const float> output_norm; // [n_embd]
-  WeightMatrix output;                // [n_vocab][n_embd]; token_embd when tied
+  WeightMatrix token_embd;             // [n_vocab][n_embd]
+  std::span<const float> output_norm;  // [n_embd]
+  WeightMatrix output;                 // [n_vocab][n_embd]; token_embd when tied
   bool tied_output = false;
   std::vector<LayerWeights> layers;
   // Expert FFN weights of MoE layers, reached only through this interface (null: dense model).

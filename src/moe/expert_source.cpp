@@ -9,8 +9,8 @@ MappedExpertSource::MappedExpertSource(std::vector<StackedExperts> layers)
     : layers_(std::move(layers)) {
   for (const StackedExperts& l : layers_) {
     if (l.n_expert == 0) continue;
-    KILN_CHECK(l.n_expert > 0 && l.gate.n_rows % l.n_expert == 0 &&
-               l.up.n_rows == l.gate.n_rows && l.down.n_rows % l.n_expert == 0);
+    KILN_CHECK(l.n_expert > 0 && l.gate.n_rows % l.n_expert == 0 && l.up.n_rows == l.gate.n_rows &&
+               l.down.n_rows % l.n_expert == 0);
   }
 }
 
@@ -22,8 +22,8 @@ int32_t MappedExpertSource::n_expert(int32_t layer) const {
 ExpertWeights MappedExpertSource::get(int32_t layer, int32_t expert) {
   KILN_CHECK(layer >= 0 && layer < n_layer(), "layer {} of {}", layer, n_layer());
   const StackedExperts& l = layers_[layer];
-  KILN_CHECK(expert >= 0 && expert < l.n_expert, "expert {} of {} in layer {}", expert,
-             l.n_expert, layer);
+  KILN_CHECK(expert >= 0 && expert < l.n_expert, "expert {} of {} in layer {}", expert, l.n_expert,
+             layer);
   const int64_t ff = l.gate.n_rows / l.n_expert, emb = l.down.n_rows / l.n_expert;
   return ExpertWeights{.gate = l.gate.rows(expert * ff, ff),
                        .up = l.up.rows(expert * ff, ff),

@@ -59,26 +59,30 @@ std::string format_store_stats() {
   const uint64_t pf = r.counter("moe.prefetch_issued").value();
   const uint64_t pfh = r.counter("moe.prefetch_hits").value();
   const Timer& stall = r.timer("moe.stall");
-  const uint64_t dh = r.counter("moe.device_hits").value(), dm = r.counter("moe.device_misses").value();
+  const uint64_t dh = r.counter("moe.device_hits").value(),
+                 dm = r.counter("moe.device_misses").value();
   const std::string device =
       dh + dm == 0 ? std::string()
-                   : fmt::format("moe: device tier {} hits, {} misses, {:.1f} MiB copied to the "
-                                 "device, {} evictions\n",
-                                 dh, dm, r.counter("moe.device_bytes_copied").value() / 1048576.0,
-                                 r.counter("moe.device_evictions").value());
+                   : fmt::format(
+                         "moe: device tier {} hits, {} misses, {:.1f} MiB copied to the "
+                         "device, {} evictions\n",
+                         dh, dm, r.counter("moe.device_bytes_copied").value() / 1048576.0,
+                         r.counter("moe.device_evictions").value());
   std::string popularity;
   {
     std::lock_guard lock(g_stores_mu);
     for (const auto& w : g_stores)
       if (auto s = w.lock()) popularity += s->popularity_summary();
   }
-  return popularity + device + fmt::format(
-      "moe: expert gets {} ({} hits, {} misses, hit rate {:.1f}%), prefetched {} ({} used)\n"
-      "moe: read {:.1f} MiB, load latency p50 {:.0f} us, p99 {:.0f} us, forward stalled "
-      "{:.1f} ms on loads\n",
-      hits + misses, hits, misses, hits + misses ? 100.0 * hits / double(hits + misses) : 0.0,
-      pf, pfh, r.counter("moe.bytes_read").value() / 1048576.0, load_latency_percentile_us(0.5),
-      load_latency_percentile_us(0.99), stall.total_ns() / 1e6);
+  return popularity + device +
+         fmt::format(
+             "moe: expert gets {} ({} hits, {} misses, hit rate {:.1f}%), prefetched {} ({} used)\n"
+             "moe: read {:.1f} MiB, load latency p50 {:.0f} us, p99 {:.0f} us, forward stalled "
+             "{:.1f} ms on loads\n",
+             hits + misses, hits, misses,
+             hits + misses ? 100.0 * hits / double(hits + misses) : 0.0, pf, pfh,
+             r.counter("moe.bytes_read").value() / 1048576.0, load_latency_percentile_us(0.5),
+             load_latency_percentile_us(0.99), stall.total_ns() / 1e6);
 }
 
 struct ExpertStore::Unpin {
@@ -159,8 +163,10 @@ Expected<std::shared_ptr<ExpertStore>> ExpertStore::create(const std::string& pa
           "slab, {} MoE layers) but one token needs {}; give at least {} bytes",
           cfg.cache_bytes, cap, st->slab_bytes_, n_moe, max_used,
           static_cast<uint64_t>(max_used) * st->slab_bytes_ * static_cast<uint64_t>(n_moe));
-    return Status::errorf("expert cache: --expert-cap {} is below the {} experts one token needs "
-                          "per layer", cfg.cap, max_used);
+    return Status::errorf(
+        "expert cache: --expert-cap {} is below the {} experts one token needs "
+        "per layer",
+        cfg.cap, max_used);
   }
   st->cap_ = static_cast<int32_t>(std::min<int64_t>(cap, max_expert));
 
@@ -175,8 +181,8 @@ Expected<std::shared_ptr<ExpertStore>> ExpertStore::create(const std::string& pa
   }
   // One allocation for every slab: page-aligned (direct I/O), never moved, no per-load malloc.
   st->arena_bytes_ = st->slab_bytes_ * static_cast<uint64_t>(n_slabs);
-  void* p = ::mmap(nullptr, st->arena_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                   -1, 0);
+  void* p =
+      ::mmap(nullptr, st->arena_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED)
     return Status::errorf("expert cache: cannot allocate {} slabs of {} bytes: {}", n_slabs,
                           st->slab_bytes_, std::strerror(errno));
@@ -191,8 +197,8 @@ Expected<std::shared_ptr<ExpertStore>> ExpertStore::create(const std::string& pa
   KILN_ASSIGN_OR_RETURN(st->reader_, FileReader::open(path, ro));
   for (const Layer& L : st->layers_)
     for (const Part& P : L.parts)
-      if (L.n_expert > 0 &&
-          P.file_offset + P.expert_bytes * static_cast<uint64_t>(L.n_expert) > st->reader_->file_size())
+      if (L.n_expert > 0 && P.file_offset + P.expert_bytes * static_cast<uint64_t>(L.n_expert) >
+                                st->reader_->file_size())
         return Status::errorf("expert cache: '{}' is shorter than its tensor index says", path);
 
   CounterRegistry& r = process_counters();
@@ -210,10 +216,12 @@ Expected<std::shared_ptr<ExpertStore>> ExpertStore::create(const std::string& pa
     std::erase_if(g_stores, [](const auto& w) { return w.expired(); });
     g_stores.push_back(st);
   }
-  log_info("expert cache: {} experts per layer over {} MoE layers, {} slabs of {:.2f} MiB "
-           "({:.1f} MiB), {}{}", st->cap_, n_moe, n_slabs, st->slab_bytes_ / 1048576.0,
-           st->arena_bytes_ / 1048576.0, st->reader_->uses_uring() ? "io_uring" : "pread",
-           st->reader_->uses_direct() ? " + O_DIRECT" : "");
+  log_info(
+      "expert cache: {} experts per layer over {} MoE layers, {} slabs of {:.2f} MiB "
+      "({:.1f} MiB), {}{}",
+      st->cap_, n_moe, n_slabs, st->slab_bytes_ / 1048576.0, st->arena_bytes_ / 1048576.0,
+      st->reader_->uses_uring() ? "io_uring" : "pread",
+      st->reader_->uses_direct() ? " + O_DIRECT" : "");
   return st;
 }
 
@@ -247,9 +255,10 @@ std::string ExpertStore::popularity_summary() {
     }
   }
   if (total == 0) return {};
-  return fmt::format("moe: routing popularity: the most used 25 % of each layer's experts took "
-                     "{:.1f} % of the gets, the top 10 % {:.1f} %\n",
-                     100.0 * double(top25) / double(total), 100.0 * double(top10) / double(total));
+  return fmt::format(
+      "moe: routing popularity: the most used 25 % of each layer's experts took "
+      "{:.1f} % of the gets, the top 10 % {:.1f} %\n",
+      100.0 * double(top25) / double(total), 100.0 * double(top10) / double(total));
 }
 
 uint64_t ExpertStore::content_key(int32_t layer, int32_t expert, int part) const {
@@ -400,8 +409,8 @@ ExpertWeights ExpertStore::views(int32_t s) {
     const Part& P = L.parts[p];
     const uint64_t off = P.file_offset + static_cast<uint64_t>(S.expert) * P.expert_bytes;
     m[p] = P.shape;
-    m[p].bytes = std::span<const std::byte>(S.mem + P.slab_offset + (off - align_down(off)),
-                                            P.expert_bytes);
+    m[p].bytes =
+        std::span<const std::byte>(S.mem + P.slab_offset + (off - align_down(off)), P.expert_bytes);
     // The slab holds other experts later: a device backend caches the slice by this name.
     m[p].content_key = content_key(S.layer, S.expert, p);
   }
@@ -411,15 +420,17 @@ ExpertWeights ExpertStore::views(int32_t s) {
   KILN_CHECK(h != nullptr, "pin of layer {} without admission", S.layer);
   ++h->second;
   ++S.pins;
-  return ExpertWeights{.gate = m[0], .up = m[1], .down = m[2],
+  return ExpertWeights{.gate = m[0],
+                       .up = m[1],
+                       .down = m[2],
                        .hold = std::shared_ptr<const void>(S.mem, Unpin{this, s, me})};
 }
 
 ExpertWeights ExpertStore::get(int32_t layer, int32_t expert) {
   KILN_CHECK(layer >= 0 && layer < n_layer(), "layer {} of {}", layer, n_layer());
   Layer& L = layers_[static_cast<size_t>(layer)];
-  KILN_CHECK(expert >= 0 && expert < L.n_expert, "expert {} of {} in layer {}", expert,
-             L.n_expert, layer);
+  KILN_CHECK(expert >= 0 && expert < L.n_expert, "expert {} of {} in layer {}", expert, L.n_expert,
+             layer);
   std::unique_lock lock(mu_);
   KILN_CHECK(load_error_.is_ok(), "expert store: {}", load_error_.message());
   if (layer != last_layer_) {  // entering a layer: the next one can start loading
@@ -487,7 +498,8 @@ ExpertWeights ExpertStore::get(int32_t layer, int32_t expert) {
     const bool all_mine = L.holders.size() == 1 && L.holders[0].first == me;
     KILN_CHECK(any_loading || !all_mine,
                "expert cache: layer {} needs more than {} experts at once (all pinned by this "
-               "thread); raise --expert-cap / --expert-cache", layer, cap_);
+               "thread); raise --expert-cap / --expert-cache",
+               layer, cap_);
     if (!waited) wait_start = std::chrono::steady_clock::now(), waited = true;
     cv_.wait(lock);
   }

@@ -24,10 +24,10 @@
 namespace kiln::moe {
 
 struct StoreConfig {
-  int64_t cache_bytes = 0;  // slab budget over all MoE layers (split evenly); 0: unset
-  int64_t cap = 0;          // experts resident per layer; 0: unset. Both set: the smaller wins
-  bool prefetch = false;    // while layer l runs, load what layer l+1 used last time
-  bool force_pread = false; // tests: the io_uring-unavailable path
+  int64_t cache_bytes = 0;   // slab budget over all MoE layers (split evenly); 0: unset
+  int64_t cap = 0;           // experts resident per layer; 0: unset. Both set: the smaller wins
+  bool prefetch = false;     // while layer l runs, load what layer l+1 used last time
+  bool force_pread = false;  // tests: the io_uring-unavailable path
   int32_t n_readers = 4;
   bool enabled() const { return cache_bytes != 0 || cap != 0; }
 };
@@ -85,7 +85,7 @@ class ExpertStore final : public ExpertSource {
   uint64_t content_key(int32_t layer, int32_t expert, int part) const;
 
  private:
-  struct Part {  // one of gate/up/down of one layer
+  struct Part {                 // one of gate/up/down of one layer
     WeightMatrix shape;         // rows of one expert; bytes unset
     uint64_t file_offset = 0;   // of expert 0's slice
     uint64_t expert_bytes = 0;  // bytes of one expert's slice
@@ -109,8 +109,8 @@ class ExpertStore final : public ExpertSource {
     int32_t layer = -1, expert = -1;
     SlabState state = SlabState::Empty;
     int32_t pins = 0;
-    bool prefetched = false;     // loaded by prefetch and not yet used
-    bool hinted = false;         // loaded by will_need (already counted as a miss)
+    bool prefetched = false;  // loaded by prefetch and not yet used
+    bool hinted = false;      // loaded by will_need (already counted as a miss)
     uint64_t last_use = 0;
     std::chrono::steady_clock::time_point load_start;
     std::byte* mem = nullptr;

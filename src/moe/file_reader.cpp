@@ -49,8 +49,8 @@ Status pread_full(int fd, std::byte* dst, uint64_t offset, uint64_t len, uint64_
     got += static_cast<uint64_t>(r);
   }
   if (got < need)
-    return Status::errorf("reading '{}' at {}: file ended after {} of {} bytes", path, offset,
-                          got, need);
+    return Status::errorf("reading '{}' at {}: file ended after {} of {} bytes", path, offset, got,
+                          need);
   return Status::ok();
 }
 
@@ -86,9 +86,10 @@ Expected<std::unique_ptr<FileReader>> FileReader::open(const std::string& path,
                                                        const FileReaderOptions& opt) {
   if (opt.n_threads < 1 || opt.queue_depth < 1 || opt.chunk_bytes < kDirectAlign ||
       opt.chunk_bytes % kDirectAlign != 0)
-    return Status::errorf("file reader: {} threads, queue depth {}, chunk {} bytes (need >= 1, "
-                          ">= 1, a multiple of {})", opt.n_threads, opt.queue_depth,
-                          opt.chunk_bytes, kDirectAlign);
+    return Status::errorf(
+        "file reader: {} threads, queue depth {}, chunk {} bytes (need >= 1, "
+        ">= 1, a multiple of {})",
+        opt.n_threads, opt.queue_depth, opt.chunk_bytes, kDirectAlign);
   std::unique_ptr<FileReader> fr(new FileReader());
   fr->path_ = path;
   fr->opt_ = opt;
@@ -107,7 +108,8 @@ Expected<std::unique_ptr<FileReader>> FileReader::open(const std::string& path,
   if (fd < 0) return Status::errorf("cannot open '{}': {}", path, std::strerror(errno));
   fr->fd_ = fd;
   struct stat st {};
-  if (::fstat(fd, &st) != 0) return Status::errorf("cannot stat '{}': {}", path, std::strerror(errno));
+  if (::fstat(fd, &st) != 0)
+    return Status::errorf("cannot stat '{}': {}", path, std::strerror(errno));
   fr->file_size_ = static_cast<uint64_t>(st.st_size);
 
   std::string why = "io_uring disabled for this store";
@@ -119,7 +121,8 @@ Expected<std::unique_ptr<FileReader>> FileReader::open(const std::string& path,
 #endif
   if (!fr->uring_) log_notice("expert store: reading '{}' with pread ({})", path, why);
   fr->threads_.reserve(static_cast<size_t>(opt.n_threads));
-  for (int32_t i = 0; i < opt.n_threads; ++i) fr->threads_.emplace_back([r = fr.get()] { r->worker(); });
+  for (int32_t i = 0; i < opt.n_threads; ++i)
+    fr->threads_.emplace_back([r = fr.get()] { r->worker(); });
   return fr;
 }
 

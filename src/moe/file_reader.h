@@ -25,10 +25,10 @@ namespace kiln::moe {
 inline constexpr uint64_t kDirectAlign = 4096;
 
 struct FileReaderOptions {
-  int32_t n_threads = 4;       // reader threads (each with its own ring)
-  uint32_t queue_depth = 8;    // reads in flight per reader thread (io_uring)
+  int32_t n_threads = 4;             // reader threads (each with its own ring)
+  uint32_t queue_depth = 8;          // reads in flight per reader thread (io_uring)
   uint64_t chunk_bytes = 256 << 10;  // a request is split into reads of at most this size
-  bool force_pread = false;    // skip io_uring and O_DIRECT (tests of the fallback path)
+  bool force_pread = false;          // skip io_uring and O_DIRECT (tests of the fallback path)
 };
 
 // One read: `dst.size()` bytes at `offset`. Both, and dst.data(), are multiples of

@@ -18,8 +18,8 @@ inline constexpr int kQK5_0 = 32;
 inline constexpr int kQK5_1 = 32;
 inline constexpr int kQK8_0 = 32;
 inline constexpr int kQK8_1 = 32;
-inline constexpr int kQK_K = 256;        // super-block of the K-quants
-inline constexpr int kKScaleSize = 12;   // packed 6-bit scales/mins of Q4_K / Q5_K
+inline constexpr int kQK_K = 256;       // super-block of the K-quants
+inline constexpr int kKScaleSize = 12;  // packed 6-bit scales/mins of Q4_K / Q5_K
 
 // x = d * (q - 8), q in [0, 15]; element j in the low nibble of qs[j], j+16 in the high one.
 struct block_q4_0 {
@@ -64,8 +64,8 @@ struct block_q2_K {
   f16 d;
   f16 dmin;
 };
-// 16 sub-blocks of 16 with signed 6-bit scales packed in 12 bytes: x = d * (sc - 32) * (q - 4*!hbit),
-// low 2 bits in qs, the high bit in hmask.
+// 16 sub-blocks of 16 with signed 6-bit scales packed in 12 bytes: x = d * (sc - 32) * (q -
+// 4*!hbit), low 2 bits in qs, the high bit in hmask.
 struct block_q3_K {
   uint8_t hmask[kQK_K / 8];
   uint8_t qs[kQK_K / 4];

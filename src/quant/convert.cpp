@@ -55,7 +55,8 @@ Status convert_rows(DType from, DType to, int64_t row_len, int64_t n_rows,
       quantize_row(to, buf, dst.subspan(static_cast<size_t>(r * *out_row), *out_row));
     }
   };
-  const int workers = static_cast<int>(std::clamp<int64_t>(n_threads, 1, std::max<int64_t>(n_rows, 1)));
+  const int workers =
+      static_cast<int>(std::clamp<int64_t>(n_threads, 1, std::max<int64_t>(n_rows, 1)));
   std::vector<std::thread> pool;
   for (int i = 1; i < workers; ++i) pool.emplace_back(work);
   work();

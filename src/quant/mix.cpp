@@ -33,9 +33,7 @@ bool use_more_bits(int64_t i_layer, int64_t n_layers) {
   return i_layer < n_layers / 8 || i_layer >= 7 * n_layers / 8 || (i_layer - n_layers / 8) % 3 == 2;
 }
 
-bool is_quantized(DType t) {
-  return t != DType::F32 && t != DType::F16 && t != DType::BF16;
-}
+bool is_quantized(DType t) { return t != DType::F32 && t != DType::F16 && t != DType::BF16; }
 
 // Whether llama-quantize touches the tensor at all (its filter in llama_model_quantize_impl);
 // everything else is copied unchanged.
@@ -67,16 +65,22 @@ Expected<DType> tensor_type(const Preset& p, const MixFacts& f, Counters& c, con
   const bool is_70b = f.arch == "llama" && f.n_layer == 80;
   if (name == "output.weight" || (!f.has_output && name == "token_embd.weight")) {
     const int64_t qk = traits(type).block_size;
-    if (f.arch == "falcon" || t.ne[0] % qk != 0) type = DType::Q8_0;
-    else if (type != DType::Q8_0) type = DType::Q6_K;
+    if (f.arch == "falcon" || t.ne[0] % qk != 0)
+      type = DType::Q8_0;
+    else if (type != DType::Q8_0)
+      type = DType::Q6_K;
   } else if (contains(name, "attn_v.weight")) {
-    if (ft == FileType::MOSTLY_Q2_K) type = n_gqa >= 4 ? DType::Q4_K : DType::Q3_K;
-    else if (ft == FileType::MOSTLY_Q3_K_M) type = c.i_attention_wv < 2 ? DType::Q5_K : DType::Q4_K;
-    else if (ft == FileType::MOSTLY_Q3_K_L) type = DType::Q5_K;
+    if (ft == FileType::MOSTLY_Q2_K)
+      type = n_gqa >= 4 ? DType::Q4_K : DType::Q3_K;
+    else if (ft == FileType::MOSTLY_Q3_K_M)
+      type = c.i_attention_wv < 2 ? DType::Q5_K : DType::Q4_K;
+    else if (ft == FileType::MOSTLY_Q3_K_L)
+      type = DType::Q5_K;
     else if ((ft == FileType::MOSTLY_Q4_K_M || ft == FileType::MOSTLY_Q5_K_M) &&
              use_more_bits(c.i_attention_wv, c.n_attention_wv))
       type = DType::Q6_K;
-    else if (ft == FileType::MOSTLY_Q4_K_S && c.i_attention_wv < 4) type = DType::Q5_K;
+    else if (ft == FileType::MOSTLY_Q4_K_S && c.i_attention_wv < 4)
+      type = DType::Q5_K;
     if (is_70b && (type == DType::Q3_K || type == DType::Q4_K)) type = DType::Q5_K;
     if (f.n_expert == 8) type = DType::Q8_0;
     ++c.i_attention_wv;
@@ -85,15 +89,16 @@ Expected<DType> tensor_type(const Preset& p, const MixFacts& f, Counters& c, con
   } else if (contains(name, "ffn_down")) {
     const int64_t i_layer = layer_of(name);
     if (i_layer < 0 || i_layer >= f.n_layer)
-      return Status::errorf("tensor '{}': cannot tell its layer (block_count {})", name,
-                            f.n_layer);
+      return Status::errorf("tensor '{}': cannot tell its layer (block_count {})", name, f.n_layer);
     const int64_t n_layer = f.n_layer;
-    if (ft == FileType::MOSTLY_Q2_K) type = DType::Q3_K;
+    if (ft == FileType::MOSTLY_Q2_K)
+      type = DType::Q3_K;
     else if (ft == FileType::MOSTLY_Q3_K_M)
-      type = i_layer < n_layer / 16 ? DType::Q5_K
+      type = i_layer < n_layer / 16                                    ? DType::Q5_K
              : (f.arch != "falcon" || use_more_bits(i_layer, n_layer)) ? DType::Q4_K
-                                                                        : DType::Q3_K;
-    else if (ft == FileType::MOSTLY_Q3_K_L) type = DType::Q5_K;
+                                                                       : DType::Q3_K;
+    else if (ft == FileType::MOSTLY_Q3_K_L)
+      type = DType::Q5_K;
     else if ((ft == FileType::MOSTLY_Q4_K_M || ft == FileType::MOSTLY_Q5_K_M) &&
              use_more_bits(i_layer, n_layer))
       type = DType::Q6_K;
@@ -107,30 +112,44 @@ Expected<DType> tensor_type(const Preset& p, const MixFacts& f, Counters& c, con
             ft == FileType::MOSTLY_Q4_K_M)
           type = DType::Q5_K;
       } else {
-        if (ft == FileType::MOSTLY_Q2_K) type = DType::Q3_K;
-        else if (ft == FileType::MOSTLY_Q3_K_M) type = DType::Q4_K;
-        else if (ft == FileType::MOSTLY_Q3_K_L) type = DType::Q5_K;
+        if (ft == FileType::MOSTLY_Q2_K)
+          type = DType::Q3_K;
+        else if (ft == FileType::MOSTLY_Q3_K_M)
+          type = DType::Q4_K;
+        else if (ft == FileType::MOSTLY_Q3_K_L)
+          type = DType::Q5_K;
       }
     } else if (ft == FileType::MOSTLY_Q3_K_L) {
       type = DType::Q4_K;
     }
   } else if (contains(name, "attn_qkv.weight")) {
-    if (ft == FileType::MOSTLY_Q3_K_M || ft == FileType::MOSTLY_Q3_K_L) type = DType::Q4_K;
-    else if (ft == FileType::MOSTLY_Q4_K_M) type = DType::Q5_K;
-    else if (ft == FileType::MOSTLY_Q5_K_M) type = DType::Q6_K;
+    if (ft == FileType::MOSTLY_Q3_K_M || ft == FileType::MOSTLY_Q3_K_L)
+      type = DType::Q4_K;
+    else if (ft == FileType::MOSTLY_Q4_K_M)
+      type = DType::Q5_K;
+    else if (ft == FileType::MOSTLY_Q5_K_M)
+      type = DType::Q6_K;
   }
 
   // A row length the chosen type cannot hold falls back as llama.cpp does.
   if (t.ne[0] % traits(type).block_size != 0) {
     switch (type) {
-      case DType::Q4_K: type = DType::Q5_0; break;
-      case DType::Q5_K: type = DType::Q5_1; break;
-      case DType::Q6_K: type = DType::Q8_0; break;
+      case DType::Q4_K:
+        type = DType::Q5_0;
+        break;
+      case DType::Q5_K:
+        type = DType::Q5_1;
+        break;
+      case DType::Q6_K:
+        type = DType::Q8_0;
+        break;
       case DType::Q2_K:
       case DType::Q3_K:
         // llama.cpp falls back to IQ4_NL, which we cannot write yet.
-        return Status::errorf("tensor '{}': row length {} needs llama.cpp's IQ4_NL fallback, "
-                              "which kiln cannot produce", name, t.ne[0]);
+        return Status::errorf(
+            "tensor '{}': row length {} needs llama.cpp's IQ4_NL fallback, "
+            "which kiln cannot produce",
+            name, t.ne[0]);
       case DType::Q4_0:
       case DType::Q4_1:
       case DType::Q5_0:
@@ -194,8 +213,10 @@ Expected<MixFacts> mix_facts(const GgufFile& model) {
   // Head counts may be per-layer arrays in some architectures; the mix only needs the ratio,
   // so a non-scalar value counts as "no GQA information" (ratio 1), as for a missing key.
   if (auto h = model.get<int64_t>(a + ".attention.head_count"); h) f.n_head = *h;
-  if (auto h = model.get<int64_t>(a + ".attention.head_count_kv"); h) f.n_head_kv = *h;
-  else f.n_head_kv = f.n_head;
+  if (auto h = model.get<int64_t>(a + ".attention.head_count_kv"); h)
+    f.n_head_kv = *h;
+  else
+    f.n_head_kv = f.n_head;
   f.has_output = model.find_tensor("output.weight") != nullptr;
   return f;
 }

@@ -17,10 +17,23 @@ namespace kiln::quant {
 
 // llama.cpp's llama_ftype values, as written to general.file_type.
 enum class FileType : uint32_t {
-  ALL_F32 = 0, MOSTLY_F16 = 1, MOSTLY_Q4_0 = 2, MOSTLY_Q4_1 = 3, MOSTLY_Q8_0 = 7,
-  MOSTLY_Q5_0 = 8, MOSTLY_Q5_1 = 9, MOSTLY_Q2_K = 10, MOSTLY_Q3_K_S = 11, MOSTLY_Q3_K_M = 12,
-  MOSTLY_Q3_K_L = 13, MOSTLY_Q4_K_S = 14, MOSTLY_Q4_K_M = 15, MOSTLY_Q5_K_S = 16,
-  MOSTLY_Q5_K_M = 17, MOSTLY_Q6_K = 18, MOSTLY_BF16 = 32,
+  ALL_F32 = 0,
+  MOSTLY_F16 = 1,
+  MOSTLY_Q4_0 = 2,
+  MOSTLY_Q4_1 = 3,
+  MOSTLY_Q8_0 = 7,
+  MOSTLY_Q5_0 = 8,
+  MOSTLY_Q5_1 = 9,
+  MOSTLY_Q2_K = 10,
+  MOSTLY_Q3_K_S = 11,
+  MOSTLY_Q3_K_M = 12,
+  MOSTLY_Q3_K_L = 13,
+  MOSTLY_Q4_K_S = 14,
+  MOSTLY_Q4_K_M = 15,
+  MOSTLY_Q5_K_S = 16,
+  MOSTLY_Q5_K_M = 17,
+  MOSTLY_Q6_K = 18,
+  MOSTLY_BF16 = 32,
 };
 
 struct Preset {
@@ -52,8 +65,8 @@ Expected<MixFacts> mix_facts(const GgufFile& model);
 // Indices into model.tensors().
 std::vector<size_t> llama_tensor_order(const GgufFile& model);
 
-// One output type per input tensor (same order as model.tensors()), or an error naming the tensor llama.cpp
-// would also refuse (a row length no fallback type can hold).
+// One output type per input tensor (same order as model.tensors()), or an error naming the tensor
+// llama.cpp would also refuse (a row length no fallback type can hold).
 Expected<std::vector<DType>> plan_tensor_types(const Preset& preset, const GgufFile& model);
 
 }  // namespace kiln::quant

@@ -82,16 +82,18 @@ void apply_logit_bias(Candidates& c, std::span<const std::pair<int32_t, float>> 
   c.sorted = false;
 }
 
-void apply_penalties(Candidates& c, std::span<const int32_t> history, float repeat,
-                     float frequency, float presence) {
+void apply_penalties(Candidates& c, std::span<const int32_t> history, float repeat, float frequency,
+                     float presence) {
   if (history.empty() || (repeat == 1.0f && frequency == 0.0f && presence == 0.0f)) return;
   std::unordered_map<int32_t, int> count;
   for (int32_t id : history) ++count[id];
   for (Candidate& x : c.items) {
     auto it = count.find(x.id);
     if (it == count.end()) continue;
-    if (x.logit <= 0) x.logit *= repeat;
-    else x.logit /= repeat;
+    if (x.logit <= 0)
+      x.logit *= repeat;
+    else
+      x.logit /= repeat;
     x.logit -= float(it->second) * frequency + presence;
   }
   c.sorted = false;
@@ -99,8 +101,7 @@ void apply_penalties(Candidates& c, std::span<const int32_t> history, float repe
 
 void top_k(Candidates& c, int32_t k) {
   if (k <= 0 || size_t(k) >= c.items.size()) return;
-  if (!c.sorted)
-    std::partial_sort(c.items.begin(), c.items.begin() + k, c.items.end(), before);
+  if (!c.sorted) std::partial_sort(c.items.begin(), c.items.begin() + k, c.items.end(), before);
   c.items.resize(size_t(k));
   c.sorted = true;
 }
@@ -220,9 +221,9 @@ int32_t Sampler::sample_after_top_k() {
 int32_t Sampler::candidates_needed(int32_t most) const {
   const SamplerParams& p = params_;
   if (!p.logit_bias.empty()) return 0;
-  const bool penalties = p.penalty_last_n > 0 && (p.repeat_penalty != 1.0f ||
-                                                  p.frequency_penalty != 0.0f ||
-                                                  p.presence_penalty != 0.0f);
+  const bool penalties =
+      p.penalty_last_n > 0 &&
+      (p.repeat_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f);
   if (penalties) return 0;
   if (p.temperature <= 0.0f) return 1;
   if (p.top_k <= 0 || p.top_k >= n_vocab_ || p.top_k > most) return 0;

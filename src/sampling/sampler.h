@@ -50,8 +50,8 @@ void apply_logit_bias(Candidates& c, std::span<const std::pair<int32_t, float>> 
 // llama.cpp's penalties over `history` (the last N accepted ids): a token seen at least once
 // gets logit / repeat if positive, logit * repeat if not, then
 // logit -= count * frequency + presence.
-void apply_penalties(Candidates& c, std::span<const int32_t> history, float repeat,
-                     float frequency, float presence);
+void apply_penalties(Candidates& c, std::span<const int32_t> history, float repeat, float frequency,
+                     float presence);
 void top_k(Candidates& c, int32_t k);      // k <= 0: keep all
 void top_p(Candidates& c, float p);        // smallest prefix with cumulative p >= p (>= 1 kept)
 void min_p(Candidates& c, float p);        // keep p_i >= p * p_max
@@ -60,14 +60,14 @@ int32_t greedy(const Candidates& c);       // largest logit, smallest id on ties
 int32_t sample_dist(Candidates& c, Rng& rng);
 
 struct SamplerParams {
-  float temperature = 0.8f;  // <= 0: greedy
-  int32_t top_k = 40;        // <= 0: off
-  float top_p = 0.95f;       // >= 1: off
-  float min_p = 0.05f;       // <= 0: off
+  float temperature = 0.8f;     // <= 0: greedy
+  int32_t top_k = 40;           // <= 0: off
+  float top_p = 0.95f;          // >= 1: off
+  float min_p = 0.05f;          // <= 0: off
   float repeat_penalty = 1.0f;  // 1: off
   float frequency_penalty = 0.0f;
   float presence_penalty = 0.0f;
-  int32_t penalty_last_n = 64;  // how many accepted ids the penalties look at
+  int32_t penalty_last_n = 64;                        // how many accepted ids the penalties look at
   std::vector<std::pair<int32_t, float>> logit_bias;  // (id, added logit); -inf bans
   uint64_t seed = 0;
 };

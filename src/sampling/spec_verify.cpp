@@ -25,13 +25,15 @@ Status validate_spec_sampling(const SamplerParams& p) {
     return Status::error("speculative decoding does not support logit bias");
   if (!std::isfinite(p.temperature))
     return Status::errorf("temperature {} is not finite", p.temperature);
-  if (!(p.top_p >= 0.0f && p.top_p <= 1.0f)) return Status::errorf("top-p {} outside [0, 1]", p.top_p);
-  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) return Status::errorf("min-p {} outside [0, 1]", p.min_p);
+  if (!(p.top_p >= 0.0f && p.top_p <= 1.0f))
+    return Status::errorf("top-p {} outside [0, 1]", p.top_p);
+  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f))
+    return Status::errorf("min-p {} outside [0, 1]", p.min_p);
   return Status::ok();
 }
 
-void sampling_probs(std::span<const float> logits, const SamplerParams& params,
-                    Candidates& c, std::vector<float>& out) {
+void sampling_probs(std::span<const float> logits, const SamplerParams& params, Candidates& c,
+                    std::vector<float>& out) {
   KILN_CHECK(params.temperature > 0.0f, "sampling_probs needs temperature > 0");
   // Same stage order as Sampler::sample, so p is exactly what plain sampling draws from.
   c.reset(logits);
@@ -76,9 +78,8 @@ VerifyResult verify_greedy(std::span<const float> target_logits, std::span<const
   return r;  // unreachable: the loop returns at i == draft.size()
 }
 
-VerifyResult verify_sampled(std::span<const float> target_probs,
-                            std::span<const float> draft_probs, std::span<const int32_t> draft,
-                            int32_t n_vocab, Rng& rng) {
+VerifyResult verify_sampled(std::span<const float> target_probs, std::span<const float> draft_probs,
+                            std::span<const int32_t> draft, int32_t n_vocab, Rng& rng) {
   const size_t V = static_cast<size_t>(n_vocab);
   KILN_CHECK(target_probs.size() == (draft.size() + 1) * V);
   const bool one_hot = draft_probs.empty();

@@ -22,8 +22,8 @@ int32_t argmax_id(std::span<const float> logits);
 // truncation stages (top-k, top-p, min-p) then temperature then softmax. Tokens cut by a
 // stage get p = 0. Penalties and logit bias are not applied (they are rejected up front by
 // validate_spec_sampling).
-void sampling_probs(std::span<const float> logits, const SamplerParams& params,
-                    Candidates& scratch, std::vector<float>& out);
+void sampling_probs(std::span<const float> logits, const SamplerParams& params, Candidates& scratch,
+                    std::vector<float>& out);
 
 // Errors for sampler settings the verifier cannot reproduce exactly (penalties, bias).
 Status validate_spec_sampling(const SamplerParams& params);
@@ -32,8 +32,8 @@ Status validate_spec_sampling(const SamplerParams& params);
 int32_t sample_probs(std::span<const float> p, Rng& rng);
 
 struct VerifyResult {
-  int32_t n_accepted = 0;        // draft tokens accepted (a prefix of the draft)
-  int32_t next = -1;             // the target's own token after the accepted prefix
+  int32_t n_accepted = 0;  // draft tokens accepted (a prefix of the draft)
+  int32_t next = -1;       // the target's own token after the accepted prefix
 };
 
 // target_logits: [n_draft + 1][n_vocab]; row i scores the position after draft[i-1] (row 0
@@ -44,8 +44,7 @@ VerifyResult verify_greedy(std::span<const float> target_logits, std::span<const
 // target_probs: [n_draft + 1][n_vocab] dense target probabilities (sampling_probs).
 // draft_probs: [n_draft][n_vocab] the distributions the drafts were drawn from, or empty for
 // a deterministic drafter (q is then one-hot on the drafted token).
-VerifyResult verify_sampled(std::span<const float> target_probs,
-                            std::span<const float> draft_probs, std::span<const int32_t> draft,
-                            int32_t n_vocab, Rng& rng);
+VerifyResult verify_sampled(std::span<const float> target_probs, std::span<const float> draft_probs,
+                            std::span<const int32_t> draft, int32_t n_vocab, Rng& rng);
 
 }  // namespace kiln

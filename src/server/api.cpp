@@ -42,7 +42,8 @@ std::optional<ApiError> get_bool(const json& o, const char* key, bool& out) {
   auto it = o.find(key);
   if (it == o.end() || it->is_null()) return std::nullopt;
   if (!it->is_boolean())
-    return bad(key, fmt::format("'{}' must be a boolean, got {}", key, type_name(*it)), "invalid_type");
+    return bad(key, fmt::format("'{}' must be a boolean, got {}", key, type_name(*it)),
+               "invalid_type");
   out = it->get<bool>();
   return std::nullopt;
 }
@@ -51,7 +52,8 @@ std::optional<ApiError> get_number(const json& o, const char* key, float lo, flo
   auto it = o.find(key);
   if (it == o.end() || it->is_null()) return std::nullopt;
   if (!it->is_number())
-    return bad(key, fmt::format("'{}' must be a number, got {}", key, type_name(*it)), "invalid_type");
+    return bad(key, fmt::format("'{}' must be a number, got {}", key, type_name(*it)),
+               "invalid_type");
   const double v = it->get<double>();
   if (!std::isfinite(v) || v < lo || v > hi)
     return bad(key, fmt::format("'{}' = {} is outside [{}, {}]", key, v, lo, hi));
@@ -66,8 +68,9 @@ std::optional<ApiError> get_int(const json& o, const char* key, int64_t lo, int6
   if (it == o.end() || it->is_null()) return std::nullopt;
   if (!it->is_number_integer()) {
     // 5.0 is a number but not an integer; reject rather than silently truncate.
-    return bad(key, fmt::format("'{}' must be an integer, got {}", key,
-                                it->is_number() ? "a fractional number" : type_name(*it)),
+    return bad(key,
+               fmt::format("'{}' must be an integer, got {}", key,
+                           it->is_number() ? "a fractional number" : type_name(*it)),
                "invalid_type");
   }
   if (it->is_number_unsigned()) {
@@ -94,8 +97,10 @@ std::optional<ApiError> get_content(const json& m, size_t index, std::string& ou
     return std::nullopt;
   }
   if (!it->is_array())
-    return bad(where, fmt::format("'{}' must be a string or an array of text parts, got {}",
-                                  where, type_name(*it)), "invalid_type");
+    return bad(where,
+               fmt::format("'{}' must be a string or an array of text parts, got {}", where,
+                           type_name(*it)),
+               "invalid_type");
   for (size_t k = 0; k < it->size(); ++k) {
     const json& part = (*it)[k];
     if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
@@ -140,24 +145,28 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
 
   if (auto it = j.find("model"); it != j.end() && !it->is_null()) {
     if (!it->is_string())
-      return bad("model", fmt::format("'model' must be a string, got {}", type_name(*it)), "invalid_type");
+      return bad("model", fmt::format("'model' must be a string, got {}", type_name(*it)),
+                 "invalid_type");
     r.model = it->get<std::string>();
   }
   if (chat) {
     auto it = j.find("messages");
     if (it == j.end()) return bad("messages", "'messages' is required", "missing_field");
     if (!it->is_array())
-      return bad("messages", fmt::format("'messages' must be an array, got {}", type_name(*it)), "invalid_type");
+      return bad("messages", fmt::format("'messages' must be an array, got {}", type_name(*it)),
+                 "invalid_type");
     if (it->empty()) return bad("messages", "'messages' must not be empty");
     if (it->size() > limits.max_messages)
       return bad("messages", fmt::format("{} messages exceed the limit of {}", it->size(),
                                          limits.max_messages));
-    static constexpr std::string_view kRoles[] = {"system", "developer", "user", "assistant", "tool"};
+    static constexpr std::string_view kRoles[] = {"system", "developer", "user", "assistant",
+                                                  "tool"};
     for (size_t i = 0; i < it->size(); ++i) {
       const json& m = (*it)[i];
       if (!m.is_object())
         return bad(fmt::format("messages[{}]", i),
-                   fmt::format("'messages[{}]' must be an object, got {}", i, type_name(m)), "invalid_type");
+                   fmt::format("'messages[{}]' must be an object, got {}", i, type_name(m)),
+                   "invalid_type");
       auto role = m.find("role");
       if (role == m.end() || !role->is_string())
         return bad(fmt::format("messages[{}].role", i),
@@ -167,7 +176,8 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
       if (std::find(std::begin(kRoles), std::end(kRoles), msg.role) == std::end(kRoles))
         return bad(fmt::format("messages[{}].role", i),
                    fmt::format("'messages[{}].role' = '{}' is not one of system, developer, "
-                               "user, assistant, tool", i, msg.role));
+                               "user, assistant, tool",
+                               i, msg.role));
       KILN_API_TRY(get_content(m, i, msg.content));
       r.messages.push_back(std::move(msg));
     }
@@ -179,7 +189,8 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
     } else if (it->is_array() && it->size() == 1 && (*it)[0].is_string()) {
       r.prompt = (*it)[0].get<std::string>();
     } else if (it->is_array() && !it->empty() &&
-               std::all_of(it->begin(), it->end(), [](const json& v) { return v.is_number_integer(); })) {
+               std::all_of(it->begin(), it->end(),
+                           [](const json& v) { return v.is_number_integer(); })) {
       for (const json& v : *it) {
         const int64_t id = v.get<int64_t>();
         if (id < 0 || id > INT32_MAX)
@@ -187,19 +198,36 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
         r.prompt_ids.push_back(static_cast<int32_t>(id));
       }
     } else {
-      return bad("prompt", "'prompt' must be a string, a one-string array or an array of token ids "
-                           "(batches of prompts are not supported)", "invalid_type");
+      return bad("prompt",
+                 "'prompt' must be a string, a one-string array or an array of token ids "
+                 "(batches of prompts are not supported)",
+                 "invalid_type");
     }
-    if (r.prompt.empty() && r.prompt_ids.empty()) return bad("prompt", "'prompt' must not be empty");
+    if (r.prompt.empty() && r.prompt_ids.empty())
+      return bad("prompt", "'prompt' must not be empty");
   }
 
   // Fail closed: a field this server does not implement is refused by name, never ignored
   // (a client relying on tools or response_format must not get plain text back as if they
   // had been applied). `user` is an end-user id for the caller's records: no effect to apply.
-  static constexpr std::string_view kCommon[] = {
-      "model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty",
-      "presence_penalty", "frequency_penalty", "seed", "stream", "stream_options", "stop",
-      "logit_bias", "logprobs", "user"};
+  static constexpr std::string_view kCommon[] = {"model",
+                                                 "n",
+                                                 "max_tokens",
+                                                 "max_completion_tokens",
+                                                 "temperature",
+                                                 "top_p",
+                                                 "top_k",
+                                                 "min_p",
+                                                 "repeat_penalty",
+                                                 "presence_penalty",
+                                                 "frequency_penalty",
+                                                 "seed",
+                                                 "stream",
+                                                 "stream_options",
+                                                 "stop",
+                                                 "logit_bias",
+                                                 "logprobs",
+                                                 "user"};
   static constexpr std::string_view kChat[] = {"messages", "top_logprobs"};
   static constexpr std::string_view kText[] = {"prompt"};
   for (auto kv = j.begin(); kv != j.end(); ++kv) {
@@ -246,13 +274,16 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
   if (auto it = j.find("stream_options"); it != j.end() && !it->is_null()) {
     if (!it->is_object())
       return bad("stream_options", "'stream_options' must be an object", "invalid_type");
-    if (!r.stream) return bad("stream_options", "'stream_options' is only allowed with stream: true");
+    if (!r.stream)
+      return bad("stream_options", "'stream_options' is only allowed with stream: true");
     KILN_API_TRY(get_bool(*it, "include_usage", r.include_usage));
   }
   if (auto it = j.find("stop"); it != j.end() && !it->is_null()) {
-    if (it->is_string()) r.stop.push_back(it->get<std::string>());
+    if (it->is_string())
+      r.stop.push_back(it->get<std::string>());
     else if (it->is_array()) {
-      if (it->size() > 4) return bad("stop", fmt::format("'stop' has {} entries; at most 4", it->size()));
+      if (it->size() > 4)
+        return bad("stop", fmt::format("'stop' has {} entries; at most 4", it->size()));
       for (const json& s : *it) {
         if (!s.is_string()) return bad("stop", "'stop' entries must be strings", "invalid_type");
         r.stop.push_back(s.get<std::string>());
@@ -269,17 +300,22 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
   }
   if (auto it = j.find("logit_bias"); it != j.end() && !it->is_null()) {
     if (!it->is_object())
-      return bad("logit_bias", "'logit_bias' must be an object of \"token id\": bias", "invalid_type");
+      return bad("logit_bias", "'logit_bias' must be an object of \"token id\": bias",
+                 "invalid_type");
     for (auto kv = it->begin(); kv != it->end(); ++kv) {
       const std::string& key = kv.key();
-      const bool digits = !key.empty() && key.size() <= 9 &&
-                          std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
-      if (!digits) return bad("logit_bias", fmt::format("'logit_bias' key '{}' is not a token id", key));
+      const bool digits =
+          !key.empty() && key.size() <= 9 &&
+          std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+      if (!digits)
+        return bad("logit_bias", fmt::format("'logit_bias' key '{}' is not a token id", key));
       if (!kv.value().is_number())
-        return bad("logit_bias", fmt::format("'logit_bias[{}]' must be a number", key), "invalid_type");
+        return bad("logit_bias", fmt::format("'logit_bias[{}]' must be a number", key),
+                   "invalid_type");
       const double b = kv.value().get<double>();
       if (!std::isfinite(b) || b < -100 || b > 100)
-        return bad("logit_bias", fmt::format("'logit_bias[{}]' = {} is outside [-100, 100]", key, b));
+        return bad("logit_bias",
+                   fmt::format("'logit_bias[{}]' = {} is outside [-100, 100]", key, b));
       // OpenAI's -100 means "never"; make it exact rather than merely unlikely.
       r.logit_bias.emplace_back(std::stoi(key), b <= -100 ? -INFINITY : static_cast<float>(b));
     }
@@ -318,7 +354,8 @@ ApiResult<DetokenizeRequest> parse_detokenize_request(std::string_view body) {
   if (!j) return err;
   auto it = j->find("tokens");
   if (it == j->end()) return bad("tokens", "'tokens' is required", "missing_field");
-  if (!it->is_array()) return bad("tokens", "'tokens' must be an array of integers", "invalid_type");
+  if (!it->is_array())
+    return bad("tokens", "'tokens' must be an array of integers", "invalid_type");
   DetokenizeRequest r;
   for (size_t i = 0; i < it->size(); ++i) {
     const json& v = (*it)[i];

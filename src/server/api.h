@@ -42,19 +42,19 @@ struct CompletionRequest {
   float temperature = 1.0f;
   float top_p = 1.0f;
   float presence_penalty = 0, frequency_penalty = 0;
-  int32_t top_k = 0;             // llama.cpp's extension; 0: off
-  float min_p = 0;               // llama.cpp's extension; 0: off
-  float repeat_penalty = 1.0f;   // llama.cpp's extension; 1: off
+  int32_t top_k = 0;            // llama.cpp's extension; 0: off
+  float min_p = 0;              // llama.cpp's extension; 0: off
+  float repeat_penalty = 1.0f;  // llama.cpp's extension; 1: off
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;  // at most 4, each non-empty
   bool stream = false;
-  bool include_usage = false;  // stream_options.include_usage
-  int32_t top_logprobs = -1;   // -1: no logprobs
+  bool include_usage = false;                         // stream_options.include_usage
+  int32_t top_logprobs = -1;                          // -1: no logprobs
   std::vector<std::pair<int32_t, float>> logit_bias;  // {"id": bias in [-100, 100]}; -100 bans
 };
 
 struct Limits {
-  int32_t max_tokens = 1 << 20;     // largest max_tokens accepted (the server passes n_ctx)
+  int32_t max_tokens = 1 << 20;  // largest max_tokens accepted (the server passes n_ctx)
   size_t max_messages = 4096;
   size_t max_stop_bytes = 256;
 };

@@ -40,7 +40,8 @@ namespace {
 
 int64_t unix_seconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(
-             std::chrono::system_clock::now().time_since_epoch()).count();
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
 // The socket of the connection a request came on, or -1. cpp-httplib 0.11 hands a handler no
@@ -62,8 +63,10 @@ int connection_fd(const httplib::Request& req) {
     if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ll) != 0) continue;
     if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0) continue;
     auto port_of = [](const sockaddr_storage& a) {
-      if (a.ss_family == AF_INET) return int(ntohs(reinterpret_cast<const sockaddr_in&>(a).sin_port));
-      if (a.ss_family == AF_INET6) return int(ntohs(reinterpret_cast<const sockaddr_in6&>(a).sin6_port));
+      if (a.ss_family == AF_INET)
+        return int(ntohs(reinterpret_cast<const sockaddr_in&>(a).sin_port));
+      if (a.ss_family == AF_INET6)
+        return int(ntohs(reinterpret_cast<const sockaddr_in6&>(a).sin6_port));
       return -1;
     };
     if (port_of(local) == req.local_port && port_of(peer) == req.remote_port) return fd;
@@ -109,8 +112,8 @@ struct HttpServer::Impl {
   // on the runtime's backend: declared after it, so destroyed first.
   std::optional<Runtime> rt;
   std::shared_ptr<const Model> model;
-  Tokenizer* tok = nullptr;                      // rt's
-  const ChatTemplate* chat_template = nullptr;   // rt's; nullptr: the file has none
+  Tokenizer* tok = nullptr;                     // rt's
+  const ChatTemplate* chat_template = nullptr;  // rt's; nullptr: the file has none
   std::unique_ptr<Scheduler> scheduler;
 
   std::atomic<uint64_t> n_http_requests{0}, n_http_errors{0}, n_completions{0};
@@ -140,9 +143,11 @@ Status HttpServer::start() {
   Impl& s = *impl_;
   // A peer that closes mid-write must surface as a failed write, not kill the process.
   ::signal(SIGPIPE, SIG_IGN);
-  const int threads = s.opt.http_threads > 0 ? s.opt.http_threads
-                                             : s.opt.n_parallel + s.opt.max_queue + 8;
-  s.http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  const int threads =
+      s.opt.http_threads > 0 ? s.opt.http_threads : s.opt.n_parallel + s.opt.max_queue + 8;
+  s.http.new_task_queue = [threads] {
+    return new httplib::ThreadPool(static_cast<size_t>(threads));
+  };
   s.http.set_payload_max_length(s.opt.max_body_bytes);
   s.http.set_read_timeout(30, 0);
   s.http.set_write_timeout(30, 0);
@@ -154,8 +159,10 @@ Status HttpServer::start() {
     int yes = 1;
     ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
-  if (s.opt.port == 0) s.port = s.http.bind_to_any_port(s.opt.host);
-  else s.port = s.http.bind_to_port(s.opt.host, s.opt.port) ? s.opt.port : -1;
+  if (s.opt.port == 0)
+    s.port = s.http.bind_to_any_port(s.opt.host);
+  else
+    s.port = s.http.bind_to_port(s.opt.host, s.opt.port) ? s.opt.port : -1;
   if (s.port < 0)
     return Status::errorf("port {} in use or not available on {}", s.opt.port, s.opt.host);
   s.thread = std::thread([&s] {
@@ -223,8 +230,9 @@ bool HttpServer::Impl::authorized(const httplib::Request& req, httplib::Response
 
 bool HttpServer::Impl::check_ready(httplib::Response& res) const {
   if (ready.load(std::memory_order_acquire) && !stopping.load()) return true;
-  send_error(res, make_error(503, stopping.load() ? "the server is shutting down" : "the model is loading",
-                             "server_error", stopping.load() ? "shutting_down" : "loading"));
+  send_error(
+      res, make_error(503, stopping.load() ? "the server is shutting down" : "the model is loading",
+                      "server_error", stopping.load() ? "shutting_down" : "loading"));
   return false;
 }
 
@@ -235,9 +243,11 @@ std::optional<ApiError> HttpServer::Impl::build_prompt(const CompletionRequest& 
     if (!r.prompt_ids.empty()) {
       for (size_t i = 0; i < r.prompt_ids.size(); ++i)
         if (r.prompt_ids[i] >= t.n_vocab()) {
-          ApiError e = make_error(400, fmt::format("token id {} at prompt[{}] is outside the vocabulary [0, {})",
-                                                   r.prompt_ids[i], i, t.n_vocab()),
-                                  "invalid_request_error", "invalid_value");
+          ApiError e =
+              make_error(400,
+                         fmt::format("token id {} at prompt[{}] is outside the vocabulary [0, {})",
+                                     r.prompt_ids[i], i, t.n_vocab()),
+                         "invalid_request_error", "invalid_value");
           e.param = "prompt";
           return e;
         }
@@ -269,7 +279,7 @@ struct Job {
   int64_t created = 0;
   int32_t n_prompt = 0;
   StopMatcher stop;
-  std::string text;            // released text
+  std::string text;                    // released text
   json logprobs_chat = json::array();  // chat: logprobs.content entries
   json lp_tokens = json::array(), lp_values = json::array(), lp_top = json::array(),
        lp_offsets = json::array();  // completions
@@ -294,8 +304,10 @@ struct Job {
           const std::string p = tok->token_to_piece(t.id, false);
           top.push_back({{"token", p}, {"logprob", t.logprob}, {"bytes", bytes_of(p)}});
         }
-        logprobs_chat.push_back(
-            {{"token", piece}, {"logprob", e.logprob}, {"bytes", bytes_of(piece)}, {"top_logprobs", top}});
+        logprobs_chat.push_back({{"token", piece},
+                                 {"logprob", e.logprob},
+                                 {"bytes", bytes_of(piece)},
+                                 {"top_logprobs", top}});
       } else {
         json top = json::object();
         for (const TokenLogprob& t : e.top) top[tok->token_to_piece(t.id, false)] = t.logprob;
@@ -329,13 +341,16 @@ struct Job {
   std::string last_flush;
 
   json usage() const {
-    return {{"prompt_tokens", n_prompt}, {"completion_tokens", n_generated},
+    return {{"prompt_tokens", n_prompt},
+            {"completion_tokens", n_generated},
             {"total_tokens", n_prompt + n_generated}};
   }
   json logprobs_json() const {
     if (top_logprobs < 0) return nullptr;
     if (chat) return {{"content", logprobs_chat}};
-    return {{"tokens", lp_tokens}, {"token_logprobs", lp_values}, {"top_logprobs", lp_top},
+    return {{"tokens", lp_tokens},
+            {"token_logprobs", lp_values},
+            {"top_logprobs", lp_top},
             {"text_offset", lp_offsets}};
   }
   // A streamed chunk carrying `delta` text (and the finish reason at the end).
@@ -354,8 +369,11 @@ struct Job {
     }
     choice["logprobs"] = with_logprobs ? logprobs_json() : json(nullptr);
     choice["finish_reason"] = finish_reason ? json(finish_reason) : json(nullptr);
-    json c = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"},
-              {"created", created}, {"model", model}, {"choices", json::array({choice})}};
+    json c = {{"id", id},
+              {"object", chat ? "chat.completion.chunk" : "text_completion"},
+              {"created", created},
+              {"model", model},
+              {"choices", json::array({choice})}};
     if (include_usage) c["usage"] = nullptr;
     return c;
   }
@@ -381,17 +399,23 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   if (auto e = build_prompt(r, ids)) return send_error(res, *e);
   const int64_t n_prompt = static_cast<int64_t>(ids.size());
   if (n_prompt == 0)
-    return send_error(res, make_error(400, "the prompt tokenized to nothing", "invalid_request_error", "invalid_value"));
+    return send_error(res, make_error(400, "the prompt tokenized to nothing",
+                                      "invalid_request_error", "invalid_value"));
   if (n_prompt >= n_ctx)
-    return send_error(res, make_error(400, fmt::format("the prompt has {} tokens; the context holds {} "
-                                                       "(at least one must be left to generate)", n_prompt, n_ctx),
+    return send_error(res, make_error(400,
+                                      fmt::format("the prompt has {} tokens; the context holds {} "
+                                                  "(at least one must be left to generate)",
+                                                  n_prompt, n_ctx),
                                       "invalid_request_error", "context_length_exceeded"));
-  if (r.max_tokens < 0) r.max_tokens = static_cast<int32_t>(n_ctx - n_prompt);
+  if (r.max_tokens < 0)
+    r.max_tokens = static_cast<int32_t>(n_ctx - n_prompt);
   else if (n_prompt + r.max_tokens > n_ctx + 1)  // the last sampled token needs no KV row
-    return send_error(res, make_error(400, fmt::format("the prompt has {} tokens and max_tokens is {}: "
-                                                       "{} exceeds the context of {}", n_prompt, r.max_tokens,
-                                                       n_prompt + r.max_tokens, n_ctx),
-                                      "invalid_request_error", "context_length_exceeded"));
+    return send_error(
+        res, make_error(400,
+                        fmt::format("the prompt has {} tokens and max_tokens is {}: "
+                                    "{} exceeds the context of {}",
+                                    n_prompt, r.max_tokens, n_prompt + r.max_tokens, n_ctx),
+                        "invalid_request_error", "context_length_exceeded"));
 
   GenerationParams p;
   p.prompt = std::move(ids);
@@ -406,16 +430,19 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   p.sampling.frequency_penalty = r.frequency_penalty;
   for (const auto& [id, bias] : r.logit_bias)
     if (id >= model->n_vocab())
-      return send_error(res, make_error(400, fmt::format("'logit_bias' token id {} is outside the vocabulary [0, {})",
-                                                         id, model->n_vocab()),
-                                        "invalid_request_error", "invalid_value"));
+      return send_error(
+          res, make_error(400,
+                          fmt::format("'logit_bias' token id {} is outside the vocabulary [0, {})",
+                                      id, model->n_vocab()),
+                          "invalid_request_error", "invalid_value"));
   p.sampling.logit_bias = r.logit_bias;
   p.sampling.seed = r.seed ? *r.seed : std::random_device{}();
   auto sub = scheduler->submit(std::move(p));
   if (!sub.stream) {
     if (sub.error == Scheduler::SubmitError::kQueueFull) {
       res.set_header("Retry-After", "1");
-      return send_error(res, make_error(503, "server busy: " + sub.message, "server_error", "queue_full"));
+      return send_error(
+          res, make_error(503, "server busy: " + sub.message, "server_error", "queue_full"));
     }
     if (sub.error == Scheduler::SubmitError::kShuttingDown)
       return send_error(res, make_error(503, sub.message, "server_error", "shutting_down"));
@@ -451,21 +478,29 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
       }
       job->on_done(*e);
       if (e->finish == FinishReason::kError)
-        return send_error(res, make_error(500, "generation failed: " + e->error, "server_error", "internal_error"));
+        return send_error(res, make_error(500, "generation failed: " + e->error, "server_error",
+                                          "internal_error"));
       break;
     }
-    json choice = {{"index", 0}, {"logprobs", job->logprobs_json()}, {"finish_reason", job->finish}};
-    if (chat) choice["message"] = {{"role", "assistant"}, {"content", job->text}};
-    else choice["text"] = job->text;
-    json body = {{"id", job->id}, {"object", chat ? "chat.completion" : "text_completion"},
-                 {"created", job->created}, {"model", job->model},
-                 {"choices", json::array({choice})}, {"usage", job->usage()}};
+    json choice = {
+        {"index", 0}, {"logprobs", job->logprobs_json()}, {"finish_reason", job->finish}};
+    if (chat)
+      choice["message"] = {{"role", "assistant"}, {"content", job->text}};
+    else
+      choice["text"] = job->text;
+    json body = {{"id", job->id},
+                 {"object", chat ? "chat.completion" : "text_completion"},
+                 {"created", job->created},
+                 {"model", job->model},
+                 {"choices", json::array({choice})},
+                 {"usage", job->usage()}};
     res.set_content(body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
     return;
   }
 
   auto send = [](httplib::DataSink& sink, const json& j) {
-    const std::string line = "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+    const std::string line =
+        "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
     return sink.write(line.data(), line.size());
   };
   res.set_header("Cache-Control", "no-cache");
@@ -493,15 +528,19 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
         job->on_done(*e);
         bool ok = true;
         if (e->finish == FinishReason::kError) {
-          ApiError err = make_error(500, "generation failed: " + e->error, "server_error", "internal_error");
+          ApiError err =
+              make_error(500, "generation failed: " + e->error, "server_error", "internal_error");
           const std::string line = "data: " + error_body(err) + "\n\n";
           ok = sink.write(line.data(), line.size());
         } else {
           ok = send(sink, job->chunk(job->last_flush, job->finish.c_str(), true));
           if (ok && job->include_usage) {
-            json u = {{"id", job->id}, {"object", job->chat ? "chat.completion.chunk" : "text_completion"},
-                      {"created", job->created}, {"model", job->model},
-                      {"choices", json::array()}, {"usage", job->usage()}};
+            json u = {{"id", job->id},
+                      {"object", job->chat ? "chat.completion.chunk" : "text_completion"},
+                      {"created", job->created},
+                      {"model", job->model},
+                      {"choices", json::array()},
+                      {"usage", job->usage()}};
             ok = send(sink, u);
           }
         }
@@ -516,20 +555,26 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
 std::string HttpServer::Impl::metrics() const {
   std::string out;
   auto metric = [&](const char* name, const char* type, const char* help, double v) {
-    out += fmt::format("# HELP kiln_{} {}\n# TYPE kiln_{} {}\nkiln_{} {}\n", name, help, name, type, name, v);
+    out += fmt::format("# HELP kiln_{} {}\n# TYPE kiln_{} {}\nkiln_{} {}\n", name, help, name, type,
+                       name, v);
   };
-  metric("http_requests_total", "counter", "HTTP requests received", double(n_http_requests.load()));
-  metric("http_errors_total", "counter", "HTTP responses with status >= 400", double(n_http_errors.load()));
+  metric("http_requests_total", "counter", "HTTP requests received",
+         double(n_http_requests.load()));
+  metric("http_errors_total", "counter", "HTTP responses with status >= 400",
+         double(n_http_errors.load()));
   metric("ready", "gauge", "1 once the model is loaded", ready.load() ? 1 : 0);
   if (!ready.load(std::memory_order_acquire)) return out;
   const SchedulerStats s = scheduler->stats();
   metric("requests_total", "counter", "generation requests accepted", double(s.requests_total));
-  metric("requests_rejected_total", "counter", "generation requests refused (queue full)", double(s.requests_rejected));
-  metric("requests_cancelled_total", "counter", "generation requests cancelled (client gone, stop sequence, shutdown)",
+  metric("requests_rejected_total", "counter", "generation requests refused (queue full)",
+         double(s.requests_rejected));
+  metric("requests_cancelled_total", "counter",
+         "generation requests cancelled (client gone, stop sequence, shutdown)",
          double(s.requests_cancelled));
-  metric("prompt_tokens_total", "counter", "prompt tokens of admitted requests", double(s.prompt_tokens));
-  metric("prompt_tokens_reused_total", "counter", "prompt tokens served from a slot's cached KV rows",
-         double(s.prompt_tokens_reused));
+  metric("prompt_tokens_total", "counter", "prompt tokens of admitted requests",
+         double(s.prompt_tokens));
+  metric("prompt_tokens_reused_total", "counter",
+         "prompt tokens served from a slot's cached KV rows", double(s.prompt_tokens_reused));
   metric("generated_tokens_total", "counter", "tokens sampled", double(s.generated_tokens));
   metric("queue_depth", "gauge", "requests waiting for a slot", s.queue_depth);
   metric("slots_busy", "gauge", "slots running a request", s.slots_busy);
@@ -540,16 +585,21 @@ std::string HttpServer::Impl::metrics() const {
   metric("decode_tokens_per_second", "gauge", "tokens decoded per second of decode steps",
          s.decode_seconds > 0 ? double(s.generated_tokens) / s.decode_seconds : 0);
   metric("kv_cache_bytes", "gauge", "bytes held by the slots' KV caches", double(s.kv_bytes));
-  metric("kv_cache_positions_used", "gauge", "KV positions in use over all slots", double(s.kv_positions_used));
-  metric("kv_cache_positions_total", "gauge", "KV positions over all slots", double(s.kv_positions_total));
+  metric("kv_cache_positions_used", "gauge", "KV positions in use over all slots",
+         double(s.kv_positions_used));
+  metric("kv_cache_positions_total", "gauge", "KV positions over all slots",
+         double(s.kv_positions_total));
   metric("kv_cache_usage_ratio", "gauge", "used / total KV positions",
          s.kv_positions_total ? double(s.kv_positions_used) / double(s.kv_positions_total) : 0);
-  metric("forward_passes_total", "counter", "model forward passes (one per batched step)", double(s.forward_passes));
-  metric("forward_tokens_total", "counter", "tokens evaluated by those passes", double(s.forward_tokens));
+  metric("forward_passes_total", "counter", "model forward passes (one per batched step)",
+         double(s.forward_passes));
+  metric("forward_tokens_total", "counter", "tokens evaluated by those passes",
+         double(s.forward_tokens));
   metric("candidate_passes_total", "counter",
          "forward passes that returned each row's top-k candidates (device sampling), not logits",
          double(s.candidate_passes));
-  metric("spec_steps_total", "counter", "speculative verify steps (n-gram drafts)", double(s.spec_steps));
+  metric("spec_steps_total", "counter", "speculative verify steps (n-gram drafts)",
+         double(s.spec_steps));
   metric("spec_drafted_tokens_total", "counter", "draft tokens proposed", double(s.spec_drafted));
   metric("spec_accepted_tokens_total", "counter", "draft tokens accepted", double(s.spec_accepted));
   metric("spec_mean_acceptance_length", "gauge", "tokens emitted per verify step (accepted + 1)",
@@ -562,12 +612,13 @@ std::string HttpServer::Impl::metrics() const {
     std::string name = "registry_";
     for (char ch : c.name) name += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
     if (c.is_timer) {
-      metric((name + "_seconds_total").c_str(), "counter", ("time recorded by timer " + c.name).c_str(),
-             double(c.value) * 1e-9);
-      metric((name + "_count").c_str(), "counter", ("intervals recorded by timer " + c.name).c_str(),
-             double(c.n_events));
+      metric((name + "_seconds_total").c_str(), "counter",
+             ("time recorded by timer " + c.name).c_str(), double(c.value) * 1e-9);
+      metric((name + "_count").c_str(), "counter",
+             ("intervals recorded by timer " + c.name).c_str(), double(c.n_events));
     } else {
-      metric((name + "_total").c_str(), "counter", ("registry counter " + c.name).c_str(), double(c.value));
+      metric((name + "_total").c_str(), "counter", ("registry counter " + c.name).c_str(),
+             double(c.value));
     }
   }
   return out;
@@ -582,7 +633,9 @@ void HttpServer::Impl::routes() {
   // OpenAI error body too.
   http.set_error_handler([](const httplib::Request&, httplib::Response& res) {
     if (!res.body.empty()) return;
-    std::string code = res.status == 404 ? "not_found" : res.status == 413 ? "request_too_large" : "http_error";
+    std::string code = res.status == 404   ? "not_found"
+                       : res.status == 413 ? "request_too_large"
+                                           : "http_error";
     std::string msg = res.status == 404   ? "no such route"
                       : res.status == 413 ? "the request body exceeds the size limit"
                                           : fmt::format("HTTP error {}", res.status);
@@ -597,11 +650,18 @@ void HttpServer::Impl::routes() {
   });
   http.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
     if (!authorized(req, res) || !check_ready(res)) return;
-    json m = {{"id", model_name}, {"object", "model"}, {"created", unix_seconds()}, {"owned_by", "kiln"},
-              {"meta", {{"n_ctx", scheduler->n_ctx()}, {"n_vocab", model->n_vocab()},
-                        {"arch", model->arch_name()}, {"chat_template", chat_template != nullptr},
-                        {"backend", std::string(rt->backend().name())}}}};
-    res.set_content(json{{"object", "list"}, {"data", json::array({m})}}.dump(), "application/json");
+    json m = {{"id", model_name},
+              {"object", "model"},
+              {"created", unix_seconds()},
+              {"owned_by", "kiln"},
+              {"meta",
+               {{"n_ctx", scheduler->n_ctx()},
+                {"n_vocab", model->n_vocab()},
+                {"arch", model->arch_name()},
+                {"chat_template", chat_template != nullptr},
+                {"backend", std::string(rt->backend().name())}}}};
+    res.set_content(json{{"object", "list"}, {"data", json::array({m})}}.dump(),
+                    "application/json");
   });
   // Every body is read here, not by httplib: --max-body-kib holds for chunked bodies too
   // (httplib bounds only Content-Length ones), reading stops at the limit instead of after the
@@ -624,9 +684,10 @@ void HttpServer::Impl::routes() {
       });
       if (too_large || res.status == 413) {
         res.set_header("Connection", "close");  // the rest of the body is never read
-        return send_error(res, make_error(413, fmt::format("the request body exceeds the limit "
-                                                           "of {} KiB (--max-body-kib)",
-                                                           opt.max_body_bytes / 1024),
+        return send_error(res, make_error(413,
+                                          fmt::format("the request body exceeds the limit "
+                                                      "of {} KiB (--max-body-kib)",
+                                                      opt.max_body_bytes / 1024),
                                           "invalid_request_error", "request_too_large"));
       }
       if (!read) {
@@ -641,10 +702,8 @@ void HttpServer::Impl::routes() {
        [this](const httplib::Request& req, httplib::Response& res, const std::string& body) {
          completion(req, res, body, true);
        });
-  post("/v1/completions",
-       [this](const httplib::Request& req, httplib::Response& res, const std::string& body) {
-         completion(req, res, body, false);
-       });
+  post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res,
+                                 const std::string& body) { completion(req, res, body, false); });
   post("/tokenize", [this](const httplib::Request& req, httplib::Response& res,
                            const std::string& body) {
     if (!authorized(req, res) || !check_ready(res)) return;
@@ -654,26 +713,31 @@ void HttpServer::Impl::routes() {
     const auto ids = tok->encode(t.content, t.add_special, /*parse_special=*/true);
     json tokens = json::array();
     for (int32_t id : ids) {
-      if (t.with_pieces) tokens.push_back({{"id", id}, {"piece", tok->token_to_piece(id, true)}});
-      else tokens.push_back(id);
+      if (t.with_pieces)
+        tokens.push_back({{"id", id}, {"piece", tok->token_to_piece(id, true)}});
+      else
+        tokens.push_back(id);
     }
     res.set_content(json{{"tokens", tokens}}.dump(-1, ' ', false, json::error_handler_t::replace),
                     "application/json");
   });
-  post("/detokenize", [this](const httplib::Request& req, httplib::Response& res,
-                             const std::string& body) {
-    if (!authorized(req, res) || !check_ready(res)) return;
-    auto r = parse_detokenize_request(body);
-    if (auto* e = std::get_if<ApiError>(&r)) return send_error(res, *e);
-    const DetokenizeRequest& d = std::get<DetokenizeRequest>(r);
-    for (size_t i = 0; i < d.tokens.size(); ++i)
-      if (d.tokens[i] >= tok->n_vocab())
-        return send_error(res, make_error(400, fmt::format("'tokens[{}]' = {} is outside the vocabulary [0, {})",
-                                                           i, d.tokens[i], tok->n_vocab()),
-                                          "invalid_request_error", "invalid_value"));
-    res.set_content(json{{"content", tok->decode(d.tokens)}}.dump(-1, ' ', false, json::error_handler_t::replace),
-                    "application/json");
-  });
+  post("/detokenize",
+       [this](const httplib::Request& req, httplib::Response& res, const std::string& body) {
+         if (!authorized(req, res) || !check_ready(res)) return;
+         auto r = parse_detokenize_request(body);
+         if (auto* e = std::get_if<ApiError>(&r)) return send_error(res, *e);
+         const DetokenizeRequest& d = std::get<DetokenizeRequest>(r);
+         for (size_t i = 0; i < d.tokens.size(); ++i)
+           if (d.tokens[i] >= tok->n_vocab())
+             return send_error(
+                 res, make_error(400,
+                                 fmt::format("'tokens[{}]' = {} is outside the vocabulary [0, {})",
+                                             i, d.tokens[i], tok->n_vocab()),
+                                 "invalid_request_error", "invalid_value"));
+         res.set_content(json{{"content", tok->decode(d.tokens)}}.dump(
+                             -1, ' ', false, json::error_handler_t::replace),
+                         "application/json");
+       });
 }
 
 }  // namespace kiln::server

@@ -15,24 +15,24 @@
 namespace kiln {
 class Model;
 class Session;
-}
+}  // namespace kiln
 
 namespace kiln::server {
 
 struct ServerOptions {
   std::string model_path;
   std::string host = "127.0.0.1";
-  int port = 8080;               // 0: an ephemeral port (see HttpServer::port())
-  int32_t n_parallel = 4;        // slots
-  int32_t n_ctx = 0;             // per slot; 0: min(training context, 4096)
+  int port = 8080;         // 0: an ephemeral port (see HttpServer::port())
+  int32_t n_parallel = 4;  // slots
+  int32_t n_ctx = 0;       // per slot; 0: min(training context, 4096)
   int32_t prefill_chunk = 256;
-  int32_t max_queue = 64;        // waiting requests beyond the slots; more get 503
-  std::string api_key;           // non-empty: /v1/*, /tokenize, /detokenize need "Bearer <key>"
+  int32_t max_queue = 64;           // waiting requests beyond the slots; more get 503
+  std::string api_key;              // non-empty: /v1/*, /tokenize, /detokenize need "Bearer <key>"
   size_t max_body_bytes = 1 << 20;  // larger bodies get 413
-  int http_threads = 0;          // 0: n_parallel + max_queue + 8 (streams hold a thread each)
+  int http_threads = 0;             // 0: n_parallel + max_queue + 8 (streams hold a thread each)
   // `--role decode`: prompts' KV comes from a prefill node (SchedulerConfig::remote_prefill).
   std::function<bool(Session&, std::span<const int32_t>)> remote_prefill;
-  int32_t draft_ngram = 0;       // n-gram draft tokens per decode step (SchedulerConfig); 0: off
+  int32_t draft_ngram = 0;  // n-gram draft tokens per decode step (SchedulerConfig); 0: off
   // How the model is opened (engine/runtime.h): device, threads, tensor parallelism, expert
   // tiers; device_sampling goes to the scheduler.
   EngineOptions engine;

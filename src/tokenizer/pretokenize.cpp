@@ -35,13 +35,18 @@ constexpr const char* kQwen2 =
     "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 constexpr const char* kPoro = " ?[^(\\s|.,!?…。，、।۔،)]+";
 constexpr const char* kTekken =
-    "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+|[^\\r\\n\\p{L}\\p{N}]?((?="
-    "[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|"
+    "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+|[^\\r\\n\\p{L}\\p{N}]?((?"
+    "="
+    "[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*|\\p{N}| "
+    "?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|"
     "\\s+(?!\\S)|\\s+";
 constexpr const char* kGpt4o =
-    "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'["
-    "vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-"
-    "Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}"
+    "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'"
+    "["
+    "vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^"
+    "A-"
+    "Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}{1,3}| "
+    "?[^\\s\\p{L}\\p{N}"
     "]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
 // Translates one llama.cpp expression to the PCRE2 pattern that reproduces its splits.
@@ -50,8 +55,10 @@ std::string translate(const std::string& re) {
     return "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}\\p{Cn}]+|\\s+(?!\\S)|"
            "\\s+|[\\s\\S]";
   if (re == kLlama3 || re == kLlama3Original)
-    return "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
-           "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}\\p{Cn}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+|[\\s\\S]";
+    return "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"
+           "|"
+           "\\p{N}{1,3}| "
+           "?[^\\s\\p{L}\\p{N}\\p{Cn}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+|[\\s\\S]";
   return re;  // std::regex (ECMAScript) and PCRE2 agree on the constructs these use
 }
 
@@ -65,6 +72,8 @@ struct PreEntry {
   bool add_sep = false;
 };
 
+// The table's regexes stay one literal each, as llama.cpp writes them.
+// clang-format off
 const std::vector<PreEntry>& pre_table() {
   static const std::vector<PreEntry> table = [] {
     std::vector<PreEntry> t;
@@ -112,6 +121,7 @@ const std::vector<PreEntry>& pre_table() {
     t.push_back({{"gpt-4o", "llama4"}, {kGpt4o}, false});
     return t;
   }();
+  // clang-format on
   return table;
 }
 

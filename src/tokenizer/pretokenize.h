@@ -15,7 +15,7 @@ namespace kiln::tok {
 
 // What a pre-tokenizer name implies besides its regexes (llama.cpp sets these per name).
 struct PreTokenizerInfo {
-  std::string name;               // canonical name as given
+  std::string name;                  // canonical name as given
   std::vector<std::string> regexes;  // llama.cpp's expressions, before translation
   bool clean_spaces = true;
   bool ignore_merges = false;  // a whole pre-token that is a vocabulary entry is used as is

@@ -23,8 +23,9 @@ struct Bigram {
   int32_t result;
 };
 
-void merge_range(const Impl& v, std::string_view tv, std::vector<Sym>& syms, std::vector<Bigram>& heap,
-                 int32_t first, int32_t last, std::vector<int32_t>& out) {
+void merge_range(const Impl& v, std::string_view tv, std::vector<Sym>& syms,
+                 std::vector<Bigram>& heap, int32_t first, int32_t last,
+                 std::vector<int32_t>& out) {
   for (int32_t i = first; i < last; ++i) {
     syms[i].prev = i - 1 >= first ? i - 1 : -1;
     syms[i].next = i + 1 < last ? i + 1 : -1;
@@ -40,7 +41,8 @@ void merge_range(const Impl& v, std::string_view tv, std::vector<Sym>& syms, std
     const Sym& b = syms[r];
     int32_t id;
     if (a.id != kTokenNull && b.id != kTokenNull) {
-      const auto it = v.spm_concat.find((static_cast<uint64_t>(a.id) << 32) | static_cast<uint32_t>(b.id));
+      const auto it =
+          v.spm_concat.find((static_cast<uint64_t>(a.id) << 32) | static_cast<uint32_t>(b.id));
       if (it == v.spm_concat.end()) return;
       id = it->second;
     } else {
@@ -108,7 +110,8 @@ void spm_encode(const Impl& v, std::string_view raw, bool prefix_space, std::vec
   for (size_t off = 0; off < text.size();) {
     const size_t len = std::min(utf8_seq_len(static_cast<uint8_t>(text[off])), text.size() - off);
     const auto b0 = static_cast<uint8_t>(text[off]);
-    const int32_t id = b0 < 0x80 ? v.spm_ascii_token[b0] : v.find(std::string_view(text).substr(off, len));
+    const int32_t id =
+        b0 < 0x80 ? v.spm_ascii_token[b0] : v.find(std::string_view(text).substr(off, len));
     syms.push_back({static_cast<uint32_t>(off), static_cast<uint32_t>(len), -1, -1, id});
     off += len;
   }

@@ -21,7 +21,8 @@ bool is_c_space(char c) {
 // Splits the text at every occurrence of each special token, longest tokens first, exactly in
 // llama.cpp's order (which decides overlaps). Control and unknown tokens only count when
 // parse_special is set; user-defined ones always do.
-std::vector<Fragment> partition(const Tokenizer::Impl& v, std::string_view text, bool parse_special) {
+std::vector<Fragment> partition(const Tokenizer::Impl& v, std::string_view text,
+                                bool parse_special) {
   std::vector<Fragment> frags{{kTokenNull, 0, static_cast<uint32_t>(text.size())}};
   if (v.special_tokens.empty() || text.empty()) return frags;
   // Which byte pairs occur at all: most special tokens can be skipped without a scan.
@@ -50,14 +51,16 @@ std::vector<Fragment> partition(const Tokenizer::Impl& v, std::string_view text,
       while (true) {
         const size_t m = text.substr(0, base + len).find(tok, base);
         if (m == std::string_view::npos) {
-          if (len > 0) next.push_back({kTokenNull, static_cast<uint32_t>(base), static_cast<uint32_t>(len)});
+          if (len > 0)
+            next.push_back({kTokenNull, static_cast<uint32_t>(base), static_cast<uint32_t>(len)});
           break;
         }
         if (m > base) {
           size_t left = m - base;
           if (attr & kAttrLstrip)
             while (left > 0 && is_c_space(text[base + left - 1])) --left;
-          if (left > 0) next.push_back({kTokenNull, static_cast<uint32_t>(base), static_cast<uint32_t>(left)});
+          if (left > 0)
+            next.push_back({kTokenNull, static_cast<uint32_t>(base), static_cast<uint32_t>(left)});
         }
         next.push_back({id, 0, 0});
         size_t roff = m + tok.size();
@@ -75,7 +78,8 @@ std::vector<Fragment> partition(const Tokenizer::Impl& v, std::string_view text,
 
 }  // namespace
 
-std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special, bool parse_special) const {
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special,
+                                       bool parse_special) const {
   const Impl& v = *impl_;
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 4);

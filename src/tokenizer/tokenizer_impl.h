@@ -26,7 +26,7 @@ using TextMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_
 // bytes once at load, so a word never needs re-encoding. Every string a merge can involve (its
 // two parts and its result) gets a small "intern" id, so a merge lookup is one integer key.
 struct BpeTables {
-  TextMap intern;                 // raw bytes -> intern id
+  TextMap intern;                  // raw bytes -> intern id
   std::vector<int32_t> iid_token;  // intern id -> token id, or kTokenNull
   // (left iid << 32 | right iid) -> (rank << 32 | result iid)
   std::unordered_map<uint64_t, uint64_t> merges;
@@ -43,17 +43,17 @@ namespace kiln {
 struct Tokenizer::Impl {
   VocabType type = VocabType::kSpm;
   std::string pre_name = "default";
-  std::vector<std::string> texts;    // [n_vocab] vocabulary text
-  std::vector<float> scores;         // [n_vocab]
-  std::vector<uint32_t> attrs;       // [n_vocab] TokenAttr bits
-  std::vector<std::string> pieces;   // [n_vocab] token_to_piece(id, special = true)
+  std::vector<std::string> texts;   // [n_vocab] vocabulary text
+  std::vector<float> scores;        // [n_vocab]
+  std::vector<uint32_t> attrs;      // [n_vocab] TokenAttr bits
+  std::vector<std::string> pieces;  // [n_vocab] token_to_piece(id, special = true)
   tok::TextMap text_to_id;
 
-  int32_t bos = kTokenNull, eos = kTokenNull, eot = kTokenNull, eom = kTokenNull,
-          unk = kTokenNull, sep = kTokenNull, pad = kTokenNull, mask = kTokenNull;
+  int32_t bos = kTokenNull, eos = kTokenNull, eot = kTokenNull, eom = kTokenNull, unk = kTokenNull,
+          sep = kTokenNull, pad = kTokenNull, mask = kTokenNull;
   bool add_bos = false, add_eos = false, add_sep = false;
   bool add_space_prefix = false, clean_spaces = true, ignore_merges = false;
-  std::vector<int32_t> eog;            // sorted
+  std::vector<int32_t> eog;             // sorted
   std::vector<int32_t> special_tokens;  // control/user-defined/unknown, longest text first
 
   // SPM: the token for each byte (<0xNN>, else the one-byte text), or kTokenNull.

@@ -11,7 +11,9 @@ namespace kiln::tok {
 uint32_t decode_utf8(std::string_view s, size_t& offset) {
   const auto at = [&](size_t i) { return static_cast<uint8_t>(s[i]); };
   const uint8_t b0 = at(offset);
-  const auto cont = [&](size_t i) { return offset + i < s.size() && (at(offset + i) & 0xC0) == 0x80; };
+  const auto cont = [&](size_t i) {
+    return offset + i < s.size() && (at(offset + i) & 0xC0) == 0x80;
+  };
   uint32_t cpt;
   size_t n;
   if (!(b0 & 0x80)) {
@@ -96,21 +98,49 @@ CptFlags cpt_flags(uint32_t cpt) {
     return f;
   }
   switch (utf8proc_category(static_cast<utf8proc_int32_t>(cpt))) {
-    case UTF8PROC_CATEGORY_CN: f.undefined = true; break;
-    case UTF8PROC_CATEGORY_LU: case UTF8PROC_CATEGORY_LL: case UTF8PROC_CATEGORY_LT:
-    case UTF8PROC_CATEGORY_LM: case UTF8PROC_CATEGORY_LO: f.letter = true; break;
-    case UTF8PROC_CATEGORY_MN: case UTF8PROC_CATEGORY_MC: case UTF8PROC_CATEGORY_ME:
-      f.mark = true; break;
-    case UTF8PROC_CATEGORY_ND: case UTF8PROC_CATEGORY_NL: case UTF8PROC_CATEGORY_NO:
-      f.number = true; break;
-    case UTF8PROC_CATEGORY_PC: case UTF8PROC_CATEGORY_PD: case UTF8PROC_CATEGORY_PS:
-    case UTF8PROC_CATEGORY_PE: case UTF8PROC_CATEGORY_PI: case UTF8PROC_CATEGORY_PF:
-    case UTF8PROC_CATEGORY_PO: f.punctuation = true; break;
-    case UTF8PROC_CATEGORY_SM: case UTF8PROC_CATEGORY_SC: case UTF8PROC_CATEGORY_SK:
-    case UTF8PROC_CATEGORY_SO: f.symbol = true; break;
-    case UTF8PROC_CATEGORY_ZS: case UTF8PROC_CATEGORY_ZL: case UTF8PROC_CATEGORY_ZP:
-      f.separator = true; break;
-    default: f.control = true; break;  // Cc Cf Cs Co
+    case UTF8PROC_CATEGORY_CN:
+      f.undefined = true;
+      break;
+    case UTF8PROC_CATEGORY_LU:
+    case UTF8PROC_CATEGORY_LL:
+    case UTF8PROC_CATEGORY_LT:
+    case UTF8PROC_CATEGORY_LM:
+    case UTF8PROC_CATEGORY_LO:
+      f.letter = true;
+      break;
+    case UTF8PROC_CATEGORY_MN:
+    case UTF8PROC_CATEGORY_MC:
+    case UTF8PROC_CATEGORY_ME:
+      f.mark = true;
+      break;
+    case UTF8PROC_CATEGORY_ND:
+    case UTF8PROC_CATEGORY_NL:
+    case UTF8PROC_CATEGORY_NO:
+      f.number = true;
+      break;
+    case UTF8PROC_CATEGORY_PC:
+    case UTF8PROC_CATEGORY_PD:
+    case UTF8PROC_CATEGORY_PS:
+    case UTF8PROC_CATEGORY_PE:
+    case UTF8PROC_CATEGORY_PI:
+    case UTF8PROC_CATEGORY_PF:
+    case UTF8PROC_CATEGORY_PO:
+      f.punctuation = true;
+      break;
+    case UTF8PROC_CATEGORY_SM:
+    case UTF8PROC_CATEGORY_SC:
+    case UTF8PROC_CATEGORY_SK:
+    case UTF8PROC_CATEGORY_SO:
+      f.symbol = true;
+      break;
+    case UTF8PROC_CATEGORY_ZS:
+    case UTF8PROC_CATEGORY_ZL:
+    case UTF8PROC_CATEGORY_ZP:
+      f.separator = true;
+      break;
+    default:
+      f.control = true;
+      break;  // Cc Cf Cs Co
   }
   return f;
 }

@@ -16,13 +16,20 @@ namespace {
 
 uint32_t attr_from_type(int64_t type) {
   switch (type) {
-    case 1: return kAttrNormal;
-    case 2: return kAttrUnknown;
-    case 3: return kAttrControl;
-    case 4: return kAttrUserDefined;
-    case 5: return kAttrUnused;
-    case 6: return kAttrByte;
-    default: return kAttrUndefined;
+    case 1:
+      return kAttrNormal;
+    case 2:
+      return kAttrUnknown;
+    case 3:
+      return kAttrControl;
+    case 4:
+      return kAttrUserDefined;
+    case 5:
+      return kAttrUnused;
+    case 6:
+      return kAttrByte;
+    default:
+      return kAttrUndefined;
   }
 }
 
@@ -99,10 +106,13 @@ bool contains_any(const std::string& s, std::initializer_list<std::string_view> 
 Expected<Tokenizer> Tokenizer::from_gguf(const GgufFile& g) {
   auto impl = std::make_shared<Impl>();
   Impl& v = *impl;
-  const auto fail = [&](const Status& s) { return s.context(fmt::format("{}: tokenizer", g.path())); };
+  const auto fail = [&](const Status& s) {
+    return s.context(fmt::format("{}: tokenizer", g.path()));
+  };
 
   const GgufValue* model_v = g.find("tokenizer.ggml.model");
-  if (!model_v) return fail(Status::error("no vocabulary (metadata 'tokenizer.ggml.model' missing)"));
+  if (!model_v)
+    return fail(Status::error("no vocabulary (metadata 'tokenizer.ggml.model' missing)"));
   if (!model_v->is_string()) return fail(Status::error("'tokenizer.ggml.model' is not a string"));
   const std::string& model = model_v->str();
   if (model == "llama") {
@@ -119,7 +129,8 @@ Expected<Tokenizer> Tokenizer::from_gguf(const GgufFile& g) {
   } else if (model == "no_vocab" || model == "none") {
     return fail(Status::error("the file has no vocabulary (tokenizer.ggml.model = 'none')"));
   } else {
-    return fail(Status::errorf("unsupported tokenizer model '{}' (supported: llama, gpt2, bert)", model));
+    return fail(
+        Status::errorf("unsupported tokenizer model '{}' (supported: llama, gpt2, bert)", model));
   }
 
   // Vocabulary.
@@ -196,9 +207,10 @@ Expected<Tokenizer> Tokenizer::from_gguf(const GgufFile& g) {
   }
   for (const auto& [key, dst] : ids)
     if (*dst >= n) *dst = kTokenNull;  // a default past a tiny vocabulary
-  for (auto [key, dst] : {std::pair<std::string_view, bool*>{"tokenizer.ggml.add_bos_token", &v.add_bos},
-                          {"tokenizer.ggml.add_eos_token", &v.add_eos},
-                          {"tokenizer.ggml.add_sep_token", &v.add_sep}}) {
+  for (auto [key, dst] :
+       {std::pair<std::string_view, bool*>{"tokenizer.ggml.add_bos_token", &v.add_bos},
+        {"tokenizer.ggml.add_eos_token", &v.add_eos},
+        {"tokenizer.ggml.add_sep_token", &v.add_sep}}) {
     auto b = g.get_or<bool>(key, *dst);
     if (!b) return fail(b.status());
     *dst = *b;
@@ -206,16 +218,26 @@ Expected<Tokenizer> Tokenizer::from_gguf(const GgufFile& g) {
 
   // End-of-turn tokens that llama.cpp recognises by their text; they are forced to CONTROL.
   static constexpr std::string_view kEotTexts[] = {
-      "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-      "<EOT>", "_<EOT>", "<\xEF\xBD\x9C" "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>",
+      "<|eot_id|>",
+      "<|im_end|>",
+      "<|end|>",
+      "<end_of_turn>",
+      "<|endoftext|>",
+      "<|end_of_text|>",
+      "<EOT>",
+      "_<EOT>",
+      "<\xEF\xBD\x9C"
+      "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>",
       "<end_of_utterance>"};
   static constexpr std::string_view kEogTexts[] = {
-      "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
-      "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"};
+      "<|eot_id|>", "<|im_end|>",    "<|end|>",         "<|return|>",
+      "<|call|>",   "<end_of_turn>", "<|endoftext|>",   "<|eom_id|>",
+      "<EOT>",      "_<EOT>",        "<|end_of_text|>", "<end_of_utterance>"};
   for (int32_t i = 0; i < n; ++i) {
     const std::string& t = v.texts[i];
     if (v.text_to_id[t] != i) continue;
-    if (v.eot == kTokenNull && std::find(std::begin(kEotTexts), std::end(kEotTexts), t) != std::end(kEotTexts)) {
+    if (v.eot == kTokenNull &&
+        std::find(std::begin(kEotTexts), std::end(kEotTexts), t) != std::end(kEotTexts)) {
       v.eot = i;
       v.attrs[i] = kAttrControl;
     }
@@ -235,10 +257,10 @@ Expected<Tokenizer> Tokenizer::from_gguf(const GgufFile& g) {
 
   // Tokens matched in the text before the main algorithm runs, longest first.
   for (int32_t i = 0; i < n; ++i)
-    if (v.attrs[i] & (kAttrControl | kAttrUserDefined | kAttrUnknown)) v.special_tokens.push_back(i);
-  std::stable_sort(v.special_tokens.begin(), v.special_tokens.end(), [&](int32_t a, int32_t b) {
-    return v.texts[a].size() > v.texts[b].size();
-  });
+    if (v.attrs[i] & (kAttrControl | kAttrUserDefined | kAttrUnknown))
+      v.special_tokens.push_back(i);
+  std::stable_sort(v.special_tokens.begin(), v.special_tokens.end(),
+                   [&](int32_t a, int32_t b) { return v.texts[a].size() > v.texts[b].size(); });
 
   // llama.cpp's per-model attribute fix-ups (only those that change tokenization).
   std::string name;
@@ -279,7 +301,8 @@ Expected<Tokenizer> Tokenizer::from_gguf(const GgufFile& g) {
     if (!*m) return fail(Status::error("BPE vocabulary without 'tokenizer.ggml.merges'"));
     merges.reserve((*m)->items.size());
     for (const GgufValue& item : (*m)->items) {
-      if (!item.is_string()) return fail(Status::error("'tokenizer.ggml.merges' holds a non-string"));
+      if (!item.is_string())
+        return fail(Status::error("'tokenizer.ggml.merges' holds a non-string"));
       merges.push_back(item.str());
     }
     KILN_TRY(tok::bpe_build(v, merges));

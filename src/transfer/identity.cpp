@@ -35,11 +35,21 @@ class Hasher {
   void value(const GgufValue& v) {
     pod<uint32_t>(uint32_t(v.type));
     switch (v.v.index()) {
-      case 0: pod(std::get<uint64_t>(v.v)); break;
-      case 1: pod(std::get<int64_t>(v.v)); break;
-      case 2: pod(std::get<double>(v.v)); break;
-      case 3: pod<uint8_t>(std::get<bool>(v.v)); break;
-      case 4: str(std::get<std::string>(v.v)); break;
+      case 0:
+        pod(std::get<uint64_t>(v.v));
+        break;
+      case 1:
+        pod(std::get<int64_t>(v.v));
+        break;
+      case 2:
+        pod(std::get<double>(v.v));
+        break;
+      case 3:
+        pod<uint8_t>(std::get<bool>(v.v));
+        break;
+      case 4:
+        str(std::get<std::string>(v.v));
+        break;
       case 5: {
         const GgufArray& a = std::get<GgufArray>(v.v);
         pod<uint32_t>(uint32_t(a.elem_type));

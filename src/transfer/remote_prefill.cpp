@@ -23,8 +23,8 @@ constexpr char kAck[4] = {'K', 'V', 'A', 'K'};
 constexpr size_t kReqFixed = 4 + 4 + 32 + 4;  // magic, version, identity, n_tokens
 constexpr uint32_t kMaxMessage = 4096;
 
-using wire::put;
 using wire::get;
+using wire::put;
 
 std::vector<uint8_t> encode_request(const kvpack::Identity& id, std::span<const int32_t> tokens) {
   std::vector<uint8_t> out(kReq, kReq + 4);
@@ -54,8 +54,10 @@ Expected<Request> read_request(Link& link, Millis timeout) {
     return Status::errorf("prefill protocol version {}, this node speaks {}", get<uint32_t>(b + 4),
                           kProtocolVersion);
   Request r;
-  r.id = {.engine_abi = get<uint32_t>(b + 8), .kv_dtype = get<uint32_t>(b + 12),
-          .model = get<uint64_t>(b + 16), .tokenizer = get<uint64_t>(b + 24),
+  r.id = {.engine_abi = get<uint32_t>(b + 8),
+          .kv_dtype = get<uint32_t>(b + 12),
+          .model = get<uint64_t>(b + 16),
+          .tokenizer = get<uint64_t>(b + 24),
           .chat_template = get<uint64_t>(b + 32)};
   const uint32_t n = get<uint32_t>(b + 40);
   if (n == 0 || n > uint32_t(kvpack::kMaxPositions))
@@ -88,8 +90,9 @@ Status produce(Link& link, const Request& req, const std::shared_ptr<const Model
   KILN_TRY(kvpack::check_compatible(probe, identity_of(*model), kinds));
   const int32_t n = int32_t(req.tokens.size());
   if (backend.tp_size() > 1)
-    return Status::error("remote prefill: a tensor-parallel backend's KV is split over its "
-                         "GPUs (kvpack does not carry it)");
+    return Status::error(
+        "remote prefill: a tensor-parallel backend's KV is split over its "
+        "GPUs (kvpack does not carry it)");
   Session s(model, backend, n, opt.max_batch);
   const KvCache& kv = s.kv_cache();
   kvpack::Header h;
@@ -112,8 +115,8 @@ Status produce(Link& link, const Request& req, const std::shared_ptr<const Model
   const int32_t chunk = s.max_batch();
   for (int32_t start = 0; start < n; start += chunk) {
     const int32_t end = std::min(n, start + chunk);
-    auto r = s.eval(std::span<const int32_t>(req.tokens).subspan(size_t(start), size_t(end - start)),
-                    false);
+    auto r = s.eval(
+        std::span<const int32_t>(req.tokens).subspan(size_t(start), size_t(end - start)), false);
     if (!r) return r.status();
     for (int l = 0; l < kv.n_layers(); ++l) {
       const int32_t first = std::max(start, h.lo[size_t(l)]);
@@ -145,8 +148,8 @@ Status serve_prefill(Link& link, const std::shared_ptr<const Model>& model, Back
   return s;
 }
 
-Status remote_prefill(Link& link, Session& session, std::span<const int32_t> tokens,
-                      Millis timeout, RemoteStats* stats) {
+Status remote_prefill(Link& link, Session& session, std::span<const int32_t> tokens, Millis timeout,
+                      RemoteStats* stats) {
   if (session.n_pos() != 0)
     return Status::errorf("remote prefill into a session holding {} positions", session.n_pos());
   if (tokens.empty()) return Status::error("remote prefill of no tokens");
@@ -210,8 +213,7 @@ Expected<std::span<const float>> prefill(Session& session, std::span<const int32
     }
     // Fails open: the session is untouched by a failed install, so a local prefill gives the
     // very output the remote one would have.
-    log_notice("remote prefill from {} failed ({}); prefilling locally", peer->name,
-               s.message());
+    log_notice("remote prefill from {} failed ({}); prefilling locally", peer->name, s.message());
   }
   return session.eval(prompt, false);
 }

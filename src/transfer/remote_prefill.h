@@ -36,14 +36,14 @@ Status serve_prefill(Link& link, const std::shared_ptr<const Model>& model, Back
                      const ProducerOptions& opt = {});
 
 struct RemoteStats {
-  double seconds = 0;   // request sent .. pack published
-  uint64_t bytes = 0;   // kvpack bytes received
+  double seconds = 0;  // request sent .. pack published
+  uint64_t bytes = 0;  // kvpack bytes received
 };
 
 // Asks the peer behind `link` to prefill `tokens` and installs the result into `session`,
 // which must hold no positions. On error the session is unchanged.
-Status remote_prefill(Link& link, Session& session, std::span<const int32_t> tokens,
-                      Millis timeout, RemoteStats* stats = nullptr);
+Status remote_prefill(Link& link, Session& session, std::span<const int32_t> tokens, Millis timeout,
+                      RemoteStats* stats = nullptr);
 
 // Where a decode node gets its prefill from. connect() is the seam tests replace.
 struct PrefillPeer {

@@ -67,8 +67,8 @@ Status save_session_file(const Session& session, const std::string& path) {
   const std::string tmp = path + ".tmp";
   File f(std::fopen(tmp.c_str(), "wb"));
   if (!f) return Status::errorf("kv save: cannot create '{}'", tmp);
-  const bool ok = std::fwrite(pack.data(), 1, pack.size(), f.get()) == pack.size() &&
-                  std::fflush(f.get()) == 0;
+  const bool ok =
+      std::fwrite(pack.data(), 1, pack.size(), f.get()) == pack.size() && std::fflush(f.get()) == 0;
   f.reset();
   if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::remove(tmp.c_str());

@@ -190,7 +190,8 @@ Expected<sockaddr_storage> resolve(const std::string& host, int port, socklen_t*
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
   const std::string service = std::to_string(port);
-  const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &res);
+  const int rc =
+      ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &res);
   if (rc != 0 || !res) return Status::errorf("cannot resolve '{}': {}", host, gai_strerror(rc));
   sockaddr_storage ss{};
   std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
@@ -219,8 +220,7 @@ class TcpLink final : public Link {
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
         KILN_ASSIGN_OR_RETURN(bool ready, wait_fd(fd_.get(), POLLOUT, timeout));
-        if (!ready)
-          return Status::errorf("{}: send timed out after {} ms", name_, timeout.count());
+        if (!ready) return Status::errorf("{}: send timed out after {} ms", name_, timeout.count());
         continue;
       }
       return Status::errorf("{}: send: {}", name_, errno_text());

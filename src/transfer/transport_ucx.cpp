@@ -72,8 +72,10 @@ Expected<sockaddr_storage> resolve(const std::string& host, int port, socklen_t*
   if (passive) hints.ai_flags = AI_PASSIVE;
   addrinfo* res = nullptr;
   const std::string service = std::to_string(port);
-  const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &res);
-  if (rc != 0 || !res) return Status::errorf("ucx: cannot resolve '{}': {}", host, gai_strerror(rc));
+  const int rc =
+      ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &res);
+  if (rc != 0 || !res)
+    return Status::errorf("ucx: cannot resolve '{}': {}", host, gai_strerror(rc));
   sockaddr_storage ss{};
   std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
   *len = res->ai_addrlen;

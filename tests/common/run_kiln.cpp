@@ -47,8 +47,10 @@ KilnProc run_program(const std::string& path, const std::vector<std::string>& ar
   }
   int status = 0;
   waitpid(pid, &status, 0);
-  if (WIFEXITED(status)) p.rc = WEXITSTATUS(status);
-  else if (WIFSIGNALED(status)) p.signal = WTERMSIG(status);
+  if (WIFEXITED(status))
+    p.rc = WEXITSTATUS(status);
+  else if (WIFSIGNALED(status))
+    p.signal = WTERMSIG(status);
   p.out = read_file(out_path);
   p.err = read_file(err_path);
   return p;

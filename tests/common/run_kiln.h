@@ -8,8 +8,8 @@
 namespace kiln::testing {
 
 struct KilnProc {
-  int rc = -1;      // exit status; -1 when killed by a signal
-  int signal = 0;   // the signal that killed it, else 0
+  int rc = -1;     // exit status; -1 when killed by a signal
+  int signal = 0;  // the signal that killed it, else 0
   std::string out, err;
 };
 

@@ -21,13 +21,17 @@ namespace fs = std::filesystem;
 const std::string& shared_dir() {
   static const std::string dir = [] {
     std::string d;
-    if (const char* e = std::getenv("KILN_SHARED"); e && *e) d = e;
-    else d = std::string(KILN_SOURCE_DIR) + "/../shared";
+    if (const char* e = std::getenv("KILN_SHARED"); e && *e)
+      d = e;
+    else
+      d = std::string(KILN_SOURCE_DIR) + "/../shared";
     std::error_code ec;
     fs::path p = fs::weakly_canonical(d, ec);
     if (ec || !fs::is_directory(p / "testdata"))
-      die(fmt::format("shared test data not found at '{}' (set KILN_SHARED or place ../shared "
-                      "beside the checkout)", d));
+      die(
+          fmt::format("shared test data not found at '{}' (set KILN_SHARED or place ../shared "
+                      "beside the checkout)",
+                      d));
     return p.string();
   }();
   return dir;

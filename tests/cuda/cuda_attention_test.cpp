@@ -20,12 +20,12 @@
 namespace kiln {
 namespace {
 
+using kiln::testing::AttnProblem;
 using kiln::testing::close;
 using kiln::testing::cuda_under_test;
 using kiln::testing::ops_seed;
-using kiln::testing::random_vec;
-using kiln::testing::AttnProblem;
 using kiln::testing::random_attention;
+using kiln::testing::random_vec;
 
 // The backend under test with CudaOptions::attention_warp_tiles = warp_tiles (the decode
 // path's warp-tile kernel, or the split kernel): the shared one or its twin with the other.
@@ -90,20 +90,37 @@ void run_configurations(bool warp_tiles) {
   CudaBackend& be = attention_backend(warp_tiles);
   std::mt19937_64 rng(ops_seed());
   const AttnCase cases[] = {
-      {1, 1, 64, 1, 1, 0, 0},          {4, 4, 64, 1, 37, 0, 0},     {8, 2, 64, 1, 129, 0, 0},
-      {8, 1, 128, 1, 3000, 0, 0},      {32, 8, 128, 1, 4097, 0, 0}, {8, 2, 80, 7, 50, 0, 0},
-      {4, 4, 96, 33, 33, 0, 0},        {16, 4, 128, 70, 300, 0, 0}, {8, 4, 256, 5, 200, 0, 0},
-      {4, 2, 64, 9, 200, 16, 0},       {4, 2, 64, 1, 2000, 100, 0}, {8, 2, 128, 6, 300, 0, 30.0f},
-      {8, 8, 256, 17, 700, 64, 50.0f}, {2, 1, 48, 3, 10, 0, 0},     {8, 8, 32, 1, 70000, 0, 0},
+      {1, 1, 64, 1, 1, 0, 0},
+      {4, 4, 64, 1, 37, 0, 0},
+      {8, 2, 64, 1, 129, 0, 0},
+      {8, 1, 128, 1, 3000, 0, 0},
+      {32, 8, 128, 1, 4097, 0, 0},
+      {8, 2, 80, 7, 50, 0, 0},
+      {4, 4, 96, 33, 33, 0, 0},
+      {16, 4, 128, 70, 300, 0, 0},
+      {8, 4, 256, 5, 200, 0, 0},
+      {4, 2, 64, 9, 200, 16, 0},
+      {4, 2, 64, 1, 2000, 100, 0},
+      {8, 2, 128, 6, 300, 0, 30.0f},
+      {8, 8, 256, 17, 700, 64, 50.0f},
+      {2, 1, 48, 3, 10, 0, 0},
+      {8, 8, 32, 1, 70000, 0, 0},
       // The tile kernel: GQA groups 1/2/4/8, causal prefill from an empty cache, a suffix of a
       // longer context, windows, softcap, key counts off the 64-key tile.
-      {32, 8, 128, 512, 512, 0, 0},    {8, 8, 128, 33, 33, 0, 0},   {8, 1, 64, 100, 1000, 0, 0},
-      {4, 2, 64, 40, 77, 16, 0},       {8, 2, 128, 64, 130, 0, 30.0f},
+      {32, 8, 128, 512, 512, 0, 0},
+      {8, 8, 128, 33, 33, 0, 0},
+      {8, 1, 64, 100, 1000, 0, 0},
+      {4, 2, 64, 40, 77, 16, 0},
+      {8, 2, 128, 64, 130, 0, 30.0f},
       {16, 4, 64, 257, 300, 100, 0},
       // Warp tiles: one slice (<= 256 keys, written without a merge), several, key counts off
       // the 32-key tile and the 128-key warp round, GQA 1-8, heads 32-256.
-      {32, 8, 128, 1, 256, 0, 0},      {32, 8, 128, 1, 257, 0, 0},  {32, 8, 128, 2, 1000, 0, 0},
-      {8, 1, 64, 1, 95, 0, 0},         {16, 16, 256, 1, 600, 0, 0}, {8, 4, 160, 3, 333, 40, 0},
+      {32, 8, 128, 1, 256, 0, 0},
+      {32, 8, 128, 1, 257, 0, 0},
+      {32, 8, 128, 2, 1000, 0, 0},
+      {8, 1, 64, 1, 95, 0, 0},
+      {16, 16, 256, 1, 600, 0, 0},
+      {8, 4, 160, 3, 333, 40, 0},
   };
   for (const AttnCase& c : cases) run_case(be, c, rng);
 }
@@ -140,8 +157,8 @@ TEST(CudaAttention, InvisibleRowsNeverReachTheOutput) {
   for (const bool wt : {false, true}) {
     CudaBackend& be = attention_backend(wt);
     for (const int64_t n_kv : {int64_t{70}, int64_t{300}}) {
-      SCOPED_TRACE(::testing::Message() << "warp tiles " << wt << " n_kv " << n_kv << " seed "
-                                        << ops_seed());
+      SCOPED_TRACE(::testing::Message()
+                   << "warp tiles " << wt << " n_kv " << n_kv << " seed " << ops_seed());
       const int64_t n_head = 32, n_head_kv = 8, hd = 128, kv_w = n_head_kv * hd;
       AttnProblem p = random_attention(rng, n_head, n_head_kv, hd, 1, n_kv, n_kv + 3,
                                        /*window=*/50, 0.0f, 2.0f, 3);
@@ -259,8 +276,10 @@ void run_batch_of_sequences(bool warp_tiles) {
         h.rows.push_back(static_cast<int32_t>((j + origin) % n_phys));
         h.pos.push_back(static_cast<int32_t>(j));
       }
-      for (int64_t t = 0; t < c.n_q; ++t) h.q_pos.push_back(static_cast<int32_t>(c.n_kv - c.n_q + t));
-      const std::vector<float> kf = random_vec(rng, n_phys * kv_w), vf = random_vec(rng, n_phys * kv_w);
+      for (int64_t t = 0; t < c.n_q; ++t)
+        h.q_pos.push_back(static_cast<int32_t>(c.n_kv - c.n_q + t));
+      const std::vector<float> kf = random_vec(rng, n_phys * kv_w),
+                               vf = random_vec(rng, n_phys * kv_w);
       for (size_t e = 0; e < kf.size(); ++e) {
         h.k.push_back(f32_to_f16(kf[e]));
         h.v.push_back(f32_to_f16(vf[e]));
@@ -352,21 +371,21 @@ TEST(CudaAttention, WarpTilesBatchOfSequencesHasEachSequencesBits) {
 TEST(CudaAttention, NoKeysGivesZeros) {
   KILN_REQUIRE_CUDA();
   for (const bool wt : {false, true}) {
-  std::vector<float> q(2 * 64, 1.0f), out(q.size(), NAN);
-  std::vector<f16> k(64), v(64);
-  AttentionArgs a;
-  a.q = q;
-  a.k = k;
-  a.v = v;
-  std::vector<int32_t> q_pos = {0, 5};
-  a.q_pos = q_pos;
-  a.n_q = 2;
-  a.n_head = 1;
-  a.n_head_kv = 1;
-  a.head_dim = 64;
-  a.out = out;
-  attention_backend(wt).attention(a);  // n_kv = 0
-  for (float x : out) ASSERT_EQ(x, 0.0f);
+    std::vector<float> q(2 * 64, 1.0f), out(q.size(), NAN);
+    std::vector<f16> k(64), v(64);
+    AttentionArgs a;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    std::vector<int32_t> q_pos = {0, 5};
+    a.q_pos = q_pos;
+    a.n_q = 2;
+    a.n_head = 1;
+    a.n_head_kv = 1;
+    a.head_dim = 64;
+    a.out = out;
+    attention_backend(wt).attention(a);  // n_kv = 0
+    for (float x : out) ASSERT_EQ(x, 0.0f);
   }
 }
 

@@ -39,7 +39,7 @@ constexpr Fixture kFixtures[] = {
     {"llama-gqa-q4_0", true},    {"llama-gqa-q4_k_m", true},    {"llama-gqa-q5_k_m", true},
     {"llama-gqa-q6_k", true},    {"qwen3-bpe-f16", false},      {"qwen3-bpe-q8_0", true},
     {"gemma2-swa-f16", false},   {"gemma2-swa-q8_0", true},     {"gemma3-swa-f16", false},
-    {"muse-glimmer-f16", false}, {"muse-glimmer-q4_k_m", true},  {"qwen3moe-q4_k_m", true},
+    {"muse-glimmer-f16", false}, {"muse-glimmer-q4_k_m", true}, {"qwen3moe-q4_k_m", true},
     {"qwen3moe-f16", false},     {"mixtral-q4_k_m", true},
 };
 
@@ -81,8 +81,8 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
   ASSERT_TRUE(be) << be.error();
   const golden::Bounds b = golden::bounds_for(fx.quantized);
   const char* label = std::get<1>(GetParam()) == Weights::ArenaProfile ? "cuda-pr"
-                      : std::get<1>(GetParam()) == Weights::ArenaV2 ? "cuda-v2"
-                      : std::get<1>(GetParam()) == Weights::ArenaV3 ? "cuda-v3"
+                      : std::get<1>(GetParam()) == Weights::ArenaV2    ? "cuda-v2"
+                      : std::get<1>(GetParam()) == Weights::ArenaV3    ? "cuda-v3"
                       : std::get<1>(GetParam()) == Weights::ArenaAltAttention
                           ? (o.attention_warp_tiles ? "cuda-wt" : "cuda-sk")
                           : "cuda   ";
@@ -91,7 +91,8 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
   // are a near-tie, exactly as the CPU suites do (tests/golden: the same rule and margin).
   const bool moe = (*m)->weights().experts != nullptr;
   model::Capture cap;
-  const golden::ExemptFn ex = golden::routing_exemption(s, cap, (*m)->hparams(), moe && fx.quantized);
+  const golden::ExemptFn ex =
+      golden::routing_exemption(s, cap, (*m)->hparams(), moe && fx.quantized);
   const golden::Report r = golden::check(
       g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); }, ex);
   fmt::print(
@@ -111,10 +112,11 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
   EXPECT_EQ(st.weight_uploads, st.zero_copy ? 0u : 1u);
   if (zero_copy && !st.zero_copy)
     fmt::print("  {:<22} cuda      zero-copy refused: ran on the arena\n", fx.name);
-  fmt::print("  {:<22} {}   resident: {:.1f} MiB device scratch+KV, segments: {} eager, {} graph "
-             "captures, {} replays\n",
-             fx.name, label, st.device_bytes / 1048576.0, st.segments_eager, st.graph_captures,
-             st.graph_replays);
+  fmt::print(
+      "  {:<22} {}   resident: {:.1f} MiB device scratch+KV, segments: {} eager, {} graph "
+      "captures, {} replays\n",
+      fx.name, label, st.device_bytes / 1048576.0, st.segments_eager, st.graph_captures,
+      st.graph_replays);
   // (MoE layers route on the host: their segments differ every step and are never replayed.
   // The greedy check stops decoding at the first id that differs from llama.cpp's, so only a
   // fixture that decoded several steps can have repeated a step's signature.)
@@ -132,9 +134,8 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
     copy_ms += t.copy_ms;
     if (t.kernel_ms > slowest_ms) slowest_ms = t.kernel_ms, slowest = t.op;
   }
-  fmt::print(
-      "  {:<22} {}   kernels {:.1f} ms (most: {} {:.1f} ms), host-span copies {:.1f} ms\n",
-      fx.name, label, kernel_ms, slowest, slowest_ms, copy_ms);
+  fmt::print("  {:<22} {}   kernels {:.1f} ms (most: {} {:.1f} ms), host-span copies {:.1f} ms\n",
+             fx.name, label, kernel_ms, slowest, slowest_ms, copy_ms);
 }
 
 // One session of 256 positions: the prompt's logits at every position, then n_gen greedy
@@ -257,47 +258,46 @@ TEST(CudaExpertTier, StreamingMatchesResidentBitForBit) {
     ASSERT_FALSE(base.empty());
     // One op holds at most n_expert_used experts' gate and up slices (a decode step's batch).
     const moe::ExpertWeights e0 = (*base_model)->weights().experts->get(0, 0);
-    const uint64_t slice = std::max({e0.gate.bytes.size(), e0.up.bytes.size(), e0.down.bytes.size()}) + 256;
+    const uint64_t slice =
+        std::max({e0.gate.bytes.size(), e0.up.bytes.size(), e0.down.bytes.size()}) + 256;
     const uint64_t one_op = slice * 2 * uint64_t((*base_model)->hparams().layers[0].n_expert_used);
     for (int32_t cap : {2, 3, 8}) {
       for (uint64_t dev_bytes : {one_op + slice, uint64_t{0}})
-      for (TierEviction policy : {TierEviction::Lru, TierEviction::Lfu})
-      for (bool async : {false, true}) {
-        SCOPED_TRACE(::testing::Message() << "cap " << cap << " device tier " << dev_bytes
-                                          << " policy " << tier_eviction_name(policy)
-                                          << " async copies " << async);
-        auto m = Model::load(testing::model_path(file), moe::StoreConfig{.cap = cap});
-        ASSERT_TRUE(m.has_value()) << m.error();
-        auto* store = dynamic_cast<moe::ExpertStore*>((*m)->weights().experts.get());
-        ASSERT_NE(store, nullptr);
-        CudaOptions o;
-        o.immutable_region = (*m)->gguf().mapping()->bytes();
-        o.expert_cache_bytes = dev_bytes;
-        o.expert_policy = policy;
-        o.expert_async_copies = async;
-        auto be = make_cuda_backend(o);
-        ASSERT_TRUE(be) << be.error();
-        store->register_slabs([b = be->get()](std::span<std::byte> mem) {
-          return b->register_host_memory(mem);
-        });
-        const std::vector<float> got = run(*m, **be);
-        ASSERT_EQ(got.size(), base.size());
-        EXPECT_EQ(std::memcmp(got.data(), base.data(), got.size() * sizeof(float)), 0)
-            << "logits differ from the resident run";
-        const CudaStats st = (*be)->stats();
-        EXPECT_GT(st.expert_misses, 0u);
-        if (dev_bytes != 0) {
-          EXPECT_GT(st.expert_evictions, 0u);
-          EXPECT_LE(st.expert_bytes_held, dev_bytes);
-        }
-        fmt::print("  {:<22} cap {} device tier {:>6.2f} MiB {}{}: {} hits, {} misses, {} "
-                   "evictions, {:.1f} MiB copied, slabs {}registered\n",
-                   name, cap, st.expert_cache_bytes / 1048576.0, tier_eviction_name(policy),
-                   async ? " async" : "",
-                   st.expert_hits, st.expert_misses,
-                   st.expert_evictions, st.expert_bytes_copied / 1048576.0,
-                   store->slabs_registered() ? "" : "not ");
-      }
+        for (TierEviction policy : {TierEviction::Lru, TierEviction::Lfu})
+          for (bool async : {false, true}) {
+            SCOPED_TRACE(::testing::Message()
+                         << "cap " << cap << " device tier " << dev_bytes << " policy "
+                         << tier_eviction_name(policy) << " async copies " << async);
+            auto m = Model::load(testing::model_path(file), moe::StoreConfig{.cap = cap});
+            ASSERT_TRUE(m.has_value()) << m.error();
+            auto* store = dynamic_cast<moe::ExpertStore*>((*m)->weights().experts.get());
+            ASSERT_NE(store, nullptr);
+            CudaOptions o;
+            o.immutable_region = (*m)->gguf().mapping()->bytes();
+            o.expert_cache_bytes = dev_bytes;
+            o.expert_policy = policy;
+            o.expert_async_copies = async;
+            auto be = make_cuda_backend(o);
+            ASSERT_TRUE(be) << be.error();
+            store->register_slabs(
+                [b = be->get()](std::span<std::byte> mem) { return b->register_host_memory(mem); });
+            const std::vector<float> got = run(*m, **be);
+            ASSERT_EQ(got.size(), base.size());
+            EXPECT_EQ(std::memcmp(got.data(), base.data(), got.size() * sizeof(float)), 0)
+                << "logits differ from the resident run";
+            const CudaStats st = (*be)->stats();
+            EXPECT_GT(st.expert_misses, 0u);
+            if (dev_bytes != 0) {
+              EXPECT_GT(st.expert_evictions, 0u);
+              EXPECT_LE(st.expert_bytes_held, dev_bytes);
+            }
+            fmt::print(
+                "  {:<22} cap {} device tier {:>6.2f} MiB {}{}: {} hits, {} misses, {} "
+                "evictions, {:.1f} MiB copied, slabs {}registered\n",
+                name, cap, st.expert_cache_bytes / 1048576.0, tier_eviction_name(policy),
+                async ? " async" : "", st.expert_hits, st.expert_misses, st.expert_evictions,
+                st.expert_bytes_copied / 1048576.0, store->slabs_registered() ? "" : "not ");
+          }
     }
   }
 }
@@ -308,9 +308,9 @@ TEST(CudaExpertTier, StreamingMatchesResidentBitForBit) {
 TEST(CudaPdl, SameBitsAsWithout) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
   int ran = 0;
-  for (const char* name : {"stories260K", "llama-gqa-q4_k_m", "llama-gqa-f16", "llama-gqa-q8_0",
-                           "gemma2-swa-q8_0", "qwen3-bpe-q8_0", "muse-glimmer-q4_k_m",
-                           "qwen3moe-q4_k_m"}) {
+  for (const char* name :
+       {"stories260K", "llama-gqa-q4_k_m", "llama-gqa-f16", "llama-gqa-q8_0", "gemma2-swa-q8_0",
+        "qwen3-bpe-q8_0", "muse-glimmer-q4_k_m", "qwen3moe-q4_k_m"}) {
     SCOPED_TRACE(name);
     std::vector<int32_t> prompt;
     const std::shared_ptr<const Model> m = load_same_bits_fixture(name, &prompt);
@@ -352,9 +352,9 @@ TEST(CudaPdl, SameBitsAsWithout) {
 TEST(CudaL2Prefetch, SameBitsAsWithout) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
   int ran = 0;
-  for (const char* name : {"llama-gqa-q4_k_m", "llama-gqa-q5_k_m", "llama-gqa-q6_k",
-                           "muse-glimmer-q4_k_m", "qwen3moe-q4_k_m", "mixtral-q4_k_m",
-                           "llama-gqa-q8_0"}) {
+  for (const char* name :
+       {"llama-gqa-q4_k_m", "llama-gqa-q5_k_m", "llama-gqa-q6_k", "muse-glimmer-q4_k_m",
+        "qwen3moe-q4_k_m", "mixtral-q4_k_m", "llama-gqa-q8_0"}) {
     SCOPED_TRACE(name);
     std::vector<int32_t> prompt;
     const std::shared_ptr<const Model> m = load_same_bits_fixture(name, &prompt);
@@ -391,11 +391,12 @@ TEST(CudaL2Prefetch, SameBitsAsWithout) {
     // the steps are still replayed from graphs.
     for (const CudaStats* st : {&small_st, &big_st})
       EXPECT_GE(st->graph_replays, off_st.graph_replays);
-    fmt::print("  {:<22} l2 prefetch off/16 KiB/64 MiB: same bits over {} logits; {} and {} "
-               "hints, {:.2f} and {:.2f} MiB; {} captures, {} replays\n",
-               name, off.size(), small_st.l2_prefetch_hints, big_st.l2_prefetch_hints,
-               small_st.l2_prefetch_bytes / 1048576.0, big_st.l2_prefetch_bytes / 1048576.0,
-               big_st.graph_captures, big_st.graph_replays);
+    fmt::print(
+        "  {:<22} l2 prefetch off/16 KiB/64 MiB: same bits over {} logits; {} and {} "
+        "hints, {:.2f} and {:.2f} MiB; {} captures, {} replays\n",
+        name, off.size(), small_st.l2_prefetch_hints, big_st.l2_prefetch_hints,
+        small_st.l2_prefetch_bytes / 1048576.0, big_st.l2_prefetch_bytes / 1048576.0,
+        big_st.graph_captures, big_st.graph_replays);
     ++ran;
   }
   EXPECT_GT(ran, 0) << "no fixture carried to this machine";
@@ -409,9 +410,9 @@ TEST(CudaL2Prefetch, SameBitsAsWithout) {
 TEST(CudaF16Cache, SameBitsAsWithout) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
   int ran = 0;
-  for (const char* name : {"stories260K-q8_0", "llama-gqa-q4_k_m", "llama-gqa-q6_k",
-                           "llama-gqa-q4_0", "gemma2-swa-q8_0", "qwen3-bpe-q8_0",
-                           "muse-glimmer-q4_k_m"}) {
+  for (const char* name :
+       {"stories260K-q8_0", "llama-gqa-q4_k_m", "llama-gqa-q6_k", "llama-gqa-q4_0",
+        "gemma2-swa-q8_0", "qwen3-bpe-q8_0", "muse-glimmer-q4_k_m"}) {
     SCOPED_TRACE(name);
     std::vector<int32_t> prompt;
     const std::shared_ptr<const Model> m = load_same_bits_fixture(name, &prompt);
@@ -446,10 +447,11 @@ TEST(CudaF16Cache, SameBitsAsWithout) {
       EXPECT_EQ(std::memcmp(v->data(), off.data(), off.size() * sizeof(float)), 0)
           << "logits with the f16 cache differ from those without";
     }
-    fmt::print("  {:<22} f16 cache on/capped/off: same bits over {} logits; {} weights "
-               "({:.1f} MiB) copied, {} under the cap\n",
-               name, off.size(), on_st.f16_cache_weights, on_st.f16_cache_bytes / 1048576.0,
-               cap_st.f16_cache_weights);
+    fmt::print(
+        "  {:<22} f16 cache on/capped/off: same bits over {} logits; {} weights "
+        "({:.1f} MiB) copied, {} under the cap\n",
+        name, off.size(), on_st.f16_cache_weights, on_st.f16_cache_bytes / 1048576.0,
+        cap_st.f16_cache_weights);
     ++ran;
   }
   EXPECT_GT(ran, 0) << "no fixture carried to this machine";
@@ -464,9 +466,9 @@ TEST(CudaGemmGraphs, SameBitsAsEager) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
   constexpr int kSeqs = 24, kSteps = 8;
   int ran = 0;
-  for (const char* name : {"stories260K-q8_0", "llama-gqa-q4_k_m", "llama-gqa-f16",
-                           "llama-gqa-q6_k", "gemma2-swa-q8_0", "qwen3-bpe-q8_0",
-                           "muse-glimmer-q4_k_m"}) {
+  for (const char* name :
+       {"stories260K-q8_0", "llama-gqa-q4_k_m", "llama-gqa-f16", "llama-gqa-q6_k",
+        "gemma2-swa-q8_0", "qwen3-bpe-q8_0", "muse-glimmer-q4_k_m"}) {
     SCOPED_TRACE(name);
     std::vector<int32_t> prompt;
     const std::shared_ptr<const Model> m = load_same_bits_fixture(name, &prompt);
@@ -521,10 +523,11 @@ TEST(CudaGemmGraphs, SameBitsAsEager) {
     EXPECT_GE(on_st.graph_replays, off_st.graph_replays + kSteps / 2)
         << "the cuBLAS steps were not replayed: the test tests nothing";
     EXPECT_LT(on_st.segments_eager, off_st.segments_eager);
-    fmt::print("  {:<22} gemm graphs on/off: same bits over {} logits; replays {} / {}, eager "
-               "segments {} / {}\n",
-               name, on.size(), on_st.graph_replays, off_st.graph_replays, on_st.segments_eager,
-               off_st.segments_eager);
+    fmt::print(
+        "  {:<22} gemm graphs on/off: same bits over {} logits; replays {} / {}, eager "
+        "segments {} / {}\n",
+        name, on.size(), on_st.graph_replays, off_st.graph_replays, on_st.segments_eager,
+        off_st.segments_eager);
     ++ran;
   }
   EXPECT_GT(ran, 0) << "no fixture carried to this machine";
@@ -597,25 +600,25 @@ TEST_P(CudaTpGolden, MatchesLlamaCpp) {
   CudaOptions o;
   o.immutable_region = (*m)->gguf().mapping()->bytes();
   auto be = make_cuda_tp_group(tp, o);
-  if (!be && be.error().find("without NCCL") != std::string::npos)
-    GTEST_SKIP() << be.error();
+  if (!be && be.error().find("without NCCL") != std::string::npos) GTEST_SKIP() << be.error();
   ASSERT_TRUE(be) << be.error();
   ASSERT_EQ((*be)->tp_size(), tp);
   const golden::Bounds b = golden::bounds_for(fx.quantized);
   Session s(*m, **be, kCtx);
   const golden::Report r =
       golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); });
-  fmt::print("  {:<22} cuda tp{} worst |Δ| {:.4f} (excess over bound {:+.4f}), mean KL {}, "
-             "greedy {}/{} matched ({} required)\n",
-             fx.name, tp, r.worst_abs, r.worst_excess,
-             r.mean_kl < 0 ? std::string("n/a") : fmt::format("{:.3g}", r.mean_kl),
-             r.greedy_matched, g.greedy.size(), r.greedy_required);
+  fmt::print(
+      "  {:<22} cuda tp{} worst |Δ| {:.4f} (excess over bound {:+.4f}), mean KL {}, "
+      "greedy {}/{} matched ({} required)\n",
+      fx.name, tp, r.worst_abs, r.worst_excess,
+      r.mean_kl < 0 ? std::string("n/a") : fmt::format("{:.3g}", r.mean_kl), r.greedy_matched,
+      g.greedy.size(), r.greedy_required);
   golden::expect_within_bounds(r, b);
 }
 
 std::string tp_param_name(const ::testing::TestParamInfo<std::tuple<Fixture, int>>& info) {
-  std::string n = std::string(std::get<0>(info.param).name) + "_tp" +
-                  std::to_string(std::get<1>(info.param));
+  std::string n =
+      std::string(std::get<0>(info.param).name) + "_tp" + std::to_string(std::get<1>(info.param));
   for (char& c : n)
     if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
   return n;

@@ -54,9 +54,10 @@ TEST(L2PrefetchPlan, HintsContinueWhereTheLastStoppedUntilTheWeightIsRead) {
 
 TEST(L2PrefetchPlan, HeldBytesStayWithinTheCap) {
   L2PrefetchPlan plan(/*budget=*/4096, /*cap=*/6144);
-  const std::span<const std::byte> a = at(0x1000, 4096), b = at(0x9000, 4096), c = at(0x20000, 4096);
+  const std::span<const std::byte> a = at(0x1000, 4096), b = at(0x9000, 4096),
+                                   c = at(0x20000, 4096);
   const std::span<const std::byte> ab[] = {a, b};
-  EXPECT_EQ(plan.hint(ab).at(0).bytes, 4096u);  // the budget: all of a
+  EXPECT_EQ(plan.hint(ab).at(0).bytes, 4096u);   // the budget: all of a
   std::vector<PrefetchRange> r = plan.hint(ab);  // the cap leaves 2048 for b
   ASSERT_EQ(r.size(), 1u);
   EXPECT_EQ(addr(r[0]), 0x9000u);

@@ -189,7 +189,8 @@ TEST(CudaMatvecQ8, FloatRowsAndColumnsKeepBits) {
         const size_t rb = *row_bytes(t, k);
         std::vector<std::byte> bytes(rb * rows);
         for (int64_t r = 0; r < rows; ++r)
-          quant::quantize_row(t, random_vec(rng, k, 0.05f), std::span<std::byte>(bytes).subspan(r * rb, rb));
+          quant::quantize_row(t, random_vec(rng, k, 0.05f),
+                              std::span<std::byte>(bytes).subspan(r * rb, rb));
         const std::vector<float> x = random_vec(rng, size_t(8 * k), 1.0f);
         cuda::DeviceBuffer wbuf, xbuf, ybuf;
         const cuda::DeviceWeight w{t, k, rows, rb, to_device(wbuf, bytes)};
@@ -257,8 +258,9 @@ TEST(CudaMatvecQ8, GroupedLaunchHasEachWeightsBits) {
       for (int64_t r = 0; r < g.rows[i]; ++r)
         quant::quantize_row(g.t, random_vec(rng, g.k, 0.05f),
                             std::span<std::byte>(bytes).subspan(size_t(r) * rb, rb));
-      ws.push_back(cuda::DeviceWeight{g.t, g.k, g.rows[i], rb, reinterpret_cast<const std::byte*>(
-                                                                   to_device(wbufs[i], bytes, g.misalign))});
+      ws.push_back(cuda::DeviceWeight{
+          g.t, g.k, g.rows[i], rb,
+          reinterpret_cast<const std::byte*>(to_device(wbufs[i], bytes, g.misalign))});
       ys.push_back(static_cast<float*>(ybufs[i].ensure(size_t(16 * g.rows[i]) * 4, "y")));
       solo.push_back(static_cast<float*>(sbufs[i].ensure(size_t(16 * g.rows[i]) * 4, "y")));
     }
@@ -270,9 +272,9 @@ TEST(CudaMatvecQ8, GroupedLaunchHasEachWeightsBits) {
       if (is_float && n_tok > 8) continue;
       for (int rows : {1, 2, 4}) {
         if (!is_float && rows > 1) continue;
-        SCOPED_TRACE(::testing::Message() << dtype_name(g.t) << " k " << g.k << " misalign "
-                                          << g.misalign << " n_tok " << n_tok << " rows " << rows
-                                          << " seed " << ops_seed() + 5);
+        SCOPED_TRACE(::testing::Message()
+                     << dtype_name(g.t) << " k " << g.k << " misalign " << g.misalign << " n_tok "
+                     << n_tok << " rows " << rows << " seed " << ops_seed() + 5);
         for (size_t i = 0; i < ws.size(); ++i) {
           cuda::check_cuda(cudaMemset(ys[i], 0xff, size_t(n_tok * ws[i].n_rows) * 4), "memset");
           cuda::check_cuda(cudaMemset(solo[i], 0, size_t(n_tok * ws[i].n_rows) * 4), "memset");
@@ -311,16 +313,22 @@ TEST(CudaMatvecQ8, GroupedLaunchHasEachWeightsBits) {
   const cuda::DeviceWeight q8w{DType::Q8_0, 512, 4, *row_bytes(DType::Q8_0, 512), p};
   const cuda::DeviceWeight q8e{DType::Q8_0, 256, 0, *row_bytes(DType::Q8_0, 256), p};
   float* yy[5] = {y, y, y, y, y};
-  const cuda::DeviceWeight mixed[2] = {q8, q4}, widths[2] = {q8, q8w}, five[5] = {q8, q8, q8, q8, q8},
-                           empty[2] = {q8, q8e};
-  EXPECT_EQ(cuda::launch_matvec_q8_group(mixed, std::span(yy, 2), act, 1, nullptr), cudaErrorNotSupported);
-  EXPECT_EQ(cuda::launch_matvec_q8_group(widths, std::span(yy, 2), act, 1, nullptr), cudaErrorNotSupported);
-  EXPECT_EQ(cuda::launch_matvec_q8_group(five, std::span(yy, 5), act, 1, nullptr), cudaErrorNotSupported);
-  EXPECT_EQ(cuda::launch_matvec_q8_group(empty, std::span(yy, 2), act, 1, nullptr), cudaErrorNotSupported);
+  const cuda::DeviceWeight mixed[2] = {q8, q4}, widths[2] = {q8, q8w},
+                           five[5] = {q8, q8, q8, q8, q8}, empty[2] = {q8, q8e};
+  EXPECT_EQ(cuda::launch_matvec_q8_group(mixed, std::span(yy, 2), act, 1, nullptr),
+            cudaErrorNotSupported);
+  EXPECT_EQ(cuda::launch_matvec_q8_group(widths, std::span(yy, 2), act, 1, nullptr),
+            cudaErrorNotSupported);
+  EXPECT_EQ(cuda::launch_matvec_q8_group(five, std::span(yy, 5), act, 1, nullptr),
+            cudaErrorNotSupported);
+  EXPECT_EQ(cuda::launch_matvec_q8_group(empty, std::span(yy, 2), act, 1, nullptr),
+            cudaErrorNotSupported);
   const cuda::DeviceWeight f16{DType::F16, 256, 4, 512, p};
   const cuda::DeviceWeight f16s[2] = {f16, f16};
-  EXPECT_EQ(cuda::launch_matvec_float_v3_group(f16s, std::span(yy, 2), dx, 9, 1, nullptr), cudaErrorNotSupported);
-  EXPECT_EQ(cuda::launch_matvec_float_v3_group(f16s, std::span(yy, 2), dx, 1, 3, nullptr), cudaErrorNotSupported);
+  EXPECT_EQ(cuda::launch_matvec_float_v3_group(f16s, std::span(yy, 2), dx, 9, 1, nullptr),
+            cudaErrorNotSupported);
+  EXPECT_EQ(cuda::launch_matvec_float_v3_group(f16s, std::span(yy, 2), dx, 1, 3, nullptr),
+            cudaErrorNotSupported);
   cuda::check_cuda(cudaDeviceSynchronize(), "sync");
 }
 
@@ -335,16 +343,15 @@ TEST(CudaMatvecQ8, MmaHasTheDp4aBits) {
   REQUIRE_GPU();
   std::mt19937_64 rng(ops_seed() + 11);
   const Case cases[] = {
-      {DType::Q4_K, 256, 37, 0},   {DType::Q4_K, 512, 16, 0},  {DType::Q4_K, 2816, 9, 0},
-      {DType::Q4_K, 4096, 70, 0},  {DType::Q4_K, 14336, 17, 0}, {DType::Q4_K, 1536, 1100, 0},
-      {DType::Q6_K, 256, 5, 0},
-      {DType::Q6_K, 2048, 33, 0},  {DType::Q6_K, 4096, 19, 2}, {DType::Q6_K, 14336, 3, 0},
-      {DType::Q8_0, 96, 7, 0},     {DType::Q8_0, 1024, 37, 0}, {DType::Q8_0, 4096, 21, 2},
+      {DType::Q4_K, 256, 37, 0},  {DType::Q4_K, 512, 16, 0},   {DType::Q4_K, 2816, 9, 0},
+      {DType::Q4_K, 4096, 70, 0}, {DType::Q4_K, 14336, 17, 0}, {DType::Q4_K, 1536, 1100, 0},
+      {DType::Q6_K, 256, 5, 0},   {DType::Q6_K, 2048, 33, 0},  {DType::Q6_K, 4096, 19, 2},
+      {DType::Q6_K, 14336, 3, 0}, {DType::Q8_0, 96, 7, 0},     {DType::Q8_0, 1024, 37, 0},
+      {DType::Q8_0, 4096, 21, 2},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message() << dtype_name(c.type) << " k " << c.k << " rows " << c.rows
-                                      << " misalign " << c.misalign << " seed "
-                                      << ops_seed() + 11);
+                                      << " misalign " << c.misalign << " seed " << ops_seed() + 11);
     const size_t rb = *row_bytes(c.type, c.k);
     std::vector<std::byte> bytes(rb * size_t(c.rows));
     for (int64_t r = 0; r < c.rows; ++r)
@@ -353,8 +360,9 @@ TEST(CudaMatvecQ8, MmaHasTheDp4aBits) {
     std::vector<float> x = random_vec(rng, size_t(kMaxTok * c.k), 1.0f);
     x[size_t(5 * c.k + 3)] = NAN;  // token 5's first block: NaN outputs on both paths
     cuda::DeviceBuffer wbuf, xbuf, abuf, ybuf, zbuf;
-    const cuda::DeviceWeight w{c.type, c.k, c.rows, rb,
-                               reinterpret_cast<const std::byte*>(to_device(wbuf, bytes, c.misalign))};
+    const cuda::DeviceWeight w{
+        c.type, c.k, c.rows, rb,
+        reinterpret_cast<const std::byte*>(to_device(wbuf, bytes, c.misalign))};
     const float* dx = to_device(xbuf, x);
     void* act = abuf.ensure(cuda::act_q8_bytes(c.k, kMaxTok) + 16, "act");
     const size_t n_max = size_t(kMaxTok * c.rows);
@@ -409,8 +417,9 @@ TEST(CudaMatvecQ8, MmaHasTheDp4aBits) {
     for (int64_t r = 0; r < rows[i]; ++r)
       quant::quantize_row(DType::Q4_K, random_vec(rng, 4096, 0.05f),
                           std::span<std::byte>(bytes).subspan(size_t(r) * rb, rb));
-    ws.push_back(cuda::DeviceWeight{DType::Q4_K, 4096, rows[i], rb,
-                                    reinterpret_cast<const std::byte*>(to_device(wbufs[i], bytes))});
+    ws.push_back(
+        cuda::DeviceWeight{DType::Q4_K, 4096, rows[i], rb,
+                           reinterpret_cast<const std::byte*>(to_device(wbufs[i], bytes))});
     ys.push_back(static_cast<float*>(ybufs[i].ensure(size_t(24 * rows[i]) * 4, "y")));
     solo.push_back(static_cast<float*>(sbufs[i].ensure(size_t(24 * rows[i]) * 4, "y")));
   }
@@ -470,8 +479,8 @@ TEST(CudaMatvecQ8, Q4KAlignedAndMovedRowsHaveTheSameBits) {
     float* dya = static_cast<float*>(yabuf.ensure(size_t(kMaxTok * rows) * sizeof(float), "y"));
     float* dym = static_cast<float*>(ymbuf.ensure(size_t(kMaxTok * rows) * sizeof(float), "y"));
     for (int64_t n_tok : {1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64}) {
-      SCOPED_TRACE(::testing::Message() << "k " << k << " n_tok " << n_tok << " seed "
-                                        << ops_seed() + 7);
+      SCOPED_TRACE(::testing::Message()
+                   << "k " << k << " n_tok " << n_tok << " seed " << ops_seed() + 7);
       const std::vector<float> ya = run_v3(aligned, dx, n_tok, act, act_bytes, dya);
       const std::vector<float> ym = run_v3(moved, dx, n_tok, act, act_bytes, dym);
       ASSERT_EQ(std::memcmp(ya.data(), ym.data(), ya.size() * sizeof(float)), 0);
@@ -611,55 +620,58 @@ TEST(CudaMatvecQ8, ResidentMatmulBatchEqualsOneMatmulPerTask) {
                                                  {DType::F16, DType::F16, DType::F16},
                                                  {DType::BF16, DType::BF16}};
   for (const std::vector<DType>& types : lists)
-  for (CudaMatmul kernels : {CudaMatmul::V3, CudaMatmul::Auto}) {
-    CudaOptions o;
-    o.matmul = kernels;
-    o.verify_weight_cache = true;
-    auto be = make_cuda_backend(o);
-    ASSERT_TRUE(be) << be.error();
-    Backend& b = **be;
-    for (const int64_t k : {int64_t(1024), int64_t(2816)}) {  // Q4_K: 16 and 44 pairs a row
-      std::mt19937_64 rng(ops_seed());
-      const int nw = int(types.size());
-      const int64_t rows[3] = {96, 33, 160};
-      std::vector<std::vector<std::byte>> bytes(3);
-      std::vector<WeightMatrix> ws;
-      for (int i = 0; i < nw; ++i) {
-        const size_t rb = *row_bytes(types[i], k);
-        bytes[i].resize(rb * size_t(rows[i]));
-        for (int64_t r = 0; r < rows[i]; ++r)
-          quant::quantize_row(types[i], random_vec(rng, k, 0.05f),
-                              std::span<std::byte>(bytes[i]).subspan(size_t(r) * rb, rb));
-        ws.push_back(WeightMatrix{.dtype = types[i], .n_cols = k, .n_rows = rows[i],
-                                  .row_bytes = rb, .bytes = bytes[i]});
-      }
-      for (int64_t n_tok : {1, 3, 8, 16, 17, 40}) {
-        SCOPED_TRACE(::testing::Message() << "k " << k << " n_tok " << n_tok << " auto "
-                                          << (kernels == CudaMatmul::Auto) << " first "
-                                          << dtype_name(types[0]) << " x" << nw);
-        const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
-        BackendBuffer<float> dx = b.alloc<float>(x.size());
-        b.upload<float>(x, dx.span());
-        std::vector<BackendBuffer<float>> batch_y, solo_y;
-        std::vector<Backend::MatmulTask> tasks;
+    for (CudaMatmul kernels : {CudaMatmul::V3, CudaMatmul::Auto}) {
+      CudaOptions o;
+      o.matmul = kernels;
+      o.verify_weight_cache = true;
+      auto be = make_cuda_backend(o);
+      ASSERT_TRUE(be) << be.error();
+      Backend& b = **be;
+      for (const int64_t k : {int64_t(1024), int64_t(2816)}) {  // Q4_K: 16 and 44 pairs a row
+        std::mt19937_64 rng(ops_seed());
+        const int nw = int(types.size());
+        const int64_t rows[3] = {96, 33, 160};
+        std::vector<std::vector<std::byte>> bytes(3);
+        std::vector<WeightMatrix> ws;
         for (int i = 0; i < nw; ++i) {
-          batch_y.push_back(b.alloc<float>(size_t(n_tok * rows[i])));
-          solo_y.push_back(b.alloc<float>(size_t(n_tok * rows[i])));
-          tasks.push_back({&ws[i], dx.span(), batch_y.back().span()});
+          const size_t rb = *row_bytes(types[i], k);
+          bytes[i].resize(rb * size_t(rows[i]));
+          for (int64_t r = 0; r < rows[i]; ++r)
+            quant::quantize_row(types[i], random_vec(rng, k, 0.05f),
+                                std::span<std::byte>(bytes[i]).subspan(size_t(r) * rb, rb));
+          ws.push_back(WeightMatrix{.dtype = types[i],
+                                    .n_cols = k,
+                                    .n_rows = rows[i],
+                                    .row_bytes = rb,
+                                    .bytes = bytes[i]});
         }
-        b.matmul_batch(tasks, n_tok);
-        for (int i = 0; i < nw; ++i) b.matmul(ws[i], dx.span(), n_tok, solo_y[i].span());
-        for (int i = 0; i < nw; ++i) {
-          std::vector<float> hb(size_t(n_tok * rows[i]), NAN), hs(hb.size(), 0.0f);
-          b.download<float>(batch_y[i].span(), hb);
-          b.download<float>(solo_y[i].span(), hs);
-          EXPECT_EQ(std::memcmp(hb.data(), hs.data(), hb.size() * sizeof(float)), 0)
-              << dtype_name(types[i]);
-          for (float v : hb) ASSERT_TRUE(std::isfinite(v));
+        for (int64_t n_tok : {1, 3, 8, 16, 17, 40}) {
+          SCOPED_TRACE(::testing::Message() << "k " << k << " n_tok " << n_tok << " auto "
+                                            << (kernels == CudaMatmul::Auto) << " first "
+                                            << dtype_name(types[0]) << " x" << nw);
+          const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
+          BackendBuffer<float> dx = b.alloc<float>(x.size());
+          b.upload<float>(x, dx.span());
+          std::vector<BackendBuffer<float>> batch_y, solo_y;
+          std::vector<Backend::MatmulTask> tasks;
+          for (int i = 0; i < nw; ++i) {
+            batch_y.push_back(b.alloc<float>(size_t(n_tok * rows[i])));
+            solo_y.push_back(b.alloc<float>(size_t(n_tok * rows[i])));
+            tasks.push_back({&ws[i], dx.span(), batch_y.back().span()});
+          }
+          b.matmul_batch(tasks, n_tok);
+          for (int i = 0; i < nw; ++i) b.matmul(ws[i], dx.span(), n_tok, solo_y[i].span());
+          for (int i = 0; i < nw; ++i) {
+            std::vector<float> hb(size_t(n_tok * rows[i]), NAN), hs(hb.size(), 0.0f);
+            b.download<float>(batch_y[i].span(), hb);
+            b.download<float>(solo_y[i].span(), hs);
+            EXPECT_EQ(std::memcmp(hb.data(), hs.data(), hb.size() * sizeof(float)), 0)
+                << dtype_name(types[i]);
+            for (float v : hb) ASSERT_TRUE(std::isfinite(v));
+          }
         }
       }
     }
-  }
 }
 
 TEST(CudaMatvecQ8, RejectsWhatItCannotRun) {

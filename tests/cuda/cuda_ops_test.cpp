@@ -19,6 +19,7 @@
 #include "core/dtype.h"
 #include "cuda_test_common.h"
 #include "ops/ops_common.h"
+#include "ops/test_weights.h"
 #include "quant/quant.h"
 
 namespace kiln {
@@ -33,26 +34,8 @@ using Kernels = ::kiln::CudaMatmul;  // the name CudaMatmul is the parity suite'
 Backend& ref() { return *cuda_under_test().ref; }
 CudaBackend& gpu() { return *cuda_under_test().cuda; }
 
-struct TestWeights {
-  std::vector<std::byte> bytes;
-  std::vector<float> deq;  // [n_rows][n_cols]
-  WeightMatrix m;
-};
-
-TestWeights make_weights(DType type, int64_t n_rows, int64_t n_cols, std::mt19937_64& rng) {
-  TestWeights w;
-  const size_t rb = *row_bytes(type, n_cols);
-  w.bytes.resize(rb * n_rows);
-  w.deq.resize(static_cast<size_t>(n_rows * n_cols));
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const std::vector<float> src = random_vec(rng, n_cols, 0.05f);
-    auto dst = std::span<std::byte>(w.bytes).subspan(r * rb, rb);
-    quant::quantize_row(type, src, dst);
-    quant::dequantize_row(type, dst, std::span<float>(w.deq).subspan(r * n_cols, n_cols));
-  }
-  w.m = WeightMatrix{.dtype = type, .n_cols = n_cols, .n_rows = n_rows, .row_bytes = rb, .bytes = w.bytes};
-  return w;
-}
+using kiln::testing::make_weights;
+using kiln::testing::TestWeights;
 
 // f32 accumulation of k products in any order (FMA or not) against the reference's double
 // sum over the same dequantized weights: bounded by a few k * 2^-24 * sum|w x| in the worst
@@ -76,10 +59,8 @@ double matmul_tol_f16(const float* w, const float* x, int64_t k) {
 }
 
 // The bound for `n_tok` tokens on the backend with these kernels.
-double matmul_tol_for(Kernels kernels, int64_t n_tok, const float* w, const float* x,
-                      int64_t k) {
-  return kernels == Kernels::V2 && n_tok > 16 ? matmul_tol_f16(w, x, k)
-                                                 : matmul_tol(w, x, k);
+double matmul_tol_for(Kernels kernels, int64_t n_tok, const float* w, const float* x, int64_t k) {
+  return kernels == Kernels::V2 && n_tok > 16 ? matmul_tol_f16(w, x, k) : matmul_tol(w, x, k);
 }
 
 struct MatmulCase {
@@ -102,16 +83,16 @@ TEST_P(CudaMatmul, AllShapesAndPaths) {
         const std::vector<float> x = random_vec(rng, n_tok * k, 1.0f);
         std::vector<float> y_ref(n_tok * n_rows);
         ref().matmul(w.m, x, n_tok, y_ref);
-        SCOPED_TRACE(::testing::Message() << dtype_name(c.type) << " matmul V2 rows " << n_rows
-                                          << " k " << k << " n_tok " << n_tok << " seed "
-                                          << ops_seed());
+        SCOPED_TRACE(::testing::Message()
+                     << dtype_name(c.type) << " matmul V2 rows " << n_rows << " k " << k
+                     << " n_tok " << n_tok << " seed " << ops_seed());
         std::vector<float> y(y_ref.size(), NAN);
         gpu().matmul(w.m, x, n_tok, y);
         for (int64_t t = 0; t < n_tok; ++t)
           for (int64_t r = 0; r < n_rows; ++r)
-            ASSERT_TRUE(close(y[t * n_rows + r], y_ref[t * n_rows + r],
-                              matmul_tol_for(Kernels::V2, n_tok, w.deq.data() + r * k,
-                                             x.data() + t * k, k)))
+            ASSERT_TRUE(close(
+                y[t * n_rows + r], y_ref[t * n_rows + r],
+                matmul_tol_for(Kernels::V2, n_tok, w.deq.data() + r * k, x.data() + t * k, k)))
                 << "t " << t << " r " << r;
       }
     }
@@ -126,11 +107,11 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         MatmulCase{DType::F32, {1, 31, 64, 257}}, MatmulCase{DType::F16, {1, 31, 96, 257}},
         MatmulCase{DType::BF16, {3, 64, 100}}, MatmulCase{DType::Q8_0, {32, 96, 256, 544, 1024}},
-        MatmulCase{DType::Q4_0, {32, 256, 544, 1024}}, MatmulCase{DType::Q5_0, {32, 256, 544, 1024}},
-        MatmulCase{DType::Q4_1, {32, 160, 256}}, MatmulCase{DType::Q5_1, {32, 160, 256}},
-        MatmulCase{DType::Q2_K, {256, 1024}}, MatmulCase{DType::Q3_K, {256, 2048}},
-        MatmulCase{DType::Q4_K, {256, 768}}, MatmulCase{DType::Q5_K, {256, 768}},
-        MatmulCase{DType::Q6_K, {256, 2048}}),
+        MatmulCase{DType::Q4_0, {32, 256, 544, 1024}},
+        MatmulCase{DType::Q5_0, {32, 256, 544, 1024}}, MatmulCase{DType::Q4_1, {32, 160, 256}},
+        MatmulCase{DType::Q5_1, {32, 160, 256}}, MatmulCase{DType::Q2_K, {256, 1024}},
+        MatmulCase{DType::Q3_K, {256, 2048}}, MatmulCase{DType::Q4_K, {256, 768}},
+        MatmulCase{DType::Q5_K, {256, 768}}, MatmulCase{DType::Q6_K, {256, 2048}}),
     [](const auto& info) { return std::string(dtype_name(info.param.type)); });
 
 TEST(CudaOps, MatmulNanActivationPropagates) {
@@ -159,10 +140,10 @@ TEST(CudaOps, MatmulTileFallbackWithoutGemm) {
     DType type;
     int64_t n_rows, k;
   };
-  for (const Shape sh : {Shape{DType::F32, 65, 31}, Shape{DType::F16, 130, 96},
-                         Shape{DType::BF16, 3, 100}, Shape{DType::Q8_0, 70, 544},
-                         Shape{DType::Q4_1, 5, 160}, Shape{DType::Q3_K, 31, 256},
-                         Shape{DType::Q4_K, 257, 768}, Shape{DType::Q6_K, 64, 2048}}) {
+  for (const Shape sh :
+       {Shape{DType::F32, 65, 31}, Shape{DType::F16, 130, 96}, Shape{DType::BF16, 3, 100},
+        Shape{DType::Q8_0, 70, 544}, Shape{DType::Q4_1, 5, 160}, Shape{DType::Q3_K, 31, 256},
+        Shape{DType::Q4_K, 257, 768}, Shape{DType::Q6_K, 64, 2048}}) {
     TestWeights w = make_weights(sh.type, sh.n_rows, sh.k, rng);
     cuda::DeviceBuffer wbuf, xbuf, ybuf;
     auto* dw = static_cast<std::byte*>(wbuf.ensure(w.bytes.size(), "w"));
@@ -177,11 +158,11 @@ TEST(CudaOps, MatmulTileFallbackWithoutGemm) {
       ref().matmul(w.m, x, n_tok, y_ref);
       auto* dx = static_cast<float*>(xbuf.ensure(x.size() * sizeof(float), "x"));
       auto* dy = static_cast<float*>(ybuf.ensure(y.size() * sizeof(float), "y"));
-      cuda::check_cuda(
-          cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice), "x");
+      cuda::check_cuda(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice),
+                       "x");
       cuda::check_cuda(cuda::launch_matmul(d, dx, n_tok, dy, nullptr, nullptr), "tile kernel");
-      cuda::check_cuda(
-          cudaMemcpy(y.data(), dy, y.size() * sizeof(float), cudaMemcpyDeviceToHost), "y");
+      cuda::check_cuda(cudaMemcpy(y.data(), dy, y.size() * sizeof(float), cudaMemcpyDeviceToHost),
+                       "y");
       for (int64_t t = 0; t < n_tok; ++t)
         for (int64_t r = 0; r < sh.n_rows; ++r) {
           const float got = y[size_t(t * sh.n_rows + r)];
@@ -234,7 +215,6 @@ TEST(CudaOps, MatmulV2ShapePaths) {
     }
   }
 }
-
 
 TEST(CudaOps, WeightArenaUploadsOnceAndSeesChangedBytes) {
   KILN_REQUIRE_CUDA();
@@ -308,9 +288,9 @@ TEST(CudaOps, ZeroCopyRegionMatchesReference) {
     ref().matmul(w.m, x, n_tok, y_ref);
     for (int64_t t = 0; t < n_tok; ++t)
       for (int64_t r = 0; r < 200; ++r)
-        ASSERT_TRUE(close(y[t * 200 + r], y_ref[t * 200 + r],
-                          matmul_tol_for(o.matmul, n_tok, w.deq.data() + r * 1024,
-                                         x.data() + t * 1024, 1024)))
+        ASSERT_TRUE(close(
+            y[t * 200 + r], y_ref[t * 200 + r],
+            matmul_tol_for(o.matmul, n_tok, w.deq.data() + r * 1024, x.data() + t * 1024, 1024)))
             << "n_tok " << n_tok << " t " << t << " r " << r;
   }
   const std::vector<int32_t> ids = {199, 0, 77};
@@ -330,7 +310,6 @@ TEST(CudaOps, BadDeviceIndexIsAnError) {
   EXPECT_NE(be.error().find("does not exist"), std::string::npos) << be.error();
 }
 
-
 // The fused residual add + norm (forward.cpp's block boundaries) must keep the bits of the two
 // ops it replaces, in device memory (the resident path a real run takes: the fused kernel
 // where the row fits the float4 path, the two kernels elsewhere) and on host spans; and be
@@ -345,7 +324,8 @@ TEST(CudaOps, AddRmsnormHasTheBitsOfAddThenRmsnorm) {
       const std::vector<float> x = random_vec(rng, len, 3.0f), a = random_vec(rng, len, 2.0f);
       const std::vector<float> wt = random_vec(rng, static_cast<size_t>(n));
       for (bool with_w : {false, true}) {
-        const std::span<const float> ws = with_w ? std::span<const float>(wt) : std::span<const float>();
+        const std::span<const float> ws =
+            with_w ? std::span<const float>(wt) : std::span<const float>();
         BackendBuffer<float> dx1 = be.alloc<float>(len), dx2 = be.alloc<float>(len);
         BackendBuffer<float> da = be.alloc<float>(len);
         BackendBuffer<float> dy1 = be.alloc<float>(len), dy2 = be.alloc<float>(len);
@@ -360,8 +340,10 @@ TEST(CudaOps, AddRmsnormHasTheBitsOfAddThenRmsnorm) {
         be.download<float>(dx2.span(), x2);
         be.download<float>(dy1.span(), y1);
         be.download<float>(dy2.span(), y2);
-        ASSERT_EQ(std::memcmp(x1.data(), x2.data(), len * sizeof(float)), 0) << "x, n " << n << " rows " << rows;
-        ASSERT_EQ(std::memcmp(y1.data(), y2.data(), len * sizeof(float)), 0) << "y, n " << n << " rows " << rows;
+        ASSERT_EQ(std::memcmp(x1.data(), x2.data(), len * sizeof(float)), 0)
+            << "x, n " << n << " rows " << rows;
+        ASSERT_EQ(std::memcmp(y1.data(), y2.data(), len * sizeof(float)), 0)
+            << "y, n " << n << " rows " << rows;
         // Host spans, and the reference.
         std::vector<float> hx = x, hy(len, NAN), rx = x, ry(len);
         be.add_rmsnorm(hx, a, ws, n, 1e-6f, hy);
@@ -370,13 +352,13 @@ TEST(CudaOps, AddRmsnormHasTheBitsOfAddThenRmsnorm) {
         ref().add_rmsnorm(rx, a, ws, n, 1e-6f, ry);
         for (size_t i = 0; i < len; ++i) {
           ASSERT_TRUE(close(x2[i], rx[i], 0)) << "add, n " << n << " i " << i;
-          ASSERT_TRUE(close(y2[i], ry[i], 2e-6 * std::fabs(ry[i]) + 1e-7)) << "norm, n " << n << " i " << i;
+          ASSERT_TRUE(close(y2[i], ry[i], 2e-6 * std::fabs(ry[i]) + 1e-7))
+              << "norm, n " << n << " i " << i;
         }
       }
     }
   }
 }
-
 
 // rope_qk on resident buffers: one launch for Q and K (CudaOptions::fuse_rope) against two
 // rope() ops and against the unfused rope_qk, memcmp; Q and K head counts as in GQA (32/8)
@@ -394,9 +376,9 @@ TEST(CudaOps, RopeQkEqualsTwoRopes) {
       for (auto [hq, hk, hd, n_rot, n_tok] :
            {std::array<int64_t, 5>{32, 8, 128, 128, 1}, std::array<int64_t, 5>{32, 8, 128, 64, 7},
             std::array<int64_t, 5>{5, 3, 80, 80, 3}, std::array<int64_t, 5>{2, 2, 2, 2, 2}}) {
-        SCOPED_TRACE(::testing::Message() << "fuse " << fuse << " style " << int(style) << " hq "
-                                          << hq << " hk " << hk << " hd " << hd << " n_tok "
-                                          << n_tok);
+        SCOPED_TRACE(::testing::Message()
+                     << "fuse " << fuse << " style " << int(style) << " hq " << hq << " hk " << hk
+                     << " hd " << hd << " n_tok " << n_tok);
         std::vector<int32_t> pos(static_cast<size_t>(n_tok));
         for (int64_t t = 0; t < n_tok; ++t) pos[size_t(t)] = int32_t(t * 997 + 3);
         const RopeParams p{n_rot, style == RopeStyle::NeoX ? 1e6f : 1e4f, 0.5f, style};
@@ -449,10 +431,11 @@ TEST(CudaOps, SwigluMatmulEqualsTheTwoOps) {
       for (int64_t r = 0; r < rows; ++r)
         quant::quantize_row(t, random_vec(rng, k, 0.05f),
                             std::span<std::byte>(bytes).subspan(size_t(r) * rb, rb));
-      const WeightMatrix w{.dtype = t, .n_cols = k, .n_rows = rows, .row_bytes = rb, .bytes = bytes};
+      const WeightMatrix w{
+          .dtype = t, .n_cols = k, .n_rows = rows, .row_bytes = rb, .bytes = bytes};
       for (int64_t n_tok : {1, 3, 8, 16, 17}) {
-        SCOPED_TRACE(::testing::Message() << "fuse " << fuse << " " << dtype_name(t) << " n_tok "
-                                          << n_tok);
+        SCOPED_TRACE(::testing::Message()
+                     << "fuse " << fuse << " " << dtype_name(t) << " n_tok " << n_tok);
         const std::vector<float> g = random_vec(rng, size_t(n_tok * k), 4.0f);
         const std::vector<float> u = random_vec(rng, size_t(n_tok * k));
         BackendBuffer<float> dg = b.alloc<float>(g.size()), du = b.alloc<float>(u.size());
@@ -474,9 +457,6 @@ TEST(CudaOps, SwigluMatmulEqualsTheTwoOps) {
   }
 }
 
-
-
-
 // Device top-k against the host default (Backend::top_k) on host spans and on device memory:
 // single and many rows, vocabularies below one chunk and of real sizes, k from 1 (greedy) to
 // the kernel's most, ties (equal values, first index first), -inf, -0 beside +0.
@@ -487,11 +467,11 @@ TEST(CudaOps, TopKSameAsHost) {
     int64_t rows, n;
     int32_t k;
   };
-  for (const Case c : {Case{1, 1, 1}, Case{1, 7, 7}, Case{3, 1000, 40}, Case{2, 1025, 256},
-                       Case{1, 32000, 1}, Case{1, 32000, 40}, Case{64, 32000, 40},
-                       Case{5, 152064, 100}, Case{2, 4097, 256}}) {
-    SCOPED_TRACE(::testing::Message() << "rows " << c.rows << " n " << c.n << " k " << c.k
-                                      << " seed " << ops_seed());
+  for (const Case c :
+       {Case{1, 1, 1}, Case{1, 7, 7}, Case{3, 1000, 40}, Case{2, 1025, 256}, Case{1, 32000, 1},
+        Case{1, 32000, 40}, Case{64, 32000, 40}, Case{5, 152064, 100}, Case{2, 4097, 256}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "rows " << c.rows << " n " << c.n << " k " << c.k << " seed " << ops_seed());
     std::vector<float> x = random_vec(rng, size_t(c.rows * c.n));
     if (c.n > 100) {  // ties across chunks, infinities, signed zeros
       for (int64_t r = 0; r < c.rows; ++r) {

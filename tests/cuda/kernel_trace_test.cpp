@@ -33,9 +33,11 @@ TEST(KernelTrace, ShortNamesDropNamespacesAndParameters) {
 TEST(KernelTrace, SummaryPerStepBusyAndIdle) {
   // Two steps. Step 1: a [0, 10) and b [10, 30); step 2: a [100, 110), b [105, 125) (overlap:
   // PDL lets the next kernel start early), c [200, 204). Nanoseconds.
-  const std::vector<KernelRecord> recs = {
-      {100, 110, "void kiln::cuda::a_kernel(int)"}, {0, 10, "void kiln::cuda::a_kernel(int)"},
-      {10, 30, "b_kernel"}, {105, 125, "b_kernel"}, {200, 204, "c_kernel"}};
+  const std::vector<KernelRecord> recs = {{100, 110, "void kiln::cuda::a_kernel(int)"},
+                                          {0, 10, "void kiln::cuda::a_kernel(int)"},
+                                          {10, 30, "b_kernel"},
+                                          {105, 125, "b_kernel"},
+                                          {200, 204, "c_kernel"}};
   const cuda::KernelTraceSummary s = cuda::summarize_kernel_trace(recs, 2);
   EXPECT_EQ(s.kernels, 5u);
   // span 0..204; busy: [0, 30) + [100, 125) + [200, 204) = 59; durations 10+10+20+20+4 = 64.
@@ -56,8 +58,8 @@ TEST(KernelTrace, SummaryPerStepBusyAndIdle) {
   EXPECT_DOUBLE_EQ(s.rows[2].calls_per_step, 0.5);
   EXPECT_DOUBLE_EQ(s.rows[2].added_us_per_step, 4e-3 / 2);
   // A kernel started early (PDL) that waits inside the one ahead adds only what it runs past it.
-  const cuda::KernelTraceSummary w = cuda::summarize_kernel_trace(
-      {{0, 100, "big"}, {10, 104, "waits"}, {104, 110, "next"}}, 1);
+  const cuda::KernelTraceSummary w =
+      cuda::summarize_kernel_trace({{0, 100, "big"}, {10, 104, "waits"}, {104, 110, "next"}}, 1);
   ASSERT_EQ(w.rows.size(), 3u);
   EXPECT_EQ(w.rows[0].name, "big");
   EXPECT_DOUBLE_EQ(w.rows[0].added_us_per_step, 100e-3);

@@ -191,7 +191,8 @@ std::vector<float> run(Session& s, std::span<const int32_t> prompt, int steps) {
   all.insert(all.end(), l->begin(), l->end());
   std::vector<float> last(l->end() - s.n_vocab(), l->end());
   for (int i = 0; i < steps; ++i) {
-    const auto best = static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin());
+    const auto best =
+        static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin());
     auto d = s.eval(std::span<const int32_t>(&best, 1), false);
     KILN_CHECK(d.has_value(), "{}", d.error());
     last.assign(d->begin(), d->end());

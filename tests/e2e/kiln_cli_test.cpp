@@ -33,7 +33,6 @@ using Proc = testing::KilnProc;
 using testing::expect_clean_error;
 using testing::run_kiln;
 
-
 nlohmann::json golden(const std::string& model) {
   return nlohmann::json::parse(read_file(shared_path("testdata/golden/" + model + ".json")));
 }
@@ -62,10 +61,11 @@ void check_greedy(const std::string& model, double tie) {
   ASSERT_EQ(p.rc, 0) << p.err;
   size_t match = 0;
   while (match < expect.size() && match < p.out.size() && expect[match] == p.out[match]) ++match;
-  std::printf("%s: greedy text matches llama.cpp for %zu of %zu bytes (%zu sure tokens); "
-              "full golden text %s\n",
-              model.c_str(), match, expect.size(), n_sure,
-              p.out.rfind(g["greedy_text"].get<std::string>(), 0) == 0 ? "matched" : "differs");
+  std::printf(
+      "%s: greedy text matches llama.cpp for %zu of %zu bytes (%zu sure tokens); "
+      "full golden text %s\n",
+      model.c_str(), match, expect.size(), n_sure,
+      p.out.rfind(g["greedy_text"].get<std::string>(), 0) == 0 ? "matched" : "differs");
   EXPECT_EQ(p.out.substr(0, expect.size()), expect);
   EXPECT_NE(p.err.find("ids xxh64 "), std::string::npos);
   EXPECT_NE(p.err.find("decode"), std::string::npos);
@@ -101,7 +101,8 @@ TEST(KilnRun, PortableKernelsChangeNothingButSpeed) {
   const std::string prompt =
       "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly "
       "and a large fawn jumped quickly over white zinc boxes";
-  Proc fast = run_kiln({"run", "-m", model, "--device", "cpu", "-p", prompt, "-n", "24", "--temp", "0"});
+  Proc fast =
+      run_kiln({"run", "-m", model, "--device", "cpu", "-p", prompt, "-n", "24", "--temp", "0"});
   Proc portable = run_kiln({"run", "-m", model, "--device", "cpu", "--dev", "cpu_portable=true",
                             "-p", prompt, "-n", "24", "--temp", "0"});
   ASSERT_EQ(fast.rc, 0) << fast.err;
@@ -189,14 +190,14 @@ TEST(KilnRun, StdinPromptUnboundedLengthAndRandomSeed) {
 TEST(KilnTemplate, MessagesInlineOrFromAFile) {
   const std::string tmpl = testing::shared_dir() + "/testdata/templates/Apertus-8B-Instruct.jinja";
   const std::string msgs = R"([{"role": "user", "content": "Hello there"}])";
-  Proc inline_json = run_kiln({"template", "--template", tmpl, "--messages", msgs,
-                               "--add-generation-prompt"});
+  Proc inline_json =
+      run_kiln({"template", "--template", tmpl, "--messages", msgs, "--add-generation-prompt"});
   ASSERT_EQ(inline_json.rc, 0) << inline_json.err;
   EXPECT_NE(inline_json.out.find("Hello there"), std::string::npos) << inline_json.out;
   const std::string file = testing::temp_dir() + "/messages.json";
   testing::write_file(file, msgs);
-  Proc from_file = run_kiln({"template", "--template", tmpl, "--messages", file,
-                             "--add-generation-prompt"});
+  Proc from_file =
+      run_kiln({"template", "--template", tmpl, "--messages", file, "--add-generation-prompt"});
   ASSERT_EQ(from_file.rc, 0) << from_file.err;
   EXPECT_EQ(inline_json.out, from_file.out);
   expect_clean_error(run_kiln({"template", "--template", tmpl, "--messages", "[{\"x\": 1}]"}),
@@ -229,8 +230,9 @@ TEST(KilnRun, BadInputIsOneClearError) {
   expect_clean_error(run_kiln({"run", "-m", "/nonexistent/model.gguf", "-p", "x"}),
                      "/nonexistent/model.gguf");
   // A file that is not GGUF.
-  expect_clean_error(run_kiln({"run", "-m", shared_path("testdata/text/gpl-3-head.txt"), "-p", "x"}),
-                     "gpl-3-head.txt");
+  expect_clean_error(
+      run_kiln({"run", "-m", shared_path("testdata/text/gpl-3-head.txt"), "-p", "x"}),
+      "gpl-3-head.txt");
 }
 
 TEST(KilnRun, LogitBiasBansToken) {
@@ -299,8 +301,8 @@ TEST(KilnBench, JsonParses) {
 // llama-bench's -d: each test after a prefix of that many tokens in the cache, named
 // "tgN @ dD" (the prefix untimed, so a deeper cache may not lose its pp and tg tests).
 TEST(KilnBench, DepthListRunsEveryTestAtEachDepth) {
-  Proc p = run_kiln({"bench", "-p", "16", "-n", "4", "-d", "0,24", "--n-seq", "2", "-r", "1",
-                     "-o", "json", "--threads", "2"});
+  Proc p = run_kiln({"bench", "-p", "16", "-n", "4", "-d", "0,24", "--n-seq", "2", "-r", "1", "-o",
+                     "json", "--threads", "2"});
   ASSERT_EQ(p.rc, 0) << p.err;
   auto j = nlohmann::json::parse(p.out);
   ASSERT_TRUE(j.is_array());
@@ -317,9 +319,9 @@ TEST(KilnBench, DepthListRunsEveryTestAtEachDepth) {
 
 TEST(KilnMkmodel, OutputLoadsAndRunsAndIsDeterministic) {
   const std::string dir = testing::temp_dir();
-  const std::vector<std::string> shape = {"--n-embd", "256", "--n-layer", "3", "--n-ff", "512",
-                                          "--n-head", "4", "--n-head-kv", "2", "--n-vocab",
-                                          "600", "--seed", "9"};
+  const std::vector<std::string> shape = {"--n-embd", "256", "--n-layer",   "3", "--n-ff",    "512",
+                                          "--n-head", "4",   "--n-head-kv", "2", "--n-vocab", "600",
+                                          "--seed",   "9"};
   for (const char* type : {"f16", "q8_0", "q4_k_m"}) {
     SCOPED_TRACE(type);
     const std::string out = dir + "/m-" + type + ".gguf";

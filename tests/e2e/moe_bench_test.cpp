@@ -34,7 +34,6 @@ using Proc = testing::KilnProc;
 using testing::expect_clean_error;
 using testing::run_kiln;
 
-
 // The weights one decoded token reads, from the file alone: every tensor once, the token
 // embedding as one row unless it is also the output matrix (no output.weight), and of each
 // layer's stacked experts n_expert_used / n_expert of the bytes (each expert's slice is the
@@ -162,8 +161,8 @@ TEST_P(MoeDecodePath, OneTokenStepsMatchPrefillBitForBit) {
   size_t first_diff = whole.size();
   for (size_t i = 0; i < whole.size() && first_diff == whole.size(); ++i)
     if (std::memcmp(&whole[i], &steps[i], sizeof(float)) != 0) first_diff = i;
-  EXPECT_EQ(first_diff, whole.size()) << GetParam() << ": differs first at token "
-                                      << first_diff / size_t(m->n_vocab());
+  EXPECT_EQ(first_diff, whole.size())
+      << GetParam() << ": differs first at token " << first_diff / size_t(m->n_vocab());
 }
 
 // The CPU backend's decode-speed kernels (one-token VNNI kernels and their software prefetch)
@@ -204,16 +203,19 @@ INSTANTIATE_TEST_SUITE_P(Models, MoeDecodePath,
                                            "mixtral-q4_k_m.gguf"),
                          [](const auto& info) {
                            std::string n = info.param.substr(0, info.param.find('.'));
-                           std::replace_if(n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
+                           std::replace_if(
+                               n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
                            return n;
                          });
 
 TEST(MkModelShapes, Qwen3MoeLoadsAndBenchCountsItsExperts) {
   const std::string path = testing::temp_dir() + "/moe.gguf";
-  const Proc p = run_kiln({"mkmodel", "-o", path, "--arch", "qwen3moe", "--n-layer", "3",
-                           "--n-embd", "256", "--n-head", "4", "--n-head-kv", "2", "--head-dim",
-                           "64", "--n-expert", "8", "--n-expert-used", "3", "--n-ff-exp", "256",
-                           "--n-vocab", "600", "--type", "q4_k_m", "-t", "2"});
+  const Proc p =
+      run_kiln({"mkmodel", "-o",         path,  "--arch",     "qwen3moe", "--n-layer",
+                "3",       "--n-embd",   "256", "--n-head",   "4",        "--n-head-kv",
+                "2",       "--head-dim", "64",  "--n-expert", "8",        "--n-expert-used",
+                "3",       "--n-ff-exp", "256", "--n-vocab",  "600",      "--type",
+                "q4_k_m",  "-t",         "2"});
   ASSERT_EQ(p.rc, 0) << p.err;
   auto m = Model::load(path);
   ASSERT_TRUE(m.has_value()) << m.error();
@@ -235,11 +237,12 @@ TEST(MkModelShapes, Qwen3MoeLoadsAndBenchCountsItsExperts) {
 TEST(MkModelShapes, RouterSkewScalesRouterRowsAndStatsReportPopularity) {
   const std::string dir = testing::temp_dir();
   auto make = [&](const std::string& out, const std::vector<std::string>& extra) {
-    std::vector<std::string> a = {"mkmodel", "-o", out, "--arch", "qwen3moe", "--n-layer", "2",
-                                  "--n-embd", "256", "--n-head", "4", "--n-head-kv", "2",
-                                  "--head-dim", "64", "--n-expert", "16", "--n-expert-used", "2",
-                                  "--n-ff-exp", "256", "--n-vocab", "600", "--type", "f16",
-                                  "-t", "2"};
+    std::vector<std::string> a = {
+        "mkmodel", "-o",         out,   "--arch",     "qwen3moe", "--n-layer",
+        "2",       "--n-embd",   "256", "--n-head",   "4",        "--n-head-kv",
+        "2",       "--head-dim", "64",  "--n-expert", "16",       "--n-expert-used",
+        "2",       "--n-ff-exp", "256", "--n-vocab",  "600",      "--type",
+        "f16",     "-t",         "2"};
     a.insert(a.end(), extra.begin(), extra.end());
     const Proc p = run_kiln(a);
     EXPECT_EQ(p.rc, 0) << p.err;
@@ -268,16 +271,18 @@ TEST(MkModelShapes, RouterSkewScalesRouterRowsAndStatsReportPopularity) {
                            "--temp", "0", "--expert-cap", "4", "--stats"});
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.err.find("moe: routing popularity: the most used 25 % of each layer's experts took"),
-            std::string::npos) << r.err;
+            std::string::npos)
+      << r.err;
   std::filesystem::remove_all(dir);
 }
 
 TEST(MkModelShapes, Gemma3HasItsWindowPatternAndTiedOutput) {
   const std::string path = testing::temp_dir() + "/g3.gguf";
-  const Proc p = run_kiln({"mkmodel", "-o", path, "--arch", "gemma3", "--n-layer", "7",
-                           "--n-embd", "384", "--n-ff", "512", "--n-head", "4", "--n-head-kv", "1",
-                           "--head-dim", "128", "--window", "16", "--swa-pattern", "3",
-                           "--n-vocab", "700", "--type", "q4_k_m", "-t", "2"});
+  const Proc p = run_kiln(
+      {"mkmodel", "-o",       path,  "--arch",        "gemma3", "--n-layer",   "7",   "--n-embd",
+       "384",     "--n-ff",   "512", "--n-head",      "4",      "--n-head-kv", "1",   "--head-dim",
+       "128",     "--window", "16",  "--swa-pattern", "3",      "--n-vocab",   "700", "--type",
+       "q4_k_m",  "-t",       "2"});
   ASSERT_EQ(p.rc, 0) << p.err;
   auto m = Model::load(path);
   ASSERT_TRUE(m.has_value()) << m.error();

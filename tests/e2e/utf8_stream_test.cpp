@@ -13,13 +13,13 @@ namespace {
 TEST(Utf8, ValidAndInvalidPrompts) {
   EXPECT_EQ(invalid_utf8_offset("plain ascii"), std::string::npos);
   EXPECT_EQ(invalid_utf8_offset("caf\xC3\xA9 \xE2\x96\x81 \xF0\x9F\x98\x80"), std::string::npos);
-  EXPECT_EQ(invalid_utf8_offset("ab\xFF"), 2u);             // never a UTF-8 byte
-  EXPECT_EQ(invalid_utf8_offset("ab\xC3"), 2u);             // truncated 2-byte sequence
-  EXPECT_EQ(invalid_utf8_offset("\xC3\x28"), 0u);           // bad continuation
-  EXPECT_EQ(invalid_utf8_offset("x\xC0\xAF"), 1u);          // overlong '/'
-  EXPECT_EQ(invalid_utf8_offset("\xED\xA0\x80"), 0u);       // UTF-16 surrogate
-  EXPECT_EQ(invalid_utf8_offset("\xF4\x90\x80\x80"), 0u);   // past U+10FFFF
-  EXPECT_EQ(invalid_utf8_offset("\xE0\x80\xAF"), 0u);       // overlong 3-byte
+  EXPECT_EQ(invalid_utf8_offset("ab\xFF"), 2u);            // never a UTF-8 byte
+  EXPECT_EQ(invalid_utf8_offset("ab\xC3"), 2u);            // truncated 2-byte sequence
+  EXPECT_EQ(invalid_utf8_offset("\xC3\x28"), 0u);          // bad continuation
+  EXPECT_EQ(invalid_utf8_offset("x\xC0\xAF"), 1u);         // overlong '/'
+  EXPECT_EQ(invalid_utf8_offset("\xED\xA0\x80"), 0u);      // UTF-16 surrogate
+  EXPECT_EQ(invalid_utf8_offset("\xF4\x90\x80\x80"), 0u);  // past U+10FFFF
+  EXPECT_EQ(invalid_utf8_offset("\xE0\x80\xAF"), 0u);      // overlong 3-byte
 }
 
 TEST(Utf8, StreamNeverSplitsACharacter) {

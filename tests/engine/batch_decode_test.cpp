@@ -44,7 +44,8 @@ Rows run_alone(const std::shared_ptr<const Model>& m, Backend& be, std::span<con
   EXPECT_TRUE(l.has_value()) << l.error();
   if (!l) return rows;
   const auto V = static_cast<size_t>(m->n_vocab());
-  for (size_t r = 0; r < l->size() / V; ++r) rows.emplace_back(l->begin() + r * V, l->begin() + (r + 1) * V);
+  for (size_t r = 0; r < l->size() / V; ++r)
+    rows.emplace_back(l->begin() + r * V, l->begin() + (r + 1) * V);
   for (int32_t t = 0; t < sc.n_decode; ++t) {
     const int32_t tok[1] = {argmax(rows.back())};
     l = s.eval(tok, false);
@@ -75,8 +76,10 @@ std::vector<Rows> run_batched(const std::shared_ptr<const Model>& m, Backend& be
     for (size_t i = 0; i < n; ++i) {
       if (step < sc[i].join) continue;
       if (cursor[i] < prompts[i].size()) {
-        const size_t c = std::min<size_t>(static_cast<size_t>(sc[i].chunk), prompts[i].size() - cursor[i]);
-        items.push_back({sess[i].get(), std::span<const int32_t>(prompts[i]).subspan(cursor[i], c), sc[i].all});
+        const size_t c =
+            std::min<size_t>(static_cast<size_t>(sc[i].chunk), prompts[i].size() - cursor[i]);
+        items.push_back(
+            {sess[i].get(), std::span<const int32_t>(prompts[i]).subspan(cursor[i], c), sc[i].all});
       } else if (n_decoded[i] < sc[i].n_decode) {
         items.push_back({sess[i].get(), std::span<const int32_t>(&next[i], 1)});
         ++n_decoded[i];
@@ -123,7 +126,7 @@ TEST_P(BatchInvariance, BatchedDecodeLogitsAreBitIdenticalToAlone) {
   // Staggered joins, prompts of different lengths chunked beside other sequences' decode
   // tokens, early finishers: the batch composition changes almost every step. Prompts and
   // decodes run past the sliding windows (8 or 16 positions) so rings wrap.
-  const std::vector<Script> sc = {{3, 0, 2, 30},       {21, 0, 5, 12, true}, {40, 1, 16, 28},
+  const std::vector<Script> sc = {{3, 0, 2, 30},      {21, 0, 5, 12, true}, {40, 1, 16, 28},
                                   {9, 4, 3, 6, true}, {17, 7, 7, 22},       {1, 9, 1, 15}};
   std::vector<std::vector<int32_t>> prompts;
   for (size_t i = 0; i < sc.size(); ++i)
@@ -159,7 +162,8 @@ INSTANTIATE_TEST_SUITE_P(Models, BatchInvariance,
                                            "mixtral-q4_k_m.gguf"),
                          [](const auto& info) {
                            std::string n = info.param.substr(0, info.param.find('.'));
-                           std::replace_if(n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
+                           std::replace_if(
+                               n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
                            return n;
                          });
 
@@ -194,13 +198,17 @@ TEST(BatchEval, RefusesBadBatchesAndLeavesSessionsUnchanged) {
   expect_error({{&a, ok}, {&b, {}}}, "empty");
   expect_error({{&a, ok}, {&b, bad_id}}, "outside the vocabulary");
   expect_error({{&a, ok}, {&b, nine}}, "batch limit 8");
-  expect_error({{&a, std::span<const int32_t>(nine).first(8)}, {&b, std::span<const int32_t>(nine).first(5)}},
+  expect_error({{&a, std::span<const int32_t>(nine).first(8)},
+                {&b, std::span<const int32_t>(nine).first(5)}},
                "exceeds the limit 12");
   // Context: b holds 7 of 32 positions; 8 + 8 + 8 + 2 would fit, 26 tokens more do not.
   for (int i = 0; i < 3; ++i)
-    ASSERT_TRUE(batch.eval(std::vector<BatchEval::Item>{{&b, std::span<const int32_t>(twenty).first(8)}}).has_value());
+    ASSERT_TRUE(
+        batch.eval(std::vector<BatchEval::Item>{{&b, std::span<const int32_t>(twenty).first(8)}})
+            .has_value());
   ASSERT_EQ(b.n_pos(), 31);
-  auto r = batch.eval(std::vector<BatchEval::Item>{{&a, ok}, {&b, std::span<const int32_t>(twenty).first(2)}});
+  auto r = batch.eval(
+      std::vector<BatchEval::Item>{{&a, ok}, {&b, std::span<const int32_t>(twenty).first(2)}});
   ASSERT_FALSE(r.has_value());
   EXPECT_NE(r.error().find("context overflow"), std::string::npos) << r.error();
   EXPECT_EQ(a.n_pos(), 5);

@@ -53,8 +53,8 @@ TEST_P(ChunkInvariance, ChunkedLogitsAreBitIdentical) {
       }
     EXPECT_EQ(first_diff, whole.size())
         << GetParam() << ": chunk " << chunk << " differs first at position "
-        << first_diff / static_cast<size_t>(m->n_vocab()) << " (" << whole[first_diff]
-        << " vs " << part[first_diff] << ")";
+        << first_diff / static_cast<size_t>(m->n_vocab()) << " (" << whole[first_diff] << " vs "
+        << part[first_diff] << ")";
   }
 }
 
@@ -63,7 +63,8 @@ INSTANTIATE_TEST_SUITE_P(Models, ChunkInvariance,
                                            "llama-gqa-q4_k_m.gguf", "llama-gqa-f16.gguf"),
                          [](const auto& info) {
                            std::string n = info.param.substr(0, info.param.find('.'));
-                           std::replace_if(n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
+                           std::replace_if(
+                               n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
                            return n;
                          });
 
@@ -140,7 +141,8 @@ TEST(Scheduler, SameIdsAloneAndConcurrentInShuffledOrders) {
   // step, round 1 batches only the decode tokens, round 2 runs one forward call per slot.
   int64_t reused = 0;
   for (uint32_t round = 0; round < 3; ++round) {
-    SchedulerConfig cfg{.n_slots = 4, .n_ctx = 256, .prefill_chunk = round == 0 ? 5 : 7 + int(round)};
+    SchedulerConfig cfg{
+        .n_slots = 4, .n_ctx = 256, .prefill_chunk = round == 0 ? 5 : 7 + int(round)};
     cfg.batch_prefill = round == 0;
     cfg.batch_decode = round < 2;
     auto sch = Scheduler::create(m, *be, cfg);
@@ -166,8 +168,10 @@ TEST(Scheduler, SameIdsAloneAndConcurrentInShuffledOrders) {
       reused += got[i].n_reused;
     }
   }
-  std::printf("determinism: 8 requests x 3 concurrent rounds identical to solo runs; %lld "
-              "prompt tokens reused from slot caches\n", static_cast<long long>(reused));
+  std::printf(
+      "determinism: 8 requests x 3 concurrent rounds identical to solo runs; %lld "
+      "prompt tokens reused from slot caches\n",
+      static_cast<long long>(reused));
 }
 
 // Requests that sample from candidates (greedy; top-k without bias or penalties) give the ids
@@ -213,9 +217,12 @@ TEST(Scheduler, CandidateSamplingSameIdsAsWholeRows) {
         // no request needs whole rows.
         const SchedulerStats st = (*sch)->stats();
         EXPECT_GT(st.forward_passes, 0u);
-        if (device_sampling == 0) EXPECT_EQ(st.candidate_passes, 0u);
-        else if (n < reqs.size()) EXPECT_EQ(st.candidate_passes, st.forward_passes);
-        else EXPECT_LT(st.candidate_passes, st.forward_passes);
+        if (device_sampling == 0)
+          EXPECT_EQ(st.candidate_passes, 0u);
+        else if (n < reqs.size())
+          EXPECT_EQ(st.candidate_passes, st.forward_passes);
+        else
+          EXPECT_LT(st.candidate_passes, st.forward_passes);
       }
     }
   }
@@ -237,7 +244,8 @@ TEST(Scheduler, QueueBoundRejectsBeyondLimit) {
   int rejected = 0;
   for (int i = 0; i < 8; ++i) {
     auto sub = (*sch)->submit(p);
-    if (sub.stream) streams.push_back(sub.stream);
+    if (sub.stream)
+      streams.push_back(sub.stream);
     else {
       EXPECT_EQ(sub.error, Scheduler::SubmitError::kQueueFull) << sub.message;
       ++rejected;
@@ -410,8 +418,10 @@ TEST(Scheduler, NgramDraftingKeepsGreedyIdsAndIsReproducible) {
         p.n_draft = i % 2 == 0 ? n_draft : 0;  // odd requests never draft
         auto sub = (*sch)->submit(p);
         EXPECT_TRUE(sub.stream) << sub.message;
-        if (!concurrent) got[i] = drain(*sub.stream);
-        else streams.push_back(sub.stream);
+        if (!concurrent)
+          got[i] = drain(*sub.stream);
+        else
+          streams.push_back(sub.stream);
       }
       for (size_t i = 0; i < streams.size(); ++i) got[i] = drain(*streams[i]);
       return std::make_pair(got, (*sch)->stats());
@@ -429,14 +439,16 @@ TEST(Scheduler, NgramDraftingKeepsGreedyIdsAndIsReproducible) {
     EXPECT_GT(alone_stats.spec_steps, 0u) << file;
     EXPECT_EQ(conc_stats.spec_drafted, alone_stats.spec_drafted) << file;
     EXPECT_EQ(conc_stats.spec_accepted, alone_stats.spec_accepted) << file;
-    std::printf("%s: drafting: %llu verify steps, %llu drafted, %llu accepted (%.2f tokens per "
-                "step); %llu forward passes for %llu tokens when concurrent\n",
-                file, (unsigned long long)alone_stats.spec_steps,
-                (unsigned long long)alone_stats.spec_drafted,
-                (unsigned long long)alone_stats.spec_accepted,
-                alone_stats.spec_steps ? 1.0 + double(alone_stats.spec_accepted) / double(alone_stats.spec_steps) : 0.0,
-                (unsigned long long)conc_stats.forward_passes,
-                (unsigned long long)conc_stats.forward_tokens);
+    std::printf(
+        "%s: drafting: %llu verify steps, %llu drafted, %llu accepted (%.2f tokens per "
+        "step); %llu forward passes for %llu tokens when concurrent\n",
+        file, (unsigned long long)alone_stats.spec_steps,
+        (unsigned long long)alone_stats.spec_drafted, (unsigned long long)alone_stats.spec_accepted,
+        alone_stats.spec_steps
+            ? 1.0 + double(alone_stats.spec_accepted) / double(alone_stats.spec_steps)
+            : 0.0,
+        (unsigned long long)conc_stats.forward_passes,
+        (unsigned long long)conc_stats.forward_tokens);
   }
 }
 

@@ -138,8 +138,7 @@ TEST_P(GreedyIdentity, SameIdsAsPlainGreedy) {
     }
     std::printf("[ info ] %s + %s: %llu steps, drafted %llu, accepted %llu, %.2f tokens/step\n",
                 GetParam().target, drafter->name().c_str(), (unsigned long long)s.steps,
-                (unsigned long long)s.drafted, (unsigned long long)s.accepted,
-                s.tokens_per_step());
+                (unsigned long long)s.drafted, (unsigned long long)s.accepted, s.tokens_per_step());
   }
   bool has_ring = false;
   for (const auto& L : dm->hparams().layers) has_ring |= L.window > 0;
@@ -177,7 +176,8 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) {
       std::string n = info.param.target;
       n = n.substr(0, n.find(".gguf"));
-      std::replace_if(n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
+      std::replace_if(
+          n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
       return n;
     });
 
@@ -277,9 +277,8 @@ TEST_P(SpecRollback, WrappedRingRejectionAtEveryOffsetKeepsLogitsExact) {
     for (size_t i = 0; i < st->tokens.size() && got.size() < size_t(n_gen); ++i) {
       const size_t at = got.size();
       ASSERT_EQ(st->tokens[i], want.ids[at]) << "token " << at;
-      ASSERT_EQ(std::memcmp(st->logits.data() + i * V, want.logits.data() + at * V,
-                            V * sizeof(float)),
-                0)
+      ASSERT_EQ(
+          std::memcmp(st->logits.data() + i * V, want.logits.data() + at * V, V * sizeof(float)), 0)
           << "logits of generated token " << at << " differ from the plain run";
       got.push_back(st->tokens[i]);
     }
@@ -298,7 +297,8 @@ INSTANTIATE_TEST_SUITE_P(RingModels, SpecRollback,
                          ::testing::Values("gemma2-swa-f16.gguf", "gemma3-swa-f16.gguf"),
                          [](const auto& info) {
                            std::string n = info.param.substr(0, info.param.find(".gguf"));
-                           std::replace_if(n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
+                           std::replace_if(
+                               n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
                            return n;
                          });
 
@@ -387,8 +387,7 @@ TEST(SpecDecoder, RejectsBadSetups) {
 }
 
 // Two-sample chi-square homogeneity over tokens with enough mass (the rest pooled).
-double two_sample_chi(const std::map<int32_t, int>& a, const std::map<int32_t, int>& b,
-                      int* df) {
+double two_sample_chi(const std::map<int32_t, int>& a, const std::map<int32_t, int>& b, int* df) {
   std::map<int32_t, std::pair<int, int>> both;
   for (auto [t, c] : a) both[t].first += c;
   for (auto [t, c] : b) both[t].second += c;
@@ -461,8 +460,7 @@ TEST(SpecSampling, PerPositionFrequenciesMatchPlainSampling) {
   };
   // Draft temperature 1.6: q differs from p, so rejections (and the residual draw) are
   // frequent. n-gram drafts: one-hot q (greedy model drafting takes the same path).
-  for (const Variant& v : {Variant{"model q@T1.6", md->get(), 1.6f},
-                           Variant{"ngram", &ng, 0.0f}}) {
+  for (const Variant& v : {Variant{"model q@T1.6", md->get(), 1.6f}, Variant{"ngram", &ng, 0.0f}}) {
     SpecStats total;
     const auto spec = per_pos([&](uint64_t seed) {
       SpecParams p;

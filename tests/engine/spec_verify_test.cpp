@@ -14,7 +14,7 @@ namespace {
 TEST(SpecVerify, GreedyAcceptsLongestMatchingPrefix) {
   const int32_t V = 4;
   // Row argmaxes: 2, 1, 3, then a tie between ids 0 and 2 in the last row.
-  const std::vector<float> logits = {0, 1, 5, 2,  0, 9, 1, 1,  0, 0, 1, 7,  4, 0, 4, 1};
+  const std::vector<float> logits = {0, 1, 5, 2, 0, 9, 1, 1, 0, 0, 1, 7, 4, 0, 4, 1};
   const std::vector<int32_t> all_ok = {2, 1, 3};
   auto r = verify_greedy(logits, all_ok, V);
   EXPECT_EQ(r.n_accepted, 3);

@@ -78,7 +78,10 @@ TEST(GgufBadInput, TruncatedWriterFileAtEveryByte) {
 
 TEST(GgufBadInput, WrongMagic) {
   auto b = one_tensor_file({8}, kF32, 0, 32);
-  b[0] = std::byte{'G'}; b[1] = std::byte{'G'}; b[2] = std::byte{'M'}; b[3] = std::byte{'L'};
+  b[0] = std::byte{'G'};
+  b[1] = std::byte{'G'};
+  b[2] = std::byte{'M'};
+  b[3] = std::byte{'L'};
   EXPECT_TRUE(FailsWith(parse_bytes(b), {"not a GGUF file", "47 47 4d 4c"}));
   EXPECT_TRUE(FailsWith(parse_bytes({std::byte{'G'}, std::byte{'G'}}), {"too short"}));
 }
@@ -162,8 +165,8 @@ TEST(GgufBadInput, RowNotAMultipleOfTheBlock) {
 
 TEST(GgufBadInput, DataPastTheEnd) {
   // 8 f32 = 32 bytes, but the data section holds 16.
-  EXPECT_TRUE(FailsWith(parse_bytes(one_tensor_file({8}, kF32, 0, 16)),
-                        {"tensor 'w'", "past the end"}));
+  EXPECT_TRUE(
+      FailsWith(parse_bytes(one_tensor_file({8}, kF32, 0, 16)), {"tensor 'w'", "past the end"}));
   // Offset alone beyond the file.
   EXPECT_TRUE(FailsWith(parse_bytes(one_tensor_file({8}, kF32, 1 << 20, 32)),
                         {"tensor 'w'", "offset 1048576"}));
@@ -177,8 +180,8 @@ TEST(GgufBadInput, OffsetPlusSizeWrapsAround) {
   // The llama.cpp CVE class: offset + n_bytes overflows to a small number that passes a naive
   // "end <= file size" test, and the view then points anywhere.
   const uint64_t off = ~uint64_t{0} - 31;  // aligned to 32
-  EXPECT_TRUE(FailsWith(parse_bytes(one_tensor_file({16}, kF32, off, 64)),
-                        {"tensor 'w'", "past the end"}));
+  EXPECT_TRUE(
+      FailsWith(parse_bytes(one_tensor_file({16}, kF32, off, 64)), {"tensor 'w'", "past the end"}));
 }
 
 TEST(GgufBadInput, MisalignedOffset) {
@@ -213,7 +216,8 @@ TEST(GgufBadInput, DuplicateNames) {
 TEST(GgufBadInput, UnknownDtype) {
   for (uint32_t type : {4u, 5u, 31u, 99u, 0x80000000u}) {
     EXPECT_TRUE(FailsWith(parse_bytes(one_tensor_file({8}, type, 0, 32)),
-                          {"tensor 'w'", "unknown tensor type"})) << type;
+                          {"tensor 'w'", "unknown tensor type"}))
+        << type;
   }
 }
 
@@ -239,7 +243,10 @@ TEST(GgufBadInput, ArraysNestedAThousandDeep) {
 }
 
 TEST(GgufBadInput, HugeArrayLengths) {
-  struct Case { uint32_t elem; uint64_t n; };
+  struct Case {
+    uint32_t elem;
+    uint64_t n;
+  };
   for (Case c : {Case{0, uint64_t{1} << 62}, Case{8, uint64_t{1} << 61}, Case{9, ~uint64_t{0}},
                  Case{12, uint64_t{1} << 61}, Case{4, 1000}}) {
     RawGguf r;

@@ -20,9 +20,18 @@ class RawGguf {
   RawGguf& u32(uint32_t v) { return put(&v, 4); }
   RawGguf& u64(uint64_t v) { return put(&v, 8); }
   RawGguf& i64(int64_t v) { return put(&v, 8); }
-  RawGguf& str(std::string_view s) { u64(s.size()); return put(s.data(), s.size()); }
-  RawGguf& zeros(size_t n) { b_.resize(b_.size() + n, std::byte{0}); return *this; }
-  RawGguf& pad_to(size_t align) { b_.resize((b_.size() + align - 1) / align * align); return *this; }
+  RawGguf& str(std::string_view s) {
+    u64(s.size());
+    return put(s.data(), s.size());
+  }
+  RawGguf& zeros(size_t n) {
+    b_.resize(b_.size() + n, std::byte{0});
+    return *this;
+  }
+  RawGguf& pad_to(size_t align) {
+    b_.resize((b_.size() + align - 1) / align * align);
+    return *this;
+  }
   // Magic, version, counts.
   RawGguf& header(uint64_t n_tensors, uint64_t n_kv, uint32_t version = 3) {
     return u32(0x46554747).u32(version).u64(n_tensors).u64(n_kv);

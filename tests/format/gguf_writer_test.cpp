@@ -24,11 +24,16 @@ bool same_value(const GgufValue& a, const GgufValue& b) {
     return true;
   }
   switch (a.v.index()) {
-    case 0: return std::get<0>(a.v) == std::get<0>(b.v);
-    case 1: return std::get<1>(a.v) == std::get<1>(b.v);
-    case 2: return std::get<2>(a.v) == std::get<2>(b.v);
-    case 3: return std::get<3>(a.v) == std::get<3>(b.v);
-    case 4: return std::get<4>(a.v) == std::get<4>(b.v);
+    case 0:
+      return std::get<0>(a.v) == std::get<0>(b.v);
+    case 1:
+      return std::get<1>(a.v) == std::get<1>(b.v);
+    case 2:
+      return std::get<2>(a.v) == std::get<2>(b.v);
+    case 3:
+      return std::get<3>(a.v) == std::get<3>(b.v);
+    case 4:
+      return std::get<4>(a.v) == std::get<4>(b.v);
   }
   return false;
 }
@@ -64,7 +69,12 @@ std::vector<std::byte> random_bytes(size_t n, uint32_t seed) {
 
 GgufValue nested_array() {
   // [[1, 2], [3]] of u16, two levels deep.
-  auto u16 = [](uint64_t x) { GgufValue v; v.type = GgufType::UINT16; v.v = x; return v; };
+  auto u16 = [](uint64_t x) {
+    GgufValue v;
+    v.type = GgufType::UINT16;
+    v.v = x;
+    return v;
+  };
   GgufArray inner1{GgufType::UINT16, {u16(1), u16(2)}}, inner2{GgufType::UINT16, {u16(3)}};
   GgufValue a1, a2, outer;
   a1.type = a2.type = outer.type = GgufType::ARRAY;
@@ -86,9 +96,13 @@ TEST(GgufWriter, RoundTripEveryValueTypeAndTensorKind) {
   w.set_str_array("tokenizer.ggml.tokens", {"<unk>", "a", "", "日本"});
   w.set_f32_array("tokenizer.ggml.scores", {0.f, -1.5f, 3.25f});
   w.set_i32_array("tokenizer.ggml.token_type", {2, 1, 1, 1});
-  GgufValue i8; i8.type = GgufType::INT8; i8.v = int64_t{-128};
+  GgufValue i8;
+  i8.type = GgufType::INT8;
+  i8.v = int64_t{-128};
   w.set("test.i8", i8);
-  GgufValue f64; f64.type = GgufType::FLOAT64; f64.v = 0.1;
+  GgufValue f64;
+  f64.type = GgufType::FLOAT64;
+  f64.v = 0.1;
   w.set("test.f64", f64);
   w.set("test.nested", nested_array());
   w.set_u32("llama.block_count", 6);  // replaces in place, keeps position
@@ -129,7 +143,8 @@ TEST(GgufWriter, RoundTripEveryValueTypeAndTensorKind) {
   EXPECT_EQ(*g->get_array<std::string>("tokenizer.ggml.tokens"),
             (std::vector<std::string>{"<unk>", "a", "", "日本"}));
   EXPECT_EQ(*g->get_array<float>("tokenizer.ggml.scores"), (std::vector<float>{0.f, -1.5f, 3.25f}));
-  EXPECT_EQ(*g->get_array<int32_t>("tokenizer.ggml.token_type"), (std::vector<int32_t>{2, 1, 1, 1}));
+  EXPECT_EQ(*g->get_array<int32_t>("tokenizer.ggml.token_type"),
+            (std::vector<int32_t>{2, 1, 1, 1}));
   EXPECT_TRUE(same_value(*g->find("test.nested"), nested_array()));
 
   ASSERT_EQ(g->tensors().size(), 5u);
@@ -199,38 +214,56 @@ TEST(GgufWriter, RefusesMalformedInputWithOneLine) {
   };
   const Case cases[] = {
       {"needs 8 bytes, got 4", [&](GgufWriter& w) { w.add_tensor("t", DType::F32, {2}, four); }},
-      {"duplicate tensor 't'", [&](GgufWriter& w) {
+      {"duplicate tensor 't'",
+       [&](GgufWriter& w) {
          w.add_tensor("t", DType::F32, {1}, four);
          w.add_tensor("t", DType::F32, {1}, four);
        }},
-      {"has 5 dims", [&](GgufWriter& w) { w.add_tensor_zeros("t", DType::F32, {1, 1, 1, 1, 1}); }},
+      {"has 5 dims",
+       [&](GgufWriter& w) {
+         w.add_tensor_zeros("t", DType::F32, {1, 1, 1, 1, 1});
+       }},
       {"has 0 dims", [&](GgufWriter& w) { w.add_tensor_zeros("t", DType::F32, {}); }},
-      {"dimension 1 is 0", [&](GgufWriter& w) { w.add_tensor_zeros("t", DType::F32, {4, 0}); }},
+      {"dimension 1 is 0",
+       [&](GgufWriter& w) {
+         w.add_tensor_zeros("t", DType::F32, {4, 0});
+       }},
       {"not a multiple", [&](GgufWriter& w) { w.add_tensor_zeros("t", DType::Q8_0, {33}); }},
-      {"overflows", [&](GgufWriter& w) {
+      {"overflows",
+       [&](GgufWriter& w) {
          w.add_tensor_zeros("t", DType::F32, {int64_t(1) << 62, 4});
        }},
-      {"byte size overflows", [&](GgufWriter& w) {
-         w.add_tensor_zeros("t", DType::F64, {int64_t(1) << 62});
-       }},
-      {"must be 1..63 bytes", [&](GgufWriter& w) {
-         w.add_tensor_zeros(std::string(64, 'x'), DType::F32, {1});
-       }},
-      {"does not match its type", [&](GgufWriter& w) {
-         GgufValue v; v.type = GgufType::UINT32; v.v = std::string("x");
+      {"byte size overflows",
+       [&](GgufWriter& w) { w.add_tensor_zeros("t", DType::F64, {int64_t(1) << 62}); }},
+      {"must be 1..63 bytes",
+       [&](GgufWriter& w) { w.add_tensor_zeros(std::string(64, 'x'), DType::F32, {1}); }},
+      {"does not match its type",
+       [&](GgufWriter& w) {
+         GgufValue v;
+         v.type = GgufType::UINT32;
+         v.v = std::string("x");
          w.set("k", v);
        }},
-      {"does not fit type u8", [&](GgufWriter& w) {
-         GgufValue v; v.type = GgufType::UINT8; v.v = uint64_t{256};
+      {"does not fit type u8",
+       [&](GgufWriter& w) {
+         GgufValue v;
+         v.type = GgufType::UINT8;
+         v.v = uint64_t{256};
          w.set("k", v);
        }},
-      {"in an array of", [&](GgufWriter& w) {
-         GgufValue e; e.type = GgufType::INT32; e.v = int64_t{1};
-         GgufValue v; v.type = GgufType::ARRAY; v.v = GgufArray{GgufType::FLOAT32, {e}};
+      {"in an array of",
+       [&](GgufWriter& w) {
+         GgufValue e;
+         e.type = GgufType::INT32;
+         e.v = int64_t{1};
+         GgufValue v;
+         v.type = GgufType::ARRAY;
+         v.v = GgufArray{GgufType::FLOAT32, {e}};
          w.set("k", v);
        }},
       {"power of two", [&](GgufWriter& w) { w.set_u32("general.alignment", 48); }},
-      {"producing tensor 't': boom", [&](GgufWriter& w) {
+      {"producing tensor 't': boom",
+       [&](GgufWriter& w) {
          w.add_tensor_produced("t", DType::F32, {1},
                                [](std::span<std::byte>) { return Status::error("boom"); });
        }},

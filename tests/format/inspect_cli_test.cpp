@@ -51,9 +51,14 @@ std::vector<std::string> shared_ggufs() {
 // The JSON form of one metadata value equals the parsed value (arrays: the shown prefix).
 void expect_value(const nlohmann::json& j, const GgufValue& v, const std::string& key) {
   switch (v.type) {
-    case GgufType::STRING: EXPECT_EQ(j.get<std::string>(), v.str()) << key; break;
-    case GgufType::BOOL: EXPECT_EQ(j.get<bool>(), std::get<bool>(v.v)) << key; break;
-    case GgufType::FLOAT32: case GgufType::FLOAT64:
+    case GgufType::STRING:
+      EXPECT_EQ(j.get<std::string>(), v.str()) << key;
+      break;
+    case GgufType::BOOL:
+      EXPECT_EQ(j.get<bool>(), std::get<bool>(v.v)) << key;
+      break;
+    case GgufType::FLOAT32:
+    case GgufType::FLOAT64:
       EXPECT_EQ(j.get<double>(), std::get<double>(v.v)) << key;
       break;
     case GgufType::ARRAY: {
@@ -155,7 +160,8 @@ TEST(InspectCli, FullArraysAndKnownFactsOfStories260K) {
   // The text form shows the same totals line.
   RunResult text = run_kiln(fmt::format("inspect '{}'", path));
   ASSERT_EQ(text.rc, 0);
-  EXPECT_NE(text.out.find(fmt::format("total: {} tensors", g->tensors().size())), std::string::npos);
+  EXPECT_NE(text.out.find(fmt::format("total: {} tensors", g->tensors().size())),
+            std::string::npos);
   EXPECT_NE(text.out.find("[512 x str]"), std::string::npos);
 }
 

@@ -23,7 +23,8 @@ void require(bool ok, const char* what) {
 
 void check_error(const kiln::server::ApiError& e) {
   require(e.status >= 400 && e.status < 500, "error status outside 4xx");
-  require(!e.message.empty() && e.message.find('\n') == std::string::npos, "error message empty or multi-line");
+  require(!e.message.empty() && e.message.find('\n') == std::string::npos,
+          "error message empty or multi-line");
   const auto j = nlohmann::json::parse(kiln::server::error_body(e), nullptr, false);
   require(j.is_object() && j["error"]["message"].is_string() && j["error"]["type"].is_string() &&
               j["error"]["code"].is_string(),
@@ -42,11 +43,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       continue;
     }
     const auto& c = std::get<kiln::server::CompletionRequest>(r);
-    require(c.max_tokens == -1 || (c.max_tokens >= 1 && c.max_tokens <= limits.max_tokens), "max_tokens range");
-    require(c.temperature >= 0 && c.temperature <= 2 && c.top_p >= 0 && c.top_p <= 1, "sampling range");
+    require(c.max_tokens == -1 || (c.max_tokens >= 1 && c.max_tokens <= limits.max_tokens),
+            "max_tokens range");
+    require(c.temperature >= 0 && c.temperature <= 2 && c.top_p >= 0 && c.top_p <= 1,
+            "sampling range");
     require(c.stop.size() <= 4, "stop count");
     require(c.top_logprobs >= -1 && c.top_logprobs <= 20, "top_logprobs range");
-    require(chat ? !c.messages.empty() : (!c.prompt.empty() || !c.prompt_ids.empty()), "empty prompt accepted");
+    require(chat ? !c.messages.empty() : (!c.prompt.empty() || !c.prompt_ids.empty()),
+            "empty prompt accepted");
     // Feed the generated text through the stop matcher as if streamed byte by byte.
     kiln::server::StopMatcher m(c.stop);
     std::string out;
@@ -55,9 +59,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     require(out.size() <= std::min<size_t>(body.size(), 512), "stop matcher invented bytes");
     if (chat) (void)kiln::fallback_chat_prompt(c.messages);
   }
-  if (auto t = kiln::server::parse_tokenize_request(body); auto* e = std::get_if<kiln::server::ApiError>(&t))
+  if (auto t = kiln::server::parse_tokenize_request(body);
+      auto* e = std::get_if<kiln::server::ApiError>(&t))
     check_error(*e);
-  if (auto d = kiln::server::parse_detokenize_request(body); auto* e = std::get_if<kiln::server::ApiError>(&d))
+  if (auto d = kiln::server::parse_detokenize_request(body);
+      auto* e = std::get_if<kiln::server::ApiError>(&d))
     check_error(*e);
   return 0;
 }

@@ -16,8 +16,8 @@ using namespace kiln;
 
 // Must match the seeds in seeds/fuzz_kvpack/ (written by the same geometry: two full layers,
 // one NoPE, two rings of window 4; width 8; n_ctx 64; max_batch 4).
-const kvpack::Identity kId{.engine_abi = 1, .kv_dtype = 1, .model = 0xABCD, .tokenizer = 0x1234,
-                           .chat_template = 0};
+const kvpack::Identity kId{
+    .engine_abi = 1, .kv_dtype = 1, .model = 0xABCD, .tokenizer = 0x1234, .chat_template = 0};
 std::vector<kvpack::LayerKind> kinds() {
   return {{8, 0, true}, {8, 4, true}, {8, 0, false}, {8, 4, true}};
 }

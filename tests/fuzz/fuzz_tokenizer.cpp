@@ -20,16 +20,17 @@ namespace {
 // ../shared beside the checkout (this file is <checkout>/tests/fuzz/fuzz_tokenizer.cpp).
 std::string shared_path(const std::string& rel) {
   namespace fs = std::filesystem;
-  return (fs::path(__FILE__).parent_path().parent_path().parent_path().parent_path() / "shared" / rel)
+  return (fs::path(__FILE__).parent_path().parent_path().parent_path().parent_path() / "shared" /
+          rel)
       .string();
 }
 
 std::vector<kiln::Tokenizer> load_all() {
   std::vector<kiln::Tokenizer> out;
-  for (const std::string rel : {"testdata/models/stories260K.gguf", "testdata/models/babyllama-tok105-f32.gguf",
-                                "testdata/vocab/ggml-vocab-gpt-2.gguf",
-                                "testdata/vocab/ggml-vocab-deepseek-coder.gguf",
-                                "testdata/vocab/ggml-vocab-phi-3.gguf", "testdata/vocab/ggml-vocab-bert-bge.gguf"}) {
+  for (const std::string rel :
+       {"testdata/models/stories260K.gguf", "testdata/models/babyllama-tok105-f32.gguf",
+        "testdata/vocab/ggml-vocab-gpt-2.gguf", "testdata/vocab/ggml-vocab-deepseek-coder.gguf",
+        "testdata/vocab/ggml-vocab-phi-3.gguf", "testdata/vocab/ggml-vocab-bert-bge.gguf"}) {
     auto g = kiln::GgufFile::open(shared_path(rel));
     if (!g) {
       std::fprintf(stderr, "fuzz_tokenizer: %s\n", g.error().c_str());
@@ -63,7 +64,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // SPM with byte fallback keeps every byte, so the text comes back unless it has spaces next
   // to invalid lead bytes or a literal "▁" (both documented exceptions), or special tokens.
   if ((ctl & 0x0F) % toks.size() == 0 && !add_special && !parse_special && !(ctl & 0x40) &&
-      text.find(' ') == std::string_view::npos && text.find("\xE2\x96\x81") == std::string_view::npos &&
+      text.find(' ') == std::string_view::npos &&
+      text.find("\xE2\x96\x81") == std::string_view::npos &&
       text.find('<') == std::string_view::npos && back != text)
     std::abort();
 
@@ -75,6 +77,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                       static_cast<uint32_t>(data[3 + 4 * i]) << 16 |
                                       static_cast<uint32_t>(data[4 + 4 * i]) << 24);
   (void)tok.decode(raw_ids, ctl & 0x80);
-  for (size_t i = 0; i < raw_ids.size() && i < 64; ++i) (void)tok.token_to_piece(raw_ids[i], ctl & 0x80);
+  for (size_t i = 0; i < raw_ids.size() && i < 64; ++i)
+    (void)tok.token_to_piece(raw_ids[i], ctl & 0x80);
   return 0;
 }

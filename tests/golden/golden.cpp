@@ -24,8 +24,8 @@ Golden load(const std::string& name) {
   g.n_vocab = j.at("n_vocab").get<int32_t>();
   g.prompt_tokens = j.at("prompt_tokens").get<std::vector<int32_t>>();
   for (const auto& p : j.at("prompt_top"))
-    g.prompt_top.push_back({p.at("ids").get<std::vector<int32_t>>(),
-                            p.at("logits").get<std::vector<float>>()});
+    g.prompt_top.push_back(
+        {p.at("ids").get<std::vector<int32_t>>(), p.at("logits").get<std::vector<float>>()});
   g.greedy = j.at("greedy").get<std::vector<int32_t>>();
   g.greedy_margins = j.at("greedy_margins").get<std::vector<float>>();
   KILN_CHECK(g.prompt_top.size() == g.prompt_tokens.size());
@@ -33,8 +33,8 @@ Golden load(const std::string& name) {
   const std::string logits = dir + name + ".logits.f32";
   if (std::filesystem::exists(logits)) {
     const std::string raw = testing::read_file(logits);
-    KILN_CHECK(raw.size() == g.prompt_tokens.size() * size_t(g.n_vocab) * 4, "{}: {} bytes",
-               logits, raw.size());
+    KILN_CHECK(raw.size() == g.prompt_tokens.size() * size_t(g.n_vocab) * 4, "{}: {} bytes", logits,
+               raw.size());
     g.full_logits.resize(raw.size() / 4);
     std::memcpy(g.full_logits.data(), raw.data(), raw.size());
   }
@@ -123,7 +123,8 @@ Report check(const Golden& g, const Bounds& b, const EvalFn& eval, const ExemptF
     const int32_t mine = argmax(row);
     if (margin >= b.near_tie && mine != top.ids[0]) {
       ++r.top1_failures;
-      note(fmt::format("pos {}: top-1 {} vs llama.cpp {} (margin {})", p, mine, top.ids[0], margin));
+      note(
+          fmt::format("pos {}: top-1 {} vs llama.cpp {} (margin {})", p, mine, top.ids[0], margin));
     }
     if (!g.full_logits.empty())
       kl_sum += kl_divergence(std::span<const float>(g.full_logits).subspan(p * V, V), row);
@@ -141,8 +142,10 @@ Report check(const Golden& g, const Bounds& b, const EvalFn& eval, const ExemptF
   int32_t next = argmax(prompt->subspan((g.prompt_tokens.size() - 1) * V, V));
   bool matching = true;
   for (size_t i = 0; i < g.greedy.size(); ++i) {
-    if (matching && next == g.greedy[i]) ++r.greedy_matched;
-    else matching = false;
+    if (matching && next == g.greedy[i])
+      ++r.greedy_matched;
+    else
+      matching = false;
     if (!matching && static_cast<int>(i) < r.greedy_required)
       note(fmt::format("greedy step {}: id {} vs llama.cpp {}", i, next, g.greedy[i]));
     if (!matching || i + 1 == g.greedy.size()) break;

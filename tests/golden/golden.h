@@ -34,8 +34,8 @@ Golden load(const std::string& name);  // aborts the test run if the fixture is 
 
 // Bounds of testdata/README.md for unquantized (f32/f16/bf16) or quantized files.
 struct Bounds {
-  float abs = 0, rel = 0;       // |Δlogit| <= abs + rel * |logit|
-  float near_tie = 0;           // top-1 / greedy agreement required when margin >= this
+  float abs = 0, rel = 0;  // |Δlogit| <= abs + rel * |logit|
+  float near_tie = 0;      // top-1 / greedy agreement required when margin >= this
   double mean_kl = 0;
 };
 Bounds bounds_for(bool quantized);
@@ -44,15 +44,15 @@ Bounds bounds_for(bool quantized);
 using EvalFn = std::function<Expected<std::span<const float>>(std::span<const int32_t>, bool)>;
 
 struct Report {
-  double worst_abs = 0;       // worst |Δlogit| over llama.cpp's top-10, all positions
+  double worst_abs = 0;         // worst |Δlogit| over llama.cpp's top-10, all positions
   double worst_excess = -1e30;  // worst |Δ| - bound (<= 0 passes)
-  int bound_failures = 0;     // positions/ids over the bound
-  int top1_failures = 0;      // positions with margin >= near_tie and another top-1
-  double mean_kl = -1;        // -1: no full logits
-  int greedy_matched = 0;     // leading greedy ids equal to llama.cpp's
-  int greedy_required = 0;    // leading steps before the first near-tie
-  int exempt_positions = 0;   // prompt positions skipped as routing near-ties (MoE)
-  std::string first_failure;  // human-readable first problem
+  int bound_failures = 0;       // positions/ids over the bound
+  int top1_failures = 0;        // positions with margin >= near_tie and another top-1
+  double mean_kl = -1;          // -1: no full logits
+  int greedy_matched = 0;       // leading greedy ids equal to llama.cpp's
+  int greedy_required = 0;      // leading steps before the first near-tie
+  int exempt_positions = 0;     // prompt positions skipped as routing near-ties (MoE)
+  std::string first_failure;    // human-readable first problem
   bool ok(const Bounds& b) const;
 };
 

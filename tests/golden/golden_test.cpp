@@ -1,6 +1,7 @@
-// tests/golden/golden_test.cpp: every llama/qwen3/gemma2/gemma3/muse-glimmer/MoE fixture against llama.cpp's golden logits
-// and greedy ids, through the fast path (cpu backend, and the scalar ref backend) and the
-// reference pass. Prints worst |Δ|, mean KL and the matched greedy prefix per model.
+// tests/golden/golden_test.cpp: every llama/qwen3/gemma2/gemma3/muse-glimmer/MoE fixture against
+// llama.cpp's golden logits and greedy ids, through the fast path (cpu backend, and the scalar ref
+// backend) and the reference pass. Prints worst |Δ|, mean KL and the matched greedy prefix per
+// model.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -26,13 +27,13 @@ struct Fixture {
 };
 
 constexpr Fixture kFixtures[] = {
-    {"stories260K", false},     {"stories260K-q8_0", true},    {"babyllama-tok105-f32", false},
-    {"llama-gqa-f16", false},   {"llama-gqa-bf16", false},     {"llama-gqa-q8_0", true},
-    {"llama-gqa-q4_0", true},   {"llama-gqa-q4_k_m", true},    {"llama-gqa-q5_k_m", true},
-    {"llama-gqa-q6_k", true},   {"qwen3-bpe-f16", false},      {"qwen3-bpe-q8_0", true},
-    {"gemma2-swa-f16", false},  {"gemma2-swa-q8_0", true},     {"gemma3-swa-f16", false},
-    {"muse-glimmer-f16", false}, {"muse-glimmer-q4_k_m", true},
-    {"qwen3moe-f16", false},    {"qwen3moe-q4_k_m", true},     {"mixtral-q4_k_m", true},
+    {"stories260K", false},      {"stories260K-q8_0", true},    {"babyllama-tok105-f32", false},
+    {"llama-gqa-f16", false},    {"llama-gqa-bf16", false},     {"llama-gqa-q8_0", true},
+    {"llama-gqa-q4_0", true},    {"llama-gqa-q4_k_m", true},    {"llama-gqa-q5_k_m", true},
+    {"llama-gqa-q6_k", true},    {"qwen3-bpe-f16", false},      {"qwen3-bpe-q8_0", true},
+    {"gemma2-swa-f16", false},   {"gemma2-swa-q8_0", true},     {"gemma3-swa-f16", false},
+    {"muse-glimmer-f16", false}, {"muse-glimmer-q4_k_m", true}, {"qwen3moe-f16", false},
+    {"qwen3moe-q4_k_m", true},   {"mixtral-q4_k_m", true},
 };
 
 // CpuTp2/CpuTp4: the fast path on a tensor-parallel group of 2/4 CPU backends
@@ -42,11 +43,16 @@ enum class Path { Reference, RefBackend, CpuBackend, CpuTp2, CpuTp4 };
 
 std::string path_name(Path p) {
   switch (p) {
-    case Path::Reference: return "reference";
-    case Path::RefBackend: return "ref";
-    case Path::CpuBackend: return "cpu";
-    case Path::CpuTp2: return "cpu_tp2";
-    case Path::CpuTp4: return "cpu_tp4";
+    case Path::Reference:
+      return "reference";
+    case Path::RefBackend:
+      return "ref";
+    case Path::CpuBackend:
+      return "cpu";
+    case Path::CpuTp2:
+      return "cpu_tp2";
+    case Path::CpuTp4:
+      return "cpu_tp4";
   }
   return "?";
 }
@@ -71,7 +77,8 @@ void run_golden(const Fixture& fx, Path path) {
   if (path == Path::Reference) {
     model::ReferenceSession s((*m)->hparams(), (*m)->weights(), kCtx);
     const golden::ExemptFn ex = exempt_with(s);
-    r = golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); }, ex);
+    r = golden::check(
+        g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); }, ex);
   } else {
     std::unique_ptr<Backend> be;
 #if KILN_HAVE_CPU_BACKEND
@@ -109,16 +116,19 @@ void run_golden(const Fixture& fx, Path path) {
         return ties;
       };
     }
-    r = golden::check(g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); }, ex);
+    r = golden::check(
+        g, b, [&](std::span<const int32_t> t, bool all) { return s.eval(t, all); }, ex);
   }
-  fmt::print("  {:<22} {:<9} worst |Δ| {:.4f} (excess over bound {:+.4f}), mean KL {}, greedy "
-             "{}/{} matched ({} required){}\n",
-             fx.name, path_name(path), r.worst_abs, r.worst_excess,
-             r.mean_kl < 0 ? std::string("n/a") : fmt::format("{:.3g}", r.mean_kl),
-             r.greedy_matched, g.greedy.size(), r.greedy_required,
-             moe && fx.quantized ? fmt::format(", {} of {} positions skipped as routing near-ties (margin < {})",
-                               r.exempt_positions, g.prompt_tokens.size(), tie_margin)
-                 : std::string());
+  fmt::print(
+      "  {:<22} {:<9} worst |Δ| {:.4f} (excess over bound {:+.4f}), mean KL {}, greedy "
+      "{}/{} matched ({} required){}\n",
+      fx.name, path_name(path), r.worst_abs, r.worst_excess,
+      r.mean_kl < 0 ? std::string("n/a") : fmt::format("{:.3g}", r.mean_kl), r.greedy_matched,
+      g.greedy.size(), r.greedy_required,
+      moe && fx.quantized
+          ? fmt::format(", {} of {} positions skipped as routing near-ties (margin < {})",
+                        r.exempt_positions, g.prompt_tokens.size(), tie_margin)
+          : std::string());
   // Skipping positions must not hollow the comparison out: most positions are still compared.
   EXPECT_LE(r.exempt_positions * 2, static_cast<int>(g.prompt_tokens.size()));
   golden::expect_within_bounds(r, b);
@@ -129,7 +139,8 @@ class Golden : public ::testing::TestWithParam<std::tuple<Fixture, Path>> {};
 TEST_P(Golden, MatchesLlamaCpp) { run_golden(std::get<0>(GetParam()), std::get<1>(GetParam())); }
 
 std::string param_name(const ::testing::TestParamInfo<std::tuple<Fixture, Path>>& info) {
-  std::string n = std::string(std::get<0>(info.param).name) + "_" + path_name(std::get<1>(info.param));
+  std::string n =
+      std::string(std::get<0>(info.param).name) + "_" + path_name(std::get<1>(info.param));
   for (char& c : n)
     if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
   return n;
@@ -139,7 +150,8 @@ INSTANTIATE_TEST_SUITE_P(Reference, Golden,
                          ::testing::Combine(::testing::ValuesIn(kFixtures),
                                             ::testing::Values(Path::Reference)),
                          param_name);
-// The scalar ref backend is slow; three fixtures (one with ring KV planes) cover its use by the fast graph.
+// The scalar ref backend is slow; three fixtures (one with ring KV planes) cover its use by the
+// fast graph.
 constexpr Fixture kRefBackendFixtures[] = {
     {"stories260K", false}, {"llama-gqa-q4_k_m", true}, {"gemma3-swa-f16", false}};
 INSTANTIATE_TEST_SUITE_P(RefBackend, Golden,
@@ -157,10 +169,10 @@ INSTANTIATE_TEST_SUITE_P(Cpu, Golden,
 // GQA, QK-norm, sliding-window rings with softcaps, the attention gate and expert
 // parallelism (qwen3moe-f16).
 constexpr Fixture kTp2Fixtures[] = {
-    {"stories260K", false},   {"stories260K-q8_0", true}, {"babyllama-tok105-f32", false},
-    {"llama-gqa-f16", false}, {"llama-gqa-bf16", false},  {"llama-gqa-q8_0", true},
-    {"llama-gqa-q4_0", true}, {"qwen3-bpe-f16", false},   {"qwen3-bpe-q8_0", true},
-    {"gemma2-swa-q8_0", true}, {"gemma3-swa-f16", false}, {"muse-glimmer-f16", false},
+    {"stories260K", false},    {"stories260K-q8_0", true}, {"babyllama-tok105-f32", false},
+    {"llama-gqa-f16", false},  {"llama-gqa-bf16", false},  {"llama-gqa-q8_0", true},
+    {"llama-gqa-q4_0", true},  {"qwen3-bpe-f16", false},   {"qwen3-bpe-q8_0", true},
+    {"gemma2-swa-q8_0", true}, {"gemma3-swa-f16", false},  {"muse-glimmer-f16", false},
     {"qwen3moe-f16", false},
 };
 INSTANTIATE_TEST_SUITE_P(CpuTp2, Golden,

@@ -34,9 +34,9 @@ RunResult run(const std::string& args) {
 void check_cmd(const std::string& name, const std::string& prompt, bool quantized,
                const std::string& device) {
   const golden::Golden g = golden::load(name);
-  const RunResult r = run(fmt::format("logits -m {} -f {} -n 8 --device {}",
-                                      testing::model_path(name + ".gguf"),
-                                      testing::shared_path("testdata/prompts/" + prompt), device));
+  const RunResult r =
+      run(fmt::format("logits -m {} -f {} -n 8 --device {}", testing::model_path(name + ".gguf"),
+                      testing::shared_path("testdata/prompts/" + prompt), device));
   ASSERT_EQ(r.status, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out, nullptr, /*allow_exceptions=*/false);
   ASSERT_FALSE(j.is_discarded()) << r.out.substr(0, 500);
@@ -64,7 +64,7 @@ TEST(LogitsCommand, BadInputsAreOneLineErrors) {
        {fmt::format("logits -m /nonexistent.gguf -f {}", prompt),
         fmt::format("logits -m {} -f /nonexistent.txt", model),
         fmt::format("logits -m {} -f {} --device quantum", model, prompt),
-        fmt::format("logits -m {} -f {} -c 64", model, prompt),       // prompt > context
+        fmt::format("logits -m {} -f {} -c 64", model, prompt),         // prompt > context
         fmt::format("logits -m {} -f {} -n 100000", model, prompt)}) {  // -n > context
     const RunResult r = run(args);
     EXPECT_NE(r.status, 0) << args;

@@ -125,7 +125,7 @@ TEST(KvRowMap, RollbackWithinAndBeyondRing) {
   Status s = m.truncate(144);
   EXPECT_FALSE(s);
   EXPECT_NE(s.message().find("re-prefill"), std::string::npos) << s.message();
-  EXPECT_EQ(m.n_pos(), 145);  // unchanged by the refused rollback
+  EXPECT_EQ(m.n_pos(), 145);      // unchanged by the refused rollback
   EXPECT_FALSE(m.truncate(146));  // forward is not a rollback
   ASSERT_TRUE(m.begin_append(1));
   EXPECT_EQ(m.kv_pos(), iota(130, 146));

@@ -91,13 +91,26 @@ struct PrefillNode {
     static const std::string dir = testing::temp_dir();
     log = dir + "/prefill-" + transport + (kv_serve ? "-kv" : "") + ".log";
     std::vector<std::string> args = std::move(prefix);
-    const std::vector<std::string> tail =
-        kv_serve ? std::vector<std::string>{testing::kiln_binary(), "kv", "serve", "--host", host,
-                                            "--kv-port", std::to_string(port), "--transport",
-                                            transport}
-                 : std::vector<std::string>{testing::kiln_binary(), "serve", "--role", "prefill",
-                                            "--host", host, "--kv-port", std::to_string(port),
-                                            "--kv-transport", transport};
+    const std::vector<std::string> tail = kv_serve
+                                              ? std::vector<std::string>{testing::kiln_binary(),
+                                                                         "kv",
+                                                                         "serve",
+                                                                         "--host",
+                                                                         host,
+                                                                         "--kv-port",
+                                                                         std::to_string(port),
+                                                                         "--transport",
+                                                                         transport}
+                                              : std::vector<std::string>{testing::kiln_binary(),
+                                                                         "serve",
+                                                                         "--role",
+                                                                         "prefill",
+                                                                         "--host",
+                                                                         host,
+                                                                         "--kv-port",
+                                                                         std::to_string(port),
+                                                                         "--kv-transport",
+                                                                         transport};
     args.insert(args.end(), tail.begin(), tail.end());
     pid = spawn(args, dir + "/prefill.out", log);
   }
@@ -155,8 +168,8 @@ TEST(KvCli, SaveLoadContinuesLikeRun) {
     EXPECT_NE(p.err.find("checksum"), std::string::npos) << p.err;
   }
   // A pack of another model.
-  Proc other = kiln({"kv", "load", "-m", testing::model_path("stories260K-q8_0.gguf"), "-i", pack,
-                     "-p", " x"});
+  Proc other = kiln(
+      {"kv", "load", "-m", testing::model_path("stories260K-q8_0.gguf"), "-i", pack, "-p", " x"});
   EXPECT_EQ(other.rc, 1);
   EXPECT_NE(other.err.find("model fingerprint"), std::string::npos) << other.err;
 }
@@ -188,10 +201,10 @@ TEST(KvCli, ServeDecodeRoleUsesThePrefillNode) {
   const int kv_port = node.wait_port();
   ASSERT_GT(kv_port, 0) << slurp(node.log);
   const std::string dir = testing::temp_dir();
-  const pid_t dec = spawn({testing::kiln_binary(), "serve", "--role", "decode", "--port", "0",
-                           "--prefill-peer", "127.0.0.1:" + std::to_string(kv_port),
-                           "--log-level", "info"},
-                          dir + "/dec.out", dir + "/dec.err");
+  const pid_t dec =
+      spawn({testing::kiln_binary(), "serve", "--role", "decode", "--port", "0", "--prefill-peer",
+             "127.0.0.1:" + std::to_string(kv_port), "--log-level", "info"},
+            dir + "/dec.out", dir + "/dec.err");
   ASSERT_GT(dec, 0);
   int http_port = 0;
   for (int i = 0; i < 200 && !http_port; ++i) {
@@ -228,8 +241,9 @@ TEST(KvCli, StalledPeerFallsBackWithOneNotice) {
                  "--timeout-ms", "300", "-p", kPrompt, "-n", "24"});
   ASSERT_EQ(d.rc, 0) << d.err;
   std::smatch m;
-  EXPECT_TRUE(std::regex_search(d.err, m, std::regex("notice: remote prefill from .* timed out.*"
-                                                     "prefilling locally\n")))
+  EXPECT_TRUE(std::regex_search(d.err, m,
+                                std::regex("notice: remote prefill from .* timed out.*"
+                                           "prefilling locally\n")))
       << d.err;
   EXPECT_EQ(ids_hash(d.err), local_hash());
 }
@@ -283,9 +297,9 @@ class NetNs : public ::testing::Test {
   void roles_in_two_namespaces(const std::string& transport) {
     PrefillNode node({"ip", "netns", "exec", a_}, "10.213.7.1", 7070, transport);
     ASSERT_EQ(node.wait_port(), 7070) << slurp(node.log);
-    Proc d = run({"ip", "netns", "exec", b_, testing::kiln_binary(), "kv", "remote",
-                  "--prefill-peer", "10.213.7.1:7070", "--transport", transport, "-p", kPrompt,
-                  "-n", "24"});
+    Proc d =
+        run({"ip", "netns", "exec", b_, testing::kiln_binary(), "kv", "remote", "--prefill-peer",
+             "10.213.7.1:7070", "--transport", transport, "-p", kPrompt, "-n", "24"});
     ASSERT_EQ(d.rc, 0) << d.err;
     EXPECT_EQ(d.err.find("notice"), std::string::npos) << d.err;
     EXPECT_EQ(ids_hash(d.err), local_hash()) << d.err;

@@ -21,7 +21,10 @@ std::vector<LayerKind> kinds() {
           {.width = 8, .window = 4, .rope = true}};
 }
 Identity ident() {
-  return {.engine_abi = 3, .kv_dtype = uint32_t(DType::F16), .model = 0x1111, .tokenizer = 0x2222,
+  return {.engine_abi = 3,
+          .kv_dtype = uint32_t(DType::F16),
+          .model = 0x1111,
+          .tokenizer = 0x2222,
           .chat_template = 0x3333};
 }
 KvConfig config(int32_t n_ctx, int32_t max_batch) {
@@ -133,8 +136,16 @@ TEST(Kvpack, ByteAtATimeEqualsWhole) {
   KvCache src = filled(32, 4, 13, 4);
   std::vector<uint8_t> pack = pack_of(src, 3);
   int headers = 0, tiles = 0;
-  Parser p([&](const Header& h) { ++headers; EXPECT_EQ(h.n_pos, 13); return Status::ok(); },
-           [&](const Tile&) { ++tiles; return Status::ok(); });
+  Parser p(
+      [&](const Header& h) {
+        ++headers;
+        EXPECT_EQ(h.n_pos, 13);
+        return Status::ok();
+      },
+      [&](const Tile&) {
+        ++tiles;
+        return Status::ok();
+      });
   for (size_t i = 0; i < pack.size(); ++i) {
     ASSERT_FALSE(p.done());
     ASSERT_TRUE(p.push({&pack[i], 1}));
@@ -201,8 +212,8 @@ TEST(Kvpack, EveryFlippedByteIsDetected) {
       std::vector<uint8_t> bad = pack;
       bad[i] ^= mask;
       auto r = load_into(bad, 16, 2);
-      ASSERT_FALSE(r.has_value()) << "flip of byte " << i << " mask " << int(mask)
-                                  << " of " << pack.size() << " went unnoticed";
+      ASSERT_FALSE(r.has_value()) << "flip of byte " << i << " mask " << int(mask) << " of "
+                                  << pack.size() << " went unnoticed";
     }
   }
 }

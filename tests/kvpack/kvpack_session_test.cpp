@@ -118,9 +118,9 @@ TEST_P(KvpackModels, RemotePrefillMatchesLocal) {
     Status s = serve_prefill(*link, m, *be_remote, {.max_batch = 9});
     EXPECT_TRUE(s) << s.message();
   });
-  PrefillPeer peer{.name = "memory", .connect = [&]() -> Expected<std::unique_ptr<Link>> {
-                     return std::move(b);
-                   }, .timeout = Millis(20000)};
+  PrefillPeer peer{.name = "memory",
+                   .connect = [&]() -> Expected<std::unique_ptr<Link>> { return std::move(b); },
+                   .timeout = Millis(20000)};
   Session s(m, *be, 256, 16);
   ::testing::internal::CaptureStderr();
   RemoteStats stats;
@@ -136,22 +136,22 @@ TEST_P(KvpackModels, RemotePrefillMatchesLocal) {
   EXPECT_EQ(continue_greedy(s, first, kSteps).ids, ref.ids) << c.file;
 }
 
-INSTANTIATE_TEST_SUITE_P(Shared, KvpackModels,
-                         ::testing::Values(Case{"stories260K.gguf", 40},
-                                           Case{"llama-gqa-q4_k_m.gguf", 40},
-                                           Case{"gemma2-swa-q8_0.gguf", 37},
-                                           Case{"gemma3-swa-f16.gguf", 29},
-                                           Case{"muse-glimmer-q4_k_m.gguf", 53},
-                                           Case{"qwen3moe-q4_k_m.gguf", 33}),
-                         [](const auto& info) {
-                           std::string n = info.param.file;
-                           n = n.substr(0, n.find('.'));
-                           std::replace_if(n.begin(), n.end(), [](char ch) { return !isalnum(ch); }, '_');
-                           return n;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Shared, KvpackModels,
+    ::testing::Values(Case{"stories260K.gguf", 40}, Case{"llama-gqa-q4_k_m.gguf", 40},
+                      Case{"gemma2-swa-q8_0.gguf", 37}, Case{"gemma3-swa-f16.gguf", 29},
+                      Case{"muse-glimmer-q4_k_m.gguf", 53}, Case{"qwen3moe-q4_k_m.gguf", 33}),
+    [](const auto& info) {
+      std::string n = info.param.file;
+      n = n.substr(0, n.find('.'));
+      std::replace_if(
+          n.begin(), n.end(), [](char ch) { return !isalnum(ch); }, '_');
+      return n;
+    });
 
 TEST(KvpackIdentity, DistinguishesModelsAndIsStable) {
-  auto a = load("stories260K.gguf"), a2 = load("stories260K.gguf"), q = load("stories260K-q8_0.gguf");
+  auto a = load("stories260K.gguf"), a2 = load("stories260K.gguf"),
+       q = load("stories260K-q8_0.gguf");
   ASSERT_TRUE(a && a2 && q);
   const kvpack::Identity ia = identity_of(*a), ia2 = identity_of(*a2), iq = identity_of(*q);
   EXPECT_EQ(ia.model, ia2.model);
@@ -159,7 +159,8 @@ TEST(KvpackIdentity, DistinguishesModelsAndIsStable) {
   EXPECT_NE(ia.model, iq.model);          // other weights
   EXPECT_EQ(ia.tokenizer, iq.tokenizer);  // same vocabulary
   EXPECT_EQ(ia.engine_abi, kEngineAbiVersion);
-  auto g = load("qwen3-bpe-f16.gguf");  // another vocabulary (the gemma fixtures reuse the stories one)
+  auto g =
+      load("qwen3-bpe-f16.gguf");  // another vocabulary (the gemma fixtures reuse the stories one)
   ASSERT_TRUE(g);
   EXPECT_NE(identity_of(*g).tokenizer, ia.tokenizer);
 }

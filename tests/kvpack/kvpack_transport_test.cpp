@@ -83,11 +83,10 @@ Outcome run_memory(MemoryFaults faults, std::shared_ptr<const Model> producer_mo
     (void)serve_prefill(*link, producer_model, *f.be_remote, {.io_timeout = Millis(3000)});
   });
   auto held = std::make_shared<std::unique_ptr<Link>>(std::move(c));
-  PrefillPeer peer{.name = "memory",
-                   .connect = [held]() -> Expected<std::unique_ptr<Link>> {
-                     return std::move(*held);
-                   },
-                   .timeout = timeout};
+  PrefillPeer peer{
+      .name = "memory",
+      .connect = [held]() -> Expected<std::unique_ptr<Link>> { return std::move(*held); },
+      .timeout = timeout};
   Outcome o = consume(peer);
   p->close();  // unblock a producer still waiting for the acknowledgement
   producer.join();

@@ -167,7 +167,7 @@ TEST(PageRegion, TenByteFile) {
   PageRegion r = page_region((*f)->bytes());
   EXPECT_EQ(r.base, (*f)->data());  // a mapping starts on a page
   EXPECT_EQ(r.offset, 0u);
-  EXPECT_EQ(r.logical_bytes, 10u);  // consumers see exactly the file
+  EXPECT_EQ(r.logical_bytes, 10u);         // consumers see exactly the file
   EXPECT_EQ(r.device_bytes, page_size());  // the device sees one whole page
   EXPECT_EQ(reinterpret_cast<uintptr_t>(r.base) % page_size(), 0u);
   // A slice in the middle of a page rounds its base down and its length up.
@@ -181,8 +181,8 @@ TEST(PageRegion, TenByteFile) {
   EXPECT_EQ(m.device_bytes, 16u);
   // 16 KiB pages (Apple Silicon's) over a range that crosses a page boundary.
   static const std::vector<std::byte> buf(3 * 16384);
-  const std::byte* aligned = reinterpret_cast<const std::byte*>(
-      round_up(reinterpret_cast<uintptr_t>(buf.data()), 16384));
+  const std::byte* aligned =
+      reinterpret_cast<const std::byte*>(round_up(reinterpret_cast<uintptr_t>(buf.data()), 16384));
   PageRegion c = page_region(std::span(aligned + 16000, 1000), 16384);
   EXPECT_EQ(c.base, aligned);
   EXPECT_EQ(c.offset, 16000u);

@@ -233,8 +233,8 @@ TEST(ModelLoad, ShapeMismatchIsNamed) {
 }
 
 TEST(ModelLoad, MissingRequiredKeyIsNamed) {
-  auto m = load_crafted("stories260K.gguf", [](GgufWriter& w) { w.remove("llama.block_count"); },
-                        no_tensor);
+  auto m = load_crafted(
+      "stories260K.gguf", [](GgufWriter& w) { w.remove("llama.block_count"); }, no_tensor);
   ASSERT_FALSE(m.has_value());
   EXPECT_NE(m.error().find("llama.block_count"), std::string::npos) << m.error();
 }
@@ -256,8 +256,8 @@ TEST(ModelLoad, ExpertUsedCountAboveExpertCountIsAnError) {
 }
 
 TEST(ModelLoad, Qwen3MoeWithoutExpertCountIsAnError) {
-  auto m = load_crafted("qwen3moe-q4_k_m.gguf",
-                        [](GgufWriter& w) { w.remove("qwen3moe.expert_count"); }, no_tensor);
+  auto m = load_crafted(
+      "qwen3moe-q4_k_m.gguf", [](GgufWriter& w) { w.remove("qwen3moe.expert_count"); }, no_tensor);
   ASSERT_FALSE(m.has_value());
   EXPECT_NE(m.error().find("qwen3moe.expert_count"), std::string::npos) << m.error();
 }
@@ -354,7 +354,8 @@ void check_chunking(const std::string& file, Backend& be) {
   auto m = load_ok(file);
   ASSERT_TRUE(m);
   std::vector<int32_t> toks(45);
-  for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<int32_t>((i * 37 + 1) % m->n_vocab());
+  for (size_t i = 0; i < toks.size(); ++i)
+    toks[i] = static_cast<int32_t>((i * 37 + 1) % m->n_vocab());
   const size_t V = static_cast<size_t>(m->n_vocab());
   Session whole(m, be, 64, /*max_batch=*/8);
   auto a = whole.eval(toks, true);
@@ -371,7 +372,8 @@ void check_chunking(const std::string& file, Backend& be) {
   }
   ASSERT_EQ(got.size(), all.size());
   double worst = 0;
-  for (size_t i = 0; i < all.size(); ++i) worst = std::max(worst, double(std::fabs(all[i] - got[i])));
+  for (size_t i = 0; i < all.size(); ++i)
+    worst = std::max(worst, double(std::fabs(all[i] - got[i])));
   EXPECT_LE(worst, 1e-4) << file;
   // Last-token logits of a chunked eval are the last row of the all-logits eval.
   Session last(m, be, 64, /*max_batch=*/8);

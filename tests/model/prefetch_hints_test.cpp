@@ -32,7 +32,8 @@ class HintRecorder final : public Backend {
       if (w != nullptr && w->n_rows > 0) e.weights.push_back(w->bytes.data());
     events.push_back(std::move(e));
   }
-  void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n, std::span<float> y) override {
+  void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n,
+              std::span<float> y) override {
     read(w);
     ref_->matmul(w, x, n, y);
   }
@@ -45,7 +46,8 @@ class HintRecorder final : public Backend {
     read(w);
     ref_->swiglu_matmul(w, g, u, n, act, y);
   }
-  void get_rows(const WeightMatrix& w, std::span<const int32_t> ids, std::span<float> out) override {
+  void get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
+                std::span<float> out) override {
     ref_->get_rows(w, ids, out);
   }
   void rmsnorm(std::span<const float> x, std::span<const float> w, int64_t n, float eps,

@@ -34,7 +34,8 @@ TEST(Routing, ParseNamesEveryFormAndRejectsTheRest) {
   ASSERT_TRUE(z2.has_value());
   EXPECT_EQ(z2->zipf_s, 1.5);
   EXPECT_EQ(routing_name(*z2), "zipf:1.5");
-  for (const char* bad : {"", "Uniform", "zipf:", "zipf:0", "zipf:-1", "zipf:9", "zipf:1x", "top2"}) {
+  for (const char* bad :
+       {"", "Uniform", "zipf:", "zipf:0", "zipf:-1", "zipf:9", "zipf:1x", "top2"}) {
     auto r = parse_routing(bad);
     ASSERT_FALSE(r.has_value()) << bad;
     EXPECT_NE(r.error().find("moe_routing '" + std::string(bad) + "'"), std::string::npos)
@@ -54,7 +55,8 @@ std::vector<float> probs(int n) {
 // Pearson's statistic of observed counts against expected ones.
 double chi2(const std::vector<double>& obs, const std::vector<double>& expect) {
   double c = 0;
-  for (size_t i = 0; i < obs.size(); ++i) c += (obs[i] - expect[i]) * (obs[i] - expect[i]) / expect[i];
+  for (size_t i = 0; i < obs.size(); ++i)
+    c += (obs[i] - expect[i]) * (obs[i] - expect[i]) / expect[i];
   return c;
 }
 
@@ -117,12 +119,14 @@ TEST(Routing, ZipfFirstDrawFollowsTheLawAndLayersRankDifferently) {
   EXPECT_GT(any_by_rank[0], any_by_rank[8]);
   EXPECT_GT(any_by_rank[8], any_by_rank[63]);
   int differ = 0;
-  for (int il = 0; il < 8; ++il) differ += zipf_rank_expert(il, 0, n) != zipf_rank_expert(il + 1, 0, n);
+  for (int il = 0; il < 8; ++il)
+    differ += zipf_rank_expert(il, 0, n) != zipf_rank_expert(il + 1, 0, n);
   EXPECT_GE(differ, 6) << "layers should favour different experts";
 }
 
 #if KILN_HAVE_CPU_BACKEND
-std::vector<float> prefill_and_steps(const std::shared_ptr<const Model>& m, Backend& be, int n_gen) {
+std::vector<float> prefill_and_steps(const std::shared_ptr<const Model>& m, Backend& be,
+                                     int n_gen) {
   const std::vector<int32_t> prompt = {1, 45, 496, 173, 17, 432, 172, 97, 278};
   Session s(m, be, 64);
   auto lg = s.eval(prompt, true);

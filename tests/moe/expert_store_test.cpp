@@ -49,7 +49,8 @@ RunResult run(const std::shared_ptr<const Model>& m, Backend& be,
   r.logits.assign(lg->begin(), lg->end());
   std::span<const float> last = lg->subspan(lg->size() - static_cast<size_t>(m->n_vocab()));
   for (int i = 0; i < n_gen; ++i) {
-    const int32_t id = static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin());
+    const int32_t id =
+        static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin());
     r.ids.push_back(id);
     auto step = s.eval(std::span<const int32_t>(&id, 1), false);
     EXPECT_TRUE(step.has_value()) << step.error();
@@ -84,7 +85,8 @@ TEST_P(Identity, SameIdsAndBitIdenticalLogitsUnderEveryBudget) {
   ASSERT_EQ(base.ids.size(), size_t(n_gen));
 
   auto base_model = load(file);
-  const auto* mapped = dynamic_cast<const moe::MappedExpertSource*>(base_model->weights().experts.get());
+  const auto* mapped =
+      dynamic_cast<const moe::MappedExpertSource*>(base_model->weights().experts.get());
   ASSERT_NE(mapped, nullptr);
   // A byte budget worth 3 experts per layer (the slab size comes from a cap-8 store).
   auto probe = load(file, {.cap = 8});
@@ -160,7 +162,8 @@ TEST(ExpertStore, RoutingOverridesKeepStreamingIdentical) {
         const RunResult r = run(*m, *be, prompt, 8);
         EXPECT_EQ(r.ids, base.ids) << "cap " << cap;
         ASSERT_EQ(r.logits.size(), base.logits.size());
-        EXPECT_EQ(std::memcmp(r.logits.data(), base.logits.data(), r.logits.size() * sizeof(float)), 0)
+        EXPECT_EQ(std::memcmp(r.logits.data(), base.logits.data(), r.logits.size() * sizeof(float)),
+                  0)
             << "cap " << cap << ": logits differ from the resident run";
       }
     }
@@ -350,7 +353,8 @@ TEST(ExpertStore, PrefetchFollowsSkewedPopularity) {
       for (int32_t e : sel) held.push_back(src.get(l, e));
       for (size_t i = 0; i < held.size(); ++i) {
         const moe::ExpertWeights want = ref.get(l, sel[i]);
-        bad += std::memcmp(held[i].down.bytes.data(), want.down.bytes.data(), want.down.bytes.size()) != 0;
+        bad += std::memcmp(held[i].down.bytes.data(), want.down.bytes.data(),
+                           want.down.bytes.size()) != 0;
       }
     }
   }

@@ -114,7 +114,8 @@ ChildResult run_child(const std::string& path, const moe::StoreConfig& cfg, uint
     std::vector<int32_t> ids;
     auto lg = s.eval(prompt, false);
     for (int step = 0; step < 4 && lg.has_value(); ++step) {
-      const int32_t id = static_cast<int32_t>(std::max_element(lg->begin(), lg->end()) - lg->begin());
+      const int32_t id =
+          static_cast<int32_t>(std::max_element(lg->begin(), lg->end()) - lg->begin());
       ids.push_back(id);
       lg = s.eval(std::span<const int32_t>(&id, 1), false);
     }
@@ -179,9 +180,11 @@ TEST(MemoryLimit, StreamsAModelLargerThanItsPrivateMemoryLimit) {
   const ChildResult mapped = run_child(path, {}, 0);
   EXPECT_EQ(mapped.exit_code, 0) << mapped.error;
   EXPECT_EQ(streamed.ids, mapped.ids);
-  std::printf("[ limit ] file %.1f MiB, RLIMIT_DATA %.1f MiB; peak RSS streamed %.1f MiB, "
-              "mapped %.1f MiB\n", file_size / 1048576.0, limit / 1048576.0,
-              streamed.max_rss / 1048576.0, mapped.max_rss / 1048576.0);
+  std::printf(
+      "[ limit ] file %.1f MiB, RLIMIT_DATA %.1f MiB; peak RSS streamed %.1f MiB, "
+      "mapped %.1f MiB\n",
+      file_size / 1048576.0, limit / 1048576.0, streamed.max_rss / 1048576.0,
+      mapped.max_rss / 1048576.0);
   EXPECT_LT(streamed.max_rss, file_size / 2);
   EXPECT_GT(mapped.max_rss, file_size * 7 / 10) << "the control did not touch the experts";
   std::remove(path.c_str());

@@ -51,7 +51,8 @@ inline AttnProblem random_attention(std::mt19937_64& rng, int64_t n_head, int64_
   if (n_q >= blind_min_q) p.q_pos[0] = base_pos - 1;
   p.k.resize(n_phys * kv_w);
   p.v.resize(n_phys * kv_w);
-  const std::vector<float> kf = random_vec(rng, p.k.size(), 1.0f), vf = random_vec(rng, p.v.size(), 1.0f);
+  const std::vector<float> kf = random_vec(rng, p.k.size(), 1.0f),
+                           vf = random_vec(rng, p.v.size(), 1.0f);
   for (size_t i = 0; i < p.k.size(); ++i) {
     p.k[i] = f32_to_f16(kf[i]);
     p.v[i] = f32_to_f16(vf[i]);

@@ -19,11 +19,11 @@
 namespace kiln {
 namespace {
 
+using kiln::testing::AttnProblem;
 using kiln::testing::close;
 using kiln::testing::ops_seed;
-using kiln::testing::random_vec;
-using kiln::testing::AttnProblem;
 using kiln::testing::random_attention;
+using kiln::testing::random_vec;
 
 struct AttnCase {
   int64_t n_head, n_head_kv, head_dim, n_q, n_kv;
@@ -32,10 +32,10 @@ struct AttnCase {
 };
 
 void run_case(const AttnCase& c, Backend& ref, Backend& cpu, std::mt19937_64& rng) {
-  SCOPED_TRACE(::testing::Message() << "heads " << c.n_head << "/" << c.n_head_kv << " hd "
-                                    << c.head_dim << " n_q " << c.n_q << " n_kv " << c.n_kv
-                                    << " window " << c.window << " softcap " << c.softcap
-                                    << " seed " << ops_seed());
+  SCOPED_TRACE(::testing::Message()
+               << "heads " << c.n_head << "/" << c.n_head_kv << " hd " << c.head_dim << " n_q "
+               << c.n_q << " n_kv " << c.n_kv << " window " << c.window << " softcap " << c.softcap
+               << " seed " << ops_seed());
   const int64_t q_w = c.n_head * c.head_dim;
   // A ring of n_kv + 3 rows; with more than two queries the first sees no key.
   AttnProblem p = random_attention(rng, c.n_head, c.n_head_kv, c.head_dim, c.n_q, c.n_kv,
@@ -68,14 +68,14 @@ void expect_each_query_alone_equal(Backend& be, const AttentionArgs& a, const st
     b.n_q = 1;
     b.out = alone;
     be.attention(b);
-    ASSERT_EQ(0, std::memcmp(alone.data(), out.data() + i * q_w, static_cast<size_t>(q_w) * sizeof(float)))
+    ASSERT_EQ(0, std::memcmp(alone.data(), out.data() + i * q_w,
+                             static_cast<size_t>(q_w) * sizeof(float)))
         << "query " << i << " alone differs from the batch of " << n_q;
   }
   if (n_q > 1) {
     for (int64_t d = 0; d < q_w; ++d) ASSERT_EQ(out[static_cast<size_t>(d)], 0.0f);
   }
 }
-
 
 TEST(AttentionVsRef, Configurations) {
   std::mt19937_64 rng(ops_seed());
@@ -122,9 +122,9 @@ TEST(AttentionGrouped, SameBitsAsPerPairKernel) {
         const int64_t n_kv = n_q + static_cast<int64_t>(rng() % 200);
         const int32_t window = rng() % 3 == 0 ? 1 + static_cast<int32_t>(rng() % 40) : 0;
         const float softcap = rng() % 4 == 0 ? 20.0f : 0.0f;
-        SCOPED_TRACE(::testing::Message() << "hd " << hd << " heads " << n_head << "/" << n_head_kv
-                                          << " n_q " << n_q << " n_kv " << n_kv << " window "
-                                          << window << " softcap " << softcap);
+        SCOPED_TRACE(::testing::Message()
+                     << "hd " << hd << " heads " << n_head << "/" << n_head_kv << " n_q " << n_q
+                     << " n_kv " << n_kv << " window " << window << " softcap " << softcap);
         if (cpu::attention_group_tokens(hd, group, /*portable=*/false) > 0) ++grouped_cases;
         const int64_t q_w = n_head * hd;
         // A verify batch attends over its own rows causally; with more than one query the
@@ -183,9 +183,9 @@ void check_attention_multi(std::mt19937_64& rng, bool light) {
       const int64_t n_kv = n_q + static_cast<int64_t>(rng() % 150);
       const int32_t window = rng() % 3 == 0 ? 1 + static_cast<int32_t>(rng() % 90) : 0;
       const float softcap = rng() % 4 == 0 ? 20.0f : 0.0f;
-      SCOPED_TRACE(::testing::Message() << "hd " << hd << " heads " << n_head << "/" << n_head_kv
-                                        << " n_q " << n_q << " n_kv " << n_kv << " window "
-                                        << window << " softcap " << softcap);
+      SCOPED_TRACE(::testing::Message()
+                   << "hd " << hd << " heads " << n_head << "/" << n_head_kv << " n_q " << n_q
+                   << " n_kv " << n_kv << " window " << window << " softcap " << softcap);
       if (cpu::attention_multi_pairs(hd, /*portable=*/false) > 0) ++multi_cases;
       const int64_t q_w = n_head * hd;
       AttnProblem p = random_attention(rng, n_head, n_head_kv, hd, n_q, n_kv, n_kv + 7, window,
@@ -193,7 +193,8 @@ void check_attention_multi(std::mt19937_64& rng, bool light) {
       const std::vector<float>& q = p.q;
       const std::vector<int32_t>& q_pos = p.q_pos;
       AttentionArgs& a = p.args;
-      std::vector<float> on1(q.size(), NAN), on2(q.size(), NAN), off1(q.size(), NAN), off2(q.size(), NAN);
+      std::vector<float> on1(q.size(), NAN), on2(q.size(), NAN), off1(q.size(), NAN),
+          off2(q.size(), NAN);
       a.out = on1;
       cpu1->attention(a);
       a.out = on2;

@@ -14,6 +14,7 @@
 #include "core/dtype.h"
 #include "ops/backend_suite.h"
 #include "ops/ops_common.h"
+#include "ops/test_weights.h"
 #include "quant/quant.h"
 
 namespace kiln {
@@ -48,13 +49,9 @@ TEST_P(BackendOps, GetRowsEveryTypeBitExact) {
   for (DType t :
        {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0,
         DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
-    const int64_t k = traits(t).block_size == 1 ? 67 : 512, n_rows = 31;
-    const size_t rb = *row_bytes(t, k);
-    std::vector<std::byte> bytes(rb * n_rows);
-    for (int64_t r = 0; r < n_rows; ++r)
-      quant::quantize_row(t, random_vec(rng, k, 0.05f),
-                          std::span<std::byte>(bytes).subspan(r * rb, rb));
-    const WeightMatrix w{.dtype = t, .n_cols = k, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+    const int64_t k = traits(t).block_size == 1 ? 67 : 512;
+    const kiln::testing::TestWeights tw = kiln::testing::make_weights(t, 31, k, rng);
+    const WeightMatrix& w = tw.m;
     const std::vector<int32_t> ids = {30, 0, 7, 7, 12};
     std::vector<float> a(ids.size() * k), b(a.size(), NAN);
     ref().get_rows(w, ids, a);

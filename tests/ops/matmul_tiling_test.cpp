@@ -1,7 +1,7 @@
-// tests/ops/matmul_tiling_test.cpp: the cpu matmul's per-token bit invariance (docs/determinism.md):
-// a token's outputs must be the same bits whether its call holds 1 token or many, whatever
-// row/token tile of the kernel it lands in and however many threads split the rows. Fresh
-// random inputs each run (seed printed on failure), odd shapes, every weight type.
+// tests/ops/matmul_tiling_test.cpp: the cpu matmul's per-token bit invariance
+// (docs/determinism.md): a token's outputs must be the same bits whether its call holds 1 token or
+// many, whatever row/token tile of the kernel it lands in and however many threads split the rows.
+// Fresh random inputs each run (seed printed on failure), odd shapes, every weight type.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -37,10 +37,15 @@ TEST_P(MatmulTiling, TokenResultsIndependentOfBatchAndThreads) {
     std::vector<std::byte> bytes(*row_bytes(type, k) * n_rows);
     for (int64_t r = 0; r < n_rows; ++r) {
       const std::vector<float> src = random_vec(rng, k, 0.05f);
-      quant::quantize_row(type, src,
-                          std::span<std::byte>(bytes).subspan(r * *row_bytes(type, k), *row_bytes(type, k)));
+      quant::quantize_row(
+          type, src,
+          std::span<std::byte>(bytes).subspan(r * *row_bytes(type, k), *row_bytes(type, k)));
     }
-    const WeightMatrix w{.dtype = type, .n_cols = k, .n_rows = n_rows, .row_bytes = *row_bytes(type, k), .bytes = bytes};
+    const WeightMatrix w{.dtype = type,
+                         .n_cols = k,
+                         .n_rows = n_rows,
+                         .row_bytes = *row_bytes(type, k),
+                         .bytes = bytes};
     for (int64_t n_tok : {2, 3, 5, 7, 9, 13, 16, 37}) {
       SCOPED_TRACE(::testing::Message() << dtype_name(type) << " rows " << n_rows << " k " << k
                                         << " n_tok " << n_tok << " seed " << ops_seed());
@@ -173,9 +178,9 @@ TEST(MatmulKQBatch, SameBitsAsPlainKernel) {
                 .dtype = type, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
             const WeightMatrix w = strided ? full.columns(256, k) : full;
             for (int64_t n_tok : {2, 3, 4, 5, 6, 7, 8, 9, 13, 37}) {
-              SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
-                                                << n_rows << " strided " << strided << " n_tok "
-                                                << n_tok);
+              SCOPED_TRACE(::testing::Message()
+                           << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
+                           << strided << " n_tok " << n_tok);
               const std::vector<float> x = edge_tokens(rng, n_tok, k);
               expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "batched v2");
               if (::testing::Test::HasFatalFailure()) return;
@@ -200,28 +205,29 @@ TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
   std::mt19937_64 rng(ops_seed() ^ 0x61c88647ULL);
   SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
   for (DType type : {DType::Q4_K, DType::Q6_K})
-  for (int64_t k : {256, 768, 2048, 2304, 3328}) {
-    for (int64_t n_rows : {1, 2, 3, 67, 131, 333}) {
-      if (n_rows == 333 && k != 3328) continue;
-      for (bool strided : {false, true}) {
-        if (strided && n_rows != 67) continue;
-        const int64_t k_all = strided ? k + 512 : k;
-        const size_t rb = *row_bytes(type, k_all);
-        const std::vector<std::byte> bytes = random_k_rows(type, k_all, n_rows, rng);
-        const WeightMatrix full{
-            .dtype = type, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
-        const WeightMatrix w = strided ? full.columns(256, k) : full;
-        for (int64_t n_tok : {1, 2, 5, 9, 13, 37, 127, 128, 129, 131, 133, 135, 509}) {
-          if (n_tok == 509 && (k > 768 || n_rows > 67)) continue;
-          SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
-                                            << strided << " n_tok " << n_tok);
-          const std::vector<float> x = edge_tokens(rng, n_tok, k);
-          expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "prefill");
-          if (::testing::Test::HasFatalFailure()) return;
+    for (int64_t k : {256, 768, 2048, 2304, 3328}) {
+      for (int64_t n_rows : {1, 2, 3, 67, 131, 333}) {
+        if (n_rows == 333 && k != 3328) continue;
+        for (bool strided : {false, true}) {
+          if (strided && n_rows != 67) continue;
+          const int64_t k_all = strided ? k + 512 : k;
+          const size_t rb = *row_bytes(type, k_all);
+          const std::vector<std::byte> bytes = random_k_rows(type, k_all, n_rows, rng);
+          const WeightMatrix full{
+              .dtype = type, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
+          const WeightMatrix w = strided ? full.columns(256, k) : full;
+          for (int64_t n_tok : {1, 2, 5, 9, 13, 37, 127, 128, 129, 131, 133, 135, 509}) {
+            if (n_tok == 509 && (k > 768 || n_rows > 67)) continue;
+            SCOPED_TRACE(::testing::Message()
+                         << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
+                         << strided << " n_tok " << n_tok);
+            const std::vector<float> x = edge_tokens(rng, n_tok, k);
+            expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "prefill");
+            if (::testing::Test::HasFatalFailure()) return;
+          }
         }
       }
     }
-  }
 }
 
 // The CPU backend's Q8_K activation encoding (cpu::quantize_act_row, split into lanes for
@@ -362,11 +368,14 @@ TEST(MatmulQ8One, SameBitsAsPlainKernel) {
             if (rng() % 8 == 0) blk.qs[rng() % 32] = -128;
             std::memcpy(bytes.data() + off, &blk, sizeof blk);
           }
-          const WeightMatrix full{.dtype = DType::Q8_0, .n_cols = k_all, .n_rows = n_rows,
-                                  .row_bytes = rb, .bytes = bytes};
+          const WeightMatrix full{.dtype = DType::Q8_0,
+                                  .n_cols = k_all,
+                                  .n_rows = n_rows,
+                                  .row_bytes = rb,
+                                  .bytes = bytes};
           const WeightMatrix w = strided ? full.columns(32, k) : full;
-          SCOPED_TRACE(::testing::Message() << "k " << k << " rows " << n_rows << " strided "
-                                            << strided);
+          SCOPED_TRACE(::testing::Message()
+                       << "k " << k << " rows " << n_rows << " strided " << strided);
           expect_one_token_same_bits(w, rng);
           if (::testing::Test::HasFatalFailure()) return;
         }
@@ -453,9 +462,10 @@ std::vector<std::byte> random_q8_family_rows(DType type, int64_t k, int64_t n_ro
   for (auto& b : bytes) b = static_cast<std::byte>(rng());
   const size_t block = *row_bytes(type, 32);
   for (size_t off = 0; off < bytes.size(); off += block) {
-    const f16 d = rng() % 16 == 0 ? f32_to_f16(0.0f)
-                                  : f32_to_f16(std::ldexp(rng() % 2 ? 1.0f : -1.0f,
-                                                          -8 - static_cast<int>(rng() % 6)));
+    const f16 d =
+        rng() % 16 == 0
+            ? f32_to_f16(0.0f)
+            : f32_to_f16(std::ldexp(rng() % 2 ? 1.0f : -1.0f, -8 - static_cast<int>(rng() % 6)));
     std::memcpy(bytes.data() + off, &d, sizeof d);  // d leads every block of these types
   }
   return bytes;
@@ -485,13 +495,16 @@ TEST(MatmulQ8Vnni, SameBitsAsPlainKernel) {
           // strided: columns [64, 64 + k) of a matrix 96 wider.
           const int64_t k_all = strided ? k + 96 : k;
           const std::vector<std::byte> bytes = random_q8_family_rows(type, k_all, n_rows, rng);
-          const WeightMatrix full{.dtype = type, .n_cols = k_all, .n_rows = n_rows,
-                                  .row_bytes = *row_bytes(type, k_all), .bytes = bytes};
+          const WeightMatrix full{.dtype = type,
+                                  .n_cols = k_all,
+                                  .n_rows = n_rows,
+                                  .row_bytes = *row_bytes(type, k_all),
+                                  .bytes = bytes};
           const WeightMatrix w = strided ? full.columns(64, k) : full;
           for (int64_t n_tok : wide ? few_tok : all_tok) {
-            SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
-                                              << n_rows << " strided " << strided << " n_tok "
-                                              << n_tok);
+            SCOPED_TRACE(::testing::Message()
+                         << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
+                         << strided << " n_tok " << n_tok);
             const std::vector<float> x = edge_tokens(rng, n_tok, k);
             expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "VNNI");
             if (::testing::Test::HasFatalFailure()) return;
@@ -528,8 +541,8 @@ TEST(MatmulBatch, EachTaskHasItsOwnMatmulBits) {
     for (int64_t r = 0; r < sp.rows; ++r)
       quant::quantize_row(sp.type, random_vec(rng, k, 0.05f),
                           std::span<std::byte>(bytes.back()).subspan(r * rb, rb));
-    ws.push_back(WeightMatrix{.dtype = sp.type, .n_cols = k, .n_rows = sp.rows, .row_bytes = rb,
-                              .bytes = bytes.back()});
+    ws.push_back(WeightMatrix{
+        .dtype = sp.type, .n_cols = k, .n_rows = sp.rows, .row_bytes = rb, .bytes = bytes.back()});
   }
   for (Backend* be : {cpu1.get(), cpu2.get()}) {
     for (int64_t n_tok : {1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65}) {
@@ -548,8 +561,8 @@ TEST(MatmulBatch, EachTaskHasItsOwnMatmulBits) {
       for (size_t i = 0; i < ws.size(); ++i) {
         be->matmul(ws[i], specs[i].x == 0 ? x0 : x1, n_tok, alone[i]);
         for (float v : alone[i]) ASSERT_FALSE(std::isnan(v)) << dtype_name(specs[i].type);
-        EXPECT_EQ(0, std::memcmp(batched[i].data(), alone[i].data(),
-                                 batched[i].size() * sizeof(float)))
+        EXPECT_EQ(
+            0, std::memcmp(batched[i].data(), alone[i].data(), batched[i].size() * sizeof(float)))
             << dtype_name(specs[i].type) << " task " << i;
       }
     }

@@ -11,6 +11,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "core/dtype.h"
 #include "ops_common.h"
+#include "test_weights.h"
 #include "quant/quant.h"
 
 namespace kiln {
@@ -32,34 +33,22 @@ Backends& backends() {
   return b;
 }
 
-// A weight matrix of `type` holding quantized random values, with its dequantized copy.
-struct TestWeights {
-  std::vector<std::byte> bytes;
-  std::vector<float> deq;  // [n_rows][n_cols], what the ref backend sees
-  WeightMatrix m;
-};
-
-TestWeights make_weights(DType type, int64_t n_rows, int64_t n_cols, std::mt19937_64& rng) {
-  TestWeights w;
-  const size_t rb = *row_bytes(type, n_cols);
-  w.bytes.resize(rb * n_rows);
-  w.deq.resize(static_cast<size_t>(n_rows * n_cols));
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const std::vector<float> src = random_vec(rng, n_cols, 0.05f);
-    auto dst = std::span<std::byte>(w.bytes).subspan(r * rb, rb);
-    quant::quantize_row(type, src, dst);
-    quant::dequantize_row(type, dst, std::span<float>(w.deq).subspan(r * n_cols, n_cols));
-  }
-  w.m = WeightMatrix{.dtype = type, .n_cols = n_cols, .n_rows = n_rows, .row_bytes = rb, .bytes = w.bytes};
-  return w;
-}
+using kiln::testing::make_weights;
+using kiln::testing::TestWeights;
 
 // Activation block size the cpu backend quantizes x into for this weight type (0: f32).
 int act_block(DType t) {
   switch (t) {
-    case DType::Q8_0: case DType::Q4_0: case DType::Q5_0: return 32;
-    case DType::Q4_K: case DType::Q5_K: case DType::Q6_K: return 256;
-    default: return 0;
+    case DType::Q8_0:
+    case DType::Q4_0:
+    case DType::Q5_0:
+      return 32;
+    case DType::Q4_K:
+    case DType::Q5_K:
+    case DType::Q6_K:
+      return 256;
+    default:
+      return 0;
   }
 }
 

@@ -106,7 +106,7 @@ TEST(TierPolicy, LruEvictsTheLeastRecentlyUsedKey) {
 TEST(TierPolicy, LfuEvictsTheFewestUsedKeyAndRemembersEvictedCounts) {
   std::mt19937_64 rng(fresh_seed());
   TierPolicy p(TierEviction::Lfu, /*aging_period=*/1'000'000);  // no aging in this run
-  std::map<uint64_t, uint64_t> count, last;  // every key ever used
+  std::map<uint64_t, uint64_t> count, last;                     // every key ever used
   std::set<uint64_t> resident;
   uint64_t clock = 0;
   for (int i = 0; i < 5000; ++i) {
@@ -123,8 +123,10 @@ TEST(TierPolicy, LfuEvictsTheFewestUsedKeyAndRemembersEvictedCounts) {
       p.erase(*v);
       resident.erase(*v);
     }
-    if (resident.contains(k)) p.hit(k);
-    else p.insert(k), resident.insert(k);
+    if (resident.contains(k))
+      p.hit(k);
+    else
+      p.insert(k), resident.insert(k);
     ++count[k];
     last[k] = ++clock;
     ASSERT_EQ(p.count(k), count[k]);

@@ -33,12 +33,18 @@ void expect_exact(const std::vector<float>& got, const std::vector<float>& want)
 
 TEST(QuantBlocks, SizesMatchDtypeTable) {
   const std::array<std::pair<DType, size_t>, 12> sizes = {{
-      {DType::Q4_0, sizeof(block_q4_0)}, {DType::Q4_1, sizeof(block_q4_1)},
-      {DType::Q5_0, sizeof(block_q5_0)}, {DType::Q5_1, sizeof(block_q5_1)},
-      {DType::Q8_0, sizeof(block_q8_0)}, {DType::Q8_1, sizeof(block_q8_1)},
-      {DType::Q2_K, sizeof(block_q2_K)}, {DType::Q3_K, sizeof(block_q3_K)},
-      {DType::Q4_K, sizeof(block_q4_K)}, {DType::Q5_K, sizeof(block_q5_K)},
-      {DType::Q6_K, sizeof(block_q6_K)}, {DType::Q8_K, sizeof(block_q8_K)},
+      {DType::Q4_0, sizeof(block_q4_0)},
+      {DType::Q4_1, sizeof(block_q4_1)},
+      {DType::Q5_0, sizeof(block_q5_0)},
+      {DType::Q5_1, sizeof(block_q5_1)},
+      {DType::Q8_0, sizeof(block_q8_0)},
+      {DType::Q8_1, sizeof(block_q8_1)},
+      {DType::Q2_K, sizeof(block_q2_K)},
+      {DType::Q3_K, sizeof(block_q3_K)},
+      {DType::Q4_K, sizeof(block_q4_K)},
+      {DType::Q5_K, sizeof(block_q5_K)},
+      {DType::Q6_K, sizeof(block_q6_K)},
+      {DType::Q8_K, sizeof(block_q8_K)},
   }};
   for (auto [t, size] : sizes) {
     EXPECT_EQ(traits(t).type_size, size) << dtype_name(t);
@@ -156,8 +162,10 @@ TEST(QuantBlocks, Q3_K) {
   int s6[16];
   for (int i = 0; i < 16; ++i) s6[i] = (i * 13 + 5) % 64;  // stored scale = signed scale + 32
   for (int i = 0; i < 16; ++i) {
-    if (i < 8) b.scales[i] |= static_cast<uint8_t>(s6[i] & 15);
-    else b.scales[i - 8] |= static_cast<uint8_t>((s6[i] & 15) << 4);
+    if (i < 8)
+      b.scales[i] |= static_cast<uint8_t>(s6[i] & 15);
+    else
+      b.scales[i - 8] |= static_cast<uint8_t>((s6[i] & 15) << 4);
     b.scales[8 + i % 4] |= static_cast<uint8_t>((s6[i] >> 4) << (2 * (i / 4)));
   }
   for (int i = 0; i < 64; ++i) b.qs[i] = static_cast<uint8_t>(i * 53 + 7);
@@ -260,7 +268,8 @@ TEST(QuantBlocks, ExactBlocksSurviveReencoding) {
   // Q4_0: the largest magnitude is negative and maps to code 0 (d = max / -8).
   block_q4_0 c{};
   c.d = f32_to_f16(0.25f);
-  for (int j = 0; j < 16; ++j) c.qs[j] = static_cast<uint8_t>(((j * 7 + 1) & 15) | (((j * 3 + 2) & 15) << 4));
+  for (int j = 0; j < 16; ++j)
+    c.qs[j] = static_cast<uint8_t>(((j * 7 + 1) & 15) | (((j * 3 + 2) & 15) << 4));
   c.qs[3] = 0x80;  // element 3 -> code 0 (-8 d), element 19 -> code 8 (0)
   const auto y = decode(DType::Q4_0, c, 32);
   std::vector<std::byte> enc4(sizeof(block_q4_0));

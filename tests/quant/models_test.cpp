@@ -58,15 +58,24 @@ constexpr const char* kQuantFiles[] = {"llama-gqa-bf16.gguf",   "llama-gqa-q8_0.
 // files reach (printed), far below what a wrong layout or scale decoding would give.
 double decode_bound(DType t) {
   switch (t) {
-    case DType::F32: return 0.0;
-    case DType::F16: return 0.0;
-    case DType::BF16: return 3e-3;
-    case DType::Q8_0: return 8e-3;
-    case DType::Q6_K: return 2.5e-2;
-    case DType::Q5_K: return 5e-2;
-    case DType::Q4_K: return 1e-1;
-    case DType::Q4_0: return 1.2e-1;
-    default: return 0.5;
+    case DType::F32:
+      return 0.0;
+    case DType::F16:
+      return 0.0;
+    case DType::BF16:
+      return 3e-3;
+    case DType::Q8_0:
+      return 8e-3;
+    case DType::Q6_K:
+      return 2.5e-2;
+    case DType::Q5_K:
+      return 5e-2;
+    case DType::Q4_K:
+      return 1e-1;
+    case DType::Q4_0:
+      return 1.2e-1;
+    default:
+      return 0.5;
   }
 }
 
@@ -110,9 +119,12 @@ struct PresetCase {
 
 TEST(QuantModels, TypeChoicesMatchLlamaCpp) {
   const GgufFile f16 = open_model("llama-gqa-f16.gguf");
-  for (PresetCase c : {PresetCase{"llama-gqa-q8_0.gguf", "Q8_0"}, {"llama-gqa-q4_0.gguf", "Q4_0"},
-                       {"llama-gqa-q4_k_m.gguf", "Q4_K_M"}, {"llama-gqa-q5_k_m.gguf", "Q5_K_M"},
-                       {"llama-gqa-q6_k.gguf", "Q6_K"}, {"llama-gqa-bf16.gguf", "BF16"},
+  for (PresetCase c : {PresetCase{"llama-gqa-q8_0.gguf", "Q8_0"},
+                       {"llama-gqa-q4_0.gguf", "Q4_0"},
+                       {"llama-gqa-q4_k_m.gguf", "Q4_K_M"},
+                       {"llama-gqa-q5_k_m.gguf", "Q5_K_M"},
+                       {"llama-gqa-q6_k.gguf", "Q6_K"},
+                       {"llama-gqa-bf16.gguf", "BF16"},
                        {"llama-gqa-f16.gguf", "F16"}}) {
     const GgufFile ref = open_model(c.file);
     const auto preset = preset_from_name(c.preset);
@@ -223,8 +235,8 @@ TEST(QuantModels, Q8_0AndQ4_0MatchLlamaCppUpToF16InputRounding) {
             }
             sign_flip = std::fabs(pos - neg) <= 2 * f16_half_ulp(std::max(pos, neg));
           }
-          EXPECT_TRUE(one_step || sign_flip) << t.name << " block " << b << ": scale bits "
-                                             << d_o.bits << " vs " << d_t.bits;
+          EXPECT_TRUE(one_step || sign_flip)
+              << t.name << " block " << b << ": scale bits " << d_o.bits << " vs " << d_t.bits;
         }
         // Their codes must be what the encoder gives for the f16 inputs under their scale,
         // except within the input-rounding slack of a boundary (one step off there).
@@ -254,15 +266,17 @@ TEST(QuantModels, Q8_0AndQ4_0MatchLlamaCppUpToF16InputRounding) {
           // by up to 2^-11 relative.
           const double slack =
               f16_half_ulp(xb[j]) / std::fabs(d) + std::fabs(v) * std::ldexp(1.0, -10) + 1e-6;
-          EXPECT_LE(boundary_dist, slack) << t.name << " block " << b << " element " << j
-                                          << ": v=" << v << " theirs " << qt << " expected " << q_est;
+          EXPECT_LE(boundary_dist, slack)
+              << t.name << " block " << b << " element " << j << ": v=" << v << " theirs " << qt
+              << " expected " << q_est;
         }
       }
     }
-    std::printf("  %s: %lld of %lld blocks identical; %lld scales one f16 step apart; %lld of "
-                "%lld codes differ; every difference within f16 input rounding\n",
-                c.file, (long long)same_blocks, (long long)blocks, (long long)scale_diff,
-                (long long)code_diff, (long long)codes);
+    std::printf(
+        "  %s: %lld of %lld blocks identical; %lld scales one f16 step apart; %lld of "
+        "%lld codes differ; every difference within f16 input rounding\n",
+        c.file, (long long)same_blocks, (long long)blocks, (long long)scale_diff,
+        (long long)code_diff, (long long)codes);
     // Most blocks must still agree bit for bit (a systematic encoder difference would not).
     EXPECT_GE(same_blocks, blocks / 2) << c.file;
   }
@@ -270,7 +284,8 @@ TEST(QuantModels, Q8_0AndQ4_0MatchLlamaCppUpToF16InputRounding) {
 
 TEST(QuantModels, KQuantErrorNoWorseThanLlamaCpp) {
   const GgufFile f16 = open_model("llama-gqa-f16.gguf");
-  for (const char* file : {"llama-gqa-q4_k_m.gguf", "llama-gqa-q5_k_m.gguf", "llama-gqa-q6_k.gguf"}) {
+  for (const char* file :
+       {"llama-gqa-q4_k_m.gguf", "llama-gqa-q5_k_m.gguf", "llama-gqa-q6_k.gguf"}) {
     const GgufFile ref = open_model(file);
     std::map<DType, ErrSum> ours_by_type, theirs_by_type;
     int identical = 0, compared = 0;
@@ -298,8 +313,8 @@ TEST(QuantModels, KQuantErrorNoWorseThanLlamaCpp) {
                   std::string(dtype_name(type)).c_str(), mine.rel(), theirs.rel());
       EXPECT_LE(mine.rel(), theirs.rel() * 1.02) << file << " " << dtype_name(type);
     }
-    std::printf("  %s: %d of %d quantized tensors byte-identical to llama.cpp's\n", file,
-                identical, compared);
+    std::printf("  %s: %d of %d quantized tensors byte-identical to llama.cpp's\n", file, identical,
+                compared);
   }
 }
 

@@ -37,8 +37,10 @@ bool same_value(const GgufValue& a, const GgufValue& b) {
   if (a.type != b.type || a.v.index() != b.v.index()) return false;
   if (!a.is_array()) {
     if (a.is_string()) return a.str() == b.str();
-    if (std::holds_alternative<uint64_t>(a.v)) return std::get<uint64_t>(a.v) == std::get<uint64_t>(b.v);
-    if (std::holds_alternative<int64_t>(a.v)) return std::get<int64_t>(a.v) == std::get<int64_t>(b.v);
+    if (std::holds_alternative<uint64_t>(a.v))
+      return std::get<uint64_t>(a.v) == std::get<uint64_t>(b.v);
+    if (std::holds_alternative<int64_t>(a.v))
+      return std::get<int64_t>(a.v) == std::get<int64_t>(b.v);
     if (std::holds_alternative<bool>(a.v)) return std::get<bool>(a.v) == std::get<bool>(b.v);
     return std::get<double>(a.v) == std::get<double>(b.v);
   }
@@ -83,8 +85,9 @@ double rel_rms(const GgufFile& g, const GgufFile& f16) {
 TEST(QuantizeCommand, Q8_0OfF32ModelEqualsLlamaCppFile) {
   const std::string dir = testing::temp_dir();
   const std::string out = dir + "/stories-q8_0.gguf";
-  const auto r = run_kiln(fmt::format("quantize {} {} Q8_0 --threads 2",
-                                      testing::model_path("stories260K.gguf"), out), dir);
+  const auto r = run_kiln(
+      fmt::format("quantize {} {} Q8_0 --threads 2", testing::model_path("stories260K.gguf"), out),
+      dir);
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_NE(r.stderr_text.find("48/48"), std::string::npos) << r.stderr_text;  // progress
   const GgufFile ours = open_file(out);
@@ -124,7 +127,8 @@ TEST(QuantizeCommand, PresetsMatchLlamaCppMixes) {
                  Case{"F16", "llama-gqa-f16.gguf"}}) {
     const std::string out = dir + "/" + c.preset + ".gguf";
     const auto r = run_kiln(fmt::format("quantize {} {} {} -t 2",
-                                        testing::model_path("llama-gqa-f16.gguf"), out, c.preset), dir);
+                                        testing::model_path("llama-gqa-f16.gguf"), out, c.preset),
+                            dir);
     ASSERT_EQ(r.exit_code, 0) << c.preset << ": " << r.stderr_text;
     const GgufFile ours = open_file(out);
     const GgufFile ref = open_file(testing::model_path(c.ref));
@@ -133,12 +137,14 @@ TEST(QuantizeCommand, PresetsMatchLlamaCppMixes) {
     for (size_t i = 0; i < ref.tensors().size(); ++i) {
       const TensorInfo& t = ref.tensors()[i];
       EXPECT_EQ(ours.tensors()[i].name, t.name) << c.preset;  // order kept
-      EXPECT_EQ(dtype_name(ours.tensors()[i].dtype), dtype_name(t.dtype)) << c.preset << " " << t.name;
+      EXPECT_EQ(dtype_name(ours.tensors()[i].dtype), dtype_name(t.dtype))
+          << c.preset << " " << t.name;
     }
     const double ours_err = rel_rms(ours, f16), ref_err = rel_rms(ref, f16);
-    std::printf("  %-6s file size %9ju (llama.cpp %9ju), relative RMS error vs f16 %.6f (llama.cpp %.6f)\n",
-                c.preset, static_cast<uintmax_t>(ours.file_size()),
-                static_cast<uintmax_t>(ref.file_size()), ours_err, ref_err);
+    std::printf(
+        "  %-6s file size %9ju (llama.cpp %9ju), relative RMS error vs f16 %.6f (llama.cpp %.6f)\n",
+        c.preset, static_cast<uintmax_t>(ours.file_size()), static_cast<uintmax_t>(ref.file_size()),
+        ours_err, ref_err);
     EXPECT_EQ(ours.file_size(), ref.file_size()) << c.preset;
     EXPECT_LE(ours_err, ref_err * 1.02 + 1e-9) << c.preset;
   }
@@ -152,12 +158,13 @@ TEST(QuantizeCommand, BadInputIsOneLineError) {
     std::string args;
     std::string expect;
   };
-  for (const Case& c : {Case{fmt::format("quantize {} {}/x.gguf Q9_Z", in, dir), "unknown type 'Q9_Z'"},
-                        Case{fmt::format("quantize {}/missing.gguf {}/x.gguf Q4_0", dir, dir), "missing.gguf"},
-                        Case{fmt::format("quantize {} {}/x.gguf Q4_K_M",
-                                         testing::model_path("llama-gqa-q8_0.gguf"), dir),
-                             "--allow-requantize"},
-                        Case{fmt::format("quantize {} {}/no/such/dir/x.gguf Q4_0", in, dir), "x.gguf"}}) {
+  for (const Case& c :
+       {Case{fmt::format("quantize {} {}/x.gguf Q9_Z", in, dir), "unknown type 'Q9_Z'"},
+        Case{fmt::format("quantize {}/missing.gguf {}/x.gguf Q4_0", dir, dir), "missing.gguf"},
+        Case{fmt::format("quantize {} {}/x.gguf Q4_K_M", testing::model_path("llama-gqa-q8_0.gguf"),
+                         dir),
+             "--allow-requantize"},
+        Case{fmt::format("quantize {} {}/no/such/dir/x.gguf Q4_0", in, dir), "x.gguf"}}) {
     const auto r = run_kiln(c.args, dir);
     EXPECT_EQ(r.exit_code, 1) << c.args << ": " << r.stderr_text;
     EXPECT_NE(r.stderr_text.find(c.expect), std::string::npos) << r.stderr_text;

@@ -27,10 +27,10 @@ struct Bound {
 // worse scales or codes misses them.
 const std::vector<Bound>& bounds() {
   static const std::vector<Bound> b = {
-      {DType::F32, 0.0},      {DType::F16, 2.5e-4},   {DType::BF16, 2e-3},    {DType::Q8_0, 6.2e-3},
-      {DType::Q8_1, 6.2e-3},  {DType::Q8_K, 8e-3},    {DType::Q6_K, 2.05e-2}, {DType::Q5_K, 4.15e-2},
-      {DType::Q5_0, 4.9e-2},  {DType::Q5_1, 4.35e-2}, {DType::Q4_K, 8.2e-2},  {DType::Q4_0, 9.9e-2},
-      {DType::Q4_1, 9e-2},    {DType::Q3_K, 1.73e-1}, {DType::Q2_K, 3.4e-1},
+      {DType::F32, 0.0},     {DType::F16, 2.5e-4},   {DType::BF16, 2e-3},    {DType::Q8_0, 6.2e-3},
+      {DType::Q8_1, 6.2e-3}, {DType::Q8_K, 8e-3},    {DType::Q6_K, 2.05e-2}, {DType::Q5_K, 4.15e-2},
+      {DType::Q5_0, 4.9e-2}, {DType::Q5_1, 4.35e-2}, {DType::Q4_K, 8.2e-2},  {DType::Q4_0, 9.9e-2},
+      {DType::Q4_1, 9e-2},   {DType::Q3_K, 1.73e-1}, {DType::Q2_K, 3.4e-1},
   };
   return b;
 }
@@ -81,8 +81,8 @@ TEST(QuantRoundTrip, GaussianRowsWithinBound) {
       }
     }
     const double rel = std::sqrt(err2 / ref2);
-    std::printf("  %-5s relative RMS error %.5f (bound %.5f)\n", std::string(dtype_name(b.t)).c_str(),
-                rel, b.max_rel_rms);
+    std::printf("  %-5s relative RMS error %.5f (bound %.5f)\n",
+                std::string(dtype_name(b.t)).c_str(), rel, b.max_rel_rms);
     EXPECT_LE(rel, b.max_rel_rms) << dtype_name(b.t);
   }
 }
@@ -165,9 +165,12 @@ TEST(QuantRoundTrip, NaNScaleInStoredBlockPropagates) {
     auto enc = encode(t, x);
     // Every format keeps its f16 scale d either first or last two... locate it by format.
     size_t d_off = 0;
-    if (t == DType::Q2_K) d_off = 80;
-    else if (t == DType::Q3_K) d_off = 108;
-    else if (t == DType::Q6_K) d_off = 208;
+    if (t == DType::Q2_K)
+      d_off = 80;
+    else if (t == DType::Q3_K)
+      d_off = 108;
+    else if (t == DType::Q6_K)
+      d_off = 208;
     enc[d_off] = std::byte{0x00};
     enc[d_off + 1] = std::byte{0x7e};  // f16 quiet NaN
     const auto y = decode(t, enc, n);

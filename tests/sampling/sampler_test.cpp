@@ -202,7 +202,7 @@ TEST(Sampler, PenaltyWindowForgetsOldTokens) {
   s->accept(3);
   EXPECT_EQ(s->sample(l), 2);  // 3 penalised
   s->accept(0);
-  s->accept(1);                // 3 has left the window of 2
+  s->accept(1);  // 3 has left the window of 2
   EXPECT_EQ(s->sample(l), 3);
 }
 

@@ -80,8 +80,9 @@ struct ServeProcess {
       ::dup2(fd, 1);
       const std::string bin = kiln::testing::kiln_binary();
       const std::string model = kiln::testing::model_path("stories260K.gguf");
-      ::execl(bin.c_str(), bin.c_str(), "serve", "-m", model.c_str(), "--port", "0", "--parallel", "4",
-              "-c", "1024", "--api-key", key.c_str(), "--threads", "1", static_cast<char*>(nullptr));
+      ::execl(bin.c_str(), bin.c_str(), "serve", "-m", model.c_str(), "--port", "0", "--parallel",
+              "4", "-c", "1024", "--api-key", key.c_str(), "--threads", "1",
+              static_cast<char*>(nullptr));
       ::_exit(127);
     }
     const std::regex re("listening on http://127\\.0\\.0\\.1:(\\d+)");
@@ -122,30 +123,36 @@ struct ServeProcess {
 };
 
 TEST(NodeE2E, OpenAiSdkAndStreamingLoad) {
-  if (!have("node") || !have("npm")) GTEST_SKIP() << "node and npm are required for the OpenAI SDK test; not installed";
+  if (!have("node") || !have("npm"))
+    GTEST_SKIP() << "node and npm are required for the OpenAI SDK test; not installed";
   const fs::path dir = KILN_NPM_DIR;
   fs::create_directories(dir);
   if (!fs::exists(dir / "node_modules/openai/package.json")) {
-    const auto [rc, out] = run(fmt::format("cd '{}' && timeout 300 npm install --no-audit --no-fund --loglevel=error openai",
-                                           dir.string()));
+    const auto [rc, out] = run(fmt::format(
+        "cd '{}' && timeout 300 npm install --no-audit --no-fund --loglevel=error openai",
+        dir.string()));
     ASSERT_EQ(rc, 0) << "npm install openai failed:\n" << out;
   }
   for (const char* f : {"sdk_test.mjs", "load_test.mjs"})
-    fs::copy_file(fs::path(KILN_SERVER_TEST_DIR) / f, dir / f, fs::copy_options::overwrite_existing);
+    fs::copy_file(fs::path(KILN_SERVER_TEST_DIR) / f, dir / f,
+                  fs::copy_options::overwrite_existing);
 
   ServeProcess srv;
   ASSERT_TRUE(srv.start("test-key"));
   {
-    const auto [rc, out] = run(fmt::format("cd '{}' && timeout 120 node sdk_test.mjs {} test-key", dir.string(), srv.port));
+    const auto [rc, out] = run(fmt::format("cd '{}' && timeout 120 node sdk_test.mjs {} test-key",
+                                           dir.string(), srv.port));
     EXPECT_EQ(rc, 0) << out;
     std::printf("sdk: %s", out.c_str());
   }
   if (have("curl")) {
     // Raw SSE as curl sees it: data: lines, a blank line after each, [DONE] last.
-    const auto [rc, out] = run(fmt::format(
-        "timeout 60 curl -sN -H 'Authorization: Bearer test-key' -H 'Content-Type: application/json' "
-        "-d '{{\"prompt\":\"Once\",\"max_tokens\":5,\"stream\":true}}' http://127.0.0.1:{}/v1/completions",
-        srv.port));
+    const auto [rc, out] =
+        run(fmt::format("timeout 60 curl -sN -H 'Authorization: Bearer test-key' -H 'Content-Type: "
+                        "application/json' "
+                        "-d '{{\"prompt\":\"Once\",\"max_tokens\":5,\"stream\":true}}' "
+                        "http://127.0.0.1:{}/v1/completions",
+                        srv.port));
     EXPECT_EQ(rc, 0) << out;
     EXPECT_EQ(out.rfind("data: ", 0), 0u) << out;
     EXPECT_TRUE(out.ends_with("data: [DONE]\n\n")) << out;
@@ -154,8 +161,9 @@ TEST(NodeE2E, OpenAiSdkAndStreamingLoad) {
   const int seconds = load_seconds();
   std::printf("load: %d streaming clients for %d s\n", kLoadClients, seconds);
   {
-    const auto [rc, out] = run(fmt::format("cd '{}' && timeout {} node load_test.mjs {} test-key {} {}", dir.string(),
-                                           seconds + 90, srv.port, kLoadClients, seconds));
+    const auto [rc, out] =
+        run(fmt::format("cd '{}' && timeout {} node load_test.mjs {} test-key {} {}", dir.string(),
+                        seconds + 90, srv.port, kLoadClients, seconds));
     EXPECT_EQ(rc, 0) << out;
     const auto j = nlohmann::json::parse(out.substr(0, out.find('\n')), nullptr, false);
     ASSERT_TRUE(j.is_object()) << out;
@@ -165,7 +173,8 @@ TEST(NodeE2E, OpenAiSdkAndStreamingLoad) {
     std::printf("load: %s", out.c_str());
   }
   const uint64_t rss_after = rss_kib(srv.pid);
-  std::printf("load: server RSS before %.1f MiB, after %.1f MiB\n", rss_before / 1024.0, rss_after / 1024.0);
+  std::printf("load: server RSS before %.1f MiB, after %.1f MiB\n", rss_before / 1024.0,
+              rss_after / 1024.0);
   // Bounded growth: 64 finished streams must not leave their buffers behind.
   EXPECT_LT(rss_after, rss_before + 64 * 1024) << "RSS grew by more than 64 MiB";
   EXPECT_EQ(srv.stop(), 0) << "kiln serve did not exit cleanly on SIGTERM";

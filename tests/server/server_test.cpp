@@ -86,7 +86,8 @@ Sse parse_sse(const std::string& body, bool chat) {
     s.chunks.push_back(j);
     if (!j["usage"].is_null() && j.contains("usage")) s.usage = j["usage"];
     for (const json& c : j["choices"]) {
-      if (chat && c["delta"].contains("content")) s.text += c["delta"]["content"].get<std::string>();
+      if (chat && c["delta"].contains("content"))
+        s.text += c["delta"]["content"].get<std::string>();
       if (!chat) s.text += c["text"].get<std::string>();
       if (!c["finish_reason"].is_null()) s.finish = c["finish_reason"];
     }
@@ -121,7 +122,8 @@ TEST(Server, HealthIs503UntilLoadedThenServesEveryRoute) {
   EXPECT_EQ(m["data"][0]["id"], "stories260K");
 
   // Tokenize / detokenize round trip.
-  const json t = post_json(*r.cli, "/tokenize", {{"content", "Once upon a time"}, {"add_special", true}}, 200);
+  const json t =
+      post_json(*r.cli, "/tokenize", {{"content", "Once upon a time"}, {"add_special", true}}, 200);
   ASSERT_TRUE(t["tokens"].is_array());
   EXPECT_EQ(t["tokens"][0], 1);  // BOS
   std::vector<int> ids = t["tokens"];
@@ -131,20 +133,29 @@ TEST(Server, HealthIs503UntilLoadedThenServesEveryRoute) {
 
   // Completions: usage counts agree with /tokenize.
   const json c = post_json(*r.cli, "/v1/completions",
-                           {{"prompt", "Once upon a time"}, {"max_tokens", 12}, {"seed", 1},
-                            {"logit_bias", kNoEos}, {"logprobs", 2}}, 200);
+                           {{"prompt", "Once upon a time"},
+                            {"max_tokens", 12},
+                            {"seed", 1},
+                            {"logit_bias", kNoEos},
+                            {"logprobs", 2}},
+                           200);
   EXPECT_EQ(c["object"], "text_completion");
   EXPECT_EQ(c["choices"][0]["finish_reason"], "length");
   EXPECT_EQ(c["usage"]["prompt_tokens"], t["tokens"].size());
   EXPECT_EQ(c["usage"]["completion_tokens"], 12);
   EXPECT_EQ(c["choices"][0]["logprobs"]["tokens"].size(), 12u);
-  for (const json& lp : c["choices"][0]["logprobs"]["token_logprobs"]) EXPECT_LE(lp.get<double>(), 0.0);
+  for (const json& lp : c["choices"][0]["logprobs"]["token_logprobs"])
+    EXPECT_LE(lp.get<double>(), 0.0);
   EXPECT_FALSE(c["choices"][0]["text"].get<std::string>().empty());
 
   // Chat, non-streaming.
   const json chat = post_json(*r.cli, "/v1/chat/completions",
-                              {{"model", "anything"}, {"messages", {{{"role", "user"}, {"content", "Hi"}}}},
-                               {"max_tokens", 5}, {"logit_bias", kNoEos}, {"logprobs", true}, {"top_logprobs", 3}},
+                              {{"model", "anything"},
+                               {"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+                               {"max_tokens", 5},
+                               {"logit_bias", kNoEos},
+                               {"logprobs", true},
+                               {"top_logprobs", 3}},
                               200);
   EXPECT_EQ(chat["object"], "chat.completion");
   EXPECT_EQ(chat["choices"][0]["message"]["role"], "assistant");
@@ -278,7 +289,10 @@ TEST(Server, TopKIsHonoured) {
 TEST(Server, StreamsSseWithUsageAndDone) {
   Running r = start({});
   const json body = {{"messages", {{{"role", "user"}, {"content", "Tell me a story"}}}},
-                     {"max_tokens", 20}, {"seed", 5}, {"stream", true}, {"logit_bias", kNoEos},
+                     {"max_tokens", 20},
+                     {"seed", 5},
+                     {"stream", true},
+                     {"logit_bias", kNoEos},
                      {"stream_options", {{"include_usage", true}}}};
   auto res = r.cli->Post("/v1/chat/completions", body.dump(), "application/json");
   ASSERT_TRUE(res);
@@ -299,9 +313,10 @@ TEST(Server, StreamsSseWithUsageAndDone) {
   EXPECT_EQ(p["choices"][0]["message"]["content"], s.text);
 
   // Completions stream too.
-  auto c = r.cli->Post("/v1/completions",
-                       json{{"prompt", "Once"}, {"max_tokens", 6}, {"stream", true}, {"logit_bias", kNoEos}}.dump(),
-                       "application/json");
+  auto c = r.cli->Post(
+      "/v1/completions",
+      json{{"prompt", "Once"}, {"max_tokens", 6}, {"stream", true}, {"logit_bias", kNoEos}}.dump(),
+      "application/json");
   ASSERT_TRUE(c);
   const Sse cs = parse_sse(c->body, false);
   EXPECT_TRUE(cs.done);
@@ -311,7 +326,9 @@ TEST(Server, StreamsSseWithUsageAndDone) {
 
 TEST(Server, StopSequencesCutTheText) {
   Running r = start({});
-  const json base = {{"prompt", "Once upon a time"}, {"max_tokens", 60}, {"temperature", 0},
+  const json base = {{"prompt", "Once upon a time"},
+                     {"max_tokens", 60},
+                     {"temperature", 0},
                      {"logit_bias", kNoEos}};
   const json full = post_json(*r.cli, "/v1/completions", base, 200);
   const std::string text = full["choices"][0]["text"];
@@ -335,7 +352,8 @@ TEST(Server, ErrorsUseTheOpenAiShape) {
   ServerOptions o;
   o.max_body_bytes = 4096;
   Running r = start(o);
-  auto check = [&](const std::string& path, const std::string& body, int status, const std::string& code) {
+  auto check = [&](const std::string& path, const std::string& body, int status,
+                   const std::string& code) {
     auto res = r.cli->Post(path.c_str(), body, "application/json");
     ASSERT_TRUE(res) << body;
     EXPECT_EQ(res->status, status) << body << " -> " << res->body;
@@ -346,10 +364,13 @@ TEST(Server, ErrorsUseTheOpenAiShape) {
     EXPECT_TRUE(j["error"]["type"].is_string());
   };
   check("/v1/chat/completions", "{not json", 400, "invalid_json");
-  check("/v1/chat/completions", R"({"messages": [{"role": "robot", "content": "x"}]})", 400, "invalid_value");
-  check("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": -5})", 400,
+  check("/v1/chat/completions", R"({"messages": [{"role": "robot", "content": "x"}]})", 400,
         "invalid_value");
-  check("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "n": 3})", 400, "invalid_value");
+  check("/v1/chat/completions",
+        R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": -5})", 400,
+        "invalid_value");
+  check("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "n": 3})", 400,
+        "invalid_value");
   check("/v1/completions", R"({"prompt": [1, 99999]})", 400, "invalid_value");
   // Prompt + max_tokens over the context of 256: the message gives the numbers.
   auto res = r.cli->Post("/v1/completions", R"({"prompt": "Once upon a time", "max_tokens": 255})",
@@ -380,9 +401,11 @@ TEST(Server, ApiKeyIsRequiredWhenSet) {
   ASSERT_TRUE(no);
   EXPECT_EQ(no->status, 401);
   EXPECT_EQ(json::parse(no->body)["error"]["code"], "invalid_api_key");
-  auto wrong = r.cli->Post("/v1/completions", {{"Authorization", "Bearer nope"}}, body, "application/json");
+  auto wrong =
+      r.cli->Post("/v1/completions", {{"Authorization", "Bearer nope"}}, body, "application/json");
   EXPECT_EQ(wrong->status, 401);
-  auto ok = r.cli->Post("/v1/completions", {{"Authorization", "Bearer sekrit"}}, body, "application/json");
+  auto ok = r.cli->Post("/v1/completions", {{"Authorization", "Bearer sekrit"}}, body,
+                        "application/json");
   EXPECT_EQ(ok->status, 200);
   EXPECT_EQ(r.cli->Get("/health")->status, 200);  // health stays open for probes
 }
@@ -396,7 +419,9 @@ TEST(Server, DisconnectMidStreamFreesTheSlot) {
   req.method = "POST";
   req.path = "/v1/completions";
   req.set_header("Content-Type", "application/json");
-  req.body = json{{"prompt", "Once"}, {"max_tokens", 1000}, {"stream", true}, {"logit_bias", kNoEos}}.dump();
+  req.body =
+      json{{"prompt", "Once"}, {"max_tokens", 1000}, {"stream", true}, {"logit_bias", kNoEos}}
+          .dump();
   std::atomic<int> chunks{0};
   req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) { return ++chunks < 3; };
   httplib::Client c("127.0.0.1", r.srv->port());
@@ -449,16 +474,21 @@ TEST(Server, ConcurrentRequestsGetTheSameTextAsAlone) {
   Running r = start(o);
   std::vector<json> bodies;
   for (int i = 0; i < 6; ++i)
-    bodies.push_back({{"prompt", i % 2 ? "Once upon a time" : "The little dog"}, {"max_tokens", 16 + i},
-                      {"seed", 100 + i}, {"temperature", 0.9}, {"logit_bias", kNoEos}});
+    bodies.push_back({{"prompt", i % 2 ? "Once upon a time" : "The little dog"},
+                      {"max_tokens", 16 + i},
+                      {"seed", 100 + i},
+                      {"temperature", 0.9},
+                      {"logit_bias", kNoEos}});
   std::vector<std::string> alone;
-  for (const json& b : bodies) alone.push_back(post_json(*r.cli, "/v1/completions", b, 200)["choices"][0]["text"]);
+  for (const json& b : bodies)
+    alone.push_back(post_json(*r.cli, "/v1/completions", b, 200)["choices"][0]["text"]);
   std::vector<std::string> together(bodies.size());
   std::vector<std::thread> ts;
   for (size_t i = 0; i < bodies.size(); ++i)
     ts.emplace_back([&, i] {
       httplib::Client c("127.0.0.1", r.srv->port());
-      auto res = c.Post("/v1/completions", bodies[bodies.size() - 1 - i].dump(), "application/json");
+      auto res =
+          c.Post("/v1/completions", bodies[bodies.size() - 1 - i].dump(), "application/json");
       ASSERT_TRUE(res);
       together[bodies.size() - 1 - i] = json::parse(res->body)["choices"][0]["text"];
     });
@@ -469,11 +499,13 @@ TEST(Server, ConcurrentRequestsGetTheSameTextAsAlone) {
 // `kiln serve --draft-ngram 4`: greedy completions are the text plain decoding gives, while
 // /metrics reports the verify steps, drafted and accepted tokens and the batched passes.
 TEST(Server, NgramDraftingKeepsGreedyTextAndReportsCounters) {
-  const std::string prompt = "Tom had a red ball. He liked to play with it. Tom had a red ball. "
-                             "He liked to play with it. Tom had a red ball.";
+  const std::string prompt =
+      "Tom had a red ball. He liked to play with it. Tom had a red ball. "
+      "He liked to play with it. Tom had a red ball.";
   std::vector<json> bodies;
   for (int i = 0; i < 3; ++i)
-    bodies.push_back({{"prompt", i ? prompt : "Once upon a time"}, {"max_tokens", 24 + 4 * i},
+    bodies.push_back({{"prompt", i ? prompt : "Once upon a time"},
+                      {"max_tokens", 24 + 4 * i},
                       {"temperature", 0}});
   auto texts = [&](int32_t draft_ngram, std::string* metrics) {
     ServerOptions o;
@@ -514,7 +546,8 @@ TEST(Server, NgramDraftingKeepsGreedyTextAndReportsCounters) {
   EXPECT_GT(value(m_spec, "kiln_forward_passes_total"), 0);
   EXPECT_GE(value(m_spec, "kiln_forward_tokens_total"), value(m_spec, "kiln_forward_passes_total"));
   std::printf("draft-ngram 4: %.0f verify steps, %.0f drafted, %.0f accepted\n",
-              value(m_spec, "kiln_spec_steps_total"), value(m_spec, "kiln_spec_drafted_tokens_total"),
+              value(m_spec, "kiln_spec_steps_total"),
+              value(m_spec, "kiln_spec_drafted_tokens_total"),
               value(m_spec, "kiln_spec_accepted_tokens_total"));
 }
 
@@ -543,10 +576,12 @@ TEST(Server, ChatUsesTheGgufTemplate) {
   Running r = start(o);
   const json models = json::parse(r.cli->Get("/v1/models")->body);
   EXPECT_EQ(models["data"][0]["meta"]["chat_template"], true);
-  const json chat = post_json(*r.cli, "/v1/chat/completions",
-                              {{"messages", {{{"role", "system"}, {"content", "Be kind."}},
-                                             {{"role", "user"}, {"content", "Hi"}}}},
-                               {"max_tokens", 2}}, 200);
+  const json chat = post_json(
+      *r.cli, "/v1/chat/completions",
+      {{"messages",
+        {{{"role", "system"}, {"content", "Be kind."}}, {{"role", "user"}, {"content", "Hi"}}}},
+       {"max_tokens", 2}},
+      200);
   // The template writes BOS as text; it must become the one BOS token, not a second one.
   const json t = post_json(*r.cli, "/tokenize",
                            {{"content", "<s><|system|>Be kind.\n<|user|>Hi\n<|assistant|>"}}, 200);
@@ -554,7 +589,8 @@ TEST(Server, ChatUsesTheGgufTemplate) {
   EXPECT_EQ(t["tokens"][0], 1);
   EXPECT_NE(t["tokens"][1], 1);
   auto res = r.cli->Post("/v1/chat/completions",
-                         json{{"messages", {{{"role", "user"}, {"content", "boom"}}}}}.dump(), "application/json");
+                         json{{"messages", {{{"role", "user"}, {"content", "boom"}}}}}.dump(),
+                         "application/json");
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 400);
   EXPECT_EQ(json::parse(res->body)["error"]["code"], "template_error");
@@ -566,9 +602,11 @@ TEST(Server, StopEndsInFlightStreamsCleanly) {
   std::thread t([&] {
     httplib::Client c("127.0.0.1", r.srv->port());
     c.set_read_timeout(30, 0);
-    auto res = c.Post("/v1/completions",
-                      json{{"prompt", "Once"}, {"max_tokens", 200}, {"stream", true}, {"logit_bias", kNoEos}}.dump(),
-                      "application/json");
+    auto res = c.Post(
+        "/v1/completions",
+        json{{"prompt", "Once"}, {"max_tokens", 200}, {"stream", true}, {"logit_bias", kNoEos}}
+            .dump(),
+        "application/json");
     // Either the stream ended with finish_reason "cancelled" + [DONE], or the connection closed.
     if (res && res->status == 200) {
       const Sse s = parse_sse(res->body, false);
@@ -630,9 +668,9 @@ TEST(Server, ExpertStreamingServesTheSameText) {
     o.model_path = testing::model_path("qwen3moe-q4_k_m.gguf");
     o.engine.experts = experts;
     Running r = start(o);
-    const json c = post_json(*r.cli, "/v1/completions",
-                             {{"prompt", "Once upon a time"}, {"max_tokens", 12}, {"temperature", 0}},
-                             200);
+    const json c =
+        post_json(*r.cli, "/v1/completions",
+                  {{"prompt", "Once upon a time"}, {"max_tokens", 12}, {"temperature", 0}}, 200);
     return c["choices"][0]["text"].get<std::string>();
   };
   const std::string mapped = complete({});

@@ -14,7 +14,8 @@ namespace {
 using ojson = nlohmann::ordered_json;
 
 TEST(JinjaSnippets, MatchJinja2) {
-  ojson doc = ojson::parse(testing::read_file(std::string(KILN_TEMPLATE_TEST_DIR) + "/jinja_snippets.json"));
+  ojson doc = ojson::parse(
+      testing::read_file(std::string(KILN_TEMPLATE_TEST_DIR) + "/jinja_snippets.json"));
   ChatTemplateOptions opt;
   opt.now = doc["now"].get<std::string>();
   int passed = 0, total = 0;
@@ -32,13 +33,15 @@ TEST(JinjaSnippets, MatchJinja2) {
     } else {
       const std::string want = sn["error"].get<std::string>();
       if (out) {
-        ADD_FAILURE() << "template: " << src << "\nexpected error: " << want << "\nrendered: " << *out;
+        ADD_FAILURE() << "template: " << src << "\nexpected error: " << want
+                      << "\nrendered: " << *out;
         continue;
       }
       // Syntax errors must be reported as such; their wording is our own.
       const std::string kind = want.substr(0, want.find(':'));
       if (kind == "TemplateSyntaxError") {
-        EXPECT_EQ(out.error().substr(0, kind.size() + 1), kind + ":") << "template: " << src << "\ngot: " << out.error();
+        EXPECT_EQ(out.error().substr(0, kind.size() + 1), kind + ":")
+            << "template: " << src << "\ngot: " << out.error();
         passed += out.error().rfind(kind + ":", 0) == 0;
       } else {
         EXPECT_EQ(out.error(), want) << "template: " << src;
@@ -58,10 +61,12 @@ TEST(JinjaLimits, HostileTemplatesStopWithAnError) {
   const char* hostile[] = {
       "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
       "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
-      "{% set s = namespace(v='x') %}{% for i in range(100) %}{% set s.v = s.v ~ s.v %}{% endfor %}",
+      "{% set s = namespace(v='x') %}{% for i in range(100) %}{% set s.v = s.v ~ s.v %}{% endfor "
+      "%}",
       "{{ 'x' * 100000000 }}",
       // A recursive loop object kept past its loop must not reach the finished loop's state.
-      "{% set ns = namespace() %}{% for x in [1] recursive %}{% set ns.l = loop %}{% endfor %}{{ ns.l([1]) }}",
+      "{% set ns = namespace() %}{% for x in [1] recursive %}{% set ns.l = loop %}{% endfor %}{{ "
+      "ns.l([1]) }}",
   };
   for (const char* src : hostile) {
     auto out = render_chat_template(src, ctx, opt);
@@ -78,7 +83,8 @@ TEST(JinjaLimits, HostileTemplatesStopWithAnError) {
 }
 
 TEST(JinjaApi, ParseOnceRenderMany) {
-  auto t = ChatTemplate::parse("{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ extra }}");
+  auto t = ChatTemplate::parse(
+      "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ extra }}");
   ASSERT_TRUE(t) << t.error();
   for (int n = 0; n < 3; ++n) {
     ojson ctx;

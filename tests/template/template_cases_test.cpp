@@ -29,7 +29,8 @@ CaseResult run_template_cases(const fs::path& cases_path) {
   ChatTemplateOptions opt;
   opt.now = doc["inputs"]["strftime_now_date"].get<std::string>();
   for (const ojson& c : doc["cases"]) {
-    const std::string label = doc["template"].get<std::string>() + " / " + c["name"].get<std::string>();
+    const std::string label =
+        doc["template"].get<std::string>() + " / " + c["name"].get<std::string>();
     if (!tmpl) {
       ADD_FAILURE() << label << ": parse failed: " << tmpl.error();
       ++r.failed;
@@ -47,7 +48,8 @@ CaseResult run_template_cases(const fs::path& cases_path) {
         ++r.failed;
       } else if (*out != c["output"].get<std::string>()) {
         ADD_FAILURE() << label << ": output differs\n--- expected\n"
-                      << c["output"].get<std::string>() << "\n--- got\n" << *out;
+                      << c["output"].get<std::string>() << "\n--- got\n"
+                      << *out;
         ++r.failed;
       } else {
         ++r.passed;
@@ -82,8 +84,8 @@ TEST(TemplateCases, AllSharedTemplatesMatchJinja2) {
     failed += r.failed;
     templates_ok += r.failed == 0;
   }
-  std::printf("template cases: %d/%d passed, %d/%zu templates fully correct\n", passed, passed + failed,
-              templates_ok, files.size());
+  std::printf("template cases: %d/%d passed, %d/%zu templates fully correct\n", passed,
+              passed + failed, templates_ok, files.size());
   EXPECT_EQ(failed, 0);
   EXPECT_EQ(passed, 272);
 }

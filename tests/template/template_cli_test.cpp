@@ -23,7 +23,8 @@ struct RunResult {
 
 RunResult run_kiln(const std::string& args, const std::string& dir) {
   const std::string out_path = dir + "/stdout", err_path = dir + "/stderr";
-  std::string cmd = "'" + testing::kiln_binary() + "' " + args + " >'" + out_path + "' 2>'" + err_path + "'";
+  std::string cmd =
+      "'" + testing::kiln_binary() + "' " + args + " >'" + out_path + "' 2>'" + err_path + "'";
   int rc = std::system(cmd.c_str());
   RunResult r;
   r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
@@ -50,10 +51,12 @@ TEST(TemplateCli, RendersFileExactly) {
   const std::string tdir = testing::shared_path("testdata/templates");
   // A template without strftime_now(), whose output would depend on today's date.
   ojson doc = ojson::parse(testing::read_file(tdir + "/Qwen-Qwen2.5-7B-Instruct.cases.json"));
-  for (const char* name : {"system-user-assistant-user", "user-assistant-no-prompt", "unicode-multiline"}) {
+  for (const char* name :
+       {"system-user-assistant-user", "user-assistant-no-prompt", "unicode-multiline"}) {
     const ojson& c = find_case(doc, name);
     write_text(dir + "/messages.json", c["messages"].dump());
-    std::string args = "template --template '" + tdir + "/Qwen-Qwen2.5-7B-Instruct.jinja' --messages '" + dir +
+    std::string args = "template --template '" + tdir +
+                       "/Qwen-Qwen2.5-7B-Instruct.jinja' --messages '" + dir +
                        "/messages.json' --bos-token '<BOS>' --eos-token '<EOS>'";
     if (c["add_generation_prompt"].get<bool>()) args += " --add-generation-prompt";
     RunResult r = run_kiln(args, dir);
@@ -77,12 +80,14 @@ TEST(TemplateCli, RendersGgufTemplateWithVocabularyTokens) {
   ASSERT_TRUE(w.write(dir + "/vocab.gguf").is_ok());
   const ojson& c = find_case(doc, "system-user-assistant-user");
   write_text(dir + "/messages.json", c["messages"].dump());
-  RunResult r = run_kiln("template -m '" + dir + "/vocab.gguf' --messages '" + dir + "/messages.json'" +
-                             (c["add_generation_prompt"].get<bool>() ? " --add-generation-prompt" : ""),
-                         dir);
+  RunResult r =
+      run_kiln("template -m '" + dir + "/vocab.gguf' --messages '" + dir + "/messages.json'" +
+                   (c["add_generation_prompt"].get<bool>() ? " --add-generation-prompt" : ""),
+               dir);
   EXPECT_EQ(r.status, 0) << r.err;
   EXPECT_EQ(r.out, c["output"].get<std::string>());
-  ASSERT_NE(c["output"].get<std::string>().find("<BOS>"), std::string::npos) << "case must exercise bos_token";
+  ASSERT_NE(c["output"].get<std::string>().find("<BOS>"), std::string::npos)
+      << "case must exercise bos_token";
 
   // A model without a chat template is a clear error.
   GgufWriter bare;
@@ -100,15 +105,17 @@ TEST(TemplateCli, TemplateErrorExitsOneWithMessage) {
   const ojson& c = find_case(doc, "system-user-assistant-user");
   ASSERT_TRUE(c.contains("error"));
   write_text(dir + "/messages.json", c["messages"].dump());
-  RunResult r = run_kiln("template --template '" + tdir + "/google-gemma-2-2b-it.jinja' --messages '" + dir +
-                             "/messages.json'",
+  RunResult r = run_kiln("template --template '" + tdir +
+                             "/google-gemma-2-2b-it.jinja' --messages '" + dir + "/messages.json'",
                          dir);
   EXPECT_EQ(r.status, 1);
   EXPECT_EQ(r.out, "");
   EXPECT_NE(r.err.find(c["error"].get<std::string>()), std::string::npos) << r.err;
 
   write_text(dir + "/bad.json", "{\"role\": \"user\"}");
-  r = run_kiln("template --template '" + tdir + "/google-gemma-2-2b-it.jinja' --messages '" + dir + "/bad.json'", dir);
+  r = run_kiln("template --template '" + tdir + "/google-gemma-2-2b-it.jinja' --messages '" + dir +
+                   "/bad.json'",
+               dir);
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("array"), std::string::npos) << r.err;
 }

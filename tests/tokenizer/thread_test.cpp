@@ -17,7 +17,8 @@ TEST(TokenizerThreads, ConcurrentEncodeMatchesSerial) {
     ASSERT_TRUE(g.has_value()) << g.error();
     auto tok = Tokenizer::from_gguf(*g);
     ASSERT_TRUE(tok.has_value()) << tok.error();
-    const std::string text = testing::read_file(testing::shared_path("testdata/text/gpl-3-head.txt"));
+    const std::string text =
+        testing::read_file(testing::shared_path("testdata/text/gpl-3-head.txt"));
     const auto want = tok->encode(text, true, false);
     std::vector<std::vector<int32_t>> got(3);
     std::vector<std::string> back(3);

@@ -28,8 +28,9 @@ std::string shell_quote(const std::string& s) {
 RunResult run_kiln(const std::string& args) {
   static const std::string dir = testing::temp_dir();
   const std::string out = dir + "/out", err = dir + "/err";
-  const std::string cmd = fmt::format("{} {} >{} 2>{} </dev/null", shell_quote(testing::kiln_binary()),
-                                      args, shell_quote(out), shell_quote(err));
+  const std::string cmd =
+      fmt::format("{} {} >{} 2>{} </dev/null", shell_quote(testing::kiln_binary()), args,
+                  shell_quote(out), shell_quote(err));
   RunResult r;
   const int st = std::system(cmd.c_str());
   r.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
@@ -94,13 +95,17 @@ TEST(TokenizeCli, FileInputAndPieces) {
         continue;
       }
       const char e = pieces[++i];
-      if (e == 'n') p += '\n';
-      else if (e == 't') p += '\t';
-      else if (e == 'r') p += '\r';
+      if (e == 'n')
+        p += '\n';
+      else if (e == 't')
+        p += '\t';
+      else if (e == 'r')
+        p += '\r';
       else if (e == 'x') {
         p += static_cast<char>(std::stoi(pieces.substr(i + 1, 2), nullptr, 16));
         i += 2;
-      } else p += e;
+      } else
+        p += e;
     }
     parsed.push_back(p);
     i += 2;  // closing quote and the separating space (or the final newline)
@@ -112,11 +117,12 @@ TEST(TokenizeCli, FileInputAndPieces) {
 TEST(TokenizeCli, ErrorsAreOneLineAndExitOne) {
   const std::string vocab = testing::shared_path("testdata/vocab/ggml-vocab-llama-spm.gguf");
   for (const std::string& args :
-       {fmt::format("tokenize -m {}", shell_quote(vocab)),                       // no text
-        fmt::format("tokenize -m {} hi -f /nonexistent", shell_quote(vocab)),    // both
+       {fmt::format("tokenize -m {}", shell_quote(vocab)),                        // no text
+        fmt::format("tokenize -m {} hi -f /nonexistent", shell_quote(vocab)),     // both
         fmt::format("tokenize -m {} -f /nonexistent/x.txt", shell_quote(vocab)),  // unreadable
         std::string("tokenize -m /nonexistent.gguf hi"),                          // no model
-        fmt::format("tokenize -m {} hi", shell_quote(testing::shared_path("testdata/text/gpl-3-head.txt")))}) {
+        fmt::format("tokenize -m {} hi",
+                    shell_quote(testing::shared_path("testdata/text/gpl-3-head.txt")))}) {
     const auto r = run_kiln(args);
     EXPECT_EQ(r.exit_code, 1) << args;
     EXPECT_EQ(r.out, "") << args;

@@ -19,9 +19,9 @@ const Tokenizer& vocab(const std::string& name) {
   static std::map<std::string, Tokenizer> cache;
   auto it = cache.find(name);
   if (it != cache.end()) return it->second;
-  const std::string path = name.ends_with(".gguf")
-                               ? testing::model_path(name)
-                               : testing::shared_path("testdata/vocab/ggml-vocab-" + name + ".gguf");
+  const std::string path =
+      name.ends_with(".gguf") ? testing::model_path(name)
+                              : testing::shared_path("testdata/vocab/ggml-vocab-" + name + ".gguf");
   auto g = GgufFile::open(path);
   if (!g) {
     ADD_FAILURE() << g.error();
@@ -57,10 +57,11 @@ void append_utf8(uint32_t c, std::string& s) {
 // punctuation, apostrophes, accents, combining marks, CJK, emoji, and arbitrary code points.
 std::string random_text(std::mt19937& rng, size_t n_cpts) {
   static const std::vector<uint32_t> pool = {
-      ' ', ' ', ' ', '\n', '\t', '\r', 'a', 'e', 't', 'h', 'T', 'Z', '0', '7', '9', '\'', '.',
-      ',', '!', '?', '-', '_', '(', ')', '{', '"', '#', '$', '~', '|', 0xE9, 0xFC, 0xDF, 0x301,
-      0x3B1, 0x416, 0x5D0, 0x627, 0x915, 0x4E2D, 0x6587, 0xAC00, 0x3042, 0x1F642, 0x1F999,
-      0xA0, 0x3000, 0x2003, 0x85, 0xFFFD, 0x200B};
+      ' ',     ' ',   ' ',    '\n',   '\t',  '\r',   'a',    'e',    't',    'h',    'T',
+      'Z',     '0',   '7',    '9',    '\'',  '.',    ',',    '!',    '?',    '-',    '_',
+      '(',     ')',   '{',    '"',    '#',   '$',    '~',    '|',    0xE9,   0xFC,   0xDF,
+      0x301,   0x3B1, 0x416,  0x5D0,  0x627, 0x915,  0x4E2D, 0x6587, 0xAC00, 0x3042, 0x1F642,
+      0x1F999, 0xA0,  0x3000, 0x2003, 0x85,  0xFFFD, 0x200B};
   std::string s;
   for (size_t i = 0; i < n_cpts; ++i) {
     uint32_t c;
@@ -116,7 +117,8 @@ TEST(Tokenizer, SpmByteFallbackRoundTripsArbitraryBytes) {
     // No spaces: a space becomes the 3-byte "▁", which a preceding invalid lead byte may
     // swallow into its symbol (as in llama.cpp), and no literal "▁" (it reads back as a space).
     for (char& c : s) c = static_cast<char>(rng() % 256);
-    for (char& c : s) if (c == ' ') c = 'x';
+    for (char& c : s)
+      if (c == ' ') c = 'x';
     if (s.find("\xE2\x96\x81") != std::string::npos) continue;
     ASSERT_EQ(tok.decode(tok.encode(s, false, false)), s) << "iteration " << iter;
   }
@@ -125,7 +127,12 @@ TEST(Tokenizer, SpmByteFallbackRoundTripsArbitraryBytes) {
 TEST(Tokenizer, BpeInvalidUtf8BecomesReplacementCharacter) {
   // llama.cpp decodes the text to code points first; an invalid byte becomes U+FFFD.
   const Tokenizer& tok = vocab("gpt-2");
-  EXPECT_EQ(tok.encode("a\xFF" "b", false, false), tok.encode("a\xEF\xBF\xBD" "b", false, false));
+  EXPECT_EQ(tok.encode("a\xFF"
+                       "b",
+                       false, false),
+            tok.encode("a\xEF\xBF\xBD"
+                       "b",
+                       false, false));
   EXPECT_EQ(tok.encode("\xC3", false, false), tok.encode("\xEF\xBF\xBD", false, false));
   // A truncated sequence: the lead byte and the lone continuation byte each become U+FFFD.
   EXPECT_EQ(tok.decode(tok.encode("x\xE2\x82", false, false)), "x\xEF\xBF\xBD\xEF\xBF\xBD");
@@ -149,9 +156,12 @@ TEST(Tokenizer, NoByteFallbackGivesUnk) {
   for (size_t i = 0; i < text.size();) {
     size_t len = 1;
     const auto b = static_cast<uint8_t>(text[i]);
-    if (b >= 0xF0) len = 4;
-    else if (b >= 0xE0) len = 3;
-    else if (b >= 0xC0) len = 2;
+    if (b >= 0xF0)
+      len = 4;
+    else if (b >= 0xE0)
+      len = 3;
+    else if (b >= 0xC0)
+      len = 2;
     const std::string ch = text.substr(i, len);
     const std::string as_token = ch == " " ? "\xE2\x96\x81" : ch;
     if (tok.find_token(as_token) != kTokenNull) kept += ch;

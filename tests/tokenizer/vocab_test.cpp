@@ -95,8 +95,8 @@ TEST_P(VocabFiles, MatchesLlamaCpp) {
     const auto got = tok.encode(inputs[i], false, false);
     if (got != expected[i]) {
       ++failures;
-      ADD_FAILURE() << GetParam() << " entry " << i << " '" << inputs[i] << "'\n  want" << ids_str(expected[i])
-                    << "\n  got " << ids_str(got);
+      ADD_FAILURE() << GetParam() << " entry " << i << " '" << inputs[i] << "'\n  want"
+                    << ids_str(expected[i]) << "\n  got " << ids_str(got);
     }
   }
   fmt::print("{}: {}/{} entries match\n", GetParam(), inputs.size() - failures, inputs.size());
@@ -130,10 +130,10 @@ TEST_P(GoldenPrompts, PromptTokensMatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, GoldenPrompts,
-                         ::testing::Values("stories260K", "stories260K-q8_0", "babyllama-tok105-f32",
-                                           "llama-gqa-f16", "qwen3-bpe-f16", "qwen3-bpe-q8_0",
-                                           "gemma2-swa-f16", "gemma3-swa-f16", "muse-glimmer-f16",
-                                           "qwen3moe-f16", "mixtral-q4_k_m"),
+                         ::testing::Values("stories260K", "stories260K-q8_0",
+                                           "babyllama-tok105-f32", "llama-gqa-f16", "qwen3-bpe-f16",
+                                           "qwen3-bpe-q8_0", "gemma2-swa-f16", "gemma3-swa-f16",
+                                           "muse-glimmer-f16", "qwen3moe-f16", "mixtral-q4_k_m"),
                          [](const auto& info) {
                            std::string n = info.param;
                            for (char& c : n)

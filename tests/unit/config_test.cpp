@@ -85,7 +85,8 @@ TEST(Config, BadValuesNameTheirSource) {
     auto r = load_config(c.cli, fake_env(c.env));
     ASSERT_FALSE(r) << c.want[0];
     EXPECT_EQ(r.error().find('\n'), std::string::npos);
-    for (const std::string& w : c.want) EXPECT_NE(r.error().find(w), std::string::npos) << r.error();
+    for (const std::string& w : c.want)
+      EXPECT_NE(r.error().find(w), std::string::npos) << r.error();
   }
 }
 
@@ -148,7 +149,7 @@ TEST(ConfigCli, UserEntriesAreOptionsAndOverrideTheEnvironment) {
     const std::string flag = on ? "--no-" + e.cli_flag().substr(2) : e.cli_flag();
     EXPECT_NE(app.get_option_no_throw(flag), nullptr) << flag;
   }
-  const char* argv[] = {"test", "-t", "6", "--stats", "--log-level=warn", "--dev",
+  const char* argv[] = {"test",          "-t", "6", "--stats", "--log-level=warn", "--dev",
                         "cuda_pdl=false"};
   ASSERT_NO_THROW(app.parse(7, const_cast<char**>(argv)));
   auto c = load_config(*overrides, fake_env({{"KILN_THREADS", "2"}, {"KILN_MLOCK", "1"}}));

@@ -81,7 +81,7 @@ TEST(Half, F16cInstructionIsF16ToF32) {
 TEST(Half, F16RoundsToNearestEven) {
   EXPECT_EQ(f32_to_f16(1.0f).bits, 0x3C00);
   EXPECT_EQ(f32_to_f16(65504.0f).bits, 0x7BFF);
-  EXPECT_EQ(f32_to_f16(1e6f).bits, 0x7C00);              // overflow to inf
+  EXPECT_EQ(f32_to_f16(1e6f).bits, 0x7C00);                // overflow to inf
   EXPECT_EQ(f32_to_f16(1.0f + 1.0f / 2048).bits, 0x3C00);  // tie -> even
   EXPECT_EQ(f32_to_f16(1.0f + 3.0f / 2048).bits, 0x3C02);  // tie -> even (up)
   std::mt19937 rng(1234);

@@ -79,9 +79,7 @@ TEST(CountersDeathTest, ANameIsEitherACounterOrATimer) {
   EXPECT_DEATH(reg.timer("x"), "already a counter");
 }
 
-TEST(Counters, ProcessRegistryIsOne) {
-  EXPECT_EQ(&process_counters(), &process_counters());
-}
+TEST(Counters, ProcessRegistryIsOne) { EXPECT_EQ(&process_counters(), &process_counters()); }
 
 }  // namespace
 }  // namespace kiln

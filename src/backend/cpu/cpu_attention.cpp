@@ -30,7 +30,7 @@ inline constexpr int64_t kGroupMaxLanes = 16;
 inline constexpr int64_t kMultiMaxPairs = 4;
 // Keys per SumOfLanes16 run (the multi-pair kernel's fully visible blocks, 512-bit targets).
 inline constexpr int64_t kTreeKeys = 16;
-}
+}  // namespace kiln::cpu
 #endif
 
 HWY_BEFORE_NAMESPACE();
@@ -82,7 +82,8 @@ HWY_INLINE void AxpyF16(float* acc, const f16* v, int64_t n, float p) {
   const auto pv = hn::Set(d, p);
   int64_t i = 0;
   for (; i + N <= n; i += N)
-    hn::StoreU(hn::MulAdd(pv, hn::PromoteTo(d, hn::LoadU(dh, vh + i)), hn::LoadU(d, acc + i)), d, acc + i);
+    hn::StoreU(hn::MulAdd(pv, hn::PromoteTo(d, hn::LoadU(dh, vh + i)), hn::LoadU(d, acc + i)), d,
+               acc + i);
   for (; i < n; ++i) acc[i] = MulAddLane(p, f16_to_f32(v[i]), acc[i]);
 }
 
@@ -93,8 +94,8 @@ void AttentionOneK(const AttentionArgs& a, int64_t qi, int64_t h, float* scratch
   const int64_t n_phys = static_cast<int64_t>(a.k.size()) / kv_w;
   const float* q = a.q.data() + qi * q_w + h * hd;
   float* out = a.out.data() + qi * q_w + h * hd;
-  float* acc = scratch;                  // [hd]
-  float* logit = scratch + hd;           // [kKeyBlock]
+  float* acc = scratch;         // [hd]
+  float* logit = scratch + hd;  // [kKeyBlock]
   // [kKeyBlock]; the logits get a vector of padding first (the exp loop writes whole vectors)
   int32_t* idx = reinterpret_cast<int32_t*>(logit + kKeyBlock + 64);
   std::fill(acc, acc + hd, 0.0f);
@@ -181,10 +182,11 @@ void AttentionGroupK(const AttentionArgs& a, int64_t kvh, int64_t q0, int64_t q1
   const int64_t n_kv = static_cast<int64_t>(a.kv_rows.size());
   const int64_t n_phys = static_cast<int64_t>(a.k.size()) / kv_w;
   const int64_t P = (q1 - q0) * group;
-  KILN_CHECK(P >= 1 && P <= N && hd < N, "grouped attention: {} pairs, head_dim {}, {} lanes", P, hd, N);
-  float* qt = scratch;               // [hd][N]: lane p's query, transposed
-  float* acc = qt + hd * N;          // [hd][N]: lane p's output accumulator, transposed
-  float* logit = acc + hd * N;       // [kKeyBlock][N]
+  KILN_CHECK(P >= 1 && P <= N && hd < N, "grouped attention: {} pairs, head_dim {}, {} lanes", P,
+             hd, N);
+  float* qt = scratch;                // [hd][N]: lane p's query, transposed
+  float* acc = qt + hd * N;           // [hd][N]: lane p's output accumulator, transposed
+  float* logit = acc + hd * N;        // [kKeyBlock][N]
   float* kf = logit + kKeyBlock * N;  // [hd]: the current key row in f32
   float* vf = kf + hd;                // [kKeyBlock][hd]: the block's V rows in f32
   auto* qpos = reinterpret_cast<int32_t*>(vf + kKeyBlock * hd);  // [N]
@@ -223,7 +225,8 @@ void AttentionGroupK(const AttentionArgs& a, int64_t kvh, int64_t q0, int64_t q1
       HalfRowToF32(kr, kf, hd);
       HalfRowToF32(vr, vj, hd);
       auto s = hn::Zero(d);
-      for (int64_t i = 0; i < hd; ++i) s = hn::MulAdd(hn::LoadU(d, qt + i * N), hn::Set(d, kf[i]), s);
+      for (int64_t i = 0; i < hd; ++i)
+        s = hn::MulAdd(hn::LoadU(d, qt + i * N), hn::Set(d, kf[i]), s);
       s = hn::Mul(s, vscale);
       if (a.softcap > 0) {
         hn::Store(s, d, lane);
@@ -241,14 +244,16 @@ void AttentionGroupK(const AttentionArgs& a, int64_t kvh, int64_t q0, int64_t q1
     if (!hn::AllFalse(d, grew)) {
       hn::Store(m, d, lane);
       hn::Store(m_new, d, lane2);
-      for (int64_t p = 0; p < N; ++p) lane[p] = p < P && lane[p] != -INFINITY && lane2[p] != lane[p]
-                                                    ? std::exp(lane[p] - lane2[p])
-                                                    : 1.0f;
+      for (int64_t p = 0; p < N; ++p)
+        lane[p] = p < P && lane[p] != -INFINITY && lane2[p] != lane[p]
+                      ? std::exp(lane[p] - lane2[p])
+                      : 1.0f;
       const auto c = hn::Load(d, lane);
       l = hn::IfThenElse(grew, hn::Mul(l, c), l);
       for (int64_t i = 0; i < hd; ++i)
-        hn::StoreU(hn::IfThenElse(grew, hn::Mul(hn::LoadU(d, acc + i * N), c), hn::LoadU(d, acc + i * N)), d,
-                   acc + i * N);
+        hn::StoreU(
+            hn::IfThenElse(grew, hn::Mul(hn::LoadU(d, acc + i * N), c), hn::LoadU(d, acc + i * N)),
+            d, acc + i * N);
     }
     m = m_new;
     const auto floor = hn::Set(d, -87.0f);
@@ -313,7 +318,8 @@ HWY_INLINE hn::Vec<DF> SumOfLanes16(const hn::Vec<DF>* s) {
 // accumulation in key order. Only the K / V loads and conversions are shared; the output
 // accumulators are element-wise, so keeping them in registers across keys changes no bit.
 template <size_t C, size_t NP>
-HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0, int64_t n, float* scratch) {
+HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0, int64_t n,
+                                float* scratch) {
   using V = hn::Vec<DF>;
   const DF d;
   const hn::Rebind<hwy::float16_t, DF> dh;
@@ -373,7 +379,8 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
       v_and = hn::And(v_and, m);
     }
     uint32_t any = hn::AllTrue(di, hn::Eq(v_or, hn::Zero(di))) ? 0 : 1;
-    uint32_t every = hn::AllTrue(di, hn::Eq(v_and, hn::Set(di, static_cast<int32_t>(all)))) ? all : 0;
+    uint32_t every =
+        hn::AllTrue(di, hn::Eq(v_and, hn::Set(di, static_cast<int32_t>(all)))) ? all : 0;
     for (; jv < j1; ++jv) {
       const int32_t kp = a.kv_pos[jv];
       uint32_t mask = 0;
@@ -393,7 +400,8 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
         for (int64_t t = 0; t < kTreeKeys; ++t) {
           const int32_t pr = a.kv_rows[j + t];
           KILN_CHECK(pr >= 0 && pr < n_phys, "kv row {} of {}", pr, n_phys);
-          const auto* kh = reinterpret_cast<const hwy::float16_t*>(a.k.data() + pr * kv_w + kvh * hd);
+          const auto* kh =
+              reinterpret_cast<const hwy::float16_t*>(a.k.data() + pr * kv_w + kvh * hd);
           for (size_t c = 0; c < C; ++c)
             hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, kh + c * N)), d, kf + t * hd + c * N);
         }
@@ -463,7 +471,8 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
     }
     if (every == all) {  // no per-pair tests: key j is logit j - j0 of every pair
       for (int64_t j = j0; j < j1; ++j) {
-        const auto* vh = reinterpret_cast<const hwy::float16_t*>(a.v.data() + a.kv_rows[j] * kv_w + kvh * hd);
+        const auto* vh =
+            reinterpret_cast<const hwy::float16_t*>(a.v.data() + a.kv_rows[j] * kv_w + kvh * hd);
         V v[C];
         for (size_t c = 0; c < C; ++c) v[c] = hn::PromoteTo(d, hn::LoadU(dh, vh + c * N));
         for (size_t p = 0; p < NP; ++p) {
@@ -480,7 +489,8 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
     for (int64_t j = j0; j < j1; ++j) {
       const uint32_t mask = static_cast<uint32_t>(vis[j - j0]);
       if (mask == 0) continue;
-      const auto* vh = reinterpret_cast<const hwy::float16_t*>(a.v.data() + a.kv_rows[j] * kv_w + kvh * hd);
+      const auto* vh =
+          reinterpret_cast<const hwy::float16_t*>(a.v.data() + a.kv_rows[j] * kv_w + kvh * hd);
       V v[C];
       for (size_t c = 0; c < C; ++c) v[c] = hn::PromoteTo(d, hn::LoadU(dh, vh + c * N));
       for (size_t p = 0; p < NP; ++p) {
@@ -509,9 +519,14 @@ int64_t AttentionMultiPairsK(int64_t head_dim) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   if (head_dim % N != 0) return 0;
   switch (head_dim / N) {
-    case 1: case 2: case 4: return kMultiMaxPairs;
-    case 8: return 2;
-    default: return 0;
+    case 1:
+    case 2:
+    case 4:
+      return kMultiMaxPairs;
+    case 8:
+      return 2;
+    default:
+      return 0;
   }
 }
 
@@ -523,11 +538,16 @@ void AttentionMultiK(const AttentionArgs& a, int64_t kvh, int64_t e0, int64_t n,
     return AttentionOneK(a, e0 / g, kvh * g + e0 % g, scratch);
   }
   switch (a.head_dim / N) {
-    case 1: return AttentionMultiT<1, kMultiMaxPairs>(a, kvh, e0, n, scratch);
-    case 2: return AttentionMultiT<2, kMultiMaxPairs>(a, kvh, e0, n, scratch);
-    case 4: return AttentionMultiT<4, kMultiMaxPairs>(a, kvh, e0, n, scratch);
-    case 8: return AttentionMultiT<8, 2>(a, kvh, e0, n, scratch);
-    default: KILN_CHECK(false, "multi-pair attention: head_dim {} over {} lanes", a.head_dim, N);
+    case 1:
+      return AttentionMultiT<1, kMultiMaxPairs>(a, kvh, e0, n, scratch);
+    case 2:
+      return AttentionMultiT<2, kMultiMaxPairs>(a, kvh, e0, n, scratch);
+    case 4:
+      return AttentionMultiT<4, kMultiMaxPairs>(a, kvh, e0, n, scratch);
+    case 8:
+      return AttentionMultiT<8, 2>(a, kvh, e0, n, scratch);
+    default:
+      KILN_CHECK(false, "multi-pair attention: head_dim {} over {} lanes", a.head_dim, N);
   }
 }
 

@@ -29,10 +29,10 @@ class CpuBackend final : public Backend {
 
   void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
               std::span<float> y) override {
-    KILN_CHECK(static_cast<int64_t>(x.size()) == n_tok * w.n_cols, "x {} != {}x{}", x.size(),
-               n_tok, w.n_cols);
-    KILN_CHECK(static_cast<int64_t>(y.size()) == n_tok * w.n_rows, "y {} != {}x{}", y.size(),
-               n_tok, w.n_rows);
+    KILN_CHECK(static_cast<int64_t>(x.size()) == n_tok * w.n_cols, "x {} != {}x{}", x.size(), n_tok,
+               w.n_cols);
+    KILN_CHECK(static_cast<int64_t>(y.size()) == n_tok * w.n_rows, "y {} != {}x{}", y.size(), n_tok,
+               w.n_rows);
     KILN_CHECK(w.bytes.size() == w.span_bytes());
     KILN_CHECK(row_bytes(w.dtype, w.n_cols) == w.row_bytes, "{} row of {} is not {} bytes",
                dtype_name(w.dtype), w.n_cols, w.row_bytes);
@@ -55,8 +55,10 @@ class CpuBackend final : public Backend {
         for (int64_t t = b; t < e; ++t)
           cpu::quantize_act_row(kind, x.data() + t * n, n, xq + t * rb, portable_);
       };
-      if (n_tok * n >= kParallelWork) pool_.parallel_for(n_tok, quantize);
-      else quantize(0, n_tok, 0);
+      if (n_tok * n >= kParallelWork)
+        pool_.parallel_for(n_tok, quantize);
+      else
+        quantize(0, n_tok, 0);
       job.xq = xq;
     }
     const size_t per_thread = cpu::matmul_scratch_floats(w);
@@ -64,8 +66,10 @@ class CpuBackend final : public Backend {
     auto rows = [&](int64_t b, int64_t e, int t) {
       cpu::matmul_rows(job, b, e, scratch + static_cast<size_t>(t) * per_thread);
     };
-    if (w.n_rows * w.n_cols * n_tok >= kParallelWork && w.n_rows >= 2) pool_.parallel_for(w.n_rows, rows);
-    else rows(0, w.n_rows, 0);
+    if (w.n_rows * w.n_cols * n_tok >= kParallelWork && w.n_rows >= 2)
+      pool_.parallel_for(w.n_rows, rows);
+    else
+      rows(0, w.n_rows, 0);
   }
 
   // One parallel pass over the rows of all tasks (tasks' activations encoded once per
@@ -115,8 +119,8 @@ class CpuBackend final : public Backend {
       size_t j = 0;  // an earlier task with the same x and encoding shares its bytes
       for (; j < i; ++j) {
         const cpu::MatmulJob& p = batch_jobs_[j];
-        if (p.x == job.x && p.xq && p.xq_row_bytes == job.xq_row_bytes &&
-            p.w->n_cols == w.n_cols && cpu::act_kind(p.w->dtype) == kind)
+        if (p.x == job.x && p.xq && p.xq_row_bytes == job.xq_row_bytes && p.w->n_cols == w.n_cols &&
+            cpu::act_kind(p.w->dtype) == kind)
           break;
       }
       if (j < i) {
@@ -142,8 +146,10 @@ class CpuBackend final : public Backend {
         first += n;
       }
     };
-    if (total_rows >= 2) pool_.parallel_for(total_rows, rows);
-    else rows(0, total_rows, 0);
+    if (total_rows >= 2)
+      pool_.parallel_for(total_rows, rows);
+    else
+      rows(0, total_rows, 0);
   }
 
   void get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
@@ -164,7 +170,8 @@ class CpuBackend final : public Backend {
     const float* wp = weight.empty() ? nullptr : weight.data();
     run(static_cast<int64_t>(x.size()) / n, static_cast<int64_t>(x.size()),
         [&](int64_t b, int64_t e, int) {
-          for (int64_t r = b; r < e; ++r) cpu::rmsnorm_row(x.data() + r * n, wp, n, eps, y.data() + r * n);
+          for (int64_t r = b; r < e; ++r)
+            cpu::rmsnorm_row(x.data() + r * n, wp, n, eps, y.data() + r * n);
         });
   }
 
@@ -209,8 +216,10 @@ class CpuBackend final : public Backend {
         }
       }
     };
-    if (static_cast<int64_t>(x.size()) >= kParallelWork) pool_.parallel_for(n_tok, body);
-    else body(0, n_tok, 0);
+    if (static_cast<int64_t>(x.size()) >= kParallelWork)
+      pool_.parallel_for(n_tok, body);
+    else
+      body(0, n_tok, 0);
   }
 
   void softmax(std::span<float> x, int64_t n) override {
@@ -237,11 +246,15 @@ class CpuBackend final : public Backend {
   }
   void add(std::span<const float> a, std::span<const float> b, std::span<float> out) override {
     KILN_CHECK(a.size() == b.size() && out.size() == a.size());
-    elementwise(out.size(), [&](int64_t s, int64_t e) { cpu::add(a.data() + s, b.data() + s, out.data() + s, e - s); });
+    elementwise(out.size(), [&](int64_t s, int64_t e) {
+      cpu::add(a.data() + s, b.data() + s, out.data() + s, e - s);
+    });
   }
   void mul(std::span<const float> a, std::span<const float> b, std::span<float> out) override {
     KILN_CHECK(a.size() == b.size() && out.size() == a.size());
-    elementwise(out.size(), [&](int64_t s, int64_t e) { cpu::mul(a.data() + s, b.data() + s, out.data() + s, e - s); });
+    elementwise(out.size(), [&](int64_t s, int64_t e) {
+      cpu::mul(a.data() + s, b.data() + s, out.data() + s, e - s);
+    });
   }
   void scale(std::span<float> x, float s) override {
     elementwise(x.size(), [&](int64_t b, int64_t e) { cpu::scale(x.data() + b, e - b, s); });
@@ -291,8 +304,10 @@ class CpuBackend final : public Backend {
           cpu::attention_group(a, task / n_runs, q0, std::min(a.n_q, q0 + tq), s);
         }
       };
-      if (work >= kParallelWork && tasks >= 2) pool_.parallel_for(tasks, body);
-      else body(0, tasks, 0);
+      if (work >= kParallelWork && tasks >= 2)
+        pool_.parallel_for(tasks, body);
+      else
+        body(0, tasks, 0);
       return;
     }
     const int64_t n_q = a.n_q;
@@ -315,8 +330,10 @@ class CpuBackend final : public Backend {
           cpu::attention_multi(a, task / n_runs, e0, std::min(np, per_kv - e0), s);
         }
       };
-      if (work >= kParallelWork && tasks >= 2) pool_.parallel_for(tasks, body);
-      else body(0, tasks, 0);
+      if (work >= kParallelWork && tasks >= 2)
+        pool_.parallel_for(tasks, body);
+      else
+        body(0, tasks, 0);
       return;
     }
     const int64_t tasks = a.n_q * a.n_head;
@@ -326,8 +343,10 @@ class CpuBackend final : public Backend {
       for (int64_t task = b; task < e; ++task)
         cpu::attention_one(a, query_of(task / a.n_head), task % a.n_head, s);
     };
-    if (work >= kParallelWork) pool_.parallel_for(tasks, body);
-    else body(0, tasks, 0);
+    if (work >= kParallelWork)
+      pool_.parallel_for(tasks, body);
+    else
+      body(0, tasks, 0);
   }
 
   int64_t argmax(std::span<const float> x) override {
@@ -352,8 +371,10 @@ class CpuBackend final : public Backend {
   // Rows split across threads when the call is big enough.
   template <typename Fn>
   void run(int64_t n_items, int64_t work, Fn&& fn) {
-    if (work >= kParallelWork && n_items >= 2) pool_.parallel_for(n_items, fn);
-    else fn(0, n_items, 0);
+    if (work >= kParallelWork && n_items >= 2)
+      pool_.parallel_for(n_items, fn);
+    else
+      fn(0, n_items, 0);
   }
   // Elementwise ranges in whole cache lines per thread.
   template <typename Fn>
@@ -365,18 +386,17 @@ class CpuBackend final : public Backend {
     }
     constexpr int64_t kChunk = 16;
     const int64_t n_chunks = (n_elem + kChunk - 1) / kChunk;
-    pool_.parallel_for(n_chunks, [&](int64_t b, int64_t e, int) {
-      fn(b * kChunk, std::min(n_elem, e * kChunk));
-    });
+    pool_.parallel_for(
+        n_chunks, [&](int64_t b, int64_t e, int) { fn(b * kChunk, std::min(n_elem, e * kChunk)); });
   }
 
   ThreadPool pool_;
-  const bool portable_;           // CpuOptions::portable_kernels: every op's plain kernel
-  std::mutex mu_;                 // guards the scratch buffers below
-  std::vector<std::byte> act_;    // [n_tok][act_row_bytes]: quantized activations of a call
+  const bool portable_;         // CpuOptions::portable_kernels: every op's plain kernel
+  std::mutex mu_;               // guards the scratch buffers below
+  std::vector<std::byte> act_;  // [n_tok][act_row_bytes]: quantized activations of a call
   std::vector<cpu::MatmulJob> batch_jobs_;  // matmul_batch: one job per task
-  std::vector<float> scratch_;    // [n_threads][per-op need]
-  std::vector<double> inv_freq_;  // [n_rot / 2]: rope frequencies of the current call
+  std::vector<float> scratch_;              // [n_threads][per-op need]
+  std::vector<double> inv_freq_;            // [n_rot / 2]: rope frequencies of the current call
 };
 
 }  // namespace

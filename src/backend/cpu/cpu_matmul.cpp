@@ -44,9 +44,13 @@ inline int64_t dequant_rows_per_block(const WeightMatrix& w) {
 constexpr int64_t kKQBatchMinTok = 2;
 // Bytes of a thread's scratch the batched Q4_K/Q6_K kernels' activation tile uses (8 tokens:
 // aligned quants, bsums, scales, alignment slack).
-inline size_t kq_tile_bytes(int64_t nb) { return static_cast<size_t>(nb) * 8 * (256 + 32 + 4) + 64; }
+inline size_t kq_tile_bytes(int64_t nb) {
+  return static_cast<size_t>(nb) * 8 * (256 + 32 + 4) + 64;
+}
 // The v2 batched kernels' (MatmulKBatch) tile: that tile, then its scales broadcast 8-wide.
-inline size_t kq_batch_tile_bytes(int64_t nb) { return kq_tile_bytes(nb) + static_cast<size_t>(nb) * 8 * 32 + 64; }
+inline size_t kq_batch_tile_bytes(int64_t nb) {
+  return kq_tile_bytes(nb) + static_cast<size_t>(nb) * 8 * 32 + 64;
+}
 }  // namespace kiln::cpu
 #endif
 
@@ -67,10 +71,18 @@ void DotTokens(const L& w, const MatmulJob& job, int64_t t0, int64_t t1, int64_t
     const int m = static_cast<int>(std::min<int64_t>(4, t1 - t));
     for (int k = 0; k < m; ++k) xs[k] = job.x + (t + k) * n;
     switch (m) {
-      case 4: DotTile<4>(w, xs, n, out); break;
-      case 3: DotTile<3>(w, xs, n, out); break;
-      case 2: DotTile<2>(w, xs, n, out); break;
-      default: DotTile<1>(w, xs, n, out); break;
+      case 4:
+        DotTile<4>(w, xs, n, out);
+        break;
+      case 3:
+        DotTile<3>(w, xs, n, out);
+        break;
+      case 2:
+        DotTile<2>(w, xs, n, out);
+        break;
+      default:
+        DotTile<1>(w, xs, n, out);
+        break;
     }
     for (int k = 0; k < m; ++k) job.y[(t + k) * ldy + r] = out[k];
   }
@@ -123,7 +135,9 @@ using quant::block_q6_K;
 using quant::block_q8_0;
 using quant::block_q8_K;
 
-HWY_INLINE __m256i Load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+HWY_INLINE __m256i Load32(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
 
 // acc += sum over groups of 4 of u8 * s8. The VNNI forms are written as inline asm with an
 // explicit EVEX prefix: Highway's AVX3_DL target also enables AVX-VNNI, for which GCC would
@@ -164,9 +178,9 @@ HWY_INLINE __m256i UnpackQ5_0(const std::byte* row, int64_t i, float* d) {
   const auto* b = reinterpret_cast<const block_q5_0*>(row + i * sizeof(block_q5_0));
   *d = f16_to_f32(b->d);
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
-  const __m256i nib = _mm256_and_si256(
-      _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
-      _mm256_set1_epi8(0x0F));
+  const __m256i nib =
+      _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
+                       _mm256_set1_epi8(0x0F));
   uint32_t qh;
   std::memcpy(&qh, b->qh, 4);
   // Byte k gets bit k of qh: spread byte k/8 of qh to byte k, then test bit k%8.
@@ -180,7 +194,8 @@ HWY_INLINE __m256i UnpackQ5_0(const std::byte* row, int64_t i, float* d) {
 }
 
 template <int T, __m256i (*Unpack)(const std::byte*, int64_t, float*)>
-HWY_INLINE void DotQ8Family(const std::byte* row, int64_t nb, const ActQ8_0* const* ys, float* out) {
+HWY_INLINE void DotQ8Family(const std::byte* row, int64_t nb, const ActQ8_0* const* ys,
+                            float* out) {
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -238,10 +253,11 @@ HWY_INLINE void DotQ45K(const std::byte* row, int64_t nb, const block_q8_K* cons
     for (int j = 0; j < 4; ++j) {
       const __m256i q4 = Load32(b->qs + 32 * j);
       for (int half = 0; half < 2; ++half) {
-        __m256i w = half == 0 ? _mm256_and_si256(q4, m4)
-                              : _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+        __m256i w =
+            half == 0 ? _mm256_and_si256(q4, m4) : _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
         if constexpr (kHigh) {
-          w = _mm256_or_si256(w, _mm256_and_si256(_mm256_slli_epi16(hbits, 4), _mm256_set1_epi8(0x10)));
+          w = _mm256_or_si256(
+              w, _mm256_and_si256(_mm256_slli_epi16(hbits, 4), _mm256_set1_epi8(0x10)));
           hbits = _mm256_srli_epi16(hbits, 1);
         }
         const int sub = 2 * j + half;
@@ -270,11 +286,13 @@ HWY_INLINE void DotQ6K(const std::byte* row, int64_t nb, const block_q8_K* const
   for (int64_t i = 0; i < nb; ++i) {
     const auto* b = reinterpret_cast<const block_q6_K*>(row + i * sizeof(block_q6_K));
     const float d = f16_to_f32(b->d);
-    const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
+    const __m256i sc_all =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
     __m256i isum[T];
     for (int t = 0; t < T; ++t)  // the -32 offset: sum_g sc_g * 32 * bsum_g
-      isum[t] = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                 _mm256_slli_epi32(_mm256_madd_epi16(sc_all, Load32(ys[t][i].bsums)), 5));
+      isum[t] =
+          _mm256_sub_epi32(_mm256_setzero_si256(),
+                           _mm256_slli_epi32(_mm256_madd_epi16(sc_all, Load32(ys[t][i].bsums)), 5));
     for (int h = 0; h < 2; ++h) {
       const __m256i ql0 = Load32(b->ql + 64 * h), ql1 = Load32(b->ql + 64 * h + 32);
       const __m256i qh = Load32(b->qh + 32 * h);
@@ -335,15 +353,55 @@ void MatmulInt(const MatmulJob& job, int64_t r0, int64_t r1, int64_t block_elems
   }
 }
 
-template <int T> struct KQ8_0 { static void run(const std::byte* w, int64_t nb, const ActQ8_0* const* y, float* o) { DotQ8Family<T, UnpackQ8_0>(w, nb, y, o); } };
-template <int T> struct KQ4_0 { static void run(const std::byte* w, int64_t nb, const ActQ8_0* const* y, float* o) { DotQ8Family<T, UnpackQ4_0>(w, nb, y, o); } };
-template <int T> struct KQ5_0 { static void run(const std::byte* w, int64_t nb, const ActQ8_0* const* y, float* o) { DotQ8Family<T, UnpackQ5_0>(w, nb, y, o); } };
-template <int T> struct KQ4_K { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ45K<T, false>(w, nb, y, o); } };
-template <int T> struct KQ5_K { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ45K<T, true>(w, nb, y, o); } };
-template <int T> struct KQ6_K { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ6K<T>(w, nb, y, o); } };
+template <int T>
+struct KQ8_0 {
+  static void run(const std::byte* w, int64_t nb, const ActQ8_0* const* y, float* o) {
+    DotQ8Family<T, UnpackQ8_0>(w, nb, y, o);
+  }
+};
+template <int T>
+struct KQ4_0 {
+  static void run(const std::byte* w, int64_t nb, const ActQ8_0* const* y, float* o) {
+    DotQ8Family<T, UnpackQ4_0>(w, nb, y, o);
+  }
+};
+template <int T>
+struct KQ5_0 {
+  static void run(const std::byte* w, int64_t nb, const ActQ8_0* const* y, float* o) {
+    DotQ8Family<T, UnpackQ5_0>(w, nb, y, o);
+  }
+};
+template <int T>
+struct KQ4_K {
+  static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) {
+    DotQ45K<T, false>(w, nb, y, o);
+  }
+};
+template <int T>
+struct KQ5_K {
+  static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) {
+    DotQ45K<T, true>(w, nb, y, o);
+  }
+};
+template <int T>
+struct KQ6_K {
+  static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) {
+    DotQ6K<T>(w, nb, y, o);
+  }
+};
 #if HWY_TARGET == HWY_AVX2
-template <int T> struct KQ4_KAvx2 { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ4KAvx2<T>(w, nb, y, o, kMatvecPrefetchBytes); } };
-template <int T> struct KQ6_KAvx2 { static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) { DotQ6KAvx2<T>(w, nb, y, o, kMatvecPrefetchBytes); } };
+template <int T>
+struct KQ4_KAvx2 {
+  static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) {
+    DotQ4KAvx2<T>(w, nb, y, o, kMatvecPrefetchBytes);
+  }
+};
+template <int T>
+struct KQ6_KAvx2 {
+  static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) {
+    DotQ6KAvx2<T>(w, nb, y, o, kMatvecPrefetchBytes);
+  }
+};
 // One token on AVX2: rows in pairs (a single row left over) through a row-pair kernel of
 // kq_avx2-inl.h, dot(R, rows, nb, y, out, pf) with R = 2 or 1 as std::integral_constant; each
 // row gets the plain one-token kernel's bits. Rows are prefetched kMatvecPrefetchBytes ahead,
@@ -366,8 +424,10 @@ void MatvecPairsAvx2(const MatmulJob& job, int64_t r0, int64_t r1, int64_t block
 template <bool kQ4>
 void MatvecKAvx2(const MatmulJob& job, int64_t r0, int64_t r1) {
   MatvecPairsAvx2<block_q8_K>(job, r0, r1, 256, [](auto R, auto... a) {
-    if constexpr (kQ4) DotQ4KAvx2Rows<decltype(R)::value>(a...);
-    else DotQ6KAvx2Rows<decltype(R)::value>(a...);
+    if constexpr (kQ4)
+      DotQ4KAvx2Rows<decltype(R)::value>(a...);
+    else
+      DotQ6KAvx2Rows<decltype(R)::value>(a...);
   });
 }
 // Q8_0's one-token kernel (portable: the plain kernel, whose bits it gives: tests/ops
@@ -423,7 +483,8 @@ HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
 // need; the kernels are called once per row, so they need not inline into their callers.
 #define KILN_VNNI512 __attribute__((target(HWY_TARGET_STR ",avx512vnni"), noinline))
 // Helpers inlined into those kernels (same target, so clang may inline them).
-#define KILN_VNNI512_INLINE __attribute__((target(HWY_TARGET_STR ",avx512vnni"), always_inline)) inline
+#define KILN_VNNI512_INLINE \
+  __attribute__((target(HWY_TARGET_STR ",avx512vnni"), always_inline)) inline
 // The lines of the kBytes bytes from p into L2 (prefetcht1; a prefetch never faults): what the
 // one-token and v2 batched kernels issue per block step (see MatvecKOne), kBytes being the
 // step's R rows of one block each, so the prefetched address moves through memory as fast as
@@ -499,10 +560,10 @@ KILN_VNNI512_INLINE __m512i Q4KOneLaneSums(const block_q4_K* b, const __m512i (&
   __m512i isum = _mm512_maskz_set1_epi32(0x00FF, -kLowBias * sc_even);
   for (int p = 0; p < 2; ++p) {
     const __m512i q = Load64(b->qs + 64 * p);
-    const __m512i db = _mm512_dpbusd_epi32(
-        _mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), a_hi[p]);
-    const __m512i pw = _mm512_dpbusd_epi32(_mm512_shldi_epi32(db, bias_hi, 16),
-                                           _mm512_and_si512(q, m4), a_lo[p]);
+    const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                           _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), a_hi[p]);
+    const __m512i pw =
+        _mm512_dpbusd_epi32(_mm512_shldi_epi32(db, bias_hi, 16), _mm512_and_si512(q, m4), a_lo[p]);
     isum = _mm512_dpwssd_epi32(isum, pw, sc[p]);
   }
   return isum;
@@ -513,8 +574,8 @@ KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, con
                             const block_q8_K* ys, float* out, const std::byte* pf = nullptr) {
   static_assert(R == 1 || R % 2 == 0);
   constexpr int P = R / 2;  // row pairs (R even)
-  const __m128 sign_odd = _mm_castsi128_ps(_mm_set_epi32(static_cast<int>(0x80000000u), 0,
-                                                         static_cast<int>(0x80000000u), 0));
+  const __m128 sign_odd = _mm_castsi128_ps(
+      _mm_set_epi32(static_cast<int>(0x80000000u), 0, static_cast<int>(0x80000000u), 0));
   // [d0 * y.d x8 | d1 * y.d x8] and [-dmin0 * y.d x8 | -dmin1 * y.d x8] from lanes 0, 2 and
   // 1, 3 of [d0 -dmin0 d1 -dmin1] * y.d
   const __m512i idx_d = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(2), 1);
@@ -557,8 +618,9 @@ KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, con
         // [d0 * y.d, -dmin0 * y.d, d1 * y.d, -dmin1 * y.d]: the one-row kernel's scalar
         // products, each negation before its product as there (so a NaN y.d keeps its sign)
         const __m128 dm = _mm_mul_ps(
-            _mm_xor_ps(_mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(dd1), static_cast<int>(dd0))),
-                       sign_odd),
+            _mm_xor_ps(
+                _mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(dd1), static_cast<int>(dd0))),
+                sign_odd),
             yd);
         const __m512 dy = _mm512_permutexvar_ps(idx_d, _mm512_castps128_ps512(dm));
         const __m512 nmy = _mm512_permutexvar_ps(idx_m, _mm512_castps128_ps512(dm));
@@ -764,7 +826,8 @@ void FillKTile(const block_q8_K* const* ys, int m, int64_t nb, std::byte* scratc
       int8_t* dst = q + (i * 8 + k) * 256;
       if constexpr (kQ4KOrder) {
         for (int p = 0; p < 2; ++p)
-          for (int h = 0; h < 4; ++h)  // h: slot in the 128-byte pair block; sub = 4p + {0, 2, 1, 3}[h]
+          for (int h = 0; h < 4;
+               ++h)  // h: slot in the 128-byte pair block; sub = 4p + {0, 2, 1, 3}[h]
             std::memcpy(dst + 128 * p + 32 * h, y.qs + 32 * (4 * p + (h >> 1) + 2 * (h & 1)), 32);
       } else {
         std::memcpy(dst, y.qs, 256);
@@ -784,8 +847,8 @@ KILN_VNNI512_INLINE __m512i Q4KBatchLaneSums(const int8_t* at, const __m512i (&w
                                              __m512i neg_k, __m512i bias_hi) {
   __m512i isum = neg_k;
   for (int p = 0; p < 2; ++p) {
-    const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), whi[p],
-                                           _mm512_load_si512(at + 128 * p + 64));
+    const __m512i db =
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), whi[p], _mm512_load_si512(at + 128 * p + 64));
     const __m512i pw = _mm512_dpbusd_epi32(_mm512_shldi_epi32(db, bias_hi, 16), wlo[p],
                                            _mm512_load_si512(at + 128 * p));
     isum = _mm512_dpwssd_epi32(isum, pw, sc[p]);
@@ -798,8 +861,8 @@ KILN_VNNI512_INLINE __m512i Q6KBatchLaneSums(const int8_t* at, const __m512i (&w
   for (int h = 0; h < 2; ++h) {
     const __m512i da =
         _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa[h], _mm512_load_si512(at + 128 * h));
-    const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb[h],
-                                           _mm512_load_si512(at + 128 * h + 64));
+    const __m512i db =
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb[h], _mm512_load_si512(at + 128 * h + 64));
     isum = _mm512_dpwssd_epi32(isum, PairWords(da, db), sc[h]);
   }
   return isum;
@@ -816,7 +879,7 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
   const __m512i sc_idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
   const __m512i sc_idx1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
   const __m128 sign = _mm_castsi128_ps(_mm_set1_epi32(static_cast<int>(0x80000000u)));
-  const __m512i bias_hi = _mm512_set1_epi32(kLowBias << 16);       // kLowBias as a high word
+  const __m512i bias_hi = _mm512_set1_epi32(kLowBias << 16);  // kLowBias as a high word
   __m512 acc[R][P + kOdd];  // [r][P]: the odd token in the low 8 lanes
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < P + kOdd; ++q) acc[r][q] = _mm512_setzero_ps();
@@ -834,7 +897,7 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
       const __m512 d16 = _mm512_broadcastss_ps(dm);
       const __m512 nm16 = _mm512_broadcastss_ps(_mm_movehdup_ps(_mm_xor_ps(dm, sign)));  // -dmin
       int32_t sc_even;
-      const __m128i sm8 = ScalesMins8(b, &sc_even);  // [sc0..7 | m0..7]
+      const __m128i sm8 = ScalesMins8(b, &sc_even);                              // [sc0..7 | m0..7]
       const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8));  // m[k/2]
       const __m512i mins2 = _mm512_broadcast_i64x4(mins16);
       const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sm8));
@@ -1081,8 +1144,12 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
 bool HasInt8PathK(DType t) {
 #if KILN_INT8
   switch (t) {
-    case DType::Q8_0: case DType::Q4_0: case DType::Q5_0:
-    case DType::Q4_K: case DType::Q5_K: case DType::Q6_K:
+    case DType::Q8_0:
+    case DType::Q4_0:
+    case DType::Q5_0:
+    case DType::Q4_K:
+    case DType::Q5_K:
+    case DType::Q6_K:
       return true;
     default:
       return false;
@@ -1095,9 +1162,12 @@ bool HasInt8PathK(DType t) {
 
 void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
   switch (job.w->dtype) {
-    case DType::F32: return MatmulFloat<float, LoadF32>(job, r0, r1);
-    case DType::F16: return MatmulFloat<f16, LoadF16>(job, r0, r1);
-    case DType::BF16: return MatmulFloat<bf16, LoadBF16>(job, r0, r1);
+    case DType::F32:
+      return MatmulFloat<float, LoadF32>(job, r0, r1);
+    case DType::F16:
+      return MatmulFloat<f16, LoadF16>(job, r0, r1);
+    case DType::BF16:
+      return MatmulFloat<bf16, LoadBF16>(job, r0, r1);
 #if KILN_INT8
 #if HWY_TARGET == HWY_AVX3_DL
     case DType::Q8_0:
@@ -1118,8 +1188,10 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       if (!job.portable && job.n_tok == 1) return MatvecQ8Avx2(job, r0, r1);
 #endif
       return MatmulInt<ActQ8_0, KQ8_0>(job, r0, r1, 32);
-    case DType::Q4_0: return MatmulInt<ActQ8_0, KQ4_0>(job, r0, r1, 32);
-    case DType::Q5_0: return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
+    case DType::Q4_0:
+      return MatmulInt<ActQ8_0, KQ4_0>(job, r0, r1, 32);
+    case DType::Q5_0:
+      return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
 #endif
     case DType::Q4_K:
 #if HWY_TARGET == HWY_AVX3_DL
@@ -1136,7 +1208,8 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       }
 #endif
       return MatmulInt<block_q8_K, KQ4_K>(job, r0, r1, 256);
-    case DType::Q5_K: return MatmulInt<block_q8_K, KQ5_K>(job, r0, r1, 256);
+    case DType::Q5_K:
+      return MatmulInt<block_q8_K, KQ5_K>(job, r0, r1, 256);
     case DType::Q6_K:
 #if HWY_TARGET == HWY_AVX3_DL
       if (!job.portable) {
@@ -1153,7 +1226,8 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 #endif
       return MatmulInt<block_q8_K, KQ6_K>(job, r0, r1, 256);
 #endif
-    default: return MatmulDequant(job, r0, r1, scratch);
+    default:
+      return MatmulDequant(job, r0, r1, scratch);
   }
 }
 
@@ -1175,9 +1249,12 @@ ActKind act_kind(DType t) {
 
 size_t act_row_bytes(ActKind k, int64_t n) {
   switch (k) {
-    case ActKind::Q8_0: return static_cast<size_t>(n / 32) * sizeof(ActQ8_0);
-    case ActKind::Q8_K: return static_cast<size_t>(n / 256) * sizeof(quant::block_q8_K);
-    default: return 0;
+    case ActKind::Q8_0:
+      return static_cast<size_t>(n / 32) * sizeof(ActQ8_0);
+    case ActKind::Q8_K:
+      return static_cast<size_t>(n / 256) * sizeof(quant::block_q8_K);
+    default:
+      return 0;
   }
 }
 
@@ -1245,7 +1322,8 @@ void quantize_act_row(ActKind k, const float* x, int64_t n, std::byte* dst, bool
       // Scale by the signed extreme (llama.cpp's choice): it maps to exactly -127, so every
       // quant lies in [-127, 127] and maddubs pairs cannot saturate.
       const float iscale = -127.0f / mx;
-      for (int i = 0; i < 256; ++i) q.qs[i] = static_cast<int8_t>(std::min(127, round_int(iscale * xb[i])));
+      for (int i = 0; i < 256; ++i)
+        q.qs[i] = static_cast<int8_t>(std::min(127, round_int(iscale * xb[i])));
       for (int g = 0; g < 16; ++g) {
         int s = 0;
         for (int i = 0; i < 16; ++i) s += q.qs[g * 16 + i];
@@ -1266,7 +1344,8 @@ void matmul_rows(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 
 size_t matmul_scratch_floats(const WeightMatrix& w) {
   size_t n = static_cast<size_t>(dequant_rows_per_block(w) * w.n_cols);
-  if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K) n = std::max(n, (kq_batch_tile_bytes(w.n_cols / 256) + 3) / 4);
+  if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K)
+    n = std::max(n, (kq_batch_tile_bytes(w.n_cols / 256) + 3) / 4);
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K)
     n = std::max(n, (kq_prefill_scratch_bytes(w.dtype, w.n_cols / 256, w.row_bytes) + 3) / 4);
   if (w.dtype == DType::Q8_0 || w.dtype == DType::Q4_0 || w.dtype == DType::Q5_0)

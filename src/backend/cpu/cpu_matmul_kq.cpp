@@ -80,7 +80,8 @@ bool QuantizeQ8KRowK(const float* x, int64_t n, std::byte* dst) {
     float mx = 0;
     const __m512 amaxv = _mm512_set1_ps(amax);
     for (int v = 0; v < 16; ++v) {
-      const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_loadu_ps(xb + 16 * v), abs_mask), amaxv, _CMP_EQ_OQ);
+      const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_loadu_ps(xb + 16 * v), abs_mask),
+                                              amaxv, _CMP_EQ_OQ);
       if (eq) {
         mx = xb[16 * v + __builtin_ctz(eq)];
         break;
@@ -91,7 +92,8 @@ bool QuantizeQ8KRowK(const float* x, int64_t n, std::byte* dst) {
     for (int g = 0; g < 16; ++g) {
       const __m512 prod = _mm512_mul_round_ps(is, _mm512_loadu_ps(xb + 16 * g), kRn);
       const __m512i bits = _mm512_castps_si512(_mm512_add_round_ps(prod, magic, kRn));
-      const __m512i qi = _mm512_min_epi32(q127, _mm512_sub_epi32(_mm512_and_si512(bits, mant), half));
+      const __m512i qi =
+          _mm512_min_epi32(q127, _mm512_sub_epi32(_mm512_and_si512(bits, mant), half));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q.qs + 16 * g), _mm512_cvtepi32_epi8(qi));
       q.bsums[g] = static_cast<int16_t>(_mm512_reduce_add_epi32(qi));
     }
@@ -164,7 +166,7 @@ void BuildMeta(const block_q4_K& b, Q4KMeta& mt) {
 struct alignas(64) Q6KMeta {
   uint8_t w[8][64];
   int16_t sc[4][32];
-  int16_t sc32[32];  // word 4l + 2u + v: -32 * scales[2l + v], against the tile's bsum words
+  int16_t sc32[32];   // word 4l + 2u + v: -32 * scales[2l + v], against the tile's bsum words
   float d, neg_dmin;  // f16_to_f32 of d; 0 (Q6_K has no min term)
   uint8_t pad[56];
 };
@@ -179,7 +181,8 @@ KILN_KQ_VNNI void BuildMetaQ6(const quant::block_q6_K& b, Q6KMeta& mt) {
     __m256i w4[4];
     Q6KGroups(ql0, ql1, qh, w4);
     for (int g = 0; g < 4; ++g)
-      _mm512_store_si512(mt.w[4 * h + g], _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(w4[g])));
+      _mm512_store_si512(mt.w[4 * h + g],
+                         _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(w4[g])));
   }
   for (int j = 0; j < 4; ++j)
     for (int dw = 0; dw < 16; ++dw) {
@@ -189,7 +192,8 @@ KILN_KQ_VNNI void BuildMetaQ6(const quant::block_q6_K& b, Q6KMeta& mt) {
     }
   for (int l = 0; l < 8; ++l)
     for (int u = 0; u < 2; ++u)
-      for (int v = 0; v < 2; ++v) mt.sc32[4 * l + 2 * u + v] = static_cast<int16_t>(-32 * b.scales[2 * l + v]);
+      for (int v = 0; v < 2; ++v)
+        mt.sc32[4 * l + 2 * u + v] = static_cast<int16_t>(-32 * b.scales[2 * l + v]);
   mt.d = f16_to_f32(b.d);
   mt.neg_dmin = 0.0f;
 }
@@ -226,17 +230,22 @@ KILN_KQ_VNNI void FillTile(const block_q8_K* const* ys, int m, int pairs, int64_
         const __m256i ya = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs + 32 * s));
         const __m256i yb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs + 32 * s))
                              : _mm256_setzero_si256();
-        _mm512_store_si512(tb + p * 512 + s * 64,
-                           _mm512_permutexvar_epi32(inter, _mm512_inserti64x4(_mm512_castsi256_si512(ya), yb, 1)));
+        _mm512_store_si512(
+            tb + p * 512 + s * 64,
+            _mm512_permutexvar_epi32(inter, _mm512_inserti64x4(_mm512_castsi256_si512(ya), yb, 1)));
       }
       const __m256i sa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums));
-      const __m256i sb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->bsums)) : _mm256_setzero_si256();
+      const __m256i sb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->bsums))
+                           : _mm256_setzero_si256();
       if constexpr (kQ6) {
-        _mm512_store_si512(bf + 16 * p, _mm512_permutexvar_epi32(inter, _mm512_inserti64x4(_mm512_castsi256_si512(sa), sb, 1)));
+        _mm512_store_si512(
+            bf + 16 * p,
+            _mm512_permutexvar_epi32(inter, _mm512_inserti64x4(_mm512_castsi256_si512(sa), sb, 1)));
       } else {
         const __m256i ba = _mm256_madd_epi16(sa, ones), bb = _mm256_madd_epi16(sb, ones);
-        _mm512_store_ps(bf + 16 * p, _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(
-                                         inter, _mm512_inserti64x4(_mm512_castsi256_si512(ba), bb, 1))));
+        _mm512_store_ps(bf + 16 * p,
+                        _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(
+                            inter, _mm512_inserti64x4(_mm512_castsi256_si512(ba), bb, 1))));
       }
     }
     float* yd2 = bf + 16 * pairs;
@@ -256,10 +265,12 @@ KILN_KQ_VNNI void RowScales(const Meta* meta, int64_t n, const std::byte* tile, 
   const size_t stride = kq_prefill_tile_block_bytes(pairs);
   const int groups = (pairs + 3) / 4;
   for (int64_t ib = 0; ib < n; ++ib) {
-    const __m512 dm = _mm512_insertf32x8(_mm512_set1_ps(meta[ib].d), _mm256_set1_ps(meta[ib].neg_dmin), 1);
+    const __m512 dm =
+        _mm512_insertf32x8(_mm512_set1_ps(meta[ib].d), _mm256_set1_ps(meta[ib].neg_dmin), 1);
     const auto* yd2 = reinterpret_cast<const float*>(tile + ib * stride + pairs * 576);
     for (int g = 0; g < groups; ++g)
-      _mm512_store_ps(scl + (ib * groups + g) * 16, _mm512_mul_ps(dm, _mm512_load_ps(yd2 + 16 * g)));
+      _mm512_store_ps(scl + (ib * groups + g) * 16,
+                      _mm512_mul_ps(dm, _mm512_load_ps(yd2 + 16 * g)));
   }
 }
 
@@ -295,22 +306,24 @@ KILN_KQ_INLINE void HsumPairs(const __m512 (&acc)[P], float* out) {
 // between chunks (read unless `first`); with `last`, out[t] for the 2P tokens instead.
 template <int P>
 KILN_KQ_VNNI void DotQ4KPrefill(const block_q4_K* row, const Q4KMeta* meta, int64_t n,
-                                const std::byte* tile, const float* scl, float* acc_mem,
-                                bool first, bool last, float* out) {
+                                const std::byte* tile, const float* scl, float* acc_mem, bool first,
+                                bool last, float* out) {
   constexpr int G = (P + 3) / 4;
   const size_t stride = kq_prefill_tile_block_bytes(P);
   const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m512i bias_lo = _mm512_set1_epi32(kLowBias);
   __m512 acc[P];
-  for (int p = 0; p < P; ++p) acc[p] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc_mem + 16 * p);
+  for (int p = 0; p < P; ++p)
+    acc[p] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc_mem + 16 * p);
   for (int64_t ib = 0; ib < n; ++ib) {
     const block_q4_K& b = row[ib];
     const Q4KMeta& mt = meta[ib];
     __m512i w[8];
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_permutexvar_epi32(
-          dup, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * j))));
+          dup, _mm512_castsi256_si512(
+                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * j))));
       w[2 * j] = _mm512_and_si512(v, m4);
       w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
     }
@@ -358,7 +371,8 @@ KILN_KQ_VNNI void DotQ6KPrefill(const std::byte* /*row: decoded into meta*/, con
   constexpr int G = (P + 3) / 4;
   const size_t stride = kq_prefill_tile_block_bytes(P);
   __m512 acc[P];
-  for (int p = 0; p < P; ++p) acc[p] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc_mem + 16 * p);
+  for (int p = 0; p < P; ++p)
+    acc[p] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc_mem + 16 * p);
   for (int64_t ib = 0; ib < n; ++ib) {
     const Q6KMeta& mt = meta[ib];
     const std::byte* tb = tile + ib * stride;
@@ -369,14 +383,17 @@ KILN_KQ_VNNI void DotQ6KPrefill(const std::byte* /*row: decoded into meta*/, con
       const std::byte* a = tb + p * 512;
       __m512i isum = _mm512_madd_epi16(_mm512_load_si512(bs + 32 * p), sc32);
       for (int j = 0; j < 4; ++j) {
-        const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(mt.w[2 * j]),
-                                               _mm512_load_si512(a + 2 * j * 64));
-        const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(mt.w[2 * j + 1]),
-                                               _mm512_load_si512(a + (2 * j + 1) * 64));
+        const __m512i da =
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(mt.w[2 * j]),
+                                _mm512_load_si512(a + 2 * j * 64));
+        const __m512i db =
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(mt.w[2 * j + 1]),
+                                _mm512_load_si512(a + (2 * j + 1) * 64));
         const __m512i pw = _mm512_mask_blend_epi16(0xAAAAAAAAu, da, _mm512_slli_epi32(db, 16));
         isum = _mm512_dpwssd_epi32(isum, pw, _mm512_load_si512(mt.sc[j]));
       }
-      acc[p] = _mm512_fmadd_ps(BroadcastPair(si + (p / 4) * 16 + 2 * (p % 4)), _mm512_cvtepi32_ps(isum), acc[p]);
+      acc[p] = _mm512_fmadd_ps(BroadcastPair(si + (p / 4) * 16 + 2 * (p % 4)),
+                               _mm512_cvtepi32_ps(isum), acc[p]);
     }
   }
   if (!last) {
@@ -426,7 +443,8 @@ void MatmulKQPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratc
   const int64_t chunk = std::min(nb, kKQPrefillChunk);
   auto* sp = reinterpret_cast<std::byte*>(scratch);
   Meta* meta = Align64<Meta>(sp, static_cast<size_t>(rb * nb));
-  std::byte* tile = Align64<std::byte>(sp, static_cast<size_t>(chunk) * kq_prefill_tile_block_bytes(P));
+  std::byte* tile =
+      Align64<std::byte>(sp, static_cast<size_t>(chunk) * kq_prefill_tile_block_bytes(P));
   float* acc = Align64<float>(sp, static_cast<size_t>(rb * P * 16));
   float* scl[2];
   scl[0] = Align64<float>(sp, static_cast<size_t>(chunk * G * 16));
@@ -448,7 +466,8 @@ void MatmulKQPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratc
       const int pairs = (m + 1) / 2;
       for (int k = 0; k < m; ++k)
         ys[k] = reinterpret_cast<const block_q8_K*>(job.xq + (t0 + k) * job.xq_row_bytes);
-      const DotFn<Row, Meta> dot = kQ6 ? DotFn<Row, Meta>(kDotsQ6[pairs - 1]) : DotFn<Row, Meta>(kDots[pairs - 1]);
+      const DotFn<Row, Meta> dot =
+          kQ6 ? DotFn<Row, Meta>(kDotsQ6[pairs - 1]) : DotFn<Row, Meta>(kDots[pairs - 1]);
       for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
         const int64_t n = std::min(nb, c0 + chunk) - c0;
         const bool first = c0 == 0, last = c0 + n == nb;

@@ -32,7 +32,8 @@ inline size_t kq_prefill_row_bytes(DType t, int64_t nb, size_t row_bytes) {
 // Rows per row block: what they keep stays in L2 (1 MiB per core on the dev box) while every
 // token tile sweeps them.
 inline int64_t kq_prefill_rows_per_block(size_t per_row) {
-  return std::clamp<int64_t>((int64_t{384} << 10) / std::max<int64_t>(1, static_cast<int64_t>(per_row)), 2, 512);
+  return std::clamp<int64_t>(
+      (int64_t{384} << 10) / std::max<int64_t>(1, static_cast<int64_t>(per_row)), 2, 512);
 }
 // Activation tile bytes per block for `pairs` token pairs.
 inline size_t kq_prefill_tile_block_bytes(int64_t pairs) {
@@ -42,10 +43,12 @@ inline size_t kq_prefill_tile_block_bytes(int64_t pairs) {
 // accumulators between K chunks, two rows' scale products, alignment slack.
 inline size_t kq_prefill_scratch_bytes(DType t, int64_t nb, size_t row_bytes) {
   const size_t meta = t == DType::Q4_K ? kQ4KMetaBytes : kQ6KMetaBytes;
-  const auto rb = static_cast<size_t>(kq_prefill_rows_per_block(kq_prefill_row_bytes(t, nb, row_bytes)));
+  const auto rb =
+      static_cast<size_t>(kq_prefill_rows_per_block(kq_prefill_row_bytes(t, nb, row_bytes)));
   const auto chunk = static_cast<size_t>(std::min(nb, kKQPrefillChunk));
   const auto groups = static_cast<size_t>((kKQPrefillPairs + 3) / 4);
-  return rb * static_cast<size_t>(nb) * meta + chunk * kq_prefill_tile_block_bytes(kKQPrefillPairs) +
+  return rb * static_cast<size_t>(nb) * meta +
+         chunk * kq_prefill_tile_block_bytes(kKQPrefillPairs) +
          rb * static_cast<size_t>(kKQPrefillPairs) * 64 + 2 * chunk * groups * 64 + 8 * 64;
 }
 // n / 256 Q8_K blocks of x at dst, quantize_act_row's bytes, where this machine has AVX-512

@@ -55,7 +55,6 @@ struct Q8Tile {
   const float* yd;
 };
 
-
 // [p[0], p[1]] x 8 as one broadcast load: written as asm because GCC otherwise keeps the
 // products in registers and spends a shuffle per pair on the multiply-side pipes.
 HWY_INLINE __m512 BroadcastPair(const float* p) {
@@ -84,7 +83,8 @@ KILN_Q8_VNNI void PackQ8Rows(const WeightMatrix& w, int64_t b0, int64_t b1, Q8Un
       int64_t i = 0;
       for (; i + 16 <= nb; i += 16) {
         for (int k = 0; k < 16; ++k) h[k] = blk[i + k].d.bits;
-        _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h))));
+        _mm512_storeu_ps(d + i,
+                         _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h))));
       }
       for (; i < nb; ++i) d[i] = f16_to_f32(blk[i].d);
       src = blk[0].qs;
@@ -102,8 +102,7 @@ KILN_Q8_VNNI void PackQ8Rows(const WeightMatrix& w, int64_t b0, int64_t b1, Q8Un
 
 // Tokens ys[0..m) into the tile; a last odd token's partner is all zero (its outputs are not
 // read).
-KILN_Q8_VNNI void FillQ8Tile(const ActQ8_0* const* ys, int m, int64_t nb, int8_t* q,
-                             float* yd) {
+KILN_Q8_VNNI void FillQ8Tile(const ActQ8_0* const* ys, int m, int64_t nb, int8_t* q, float* yd) {
   const __m512i inter = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
   const __m512i k128 = _mm512_set1_epi8(static_cast<char>(0x80));
   const int pairs = (m + 1) / 2;
@@ -117,8 +116,8 @@ KILN_Q8_VNNI void FillQ8Tile(const ActQ8_0* const* ys, int m, int64_t nb, int8_t
       const __m512i y =
           _mm512_permutexvar_epi32(inter, _mm512_inserti64x4(_mm512_castsi256_si512(ya), yb, 1));
       // -128 * (sum of the lane's 4 quants): what the weights' +128 bias adds.
-      const __m512i corr = _mm512_sub_epi32(
-          _mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, y));
+      const __m512i corr = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, y));
       int8_t* dst = q + (i * 4 + p) * static_cast<int64_t>(kQ8ActPairBytes);
       _mm512_store_si512(dst, y);
       _mm512_store_si512(dst + 64, corr);
@@ -135,7 +134,7 @@ HWY_INLINE void Q8Scales(const float* wd, int64_t nb, const float* tyd, int64_t 
   for (int64_t j = 0; j < n; ++j) {
     const __m256 yd = _mm256_load_ps(tyd + (i0 + j) * kQ8VnniTok);
     _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
-      _mm256_store_ps(s[j * R + r], _mm256_mul_ps(_mm256_set1_ps(wd[r * nb + i0 + j]), yd));
+        _mm256_store_ps(s[j * R + r], _mm256_mul_ps(_mm256_set1_ps(wd[r * nb + i0 + j]), yd));
   }
 }
 
@@ -149,7 +148,7 @@ KILN_Q8_VNNI void DotQ8Vnni(const __m512i* wq, const float* wd, int64_t nb, Q8Ti
                             float* out) {
   __m512 acc[R][P];
   _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
-    _Pragma("GCC unroll 4") for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+      _Pragma("GCC unroll 4") for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
   alignas(64) float s[2][kQ8ScaleChunk * R][8];  // dw * yd: the plain kernel's scalar products
   Q8Scales<R>(wd, nb, tile.yd, 0, std::min(nb, kQ8ScaleChunk), s[0]);
   for (int64_t c0 = 0; c0 < nb; c0 += kQ8ScaleChunk) {
@@ -168,8 +167,8 @@ KILN_Q8_VNNI void DotQ8Vnni(const __m512i* wq, const float* wd, int64_t nb, Q8Ti
         const __m512i corr = _mm512_load_si512(ai + p * kQ8ActPairBytes + 64);
         _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
           const __m512i lanes = _mm512_dpbusd_epi32(corr, w[r], y);
-          acc[r][p] = _mm512_fmadd_ps(BroadcastPair(&si[r][2 * p]), _mm512_cvtepi32_ps(lanes),
-                                      acc[r][p]);
+          acc[r][p] =
+              _mm512_fmadd_ps(BroadcastPair(&si[r][2 * p]), _mm512_cvtepi32_ps(lanes), acc[r][p]);
         }
       }
     }
@@ -214,7 +213,8 @@ void MatmulQ8Vnni(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch,
   auto* p = reinterpret_cast<std::byte*>(scratch);
   __m512i* pq = Align64<__m512i>(p, static_cast<size_t>(rb * nb));
   float* pd = Align64<float>(p, static_cast<size_t>(rb * nb));
-  int8_t* tq = Align64<int8_t>(p, static_cast<size_t>(group / kQ8VnniTok * nb * 4) * kQ8ActPairBytes);
+  int8_t* tq =
+      Align64<int8_t>(p, static_cast<size_t>(group / kQ8VnniTok * nb * 4) * kQ8ActPairBytes);
   float* tyd = Align64<float>(p, static_cast<size_t>(group * nb));
   int8_t* row_q = Align64<int8_t>(p, static_cast<size_t>(nb * 32));
   const ActQ8_0* ys[kQ8VnniTok];

@@ -40,7 +40,8 @@ inline int64_t q8_vnni_rows_per_block(int64_t nb) {
 // Tokens whose activation tiles are built at once (each row block is packed once per such
 // group): up to 512, or fewer so that the tiles take at most ~4 MiB of a thread's scratch.
 inline int64_t q8_vnni_group_tokens(int64_t nb) {
-  const int64_t tiles = (int64_t{4} << 20) / std::max<int64_t>(1, nb * static_cast<int64_t>(kQ8TileBlockBytes));
+  const int64_t tiles =
+      (int64_t{4} << 20) / std::max<int64_t>(1, nb * static_cast<int64_t>(kQ8TileBlockBytes));
   return std::clamp<int64_t>(tiles, 1, 512 / kQ8VnniTok) * kQ8VnniTok;
 }
 // A thread's scratch for that kernel: packed rows (quants, scales), the group's token tiles,

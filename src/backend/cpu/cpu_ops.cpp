@@ -44,7 +44,8 @@ HWY_INLINE void Binary(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b,
   const DF d;
   const size_t N = hn::Lanes(d);
   size_t i = 0;
-  for (; i + N <= n; i += N) hn::StoreU(op(d, hn::LoadU(d, a + i), hn::LoadU(d, b + i)), d, out + i);
+  for (; i + N <= n; i += N)
+    hn::StoreU(op(d, hn::LoadU(d, a + i), hn::LoadU(d, b + i)), d, out + i);
   if (i < n) {
     const size_t r = n - i;
     StoreTail(op(d, LoadTail(d, a + i, r), LoadTail(d, b + i, r)), d, out + i, r);
@@ -91,8 +92,10 @@ void SwigluK(const float* g, const float* u, float* out, size_t n) {
 void GegluK(const float* g, const float* u, float* out, size_t n) {
   Binary(g, u, out, n, [](DF d, auto x, auto uv) {
     const auto c = hn::Set(d, 0.79788456080286535588f);  // sqrt(2/pi)
-    const auto inner = hn::Mul(hn::Mul(c, x), hn::MulAdd(hn::Set(d, 0.044715f), hn::Mul(x, x), hn::Set(d, 1.0f)));
-    const auto gelu = hn::Mul(hn::Mul(hn::Set(d, 0.5f), x), hn::Add(hn::Set(d, 1.0f), hn::Tanh(d, inner)));
+    const auto inner =
+        hn::Mul(hn::Mul(c, x), hn::MulAdd(hn::Set(d, 0.044715f), hn::Mul(x, x), hn::Set(d, 1.0f)));
+    const auto gelu =
+        hn::Mul(hn::Mul(hn::Set(d, 0.5f), x), hn::Add(hn::Set(d, 1.0f), hn::Tanh(d, inner)));
     return hn::Mul(gelu, uv);
   });
 }
@@ -128,13 +131,15 @@ void SoftmaxRowK(float* x, size_t n) {
   auto mx = hn::Set(d, -INFINITY);
   for (size_t i = 0; i < n; i += N) {
     const size_t r = n - i < N ? n - i : N;
-    mx = hn::Max(mx, hn::IfThenElse(hn::FirstN(d, r), LoadTail(d, x + i, r), hn::Set(d, -INFINITY)));
+    mx =
+        hn::Max(mx, hn::IfThenElse(hn::FirstN(d, r), LoadTail(d, x + i, r), hn::Set(d, -INFINITY)));
   }
   const auto m = hn::Set(d, hn::GetLane(hn::MaxOfLanes(d, mx)));
   auto sum = hn::Zero(d);
   for (size_t i = 0; i < n; i += N) {
     const size_t r = n - i < N ? n - i : N;
-    const auto e = hn::IfThenElseZero(hn::FirstN(d, r), SafeExp(d, hn::Sub(LoadTail(d, x + i, r), m)));
+    const auto e =
+        hn::IfThenElseZero(hn::FirstN(d, r), SafeExp(d, hn::Sub(LoadTail(d, x + i, r), m)));
     sum = hn::Add(sum, e);
     StoreTail(e, d, x + i, r);
   }
@@ -172,18 +177,28 @@ HWY_EXPORT(SoftmaxRowK);
 HWY_EXPORT(F32ToF16K);
 HWY_EXPORT(TargetNameK);
 
-void add(const float* a, const float* b, float* out, size_t n) { HWY_DYNAMIC_DISPATCH(AddK)(a, b, out, n); }
-void mul(const float* a, const float* b, float* out, size_t n) { HWY_DYNAMIC_DISPATCH(MulK)(a, b, out, n); }
+void add(const float* a, const float* b, float* out, size_t n) {
+  HWY_DYNAMIC_DISPATCH(AddK)(a, b, out, n);
+}
+void mul(const float* a, const float* b, float* out, size_t n) {
+  HWY_DYNAMIC_DISPATCH(MulK)(a, b, out, n);
+}
 void scale(float* x, size_t n, float s) { HWY_DYNAMIC_DISPATCH(ScaleK)(x, n, s); }
 void softcap(float* x, size_t n, float cap) { HWY_DYNAMIC_DISPATCH(SoftcapK)(x, n, cap); }
 void sigmoid(float* x, size_t n) { HWY_DYNAMIC_DISPATCH(SigmoidK)(x, n); }
-void swiglu(const float* g, const float* u, float* out, size_t n) { HWY_DYNAMIC_DISPATCH(SwigluK)(g, u, out, n); }
-void geglu(const float* g, const float* u, float* out, size_t n) { HWY_DYNAMIC_DISPATCH(GegluK)(g, u, out, n); }
+void swiglu(const float* g, const float* u, float* out, size_t n) {
+  HWY_DYNAMIC_DISPATCH(SwigluK)(g, u, out, n);
+}
+void geglu(const float* g, const float* u, float* out, size_t n) {
+  HWY_DYNAMIC_DISPATCH(GegluK)(g, u, out, n);
+}
 void rmsnorm_row(const float* x, const float* w, size_t n, float eps, float* y) {
   HWY_DYNAMIC_DISPATCH(RmsnormRowK)(x, w, n, eps, y);
 }
 void softmax_row(float* x, size_t n) { HWY_DYNAMIC_DISPATCH(SoftmaxRowK)(x, n); }
-void f32_to_f16(const float* src, f16* dst, size_t n) { HWY_DYNAMIC_DISPATCH(F32ToF16K)(src, dst, n); }
+void f32_to_f16(const float* src, f16* dst, size_t n) {
+  HWY_DYNAMIC_DISPATCH(F32ToF16K)(src, dst, n);
+}
 const char* target_name() { return HWY_DYNAMIC_DISPATCH(TargetNameK)(); }
 }  // namespace kiln::cpu
 #endif

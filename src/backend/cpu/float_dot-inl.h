@@ -1,9 +1,10 @@
 // backend/cpu/float_dot-inl.h: the f32-family dot arithmetic (F32/F16/BF16 weights, f32
 // activations) shared by cpu_matmul.cpp's DotTile and cpu_matmul_float.cpp's register-tiled
-// kernel, and the int8 kernels' final lane sum (Hsum, x86) and Q6_K unpack (Q6KGroups). Both must run exactly these float ops per output (two accumulators over alternating
-// vector chunks, one more chunk into the first, SumOfLanes, then a scalar tail), which is what
-// makes a token's output the same bits in any tile, call size or kernel (tests/ops
-// MatmulTiling, MatmulFloatTile). Included once per Highway target by both files.
+// kernel, and the int8 kernels' final lane sum (Hsum, x86) and Q6_K unpack (Q6KGroups). Both must
+// run exactly these float ops per output (two accumulators over alternating vector chunks, one more
+// chunk into the first, SumOfLanes, then a scalar tail), which is what makes a token's output the
+// same bits in any tile, call size or kernel (tests/ops MatmulTiling, MatmulFloatTile). Included
+// once per Highway target by both files.
 #if defined(KILN_BACKEND_CPU_FLOAT_DOT_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KILN_BACKEND_CPU_FLOAT_DOT_INL_H_
 #undef KILN_BACKEND_CPU_FLOAT_DOT_INL_H_
@@ -60,9 +61,12 @@ HWY_INLINE float Hsum(__m256 v) {
 // take this one, so their quants agree by construction.
 HWY_INLINE void Q6KGroups(__m256i ql0, __m256i ql1, __m256i qh, __m256i (&w4)[4]) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-  w4[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-  w4[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-  w4[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
+  w4[0] =
+      _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+  w4[1] =
+      _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+  w4[2] =
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
   w4[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
 }

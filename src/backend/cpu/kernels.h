@@ -54,12 +54,12 @@ void quantize_act_row(ActKind k, const float* x, int64_t n, std::byte* dst, bool
 
 struct MatmulJob {
   const WeightMatrix* w = nullptr;
-  const float* x = nullptr;         // [n_tok][n_cols] f32
-  const std::byte* xq = nullptr;    // [n_tok][xq_row_bytes], for quantized paths
+  const float* x = nullptr;       // [n_tok][n_cols] f32
+  const std::byte* xq = nullptr;  // [n_tok][xq_row_bytes], for quantized paths
   size_t xq_row_bytes = 0;
   int64_t n_tok = 0;
-  float* y = nullptr;               // [n_tok][n_rows]
-  bool portable = false;            // the plain kernels only (see above)
+  float* y = nullptr;     // [n_tok][n_rows]
+  bool portable = false;  // the plain kernels only (see above)
 };
 // Computes y for weight rows [r0, r1) and every token. `scratch` holds at least
 // matmul_scratch_floats(w) floats private to the calling thread.

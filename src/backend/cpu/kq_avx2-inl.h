@@ -8,8 +8,8 @@
 // to words once and each sub-block's vector is one in-lane shuffle of them. The plain kernels
 // stay as they are, the reference these are compared with bit for bit (tests/ops MatmulKQOne and
 // MatmulKQBatch on every target, MatmulKQPrefill on an AVX2 machine) and the arithmetic the
-// AVX-512 kernels also reproduce. Included once per Highway target by cpu_matmul.cpp; only the AVX2 target
-// defines anything.
+// AVX-512 kernels also reproduce. Included once per Highway target by cpu_matmul.cpp; only the AVX2
+// target defines anything.
 #if defined(KILN_BACKEND_CPU_KQ_AVX2_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KILN_BACKEND_CPU_KQ_AVX2_INL_H_
 #undef KILN_BACKEND_CPU_KQ_AVX2_INL_H_
@@ -44,8 +44,9 @@ HWY_INLINE void ScalesMinsK4(const uint8_t* packed, uint8_t out[16]) {
 
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
 // f16_to_f32 in one instruction (F16C, part of Highway's AVX2 target): the same float for all
-// 65536 halves, NaN payloads included (checked exhaustively by tests/unit Half.F16cInstructionIsF16ToF32),
-// where the portable conversion spends a dozen scalar ops, twice per Q4_K block.
+// 65536 halves, NaN payloads included (checked exhaustively by tests/unit
+// Half.F16cInstructionIsF16ToF32), where the portable conversion spends a dozen scalar ops, twice
+// per Q4_K block.
 HWY_INLINE float F16c(f16 h) { return _cvtsh_ss(h.bits); }
 
 // pshufb control that puts word `lo` of each 128-bit lane in every word of the low lane and
@@ -112,7 +113,8 @@ HWY_INLINE __m256i Q4KPairDot(__m256i lo, __m256i hi, __m256i sc_lo, __m256i sc_
   const __m256i p0 = _mm256_madd_epi16(
       _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), sc_lo);
   const __m256i p1 = _mm256_madd_epi16(
-      _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32))), sc_hi);
+      _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32))),
+      sc_hi);
   return _mm256_add_epi32(p0, p1);
 }
 // A Q4_K block's two FMAs into one token's accumulator, in the plain kernel's order.
@@ -154,8 +156,8 @@ HWY_INLINE void DotQ4KAvx2(const std::byte* row, int64_t nb, const quant::block_
 // side by side. pf: prefetch distance; the R rows' blocks i are read together, so the span
 // prefetched per block step is R blocks long, from R blocks ahead of rows[0]'s block i + pf.
 template <int R>
-HWY_INLINE void DotQ4KAvx2Rows(const std::byte* const* rows, int64_t nb,
-                               const quant::block_q8_K* y, float* out, int64_t pf) {
+HWY_INLINE void DotQ4KAvx2Rows(const std::byte* const* rows, int64_t nb, const quant::block_q8_K* y,
+                               float* out, int64_t pf) {
   __m256 acc[R];
   for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -205,8 +207,9 @@ HWY_INLINE void Q6KHalf(const quant::block_q6_K* b, int hf, __m256i (&w4)[4]) {
 HWY_INLINE __m256i Q6KOffset(const Q6KHead& h, const quant::block_q8_K& y) {
   return _mm256_sub_epi32(
       _mm256_setzero_si256(),
-      _mm256_slli_epi32(
-          _mm256_madd_epi16(h.sc_all, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums))), 5));
+      _mm256_slli_epi32(_mm256_madd_epi16(h.sc_all, _mm256_loadu_si256(
+                                                        reinterpret_cast<const __m256i*>(y.bsums))),
+                        5));
 }
 // Sub-block `sub` (quants w, scale vector sc) against one token's 32 quants at a.
 HWY_INLINE __m256i Q6KSubDot(__m256i w, __m256i sc, const int8_t* a) {
@@ -239,15 +242,16 @@ HWY_INLINE void DotQ6KAvx2(const std::byte* row, int64_t nb, const quant::block_
       }
     }
     for (int t = 0; t < T; ++t)
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(h.d * ys[t][i].d), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+      acc[t] =
+          _mm256_fmadd_ps(_mm256_set1_ps(h.d * ys[t][i].d), _mm256_cvtepi32_ps(isum[t]), acc[t]);
   }
   for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
 }
 
 // DotQ6K<1>'s bits for R rows against one token (as DotQ4KAvx2Rows).
 template <int R>
-HWY_INLINE void DotQ6KAvx2Rows(const std::byte* const* rows, int64_t nb,
-                               const quant::block_q8_K* y, float* out, int64_t pf) {
+HWY_INLINE void DotQ6KAvx2Rows(const std::byte* const* rows, int64_t nb, const quant::block_q8_K* y,
+                               float* out, int64_t pf) {
   __m256 acc[R];
   for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
@@ -280,8 +284,8 @@ HWY_INLINE void DotQ6KAvx2Rows(const std::byte* const* rows, int64_t nb,
 // block order, Hsum). The plain kernel converts each block's f16 scale with a dozen scalar ops
 // for 32 weights; here F16C, the token's block loaded once for the R rows, and the prefetch span.
 template <int R, class Act>
-HWY_INLINE void DotQ8_0Avx2Rows(const std::byte* const* rows, int64_t nb, const Act* y,
-                                float* out, int64_t pf) {
+HWY_INLINE void DotQ8_0Avx2Rows(const std::byte* const* rows, int64_t nb, const Act* y, float* out,
+                                int64_t pf) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
@@ -297,7 +301,8 @@ HWY_INLINE void DotQ8_0Avx2Rows(const std::byte* const* rows, int64_t nb, const 
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs));
       const __m256i dot = _mm256_add_epi32(
           _mm256_setzero_si256(),
-          _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)), ones));
+          _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)),
+                            ones));
       acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * yd), _mm256_cvtepi32_ps(dot), acc[k]);
     }
   }

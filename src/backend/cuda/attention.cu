@@ -27,9 +27,9 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kMaxHeadDim = 256;
 constexpr int64_t kMinKeysPerSplit = 32;
-constexpr int kMaxGroup = 8;  // query heads one block serves (registers: 2 P floats each)
-constexpr int kTileKeys = 32;                 // warp-tile kernel: keys per warp and step
-constexpr int64_t kWtMinKeysPerSplit = 256;   // and its shortest slice
+constexpr int kMaxGroup = 8;   // query heads one block serves (registers: 2 P floats each)
+constexpr int kTileKeys = 32;  // warp-tile kernel: keys per warp and step
+constexpr int64_t kWtMinKeysPerSplit = 256;  // and its shortest slice
 
 // Query heads per block: the largest of 8, 4, 2, 1 dividing the GQA ratio, so that every head
 // of a block reads the same KV head and each K/V row is loaded once for all of them (with
@@ -117,8 +117,7 @@ template <int G, int KB, int P>
 __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
                                                      int64_t keys_per_split,
                                                      float* __restrict__ part, int64_t bx,
-                                                     int64_t by, int64_t n_split,
-                                                     bool skip_empty) {
+                                                     int64_t by, int64_t n_split, bool skip_empty) {
   constexpr int HD = 64 * P;  // the widest head this instantiation serves
   __shared__ float q_s[G][HD];
   __shared__ float acc_s[kWarps][G][HD];
@@ -138,8 +137,7 @@ __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
   if (!__syncthreads_or(any)) {
     for (int64_t i = threadIdx.x; i < int64_t(G) * (hd + 2); i += blockDim.x) {
       const int64_t g = i / (hd + 2), d = i % (hd + 2);
-      part[((qi * a.n_head + h0 + g) * n_split + by) * (hd + 2) + d] =
-          d == hd ? -INFINITY : 0.0f;
+      part[((qi * a.n_head + h0 + g) * n_split + by) * (hd + 2) + d] = d == hd ? -INFINITY : 0.0f;
     }
     return;
   }
@@ -254,8 +252,10 @@ __device__ __forceinline__ int find_item(const AttentionBatchItem* items, int n,
   int lo = 0, hi = n - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if ((merge ? items[mid].merge0 : items[mid].block0) <= b) lo = mid;
-    else hi = mid - 1;
+    if ((merge ? items[mid].merge0 : items[mid].block0) <= b)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const AttentionBatchItem& it = items[i];
   const int64_t local = int64_t(blockIdx.x) - it.block0;
   attention_split_body<G, KB, P>(it.a, it.keys_per_split, it.part, local / it.n_split,
-                              local % it.n_split, it.n_split, skip_empty);
+                                 local % it.n_split, it.n_split, skip_empty);
 }
 
 // ------------------------------------------------ decode: warp tiles (kernels.h warp_tiles)
@@ -293,17 +293,17 @@ __global__ void __launch_bounds__(kWarps * 32)
 // no merge kernel runs (a query that sees no key gets zeros, as the reference defines).
 // Otherwise the partials have the split kernel's layout and the same merge kernels serve.
 template <int G, int HD>
-__device__ __forceinline__ void attention_wt_body(const DeviceAttention& a,
-                                                  int64_t keys_per_split,
-                                                  float* __restrict__ part, int64_t bx,
-                                                  int64_t by, int64_t n_split) {
+__device__ __forceinline__ void attention_wt_body(const DeviceAttention& a, int64_t keys_per_split,
+                                                  float* __restrict__ part, int64_t bx, int64_t by,
+                                                  int64_t n_split) {
   constexpr int D = HD / 32;           // value dimensions per lane
   constexpr bool kVAhead = HD <= 128;  // the tile's V rows copied ahead into shared memory
   // Per warp: the tile's V rows (kVAhead), later reused for the warp's accumulators.
   constexpr int kVBytes = kVAhead ? kTileKeys * HD * 2 : 0;
   constexpr int kWarpBytes = kVBytes > G * HD * 4 ? kVBytes : G * HD * 4;
-  using VChunk = typename std::conditional<
-      D == 2, uint32_t, typename std::conditional<D == 4, uint2, uint4>::type>::type;
+  using VChunk =
+      typename std::conditional<D == 2, uint32_t,
+                                typename std::conditional<D == 4, uint2, uint4>::type>::type;
   __shared__ __align__(16) float q_s[G][HD];
   __shared__ __align__(16) unsigned char warp_s[kWarps][kWarpBytes];
   __shared__ __align__(16) float p_s[kWarps][kTileKeys][G];
@@ -483,8 +483,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int i = find_item(items, n, blockIdx.x, false);
   const AttentionBatchItem& it = items[i];
   const int64_t local = int64_t(blockIdx.x) - it.block0;
-  attention_wt_body<G, HD>(it.a, it.keys_per_split, it.part, local / it.n_split,
-                           local % it.n_split, it.n_split);
+  attention_wt_body<G, HD>(it.a, it.keys_per_split, it.part, local / it.n_split, local % it.n_split,
+                           it.n_split);
 }
 
 // One (query, head): merges the splits' partials and normalises.
@@ -541,8 +541,8 @@ __global__ void attention_merge_batch_kernel(const AttentionBatchItem* __restric
 // correction first). Tiles whose keys no query of the block can see are skipped (causal
 // prefill: about half). The f16 roundings of Q and P are the error this path adds over the
 // split kernel (tests/cuda/cuda_attention_test.cpp bounds it).
-constexpr int kKT = 64;          // keys per tile
-constexpr int kTileRows = 64;    // (query, head) rows per block: 4 warps x 16
+constexpr int kKT = 64;        // keys per tile
+constexpr int kTileRows = 64;  // (query, head) rows per block: 4 warps x 16
 constexpr int64_t kTileMinQueries = 32;
 
 template <int HD>
@@ -575,8 +575,7 @@ __global__ void __launch_bounds__(128) attention_tile_kernel(DeviceAttention a) 
   float* s_s = reinterpret_cast<float*>(smem + L::kK + L::kV + L::kQ);
   __half* p_s = reinterpret_cast<__half*>(smem + L::kK + L::kV + L::kQ + L::kS);
   float* o_s = reinterpret_cast<float*>(smem + L::kK + L::kV + L::kQ + L::kS + L::kP);
-  int32_t* kp_s =
-      reinterpret_cast<int32_t*>(smem + L::kK + L::kV + L::kQ + L::kS + L::kP + L::kO);
+  int32_t* kp_s = reinterpret_cast<int32_t*>(smem + L::kK + L::kV + L::kQ + L::kS + L::kP + L::kO);
 
   constexpr int kQB = kTileRows / G;  // queries per block
   const int64_t q0 = int64_t(blockIdx.x) * kQB;
@@ -742,10 +741,14 @@ cudaError_t launch_tile(const DeviceAttention& a, cudaStream_t s) {
 template <int HD>
 cudaError_t launch_tile_hd(const DeviceAttention& a, cudaStream_t s) {
   switch (group_of(a)) {
-    case 8: return launch_tile<HD, 8>(a, s);
-    case 4: return launch_tile<HD, 4>(a, s);
-    case 2: return launch_tile<HD, 2>(a, s);
-    default: return launch_tile<HD, 1>(a, s);
+    case 8:
+      return launch_tile<HD, 8>(a, s);
+    case 4:
+      return launch_tile<HD, 4>(a, s);
+    case 2:
+      return launch_tile<HD, 2>(a, s);
+    default:
+      return launch_tile<HD, 1>(a, s);
   }
 }
 
@@ -761,10 +764,14 @@ cudaError_t with_split_kernel_p(int64_t hd, F&& f) {
 template <typename F>
 cudaError_t with_split_kernel(int g, int64_t hd, F&& f) {
   switch (g) {
-    case 8: return with_split_kernel_p<8, 2>(hd, f);
-    case 4: return with_split_kernel_p<4, 4>(hd, f);
-    case 2: return with_split_kernel_p<2, 4>(hd, f);
-    default: return with_split_kernel_p<1, 4>(hd, f);
+    case 8:
+      return with_split_kernel_p<8, 2>(hd, f);
+    case 4:
+      return with_split_kernel_p<4, 4>(hd, f);
+    case 2:
+      return with_split_kernel_p<2, 4>(hd, f);
+    default:
+      return with_split_kernel_p<1, 4>(hd, f);
   }
 }
 
@@ -779,10 +786,14 @@ cudaError_t with_wt_kernel_hd(int64_t hd, F&& f) {
 template <typename F>
 cudaError_t with_wt_kernel(int g, int64_t hd, F&& f) {
   switch (g) {
-    case 8: return with_wt_kernel_hd<8>(hd, f);
-    case 4: return with_wt_kernel_hd<4>(hd, f);
-    case 2: return with_wt_kernel_hd<2>(hd, f);
-    default: return with_wt_kernel_hd<1>(hd, f);
+    case 8:
+      return with_wt_kernel_hd<8>(hd, f);
+    case 4:
+      return with_wt_kernel_hd<4>(hd, f);
+    case 2:
+      return with_wt_kernel_hd<2>(hd, f);
+    default:
+      return with_wt_kernel_hd<1>(hd, f);
   }
 }
 
@@ -801,7 +812,6 @@ bool attention_warp_tiles_fit(int64_t head_dim, const void* k, const void* v) {
          reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0;
 }
 
-
 int64_t plan_attention_batch(std::span<AttentionBatchItem> items, int n_sm) {
   int64_t blocks = 0, merges = 0;
   for (AttentionBatchItem& it : items) {
@@ -817,8 +827,7 @@ int64_t plan_attention_batch(std::span<AttentionBatchItem> items, int n_sm) {
 }
 
 cudaError_t launch_attention_batch(const AttentionBatchItem* items,
-                                   std::span<const AttentionBatchItem> host_items,
-                                   cudaStream_t s) {
+                                   std::span<const AttentionBatchItem> host_items, cudaStream_t s) {
   if (host_items.empty()) return cudaSuccess;
   const DeviceAttention& a0 = host_items.front().a;
   const int g = group_of(a0);
@@ -832,23 +841,23 @@ cudaError_t launch_attention_batch(const AttentionBatchItem* items,
         a.head_dim <= 0 || a.head_dim > kMaxHeadDim || a.head_dim % 2 != 0 ||
         a.n_head % a.n_head_kv != 0 || a.n_q <= 0 || a.n_kv <= 0 || tile_path(a) ||
         a.warp_tiles != a0.warp_tiles ||
-        (a.warp_tiles && !attention_warp_tiles_fit(a.head_dim, a.k, a.v)) ||
-        it.block0 != blocks || it.merge0 != merges)
+        (a.warp_tiles && !attention_warp_tiles_fit(a.head_dim, a.k, a.v)) || it.block0 != blocks ||
+        it.merge0 != merges)
       return cudaErrorInvalidValue;
     blocks += a.n_q * (a.n_head / g) * it.n_split;
     merges += a.n_q * a.n_head;
     merge_needed = merge_needed || !a.warp_tiles || it.n_split > 1;
   }
   const int n = int(host_items.size());
-  const cudaError_t e =
-      a0.warp_tiles
-          ? with_wt_kernel(g, a0.head_dim, [&](auto, auto batch) {
-              return launch(batch, unsigned(blocks), kWarps * 32, 0, s, items, n);
-            })
-          : with_split_kernel(g, a0.head_dim, [&](auto, auto batch) {
-              return launch(batch, unsigned(blocks), kWarps * 32, 0, s, items, n,
-                            attention_skip_empty());
-            });
+  const cudaError_t e = a0.warp_tiles ? with_wt_kernel(g, a0.head_dim,
+                                                       [&](auto, auto batch) {
+                                                         return launch(batch, unsigned(blocks),
+                                                                       kWarps * 32, 0, s, items, n);
+                                                       })
+                                      : with_split_kernel(g, a0.head_dim, [&](auto, auto batch) {
+                                          return launch(batch, unsigned(blocks), kWarps * 32, 0, s,
+                                                        items, n, attention_skip_empty());
+                                        });
   if (e != cudaSuccess || !merge_needed) return e;
   return launch(attention_merge_batch_kernel, unsigned(merges), 128, 0, s, items, n);
 }

@@ -113,7 +113,8 @@ struct CudaOptions {
   bool mma_pre_scales = true;  // kernels.h kMmaPreScalesDefault (cuda_backend.cpp asserts it)
   // A download into host memory page-locked through register_host_memory (the engine's
   // logits buffers) is one DMA straight into it; off: through the backend's own pinned buffer
-  // and a host memcpy, as into any other host memory. Same bytes (CudaOps.DirectDownloadSameBytesAsStaged).
+  // and a host memcpy, as into any other host memory. Same bytes
+  // (CudaOps.DirectDownloadSameBytesAsStaged).
   bool direct_download = true;
   // Decode attention: a block whose slice of keys holds no visible one (a graph's key bucket
   // padded past a short context) writes its empty partial at once (kernels.h

@@ -89,8 +89,8 @@ __global__ void store_rows_f16_batch_kernel(const StoreRowsItem* __restrict__ it
 
 }  // namespace
 
-cudaError_t launch_store_rows_f16_batch(const StoreRowsItem* items, int n_items,
-                                        int64_t max_elems, cudaStream_t s) {
+cudaError_t launch_store_rows_f16_batch(const StoreRowsItem* items, int n_items, int64_t max_elems,
+                                        cudaStream_t s) {
   if (n_items == 0 || max_elems == 0) return cudaSuccess;
   if (n_items > 65535) return cudaErrorInvalidValue;
   return launch(store_rows_f16_batch_kernel, dim3(grid_for(max_elems), unsigned(n_items)), kThreads,

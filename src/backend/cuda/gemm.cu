@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(kStageUnits)
   const int64_t units = total - g0 < kStageUnits ? total - g0 : kStageUnits;
   const int n_vec = int(units) * (kUnit / 8);
   uint4* o = reinterpret_cast<uint4*>(out + g0 * kUnit);
-  for (int i = threadIdx.x; i < n_vec; i += kStageUnits) o[i] = reinterpret_cast<const uint4*>(buf)[i];
+  for (int i = threadIdx.x; i < n_vec; i += kStageUnits)
+    o[i] = reinterpret_cast<const uint4*>(buf)[i];
 }
 
 __global__ void f32_to_f16_kernel(const float* __restrict__ x, int64_t n, __half* __restrict__ o) {
@@ -153,10 +154,10 @@ cudaError_t launch_dequant_f16(const DeviceWeight& w, void* out, cudaStream_t s)
   const auto* wb = reinterpret_cast<const uint8_t*>(w.data);
   const int64_t n_units = w.n_rows * units_per_row(w.n_cols);
   const unsigned blocks = unsigned((n_units + 255) / 256);
-  const bool aligned = reinterpret_cast<uintptr_t>(wb) % 16 == 0 && w.row_bytes % 16 == 0 &&
-                       (!(w.dtype == DType::F32 || w.dtype == DType::F16 ||
-                          w.dtype == DType::BF16) ||
-                        w.n_cols % kUnit == 0);
+  const bool aligned =
+      reinterpret_cast<uintptr_t>(wb) % 16 == 0 && w.row_bytes % 16 == 0 &&
+      (!(w.dtype == DType::F32 || w.dtype == DType::F16 || w.dtype == DType::BF16) ||
+       w.n_cols % kUnit == 0);
   const bool whole_units = w.n_cols % kUnit == 0;
   const unsigned staged_blocks = unsigned((n_units + kStageUnits - 1) / kStageUnits);
   dispatch_dtype(w.dtype, [&]<DType T>() {
@@ -204,11 +205,10 @@ cudaError_t launch_gemm_f16(const DeviceWeight& w, const float* x, int64_t n_tok
     return cudaErrorNotSupported;
   const float alpha = 1.0f, beta = 0.0f;
   const int m = int(w.n_rows), n = int(n_tok), k = int(w.n_cols);
-  const cublasStatus_t st =
-      cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha,
-                   in_place ? static_cast<const void*>(wb) : static_cast<const void*>(wh),
-                   CUDA_R_16F, k, xh, CUDA_R_16F,
-                   k, &beta, y, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  const cublasStatus_t st = cublasGemmEx(
+      h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha,
+      in_place ? static_cast<const void*>(wb) : static_cast<const void*>(wh), CUDA_R_16F, k, xh,
+      CUDA_R_16F, k, &beta, y, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   return st == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
 #else
   (void)w, (void)x, (void)n_tok, (void)y, (void)s, (void)gemm;

@@ -77,8 +77,10 @@ std::string short_kernel_name(std::string_view n, size_t max_len) {
   // "(DType)12"-style template argument sits inside the brackets).
   int depth = 0;
   for (size_t i = 0; i < s.size(); ++i) {
-    if (s[i] == '<') ++depth;
-    else if (s[i] == '>') --depth;
+    if (s[i] == '<')
+      ++depth;
+    else if (s[i] == '>')
+      --depth;
     else if (s[i] == '(' && depth == 0 && i > 0) {
       s.erase(i);
       break;

@@ -34,9 +34,9 @@ struct KernelTraceRow {
 };
 struct KernelTraceSummary {
   uint64_t kernels = 0;
-  double span_us_per_step = 0;  // first kernel's start to last kernel's end, per step
-  double busy_us_per_step = 0;  // time at least one kernel ran (the union of the intervals)
-  double kernel_us_per_step = 0;  // sum of the kernels' durations (overlaps counted twice)
+  double span_us_per_step = 0;       // first kernel's start to last kernel's end, per step
+  double busy_us_per_step = 0;       // time at least one kernel ran (the union of the intervals)
+  double kernel_us_per_step = 0;     // sum of the kernels' durations (overlaps counted twice)
   std::vector<KernelTraceRow> rows;  // by added_us_per_step, largest first; ties by name
 };
 // Per-step figures of `steps` steps' records (steps >= 1), kernels grouped by short name.

@@ -111,8 +111,8 @@ cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_t
 // The tensor-core path alone (Q8_0 included), with nb (1, 2 or 4) tiles of 8 tokens per block
 // column whatever n_tok is (every nb has the same bits; for tests and cuda_matvec_bench).
 // cudaErrorInvalidValue where it does not apply (type, alignment, device).
-cudaError_t launch_matvec_q8_mma(const DeviceWeight& w, const void* act, int64_t n_tok,
-                                 float* y, int nb, cudaStream_t s);
+cudaError_t launch_matvec_q8_mma(const DeviceWeight& w, const void* act, int64_t n_tok, float* y,
+                                 int nb, cudaStream_t s);
 // Several weights of one type, width and row size against the same input in one launch (a
 // layer's Q/K/V or gate/up, ys[i] for ws[i]): each output has the bits launch_matvec_q8 /
 // launch_matvec_float_v3 write for that weight alone (the same kernel body per row, the same
@@ -124,14 +124,14 @@ cudaError_t launch_matvec_q8_group(std::span<const DeviceWeight> ws, std::span<f
                                    const void* act, int64_t n_tok, cudaStream_t s,
                                    int mma_min_tokens = kQ8MmaMinTokens);
 cudaError_t launch_matvec_float_v3_group(std::span<const DeviceWeight> ws,
-                                         std::span<float* const> ys, const float* x,
-                                         int64_t n_tok, int rows, cudaStream_t s);
+                                         std::span<float* const> ys, const float* x, int64_t n_tok,
+                                         int rows, cudaStream_t s);
 // V3's float-weight kernel (F32/F16/BF16 rows 16-byte aligned, n_cols % 8 == 0, 1-8 tokens)
 // with `rows` (1, 2 or 4) rows per warp sharing each activation load. Every `rows` gives the
 // same bits (one accumulation order per output); launch_matmul_v3 takes float_v3_rows's choice
 // for the shape, measured by bench/cuda/cuda_matvec_bench --float-rows-ab.
-cudaError_t launch_matvec_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok,
-                                   float* y, int rows, cudaStream_t s);
+cudaError_t launch_matvec_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
+                                   int rows, cudaStream_t s);
 int float_v3_rows(DType t, int64_t n_tok, int64_t n_rows, int64_t n_cols);
 // True when launch_matmul_v3 takes the float kernel for this weight, input and token count.
 bool float_v3_applies(const DeviceWeight& w, const float* x, int64_t n_tok);
@@ -139,8 +139,7 @@ bool float_v3_applies(const DeviceWeight& w, const float* x, int64_t n_tok);
 // kernel for float weights up to 8 tokens, else V2 (with gemm above kMatvecMaxTokens).
 cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
                              void* act_scratch, size_t scratch_bytes, cudaStream_t s,
-                             GemmWorkspace* gemm = nullptr,
-                             int mma_min_tokens = kQ8MmaMinTokens);
+                             GemmWorkspace* gemm = nullptr, int mma_min_tokens = kQ8MmaMinTokens);
 
 // --- get_rows.cu: out[i][:] = row ids[i] of w, dequantized.
 cudaError_t launch_get_rows(const DeviceWeight& w, const int32_t* ids, int64_t n_ids, float* out,
@@ -223,7 +222,7 @@ bool attention_warp_tiles_fit(int64_t head_dim, const void* k, const void* v);
 // and must share n_head, n_head_kv and head_dim.
 struct AttentionBatchItem {
   DeviceAttention a;
-  float* part = nullptr;  // attention_scratch_floats(a) floats of its own
+  float* part = nullptr;                    // attention_scratch_floats(a) floats of its own
   int64_t n_split = 0, keys_per_split = 0;  // plan_attention_batch fills these and the next
   int64_t block0 = 0, merge0 = 0;           // first block of the item in each grid
 };
@@ -240,8 +239,8 @@ struct StoreRowsItem {
   int64_t n_rows = 0, width = 0;
   uint16_t* plane = nullptr;
 };
-cudaError_t launch_store_rows_f16_batch(const StoreRowsItem* items, int n_items,
-                                        int64_t max_elems, cudaStream_t s);
+cudaError_t launch_store_rows_f16_batch(const StoreRowsItem* items, int n_items, int64_t max_elems,
+                                        cudaStream_t s);
 
 // --- launch.cuh / probe.cu: programmatic dependent launch (launch.cuh says why and how it stays
 // safe). While set on the calling thread, the decode-path launchers (quantization, V3 matvecs,

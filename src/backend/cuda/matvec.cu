@@ -470,13 +470,13 @@ cudaError_t launch_v2(K kernel, dim3 grid, size_t smem, const DeviceWeight& w, c
   // kernels carry up to ~14 KiB of static staging (8 warps x one chunk), so opt in well below
   // 48 KiB of dynamic memory (the first H200 run failed here with cudaErrorInvalidValue).
   if (smem > (size_t(32) << 10)) {
-    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             int(smem));
+    if (cudaError_t e =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
         e != cudaSuccess)
       return e;
   }
-  kernel<<<grid, kV2Warps * kWarp, smem, s>>>(reinterpret_cast<const uint8_t*>(w.data),
-                                               w.row_bytes, w.n_rows, w.n_cols, x, n_tok, y);
+  kernel<<<grid, kV2Warps * kWarp, smem, s>>>(reinterpret_cast<const uint8_t*>(w.data), w.row_bytes,
+                                              w.n_rows, w.n_cols, x, n_tok, y);
   return cudaGetLastError();
 }
 

@@ -50,8 +50,8 @@ __device__ __forceinline__ float warp_sum_rn(float v) {
 // Rows r0..r0+R-1, tokens t0..t0+nt-1 of y: each lane's partial sum reduced over the warp in
 // one fixed order (warp_sum_rn), written by lane 0; rows past the matrix dropped.
 template <int R, int NT>
-__device__ __forceinline__ void store_sums(const float (&acc)[R][NT], int nt, int lane,
-                                           int64_t t0, int64_t r0, int64_t n_rows, float* y) {
+__device__ __forceinline__ void store_sums(const float (&acc)[R][NT], int nt, int lane, int64_t t0,
+                                           int64_t r0, int64_t n_rows, float* y) {
 #pragma unroll
   for (int i = 0; i < R; ++i)
 #pragma unroll
@@ -450,7 +450,8 @@ __device__ __forceinline__ GroupTask group_task(const GroupArgs& g) {
   GroupTask t{g.w[0], g.y[0], g.n_rows[0], b};
 #pragma unroll  // constant indices: the arguments stay in the parameter bank
   for (int i = 1; i < kMatvecGroupMax; ++i)
-    if (i < g.n && b >= g.rb_end[i - 1]) t = GroupTask{g.w[i], g.y[i], g.n_rows[i], b - g.rb_end[i - 1]};
+    if (i < g.n && b >= g.rb_end[i - 1])
+      t = GroupTask{g.w[i], g.y[i], g.n_rows[i], b - g.rb_end[i - 1]};
   return t;
 }
 
@@ -595,7 +596,7 @@ __global__ void __launch_bounds__(kQ8Warps* kWarp)
                            int64_t n_tok) {
   const GroupTask t = group_task(g);
   matvec_q8_body<T, NT, R, MODE, (R >= 4 ? 1 : 4 / R)>(t.w, row_bytes, t.n_rows, n_cols, xq, xd,
-                                                      n_tok, t.y, t.rb);
+                                                       n_tok, t.y, t.rb);
 }
 
 // ---- batched decode on the int8 tensor cores (MatmulKernels::V3 from mma_min_tokens tokens,
@@ -632,8 +633,7 @@ __device__ __forceinline__ int bitrev5(int i) { return int(__brev(unsigned(i)) >
 __device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                        uint32_t a3, uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%10, %11, %12, %13};"
       : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
@@ -648,8 +648,8 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, ui
 // and the tokens' (d, d * sum q): unit_dot's operations in unit_dot's order.
 template <DType T, int NB>
 __device__ __forceinline__ void mma_update(float (&acc)[NB][4], const int (&c)[NB][4],
-                                           const int (&c1)[NB][4], float d0g, float d1g,
-                                           float d0h, float d1h, const float2 (&ds)[NB][2]) {
+                                           const int (&c1)[NB][4], float d0g, float d1g, float d0h,
+                                           float d1h, const float2 (&ds)[NB][2]) {
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
@@ -676,9 +676,9 @@ __device__ __forceinline__ void mma_update(float (&acc)[NB][4], const int (&c)[N
 template <DType T, int NB>
 struct MmaStep {
   static constexpr int kU = T == DType::Q4_K ? 2 : 1;  // units per step
-  uint32_t wa[4];     // Q4_K: words 4q / 16 + 4q of rows g, h; Q6_K/Q8_0: a0..a3
-  uint32_t wx[4];     // Q4_K: header words dm/scales of row g (x, y, z, w); Q6_K: qh words
-  uint32_t wy[4];     // Q4_K: row h's header; Q6_K: d and scale bits per row
+  uint32_t wa[4];  // Q4_K: words 4q / 16 + 4q of rows g, h; Q6_K/Q8_0: a0..a3
+  uint32_t wx[4];  // Q4_K: header words dm/scales of row g (x, y, z, w); Q6_K: qh words
+  uint32_t wy[4];  // Q4_K: row h's header; Q6_K: d and scale bits per row
   uint32_t b0[kU][NB], b1[kU][NB];
   float2 ds[kU][NB][2];
 };
@@ -780,9 +780,9 @@ __device__ __forceinline__ void mma_compute(const MmaStep<T, NB>& st, int64_t i,
     uint32_t a[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      a[j] = __vsub4(((st.wa[j] >> lshift) & 0x0F0F0F0Fu) |
-                         (((st.wx[j] >> (2 * qq)) & 0x03030303u) << 4),
-                     0x20202020u);
+      a[j] = __vsub4(
+          ((st.wa[j] >> lshift) & 0x0F0F0F0Fu) | (((st.wx[j] >> (2 * qq)) & 0x03030303u) << 4),
+          0x20202020u);
     // The two 16-element halves have their own scales: one product per half, the other
     // half's A words zero.
     int c0[NB][4], c1[NB][4];
@@ -847,8 +847,8 @@ __device__ __forceinline__ void mma_store_block(float (*part)[kMmaRows][8 * NB],
   __syncthreads();
   for (int i = threadIdx.x; i < kMmaRows * 8 * NB; i += W * kWarp) {
     const int r = i / (8 * NB), t = i % (8 * NB);
-    float v = __fadd_rn(__fadd_rn(part[0][r][t], part[1][r][t]),
-                        __fadd_rn(part[2][r][t], part[3][r][t]));
+    float v =
+        __fadd_rn(__fadd_rn(part[0][r][t], part[1][r][t]), __fadd_rn(part[2][r][t], part[3][r][t]));
     if constexpr (W == 8)
       v = __fadd_rn(v, __fadd_rn(__fadd_rn(part[4][r][t], part[5][r][t]),
                                  __fadd_rn(part[6][r][t], part[7][r][t])));
@@ -859,9 +859,9 @@ __device__ __forceinline__ void mma_store_block(float (*part)[kMmaRows][8 * NB],
 // Rows rb * 16 .. + 15, tokens blockIdx.x * 8 NB .. of y. Q4_K rows 16-byte aligned; Q6_K and
 // Q8_0 rows 2-byte aligned (fields read as aligned words and funnel shifts).
 template <DType T, int NB>
-__device__ __forceinline__ void matvec_q8_mma_body(const uint8_t* __restrict__ w,
-                                                   size_t row_bytes, int64_t n_rows,
-                                                   int64_t n_cols, const int8_t* __restrict__ xq,
+__device__ __forceinline__ void matvec_q8_mma_body(const uint8_t* __restrict__ w, size_t row_bytes,
+                                                   int64_t n_rows, int64_t n_cols,
+                                                   const int8_t* __restrict__ xq,
                                                    const float2* __restrict__ xd, int64_t n_tok,
                                                    float* __restrict__ y, int64_t rb) {
   __shared__ float part[kQ8Warps][kMmaRows][8 * NB];
@@ -951,8 +951,8 @@ template <DType T>
 struct MsType {
   static constexpr bool kQ4 = T == DType::Q4_K;
   static constexpr int kUnits = kQ4 ? 2 * kMsSteps : kMsSteps;  // activation units per stage
-  static constexpr int kCols = kUnits * kBlk;                     // columns per stage
-  static constexpr int kRowBytes = kQ4 ? 2 * 144 : 210;           // a row's bytes per stage
+  static constexpr int kCols = kUnits * kBlk;                   // columns per stage
+  static constexpr int kRowBytes = kQ4 ? 2 * 144 : 210;         // a row's bytes per stage
   // A row's slot: Q4_K 288 bytes (= 32 mod 128: a half warp's 8-byte loads of rows g = 0..3
   // at bytes 8q cover the 32 banks once); Q6_K 224, the granules of a 2-aligned block.
   static constexpr int kWRow = kQ4 ? kRowBytes : 224;
@@ -1041,9 +1041,9 @@ __device__ __forceinline__ void ms_decode_scales(const uint8_t* sw, float2* pre,
 }
 // bg / bh: rows g and g + 8's block (2-byte aligned in its slot); unit s (0..7) of it.
 template <int NB>
-__device__ __forceinline__ void ms_step_q6k(const uint8_t* bg, const uint8_t* bh,
-                                            const uint8_t* sa, const float2* sd, int s, int g,
-                                            int q, float (&acc)[NB][4]) {
+__device__ __forceinline__ void ms_step_q6k(const uint8_t* bg, const uint8_t* bh, const uint8_t* sa,
+                                            const float2* sd, int s, int g, int q,
+                                            float (&acc)[NB][4]) {
   using kiln::quant::block_q6_K;
   using M = MsType<DType::Q6_K>;
   const int hs = s / 4, qq = s % 4;
@@ -1184,7 +1184,7 @@ __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, si
       for (int e = 0; e < 4; ++e) acc[ii][nb][e] = 0.0f;
   const auto step = [&]<int J>(int k) {
     cp_async_wait<STAGES - 2>();  // this thread's copies of stage k are done
-    __syncthreads();  // everyone's are, and everyone is done with stage k - 1's slot
+    __syncthreads();              // everyone's are, and everyone is done with stage k - 1's slot
     load_w(k + STAGES - 1);
     load_a(k + STAGES - 1);
     cp_async_commit();  // possibly empty: one group per stage keeps the count
@@ -1213,21 +1213,22 @@ __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, si
 #pragma unroll
       for (int e = 0; e < 4; ++e) fin[nb][e] = stk[2][nb][e];
   }
-  mma_store_block<NB, W>(reinterpret_cast<float(*)[kMmaRows][8 * NB]>(sm), fin, warp, g, q, r0,
-                         t0, n_rows, n_tok, y);
+  mma_store_block<NB, W>(reinterpret_cast<float(*)[kMmaRows][8 * NB]>(sm), fin, warp, g, q, r0, t0,
+                         n_rows, n_tok, y);
 }
 // Register cap: 4 warps, 3 blocks per SM (Q4_K at 16 tokens: 206 registers uncapped, 2
 // blocks), 4 for Q4_K at 8 tokens (Q6_K's step, more words per unit, spills 180-390 bytes under
 // that cap); 8 warps (half the sums per thread), 2 blocks.
 template <DType T, int NB, int W>
-constexpr int kMsMinBlocks = W == 8 ? 2 : NB == 1 && T == DType::Q4_K ? 4 : 3;
+constexpr int kMsMinBlocks = W == 8                        ? 2
+                             : NB == 1 && T == DType::Q4_K ? 4
+                                                           : 3;
 template <DType T, int NB, int STAGES, int W, bool PRE>
 __global__ void __launch_bounds__(W* kWarp, kMsMinBlocks<T, NB, W>)
     matvec_ms_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
                      int64_t n_cols, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                      int64_t n_tok, float* __restrict__ y) {
-  matvec_ms_body<T, NB, STAGES, W, PRE>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y,
-                                        blockIdx.y);
+  matvec_ms_body<T, NB, STAGES, W, PRE>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y, blockIdx.y);
 }
 template <DType T, int NB, int STAGES, int W, bool PRE>
 __global__ void __launch_bounds__(W* kWarp, kMsMinBlocks<T, NB, W>)
@@ -1235,8 +1236,7 @@ __global__ void __launch_bounds__(W* kWarp, kMsMinBlocks<T, NB, W>)
                            const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                            int64_t n_tok) {
   const GroupTask t = group_task(g);
-  matvec_ms_body<T, NB, STAGES, W, PRE>(t.w, row_bytes, t.n_rows, n_cols, xq, xd, n_tok, t.y,
-                                        t.rb);
+  matvec_ms_body<T, NB, STAGES, W, PRE>(t.w, row_bytes, t.n_rows, n_cols, xq, xd, n_tok, t.y, t.rb);
 }
 // Dynamic shared memory of a form: the ring, and with PRE a stage's decoded Q4_K scales.
 template <DType T, int NB, int S, bool PRE>
@@ -1293,9 +1293,12 @@ cudaError_t launch_ms(dim3 grid, cudaStream_t s, A... args) {
     return warps.template operator()<S, false>();
   };
   switch (mma_stages()) {
-    case 4: return stages.template operator()<4>();
-    case 6: return stages.template operator()<6>();
-    default: return stages.template operator()<3>();
+    case 4:
+      return stages.template operator()<4>();
+    case 6:
+      return stages.template operator()<6>();
+    default:
+      return stages.template operator()<3>();
   }
 }
 
@@ -1316,11 +1319,13 @@ bool mma_applies(const DeviceWeight& w, int64_t n_tok, int min_tokens, bool any_
   dispatch_dtype(w.dtype, [&]<DType T>() { ok = mma_type<T>(); });
   if (!ok) return false;
   if (w.dtype == DType::Q4_K &&
-      (w.n_cols % 256 != 0 || reinterpret_cast<uintptr_t>(w.data) % 16 != 0 || w.row_bytes % 16 != 0))
+      (w.n_cols % 256 != 0 || reinterpret_cast<uintptr_t>(w.data) % 16 != 0 ||
+       w.row_bytes % 16 != 0))
     return false;
   static const int major = [] {
     int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
       cudaGetLastError();
       return 0;
     }
@@ -1336,15 +1341,15 @@ cudaError_t with_mma_shape(int64_t n_tok, F&& f) {
   return f.template operator()<2>();
 }
 template <DType T, int NB>
-cudaError_t launch_mma_nb(const DeviceWeight& w, const int8_t* xq, const float2* xd,
-                          int64_t n_tok, float* y, cudaStream_t s) {
+cudaError_t launch_mma_nb(const DeviceWeight& w, const int8_t* xq, const float2* xd, int64_t n_tok,
+                          float* y, cudaStream_t s) {
   const int64_t n_rb = (w.n_rows + kMmaRows - 1) / kMmaRows;
   if (n_rb > 65535) return cudaErrorInvalidValue;
   const dim3 grid(unsigned((n_tok + 8 * NB - 1) / (8 * NB)), unsigned(n_rb));
   if constexpr (kMsForm<T, NB>) {
     if (ms_applies<T, NB>(w))
-      return launch_ms<T, NB, false>(grid, s, reinterpret_cast<const uint8_t*>(w.data),
-                                     w.row_bytes, w.n_rows, w.n_cols, xq, xd, n_tok, y);
+      return launch_ms<T, NB, false>(grid, s, reinterpret_cast<const uint8_t*>(w.data), w.row_bytes,
+                                     w.n_rows, w.n_cols, xq, xd, n_tok, y);
   }
   return launch(matvec_q8_mma_kernel<T, NB>, grid, kQ8Warps * kWarp, 0, s,
                 reinterpret_cast<const uint8_t*>(w.data), w.row_bytes, w.n_rows, w.n_cols, xq, xd,
@@ -1356,7 +1361,8 @@ cudaError_t launch_mma_typed(const DeviceWeight& w, const int8_t* xq, const floa
   if constexpr (!mma_type<T>()) {
     return cudaErrorInvalidValue;
   } else {
-    return with_mma_shape(n_tok, [&]<int NB>() { return launch_mma_nb<T, NB>(w, xq, xd, n_tok, y, s); });
+    return with_mma_shape(n_tok,
+                          [&]<int NB>() { return launch_mma_nb<T, NB>(w, xq, xd, n_tok, y, s); });
   }
 }
 
@@ -1656,8 +1662,8 @@ cudaError_t launch_matvec_q8(const DeviceWeight& w, const void* act, int64_t n_t
   return err;
 }
 
-cudaError_t launch_matvec_q8_mma(const DeviceWeight& w, const void* act, int64_t n_tok,
-                                 float* y, int nb, cudaStream_t s) {
+cudaError_t launch_matvec_q8_mma(const DeviceWeight& w, const void* act, int64_t n_tok, float* y,
+                                 int nb, cudaStream_t s) {
   if (!mma_applies(w, n_tok, 1, true) || act_q8_bytes(w.n_cols, n_tok) == 0 ||
       reinterpret_cast<uintptr_t>(act) % 16 != 0 || !(nb == 1 || nb == 2 || nb == 4))
     return cudaErrorInvalidValue;
@@ -1720,8 +1726,8 @@ cudaError_t launch_matvec_q8_group(std::span<const DeviceWeight> ws, std::span<f
 }
 
 cudaError_t launch_matvec_float_v3_group(std::span<const DeviceWeight> ws,
-                                         std::span<float* const> ys, const float* x,
-                                         int64_t n_tok, int rows, cudaStream_t s) {
+                                         std::span<float* const> ys, const float* x, int64_t n_tok,
+                                         int rows, cudaStream_t s) {
   if (!same_layout(ws) || ws.size() != ys.size() || !float_v3_fits(ws[0], x, n_tok) ||
       !(rows == 1 || rows == 2 || rows == 4))
     return cudaErrorNotSupported;
@@ -1759,8 +1765,8 @@ cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_to
   return launch_matmul(w, x, n_tok, y, s, gemm);
 }
 
-cudaError_t launch_matvec_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok,
-                                   float* y, int rows, cudaStream_t s) {
+cudaError_t launch_matvec_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
+                                   int rows, cudaStream_t s) {
   if (!float_v3_fits(w, x, n_tok) || !(rows == 1 || rows == 2 || rows == 4))
     return cudaErrorInvalidValue;
   if (w.n_rows == 0) return cudaSuccess;

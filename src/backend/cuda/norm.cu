@@ -55,8 +55,8 @@ __global__ void __launch_bounds__(kVecThreads)
     if constexpr (kAdd) {
       if (i < n4) {
         const float4 q = a[int64_t(blockIdx.x) * n4 + i];
-        v[k] = make_float4(__fadd_rn(v[k].x, q.x), __fadd_rn(v[k].y, q.y),
-                           __fadd_rn(v[k].z, q.z), __fadd_rn(v[k].w, q.w));
+        v[k] = make_float4(__fadd_rn(v[k].x, q.x), __fadd_rn(v[k].y, q.y), __fadd_rn(v[k].z, q.z),
+                           __fadd_rn(v[k].w, q.w));
         xr[i] = v[k];
       }
     }
@@ -79,8 +79,8 @@ __global__ void __launch_bounds__(kVecThreads)
 // The float4 path when the row fits it (launch_rmsnorm and launch_add_rmsnorm must take the
 // same path for the same row, or their bits would differ); false: not taken.
 template <bool kAdd>
-bool launch_vec(float* x, const float* a, const float* weight, int64_t n_rows, int64_t n,
-                float eps, float* y, cudaStream_t s, cudaError_t* err) {
+bool launch_vec(float* x, const float* a, const float* weight, int64_t n_rows, int64_t n, float eps,
+                float* y, cudaStream_t s, cudaError_t* err) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (!(n % 4 == 0 && n <= 4 * kVecThreads * 4 && aligned(x) && aligned(y) &&
         (weight == nullptr || aligned(weight)) && (!kAdd || aligned(a))))
@@ -95,7 +95,8 @@ bool launch_vec(float* x, const float* a, const float* weight, int64_t n_rows, i
   const int threads = int(std::min<int64_t>(kVecThreads, (n4 + 31) / 32 * 32));
   cudaError_t e;
   if (n4 <= kVecThreads)
-    e = launch(rmsnorm_vec_kernel<1, kAdd>, unsigned(n_rows), threads, 0, s, x4, a4, w4, n4, eps, y4);
+    e = launch(rmsnorm_vec_kernel<1, kAdd>, unsigned(n_rows), threads, 0, s, x4, a4, w4, n4, eps,
+               y4);
   else if (n4 <= 2 * kVecThreads)
     e = launch(rmsnorm_vec_kernel<2, kAdd>, unsigned(n_rows), kVecThreads, 0, s, x4, a4, w4, n4,
                eps, y4);
@@ -135,7 +136,8 @@ cudaError_t launch_add_rmsnorm(float* x, const float* a, const float* weight, in
   if (n_rows == 0) return cudaSuccess;
   cudaError_t e = cudaSuccess;
   if (launch_vec<true>(x, a, weight, n_rows, n, eps, y, s, &e)) return e;
-  if (cudaError_t e = launch_binary(x, a, x, n_rows * n, Binary::Add, s); e != cudaSuccess) return e;
+  if (cudaError_t e = launch_binary(x, a, x, n_rows * n, Binary::Add, s); e != cudaSuccess)
+    return e;
   return launch_rmsnorm(x, weight, n_rows, n, eps, y, s);
 }
 

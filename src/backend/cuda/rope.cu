@@ -24,9 +24,8 @@ constexpr int64_t kHeadsPerBlock = 4;
 // grid: (n_tok, head groups of kHeadsPerBlock over the Q heads then the K heads). q:
 // [n_tok][n_head_q][head_dim], k: [n_tok][n_head_k][head_dim] (k may be null with n_head_k 0).
 __global__ void rope_qk_kernel(float* __restrict__ q, float* __restrict__ k, int64_t n_head_q,
-                               int64_t n_head_k, int64_t head_dim,
-                               const int32_t* __restrict__ pos, int64_t n_rot, float freq_base,
-                               float freq_scale, bool neox) {
+                               int64_t n_head_k, int64_t head_dim, const int32_t* __restrict__ pos,
+                               int64_t n_rot, float freq_base, float freq_scale, bool neox) {
   extern __shared__ double cs_s[];  // [half] cos, then [half] sin
   pdl_enter();
   const int64_t t = blockIdx.x, half = n_rot / 2;
@@ -70,8 +69,8 @@ cudaError_t launch_rope_qk(float* q, int64_t n_head_q, float* k, int64_t n_head_
 cudaError_t launch_rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim,
                         const int32_t* pos, int64_t n_rot, float freq_base, float freq_scale,
                         bool neox, cudaStream_t s) {
-  return launch_rope_qk(x, n_head, nullptr, 0, n_tok, head_dim, pos, n_rot, freq_base,
-                        freq_scale, neox, s);
+  return launch_rope_qk(x, n_head, nullptr, 0, n_tok, head_dim, pos, n_rot, freq_base, freq_scale,
+                        neox, s);
 }
 
 }  // namespace kiln::cuda

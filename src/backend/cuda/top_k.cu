@@ -63,9 +63,7 @@ int64_t chunks_of(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
 }  // namespace
 
-size_t top_k_scratch(int64_t rows, int64_t n, int32_t k) {
-  return size_t(rows * chunks_of(n) * k);
-}
+size_t top_k_scratch(int64_t rows, int64_t n, int32_t k) { return size_t(rows * chunks_of(n) * k); }
 
 cudaError_t launch_top_k(const float* x, int64_t rows, int64_t n, int32_t k, float* scratch_v,
                          int32_t* scratch_i, float* out_v, int32_t* out_i, cudaStream_t s) {
@@ -80,8 +78,8 @@ cudaError_t launch_top_k(const float* x, int64_t rows, int64_t n, int32_t k, flo
     const bool last = chunks == 1;
     float* ov = last ? out_v : scratch_v + (pass % 2) * half;
     int32_t* oi = last ? out_i : scratch_i + (pass % 2) * half;
-    if (cudaError_t e = launch(top_k_chunk_kernel, dim3(unsigned(chunks), unsigned(rows)),
-                               kThreads, 0, s, in_v, in_i, n_in, k, ov, oi);
+    if (cudaError_t e = launch(top_k_chunk_kernel, dim3(unsigned(chunks), unsigned(rows)), kThreads,
+                               0, s, in_v, in_i, n_in, k, ov, oi);
         e != cudaSuccess)
       return e;
     if (last) return cudaSuccess;

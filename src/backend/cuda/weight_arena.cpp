@@ -66,8 +66,9 @@ Status WeightArena::allocate(size_t bytes, std::byte** out) {
 
 Status WeightArena::upload(std::span<const std::byte> src, std::byte* dst, bool progress) {
   return upload_gather(
-      src.size(), [&](size_t off, size_t n, std::byte* out) { std::memcpy(out, src.data() + off, n); },
-      dst, progress);
+      src.size(),
+      [&](size_t off, size_t n, std::byte* out) { std::memcpy(out, src.data() + off, n); }, dst,
+      progress);
 }
 
 Status WeightArena::upload_gather(size_t total,
@@ -205,8 +206,8 @@ const std::byte* WeightArena::lookup(std::span<const std::byte> bytes) {
   return dev;
 }
 
-const std::byte* WeightArena::lookup_rows(const std::byte* base, size_t row_bytes,
-                                          size_t stride, int64_t n_rows) {
+const std::byte* WeightArena::lookup_rows(const std::byte* base, size_t row_bytes, size_t stride,
+                                          int64_t n_rows) {
   if (n_rows <= 0 || row_bytes == 0) return nullptr;
   const auto key = std::make_tuple(base, row_bytes, stride, n_rows);
   if (auto it = gathered_.find(key); it != gathered_.end()) {

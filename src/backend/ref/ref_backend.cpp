@@ -23,10 +23,10 @@ class RefBackend final : public Backend {
 
   void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
               std::span<float> y) override {
-    KILN_CHECK(static_cast<int64_t>(x.size()) == n_tok * w.n_cols, "x {} != {}x{}", x.size(),
-               n_tok, w.n_cols);
-    KILN_CHECK(static_cast<int64_t>(y.size()) == n_tok * w.n_rows, "y {} != {}x{}", y.size(),
-               n_tok, w.n_rows);
+    KILN_CHECK(static_cast<int64_t>(x.size()) == n_tok * w.n_cols, "x {} != {}x{}", x.size(), n_tok,
+               w.n_cols);
+    KILN_CHECK(static_cast<int64_t>(y.size()) == n_tok * w.n_rows, "y {} != {}x{}", y.size(), n_tok,
+               w.n_rows);
     std::vector<float> row(static_cast<size_t>(w.n_cols));
     for (int64_t r = 0; r < w.n_rows; ++r) {
       dequant_row(w, r, row);
@@ -166,8 +166,8 @@ class RefBackend final : public Backend {
         const int64_t kvh = h / group;
         double mx = -std::numeric_limits<double>::infinity();
         for (int64_t j = 0; j < n_kv; ++j) {
-          const bool visible = a.kv_pos[j] <= a.q_pos[i] &&
-                               (a.window <= 0 || a.q_pos[i] - a.kv_pos[j] < a.window);
+          const bool visible =
+              a.kv_pos[j] <= a.q_pos[i] && (a.window <= 0 || a.q_pos[i] - a.kv_pos[j] < a.window);
           if (!visible) {
             logit[j] = -std::numeric_limits<double>::infinity();
             continue;

@@ -16,8 +16,22 @@ using ExprPtr = std::unique_ptr<Expr>;
 
 struct Expr {
   enum class Kind {
-    Literal, Name, List, Tuple, Dict, Attr, Item, Slice, Call, Filter, Test,
-    Unary, Binary, And, Or, Cond,
+    Literal,
+    Name,
+    List,
+    Tuple,
+    Dict,
+    Attr,
+    Item,
+    Slice,
+    Call,
+    Filter,
+    Test,
+    Unary,
+    Binary,
+    And,
+    Or,
+    Cond,
   };
   Kind kind = Kind::Literal;
   int line = 0;
@@ -41,15 +55,27 @@ using Body = std::vector<StmtPtr>;
 
 struct Stmt {
   enum class Kind {
-    Data, Print, If, For, Set, SetBlock, Macro, CallBlock, FilterBlock, Break, Continue, With, Do,
+    Data,
+    Print,
+    If,
+    For,
+    Set,
+    SetBlock,
+    Macro,
+    CallBlock,
+    FilterBlock,
+    Break,
+    Continue,
+    With,
+    Do,
   };
   Kind kind = Kind::Data;
   int line = 0;
-  std::string text;      // Data: the text; Macro: the name
-  ExprPtr expr;          // Print/Do: value; If: condition; For: iterable; Set: value;
-                         // CallBlock: the call; FilterBlock/SetBlock: filter chain (may be null)
-  ExprPtr target;        // For/Set/SetBlock: assignment target (Name, Tuple of Names, Attr)
-  ExprPtr loop_filter;   // For: the `if` clause
+  std::string text;     // Data: the text; Macro: the name
+  ExprPtr expr;         // Print/Do: value; If: condition; For: iterable; Set: value;
+                        // CallBlock: the call; FilterBlock/SetBlock: filter chain (may be null)
+  ExprPtr target;       // For/Set/SetBlock: assignment target (Name, Tuple of Names, Attr)
+  ExprPtr loop_filter;  // For: the `if` clause
   bool recursive = false;
   Body body, else_body;  // If: then / else (elif nests an If in else_body); For: body / else
   // Macro / CallBlock: parameters with optional defaults; With: name = value pairs.

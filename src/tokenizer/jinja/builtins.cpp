@@ -22,12 +22,23 @@ std::string html_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -42,7 +53,9 @@ Value get_attribute_path(Interp& in, const Value& v, const Value& attr) {
   for (;;) {
     size_t e = path.find('.', b);
     std::string part = path.substr(b, e == std::string::npos ? std::string::npos : e - b);
-    bool num = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+    bool num = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) {
+      return std::isdigit(static_cast<unsigned char>(c));
+    });
     cur = in.getitem(cur, num ? Value::integer(std::stoll(part)) : Value::string(part));
     if (e == std::string::npos) return cur;
     b = e + 1;
@@ -54,7 +67,8 @@ Value sort_key(const Value& v, bool case_sensitive) {
   return v;
 }
 
-void py_sort(std::vector<Value>& items, const std::function<Value(const Value&)>& key, bool reverse) {
+void py_sort(std::vector<Value>& items, const std::function<Value(const Value&)>& key,
+             bool reverse) {
   std::vector<std::pair<Value, size_t>> keyed;
   for (size_t k = 0; k < items.size(); ++k) keyed.emplace_back(key(items[k]), k);
   std::stable_sort(keyed.begin(), keyed.end(), [&](const auto& a, const auto& b) {
@@ -94,7 +108,10 @@ Value select_impl(Interp& in, const Value& input, const CallArgs& a, bool use_at
 }
 
 std::string indent_impl(std::string s, const Value& width, bool first, bool blank) {
-  std::string ind = width.is_string() ? width.s : std::string(static_cast<size_t>(std::max<int64_t>(0, width.as_int())), ' ');
+  std::string ind =
+      width.is_string()
+          ? width.s
+          : std::string(static_cast<size_t>(std::max<int64_t>(0, width.as_int())), ' ');
   s += "\n";
   // str.splitlines on the newline kinds templates produce
   std::vector<std::string> lines;
@@ -127,7 +144,8 @@ Value to_int(const Value& v, const Value& dflt, int64_t base) {
   if (v.is_string()) {
     std::string s = py_strip(v.s, Value::none());
     std::string digits;
-    for (char c : s) if (c != '_') digits += c;
+    for (char c : s)
+      if (c != '_') digits += c;
     try {
       size_t used = 0;
       long long r = std::stoll(digits, &used, static_cast<int>(base));
@@ -137,7 +155,8 @@ Value to_int(const Value& v, const Value& dflt, int64_t base) {
     try {
       size_t used = 0;
       double d = std::stod(digits, &used);
-      if (used == digits.size() && std::isfinite(d)) return Value::integer(static_cast<int64_t>(std::trunc(d)));
+      if (used == digits.size() && std::isfinite(d))
+        return Value::integer(static_cast<int64_t>(std::trunc(d)));
     } catch (...) {
     }
   }
@@ -162,14 +181,20 @@ Value minmax(Interp& in, const Value& input, const CallArgs& a, bool want_max) {
   bool cs = arg(a, 0, "case_sensitive", Value::boolean(false)).truthy();
   Value attr = arg(a, 1, "attribute", Value::none());
   std::vector<Value> items = in.iterate(input);
-  if (items.empty()) return Value::undefined(fmt::format("No aggregated item, sequence was empty."));
+  if (items.empty())
+    return Value::undefined(fmt::format("No aggregated item, sequence was empty."));
   size_t best = 0;
-  auto key = [&](const Value& v) { return sort_key(attr.is_none() ? v : get_attribute_path(in, v, attr), cs); };
+  auto key = [&](const Value& v) {
+    return sort_key(attr.is_none() ? v : get_attribute_path(in, v, attr), cs);
+  };
   Value bk = key(items[0]);
   for (size_t k = 1; k < items.size(); ++k) {
     Value kk = key(items[k]);
     int c = py_compare(kk, bk);
-    if (want_max ? c > 0 : c < 0) { best = k; bk = kk; }
+    if (want_max ? c > 0 : c < 0) {
+      best = k;
+      bk = kk;
+    }
   }
   return items[best];
 }
@@ -184,15 +209,21 @@ std::string striptags(const std::string& s) {
       k = e + 2;
       continue;
     }
-    if (s[k] == '<') in_tag = true;
-    else if (s[k] == '>' && in_tag) in_tag = false;
-    else if (!in_tag) out += s[k];
+    if (s[k] == '<')
+      in_tag = true;
+    else if (s[k] == '>' && in_tag)
+      in_tag = false;
+    else if (!in_tag)
+      out += s[k];
   }
   // collapse whitespace like " ".join(s.split())
   std::string res;
   bool sp = false;
   for (char c : out) {
-    if (c == ' ' || c == '\n' || c == '\t' || c == '\r' || c == '\f' || c == '\v') { sp = !res.empty(); continue; }
+    if (c == ' ' || c == '\n' || c == '\t' || c == '\r' || c == '\f' || c == '\v') {
+      sp = !res.empty();
+      continue;
+    }
     if (sp) res += ' ';
     sp = false;
     res += c;
@@ -216,11 +247,16 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
   if (n == "capitalize") return Value::string(py_capitalize(py_str(v)));
   if (n == "length" || n == "count") {
     switch (v.type) {
-      case Value::Type::Undefined: return Value::integer(0);
-      case Value::Type::String: return Value::integer(static_cast<int64_t>(utf8_length(v.s)));
-      case Value::Type::List: return Value::integer(static_cast<int64_t>(v.list->items.size()));
-      case Value::Type::Dict: return Value::integer(static_cast<int64_t>(v.dict->items.size()));
-      default: type_error(fmt::format("object of type '{}' has no len()", py_type_name(v)));
+      case Value::Type::Undefined:
+        return Value::integer(0);
+      case Value::Type::String:
+        return Value::integer(static_cast<int64_t>(utf8_length(v.s)));
+      case Value::Type::List:
+        return Value::integer(static_cast<int64_t>(v.list->items.size()));
+      case Value::Type::Dict:
+        return Value::integer(static_cast<int64_t>(v.dict->items.size()));
+      default:
+        type_error(fmt::format("object of type '{}' has no len()", py_type_name(v)));
     }
   }
   if (n == "default" || n == "d") {
@@ -247,7 +283,9 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
     Value seps = arg(a, 2, "separators", Value::none());
     if (!seps.is_none() && !seps.is_undefined()) {
       std::vector<Value> pair = in.iterate(seps);
-      if (pair.size() != 2) fail("ValueError", fmt::format("not enough values to unpack (expected 2, got {})", pair.size()));
+      if (pair.size() != 2)
+        fail("ValueError",
+             fmt::format("not enough values to unpack (expected 2, got {})", pair.size()));
       opt.item_sep = py_str(pair[0]);
       opt.key_sep = py_str(pair[1]);
     }
@@ -259,7 +297,8 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
     if (v.is_undefined()) return Value::new_list();
     if (!v.is_dict()) type_error("Can only get item pairs from a mapping.");
     std::vector<Value> out;
-    for (const auto& kv : v.dict->items) out.push_back(Value::new_list({kv.first, kv.second}, true));
+    for (const auto& kv : v.dict->items)
+      out.push_back(Value::new_list({kv.first, kv.second}, true));
     return Value::new_list(std::move(out));
   }
   if (n == "list") return Value::new_list(in.iterate(v));
@@ -295,7 +334,9 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
   if (n == "replace") {
     if (a.pos.size() < 2) type_error("replace() needs old and new");
     return Value::string(py_replace(py_str(v), py_str(a.pos[0]), py_str(a.pos[1]),
-                                    arg(a, 2, "count", Value::integer(-1)).is_none() ? -1 : arg(a, 2, "count", Value::integer(-1)).as_int()));
+                                    arg(a, 2, "count", Value::integer(-1)).is_none()
+                                        ? -1
+                                        : arg(a, 2, "count", Value::integer(-1)).as_int()));
   }
   if (n == "map") {
     std::vector<Value> out;
@@ -331,7 +372,12 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
     bool cs = arg(a, 1, "case_sensitive", Value::boolean(false)).truthy();
     Value attr = arg(a, 2, "attribute", Value::none());
     std::vector<Value> items = in.iterate(v);
-    py_sort(items, [&](const Value& x) { return sort_key(attr.is_none() ? x : get_attribute_path(in, x, attr), cs); }, reverse);
+    py_sort(
+        items,
+        [&](const Value& x) {
+          return sort_key(attr.is_none() ? x : get_attribute_path(in, x, attr), cs);
+        },
+        reverse);
     return Value::new_list(std::move(items));
   }
   if (n == "dictsort") {
@@ -339,11 +385,14 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
     bool cs = arg(a, 0, "case_sensitive", Value::boolean(false)).truthy();
     std::string by = py_str(arg(a, 1, "by", Value::string("key")));
     bool reverse = arg(a, 2, "reverse", Value::boolean(false)).truthy();
-    if (by != "key" && by != "value") fail("FilterArgumentError", "You can only sort by either \"key\" or \"value\"");
+    if (by != "key" && by != "value")
+      fail("FilterArgumentError", "You can only sort by either \"key\" or \"value\"");
     std::vector<Value> items;
-    for (const auto& kv : v.dict->items) items.push_back(Value::new_list({kv.first, kv.second}, true));
+    for (const auto& kv : v.dict->items)
+      items.push_back(Value::new_list({kv.first, kv.second}, true));
     size_t pos = by == "key" ? 0 : 1;
-    py_sort(items, [&](const Value& x) { return sort_key(x.list->items[pos], cs); }, reverse);
+    py_sort(
+        items, [&](const Value& x) { return sort_key(x.list->items[pos], cs); }, reverse);
     return Value::new_list(std::move(items));
   }
   if (n == "unique") {
@@ -353,7 +402,8 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
     for (const auto& item : in.iterate(v)) {
       in.step();
       Value key = sort_key(attr.is_none() ? item : get_attribute_path(in, item, attr), cs);
-      if (std::none_of(seen.begin(), seen.end(), [&](const Value& s) { return py_equal(s, key); })) {
+      if (std::none_of(seen.begin(), seen.end(),
+                       [&](const Value& s) { return py_equal(s, key); })) {
         seen.push_back(key);
         out.push_back(item);
       }
@@ -367,17 +417,24 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
     Value total = arg(a, 1, "start", Value::integer(0));
     for (const auto& item : in.iterate(v)) {
       Value x = attr.is_none() ? item : get_attribute_path(in, item, attr);
-      if (!x.is_number() || !total.is_number()) type_error(fmt::format("unsupported operand type(s) for +: '{}' and '{}'", py_type_name(total), py_type_name(x)));
-      total = (total.type == Value::Type::Float || x.type == Value::Type::Float) ? Value::number(total.as_double() + x.as_double())
-                                                                                  : Value::integer(total.as_int() + x.as_int());
+      if (!x.is_number() || !total.is_number())
+        type_error(fmt::format("unsupported operand type(s) for +: '{}' and '{}'",
+                               py_type_name(total), py_type_name(x)));
+      total = (total.type == Value::Type::Float || x.type == Value::Type::Float)
+                  ? Value::number(total.as_double() + x.as_double())
+                  : Value::integer(total.as_int() + x.as_int());
     }
     return total;
   }
-  if (n == "int") return to_int(v, arg(a, 0, "default", Value::integer(0)), arg(a, 1, "base", Value::integer(10)).as_int());
+  if (n == "int")
+    return to_int(v, arg(a, 0, "default", Value::integer(0)),
+                  arg(a, 1, "base", Value::integer(10)).as_int());
   if (n == "float") return to_float(v, arg(a, 0, "default", Value::number(0.0)));
   if (n == "abs") {
-    if (!v.is_number()) type_error(fmt::format("bad operand type for abs(): '{}'", py_type_name(v)));
-    return v.type == Value::Type::Float ? Value::number(std::fabs(v.f)) : Value::integer(std::llabs(v.as_int()));
+    if (!v.is_number())
+      type_error(fmt::format("bad operand type for abs(): '{}'", py_type_name(v)));
+    return v.type == Value::Type::Float ? Value::number(std::fabs(v.f))
+                                        : Value::integer(std::llabs(v.as_int()));
   }
   if (n == "round") {
     int64_t prec = arg(a, 0, "precision", Value::integer(0)).as_int();
@@ -390,9 +447,12 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
       // Python's round(): half to even.
       r = std::nearbyint(x);
       if (v.is_int_like() && prec >= 0) return Value::integer(v.as_int());
-    } else if (method == "ceil") r = std::ceil(x);
-    else if (method == "floor") r = std::floor(x);
-    else fail("FilterArgumentError", "method must be common, ceil or floor");
+    } else if (method == "ceil")
+      r = std::ceil(x);
+    else if (method == "floor")
+      r = std::floor(x);
+    else
+      fail("FilterArgumentError", "method must be common, ceil or floor");
     return Value::number(r / scale);
   }
   if (n == "indent") {
@@ -401,7 +461,9 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
                                      arg(a, 2, "blank", Value::boolean(false)).truthy()));
   }
   if (n == "center") {
-    return Value::string(format_spec(Value::string(py_str(v)), "^" + std::to_string(arg(a, 0, "width", Value::integer(80)).as_int())));
+    return Value::string(
+        format_spec(Value::string(py_str(v)),
+                    "^" + std::to_string(arg(a, 0, "width", Value::integer(80)).as_int())));
   }
   if (n == "wordcount") {
     int64_t count = 0;
@@ -423,7 +485,8 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
     int64_t end_len = static_cast<int64_t>(utf8_length(end));
     if (static_cast<int64_t>(cps.size()) <= length + leeway) return Value::string(s);
     size_t cut = static_cast<size_t>(std::max<int64_t>(0, length - end_len));
-    std::string head = utf8_encode(std::vector<char32_t>(cps.begin(), cps.begin() + static_cast<ptrdiff_t>(std::min(cut, cps.size()))));
+    std::string head = utf8_encode(std::vector<char32_t>(
+        cps.begin(), cps.begin() + static_cast<ptrdiff_t>(std::min(cut, cps.size()))));
     if (killwords) return Value::string(head + end);
     size_t sp = head.rfind(' ');
     if (sp != std::string::npos) head.resize(sp);
@@ -437,10 +500,14 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
     std::vector<Value> out, cur;
     for (auto& item : in.iterate(v)) {
       cur.push_back(std::move(item));
-      if (static_cast<int64_t>(cur.size()) == size) { out.push_back(Value::new_list(std::move(cur))); cur.clear(); }
+      if (static_cast<int64_t>(cur.size()) == size) {
+        out.push_back(Value::new_list(std::move(cur)));
+        cur.clear();
+      }
     }
     if (!cur.empty()) {
-      if (!fill.is_none()) while (static_cast<int64_t>(cur.size()) < size) cur.push_back(fill);
+      if (!fill.is_none())
+        while (static_cast<int64_t>(cur.size()) < size) cur.push_back(fill);
       out.push_back(Value::new_list(std::move(cur)));
     }
     return Value::new_list(std::move(out));
@@ -479,8 +546,12 @@ bool builtin_test(Interp& in, std::string_view name, const Value& v, CallArgs& a
   if (n == "true") return v.type == T::Bool && v.b;
   if (n == "false") return v.type == T::Bool && !v.b;
   if (n == "mapping") return v.is_dict() && v.dict->kind == Dict::Kind::Plain;
-  if (n == "iterable") return v.is_undefined() || v.is_string() || v.is_list() || (v.is_dict() && v.dict->kind == Dict::Kind::Plain);
-  if (n == "sequence") return v.is_undefined() || v.is_string() || v.is_list() || (v.is_dict() && v.dict->kind == Dict::Kind::Plain);
+  if (n == "iterable")
+    return v.is_undefined() || v.is_string() || v.is_list() ||
+           (v.is_dict() && v.dict->kind == Dict::Kind::Plain);
+  if (n == "sequence")
+    return v.is_undefined() || v.is_string() || v.is_list() ||
+           (v.is_dict() && v.dict->kind == Dict::Kind::Plain);
   if (n == "callable") return v.is_func();
   if (n == "lower") return v.is_string() && py_lower(v.s) == v.s;
   if (n == "upper") return v.is_string() && py_upper(v.s) == v.s;
@@ -507,15 +578,25 @@ bool builtin_test(Interp& in, std::string_view name, const Value& v, CallArgs& a
     const Value& o = other();
     if (v.type != o.type) return false;
     switch (v.type) {
-      case T::None: case T::Undefined: return true;
-      case T::Bool: return v.b == o.b;
+      case T::None:
+      case T::Undefined:
+        return true;
+      case T::Bool:
+        return v.b == o.b;
       // CPython caches small ints; other numbers and strings are distinct objects here.
-      case T::Int: return v.i == o.i && v.i >= -5 && v.i <= 256;
-      case T::Float: case T::String: return false;
-      case T::List: return v.list == o.list;
-      case T::Dict: return v.dict == o.dict;
-      case T::Func: return v.fn == o.fn;
-      default: return py_equal(v, o);
+      case T::Int:
+        return v.i == o.i && v.i >= -5 && v.i <= 256;
+      case T::Float:
+      case T::String:
+        return false;
+      case T::List:
+        return v.list == o.list;
+      case T::Dict:
+        return v.dict == o.dict;
+      case T::Func:
+        return v.fn == o.fn;
+      default:
+        return py_equal(v, o);
     }
   }
   if (n == "filter" || n == "test") return v.is_string();

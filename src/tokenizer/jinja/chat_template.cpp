@@ -25,7 +25,8 @@ Expected<std::tm> parse_now(const std::optional<std::string>& now) {
   }
   int y, mo, d, h = 0, mi = 0, s = 0;
   int n = std::sscanf(now->c_str(), "%d-%d-%dT%d:%d:%d", &y, &mo, &d, &h, &mi, &s);
-  if (n < 3 || mo < 1 || mo > 12 || d < 1 || d > 31 || h < 0 || h > 23 || mi < 0 || mi > 59 || s < 0 || s > 60)
+  if (n < 3 || mo < 1 || mo > 12 || d < 1 || d > 31 || h < 0 || h > 23 || mi < 0 || mi > 59 ||
+      s < 0 || s > 60)
     return Status::errorf("bad date '{}' for strftime_now (want YYYY-MM-DDTHH:MM:SS)", *now);
   tm.tm_year = y - 1900;
   tm.tm_mon = mo - 1;
@@ -40,9 +41,10 @@ Expected<std::tm> parse_now(const std::optional<std::string>& now) {
 
 ScopePtr make_globals(const nlohmann::ordered_json& ctx, const std::tm& now) {
   auto g = std::make_shared<Scope>();
-  g->vars["raise_exception"] = Value::function("raise_exception", [](Interp&, CallArgs& a) -> Value {
-    fail("TemplateError", a.pos.empty() ? std::string() : py_str(a.pos[0]));
-  });
+  g->vars["raise_exception"] =
+      Value::function("raise_exception", [](Interp&, CallArgs& a) -> Value {
+        fail("TemplateError", a.pos.empty() ? std::string() : py_str(a.pos[0]));
+      });
   g->vars["strftime_now"] = Value::function("strftime_now", [now](Interp&, CallArgs& a) {
     if (a.pos.empty() || !a.pos[0].is_string()) type_error("strftime_now() needs a format string");
     if (a.pos[0].s.size() > 256) fail("ValueError", "format string too long");
@@ -53,18 +55,23 @@ ScopePtr make_globals(const nlohmann::ordered_json& ctx, const std::tm& now) {
   g->vars["range"] = Value::function("range", [](Interp&, CallArgs& a) {
     int64_t start = 0, stop = 0, step = 1;
     for (const auto& v : a.pos)
-      if (!v.is_int_like()) type_error(fmt::format("'{}' object cannot be interpreted as an integer", py_type_name(v)));
-    if (a.pos.size() == 1) stop = a.pos[0].as_int();
+      if (!v.is_int_like())
+        type_error(fmt::format("'{}' object cannot be interpreted as an integer", py_type_name(v)));
+    if (a.pos.size() == 1)
+      stop = a.pos[0].as_int();
     else if (a.pos.size() >= 2) {
       start = a.pos[0].as_int();
       stop = a.pos[1].as_int();
       if (a.pos.size() >= 3) step = a.pos[2].as_int();
-    } else type_error("range expected at least 1 argument, got 0");
+    } else
+      type_error("range expected at least 1 argument, got 0");
     if (step == 0) fail("ValueError", "range() arg 3 must not be zero");
     std::vector<Value> out;
     for (int64_t k = start; step > 0 ? k < stop : k > stop; k += step) {
       if (static_cast<int64_t>(out.size()) >= kMaxRange)
-        fail("OverflowError", fmt::format("Range too big. The sandbox blocks ranges larger than MAX_RANGE ({}).", kMaxRange));
+        fail("OverflowError",
+             fmt::format("Range too big. The sandbox blocks ranges larger than MAX_RANGE ({}).",
+                         kMaxRange));
       out.push_back(Value::integer(k));
     }
     return Value::new_list(std::move(out));
@@ -79,13 +86,19 @@ ScopePtr make_globals(const nlohmann::ordered_json& ctx, const std::tm& now) {
     for (const auto& [k, v] : a.kw) d.dict->set(k, v);
     return d;
   };
-  g->vars["dict"] = Value::function("dict", [make_dict](Interp& in, CallArgs& a) { return make_dict(in, a, Dict::Kind::Plain); });
-  g->vars["namespace"] = Value::function("namespace", [make_dict](Interp& in, CallArgs& a) { return make_dict(in, a, Dict::Kind::Namespace); });
+  g->vars["dict"] = Value::function(
+      "dict", [make_dict](Interp& in, CallArgs& a) { return make_dict(in, a, Dict::Kind::Plain); });
+  g->vars["namespace"] = Value::function("namespace", [make_dict](Interp& in, CallArgs& a) {
+    return make_dict(in, a, Dict::Kind::Namespace);
+  });
   g->vars["joiner"] = Value::function("joiner", [](Interp&, CallArgs& a) {
     std::string sep = a.pos.empty() ? ", " : py_str(a.pos[0]);
     auto used = std::make_shared<bool>(false);
     return Value::function("joiner", [sep, used](Interp&, CallArgs&) {
-      if (!*used) { *used = true; return Value::string(""); }
+      if (!*used) {
+        *used = true;
+        return Value::string("");
+      }
       return Value::string(sep);
     });
   });
@@ -111,7 +124,8 @@ Expected<ChatTemplate> ChatTemplate::parse(std::string_view source) {
 Expected<std::string> ChatTemplate::render(const nlohmann::ordered_json& context,
                                            const ChatTemplateOptions& opt) const {
   if (!tmpl_) return Status::error("TemplateError: template not parsed");
-  if (!context.is_object() && !context.is_null()) return Status::error("TemplateError: context must be a JSON object");
+  if (!context.is_object() && !context.is_null())
+    return Status::error("TemplateError: context must be a JSON object");
   KILN_ASSIGN_OR_RETURN(std::tm now, parse_now(opt.now));
   try {
     RenderLimits limits;

@@ -14,7 +14,9 @@
 
 namespace kiln {
 
-namespace jinja { struct Template; }
+namespace jinja {
+struct Template;
+}
 
 struct ChatTemplateOptions {
   // The moment strftime_now() formats, "YYYY-MM-DDTHH:MM:SS"; unset = the current local time.

@@ -18,12 +18,14 @@ CallDepthGuard::CallDepthGuard(Interp& in) : in_(in) {
 
 void Interp::step() {
   if (++steps_ > limits_.max_steps)
-    fail("TemplateRuntimeError", fmt::format("template exceeded {} evaluation steps", limits_.max_steps));
+    fail("TemplateRuntimeError",
+         fmt::format("template exceeded {} evaluation steps", limits_.max_steps));
 }
 
 void Interp::append(std::string& out, std::string_view s) {
   if (out.size() + s.size() > limits_.max_output_bytes)
-    fail("TemplateRuntimeError", fmt::format("template output exceeds {} bytes", limits_.max_output_bytes));
+    fail("TemplateRuntimeError",
+         fmt::format("template output exceeds {} bytes", limits_.max_output_bytes));
   out.append(s);
 }
 
@@ -40,10 +42,15 @@ Interp::Flow Interp::exec(const Body& body, const ScopePtr& scope, std::string& 
     const Stmt& s = *sp;
     step();
     switch (s.kind) {
-      case Stmt::Kind::Data: append(out, s.text); break;
-      case Stmt::Kind::Print: append(out, py_str(eval(*s.expr, scope))); break;
+      case Stmt::Kind::Data:
+        append(out, s.text);
+        break;
+      case Stmt::Kind::Print:
+        append(out, py_str(eval(*s.expr, scope)));
+        break;
       case Stmt::Kind::If: {
-        Flow f = eval(*s.expr, scope).truthy() ? exec(s.body, scope, out) : exec(s.else_body, scope, out);
+        Flow f = eval(*s.expr, scope).truthy() ? exec(s.body, scope, out)
+                                               : exec(s.else_body, scope, out);
         if (f != Flow::Normal) return f;
         break;
       }
@@ -52,7 +59,9 @@ Interp::Flow Interp::exec(const Body& body, const ScopePtr& scope, std::string& 
         if (f != Flow::Normal) return f;
         break;
       }
-      case Stmt::Kind::Set: assign(*s.target, eval(*s.expr, scope), scope); break;
+      case Stmt::Kind::Set:
+        assign(*s.target, eval(*s.expr, scope), scope);
+        break;
       case Stmt::Kind::SetBlock: {
         std::string text;
         exec(s.body, scope, text);
@@ -61,7 +70,9 @@ Interp::Flow Interp::exec(const Body& body, const ScopePtr& scope, std::string& 
         assign(*s.target, std::move(v), scope);
         break;
       }
-      case Stmt::Kind::Macro: scope->vars[s.text] = make_macro(s, scope); break;
+      case Stmt::Kind::Macro:
+        scope->vars[s.text] = make_macro(s, scope);
+        break;
       case Stmt::Kind::CallBlock: {
         Value caller = make_macro(s, scope);
         append(out, py_str(eval_call(*s.expr, scope, caller)));
@@ -74,8 +85,10 @@ Interp::Flow Interp::exec(const Body& body, const ScopePtr& scope, std::string& 
         append(out, py_str(eval_filter_chain(*s.expr, scope, &v)));
         break;
       }
-      case Stmt::Kind::Break: return Flow::Break;
-      case Stmt::Kind::Continue: return Flow::Continue;
+      case Stmt::Kind::Break:
+        return Flow::Break;
+      case Stmt::Kind::Continue:
+        return Flow::Continue;
       case Stmt::Kind::With: {
         auto inner = std::make_shared<Scope>();
         inner->parent = scope;
@@ -84,7 +97,9 @@ Interp::Flow Interp::exec(const Body& body, const ScopePtr& scope, std::string& 
         if (f != Flow::Normal) return f;
         break;
       }
-      case Stmt::Kind::Do: eval(*s.expr, scope); break;
+      case Stmt::Kind::Do:
+        eval(*s.expr, scope);
+        break;
     }
   }
   return Flow::Normal;
@@ -128,22 +143,25 @@ Interp::Flow Interp::exec_for(const Stmt& s, const ScopePtr& scope, std::string&
       L.set("length", Value::integer(n));
       L.set("depth", Value::integer(depth));
       L.set("depth0", Value::integer(depth - 1));
-      L.set("previtem", k > 0 ? items[static_cast<size_t>(k - 1)] : Value::undefined("there is no previous item"));
-      L.set("nextitem", k + 1 < n ? items[static_cast<size_t>(k + 1)] : Value::undefined("there is no next item"));
+      L.set("previtem", k > 0 ? items[static_cast<size_t>(k - 1)]
+                              : Value::undefined("there is no previous item"));
+      L.set("nextitem", k + 1 < n ? items[static_cast<size_t>(k + 1)]
+                                  : Value::undefined("there is no next item"));
       L.set("cycle", Value::function("cycle", [k](Interp&, CallArgs& a) {
-        if (a.pos.empty()) type_error("no items for cycling given");
-        return a.pos[static_cast<size_t>(k) % a.pos.size()];
-      }));
+              if (a.pos.empty()) type_error("no items for cycling given");
+              return a.pos[static_cast<size_t>(k) % a.pos.size()];
+            }));
       if (s.recursive) {
         L.set("__call__", Value::function("loop", [weak_run, depth](Interp& in, CallArgs& a) {
-          if (a.pos.size() != 1) type_error("loop() takes exactly one argument");
-          auto fn = weak_run.lock();
-          if (!fn) fail("TemplateRuntimeError", "recursive loop() called after its loop ended");
-          CallDepthGuard guard(in);
-          std::string sub;
-          (*fn)(a.pos[0], depth + 1, sub);
-          return Value::string(std::move(sub));
-        }));
+                if (a.pos.size() != 1) type_error("loop() takes exactly one argument");
+                auto fn = weak_run.lock();
+                if (!fn)
+                  fail("TemplateRuntimeError", "recursive loop() called after its loop ended");
+                CallDepthGuard guard(in);
+                std::string sub;
+                (*fn)(a.pos[0], depth + 1, sub);
+                return Value::string(std::move(sub));
+              }));
       }
       assign(*s.target, items[static_cast<size_t>(k)], inner);
       inner->vars["loop"] = loop;
@@ -158,13 +176,16 @@ Interp::Flow Interp::exec_for(const Stmt& s, const ScopePtr& scope, std::string&
 
 void Interp::assign(const Expr& target, Value v, const ScopePtr& scope) {
   switch (target.kind) {
-    case Expr::Kind::Name: scope->vars[target.name] = std::move(v); return;
+    case Expr::Kind::Name:
+      scope->vars[target.name] = std::move(v);
+      return;
     case Expr::Kind::Tuple: {
       std::vector<Value> items = iterate(v);
       if (items.size() != target.args.size())
-        fail("ValueError", fmt::format("{} values to unpack (expected {})",
-                                       items.size() > target.args.size() ? "too many" : "not enough",
-                                       target.args.size()));
+        fail("ValueError",
+             fmt::format("{} values to unpack (expected {})",
+                         items.size() > target.args.size() ? "too many" : "not enough",
+                         target.args.size()));
       for (size_t k = 0; k < items.size(); ++k) assign(*target.args[k], std::move(items[k]), scope);
       return;
     }
@@ -175,7 +196,8 @@ void Interp::assign(const Expr& target, Value v, const ScopePtr& scope) {
       ns.dict->set(target.name, std::move(v));
       return;
     }
-    default: fail("TemplateSyntaxError", "cannot assign to this expression");
+    default:
+      fail("TemplateSyntaxError", "cannot assign to this expression");
   }
 }
 
@@ -188,14 +210,17 @@ Value Interp::make_macro(const Stmt& s, const ScopePtr& scope) {
   return Value::function(name, [def, weak_closure, name](Interp& in, CallArgs& a) {
     CallDepthGuard guard(in);
     ScopePtr closure = weak_closure.lock();
-    if (!closure) fail("TemplateRuntimeError", fmt::format("macro '{}' called after its scope ended", name));
+    if (!closure)
+      fail("TemplateRuntimeError", fmt::format("macro '{}' called after its scope ended", name));
     auto local = std::make_shared<Scope>();
     local->parent = closure;
     size_t n_params = def->params.size();
     std::vector<Value> varargs;
     for (size_t k = 0; k < a.pos.size(); ++k) {
-      if (k < n_params) local->vars[def->params[k].first] = a.pos[k];
-      else varargs.push_back(a.pos[k]);
+      if (k < n_params)
+        local->vars[def->params[k].first] = a.pos[k];
+      else
+        varargs.push_back(a.pos[k]);
     }
     Value kwargs = Value::new_dict();
     for (auto& [k, v] : a.kw) {
@@ -206,14 +231,17 @@ Value Interp::make_macro(const Stmt& s, const ScopePtr& scope) {
             type_error(fmt::format("macro '{}' got multiple values for argument '{}'", name, k));
           is_param = true;
         }
-      if (is_param || k == "caller") local->vars[k] = v;
-      else kwargs.dict->set(k, v);
+      if (is_param || k == "caller")
+        local->vars[k] = v;
+      else
+        kwargs.dict->set(k, v);
     }
     for (size_t p = a.pos.size(); p < n_params; ++p) {
       const auto& [pname, pdef] = def->params[p];
       if (local->vars.count(pname)) continue;
-      local->vars[pname] = pdef ? in.eval(*pdef, local)
-                                : Value::undefined(fmt::format("parameter '{}' was not provided", pname));
+      local->vars[pname] =
+          pdef ? in.eval(*pdef, local)
+               : Value::undefined(fmt::format("parameter '{}' was not provided", pname));
     }
     local->vars["varargs"] = Value::new_list(std::move(varargs), true);
     local->vars["kwargs"] = kwargs;
@@ -233,8 +261,10 @@ Value Interp::lookup(const std::string& name, const ScopePtr& scope) {
 
 std::vector<Value> Interp::iterate(const Value& v) {
   switch (v.type) {
-    case Value::Type::Undefined: return {};
-    case Value::Type::List: return v.list->items;
+    case Value::Type::Undefined:
+      return {};
+    case Value::Type::List:
+      return v.list->items;
     case Value::Type::Dict: {
       std::vector<Value> keys;
       for (const auto& kv : v.dict->items) keys.push_back(kv.first);
@@ -250,7 +280,8 @@ std::vector<Value> Interp::iterate(const Value& v) {
       }
       return out;
     }
-    default: type_error(fmt::format("'{}' object is not iterable", py_type_name(v)));
+    default:
+      type_error(fmt::format("'{}' object is not iterable", py_type_name(v)));
   }
 }
 
@@ -279,7 +310,8 @@ Value Interp::getattr(const Value& obj, std::string_view name) {
 }
 
 // Python slice bounds for a sequence of length n.
-static std::vector<size_t> slice_positions(int64_t n, const Value& start, const Value& stop, const Value& step) {
+static std::vector<size_t> slice_positions(int64_t n, const Value& start, const Value& stop,
+                                           const Value& step) {
   auto as_opt = [](const Value& v) -> std::optional<int64_t> {
     if (v.is_none() || v.is_undefined()) return std::nullopt;
     if (!v.is_int_like()) type_error("slice indices must be integers or None");
@@ -379,17 +411,22 @@ bool Interp::test(std::string_view name, const Value& input, CallArgs& args) {
 
 Value Interp::eval_filter_chain(const Expr& e, const ScopePtr& scope, const Value* block_input) {
   Value input;
-  if (e.args[0]) input = e.args[0]->kind == Expr::Kind::Filter ? eval_filter_chain(*e.args[0], scope, block_input)
-                                                      : eval(*e.args[0], scope);
-  else if (block_input) input = *block_input;
+  if (e.args[0])
+    input = e.args[0]->kind == Expr::Kind::Filter
+                ? eval_filter_chain(*e.args[0], scope, block_input)
+                : eval(*e.args[0], scope);
+  else if (block_input)
+    input = *block_input;
   CallArgs a = eval_args(e, 1, scope);
   return filter(e.name, std::move(input), a);
 }
 
 Value Interp::eval(const Expr& e, const ScopePtr& scope) {
   switch (e.kind) {
-    case Expr::Kind::Literal: return e.literal;
-    case Expr::Kind::Name: return lookup(e.name, scope);
+    case Expr::Kind::Literal:
+      return e.literal;
+    case Expr::Kind::Name:
+      return lookup(e.name, scope);
     case Expr::Kind::List:
     case Expr::Kind::Tuple: {
       std::vector<Value> items;
@@ -406,16 +443,20 @@ Value Interp::eval(const Expr& e, const ScopePtr& scope) {
       }
       return d;
     }
-    case Expr::Kind::Attr: return getattr(eval(*e.args[0], scope), e.name);
-    case Expr::Kind::Item: return getitem(eval(*e.args[0], scope), eval(*e.args[1], scope));
+    case Expr::Kind::Attr:
+      return getattr(eval(*e.args[0], scope), e.name);
+    case Expr::Kind::Item:
+      return getitem(eval(*e.args[0], scope), eval(*e.args[1], scope));
     case Expr::Kind::Slice: {
       Value obj = eval(*e.args[0], scope);
       if (obj.is_undefined()) obj.fail_undefined();
       Value parts[3];
       for (int k = 0; k < 3; ++k)
-        if (e.args[static_cast<size_t>(k) + 1]) parts[k] = eval(*e.args[static_cast<size_t>(k) + 1], scope);
+        if (e.args[static_cast<size_t>(k) + 1])
+          parts[k] = eval(*e.args[static_cast<size_t>(k) + 1], scope);
       if (obj.is_list()) {
-        auto pos = slice_positions(static_cast<int64_t>(obj.list->items.size()), parts[0], parts[1], parts[2]);
+        auto pos = slice_positions(static_cast<int64_t>(obj.list->items.size()), parts[0], parts[1],
+                                   parts[2]);
         std::vector<Value> out;
         for (size_t p : pos) out.push_back(obj.list->items[p]);
         return Value::new_list(std::move(out), obj.list->tuple);
@@ -429,8 +470,10 @@ Value Interp::eval(const Expr& e, const ScopePtr& scope) {
       }
       type_error(fmt::format("'{}' object is not subscriptable", py_type_name(obj)));
     }
-    case Expr::Kind::Call: return eval_call(e, scope, std::nullopt);
-    case Expr::Kind::Filter: return eval_filter_chain(e, scope, nullptr);
+    case Expr::Kind::Call:
+      return eval_call(e, scope, std::nullopt);
+    case Expr::Kind::Filter:
+      return eval_filter_chain(e, scope, nullptr);
     case Expr::Kind::Test: {
       Value input = eval(*e.args[0], scope);
       CallArgs a = eval_args(e, 1, scope);
@@ -440,7 +483,8 @@ Value Interp::eval(const Expr& e, const ScopePtr& scope) {
       Value v = eval(*e.args[0], scope);
       if (e.name == "not") return Value::boolean(!v.truthy());
       if (v.is_undefined()) v.fail_undefined();
-      if (!v.is_number()) type_error(fmt::format("bad operand type for unary {}: '{}'", e.name, py_type_name(v)));
+      if (!v.is_number())
+        type_error(fmt::format("bad operand type for unary {}: '{}'", e.name, py_type_name(v)));
       if (e.name == "+") return v.type == Value::Type::Bool ? Value::integer(v.as_int()) : v;
       if (v.type == Value::Type::Float) return Value::number(-v.f);
       return Value::integer(-v.as_int());
@@ -459,7 +503,8 @@ Value Interp::eval(const Expr& e, const ScopePtr& scope) {
       return Value::undefined("the inline if-expression on line " + std::to_string(e.line) +
                               " evaluated to false and no else section was defined.");
     }
-    case Expr::Kind::Binary: return binary(e.name, eval(*e.args[0], scope), eval(*e.args[1], scope));
+    case Expr::Kind::Binary:
+      return binary(e.name, eval(*e.args[0], scope), eval(*e.args[1], scope));
   }
   return Value();
 }
@@ -489,14 +534,18 @@ Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
   if (a.is_undefined()) a.fail_undefined();
   if (b.is_undefined()) b.fail_undefined();
   auto unsupported = [&]() -> Value {
-    type_error(fmt::format("unsupported operand type(s) for {}: '{}' and '{}'", op, py_type_name(a), py_type_name(b)));
+    type_error(fmt::format("unsupported operand type(s) for {}: '{}' and '{}'", op, py_type_name(a),
+                           py_type_name(b)));
   };
   const bool nums = a.is_number() && b.is_number();
   const bool flt = nums && (a.type == T::Float || b.type == T::Float);
   if (op == "+") {
-    if (nums) return flt ? Value::number(a.as_double() + b.as_double()) : Value::integer(a.as_int() + b.as_int());
+    if (nums)
+      return flt ? Value::number(a.as_double() + b.as_double())
+                 : Value::integer(a.as_int() + b.as_int());
     if (a.is_string() && b.is_string()) {
-      if (a.s.size() + b.s.size() > limits_.max_output_bytes) fail("TemplateRuntimeError", "string too large");
+      if (a.s.size() + b.s.size() > limits_.max_output_bytes)
+        fail("TemplateRuntimeError", "string too large");
       return Value::string(a.s + b.s);
     }
     if (a.is_list() && b.is_list()) {
@@ -504,16 +553,22 @@ Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
       items.insert(items.end(), b.list->items.begin(), b.list->items.end());
       return Value::new_list(std::move(items), a.list->tuple);
     }
-    if (a.is_string()) type_error(fmt::format("can only concatenate str (not \"{}\") to str", py_type_name(b)));
-    if (a.is_list()) type_error(fmt::format("can only concatenate list (not \"{}\") to list", py_type_name(b)));
+    if (a.is_string())
+      type_error(fmt::format("can only concatenate str (not \"{}\") to str", py_type_name(b)));
+    if (a.is_list())
+      type_error(fmt::format("can only concatenate list (not \"{}\") to list", py_type_name(b)));
     return unsupported();
   }
   if (op == "-") {
-    if (nums) return flt ? Value::number(a.as_double() - b.as_double()) : Value::integer(a.as_int() - b.as_int());
+    if (nums)
+      return flt ? Value::number(a.as_double() - b.as_double())
+                 : Value::integer(a.as_int() - b.as_int());
     return unsupported();
   }
   if (op == "*") {
-    if (nums) return flt ? Value::number(a.as_double() * b.as_double()) : Value::integer(a.as_int() * b.as_int());
+    if (nums)
+      return flt ? Value::number(a.as_double() * b.as_double())
+                 : Value::integer(a.as_int() * b.as_int());
     const Value* seq = a.is_int_like() ? &b : &a;
     const Value* cnt = a.is_int_like() ? &a : &b;
     if (cnt->is_int_like() && (seq->is_string() || seq->is_list())) {
@@ -527,7 +582,8 @@ Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
         return Value::string(std::move(out));
       }
       std::vector<Value> out;
-      for (int64_t k = 0; k < n; ++k) out.insert(out.end(), seq->list->items.begin(), seq->list->items.end());
+      for (int64_t k = 0; k < n; ++k)
+        out.insert(out.end(), seq->list->items.begin(), seq->list->items.end());
       return Value::new_list(std::move(out), seq->list->tuple);
     }
     return unsupported();

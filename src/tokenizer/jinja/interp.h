@@ -83,7 +83,8 @@ std::string py_capitalize(const std::string& s);
 std::string py_lower(const std::string& s);
 std::string py_upper(const std::string& s);
 std::string py_strip(const std::string& s, const Value& chars);
-std::string py_replace(const std::string& s, const std::string& old, const std::string& repl, int64_t count);
+std::string py_replace(const std::string& s, const std::string& old, const std::string& repl,
+                       int64_t count);
 std::string format_spec(const Value& v, std::string_view spec);
 
 }  // namespace kiln::jinja

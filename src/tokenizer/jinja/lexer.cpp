@@ -13,7 +13,9 @@
 namespace kiln::jinja {
 namespace {
 
-bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
+bool is_space(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+}
 
 [[noreturn]] void syntax_error(int line, std::string_view msg) {
   fail("TemplateSyntaxError", fmt::format("{} (line {})", msg, line));
@@ -51,25 +53,52 @@ std::string unescape(std::string_view s, int line) {
         if (k + m >= s.size() || !std::isxdigit(static_cast<unsigned char>(s[k + m])))
           syntax_error(line, "truncated escape in string");
         char h = s[k + m];
-        v = v * 16 + static_cast<char32_t>(std::isdigit(static_cast<unsigned char>(h)) ? h - '0' : (std::tolower(h) - 'a' + 10));
+        v = v * 16 + static_cast<char32_t>(std::isdigit(static_cast<unsigned char>(h))
+                                               ? h - '0'
+                                               : (std::tolower(h) - 'a' + 10));
       }
       k += n;
       return v;
     };
     switch (e) {
-      case '\n': break;
-      case '\\': out += '\\'; break;
-      case '\'': out += '\''; break;
-      case '"': out += '"'; break;
-      case 'a': out += '\a'; break;
-      case 'b': out += '\b'; break;
-      case 'f': out += '\f'; break;
-      case 'n': out += '\n'; break;
-      case 'r': out += '\r'; break;
-      case 't': out += '\t'; break;
-      case 'v': out += '\v'; break;
-      case 'x': utf8_append(out, hex(2)); break;
-      case 'u': utf8_append(out, hex(4)); break;
+      case '\n':
+        break;
+      case '\\':
+        out += '\\';
+        break;
+      case '\'':
+        out += '\'';
+        break;
+      case '"':
+        out += '"';
+        break;
+      case 'a':
+        out += '\a';
+        break;
+      case 'b':
+        out += '\b';
+        break;
+      case 'f':
+        out += '\f';
+        break;
+      case 'n':
+        out += '\n';
+        break;
+      case 'r':
+        out += '\r';
+        break;
+      case 't':
+        out += '\t';
+        break;
+      case 'v':
+        out += '\v';
+        break;
+      case 'x':
+        utf8_append(out, hex(2));
+        break;
+      case 'u':
+        utf8_append(out, hex(4));
+        break;
       case 'U': {
         char32_t cp = hex(8);
         if (cp > 0x10FFFF) syntax_error(line, "illegal Unicode character in string");
@@ -98,8 +127,8 @@ class Lexer {
   std::vector<Token> run() {
     while (pos_ < src_.size()) {
       size_t start = src_.find('{', pos_);
-      while (start != std::string::npos && start + 1 < src_.size() &&
-             src_[start + 1] != '{' && src_[start + 1] != '%' && src_[start + 1] != '#')
+      while (start != std::string::npos && start + 1 < src_.size() && src_[start + 1] != '{' &&
+             src_[start + 1] != '%' && src_[start + 1] != '#')
         start = src_.find('{', start + 1);
       if (start == std::string::npos || start + 1 >= src_.size()) {
         emit_data(src_.substr(pos_));
@@ -108,7 +137,8 @@ class Lexer {
       }
       char kind = src_[start + 1];
       size_t after = start + 2;
-      char sign = (after < src_.size() && (src_[after] == '-' || src_[after] == '+')) ? src_[after] : 0;
+      char sign =
+          (after < src_.size() && (src_[after] == '-' || src_[after] == '+')) ? src_[after] : 0;
       std::string text = src_.substr(pos_, start - pos_);
       bool raw = kind == '%' && is_raw_begin(after + (sign ? 1 : 0));
       text = strip_before(std::move(text), sign, kind != '{');
@@ -116,9 +146,12 @@ class Lexer {
       line_ += count_newlines(pos_, start);
       pos_ = after + (sign ? 1 : 0);
       line_starting_ = false;
-      if (raw) lex_raw();
-      else if (kind == '#') lex_comment();
-      else lex_tag(kind);
+      if (raw)
+        lex_raw();
+      else if (kind == '#')
+        lex_comment();
+      else
+        lex_tag(kind);
     }
     toks_.push_back(Token{Token::Type::Eof, "", line_});
     return std::move(toks_);
@@ -136,7 +169,10 @@ class Lexer {
       if ((l_pos > 0 || line_starting_) && l_pos < text.size()) {
         bool all_ws = true;
         for (size_t k = l_pos; k < text.size(); ++k)
-          if (!is_space(text[k])) { all_ws = false; break; }
+          if (!is_space(text[k])) {
+            all_ws = false;
+            break;
+          }
         if (all_ws) text.resize(l_pos);
       }
     }
@@ -151,8 +187,10 @@ class Lexer {
 
   void emit_data(const std::string& text) {
     if (text.empty()) return;
-    if (!toks_.empty() && toks_.back().type == Token::Type::Data) toks_.back().text += text;
-    else toks_.push_back(Token{Token::Type::Data, text, line_});
+    if (!toks_.empty() && toks_.back().type == Token::Type::Data)
+      toks_.back().text += text;
+    else
+      toks_.push_back(Token{Token::Type::Data, text, line_});
   }
 
   // After the closing delimiter: `-` eats all following whitespace, plain block/comment
@@ -161,7 +199,8 @@ class Lexer {
     size_t start = pos_;
     if (sign == '-') {
       while (pos_ < src_.size() && is_space(src_[pos_])) ++pos_;
-    } else if (sign != '+' && trim_applies && opt_.trim_blocks && pos_ < src_.size() && src_[pos_] == '\n') {
+    } else if (sign != '+' && trim_applies && opt_.trim_blocks && pos_ < src_.size() &&
+               src_[pos_] == '\n') {
       ++pos_;
     }
     line_ += count_newlines(start, pos_);
@@ -172,7 +211,8 @@ class Lexer {
     while (p < src_.size() && is_space(src_[p])) ++p;
     if (src_.compare(p, 3, "raw") != 0) return false;
     p += 3;
-    if (p < src_.size() && (std::isalnum(static_cast<unsigned char>(src_[p])) || src_[p] == '_')) return false;
+    if (p < src_.size() && (std::isalnum(static_cast<unsigned char>(src_[p])) || src_[p] == '_'))
+      return false;
     while (p < src_.size() && is_space(src_[p])) ++p;
     return src_.compare(p, 2, "%}") == 0 || src_.compare(p, 3, "-%}") == 0;
   }
@@ -198,12 +238,18 @@ class Lexer {
       char sign = (p < src_.size() && (src_[p] == '-' || src_[p] == '+')) ? src_[p] : 0;
       if (sign) ++p;
       while (p < src_.size() && is_space(src_[p])) ++p;
-      if (src_.compare(p, 6, "endraw") != 0) { search = b + 2; continue; }
+      if (src_.compare(p, 6, "endraw") != 0) {
+        search = b + 2;
+        continue;
+      }
       p += 6;
       while (p < src_.size() && is_space(src_[p])) ++p;
       char esign = 0;
       if (p < src_.size() && (src_[p] == '-' || src_[p] == '+')) esign = src_[p++];
-      if (src_.compare(p, 2, "%}") != 0) { search = b + 2; continue; }
+      if (src_.compare(p, 2, "%}") != 0) {
+        search = b + 2;
+        continue;
+      }
       std::string text = strip_before(src_.substr(pos_, b - pos_), sign, true);
       emit_data(text);
       line_ += count_newlines(pos_, p);
@@ -235,7 +281,9 @@ class Lexer {
         if (src_[pos_] == '\n') ++line_;
         ++pos_;
       }
-      if (pos_ >= src_.size()) syntax_error(line_, block ? "unexpected end of template, expected '%}'" : "unexpected end of template, expected '}}'");
+      if (pos_ >= src_.size())
+        syntax_error(line_, block ? "unexpected end of template, expected '%}'"
+                                  : "unexpected end of template, expected '}}'");
       char c = src_[pos_];
       // End of tag, tried before operators as in jinja2 ("-%}" is not a minus), but only
       // while no bracket is open (jinja2's balancing stack).
@@ -256,7 +304,9 @@ class Lexer {
       }
       if (std::isalpha(static_cast<unsigned char>(c)) || c == '_') {
         size_t s = pos_;
-        while (pos_ < src_.size() && (std::isalnum(static_cast<unsigned char>(src_[pos_])) || src_[pos_] == '_')) ++pos_;
+        while (pos_ < src_.size() &&
+               (std::isalnum(static_cast<unsigned char>(src_[pos_])) || src_[pos_] == '_'))
+          ++pos_;
         toks_.push_back(Token{Token::Type::Name, src_.substr(s, pos_ - s), line_});
       } else if (std::isdigit(static_cast<unsigned char>(c))) {
         lex_number();
@@ -275,7 +325,10 @@ class Lexer {
         static const char* const kOps2[] = {"**", "//", "==", "!=", "<=", ">="};
         std::string op;
         for (const char* o : kOps2)
-          if (src_.compare(pos_, 2, o) == 0) { op = o; break; }
+          if (src_.compare(pos_, 2, o) == 0) {
+            op = o;
+            break;
+          }
         if (op.empty()) {
           if (std::string_view("+-/*%~[](){}<>=.:|,;").find(c) == std::string_view::npos)
             syntax_error(line_, fmt::format("unexpected char '{}'", c));
@@ -293,12 +346,14 @@ class Lexer {
     size_t s = pos_;
     auto digits = [&] {
       while (pos_ < src_.size() && (std::isdigit(static_cast<unsigned char>(src_[pos_])) ||
-                                    (src_[pos_] == '_' && pos_ + 1 < src_.size() && std::isdigit(static_cast<unsigned char>(src_[pos_ + 1])))))
+                                    (src_[pos_] == '_' && pos_ + 1 < src_.size() &&
+                                     std::isdigit(static_cast<unsigned char>(src_[pos_ + 1])))))
         ++pos_;
     };
     digits();
     bool is_float = false;
-    if (pos_ + 1 < src_.size() && src_[pos_] == '.' && std::isdigit(static_cast<unsigned char>(src_[pos_ + 1])) &&
+    if (pos_ + 1 < src_.size() && src_[pos_] == '.' &&
+        std::isdigit(static_cast<unsigned char>(src_[pos_ + 1])) &&
         !(s > 0 && src_[s - 1] == '.')) {
       ++pos_;
       digits();

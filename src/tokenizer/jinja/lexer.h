@@ -9,7 +9,19 @@
 namespace kiln::jinja {
 
 struct Token {
-  enum class Type { Data, VarBegin, VarEnd, BlockBegin, BlockEnd, Name, String, Int, Float, Op, Eof };
+  enum class Type {
+    Data,
+    VarBegin,
+    VarEnd,
+    BlockBegin,
+    BlockEnd,
+    Name,
+    String,
+    Int,
+    Float,
+    Op,
+    Eof
+  };
   Type type = Type::Eof;
   std::string text;  // Data text, name, decoded string literal, number text or operator
   int line = 1;

@@ -33,22 +33,41 @@ class Parser {
 
   const Token& cur() const { return toks_[pos_]; }
   const Token& peek(size_t n = 1) const { return toks_[std::min(pos_ + n, toks_.size() - 1)]; }
-  void next() { if (pos_ + 1 < toks_.size()) ++pos_; }
+  void next() {
+    if (pos_ + 1 < toks_.size()) ++pos_;
+  }
   bool is_op(std::string_view op) const { return cur().type == T::Op && cur().text == op; }
   bool is_name(std::string_view n) const { return cur().type == T::Name && cur().text == n; }
-  bool skip_op(std::string_view op) { if (is_op(op)) { next(); return true; } return false; }
-  bool skip_name(std::string_view n) { if (is_name(n)) { next(); return true; } return false; }
+  bool skip_op(std::string_view op) {
+    if (is_op(op)) {
+      next();
+      return true;
+    }
+    return false;
+  }
+  bool skip_name(std::string_view n) {
+    if (is_name(n)) {
+      next();
+      return true;
+    }
+    return false;
+  }
 
   [[noreturn]] void fail_here(std::string_view msg) const {
     fail("TemplateSyntaxError", fmt::format("{} (line {})", msg, cur().line));
   }
   std::string describe() const {
     switch (cur().type) {
-      case T::Eof: return "end of template";
-      case T::BlockEnd: return "end of statement block";
-      case T::VarEnd: return "end of print statement";
-      case T::Data: return "template data";
-      default: return "'" + cur().text + "'";
+      case T::Eof:
+        return "end of template";
+      case T::BlockEnd:
+        return "end of statement block";
+      case T::VarEnd:
+        return "end of print statement";
+      case T::Data:
+        return "template data";
+      default:
+        return "'" + cur().text + "'";
     }
   }
   void expect_op(std::string_view op) {
@@ -61,7 +80,8 @@ class Parser {
     return n;
   }
   void expect_block_end() {
-    if (cur().type != T::BlockEnd) fail_here(fmt::format("expected end of statement block, got {}", describe()));
+    if (cur().type != T::BlockEnd)
+      fail_here(fmt::format("expected end of statement block, got {}", describe()));
     next();
   }
 
@@ -88,7 +108,8 @@ class Parser {
     for (;;) {
       const Token& t = cur();
       if (t.type == T::Eof) {
-        if (end.size()) fail_here(fmt::format("unexpected end of template, expected '{}'", *end.begin()));
+        if (end.size())
+          fail_here(fmt::format("unexpected end of template, expected '{}'", *end.begin()));
         return body;
       }
       if (t.type == T::Data) {
@@ -104,7 +125,8 @@ class Parser {
         s->kind = Stmt::Kind::Print;
         s->line = t.line;
         s->expr = parse_tuple(true, {});
-        if (cur().type != T::VarEnd) fail_here(fmt::format("expected end of print statement, got {}", describe()));
+        if (cur().type != T::VarEnd)
+          fail_here(fmt::format("expected end of print statement, got {}", describe()));
         next();
         body.push_back(std::move(s));
       } else if (t.type == T::BlockBegin) {
@@ -214,7 +236,8 @@ class Parser {
       s->expr = parse_tuple(true, {});
       expect_block_end();
     } else {
-      fail("TemplateSyntaxError", fmt::format("Encountered unknown tag '{}'. (line {})", tag, line));
+      fail("TemplateSyntaxError",
+           fmt::format("Encountered unknown tag '{}'. (line {})", tag, line));
     }
     return s;
   }
@@ -304,7 +327,8 @@ class Parser {
   }
 
   // A comma-separated list becomes a tuple; a single expression stays as it is.
-  ExprPtr parse_tuple(bool with_condexpr, std::initializer_list<std::string_view> extra_end, bool explicit_paren = false) {
+  ExprPtr parse_tuple(bool with_condexpr, std::initializer_list<std::string_view> extra_end,
+                      bool explicit_paren = false) {
     int line = cur().line;
     std::vector<ExprPtr> items;
     bool is_tuple = false;
@@ -429,7 +453,8 @@ class Parser {
     e->name = x.name;
     e->negated = x.negated;
     for (const auto& a : x.args) e->args.push_back(a ? clone(*a) : nullptr);
-    for (const auto& kv : x.kwargs) e->kwargs.emplace_back(kv.first, kv.second ? clone(*kv.second) : nullptr);
+    for (const auto& kv : x.kwargs)
+      e->kwargs.emplace_back(kv.first, kv.second ? clone(*kv.second) : nullptr);
     if (x.star_args) e->star_args = clone(*x.star_args);
     if (x.star_kwargs) e->star_kwargs = clone(*x.star_kwargs);
     return e;
@@ -498,9 +523,12 @@ class Parser {
     int line = t.line;
     if (t.type == T::Name) {
       auto e = node(Expr::Kind::Literal, line);
-      if (t.text == "true" || t.text == "True") e->literal = Value::boolean(true);
-      else if (t.text == "false" || t.text == "False") e->literal = Value::boolean(false);
-      else if (t.text == "none" || t.text == "None") e->literal = Value::none();
+      if (t.text == "true" || t.text == "True")
+        e->literal = Value::boolean(true);
+      else if (t.text == "false" || t.text == "False")
+        e->literal = Value::boolean(false);
+      else if (t.text == "none" || t.text == "None")
+        e->literal = Value::none();
       else {
         e->kind = Expr::Kind::Name;
         e->name = t.text;
@@ -522,8 +550,10 @@ class Parser {
       auto e = node(Expr::Kind::Literal, line);
       int64_t v = 0;
       auto r = std::from_chars(t.text.data(), t.text.data() + t.text.size(), v);
-      if (r.ec != std::errc()) e->literal = Value::number(std::stod(t.text));
-      else e->literal = Value::integer(v);
+      if (r.ec != std::errc())
+        e->literal = Value::number(std::stod(t.text));
+      else
+        e->literal = Value::integer(v);
       next();
       return e;
     }
@@ -670,10 +700,14 @@ class Parser {
 
   ExprPtr parse_filter_expr(ExprPtr e) {
     for (;;) {
-      if (is_op("|")) e = parse_filter_chain(std::move(e));
-      else if (is_name("is")) e = parse_test(std::move(e));
-      else if (is_op("(")) e = parse_call(std::move(e));
-      else return e;
+      if (is_op("|"))
+        e = parse_filter_chain(std::move(e));
+      else if (is_name("is"))
+        e = parse_test(std::move(e));
+      else if (is_op("("))
+        e = parse_call(std::move(e));
+      else
+        return e;
     }
   }
 

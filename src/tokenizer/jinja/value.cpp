@@ -38,14 +38,23 @@ Value Value::function(std::string name, std::function<Value(Interp&, CallArgs&)>
 
 bool Value::truthy() const {
   switch (type) {
-    case Type::Undefined: case Type::None: return false;
-    case Type::Bool: return b;
-    case Type::Int: return i != 0;
-    case Type::Float: return f != 0.0;
-    case Type::String: return !s.empty();
-    case Type::List: return !list->items.empty();
-    case Type::Dict: return !dict->items.empty();
-    case Type::Func: return true;
+    case Type::Undefined:
+    case Type::None:
+      return false;
+    case Type::Bool:
+      return b;
+    case Type::Int:
+      return i != 0;
+    case Type::Float:
+      return f != 0.0;
+    case Type::String:
+      return !s.empty();
+    case Type::List:
+      return !list->items.empty();
+    case Type::Dict:
+      return !dict->items.empty();
+    case Type::Func:
+      return true;
   }
   return false;
 }
@@ -93,8 +102,11 @@ bool py_equal(const Value& a, const Value& b) {
   }
   if (a.type != b.type) return false;
   switch (a.type) {
-    case T::Undefined: case T::None: return true;
-    case T::String: return a.s == b.s;
+    case T::Undefined:
+    case T::None:
+      return true;
+    case T::String:
+      return a.s == b.s;
     case T::List: {
       if (a.list == b.list) return true;
       const auto& x = a.list->items;
@@ -114,8 +126,10 @@ bool py_equal(const Value& a, const Value& b) {
       }
       return true;
     }
-    case T::Func: return a.fn == b.fn;
-    default: return false;
+    case T::Func:
+      return a.fn == b.fn;
+    default:
+      return false;
   }
 }
 
@@ -150,18 +164,26 @@ int py_compare(const Value& a, const Value& b) {
 
 std::string py_type_name(const Value& v) {
   switch (v.type) {
-    case Value::Type::Undefined: return "Undefined";
-    case Value::Type::None: return "NoneType";
-    case Value::Type::Bool: return "bool";
-    case Value::Type::Int: return "int";
-    case Value::Type::Float: return "float";
-    case Value::Type::String: return "str";
-    case Value::Type::List: return v.list->tuple ? "tuple" : "list";
+    case Value::Type::Undefined:
+      return "Undefined";
+    case Value::Type::None:
+      return "NoneType";
+    case Value::Type::Bool:
+      return "bool";
+    case Value::Type::Int:
+      return "int";
+    case Value::Type::Float:
+      return "float";
+    case Value::Type::String:
+      return "str";
+    case Value::Type::List:
+      return v.list->tuple ? "tuple" : "list";
     case Value::Type::Dict:
       return v.dict->kind == Dict::Kind::Namespace ? "Namespace"
              : v.dict->kind == Dict::Kind::Loop    ? "LoopContext"
                                                    : "dict";
-    case Value::Type::Func: return "function";
+    case Value::Type::Func:
+      return "function";
   }
   return "object";
 }
@@ -210,11 +232,16 @@ std::string py_string_repr(std::string_view s) {
     if (c == q || c == '\\') {
       out += '\\';
       out += static_cast<char>(c);
-    } else if (c == '\n') out += "\\n";
-    else if (c == '\r') out += "\\r";
-    else if (c == '\t') out += "\\t";
-    else if (c < 0x20 || c == 0x7f) out += fmt::format("\\x{:02x}", c);
-    else out += static_cast<char>(c);
+    } else if (c == '\n')
+      out += "\\n";
+    else if (c == '\r')
+      out += "\\r";
+    else if (c == '\t')
+      out += "\\t";
+    else if (c < 0x20 || c == 0x7f)
+      out += fmt::format("\\x{:02x}", c);
+    else
+      out += static_cast<char>(c);
   }
   out += q;
   return out;
@@ -224,9 +251,12 @@ static std::string repr_impl(const Value& v, bool top);
 
 std::string py_str(const Value& v) {
   switch (v.type) {
-    case Value::Type::Undefined: return "";
-    case Value::Type::String: return v.s;
-    default: return repr_impl(v, true);
+    case Value::Type::Undefined:
+      return "";
+    case Value::Type::String:
+      return v.s;
+    default:
+      return repr_impl(v, true);
   }
 }
 
@@ -234,12 +264,18 @@ std::string py_repr(const Value& v) { return repr_impl(v, false); }
 
 static std::string repr_impl(const Value& v, bool top) {
   switch (v.type) {
-    case Value::Type::Undefined: return top ? "" : "Undefined";
-    case Value::Type::None: return "None";
-    case Value::Type::Bool: return v.b ? "True" : "False";
-    case Value::Type::Int: return std::to_string(v.i);
-    case Value::Type::Float: return py_float_repr(v.f);
-    case Value::Type::String: return py_string_repr(v.s);
+    case Value::Type::Undefined:
+      return top ? "" : "Undefined";
+    case Value::Type::None:
+      return "None";
+    case Value::Type::Bool:
+      return v.b ? "True" : "False";
+    case Value::Type::Int:
+      return std::to_string(v.i);
+    case Value::Type::Float:
+      return py_float_repr(v.f);
+    case Value::Type::String:
+      return py_string_repr(v.s);
     case Value::Type::List: {
       const auto& items = v.list->items;
       std::string out = v.list->tuple ? "(" : "[";
@@ -253,9 +289,12 @@ static std::string repr_impl(const Value& v, bool top) {
     }
     case Value::Type::Dict: {
       std::string out;
-      if (v.dict->kind == Dict::Kind::Namespace) out = "<Namespace {";
-      else if (v.dict->kind == Dict::Kind::Loop) return "<LoopContext>";
-      else out = "{";
+      if (v.dict->kind == Dict::Kind::Namespace)
+        out = "<Namespace {";
+      else if (v.dict->kind == Dict::Kind::Loop)
+        return "<LoopContext>";
+      else
+        out = "{";
       bool first = true;
       for (const auto& kv : v.dict->items) {
         if (!first) out += ", ";
@@ -265,7 +304,8 @@ static std::string repr_impl(const Value& v, bool top) {
       out += v.dict->kind == Dict::Kind::Namespace ? "}>" : "}";
       return out;
     }
-    case Value::Type::Func: return "<function " + v.fn->name + ">";
+    case Value::Type::Func:
+      return "<function " + v.fn->name + ">";
   }
   return "";
 }
@@ -273,16 +313,21 @@ static std::string repr_impl(const Value& v, bool top) {
 Value from_json(const nlohmann::ordered_json& j) {
   using J = nlohmann::ordered_json::value_t;
   switch (j.type()) {
-    case J::null: return Value::none();
-    case J::boolean: return Value::boolean(j.get<bool>());
-    case J::number_integer: return Value::integer(j.get<int64_t>());
+    case J::null:
+      return Value::none();
+    case J::boolean:
+      return Value::boolean(j.get<bool>());
+    case J::number_integer:
+      return Value::integer(j.get<int64_t>());
     case J::number_unsigned: {
       uint64_t u = j.get<uint64_t>();
       if (u > static_cast<uint64_t>(INT64_MAX)) return Value::number(static_cast<double>(u));
       return Value::integer(static_cast<int64_t>(u));
     }
-    case J::number_float: return Value::number(j.get<double>());
-    case J::string: return Value::string(j.get<std::string>());
+    case J::number_float:
+      return Value::number(j.get<double>());
+    case J::string:
+      return Value::string(j.get<std::string>());
     case J::array: {
       Value v = Value::new_list();
       for (const auto& e : j) v.list->items.push_back(from_json(e));
@@ -294,7 +339,8 @@ Value from_json(const nlohmann::ordered_json& j) {
         v.dict->items.emplace_back(Value::string(it.key()), from_json(it.value()));
       return v;
     }
-    default: return Value::none();
+    default:
+      return Value::none();
   }
 }
 
@@ -324,29 +370,51 @@ static void json_string(std::string& out, std::string_view s, bool ensure_ascii)
 static void json_string_ascii_body(std::string& out, std::string_view s) {
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
-        if (c < 0x20) out += fmt::format("\\u{:04x}", c);
-        else out += static_cast<char>(c);
+        if (c < 0x20)
+          out += fmt::format("\\u{:04x}", c);
+        else
+          out += static_cast<char>(c);
     }
   }
 }
 
 static std::string json_key(const Value& k) {
   switch (k.type) {
-    case Value::Type::String: return k.s;
-    case Value::Type::None: return "null";
-    case Value::Type::Bool: return k.b ? "true" : "false";
-    case Value::Type::Int: return std::to_string(k.i);
-    case Value::Type::Float: return py_float_repr(k.f);
+    case Value::Type::String:
+      return k.s;
+    case Value::Type::None:
+      return "null";
+    case Value::Type::Bool:
+      return k.b ? "true" : "false";
+    case Value::Type::Int:
+      return std::to_string(k.i);
+    case Value::Type::Float:
+      return py_float_repr(k.f);
     default:
-      type_error(fmt::format("keys must be str, int, float, bool or None, not {}", py_type_name(k)));
+      type_error(
+          fmt::format("keys must be str, int, float, bool or None, not {}", py_type_name(k)));
   }
 }
 
@@ -359,18 +427,32 @@ static void json_dump_impl(std::string& out, const Value& v, const JsonDumpOptio
     for (int k = 0; k < d; ++k) out += opt.indent_str;
   };
   switch (v.type) {
-    case Value::Type::None: out += "null"; return;
-    case Value::Type::Bool: out += v.b ? "true" : "false"; return;
-    case Value::Type::Int: out += std::to_string(v.i); return;
-    case Value::Type::Float:
-      if (std::isnan(v.f)) out += "NaN";
-      else if (std::isinf(v.f)) out += v.f > 0 ? "Infinity" : "-Infinity";
-      else out += py_float_repr(v.f);
+    case Value::Type::None:
+      out += "null";
       return;
-    case Value::Type::String: json_string(out, v.s, opt.ensure_ascii); return;
+    case Value::Type::Bool:
+      out += v.b ? "true" : "false";
+      return;
+    case Value::Type::Int:
+      out += std::to_string(v.i);
+      return;
+    case Value::Type::Float:
+      if (std::isnan(v.f))
+        out += "NaN";
+      else if (std::isinf(v.f))
+        out += v.f > 0 ? "Infinity" : "-Infinity";
+      else
+        out += py_float_repr(v.f);
+      return;
+    case Value::Type::String:
+      json_string(out, v.s, opt.ensure_ascii);
+      return;
     case Value::Type::List: {
       const auto& items = v.list->items;
-      if (items.empty()) { out += "[]"; return; }
+      if (items.empty()) {
+        out += "[]";
+        return;
+      }
       out += '[';
       for (size_t k = 0; k < items.size(); ++k) {
         if (k) out += opt.item_sep;
@@ -386,11 +468,13 @@ static void json_dump_impl(std::string& out, const Value& v, const JsonDumpOptio
         type_error(fmt::format("Object of type {} is not JSON serializable", py_type_name(v)));
       std::vector<const std::pair<Value, Value>*> items;
       for (const auto& kv : v.dict->items) items.push_back(&kv);
-      if (items.empty()) { out += "{}"; return; }
+      if (items.empty()) {
+        out += "{}";
+        return;
+      }
       if (opt.sort_keys)
-        std::stable_sort(items.begin(), items.end(), [](auto* a, auto* b) {
-          return py_compare(a->first, b->first) < 0;
-        });
+        std::stable_sort(items.begin(), items.end(),
+                         [](auto* a, auto* b) { return py_compare(a->first, b->first) < 0; });
       out += '{';
       for (size_t k = 0; k < items.size(); ++k) {
         if (k) out += opt.item_sep;
@@ -429,10 +513,17 @@ std::vector<char32_t> utf8_decode(std::string_view s) {
     bool ok = true;
     for (int m = 1; m < n; ++m) {
       unsigned char cc = static_cast<unsigned char>(s[k + static_cast<size_t>(m)]);
-      if ((cc & 0xC0) != 0x80) { ok = false; break; }
+      if ((cc & 0xC0) != 0x80) {
+        ok = false;
+        break;
+      }
       cp = (cp << 6) | (cc & 0x3F);
     }
-    if (!ok) { out.push_back(0xFFFD); ++k; continue; }
+    if (!ok) {
+      out.push_back(0xFFFD);
+      ++k;
+      continue;
+    }
     out.push_back(cp);
     k += static_cast<size_t>(n);
   }
@@ -440,7 +531,8 @@ std::vector<char32_t> utf8_decode(std::string_view s) {
 }
 
 void utf8_append(std::string& out, char32_t cp) {
-  if (cp < 0x80) out += static_cast<char>(cp);
+  if (cp < 0x80)
+    out += static_cast<char>(cp);
   else if (cp < 0x800) {
     out += static_cast<char>(0xC0 | (cp >> 6));
     out += static_cast<char>(0x80 | (cp & 0x3F));

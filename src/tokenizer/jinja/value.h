@@ -62,11 +62,35 @@ struct Value {
     v.b = true;
     return v;
   }
-  static Value none() { Value v; v.type = Type::None; return v; }
-  static Value boolean(bool x) { Value v; v.type = Type::Bool; v.b = x; return v; }
-  static Value integer(int64_t x) { Value v; v.type = Type::Int; v.i = x; return v; }
-  static Value number(double x) { Value v; v.type = Type::Float; v.f = x; return v; }
-  static Value string(std::string x) { Value v; v.type = Type::String; v.s = std::move(x); return v; }
+  static Value none() {
+    Value v;
+    v.type = Type::None;
+    return v;
+  }
+  static Value boolean(bool x) {
+    Value v;
+    v.type = Type::Bool;
+    v.b = x;
+    return v;
+  }
+  static Value integer(int64_t x) {
+    Value v;
+    v.type = Type::Int;
+    v.i = x;
+    return v;
+  }
+  static Value number(double x) {
+    Value v;
+    v.type = Type::Float;
+    v.f = x;
+    return v;
+  }
+  static Value string(std::string x) {
+    Value v;
+    v.type = Type::String;
+    v.s = std::move(x);
+    return v;
+  }
   static Value new_list(std::vector<Value> items = {}, bool tuple = false);
   static Value new_dict();
   static Value function(std::string name, std::function<Value(Interp&, CallArgs&)> call);
@@ -77,7 +101,9 @@ struct Value {
   bool is_list() const { return type == Type::List; }
   bool is_dict() const { return type == Type::Dict; }
   bool is_func() const { return type == Type::Func; }
-  bool is_int_like() const { return type == Type::Int || type == Type::Bool; }  // bool is an int in Python
+  bool is_int_like() const {
+    return type == Type::Int || type == Type::Bool;
+  }  // bool is an int in Python
   bool is_number() const { return is_int_like() || type == Type::Float; }
   int64_t as_int() const { return type == Type::Bool ? (b ? 1 : 0) : i; }
   double as_double() const { return type == Type::Float ? f : static_cast<double>(as_int()); }
@@ -122,7 +148,7 @@ std::string py_string_repr(std::string_view s);
 // JSON in and out: from the caller's context, and json.dumps for the tojson filter.
 Value from_json(const nlohmann::ordered_json& j);
 struct JsonDumpOptions {
-  int indent = -1;  // -1: None (single line)
+  int indent = -1;         // -1: None (single line)
   std::string indent_str;  // used when indent is given as a string
   std::string item_sep = ", ";
   std::string key_sep = ": ";

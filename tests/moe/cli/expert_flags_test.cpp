@@ -28,14 +28,15 @@ std::string ids_line(const std::string& err) {
 TEST(ExpertFlags, RunOutputIsIdenticalWithStreamingOnAndOff) {
   for (const char* file : {"qwen3moe-q4_k_m.gguf", "mixtral-q4_k_m.gguf"}) {
     SCOPED_TRACE(file);
-    const std::vector<std::string> base = {"run", "-m", testing::model_path(file), "-p",
-                                           "Once upon a time", "-n", "12", "--threads", "2"};
+    const std::vector<std::string> base = {
+        "run",       "-m", testing::model_path(file), "-p", "Once upon a time", "-n", "12",
+        "--threads", "2"};
     const Proc off = run_kiln(base);
     ASSERT_EQ(off.rc, 0) << off.err;
     ASSERT_FALSE(ids_line(off.err).empty()) << off.err;
-    for (std::vector<std::string> flags :
-         {std::vector<std::string>{"--expert-cap", "2"}, {"--expert-cap", "3", "--expert-prefetch"},
-          {"--expert-cache", "50000000"}}) {
+    for (std::vector<std::string> flags : {std::vector<std::string>{"--expert-cap", "2"},
+                                           {"--expert-cap", "3", "--expert-prefetch"},
+                                           {"--expert-cache", "50000000"}}) {
       std::vector<std::string> args = base;
       args.insert(args.end(), flags.begin(), flags.end());
       const Proc on = run_kiln(args);
@@ -76,10 +77,12 @@ TEST(ExpertFlags, RoutingOverrideStreamsIdenticallyAndShowsItsPopularity) {
                                     "--dev", "expert_device_policy=fifo"});
   EXPECT_EQ(bad_policy.rc, 1) << bad_policy.err;
   EXPECT_NE(bad_policy.err.find("--dev expert_device_policy: unknown expert device policy 'fifo'"),
-            std::string::npos) << bad_policy.err;
+            std::string::npos)
+      << bad_policy.err;
   EXPECT_EQ(std::count(bad_policy.err.begin(), bad_policy.err.end(), '\n'), 1) << bad_policy.err;
-  const std::vector<std::string> base = {"run", "-m", m, "-p", "Once upon a time", "-n", "64",
-                                         "--threads", "2", "--dev", "moe_routing=uniform", "--stats"};
+  const std::vector<std::string> base = {
+      "run", "-m",        m,   "-p",    "Once upon a time",    "-n",
+      "64",  "--threads", "2", "--dev", "moe_routing=uniform", "--stats"};
   const Proc resident = run_kiln(base);
   ASSERT_EQ(resident.rc, 0) << resident.err;
   EXPECT_NE(resident.err.find("stats: decode steps 1-8: "), std::string::npos) << resident.err;
