@@ -13,6 +13,7 @@ void add_quantize_command(CLI::App& app, int& exit_code);
 void add_template_command(CLI::App& app, int& exit_code);
 void add_mkmodel_command(CLI::App& app, int& exit_code);
 void add_run_command(CLI::App& app, int& exit_code);
+void add_chat_command(CLI::App& app, int& exit_code);
 void add_perplexity_command(CLI::App& app, int& exit_code);
 void add_bench_command(CLI::App& app, int& exit_code);
 void add_logits_command(CLI::App& app, int& exit_code);

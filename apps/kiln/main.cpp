@@ -1,7 +1,9 @@
 // apps/kiln/main.cpp: the `kiln` command line. Parses, dispatches to a subcommand, and turns
 // any error into one line on stderr with a non-zero exit status.
 #include <cstdio>
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "apps/kiln/commands.h"
 
@@ -16,6 +18,7 @@ int main(int argc, char** argv) {
   kiln::app::add_template_command(app, exit_code);
   kiln::app::add_mkmodel_command(app, exit_code);
   kiln::app::add_run_command(app, exit_code);
+  kiln::app::add_chat_command(app, exit_code);
   kiln::app::add_perplexity_command(app, exit_code);
   kiln::app::add_bench_command(app, exit_code);
   kiln::app::add_logits_command(app, exit_code);
@@ -23,8 +26,23 @@ int main(int argc, char** argv) {
 #ifdef KILN_WITH_SERVER
   kiln::app::add_serve_command(app, exit_code);
 #endif
+  // llama.cpp's `run -cnv` / `--conversation` is kiln chat (its -p the system prompt).
+  std::vector<std::string> args(argv, argv + argc);
+  if (args.size() > 1 && args[1] == "run" &&
+      std::find_if(args.begin(), args.end(), [](const std::string& a) {
+        return a == "-cnv" || a == "--conversation";
+      }) != args.end()) {
+    std::vector<std::string> chat = {args[0], "chat"};
+    for (size_t i = 2; i < args.size(); ++i) {
+      if (args[i] == "-cnv" || args[i] == "--conversation") continue;
+      chat.push_back(args[i] == "-p" || args[i] == "--prompt" ? "--system" : args[i]);
+    }
+    args = std::move(chat);
+  }
+  std::vector<char*> argp;
+  for (std::string& a : args) argp.push_back(a.data());
   try {
-    app.parse(argc, argv);
+    app.parse(static_cast<int>(argp.size()), argp.data());
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version, --dev help
     // Every bad command line is one line on stderr and status 1, like every other error.
