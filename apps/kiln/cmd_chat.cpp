@@ -138,10 +138,7 @@ void add_chat_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--system", o->system, "system prompt");
   cmd->add_option("-n,--n-predict", o->max_reply,
                   "most tokens per reply (default -1: until the end of generation)");
-  cmd->add_option("--temp", o->sampling.temperature, "temperature; <= 0: greedy (default 0.8)");
-  cmd->add_option("--top-k", o->sampling.top_k, "top-k, 0 = off (default 40)");
-  cmd->add_option("--top-p", o->sampling.top_p, "top-p, 1 = off (default 0.95)");
-  cmd->add_option("--min-p", o->sampling.min_p, "min-p, 0 = off (default 0.05)");
+  add_sampling_options(cmd, o->sampling);
   cmd->add_option("-s,--seed", o->sampling.seed, "sampling seed (default 42)");
   o->config = add_config_options(cmd);
   cmd->callback([o, &exit_code] {

@@ -220,7 +220,7 @@ Status run(RunOptions o) {
   Session session(rt.model(), rt.backend(), n_ctx);
   // Greedy or plain top-k sampling needs only each step's best candidates (--device-sampling):
   // a GPU then downloads k values per token instead of the vocabulary. Same ids.
-  const int32_t k_top = cfg.device_sampling ? sampler.candidates_needed(Backend::kTopKMost) : 0;
+  const int32_t k_top = eo.device_sampling ? sampler.candidates_needed(Backend::kTopKMost) : 0;
   std::span<const float> logits;
   Session::TopK top;
   auto eval = [&](std::span<const int32_t> toks) -> Status {
@@ -310,14 +310,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
                   "tokens to generate (default 128; -1: until the end of generation or of the "
                   "context)");
   cmd->add_option("-c,--ctx-size", o->n_ctx, "context size (default min(training, 4096))");
-  cmd->add_option("--temp", o->sampling.temperature, "temperature; <= 0: greedy (default 0.8)");
-  cmd->add_option("--top-k", o->sampling.top_k, "top-k, 0 = off (default 40)");
-  cmd->add_option("--top-p", o->sampling.top_p, "top-p, 1 = off (default 0.95)");
-  cmd->add_option("--min-p", o->sampling.min_p, "min-p, 0 = off (default 0.05)");
-  cmd->add_option("--repeat-penalty", o->sampling.repeat_penalty, "repeat penalty (default 1)");
-  cmd->add_option("--repeat-last-n", o->sampling.penalty_last_n, "penalty window (default 64)");
-  cmd->add_option("--presence-penalty", o->sampling.presence_penalty, "presence penalty");
-  cmd->add_option("--frequency-penalty", o->sampling.frequency_penalty, "frequency penalty");
+  add_sampling_options(cmd, o->sampling);
   cmd->add_option("--logit-bias", o->logit_bias, "ID+BIAS or ID-BIAS (repeatable; -inf bans)");
   cmd->add_option("-s,--seed", o->seed, "sampling seed (default 42; -1: a random one, printed)");
   cmd->add_option("--draft", o->draft,

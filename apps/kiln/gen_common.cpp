@@ -34,6 +34,17 @@ Expected<std::string> resolve_model_path(const std::string& model, const Config&
       name, tried.empty() ? std::string("?") : tried.front().string());
 }
 
+void add_sampling_options(CLI::App* cmd, SamplerParams& p) {
+  cmd->add_option("--temp", p.temperature, "temperature; <= 0: greedy (default 0.8)");
+  cmd->add_option("--top-k", p.top_k, "top-k, 0 = off (default 40)");
+  cmd->add_option("--top-p", p.top_p, "top-p, 1 = off (default 0.95)");
+  cmd->add_option("--min-p", p.min_p, "min-p, 0 = off (default 0.05)");
+  cmd->add_option("--repeat-penalty", p.repeat_penalty, "repeat penalty (default 1)");
+  cmd->add_option("--repeat-last-n", p.penalty_last_n, "penalty window (default 64)");
+  cmd->add_option("--presence-penalty", p.presence_penalty, "presence penalty");
+  cmd->add_option("--frequency-penalty", p.frequency_penalty, "frequency penalty");
+}
+
 std::string hash_ids(std::span<const int32_t> ids) {
   std::vector<unsigned char> bytes;
   bytes.reserve(ids.size() * 4);

@@ -2,14 +2,16 @@
 // share beyond engine/runtime.h: finding the demo model, id hashes, resident-memory readings.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <span>
 #include <string>
 
-#include "tokenizer/utf8_stream.h"
 #include "core/config.h"
 #include "core/status.h"
 #include "engine/runtime.h"
+#include "sampling/sampler.h"
+#include "tokenizer/utf8_stream.h"
 
 namespace kiln::app {
 
@@ -17,6 +19,10 @@ namespace kiln::app {
 // binary (the build tree), ../share/kiln/models (an installed tree), or, when --shared-dir is
 // set, its testdata/models.
 Expected<std::string> resolve_model_path(const std::string& model, const Config& config);
+
+// The sampling options run and chat share (llama.cpp's spellings): --temp, --top-k, --top-p,
+// --min-p, --repeat-penalty, --repeat-last-n, --presence-penalty, --frequency-penalty.
+void add_sampling_options(CLI::App* cmd, SamplerParams& p);
 
 // xxhash64 of the ids' little-endian int32 bytes, as 16 hex digits.
 std::string hash_ids(std::span<const int32_t> ids);

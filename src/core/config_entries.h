@@ -31,7 +31,9 @@ KILN_CONFIG_ENTRY(User, int64_t, expert_device_cache, 0,
 KILN_CONFIG_ENTRY(User, bool, expert_prefetch, false,
                   "MoE streaming: while a layer runs, load the experts the next layer used last")
 
-// ---- Dev: tests, bisecting, benchmarks (`--dev name=value`)
+// ---- Dev: what a benchmark or a test of a whole run sets (`--dev name=value`). Kernel
+// switches are not here: they live in the backends' option structs (CpuOptions, CudaOptions),
+// set in code by the tests that pin them, and go once their default is measured.
 KILN_CONFIG_ENTRY(Dev, std::string, shared_dir, "",
                   "a folder with testdata/models/stories260K.gguf, where the demo model is looked "
                   "for after the one shipped beside the binary")
@@ -45,43 +47,3 @@ KILN_CONFIG_ENTRY(Dev, std::string, moe_routing, "model",
                   "MoE cache benchmarks: model (the router's top-k), or each token's experts "
                   "drawn by layer, position and token: uniform or zipf[:S] (rank r weighs "
                   "(r+1)^-S, S 1 by default); not the model's outputs unless model")
-KILN_CONFIG_ENTRY(Dev, bool, device_sampling, true,
-                  "greedy / plain top-k sampling takes each step's best candidates from the "
-                  "backend (false: whole logit rows); same ids")
-KILN_CONFIG_ENTRY(Dev, bool, cpu_portable, false,
-                  "CPU: the portable kernels only (what a machine without AVX-512 VNNI / AVX2 "
-                  "runs); same bits")
-KILN_CONFIG_ENTRY(Dev, std::string, cuda_matmul, "auto",
-                  "CUDA matmul kernels: auto (int8 up to cuda_int8_max_tokens tokens, cuBLAS "
-                  "above), v2 (f32 activations, cuBLAS above 16 tokens), v3 (int8, up to 64)")
-KILN_CONFIG_ENTRY(Dev, int64_t, cuda_int8_max_tokens, 16,
-                  "CUDA auto: the most tokens a quantized matmul runs on the int8 kernels "
-                  "(1..64)")
-KILN_CONFIG_ENTRY(Dev, int64_t, cuda_int8_mma, 8,
-                  "CUDA: int8 matmuls (Q4_K, Q6_K) of at least this many tokens on the int8 "
-                  "tensor cores (0: never); same bits")
-KILN_CONFIG_ENTRY(Dev, bool, cuda_fuse_rope, true, "CUDA: Q and K RoPE as one launch; same bits")
-KILN_CONFIG_ENTRY(Dev, bool, cuda_fuse_swiglu, true,
-                  "CUDA: SwiGLU inside the down projection's int8 quantization; same bits")
-KILN_CONFIG_ENTRY(Dev, int64_t, cuda_f16_cache, -1,
-                  "CUDA: MiB of f16 weight copies for the cuBLAS path (-1: a quarter of the "
-                  "free device memory; 0: off); same outputs")
-KILN_CONFIG_ENTRY(Dev, int64_t, cuda_l2_prefetch, 8,
-                  "CUDA: MiB of the coming K-quant weights each one-token prefetch hint pulls "
-                  "into L2 (0: off, at most 4096); same outputs")
-KILN_CONFIG_ENTRY(Dev, bool, cuda_pdl, true, "CUDA: programmatic dependent launch; same outputs")
-KILN_CONFIG_ENTRY(Dev, bool, cuda_mma_pre_scales, true,
-                  "CUDA: Q4_K tensor-core matmul decodes each stage's scales once per block; "
-                  "same bits")
-KILN_CONFIG_ENTRY(Dev, bool, cuda_direct_download, true,
-                  "CUDA: logits downloaded by DMA into the session's page-locked buffer; same "
-                  "bytes")
-KILN_CONFIG_ENTRY(Dev, bool, cuda_attn_skip_empty, true,
-                  "CUDA: decode attention skips key slices with no visible key; same bits")
-KILN_CONFIG_ENTRY(Dev, bool, cuda_attn_warp_tiles, true,
-                  "CUDA: decode attention by warp tiles (false: the split kernel, another "
-                  "summation order)")
-KILN_CONFIG_ENTRY(Dev, bool, cuda_graphs, true,
-                  "CUDA: replay repeated steps as CUDA graphs (false: op by op)")
-KILN_CONFIG_ENTRY(Dev, bool, cuda_gemm_graphs, true,
-                  "CUDA: steps with cuBLAS GEMMs replayed as graphs too; same outputs")

@@ -48,43 +48,6 @@ Expected<EngineOptions> engine_options(const Config& config) {
   o.expert_device_policy = *policy;
   o.expert_device_async = config.expert_device_async;
   KILN_ASSIGN_OR_RETURN(o.routing, model::parse_routing(config.moe_routing));
-  o.device_sampling = config.device_sampling;
-  o.cpu.portable_kernels = config.cpu_portable;
-
-  CudaOptions& c = o.cuda;
-  c.graphs = config.cuda_graphs;
-  c.gemm_graphs = config.cuda_gemm_graphs;
-  c.pdl = config.cuda_pdl;
-  c.mma_pre_scales = config.cuda_mma_pre_scales;
-  c.direct_download = config.cuda_direct_download;
-  c.attention_skip_empty = config.cuda_attn_skip_empty;
-  c.attention_warp_tiles = config.cuda_attn_warp_tiles;
-  c.fuse_rope = config.cuda_fuse_rope;
-  c.fuse_swiglu = config.cuda_fuse_swiglu;
-  if (config.cuda_int8_max_tokens < 1 || config.cuda_int8_max_tokens > 64)
-    return Status::errorf("--dev cuda_int8_max_tokens {}: must be 1..64",
-                          config.cuda_int8_max_tokens);
-  c.auto_int8_max_tokens = config.cuda_int8_max_tokens;
-  if (config.cuda_int8_mma < 0 || config.cuda_int8_mma > 64)
-    return Status::errorf("--dev cuda_int8_mma {}: must be 0 (never) to 64", config.cuda_int8_mma);
-  c.int8_mma_min_tokens = config.cuda_int8_mma;
-  if (config.cuda_l2_prefetch < 0 || config.cuda_l2_prefetch > 4096)
-    return Status::errorf("--dev cuda_l2_prefetch {}: must be 0 (off) to 4096 MiB",
-                          config.cuda_l2_prefetch);
-  c.l2_prefetch_bytes = uint64_t(config.cuda_l2_prefetch) << 20;
-  if (config.cuda_f16_cache < -1)
-    return Status::errorf("--dev cuda_f16_cache {}: must be -1 (auto), 0 (off) or MiB",
-                          config.cuda_f16_cache);
-  c.f16_cache_bytes = config.cuda_f16_cache == -1 ? CudaOptions::kF16CacheAuto
-                                                  : uint64_t(config.cuda_f16_cache) << 20;
-  if (config.cuda_matmul == "v2")
-    c.matmul = CudaMatmul::V2;
-  else if (config.cuda_matmul == "v3")
-    c.matmul = CudaMatmul::V3;
-  else if (config.cuda_matmul == "auto")
-    c.matmul = CudaMatmul::Auto;
-  else
-    return Status::errorf("--dev cuda_matmul '{}': auto, v2 or v3", config.cuda_matmul);
   return o;
 }
 

@@ -107,28 +107,32 @@ TEST(Config, LogLevels) {
 
 TEST(Config, DevEntriesOnlyThroughTheDevDoor) {
   // KILN_DEV sets Dev entries; KILN_<NAME> of a Dev entry is not read.
-  auto e = load_config({}, fake_env({{"KILN_DEV", "cuda_graphs=false,cuda-l2-prefetch=4"},
-                                     {"KILN_CUDA_PDL", "false"}}));
+  auto e = load_config({}, fake_env({{"KILN_DEV", "expert_device_async=false,moe-routing=uniform"},
+                                     {"KILN_MOE_ROUTING", "zipf"}}));
   ASSERT_TRUE(e) << e.error();
-  EXPECT_FALSE(e->cuda_graphs);
-  EXPECT_EQ(e->cuda_l2_prefetch, 4);
-  EXPECT_TRUE(e->cuda_pdl);
+  EXPECT_FALSE(e->expert_device_async);
+  EXPECT_EQ(e->moe_routing, "uniform");
   // The command line's --dev wins over KILN_DEV.
-  auto kv = parse_dev_assignment("cuda_graphs=true");
+  auto kv = parse_dev_assignment("expert_device_async=true");
   ASSERT_TRUE(kv) << kv.error();
-  auto c = load_config({*kv}, fake_env({{"KILN_DEV", "cuda_graphs=false"}}));
+  auto c = load_config({*kv}, fake_env({{"KILN_DEV", "expert_device_async=false"}}));
   ASSERT_TRUE(c) << c.error();
-  EXPECT_TRUE(c->cuda_graphs);
+  EXPECT_TRUE(c->expert_device_async);
   // A User entry is not a --dev key, a Dev entry not a plain option, unknown names are named.
   EXPECT_NE(parse_dev_assignment("threads=3").error().find("use --threads"), std::string::npos);
   EXPECT_NE(parse_dev_assignment("nope=1").error().find("unknown name 'nope'"), std::string::npos);
-  EXPECT_NE(parse_dev_assignment("cuda_graphs").error().find("name=value"), std::string::npos);
-  auto plain = load_config({{"cuda_graphs", "false"}}, fake_env({}));
+  EXPECT_NE(parse_dev_assignment("moe_routing").error().find("name=value"), std::string::npos);
+  auto plain = load_config({{"moe_routing", "uniform"}}, fake_env({}));
   ASSERT_FALSE(plain);
-  EXPECT_NE(plain.error().find("--dev cuda_graphs=VALUE"), std::string::npos) << plain.error();
-  auto bad = load_config({}, fake_env({{"KILN_DEV", "cuda_graphs=maybe"}}));
+  EXPECT_NE(plain.error().find("--dev moe_routing=VALUE"), std::string::npos) << plain.error();
+  auto bad = load_config({}, fake_env({{"KILN_DEV", "expert_device_async=maybe"}}));
   ASSERT_FALSE(bad);
-  EXPECT_NE(bad.error().find("KILN_DEV cuda_graphs"), std::string::npos) << bad.error();
+  EXPECT_NE(bad.error().find("KILN_DEV expert_device_async"), std::string::npos) << bad.error();
+  // Kernel switches are the backends' option structs', not the registry's.
+  for (const ConfigEntry& entry : config_entries()) {
+    EXPECT_NE(std::string(entry.name).rfind("cuda_", 0), 0u) << entry.name;
+    EXPECT_NE(std::string(entry.name).rfind("cpu_", 0), 0u) << entry.name;
+  }
   // --dev help lists every Dev entry and no User entry.
   const std::string help = dev_help();
   for (const ConfigEntry& entry : config_entries())
@@ -149,15 +153,15 @@ TEST(ConfigCli, UserEntriesAreOptionsAndOverrideTheEnvironment) {
     const std::string flag = on ? "--no-" + e.cli_flag().substr(2) : e.cli_flag();
     EXPECT_NE(app.get_option_no_throw(flag), nullptr) << flag;
   }
-  const char* argv[] = {"test",          "-t", "6", "--stats", "--log-level=warn", "--dev",
-                        "cuda_pdl=false"};
+  const char* argv[] = {
+      "test", "-t", "6", "--stats", "--log-level=warn", "--dev", "expert_device_async=false"};
   ASSERT_NO_THROW(app.parse(7, const_cast<char**>(argv)));
   auto c = load_config(*overrides, fake_env({{"KILN_THREADS", "2"}, {"KILN_MLOCK", "1"}}));
   ASSERT_TRUE(c) << c.error();
   EXPECT_EQ(c->threads, 6);
   EXPECT_TRUE(c->mlock);
   EXPECT_TRUE(c->stats);
-  EXPECT_FALSE(c->cuda_pdl);
+  EXPECT_FALSE(c->expert_device_async);
   EXPECT_EQ(c->log_level, "warn");
   // Help names the variable and the real default, and never CLI11's "{false}" marker.
   const std::string help = app.help();
