@@ -82,6 +82,39 @@ TEST(JinjaLimits, HostileTemplatesStopWithAnError) {
   EXPECT_FALSE(render_chat_template(nested, ctx));
 }
 
+// With the default limits (issue 37): a nested loop that would burn seconds stops at the time
+// limit, a string that doubles and a list of large strings stop at the memory cap, each with
+// one line naming the cap; a template that builds its prompt in a variable over a long
+// conversation (output of about the context's size) stays within the cap.
+TEST(JinjaLimits, DefaultTimeAndMemoryCaps) {
+  const ojson ctx = {{"messages", ojson::array()}};
+  auto nested = render_chat_template(
+      "{% for a in range(5000) %}{% for b in range(5000) %}{% endfor %}{% endfor %}", ctx);
+  ASSERT_FALSE(nested);
+  EXPECT_NE(nested.error().find("ms time limit"), std::string::npos) << nested.error();
+  for (const char* src : {
+           "{% set ns = namespace(v='x') %}{% for i in range(40) %}{% set ns.v = ns.v + ns.v "
+           "%}{% endfor %}{{ ns.v | length }}",
+           "{% set ns = namespace(l=[]) %}{% for i in range(1000) %}{% set ns.l = ns.l + ['y' * "
+           "1000000] %}{% endfor %}{{ ns.l | length }}",
+       }) {
+    auto out = render_chat_template(src, ctx);
+    ASSERT_FALSE(out) << src;
+    EXPECT_NE(out.error().find("MemoryError: template used more than"), std::string::npos)
+        << out.error();
+  }
+  // 500 messages of 2 KiB, accumulated in a namespace variable then printed.
+  ojson msgs = ojson::array();
+  for (int i = 0; i < 500; ++i)
+    msgs.push_back({{"role", i % 2 ? "assistant" : "user"}, {"content", std::string(2048, 'a')}});
+  auto long_chat = render_chat_template(
+      "{% set ns = namespace(p='') %}{% for m in messages %}{% set ns.p = ns.p + '<' + m.role + "
+      "'>' + m.content %}{% endfor %}{{ ns.p }}",
+      ojson{{"messages", msgs}});
+  ASSERT_TRUE(long_chat) << long_chat.error();
+  EXPECT_GT(long_chat->size(), size_t(500 * 2048));
+}
+
 TEST(JinjaApi, ParseOnceRenderMany) {
   auto t = ChatTemplate::parse(
       "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ extra }}");

@@ -131,7 +131,14 @@ Expected<std::string> ChatTemplate::render(const nlohmann::ordered_json& context
     RenderLimits limits;
     limits.max_output_bytes = opt.max_output_bytes;
     limits.max_steps = opt.max_steps;
+    limits.max_time = opt.max_time;
+    // The context's own values are made before the budget starts: the cap bounds what the
+    // template makes.
+    jinja::MemoryBudget budget{
+        .live = 0,
+        .cap = int64_t(opt.max_memory_bytes + 4 * (context.is_null() ? 0 : context.dump().size()))};
     Interp in(make_globals(context, now), limits);
+    const jinja::MemoryBudgetScope scope(&budget);
     return in.render(*tmpl_);
   } catch (const jinja::Error& e) {
     return Status::error(e.what());

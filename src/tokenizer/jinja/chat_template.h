@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,9 +22,14 @@ struct Template;
 struct ChatTemplateOptions {
   // The moment strftime_now() formats, "YYYY-MM-DDTHH:MM:SS"; unset = the current local time.
   std::optional<std::string> now;
-  // Resource bounds so a hostile template cannot hang or exhaust a server.
+  // Resource bounds so a hostile template cannot hang or exhaust a server: output size,
+  // evaluation steps, wall time, and the memory the values a render makes may hold at once:
+  // max_memory_bytes plus 4x the context's size as JSON (a template that builds the prompt in
+  // a variable holds about the output, which is about the context).
   size_t max_output_bytes = size_t{64} << 20;
   uint64_t max_steps = 20'000'000;
+  std::chrono::milliseconds max_time{500};
+  size_t max_memory_bytes = size_t{16} << 20;
 };
 
 class ChatTemplate {

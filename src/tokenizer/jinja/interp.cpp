@@ -20,6 +20,10 @@ void Interp::step() {
   if (++steps_ > limits_.max_steps)
     fail("TemplateRuntimeError",
          fmt::format("template exceeded {} evaluation steps", limits_.max_steps));
+  if (steps_ % 256 == 0 && limits_.max_time.count() > 0 &&
+      std::chrono::steady_clock::now() > deadline_)
+    fail("TemplateRuntimeError",
+         fmt::format("template render exceeded its {} ms time limit", limits_.max_time.count()));
 }
 
 void Interp::append(std::string& out, std::string_view s) {

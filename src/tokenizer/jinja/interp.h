@@ -3,6 +3,7 @@
 // exhaust the server, and exposes the lookups builtins need (attributes, calls, filters).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -25,11 +26,17 @@ struct RenderLimits {
   size_t max_output_bytes = size_t{64} << 20;
   uint64_t max_steps = 20'000'000;  // statements + loop iterations + calls
   int max_call_depth = 200;         // macro / filter recursion
+  // Wall time of one render, checked every few steps (a step is well under a microsecond);
+  // 0: no limit.
+  std::chrono::milliseconds max_time{500};
 };
 
 class Interp {
  public:
-  Interp(ScopePtr globals, RenderLimits limits) : globals_(std::move(globals)), limits_(limits) {}
+  Interp(ScopePtr globals, RenderLimits limits)
+      : globals_(std::move(globals)),
+        limits_(limits),
+        deadline_(std::chrono::steady_clock::now() + limits.max_time) {}
 
   std::string render(const Template& t);
 
@@ -57,6 +64,7 @@ class Interp {
 
   ScopePtr globals_;
   RenderLimits limits_;
+  std::chrono::steady_clock::time_point deadline_;
   uint64_t steps_ = 0;
   int call_depth_ = 0;
   friend struct CallDepthGuard;

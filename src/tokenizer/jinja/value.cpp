@@ -10,6 +10,93 @@
 
 namespace kiln::jinja {
 
+namespace {
+thread_local MemoryBudget* t_budget = nullptr;
+}  // namespace
+
+MemoryBudgetScope::MemoryBudgetScope(MemoryBudget* b) : prev_(t_budget) { t_budget = b; }
+MemoryBudgetScope::~MemoryBudgetScope() { t_budget = prev_; }
+
+int64_t Value::footprint() const {
+  // A short string lives inside the object (the small-string buffer).
+  const size_t heap = s.capacity() > std::string().capacity() ? s.capacity() : 0;
+  return int64_t(sizeof(Value) + heap);
+}
+
+void Value::charge() {
+  charged_ = 0;
+  if (!t_budget) return;
+  charged_ = footprint();
+  t_budget->live += charged_;
+  if (t_budget->live > t_budget->cap) {
+    const int64_t cap = t_budget->cap;
+    release();
+    fail("MemoryError",
+         fmt::format("template used more than {} MiB of memory (the render's cap)", cap >> 20));
+  }
+}
+
+void Value::recharge() {
+  if (!t_budget) return;
+  const int64_t was = charged_;
+  t_budget->live -= was;
+  charge();
+}
+
+void Value::release() noexcept {
+  if (t_budget) t_budget->live -= charged_;
+  charged_ = 0;
+}
+
+Value::Value(const Value& o)
+    : type(o.type), b(o.b), i(o.i), f(o.f), s(o.s), list(o.list), dict(o.dict), fn(o.fn) {
+  charge();
+}
+
+// A move hands the whole charge over with the string (the moved-from object, about to be
+// destroyed, goes uncounted meanwhile).
+Value::Value(Value&& o) noexcept
+    : type(o.type),
+      b(o.b),
+      i(o.i),
+      f(o.f),
+      s(std::move(o.s)),
+      list(std::move(o.list)),
+      dict(std::move(o.dict)),
+      fn(std::move(o.fn)),
+      charged_(o.charged_) {
+  o.charged_ = 0;
+}
+
+Value& Value::operator=(const Value& o) {
+  if (this == &o) return *this;
+  type = o.type, b = o.b, i = o.i, f = o.f;
+  s = o.s;
+  list = o.list, dict = o.dict, fn = o.fn;
+  recharge();
+  return *this;
+}
+
+Value& Value::operator=(Value&& o) noexcept {
+  if (this == &o) return *this;
+  type = o.type, b = o.b, i = o.i, f = o.f;
+  s = std::move(o.s);
+  list = std::move(o.list), dict = std::move(o.dict), fn = std::move(o.fn);
+  // The string's charge leaves `o` with it (o keeps its object's); this value is charged
+  // afresh for what it holds now.
+  const int64_t moved = std::max<int64_t>(0, o.charged_ - int64_t(sizeof(Value)));
+  if (t_budget) t_budget->live -= moved;
+  o.charged_ -= moved;
+  if (t_budget) {
+    t_budget->live -= charged_;
+    charged_ = footprint();
+    t_budget->live += charged_;  // never raises: a move assignment must not throw
+  } else {
+    charged_ = 0;
+  }
+  return *this;
+}
+
 void fail(std::string_view kind, std::string_view msg) { throw Error(kind, msg); }
 void type_error(std::string_view msg) { throw Error("TypeError", msg); }
 

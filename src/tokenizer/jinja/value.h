@@ -33,6 +33,27 @@ struct Dict;
 struct Func;
 class Interp;
 
+// The memory a render may hold: every live Value charges its own size and its string's heap
+// bytes to the budget of the render running on its thread (Interp sets one for its life), and
+// a charge past the cap raises "MemoryError". Values made outside a render charge nothing; a
+// Value is charged when it is made or copied and given back when destroyed (a string grown in
+// place is charged at its size when it became a Value: the builders make strings first and
+// wrap them). Lists and dicts are charged through their elements.
+struct MemoryBudget {
+  int64_t live = 0;  // may go below 0 when a render frees what was made before it
+  int64_t cap = 0;
+};
+class MemoryBudgetScope {
+ public:
+  explicit MemoryBudgetScope(MemoryBudget* b);
+  ~MemoryBudgetScope();
+  MemoryBudgetScope(const MemoryBudgetScope&) = delete;
+  MemoryBudgetScope& operator=(const MemoryBudgetScope&) = delete;
+
+ private:
+  MemoryBudget* prev_;
+};
+
 struct CallArgs {
   std::vector<Value> pos;
   std::vector<std::pair<std::string, Value>> kw;
@@ -49,10 +70,17 @@ struct Value {
   std::shared_ptr<Dict> dict;
   std::shared_ptr<Func> fn;
 
-  Value() = default;
+  Value() { charge(); }
+  Value(const Value& o);
+  Value(Value&& o) noexcept;
+  Value& operator=(const Value& o);
+  Value& operator=(Value&& o) noexcept;
+  ~Value() { release(); }
+
   static Value undefined(std::string hint = {}) {
     Value v;
     v.s = std::move(hint);
+    v.recharge();
     return v;
   }
   // What the sandbox returns for a blocked attribute: an Undefined that raises SecurityError
@@ -89,6 +117,7 @@ struct Value {
     Value v;
     v.type = Type::String;
     v.s = std::move(x);
+    v.recharge();
     return v;
   }
   static Value new_list(std::vector<Value> items = {}, bool tuple = false);
@@ -111,6 +140,14 @@ struct Value {
   bool truthy() const;
   // Raises the UndefinedError this Undefined stands for (its hint, or a generic one).
   [[noreturn]] void fail_undefined() const;
+
+ private:
+  // What this value holds: its own bytes and its string's heap bytes.
+  int64_t footprint() const;
+  void charge();    // charges footprint() (raises MemoryError past the cap)
+  void recharge();  // charges the change since the last charge
+  void release() noexcept;
+  int64_t charged_ = 0;  // what this value has charged to the current budget
 };
 
 struct List {
