@@ -105,8 +105,6 @@ const char* kernels_name(kiln::cuda::MatmulKernels k) {
 // --mma-stages N: Q4_K/Q6_K's tensor-core kernel with a ring of N (3, 4, 6) shared-memory
 // stages, or 0: reading its fragments from global memory (kernels.h set_mma_stages), for A/B.
 // --mma-warps N: that kernel with 4 or 8 warps per block (kernels.h set_mma_warps).
-// --mma-pre-scales / --no-mma-pre-scales: Q4_K's scales decoded once per stage or by each lane
-// (kernels.h set_mma_pre_scales; on by default).
 int g_mma_min = kiln::cuda::kQ8MmaMinTokens;
 
 struct Scratch {
@@ -344,14 +342,14 @@ void bench_attention(int iters, double read_gbps, int n_sm) {
 // Batched decode attention (kernels.h launch_attention_batch): S sequences of one query each
 // (32/8 heads x 128, f16 KV, each sequence its own planes), each over `ctx` visible keys padded
 // with invisible ones to the CUDA graph bucket (256 keys, as kiln's graph mode stages them), in
-// one launch pair. Three forms interleaved per iteration: the split kernel skipping empty
-// slices (its default), walking them, and the warp-tile kernel. Checks the outputs (every V
+// one launch pair. Two forms interleaved per iteration: the split kernel and the warp-tile
+// kernel. Checks the outputs (every V
 // element 0.125) before timing; GB/s counts the visible keys' K and V bytes once.
 void bench_attention_batch(int iters, int n_sm) {
   std::printf(
       "\n| batched decode attention (32/8 heads x 128) | sequences | visible keys | padded "
-      "keys | split us | split, empty slices walked | warp tiles us | warp tiles GB/s "
-      "|\n|---|---|---|---|---|---|---|---|\n");
+      "keys | split us | warp tiles us | warp tiles GB/s "
+      "|\n|---|---|---|---|---|---|---|\n");
   for (int64_t n_seq : {int64_t{1}, int64_t{16}, int64_t{64}}) {
     for (int64_t ctx : {int64_t{64}, int64_t{128}, int64_t{1024}}) {
       const int64_t n_kv = (ctx + 255) / 256 * 256;
@@ -399,13 +397,12 @@ void bench_attention_batch(int iters, int n_sm) {
         expect_all_eighths(dout, q.size(),
                            w ? "batched attention (warp tiles)" : "batched attention");
       }
-      // Forms 0/1: the split kernel skipping / walking empty slices; 2: warp tiles.
+      // Form 0: the split kernel; 1: warp tiles.
       Timer tm;
-      std::vector<float> ms[3];
+      std::vector<float> ms[2];
       for (int i = 0; i < iters + 2; ++i) {
-        for (int f = 0; f < 3; ++f) {
-          const int w = f == 2 ? 1 : 0;
-          kiln::cuda::set_attention_skip_empty(f == 0);
+        for (int f = 0; f < 2; ++f) {
+          const int w = f;
           BENCH_CHECK(cudaEventRecord(tm.a));
           for (int r = 0; r < 20; ++r)
             BENCH_CHECK(kiln::cuda::launch_attention_batch(ditems[w], items[w], nullptr));
@@ -416,11 +413,10 @@ void bench_attention_batch(int iters, int n_sm) {
           if (i >= 2) ms[f].push_back(m / 20);
         }
       }
-      kiln::cuda::set_attention_skip_empty(kiln::cuda::kAttentionSkipEmptyDefault);
       const double bytes = double(n_seq) * double(ctx) * double(kv_w) * 2 * 2;
-      std::printf("| decode | %lld | %lld | %lld | %.1f | %.1f | %.1f | %.0f |\n", (long long)n_seq,
+      std::printf("| decode | %lld | %lld | %lld | %.1f | %.1f | %.0f |\n", (long long)n_seq,
                   (long long)ctx, (long long)n_kv, median(ms[0]) * 1e3, median(ms[1]) * 1e3,
-                  median(ms[2]) * 1e3, bytes / (median(ms[2]) * 1e-3) / 1e9);
+                  bytes / (median(ms[1]) * 1e-3) / 1e9);
       std::fflush(stdout);
       for (void* p :
            {(void*)dk, (void*)dv, (void*)drows, (void*)dpos, (void*)dqpos, (void*)dq, (void*)dout,
@@ -550,10 +546,6 @@ int main(int argc, char** argv) {
       kiln::cuda::set_mma_stages(std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--mma-warps") == 0 && i + 1 < argc) {
       kiln::cuda::set_mma_warps(std::atoi(argv[++i]));
-    } else if (std::strcmp(argv[i], "--mma-pre-scales") == 0) {
-      kiln::cuda::set_mma_pre_scales(true);
-    } else if (std::strcmp(argv[i], "--no-mma-pre-scales") == 0) {
-      kiln::cuda::set_mma_pre_scales(false);
     } else if (std::strcmp(argv[i], "--no-attention") == 0) {
       attention = false;
     } else if (std::strcmp(argv[i], "--shapes") == 0 && i + 1 < argc) {

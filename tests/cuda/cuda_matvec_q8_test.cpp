@@ -375,19 +375,17 @@ TEST(CudaMatvecQ8, MmaHasTheDp4aBits) {
       ASSERT_EQ(cuda::launch_matvec_q8(w, act, n_tok, y, nullptr, 0), cudaSuccess);
       const std::vector<float> want = from_device(y, n);
       // Every form of the Q4_K/Q6_K kernel (through rings of 3, 4 or 6 shared-memory stages, 4
-      // or 8 warps (-4, -8), Q4_K's scales decoded once per stage (100), where the row is whole
-      // stages and nb <= 2; fragments from global memory otherwise).
-      for (int staged : {3, 4, 6, -4, -8, 100, 0})
+      // or 8 warps (-4, -8), where the row is whole stages and nb <= 2; fragments from global
+      // memory otherwise).
+      for (int staged : {3, 4, 6, -4, -8, 0})
         for (int nb : {1, 2, 4}) {
-          cuda::set_mma_stages(staged < 0 || staged == 100 ? cuda::kMmaStagesDefault : staged);
+          cuda::set_mma_stages(staged < 0 ? cuda::kMmaStagesDefault : staged);
           cuda::set_mma_warps(staged < 0 ? -staged : cuda::kMmaWarpsDefault);
-          cuda::set_mma_pre_scales(staged == 100);
           cuda::check_cuda(cudaMemset(z, 0xff, n * 4), "memset");
           ASSERT_EQ(cuda::launch_matvec_q8_mma(w, act, n_tok, z, nb, nullptr), cudaSuccess);
           cuda::check_cuda(cudaDeviceSynchronize(), "sync");
           cuda::set_mma_stages(cuda::kMmaStagesDefault);
           cuda::set_mma_warps(cuda::kMmaWarpsDefault);
-          cuda::set_mma_pre_scales(cuda::kMmaPreScalesDefault);
           const std::vector<float> got = from_device(z, n);
           for (size_t i = 0; i < n; ++i)
             ASSERT_EQ(std::memcmp(&got[i], &want[i], 4), 0)

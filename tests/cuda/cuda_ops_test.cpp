@@ -360,15 +360,13 @@ TEST(CudaOps, AddRmsnormHasTheBitsOfAddThenRmsnorm) {
   }
 }
 
-// rope_qk on resident buffers: one launch for Q and K (CudaOptions::fuse_rope) against two
-// rope() ops and against the unfused rope_qk, memcmp; Q and K head counts as in GQA (32/8)
-// and odd ones, decode (1 token) and several tokens.
+// rope_qk on resident buffers: one launch for Q and K against two rope() ops, memcmp; Q and K head
+// counts as in GQA (32/8) and odd ones, decode (1 token) and several tokens.
 TEST(CudaOps, RopeQkEqualsTwoRopes) {
   KILN_REQUIRE_CUDA();
   std::mt19937_64 rng(ops_seed() + 3);
-  for (bool fuse : {true, false}) {
+  {
     CudaOptions o;
-    o.fuse_rope = fuse;
     auto be = make_cuda_backend(o);
     ASSERT_TRUE(be) << be.error();
     Backend& b = **be;
@@ -376,9 +374,8 @@ TEST(CudaOps, RopeQkEqualsTwoRopes) {
       for (auto [hq, hk, hd, n_rot, n_tok] :
            {std::array<int64_t, 5>{32, 8, 128, 128, 1}, std::array<int64_t, 5>{32, 8, 128, 64, 7},
             std::array<int64_t, 5>{5, 3, 80, 80, 3}, std::array<int64_t, 5>{2, 2, 2, 2, 2}}) {
-        SCOPED_TRACE(::testing::Message()
-                     << "fuse " << fuse << " style " << int(style) << " hq " << hq << " hk " << hk
-                     << " hd " << hd << " n_tok " << n_tok);
+        SCOPED_TRACE(::testing::Message() << "style " << int(style) << " hq " << hq << " hk " << hk
+                                          << " hd " << hd << " n_tok " << n_tok);
         std::vector<int32_t> pos(static_cast<size_t>(n_tok));
         for (int64_t t = 0; t < n_tok; ++t) pos[size_t(t)] = int32_t(t * 997 + 3);
         const RopeParams p{n_rot, style == RopeStyle::NeoX ? 1e6f : 1e4f, 0.5f, style};
@@ -410,16 +407,14 @@ TEST(CudaOps, RopeQkEqualsTwoRopes) {
   }
 }
 
-// swiglu_matmul on resident buffers (CudaOptions::fuse_swiglu: SwiGLU inside the int8
-// activation quantization) against swiglu() then matmul(), memcmp, on the int8 types (one token,
-// batched, the tensor-core range) and where the fused path does not apply (F16; 17 tokens, past
-// the int8 range of Auto, cuBLAS).
+// swiglu_matmul on resident buffers (SwiGLU inside the int8 activation quantization) against
+// swiglu() then matmul(), memcmp, on the int8 types (one token, batched, the tensor-core range) and
+// where the fused path does not apply (F16; 17 tokens, past the int8 range of Auto, cuBLAS).
 TEST(CudaOps, SwigluMatmulEqualsTheTwoOps) {
   KILN_REQUIRE_CUDA();
   std::mt19937_64 rng(ops_seed() + 4);
-  for (bool fuse : {true, false}) {
+  {
     CudaOptions o;
-    o.fuse_swiglu = fuse;
     o.verify_weight_cache = true;
     auto be = make_cuda_backend(o);
     ASSERT_TRUE(be) << be.error();
@@ -434,8 +429,7 @@ TEST(CudaOps, SwigluMatmulEqualsTheTwoOps) {
       const WeightMatrix w{
           .dtype = t, .n_cols = k, .n_rows = rows, .row_bytes = rb, .bytes = bytes};
       for (int64_t n_tok : {1, 3, 8, 16, 17}) {
-        SCOPED_TRACE(::testing::Message()
-                     << "fuse " << fuse << " " << dtype_name(t) << " n_tok " << n_tok);
+        SCOPED_TRACE(::testing::Message() << dtype_name(t) << " n_tok " << n_tok);
         const std::vector<float> g = random_vec(rng, size_t(n_tok * k), 4.0f);
         const std::vector<float> u = random_vec(rng, size_t(n_tok * k));
         BackendBuffer<float> dg = b.alloc<float>(g.size()), du = b.alloc<float>(u.size());

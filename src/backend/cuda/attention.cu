@@ -107,9 +107,8 @@ struct BlockPlace {
 // head size's, not the largest one's, so a 128-wide head keeps half the registers of a 256-wide
 // one (and more blocks fit on an SM); the pairs past the head size were never computed.
 // Partial layout per (q, head, split): [head_dim] unnormalised acc, then max, then sum.
-// skip_empty (kernels.h set_attention_skip_empty): a slice with no visible key (the padding of
-// a graph's key bucket past a short context) writes the empty partial (zeros, -inf, 0) at once,
-// the bits the full walk would have left.
+// A slice with no visible key (the padding of a graph's key bucket past a short context) writes
+// the empty partial (zeros, -inf, 0) at once, the bits the full walk would have left.
 // The body is shared by the one-sequence kernel (bx, by = blockIdx) and the batched one (bx, by
 // from the block's place in its sequence's range), so a sequence's result has the same bits
 // either way.
@@ -117,7 +116,7 @@ template <int G, int KB, int P>
 __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
                                                      int64_t keys_per_split,
                                                      float* __restrict__ part, int64_t bx,
-                                                     int64_t by, int64_t n_split, bool skip_empty) {
+                                                     int64_t by, int64_t n_split) {
   constexpr int HD = 64 * P;  // the widest head this instantiation serves
   __shared__ float q_s[G][HD];
   __shared__ float acc_s[kWarps][G][HD];
@@ -128,11 +127,11 @@ __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   auto visible = [&](int32_t kp) { return at.visible(kp); };
 
-  // The queries and (skip_empty) the slice's positions load in the same round trip; one
-  // barrier both publishes q_s and tells whether any key of the slice is visible.
+  // The queries and the slice's positions load in the same round trip; one barrier both
+  // publishes q_s and tells whether any key of the slice is visible.
   for (int64_t i = threadIdx.x; i < G * hd; i += blockDim.x)
     q_s[i / hd][i % hd] = a.q[(qi * a.n_head + h0) * hd + i];
-  bool any = !skip_empty;
+  bool any = false;
   for (int64_t j = j0 + threadIdx.x; j < j1 && !any; j += blockDim.x) any = visible(a.kv_pos[j]);
   if (!__syncthreads_or(any)) {
     for (int64_t i = threadIdx.x; i < int64_t(G) * (hd + 2); i += blockDim.x) {
@@ -239,11 +238,9 @@ __device__ __forceinline__ void attention_split_body(const DeviceAttention& a,
 
 template <int G, int KB, int P>
 __global__ void __launch_bounds__(kWarps * 32)
-    attention_split_kernel(DeviceAttention a, int64_t keys_per_split, float* __restrict__ part,
-                           bool skip_empty) {
+    attention_split_kernel(DeviceAttention a, int64_t keys_per_split, float* __restrict__ part) {
   pdl_enter();
-  attention_split_body<G, KB, P>(a, keys_per_split, part, blockIdx.x, blockIdx.y, gridDim.y,
-                                 skip_empty);
+  attention_split_body<G, KB, P>(a, keys_per_split, part, blockIdx.x, blockIdx.y, gridDim.y);
 }
 
 // The item whose block range [first[i], first[i + 1]) holds block b (items in order).
@@ -264,14 +261,13 @@ __device__ __forceinline__ int find_item(const AttentionBatchItem* items, int n,
 // it and runs exactly the block that item's own launch would run there.
 template <int G, int KB, int P>
 __global__ void __launch_bounds__(kWarps * 32)
-    attention_split_batch_kernel(const AttentionBatchItem* __restrict__ items, int n,
-                                 bool skip_empty) {
+    attention_split_batch_kernel(const AttentionBatchItem* __restrict__ items, int n) {
   pdl_enter();
   const int i = find_item(items, n, blockIdx.x, false);
   const AttentionBatchItem& it = items[i];
   const int64_t local = int64_t(blockIdx.x) - it.block0;
   attention_split_body<G, KB, P>(it.a, it.keys_per_split, it.part, local / it.n_split,
-                                 local % it.n_split, it.n_split, skip_empty);
+                                 local % it.n_split, it.n_split);
 }
 
 // ------------------------------------------------ decode: warp tiles (kernels.h warp_tiles)
@@ -797,12 +793,7 @@ cudaError_t with_wt_kernel(int g, int64_t hd, F&& f) {
   }
 }
 
-thread_local bool g_skip_empty = kAttentionSkipEmptyDefault;
-
 }  // namespace
-
-void set_attention_skip_empty(bool on) { g_skip_empty = on; }
-bool attention_skip_empty() { return g_skip_empty; }
 
 bool attention_uses_tiles(const DeviceAttention& a) { return tile_path(a); }
 
@@ -849,15 +840,15 @@ cudaError_t launch_attention_batch(const AttentionBatchItem* items,
     merge_needed = merge_needed || !a.warp_tiles || it.n_split > 1;
   }
   const int n = int(host_items.size());
-  const cudaError_t e = a0.warp_tiles ? with_wt_kernel(g, a0.head_dim,
-                                                       [&](auto, auto batch) {
-                                                         return launch(batch, unsigned(blocks),
-                                                                       kWarps * 32, 0, s, items, n);
-                                                       })
-                                      : with_split_kernel(g, a0.head_dim, [&](auto, auto batch) {
-                                          return launch(batch, unsigned(blocks), kWarps * 32, 0, s,
-                                                        items, n, attention_skip_empty());
-                                        });
+  const cudaError_t e =
+      a0.warp_tiles
+          ? with_wt_kernel(g, a0.head_dim,
+                           [&](auto, auto batch) {
+                             return launch(batch, unsigned(blocks), kWarps * 32, 0, s, items, n);
+                           })
+          : with_split_kernel(g, a0.head_dim, [&](auto, auto batch) {
+              return launch(batch, unsigned(blocks), kWarps * 32, 0, s, items, n);
+            });
   if (e != cudaSuccess || !merge_needed) return e;
   return launch(attention_merge_batch_kernel, unsigned(merges), 128, 0, s, items, n);
 }
@@ -887,7 +878,7 @@ cudaError_t launch_attention(const DeviceAttention& a, float* scratch, int n_sm,
     if (e != cudaSuccess || sp.n_split == 1) return e;
   } else {
     const cudaError_t e = with_split_kernel(g, a.head_dim, [&](auto one, auto) {
-      return launch(one, grid, kWarps * 32, 0, s, a, kps, scratch, attention_skip_empty());
+      return launch(one, grid, kWarps * 32, 0, s, a, kps, scratch);
     });
     if (e != cudaSuccess) return e;
   }

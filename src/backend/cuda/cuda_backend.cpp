@@ -274,7 +274,7 @@ void CudaBackend::download_bytes(std::span<const std::byte> src, std::span<std::
   const size_t n = src.size();
   // Page-locked destination (register_host_memory: a session's logits): one DMA straight into
   // it, no pinned bounce buffer and host copy (8 MB of logits per step at 64 sequences).
-  const bool direct = I.opts.direct_download && I.pinned->holds(host.data(), n);
+  const bool direct = I.pinned->holds(host.data(), n);
   if (!direct) I.seg.reserve_out(n);
   std::byte* out = direct ? host.data() : I.seg.out();
   I.seg.sig("download", d, n, out);
@@ -422,7 +422,7 @@ void CudaBackend::rope_qk(std::span<float> q, int64_t n_head_q, std::span<float>
                           std::span<const int32_t> pos, const RopeParams& p) {
   Impl& I = *impl_;
   std::unique_lock lock(I.mu);
-  if (!(I.opts.fuse_rope && I.mem.is_dev(q.data()) && I.mem.is_dev(k.data()))) {
+  if (!(I.mem.is_dev(q.data()) && I.mem.is_dev(k.data()))) {
     lock.unlock();
     Backend::rope_qk(q, n_head_q, k, n_head_k, n_tok, head_dim, pos, p);  // two rope() ops
     return;

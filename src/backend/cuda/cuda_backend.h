@@ -85,12 +85,6 @@ struct CudaOptions {
   // use_fixed_workspace) instead of its pool. Off: such segments run op by op. Same results
   // (the same calls on the same memory; CudaGemmGraphs.SameBitsAsEager).
   bool gemm_graphs = false;
-  // rope_qk as one launch for Q and K (the angles computed once per token); off: two rope
-  // launches. The same kernel either way, so the same bits.
-  bool fuse_rope = true;
-  // swiglu_matmul on V3's int8 path: SwiGLU computed inside the activation quantization of
-  // the down projection (one launch fewer per layer); off: swiglu() then matmul(). Same bits.
-  bool fuse_swiglu = true;
   int64_t graph_kv_bucket = 256;  // keys, at least 1 (1: no padding)
   // Device tier of streamed MoE experts (WeightMatrix::content_key != 0): at most this many
   // bytes of expert slices stay on the device. 0: half of the device memory free when the
@@ -101,25 +95,6 @@ struct CudaOptions {
   // Queue an op's expert copies back to back and wait once for the last, instead of one
   // synchronous copy each; same results.
   bool expert_async_copies = true;
-  // Programmatic dependent launch (backend/cuda/launch.cuh): the decode-path kernels of a
-  // segment start while the kernel ahead drains and prefetch their weights meanwhile. Same
-  // results (the kernels' arithmetic does not change; CudaPdl.SameBitsAsWithout); not in
-  // profile mode, whose event nodes separate every kernel anyway. On by measurement: 8B
-  // Q4_K_M tg128 on the H200 299.5 -> 321 t/s (docs/BENCHMARKS.md, session 8).
-  bool pdl = true;
-  // Q4_K in the int8 tensor-core kernel (8-16 tokens): each stage's scales decoded once per
-  // block into shared memory (kernels.h set_mma_pre_scales). Same results
-  // (CudaMatvecQ8.MmaHasTheDp4aBits); on by measurement (docs/BENCHMARKS.md, session 14).
-  bool mma_pre_scales = true;  // kernels.h kMmaPreScalesDefault (cuda_backend.cpp asserts it)
-  // A download into host memory page-locked through register_host_memory (the engine's
-  // logits buffers) is one DMA straight into it; off: through the backend's own pinned buffer
-  // and a host memcpy, as into any other host memory. Same bytes
-  // (CudaOps.DirectDownloadSameBytesAsStaged).
-  bool direct_download = true;
-  // Decode attention: a block whose slice of keys holds no visible one (a graph's key bucket
-  // padded past a short context) writes its empty partial at once (kernels.h
-  // set_attention_skip_empty). Same results (CudaAttention.SkipEmptySlicesSameBits).
-  bool attention_skip_empty = true;  // kernels.h kAttentionSkipEmptyDefault (asserted)
   // Decode attention by the warp-tile kernel (kernels.h DeviceAttention::warp_tiles): a warp
   // scores 32 keys at a time, one per lane, over slices of 256+ keys; a different summation
   // order from the split kernel (results within the same bound of the reference), so a flag

@@ -245,8 +245,10 @@ cudaError_t launch_store_rows_f16_batch(const StoreRowsItem* items, int n_items,
 // --- launch.cuh / probe.cu: programmatic dependent launch (launch.cuh says why and how it stays
 // safe). While set on the calling thread, the decode-path launchers (quantization, V3 matvecs,
 // rmsnorm, rope, elementwise, KV stores, split attention, argmax, get_rows) start their kernel
-// with the PDL attribute; results are the same bits either way. Off unless set (the backend
-// sets it around its own enqueues when CudaOptions::pdl, the default).
+// with the PDL attribute; results are the same bits either way. Off unless set: the backend
+// sets it around its own enqueues, except in profile mode, whose event nodes separate every
+// kernel anyway (on by measurement: 8B Q4_K_M tg128 on the H200 299.5 -> 321 t/s, CUDA
+// session 8).
 void set_launch_pdl(bool on);
 bool launch_pdl();
 // Which kernel the int8 tensor-core path runs for Q4_K and Q6_K rows of whole stages (512 /
@@ -264,25 +266,11 @@ int mma_stages();
 inline constexpr int kMmaWarpsDefault = 8;
 void set_mma_warps(int warps);
 int mma_warps();
-// Q4_K in that kernel: the stage's (scale, min) of every unit and row decoded once by the
-// block into shared memory (one more barrier per stage) instead of by each lane for its rows.
-// Same bits. On by measurement: 1-11 % less time per call at 8 and 16 tokens on the 8B shapes
-// (H200, docs/BENCHMARKS.md, CUDA session 14). The backend sets it per enqueue from
-// CudaOptions::mma_pre_scales.
-inline constexpr bool kMmaPreScalesDefault = true;
-void set_mma_pre_scales(bool on);
-bool mma_pre_scales();
 
-// Decode attention's split kernel: a block whose slice of keys holds no visible one (the
-// graph's key bucket padded past a short context) writes the empty partial without walking
-// the slice. Same bits. The backend sets it per enqueue from CudaOptions::attention_skip_empty.
-inline constexpr bool kAttentionSkipEmptyDefault = true;
 // DeviceAttention::warp_tiles's default (CudaOptions::attention_warp_tiles mirrors it). On by
 // measurement: 8B Q4_K_M on the H200 x64 6792 -> 9038 t/s, x16 2188 -> 2307, tg128 the same
 // (docs/BENCHMARKS.md, CUDA session 16).
 inline constexpr bool kAttentionWarpTilesDefault = true;
-void set_attention_skip_empty(bool on);
-bool attention_skip_empty();
 
 // --- prefetch.cu: the ranges' bytes pulled into L2 (l2_prefetch.h), at most
 // kL2PrefetchMaxRanges ranges per launch (more are dropped). A hint to the cache: it returns at

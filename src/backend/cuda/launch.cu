@@ -9,7 +9,6 @@ namespace {
 thread_local bool t_pdl = false;
 thread_local int t_mma_stages = kMmaStagesDefault;
 thread_local int t_mma_warps = kMmaWarpsDefault;
-thread_local bool t_mma_pre = kMmaPreScalesDefault;
 }  // namespace
 
 void set_launch_pdl(bool on) { t_pdl = on; }
@@ -18,7 +17,5 @@ void set_mma_stages(int stages) { t_mma_stages = stages; }
 int mma_stages() { return t_mma_stages; }
 void set_mma_warps(int warps) { t_mma_warps = warps; }
 int mma_warps() { return t_mma_warps; }
-void set_mma_pre_scales(bool on) { t_mma_pre = on; }
-bool mma_pre_scales() { return t_mma_pre; }
 
 }  // namespace kiln::cuda

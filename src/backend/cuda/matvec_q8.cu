@@ -981,9 +981,10 @@ __device__ __forceinline__ float2 q4k_unit_scales(const uint32_t (&hw)[4], int j
   return make_float2(mul_rn(h2f_bits(uint16_t(hw[0])), i2f(sc)),
                      mul_rn(h2f_bits(uint16_t(hw[0] >> 16)), i2f(m)));
 }
-// PRE: the stage's (scale, min) of unit u, row r, at pre[u * kMmaRows + r] (ms_decode_scales),
-// instead of each lane decoding its rows' headers (the four lanes of a row repeated that work).
-template <int NB, bool PRE>
+// The stage's (scale, min) of unit u, row r, are at pre[u * kMmaRows + r] (ms_decode_scales,
+// once per block) instead of each lane decoding its rows' headers (the four lanes of a row
+// repeated that work): 1-11 % less time per call at 8 and 16 tokens (CUDA session 14).
+template <int NB>
 __device__ __forceinline__ void ms_step_q4k(const uint8_t* sw, const uint8_t* sa, const float2* sd,
                                             const float2* pre, int p, int g, int q,
                                             float (&acc)[NB][4]) {
@@ -993,24 +994,11 @@ __device__ __forceinline__ void ms_step_q4k(const uint8_t* sw, const uint8_t* sa
   const uint8_t* bh = bg + 8 * M::kWRow;
   const uint2 qg = *reinterpret_cast<const uint2*>(bg + 16 + 32 * pp + 8 * q);
   const uint2 qh = *reinterpret_cast<const uint2*>(bh + 16 + 32 * pp + 8 * q);
-  uint32_t wx[4] = {}, wy[4] = {};
-  if constexpr (!PRE) {
-    const uint4 hg = *reinterpret_cast<const uint4*>(bg);
-    const uint4 hh = *reinterpret_cast<const uint4*>(bh);
-    wx[0] = hg.x, wx[1] = hg.y, wx[2] = hg.z, wx[3] = hg.w;
-    wy[0] = hh.x, wy[1] = hh.y, wy[2] = hh.z, wy[3] = hh.w;
-  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int u = 2 * p + h;  // the unit within the stage
-    float2 sg, sh;
-    if constexpr (PRE) {
-      sg = pre[u * kMmaRows + g];
-      sh = pre[u * kMmaRows + g + 8];
-    } else {
-      sg = q4k_unit_scales(wx, 2 * pp + h);
-      sh = q4k_unit_scales(wy, 2 * pp + h);
-    }
+    const float2 sg = pre[u * kMmaRows + g];
+    const float2 sh = pre[u * kMmaRows + g + 8];
     const float d0g = sg.x, d1g = sg.y, d0h = sh.x, d1h = sh.y;
     const int sft = 4 * h;
     const uint32_t a0 = (qg.x >> sft) & 0x0F0F0F0Fu, a1 = (qh.x >> sft) & 0x0F0F0F0Fu;
@@ -1089,7 +1077,7 @@ __device__ __forceinline__ void ms_step_q6k(const uint8_t* bg, const uint8_t* bh
 // bitrev5(VL warp + ii), the ones whose step lies there (l / 8 == J) are ii = b and (VL = 8)
 // b + 4, b = J's two bits swapped, at step l % 8 of the stage. rg / rh: rows g and g + 8 in
 // global memory (Q6_K: the offset of the stage's block in its first granule).
-template <DType T, int NB, int J, int W, bool PRE>
+template <DType T, int NB, int J, int W>
 __device__ __forceinline__ void ms_compute(const uint8_t* __restrict__ st, int k, int warp, int g,
                                            int q, const uint8_t* rg, const uint8_t* rh,
                                            const float2* pre, float (&acc)[32 / W][NB][4]) {
@@ -1104,7 +1092,7 @@ __device__ __forceinline__ void ms_compute(const uint8_t* __restrict__ st, int k
     const int ii = b + 4 * v;
     const int p = bitrev5(warp * VL + ii) & 7;  // the step within the stage
     if constexpr (M::kQ4) {
-      ms_step_q4k<NB, PRE>(st, sa, sd, pre, p, g, q, acc[ii]);
+      ms_step_q4k<NB>(st, sa, sd, pre, p, g, q, acc[ii]);
     } else {
       const int og = int(reinterpret_cast<uintptr_t>(rg + int64_t(k) * M::kRowBytes) & 15);
       const int oh = int(reinterpret_cast<uintptr_t>(rh + int64_t(k) * M::kRowBytes) & 15);
@@ -1116,7 +1104,7 @@ __device__ __forceinline__ void ms_compute(const uint8_t* __restrict__ st, int k
 
 // Rows rb * 16 .. + 15, tokens blockIdx.x * 8 NB .. of y; n_cols a multiple of the stage's
 // columns, activations 16-byte aligned, Q4_K rows 16-byte aligned (ms_applies).
-template <DType T, int NB, int STAGES, int W, bool PRE>
+template <DType T, int NB, int STAGES, int W>
 __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, size_t row_bytes,
                                                int64_t n_rows, int64_t n_cols,
                                                const int8_t* __restrict__ xq,
@@ -1189,11 +1177,11 @@ __device__ __forceinline__ void matvec_ms_body(const uint8_t* __restrict__ w, si
     load_a(k + STAGES - 1);
     cp_async_commit();  // possibly empty: one group per stage keeps the count
     float2* pre = reinterpret_cast<float2*>(sm + STAGES * L::kStage);
-    if constexpr (PRE) {
+    if constexpr (MsType<T>::kQ4) {  // only Q4_K has scales to decode ahead
       ms_decode_scales<kThreads>(sm + (k % STAGES) * L::kStage, pre, tid);
       __syncthreads();  // pre is written (the barrier above: everyone is done with the last one)
     }
-    ms_compute<T, NB, J, W, PRE>(sm + (k % STAGES) * L::kStage, k, warp, g, q, rg, rh, pre, acc);
+    ms_compute<T, NB, J, W>(sm + (k % STAGES) * L::kStage, k, warp, g, q, rg, rh, pre, acc);
   };
   for (int k = 0; k < n_st; k += 4) {
     step.template operator()<0>(k);
@@ -1223,26 +1211,26 @@ template <DType T, int NB, int W>
 constexpr int kMsMinBlocks = W == 8                        ? 2
                              : NB == 1 && T == DType::Q4_K ? 4
                                                            : 3;
-template <DType T, int NB, int STAGES, int W, bool PRE>
+template <DType T, int NB, int STAGES, int W>
 __global__ void __launch_bounds__(W* kWarp, kMsMinBlocks<T, NB, W>)
     matvec_ms_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t n_rows,
                      int64_t n_cols, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                      int64_t n_tok, float* __restrict__ y) {
-  matvec_ms_body<T, NB, STAGES, W, PRE>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y, blockIdx.y);
+  matvec_ms_body<T, NB, STAGES, W>(w, row_bytes, n_rows, n_cols, xq, xd, n_tok, y, blockIdx.y);
 }
-template <DType T, int NB, int STAGES, int W, bool PRE>
+template <DType T, int NB, int STAGES, int W>
 __global__ void __launch_bounds__(W* kWarp, kMsMinBlocks<T, NB, W>)
     matvec_ms_group_kernel(GroupArgs g, size_t row_bytes, int64_t n_cols,
                            const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                            int64_t n_tok) {
   const GroupTask t = group_task(g);
-  matvec_ms_body<T, NB, STAGES, W, PRE>(t.w, row_bytes, t.n_rows, n_cols, xq, xd, n_tok, t.y, t.rb);
+  matvec_ms_body<T, NB, STAGES, W>(t.w, row_bytes, t.n_rows, n_cols, xq, xd, n_tok, t.y, t.rb);
 }
-// Dynamic shared memory of a form: the ring, and with PRE a stage's decoded Q4_K scales.
-template <DType T, int NB, int S, bool PRE>
+// Dynamic shared memory of a form: the ring, and for Q4_K a stage's decoded scales.
+template <DType T, int NB, int S>
 constexpr int ms_smem_bytes() {
   return S * MsLayout<T, NB>::kStage +
-         (PRE ? MsType<DType::Q4_K>::kUnits * kMmaRows * int(sizeof(float2)) : 0);
+         (MsType<T>::kQ4 ? MsType<DType::Q4_K>::kUnits * kMmaRows * int(sizeof(float2)) : 0);
 }
 // The types and tile counts the shared-memory form is built for.
 template <DType T, int NB>
@@ -1270,27 +1258,20 @@ cudaError_t ms_smem_opt_in(K kernel, int bytes, std::atomic<uint32_t>& done) {
 // (3, 4 or 6) stages in dynamic shared memory and mma_warps() (4 or 8) warps.
 template <DType T, int NB, bool G, typename... A>
 cudaError_t launch_ms(dim3 grid, cudaStream_t s, A... args) {
-  const auto go = [&]<int S, int W, bool PRE>() -> cudaError_t {
-    constexpr int kBytes = ms_smem_bytes<T, NB, S, PRE>();
+  const auto go = [&]<int S, int W>() -> cudaError_t {
+    constexpr int kBytes = ms_smem_bytes<T, NB, S>();
     static std::atomic<uint32_t> done{0};  // one per kernel
     const auto kernel = [] {
       if constexpr (G)
-        return matvec_ms_group_kernel<T, NB, S, W, PRE>;
+        return matvec_ms_group_kernel<T, NB, S, W>;
       else
-        return matvec_ms_kernel<T, NB, S, W, PRE>;
+        return matvec_ms_kernel<T, NB, S, W>;
     }();
     if (cudaError_t e = ms_smem_opt_in(kernel, kBytes, done); e != cudaSuccess) return e;
     return launch(kernel, grid, W * kWarp, size_t(kBytes), s, args...);
   };
-  const auto warps = [&]<int S, bool PRE>() {
-    return mma_warps() == 8 ? go.template operator()<S, 8, PRE>()
-                            : go.template operator()<S, 4, PRE>();
-  };
-  // Only Q4_K has scales to decode ahead (ms_decode_scales).
   const auto stages = [&]<int S>() {
-    if constexpr (T == DType::Q4_K)
-      if (mma_pre_scales()) return warps.template operator()<S, true>();
-    return warps.template operator()<S, false>();
+    return mma_warps() == 8 ? go.template operator()<S, 8>() : go.template operator()<S, 4>();
   };
   switch (mma_stages()) {
     case 4:

@@ -175,10 +175,10 @@ void CudaBackend::swiglu_matmul(const WeightMatrix& w, std::span<const float> ga
              w.n_rows);
   Impl& I = *impl_;
   std::unique_lock lock(I.mu);
-  const bool fused = I.opts.fuse_swiglu && I.kernels() == cuda::MatmulKernels::V3 &&
-                     cuda::matvec_q8_supports(w.dtype) && n_tok >= 1 &&
-                     n_tok <= I.int8_max_tokens() && cuda::act_q8_bytes(w.n_cols, n_tok) > 0 &&
-                     I.mem.is_dev(gate.data()) && I.mem.is_dev(up.data()) && I.mem.is_dev(y.data());
+  const bool fused = I.kernels() == cuda::MatmulKernels::V3 && cuda::matvec_q8_supports(w.dtype) &&
+                     n_tok >= 1 && n_tok <= I.int8_max_tokens() &&
+                     cuda::act_q8_bytes(w.n_cols, n_tok) > 0 && I.mem.is_dev(gate.data()) &&
+                     I.mem.is_dev(up.data()) && I.mem.is_dev(y.data());
   if (!fused) {
     lock.unlock();
     Backend::swiglu_matmul(w, gate, up, n_tok, act, y);

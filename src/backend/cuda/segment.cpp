@@ -104,18 +104,15 @@ void Segment::reserve_out(size_t bytes) {
 }
 
 cudaError_t Segment::enqueue_all(bool timed) {
-  // The launchers read their switches (PDL, the tensor-core kernel's pre-decoded scales) per
-  // thread: this backend's settings for this enqueue only, the caller's restored after.
+  // The launchers read PDL per thread: on for this backend's enqueue (off in profile mode),
+  // the caller's setting restored after.
   struct SwitchScope {
     void (*set)(bool);
     bool prev;
     SwitchScope(bool (*get)(), void (*s)(bool), bool on) : set(s), prev(get()) { s(on); }
     ~SwitchScope() { set(prev); }
   };
-  const SwitchScope pdl_scope(launch_pdl, set_launch_pdl, opts_.pdl && !timed);
-  const SwitchScope pre_scales_scope(mma_pre_scales, set_mma_pre_scales, opts_.mma_pre_scales);
-  const SwitchScope skip_empty_scope(attention_skip_empty, set_attention_skip_empty,
-                                     opts_.attention_skip_empty);
+  const SwitchScope pdl_scope(launch_pdl, set_launch_pdl, !timed);
   if (in_used_ > chunk_in_start_) {
     if (cudaError_t e = cudaMemcpyAsync(static_cast<std::byte*>(dev_in_.get()) + chunk_in_start_,
                                         pin_in_->data() + chunk_in_start_,
