@@ -117,6 +117,10 @@ Expected<HParams> read_hparams(const GgufFile& g) {
         pattern, r.opt<int32_t>("attention.sliding_window_pattern", arch.default_swa_pattern));
     KILN_TRY(check_range(r.key("attention.sliding_window_pattern"), pattern, 1, 4096));
   }
+  if (arch.swa_key_disabled) {  // read, checked, deliberately not applied (ArchInfo says why)
+    KILN_ASSIGN_OR_RETURN(int32_t ignored, r.opt<int32_t>("attention.sliding_window", 0));
+    KILN_TRY(check_range(r.key("attention.sliding_window"), ignored, 0, 1 << 24));
+  }
 
   // Feed-forward: dense, or experts when the architecture allows and expert_count > 0.
   KILN_ASSIGN_OR_RETURN(int32_t n_ff, r.opt<int32_t>("feed_forward_length", 0));
