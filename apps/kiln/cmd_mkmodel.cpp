@@ -1,10 +1,11 @@
 // apps/kiln/cmd_mkmodel.cpp: `kiln mkmodel`: writes a random-weight GGUF of any size and type
-// in the llama, gemma3 (sliding window, QK-norm, sandwich norms, tied output) or qwen3moe
-// (experts) shape, or llama with experts (Mixtral layout): benchmarks at 1B/8B scale without
-// downloads. Random router weights route nearly uniformly over the experts. Tensors are produced
-// and quantized at write time, one at a time, so a multi-GB file needs no more RAM than its largest
-// tensor. The vocabulary is a minimal valid SentencePiece one (byte fallback plus ASCII pieces) so
-// `kiln run` and `kiln bench` can tokenize prompts for it.
+// in the llama, gemma3 (sliding window, QK-norm, sandwich norms, tied output), qwen3moe (experts)
+// or phi3 (fused attn_qkv and gate|up ffn_up, optionally partial rotary) shape, or llama with
+// experts (Mixtral layout): benchmarks at 1B/8B scale without downloads. Random router weights
+// route nearly uniformly over the experts. Tensors are produced and quantized at write time, one at
+// a time, so a multi-GB file needs no more RAM than its largest tensor. The vocabulary is a minimal
+// valid SentencePiece one (byte fallback plus ASCII pieces) so `kiln run` and `kiln bench` can
+// tokenize prompts for it.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -31,6 +32,7 @@ struct MkModelOptions {
   std::string arch = "llama";
   int32_t n_embd = 2048, n_layer = 16, n_ff = 8192, n_head = 32, n_head_kv = 8;
   int32_t head_dim = 0;  // 0: n_embd / n_head
+  int32_t n_rot = 0;     // rope.dimension_count; 0: the whole head
   int32_t n_vocab = 32000, n_ctx = 4096;
   int32_t window = 512, swa_pattern = 6;                  // gemma3 only
   int32_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0;  // 0 experts: dense FFN
@@ -42,7 +44,10 @@ struct MkModelOptions {
 
   int32_t hd() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
   bool moe() const { return n_expert > 0; }
+  int32_t rot() const { return n_rot > 0 ? n_rot : hd(); }
   bool gemma3() const { return arch == "gemma3"; }
+  bool phi3() const { return arch == "phi3"; }
+  bool qk_norm() const { return arch == "gemma3" || arch == "qwen3moe"; }
   int32_t ff_exp() const { return n_ff_exp > 0 ? n_ff_exp : n_ff; }
   std::string type = "f16";
   uint64_t seed = 1;
@@ -115,10 +120,14 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
   for (int32_t l = 0; l < o.n_layer; ++l) {
     const std::string b = fmt::format("blk.{}.", l);
     t.push_back({b + "attn_norm.weight", {E}, 0});
-    t.push_back({b + "attn_q.weight", {E, q}, w});
-    t.push_back({b + "attn_k.weight", {E, kv}, w});
-    t.push_back({b + "attn_v.weight", {E, kv}, w});
-    if (o.arch != "llama") {  // gemma3 and qwen3moe normalise q and k per head
+    if (o.phi3()) {
+      t.push_back({b + "attn_qkv.weight", {E, q + 2 * kv}, w});  // rows q | k | v
+    } else {
+      t.push_back({b + "attn_q.weight", {E, q}, w});
+      t.push_back({b + "attn_k.weight", {E, kv}, w});
+      t.push_back({b + "attn_v.weight", {E, kv}, w});
+    }
+    if (o.qk_norm()) {  // gemma3 and qwen3moe normalise q and k per head
       t.push_back({b + "attn_q_norm.weight", {hd}, 0});
       t.push_back({b + "attn_k_norm.weight", {hd}, 0});
     }
@@ -131,6 +140,9 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
       t.push_back({b + "ffn_gate_exps.weight", {E, F, X}, w});
       t.push_back({b + "ffn_up_exps.weight", {E, F, X}, w});
       t.push_back({b + "ffn_down_exps.weight", {F, E, X}, w});
+    } else if (o.phi3()) {
+      t.push_back({b + "ffn_up.weight", {E, 2 * int64_t(o.n_ff)}, w});  // rows gate | up
+      t.push_back({b + "ffn_down.weight", {o.n_ff, E}, w});
     } else {
       t.push_back({b + "ffn_gate.weight", {E, o.n_ff}, w});
       t.push_back({b + "ffn_up.weight", {E, o.n_ff}, w});
@@ -158,10 +170,11 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
   w.set_u32(a + ".attention.head_count_kv", uint32_t(o.n_head_kv));
   w.set_u32(a + ".attention.key_length", uint32_t(o.hd()));
   w.set_u32(a + ".attention.value_length", uint32_t(o.hd()));
-  w.set_u32(a + ".rope.dimension_count", uint32_t(o.hd()));
+  w.set_u32(a + ".rope.dimension_count", uint32_t(o.rot()));
   // The families' own RoPE bases and epsilons (gemma3: 1e6 global, 1e4 on local layers).
-  w.set_f32(a + ".rope.freq_base", a == "llama" ? 10000.0f : 1000000.0f);
-  w.set_f32(a + ".attention.layer_norm_rms_epsilon", a == "llama" ? 1e-5f : 1e-6f);
+  const bool llama_like = a == "llama" || a == "phi3";
+  w.set_f32(a + ".rope.freq_base", llama_like ? 10000.0f : 1000000.0f);
+  w.set_f32(a + ".attention.layer_norm_rms_epsilon", llama_like ? 1e-5f : 1e-6f);
   if (o.gemma3()) {
     w.set_f32(a + ".rope.freq_base_swa", 10000.0f);
     w.set_u32(a + ".attention.sliding_window", uint32_t(o.window));
@@ -186,8 +199,8 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
 
 Status validate(const MkModelOptions& o) {
   if (o.out.empty()) return Status::error("-o OUT.gguf is required");
-  if (o.arch != "llama" && o.arch != "gemma3" && o.arch != "qwen3moe")
-    return Status::errorf("--arch '{}' is not supported (llama, gemma3, qwen3moe)", o.arch);
+  if (o.arch != "llama" && o.arch != "gemma3" && o.arch != "qwen3moe" && o.arch != "phi3")
+    return Status::errorf("--arch '{}' is not supported (llama, gemma3, qwen3moe, phi3)", o.arch);
   auto positive = [](const char* what, int64_t v) {
     return v > 0 ? Status::ok() : Status::errorf("{} = {} must be > 0", what, v);
   };
@@ -207,12 +220,14 @@ Status validate(const MkModelOptions& o) {
     return Status::errorf("head dimension {} must be even (RoPE rotates pairs)", o.hd());
   if (o.n_head % o.n_head_kv != 0)
     return Status::errorf("--n-head {} is not a multiple of --n-head-kv {}", o.n_head, o.n_head_kv);
+  if (o.n_rot < 0 || o.n_rot % 2 != 0 || o.n_rot > o.hd())
+    return Status::errorf("--n-rot {} must be even and in [0, head dimension {}]", o.n_rot, o.hd());
   if (o.gemma3()) {
     KILN_TRY(positive("--window", o.window));
     KILN_TRY(positive("--swa-pattern", o.swa_pattern));
   }
-  if (o.arch == "gemma3" && o.n_expert != 0)
-    return Status::error("--n-expert: gemma3 has no expert layout (llama or qwen3moe)");
+  if ((o.arch == "gemma3" || o.arch == "phi3") && o.n_expert != 0)
+    return Status::errorf("--n-expert: {} has no expert layout (llama or qwen3moe)", o.arch);
   if (o.arch == "qwen3moe" && o.n_expert == 0)
     return Status::error("--arch qwen3moe needs --n-expert and --n-expert-used");
   if (o.n_expert < 0 || o.n_expert > 4096)
@@ -342,13 +357,15 @@ void add_mkmodel_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("mkmodel", "write a random-weight model of a given shape");
   auto o = std::make_shared<MkModelOptions>();
   cmd->add_option("-o,--output", o->out, "output GGUF path")->required();
-  cmd->add_option("--arch", o->arch, "architecture: llama, gemma3, qwen3moe");
+  cmd->add_option("--arch", o->arch, "architecture: llama, gemma3, qwen3moe, phi3");
   cmd->add_option("--n-embd", o->n_embd, "embedding width");
   cmd->add_option("--n-layer", o->n_layer, "layers");
   cmd->add_option("--n-ff", o->n_ff, "feed-forward width");
   cmd->add_option("--n-head", o->n_head, "attention heads");
   cmd->add_option("--n-head-kv", o->n_head_kv, "KV heads");
   cmd->add_option("--head-dim", o->head_dim, "head dimension (default n_embd / n_head)");
+  cmd->add_option("--n-rot", o->n_rot,
+                  "rotary dimensions of each head (rope.dimension_count; default the whole head)");
   cmd->add_option("--window", o->window, "gemma3: sliding window of the local layers");
   cmd->add_option("--swa-pattern", o->swa_pattern,
                   "gemma3: every N-th layer is global, the others slide");

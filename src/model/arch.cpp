@@ -48,6 +48,13 @@ constexpr std::array kArchs = {
              .post_norm_eps = 1e-8f,
              .swa = SwaRule::Pattern,
              .default_swa_pattern = 4},
+    // phi3 (Phi-3 / Phi-3.5 mini): llama's block with fused Q/K/V and gate/up tensors.
+    ArchInfo{.name = "phi3",
+             .rope_style = RopeStyle::NeoX,
+             .longrope = true,
+             .fused_qkv = true,
+             .fused_gate_up = true,
+             .swa_key_disabled = true},
 };
 
 }  // namespace

@@ -32,7 +32,13 @@ struct ArchInfo {
   bool swa_rope_unscaled = false;  // sliding layers ignore rope.scaling (gemma3)
   bool rope_freqs = false;         // optional rope_freqs.weight: Llama 3 frequency factors
   bool longrope = false;           // optional rope_factors_{long,short}.weight (LongRoPE)
-  float post_norm_eps = 0;         // > 0: eps of the post norms (else the metadata eps)
+  bool fused_qkv = false;          // attn_qkv: Q, K, V rows in one tensor (q | k | v)
+  bool fused_gate_up = false;      // ffn_up holds 2 * n_ff rows: the gate half, then the up half
+  // attention.sliding_window is read and range-checked but every layer attends over all keys:
+  // llama.cpp turns phi3's window off (its converters wrote the key without the layer pattern
+  // it belongs to, llama.cpp PR 13676), so matching it means not applying it.
+  bool swa_key_disabled = false;
+  float post_norm_eps = 0;  // > 0: eps of the post norms (else the metadata eps)
   FfnAct act = FfnAct::Silu;
   SwaRule swa = SwaRule::None;
   int default_swa_pattern = 0;  // used when {arch}.attention.sliding_window_pattern is absent

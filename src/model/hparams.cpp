@@ -132,6 +132,8 @@ Status check_math_keys(const GgufFile& g, const std::string& arch_name, const Ar
   if (arch.swa == SwaRule::None) {
     for (std::string_view suffix :
          {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"}) {
+      // phi3's window key is read and deliberately not applied (ArchInfo::swa_key_disabled).
+      if (arch.swa_key_disabled && suffix == "attention.sliding_window") continue;
       const std::string key = fmt::format("{}.{}", arch_name, suffix);
       if (const GgufValue* v = g.find(key))
         return Status::errorf("metadata '{}' = {}: architecture '{}' has no sliding-window layers",
@@ -255,6 +257,10 @@ Expected<HParams> read_hparams(const GgufFile& g) {
     KILN_ASSIGN_OR_RETURN(
         pattern, r.opt<int32_t>("attention.sliding_window_pattern", arch.default_swa_pattern));
     KILN_TRY(check_range(r.key("attention.sliding_window_pattern"), pattern, 1, 4096));
+  }
+  if (arch.swa_key_disabled) {  // read, checked, deliberately not applied (ArchInfo says why)
+    KILN_ASSIGN_OR_RETURN(int32_t ignored, r.opt<int32_t>("attention.sliding_window", 0));
+    KILN_TRY(check_range(r.key("attention.sliding_window"), ignored, 0, 1 << 24));
   }
 
   // Feed-forward: dense, or experts when the architecture allows and expert_count > 0.

@@ -102,6 +102,29 @@ class Binder {
   mutable std::unordered_set<const TensorInfo*> used_;  // every tensor get() handed out
 };
 
+// phi3's fused tensors, bound as row views of the one tensor (WeightMatrix::rows) rather than
+// multiplied once and split as llama.cpp does: a view copies nothing, both passes then run the
+// same graph as for separate tensors, and the fast pass already hands Q/K/V (and gate/up) to
+// Backend::matmul_batch as one op with one activation encoding, so a single fused matmul would
+// read the same weight bytes and only add a strided split of its output.
+Status bind_fused_qkv(const Binder& b, const std::string& name, const HParams& hp,
+                      LayerWeights& lw) {
+  const int64_t q = hp.q_width(), k = hp.k_width(), v = hp.v_width();
+  KILN_ASSIGN_OR_RETURN(WeightMatrix qkv, b.matrix(name, hp.n_embd, q + k + v));
+  lw.wq = qkv.rows(0, q);
+  lw.wk = qkv.rows(q, k);
+  lw.wv = qkv.rows(q + k, v);
+  return Status::ok();
+}
+
+Status bind_fused_gate_up(const Binder& b, const std::string& name, int64_t n_embd, int64_t n_ff,
+                          LayerWeights& lw) {
+  KILN_ASSIGN_OR_RETURN(WeightMatrix gate_up, b.matrix(name, n_embd, 2 * n_ff));
+  lw.ffn_gate = gate_up.rows(0, n_ff);
+  lw.ffn_up = gate_up.rows(n_ff, n_ff);
+  return Status::ok();
+}
+
 }  // namespace
 
 Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
@@ -144,9 +167,13 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
     LayerWeights& lw = w.layers[il];
     auto n = [il](const char* what) { return fmt::format("blk.{}.{}", il, what); };
     KILN_ASSIGN_OR_RETURN(lw.attn_norm, b.vec(n("attn_norm.weight"), E));
-    KILN_ASSIGN_OR_RETURN(lw.wq, b.matrix(n("attn_q.weight"), E, hp.q_width()));
-    KILN_ASSIGN_OR_RETURN(lw.wk, b.matrix(n("attn_k.weight"), E, hp.k_width()));
-    KILN_ASSIGN_OR_RETURN(lw.wv, b.matrix(n("attn_v.weight"), E, hp.v_width()));
+    if (arch.fused_qkv && b.has(n("attn_qkv.weight"))) {  // phi3 may also store them apart
+      KILN_TRY(bind_fused_qkv(b, n("attn_qkv.weight"), hp, lw));
+    } else {
+      KILN_ASSIGN_OR_RETURN(lw.wq, b.matrix(n("attn_q.weight"), E, hp.q_width()));
+      KILN_ASSIGN_OR_RETURN(lw.wk, b.matrix(n("attn_k.weight"), E, hp.k_width()));
+      KILN_ASSIGN_OR_RETURN(lw.wv, b.matrix(n("attn_v.weight"), E, hp.v_width()));
+    }
     KILN_ASSIGN_OR_RETURN(lw.wo, b.matrix(n("attn_output.weight"), hp.o_width(), E));
     if (arch.qkv_bias) {
       KILN_ASSIGN_OR_RETURN(lw.bq, b.vec(n("attn_q.bias"), hp.q_width()));
@@ -176,8 +203,12 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
       any_experts = true;
       continue;
     }
-    KILN_ASSIGN_OR_RETURN(lw.ffn_gate, b.matrix(n("ffn_gate.weight"), E, L.n_ff));
-    KILN_ASSIGN_OR_RETURN(lw.ffn_up, b.matrix(n("ffn_up.weight"), E, L.n_ff));
+    if (arch.fused_gate_up) {
+      KILN_TRY(bind_fused_gate_up(b, n("ffn_up.weight"), E, L.n_ff, lw));
+    } else {
+      KILN_ASSIGN_OR_RETURN(lw.ffn_gate, b.matrix(n("ffn_gate.weight"), E, L.n_ff));
+      KILN_ASSIGN_OR_RETURN(lw.ffn_up, b.matrix(n("ffn_up.weight"), E, L.n_ff));
+    }
     KILN_ASSIGN_OR_RETURN(lw.ffn_down, b.matrix(n("ffn_down.weight"), L.n_ff, E));
   }
   KILN_TRY(b.check_all_used(hp.arch_name));

@@ -216,44 +216,83 @@ Expected<Tokenizer> Tokenizer::from_gguf(const GgufFile& g) {
     *dst = *b;
   }
 
-  // End-of-turn tokens that llama.cpp recognises by their text; they are forced to CONTROL.
+  // End-of-turn tokens that llama.cpp recognises by their text; CONTROL is added to their
+  // attributes. That matters for tokenization: with special tokens not parsed, only tokens
+  // without CONTROL (user-defined ones) are matched in the text, so e.g. phi-3's "</s>" (typed
+  // user-defined in its vocabulary) stays text, as in llama.cpp 0.7.0.
   static constexpr std::string_view kEotTexts[] = {
-      "<|eot_id|>",
-      "<|im_end|>",
-      "<|end|>",
-      "<end_of_turn>",
-      "<|endoftext|>",
-      "<|end_of_text|>",
-      "<EOT>",
-      "_<EOT>",
-      "<\xEF\xBD\x9C"
-      "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>",
-      "<end_of_utterance>"};
-  static constexpr std::string_view kEogTexts[] = {
-      "<|eot_id|>", "<|im_end|>",    "<|end|>",         "<|return|>",
-      "<|call|>",   "<end_of_turn>", "<|endoftext|>",   "<|eom_id|>",
-      "<EOT>",      "_<EOT>",        "<|end_of_text|>", "<end_of_utterance>"};
+      "<|eot_id|>",      "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+      "<|end_of_text|>", "<EOT>",      "_<EOT>",  "[EOT]",         "<end_of_utterance>"};
+  static constexpr std::string_view kEogTexts[] = {"<|eot_id|>",
+                                                   "<|im_end|>",
+                                                   "<|end|>",
+                                                   "<|return|>",
+                                                   "<|call|>",
+                                                   "<|flush|>",
+                                                   "<|calls|>",
+                                                   "<end_of_turn>",
+                                                   "<|endoftext|>",
+                                                   "</s>",
+                                                   "<|eom_id|>",
+                                                   "<EOT>",
+                                                   "_<EOT>",
+                                                   "[EOT]",
+                                                   "[EOS]",
+                                                   "<|end_of_text|>",
+                                                   "<end_of_utterance>",
+                                                   "<eos>",
+                                                   "<turn|>",
+                                                   "<|tool_response>"};
+  const auto listed = [](const auto& list, std::string_view t) {
+    return std::find(std::begin(list), std::end(list), t) != std::end(list);
+  };
   for (int32_t i = 0; i < n; ++i) {
     const std::string& t = v.texts[i];
     if (v.text_to_id[t] != i) continue;
-    if (v.eot == kTokenNull &&
-        std::find(std::begin(kEotTexts), std::end(kEotTexts), t) != std::end(kEotTexts)) {
+    if (v.eot == kTokenNull && listed(kEotTexts, t)) {
       v.eot = i;
-      v.attrs[i] = kAttrControl;
+      v.attrs[i] |= kAttrControl;
     }
     if (v.eom == kTokenNull && t == "<|eom_id|>") {
       v.eom = i;
-      v.attrs[i] = kAttrControl;
+      v.attrs[i] |= kAttrControl;
     }
-    if (std::find(std::begin(kEogTexts), std::end(kEogTexts), t) != std::end(kEogTexts)) {
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    const std::string& t = v.texts[i];
+    if (v.text_to_id[t] != i) continue;
+    if (listed(kEogTexts, t)) {
       v.eog.push_back(i);
-      v.attrs[i] = kAttrControl;
+      v.attrs[i] |= kAttrControl;
     }
+    // gpt-oss's channel markup is always rendered: llama.cpp makes these user-defined.
+    if (t == "<|channel|>" || t == "<|message|>" || t == "<|start|>" || t == "<|constrain|>")
+      v.attrs[i] = kAttrUserDefined;
   }
   for (int32_t id : {v.eos, v.eot, v.eom})
     if (id != kTokenNull) v.eog.push_back(id);
   std::sort(v.eog.begin(), v.eog.end());
   v.eog.erase(std::unique(v.eog.begin(), v.eog.end()), v.eog.end());
+  // llama.cpp's two corrections of that list: with <|return|> and <|call|> (o200k_harmony) or
+  // <|calls|> and <|flush|> (solar-open), <|end|> ends no generation and becomes user-defined;
+  // with <|tool_response>, </s> is ordinary text (gemma4).
+  const auto eog_id = [&](std::string_view text) {
+    for (int32_t id : v.eog)
+      if (v.texts[id] == text) return id;
+    return kTokenNull;
+  };
+  const auto drop_eog = [&](int32_t id, uint32_t attr) {
+    v.eog.erase(std::find(v.eog.begin(), v.eog.end(), id));
+    v.attrs[id] = attr;
+  };
+  const bool has_call = eog_id("<|call|>") != kTokenNull || eog_id("<|calls|>") != kTokenNull;
+  if (const int32_t end_id = eog_id("<|end|>");
+      end_id != kTokenNull && has_call &&
+      (eog_id("<|return|>") != kTokenNull || eog_id("<|flush|>") != kTokenNull))
+    drop_eog(end_id, kAttrUserDefined);
+  if (const int32_t s_id = eog_id("</s>");
+      s_id != kTokenNull && eog_id("<|tool_response>") != kTokenNull)
+    drop_eog(s_id, kAttrNormal);
 
   // Tokens matched in the text before the main algorithm runs, longest first.
   for (int32_t i = 0; i < n; ++i)

@@ -1,7 +1,7 @@
 // tokenizer/wpm.cpp: WordPiece (tokenizer.ggml.model = "bert") as llama.cpp's
-// llm_tokenizer_wpm_session: lower-case, strip accents (first code point of NFD), split on
-// whitespace and punctuation, then greedy longest-match of "▁word" against the vocabulary; a
-// word with any unmatched part becomes <unk>.
+// llm_tokenizer_wpm_session: lower-case, strip accents (first code point of NFD, combining marks
+// dropped), split on whitespace and punctuation, then greedy longest-match of "▁word" against the
+// vocabulary; a word with any unmatched part becomes <unk>.
 #include <algorithm>
 
 #include "tokenizer/tokenizer_impl.h"
@@ -26,7 +26,10 @@ std::vector<std::string> wpm_words(std::string_view text) {
       if (!words.back().empty()) words.emplace_back();
       continue;
     }
-    if (cpt == 0 || cpt == kReplacementChar || f.control) continue;
+    // Accent stripping: combining marks (category M) go, whether they came from decomposing a
+    // precomposed letter or were written apart (e + U+0301), and so do the vowel signs and
+    // viramas of Indic scripts (Devanagari "नमस्ते" is matched as न म स त, as llama.cpp 0.7.0).
+    if (cpt == 0 || cpt == kReplacementChar || f.control || f.mark) continue;
     std::string s;
     append_utf8(to_lower(cpt), s);
     if (f.punctuation || (cpt < 0x7F && f.symbol) || is_chinese_char(cpt)) {

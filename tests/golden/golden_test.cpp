@@ -1,7 +1,7 @@
-// tests/golden/golden_test.cpp: every llama/qwen3/gemma2/gemma3/muse-glimmer/MoE fixture against
-// llama.cpp's golden logits and greedy ids, through the fast path (cpu backend, and the scalar ref
-// backend) and the reference pass. Prints worst |Δ|, mean KL and the matched greedy prefix per
-// model.
+// tests/golden/golden_test.cpp: every llama/qwen3/gemma2/gemma3/muse-glimmer/MoE/phi3 fixture
+// against llama.cpp's golden logits and greedy ids, through the fast path (cpu backend, and the
+// scalar ref backend) and the reference pass. Prints worst |Δ|, mean KL and the matched greedy
+// prefix per model.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,18 +27,32 @@ struct Fixture {
 };
 
 constexpr Fixture kFixtures[] = {
-    {"stories260K", false},          {"stories260K-q8_0", true},
-    {"babyllama-tok105-f32", false}, {"llama-gqa-f16", false},
-    {"llama-gqa-bf16", false},       {"llama-gqa-q8_0", true},
-    {"llama-gqa-q4_0", true},        {"llama-gqa-q4_k_m", true},
-    {"llama-gqa-q5_k_m", true},      {"llama-gqa-q6_k", true},
-    {"qwen3-bpe-f16", false},        {"qwen3-bpe-q8_0", true},
-    {"gemma2-swa-f16", false},       {"gemma2-swa-q8_0", true},
-    {"gemma3-swa-f16", false},       {"muse-glimmer-f16", false},
-    {"muse-glimmer-q4_k_m", true},   {"qwen3moe-f16", false},
-    {"qwen3moe-q4_k_m", true},       {"mixtral-q4_k_m", true},
-    {"llama3-ropefreqs-f16", false}, {"llama3-ropefreqs-q4_k_m", true},
-    {"qwen2-yarn-f16", false},       {"qwen2-yarn-q8_0", true},
+    {"stories260K", false},
+    {"stories260K-q8_0", true},
+    {"babyllama-tok105-f32", false},
+    {"llama-gqa-f16", false},
+    {"llama-gqa-bf16", false},
+    {"llama-gqa-q8_0", true},
+    {"llama-gqa-q4_0", true},
+    {"llama-gqa-q4_k_m", true},
+    {"llama-gqa-q5_k_m", true},
+    {"llama-gqa-q6_k", true},
+    {"qwen3-bpe-f16", false},
+    {"qwen3-bpe-q8_0", true},
+    {"gemma2-swa-f16", false},
+    {"gemma2-swa-q8_0", true},
+    {"gemma3-swa-f16", false},
+    {"muse-glimmer-f16", false},
+    {"muse-glimmer-q4_k_m", true},
+    {"qwen3moe-f16", false},
+    {"qwen3moe-q4_k_m", true},
+    {"mixtral-q4_k_m", true},
+    {"llama3-ropefreqs-f16", false},
+    {"llama3-ropefreqs-q4_k_m", true},
+    {"qwen2-yarn-f16", false},
+    {"qwen2-yarn-q8_0", true},
+    {"phi3-f16", false},
+    {"phi3-q4_k_m", true},
 };
 
 // CpuTp2/CpuTp4: the fast path on a tensor-parallel group of 2/4 CPU backends
@@ -178,7 +192,7 @@ constexpr Fixture kTp2Fixtures[] = {
     {"llama-gqa-f16", false},  {"llama-gqa-bf16", false},  {"llama-gqa-q8_0", true},
     {"llama-gqa-q4_0", true},  {"qwen3-bpe-f16", false},   {"qwen3-bpe-q8_0", true},
     {"gemma2-swa-q8_0", true}, {"gemma3-swa-f16", false},  {"muse-glimmer-f16", false},
-    {"qwen3moe-f16", false},
+    {"qwen3moe-f16", false},   {"phi3-f16", false},
 };
 INSTANTIATE_TEST_SUITE_P(CpuTp2, Golden,
                          ::testing::Combine(::testing::ValuesIn(kTp2Fixtures),

@@ -1,7 +1,8 @@
 // tests/model/fast_vs_reference_test.cpp: the fast forward pass (Session on a backend)
 // against the reference pass, node by node (`blk.N.attn_norm`, ..., `result_output`), for a
-// prefill batch and the decode steps after it. Includes a crafted random qwen2 model so the
-// q/k/v bias path is covered even though no qwen2 fixture exists.
+// prefill batch and the decode steps after it. Includes crafted random models for paths no
+// fixture covers: qwen2's q/k/v biases, phi3 with partial rotary (rope.dimension_count below the
+// head size) and grouped KV heads.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,6 +15,7 @@
 #include "engine/session.h"
 #include "format/gguf_writer.h"
 #include "model/reference.h"
+#include "quant/quant.h"
 #if KILN_HAVE_CPU_BACKEND
 #include "backend/cpu/cpu_backend.h"
 #endif
@@ -84,24 +86,10 @@ std::shared_ptr<const Model> load(const std::string& file) {
   return *m;
 }
 
-// A random qwen2 model (q/k/v biases, NeoX RoPE, tied output) written in memory.
-std::shared_ptr<const Model> random_qwen2() {
-  const int64_t E = 64, H = 4, HKV = 2, D = 16, FF = 96, V = 100, L = 2;
-  GgufWriter w;
-  w.set_str("general.architecture", "qwen2");
-  w.set_u32("qwen2.context_length", 256);
-  w.set_u32("qwen2.embedding_length", E);
-  w.set_u32("qwen2.block_count", L);
-  w.set_u32("qwen2.feed_forward_length", FF);
-  w.set_u32("qwen2.attention.head_count", H);
-  w.set_u32("qwen2.attention.head_count_kv", HKV);
-  w.set_f32("qwen2.rope.freq_base", 1e6f);
-  w.set_f32("qwen2.attention.layer_norm_rms_epsilon", 1e-6f);
-  static std::vector<std::vector<std::byte>> store;  // bytes live until write_to_memory
-  store.clear();
-  std::mt19937 rng(11);
-  std::normal_distribution<float> nd(0.0f, 0.5f);
-  auto tensor = [&](const std::string& name, std::vector<int64_t> ne, bool as_f16, float scale) {
+// Random normal tensors (f16 or f32) added to a GgufWriter; their bytes live as long as this.
+struct RandomTensors {
+  explicit RandomTensors(GgufWriter& writer, uint32_t seed) : w(writer), rng(seed) {}
+  void operator()(const std::string& name, std::vector<int64_t> ne, bool as_f16, float scale) {
     int64_t n = 1;
     for (int64_t x : ne) n *= x;
     std::vector<std::byte>& b = store.emplace_back(static_cast<size_t>(n * (as_f16 ? 2 : 4)));
@@ -115,7 +103,67 @@ std::shared_ptr<const Model> random_qwen2() {
       }
     }
     w.add_tensor(name, as_f16 ? DType::F16 : DType::F32, ne, b);
-  };
+  }
+  GgufWriter& w;
+  std::mt19937 rng;
+  std::normal_distribution<float> nd{0.0f, 0.5f};
+  std::vector<std::vector<std::byte>> store;
+};
+
+std::shared_ptr<const Model> model_from(GgufWriter& w, const char* name) {
+  auto g = GgufFile::parse(MappedFile::from_bytes(w.write_to_memory(), name));
+  KILN_CHECK(g.has_value(), "{}", g.error());
+  auto m = Model::from_gguf(std::move(*g));
+  KILN_CHECK(m.has_value(), "{}", m.error());
+  return *m;
+}
+
+// A random phi3 model written in memory: fused attn_qkv (rows q | k | v) and gate | up ffn_up,
+// 4 query / 2 KV heads of 32 of which only the first n_rot dims rotate (NeoX pairs i, i + n_rot/2).
+std::shared_ptr<const Model> random_phi3(int64_t n_rot) {
+  const int64_t E = 128, H = 4, HKV = 2, D = 32, FF = 160, V = 100, L = 2;
+  GgufWriter w;
+  w.set_str("general.architecture", "phi3");
+  w.set_u32("phi3.context_length", 256);
+  w.set_u32("phi3.embedding_length", E);
+  w.set_u32("phi3.block_count", L);
+  w.set_u32("phi3.feed_forward_length", FF);
+  w.set_u32("phi3.attention.head_count", H);
+  w.set_u32("phi3.attention.head_count_kv", HKV);
+  w.set_u32("phi3.rope.dimension_count", static_cast<uint32_t>(n_rot));
+  w.set_u32("phi3.attention.sliding_window", 8);  // not applied, as in llama.cpp
+  w.set_f32("phi3.attention.layer_norm_rms_epsilon", 1e-5f);
+  RandomTensors tensor(w, 13);
+  const float ws = 1.0f / std::sqrt(float(E));
+  tensor("token_embd.weight", {E, V}, true, 1.0f);
+  tensor("output_norm.weight", {E}, false, 1.0f);
+  tensor("output.weight", {E, V}, true, ws);
+  for (int64_t il = 0; il < L; ++il) {
+    auto n = [il](const char* s) { return fmt::format("blk.{}.{}", il, s); };
+    tensor(n("attn_norm.weight"), {E}, false, 1.0f);
+    tensor(n("attn_qkv.weight"), {E, (H + 2 * HKV) * D}, true, ws);
+    tensor(n("attn_output.weight"), {H * D, E}, true, ws);
+    tensor(n("ffn_norm.weight"), {E}, false, 1.0f);
+    tensor(n("ffn_up.weight"), {E, 2 * FF}, true, ws);
+    tensor(n("ffn_down.weight"), {FF, E}, true, 1.0f / std::sqrt(float(FF)));
+  }
+  return model_from(w, "phi3-random.gguf");
+}
+
+// A random qwen2 model (q/k/v biases, NeoX RoPE, tied output) written in memory.
+std::shared_ptr<const Model> random_qwen2() {
+  const int64_t E = 64, H = 4, HKV = 2, D = 16, FF = 96, V = 100, L = 2;
+  GgufWriter w;
+  w.set_str("general.architecture", "qwen2");
+  w.set_u32("qwen2.context_length", 256);
+  w.set_u32("qwen2.embedding_length", E);
+  w.set_u32("qwen2.block_count", L);
+  w.set_u32("qwen2.feed_forward_length", FF);
+  w.set_u32("qwen2.attention.head_count", H);
+  w.set_u32("qwen2.attention.head_count_kv", HKV);
+  w.set_f32("qwen2.rope.freq_base", 1e6f);
+  w.set_f32("qwen2.attention.layer_norm_rms_epsilon", 1e-6f);
+  RandomTensors tensor(w, 11);
   const float ws = 1.0f / std::sqrt(float(E));
   tensor("token_embd.weight", {E, V}, true, 1.0f);
   tensor("output_norm.weight", {E}, false, 1.0f);
@@ -134,11 +182,7 @@ std::shared_ptr<const Model> random_qwen2() {
     tensor(n("ffn_up.weight"), {E, FF}, true, ws);
     tensor(n("ffn_down.weight"), {FF, E}, true, 1.0f / std::sqrt(float(FF)));
   }
-  auto g = GgufFile::parse(MappedFile::from_bytes(w.write_to_memory(), "qwen2-random.gguf"));
-  KILN_CHECK(g.has_value(), "{}", g.error());
-  auto m = Model::from_gguf(std::move(*g));
-  KILN_CHECK(m.has_value(), "{}", m.error());
-  return *m;
+  return model_from(w, "qwen2-random.gguf");
 }
 
 // The ref backend differs from the reference pass only by the f16 KV planes.
@@ -189,6 +233,15 @@ TEST(FastVsReference, Qwen2YarnRefBackend) {
   auto be = make_ref_backend();
   run_compare(load("qwen2-yarn-f16.gguf"), *be, kRefBackendTol, 120);
 }
+TEST(FastVsReference, Phi3FixtureRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(load("phi3-f16.gguf"), *be, kRefBackendTol, 24);
+}
+// 12 of 32 dims rotate; the other 20 pass through (llama.cpp's partial rotary).
+TEST(FastVsReference, Phi3PartialRotaryRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(random_phi3(12), *be, kRefBackendTol, 30);
+}
 
 #if KILN_HAVE_CPU_BACKEND
 // The cpu backend may round activations to 8-bit blocks for quantized weights (as llama.cpp
@@ -227,7 +280,48 @@ TEST(FastVsReference, Qwen2YarnCpuBackend) {
   auto be = make_cpu_backend({.threads = 2});
   run_compare(load("qwen2-yarn-f16.gguf"), *be, 1e-2, 120);
 }
+TEST(FastVsReference, Phi3FixtureCpuBackend) {
+  auto be = make_cpu_backend({.threads = 2});
+  run_compare(load("phi3-q4_k_m.gguf"), *be, 5e-2, 24);
+}
+TEST(FastVsReference, Phi3PartialRotaryCpuBackend) {
+  auto be = make_cpu_backend({.threads = 2});
+  run_compare(random_phi3(12), *be, 1e-2, 30);
+}
 #endif
+
+// The partial-rotary model is not the full-rotary one: the test above would not notice a pass
+// that rotated every dim in both the fast and the reference path, so pin that the dims past
+// n_rot keep their unrotated values (Qcur equals the plain projection there).
+TEST(FastVsReference, Phi3PartialRotaryLeavesTrailingDimsAlone) {
+  auto m = random_phi3(12);
+  const model::HParams& hp = m->hparams();
+  ASSERT_EQ(hp.n_rot, 12);
+  ASSERT_EQ(hp.layers[0].window, 0);  // attention.sliding_window is not applied to phi3
+  model::ReferenceSession ref(hp, m->weights(), 64);
+  model::Capture cap;
+  ref.set_capture(&cap);
+  const std::vector<int32_t> toks = {5, 17, 42, 9};
+  ASSERT_TRUE(ref.eval(toks, true).has_value());
+  const auto& norm = cap.nodes.at("blk.0.attn_norm").data;
+  const auto& qcur = cap.nodes.at("blk.0.Qcur").data;
+  const WeightMatrix& wq = m->weights().layers[0].wq;
+  const int64_t E = hp.n_embd, D = hp.head_dim_k;
+  std::vector<float> row(static_cast<size_t>(E));
+  int changed_in_rotary = 0;
+  for (int64_t t = 0; t < 4; ++t)
+    for (int64_t r = 0; r < wq.n_rows; ++r) {
+      quant::dequantize_row(wq.dtype, wq.row(r), row);
+      double plain = 0;
+      for (int64_t c = 0; c < E; ++c) plain += double(row[c]) * norm[t * E + c];
+      const float got = qcur[t * wq.n_rows + r];
+      if (r % D >= hp.n_rot)
+        EXPECT_NEAR(got, plain, 1e-4 * (1 + std::abs(plain))) << "t " << t << " row " << r;
+      else if (t > 0 && std::abs(got - plain) > 1e-3)
+        ++changed_in_rotary;
+    }
+  EXPECT_GT(changed_in_rotary, 0);
+}
 
 }  // namespace
 }  // namespace kiln

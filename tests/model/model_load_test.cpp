@@ -162,6 +162,40 @@ TEST(ModelLoad, WeightsAreViewsIntoTheMapping) {
   EXPECT_TRUE(m->weights().owned.empty());
 }
 
+// phi3's fused attn_qkv and ffn_up are bound as row views of the one tensor (q | k | v and
+// gate | up), not copies; its attention.sliding_window (2047) is not applied, as in llama.cpp.
+TEST(ModelLoad, Phi3FusedTensorsAreRowViews) {
+  auto m = load_ok("phi3-q4_k_m.gguf");
+  ASSERT_TRUE(m);
+  const model::HParams& hp = m->hparams();
+  EXPECT_EQ(hp.layers[0].rope.style, RopeStyle::NeoX);
+  EXPECT_EQ(hp.n_rot, *m->gguf().get<int32_t>("phi3.rope.dimension_count"));
+  EXPECT_TRUE(m->gguf().has("phi3.attention.sliding_window"));
+  for (int32_t il = 0; il < hp.n_layer; ++il) {
+    const model::LayerDesc& L = hp.layers[il];
+    EXPECT_EQ(L.kind, model::AttnKind::Full);
+    EXPECT_EQ(L.window, 0);
+    const model::LayerWeights& lw = m->weights().layers[il];
+    const TensorInfo* qkv = m->gguf().find_tensor(fmt::format("blk.{}.attn_qkv.weight", il));
+    const TensorInfo* up = m->gguf().find_tensor(fmt::format("blk.{}.ffn_up.weight", il));
+    ASSERT_TRUE(qkv && up);
+    const auto qkv_bytes = m->gguf().view(*qkv).bytes, up_bytes = m->gguf().view(*up).bytes;
+    const size_t qkv_row = qkv_bytes.size() / static_cast<size_t>(qkv->ne[1]);
+    EXPECT_EQ(lw.wq.n_rows, hp.q_width());
+    EXPECT_EQ(lw.wk.n_rows, hp.k_width());
+    EXPECT_EQ(lw.wv.n_rows, hp.v_width());
+    EXPECT_EQ(lw.wq.bytes.data(), qkv_bytes.data());
+    EXPECT_EQ(lw.wk.bytes.data(), qkv_bytes.data() + hp.q_width() * qkv_row);
+    EXPECT_EQ(lw.wv.bytes.data(), qkv_bytes.data() + (hp.q_width() + hp.k_width()) * qkv_row);
+    EXPECT_EQ(lw.wv.bytes.data() + lw.wv.bytes.size(), qkv_bytes.data() + qkv_bytes.size());
+    EXPECT_EQ(lw.ffn_gate.n_rows, L.n_ff);
+    EXPECT_EQ(lw.ffn_up.n_rows, L.n_ff);
+    EXPECT_EQ(lw.ffn_gate.bytes.data(), up_bytes.data());
+    EXPECT_EQ(lw.ffn_up.bytes.data(), up_bytes.data() + up_bytes.size() / 2);
+    EXPECT_EQ(lw.ffn_up.bytes.size(), up_bytes.size() / 2);
+  }
+}
+
 TEST(ModelLoad, MissingFileIsAnError) {
   auto m = Model::load("/nonexistent/model.gguf");
   ASSERT_FALSE(m.has_value());
@@ -275,6 +309,43 @@ TEST(ModelLoad, ExpertsOnADenseArchitectureAreAnError) {
       "gemma3-swa-f16.gguf", [](GgufWriter& w) { w.set_u32("gemma3.expert_count", 8); }, no_tensor);
   ASSERT_FALSE(m.has_value());
   EXPECT_NE(m.error().find("gemma3.expert_count"), std::string::npos) << m.error();
+}
+
+// LongRoPE: a phi3 file must carry both factor sets; with one alone the load names the other,
+// with both it loads (the choice between them: tests/model/rope_factors_test.cpp).
+TEST(ModelLoad, Phi3LongRopeNeedsBothFactorSets) {
+  static std::vector<float> factors;
+  factors.assign(32, 1.5f);  // n_rot / 2 of the fixture
+  const char* kSets[] = {"rope_factors_long.weight", "rope_factors_short.weight"};
+  for (int present = 0; present < 3; ++present) {  // 0: long only, 1: short only, 2: both
+    auto m = load_crafted("phi3-f16.gguf", no_meta, [&](const TensorInfo& t, GgufWriter& w) {
+      if (t.name == "output_norm.weight")
+        for (int k = 0; k < 2; ++k)
+          if (present == 2 || present == k)
+            w.add_tensor(kSets[k], DType::F32, {32},
+                         std::as_bytes(std::span<const float>(factors)));
+      return false;
+    });
+    if (present == 2) {
+      EXPECT_TRUE(m.has_value()) << m.error();
+    } else {
+      ASSERT_FALSE(m.has_value()) << present;
+      EXPECT_NE(m.error().find(kSets[1 - present]), std::string::npos) << m.error();
+    }
+  }
+}
+
+TEST(ModelLoad, Phi3FfnUpNeedsBothHalves) {
+  // ffn_up must hold both halves: a phi3 file whose ffn_up has only n_ff rows is refused.
+  static std::vector<std::byte> half;
+  auto m = load_crafted("phi3-f16.gguf", no_meta, [](const TensorInfo& t, GgufWriter& w) {
+    if (t.name != "blk.0.ffn_up.weight") return false;
+    half.assign(static_cast<size_t>(t.ne[0] * t.ne[1] / 2 * 2), std::byte{0});
+    w.add_tensor(t.name, t.dtype, {t.ne[0], t.ne[1] / 2}, half);
+    return true;
+  });
+  ASSERT_FALSE(m.has_value());
+  EXPECT_NE(m.error().find("blk.0.ffn_up.weight"), std::string::npos) << m.error();
 }
 
 class SessionInput : public ::testing::Test {

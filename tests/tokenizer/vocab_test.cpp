@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -116,6 +117,97 @@ TEST(VocabFiles, AllPresentVocabulariesAreCovered) {
   EXPECT_GE(vocab_names().size(), 10u);
 }
 
+// Strings the shipped .inp files do not hold, with the ids llama.cpp 0.7.0's llama-tokenize
+// gave for them (add_special = false; parse_special as marked).
+struct PeerCase {
+  const char* vocab;
+  const char* text;
+  bool parse_special;
+  std::vector<int32_t> want;
+};
+
+const PeerCase kPeerCases[] = {
+    // WordPiece strips accents whether precomposed or written apart (e + U+0301), and drops
+    // the vowel signs and viramas of Indic scripts (category M), as llama.cpp 0.7.0 does.
+    {"bert-bge", "caf\u00e9", false, {7668}},
+    {"bert-bge", "cafe\u0301", false, {7668}},
+    {"bert-bge", "Cafe\u0301 au lait", false, {7668, 8740, 21110, 2102}},
+    {"bert-bge", "na\u00efve r\u00e9sum\u00e9", false, {15743, 13746}},
+    {"bert-bge", "re\u0301sume\u0301 na\u0131\u0308ve", false, {13746, 6583, 11722, 3726}},
+    {"bert-bge", "\u00c5ngstr\u00f6m", false, {17076, 15687}},
+    {"bert-bge", "A\u030angstro\u0308m", false, {17076, 15687}},
+    {"bert-bge", "Hello\u0301 world", false, {7592, 2088}},
+    {"bert-bge", "\u00f1and\u00fa n\u0303", false, {16660, 8566, 1050}},
+    {"bert-bge", "x\u0301y", false, {1060, 2100}},
+    {"bert-bge", "a \u0301 b", false, {1037, 1038}},
+    {"bert-bge", "\u0301", false, {}},
+    {"bert-bge",
+     "\u0928\u092e\u0938\u094d\u0924\u0947 \u0926\u0941\u0928\u093f\u092f\u093e",
+     false,
+     {1327, 29867, 29874, 29859, 1325, 29863, 29868}},
+    {"bert-bge",
+     "\u0939\u093f\u0928\u094d\u0926\u0940 \u092d\u093e\u0937\u093e",
+     false,
+     {1339, 29863, 29861, 1330, 29873}},
+    {"bert-bge", "\u0915\u094d\u0937\u093f", false, {1315, 29873}},
+    {"bert-bge",
+     "\u0928\u092e\u0938\u094d\u0924\u0947abc",
+     false,
+     {1327, 29867, 29874, 29859, 7875, 2278}},
+    {"bert-bge",
+     "\u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac",
+     false,
+     {1159, 29727, 29727, 24824, 16177, 18199, 29726, 14608}},
+    {"bert-bge",
+     "\u041f\u0440\u0438\u0432\u0435\u0442 \u043c\u0438\u0440",
+     false,
+     {1194, 16856, 10325, 25529, 15290, 22919, 1191, 10325, 16856}},
+    {"bert-bge", "\u0e2a\u0e27\u0e31\u0e2a\u0e14\u0e35", false, {100}},
+    {"bert-bge", "\u3053\u3093\u306b\u3061\u306f", false, {1655, 30217, 30194, 30188, 30198}},
+    {"bert-bge", "\uc548\ub155\ud558\uc138\uc694", false, {1463, 29992, 30005, 29997, 29999}},
+    {"bert-bge", "\u0645\u0631\u062d\u0628\u0627", false, {1295, 17149, 29820, 29816, 25573}},
+    // phi-3: "</s>" is user-defined in the file, but llama.cpp adds CONTROL to it (it is on the
+    // end-of-generation list), so unparsed it is text; parsed, it is the EOS token.
+    {"phi-3", "</s>", false, {1533, 29879, 29958}},
+    {"phi-3", "Hello </s> world", false, {15043, 1533, 29879, 29958, 3186}},
+    {"phi-3", "<s>text</s>", false, {529, 29879, 29958, 726, 829, 29879, 29958}},
+    {"phi-3", "a</s>b", false, {263, 829, 29879, 29958, 29890}},
+    {"phi-3", " </s> ", false, {29871, 1533, 29879, 29958, 29871}},
+    {"phi-3", "</s></s>", false, {1533, 29879, 2565, 29879, 29958}},
+    {"phi-3", "<|endoftext|>", false, {529, 29989, 355, 974, 726, 29989, 29958}},
+    {"phi-3", "<|end|>", false, {529, 29989, 355, 29989, 29958}},
+    {"phi-3",
+     "<|user|>\nhi<|end|>",
+     false,
+     {529, 29989, 1792, 29989, 29958, 13, 2918, 29966, 29989, 355, 29989, 29958}},
+    {"phi-3", "<unk>", false, {529, 2960, 29958}},
+    {"phi-3", "</s>", true, {2}},
+    {"phi-3", "Hello </s> world", true, {15043, 29871, 2, 3186}},
+    {"phi-3", "<|user|>\nhi<|end|>", true, {32010, 7251, 32007}},
+};
+
+TEST(VocabFiles, MatchesLlamaCppOnExtraStrings) {
+  std::map<std::string, Tokenizer> toks;
+  for (const PeerCase& c : kPeerCases) {
+    auto it = toks.find(c.vocab);
+    if (it == toks.end()) {
+      const std::string path =
+          testing::shared_path("testdata/vocab") + "/ggml-vocab-" + c.vocab + ".gguf";
+      it = toks.emplace(c.vocab, load(path)).first;
+    }
+    const auto got = it->second.encode(c.text, false, c.parse_special);
+    EXPECT_EQ(got, c.want) << c.vocab << " '" << c.text << "' parse_special " << c.parse_special
+                           << "\n  want" << ids_str(c.want) << "\n  got " << ids_str(got);
+  }
+}
+
+TEST(VocabFiles, Phi3EndOfSequenceStaysEndOfGeneration) {
+  const Tokenizer tok = load(testing::shared_path("testdata/vocab") + "/ggml-vocab-phi-3.gguf");
+  EXPECT_TRUE(tok.is_eog(2));      // </s>
+  EXPECT_TRUE(tok.is_eog(32007));  // <|end|>
+  EXPECT_TRUE(tok.is_control(2));
+}
+
 class GoldenPrompts : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GoldenPrompts, PromptTokensMatch) {
@@ -133,7 +225,8 @@ INSTANTIATE_TEST_SUITE_P(Golden, GoldenPrompts,
                          ::testing::Values("stories260K", "stories260K-q8_0",
                                            "babyllama-tok105-f32", "llama-gqa-f16", "qwen3-bpe-f16",
                                            "qwen3-bpe-q8_0", "gemma2-swa-f16", "gemma3-swa-f16",
-                                           "muse-glimmer-f16", "qwen3moe-f16", "mixtral-q4_k_m"),
+                                           "muse-glimmer-f16", "qwen3moe-f16", "mixtral-q4_k_m",
+                                           "phi3-f16"),
                          [](const auto& info) {
                            std::string n = info.param;
                            for (char& c : n)
