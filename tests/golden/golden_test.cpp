@@ -33,7 +33,9 @@ constexpr Fixture kFixtures[] = {
     {"llama-gqa-q6_k", true},    {"qwen3-bpe-f16", false},      {"qwen3-bpe-q8_0", true},
     {"gemma2-swa-f16", false},   {"gemma2-swa-q8_0", true},     {"gemma3-swa-f16", false},
     {"muse-glimmer-f16", false}, {"muse-glimmer-q4_k_m", true}, {"qwen3moe-f16", false},
-    {"qwen3moe-q4_k_m", true},   {"mixtral-q4_k_m", true},
+    {"qwen3moe-q4_k_m", true},   {"mixtral-q4_k_m", true},      {"llama-iq-iq4_nl", true},
+    {"llama-iq-iq4_xs", true},   {"llama-iq-q4_k_s", true},     {"llama-iq-q3_k_m", true},
+    {"llama-iq-q2_k", true},
 };
 
 // CpuTp2/CpuTp4: the fast path on a tensor-parallel group of 2/4 CPU backends
