@@ -151,6 +151,8 @@ Expected<DType> tensor_type(const Preset& p, const MixFacts& f, Counters& c, con
         break;
       case DType::Q2_K:
       case DType::Q3_K:
+        type = DType::Q4_0;  // llama-quantize 0.7.0 on stories260K's 64-wide rows
+        break;
       case DType::IQ4_XS:
         type = DType::IQ4_NL;
         break;

@@ -27,11 +27,12 @@ struct Bound {
 // worse scales or codes misses them.
 const std::vector<Bound>& bounds() {
   static const std::vector<Bound> b = {
-      {DType::F32, 0.0},     {DType::F16, 2.5e-4},   {DType::BF16, 2e-3},    {DType::Q8_0, 6.2e-3},
-      {DType::Q8_1, 6.2e-3}, {DType::Q8_K, 8e-3},    {DType::Q6_K, 2.05e-2}, {DType::Q5_K, 4.15e-2},
-      {DType::Q5_0, 4.9e-2}, {DType::Q5_1, 4.35e-2}, {DType::Q4_K, 8.2e-2},  {DType::Q4_0, 9.9e-2},
-      {DType::Q4_1, 9e-2},   {DType::Q3_K, 1.73e-1}, {DType::Q2_K, 3.4e-1},  {DType::IQ4_NL, 1.0},
-      {DType::IQ4_XS, 1.0},
+      {DType::F32, 0.0},        {DType::F16, 2.5e-4},     {DType::BF16, 2e-3},
+      {DType::Q8_0, 6.2e-3},    {DType::Q8_1, 6.2e-3},    {DType::Q8_K, 8e-3},
+      {DType::Q6_K, 2.05e-2},   {DType::Q5_K, 4.15e-2},   {DType::Q5_0, 4.9e-2},
+      {DType::Q5_1, 4.35e-2},   {DType::Q4_K, 8.2e-2},    {DType::Q4_0, 9.9e-2},
+      {DType::Q4_1, 9e-2},      {DType::Q3_K, 1.73e-1},   {DType::Q2_K, 3.4e-1},
+      {DType::IQ4_NL, 8.75e-2}, {DType::IQ4_XS, 8.85e-2},
   };
   return b;
 }
