@@ -72,7 +72,8 @@ TEST_P(MatmulTiling, TokenResultsIndependentOfBatchAndThreads) {
 INSTANTIATE_TEST_SUITE_P(Types, MatmulTiling,
                          ::testing::Values(DType::F32, DType::F16, DType::BF16, DType::Q8_0,
                                            DType::Q4_0, DType::Q5_0, DType::Q4_1, DType::Q4_K,
-                                           DType::Q5_K, DType::Q6_K, DType::Q3_K),
+                                           DType::Q5_K, DType::Q6_K, DType::Q3_K, DType::Q2_K,
+                                           DType::IQ4_NL, DType::IQ4_XS),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
 // Raw random Q4_K / Q6_K rows: every quant, scale and min value, with finite moderate block
