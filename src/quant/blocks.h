@@ -103,6 +103,25 @@ struct block_q8_K {
   int16_t bsums[kQK_K / 16];
 };
 
+// The i-quants' non-linear 4-bit grid (ggml's kvalues_iq4nl): code q decodes to d * value[q].
+inline constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                            1,    13,   25,  38,  53,  69,  89,  113};
+inline constexpr int kQK4_NL = 32;
+// x = d * value[q]; element j in the low nibble of qs[j], j+16 in the high one (as q4_0).
+struct block_iq4_nl {
+  f16 d;
+  uint8_t qs[kQK4_NL / 2];
+};
+// 8 sub-blocks of 32 with signed 6-bit scales: x = d * (ls - 32) * value[q], ls's low 4 bits
+// in scales_l (sub-block 2i low nibble, 2i+1 high), its high 2 bits at bit 2*i of scales_h;
+// each sub-block's 16 qs bytes as iq4_nl's.
+struct block_iq4_xs {
+  f16 d;
+  uint16_t scales_h;
+  uint8_t scales_l[kQK_K / 64];
+  uint8_t qs[kQK_K / 2];
+};
+
 // The byte sizes of ggml's type_traits (core/dtype.cpp holds the same numbers; a test checks
 // that the two agree).
 static_assert(sizeof(block_q4_0) == 18);
@@ -117,6 +136,8 @@ static_assert(sizeof(block_q4_K) == 144);
 static_assert(sizeof(block_q5_K) == 176);
 static_assert(sizeof(block_q6_K) == 210);
 static_assert(sizeof(block_q8_K) == 292);
+static_assert(sizeof(block_iq4_nl) == 18);
+static_assert(sizeof(block_iq4_xs) == 136);
 static_assert(offsetof(block_q2_K, d) == 80);
 static_assert(offsetof(block_q3_K, d) == 108);
 static_assert(offsetof(block_q6_K, d) == 208);

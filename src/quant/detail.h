@@ -31,6 +31,7 @@ struct RowCodec {
 
 std::span<const RowCodec> legacy_codecs();  // Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q8_1 (legacy.cpp)
 std::span<const RowCodec> kquant_codecs();  // Q2_K .. Q6_K, Q8_K (kquants.cpp)
+std::span<const RowCodec> iquant_codecs();  // IQ4_NL IQ4_XS (iquants.cpp)
 
 // K-quant encoders (kquants_quantize.cpp), listed in kquants.cpp's table.
 void quantize_q2_K(std::span<const float> src, MutBytes dst);
@@ -40,7 +41,8 @@ void quantize_q5_K(std::span<const float> src, MutBytes dst);
 void quantize_q6_K(std::span<const float> src, MutBytes dst);
 void quantize_q8_K(std::span<const float> src, MutBytes dst);
 
-// Elements per block: 32 for the legacy formats, a 256-element super-block for the K-quants.
+// Elements per block: 32 for the legacy formats and IQ4_NL, a 256-element super-block for the
+// K-quants.
 template <typename Block>
 inline constexpr bool kIsLegacy =
     std::is_same_v<Block, block_q4_0> || std::is_same_v<Block, block_q4_1> ||
@@ -49,7 +51,8 @@ inline constexpr bool kIsLegacy =
 static_assert(kQK4_0 == 32 && kQK4_1 == 32 && kQK5_0 == 32 && kQK5_1 == 32 && kQK8_0 == 32 &&
               kQK8_1 == 32);
 template <typename Block>
-inline constexpr int kBlockElems = kIsLegacy<Block> ? 32 : kQK_K;
+inline constexpr int kBlockElems =
+    kIsLegacy<Block> || std::is_same_v<Block, block_iq4_nl> ? 32 : kQK_K;
 
 // Blocks in a row of n elements. quant.cpp checked the row against dtype.cpp's table before
 // dispatching, so a partial block here is a broken invariant.

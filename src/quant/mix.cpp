@@ -63,6 +63,7 @@ Expected<DType> tensor_type(const Preset& p, const MixFacts& f, Counters& c, con
   const int64_t n_gqa = f.n_head_kv > 0 ? f.n_head / f.n_head_kv : 1;
   // llama.cpp keys its 70B rule on the detected model size; for llama that is 80 layers.
   const bool is_70b = f.arch == "llama" && f.n_layer == 80;
+  const bool is_iq4 = ft == FileType::MOSTLY_IQ4_NL || ft == FileType::MOSTLY_IQ4_XS;
   if (name == "output.weight" || (!f.has_output && name == "token_embd.weight")) {
     const int64_t qk = traits(type).block_size;
     if (f.arch == "falcon" || t.ne[0] % qk != 0)
@@ -75,6 +76,8 @@ Expected<DType> tensor_type(const Preset& p, const MixFacts& f, Counters& c, con
     else if (ft == FileType::MOSTLY_Q3_K_M)
       type = c.i_attention_wv < 2 ? DType::Q5_K : DType::Q4_K;
     else if (ft == FileType::MOSTLY_Q3_K_L)
+      type = DType::Q5_K;
+    else if (is_iq4 && n_gqa >= 4)
       type = DType::Q5_K;
     else if ((ft == FileType::MOSTLY_Q4_K_M || ft == FileType::MOSTLY_Q5_K_M) &&
              use_more_bits(c.i_attention_wv, c.n_attention_wv))
@@ -99,8 +102,11 @@ Expected<DType> tensor_type(const Preset& p, const MixFacts& f, Counters& c, con
                                                                        : DType::Q3_K;
     else if (ft == FileType::MOSTLY_Q3_K_L)
       type = DType::Q5_K;
-    else if ((ft == FileType::MOSTLY_Q4_K_M || ft == FileType::MOSTLY_Q5_K_M) &&
-             use_more_bits(i_layer, n_layer))
+    else if (ft == FileType::MOSTLY_Q4_K_M && use_more_bits(i_layer, n_layer))
+      type = DType::Q6_K;
+    else if (is_iq4 && i_layer < n_layer / 8)  // llama.cpp: only without an imatrix
+      type = DType::Q5_K;
+    else if (ft == FileType::MOSTLY_Q5_K_M && use_more_bits(i_layer, n_layer))
       type = DType::Q6_K;
     else if (ft == FileType::MOSTLY_Q4_K_S && f.arch != "falcon" && i_layer < n_layer / 8)
       type = DType::Q5_K;
@@ -109,7 +115,7 @@ Expected<DType> tensor_type(const Preset& p, const MixFacts& f, Counters& c, con
       if (f.n_expert == 8) {
         if (ft == FileType::MOSTLY_Q2_K || ft == FileType::MOSTLY_Q3_K_S ||
             ft == FileType::MOSTLY_Q3_K_M || ft == FileType::MOSTLY_Q4_K_S ||
-            ft == FileType::MOSTLY_Q4_K_M)
+            ft == FileType::MOSTLY_Q4_K_M || is_iq4)
           type = DType::Q5_K;
       } else {
         if (ft == FileType::MOSTLY_Q2_K)
@@ -145,11 +151,12 @@ Expected<DType> tensor_type(const Preset& p, const MixFacts& f, Counters& c, con
         break;
       case DType::Q2_K:
       case DType::Q3_K:
-        // llama.cpp falls back to IQ4_NL, which we cannot write yet.
-        return Status::errorf(
-            "tensor '{}': row length {} needs llama.cpp's IQ4_NL fallback, "
-            "which kiln cannot produce",
-            name, t.ne[0]);
+        type = DType::Q4_0;  // llama-quantize 0.7.0 on stories260K's 64-wide rows
+        break;
+      case DType::IQ4_XS:
+        type = DType::IQ4_NL;
+        break;
+      case DType::IQ4_NL:
       case DType::Q4_0:
       case DType::Q4_1:
       case DType::Q5_0:
@@ -183,6 +190,8 @@ const std::vector<Preset>& presets() {
       {"Q5_K_S", FileType::MOSTLY_Q5_K_S, DType::Q5_K},
       {"Q5_K_M", FileType::MOSTLY_Q5_K_M, DType::Q5_K},
       {"Q6_K", FileType::MOSTLY_Q6_K, DType::Q6_K},
+      {"IQ4_NL", FileType::MOSTLY_IQ4_NL, DType::IQ4_NL},
+      {"IQ4_XS", FileType::MOSTLY_IQ4_XS, DType::IQ4_XS},
       {"Q8_0", FileType::MOSTLY_Q8_0, DType::Q8_0},
       {"F16", FileType::MOSTLY_F16, DType::F16},
       {"BF16", FileType::MOSTLY_BF16, DType::BF16},

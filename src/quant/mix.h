@@ -33,6 +33,8 @@ enum class FileType : uint32_t {
   MOSTLY_Q5_K_S = 16,
   MOSTLY_Q5_K_M = 17,
   MOSTLY_Q6_K = 18,
+  MOSTLY_IQ4_NL = 25,
+  MOSTLY_IQ4_XS = 30,
   MOSTLY_BF16 = 32,
 };
 

@@ -23,9 +23,9 @@ uint64_t seed() {
   return s;
 }
 
-constexpr DType kTypes[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0,
-                            DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K,
-                            DType::Q4_K, DType::Q5_K, DType::Q6_K};
+constexpr DType kTypes[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0,   DType::Q4_0,
+                            DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q2_K,   DType::Q3_K,
+                            DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
 
 // Decodes a whole row unit by unit, as the kernels do; aligned: the instantiation the matvec
 // uses for 16-byte aligned rows (legal only when row_is_aligned()).
@@ -143,6 +143,11 @@ TEST(CudaDequantHost, RandomBlockBytesMatchReference) {
       }
     }
   }
+}
+
+// The kernels' IQ4 grid (two packed words) is ggml's table.
+TEST(CudaDequantHost, IQ4GridMatchesQuant) {
+  for (uint32_t q = 0; q < 16; ++q) EXPECT_EQ(cuda::iq4_value(q), quant::kIQ4NLValues[q]) << q;
 }
 
 TEST(CudaDequantHost, UnsupportedTypesAreRejected) {

@@ -60,6 +60,11 @@ constexpr Fixture kFixtures[] = {
     {"qwen2-yarn-q8_0", true},
     {"phi3-f16", false},
     {"phi3-q4_k_m", true},
+    {"llama-iq-iq4_nl", true},
+    {"llama-iq-iq4_xs", true},
+    {"llama-iq-q4_k_s", true},
+    {"llama-iq-q3_k_m", true},
+    {"llama-iq-q2_k", true},
 };
 
 constexpr int32_t kCtx = 512;  // llama.cpp produced the golden data with n_ctx 512

@@ -102,7 +102,7 @@ TEST_P(CudaMatmul, AllShapesAndPaths) {
 INSTANTIATE_TEST_SUITE_P(
     Types, CudaMatmul,
     // Each type also gets a k whose rows are a multiple of 16 bytes (the matvec's 16-byte
-    // load path; for Q8_0 Q4_0 Q5_0 at 1024 and Q2_K Q3_K Q6_K at 1024 / 2048 also the
+    // load path; for Q8_0 Q4_0 Q5_0 IQ4_NL at 1024 and Q2_K Q3_K Q6_K at 1024 / 2048 also the
     // shared-memory staged path) and ks whose rows are not.
     ::testing::Values(
         MatmulCase{DType::F32, {1, 31, 64, 257}}, MatmulCase{DType::F16, {1, 31, 96, 257}},
@@ -111,7 +111,8 @@ INSTANTIATE_TEST_SUITE_P(
         MatmulCase{DType::Q5_0, {32, 256, 544, 1024}}, MatmulCase{DType::Q4_1, {32, 160, 256}},
         MatmulCase{DType::Q5_1, {32, 160, 256}}, MatmulCase{DType::Q2_K, {256, 1024}},
         MatmulCase{DType::Q3_K, {256, 2048}}, MatmulCase{DType::Q4_K, {256, 768}},
-        MatmulCase{DType::Q5_K, {256, 768}}, MatmulCase{DType::Q6_K, {256, 2048}}),
+        MatmulCase{DType::Q5_K, {256, 768}}, MatmulCase{DType::Q6_K, {256, 2048}},
+        MatmulCase{DType::IQ4_NL, {32, 544, 1024}}, MatmulCase{DType::IQ4_XS, {256, 768}}),
     [](const auto& info) { return std::string(dtype_name(info.param.type)); });
 
 TEST(CudaOps, MatmulNanActivationPropagates) {

@@ -53,6 +53,11 @@ constexpr Fixture kFixtures[] = {
     {"qwen2-yarn-q8_0", true},
     {"phi3-f16", false},
     {"phi3-q4_k_m", true},
+    {"llama-iq-iq4_nl", true},
+    {"llama-iq-iq4_xs", true},
+    {"llama-iq-q4_k_s", true},
+    {"llama-iq-q3_k_m", true},
+    {"llama-iq-q2_k", true},
 };
 
 // CpuTp2/CpuTp4: the fast path on a tensor-parallel group of 2/4 CPU backends

@@ -46,9 +46,9 @@ class BackendOps : public ::testing::TestWithParam<BackendUnderTest> {
 // separately, as the reference does, so the bits are equal.
 TEST_P(BackendOps, GetRowsEveryTypeBitExact) {
   std::mt19937_64 rng(ops_seed());
-  for (DType t :
-       {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0,
-        DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1,
+                  DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K,
+                  DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS}) {
     const int64_t k = traits(t).block_size == 1 ? 67 : 512;
     const kiln::testing::TestWeights tw = kiln::testing::make_weights(t, 31, k, rng);
     const WeightMatrix& w = tw.m;

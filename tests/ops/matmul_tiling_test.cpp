@@ -72,7 +72,8 @@ TEST_P(MatmulTiling, TokenResultsIndependentOfBatchAndThreads) {
 INSTANTIATE_TEST_SUITE_P(Types, MatmulTiling,
                          ::testing::Values(DType::F32, DType::F16, DType::BF16, DType::Q8_0,
                                            DType::Q4_0, DType::Q5_0, DType::Q4_1, DType::Q4_K,
-                                           DType::Q5_K, DType::Q6_K, DType::Q3_K),
+                                           DType::Q5_K, DType::Q6_K, DType::Q3_K, DType::Q2_K,
+                                           DType::IQ4_NL, DType::IQ4_XS),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
 // Raw random Q4_K / Q6_K rows: every quant, scale and min value, with finite moderate block
@@ -454,7 +455,7 @@ TEST(MatmulFloatTile, SameBitsOnEveryTarget) {
   });
 }
 
-// Raw random Q8_0 / Q4_0 / Q5_0 rows: every quant value (Q8_0's -128 included, which
+// Raw random Q8_0 / Q4_0 / Q5_0 / IQ4_NL rows: every quant value (Q8_0's -128 included, which
 // quantize_row never writes), with finite moderate block scales, one block in 16 zero.
 std::vector<std::byte> random_q8_family_rows(DType type, int64_t k, int64_t n_rows,
                                              std::mt19937_64& rng) {
@@ -471,7 +472,7 @@ std::vector<std::byte> random_q8_family_rows(DType type, int64_t k, int64_t n_ro
   return bytes;
 }
 
-// The 512-bit VNNI Q8_0 / Q4_0 / Q5_0 kernel (AVX-512 VNNI, 8+ tokens) must give the plain
+// The 512-bit VNNI Q8_0 / Q4_0 / Q5_0 / IQ4_NL kernel (AVX-512 VNNI, 8+ tokens) must give the plain
 // kernel's bits, which the portable backend runs, so this is also the proof that it changes
 // nothing but speed. Raw random blocks reach every
 // quant value; row counts leave register tiles of 1..3 rows and cross row blocks (64 rows at
@@ -485,7 +486,7 @@ TEST(MatmulQ8Vnni, SameBitsAsPlainKernel) {
   std::vector<int64_t> all_tok, few_tok = {1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 37, 512};
   for (int64_t t = 1; t <= 37; ++t) all_tok.push_back(t);
   all_tok.push_back(512);
-  for (DType type : {DType::Q8_0, DType::Q4_0, DType::Q5_0}) {
+  for (DType type : {DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::IQ4_NL}) {
     for (int64_t k : {32, 96, 2048, 8192}) {
       const bool wide = k >= 2048;
       for (int64_t n_rows : {1, 3, 5, 6, 67, 131}) {

@@ -42,10 +42,14 @@ int act_block(DType t) {
     case DType::Q8_0:
     case DType::Q4_0:
     case DType::Q5_0:
+    case DType::IQ4_NL:
       return 32;
+    case DType::Q2_K:
+    case DType::Q3_K:
     case DType::Q4_K:
     case DType::Q5_K:
     case DType::Q6_K:
+    case DType::IQ4_XS:
       return 256;
     default:
       return 0;
@@ -59,8 +63,8 @@ struct MatmulCase {
 
 class MatmulVsRef : public ::testing::TestWithParam<MatmulCase> {};
 
-TEST_P(MatmulVsRef, AllShapes) {
-  const MatmulCase& c = GetParam();
+// Every shape of the case against the reference, through the cpu backends (1 and 3 threads).
+void check_against_ref(const MatmulCase& c) {
   ASSERT_TRUE(quant::can_quantize(c.type)) << dtype_name(c.type);
   std::mt19937_64 rng(ops_seed() ^ static_cast<uint64_t>(c.type));
   const int ab = act_block(c.type);
@@ -110,21 +114,40 @@ TEST_P(MatmulVsRef, AllShapes) {
   }
 }
 
+TEST_P(MatmulVsRef, AllShapes) { check_against_ref(GetParam()); }
+
+// The int8 kernels of issue 34 (IQ4_NL, IQ4_XS, Q2_K, Q3_K) on every SIMD target this machine
+// runs (AVX2 takes maddubs where AVX-512 VNNI takes vpdpbusd, and 4-token tiles, not 8).
+TEST(MatmulVsRef, IntKernelsOnEveryTarget) {
+  kiln::testing::for_each_simd_target([] {
+    SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target());
+    for (const MatmulCase& c :
+         {MatmulCase{DType::IQ4_NL, {32, 544}}, MatmulCase{DType::IQ4_XS, {256, 768}},
+          MatmulCase{DType::Q2_K, {256, 768}}, MatmulCase{DType::Q3_K, {256, 768}}}) {
+      check_against_ref(c);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Types, MatmulVsRef,
     ::testing::Values(MatmulCase{DType::F32, {1, 31, 257}}, MatmulCase{DType::F16, {1, 31, 257}},
                       MatmulCase{DType::BF16, {3, 100}}, MatmulCase{DType::Q8_0, {32, 96, 544}},
                       MatmulCase{DType::Q4_0, {32, 544}}, MatmulCase{DType::Q5_0, {32, 544}},
                       MatmulCase{DType::Q4_1, {32, 160}}, MatmulCase{DType::Q5_1, {32, 160}},
-                      MatmulCase{DType::Q2_K, {256, 768}}, MatmulCase{DType::Q3_K, {256, 768}},
+                      MatmulCase{DType::Q2_K, {256, 768, 2304}},
+                      MatmulCase{DType::Q3_K, {256, 768, 2304}},
                       MatmulCase{DType::Q4_K, {256, 768}}, MatmulCase{DType::Q5_K, {256, 768}},
-                      MatmulCase{DType::Q6_K, {256, 768}}),
+                      MatmulCase{DType::Q6_K, {256, 768}}, MatmulCase{DType::IQ4_NL, {32, 544}},
+                      MatmulCase{DType::IQ4_XS, {256, 768}}),
     [](const auto& info) { return std::string(dtype_name(info.param.type)); });
 
 // A quantized weight times an activation row holding a NaN gives NaN, as the f32 math would.
 TEST(MatmulVsRef, NanActivationPropagates) {
   std::mt19937_64 rng(ops_seed());
-  for (DType t : {DType::Q8_0, DType::Q4_K, DType::F16, DType::Q6_K}) {
+  for (DType t : {DType::Q8_0, DType::Q4_K, DType::F16, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS,
+                  DType::Q2_K, DType::Q3_K}) {
     TestWeights w = make_weights(t, 4, 256, rng);
     std::vector<float> x = random_vec(rng, 256);
     x[17] = NAN;

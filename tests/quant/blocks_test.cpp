@@ -32,7 +32,7 @@ void expect_exact(const std::vector<float>& got, const std::vector<float>& want)
 }
 
 TEST(QuantBlocks, SizesMatchDtypeTable) {
-  const std::array<std::pair<DType, size_t>, 12> sizes = {{
+  const std::array<std::pair<DType, size_t>, 14> sizes = {{
       {DType::Q4_0, sizeof(block_q4_0)},
       {DType::Q4_1, sizeof(block_q4_1)},
       {DType::Q5_0, sizeof(block_q5_0)},
@@ -45,6 +45,8 @@ TEST(QuantBlocks, SizesMatchDtypeTable) {
       {DType::Q5_K, sizeof(block_q5_K)},
       {DType::Q6_K, sizeof(block_q6_K)},
       {DType::Q8_K, sizeof(block_q8_K)},
+      {DType::IQ4_NL, sizeof(block_iq4_nl)},
+      {DType::IQ4_XS, sizeof(block_iq4_xs)},
   }};
   for (auto [t, size] : sizes) {
     EXPECT_EQ(traits(t).type_size, size) << dtype_name(t);
@@ -53,7 +55,7 @@ TEST(QuantBlocks, SizesMatchDtypeTable) {
   }
   EXPECT_EQ(traits(DType::Q4_K).block_size, static_cast<uint32_t>(kQK_K));
   EXPECT_EQ(traits(DType::Q4_0).block_size, static_cast<uint32_t>(kQK4_0));
-  EXPECT_FALSE(can_dequantize(DType::IQ4_NL));
+  EXPECT_FALSE(can_dequantize(DType::IQ2_XXS));
 }
 
 TEST(QuantBlocks, FloatFormats) {
@@ -92,6 +94,46 @@ TEST(QuantBlocks, Q4_0) {
   expect_exact(decode(DType::Q4_0, b, 32), want);
   EXPECT_EQ(want[0], -4.0f);  // code 0 is -8 * d
   EXPECT_EQ(want[16], 3.5f);  // code 15 is 7 * d
+}
+
+// ggml's kvalues_iq4nl, spelled out here rather than read from blocks.h.
+constexpr int kGrid[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                           1,    13,   25,  38,  53,  69,  89,  113};
+
+TEST(QuantBlocks, IQ4_NL) {
+  block_iq4_nl b{};
+  b.d = f32_to_f16(0.25f);
+  for (int j = 0; j < 16; ++j) b.qs[j] = static_cast<uint8_t>(j | ((15 - j) << 4));
+  std::vector<float> want(32);
+  for (int e = 0; e < 32; ++e) {
+    const int q = e < 16 ? (b.qs[e] & 15) : (b.qs[e - 16] >> 4);
+    want[e] = 0.25f * static_cast<float>(kGrid[q]);
+  }
+  expect_exact(decode(DType::IQ4_NL, b, 32), want);
+  EXPECT_EQ(want[0], -31.75f);  // code 0: -127 * d
+  EXPECT_EQ(want[16], 28.25f);  // code 15: 113 * d
+}
+
+TEST(QuantBlocks, IQ4_XS) {
+  block_iq4_xs b{};
+  b.d = f32_to_f16(0.5f);
+  // Sub-block scales ls = 32 + s with s in [-32, 31]: the low nibble in scales_l, the high
+  // 2 bits in scales_h.
+  const int s[8] = {-32, 31, 0, 1, -1, 17, -17, 5};
+  for (int ib = 0; ib < 8; ++ib) {
+    const int ls = s[ib] + 32;
+    b.scales_l[ib / 2] = static_cast<uint8_t>(b.scales_l[ib / 2] | ((ls & 15) << (4 * (ib % 2))));
+    b.scales_h = static_cast<uint16_t>(b.scales_h | ((ls >> 4) << (2 * ib)));
+  }
+  for (int j = 0; j < 128; ++j) b.qs[j] = static_cast<uint8_t>((j * 7 + 3) & 0xFF);
+  std::vector<float> want(256);
+  for (int e = 0; e < 256; ++e) {
+    const int ib = e / 32, k = e % 32;
+    const uint8_t byte = b.qs[ib * 16 + k % 16];
+    const int q = k < 16 ? (byte & 15) : (byte >> 4);
+    want[e] = 0.5f * static_cast<float>(s[ib]) * static_cast<float>(kGrid[q]);
+  }
+  expect_exact(decode(DType::IQ4_XS, b, 256), want);
 }
 
 TEST(QuantBlocks, Q4_1) {

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <string_view>
 
 #include "common/testdata.h"
 #include "format/gguf.h"
@@ -147,6 +148,79 @@ TEST(QuantizeCommand, PresetsMatchLlamaCppMixes) {
         ours_err, ref_err);
     EXPECT_EQ(ours.file_size(), ref.file_size()) << c.preset;
     EXPECT_LE(ours_err, ref_err * 1.02 + 1e-9) << c.preset;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// FNV-1a 64 of a byte string.
+uint64_t fnv1a(std::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (char c : bytes) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+// llama-quantize 0.7.0 (build 11669), run as `peer llama-quantize SOURCE OUT PRESET 2` on
+// 2026-12-05: the size and FNV-1a 64 of each file it wrote, up to the end of its last tensor
+// (beyond it llama.cpp pads with zeros to the 32-byte alignment, which GgufWriter does not write:
+// 16 bytes for the stories260K files, none for llama-gqa's). From llama-gqa-f16 (f16 source) and
+// stories260K (f32 source, 64-wide rows and a 172-column ffn_down, so the K-quants' fallbacks
+// to Q4_0 / IQ4_NL / F16 are taken). The shipped llama-iq-* fixtures were quantized from f32
+// weights we do not have, so their data bytes cannot be reproduced from the f16 file; their
+// metadata and tensor types still must be.
+struct PeerFile {
+  const char* source;
+  const char* preset;
+  const char* fixture;  // the shipped file of the same preset, or null
+  uint64_t bytes;
+  uint64_t fnv;
+};
+constexpr PeerFile kPeerFiles[] = {
+    {"llama-gqa-f16.gguf", "IQ4_NL", "llama-iq-iq4_nl.gguf", 1973888, 0xecbc3afbd1a4ab09ull},
+    {"llama-gqa-f16.gguf", "IQ4_XS", "llama-iq-iq4_xs.gguf", 1871488, 0x7d1aba8b3bd25c20ull},
+    {"llama-gqa-f16.gguf", "Q4_K_S", "llama-iq-q4_k_s.gguf", 1990272, 0x5a357457c7eac382ull},
+    {"llama-gqa-f16.gguf", "Q3_K_M", "llama-iq-q3_k_m.gguf", 1703552, 0x16c4be8003988103ull},
+    {"llama-gqa-f16.gguf", "Q2_K", "llama-iq-q2_k.gguf", 1325696, 0x338d2f86649b3fd0ull},
+    {"stories260K.gguf", "IQ4_NL", nullptr, 277008, 0x18fe52b0c6183db3ull},
+    {"stories260K.gguf", "IQ4_XS", nullptr, 277008, 0xfa3b2e2d567c77ccull},
+    {"stories260K.gguf", "Q4_K_S", nullptr, 303056, 0xf0b01c3abf218c9dull},
+    {"stories260K.gguf", "Q3_K_M", nullptr, 281104, 0x86fc3a4b9f13c67dull},
+    {"stories260K.gguf", "Q2_K", nullptr, 277008, 0x60f3047bf9cc50dcull},
+};
+
+// kiln quantize writes llama-quantize's bytes for the i-quants and the K mixes, from the same
+// input: every tensor type, the metadata, and every data byte.
+TEST(QuantizeCommand, IQuantsAndKMixesAreLlamaQuantizeBytes) {
+  const std::string dir = testing::temp_dir();
+  for (const PeerFile& c : kPeerFiles) {
+    const std::string out = dir + "/" + c.preset + ".gguf";
+    const auto r = run_kiln(
+        fmt::format("quantize {} {} {} -t 2", testing::model_path(c.source), out, c.preset), dir);
+    ASSERT_EQ(r.exit_code, 0) << c.preset << ": " << r.stderr_text;
+    const std::string mine = testing::read_file(out);
+    EXPECT_EQ(mine.size(), c.bytes) << c.source << " " << c.preset;
+    EXPECT_EQ(fnv1a(mine), c.fnv) << c.source << " " << c.preset << ": not llama-quantize's bytes";
+    std::printf("  %-18s %-6s %7zu bytes, FNV-1a %016jx (llama-quantize %016jx)\n", c.source,
+                c.preset, mine.size(), static_cast<uintmax_t>(fnv1a(mine)),
+                static_cast<uintmax_t>(c.fnv));
+    if (c.fixture == nullptr) continue;
+    const GgufFile ours = open_file(out);
+    const GgufFile ref = open_file(testing::model_path(c.fixture));
+    // The fixture's metadata but its general.name ("llama-iq" vs the f16 file's).
+    ASSERT_EQ(ours.metadata().size(), ref.metadata().size()) << c.preset;
+    for (size_t i = 0; i < ref.metadata().size(); ++i) {
+      const GgufKV &a = ours.metadata()[i], &b = ref.metadata()[i];
+      EXPECT_EQ(a.key, b.key) << c.preset;
+      if (b.key != "general.name") EXPECT_TRUE(same_value(a.value, b.value)) << c.preset << a.key;
+    }
+    ASSERT_EQ(ours.tensors().size(), ref.tensors().size()) << c.preset;
+    for (size_t i = 0; i < ref.tensors().size(); ++i) {
+      EXPECT_EQ(ours.tensors()[i].name, ref.tensors()[i].name) << c.preset;
+      EXPECT_EQ(dtype_name(ours.tensors()[i].dtype), dtype_name(ref.tensors()[i].dtype))
+          << c.preset << " " << ref.tensors()[i].name;
+    }
   }
   std::filesystem::remove_all(dir);
 }

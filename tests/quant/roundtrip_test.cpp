@@ -27,10 +27,12 @@ struct Bound {
 // worse scales or codes misses them.
 const std::vector<Bound>& bounds() {
   static const std::vector<Bound> b = {
-      {DType::F32, 0.0},     {DType::F16, 2.5e-4},   {DType::BF16, 2e-3},    {DType::Q8_0, 6.2e-3},
-      {DType::Q8_1, 6.2e-3}, {DType::Q8_K, 8e-3},    {DType::Q6_K, 2.05e-2}, {DType::Q5_K, 4.15e-2},
-      {DType::Q5_0, 4.9e-2}, {DType::Q5_1, 4.35e-2}, {DType::Q4_K, 8.2e-2},  {DType::Q4_0, 9.9e-2},
-      {DType::Q4_1, 9e-2},   {DType::Q3_K, 1.73e-1}, {DType::Q2_K, 3.4e-1},
+      {DType::F32, 0.0},        {DType::F16, 2.5e-4},     {DType::BF16, 2e-3},
+      {DType::Q8_0, 6.2e-3},    {DType::Q8_1, 6.2e-3},    {DType::Q8_K, 8e-3},
+      {DType::Q6_K, 2.05e-2},   {DType::Q5_K, 4.15e-2},   {DType::Q5_0, 4.9e-2},
+      {DType::Q5_1, 4.35e-2},   {DType::Q4_K, 8.2e-2},    {DType::Q4_0, 9.9e-2},
+      {DType::Q4_1, 9e-2},      {DType::Q3_K, 1.73e-1},   {DType::Q2_K, 3.4e-1},
+      {DType::IQ4_NL, 8.75e-2}, {DType::IQ4_XS, 8.85e-2},
   };
   return b;
 }
@@ -184,9 +186,9 @@ TEST(QuantRoundTrip, NaNScaleInStoredBlockPropagates) {
 // part is exact and only the per-block scaling is rounded.
 TEST(QuantVecDot, MatchesDotOfDecodedRows) {
   std::mt19937 rng(test_seed() + 4);
-  const DType types[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q4_0, DType::Q4_1,
-                         DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q2_K, DType::Q3_K,
-                         DType::Q4_K, DType::Q5_K, DType::Q6_K};
+  const DType types[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q4_0,   DType::Q4_1,
+                         DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q2_K,   DType::Q3_K,
+                         DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
   for (DType t : types) {
     for (size_t n : {size_t{256}, size_t{1024}, size_t{4096}}) {
       const auto wx = gaussian(n, rng);
@@ -233,8 +235,9 @@ TEST(QuantVecDot, ActivationTypes) {
   EXPECT_EQ(vec_dot_type(DType::Q8_0), DType::Q8_0);
   EXPECT_EQ(vec_dot_type(DType::Q4_1), DType::Q8_1);
   EXPECT_EQ(vec_dot_type(DType::Q5_1), DType::Q8_1);
-  for (DType t : {DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K})
+  for (DType t : {DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS})
     EXPECT_EQ(vec_dot_type(t), DType::Q8_K);
+  EXPECT_EQ(vec_dot_type(DType::IQ4_NL), DType::Q8_0);
   EXPECT_EQ(vec_dot_type(DType::F16), DType::F32);
 }
 

@@ -24,6 +24,8 @@
 #include "cpu_matmul_kq.h"
 #include "cpu_matmul_q8.h"
 #include "float_dot-inl.h"  // per-target guard: expanded once per Highway target, like this file
+#include "iq4-inl.h"        // the same
+#include "kq23-inl.h"       // the same
 #include "kq_avx2-inl.h"    // the same
 #include "kernels.h"
 #include "quant/blocks.h"
@@ -387,6 +389,30 @@ template <int T>
 struct KQ6_K {
   static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) {
     DotQ6K<T>(w, nb, y, o);
+  }
+};
+template <int T>
+struct KQ2_K {
+  static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) {
+    DotQ2K<T>(w, nb, y, o);
+  }
+};
+template <int T>
+struct KQ3_K {
+  static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) {
+    DotQ3K<T>(w, nb, y, o);
+  }
+};
+template <int T>
+struct KIQ4_NL {
+  static void run(const std::byte* w, int64_t nb, const ActQ8_0* const* y, float* o) {
+    DotQ8Family<T, UnpackIQ4_NL>(w, nb, y, o);
+  }
+};
+template <int T>
+struct KIQ4_XS {
+  static void run(const std::byte* w, int64_t nb, const block_q8_K* const* y, float* o) {
+    DotIQ4XS<T>(w, nb, y, o);
   }
 };
 #if HWY_TARGET == HWY_AVX2
@@ -1150,6 +1176,10 @@ bool HasInt8PathK(DType t) {
     case DType::Q4_K:
     case DType::Q5_K:
     case DType::Q6_K:
+    case DType::Q2_K:
+    case DType::Q3_K:
+    case DType::IQ4_NL:
+    case DType::IQ4_XS:
       return true;
     default:
       return false;
@@ -1182,7 +1212,13 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ5_0>);
       return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
+    case DType::IQ4_NL:
+      if (!job.portable && job.n_tok >= kQ8VnniMinTok)
+        return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackIQ4_NL>);
+      return MatmulInt<ActQ8_0, KIQ4_NL>(job, r0, r1, 32);
 #else
+    case DType::IQ4_NL:
+      return MatmulInt<ActQ8_0, KIQ4_NL>(job, r0, r1, 32);
     case DType::Q8_0:
 #if HWY_TARGET == HWY_AVX2
       if (!job.portable && job.n_tok == 1) return MatvecQ8Avx2(job, r0, r1);
@@ -1225,6 +1261,12 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       }
 #endif
       return MatmulInt<block_q8_K, KQ6_K>(job, r0, r1, 256);
+    case DType::IQ4_XS:
+      return MatmulInt<block_q8_K, KIQ4_XS>(job, r0, r1, 256);
+    case DType::Q2_K:
+      return MatmulInt<block_q8_K, KQ2_K>(job, r0, r1, 256);
+    case DType::Q3_K:
+      return MatmulInt<block_q8_K, KQ3_K>(job, r0, r1, 256);
 #endif
     default:
       return MatmulDequant(job, r0, r1, scratch);
@@ -1348,7 +1390,8 @@ size_t matmul_scratch_floats(const WeightMatrix& w) {
     n = std::max(n, (kq_batch_tile_bytes(w.n_cols / 256) + 3) / 4);
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K)
     n = std::max(n, (kq_prefill_scratch_bytes(w.dtype, w.n_cols / 256, w.row_bytes) + 3) / 4);
-  if (w.dtype == DType::Q8_0 || w.dtype == DType::Q4_0 || w.dtype == DType::Q5_0)
+  if (w.dtype == DType::Q8_0 || w.dtype == DType::Q4_0 || w.dtype == DType::Q5_0 ||
+      w.dtype == DType::IQ4_NL)
     n = std::max(n, (q8_vnni_scratch_bytes(w.n_cols) + 3) / 4);
   return n;
 }

@@ -160,6 +160,13 @@ KILN_HD uint32_t byte_of3(uint32_t w0, uint32_t w1, uint32_t w2, int i) {
   return (w >> (8 * (i & 3))) & 0xFFu;
 }
 
+// ggml's IQ4_NL grid value of code q (0..15), from two words instead of a table (a host
+// array is not addressable in device code); the host test checks them against kIQ4NLValues.
+KILN_HD int iq4_value(uint32_t q) {
+  constexpr uint64_t kLo = 0xF6EADDCFBFAD9881ull, kHi = 0x7159453526190D01ull;
+  return int(int8_t(uint8_t(((q < 8 ? kLo : kHi) >> (8 * (q & 7))) & 0xFF)));
+}
+
 // Decodes unit `u` of `row` (a row of type T with n_cols elements) into out[0..31].
 // A = 16: the row start and row size are multiples of 16 bytes (and float rows hold whole
 // units), so 16-byte fields load as 16-byte vectors; A = 2: any row GGUF can hold.
@@ -323,6 +330,28 @@ KILN_HD void dequant_unit(const uint8_t* row, int64_t u, int64_t n_cols, float* 
       if constexpr (k5) v |= int((byte_of(qh, l) >> j) & 1) << 4;
       out[l] = sub_rn(mul_rn(d1, i2f(v)), m1);
     }
+  } else if constexpr (T == DType::IQ4_NL || T == DType::IQ4_XS) {
+    // One IQ4_NL block, or sub-block u % 8 of an IQ4_XS super-block with its signed 6-bit
+    // scale (low nibble in scales_l, high 2 bits in scales_h): x = d [* (ls - 32)] * grid[q].
+    constexpr bool kXs = T == DType::IQ4_XS;
+    constexpr int kBs = kXs ? sizeof(block_iq4_xs) : sizeof(block_iq4_nl);
+    constexpr int kQs = kXs ? offsetof(block_iq4_xs, qs) : offsetof(block_iq4_nl, qs);
+    const uint8_t* b = row + (kXs ? u / 8 : u) * kBs;
+    const int ib = kXs ? int(u % 8) : 0;
+    float dl = load_f16(b);
+    if constexpr (kXs) {
+      const uint32_t sh = load_u16(b + offsetof(block_iq4_xs, scales_h));
+      const uint32_t sl = load_u16(b + offsetof(block_iq4_xs, scales_l) + 2 * (ib / 4));
+      const int ls = int((sl >> (4 * (ib % 4))) & 0xF) | int(((sh >> (2 * ib)) & 3) << 4);
+      dl = mul_rn(dl, i2f(ls - 32));
+    }
+    uint32_t q[4];
+    load_words<16, field_align(A, kBs, kQs + 16 * (kXs ? 1 : 0))>(b + kQs + 16 * ib, q);
+    KILN_UNROLL
+    for (int l = 0; l < 16; ++l) {
+      out[l] = mul_rn(dl, i2f(iq4_value(byte_of(q, l) & 0xF)));
+      out[l + 16] = mul_rn(dl, i2f(iq4_value(byte_of(q, l) >> 4)));
+    }
   } else if constexpr (T == DType::Q6_K) {
     constexpr int kBs = sizeof(block_q6_K);
     const uint8_t* b = row + (u / 8) * kBs;
@@ -364,6 +393,8 @@ inline bool cuda_supports(DType t) {
     case DType::Q4_K:
     case DType::Q5_K:
     case DType::Q6_K:
+    case DType::IQ4_NL:
+    case DType::IQ4_XS:
       return true;
     default:
       return false;
@@ -412,6 +443,12 @@ inline void dispatch_dtype(DType t, F&& f) {
       break;
     case DType::Q6_K:
       f.template operator()<DType::Q6_K>();
+      break;
+    case DType::IQ4_NL:
+      f.template operator()<DType::IQ4_NL>();
+      break;
+    case DType::IQ4_XS:
+      f.template operator()<DType::IQ4_XS>();
       break;
     default:
       break;

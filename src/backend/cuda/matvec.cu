@@ -27,6 +27,7 @@ constexpr int traits_block_elems() {
     case DType::Q4_K:
     case DType::Q5_K:
     case DType::Q6_K:
+    case DType::IQ4_XS:
       return 256;
     default:
       return 32;
@@ -40,6 +41,8 @@ constexpr int traits_block_bytes() {
       return sizeof(block_q8_0);
     case DType::Q4_0:
       return sizeof(block_q4_0);
+    case DType::IQ4_NL:
+      return sizeof(block_iq4_nl);
     case DType::Q5_0:
       return sizeof(block_q5_0);
     case DType::Q2_K:
@@ -131,6 +134,7 @@ constexpr int staged_chunk_units() {
     case DType::Q4_0:
     case DType::Q5_0:
     case DType::Q2_K:
+    case DType::IQ4_NL:
       return 32;
     case DType::Q3_K:
     case DType::Q6_K:
