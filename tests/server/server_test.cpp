@@ -286,6 +286,79 @@ TEST(Server, TopKIsHonoured) {
   EXPECT_NE(text({{"temperature", 1.5}, {"seed", 1}}), greedy);
 }
 
+// Structured output on a model that writes nonsense: the text must still parse as JSON and
+// validate against the schema, and the request ends (stop) when the grammar is complete.
+TEST(Server, ResponseFormatJsonSchemaGivesValidJson) {
+  Running r = start({});
+  const json schema = {
+      {"type", "object"},
+      {"properties",
+       {{"name", {{"type", "string"}, {"maxLength", 12}}},
+        {"mood", {{"enum", {"happy", "sad", 3}}}},
+        {"age", {{"type", "integer"}}},
+        {"ok", {{"type", "boolean"}}},
+        {"tags",
+         {{"type", "array"}, {"items", {{"type", "string"}, {"maxLength", 4}}}, {"maxItems", 3}}}}},
+      {"required", {"name", "mood", "ok"}},
+      {"additionalProperties", false}};
+  auto check = [&](const std::string& text) {
+    SCOPED_TRACE(text);
+    const json j = json::parse(text, nullptr, false);
+    ASSERT_TRUE(j.is_object());
+    for (const char* k : {"name", "mood", "ok"}) EXPECT_TRUE(j.contains(k)) << k;
+    for (auto it = j.begin(); it != j.end(); ++it)
+      EXPECT_TRUE(schema["properties"].contains(it.key())) << it.key();
+    EXPECT_TRUE(j["name"].is_string() && j["name"].get<std::string>().size() <= 12 * 6);
+    EXPECT_TRUE(j["mood"] == "happy" || j["mood"] == "sad" || j["mood"] == 3);
+    EXPECT_TRUE(j["ok"].is_boolean());
+    if (j.contains("age")) EXPECT_TRUE(j["age"].is_number_integer());
+    if (j.contains("tags")) {
+      ASSERT_TRUE(j["tags"].is_array());
+      EXPECT_LE(j["tags"].size(), 3u);
+      for (const json& t : j["tags"]) EXPECT_TRUE(t.is_string());
+    }
+  };
+  const json rf = {{"type", "json_schema"},
+                   {"json_schema", {{"name", "person"}, {"strict", true}, {"schema", schema}}}};
+  for (const json& sampling : {json{{"temperature", 0}}, json{{"temperature", 1.0}, {"seed", 1}},
+                               json{{"temperature", 1.5}, {"seed", 7}, {"top_k", 0}}}) {
+    json body = {{"messages", {{{"role", "user"}, {"content", "Tell me about a cat."}}}},
+                 {"max_tokens", 200},
+                 {"response_format", rf}};
+    body.update(sampling);
+    const json out = post_json(*r.cli, "/v1/chat/completions", body, 200);
+    ASSERT_TRUE(out.is_object());
+    check(out["choices"][0]["message"]["content"].get<std::string>());
+    EXPECT_EQ(out["choices"][0]["finish_reason"], "stop");
+    // Streamed: the same text for the same seed.
+    body["stream"] = true;
+    auto res = r.cli->Post("/v1/chat/completions", body.dump(), "application/json");
+    ASSERT_TRUE(res);
+    const Sse sse = parse_sse(res->body, true);
+    EXPECT_EQ(sse.text, out["choices"][0]["message"]["content"].get<std::string>());
+    EXPECT_EQ(sse.finish, "stop");
+  }
+  // json_object and a GBNF grammar on /v1/completions.
+  const json obj = post_json(*r.cli, "/v1/completions",
+                             {{"prompt", "Once upon a time"},
+                              {"max_tokens", 64},
+                              {"temperature", 0},
+                              {"grammar", "root ::= \"{\\\"word\\\": \\\"\" [a-z]{1,8} \"\\\"}\""}},
+                             200);
+  const json word = json::parse(obj["choices"][0]["text"].get<std::string>(), nullptr, false);
+  ASSERT_TRUE(word.is_object()) << obj.dump();
+  EXPECT_EQ(obj["choices"][0]["finish_reason"], "stop");
+  // An unsupported schema keyword is a 400 naming it, before anything runs.
+  json bad = {
+      {"prompt", "x"},
+      {"response_format",
+       {{"type", "json_schema"},
+        {"json_schema", {{"name", "n"}, {"schema", {{"type", "string"}, {"format", "email"}}}}}}}};
+  const json err = post_json(*r.cli, "/v1/completions", bad, 400);
+  EXPECT_NE(err["error"]["message"].get<std::string>().find("'format' is not supported"),
+            std::string::npos);
+}
+
 TEST(Server, StreamsSseWithUsageAndDone) {
   Running r = start({});
   const json body = {{"messages", {{{"role", "user"}, {"content", "Tell me a story"}}}},
