@@ -104,6 +104,10 @@ void Matcher::expand(uint32_t pos0, uint32_t parent0, std::vector<uint32_t>& out
       seen.clear();
     }
     if (dedup && !seen.insert((uint64_t{pos} << 32) | parent).second) continue;
+    if (n_done > kMaxExpand || out.size() > kMaxStacks) {
+      overflow_ = true;
+      return;
+    }
     for (;;) {
       const Element& e = el_[pos];
       if (e.kind == Element::kEnd) {
@@ -132,11 +136,19 @@ uint32_t Matcher::next(uint32_t set, uint8_t byte) const {
   const int32_t known = trans_[size_t(set) * 256 + byte];
   if (known >= 0) return static_cast<uint32_t>(known);
   step_buf_.clear();
+  overflow_ = false;
   for (uint32_t s : sets_[set]) {
     if (s == kAccept) continue;
     const StackNode n = nodes_[s];
     const Element& e = el_[n.pos];
     if (byte >= e.lo && byte <= e.hi) expand(n.pos + 1, n.parent, step_buf_);
+    if (overflow_) break;
+  }
+  // Too ambiguous a grammar (nested repetitions of one thing): the state is dead rather than
+  // unbounded work per byte; ambiguous_ makes advance() say why.
+  if (overflow_) {
+    ambiguous_ = true;
+    step_buf_.clear();
   }
   const uint32_t id = intern_set(step_buf_);  // may grow trans_: index it afresh
   trans_[size_t(set) * 256 + byte] = static_cast<int32_t>(id);
@@ -208,6 +220,10 @@ Status Matcher::advance(std::string_view bytes) {
   uint32_t s = cur_;
   for (size_t i = 0; i < bytes.size(); ++i) {
     s = next(s, static_cast<uint8_t>(bytes[i]));
+    if (s == kDead && ambiguous_)
+      return Status::errorf(
+          "grammar: too ambiguous: more than {} parse stacks or {} expansions for one byte",
+          kMaxStacks, kMaxExpand);
     if (s == kDead)
       return Status::errorf("grammar: byte {} of {} (0x{:02x}) does not continue the grammar", i,
                             bytes.size(), static_cast<uint8_t>(bytes[i]));

@@ -115,6 +115,11 @@ class Matcher {
   std::unordered_map<uint32_t, std::pair<std::vector<uint8_t>, int32_t>> masks_;
   const TokenTrie* masks_vocab_ = nullptr;
   static constexpr size_t kMaxMasks = 32;
+  // Bounds on one byte's work: stacks in a state, expansion steps. Past them the state is
+  // dead (a grammar that ambiguous is refused at the byte that gets there).
+  static constexpr size_t kMaxStacks = 1024, kMaxExpand = 1 << 14;
+  mutable bool overflow_ = false;   // the current next() ran past a bound
+  mutable bool ambiguous_ = false;  // some next() did (sticky, for advance()'s message)
 };
 
 }  // namespace kiln::grammar
