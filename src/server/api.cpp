@@ -128,7 +128,11 @@ std::optional<ApiError> get_grammar(const json& j, std::string_view body, Comple
     for (const char* key : {"response_format", "json_schema", "schema"}) {
       if (std::string_view(where) == "json_schema" && std::string_view(key) != "json_schema")
         continue;  // llama.cpp's top-level json_schema is the schema itself
-      s = &(*s)[key];
+      // (Both parses see the same keys unless the body repeats one, where they may keep
+      // different copies: refuse rather than guess.)
+      auto it = s->is_object() ? s->find(key) : s->end();
+      if (it == s->end()) return bad(where, fmt::format("'{}' appears twice in the body", key));
+      s = &*it;
     }
     auto g = grammar::json_schema_to_gbnf(*s);
     if (!g) return bad(where, g.error());

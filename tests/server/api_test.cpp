@@ -207,6 +207,13 @@ TEST(Api, ResponseFormatAndGrammarCompileToAGrammar) {
   auto gbnf = grammar_of(R"({"prompt": "x", "grammar": "root ::= [ab]{2}"})", false);
   ASSERT_TRUE(gbnf);
   EXPECT_TRUE(full(gbnf, "ba"));
+  // A repeated key: the two parses may keep different copies; never a crash, and either the
+  // schema that both see or a 400 that says why.
+  auto dup = parse_completion_request(
+      R"({"prompt": "x", "response_format": {"type": "text"}, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "null"}}}})",
+      false);
+  if (auto* e = std::get_if<ApiError>(&dup))
+    EXPECT_NE(e->message.find("appears twice"), std::string::npos) << e->message;
   auto llama_schema = grammar_of(R"({"prompt": "x", "json_schema": {"enum": [1, "two"]}})", false);
   ASSERT_TRUE(llama_schema);
   EXPECT_TRUE(full(llama_schema, "\"two\""));
