@@ -147,7 +147,7 @@ uint32_t Matcher::next(uint32_t set, uint8_t byte) const {
   // Too ambiguous a grammar (nested repetitions of one thing): the state is dead rather than
   // unbounded work per byte; ambiguous_ makes advance() say why.
   if (overflow_) {
-    ambiguous_ = true;
+    ambiguous_.insert(size_t(set) * 256 + byte);
     step_buf_.clear();
   }
   const uint32_t id = intern_set(step_buf_);  // may grow trans_: index it afresh
@@ -219,8 +219,9 @@ void Matcher::walk(const TokenTrie& vocab, uint32_t node, uint32_t set,
 Status Matcher::advance(std::string_view bytes) {
   uint32_t s = cur_;
   for (size_t i = 0; i < bytes.size(); ++i) {
+    const uint32_t from = s;
     s = next(s, static_cast<uint8_t>(bytes[i]));
-    if (s == kDead && ambiguous_)
+    if (s == kDead && ambiguous_.count(size_t(from) * 256 + static_cast<uint8_t>(bytes[i])))
       return Status::errorf(
           "grammar: too ambiguous: more than {} parse stacks or {} expansions for one byte",
           kMaxStacks, kMaxExpand);
@@ -267,6 +268,7 @@ void Matcher::reset_cache() {
   set_index_.clear();
   trans_.assign(256, static_cast<int32_t>(kDead));
   masks_.clear();
+  ambiguous_.clear();
   std::vector<uint32_t> stacks;
   for (const auto& chain : chains) {
     uint32_t parent = kNone;

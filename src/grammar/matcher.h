@@ -16,6 +16,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "grammar/grammar.h"
@@ -118,8 +119,8 @@ class Matcher {
   // Bounds on one byte's work: stacks in a state, expansion steps. Past them the state is
   // dead (a grammar that ambiguous is refused at the byte that gets there).
   static constexpr size_t kMaxStacks = 1024, kMaxExpand = 1 << 14;
-  mutable bool overflow_ = false;   // the current next() ran past a bound
-  mutable bool ambiguous_ = false;  // some next() did (sticky, for advance()'s message)
+  mutable bool overflow_ = false;                 // the current next() ran past a bound
+  mutable std::unordered_set<size_t> ambiguous_;  // state * 256 + byte: overflowed transitions
 };
 
 }  // namespace kiln::grammar

@@ -96,6 +96,22 @@ TEST(Gbnf, RecursionRunsAndLeftRecursionIsRefused) {
   EXPECT_TRUE(m.accepting());
 }
 
+// Nested repetitions of one thing make the parse stacks grow exponentially: the byte that
+// would need too many is refused with a message saying so, in bounded time.
+TEST(Matcher, TooAmbiguousGrammarIsRefusedNotSlow) {
+  auto g = compile(
+      "root ::= ((((((((((((((((((((\"a\"+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+)+ \"b\"\n");
+  ASSERT_TRUE(g);
+  Matcher m(g);
+  Status st;
+  for (int i = 0; i < 40 && st.is_ok(); ++i) st = m.advance("a");
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("too ambiguous"), std::string::npos) << st.message();
+  Matcher plain(compile("root ::= \"a\"+\n"));
+  st = plain.advance("ab");
+  EXPECT_NE(st.message().find("does not continue"), std::string::npos) << st.message();
+}
+
 TEST(Gbnf, ErrorsAreOneLineAndSayWhere) {
   struct Case {
     const char* text;
