@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -18,7 +19,9 @@
 #include "apps/kiln/gen_common.h"
 #include "core/counters.h"
 #include "core/log.h"
+#include "engine/constrained.h"
 #include "engine/speculative.h"
+#include "grammar/json_schema.h"
 #include "sampling/sampler.h"
 
 namespace kiln::app {
@@ -35,7 +38,31 @@ struct RunOptions {
   bool spec_ngram = false;  // --spec-ngram: speculative decoding with prompt lookup
   int32_t draft_n = 4;      // --draft-n: tokens drafted per verify step
   int64_t seed = 42;        // -1: drawn from std::random_device
+  // Constrained decoding (llama.cpp's spellings): GBNF text, a GBNF file, a JSON Schema.
+  std::string grammar, grammar_file, json_schema;
 };
+
+// The run's grammar from --grammar / --grammar-file / --json-schema; null when none is given.
+Expected<std::shared_ptr<const grammar::Grammar>> run_grammar(const RunOptions& o) {
+  const int given = !o.grammar.empty() + !o.grammar_file.empty() + !o.json_schema.empty();
+  if (given == 0) return std::shared_ptr<const grammar::Grammar>();
+  if (given > 1) return Status::error("give one of --grammar, --grammar-file, --json-schema");
+  std::string gbnf = o.grammar;
+  if (!o.grammar_file.empty()) {
+    std::FILE* f = std::fopen(o.grammar_file.c_str(), "rb");
+    if (!f) return Status::errorf("cannot read grammar file '{}'", o.grammar_file);
+    char buf[65536];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) gbnf.append(buf, n);
+    std::fclose(f);
+  }
+  if (!o.json_schema.empty()) {
+    auto j = nlohmann::ordered_json::parse(o.json_schema, nullptr, false);
+    if (j.is_discarded()) return Status::error("--json-schema is not valid JSON");
+    KILN_ASSIGN_OR_RETURN(gbnf, grammar::json_schema_to_gbnf(j));
+  }
+  return grammar::Grammar::parse(gbnf);
+}
 
 // After the generated text: the stats lines on stderr must start on a line of their own where
 // a person sees both streams together (a terminal, or 2>&1 into one file), while stdout piped
@@ -215,12 +242,18 @@ Status run(RunOptions o) {
   KILN_ASSIGN_OR_RETURN(Sampler sampler, Sampler::create(o.sampling, rt.model()->n_vocab()));
   for (int32_t id : prompt) sampler.accept(id);
 
+  KILN_ASSIGN_OR_RETURN(auto grammar, run_grammar(o));
+  if (grammar && (!o.draft.empty() || o.spec_ngram))
+    return Status::error("--grammar/--json-schema with speculative decoding is not supported");
   if (!o.draft.empty() || o.spec_ngram) return run_speculative(o, cfg, rt, prompt, n_ctx);
+  std::optional<Constraint> constraint;
+  if (grammar) constraint.emplace(Constraint{make_token_trie(tok), grammar::Matcher(grammar), {}});
 
   Session session(rt.model(), rt.backend(), n_ctx);
   // Greedy or plain top-k sampling needs only each step's best candidates (--device-sampling):
   // a GPU then downloads k values per token instead of the vocabulary. Same ids.
-  const int32_t k_top = eo.device_sampling ? sampler.candidates_needed(Backend::kTopKMost) : 0;
+  const int32_t k_top =
+      eo.device_sampling && !constraint ? sampler.candidates_needed(Backend::kTopKMost) : 0;
   std::span<const float> logits;
   Session::TopK top;
   auto eval = [&](std::span<const int32_t> toks) -> Status {
@@ -245,17 +278,26 @@ Status run(RunOptions o) {
   double cold_s = -1;
   const auto t_decode = Clock::now();
   for (int32_t i = 0; i < o.n_predict; ++i) {
-    const int32_t id = k_top > 0 ? sampler.sample_top(top.ids, top.logits) : sampler.sample(logits);
+    const int32_t id = constraint  ? constraint->sample(sampler, logits)
+                       : k_top > 0 ? sampler.sample_top(top.ids, top.logits)
+                                   : sampler.sample(logits);
+    if (id < 0) return Status::error("grammar: no token of the vocabulary continues the output");
     sampler.accept(id);
     out_ids.push_back(id);
     if (tok.is_eog(id)) {
       stopped_by_eog = true;
       break;
     }
+    // The grammar complete with nothing allowed after it ends the run like end of text.
+    const bool complete = constraint && constraint->accept(id);
     const std::string text = stream.push(tok.token_to_piece(id, /*special=*/false));
     if (!text.empty()) {
       std::fwrite(text.data(), 1, text.size(), stdout);
       std::fflush(stdout);
+    }
+    if (complete) {
+      stopped_by_eog = true;  // no forward pass follows, as after end of generation
+      break;
     }
     if (i + 1 == o.n_predict) break;  // the last sampled token needs no forward pass
     const int32_t next[1] = {id};
@@ -316,6 +358,10 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--draft", o->draft,
                   "speculative decoding with this draft model (same vocabulary)");
   cmd->add_flag("--spec-ngram", o->spec_ngram, "speculative decoding with n-gram prompt lookup");
+  cmd->add_option("--grammar", o->grammar, "constrain the output to a GBNF grammar (text)");
+  cmd->add_option("--grammar-file", o->grammar_file, "constrain the output to a GBNF file");
+  cmd->add_option("-j,--json-schema", o->json_schema,
+                  "constrain the output to JSON valid against this JSON Schema");
   cmd->add_option("--draft-n", o->draft_n, "tokens drafted per verify step (default 4)");
   o->config = add_config_options(cmd);
   cmd->callback([o, &exit_code] {

@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "core/check.h"
+#include "engine/constrained.h"
 #include "engine/speculative.h"
 #include "sampling/spec_verify.h"
 
@@ -50,6 +51,7 @@ struct Scheduler::Request {
   std::shared_ptr<GenStream> stream;
   int32_t n_draft = 0;  // resolved draft length; 0: plain decoding
   Rng spec_rng{0};      // the rejection rule's draws (sampled requests with drafts)
+  std::optional<Constraint> constraint{};  // requests with a grammar
 };
 
 struct Scheduler::Slot {
@@ -136,6 +138,11 @@ Scheduler::Submitted Scheduler::submit(GenerationParams p) {
   int32_t n_draft =
       p.n_draft < 0 ? std::min(cfg_.draft_ngram, GenerationParams::kMaxDraft) : p.n_draft;
   if (!validate_spec_sampling(p.sampling).is_ok()) n_draft = 0;  // plain decoding, same result
+  if (p.grammar) {
+    if (!cfg_.grammar_vocab || cfg_.grammar_vocab->n_vocab() != model_->n_vocab())
+      return invalid("grammar: this server has no vocabulary view for constrained decoding");
+    n_draft = 0;  // n-gram drafts would mostly be masked out; forced tokens are not drafted yet
+  }
   // Penalties see the prompt, as in `kiln run`.
   for (int32_t id : p.prompt) sampler->accept(id);
 
@@ -143,6 +150,9 @@ Scheduler::Submitted Scheduler::submit(GenerationParams p) {
       new Request{std::move(p), std::move(*sampler), std::make_shared<GenStream>()});
   req->n_draft = std::max(n_draft, 0);
   req->spec_rng = Rng(req->params.sampling.seed);
+  if (req->params.grammar)
+    req->constraint.emplace(
+        Constraint{cfg_.grammar_vocab, grammar::Matcher(req->params.grammar), {}});
   {
     std::lock_guard lk(mu_);
     if (stop_) {
@@ -354,7 +364,8 @@ void Scheduler::run_group(std::span<Work> work, bool batched) {
   int32_t top_k = 0;
   for (const Work& w : work) {
     const Request& r = *w.slot->req;
-    const int32_t need = cfg_.device_sampling && w.n_draft == 0 && r.params.top_logprobs < 0
+    const int32_t need = cfg_.device_sampling && w.n_draft == 0 && r.params.top_logprobs < 0 &&
+                                 !r.constraint  // the mask needs the whole row
                              ? r.sampler.candidates_needed(Backend::kTopKMost)
                              : 0;
     if (need == 0) {
@@ -444,7 +455,15 @@ void Scheduler::advance(Slot& s, std::span<const int32_t> in, std::span<const fl
     s.decoding = true;
   }
   // emit_token reads the logits only for logprobs, which a candidates step never has.
-  const int32_t id = top ? r.sampler.sample_top(top->ids, top->logits) : r.sampler.sample(logits);
+  int32_t id = 0;
+  if (r.constraint) {
+    id = r.constraint->sample(r.sampler, logits);
+    if (id < 0)
+      return finish(s, FinishReason::kError,
+                    "grammar: no token of the vocabulary continues the output");
+  } else {
+    id = top ? r.sampler.sample_top(top->ids, top->logits) : r.sampler.sample(logits);
+  }
   emit_token(s, id, logits);
 }
 
@@ -549,7 +568,12 @@ void Scheduler::emit_token(Slot& s, int32_t id, std::span<const float> logits) {
         e.top.push_back({idx[i], logits[static_cast<size_t>(idx[i])] - lse});
     }
   }
+  const bool complete = r.constraint && r.constraint->accept(id);
   r.stream->push(std::move(e));
+  if (complete) {  // the grammar allows nothing more: no model call to learn that
+    finish(s, FinishReason::kStop);
+    return;
+  }
   if (s.n_generated >= r.params.max_tokens) {
     finish(s, FinishReason::kLength);
     return;

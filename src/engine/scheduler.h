@@ -31,6 +31,8 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "engine/session.h"
+#include "grammar/grammar.h"
+#include "grammar/matcher.h"
 #include "sampling/sampler.h"
 
 namespace kiln {
@@ -61,6 +63,9 @@ struct SchedulerConfig {
   // forward call whose requests all qualify downloads k values per row, not the vocabulary.
   // Same ids (Sampler.TopCandidatesGiveTheSameIds). false: whole logit rows.
   bool device_sampling = true;
+  // The grammar's view of the vocabulary (make_token_trie), needed by requests with a
+  // grammar; null: such requests are refused.
+  std::shared_ptr<const grammar::TokenTrie> grammar_vocab;
 };
 
 struct GenerationParams {
@@ -76,6 +81,10 @@ struct GenerationParams {
   // reproduce them).
   int32_t n_draft = -1;
   static constexpr int32_t kMaxDraft = 8;
+  // Constrained decoding: every generated token keeps the output a prefix of this grammar's
+  // language, end of generation comes only once it is complete, and the request ends (stop)
+  // when the grammar allows nothing more. Whole logit rows, no drafts. Null: unconstrained.
+  std::shared_ptr<const grammar::Grammar> grammar;
 };
 
 enum class FinishReason { kStop, kLength, kCancelled, kError };

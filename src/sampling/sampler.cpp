@@ -198,10 +198,16 @@ void Sampler::reset() {
   rng_ = Rng(params_.seed);
 }
 
-int32_t Sampler::sample(std::span<const float> logits) {
+int32_t Sampler::sample(std::span<const float> logits, std::span<const uint8_t> allowed) {
   KILN_CHECK(logits.size() == size_t(n_vocab_), "{} logits for a vocabulary of {}", logits.size(),
              n_vocab_);
   cands_.reset(logits);
+  if (!allowed.empty()) {
+    KILN_CHECK(allowed.size() == logits.size(), "mask of {} for {} logits", allowed.size(),
+               logits.size());
+    std::erase_if(cands_.items, [&](const Candidate& c) { return !allowed[size_t(c.id)]; });
+    KILN_CHECK(!cands_.items.empty(), "a mask that allows no token");
+  }
   apply_logit_bias(cands_, params_.logit_bias);
   history_buf_.assign(history_.begin(), history_.end());
   apply_penalties(cands_, history_buf_, params_.repeat_penalty, params_.frequency_penalty,

@@ -81,7 +81,9 @@ class Sampler {
   // Picks the next id from one row of logits (n_vocab values). Does not record it: call
   // accept() with the id actually appended to the sequence (prompt tokens included, if the
   // penalties should see them).
-  int32_t sample(std::span<const float> logits);
+  // `allowed` (constrained decoding: n_vocab flags, non-zero = allowed, at least one set)
+  // removes every other id before the first stage, so no stage can pick it; empty: all ids.
+  int32_t sample(std::span<const float> logits, std::span<const uint8_t> allowed = {});
   // How many of the row's best candidates (in sampling order: Backend::top_k) decide the next
   // id exactly as sample() of the whole row would: 1 for greedy, top_k when top-k sampling
   // cuts the row first; 0 when the whole row matters (a logit bias or penalties, which

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "grammar/json_schema.h"
+
 namespace kiln::server {
 
 using json = nlohmann::json;
@@ -113,6 +115,87 @@ std::optional<ApiError> get_content(const json& m, size_t index, std::string& ou
       return bad(where, fmt::format("'{}[{}].text' must be a string", where, k), "invalid_type");
     out += part["text"].get<std::string>();
   }
+  return std::nullopt;
+}
+
+// response_format / grammar / json_schema -> the request's compiled grammar (see api.h).
+std::optional<ApiError> get_grammar(const json& j, std::string_view body, CompletionRequest& r) {
+  std::string gbnf, param;
+  auto schema_gbnf = [&](const char* where) -> std::optional<ApiError> {
+    // The schema again, with its keys in written order (properties are produced in it).
+    auto oj = nlohmann::ordered_json::parse(body.begin(), body.end(), nullptr, false);
+    const nlohmann::ordered_json* s = &oj;
+    for (const char* key : {"response_format", "json_schema", "schema"}) {
+      if (std::string_view(where) == "json_schema" && std::string_view(key) != "json_schema")
+        continue;  // llama.cpp's top-level json_schema is the schema itself
+      // (Both parses see the same keys unless the body repeats one, where they may keep
+      // different copies: refuse rather than guess.)
+      auto it = s->is_object() ? s->find(key) : s->end();
+      if (it == s->end()) return bad(where, fmt::format("'{}' appears twice in the body", key));
+      s = &*it;
+    }
+    auto g = grammar::json_schema_to_gbnf(*s);
+    if (!g) return bad(where, g.error());
+    gbnf = std::move(*g);
+    return std::nullopt;
+  };
+  if (auto it = j.find("response_format"); it != j.end() && !it->is_null()) {
+    if (!it->is_object() || !it->contains("type") || !(*it)["type"].is_string())
+      return bad("response_format", "'response_format' must be an object with a string 'type'",
+                 "invalid_type");
+    const std::string type = (*it)["type"];
+    for (auto kv = it->begin(); kv != it->end(); ++kv)
+      if (kv.key() != "type" && !(type == "json_schema" && kv.key() == "json_schema"))
+        return bad("response_format", fmt::format("'response_format.{}' is not supported with "
+                                                  "type '{}'",
+                                                  kv.key(), type));
+    if (type == "json_object") {
+      gbnf = grammar::json_object_gbnf();
+    } else if (type == "json_schema") {
+      auto js = it->find("json_schema");
+      if (js == it->end() || !js->is_object())
+        return bad("response_format", "'response_format.json_schema' must be an object",
+                   "invalid_type");
+      for (auto kv = js->begin(); kv != js->end(); ++kv)
+        if (kv.key() != "name" && kv.key() != "schema" && kv.key() != "strict" &&
+            kv.key() != "description")
+          return bad("response_format",
+                     fmt::format("'response_format.json_schema.{}' is not supported", kv.key()));
+      if (!js->contains("name") || !(*js)["name"].is_string())
+        return bad("response_format", "'response_format.json_schema.name' must be a string",
+                   "invalid_type");
+      if (auto st = js->find("strict"); st != js->end() && !st->is_null() && !st->is_boolean())
+        return bad("response_format", "'response_format.json_schema.strict' must be a boolean",
+                   "invalid_type");
+      if (!js->contains("schema"))  // OpenAI: no schema means any JSON object
+        gbnf = grammar::json_object_gbnf();
+      else if (auto e = schema_gbnf("response_format"))
+        return e;
+    } else if (type != "text") {
+      return bad("response_format",
+                 fmt::format("'response_format.type' = '{}' is not one of text, json_object, "
+                             "json_schema",
+                             type));
+    }
+    if (type != "text") param = "response_format";
+  }
+  for (const char* key : {"grammar", "json_schema"}) {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) continue;
+    if (!param.empty())
+      return bad(key, fmt::format("'{}' and '{}' both constrain the output: give one", param, key));
+    param = key;
+    if (std::string_view(key) == "grammar") {
+      if (!it->is_string()) return bad(key, "'grammar' must be a GBNF string", "invalid_type");
+      gbnf = it->get<std::string>();
+    } else if (auto e = schema_gbnf("json_schema")) {
+      return e;
+    }
+  }
+  if (gbnf.empty() && param.empty()) return std::nullopt;
+  auto g = grammar::Grammar::parse(gbnf);
+  if (!g) return bad(param, g.error());
+  r.grammar = std::move(*g);
   return std::nullopt;
 }
 
@@ -227,6 +310,9 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
                                                  "stop",
                                                  "logit_bias",
                                                  "logprobs",
+                                                 "response_format",
+                                                 "grammar",
+                                                 "json_schema",
                                                  "user"};
   static constexpr std::string_view kChat[] = {"messages", "top_logprobs"};
   static constexpr std::string_view kText[] = {"prompt"};
@@ -330,6 +416,7 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
     KILN_API_TRY(get_int(j, "logprobs", 0, 20, v, present));
     if (present) r.top_logprobs = static_cast<int32_t>(v);
   }
+  KILN_API_TRY(get_grammar(j, body, r));
 #undef KILN_API_TRY
   return r;
 }

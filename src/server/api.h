@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/chat.h"
+#include "grammar/grammar.h"
 
 namespace kiln::server {
 
@@ -51,6 +52,10 @@ struct CompletionRequest {
   bool include_usage = false;                         // stream_options.include_usage
   int32_t top_logprobs = -1;                          // -1: no logprobs
   std::vector<std::pair<int32_t, float>> logit_bias;  // {"id": bias in [-100, 100]}; -100 bans
+  // Constrained decoding, compiled here (so a bad grammar or schema is a 400): from
+  // response_format json_object / json_schema, llama.cpp's `grammar` (GBNF) or its
+  // `json_schema`. Null: unconstrained.
+  std::shared_ptr<const grammar::Grammar> grammar;
 };
 
 struct Limits {

@@ -23,6 +23,7 @@
 
 #include "core/counters.h"
 #include "engine/chat.h"
+#include "engine/constrained.h"
 #include "engine/runtime.h"
 #include "engine/scheduler.h"
 #include "engine/session.h"
@@ -194,6 +195,7 @@ Status HttpServer::load() {
   cfg.device_sampling = s.opt.engine.device_sampling;
   const auto eog = s.tok->eog_ids();
   cfg.eog_ids.assign(eog.begin(), eog.end());
+  cfg.grammar_vocab = make_token_trie(*s.tok);  // once per model: every grammar request uses it
   auto sch = Scheduler::create(s.model, s.rt->backend(), cfg);
   if (!sch) return sch.status();
   s.scheduler = std::move(*sch);
@@ -436,6 +438,7 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
                                       id, model->n_vocab()),
                           "invalid_request_error", "invalid_value"));
   p.sampling.logit_bias = r.logit_bias;
+  p.grammar = r.grammar;
   p.sampling.seed = r.seed ? *r.seed : std::random_device{}();
   auto sub = scheduler->submit(std::move(p));
   if (!sub.stream) {

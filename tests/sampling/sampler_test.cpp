@@ -322,5 +322,42 @@ TEST(Sampler, TopCandidatesGiveTheSameIds) {
   EXPECT_EQ(Sampler::create(p, V)->candidates_needed(256), 1);
 }
 
+// Constrained decoding's mask: a removed id is never picked, greedy or sampled, even when
+// every allowed id is banned by a bias (the uniform fallback must stay inside the mask), and
+// the allowed ids keep their relative probabilities.
+TEST(Sampler, AllowedMaskRemovesIdsBeforeEveryStage) {
+  const std::vector<float> logits = four();  // p = 0.1 0.2 0.3 0.4
+  const std::vector<uint8_t> allowed = {1, 1, 0, 0};
+  SamplerParams greedy;
+  greedy.temperature = 0;
+  auto g = Sampler::create(greedy, 4);
+  ASSERT_TRUE(g.has_value());
+  EXPECT_EQ(g->sample(logits), 3);
+  EXPECT_EQ(g->sample(logits, allowed), 1);
+  SamplerParams banned = greedy;
+  banned.logit_bias = {{0, -INFINITY}, {1, -INFINITY}};
+  auto b = Sampler::create(banned, 4);
+  EXPECT_LT(b->sample(logits, allowed), 2);
+  SamplerParams dist;
+  dist.temperature = 1;
+  dist.top_k = 0;
+  dist.top_p = 1;
+  dist.min_p = 0;
+  dist.seed = 3;
+  auto d = Sampler::create(dist, 4);
+  int n1 = 0;
+  const int n = 6000;
+  for (int i = 0; i < n; ++i) {
+    const int32_t id = d->sample(logits, allowed);
+    ASSERT_LT(id, 2);
+    n1 += id == 1;
+  }
+  // p(1 | {0, 1}) = 2/3; 4 sigma = 4 * sqrt(n * 2/9).
+  EXPECT_NEAR(n1, n * 2.0 / 3.0, 4 * std::sqrt(n * 2.0 / 9.0));
+  dist.logit_bias = banned.logit_bias;
+  auto db = Sampler::create(dist, 4);
+  for (int i = 0; i < 200; ++i) ASSERT_LT(db->sample(logits, allowed), 2);
+}
+
 }  // namespace
 }  // namespace kiln

@@ -2,6 +2,7 @@
 // gives a 400 naming the field; good input fills the struct; stop matching holds back text.
 #include <gtest/gtest.h>
 
+#include "grammar/matcher.h"
 #include "server/api.h"
 
 namespace kiln::server {
@@ -72,8 +73,19 @@ TEST(Api, RejectsBadRequestsNamingTheField) {
       {R"({"messages": [{"role": "user", "content": "x"}], "tools": []})", true, "tools"},
       {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"})", true,
        "tool_choice"},
-      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})",
+      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}})",
        true, "response_format"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "string", "pattern": "a+"}}}})",
+       true, "response_format"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}})",
+       true, "response_format"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object", "schema": {}}})",
+       true, "response_format"},
+      {R"({"prompt": "x", "grammar": "root ::= foo"})", false, "grammar"},
+      {R"({"prompt": "x", "grammar": 5})", false, "grammar"},
+      {R"({"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {}})", false, "json_schema"},
+      {R"({"prompt": "x", "json_schema": {"type": "integer", "minimum": 3}})", false,
+       "json_schema"},
       {R"({"messages": [{"role": "user", "content": "x"}], "unknown_field": [1]})", true,
        "unknown_field"},
       {R"({"messages": [{"role": "user", "content": "x"}], "prompt": "y"})", true, "prompt"},
@@ -155,6 +167,56 @@ TEST(Api, StopMatcherHoldsBackPartialMatchesAndCutsAtTheStop) {
   EXPECT_EQ(utf.push("a\xC3"), "a");  // incomplete 2-byte character held back
   EXPECT_EQ(utf.push("\xA9"), "\xC3\xA9");
   EXPECT_EQ(utf.flush(), "");
+}
+
+}  // namespace
+}  // namespace kiln::server
+
+namespace kiln::server {
+namespace {
+
+TEST(Api, ResponseFormatAndGrammarCompileToAGrammar) {
+  auto grammar_of = [](const char* body, bool chat) {
+    auto r = parse_completion_request(body, chat);
+    EXPECT_TRUE(std::holds_alternative<CompletionRequest>(r))
+        << body << " -> " << std::get<ApiError>(r).message;
+    return std::holds_alternative<CompletionRequest>(r) ? std::get<CompletionRequest>(r).grammar
+                                                        : nullptr;
+  };
+  auto full = [](const std::shared_ptr<const grammar::Grammar>& g, std::string_view s) {
+    grammar::Matcher m(g);
+    return m.advance(s).is_ok() && m.accepting();
+  };
+  EXPECT_EQ(grammar_of(R"({"prompt": "x", "response_format": {"type": "text"}})", false), nullptr);
+  auto any = grammar_of(
+      R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})",
+      true);
+  ASSERT_TRUE(any);
+  EXPECT_TRUE(full(any, R"({"a": [1]})"));
+  EXPECT_FALSE(full(any, "[1]"));
+  // Properties come out in the order the client wrote them (not sorted).
+  auto schema = grammar_of(
+      R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
+          "json_schema": {"name": "p", "strict": true, "schema": {"type": "object",
+          "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "null"}},
+          "required": ["zeta", "alpha"], "additionalProperties": false}}}})",
+      true);
+  ASSERT_TRUE(schema);
+  EXPECT_TRUE(full(schema, R"({"zeta":true,"alpha":null})"));
+  EXPECT_FALSE(full(schema, R"({"alpha":null,"zeta":true})"));
+  auto gbnf = grammar_of(R"({"prompt": "x", "grammar": "root ::= [ab]{2}"})", false);
+  ASSERT_TRUE(gbnf);
+  EXPECT_TRUE(full(gbnf, "ba"));
+  // A repeated key: the two parses may keep different copies; never a crash, and either the
+  // schema that both see or a 400 that says why.
+  auto dup = parse_completion_request(
+      R"({"prompt": "x", "response_format": {"type": "text"}, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "null"}}}})",
+      false);
+  if (auto* e = std::get_if<ApiError>(&dup))
+    EXPECT_NE(e->message.find("appears twice"), std::string::npos) << e->message;
+  auto llama_schema = grammar_of(R"({"prompt": "x", "json_schema": {"enum": [1, "two"]}})", false);
+  ASSERT_TRUE(llama_schema);
+  EXPECT_TRUE(full(llama_schema, "\"two\""));
 }
 
 }  // namespace

@@ -286,6 +286,113 @@ TEST(Server, TopKIsHonoured) {
   EXPECT_NE(text({{"temperature", 1.5}, {"seed", 1}}), greedy);
 }
 
+// Structured output on a model that writes nonsense: the text must still parse as JSON and
+// validate against the schema, and the request ends (stop) when the grammar is complete.
+TEST(Server, ResponseFormatJsonSchemaGivesValidJson) {
+  Running r = start({});
+  const json schema = {
+      {"type", "object"},
+      {"properties",
+       {{"name", {{"type", "string"}, {"maxLength", 12}}},
+        {"mood", {{"enum", {"happy", "sad", 3}}}},
+        {"age", {{"type", "integer"}}},
+        {"ok", {{"type", "boolean"}}},
+        {"tags",
+         {{"type", "array"}, {"items", {{"type", "string"}, {"maxLength", 4}}}, {"maxItems", 3}}}}},
+      {"required", {"name", "mood", "ok"}},
+      {"additionalProperties", false}};
+  auto check = [&](const std::string& text) {
+    SCOPED_TRACE(text);
+    const json j = json::parse(text, nullptr, false);
+    ASSERT_TRUE(j.is_object());
+    for (const char* k : {"name", "mood", "ok"}) EXPECT_TRUE(j.contains(k)) << k;
+    for (auto it = j.begin(); it != j.end(); ++it)
+      EXPECT_TRUE(schema["properties"].contains(it.key())) << it.key();
+    EXPECT_TRUE(j["name"].is_string() && j["name"].get<std::string>().size() <= 12 * 6);
+    EXPECT_TRUE(j["mood"] == "happy" || j["mood"] == "sad" || j["mood"] == 3);
+    EXPECT_TRUE(j["ok"].is_boolean());
+    if (j.contains("age")) EXPECT_TRUE(j["age"].is_number_integer());
+    if (j.contains("tags")) {
+      ASSERT_TRUE(j["tags"].is_array());
+      EXPECT_LE(j["tags"].size(), 3u);
+      for (const json& t : j["tags"]) EXPECT_TRUE(t.is_string());
+    }
+  };
+  const json rf = {{"type", "json_schema"},
+                   {"json_schema", {{"name", "person"}, {"strict", true}, {"schema", schema}}}};
+  for (const json& sampling : {json{{"temperature", 0}}, json{{"temperature", 1.0}, {"seed", 1}},
+                               json{{"temperature", 1.5}, {"seed", 7}, {"top_k", 0}}}) {
+    json body = {{"messages", {{{"role", "user"}, {"content", "Tell me about a cat."}}}},
+                 {"max_tokens", 200},
+                 {"response_format", rf}};
+    body.update(sampling);
+    const json out = post_json(*r.cli, "/v1/chat/completions", body, 200);
+    ASSERT_TRUE(out.is_object());
+    check(out["choices"][0]["message"]["content"].get<std::string>());
+    EXPECT_EQ(out["choices"][0]["finish_reason"], "stop");
+    // Streamed: the same text for the same seed.
+    body["stream"] = true;
+    auto res = r.cli->Post("/v1/chat/completions", body.dump(), "application/json");
+    ASSERT_TRUE(res);
+    const Sse sse = parse_sse(res->body, true);
+    EXPECT_EQ(sse.text, out["choices"][0]["message"]["content"].get<std::string>());
+    EXPECT_EQ(sse.finish, "stop");
+  }
+  // json_object and a GBNF grammar on /v1/completions.
+  const json obj = post_json(*r.cli, "/v1/completions",
+                             {{"prompt", "Once upon a time"},
+                              {"max_tokens", 64},
+                              {"temperature", 0},
+                              {"grammar", "root ::= \"{\\\"word\\\": \\\"\" [a-z]{1,8} \"\\\"}\""}},
+                             200);
+  const json word = json::parse(obj["choices"][0]["text"].get<std::string>(), nullptr, false);
+  ASSERT_TRUE(word.is_object()) << obj.dump();
+  EXPECT_EQ(obj["choices"][0]["finish_reason"], "stop");
+  // An unsupported schema keyword is a 400 naming it, before anything runs.
+  json bad = {
+      {"prompt", "x"},
+      {"response_format",
+       {{"type", "json_schema"},
+        {"json_schema", {{"name", "n"}, {"schema", {{"type", "string"}, {"format", "email"}}}}}}}};
+  const json err = post_json(*r.cli, "/v1/completions", bad, 400);
+  EXPECT_NE(err["error"]["message"].get<std::string>().find("'format' is not supported"),
+            std::string::npos);
+}
+
+// Batch invariance with grammars: constrained and free requests decoding in the same steps
+// each get the text they get alone (a grammar masks only its own request's row).
+TEST(Server, GrammarRequestsAndFreeOnesShareStepsUnchanged) {
+  ServerOptions o;
+  o.n_parallel = 4;
+  Running r = start(o);
+  std::vector<json> bodies;
+  for (int i = 0; i < 4; ++i) {
+    json b = {{"prompt", i % 2 ? "Once upon a time" : "The little dog"},
+              {"max_tokens", 40},
+              {"seed", 200 + i},
+              {"temperature", 0.9}};
+    if (i < 2) b["response_format"] = {{"type", "json_object"}};
+    if (i == 2) b["grammar"] = "root ::= ([a-z]+ \" \"){2,12}";
+    bodies.push_back(b);
+  }
+  std::vector<std::string> alone;
+  for (const json& b : bodies)
+    alone.push_back(post_json(*r.cli, "/v1/completions", b, 200)["choices"][0]["text"]);
+  for (int i = 0; i < 2; ++i)
+    EXPECT_TRUE(alone[size_t(i)].empty() || alone[size_t(i)][0] == '{') << alone[size_t(i)];
+  std::vector<std::string> together(bodies.size());
+  std::vector<std::thread> ts;
+  for (size_t i = 0; i < bodies.size(); ++i)
+    ts.emplace_back([&, i] {
+      httplib::Client c("127.0.0.1", r.srv->port());
+      auto res = c.Post("/v1/completions", bodies[i].dump(), "application/json");
+      ASSERT_TRUE(res);
+      together[i] = json::parse(res->body)["choices"][0]["text"];
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(together, alone);
+}
+
 TEST(Server, StreamsSseWithUsageAndDone) {
   Running r = start({});
   const json body = {{"messages", {{{"role", "user"}, {"content", "Tell me a story"}}}},

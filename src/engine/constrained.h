@@ -1,0 +1,35 @@
+// engine/constrained.h: constrained decoding's engine side: the grammar's view of a
+// tokenizer's vocabulary (built once per model) and one request's constrained sampling step.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "grammar/matcher.h"
+#include "sampling/sampler.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kiln {
+
+// Each token's bytes as generated text renders them (control tokens as nothing, so a grammar
+// never allows them) and the end-of-generation ids, with the trie the mask walks.
+std::shared_ptr<const grammar::TokenTrie> make_token_trie(const Tokenizer& tok);
+
+// One request's grammar state and scratch.
+struct Constraint {
+  std::shared_ptr<const grammar::TokenTrie> vocab;
+  grammar::Matcher matcher;
+  std::vector<uint8_t> mask;  // [n_vocab] scratch
+
+  // The next id from one row of logits, sampled as `sampler` would from the row with every
+  // token the grammar forbids removed; -1 when the grammar allows none. Greedy first tries
+  // the unconstrained pick: when the grammar allows it, it is the masked row's argmax too,
+  // and one token's check is much cheaper than the whole mask.
+  int32_t sample(Sampler& sampler, std::span<const float> logits);
+  // Records the chosen id. The request is complete when this returns true (the grammar
+  // accepts the output and allows nothing after it).
+  bool accept(int32_t id);
+};
+
+}  // namespace kiln
