@@ -31,6 +31,11 @@ using ApiResult = std::variant<T, ApiError>;
 
 using ChatMessage = ::kiln::ChatMessage;  // engine/chat.h
 
+// tool_choice: "auto" (the default), "none" (tools are not shown to the model and its reply is
+// not parsed for calls). "required" and a named function need constrained decoding and are
+// refused by the parser.
+enum class ToolChoice { kAuto, kNone };
+
 // What /v1/chat/completions and /v1/completions ask for, validated and defaulted.
 struct CompletionRequest {
   bool chat = false;
@@ -51,6 +56,11 @@ struct CompletionRequest {
   bool include_usage = false;                         // stream_options.include_usage
   int32_t top_logprobs = -1;                          // -1: no logprobs
   std::vector<std::pair<int32_t, float>> logit_bias;  // {"id": bias in [-100, 100]}; -100 bans
+  // chat: `tools` as the client sent them (key order kept: templates print them with tojson);
+  // null when absent or empty.
+  nlohmann::ordered_json tools;
+  ToolChoice tool_choice = ToolChoice::kAuto;
+  bool parallel_tool_calls = true;  // false: at most one call is returned
 };
 
 struct Limits {
