@@ -15,11 +15,14 @@
 #include "core/log.h"
 #include "format/gguf.h"
 #include "engine/scheduler.h"
+#include "server/api.h"
 #include "server/server.h"
 #include "transfer/remote_prefill.h"
 
 #include <atomic>
+#include <nlohmann/json.hpp>
 #include <thread>
+#include <variant>
 
 namespace kiln::app {
 namespace {
@@ -36,6 +39,34 @@ struct ServeOptions {
   int kv_port = 7070;
   int64_t prefill_timeout_ms = 30000;
 };
+
+// The sampling defaults hold the ranges a request's fields hold: checked by the request parser
+// itself, on a request that sets them all.
+Status check_sampling_defaults(const server::SamplingDefaults& d) {
+  const nlohmann::json body = {{"prompt", "x"},
+                               {"temperature", d.temperature},
+                               {"top_p", d.top_p},
+                               {"top_k", d.top_k},
+                               {"min_p", d.min_p},
+                               {"repeat_penalty", d.repeat_penalty},
+                               {"presence_penalty", d.presence_penalty},
+                               {"frequency_penalty", d.frequency_penalty}};
+  auto r = server::parse_completion_request(body.dump(), /*chat=*/false);
+  if (const auto* e = std::get_if<server::ApiError>(&r)) {
+    static const std::pair<std::string_view, std::string_view> kOption[] = {
+        {"temperature", "--temp"},
+        {"top_p", "--top-p"},
+        {"top_k", "--top-k"},
+        {"min_p", "--min-p"},
+        {"repeat_penalty", "--repeat-penalty"},
+        {"presence_penalty", "--presence-penalty"},
+        {"frequency_penalty", "--frequency-penalty"}};
+    for (const auto& [field, option] : kOption)
+      if (e->param == field) return Status::errorf("{}: {}", option, e->message);
+    return Status::error(e->message);
+  }
+  return Status::ok();
+}
 
 // `--role prefill`: the prefill node (apps/kiln/prefill_node.h), without HTTP.
 Status serve_prefill_role(const ServeOptions& o, const Config& cfg, const sigset_t& sigs) {
@@ -66,6 +97,7 @@ Status serve(ServeOptions o) {
     return Status::errorf("--draft-ngram {} must be in [0, {}]", o.server.draft_ngram,
                           GenerationParams::kMaxDraft);
   if (o.max_body_kib < 1) return Status::error("--max-body-kib must be >= 1");
+  KILN_TRY(check_sampling_defaults(o.server.sampling));
   o.server.max_body_bytes = o.max_body_kib * 1024;
   // The same runtime as kiln run: --device, --threads, --tensor-parallel, expert budgets.
   KILN_ASSIGN_OR_RETURN(o.server.engine, engine_options(cfg));
@@ -147,6 +179,20 @@ void add_serve_command(CLI::App& app, int& exit_code) {
       "speculative decoding with up to N n-gram (prompt lookup) drafts per step (default 0: off)");
   cmd->add_option("--api-key", o->server.api_key, "require 'Authorization: Bearer KEY'");
   cmd->add_option("--max-body-kib", o->max_body_kib, "request body limit in KiB (default 1024)");
+  cmd->add_option("--alias", o->server.alias,
+                  "the model's name in responses and /v1/models (default: the file's stem)");
+  cmd->add_option("--chat-template-file", o->server.chat_template_file,
+                  "a Jinja chat template used instead of the GGUF's tokenizer.chat_template");
+  // Defaults for requests that leave a field out (OpenAI's unless set); a request's own value
+  // always wins.
+  server::SamplingDefaults& d = o->server.sampling;
+  cmd->add_option("--temp", d.temperature, "default temperature, 0 .. 2; 0: greedy (default 1)");
+  cmd->add_option("--top-k", d.top_k, "default top-k, 0 = off (default 0)");
+  cmd->add_option("--top-p", d.top_p, "default top-p, 1 = off (default 1)");
+  cmd->add_option("--min-p", d.min_p, "default min-p, 0 = off (default 0)");
+  cmd->add_option("--repeat-penalty", d.repeat_penalty, "default repeat penalty (default 1)");
+  cmd->add_option("--presence-penalty", d.presence_penalty, "default presence penalty (0)");
+  cmd->add_option("--frequency-penalty", d.frequency_penalty, "default frequency penalty (0)");
   cmd->add_option("--role", o->role, "standalone (default), prefill or decode (docs/kvpack.md)");
   cmd->add_option("--prefill-peer", o->prefill_peer, "decode role: HOST:PORT of the prefill node");
   cmd->add_option("--kv-port", o->kv_port, "prefill role: port for decode nodes (default 7070)");

@@ -22,6 +22,8 @@ struct ChatToolCall {
 };
 
 struct ChatMessage {
+  ChatMessage() = default;
+  ChatMessage(std::string r, std::string c) : role(std::move(r)), content(std::move(c)) {}
   std::string role;  // system, developer, user, assistant, tool
   std::string content;
   std::vector<ChatToolCall> tool_calls;  // assistant

@@ -250,13 +250,21 @@ std::optional<json> parse_json_object(std::string_view body, ApiError& err) {
 }  // namespace
 
 ApiResult<CompletionRequest> parse_completion_request(std::string_view body, bool chat,
-                                                      const Limits& limits) {
+                                                      const Limits& limits,
+                                                      const SamplingDefaults& defaults) {
   ApiError err;
   auto parsed = parse_json_object(body, err);
   if (!parsed) return err;
   const json& j = *parsed;
   CompletionRequest r;
   r.chat = chat;
+  r.temperature = defaults.temperature;
+  r.top_p = defaults.top_p;
+  r.top_k = defaults.top_k;
+  r.min_p = defaults.min_p;
+  r.repeat_penalty = defaults.repeat_penalty;
+  r.presence_penalty = defaults.presence_penalty;
+  r.frequency_penalty = defaults.frequency_penalty;
 #define KILN_API_TRY(expr) \
   if (auto e_ = (expr)) return *e_
 

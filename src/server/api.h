@@ -69,10 +69,21 @@ struct Limits {
   size_t max_stop_bytes = 256;
 };
 
+// The sampling fields a request leaves out take these values (`kiln serve --temp` etc.).
+struct SamplingDefaults {
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  int32_t top_k = 0;
+  float min_p = 0;
+  float repeat_penalty = 1.0f;
+  float presence_penalty = 0, frequency_penalty = 0;
+};
+
 // Parses a JSON body. Every problem is an ApiError naming the field: malformed JSON, wrong
 // types, unknown roles, n != 1, out-of-range sampling values, negative/zero/huge max_tokens.
 ApiResult<CompletionRequest> parse_completion_request(std::string_view body, bool chat,
-                                                      const Limits& limits = {});
+                                                      const Limits& limits = {},
+                                                      const SamplingDefaults& defaults = {});
 
 // POST /tokenize {"content": str, "add_special"?: bool, "with_pieces"?: bool}
 struct TokenizeRequest {

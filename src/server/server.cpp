@@ -17,6 +17,7 @@
 #include <cctype>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -115,7 +116,8 @@ struct HttpServer::Impl {
   std::optional<Runtime> rt;
   std::shared_ptr<const Model> model;
   Tokenizer* tok = nullptr;                     // rt's
-  const ChatTemplate* chat_template = nullptr;  // rt's; nullptr: the file has none
+  std::optional<ChatTemplate> own_template;     // --chat-template-file
+  const ChatTemplate* chat_template = nullptr;  // own_template or rt's; nullptr: none
   ToolFormat tool_format = ToolFormat::kNone;   // the template's tool-call format
   bool object_arguments = false;                // the template reads arguments as objects
   std::vector<int32_t> tool_special_ids;        // the format's control tokens, rendered as text
@@ -135,7 +137,9 @@ struct HttpServer::Impl {
 
 HttpServer::HttpServer(ServerOptions opt) : impl_(new Impl) {
   impl_->opt = std::move(opt);
-  impl_->model_name = std::filesystem::path(impl_->opt.model_path).stem().string();
+  impl_->model_name = !impl_->opt.alias.empty()
+                          ? impl_->opt.alias
+                          : std::filesystem::path(impl_->opt.model_path).stem().string();
   if (impl_->model_name.empty()) impl_->model_name = "kiln";
 }
 
@@ -186,7 +190,20 @@ Status HttpServer::load() {
   if (!rt) return rt.status();  // its message names the file
   s.rt.emplace(std::move(*rt));
   // Pointers into the runtime only once it sits where it stays.
-  KILN_ASSIGN_OR_RETURN(s.chat_template, s.rt->chat_template());
+  if (!s.opt.chat_template_file.empty()) {
+    // --chat-template-file replaces the GGUF's template (a fixed or a missing one).
+    std::ifstream f(s.opt.chat_template_file, std::ios::binary);
+    if (!f)
+      return Status::errorf("--chat-template-file '{}' cannot be read", s.opt.chat_template_file);
+    const std::string src((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    auto t = ChatTemplate::parse(src);
+    if (!t)
+      return t.status().context(fmt::format("--chat-template-file '{}'", s.opt.chat_template_file));
+    s.own_template.emplace(std::move(*t));
+    s.chat_template = &*s.own_template;
+  } else {
+    KILN_ASSIGN_OR_RETURN(s.chat_template, s.rt->chat_template());
+  }
   s.model = s.rt->model();
   s.tok = &s.rt->tokenizer();
   if (s.chat_template != nullptr) {
@@ -319,6 +336,7 @@ struct Job {
   bool done = false, sent_role = false;
   std::string finish = "stop";
   int32_t n_generated = 0;
+  int32_t n_cached = 0;  // prompt tokens whose KV rows the slot already held
   // Tool calls (chat with tools offered): the reply is parsed in this format; the format's
   // control tokens are rendered as text so the parser sees them.
   ToolFormat tool_format = ToolFormat::kNone;
@@ -370,6 +388,7 @@ struct Job {
   }
   void on_done(const GenEvent& e) {
     n_generated = e.n_generated;
+    n_cached = e.n_reused;
     if (!done) {
       finish = e.finish == FinishReason::kLength ? "length"
                : e.finish == FinishReason::kStop ? "stop"
@@ -385,7 +404,8 @@ struct Job {
   json usage() const {
     return {{"prompt_tokens", n_prompt},
             {"completion_tokens", n_generated},
-            {"total_tokens", n_prompt + n_generated}};
+            {"total_tokens", n_prompt + n_generated},
+            {"prompt_tokens_details", {{"cached_tokens", n_cached}}}};
   }
   json logprobs_json() const {
     if (top_logprobs < 0) return nullptr;
@@ -494,7 +514,7 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   const int32_t n_ctx = scheduler->n_ctx();
   Limits limits;
   limits.max_tokens = n_ctx;
-  auto parsed = parse_completion_request(body, chat, limits);
+  auto parsed = parse_completion_request(body, chat, limits, opt.sampling);
   if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(res, *e);
   CompletionRequest& r = std::get<CompletionRequest>(parsed);
 
@@ -761,6 +781,30 @@ void HttpServer::Impl::routes() {
   });
   http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics(), "text/plain; version=0.0.4");
+  });
+  // llama.cpp's /props: what a client (a chat page, a tool) needs to know of the server.
+  http.Get("/props", [this](const httplib::Request& req, httplib::Response& res) {
+    if (!authorized(req, res) || !check_ready(res)) return;
+    const SamplingDefaults& d = opt.sampling;
+    json params = {{"temperature", d.temperature},
+                   {"top_k", d.top_k},
+                   {"top_p", d.top_p},
+                   {"min_p", d.min_p},
+                   {"repeat_penalty", d.repeat_penalty},
+                   {"presence_penalty", d.presence_penalty},
+                   {"frequency_penalty", d.frequency_penalty},
+                   {"n_predict", -1}};
+    auto token = [&](int32_t id) { return id != kTokenNull ? tok->token_text(id) : std::string(); };
+    json p = {{"default_generation_settings", {{"n_ctx", scheduler->n_ctx()}, {"params", params}}},
+              {"total_slots", opt.n_parallel},
+              {"model_alias", model_name},
+              {"model_path", opt.model_path},
+              {"chat_template", chat_template ? std::string(chat_template->source()) : ""},
+              {"chat_template_tool_format", tool_format_name(tool_format)},
+              {"bos_token", token(tok->bos())},
+              {"eos_token", token(tok->eos())},
+              {"modalities", {{"vision", false}, {"audio", false}}}};
+    res.set_content(p.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
   });
   http.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
     if (!authorized(req, res) || !check_ready(res)) return;

@@ -8,7 +8,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -744,6 +746,81 @@ TEST(ServerTools, RefusedWhereTheyCannotWork) {
       {"messages", {{{"role", "tool"}, {"tool_call_id", "x"}, {"content", "sunny"}}}},
       {"max_tokens", 2}};
   post_json(*plain.cli, "/v1/chat/completions", tool_msg, 400);
+}
+
+TEST(Server, AliasTemplateFileSamplingDefaultsPropsAndCachedTokens) {
+  const std::string tmpl_path = testing::temp_dir() + "/chat.jinja";
+  {
+    std::ofstream f(tmpl_path);
+    f << "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]";
+  }
+  ServerOptions o;
+  o.alias = "storyteller";
+  o.chat_template_file = tmpl_path;
+  o.n_parallel = 1;  // the second request lands on the slot that holds the first one's prompt
+  o.sampling.temperature = 0;  // greedy unless a request says otherwise
+  o.sampling.top_k = 7;
+  Running r = start(o);
+  const json models = json::parse(r.cli->Get("/v1/models")->body);
+  EXPECT_EQ(models["data"][0]["id"], "storyteller");
+  EXPECT_EQ(models["data"][0]["meta"]["chat_template"], true);
+
+  const json props = json::parse(r.cli->Get("/props")->body);
+  EXPECT_EQ(props["model_alias"], "storyteller");
+  EXPECT_EQ(props["total_slots"], 1);
+  EXPECT_EQ(props["default_generation_settings"]["n_ctx"], 256);
+  EXPECT_EQ(props["default_generation_settings"]["params"]["temperature"], 0.0);
+  EXPECT_EQ(props["default_generation_settings"]["params"]["top_k"], 7);
+  EXPECT_EQ(props["chat_template"], testing::read_file(tmpl_path));
+  EXPECT_EQ(props["chat_template_tool_format"], "none");
+  EXPECT_EQ(props["bos_token"], "<s>");
+
+  // The template file is what renders the prompt.
+  const json msgs = {{{"role", "user"}, {"content", "A cat"}}};
+  const json t = post_json(*r.cli, "/tokenize", {{"content", "[user] A cat\n[assistant]"}}, 200);
+  json req = {{"messages", msgs}, {"max_tokens", 16}, {"logit_bias", kNoEos}};
+  const json a = post_json(*r.cli, "/v1/chat/completions", req, 200);
+  EXPECT_EQ(a["model"], "storyteller");
+  EXPECT_EQ(a["usage"]["prompt_tokens"], t["tokens"].size() + 1);  // + BOS
+  // Greedy by default: other seeds give the same text; a request's own temperature wins.
+  req["seed"] = 12345;
+  const json b = post_json(*r.cli, "/v1/chat/completions", req, 200);
+  EXPECT_EQ(a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]);
+  std::set<std::string> texts;
+  for (int seed = 0; seed < 4; ++seed) {
+    json hot = req;
+    hot["temperature"] = 2.0;
+    hot["top_k"] = 0;
+    hot["seed"] = seed;
+    texts.insert(
+        post_json(*r.cli, "/v1/chat/completions", hot, 200)["choices"][0]["message"]["content"]
+            .get<std::string>());
+  }
+  EXPECT_GT(texts.size(), 1u) << "temperature 2 from the request did not apply";
+
+  // cached_tokens: the same prompt again finds its KV rows in the slot, all but the last
+  // token (whose logits give the first sampled token). The hot requests shared the prompt too.
+  EXPECT_EQ(b["usage"]["prompt_tokens_details"]["cached_tokens"],
+            b["usage"]["prompt_tokens"].get<int>() - 1);
+  EXPECT_EQ(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  const json again = post_json(*r.cli, "/v1/chat/completions", req, 200);
+  const int n_prompt = again["usage"]["prompt_tokens"];
+  EXPECT_EQ(again["usage"]["prompt_tokens_details"]["cached_tokens"], n_prompt - 1)
+      << again["usage"].dump();
+}
+
+TEST(Server, BadChatTemplateFileFailsTheLoad) {
+  ServerOptions o;
+  o.chat_template_file = testing::temp_dir() + "/missing.jinja";
+  o.model_path = testing::model_path("stories260K.gguf");
+  o.host = "127.0.0.1";
+  o.port = 0;
+  HttpServer srv(o);
+  ASSERT_TRUE(srv.start().is_ok());
+  Status st = srv.load();
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("missing.jinja"), std::string::npos) << st.message();
+  srv.stop();
 }
 
 TEST(Server, StopEndsInFlightStreamsCleanly) {
