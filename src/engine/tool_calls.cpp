@@ -57,6 +57,9 @@ size_t json_value_end(string_view s, size_t pos) {
   return npos;
 }
 
+// Compact JSON text; a model's bytes that are not UTF-8 become U+FFFD instead of throwing.
+std::string dump(const ojson& j) { return j.dump(-1, ' ', false, ojson::error_handler_t::replace); }
+
 std::optional<ojson> parse_json(string_view s) {
   ojson j = ojson::parse(s.begin(), s.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return std::nullopt;
@@ -66,10 +69,10 @@ std::optional<ojson> parse_json(string_view s) {
 // Arguments as OpenAI sends them: the JSON text of an object. A model may write them as an
 // object or as a string holding one.
 std::optional<std::string> arguments_text(const ojson& v) {
-  if (v.is_object()) return v.dump();
+  if (v.is_object()) return dump(v);
   if (v.is_string()) {
     auto inner = parse_json(v.get<std::string>());
-    if (inner && inner->is_object()) return inner->dump();
+    if (inner && inner->is_object()) return dump(*inner);
   }
   return std::nullopt;
 }
@@ -148,7 +151,7 @@ std::optional<ToolReply> parse_glm(string_view text) {
       args[std::string(key)] = loose_value(body.substr(v + 11, ve - (v + 11)));
       k = body.find("<arg_key>", ve);
     }
-    c.arguments = args.dump();
+    c.arguments = dump(args);
     r.tool_calls.push_back(std::move(c));
     return true;
   });
@@ -178,7 +181,7 @@ std::optional<ToolReply> parse_qwen_xml(string_view text) {
       args[std::string(key)] = loose_value(value);
       p = ve;
     }
-    c.arguments = args.dump();
+    c.arguments = dump(args);
     r.tool_calls.push_back(std::move(c));
     return true;
   });
@@ -218,7 +221,7 @@ std::optional<ToolReply> parse_mistral(string_view text) {
       if (c.name.empty() || end == npos) return std::nullopt;
       auto args = parse_json(text.substr(start, end - start));
       if (!args || !args->is_object()) return std::nullopt;
-      c.arguments = args->dump();
+      c.arguments = dump(*args);
       r.tool_calls.push_back(std::move(c));
       pos = end;
     }
@@ -265,7 +268,7 @@ std::optional<ToolReply> parse_deepseek(string_view text) {
     }
     auto j = parse_json(trim(args));
     if (c.name.empty() || !j || !j->is_object()) return std::nullopt;
-    c.arguments = j->dump();
+    c.arguments = dump(*j);
     r.tool_calls.push_back(std::move(c));
     if (ce == npos) break;
     p = ce + kCallEnd.size();
@@ -275,15 +278,17 @@ std::optional<ToolReply> parse_deepseek(string_view text) {
 }
 
 std::optional<ToolReply> parse_llama3(string_view text) {
-  string_view t = trim(text);
   constexpr string_view kTag = "<|python_tag|>";
-  const bool tagged = t.starts_with(kTag);
-  if (tagged) t = trim(t.substr(kTag.size()));
-  if (!t.starts_with('{')) {
-    if (tagged) return std::nullopt;  // a built-in tool's code call: not a function call
-    return plain(text);
-  }
   ToolReply r;
+  string_view t;
+  if (const size_t tag = text.find(kTag); tag != npos) {  // text before the tag is content
+    r.content = text.substr(0, tag);
+    t = trim(text.substr(tag + kTag.size()));
+    if (!t.starts_with('{')) return std::nullopt;  // a built-in tool's code call: not parsed
+  } else {
+    t = trim(text);
+    if (!t.starts_with('{')) return plain(text);
+  }
   size_t pos = 0;
   // One call, or several separated by ';' as Llama 3.1 sometimes writes them.
   while (pos < t.size()) {
@@ -297,7 +302,7 @@ std::optional<ToolReply> parse_llama3(string_view text) {
     pos = t.find_first_not_of(" \n\t\r;", end);
     if (pos == npos) break;
     if (t[pos] != '{') {
-      r.content = std::string(t.substr(pos));
+      r.content += t.substr(pos);
       break;
     }
   }
@@ -337,12 +342,12 @@ std::optional<ToolReply> parse_gpt_oss(string_view text) {
     };
     const string_view channel = field("<|channel|>"), to = field("to=");
     if (!to.empty()) {
-      if (!to.starts_with("functions.")) return std::nullopt;
+      if (!to.starts_with("functions.") || to.size() == 10) return std::nullopt;
       auto j = parse_json(trim(body));
       if (!j || !j->is_object()) return std::nullopt;
       ToolCall c;
       c.name = to.substr(10);
-      c.arguments = j->dump();
+      c.arguments = dump(*j);
       r.tool_calls.push_back(std::move(c));
     } else if (channel == "analysis") {
       r.reasoning += body;

@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <random>
+
 #include "engine/tool_calls.h"
 
 namespace kiln {
@@ -212,6 +214,89 @@ TEST(ToolCalls, StreamHoldsOnlyPossibleMarkers) {
   EXPECT_EQ(l.push("  \n"), "");  // a call may still open the reply
   EXPECT_EQ(l.push("Hi {x}"), "  \nHi {x}");
   EXPECT_EQ(l.finish().content, "");
+}
+
+// Random edits of well-formed replies (the fuzz target's invariants, tests/fuzz/
+// fuzz_tool_calls.cpp, on a fixed corpus so that every build checks them): every call has a
+// name and object arguments, a reply without calls is returned unchanged, and streaming in any
+// piece size finds the same calls as the whole parse.
+TEST(ToolCalls, RandomEditsKeepTheInvariants) {
+  const std::string seeds[] = {
+      "Hi.<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": [1, \"}\"]}}</tool_call>",
+      " {\"name\": \"f\", \"parameters\": {}}; {\"name\": \"g\", \"parameters\": {}}",
+      "x<|python_tag|>{\"name\": \"f\", \"parameters\": {\"q\": 1}}",
+      "<tool_call>\n<function=f>\n<parameter=k>\n{\"a\": "
+      "1}\n</parameter>\n</function>\n</tool_call>",
+      "<tool_call>f\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n</tool_call>",
+      "[TOOL_CALLS]f[ARGS]{\"x\": 1}[TOOL_CALLS][{\"name\": \"g\", \"arguments\": {}}]",
+      "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}\n```"
+      "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+      "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary "
+      "to=functions.f <|constrain|>json<|message|>{\"k\": 2}<|call|>"};
+  const std::string pieces[] = {"<tool_call>",
+                                "</tool_call>",
+                                "{",
+                                "}",
+                                "\"",
+                                ":",
+                                ",",
+                                "[",
+                                "]",
+                                "<|python_tag|>",
+                                "[TOOL_CALLS]",
+                                "[ARGS]",
+                                "<|message|>",
+                                "<|channel|>",
+                                "<|end|>",
+                                "<｜tool▁sep｜>",
+                                "\n",
+                                " ",
+                                "x",
+                                ";"};
+  std::mt19937 rng(1234);
+  int n_calls = 0, n_cases = 0;
+  for (const std::string& seed : seeds) {
+    for (int round = 0; round < 300; ++round) {
+      std::string text = seed;
+      for (int k = 0, n = 1 + rng() % 3; k < n; ++k) {
+        const size_t at = text.empty() ? 0 : rng() % text.size();
+        switch (rng() % 3) {
+          case 0:
+            text.erase(at, 1 + rng() % 4);
+            break;
+          case 1:
+            text.insert(at, pieces[rng() % std::size(pieces)]);
+            break;
+          default:
+            text.replace(at, 1, pieces[rng() % std::size(pieces)]);
+            break;
+        }
+      }
+      for (int f = 0; f < 8; ++f) {
+        const auto format = static_cast<ToolFormat>(f);
+        const ToolReply whole = parse_tool_reply(format, text);
+        ++n_cases;
+        for (const ToolCall& c : whole.tool_calls) {
+          EXPECT_FALSE(c.name.empty()) << text;
+          EXPECT_TRUE(ojson::parse(c.arguments, nullptr, false).is_object()) << text;
+        }
+        if (whole.tool_calls.empty() && format != ToolFormat::kGptOss) {
+          EXPECT_EQ(whole.content, text) << tool_format_name(format);
+        }
+        n_calls += static_cast<int>(whole.tool_calls.size());
+        std::string released;
+        const ToolReply streamed = stream(format, text, 1 + rng() % 9, &released);
+        ASSERT_EQ(streamed.tool_calls.size(), whole.tool_calls.size())
+            << tool_format_name(format) << ": " << text;
+        for (size_t i = 0; i < whole.tool_calls.size(); ++i) {
+          EXPECT_EQ(streamed.tool_calls[i].name, whole.tool_calls[i].name) << text;
+          EXPECT_EQ(streamed.tool_calls[i].arguments, whole.tool_calls[i].arguments) << text;
+        }
+      }
+    }
+  }
+  std::printf("random edits: %d parses, %d calls found\n", n_cases, n_calls);
+  EXPECT_GT(n_calls, 100);  // the corpus keeps many replies well-formed
 }
 
 }  // namespace
