@@ -19,6 +19,7 @@
 #include "server/server.h"
 #include "transfer/remote_prefill.h"
 
+#include <algorithm>
 #include <atomic>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -31,6 +32,8 @@ struct ServeOptions {
   std::string model;
   server::ServerOptions server;
   size_t max_body_kib = 1024;
+  float temperature = 1.0f;  // --temp
+  std::string sampling;      // --sampling KEY=VALUE,...
   std::shared_ptr<ConfigOverrides> config;
   // Disaggregated prefill (docs/kvpack.md): "standalone", "prefill" (serve KV to decode nodes
   // on --kv-port, no HTTP) or "decode" (HTTP; prompts prefilled by --prefill-peer).
@@ -40,31 +43,44 @@ struct ServeOptions {
   int64_t prefill_timeout_ms = 30000;
 };
 
-// The sampling defaults hold the ranges a request's fields hold: checked by the request parser
-// itself, on a request that sets them all.
-Status check_sampling_defaults(const server::SamplingDefaults& d) {
-  const nlohmann::json body = {{"prompt", "x"},
-                               {"temperature", d.temperature},
-                               {"top_p", d.top_p},
-                               {"top_k", d.top_k},
-                               {"min_p", d.min_p},
-                               {"repeat_penalty", d.repeat_penalty},
-                               {"presence_penalty", d.presence_penalty},
-                               {"frequency_penalty", d.frequency_penalty}};
-  auto r = server::parse_completion_request(body.dump(), /*chat=*/false);
-  if (const auto* e = std::get_if<server::ApiError>(&r)) {
-    static const std::pair<std::string_view, std::string_view> kOption[] = {
-        {"temperature", "--temp"},
-        {"top_p", "--top-p"},
-        {"top_k", "--top-k"},
-        {"min_p", "--min-p"},
-        {"repeat_penalty", "--repeat-penalty"},
-        {"presence_penalty", "--presence-penalty"},
-        {"frequency_penalty", "--frequency-penalty"}};
-    for (const auto& [field, option] : kOption)
-      if (e->param == field) return Status::errorf("{}: {}", option, e->message);
-    return Status::error(e->message);
+// --temp and --sampling "top_k=40,min_p=0.05,...": the defaults of requests that leave a
+// sampling field out, named as the request fields are and checked by the request parser
+// itself, on a request that sets them all (one option for the rest keeps --help a screen).
+Status sampling_defaults(float temperature, const std::string& spec,
+                         server::SamplingDefaults& out) {
+  static constexpr std::string_view kFields[] = {
+      "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"};
+  nlohmann::json body = {{"prompt", "x"}, {"temperature", temperature}};
+  for (size_t at = 0; at < spec.size();) {
+    size_t end = spec.find(',', at);
+    if (end == std::string::npos) end = spec.size();
+    const std::string item = spec.substr(at, end - at);
+    at = end + 1;
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq);
+    if (eq == std::string::npos ||
+        std::find(std::begin(kFields), std::end(kFields), key) == std::end(kFields))
+      return Status::errorf(
+          "--sampling '{}': expected KEY=VALUE with KEY one of top_k, top_p, "
+          "min_p, repeat_penalty, presence_penalty, frequency_penalty",
+          item);
+    const auto value = nlohmann::json::parse(item.substr(eq + 1), nullptr, false);
+    if (!value.is_number())
+      return Status::errorf("--sampling '{}': the value must be a number", item);
+    body[key] = value;
   }
+  auto r = server::parse_completion_request(body.dump(), /*chat=*/false);
+  if (const auto* e = std::get_if<server::ApiError>(&r))
+    return Status::errorf("{}: {}", e->param == "temperature" ? "--temp" : "--sampling",
+                          e->message);
+  const server::CompletionRequest& c = std::get<server::CompletionRequest>(r);
+  out.temperature = c.temperature;
+  out.top_k = c.top_k;
+  out.top_p = c.top_p;
+  out.min_p = c.min_p;
+  out.repeat_penalty = c.repeat_penalty;
+  out.presence_penalty = c.presence_penalty;
+  out.frequency_penalty = c.frequency_penalty;
   return Status::ok();
 }
 
@@ -97,7 +113,7 @@ Status serve(ServeOptions o) {
     return Status::errorf("--draft-ngram {} must be in [0, {}]", o.server.draft_ngram,
                           GenerationParams::kMaxDraft);
   if (o.max_body_kib < 1) return Status::error("--max-body-kib must be >= 1");
-  KILN_TRY(check_sampling_defaults(o.server.sampling));
+  KILN_TRY(sampling_defaults(o.temperature, o.sampling, o.server.sampling));
   o.server.max_body_bytes = o.max_body_kib * 1024;
   // The same runtime as kiln run: --device, --threads, --tensor-parallel, expert budgets.
   KILN_ASSIGN_OR_RETURN(o.server.engine, engine_options(cfg));
@@ -185,14 +201,10 @@ void add_serve_command(CLI::App& app, int& exit_code) {
                   "a Jinja chat template used instead of the GGUF's tokenizer.chat_template");
   // Defaults for requests that leave a field out (OpenAI's unless set); a request's own value
   // always wins.
-  server::SamplingDefaults& d = o->server.sampling;
-  cmd->add_option("--temp", d.temperature, "default temperature, 0 .. 2; 0: greedy (default 1)");
-  cmd->add_option("--top-k", d.top_k, "default top-k, 0 = off (default 0)");
-  cmd->add_option("--top-p", d.top_p, "default top-p, 1 = off (default 1)");
-  cmd->add_option("--min-p", d.min_p, "default min-p, 0 = off (default 0)");
-  cmd->add_option("--repeat-penalty", d.repeat_penalty, "default repeat penalty (default 1)");
-  cmd->add_option("--presence-penalty", d.presence_penalty, "default presence penalty (0)");
-  cmd->add_option("--frequency-penalty", d.frequency_penalty, "default frequency penalty (0)");
+  cmd->add_option("--temp", o->temperature, "default temperature, 0 .. 2; 0: greedy (default 1)");
+  cmd->add_option("--sampling", o->sampling,
+                  "other request defaults, e.g. top_k=40,min_p=0.05 (top_k, top_p, min_p, "
+                  "repeat_penalty, presence_penalty, frequency_penalty)");
   cmd->add_option("--role", o->role, "standalone (default), prefill or decode (docs/kvpack.md)");
   cmd->add_option("--prefill-peer", o->prefill_peer, "decode role: HOST:PORT of the prefill node");
   cmd->add_option("--kv-port", o->kv_port, "prefill role: port for decode nodes (default 7070)");
