@@ -15,11 +15,15 @@
 #include "core/log.h"
 #include "format/gguf.h"
 #include "engine/scheduler.h"
+#include "server/api.h"
 #include "server/server.h"
 #include "transfer/remote_prefill.h"
 
+#include <algorithm>
 #include <atomic>
+#include <nlohmann/json.hpp>
 #include <thread>
+#include <variant>
 
 namespace kiln::app {
 namespace {
@@ -28,6 +32,8 @@ struct ServeOptions {
   std::string model;
   server::ServerOptions server;
   size_t max_body_kib = 1024;
+  float temperature = 1.0f;  // --temp
+  std::string sampling;      // --sampling KEY=VALUE,...
   std::shared_ptr<ConfigOverrides> config;
   // Disaggregated prefill (docs/kvpack.md): "standalone", "prefill" (serve KV to decode nodes
   // on --kv-port, no HTTP) or "decode" (HTTP; prompts prefilled by --prefill-peer).
@@ -36,6 +42,47 @@ struct ServeOptions {
   int kv_port = 7070;
   int64_t prefill_timeout_ms = 30000;
 };
+
+// --temp and --sampling "top_k=40,min_p=0.05,...": the defaults of requests that leave a
+// sampling field out, named as the request fields are and checked by the request parser
+// itself, on a request that sets them all (one option for the rest keeps --help a screen).
+Status sampling_defaults(float temperature, const std::string& spec,
+                         server::SamplingDefaults& out) {
+  static constexpr std::string_view kFields[] = {
+      "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"};
+  nlohmann::json body = {{"prompt", "x"}, {"temperature", temperature}};
+  for (size_t at = 0; at < spec.size();) {
+    size_t end = spec.find(',', at);
+    if (end == std::string::npos) end = spec.size();
+    const std::string item = spec.substr(at, end - at);
+    at = end + 1;
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq);
+    if (eq == std::string::npos ||
+        std::find(std::begin(kFields), std::end(kFields), key) == std::end(kFields))
+      return Status::errorf(
+          "--sampling '{}': expected KEY=VALUE with KEY one of top_k, top_p, "
+          "min_p, repeat_penalty, presence_penalty, frequency_penalty",
+          item);
+    const auto value = nlohmann::json::parse(item.substr(eq + 1), nullptr, false);
+    if (!value.is_number())
+      return Status::errorf("--sampling '{}': the value must be a number", item);
+    body[key] = value;
+  }
+  auto r = server::parse_completion_request(body.dump(), /*chat=*/false);
+  if (const auto* e = std::get_if<server::ApiError>(&r))
+    return Status::errorf("{}: {}", e->param == "temperature" ? "--temp" : "--sampling",
+                          e->message);
+  const server::CompletionRequest& c = std::get<server::CompletionRequest>(r);
+  out.temperature = c.temperature;
+  out.top_k = c.top_k;
+  out.top_p = c.top_p;
+  out.min_p = c.min_p;
+  out.repeat_penalty = c.repeat_penalty;
+  out.presence_penalty = c.presence_penalty;
+  out.frequency_penalty = c.frequency_penalty;
+  return Status::ok();
+}
 
 // `--role prefill`: the prefill node (apps/kiln/prefill_node.h), without HTTP.
 Status serve_prefill_role(const ServeOptions& o, const Config& cfg, const sigset_t& sigs) {
@@ -66,6 +113,7 @@ Status serve(ServeOptions o) {
     return Status::errorf("--draft-ngram {} must be in [0, {}]", o.server.draft_ngram,
                           GenerationParams::kMaxDraft);
   if (o.max_body_kib < 1) return Status::error("--max-body-kib must be >= 1");
+  KILN_TRY(sampling_defaults(o.temperature, o.sampling, o.server.sampling));
   o.server.max_body_bytes = o.max_body_kib * 1024;
   // The same runtime as kiln run: --device, --threads, --tensor-parallel, expert budgets.
   KILN_ASSIGN_OR_RETURN(o.server.engine, engine_options(cfg));
@@ -147,6 +195,16 @@ void add_serve_command(CLI::App& app, int& exit_code) {
       "speculative decoding with up to N n-gram (prompt lookup) drafts per step (default 0: off)");
   cmd->add_option("--api-key", o->server.api_key, "require 'Authorization: Bearer KEY'");
   cmd->add_option("--max-body-kib", o->max_body_kib, "request body limit in KiB (default 1024)");
+  cmd->add_option("--alias", o->server.alias,
+                  "the model's name in responses and /v1/models (default: the file's stem)");
+  cmd->add_option("--chat-template-file", o->server.chat_template_file,
+                  "a Jinja chat template used instead of the GGUF's tokenizer.chat_template");
+  // Defaults for requests that leave a field out (OpenAI's unless set); a request's own value
+  // always wins.
+  cmd->add_option("--temp", o->temperature, "default temperature, 0 .. 2; 0: greedy (default 1)");
+  cmd->add_option("--sampling", o->sampling,
+                  "other request defaults, e.g. top_k=40,min_p=0.05 (top_k, top_p, min_p, "
+                  "repeat_penalty, presence_penalty, frequency_penalty)");
   cmd->add_option("--role", o->role, "standalone (default), prefill or decode (docs/kvpack.md)");
   cmd->add_option("--prefill-peer", o->prefill_peer, "decode role: HOST:PORT of the prefill node");
   cmd->add_option("--kv-port", o->kv_port, "prefill role: port for decode nodes (default 7070)");

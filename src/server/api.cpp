@@ -199,6 +199,124 @@ std::optional<ApiError> get_grammar(const json& j, std::string_view body, Comple
   return std::nullopt;
 }
 
+// A string field of a message; absent or null -> "".
+std::optional<ApiError> get_message_string(const json& m, const std::string& where, const char* key,
+                                           std::string& out) {
+  auto it = m.find(key);
+  if (it == m.end() || it->is_null()) return std::nullopt;
+  if (!it->is_string())
+    return bad(where + "." + key, fmt::format("'{}.{}' must be a string", where, key),
+               "invalid_type");
+  out = it->get<std::string>();
+  return std::nullopt;
+}
+
+// An assistant message's tool_calls [{id, type: "function", function: {name, arguments}}], a
+// tool message's tool_call_id, and any message's name.
+std::optional<ApiError> get_tool_fields(const json& m, size_t index, ChatMessage& msg) {
+  const std::string where = fmt::format("messages[{}]", index);
+  if (auto e = get_message_string(m, where, "name", msg.name)) return e;
+  if (msg.role == "tool") {
+    if (auto e = get_message_string(m, where, "tool_call_id", msg.tool_call_id)) return e;
+  } else if (m.contains("tool_call_id")) {
+    return bad(where + ".tool_call_id",
+               fmt::format("'{}.tool_call_id' belongs to a 'tool' message", where));
+  }
+  auto it = m.find("tool_calls");
+  if (it == m.end() || it->is_null()) return std::nullopt;
+  const std::string calls = where + ".tool_calls";
+  if (msg.role != "assistant")
+    return bad(calls, fmt::format("'{}' belongs to an 'assistant' message", calls));
+  if (!it->is_array())
+    return bad(calls, fmt::format("'{}' must be an array", calls), "invalid_type");
+  for (size_t k = 0; k < it->size(); ++k) {
+    const json& c = (*it)[k];
+    const std::string at = fmt::format("{}[{}]", calls, k);
+    if (!c.is_object()) return bad(at, fmt::format("'{}' must be an object", at), "invalid_type");
+    if (auto t = c.find("type"); t != c.end() && !t->is_null() && *t != "function")
+      return bad(at + ".type", fmt::format("'{}.type' must be 'function'", at));
+    ChatToolCall call;
+    if (auto e = get_message_string(c, at, "id", call.id)) return e;
+    auto fn = c.find("function");
+    if (fn == c.end() || !fn->is_object())
+      return bad(at + ".function", fmt::format("'{}.function' must be an object", at),
+                 "invalid_type");
+    auto name = fn->find("name");
+    if (name == fn->end() || !name->is_string() || name->get<std::string>().empty())
+      return bad(at + ".function.name",
+                 fmt::format("'{}.function.name' must be a non-empty string", at), "invalid_type");
+    call.name = name->get<std::string>();
+    // OpenAI sends the arguments as JSON text; an object is taken as what that text says.
+    auto args = fn->find("arguments");
+    if (args == fn->end() || args->is_null())
+      call.arguments = "{}";
+    else if (args->is_string())
+      call.arguments = args->get<std::string>();
+    else if (args->is_object())
+      call.arguments = args->dump();
+    else
+      return bad(at + ".function.arguments",
+                 fmt::format("'{}.function.arguments' must be a JSON string", at), "invalid_type");
+    msg.tool_calls.push_back(std::move(call));
+  }
+  return std::nullopt;
+}
+
+// tools, tool_choice, parallel_tool_calls of a chat request. `tools` is taken from the body
+// parsed again with its key order kept: templates print the tools with tojson, and the
+// model was trained on schemas in the order their authors wrote them.
+std::optional<ApiError> get_tools(const json& j, std::string_view body, CompletionRequest& r) {
+  if (auto e = get_bool(j, "parallel_tool_calls", r.parallel_tool_calls)) return e;
+  if (auto it = j.find("tool_choice"); it != j.end() && !it->is_null()) {
+    if (it->is_string() && *it == "auto") {
+      r.tool_choice = ToolChoice::kAuto;
+    } else if (it->is_string() && *it == "none") {
+      r.tool_choice = ToolChoice::kNone;
+    } else if ((it->is_string() && *it == "required") || it->is_object()) {
+      return bad(
+          "tool_choice",
+          fmt::format("'tool_choice' = {}: forcing a tool call is not implemented; use 'auto' "
+                      "or 'none'",
+                      it->dump()));
+    } else {
+      return bad("tool_choice", "'tool_choice' must be 'auto', 'none', 'required' or an object",
+                 "invalid_type");
+    }
+  }
+  auto it = j.find("tools");
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (!it->is_array())
+    return bad("tools", "'tools' must be an array of {type: 'function', function: {...}}",
+               "invalid_type");
+  for (size_t k = 0; k < it->size(); ++k) {
+    const json& t = (*it)[k];
+    const std::string at = fmt::format("tools[{}]", k);
+    if (!t.is_object()) return bad(at, fmt::format("'{}' must be an object", at), "invalid_type");
+    auto type = t.find("type");
+    if (type == t.end() || *type != "function")
+      return bad(at + ".type", fmt::format("'{}.type' must be 'function'", at));
+    auto fn = t.find("function");
+    if (fn == t.end() || !fn->is_object())
+      return bad(at + ".function", fmt::format("'{}.function' must be an object", at),
+                 "invalid_type");
+    auto name = fn->find("name");
+    if (name == fn->end() || !name->is_string() || name->get<std::string>().empty())
+      return bad(at + ".function.name",
+                 fmt::format("'{}.function.name' must be a non-empty string", at), "invalid_type");
+    if (auto d = fn->find("description"); d != fn->end() && !d->is_null() && !d->is_string())
+      return bad(at + ".function.description",
+                 fmt::format("'{}.function.description' must be a string", at), "invalid_type");
+    if (auto p = fn->find("parameters"); p != fn->end() && !p->is_null() && !p->is_object())
+      return bad(at + ".function.parameters",
+                 fmt::format("'{}.function.parameters' must be a JSON schema object", at),
+                 "invalid_type");
+  }
+  if (it->empty()) return std::nullopt;
+  const auto ordered = nlohmann::ordered_json::parse(body.begin(), body.end(), nullptr, false);
+  r.tools = ordered.at("tools");
+  return std::nullopt;
+}
+
 std::optional<json> parse_json_object(std::string_view body, ApiError& err) {
   json j = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) {
@@ -216,13 +334,21 @@ std::optional<json> parse_json_object(std::string_view body, ApiError& err) {
 }  // namespace
 
 ApiResult<CompletionRequest> parse_completion_request(std::string_view body, bool chat,
-                                                      const Limits& limits) {
+                                                      const Limits& limits,
+                                                      const SamplingDefaults& defaults) {
   ApiError err;
   auto parsed = parse_json_object(body, err);
   if (!parsed) return err;
   const json& j = *parsed;
   CompletionRequest r;
   r.chat = chat;
+  r.temperature = defaults.temperature;
+  r.top_p = defaults.top_p;
+  r.top_k = defaults.top_k;
+  r.min_p = defaults.min_p;
+  r.repeat_penalty = defaults.repeat_penalty;
+  r.presence_penalty = defaults.presence_penalty;
+  r.frequency_penalty = defaults.frequency_penalty;
 #define KILN_API_TRY(expr) \
   if (auto e_ = (expr)) return *e_
 
@@ -262,6 +388,7 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
                                "user, assistant, tool",
                                i, msg.role));
       KILN_API_TRY(get_content(m, i, msg.content));
+      KILN_API_TRY(get_tool_fields(m, i, msg));
       r.messages.push_back(std::move(msg));
     }
   } else {
@@ -314,7 +441,8 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
                                                  "grammar",
                                                  "json_schema",
                                                  "user"};
-  static constexpr std::string_view kChat[] = {"messages", "top_logprobs"};
+  static constexpr std::string_view kChat[] = {"messages", "top_logprobs", "tools", "tool_choice",
+                                               "parallel_tool_calls"};
   static constexpr std::string_view kText[] = {"prompt"};
   for (auto kv = j.begin(); kv != j.end(); ++kv) {
     const std::string_view key = kv.key();
@@ -406,6 +534,7 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
       r.logit_bias.emplace_back(std::stoi(key), b <= -100 ? -INFINITY : static_cast<float>(b));
     }
   }
+  if (chat) KILN_API_TRY(get_tools(j, body, r));
   if (chat) {
     bool want = false;
     KILN_API_TRY(get_bool(j, "logprobs", want));

@@ -32,6 +32,11 @@ using ApiResult = std::variant<T, ApiError>;
 
 using ChatMessage = ::kiln::ChatMessage;  // engine/chat.h
 
+// tool_choice: "auto" (the default), "none" (tools are not shown to the model and its reply is
+// not parsed for calls). "required" and a named function need constrained decoding and are
+// refused by the parser.
+enum class ToolChoice { kAuto, kNone };
+
 // What /v1/chat/completions and /v1/completions ask for, validated and defaulted.
 struct CompletionRequest {
   bool chat = false;
@@ -56,6 +61,11 @@ struct CompletionRequest {
   // response_format json_object / json_schema, llama.cpp's `grammar` (GBNF) or its
   // `json_schema`. Null: unconstrained.
   std::shared_ptr<const grammar::Grammar> grammar;
+  // chat: `tools` as the client sent them (key order kept: templates print them with tojson);
+  // null when absent or empty.
+  nlohmann::ordered_json tools;
+  ToolChoice tool_choice = ToolChoice::kAuto;
+  bool parallel_tool_calls = true;  // false: at most one call is returned
 };
 
 struct Limits {
@@ -64,10 +74,21 @@ struct Limits {
   size_t max_stop_bytes = 256;
 };
 
+// The sampling fields a request leaves out take these values (`kiln serve --temp` etc.).
+struct SamplingDefaults {
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  int32_t top_k = 0;
+  float min_p = 0;
+  float repeat_penalty = 1.0f;
+  float presence_penalty = 0, frequency_penalty = 0;
+};
+
 // Parses a JSON body. Every problem is an ApiError naming the field: malformed JSON, wrong
 // types, unknown roles, n != 1, out-of-range sampling values, negative/zero/huge max_tokens.
 ApiResult<CompletionRequest> parse_completion_request(std::string_view body, bool chat,
-                                                      const Limits& limits = {});
+                                                      const Limits& limits = {},
+                                                      const SamplingDefaults& defaults = {});
 
 // POST /tokenize {"content": str, "add_special"?: bool, "with_pieces"?: bool}
 struct TokenizeRequest {

@@ -12,10 +12,12 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -27,6 +29,7 @@
 #include "engine/runtime.h"
 #include "engine/scheduler.h"
 #include "engine/session.h"
+#include "engine/tool_calls.h"
 #include "format/gguf.h"
 #include "server/api.h"
 #include "tokenizer/jinja/chat_template.h"
@@ -114,7 +117,11 @@ struct HttpServer::Impl {
   std::optional<Runtime> rt;
   std::shared_ptr<const Model> model;
   Tokenizer* tok = nullptr;                     // rt's
-  const ChatTemplate* chat_template = nullptr;  // rt's; nullptr: the file has none
+  std::optional<ChatTemplate> own_template;     // --chat-template-file
+  const ChatTemplate* chat_template = nullptr;  // own_template or rt's; nullptr: none
+  ToolFormat tool_format = ToolFormat::kNone;   // the template's tool-call format
+  bool object_arguments = false;                // the template reads arguments as objects
+  std::vector<int32_t> tool_special_ids;        // the format's control tokens, rendered as text
   std::unique_ptr<Scheduler> scheduler;
 
   std::atomic<uint64_t> n_http_requests{0}, n_http_errors{0}, n_completions{0};
@@ -131,7 +138,9 @@ struct HttpServer::Impl {
 
 HttpServer::HttpServer(ServerOptions opt) : impl_(new Impl) {
   impl_->opt = std::move(opt);
-  impl_->model_name = std::filesystem::path(impl_->opt.model_path).stem().string();
+  impl_->model_name = !impl_->opt.alias.empty()
+                          ? impl_->opt.alias
+                          : std::filesystem::path(impl_->opt.model_path).stem().string();
   if (impl_->model_name.empty()) impl_->model_name = "kiln";
 }
 
@@ -182,9 +191,28 @@ Status HttpServer::load() {
   if (!rt) return rt.status();  // its message names the file
   s.rt.emplace(std::move(*rt));
   // Pointers into the runtime only once it sits where it stays.
-  KILN_ASSIGN_OR_RETURN(s.chat_template, s.rt->chat_template());
+  if (!s.opt.chat_template_file.empty()) {
+    // --chat-template-file replaces the GGUF's template (a fixed or a missing one).
+    std::ifstream f(s.opt.chat_template_file, std::ios::binary);
+    if (!f)
+      return Status::errorf("--chat-template-file '{}' cannot be read", s.opt.chat_template_file);
+    const std::string src((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    auto t = ChatTemplate::parse(src);
+    if (!t)
+      return t.status().context(fmt::format("--chat-template-file '{}'", s.opt.chat_template_file));
+    s.own_template.emplace(std::move(*t));
+    s.chat_template = &*s.own_template;
+  } else {
+    KILN_ASSIGN_OR_RETURN(s.chat_template, s.rt->chat_template());
+  }
   s.model = s.rt->model();
   s.tok = &s.rt->tokenizer();
+  if (s.chat_template != nullptr) {
+    s.tool_format = detect_tool_format(s.chat_template->source());
+    s.object_arguments = template_wants_object_arguments(*s.chat_template);
+    for (std::string_view text : tool_format_special_texts(s.tool_format))
+      if (const int32_t id = s.tok->find_token(text); id >= 0) s.tool_special_ids.push_back(id);
+  }
   SchedulerConfig cfg;
   cfg.n_slots = s.opt.n_parallel;
   cfg.n_ctx = s.opt.n_ctx;
@@ -259,7 +287,29 @@ std::optional<ApiError> HttpServer::Impl::build_prompt(const CompletionRequest& 
     }
     return std::nullopt;
   }
-  auto prompt = chat_prompt(t, chat_template, r.messages);
+  // Tools reach the template only where the reply can be parsed back into calls: offering
+  // them to a model whose format kiln cannot read would return calls as plain text.
+  const bool offer_tools = !r.tools.is_null() && r.tool_choice != ToolChoice::kNone;
+  const bool history_tools = std::any_of(r.messages.begin(), r.messages.end(), [](const auto& m) {
+    return !m.tool_calls.empty() || m.role == "tool";
+  });
+  auto tools_error = [](std::string msg) {
+    ApiError e = make_error(400, std::move(msg), "invalid_request_error", "unsupported_value");
+    e.param = "tools";
+    return e;
+  };
+  if ((offer_tools || history_tools) && chat_template == nullptr)
+    return tools_error(
+        "'tools' and tool messages need a chat template, and this model's file has none");
+  if (offer_tools && tool_format == ToolFormat::kNone)
+    return tools_error(
+        "'tools': this model's chat template writes tool calls in a format kiln does not "
+        "parse (it reads llama3, hermes, qwen3-xml, glm, mistral, deepseek, gpt-oss); send "
+        "tool_choice 'none' to chat without them");
+  ChatPromptOptions po;
+  if (offer_tools) po.tools = r.tools;
+  po.object_arguments = object_arguments;
+  auto prompt = chat_prompt(t, chat_template, r.messages, po);
   if (!prompt) {
     ApiError e = make_error(400, prompt.error(), "invalid_request_error", "template_error");
     e.param = "messages";
@@ -288,6 +338,14 @@ struct Job {
   bool done = false, sent_role = false;
   std::string finish = "stop";
   int32_t n_generated = 0;
+  int32_t n_cached = 0;  // prompt tokens whose KV rows the slot already held
+  // Tool calls (chat with tools offered): the reply is parsed in this format; the format's
+  // control tokens are rendered as text so the parser sees them.
+  ToolFormat tool_format = ToolFormat::kNone;
+  std::span<const int32_t> tool_special_ids;
+  std::optional<ToolCallStream> tool_stream;
+  bool parallel_tool_calls = true;
+  std::mt19937_64 rng{std::random_device{}()};
 
   explicit Job(std::vector<std::string> stops) : stop(std::move(stops)) {}
 
@@ -298,7 +356,9 @@ struct Job {
   }
   // Records one token; returns the text it releases.
   std::string on_token(const GenEvent& e) {
-    const std::string piece = tok->token_to_piece(e.id, false);
+    const bool special =
+        std::find(tool_special_ids.begin(), tool_special_ids.end(), e.id) != tool_special_ids.end();
+    const std::string piece = tok->token_to_piece(e.id, special);
     if (top_logprobs >= 0) {
       if (chat) {
         json top = json::array();
@@ -330,6 +390,7 @@ struct Job {
   }
   void on_done(const GenEvent& e) {
     n_generated = e.n_generated;
+    n_cached = e.n_reused;
     if (!done) {
       finish = e.finish == FinishReason::kLength ? "length"
                : e.finish == FinishReason::kStop ? "stop"
@@ -345,7 +406,8 @@ struct Job {
   json usage() const {
     return {{"prompt_tokens", n_prompt},
             {"completion_tokens", n_generated},
-            {"total_tokens", n_prompt + n_generated}};
+            {"total_tokens", n_prompt + n_generated},
+            {"prompt_tokens_details", {{"cached_tokens", n_cached}}}};
   }
   json logprobs_json() const {
     if (top_logprobs < 0) return nullptr;
@@ -379,6 +441,67 @@ struct Job {
     if (include_usage) c["usage"] = nullptr;
     return c;
   }
+  json usage_chunk() const {
+    return {{"id", id},
+            {"object", chat ? "chat.completion.chunk" : "text_completion"},
+            {"created", created},
+            {"model", model},
+            {"choices", json::array()},
+            {"usage", usage()}};
+  }
+  bool tools_on() const { return tool_format != ToolFormat::kNone; }
+  // OpenAI's call ids: "call_" and 24 letters or digits; Mistral's templates demand exactly 9.
+  std::string call_id() {
+    static constexpr std::string_view kAlnum =
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    const bool mistral = tool_format == ToolFormat::kMistral;
+    std::string out = mistral ? "" : "call_";
+    for (int i = 0; i < (mistral ? 9 : 24); ++i) out += kAlnum[rng() % kAlnum.size()];
+    return out;
+  }
+  // The reply's calls with ids, cut to one when parallel calls are off; sets the finish
+  // reason "tool_calls" for a reply that ended on its own.
+  std::vector<ToolCall> take_calls(ToolReply& reply) {
+    std::vector<ToolCall> calls = std::move(reply.tool_calls);
+    if (!parallel_tool_calls && calls.size() > 1) calls.resize(1);
+    for (ToolCall& c : calls)
+      if (c.id.empty()) c.id = call_id();
+    if (!calls.empty() && finish == "stop") finish = "tool_calls";
+    return calls;
+  }
+  static json tool_calls_json(const std::vector<ToolCall>& calls, bool with_index) {
+    json out = json::array();
+    for (size_t i = 0; i < calls.size(); ++i) {
+      json c = {{"id", calls[i].id},
+                {"type", "function"},
+                {"function", {{"name", calls[i].name}, {"arguments", calls[i].arguments}}}};
+      if (with_index) c["index"] = i;
+      out.push_back(std::move(c));
+    }
+    return out;
+  }
+  // The non-streamed chat message.
+  json message() {
+    json m = {{"role", "assistant"}, {"content", text}};
+    if (!tools_on()) return m;
+    ToolReply reply = parse_tool_reply(tool_format, text);
+    const std::vector<ToolCall> calls = take_calls(reply);
+    m["content"] = calls.empty() || !reply.content.empty() ? json(reply.content) : json(nullptr);
+    if (!reply.reasoning.empty()) m["reasoning_content"] = reply.reasoning;
+    if (!calls.empty()) m["tool_calls"] = tool_calls_json(calls, false);
+    return m;
+  }
+  // A streamed chunk whose delta carries the calls.
+  json tool_calls_chunk(const std::vector<ToolCall>& calls) {
+    const bool first = !sent_role;
+    json c = chunk("", "", false);
+    json d = json::object();
+    if (first) d["role"] = "assistant";
+    d["tool_calls"] = tool_calls_json(calls, true);
+    c["choices"][0]["delta"] = std::move(d);
+    c["choices"][0]["finish_reason"] = nullptr;
+    return c;
+  }
   void clear_logprobs() {
     logprobs_chat = json::array();
     lp_tokens = lp_values = lp_top = lp_offsets = json::array();
@@ -393,7 +516,7 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   const int32_t n_ctx = scheduler->n_ctx();
   Limits limits;
   limits.max_tokens = n_ctx;
-  auto parsed = parse_completion_request(body, chat, limits);
+  auto parsed = parse_completion_request(body, chat, limits, opt.sampling);
   if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(res, *e);
   CompletionRequest& r = std::get<CompletionRequest>(parsed);
 
@@ -463,6 +586,12 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   job->model = r.model.empty() ? model_name : r.model;
   job->created = unix_seconds();
   job->n_prompt = static_cast<int32_t>(n_prompt);
+  if (chat && !r.tools.is_null() && r.tool_choice != ToolChoice::kNone) {
+    job->tool_format = tool_format;
+    job->tool_special_ids = tool_special_ids;
+    job->tool_stream.emplace(tool_format);
+    job->parallel_tool_calls = r.parallel_tool_calls;
+  }
 
   if (!r.stream) {
     // A client that goes away cancels the request within a poll period, as a stream's does.
@@ -485,10 +614,12 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
                                           "internal_error"));
       break;
     }
+    // The message first: parsing a tool call sets the finish reason.
+    json message = chat ? job->message() : json();
     json choice = {
         {"index", 0}, {"logprobs", job->logprobs_json()}, {"finish_reason", job->finish}};
     if (chat)
-      choice["message"] = {{"role", "assistant"}, {"content", job->text}};
+      choice["message"] = std::move(message);
     else
       choice["text"] = job->text;
     json body = {{"id", job->id},
@@ -518,7 +649,8 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
         if (!e) return true;  // nothing yet; httplib calls again (and checks the socket)
         if (e->kind == GenEvent::Kind::kToken) {
           if (job->done) return true;  // after a stop match: drain until the scheduler ends it
-          const std::string delta = job->on_token(*e);
+          std::string delta = job->on_token(*e);
+          if (job->tools_on()) delta = job->tool_stream->push(delta);
           if (!delta.empty() || job->top_logprobs >= 0) {
             if (!send(sink, job->chunk(delta, nullptr, true))) {
               job->stream->cancel();
@@ -535,17 +667,19 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
               make_error(500, "generation failed: " + e->error, "server_error", "internal_error");
           const std::string line = "data: " + error_body(err) + "\n\n";
           ok = sink.write(line.data(), line.size());
+        } else if (job->tools_on()) {
+          // The held-back text is parsed now: its content, then the calls, then the end.
+          std::string head = job->tool_stream->push(job->last_flush);
+          ToolReply reply = job->tool_stream->finish();
+          reply.content.insert(0, head);
+          const std::vector<ToolCall> calls = job->take_calls(reply);
+          if (!reply.content.empty()) ok = send(sink, job->chunk(reply.content, nullptr, true));
+          if (ok && !calls.empty()) ok = send(sink, job->tool_calls_chunk(calls));
+          if (ok) ok = send(sink, job->chunk("", job->finish.c_str(), false));
+          if (ok && job->include_usage) ok = send(sink, job->usage_chunk());
         } else {
           ok = send(sink, job->chunk(job->last_flush, job->finish.c_str(), true));
-          if (ok && job->include_usage) {
-            json u = {{"id", job->id},
-                      {"object", job->chat ? "chat.completion.chunk" : "text_completion"},
-                      {"created", job->created},
-                      {"model", job->model},
-                      {"choices", json::array()},
-                      {"usage", job->usage()}};
-            ok = send(sink, u);
-          }
+          if (ok && job->include_usage) ok = send(sink, job->usage_chunk());
         }
         static constexpr std::string_view kDone = "data: [DONE]\n\n";
         if (ok) ok = sink.write(kDone.data(), kDone.size());
@@ -650,6 +784,30 @@ void HttpServer::Impl::routes() {
   });
   http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics(), "text/plain; version=0.0.4");
+  });
+  // llama.cpp's /props: what a client (a chat page, a tool) needs to know of the server.
+  http.Get("/props", [this](const httplib::Request& req, httplib::Response& res) {
+    if (!authorized(req, res) || !check_ready(res)) return;
+    const SamplingDefaults& d = opt.sampling;
+    json params = {{"temperature", d.temperature},
+                   {"top_k", d.top_k},
+                   {"top_p", d.top_p},
+                   {"min_p", d.min_p},
+                   {"repeat_penalty", d.repeat_penalty},
+                   {"presence_penalty", d.presence_penalty},
+                   {"frequency_penalty", d.frequency_penalty},
+                   {"n_predict", -1}};
+    auto token = [&](int32_t id) { return id != kTokenNull ? tok->token_text(id) : std::string(); };
+    json p = {{"default_generation_settings", {{"n_ctx", scheduler->n_ctx()}, {"params", params}}},
+              {"total_slots", opt.n_parallel},
+              {"model_alias", model_name},
+              {"model_path", opt.model_path},
+              {"chat_template", chat_template ? std::string(chat_template->source()) : ""},
+              {"chat_template_tool_format", tool_format_name(tool_format)},
+              {"bos_token", token(tok->bos())},
+              {"eos_token", token(tok->eos())},
+              {"modalities", {{"vision", false}, {"audio", false}}}};
+    res.set_content(p.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
   });
   http.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
     if (!authorized(req, res) || !check_ready(res)) return;

@@ -11,6 +11,7 @@
 
 #include "core/status.h"
 #include "engine/runtime.h"
+#include "server/api.h"
 
 namespace kiln {
 class Model;
@@ -32,7 +33,10 @@ struct ServerOptions {
   int http_threads = 0;             // 0: n_parallel + max_queue + 8 (streams hold a thread each)
   // `--role decode`: prompts' KV comes from a prefill node (SchedulerConfig::remote_prefill).
   std::function<bool(Session&, std::span<const int32_t>)> remote_prefill;
-  int32_t draft_ngram = 0;  // n-gram draft tokens per decode step (SchedulerConfig); 0: off
+  int32_t draft_ngram = 0;         // n-gram draft tokens per decode step (SchedulerConfig); 0: off
+  std::string alias;               // the model's name in responses; "": the file's stem
+  std::string chat_template_file;  // a .jinja file used instead of the GGUF's template
+  SamplingDefaults sampling;       // what requests that leave a sampling field out get
   // How the model is opened (engine/runtime.h): device, threads, tensor parallelism, expert
   // tiers; device_sampling goes to the scheduler.
   EngineOptions engine;

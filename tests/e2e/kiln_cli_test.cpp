@@ -146,6 +146,19 @@ TEST(KilnServe, UnreadableModelFailsBeforeListening) {
 
 // llama.cpp's spellings: -f - reads the prompt from standard input, -n -1 generates until the
 // end of generation or of the context, --seed -1 draws a seed and prints it.
+// Sampling defaults of serve are checked by the request parser before anything listens.
+TEST(KilnServe, BadSamplingDefaultsAreOneClearError) {
+  const std::string m = model_path("stories260K.gguf");
+  expect_clean_error(run_kiln({"serve", "-m", m, "--port", "0", "--temp", "3"}),
+                     "--temp: 'temperature' = 3 is outside [0, 2]");
+  expect_clean_error(run_kiln({"serve", "-m", m, "--port", "0", "--sampling", "top_k=-1"}),
+                     "--sampling: 'top_k' = -1 is outside");
+  expect_clean_error(run_kiln({"serve", "-m", m, "--port", "0", "--sampling", "max_tokens=5"}),
+                     "--sampling 'max_tokens=5': expected KEY=VALUE");
+  expect_clean_error(run_kiln({"serve", "-m", m, "--port", "0", "--sampling", "min_p=x"}),
+                     "the value must be a number");
+}
+
 TEST(KilnRun, StdinPromptUnboundedLengthAndRandomSeed) {
   const std::string model = testing::model_path("stories260K.gguf");
   const std::string prompt = "Once upon a time";

@@ -70,9 +70,36 @@ TEST(Api, RejectsBadRequestsNamingTheField) {
       {R"({"prompt": {"x": 1}})", false, "prompt"},
       {R"({"prompt": "x", "logprobs": 30})", false, "logprobs"},
       // Fail closed: what the server does not implement is refused by name.
-      {R"({"messages": [{"role": "user", "content": "x"}], "tools": []})", true, "tools"},
-      {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"})", true,
+      {R"({"prompt": "x", "tools": []})", false, "tools"},
+      {R"({"prompt": "x", "tool_choice": "auto"})", false, "tool_choice"},
+      // Tools: shapes checked; forcing a call needs constrained decoding, refused.
+      {R"({"messages": [{"role": "user", "content": "x"}], "tools": {}})", true, "tools"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "code"}]})", true,
+       "tools[0].type"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", true,
+       "tools[0].function"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": ""}}]})",
+       true, "tools[0].function.name"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]})",
+       true, "tools[0].function.parameters"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})", true,
        "tool_choice"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function", "function": {"name": "f"}}})",
+       true, "tool_choice"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"})", true,
+       "tool_choice"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": 1})", true,
+       "parallel_tool_calls"},
+      {R"({"messages": [{"role": "user", "content": "x", "tool_calls": []}]})", true,
+       "messages[0].tool_calls"},
+      {R"({"messages": [{"role": "assistant", "tool_calls": [{"type": "function"}]}]})", true,
+       "messages[0].tool_calls[0].function"},
+      {R"({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}]})",
+       true, "messages[0].tool_calls[0].function.arguments"},
+      {R"({"messages": [{"role": "tool", "content": "x", "tool_call_id": 7}]})", true,
+       "messages[0].tool_call_id"},
+      {R"({"messages": [{"role": "user", "content": "x", "tool_call_id": "a"}]})", true,
+       "messages[0].tool_call_id"},
       {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}})",
        true, "response_format"},
       {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "string", "pattern": "a+"}}}})",
@@ -106,6 +133,44 @@ TEST(Api, RejectsBadRequestsNamingTheField) {
     EXPECT_EQ(j["error"]["type"], "invalid_request_error");
     EXPECT_TRUE(j["error"]["code"].is_string());
   }
+}
+
+TEST(Api, ParsesToolsAndToolMessages) {
+  auto r = parse_completion_request(
+      R"({"messages": [{"role": "user", "content": "Weather?"},
+                       {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+                        "type": "function", "function": {"name": "get_weather",
+                        "arguments": "{\"city\": \"Paris\"}"}},
+                        {"id": "call_2", "function": {"name": "now", "arguments": {"tz": "UTC"}}}]},
+                       {"role": "tool", "tool_call_id": "call_1", "name": "get_weather",
+                        "content": "sunny"}],
+          "tools": [{"type": "function", "function": {"name": "get_weather",
+                     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+          "tool_choice": "auto", "parallel_tool_calls": false})",
+      true);
+  ASSERT_TRUE(std::holds_alternative<CompletionRequest>(r)) << std::get<ApiError>(r).message;
+  const CompletionRequest& c = std::get<CompletionRequest>(r);
+  ASSERT_EQ(c.messages.size(), 3u);
+  EXPECT_EQ(c.messages[1].content, "");
+  ASSERT_EQ(c.messages[1].tool_calls.size(), 2u);
+  EXPECT_EQ(c.messages[1].tool_calls[0].id, "call_1");
+  EXPECT_EQ(c.messages[1].tool_calls[0].name, "get_weather");
+  EXPECT_EQ(c.messages[1].tool_calls[0].arguments, R"({"city": "Paris"})");
+  EXPECT_EQ(c.messages[1].tool_calls[1].arguments, R"({"tz":"UTC"})");  // an object, as text
+  EXPECT_EQ(c.messages[2].tool_call_id, "call_1");
+  EXPECT_EQ(c.messages[2].name, "get_weather");
+  EXPECT_EQ(c.tool_choice, ToolChoice::kAuto);
+  EXPECT_FALSE(c.parallel_tool_calls);
+  // The tools keep the client's key order (templates print them with tojson).
+  EXPECT_EQ(c.tools.dump(),
+            R"([{"type":"function","function":{"name":"get_weather","parameters":{"type":"object",)"
+            R"("properties":{"city":{"type":"string"}}}}}])");
+  auto none = parse_completion_request(
+      R"({"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none"})",
+      true);
+  ASSERT_TRUE(std::holds_alternative<CompletionRequest>(none));
+  EXPECT_TRUE(std::get<CompletionRequest>(none).tools.is_null());  // empty: no tools
+  EXPECT_EQ(std::get<CompletionRequest>(none).tool_choice, ToolChoice::kNone);
 }
 
 TEST(Api, ParsesAFullChatRequest) {

@@ -21,6 +21,8 @@
 #include <thread>
 
 #include "common/testdata.h"
+#include "format/gguf.h"
+#include "format/gguf_writer.h"
 
 namespace {
 
@@ -71,7 +73,8 @@ struct ServeProcess {
   int port = -1;
   std::string log_path;
 
-  bool start(const std::string& key) {
+  bool start(const std::string& key, std::string model = "") {
+    if (model.empty()) model = kiln::testing::model_path("stories260K.gguf");
     log_path = kiln::testing::temp_dir() + "/serve.log";
     pid = ::fork();
     if (pid == 0) {
@@ -79,7 +82,6 @@ struct ServeProcess {
       ::dup2(fd, 2);
       ::dup2(fd, 1);
       const std::string bin = kiln::testing::kiln_binary();
-      const std::string model = kiln::testing::model_path("stories260K.gguf");
       ::execl(bin.c_str(), bin.c_str(), "serve", "-m", model.c_str(), "--port", "0", "--parallel",
               "4", "-c", "1024", "--api-key", key.c_str(), "--threads", "1",
               static_cast<char*>(nullptr));
@@ -122,20 +124,31 @@ struct ServeProcess {
   ~ServeProcess() { stop(); }
 };
 
-TEST(NodeE2E, OpenAiSdkAndStreamingLoad) {
-  if (!have("node") || !have("npm"))
-    GTEST_SKIP() << "node and npm are required for the OpenAI SDK test; not installed";
+// The folder where `npm install openai` put the SDK, with the test scripts copied beside it;
+// empty (after a failure) when it cannot be made.
+fs::path sdk_dir() {
   const fs::path dir = KILN_NPM_DIR;
   fs::create_directories(dir);
   if (!fs::exists(dir / "node_modules/openai/package.json")) {
     const auto [rc, out] = run(fmt::format(
         "cd '{}' && timeout 300 npm install --no-audit --no-fund --loglevel=error openai",
         dir.string()));
-    ASSERT_EQ(rc, 0) << "npm install openai failed:\n" << out;
+    if (rc != 0) {
+      ADD_FAILURE() << "npm install openai failed:\n" << out;
+      return {};
+    }
   }
-  for (const char* f : {"sdk_test.mjs", "load_test.mjs"})
+  for (const char* f : {"sdk_test.mjs", "load_test.mjs", "sdk_tools_test.mjs"})
     fs::copy_file(fs::path(KILN_SERVER_TEST_DIR) / f, dir / f,
                   fs::copy_options::overwrite_existing);
+  return dir;
+}
+
+TEST(NodeE2E, OpenAiSdkAndStreamingLoad) {
+  if (!have("node") || !have("npm"))
+    GTEST_SKIP() << "node and npm are required for the OpenAI SDK test; not installed";
+  const fs::path dir = sdk_dir();
+  ASSERT_FALSE(dir.empty());
 
   ServeProcess srv;
   ASSERT_TRUE(srv.start("test-key"));
@@ -178,6 +191,44 @@ TEST(NodeE2E, OpenAiSdkAndStreamingLoad) {
   // Bounded growth: 64 finished streams must not leave their buffers behind.
   EXPECT_LT(rss_after, rss_before + 64 * 1024) << "RSS grew by more than 64 MiB";
   EXPECT_EQ(srv.stop(), 0) << "kiln serve did not exit cleanly on SIGTERM";
+}
+
+// stories260K renamed "hermes": Hermes 3's chat template, and token 300 reading as a whole
+// Hermes tool call (the model cannot write one itself; a logit bias picks the token).
+std::string hermes_model() {
+  auto src = kiln::GgufFile::open(kiln::testing::model_path("stories260K.gguf"));
+  EXPECT_TRUE(src.has_value()) << src.error();
+  kiln::GgufWriter w;
+  w.copy_metadata(*src);
+  w.set_str("tokenizer.chat_template",
+            kiln::testing::read_file(kiln::testing::shared_path(
+                "testdata/templates/NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja")));
+  auto texts = src->get_array<std::string>("tokenizer.ggml.tokens");
+  EXPECT_TRUE(texts.has_value());
+  (*texts)[300] =
+      R"(<tool_call>{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}</tool_call>)";
+  w.set_str_array("tokenizer.ggml.tokens", *texts);
+  for (const kiln::TensorInfo& t : src->tensors())
+    w.add_tensor(t.name, t.dtype, std::vector<int64_t>(t.ne.begin(), t.ne.begin() + t.n_dims),
+                 src->view(t).bytes);
+  const std::string path = kiln::testing::temp_dir() + "/hermes.gguf";
+  const kiln::Status st = w.write(path);
+  EXPECT_TRUE(st.is_ok()) << st.message();
+  return path;
+}
+
+TEST(NodeE2E, OpenAiSdkToolCalls) {
+  if (!have("node") || !have("npm"))
+    GTEST_SKIP() << "node and npm are required for the OpenAI SDK test; not installed";
+  const fs::path dir = sdk_dir();
+  ASSERT_FALSE(dir.empty());
+  ServeProcess srv;
+  ASSERT_TRUE(srv.start("test-key", hermes_model()));
+  const auto [rc, out] = run(fmt::format(
+      "cd '{}' && timeout 120 node sdk_tools_test.mjs {} test-key", dir.string(), srv.port));
+  EXPECT_EQ(rc, 0) << out;
+  std::printf("sdk tools: %s", out.c_str());
+  EXPECT_EQ(srv.stop(), 0);
 }
 
 }  // namespace

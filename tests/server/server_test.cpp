@@ -8,6 +8,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
+#include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -17,6 +20,7 @@
 #include "format/gguf_writer.h"
 #include "engine/session.h"
 #include "server/server.h"
+#include "tokenizer/jinja/chat_template.h"
 
 namespace kiln::server {
 namespace {
@@ -658,17 +662,26 @@ TEST(Server, NgramDraftingKeepsGreedyTextAndReportsCounters) {
               value(m_spec, "kiln_spec_accepted_tokens_total"));
 }
 
-// stories260K with a chat template added (none of the shared models carries one).
-std::string model_with_template(const std::string& tmpl) {
+// stories260K with a chat template added (none of the shared models carries one), and
+// optionally some tokens' texts replaced (`tokens`: id -> text).
+std::string model_with_template(const std::string& tmpl,
+                                const std::map<int32_t, std::string>& tokens = {},
+                                const std::string& file = "templated.gguf") {
   auto src = GgufFile::open(testing::model_path("stories260K.gguf"));
   EXPECT_TRUE(src.has_value()) << src.error();
   GgufWriter w;
   w.copy_metadata(*src);
   w.set_str("tokenizer.chat_template", tmpl);
+  if (!tokens.empty()) {
+    auto texts = src->get_array<std::string>("tokenizer.ggml.tokens");
+    EXPECT_TRUE(texts.has_value());
+    for (const auto& [id, text] : tokens) (*texts)[id] = text;
+    w.set_str_array("tokenizer.ggml.tokens", *texts);
+  }
   for (const TensorInfo& t : src->tensors())
     w.add_tensor(t.name, t.dtype, std::vector<int64_t>(t.ne.begin(), t.ne.begin() + t.n_dims),
                  src->view(t).bytes);
-  const std::string path = testing::temp_dir() + "/templated.gguf";
+  const std::string path = testing::temp_dir() + "/" + file;
   Status st = w.write(path);
   EXPECT_TRUE(st.is_ok()) << st.message();
   return path;
@@ -702,6 +715,219 @@ TEST(Server, ChatUsesTheGgufTemplate) {
   EXPECT_EQ(res->status, 400);
   EXPECT_EQ(json::parse(res->body)["error"]["code"], "template_error");
   EXPECT_NE(res->body.find("no booms"), std::string::npos) << res->body;
+}
+
+// Tool calling through the server. stories260K cannot write a call by itself, so one of its
+// tokens is renamed to a whole Hermes call and a +100 logit bias makes it the first token: the
+// reply then goes through the same path a real model's would (special-token rendering, stop
+// matching, the parser, the response and stream shapes). The template is the real Hermes 3
+// one, recognised by its markers.
+constexpr int32_t kCallToken = 300;
+const std::string kCallText =
+    R"(<tool_call>{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}</tool_call>)";
+const json kTools = json::parse(R"([{"type": "function", "function": {"name": "get_weather",
+    "description": "Get the weather", "parameters": {"type": "object", "properties":
+    {"city": {"type": "string"}, "unit": {"type": "string"}}, "required": ["city"]}}}])");
+
+Running start_with_tools() {
+  ServerOptions o;
+  o.model_path = model_with_template(
+      testing::read_file(testing::shared_path(
+          "testdata/templates/NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja")),
+      {{kCallToken, kCallText}}, "hermes.gguf");
+  o.n_ctx = 1024;
+  return start(o);
+}
+
+json call_request(bool stream) {
+  json req = {{"messages", {{{"role", "user"}, {"content", "Weather in Paris?"}}}},
+              {"tools", kTools},
+              {"max_tokens", 3},
+              {"temperature", 0},
+              {"logit_bias", {{std::to_string(kCallToken), 100}}},
+              // The model would repeat the forced token; the call's closing tag ends the reply.
+              {"stop", {"</tool_call>"}}};
+  if (stream) req["stream"] = true;
+  return req;
+}
+
+TEST(ServerTools, ReplyIsParsedIntoToolCalls) {
+  Running r = start_with_tools();
+  const json chat = post_json(*r.cli, "/v1/chat/completions", call_request(false), 200);
+  const json& choice = chat["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "tool_calls") << chat.dump();
+  EXPECT_TRUE(choice["message"]["content"].is_null()) << chat.dump();
+  ASSERT_EQ(choice["message"]["tool_calls"].size(), 1u) << chat.dump();
+  const json& call = choice["message"]["tool_calls"][0];
+  EXPECT_EQ(call["type"], "function");
+  EXPECT_EQ(call["function"]["name"], "get_weather");
+  EXPECT_EQ(call["function"]["arguments"], R"({"city":"Paris","unit":"celsius"})");
+  const std::string id = call["id"];
+  EXPECT_TRUE(id.starts_with("call_") && id.size() == 29) << id;
+  EXPECT_FALSE(call.contains("index"));
+
+  // Streamed: no text of the call leaks as content; one delta carries the call, with index.
+  auto res = r.cli->Post("/v1/chat/completions", call_request(true).dump(), "application/json");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const Sse s = parse_sse(res->body, true);
+  EXPECT_TRUE(s.done);
+  EXPECT_EQ(s.text, "");
+  EXPECT_EQ(s.finish, "tool_calls");
+  json calls = json::array();
+  for (const json& c : s.chunks)
+    for (const json& ch : c["choices"])
+      if (ch["delta"].contains("tool_calls"))
+        for (const json& t : ch["delta"]["tool_calls"]) calls.push_back(t);
+  ASSERT_EQ(calls.size(), 1u) << res->body;
+  EXPECT_EQ(calls[0]["index"], 0);
+  EXPECT_EQ(calls[0]["type"], "function");
+  EXPECT_EQ(calls[0]["function"]["name"], "get_weather");
+  EXPECT_EQ(calls[0]["function"]["arguments"], R"({"city":"Paris","unit":"celsius"})");
+  EXPECT_TRUE(calls[0]["id"].get<std::string>().starts_with("call_"));
+  EXPECT_EQ(s.chunks.front()["choices"][0]["delta"]["role"], "assistant");
+
+  // tool_choice "none": the same reply is plain text, and the tools never reach the template.
+  json none = call_request(false);
+  none["tool_choice"] = "none";
+  const json plain = post_json(*r.cli, "/v1/chat/completions", none, 200);
+  EXPECT_EQ(plain["choices"][0]["finish_reason"], "stop");
+  EXPECT_FALSE(plain["choices"][0]["message"].contains("tool_calls"));
+  EXPECT_EQ(plain["choices"][0]["message"]["content"],
+            kCallText.substr(0, kCallText.size() - std::string("</tool_call>").size()));
+  EXPECT_LT(plain["usage"]["prompt_tokens"], chat["usage"]["prompt_tokens"]);
+}
+
+TEST(ServerTools, TemplateGetsToolsAndTheRoundTrip) {
+  Running r = start_with_tools();
+  const std::string tmpl_src = testing::read_file(
+      testing::shared_path("testdata/templates/NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja"));
+  // The conversation as the client sends it, and as Hermes' template must receive it.
+  const json messages = json::parse(R"([
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": null, "tool_calls": [{"id": "call_abc", "type": "function",
+     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_abc", "name": "get_weather", "content": "sunny"}])");
+  nlohmann::ordered_json ctx = {{"messages", nlohmann::ordered_json::parse(R"([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_abc", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_abc", "name": "get_weather"}])")},
+                                {"tools", nlohmann::ordered_json::parse(kTools.dump())},
+                                {"add_generation_prompt", true},
+                                {"bos_token", "<s>"},
+                                {"eos_token", "</s>"}};
+  auto text = render_chat_template(tmpl_src, ctx);
+  ASSERT_TRUE(text) << text.error();
+  ASSERT_NE(text->find("get_weather"), std::string::npos);
+  ASSERT_NE(text->find("sunny"), std::string::npos);
+  const json t = post_json(*r.cli, "/tokenize", {{"content", *text}}, 200);
+  const json chat = post_json(
+      *r.cli, "/v1/chat/completions",
+      {{"messages", messages}, {"tools", kTools}, {"max_tokens", 1}, {"temperature", 0}}, 200);
+  EXPECT_EQ(chat["usage"]["prompt_tokens"], t["tokens"].size());
+}
+
+TEST(ServerTools, RefusedWhereTheyCannotWork) {
+  // A template without a tool-call format: tools refused unless tool_choice is "none".
+  ServerOptions o;
+  o.model_path = model_with_template(
+      "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>", {},
+      "plain.gguf");
+  Running r = start(o);
+  json req = {
+      {"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"tools", kTools}, {"max_tokens", 2}};
+  const json e = post_json(*r.cli, "/v1/chat/completions", req, 400);
+  EXPECT_EQ(e["error"]["param"], "tools");
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("format"), std::string::npos);
+  req["tool_choice"] = "none";
+  post_json(*r.cli, "/v1/chat/completions", req, 200);
+  req["tool_choice"] = "required";
+  EXPECT_EQ(post_json(*r.cli, "/v1/chat/completions", req, 400)["error"]["param"], "tool_choice");
+
+  // No template at all: tools and tool messages are refused, never flattened to text.
+  Running plain = start({});
+  req.erase("tool_choice");
+  EXPECT_EQ(post_json(*plain.cli, "/v1/chat/completions", req, 400)["error"]["param"], "tools");
+  const json tool_msg = {
+      {"messages", {{{"role", "tool"}, {"tool_call_id", "x"}, {"content", "sunny"}}}},
+      {"max_tokens", 2}};
+  post_json(*plain.cli, "/v1/chat/completions", tool_msg, 400);
+}
+
+TEST(Server, AliasTemplateFileSamplingDefaultsPropsAndCachedTokens) {
+  const std::string tmpl_path = testing::temp_dir() + "/chat.jinja";
+  {
+    std::ofstream f(tmpl_path);
+    f << "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]";
+  }
+  ServerOptions o;
+  o.alias = "storyteller";
+  o.chat_template_file = tmpl_path;
+  o.n_parallel = 1;  // the second request lands on the slot that holds the first one's prompt
+  o.sampling.temperature = 0;  // greedy unless a request says otherwise
+  o.sampling.top_k = 7;
+  Running r = start(o);
+  const json models = json::parse(r.cli->Get("/v1/models")->body);
+  EXPECT_EQ(models["data"][0]["id"], "storyteller");
+  EXPECT_EQ(models["data"][0]["meta"]["chat_template"], true);
+
+  const json props = json::parse(r.cli->Get("/props")->body);
+  EXPECT_EQ(props["model_alias"], "storyteller");
+  EXPECT_EQ(props["total_slots"], 1);
+  EXPECT_EQ(props["default_generation_settings"]["n_ctx"], 256);
+  EXPECT_EQ(props["default_generation_settings"]["params"]["temperature"], 0.0);
+  EXPECT_EQ(props["default_generation_settings"]["params"]["top_k"], 7);
+  EXPECT_EQ(props["chat_template"], testing::read_file(tmpl_path));
+  EXPECT_EQ(props["chat_template_tool_format"], "none");
+  EXPECT_EQ(props["bos_token"], "<s>");
+
+  // The template file is what renders the prompt.
+  const json msgs = {{{"role", "user"}, {"content", "A cat"}}};
+  const json t = post_json(*r.cli, "/tokenize", {{"content", "[user] A cat\n[assistant]"}}, 200);
+  json req = {{"messages", msgs}, {"max_tokens", 16}, {"logit_bias", kNoEos}};
+  const json a = post_json(*r.cli, "/v1/chat/completions", req, 200);
+  EXPECT_EQ(a["model"], "storyteller");
+  EXPECT_EQ(a["usage"]["prompt_tokens"], t["tokens"].size() + 1);  // + BOS
+  // Greedy by default: other seeds give the same text; a request's own temperature wins.
+  req["seed"] = 12345;
+  const json b = post_json(*r.cli, "/v1/chat/completions", req, 200);
+  EXPECT_EQ(a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]);
+  std::set<std::string> texts;
+  for (int seed = 0; seed < 4; ++seed) {
+    json hot = req;
+    hot["temperature"] = 2.0;
+    hot["top_k"] = 0;
+    hot["seed"] = seed;
+    texts.insert(
+        post_json(*r.cli, "/v1/chat/completions", hot, 200)["choices"][0]["message"]["content"]
+            .get<std::string>());
+  }
+  EXPECT_GT(texts.size(), 1u) << "temperature 2 from the request did not apply";
+
+  // cached_tokens: the same prompt again finds its KV rows in the slot, all but the last
+  // token (whose logits give the first sampled token). The hot requests shared the prompt too.
+  EXPECT_EQ(b["usage"]["prompt_tokens_details"]["cached_tokens"],
+            b["usage"]["prompt_tokens"].get<int>() - 1);
+  EXPECT_EQ(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  const json again = post_json(*r.cli, "/v1/chat/completions", req, 200);
+  const int n_prompt = again["usage"]["prompt_tokens"];
+  EXPECT_EQ(again["usage"]["prompt_tokens_details"]["cached_tokens"], n_prompt - 1)
+      << again["usage"].dump();
+}
+
+TEST(Server, BadChatTemplateFileFailsTheLoad) {
+  ServerOptions o;
+  o.chat_template_file = testing::temp_dir() + "/missing.jinja";
+  o.model_path = testing::model_path("stories260K.gguf");
+  o.host = "127.0.0.1";
+  o.port = 0;
+  HttpServer srv(o);
+  ASSERT_TRUE(srv.start().is_ok());
+  Status st = srv.load();
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("missing.jinja"), std::string::npos) << st.message();
+  srv.stop();
 }
 
 TEST(Server, StopEndsInFlightStreamsCleanly) {

@@ -113,6 +113,7 @@ Expected<ChatTemplate> ChatTemplate::parse(std::string_view source) {
   try {
     ChatTemplate t;
     t.tmpl_ = std::make_shared<const Template>(jinja::parse(source));
+    t.source_ = std::make_shared<const std::string>(source);
     return t;
   } catch (const jinja::Error& e) {
     return Status::error(e.what());

@@ -41,9 +41,13 @@ class ChatTemplate {
   // A template error is "Kind: message", e.g. "TemplateError: System role not supported".
   Expected<std::string> render(const nlohmann::ordered_json& context,
                                const ChatTemplateOptions& opt = {}) const;
+  // The text parse() was given: front ends recognise a model's tool-call format by markers in
+  // it (engine/tool_calls.h).
+  std::string_view source() const { return source_ ? std::string_view(*source_) : ""; }
 
  private:
   std::shared_ptr<const jinja::Template> tmpl_;
+  std::shared_ptr<const std::string> source_;
 };
 
 // Parse + render in one call.
