@@ -1,5 +1,5 @@
 // apps/kiln/cmd_mkmodel.cpp: `kiln mkmodel`: writes a random-weight GGUF of any size and type
-// in the llama, gemma3 (sliding window, QK-norm, sandwich norms, tied output) or qwen3moe
+// in the llama, gemma3 (sliding window, QK-norm, sandwich norms, tied output), qwen3moe or gpt-oss
 // (experts) shape, or llama with experts (Mixtral layout): benchmarks at 1B/8B scale without
 // downloads. Random router weights route nearly uniformly over the experts. Tensors are produced
 // and quantized at write time, one at a time, so a multi-GB file needs no more RAM than its largest
@@ -43,6 +43,8 @@ struct MkModelOptions {
   int32_t hd() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
   bool moe() const { return n_expert > 0; }
   bool gemma3() const { return arch == "gemma3"; }
+  bool gpt_oss() const { return arch == "gpt-oss"; }
+  bool swa() const { return gemma3() || gpt_oss(); }
   int32_t ff_exp() const { return n_ff_exp > 0 ? n_ff_exp : n_ff; }
   std::string type = "f16";
   uint64_t seed = 1;
@@ -118,19 +120,32 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
     t.push_back({b + "attn_q.weight", {E, q}, w});
     t.push_back({b + "attn_k.weight", {E, kv}, w});
     t.push_back({b + "attn_v.weight", {E, kv}, w});
-    if (o.arch != "llama") {  // gemma3 and qwen3moe normalise q and k per head
+    if (o.gpt_oss()) {  // biases on q/k/v/o and one sink logit per head
+      t.push_back({b + "attn_q.bias", {q}, w});
+      t.push_back({b + "attn_k.bias", {kv}, w});
+      t.push_back({b + "attn_v.bias", {kv}, w});
+      t.push_back({b + "attn_output.bias", {E}, w});
+      t.push_back({b + "attn_sinks.weight", {o.n_head}, w});
+    }
+    if (o.arch == "gemma3" || o.arch == "qwen3moe") {  // q and k normalised per head
       t.push_back({b + "attn_q_norm.weight", {hd}, 0});
       t.push_back({b + "attn_k_norm.weight", {hd}, 0});
     }
     t.push_back({b + "attn_output.weight", {q, E}, w});
-    if (o.gemma3()) t.push_back({b + "post_attention_norm.weight", {E}, 0});
-    t.push_back({b + "ffn_norm.weight", {E}, 0});
+    if (o.gemma3() || o.gpt_oss()) t.push_back({b + "post_attention_norm.weight", {E}, 0});
+    if (!o.gpt_oss()) t.push_back({b + "ffn_norm.weight", {E}, 0});  // gpt-oss: the one above
     if (o.moe()) {
       const int64_t F = o.ff_exp(), X = o.n_expert;
       t.push_back({b + "ffn_gate_inp.weight", {E, X}, w, o.router_skew});
       t.push_back({b + "ffn_gate_exps.weight", {E, F, X}, w});
       t.push_back({b + "ffn_up_exps.weight", {E, F, X}, w});
       t.push_back({b + "ffn_down_exps.weight", {F, E, X}, w});
+      if (o.gpt_oss()) {
+        t.push_back({b + "ffn_gate_inp.bias", {X}, w});
+        t.push_back({b + "ffn_gate_exps.bias", {F, X}, w});
+        t.push_back({b + "ffn_up_exps.bias", {F, X}, w});
+        t.push_back({b + "ffn_down_exps.bias", {E, X}, w});
+      }
     } else {
       t.push_back({b + "ffn_gate.weight", {E, o.n_ff}, w});
       t.push_back({b + "ffn_up.weight", {E, o.n_ff}, w});
@@ -167,6 +182,8 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
     w.set_u32(a + ".attention.sliding_window", uint32_t(o.window));
     w.set_u32(a + ".attention.sliding_window_pattern", uint32_t(o.swa_pattern));
   }
+  // gpt-oss: window on even layers (llama.cpp's fixed period 2); no rope scaling written.
+  if (o.gpt_oss()) w.set_u32(a + ".attention.sliding_window", uint32_t(o.window));
   if (o.moe()) {
     w.set_u32(a + ".expert_count", uint32_t(o.n_expert));
     w.set_u32(a + ".expert_used_count", uint32_t(o.n_expert_used));
@@ -186,8 +203,9 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
 
 Status validate(const MkModelOptions& o) {
   if (o.out.empty()) return Status::error("-o OUT.gguf is required");
-  if (o.arch != "llama" && o.arch != "gemma3" && o.arch != "qwen3moe")
-    return Status::errorf("--arch '{}' is not supported (llama, gemma3, qwen3moe)", o.arch);
+  if (o.arch != "llama" && o.arch != "gemma3" && o.arch != "qwen3moe" && o.arch != "gpt-oss")
+    return Status::errorf("--arch '{}' is not supported (llama, gemma3, qwen3moe, gpt-oss)",
+                          o.arch);
   auto positive = [](const char* what, int64_t v) {
     return v > 0 ? Status::ok() : Status::errorf("{} = {} must be > 0", what, v);
   };
@@ -207,14 +225,12 @@ Status validate(const MkModelOptions& o) {
     return Status::errorf("head dimension {} must be even (RoPE rotates pairs)", o.hd());
   if (o.n_head % o.n_head_kv != 0)
     return Status::errorf("--n-head {} is not a multiple of --n-head-kv {}", o.n_head, o.n_head_kv);
-  if (o.gemma3()) {
-    KILN_TRY(positive("--window", o.window));
-    KILN_TRY(positive("--swa-pattern", o.swa_pattern));
-  }
+  if (o.swa()) KILN_TRY(positive("--window", o.window));
+  if (o.gemma3()) KILN_TRY(positive("--swa-pattern", o.swa_pattern));
   if (o.arch == "gemma3" && o.n_expert != 0)
     return Status::error("--n-expert: gemma3 has no expert layout (llama or qwen3moe)");
-  if (o.arch == "qwen3moe" && o.n_expert == 0)
-    return Status::error("--arch qwen3moe needs --n-expert and --n-expert-used");
+  if ((o.arch == "qwen3moe" || o.gpt_oss()) && o.n_expert == 0)
+    return Status::errorf("--arch {} needs --n-expert and --n-expert-used", o.arch);
   if (o.n_expert < 0 || o.n_expert > 4096)
     return Status::errorf("--n-expert {} outside [0, 4096]", o.n_expert);
   if (o.moe() && (o.n_expert_used < 1 || o.n_expert_used > o.n_expert))
@@ -342,14 +358,14 @@ void add_mkmodel_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("mkmodel", "write a random-weight model of a given shape");
   auto o = std::make_shared<MkModelOptions>();
   cmd->add_option("-o,--output", o->out, "output GGUF path")->required();
-  cmd->add_option("--arch", o->arch, "architecture: llama, gemma3, qwen3moe");
+  cmd->add_option("--arch", o->arch, "architecture: llama, gemma3, qwen3moe, gpt-oss");
   cmd->add_option("--n-embd", o->n_embd, "embedding width");
   cmd->add_option("--n-layer", o->n_layer, "layers");
   cmd->add_option("--n-ff", o->n_ff, "feed-forward width");
   cmd->add_option("--n-head", o->n_head, "attention heads");
   cmd->add_option("--n-head-kv", o->n_head_kv, "KV heads");
   cmd->add_option("--head-dim", o->head_dim, "head dimension (default n_embd / n_head)");
-  cmd->add_option("--window", o->window, "gemma3: sliding window of the local layers");
+  cmd->add_option("--window", o->window, "gemma3, gpt-oss: sliding window of the local layers");
   cmd->add_option("--swa-pattern", o->swa_pattern,
                   "gemma3: every N-th layer is global, the others slide");
   cmd->add_option("--n-expert", o->n_expert, "experts per layer (qwen3moe; llama: Mixtral layout)");

@@ -34,12 +34,13 @@ enum class FileType : uint32_t {
   MOSTLY_Q5_K_M = 17,
   MOSTLY_Q6_K = 18,
   MOSTLY_BF16 = 32,
+  MOSTLY_MXFP4_MOE = 38,
 };
 
 struct Preset {
   std::string_view name;  // llama-quantize's spelling: "Q4_K_M"
   FileType ftype;
-  DType base;  // the type most weight matrices get
+  DType base;  // the type most weight matrices get (MXFP4_MOE: the expert tensors)
 };
 
 // Presets `kiln quantize` offers, in llama-quantize's order.

@@ -25,7 +25,7 @@ uint64_t seed() {
 
 constexpr DType kTypes[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0, DType::Q4_0,
                             DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K,
-                            DType::Q4_K, DType::Q5_K, DType::Q6_K};
+                            DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::MXFP4};
 
 // Decodes a whole row unit by unit, as the kernels do; aligned: the instantiation the matvec
 // uses for 16-byte aligned rows (legal only when row_is_aligned()).
@@ -119,6 +119,8 @@ TEST(CudaDequantHost, RandomBlockBytesMatchReference) {
             break;
           case DType::Q6_K:
             put(208);
+            break;
+          case DType::MXFP4:  // every exponent byte is a finite power of two (or inf * 0)
             break;
           case DType::Q4_K:
           case DType::Q5_K:

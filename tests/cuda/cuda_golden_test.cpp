@@ -40,7 +40,8 @@ constexpr Fixture kFixtures[] = {
     {"llama-gqa-q6_k", true},    {"qwen3-bpe-f16", false},      {"qwen3-bpe-q8_0", true},
     {"gemma2-swa-f16", false},   {"gemma2-swa-q8_0", true},     {"gemma3-swa-f16", false},
     {"muse-glimmer-f16", false}, {"muse-glimmer-q4_k_m", true}, {"qwen3moe-q4_k_m", true},
-    {"qwen3moe-f16", false},     {"mixtral-q4_k_m", true},
+    {"qwen3moe-f16", false},     {"mixtral-q4_k_m", true},      {"gpt-oss-f16", false},
+    {"gpt-oss-mxfp4_moe", true},
 };
 
 constexpr int32_t kCtx = 512;  // llama.cpp produced the golden data with n_ctx 512

@@ -42,6 +42,7 @@ int act_block(DType t) {
     case DType::Q8_0:
     case DType::Q4_0:
     case DType::Q5_0:
+    case DType::MXFP4:
       return 32;
     case DType::Q4_K:
     case DType::Q5_K:
@@ -115,10 +116,10 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(MatmulCase{DType::F32, {1, 31, 257}}, MatmulCase{DType::F16, {1, 31, 257}},
                       MatmulCase{DType::BF16, {3, 100}}, MatmulCase{DType::Q8_0, {32, 96, 544}},
                       MatmulCase{DType::Q4_0, {32, 544}}, MatmulCase{DType::Q5_0, {32, 544}},
-                      MatmulCase{DType::Q4_1, {32, 160}}, MatmulCase{DType::Q5_1, {32, 160}},
-                      MatmulCase{DType::Q2_K, {256, 768}}, MatmulCase{DType::Q3_K, {256, 768}},
-                      MatmulCase{DType::Q4_K, {256, 768}}, MatmulCase{DType::Q5_K, {256, 768}},
-                      MatmulCase{DType::Q6_K, {256, 768}}),
+                      MatmulCase{DType::MXFP4, {32, 96, 544}}, MatmulCase{DType::Q4_1, {32, 160}},
+                      MatmulCase{DType::Q5_1, {32, 160}}, MatmulCase{DType::Q2_K, {256, 768}},
+                      MatmulCase{DType::Q3_K, {256, 768}}, MatmulCase{DType::Q4_K, {256, 768}},
+                      MatmulCase{DType::Q5_K, {256, 768}}, MatmulCase{DType::Q6_K, {256, 768}}),
     [](const auto& info) { return std::string(dtype_name(info.param.type)); });
 
 // A quantized weight times an activation row holding a NaN gives NaN, as the f32 math would.
