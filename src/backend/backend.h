@@ -9,12 +9,14 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <new>
+#include <numbers>
 #include <numeric>
 #include <span>
 #include <string_view>
@@ -96,12 +98,65 @@ enum class RopeStyle {
   NeoX,    // rotate (x[i], x[i + n_rot/2]): qwen2/3, gemma, NeoX
 };
 
+// Rotary position embedding of pair i (0 <= i < n_rot / 2) at position pos, as llama.cpp's
+// ggml_rope_ext computes it:
+//   theta_extrap = pos * base^(-2i/n_rot) / freq_factors[i]     (factors: 1 when empty)
+//   theta_interp = freq_scale * theta_extrap
+//   theta = theta_interp                                          (ext_factor == 0)
+//   theta = theta_interp * (1 - r) + theta_extrap * r,  r = ramp(i) * ext_factor   (YaRN)
+//   (cos, sin) scaled by attn_factor, times 1 + 0.1 ln(1 / freq_scale) when ext_factor != 0
+// ramp(i) falls from 1 to 0 between the YaRN correction dims (rope_yarn_corr_dims below).
 struct RopeParams {
   int64_t n_rot = 0;        // leading dims of each head that rotate (<= head_dim, even)
   float freq_base = 10000;  // theta_i = pos * freq_scale * base^(-2i/n_rot)
   float freq_scale = 1;
   RopeStyle style = RopeStyle::Normal;
+  // [n_rot / 2] divisors of each pair's frequency (Llama 3 rope_freqs, LongRoPE factors), or
+  // empty. Borrowed: the model's weights outlive every op that reads them.
+  std::span<const float> freq_factors = {};
+  float ext_factor = 0;   // YaRN: weight of the extrapolation ramp (0: no YaRN)
+  float attn_factor = 1;  // magnitude scale of cos and sin
+  float beta_fast = 32;   // YaRN: correction dims from these rotation counts ...
+  float beta_slow = 1;
+  int32_t n_ctx_orig = 0;  // ... over the original training context (> 0 with ext_factor)
+
+  bool plain() const { return freq_factors.empty() && ext_factor == 0 && attn_factor == 1; }
 };
+
+// The host-side constants every backend derives from RopeParams once per op: YaRN's
+// correction dims (llama.cpp's ggml_rope_yarn_corr_dims, in f32 as there) and the cos/sin
+// magnitude.
+struct RopeYarnTerms {
+  float corr_lo = 0, corr_hi = 0;  // ramp(i) = 1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1)
+  float ext_factor = 0;
+  float mscale = 1;
+};
+inline RopeYarnTerms rope_yarn_terms(const RopeParams& p) {
+  RopeYarnTerms t;
+  t.ext_factor = p.ext_factor;
+  t.mscale = p.attn_factor;
+  if (p.ext_factor == 0) return t;
+  // Dimension (of n_rot) whose wavelength turns n_rot_turns times over the original context.
+  auto corr_dim = [&](float n_rot_turns) {
+    return float(p.n_rot) *
+           std::log(float(p.n_ctx_orig) / (n_rot_turns * 2 * std::numbers::pi_v<float>)) /
+           (2 * std::log(p.freq_base));
+  };
+  t.corr_lo = std::max(0.0f, std::floor(corr_dim(p.beta_fast)));
+  t.corr_hi = std::min(float(p.n_rot - 1), std::ceil(corr_dim(p.beta_slow)));
+  t.mscale *= 1.0f + 0.1f * std::log(1.0f / p.freq_scale);
+  return t;
+}
+// Pair i's angle per unit of position (theta = pos * rope_pair_freq): the factored form of the
+// formula above, shared by the host backends so their angles agree bit for bit.
+inline double rope_pair_freq(const RopeParams& p, const RopeYarnTerms& y, int64_t i) {
+  double f = std::pow(double(p.freq_base), -2.0 * double(i) / double(p.n_rot));
+  if (!p.freq_factors.empty()) f /= double(p.freq_factors[static_cast<size_t>(i)]);
+  if (y.ext_factor == 0) return double(p.freq_scale) * f;
+  const float ramp_y = (float(i) - y.corr_lo) / std::max(0.001f, y.corr_hi - y.corr_lo);
+  const double r = double(1 - std::min(1.0f, std::max(0.0f, ramp_y))) * double(y.ext_factor);
+  return f * (double(p.freq_scale) * (1 - r) + r);
+}
 
 // Causal attention over f16 KV planes read through a logical->physical row map, so growing
 // planes, rings and several sequences all look the same to the kernel.

@@ -40,6 +40,7 @@ Expected<std::shared_ptr<Model>> Model::build(GgufFile gguf) {
   m->gguf_ = std::move(gguf);
   KILN_ASSIGN_OR_RETURN(m->hp_, model::read_hparams(m->gguf_));
   KILN_ASSIGN_OR_RETURN(m->w_, model::bind_weights(m->gguf_, m->hp_));
+  model::attach_rope_factors(m->w_, m->hp_);
   return m;
 }
 

@@ -7,7 +7,10 @@ namespace kiln::model {
 namespace {
 
 constexpr std::array kArchs = {
-    ArchInfo{.name = "llama", .rope_style = RopeStyle::Normal, .experts_allowed = true},
+    ArchInfo{.name = "llama",
+             .rope_style = RopeStyle::Normal,
+             .experts_allowed = true,
+             .rope_freqs = true},
     ArchInfo{.name = "qwen2", .rope_style = RopeStyle::NeoX, .qkv_bias = true},
     ArchInfo{.name = "qwen3", .rope_style = RopeStyle::NeoX, .qk_norm = true},
     // MoE rows: softmax router, top-k, weights renormalised over the chosen k (llama.cpp's

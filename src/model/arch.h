@@ -36,6 +36,8 @@ struct ArchInfo {
   bool ffn_norm_is_post_attention_norm = false;
   bool full_layers_nope = false;   // full-attention layers skip RoPE
   bool swa_rope_unscaled = false;  // sliding layers ignore rope.scaling (gemma3)
+  bool rope_freqs = false;         // optional rope_freqs.weight: Llama 3 frequency factors
+  bool longrope = false;           // optional rope_factors_{long,short}.weight (LongRoPE)
   float post_norm_eps = 0;         // > 0: eps of the post norms (else the metadata eps)
   FfnAct act = FfnAct::Silu;
   SwaRule swa = SwaRule::None;

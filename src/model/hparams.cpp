@@ -3,6 +3,9 @@
 #include "model/hparams.h"
 
 #include <cmath>
+#include <optional>
+#include <type_traits>
+#include <variant>
 
 namespace kiln::model {
 namespace {
@@ -34,7 +37,152 @@ Status check_range(const std::string& key, int64_t v, int64_t lo, int64_t hi) {
   return Status::ok();
 }
 
+// A metadata key that changes the math, and whether its value is one kiln computes.
+struct MathKey {
+  std::string_view suffix;  // after "{arch}."
+  // The value kiln implements: the key is refused when present with any other value.
+  enum class Accept { Absent, Zero, One, True, False } accept;
+  std::string_view what;  // what the key would change, for the refusal
+};
+
+// Keys llama.cpp reads that change the forward pass, none of which any architecture row of
+// kiln implements today (keys it does implement are read above, with their own checks). A row
+// that starts implementing one removes it here, or makes the check depend on the row.
+constexpr MathKey kUnimplementedMathKeys[] = {
+    {"rope.scaling.yarn_log_multiplier", MathKey::Accept::Zero, "DeepSeek's YaRN mscale"},
+    {"rope.scaling.yarn_ext_factor", MathKey::Accept::Absent, "a fixed YaRN ramp weight"},
+    {"rope.scaling.yarn_attn_factor", MathKey::Accept::Absent, "a fixed YaRN magnitude"},
+    {"rope.scaling.alpha", MathKey::Accept::Absent, "NTK-alpha rope scaling"},
+    {"rope.dimension_sections", MathKey::Accept::Absent, "multi-section (M-)RoPE"},
+    {"attention.scale", MathKey::Accept::Absent, "the attention logit scale"},
+    {"attention.causal", MathKey::Accept::True, "non-causal attention"},
+    {"attention.clamp_kqv", MathKey::Accept::Absent, "clamped Q/K/V"},
+    {"attention.temperature_length", MathKey::Accept::Absent, "attention temperature tuning"},
+    {"attention.temperature_scale", MathKey::Accept::Absent, "attention temperature tuning"},
+    {"attention.key_length_mla", MathKey::Accept::Absent, "latent attention"},
+    {"attention.value_length_mla", MathKey::Accept::Absent, "latent attention"},
+    {"attention.q_lora_rank", MathKey::Accept::Absent, "latent attention"},
+    {"attention.kv_lora_rank", MathKey::Accept::Absent, "latent attention"},
+    {"attention.shared_kv_layers", MathKey::Accept::Absent, "KV sharing across layers"},
+    {"embedding_scale", MathKey::Accept::Absent, "an embedding scale"},
+    {"residual_scale", MathKey::Accept::Absent, "a residual scale"},
+    {"use_parallel_residual", MathKey::Accept::False, "parallel residual blocks"},
+    {"expert_gating_func", MathKey::Accept::One, "the expert gating function (1 = softmax)"},
+    {"expert_weights_scale", MathKey::Accept::One, "scaled expert weights"},
+    {"expert_weights_norm", MathKey::Accept::True, "unnormalised expert weights"},
+    {"expert_shared_count", MathKey::Accept::Zero, "shared experts"},
+    {"expert_group_count", MathKey::Accept::Absent, "grouped expert routing"},
+    {"expert_group_used_count", MathKey::Accept::Absent, "grouped expert routing"},
+    {"leading_dense_block_count", MathKey::Accept::Zero, "leading dense layers"},
+    {"nextn_predict_layers", MathKey::Accept::Zero, "NextN (MTP) layers"},
+    {"router_logit_softcapping", MathKey::Accept::Absent, "a router softcap"},
+};
+
+// The value of a numeric or bool metadata entry as a double (strings and arrays: nullopt).
+std::optional<double> scalar_value(const GgufValue& v) {
+  std::optional<double> out;
+  std::visit(
+      [&](const auto& x) {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, bool>)
+          out = x ? 1.0 : 0.0;
+        else if constexpr (std::is_arithmetic_v<T>)
+          out = static_cast<double>(x);
+      },
+      v.v);
+  return out;
+}
+
+std::string value_str(const GgufValue& v) {
+  if (const auto* b = std::get_if<bool>(&v.v)) return *b ? "true" : "false";
+  if (v.is_float()) return fmt::format("{}", static_cast<float>(std::get<double>(v.v)));
+  if (auto d = scalar_value(v)) return fmt::format("{}", *d);
+  if (v.is_string()) return fmt::format("'{}'", v.str());
+  return "(array)";
+}
+
+Status check_math_keys(const GgufFile& g, const std::string& arch_name, const ArchInfo& arch) {
+  for (const MathKey& m : kUnimplementedMathKeys) {
+    const std::string key = fmt::format("{}.{}", arch_name, m.suffix);
+    const GgufValue* v = g.find(key);
+    if (!v) continue;
+    const std::optional<double> d = scalar_value(*v);
+    bool ok = false;
+    switch (m.accept) {
+      case MathKey::Accept::Absent:
+        ok = false;
+        break;
+      case MathKey::Accept::Zero:
+        ok = d && *d == 0;
+        break;
+      case MathKey::Accept::One:
+        ok = d && *d == 1;
+        break;
+      case MathKey::Accept::True:
+        ok = d && *d == 1;
+        break;
+      case MathKey::Accept::False:
+        ok = d && *d == 0;
+        break;
+    }
+    if (!ok)
+      return Status::errorf("metadata '{}' = {} ({}) is not supported", key, value_str(*v), m.what);
+  }
+  // Window keys on an architecture whose layers all attend fully would be ignored.
+  if (arch.swa == SwaRule::None) {
+    for (std::string_view suffix :
+         {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"}) {
+      const std::string key = fmt::format("{}.{}", arch_name, suffix);
+      if (const GgufValue* v = g.find(key))
+        return Status::errorf("metadata '{}' = {}: architecture '{}' has no sliding-window layers",
+                              key, value_str(*v), arch_name);
+    }
+  }
+  return Status::ok();
+}
+
 }  // namespace
+
+Status read_rope_scaling(const GgufFile& g, std::string_view arch_name, int32_t n_ctx_train,
+                         RopeParams& rope) {
+  KeyReader r(g, std::string(arch_name));
+  // llama.cpp: the factor is rope.scaling.factor, else the older rope.scale_linear; the type
+  // defaults to linear, so a factor without a type scales linearly.
+  float factor = 0;
+  if (g.has(r.key("rope.scaling.factor"))) {
+    KILN_ASSIGN_OR_RETURN(factor, r.req<float>("rope.scaling.factor"));
+  } else {
+    KILN_ASSIGN_OR_RETURN(factor, r.opt<float>("rope.scale_linear", 0.0f));
+  }
+  if (!(factor >= 0) || !std::isfinite(factor))
+    return Status::errorf("metadata '{}' = {} out of range", r.key("rope.scaling.factor"), factor);
+  KILN_ASSIGN_OR_RETURN(std::string type, r.opt<std::string>("rope.scaling.type", "linear"));
+  rope.freq_scale = factor == 0 ? 1.0f : 1.0f / factor;
+  rope.ext_factor = 0;
+  if (type == "none") {
+    rope.freq_scale = 1.0f;  // llama.cpp never scales when the type says none
+  } else if (type == "yarn") {
+    rope.ext_factor = 1.0f;  // llama.cpp's default yarn_ext_factor for a YaRN model
+  } else if (type != "linear" && type != "longrope") {
+    return Status::errorf("metadata '{}' = '{}' is not supported (none, linear, yarn, longrope)",
+                          r.key("rope.scaling.type"), type);
+  }
+  KILN_ASSIGN_OR_RETURN(rope.n_ctx_orig, r.opt<int32_t>("rope.scaling.original_context_length", 0));
+  if (rope.n_ctx_orig == 0) rope.n_ctx_orig = n_ctx_train;
+  KILN_TRY(check_range(r.key("rope.scaling.original_context_length"), rope.n_ctx_orig, 1, 1 << 30));
+  KILN_ASSIGN_OR_RETURN(rope.attn_factor, r.opt<float>("rope.scaling.attn_factor", 1.0f));
+  KILN_ASSIGN_OR_RETURN(rope.beta_fast, r.opt<float>("rope.scaling.yarn_beta_fast", 32.0f));
+  KILN_ASSIGN_OR_RETURN(rope.beta_slow, r.opt<float>("rope.scaling.yarn_beta_slow", 1.0f));
+  if (!(rope.attn_factor > 0) || !std::isfinite(rope.attn_factor))
+    return Status::errorf("metadata '{}' = {} out of range", r.key("rope.scaling.attn_factor"),
+                          rope.attn_factor);
+  if (!(rope.beta_fast > 0 && rope.beta_slow > 0 && std::isfinite(rope.beta_fast) &&
+        std::isfinite(rope.beta_slow)))
+    return Status::errorf("metadata '{}' / '{}' = {} / {} out of range",
+                          r.key("rope.scaling.yarn_beta_fast"),
+                          r.key("rope.scaling.yarn_beta_slow"), rope.beta_fast, rope.beta_slow);
+  return Status::ok();
+}
 
 Expected<HParams> read_hparams(const GgufFile& g) {
   HParams hp;
@@ -45,6 +193,7 @@ Expected<HParams> read_hparams(const GgufFile& g) {
     return Status::errorf("architecture '{}' is recognised but not supported yet", hp.arch_name);
   const ArchInfo& arch = *hp.arch;
   KeyReader r(g, hp.arch_name);
+  KILN_TRY(check_math_keys(g, hp.arch_name, arch));
 
   constexpr int64_t kMaxDim = 1 << 20;
   KILN_ASSIGN_OR_RETURN(hp.n_embd, r.req<int32_t>("embedding_length"));
@@ -88,24 +237,14 @@ Expected<HParams> read_hparams(const GgufFile& g) {
   hp.attn_scale = 1.0f / std::sqrt(float(hp.head_dim_k));
   hp.embd_scale = arch.embd_scale_sqrt ? std::sqrt(float(hp.n_embd)) : 1.0f;
 
-  // RoPE: base, linear scaling (rope.scaling.type "linear" with factor f -> freq_scale 1/f).
+  // RoPE: base, then the scaling keys (read_rope_scaling).
   RopeParams rope;
   rope.n_rot = hp.n_rot;
   rope.style = arch.rope_style;
   KILN_ASSIGN_OR_RETURN(rope.freq_base, r.opt<float>("rope.freq_base", 10000.0f));
   if (!(rope.freq_base > 0))
     return Status::errorf("metadata '{}' must be > 0", r.key("rope.freq_base"));
-  KILN_ASSIGN_OR_RETURN(std::string scaling_type, r.opt<std::string>("rope.scaling.type", "none"));
-  KILN_ASSIGN_OR_RETURN(float scaling_factor, r.opt<float>("rope.scaling.factor", 0.0f));
-  if (scaling_type == "linear") {
-    if (!(scaling_factor > 0))
-      return Status::errorf("metadata '{}' must be > 0 for linear scaling",
-                            r.key("rope.scaling.factor"));
-    rope.freq_scale = 1.0f / scaling_factor;
-  } else if (scaling_type != "none") {
-    return Status::errorf("metadata '{}' = '{}' is not supported (none, linear)",
-                          r.key("rope.scaling.type"), scaling_type);
-  }
+  KILN_TRY(read_rope_scaling(g, hp.arch_name, hp.n_ctx_train, rope));
   KILN_ASSIGN_OR_RETURN(float freq_base_swa, r.opt<float>("rope.freq_base_swa", rope.freq_base));
 
   // Sliding-window layout.

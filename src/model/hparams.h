@@ -68,6 +68,14 @@ struct HParams {
   int64_t o_width() const { return int64_t(n_head) * head_dim_v; }
 };
 
+// Reads "{arch_name}.rope.scaling.*" into `rope` (whose freq_base and n_rot are set): the
+// factor (or the older rope.scale_linear) as freq_scale = 1 / factor; the type (none, linear
+// -- llama.cpp's default --, yarn, longrope); for YaRN ext_factor 1, original_context_length
+// (default n_ctx_train), yarn_beta_fast / yarn_beta_slow (default 32 / 1); attn_factor (default
+// 1) for every type. One function for every architecture that reads these keys.
+Status read_rope_scaling(const GgufFile& g, std::string_view arch_name, int32_t n_ctx_train,
+                         RopeParams& rope);
+
 // Reads and validates the hyper-parameters of `g` (n_vocab comes from token_embd's shape).
 // Unknown architecture, missing or inconsistent keys: an error naming the key.
 Expected<HParams> read_hparams(const GgufFile& g);

@@ -47,17 +47,31 @@ void rmsnorm(Vec& x, int64_t n, float eps, std::span<const float> weight) {
   }
 }
 
-// In place on [n_tok][n_head][head_dim]: rotate the first n_rot dims of each head.
+// In place on [n_tok][n_head][head_dim]: rotate the first n_rot dims of each head. The angle
+// is written the way llama.cpp's rope_yarn reads (extrapolated and interpolated angles, mixed
+// by the YaRN ramp), not in the backends' factored form, so the two are checked against
+// each other (tests/model/rope_factors_test.cpp).
 void rope(Vec& x, int64_t n_tok, int64_t n_head, int64_t head_dim, std::span<const int32_t> pos,
           const RopeParams& p) {
   const int64_t half = p.n_rot / 2;
+  const RopeYarnTerms yarn = rope_yarn_terms(p);
   for (int64_t t = 0; t < n_tok; ++t) {
     for (int64_t h = 0; h < n_head; ++h) {
       float* v = x.data() + (t * n_head + h) * head_dim;
       for (int64_t i = 0; i < half; ++i) {
-        const double theta = double(pos[t]) * double(p.freq_scale) *
-                             std::pow(double(p.freq_base), -2.0 * double(i) / double(p.n_rot));
-        const double c = std::cos(theta), s = std::sin(theta);
+        const double factor = p.freq_factors.empty() ? 1.0 : double(p.freq_factors[i]);
+        const double theta_extrap =
+            double(pos[t]) * std::pow(double(p.freq_base), -2.0 * double(i) / double(p.n_rot)) /
+            factor;
+        const double theta_interp = double(p.freq_scale) * theta_extrap;
+        double theta = theta_interp;
+        if (yarn.ext_factor != 0) {
+          const double y = (double(i) - yarn.corr_lo) /
+                           std::max(0.001, double(yarn.corr_hi) - double(yarn.corr_lo));
+          const double mix = (1 - std::clamp(y, 0.0, 1.0)) * double(yarn.ext_factor);
+          theta = theta_interp * (1 - mix) + theta_extrap * mix;
+        }
+        const double c = std::cos(theta) * yarn.mscale, s = std::sin(theta) * yarn.mscale;
         const int64_t a = p.style == RopeStyle::NeoX ? i : 2 * i;
         const int64_t b = p.style == RopeStyle::NeoX ? i + half : 2 * i + 1;
         const double x0 = v[a], x1 = v[b];

@@ -1,8 +1,10 @@
 // model/weights.cpp: binds and shape-checks the tensors named by the architecture table.
 #include "model/weights.h"
 
+#include <cmath>
 #include <cstring>
 #include <string>
+#include <unordered_set>
 
 #include "quant/quant.h"
 
@@ -40,6 +42,7 @@ class Binder {
   Expected<TensorView> get(const std::string& name, std::initializer_list<int64_t> ne) const {
     const TensorInfo* t = g_.find_tensor(name);
     if (!t) return Status::errorf("missing tensor '{}'", name);
+    used_.insert(t);
     bool ok = t->n_dims == static_cast<int>(ne.size());
     int d = 0;
     for (int64_t n : ne) ok = ok && t->ne[d++] == n;
@@ -92,9 +95,19 @@ class Binder {
 
   bool has(const std::string& name) const { return g_.find_tensor(name) != nullptr; }
 
+  // Fail closed: a tensor no binding above consumed would be silently ignored by the forward
+  // pass (a Llama 3 rope_freqs read by nothing answered wrongly), so it refuses the load.
+  Status check_all_used(std::string_view arch_name) const {
+    for (const TensorInfo& t : g_.tensors())
+      if (!used_.contains(&t))
+        return Status::errorf("tensor '{}' is not used by architecture '{}'", t.name, arch_name);
+    return Status::ok();
+  }
+
  private:
   const GgufFile& g_;
   Weights& w_;
+  mutable std::unordered_set<const TensorInfo*> used_;  // every tensor get() handed out
 };
 
 }  // namespace
@@ -112,6 +125,25 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
     w.output = w.token_embd;  // tied embeddings (llama.cpp does the same when output is absent)
     w.tied_output = true;
   }
+  // Per-pair rope frequency divisors: Llama 3's rope_freqs, or LongRoPE's two sets.
+  const int64_t n_pairs = hp.n_rot / 2;
+  if (arch.rope_freqs && b.has("rope_freqs.weight")) {
+    KILN_ASSIGN_OR_RETURN(w.rope_freqs, b.vec("rope_freqs.weight", n_pairs));
+  }
+  if (arch.longrope && (b.has("rope_factors_long.weight") || b.has("rope_factors_short.weight"))) {
+    KILN_ASSIGN_OR_RETURN(w.rope_long, b.vec("rope_factors_long.weight", n_pairs));
+    KILN_ASSIGN_OR_RETURN(w.rope_short, b.vec("rope_factors_short.weight", n_pairs));
+  }
+  // The factors divide frequencies: zero, negative or non-finite ones are a broken file.
+  const std::pair<const char*, std::span<const float>> factor_sets[] = {
+      {"rope_freqs.weight", w.rope_freqs},
+      {"rope_factors_long.weight", w.rope_long},
+      {"rope_factors_short.weight", w.rope_short}};
+  for (const auto& [name, f] : factor_sets)
+    for (size_t i = 0; i < f.size(); ++i)
+      if (!(f[i] > 0) || !std::isfinite(f[i]))
+        return Status::errorf("tensor '{}': factor {} = {} is not a positive finite number", name,
+                              i, f[i]);
   w.layers.resize(hp.n_layer);
   std::vector<moe::StackedExperts> experts(static_cast<size_t>(hp.n_layer));
   bool any_experts = false;
@@ -171,8 +203,22 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
     KILN_ASSIGN_OR_RETURN(lw.ffn_up, b.matrix(n("ffn_up.weight"), E, L.n_ff));
     KILN_ASSIGN_OR_RETURN(lw.ffn_down, b.matrix(n("ffn_down.weight"), L.n_ff, E));
   }
+  KILN_TRY(b.check_all_used(hp.arch_name));
   if (any_experts) w.experts = std::make_shared<moe::MappedExpertSource>(std::move(experts));
   return w;
+}
+
+std::span<const float> rope_factors_for(const Weights& w, const HParams& hp, int32_t n_ctx) {
+  if (!w.rope_freqs.empty()) return w.rope_freqs;
+  if (w.rope_long.empty()) return {};
+  // llama.cpp's get_rope_factors: the long set once the context passes the original one.
+  const int32_t n_ctx_orig = hp.layers.empty() ? 0 : hp.layers[0].rope.n_ctx_orig;
+  return n_ctx > n_ctx_orig ? w.rope_long : w.rope_short;
+}
+
+void attach_rope_factors(const Weights& w, HParams& hp) {
+  const std::span<const float> f = rope_factors_for(w, hp, hp.n_ctx_train);
+  for (LayerDesc& L : hp.layers) L.rope.freq_factors = f;
 }
 
 }  // namespace kiln::model

@@ -43,6 +43,9 @@ struct Weights {
   std::span<const float> output_norm;  // [n_embd]
   WeightMatrix output;                 // [n_vocab][n_embd]; token_embd when tied
   bool tied_output = false;
+  // [n_rot / 2] rope frequency divisors, else empty: Llama 3's rope_freqs (every layer), or
+  // LongRoPE's long and short sets (phi3), one chosen by the context (rope_factors_for).
+  std::span<const float> rope_freqs, rope_long, rope_short;
   std::vector<LayerWeights> layers;
   // Expert FFN weights of MoE layers, reached only through this interface (null: dense model).
   std::shared_ptr<moe::ExpertSource> experts;
@@ -52,8 +55,18 @@ struct Weights {
 };
 
 // Binds every tensor the architecture needs; a missing tensor, a wrong shape or a dtype the
-// quant layer cannot read is an error naming the tensor and both shapes.
+// quant layer cannot read is an error naming the tensor and both shapes, and so is a tensor of
+// the file that nothing binds (fail closed: none is ever silently ignored).
 Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp);
+
+// The rope factors a context of n_ctx positions uses: rope_freqs, else LongRoPE's long set
+// when n_ctx exceeds rope.scaling.original_context_length and its short set otherwise, else
+// none.
+std::span<const float> rope_factors_for(const Weights& w, const HParams& hp, int32_t n_ctx);
+
+// Points every layer's RopeParams::freq_factors at the factors of the model's training context
+// (llama.cpp's choice when no context size is given). `w` must outlive `hp`'s use.
+void attach_rope_factors(const Weights& w, HParams& hp);
 
 // A tensor as a WeightMatrix (any number of dims, rows flattened over ne[1..3]).
 WeightMatrix as_matrix(const TensorView& t);

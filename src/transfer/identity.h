@@ -11,7 +11,9 @@ namespace kiln::transfer {
 
 // Bumped whenever the meaning of a KV row changes (RoPE convention, K/V layout, scaling folded
 // into K, dtype of the planes): packs from another version are refused, never reinterpreted.
-inline constexpr uint32_t kEngineAbiVersion = 1;
+// 2: K rows of models with rope frequency factors (Llama 3 rope_freqs) are rotated by them;
+// version 1 ignored the factors.
+inline constexpr uint32_t kEngineAbiVersion = 2;
 
 // Fingerprints of the model's GGUF: the tensor index (names, dtypes, shapes, offsets) with
 // every metadata key outside tokenizer.*; the tokenizer.* keys except the chat template; the

@@ -34,14 +34,19 @@ struct Fixture {
 };
 
 constexpr Fixture kFixtures[] = {
-    {"stories260K", false},      {"stories260K-q8_0", true},    {"babyllama-tok105-f32", false},
-    {"llama-gqa-f16", false},    {"llama-gqa-bf16", false},     {"llama-gqa-q8_0", true},
-    {"llama-gqa-q4_0", true},    {"llama-gqa-q4_k_m", true},    {"llama-gqa-q5_k_m", true},
-    {"llama-gqa-q6_k", true},    {"qwen3-bpe-f16", false},      {"qwen3-bpe-q8_0", true},
-    {"gemma2-swa-f16", false},   {"gemma2-swa-q8_0", true},     {"gemma3-swa-f16", false},
-    {"muse-glimmer-f16", false}, {"muse-glimmer-q4_k_m", true}, {"qwen3moe-q4_k_m", true},
-    {"qwen3moe-f16", false},     {"mixtral-q4_k_m", true},      {"gpt-oss-f16", false},
-    {"gpt-oss-mxfp4_moe", true},
+    {"stories260K", false},          {"stories260K-q8_0", true},
+    {"babyllama-tok105-f32", false}, {"llama-gqa-f16", false},
+    {"llama-gqa-bf16", false},       {"llama-gqa-q8_0", true},
+    {"llama-gqa-q4_0", true},        {"llama-gqa-q4_k_m", true},
+    {"llama-gqa-q5_k_m", true},      {"llama-gqa-q6_k", true},
+    {"qwen3-bpe-f16", false},        {"qwen3-bpe-q8_0", true},
+    {"gemma2-swa-f16", false},       {"gemma2-swa-q8_0", true},
+    {"gemma3-swa-f16", false},       {"muse-glimmer-f16", false},
+    {"muse-glimmer-q4_k_m", true},   {"qwen3moe-q4_k_m", true},
+    {"qwen3moe-f16", false},         {"mixtral-q4_k_m", true},
+    {"llama3-ropefreqs-f16", false}, {"llama3-ropefreqs-q4_k_m", true},
+    {"qwen2-yarn-f16", false},       {"qwen2-yarn-q8_0", true},
+    {"gpt-oss-f16", false},          {"gpt-oss-mxfp4_moe", true},
 };
 
 constexpr int32_t kCtx = 512;  // llama.cpp produced the golden data with n_ctx 512

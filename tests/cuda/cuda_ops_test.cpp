@@ -381,7 +381,10 @@ TEST(CudaOps, RopeQkEqualsTwoRopes) {
                      << " hd " << hd << " n_tok " << n_tok);
         std::vector<int32_t> pos(static_cast<size_t>(n_tok));
         for (int64_t t = 0; t < n_tok; ++t) pos[size_t(t)] = int32_t(t * 997 + 3);
-        const RopeParams p{n_rot, style == RopeStyle::NeoX ? 1e6f : 1e4f, 0.5f, style};
+        const RopeParams p{.n_rot = n_rot,
+                           .freq_base = style == RopeStyle::NeoX ? 1e6f : 1e4f,
+                           .freq_scale = 0.5f,
+                           .style = style};
         const std::vector<float> q = random_vec(rng, size_t(n_tok * hq * hd));
         const std::vector<float> k = random_vec(rng, size_t(n_tok * hk * hd));
         BackendBuffer<float> q1 = b.alloc<float>(q.size()), k1 = b.alloc<float>(k.size());

@@ -27,14 +27,19 @@ struct Fixture {
 };
 
 constexpr Fixture kFixtures[] = {
-    {"stories260K", false},      {"stories260K-q8_0", true},    {"babyllama-tok105-f32", false},
-    {"llama-gqa-f16", false},    {"llama-gqa-bf16", false},     {"llama-gqa-q8_0", true},
-    {"llama-gqa-q4_0", true},    {"llama-gqa-q4_k_m", true},    {"llama-gqa-q5_k_m", true},
-    {"llama-gqa-q6_k", true},    {"qwen3-bpe-f16", false},      {"qwen3-bpe-q8_0", true},
-    {"gemma2-swa-f16", false},   {"gemma2-swa-q8_0", true},     {"gemma3-swa-f16", false},
-    {"muse-glimmer-f16", false}, {"muse-glimmer-q4_k_m", true}, {"qwen3moe-f16", false},
-    {"qwen3moe-q4_k_m", true},   {"mixtral-q4_k_m", true},      {"gpt-oss-f16", false},
-    {"gpt-oss-mxfp4_moe", true},
+    {"stories260K", false},          {"stories260K-q8_0", true},
+    {"babyllama-tok105-f32", false}, {"llama-gqa-f16", false},
+    {"llama-gqa-bf16", false},       {"llama-gqa-q8_0", true},
+    {"llama-gqa-q4_0", true},        {"llama-gqa-q4_k_m", true},
+    {"llama-gqa-q5_k_m", true},      {"llama-gqa-q6_k", true},
+    {"qwen3-bpe-f16", false},        {"qwen3-bpe-q8_0", true},
+    {"gemma2-swa-f16", false},       {"gemma2-swa-q8_0", true},
+    {"gemma3-swa-f16", false},       {"muse-glimmer-f16", false},
+    {"muse-glimmer-q4_k_m", true},   {"qwen3moe-f16", false},
+    {"qwen3moe-q4_k_m", true},       {"mixtral-q4_k_m", true},
+    {"llama3-ropefreqs-f16", false}, {"llama3-ropefreqs-q4_k_m", true},
+    {"qwen2-yarn-f16", false},       {"qwen2-yarn-q8_0", true},
+    {"gpt-oss-f16", false},          {"gpt-oss-mxfp4_moe", true},
 };
 
 // CpuTp2/CpuTp4: the fast path on a tensor-parallel group of 2/4 CPU backends
@@ -64,10 +69,6 @@ constexpr int32_t kCtx = 512;
 void run_golden(const Fixture& fx, Path path) {
   const golden::Golden g = golden::load(fx.name);
   auto m = Model::load(testing::model_path(std::string(fx.name) + ".gguf"));
-  // gpt-oss needs YaRN rope scaling (issue 34, point 3, another branch): until it lands the
-  // load refuses the file, and only that refusal skips.
-  if (!m.has_value() && m.error().find("'yarn' is not supported") != std::string::npos)
-    GTEST_SKIP() << "waits for YaRN rope scaling: " << m.error();
   ASSERT_TRUE(m.has_value()) << m.error();
   ASSERT_EQ((*m)->n_vocab(), g.n_vocab);
   const golden::Bounds b = golden::bounds_for(fx.quantized);

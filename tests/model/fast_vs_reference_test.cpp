@@ -186,6 +186,15 @@ TEST(FastVsReference, Qwen2BiasesRefBackend) {
   auto be = make_ref_backend();
   run_compare(random_qwen2(), *be, kRefBackendTol, 30);
 }
+// Llama 3 rope frequency factors and YaRN (the prompt runs past the original context 128).
+TEST(FastVsReference, Llama3RopeFreqsRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(load("llama3-ropefreqs-f16.gguf"), *be, kRefBackendTol, 40);
+}
+TEST(FastVsReference, Qwen2YarnRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(load("qwen2-yarn-f16.gguf"), *be, kRefBackendTol, 120);
+}
 
 #if KILN_HAVE_CPU_BACKEND
 // The cpu backend may round activations to 8-bit blocks for quantized weights (as llama.cpp
@@ -219,6 +228,14 @@ TEST(FastVsReference, GptOssCpuBackend) {
 TEST(FastVsReference, Qwen2BiasesCpuBackend) {
   auto be = make_cpu_backend({.threads = 2});
   run_compare(random_qwen2(), *be, 1e-2, 30);
+}
+TEST(FastVsReference, Llama3RopeFreqsCpuBackend) {
+  auto be = make_cpu_backend({.threads = 2});
+  run_compare(load("llama3-ropefreqs-f16.gguf"), *be, 1e-2, 40);
+}
+TEST(FastVsReference, Qwen2YarnCpuBackend) {
+  auto be = make_cpu_backend({.threads = 2});
+  run_compare(load("qwen2-yarn-f16.gguf"), *be, 1e-2, 120);
 }
 #endif
 

@@ -93,7 +93,10 @@ TEST_P(BackendOps, Rope) {
         if (n_rot == 0) continue;
         const int64_t n_tok = 5, n_head = 3;
         std::vector<int32_t> pos = {0, 1, 17, 4095, 131071};
-        RopeParams p{n_rot, style == RopeStyle::NeoX ? 1e6f : 1e4f, 1.0f, style};
+        RopeParams p{.n_rot = n_rot,
+                     .freq_base = style == RopeStyle::NeoX ? 1e6f : 1e4f,
+                     .freq_scale = 1.0f,
+                     .style = style};
         if (head_dim == 80) p.freq_scale = 0.25f;
         std::vector<float> a = random_vec(rng, n_tok * n_head * head_dim), b = a;
         ref().rope(a, n_tok, n_head, head_dim, pos, p);
@@ -101,6 +104,61 @@ TEST_P(BackendOps, Rope) {
         for (size_t i = 0; i < a.size(); ++i)
           ASSERT_TRUE(close(b[i], a[i], GetParam().rope_rel * (1 + std::fabs(a[i]))))
               << "style " << int(style) << " hd " << head_dim << " n_rot " << n_rot << " i " << i;
+      }
+    }
+  }
+}
+
+// Rope with per-pair frequency factors (Llama 3 rope_freqs, LongRoPE) and YaRN (the ramp
+// between the correction dims, the magnitude scale, attn_factor), odd token and head counts;
+// rope_qk must give the bits of rope() on Q then on K.
+TEST_P(BackendOps, RopeFactorsAndYarn) {
+  std::mt19937_64 rng(ops_seed());
+  std::uniform_real_distribution<float> factor_dist(1.0f, 8.0f);
+  for (RopeStyle style : {RopeStyle::Normal, RopeStyle::NeoX}) {
+    for (int64_t head_dim : {6, 64, 96, 130}) {
+      for (int64_t n_rot : {head_dim, head_dim / 2 + (head_dim / 2) % 2}) {
+        for (int variant = 0; variant < 4; ++variant) {
+          const int64_t n_tok = 7, n_head_q = 5, n_head_k = 1;
+          std::vector<int32_t> pos = {0, 1, 3, 127, 129, 4095, 65537};
+          RopeParams p{.n_rot = n_rot,
+                       .freq_base = style == RopeStyle::NeoX ? 1e6f : 5e5f,
+                       .freq_scale = 1.0f,
+                       .style = style};
+          std::vector<float> factors(static_cast<size_t>(n_rot / 2));
+          for (float& f : factors) f = factor_dist(rng);
+          if (variant != 1) p.freq_factors = factors;  // 0: factors, 2/3: factors + YaRN
+          if (variant >= 1) {                          // YaRN, as qwen2 / gpt-oss read it
+            p.freq_scale = variant == 3 ? 1.0f / 32 : 0.25f;
+            p.ext_factor = 1.0f;
+            p.n_ctx_orig = variant == 3 ? 4096 : 128;
+            p.attn_factor = variant == 2 ? 0.75f : 1.0f;
+            p.beta_fast = 32;
+            p.beta_slow = 1;
+          }
+          const RopeYarnTerms y = rope_yarn_terms(p);
+          std::vector<float> q = random_vec(rng, n_tok * n_head_q * head_dim);
+          std::vector<float> k = random_vec(rng, n_tok * n_head_k * head_dim);
+          std::vector<float> qa = q, ka = k, qb = q, kb = k, qc = q, kc = k;
+          ref().rope(qa, n_tok, n_head_q, head_dim, pos, p);
+          ref().rope(ka, n_tok, n_head_k, head_dim, pos, p);
+          be().rope(qb, n_tok, n_head_q, head_dim, pos, p);
+          be().rope(kb, n_tok, n_head_k, head_dim, pos, p);
+          be().rope_qk(qc, n_head_q, kc, n_head_k, n_tok, head_dim, pos, p);
+          const double bound = GetParam().rope_rel * y.mscale;
+          for (size_t i = 0; i < qa.size(); ++i)
+            ASSERT_TRUE(close(qb[i], qa[i], bound * (1 + std::fabs(qa[i]))))
+                << "q style " << int(style) << " hd " << head_dim << " n_rot " << n_rot
+                << " variant " << variant << " i " << i;
+          for (size_t i = 0; i < ka.size(); ++i)
+            ASSERT_TRUE(close(kb[i], ka[i], bound * (1 + std::fabs(ka[i])))) << "k i " << i;
+          ASSERT_EQ(std::memcmp(qb.data(), qc.data(), qb.size() * sizeof(float)), 0);
+          ASSERT_EQ(std::memcmp(kb.data(), kc.data(), kb.size() * sizeof(float)), 0);
+          // The dims past n_rot pass through untouched.
+          for (int64_t r = 0; r < n_tok * n_head_q; ++r)
+            for (int64_t d = n_rot; d < head_dim; ++d)
+              ASSERT_EQ(qb[r * head_dim + d], q[r * head_dim + d]);
+        }
       }
     }
   }

@@ -182,9 +182,12 @@ class CpuBackend final : public Backend {
     KILN_CHECK(p.n_rot > 0 && p.n_rot % 2 == 0 && p.n_rot <= head_dim, "n_rot {}", p.n_rot);
     std::lock_guard<std::mutex> lock(mu_);
     const int64_t half = p.n_rot / 2;
+    KILN_CHECK(p.freq_factors.empty() || static_cast<int64_t>(p.freq_factors.size()) == half,
+               "{} rope factors for n_rot {}", p.freq_factors.size(), p.n_rot);
+    const RopeYarnTerms yarn = rope_yarn_terms(p);
+    const float mscale = yarn.mscale;
     grow(inv_freq_, static_cast<size_t>(half));
-    for (int64_t i = 0; i < half; ++i)
-      inv_freq_[i] = p.freq_scale * std::pow(double(p.freq_base), -2.0 * double(i) / p.n_rot);
+    for (int64_t i = 0; i < half; ++i) inv_freq_[i] = rope_pair_freq(p, yarn, i);
     float* scratch = thread_scratch(static_cast<size_t>(2 * half));
     auto body = [&](int64_t b, int64_t e, int t) {
       float* cs = scratch + static_cast<size_t>(t) * 2 * half;
@@ -194,8 +197,8 @@ class CpuBackend final : public Backend {
           // The angle is reduced in double so large positions keep f32-accurate sin/cos.
           double th = double(pos[tok]) * inv_freq_[i];
           th -= 2 * std::numbers::pi * std::floor(th / (2 * std::numbers::pi));
-          cs[i] = std::cos(static_cast<float>(th));
-          sn[i] = std::sin(static_cast<float>(th));
+          cs[i] = std::cos(static_cast<float>(th)) * mscale;
+          sn[i] = std::sin(static_cast<float>(th)) * mscale;
         }
         for (int64_t h = 0; h < n_head; ++h) {
           float* v = x.data() + (tok * n_head + h) * head_dim;

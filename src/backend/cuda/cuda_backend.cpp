@@ -32,21 +32,46 @@ using cuda::check_cuda;
 
 namespace {
 
+// The kernel's view of RopeParams: YaRN terms derived here, factors at `dev_factors`.
+cuda::RopeAngles rope_angles(const RopeParams& p, const float* dev_factors) {
+  const RopeYarnTerms y = rope_yarn_terms(p);
+  return cuda::RopeAngles{.n_rot = p.n_rot,
+                          .freq_base = p.freq_base,
+                          .freq_scale = p.freq_scale,
+                          .neox = p.style == RopeStyle::NeoX,
+                          .factors = dev_factors,
+                          .corr_lo = y.corr_lo,
+                          .corr_hi = y.corr_hi,
+                          .ext_factor = y.ext_factor,
+                          .mscale = y.mscale};
+}
+
+void check_rope_factors(const RopeParams& p) {
+  KILN_CHECK(p.freq_factors.empty() || static_cast<int64_t>(p.freq_factors.size()) == p.n_rot / 2,
+             "{} rope factors for n_rot {}", p.freq_factors.size(), p.n_rot);
+}
+
 // rope() and rope_qk() on resident memory (k null, n_head_k 0 for one tensor): one launch of
-// the rope kernel, which serves both (rope.cu). Caller holds mu.
+// the rope kernel, which serves both (rope.cu). The factors (a few hundred bytes of the host
+// mapping) are staged with the positions. Caller holds mu.
 void record_rope(CudaBackend::Impl& I, float* q, int64_t n_head_q, float* k, int64_t n_head_k,
                  int64_t n_tok, int64_t head_dim, std::span<const int32_t> pos,
                  const RopeParams& p) {
+  check_rope_factors(p);
   I.enter();
-  I.seg.room(I.seg.host_bytes(pos));
+  const std::span<const float> ff = p.freq_factors;
+  I.seg.room(I.seg.host_bytes(pos) + I.seg.host_bytes(ff));
   const int32_t* dpos = I.seg.ints(pos);
-  const RopeParams rp = p;
-  const bool neox = p.style == RopeStyle::NeoX;
-  I.seg.sig("rope", q, n_head_q, k, n_head_k, n_tok, head_dim, dpos, rp.n_rot, rp.freq_base,
-            rp.freq_scale, neox);
+  const float* dff = nullptr;
+  if (!ff.empty())
+    dff = I.mem.is_dev(ff.data()) ? ff.data()
+                                  : reinterpret_cast<const float*>(
+                                        I.seg.stage(ff.data(), ff.size_bytes(), ff.size_bytes()));
+  const cuda::RopeAngles a = rope_angles(p, dff);
+  I.seg.sig("rope", q, n_head_q, k, n_head_k, n_tok, head_dim, dpos, a.n_rot, a.freq_base,
+            a.freq_scale, a.neox, dff, a.corr_lo, a.corr_hi, a.ext_factor, a.mscale);
   I.seg.record("rope", [=](cudaStream_t st) {
-    return cuda::launch_rope_qk(q, n_head_q, k, n_head_k, n_tok, head_dim, dpos, rp.n_rot,
-                                rp.freq_base, rp.freq_scale, neox, st);
+    return cuda::launch_rope_qk(q, n_head_q, k, n_head_k, n_tok, head_dim, dpos, a, st);
   });
 }
 
@@ -406,12 +431,13 @@ void CudaBackend::rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_
     record_rope(I, x.data(), n_head, nullptr, 0, n_tok, head_dim, pos, p);
     return;
   }
+  check_rope_factors(p);
   I.host.begin({}, "rope");
   float* dx = I.host.upload<float>(0, std::span<const float>(x));
   const int32_t* dpos = I.host.upload<int32_t>(1, pos);
+  const float* dff = p.freq_factors.empty() ? nullptr : I.host.upload<float>(2, p.freq_factors);
   I.host.launch("rope", [&] {
-    return cuda::launch_rope(dx, n_tok, n_head, head_dim, dpos, p.n_rot, p.freq_base, p.freq_scale,
-                             p.style == RopeStyle::NeoX, I.s());
+    return cuda::launch_rope(dx, n_tok, n_head, head_dim, dpos, rope_angles(p, dff), I.s());
   });
   I.host.download(x, static_cast<const float*>(dx));
   I.host.finish("rope");

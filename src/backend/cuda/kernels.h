@@ -156,14 +156,22 @@ cudaError_t launch_add_rmsnorm(float* x, const float* a, const float* weight, in
 cudaError_t launch_softmax(float* x, int64_t n_rows, int64_t n, cudaStream_t s);
 
 // --- rope.cu (neox: rotate (i, i + n_rot/2) instead of adjacent pairs)
+// The angles of one rope op: backend.h's RopeParams with its YaRN terms already derived on the
+// host (rope_yarn_terms) and the per-pair factors in device memory (or null).
+struct RopeAngles {
+  int64_t n_rot = 0;
+  float freq_base = 10000, freq_scale = 1;
+  bool neox = false;
+  const float* factors = nullptr;  // [n_rot / 2] frequency divisors, or null
+  float corr_lo = 0, corr_hi = 0, ext_factor = 0, mscale = 1;
+};
 cudaError_t launch_rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim,
-                        const int32_t* pos, int64_t n_rot, float freq_base, float freq_scale,
-                        bool neox, cudaStream_t s);
+                        const int32_t* pos, const RopeAngles& a, cudaStream_t s);
 // Q [n_tok][n_head_q][head_dim] and K [n_tok][n_head_k][head_dim] by the same angles in one
 // launch; the bits of launch_rope on each (the same kernel).
 cudaError_t launch_rope_qk(float* q, int64_t n_head_q, float* k, int64_t n_head_k, int64_t n_tok,
-                           int64_t head_dim, const int32_t* pos, int64_t n_rot, float freq_base,
-                           float freq_scale, bool neox, cudaStream_t s);
+                           int64_t head_dim, const int32_t* pos, const RopeAngles& a,
+                           cudaStream_t s);
 
 // --- elementwise.cu
 enum class Unary { Scale, Softcap, Sigmoid };

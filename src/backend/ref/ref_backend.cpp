@@ -68,13 +68,15 @@ class RefBackend final : public Backend {
     KILN_CHECK(static_cast<int64_t>(pos.size()) == n_tok);
     KILN_CHECK(p.n_rot > 0 && p.n_rot % 2 == 0 && p.n_rot <= head_dim, "n_rot {}", p.n_rot);
     const int64_t half = p.n_rot / 2;
+    KILN_CHECK(p.freq_factors.empty() || static_cast<int64_t>(p.freq_factors.size()) == half,
+               "{} rope factors for n_rot {}", p.freq_factors.size(), p.n_rot);
+    const RopeYarnTerms yarn = rope_yarn_terms(p);
     for (int64_t t = 0; t < n_tok; ++t) {
       for (int64_t h = 0; h < n_head; ++h) {
         float* v = x.data() + (t * n_head + h) * head_dim;
         for (int64_t i = 0; i < half; ++i) {
-          const double theta = double(pos[t]) * p.freq_scale *
-                               std::pow(double(p.freq_base), -2.0 * double(i) / p.n_rot);
-          const double c = std::cos(theta), s = std::sin(theta);
+          const double theta = double(pos[t]) * rope_pair_freq(p, yarn, i);
+          const double c = std::cos(theta) * yarn.mscale, s = std::sin(theta) * yarn.mscale;
           const int64_t i0 = p.style == RopeStyle::Normal ? 2 * i : i;
           const int64_t i1 = p.style == RopeStyle::Normal ? 2 * i + 1 : i + half;
           const double a = v[i0], b = v[i1];
