@@ -1,11 +1,11 @@
 // apps/kiln/cmd_mkmodel.cpp: `kiln mkmodel`: writes a random-weight GGUF of any size and type
-// in the llama, gemma3 (sliding window, QK-norm, sandwich norms, tied output), qwen3moe (experts)
-// or phi3 (fused attn_qkv and gate|up ffn_up, optionally partial rotary) shape, or llama with
-// experts (Mixtral layout): benchmarks at 1B/8B scale without downloads. Random router weights
-// route nearly uniformly over the experts. Tensors are produced and quantized at write time, one at
-// a time, so a multi-GB file needs no more RAM than its largest tensor. The vocabulary is a minimal
-// valid SentencePiece one (byte fallback plus ASCII pieces) so `kiln run` and `kiln bench` can
-// tokenize prompts for it.
+// in the llama, gemma3 (sliding window, QK-norm, sandwich norms, tied output), qwen3moe or gpt-oss
+// (experts), or phi3 (fused attn_qkv and gate|up ffn_up, optionally partial rotary) shape, or
+// llama with experts (Mixtral layout): benchmarks at 1B/8B scale without downloads. Random router
+// weights route nearly uniformly over the experts. Tensors are produced and quantized at write
+// time, one at a time, so a multi-GB file needs no more RAM than its largest tensor. The
+// vocabulary is a minimal valid SentencePiece one (byte fallback plus ASCII pieces) so `kiln run`
+// and `kiln bench` can tokenize prompts for it.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -47,6 +47,8 @@ struct MkModelOptions {
   int32_t rot() const { return n_rot > 0 ? n_rot : hd(); }
   bool gemma3() const { return arch == "gemma3"; }
   bool phi3() const { return arch == "phi3"; }
+  bool gpt_oss() const { return arch == "gpt-oss"; }
+  bool swa() const { return gemma3() || gpt_oss(); }
   bool qk_norm() const { return arch == "gemma3" || arch == "qwen3moe"; }
   int32_t ff_exp() const { return n_ff_exp > 0 ? n_ff_exp : n_ff; }
   std::string type = "f16";
@@ -127,19 +129,32 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
       t.push_back({b + "attn_k.weight", {E, kv}, w});
       t.push_back({b + "attn_v.weight", {E, kv}, w});
     }
+    if (o.gpt_oss()) {  // biases on q/k/v/o and one sink logit per head
+      t.push_back({b + "attn_q.bias", {q}, w});
+      t.push_back({b + "attn_k.bias", {kv}, w});
+      t.push_back({b + "attn_v.bias", {kv}, w});
+      t.push_back({b + "attn_output.bias", {E}, w});
+      t.push_back({b + "attn_sinks.weight", {o.n_head}, w});
+    }
     if (o.qk_norm()) {  // gemma3 and qwen3moe normalise q and k per head
       t.push_back({b + "attn_q_norm.weight", {hd}, 0});
       t.push_back({b + "attn_k_norm.weight", {hd}, 0});
     }
     t.push_back({b + "attn_output.weight", {q, E}, w});
-    if (o.gemma3()) t.push_back({b + "post_attention_norm.weight", {E}, 0});
-    t.push_back({b + "ffn_norm.weight", {E}, 0});
+    if (o.gemma3() || o.gpt_oss()) t.push_back({b + "post_attention_norm.weight", {E}, 0});
+    if (!o.gpt_oss()) t.push_back({b + "ffn_norm.weight", {E}, 0});  // gpt-oss: the one above
     if (o.moe()) {
       const int64_t F = o.ff_exp(), X = o.n_expert;
       t.push_back({b + "ffn_gate_inp.weight", {E, X}, w, o.router_skew});
       t.push_back({b + "ffn_gate_exps.weight", {E, F, X}, w});
       t.push_back({b + "ffn_up_exps.weight", {E, F, X}, w});
       t.push_back({b + "ffn_down_exps.weight", {F, E, X}, w});
+      if (o.gpt_oss()) {
+        t.push_back({b + "ffn_gate_inp.bias", {X}, w});
+        t.push_back({b + "ffn_gate_exps.bias", {F, X}, w});
+        t.push_back({b + "ffn_up_exps.bias", {F, X}, w});
+        t.push_back({b + "ffn_down_exps.bias", {E, X}, w});
+      }
     } else if (o.phi3()) {
       t.push_back({b + "ffn_up.weight", {E, 2 * int64_t(o.n_ff)}, w});  // rows gate | up
       t.push_back({b + "ffn_down.weight", {o.n_ff, E}, w});
@@ -180,6 +195,8 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
     w.set_u32(a + ".attention.sliding_window", uint32_t(o.window));
     w.set_u32(a + ".attention.sliding_window_pattern", uint32_t(o.swa_pattern));
   }
+  // gpt-oss: window on even layers (llama.cpp's fixed period 2); no rope scaling written.
+  if (o.gpt_oss()) w.set_u32(a + ".attention.sliding_window", uint32_t(o.window));
   if (o.moe()) {
     w.set_u32(a + ".expert_count", uint32_t(o.n_expert));
     w.set_u32(a + ".expert_used_count", uint32_t(o.n_expert_used));
@@ -199,8 +216,10 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
 
 Status validate(const MkModelOptions& o) {
   if (o.out.empty()) return Status::error("-o OUT.gguf is required");
-  if (o.arch != "llama" && o.arch != "gemma3" && o.arch != "qwen3moe" && o.arch != "phi3")
-    return Status::errorf("--arch '{}' is not supported (llama, gemma3, qwen3moe, phi3)", o.arch);
+  if (o.arch != "llama" && o.arch != "gemma3" && o.arch != "qwen3moe" && o.arch != "phi3" &&
+      o.arch != "gpt-oss")
+    return Status::errorf("--arch '{}' is not supported (llama, gemma3, qwen3moe, phi3, gpt-oss)",
+                          o.arch);
   auto positive = [](const char* what, int64_t v) {
     return v > 0 ? Status::ok() : Status::errorf("{} = {} must be > 0", what, v);
   };
@@ -222,14 +241,12 @@ Status validate(const MkModelOptions& o) {
     return Status::errorf("--n-head {} is not a multiple of --n-head-kv {}", o.n_head, o.n_head_kv);
   if (o.n_rot < 0 || o.n_rot % 2 != 0 || o.n_rot > o.hd())
     return Status::errorf("--n-rot {} must be even and in [0, head dimension {}]", o.n_rot, o.hd());
-  if (o.gemma3()) {
-    KILN_TRY(positive("--window", o.window));
-    KILN_TRY(positive("--swa-pattern", o.swa_pattern));
-  }
+  if (o.swa()) KILN_TRY(positive("--window", o.window));
+  if (o.gemma3()) KILN_TRY(positive("--swa-pattern", o.swa_pattern));
   if ((o.arch == "gemma3" || o.arch == "phi3") && o.n_expert != 0)
     return Status::errorf("--n-expert: {} has no expert layout (llama or qwen3moe)", o.arch);
-  if (o.arch == "qwen3moe" && o.n_expert == 0)
-    return Status::error("--arch qwen3moe needs --n-expert and --n-expert-used");
+  if ((o.arch == "qwen3moe" || o.gpt_oss()) && o.n_expert == 0)
+    return Status::errorf("--arch {} needs --n-expert and --n-expert-used", o.arch);
   if (o.n_expert < 0 || o.n_expert > 4096)
     return Status::errorf("--n-expert {} outside [0, 4096]", o.n_expert);
   if (o.moe() && (o.n_expert_used < 1 || o.n_expert_used > o.n_expert))
@@ -357,7 +374,7 @@ void add_mkmodel_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("mkmodel", "write a random-weight model of a given shape");
   auto o = std::make_shared<MkModelOptions>();
   cmd->add_option("-o,--output", o->out, "output GGUF path")->required();
-  cmd->add_option("--arch", o->arch, "architecture: llama, gemma3, qwen3moe, phi3");
+  cmd->add_option("--arch", o->arch, "architecture: llama, gemma3, qwen3moe, phi3, gpt-oss");
   cmd->add_option("--n-embd", o->n_embd, "embedding width");
   cmd->add_option("--n-layer", o->n_layer, "layers");
   cmd->add_option("--n-ff", o->n_ff, "feed-forward width");
@@ -366,7 +383,7 @@ void add_mkmodel_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--head-dim", o->head_dim, "head dimension (default n_embd / n_head)");
   cmd->add_option("--n-rot", o->n_rot,
                   "rotary dimensions of each head (rope.dimension_count; default the whole head)");
-  cmd->add_option("--window", o->window, "gemma3: sliding window of the local layers");
+  cmd->add_option("--window", o->window, "gemma3, gpt-oss: sliding window of the local layers");
   cmd->add_option("--swa-pattern", o->swa_pattern,
                   "gemma3: every N-th layer is global, the others slide");
   cmd->add_option("--n-expert", o->n_expert, "experts per layer (qwen3moe; llama: Mixtral layout)");

@@ -168,9 +168,13 @@ struct AttentionArgs {
   std::span<const int32_t> kv_pos;   // [n_kv] position of each candidate key
   std::span<const int32_t> q_pos;    // [n_q] position of each query
   int64_t n_q = 0, n_head = 0, n_head_kv = 0, head_dim = 0;
-  int32_t window = 0;    // > 0: key visible iff q_pos - kv_pos < window (sliding window)
-  float scale = 1;       // logit scale, usually 1/sqrt(head_dim)
-  float softcap = 0;     // > 0: logit = softcap * tanh(logit / softcap)
+  int32_t window = 0;  // > 0: key visible iff q_pos - kv_pos < window (sliding window)
+  float scale = 1;     // logit scale, usually 1/sqrt(head_dim)
+  float softcap = 0;   // > 0: logit = softcap * tanh(logit / softcap)
+  // [n_head] or empty: attention sinks (gpt-oss), one extra logit per head that joins the
+  // softmax's max and denominator but has no value row (llama.cpp's soft_max / flash-attn
+  // sinks). Host memory (weights); a query with no visible key still produces zeros.
+  std::span<const float> sinks;
   std::span<float> out;  // [n_q][n_head * head_dim]
   // Key j is visible to query i iff kv_pos[j] <= q_pos[i] (and the window rule). A query
   // with no visible key produces zeros.
@@ -334,6 +338,10 @@ class Backend {
   }
   virtual void geglu(std::span<const float> gate, std::span<const float> up,
                      std::span<float> out) = 0;
+  // gpt-oss's clamped SwiGLU, llama.cpp's swiglu_oai: with x = min(gate, limit) and
+  // y = clamp(up, -limit, limit), out = x / (1 + exp(-alpha * x)) * (y + 1).
+  virtual void swiglu_oai(std::span<const float> gate, std::span<const float> up,
+                          std::span<float> out, float alpha, float limit) = 0;
   // Elementwise; `out` may alias an input.
   virtual void add(std::span<const float> a, std::span<const float> b, std::span<float> out) = 0;
   virtual void mul(std::span<const float> a, std::span<const float> b, std::span<float> out) = 0;

@@ -140,6 +140,10 @@ class HostRank final : public Backend {
   void swiglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
     in_->swiglu(g, u, o);
   }
+  void swiglu_oai(std::span<const float> g, std::span<const float> u, std::span<float> o,
+                  float alpha, float limit) override {
+    in_->swiglu_oai(g, u, o, alpha, limit);
+  }
   void geglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
     in_->geglu(g, u, o);
   }

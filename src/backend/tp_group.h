@@ -69,6 +69,10 @@ class TpGroup final : public Backend {
   void swiglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
     ranks_[0]->swiglu(g, u, o);
   }
+  void swiglu_oai(std::span<const float> g, std::span<const float> u, std::span<float> o,
+                  float alpha, float limit) override {
+    ranks_[0]->swiglu_oai(g, u, o, alpha, limit);
+  }
   void geglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
     ranks_[0]->geglu(g, u, o);
   }

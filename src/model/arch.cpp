@@ -55,6 +55,23 @@ constexpr std::array kArchs = {
              .fused_qkv = true,
              .fused_gate_up = true,
              .swa_key_disabled = true},
+    // gpt-oss (llama.cpp's openai-moe graph): biases on q/k/v/o, attention sinks, sliding
+    // window on even layers (swa period 2), post_attention_norm as the FFN norm, MoE with
+    // router and expert biases and the clamped SwiGLU. Its gating (llama.cpp's
+    // SOFTMAX_WEIGHT: top-k of the logits, then a softmax over those k) is the same function
+    // as the other MoE rows' softmax, top-k and renormalisation over the chosen k.
+    ArchInfo{.name = "gpt-oss",
+             .rope_style = RopeStyle::NeoX,
+             .qkv_bias = true,
+             .experts_allowed = true,
+             .experts_required = true,
+             .attn_out_bias = true,
+             .attn_sinks = true,
+             .moe_biases = true,
+             .ffn_norm_is_post_attention_norm = true,
+             .act = FfnAct::SwigluOai,
+             .swa = SwaRule::Pattern,
+             .default_swa_pattern = 2},
 };
 
 }  // namespace

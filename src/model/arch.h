@@ -9,7 +9,8 @@
 
 namespace kiln::model {
 
-enum class FfnAct { Silu, GeluTanh };
+// SwigluOai: gpt-oss's clamped SwiGLU (llama.cpp's swiglu_oai, alpha 1.702, limit 7).
+enum class FfnAct { Silu, GeluTanh, SwigluOai };
 
 // How layers alternate between full and sliding-window attention.
 enum class SwaRule {
@@ -20,14 +21,19 @@ enum class SwaRule {
 struct ArchInfo {
   std::string_view name;  // general.architecture
   RopeStyle rope_style = RopeStyle::Normal;
-  bool qkv_bias = false;           // attn_{q,k,v}.bias present (qwen2)
-  bool qk_norm = false;            // attn_{q,k}_norm: per-head RMS norm before RoPE
-  bool post_norms = false;         // post_attention_norm / post_ffw_norm (sandwich)
-  bool attn_gate = false;          // attn_gate: sigmoid gate on attention output
-  bool embd_scale_sqrt = false;    // embeddings multiplied by sqrt(n_embd)
-  bool embd_rmsnorm = false;       // embeddings RMS-normalised (no weight) before layer 0
-  bool experts_allowed = false;    // {arch}.expert_count may select an MoE layout
-  bool experts_required = false;   // {arch}.expert_count must be present (qwen3moe)
+  bool qkv_bias = false;          // attn_{q,k,v}.bias present (qwen2)
+  bool qk_norm = false;           // attn_{q,k}_norm: per-head RMS norm before RoPE
+  bool post_norms = false;        // post_attention_norm / post_ffw_norm (sandwich)
+  bool attn_gate = false;         // attn_gate: sigmoid gate on attention output
+  bool embd_scale_sqrt = false;   // embeddings multiplied by sqrt(n_embd)
+  bool embd_rmsnorm = false;      // embeddings RMS-normalised (no weight) before layer 0
+  bool experts_allowed = false;   // {arch}.expert_count may select an MoE layout
+  bool experts_required = false;  // {arch}.expert_count must be present (qwen3moe)
+  bool attn_out_bias = false;     // attn_output.bias present (gpt-oss)
+  bool attn_sinks = false;        // attn_sinks: one extra logit per head in the softmax
+  bool moe_biases = false;        // ffn_gate_inp.bias and ffn_{gate,up,down}_exps.bias
+  // The FFN's pre-norm is stored as post_attention_norm.weight (gpt-oss), not ffn_norm.
+  bool ffn_norm_is_post_attention_norm = false;
   bool full_layers_nope = false;   // full-attention layers skip RoPE
   bool swa_rope_unscaled = false;  // sliding layers ignore rope.scaling (gemma3)
   bool rope_freqs = false;         // optional rope_freqs.weight: Llama 3 frequency factors

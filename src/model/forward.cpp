@@ -145,10 +145,25 @@ class ForwardPass {
   // Backend::rmsnorm does not promise that x and y may alias; go through scratch.
   void norm_in_place(std::span<float> y, std::span<const float> wt, int64_t width, float eps);
   void ffn_act(std::span<const float> g, std::span<const float> u, std::span<float> out) {
-    if (hp_.arch->act == FfnAct::Silu)
-      be_.swiglu(g, u, out);
-    else
-      be_.geglu(g, u, out);
+    switch (hp_.arch->act) {
+      case FfnAct::Silu:
+        return be_.swiglu(g, u, out);
+      case FfnAct::GeluTanh:
+        return be_.geglu(g, u, out);
+      case FfnAct::SwigluOai:  // gpt-oss's constants (llama.cpp's build_moe_ffn)
+        return be_.swiglu_oai(g, u, out, 1.702f, 7.0f);
+    }
+  }
+  // Expert e's slice of a per-expert bias (empty when the model has none), added to each of
+  // the `rows` rows of y.
+  void add_expert_bias(std::span<float> y, std::span<const float> bias, int32_t e, int64_t width,
+                       int64_t rows) {
+    if (bias.empty()) return;
+    const auto b = bias.subspan(static_cast<size_t>(e * width), static_cast<size_t>(width));
+    for (int64_t r = 0; r < rows; ++r) {
+      const auto row = y.subspan(static_cast<size_t>(r * width), static_cast<size_t>(width));
+      be_.add(row, b, row);
+    }
   }
 
   const HParams& hp_;
@@ -346,6 +361,7 @@ void ForwardPass::attention_block(int32_t il) {
     args.window = L.window;
     args.scale = hp_.attn_scale;
     args.softcap = hp_.attn_softcap;
+    args.sinks = lw.attn_sinks;
     args.out = o_.subspan(f * ow, c * ow);
     attns.push_back(args);
   }
@@ -371,6 +387,7 @@ void ForwardPass::attention_block(int32_t il) {
   }
   be_.matmul(lw.wo, o_, n, a_);
   hint(Hint::AfterAttention, il);
+  add_bias(a_, lw.bo);     // on rank 0 only under tensor parallelism (shard_model)
   be_.all_reduce_sum(a_);  // row-parallel: each rank holds its heads' share of the sum
   if (!lw.post_attn_norm.empty()) norm_in_place(a_, lw.post_attn_norm, E_, hp_.post_norm_eps);
   rec(p + "attn_out", a_, n);
@@ -393,7 +410,7 @@ void ForwardPass::dense_ffn_block(int32_t il) {
   if (hp_.arch->act == FfnAct::Silu) {
     be_.swiglu_matmul(lw.ffn_down, fg, fu, n, fa, a_);  // fa: scratch, maybe unwritten
   } else {
-    be_.geglu(fg, fu, fa);
+    ffn_act(fg, fu, fa);
     be_.matmul(lw.ffn_down, fa, n, a_);
   }
 }
@@ -411,6 +428,11 @@ void ForwardPass::moe_ffn_block(int32_t il) {
   const std::span<float> prob = sl(st_.router, n_tok * X);
   be_.matmul(lw.ffn_gate_inp, in, n_tok, prob);
   if (batch_.capture) rec(fmt::format("blk.{}.ffn_moe_logits", il), prob, n_tok);
+  if (!lw.ffn_gate_inp_b.empty())
+    for (int64_t t = 0; t < n_tok; ++t) {
+      const auto row = prob.subspan(static_cast<size_t>(t * X), static_cast<size_t>(X));
+      be_.add(row, lw.ffn_gate_inp_b, row);
+    }
   be_.softmax(prob, X);
   const std::span<int32_t> sel(st_.sel_e.data(), static_cast<size_t>(n_tok * K));
   const std::span<float> sel_w(st_.sel_w.data(), static_cast<size_t>(n_tok * K));
@@ -446,8 +468,11 @@ void ForwardPass::moe_ffn_block(int32_t il) {
     const std::span<float> fa = sl(st_.ff_act, m * F);
     be_.matmul(ew.gate, xin, m, fg);
     be_.matmul(ew.up, xin, m, fu);
+    add_expert_bias(fg, lw.ffn_gate_exps_b, e, F, m);
+    add_expert_bias(fu, lw.ffn_up_exps_b, e, F, m);
     ffn_act(fg, fu, fa);
     be_.matmul(ew.down, fa, m, y);
+    add_expert_bias(y, lw.ffn_down_exps_b, e, E, m);
     for (int64_t i = 0; i < m; ++i) {
       const int32_t j = st_.moe_rows[i];
       const std::span<float> yr = y.subspan(static_cast<size_t>(i * E), E);
@@ -495,12 +520,19 @@ void ForwardPass::moe_one_token(int32_t il, int64_t n_expert, int64_t n_sel, int
     tasks.push_back({&st_.moe_held[i].up, in, part(fu, i, F)});
   }
   be_.matmul_batch(tasks, 1);
+  const LayerWeights& lw = w_.layers[static_cast<size_t>(il)];
+  for (int64_t i = 0; i < K; ++i) {
+    const int32_t e = st_.sel_e[order[i]];
+    add_expert_bias(part(fg, i, F), lw.ffn_gate_exps_b, e, F, 1);
+    add_expert_bias(part(fu, i, F), lw.ffn_up_exps_b, e, F, 1);
+  }
   ffn_act(fg, fu, fa);
   tasks.clear();
   for (int64_t i = 0; i < K; ++i)
     tasks.push_back({&st_.moe_held[i].down, part(fa, i, F), part(y, i, E)});
   be_.matmul_batch(tasks, 1);
   for (int64_t i = 0; i < K; ++i) {
+    add_expert_bias(part(y, i, E), lw.ffn_down_exps_b, st_.sel_e[order[i]], E, 1);
     be_.scale(part(y, i, E), st_.sel_w[order[i]]);
     be_.add(out, part(y, i, E), out);
   }

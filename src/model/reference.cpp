@@ -82,6 +82,14 @@ void rope(Vec& x, int64_t n_tok, int64_t n_head, int64_t head_dim, std::span<con
   }
 }
 
+// gpt-oss's clamped SwiGLU (llama.cpp's swiglu_oai).
+constexpr double kOaiAlpha = 1.702, kOaiLimit = 7.0;
+double swiglu_oai(double g, double u) {
+  const double x = std::min(g, kOaiLimit);
+  const double y = std::clamp(u, -kOaiLimit, kOaiLimit);
+  return x / (1.0 + std::exp(-kOaiAlpha * x)) * (y + 1.0);
+}
+
 double gelu_tanh(double x) {
   return 0.5 * x * (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
 }
@@ -179,6 +187,12 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
           mx = std::max(mx, s);
         }
         double sum = 0;
+        // An attention sink: one more logit in the softmax, with no value row.
+        if (!lw.attn_sinks.empty() && mx != -INFINITY) {
+          const double sink = lw.attn_sinks[static_cast<size_t>(hh)];
+          mx = std::max(mx, sink);
+          sum += std::exp(sink - mx);
+        }
         for (int64_t j = 0; j < n_kv; ++j) {
           score[j] = std::isinf(score[j]) ? 0.0 : std::exp(score[j] - mx);
           sum += score[j];
@@ -199,6 +213,7 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
         o[i] *= static_cast<float>(1.0 / (1.0 + std::exp(-double(gate[i]))));
     }
     matmul(lw.wo, o, n, a);
+    add_bias(a, lw.bo);
     if (!lw.post_attn_norm.empty()) rmsnorm(a, E, hp_.post_norm_eps, lw.post_attn_norm);
     rec(p + "attn_out", a);
     for (size_t i = 0; i < x.size(); ++i) x[i] += a[i];
@@ -207,16 +222,30 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
     h = x;
     rmsnorm(h, E, hp_.rms_eps, lw.ffn_norm);
     rec(p + "ffn_norm", h);
+    // Biases (gpt-oss's experts) are empty spans elsewhere.
     auto ffn = [&](const WeightMatrix& wg, const WeightMatrix& wu, const WeightMatrix& wd,
-                   const Vec& in, int64_t rows, Vec& out) {
+                   const Vec& in, int64_t rows, Vec& out, std::span<const float> bg = {},
+                   std::span<const float> bu = {}, std::span<const float> bd = {}) {
       matmul(wg, in, rows, gate);
       matmul(wu, in, rows, up);
+      add_bias(gate, bg);
+      add_bias(up, bu);
       for (size_t i = 0; i < gate.size(); ++i) {
         const double g = gate[i];
-        const double act = hp_.arch->act == FfnAct::Silu ? g / (1.0 + std::exp(-g)) : gelu_tanh(g);
-        gate[i] = static_cast<float>(act * up[i]);
+        switch (hp_.arch->act) {
+          case FfnAct::Silu:
+            gate[i] = static_cast<float>(g / (1.0 + std::exp(-g)) * up[i]);
+            break;
+          case FfnAct::GeluTanh:
+            gate[i] = static_cast<float>(gelu_tanh(g) * up[i]);
+            break;
+          case FfnAct::SwigluOai:
+            gate[i] = static_cast<float>(swiglu_oai(g, up[i]));
+            break;
+        }
       }
       matmul(wd, gate, rows, out);
+      add_bias(out, bd);
     };
     if (L.n_expert > 0) {
       // Per token: softmax router, the k most probable experts, weights renormalised over
@@ -225,6 +254,7 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
       Vec logit, row, y;
       matmul(lw.ffn_gate_inp, h, n, logit);
       rec(p + "ffn_moe_logits", logit);
+      add_bias(logit, lw.ffn_gate_inp_b);
       f.assign(static_cast<size_t>(n * E), 0.0f);
       for (int64_t t = 0; t < n; ++t) {
         const float* lt = logit.data() + t * L.n_expert;
@@ -245,7 +275,12 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
         row.assign(h.begin() + t * E, h.begin() + (t + 1) * E);
         for (int32_t e : chosen) {
           const moe::ExpertWeights ew = w_.experts->get(il, e);
-          ffn(ew.gate, ew.up, ew.down, row, 1, y);
+          auto bias = [e](std::span<const float> b, int64_t width) {
+            return b.empty() ? b : b.subspan(static_cast<size_t>(e * width), width);
+          };
+          const int64_t F = L.n_ff_expert;
+          ffn(ew.gate, ew.up, ew.down, row, 1, y, bias(lw.ffn_gate_exps_b, F),
+              bias(lw.ffn_up_exps_b, F), bias(lw.ffn_down_exps_b, E));
           const double wt = prob[e] / sum;
           for (int64_t i = 0; i < E; ++i) f[t * E + i] += static_cast<float>(wt * y[i]);
         }

@@ -44,6 +44,9 @@ Expected<Shard> shard_model(const HParams& hp, const Weights& w, int rank, int n
     lw.bq = part(lw.bq, qw, rank);
     lw.bk = part(lw.bk, kw, rank);
     lw.bv = part(lw.bv, vw, rank);
+    lw.attn_sinks = part(lw.attn_sinks, s.hp.n_head, rank);
+    // The output projection's partial sums are added by the all-reduce: its bias once.
+    if (rank != 0) lw.bo = {};
     if (lw.wgate_attn.n_rows > 0) lw.wgate_attn = lw.wgate_attn.rows(ow * rank, ow);
     KILN_TRY(check_columns(lw.wo, ow, (blk + ".attn_output").c_str(), n));
     lw.wo = lw.wo.columns(ow * rank, ow);

@@ -68,6 +68,14 @@ class Binder {
   // A 1-D f32 vector: a view when stored as f32, else dequantized into an owned buffer.
   Expected<std::span<const float>> vec(const std::string& name, int64_t n) {
     KILN_ASSIGN_OR_RETURN(TensorView v, get(name, {n}));
+    return floats(name, v, n);
+  }
+  // A 2-D [n, rows] tensor of small vectors (per-expert biases) as rows * n floats.
+  Expected<std::span<const float>> vec2(const std::string& name, int64_t n, int64_t rows) {
+    KILN_ASSIGN_OR_RETURN(TensorView v, get(name, {n, rows}));
+    return floats(name, v, n * rows);
+  }
+  Expected<std::span<const float>> floats(const std::string& name, const TensorView& v, int64_t n) {
     if (v.dtype() == DType::F32) {
       // Tensor data is aligned to general.alignment (>= 8 by GGUF validation); floats need 4.
       if (reinterpret_cast<uintptr_t>(v.bytes.data()) % alignof(float) == 0)
@@ -180,6 +188,12 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
       KILN_ASSIGN_OR_RETURN(lw.bk, b.vec(n("attn_k.bias"), hp.k_width()));
       KILN_ASSIGN_OR_RETURN(lw.bv, b.vec(n("attn_v.bias"), hp.v_width()));
     }
+    if (arch.attn_out_bias) {
+      KILN_ASSIGN_OR_RETURN(lw.bo, b.vec(n("attn_output.bias"), E));
+    }
+    if (arch.attn_sinks) {
+      KILN_ASSIGN_OR_RETURN(lw.attn_sinks, b.vec(n("attn_sinks.weight"), hp.n_head));
+    }
     if (arch.qk_norm) {
       KILN_ASSIGN_OR_RETURN(lw.q_norm, b.vec(n("attn_q_norm.weight"), hp.head_dim_k));
       KILN_ASSIGN_OR_RETURN(lw.k_norm, b.vec(n("attn_k_norm.weight"), hp.head_dim_k));
@@ -191,7 +205,10 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
       KILN_ASSIGN_OR_RETURN(lw.post_attn_norm, b.vec(n("post_attention_norm.weight"), E));
       KILN_ASSIGN_OR_RETURN(lw.post_ffn_norm, b.vec(n("post_ffw_norm.weight"), E));
     }
-    KILN_ASSIGN_OR_RETURN(lw.ffn_norm, b.vec(n("ffn_norm.weight"), E));
+    KILN_ASSIGN_OR_RETURN(
+        lw.ffn_norm, b.vec(n(arch.ffn_norm_is_post_attention_norm ? "post_attention_norm.weight"
+                                                                  : "ffn_norm.weight"),
+                           E));
     if (L.n_expert > 0) {
       moe::StackedExperts& se = experts[il];
       se.n_expert = L.n_expert;
@@ -200,6 +217,12 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
       KILN_ASSIGN_OR_RETURN(se.gate, b.stacked(n("ffn_gate_exps.weight"), E, F, X));
       KILN_ASSIGN_OR_RETURN(se.up, b.stacked(n("ffn_up_exps.weight"), E, F, X));
       KILN_ASSIGN_OR_RETURN(se.down, b.stacked(n("ffn_down_exps.weight"), F, E, X));
+      if (arch.moe_biases) {
+        KILN_ASSIGN_OR_RETURN(lw.ffn_gate_inp_b, b.vec(n("ffn_gate_inp.bias"), X));
+        KILN_ASSIGN_OR_RETURN(lw.ffn_gate_exps_b, b.vec2(n("ffn_gate_exps.bias"), F, X));
+        KILN_ASSIGN_OR_RETURN(lw.ffn_up_exps_b, b.vec2(n("ffn_up_exps.bias"), F, X));
+        KILN_ASSIGN_OR_RETURN(lw.ffn_down_exps_b, b.vec2(n("ffn_down_exps.bias"), E, X));
+      }
       any_experts = true;
       continue;
     }

@@ -24,12 +24,18 @@ struct LayerWeights {
   std::span<const float> q_norm, k_norm;  // [head_dim_k] (qk_norm architectures), else empty
   WeightMatrix wgate_attn;                // [o_width][n_embd] (attn_gate), else n_rows == 0
   WeightMatrix wo;                        // [n_embd][o_width]
+  std::span<const float> bo;              // [n_embd] (attn_out_bias), else empty
+  std::span<const float> attn_sinks;      // [n_head] (attn_sinks), else empty
   std::span<const float> post_attn_norm;  // [n_embd] (post_norms), else empty
   std::span<const float> ffn_norm;        // [n_embd]
   WeightMatrix ffn_gate, ffn_up;          // [n_ff][n_embd] (dense layers)
   WeightMatrix ffn_down;                  // [n_embd][n_ff] (dense layers)
   WeightMatrix ffn_gate_inp;             // [n_expert][n_embd] router (MoE layers), else n_rows == 0
   std::span<const float> post_ffn_norm;  // [n_embd] (post_norms), else empty
+  // MoE biases (moe_biases), else empty: the router's [n_expert]; per expert e, rows
+  // [e * width, (e + 1) * width) of the gate/up ([n_expert][n_ff_expert]) and down
+  // ([n_expert][n_embd]) biases.
+  std::span<const float> ffn_gate_inp_b, ffn_gate_exps_b, ffn_up_exps_b, ffn_down_exps_b;
 };
 
 struct Weights {

@@ -5,6 +5,7 @@
 // whose offsets are naturally aligned within the block; GGUF rows start 32-byte aligned).
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 
@@ -20,6 +21,7 @@ inline constexpr int kQK8_0 = 32;
 inline constexpr int kQK8_1 = 32;
 inline constexpr int kQK_K = 256;       // super-block of the K-quants
 inline constexpr int kKScaleSize = 12;  // packed 6-bit scales/mins of Q4_K / Q5_K
+inline constexpr int kQKMxfp4 = 32;
 
 // x = d * (q - 8), q in [0, 15]; element j in the low nibble of qs[j], j+16 in the high one.
 struct block_q4_0 {
@@ -121,6 +123,23 @@ struct block_iq4_xs {
   uint8_t scales_l[kQK_K / 64];
   uint8_t qs[kQK_K / 2];
 };
+// MXFP4 (OCP microscaling FP4): x = 2^(e - 127) * fp4(q), with fp4 an E2M1 code. ggml stores
+// the E2M1 values doubled as integers (kMxfp4Values) and halves the scale instead
+// (mxfp4_scale_half), so codes and activations meet in integer dot products. Element j in the
+// low nibble of qs[j], j+16 in the high one, as q4_0.
+struct block_mxfp4 {
+  uint8_t e;  // E8M0 shared exponent
+  uint8_t qs[kQKMxfp4 / 2];
+};
+// ggml's kvalues_mxfp4: twice the E2M1 value of each 4-bit code (sign in bit 3).
+inline constexpr int8_t kMxfp4Values[16] = {0, 1,  2,  3,  4,  6,  8,  12,
+                                            0, -1, -2, -3, -4, -6, -8, -12};
+// ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128), exactly, as the bits of an f32 (e < 2 gives the
+// subnormals 2^-128 and 2^-127).
+inline float mxfp4_scale_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t{0x00200000} << e : uint32_t(e - 1) << 23;
+  return std::bit_cast<float>(bits);
+}
 
 // The byte sizes of ggml's type_traits (core/dtype.cpp holds the same numbers; a test checks
 // that the two agree).
@@ -138,6 +157,7 @@ static_assert(sizeof(block_q6_K) == 210);
 static_assert(sizeof(block_q8_K) == 292);
 static_assert(sizeof(block_iq4_nl) == 18);
 static_assert(sizeof(block_iq4_xs) == 136);
+static_assert(sizeof(block_mxfp4) == 17);
 static_assert(offsetof(block_q2_K, d) == 80);
 static_assert(offsetof(block_q3_K, d) == 108);
 static_assert(offsetof(block_q6_K, d) == 208);

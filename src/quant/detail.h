@@ -32,6 +32,7 @@ struct RowCodec {
 std::span<const RowCodec> legacy_codecs();  // Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q8_1 (legacy.cpp)
 std::span<const RowCodec> kquant_codecs();  // Q2_K .. Q6_K, Q8_K (kquants.cpp)
 std::span<const RowCodec> iquant_codecs();  // IQ4_NL IQ4_XS (iquants.cpp)
+std::span<const RowCodec> mxfp4_codecs();   // MXFP4 (mxfp4.cpp)
 
 // K-quant encoders (kquants_quantize.cpp), listed in kquants.cpp's table.
 void quantize_q2_K(std::span<const float> src, MutBytes dst);

@@ -66,10 +66,14 @@ Expected<DType> tensor_type(const Preset& p, const MixFacts& f, Counters& c, con
   const bool is_iq4 = ft == FileType::MOSTLY_IQ4_NL || ft == FileType::MOSTLY_IQ4_XS;
   if (name == "output.weight" || (!f.has_output && name == "token_embd.weight")) {
     const int64_t qk = traits(type).block_size;
-    if (f.arch == "falcon" || t.ne[0] % qk != 0)
+    if (ft == FileType::MOSTLY_MXFP4_MOE || f.arch == "falcon" || t.ne[0] % qk != 0)
       type = DType::Q8_0;
     else if (type != DType::Q8_0)
       type = DType::Q6_K;
+  } else if (ft == FileType::MOSTLY_MXFP4_MOE) {
+    // llama.cpp's MoE mix: stacked expert tensors (a third dimension) MXFP4, the rest Q8_0;
+    // none of the rules below applies.
+    type = t.ne[2] > 1 ? DType::MXFP4 : DType::Q8_0;
   } else if (contains(name, "attn_v.weight")) {
     if (ft == FileType::MOSTLY_Q2_K)
       type = n_gqa >= 4 ? DType::Q4_K : DType::Q3_K;
@@ -179,6 +183,7 @@ const std::vector<Preset>& presets() {
   static const std::vector<Preset> kPresets = {
       {"Q4_0", FileType::MOSTLY_Q4_0, DType::Q4_0},
       {"Q4_1", FileType::MOSTLY_Q4_1, DType::Q4_1},
+      {"MXFP4_MOE", FileType::MOSTLY_MXFP4_MOE, DType::MXFP4},
       {"Q5_0", FileType::MOSTLY_Q5_0, DType::Q5_0},
       {"Q5_1", FileType::MOSTLY_Q5_1, DType::Q5_1},
       {"Q2_K", FileType::MOSTLY_Q2_K, DType::Q2_K},

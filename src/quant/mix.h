@@ -36,12 +36,13 @@ enum class FileType : uint32_t {
   MOSTLY_IQ4_NL = 25,
   MOSTLY_IQ4_XS = 30,
   MOSTLY_BF16 = 32,
+  MOSTLY_MXFP4_MOE = 38,
 };
 
 struct Preset {
   std::string_view name;  // llama-quantize's spelling: "Q4_K_M"
   FileType ftype;
-  DType base;  // the type most weight matrices get
+  DType base;  // the type most weight matrices get (MXFP4_MOE: the expert tensors)
 };
 
 // Presets `kiln quantize` offers, in llama-quantize's order.

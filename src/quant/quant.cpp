@@ -52,7 +52,8 @@ constexpr RowCodec kFloatCodecs[] = {
 // The one place that knows which types have reference row functions; null for the others.
 const RowCodec* find_codec(DType t) {
   const std::span<const RowCodec> families[] = {kFloatCodecs, detail::legacy_codecs(),
-                                                detail::kquant_codecs(), detail::iquant_codecs()};
+                                                detail::kquant_codecs(), detail::iquant_codecs(),
+                                                detail::mxfp4_codecs()};
   for (std::span<const RowCodec> family : families)
     for (const RowCodec& c : family)
       if (c.type == t) return &c;

@@ -13,7 +13,7 @@
 namespace kiln::quant {
 
 // True if dequantize_row / vec_dot support `t` (F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1
-// Q2_K Q3_K Q4_K Q5_K Q6_K, plus the activation types Q8_1 / Q8_K).
+// Q2_K Q3_K Q4_K Q5_K Q6_K MXFP4, plus the activation types Q8_1 / Q8_K).
 bool can_dequantize(DType t);
 // True if quantize_row can produce `t`.
 bool can_quantize(DType t);

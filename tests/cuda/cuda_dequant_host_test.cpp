@@ -23,9 +23,10 @@ uint64_t seed() {
   return s;
 }
 
-constexpr DType kTypes[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q8_0,   DType::Q4_0,
-                            DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q2_K,   DType::Q3_K,
-                            DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
+constexpr DType kTypes[] = {DType::F32,  DType::F16,    DType::BF16,   DType::Q8_0,
+                            DType::Q4_0, DType::Q4_1,   DType::Q5_0,   DType::Q5_1,
+                            DType::Q2_K, DType::Q3_K,   DType::Q4_K,   DType::Q5_K,
+                            DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS, DType::MXFP4};
 
 // Decodes a whole row unit by unit, as the kernels do; aligned: the instantiation the matvec
 // uses for 16-byte aligned rows (legal only when row_is_aligned()).
@@ -119,6 +120,8 @@ TEST(CudaDequantHost, RandomBlockBytesMatchReference) {
             break;
           case DType::Q6_K:
             put(208);
+            break;
+          case DType::MXFP4:  // every exponent byte is a finite power of two (or inf * 0)
             break;
           case DType::Q4_K:
           case DType::Q5_K:

@@ -65,6 +65,8 @@ constexpr Fixture kFixtures[] = {
     {"llama-iq-q4_k_s", true},
     {"llama-iq-q3_k_m", true},
     {"llama-iq-q2_k", true},
+    {"gpt-oss-f16", false},
+    {"gpt-oss-mxfp4_moe", true},
 };
 
 constexpr int32_t kCtx = 512;  // llama.cpp produced the golden data with n_ctx 512

@@ -87,6 +87,10 @@ class FakeDeviceBackend final : public Backend {
   void swiglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
     inner_.swiglu(real(g), real(u), real(o));
   }
+  void swiglu_oai(std::span<const float> g, std::span<const float> u, std::span<float> o,
+                  float alpha, float limit) override {
+    inner_.swiglu_oai(real(g), real(u), real(o), alpha, limit);
+  }
   void geglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
     inner_.geglu(real(g), real(u), real(o));
   }

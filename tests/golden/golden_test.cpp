@@ -58,6 +58,8 @@ constexpr Fixture kFixtures[] = {
     {"llama-iq-q4_k_s", true},
     {"llama-iq-q3_k_m", true},
     {"llama-iq-q2_k", true},
+    {"gpt-oss-f16", false},
+    {"gpt-oss-mxfp4_moe", true},
 };
 
 // CpuTp2/CpuTp4: the fast path on a tensor-parallel group of 2/4 CPU backends
@@ -197,7 +199,7 @@ constexpr Fixture kTp2Fixtures[] = {
     {"llama-gqa-f16", false},  {"llama-gqa-bf16", false},  {"llama-gqa-q8_0", true},
     {"llama-gqa-q4_0", true},  {"qwen3-bpe-f16", false},   {"qwen3-bpe-q8_0", true},
     {"gemma2-swa-q8_0", true}, {"gemma3-swa-f16", false},  {"muse-glimmer-f16", false},
-    {"qwen3moe-f16", false},   {"phi3-f16", false},
+    {"qwen3moe-f16", false},   {"phi3-f16", false},        {"gpt-oss-f16", false},
 };
 INSTANTIATE_TEST_SUITE_P(CpuTp2, Golden,
                          ::testing::Combine(::testing::ValuesIn(kTp2Fixtures),

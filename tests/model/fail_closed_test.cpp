@@ -67,10 +67,10 @@ TEST(FailClosed, TheFixturesKilnSupportsLoad) {
   // The list must hold the architectures this suite is about, or the tests below prove little.
   std::vector<std::string> names;
   for (const std::string& p : fixtures()) names.push_back(std::filesystem::path(p).stem());
-  for (const char* must :
-       {"stories260K", "llama-gqa-q4_k_m", "qwen3-bpe-f16", "gemma2-swa-f16", "gemma3-swa-f16",
-        "muse-glimmer-f16", "qwen3moe-f16", "mixtral-q4_k_m", "llama3-ropefreqs-f16",
-        "llama3-ropefreqs-q4_k_m", "qwen2-yarn-f16", "qwen2-yarn-q8_0"})
+  for (const char* must : {"stories260K", "llama-gqa-q4_k_m", "qwen3-bpe-f16", "gemma2-swa-f16",
+                           "gemma3-swa-f16", "muse-glimmer-f16", "qwen3moe-f16", "mixtral-q4_k_m",
+                           "llama3-ropefreqs-f16", "llama3-ropefreqs-q4_k_m", "qwen2-yarn-f16",
+                           "qwen2-yarn-q8_0", "gpt-oss-f16", "gpt-oss-mxfp4_moe"})
     EXPECT_NE(std::find(names.begin(), names.end(), must), names.end()) << must;
 }
 

@@ -220,6 +220,12 @@ TEST(FastVsReference, Qwen3MoeRefBackend) {
   auto be = make_ref_backend();
   run_compare(load("qwen3moe-f16.gguf"), *be, kRefBackendTol, 24);
 }
+// gpt-oss: sinks, the output bias, windowed layers (24 tokens wrap the window-8 rings), router
+// and expert biases, the clamped SwiGLU, node by node.
+TEST(FastVsReference, GptOssRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(load("gpt-oss-f16.gguf"), *be, kRefBackendTol, 24);
+}
 TEST(FastVsReference, Qwen2BiasesRefBackend) {
   auto be = make_ref_backend();
   run_compare(random_qwen2(), *be, kRefBackendTol, 30);
@@ -267,6 +273,10 @@ TEST(FastVsReference, MuseGlimmerRingCpuBackend) {
 TEST(FastVsReference, Qwen3MoeCpuBackend) {
   auto be = make_cpu_backend({.threads = 2});
   run_compare(load("qwen3moe-f16.gguf"), *be, 1e-2, 24);
+}
+TEST(FastVsReference, GptOssCpuBackend) {
+  auto be = make_cpu_backend({.threads = 2});
+  run_compare(load("gpt-oss-f16.gguf"), *be, 1e-2, 24);
 }
 TEST(FastVsReference, Qwen2BiasesCpuBackend) {
   auto be = make_cpu_backend({.threads = 2});

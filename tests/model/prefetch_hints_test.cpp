@@ -62,6 +62,10 @@ class HintRecorder final : public Backend {
   void swiglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
     ref_->swiglu(g, u, o);
   }
+  void swiglu_oai(std::span<const float> g, std::span<const float> u, std::span<float> o,
+                  float alpha, float limit) override {
+    ref_->swiglu_oai(g, u, o, alpha, limit);
+  }
   void geglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
     ref_->geglu(g, u, o);
   }

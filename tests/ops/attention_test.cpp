@@ -29,6 +29,7 @@ struct AttnCase {
   int64_t n_head, n_head_kv, head_dim, n_q, n_kv;
   int32_t window;
   float softcap;
+  bool sinks = false;  // gpt-oss's attention sinks, one random logit per head
 };
 
 void run_case(const AttnCase& c, Backend& ref, Backend& cpu, std::mt19937_64& rng) {
@@ -43,6 +44,10 @@ void run_case(const AttnCase& c, Backend& ref, Backend& cpu, std::mt19937_64& rn
   const std::vector<float>& q = p.q;
   std::vector<float> out_ref(q.size(), NAN), out_cpu(q.size(), NAN);
   AttentionArgs& a = p.args;
+  // Sinks from far below to far above the logits (|logit| is a few units here), so both of
+  // the kernel's finishes (the sink below and above the running max) are taken.
+  const std::vector<float> sinks = random_vec(rng, c.n_head, 6.0f);
+  if (c.sinks) a.sinks = sinks;
   a.out = out_ref;
   ref.attention(a);
   a.out = out_cpu;
@@ -97,6 +102,24 @@ TEST(AttentionVsRef, Configurations) {
   run_case({2, 1, 37, 3, 1, 0, 0}, *ref, *cpu3, rng);
   run_case({3, 3, 37, 5, 9, 4, 20}, *ref, *cpu3, rng);
   run_case({8, 2, 128, 33, 300, 0, 0}, *ref, *cpu3, rng);
+}
+
+// Attention sinks (gpt-oss): one extra logit per head in the softmax's max and denominator,
+// on every head layout and window; each CPU output against the reference's.
+TEST(AttentionVsRef, Sinks) {
+  std::mt19937_64 rng(ops_seed() ^ 0x51c5);
+  auto ref = make_ref_backend();
+  auto cpu1 = make_cpu_backend({.threads = 1});
+  auto cpu3 = make_cpu_backend({.threads = 3});
+  for (int64_t ratio : {1, 2, 4})
+    for (int64_t n_q : {1, 7})
+      for (int32_t window : {0, 8}) {
+        const AttnCase c{4, 4 / ratio, 64, n_q, 150, window, 0.0f, true};
+        run_case(c, *ref, *cpu1, rng);
+        run_case(c, *ref, *cpu3, rng);
+      }
+  run_case({3, 1, 37, 5, 9, 4, 0, true}, *ref, *cpu3, rng);
+  run_case({2, 1, 8, 3, 1, 0, 0, true}, *ref, *cpu1, rng);
 }
 
 // The grouped kernel (heads narrower than a vector: several (query, head) pairs of one KV

@@ -48,7 +48,7 @@ TEST_P(BackendOps, GetRowsEveryTypeBitExact) {
   std::mt19937_64 rng(ops_seed());
   for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1,
                   DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K,
-                  DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS}) {
+                  DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS, DType::MXFP4}) {
     const int64_t k = traits(t).block_size == 1 ? 67 : 512;
     const kiln::testing::TestWeights tw = kiln::testing::make_weights(t, 31, k, rng);
     const WeightMatrix& w = tw.m;
@@ -180,6 +180,12 @@ TEST_P(BackendOps, Elementwise) {
       ASSERT_TRUE(close(b[i], a[i],
                         1e-5 * std::fabs(a[i]) + 1e-6 * (1 + std::fabs(g[i])) * std::fabs(u[i])))
           << "geglu " << i;
+    // gpt-oss's clamped SwiGLU: inputs of scale 4 and 2 reach both clamps (limit 7).
+    ref().swiglu_oai(g, u, a, 1.702f, 7.0f);
+    be().swiglu_oai(g, u, b, 1.702f, 7.0f);
+    for (size_t i = 0; i < n; ++i)
+      ASSERT_TRUE(close(b[i], a[i], 1e-5 * std::fabs(a[i]) + 1e-6 * (1 + std::fabs(u[i]))))
+          << "swiglu_oai " << i;
     ref().add(g, u, a);
     be().add(g, u, b);
     for (size_t i = 0; i < n; ++i) ASSERT_TRUE(close(b[i], a[i], 0)) << "add " << i;

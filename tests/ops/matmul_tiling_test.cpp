@@ -73,7 +73,7 @@ INSTANTIATE_TEST_SUITE_P(Types, MatmulTiling,
                          ::testing::Values(DType::F32, DType::F16, DType::BF16, DType::Q8_0,
                                            DType::Q4_0, DType::Q5_0, DType::Q4_1, DType::Q4_K,
                                            DType::Q5_K, DType::Q6_K, DType::Q3_K, DType::Q2_K,
-                                           DType::IQ4_NL, DType::IQ4_XS),
+                                           DType::IQ4_NL, DType::IQ4_XS, DType::MXFP4),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
 // Raw random Q4_K / Q6_K rows: every quant, scale and min value, with finite moderate block
@@ -463,6 +463,10 @@ std::vector<std::byte> random_q8_family_rows(DType type, int64_t k, int64_t n_ro
   for (auto& b : bytes) b = static_cast<std::byte>(rng());
   const size_t block = *row_bytes(type, 32);
   for (size_t off = 0; off < bytes.size(); off += block) {
+    if (type == DType::MXFP4) {  // its scale is an exponent byte: 2^(e - 128) in [2^-16, 2^0]
+      bytes[off] = static_cast<std::byte>(rng() % 16 == 0 ? 0 : 112 + rng() % 17);
+      continue;
+    }
     const f16 d =
         rng() % 16 == 0
             ? f32_to_f16(0.0f)
@@ -486,7 +490,7 @@ TEST(MatmulQ8Vnni, SameBitsAsPlainKernel) {
   std::vector<int64_t> all_tok, few_tok = {1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 37, 512};
   for (int64_t t = 1; t <= 37; ++t) all_tok.push_back(t);
   all_tok.push_back(512);
-  for (DType type : {DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::IQ4_NL}) {
+  for (DType type : {DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::IQ4_NL, DType::MXFP4}) {
     for (int64_t k : {32, 96, 2048, 8192}) {
       const bool wide = k >= 2048;
       for (int64_t n_rows : {1, 3, 5, 6, 67, 131}) {

@@ -43,6 +43,7 @@ int act_block(DType t) {
     case DType::Q4_0:
     case DType::Q5_0:
     case DType::IQ4_NL:
+    case DType::MXFP4:
       return 32;
     case DType::Q2_K:
     case DType::Q3_K:
@@ -140,7 +141,8 @@ INSTANTIATE_TEST_SUITE_P(
                       MatmulCase{DType::Q3_K, {256, 768, 2304}},
                       MatmulCase{DType::Q4_K, {256, 768}}, MatmulCase{DType::Q5_K, {256, 768}},
                       MatmulCase{DType::Q6_K, {256, 768}}, MatmulCase{DType::IQ4_NL, {32, 544}},
-                      MatmulCase{DType::IQ4_XS, {256, 768}}),
+                      MatmulCase{DType::IQ4_XS, {256, 768}},
+                      MatmulCase{DType::MXFP4, {32, 96, 544}}),
     [](const auto& info) { return std::string(dtype_name(info.param.type)); });
 
 // A quantized weight times an activation row holding a NaN gives NaN, as the f32 math would.

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -319,6 +320,37 @@ TEST(QuantBlocks, ExactBlocksSurviveReencoding) {
   std::vector<float> y2(32);
   dequantize_row(DType::Q4_0, enc4, y2);
   expect_exact(y2, y);
+}
+
+// MXFP4: ggml's doubled E2M1 table and its half scale 2^(e - 128), the subnormal exponents
+// 0 and 1 included; element j in the low nibble of qs[j], j + 16 in the high one.
+TEST(QuantBlocks, Mxfp4) {
+  EXPECT_EQ(mxfp4_scale_half(128), 1.0f);
+  EXPECT_EQ(mxfp4_scale_half(127), 0.5f);
+  EXPECT_EQ(mxfp4_scale_half(2), std::ldexp(1.0f, -126));
+  EXPECT_EQ(mxfp4_scale_half(1), std::ldexp(1.0f, -127));
+  EXPECT_EQ(mxfp4_scale_half(0), std::ldexp(1.0f, -128));
+  EXPECT_EQ(mxfp4_scale_half(254), std::ldexp(1.0f, 126));
+  const float e2m1[8] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6};  // the format's values, from its spec
+  block_mxfp4 b{};
+  b.e = 129;  // half scale 2: x = 2 * (2 * e2m1) = 4 * e2m1
+  for (int j = 0; j < 16; ++j) b.qs[j] = static_cast<uint8_t>(j | ((15 - j) << 4));
+  std::vector<float> want(32);
+  for (int e = 0; e < 32; ++e) {
+    const int q = e < 16 ? (b.qs[e] & 15) : (b.qs[e - 16] >> 4);
+    want[e] = (q & 8 ? -4.0f : 4.0f) * e2m1[q & 7];
+  }
+  expect_exact(decode(DType::MXFP4, b, 32), want);
+  // The encoder: the block's largest |x| sets e = floor(log2 amax) - 2 + 127; values on the
+  // grid come back exactly.
+  std::vector<float> x(32);
+  for (int i = 0; i < 32; ++i) x[i] = want[static_cast<size_t>(i)] / 8.0f;  // amax 3: e 126
+  std::vector<std::byte> enc(sizeof(block_mxfp4));
+  quantize_row(DType::MXFP4, x, enc);
+  EXPECT_EQ(static_cast<int>(enc[0]), 126);
+  std::vector<float> back(32);
+  dequantize_row(DType::MXFP4, enc, back);
+  expect_exact(back, x);
 }
 
 }  // namespace

@@ -4,12 +4,15 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <string_view>
 
 #include "common/testdata.h"
 #include "format/gguf.h"
+#include "core/half.h"
+#include "quant/blocks.h"
 #include "quant/quant.h"
 
 namespace kiln::quant {
@@ -222,6 +225,120 @@ TEST(QuantizeCommand, IQuantsAndKMixesAreLlamaQuantizeBytes) {
           << c.preset << " " << ref.tensors()[i].name;
     }
   }
+  std::filesystem::remove_all(dir);
+}
+
+// llama-quantize's MXFP4_MOE mix: the stacked expert tensors MXFP4, every other matrix Q8_0
+// (output.weight too); routers, norms, sinks and biases copied.
+// Byte identity: llama-quantize 0.7.0 run on gpt-oss-f16.gguf (`../shared/tools/peer
+// llama-quantize gpt-oss-f16.gguf out.gguf MXFP4_MOE 2`) wrote a file of 1535552 bytes with
+// FNV-1a 0x5ddaa1b3b24fed6e; kiln's file must be that file. (The shipped gpt-oss-mxfp4_moe.gguf
+// was quantized from the f32 weights before their f16 rounding, so it agrees with ours only up
+// to that rounding: the test below.)
+TEST(QuantizeCommand, Mxfp4MoeOfGptOssEqualsLlamaQuantizeOutput) {
+  const std::string dir = testing::temp_dir();
+  const std::string out = dir + "/gpt-oss-mxfp4_moe.gguf";
+  const auto r = run_kiln(
+      fmt::format("quantize {} {} MXFP4_MOE -t 2", testing::model_path("gpt-oss-f16.gguf"), out),
+      dir);
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  const std::string mine = testing::read_file(out);
+  EXPECT_EQ(mine.size(), 1535552u);
+  EXPECT_EQ(fnv1a(mine), 0x5ddaa1b3b24fed6eull) << std::hex << fnv1a(mine);
+  std::filesystem::remove_all(dir);
+}
+
+// Against the shipped fixture: the same metadata, tensor order and types; each MXFP4 block the
+// same exponent (or one apart where the f16 block maximum is a power of two), and each code
+// the same except where the f16 input lies exactly halfway
+// between two codes' values (the f32 weights llama.cpp saw were on either side of it); Q8_0
+// blocks within one f16 step of scale and about one quant step of value.
+TEST(QuantizeCommand, Mxfp4MoeOfGptOssMatchesFixtureUpToF16InputRounding) {
+  const std::string dir = testing::temp_dir();
+  const std::string out = dir + "/gpt-oss-mxfp4_moe.gguf";
+  const auto r = run_kiln(
+      fmt::format("quantize {} {} MXFP4_MOE -t 2", testing::model_path("gpt-oss-f16.gguf"), out),
+      dir);
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  const GgufFile ours = open_file(out);
+  const GgufFile ref = open_file(testing::model_path("gpt-oss-mxfp4_moe.gguf"));
+  const GgufFile src_model = open_file(testing::model_path("gpt-oss-f16.gguf"));
+  expect_same_metadata(ours, ref);
+  ASSERT_EQ(ours.tensors().size(), ref.tensors().size());
+  int64_t n_codes = 0, n_tie_codes = 0, n_mxfp4 = 0, n_exp_blocks = 0;
+  for (size_t i = 0; i < ref.tensors().size(); ++i) {
+    const TensorInfo& t = ref.tensors()[i];
+    const TensorInfo& o = ours.tensors()[i];
+    ASSERT_EQ(o.name, t.name);
+    ASSERT_EQ(dtype_name(o.dtype), dtype_name(t.dtype)) << t.name;
+    const auto a = ours.view(o).bytes, b = ref.view(t).bytes;
+    ASSERT_EQ(a.size(), b.size()) << t.name;
+    if (t.dtype != DType::MXFP4 && t.dtype != DType::Q8_0) {
+      EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin())) << t.name;  // copied tensors
+      continue;
+    }
+    const TensorInfo* src = src_model.find_tensor(t.name);
+    ASSERT_NE(src, nullptr);
+    std::vector<float> x(static_cast<size_t>(src->n_elements()));
+    dequantize_row(src->dtype, src_model.view(*src).bytes, x);
+    const size_t bs = traits(t.dtype).type_size;
+    for (size_t blk = 0; blk < a.size() / bs; ++blk) {
+      const std::byte* pa = a.data() + blk * bs;
+      const std::byte* pb = b.data() + blk * bs;
+      const float* xb = x.data() + blk * 32;
+      if (t.dtype == DType::MXFP4) {
+        ++n_mxfp4;
+        if (pa[0] != pb[0]) {
+          // The block maximum rounded up to a power of two in f16 (from just below it in
+          // f32) moves the exponent by one; any other exponent difference is an error.
+          float amax = 0;
+          for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+          int e2 = 0;
+          const bool pow2 = std::frexp(amax, &e2) == 0.5f;
+          ASSERT_TRUE(pow2 && std::abs(int(pa[0]) - int(pb[0])) == 1)
+              << t.name << " block " << blk << ": exponents " << int(pa[0]) << " / " << int(pb[0])
+              << ", block max " << amax;
+          ++n_exp_blocks;
+          continue;
+        }
+        const float d = mxfp4_scale_half(static_cast<uint8_t>(pb[0]));
+        for (int j = 0; j < 32; ++j) {
+          const int sh = j < 16 ? 0 : 4;
+          const int qa = (static_cast<int>(pa[1 + j % 16]) >> sh) & 15;
+          const int qb = (static_cast<int>(pb[1 + j % 16]) >> sh) & 15;
+          ++n_codes;
+          if (qa == qb) continue;
+          ++n_tie_codes;
+          const double ea = std::fabs(kMxfp4Values[qa] * double(d) - xb[j]);
+          const double eb = std::fabs(kMxfp4Values[qb] * double(d) - xb[j]);
+          ASSERT_EQ(ea, eb) << t.name << " block " << blk << " element " << j << ": codes " << qa
+                            << " / " << qb << " for " << xb[j] << " are not a tie";
+        }
+      } else {
+        f16 da, db;
+        std::memcpy(&da, pa, 2);
+        std::memcpy(&db, pb, 2);
+        ASSERT_LE(std::abs(int(da.bits) - int(db.bits)), 1) << t.name << " block " << blk;
+        const float d = f16_to_f32(db);
+        for (int j = 0; j < 32; ++j) {
+          const float va = f16_to_f32(da) * static_cast<float>(static_cast<int8_t>(pa[2 + j]));
+          const float vb = d * static_cast<float>(static_cast<int8_t>(pb[2 + j]));
+          // One quant step, plus 127 codes times the scales' one-step difference.
+          const float tol = 1.001f * d + 128 * std::fabs(f16_to_f32(da) - d) + 1e-7f;
+          ASSERT_LE(std::fabs(va - vb), tol) << t.name << " block " << blk;
+        }
+      }
+    }
+  }
+  EXPECT_GT(n_mxfp4, 0);
+  // Exact ties are a small share of the codes (f16 inputs on the MXFP4 grid's midpoints).
+  EXPECT_LT(n_tie_codes * 50, n_codes);
+  EXPECT_LT(n_exp_blocks * 50, n_mxfp4);
+  std::printf(
+      "  MXFP4: %lld blocks, %lld with the exponent one apart (block max a power of two in f16); "
+      "%lld codes, %lld differ from the fixture, all at f16 ties\n",
+      static_cast<long long>(n_mxfp4), static_cast<long long>(n_exp_blocks),
+      static_cast<long long>(n_codes), static_cast<long long>(n_tie_codes));
   std::filesystem::remove_all(dir);
 }
 

@@ -186,9 +186,10 @@ TEST(QuantRoundTrip, NaNScaleInStoredBlockPropagates) {
 // part is exact and only the per-block scaling is rounded.
 TEST(QuantVecDot, MatchesDotOfDecodedRows) {
   std::mt19937 rng(test_seed() + 4);
-  const DType types[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q4_0,   DType::Q4_1,
-                         DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q2_K,   DType::Q3_K,
-                         DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
+  const DType types[] = {DType::F32,  DType::F16,    DType::BF16,   DType::Q4_0,
+                         DType::Q4_1, DType::Q5_0,   DType::Q5_1,   DType::Q8_0,
+                         DType::Q2_K, DType::Q3_K,   DType::Q4_K,   DType::Q5_K,
+                         DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS, DType::MXFP4};
   for (DType t : types) {
     for (size_t n : {size_t{256}, size_t{1024}, size_t{4096}}) {
       const auto wx = gaussian(n, rng);

@@ -141,6 +141,18 @@ void AttentionOneK(const AttentionArgs& a, int64_t qi, int64_t h, float* scratch
     std::fill(out, out + hd, 0.0f);
     return;
   }
+  // The sink joins the softmax as one more logit without a value row, as llama.cpp's
+  // flash-attention finish does: rescale to the larger max, add its exp to the sum.
+  if (!a.sinks.empty()) {
+    const float sink = a.sinks[static_cast<size_t>(h)];
+    if (sink > m) {
+      const float c = std::exp(m - sink);
+      ScaleAcc(acc, hd, c);
+      l = l * c + 1.0f;
+    } else {
+      l += std::exp(sink - m);
+    }
+  }
   const float inv = 1.0f / l;
   for (int64_t i = 0; i < hd; ++i) out[i] = acc[i] * inv;
 }

@@ -240,6 +240,13 @@ class CpuBackend final : public Backend {
       cpu::swiglu(gate.data() + b, up.data() + b, out.data() + b, e - b);
     });
   }
+  void swiglu_oai(std::span<const float> gate, std::span<const float> up, std::span<float> out,
+                  float alpha, float limit) override {
+    KILN_CHECK(gate.size() == up.size() && out.size() == up.size());
+    elementwise(out.size(), [&](int64_t b, int64_t e) {
+      cpu::swiglu_oai(gate.data() + b, up.data() + b, out.data() + b, e - b, alpha, limit);
+    });
+  }
   void geglu(std::span<const float> gate, std::span<const float> up,
              std::span<float> out) override {
     KILN_CHECK(gate.size() == up.size() && out.size() == up.size());
@@ -292,13 +299,17 @@ class CpuBackend final : public Backend {
     KILN_CHECK(static_cast<int64_t>(a.q_pos.size()) == a.n_q);
     KILN_CHECK(a.kv_pos.size() == a.kv_rows.size());
     KILN_CHECK(a.k.size() == a.v.size() && a.k.size() % kv_w == 0);
+    KILN_CHECK(a.sinks.empty() || static_cast<int64_t>(a.sinks.size()) == a.n_head);
     std::lock_guard<std::mutex> lock(mu_);
+    // Sinks (gpt-oss) are applied by the plain kernel only: the grouped and multi-pair
+    // kernels below do not take them.
+    const bool plain_only = portable_ || !a.sinks.empty();
     const size_t per_thread = cpu::attention_scratch_floats(a.head_dim);
     float* scratch = thread_scratch(per_thread);
     const int64_t work = a.n_q * a.n_head * static_cast<int64_t>(a.kv_rows.size()) * a.head_dim;
     // Narrow heads: one task per (KV head, run of queries), the pairs in vector lanes.
     const int64_t group = a.n_head / a.n_head_kv;
-    if (const int64_t tq = cpu::attention_group_tokens(a.head_dim, group, portable_); tq > 0) {
+    if (const int64_t tq = cpu::attention_group_tokens(a.head_dim, group, plain_only); tq > 0) {
       const int64_t n_runs = (a.n_q + tq - 1) / tq, tasks = a.n_head_kv * n_runs;
       auto body = [&](int64_t b, int64_t e, int t) {
         float* s = scratch + static_cast<size_t>(t) * per_thread;
@@ -323,7 +334,7 @@ class CpuBackend final : public Backend {
     // Wide heads: one task per (KV head, run of np pairs of it), KV-head-major so that a
     // thread's consecutive tasks reread one KV head's rows (cache-resident) and not all of
     // them; within a KV head the runs from both ends.
-    if (const int64_t np = cpu::attention_multi_pairs(a.head_dim, portable_); np > 0) {
+    if (const int64_t np = cpu::attention_multi_pairs(a.head_dim, plain_only); np > 0) {
       const int64_t per_kv = n_q * group, n_runs = (per_kv + np - 1) / np;
       const int64_t tasks = a.n_head_kv * n_runs;
       auto body = [&](int64_t b, int64_t e, int t) {

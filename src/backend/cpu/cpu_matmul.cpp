@@ -1,5 +1,5 @@
 // backend/cpu/cpu_matmul.cpp: weight-matrix × activation kernels. Quantized weights are
-// dotted against activations quantized once per call (Q8_0 blocks for Q8_0/Q4_0/Q5_0, Q8_K
+// dotted against activations quantized once per call (Q8_0 blocks for Q8_0/Q4_0/Q5_0/MXFP4, Q8_K
 // super-blocks for Q4_K/Q5_K/Q6_K) with int8 multiply-adds (AVX2 maddubs, AVX-512 VNNI
 // vpdpbusd/vpdpwssd); F32/F16/BF16 weights use f32 FMA after hardware conversion (2+ tokens:
 // the register-tiled kernel of cpu_matmul_float.cpp, with this file's DotTile bits); other
@@ -195,6 +195,19 @@ HWY_INLINE __m256i UnpackQ5_0(const std::byte* row, int64_t i, float* d) {
   return _mm256_sub_epi8(_mm256_or_si256(nib, hi), _mm256_set1_epi8(16));
 }
 
+// MXFP4 (ggml type 39): the doubled E2M1 values of kMxfp4Values looked up 16 at a time by
+// pshufb (all in [-12, 12], so the Q8_0 family's sign trick holds), scale 2^(e - 128).
+HWY_INLINE __m256i UnpackMxfp4(const std::byte* row, int64_t i, float* d) {
+  const auto* b = reinterpret_cast<const quant::block_mxfp4*>(row + i * sizeof(quant::block_mxfp4));
+  *d = quant::mxfp4_scale_half(b->e);
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(quant::kMxfp4Values));
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(q, m4));
+  const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
 template <int T, __m256i (*Unpack)(const std::byte*, int64_t, float*)>
 HWY_INLINE void DotQ8Family(const std::byte* row, int64_t nb, const ActQ8_0* const* ys,
                             float* out) {
@@ -371,6 +384,12 @@ template <int T>
 struct KQ5_0 {
   static void run(const std::byte* w, int64_t nb, const ActQ8_0* const* y, float* o) {
     DotQ8Family<T, UnpackQ5_0>(w, nb, y, o);
+  }
+};
+template <int T>
+struct KMxfp4 {
+  static void run(const std::byte* w, int64_t nb, const ActQ8_0* const* y, float* o) {
+    DotQ8Family<T, UnpackMxfp4>(w, nb, y, o);
   }
 };
 template <int T>
@@ -1173,6 +1192,7 @@ bool HasInt8PathK(DType t) {
     case DType::Q8_0:
     case DType::Q4_0:
     case DType::Q5_0:
+    case DType::MXFP4:
     case DType::Q4_K:
     case DType::Q5_K:
     case DType::Q6_K:
@@ -1216,6 +1236,10 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackIQ4_NL>);
       return MatmulInt<ActQ8_0, KIQ4_NL>(job, r0, r1, 32);
+    case DType::MXFP4:
+      if (!job.portable && job.n_tok >= kQ8VnniMinTok)
+        return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackMxfp4>);
+      return MatmulInt<ActQ8_0, KMxfp4>(job, r0, r1, 32);
 #else
     case DType::IQ4_NL:
       return MatmulInt<ActQ8_0, KIQ4_NL>(job, r0, r1, 32);
@@ -1228,6 +1252,8 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       return MatmulInt<ActQ8_0, KQ4_0>(job, r0, r1, 32);
     case DType::Q5_0:
       return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
+    case DType::MXFP4:
+      return MatmulInt<ActQ8_0, KMxfp4>(job, r0, r1, 32);
 #endif
     case DType::Q4_K:
 #if HWY_TARGET == HWY_AVX3_DL
@@ -1391,7 +1417,7 @@ size_t matmul_scratch_floats(const WeightMatrix& w) {
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K)
     n = std::max(n, (kq_prefill_scratch_bytes(w.dtype, w.n_cols / 256, w.row_bytes) + 3) / 4);
   if (w.dtype == DType::Q8_0 || w.dtype == DType::Q4_0 || w.dtype == DType::Q5_0 ||
-      w.dtype == DType::IQ4_NL)
+      w.dtype == DType::IQ4_NL || w.dtype == DType::MXFP4)
     n = std::max(n, (q8_vnni_scratch_bytes(w.n_cols) + 3) / 4);
   return n;
 }

@@ -8,6 +8,7 @@
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels.h"
@@ -191,6 +192,15 @@ void swiglu(const float* g, const float* u, float* out, size_t n) {
 }
 void geglu(const float* g, const float* u, float* out, size_t n) {
   HWY_DYNAMIC_DISPATCH(GegluK)(g, u, out, n);
+}
+// Scalar, float for float as llama.cpp's CPU swiglu_oai (a gpt-oss expert's n_ff elements per
+// token: small next to the expert matmuls around it).
+void swiglu_oai(const float* g, const float* u, float* out, size_t n, float alpha, float limit) {
+  for (size_t i = 0; i < n; ++i) {
+    const float x = std::min(g[i], limit);
+    const float y = std::clamp(u[i], -limit, limit);
+    out[i] = x / (1.0f + std::exp(alpha * (-x))) * (y + 1.0f);
+  }
 }
 void rmsnorm_row(const float* x, const float* w, size_t n, float eps, float* y) {
   HWY_DYNAMIC_DISPATCH(RmsnormRowK)(x, w, n, eps, y);

@@ -17,6 +17,7 @@ void softcap(float* x, size_t n, float cap);
 void sigmoid(float* x, size_t n);
 void swiglu(const float* g, const float* u, float* out, size_t n);
 void geglu(const float* g, const float* u, float* out, size_t n);
+void swiglu_oai(const float* g, const float* u, float* out, size_t n, float alpha, float limit);
 void rmsnorm_row(const float* x, const float* w /*nullable*/, size_t n, float eps, float* y);
 void softmax_row(float* x, size_t n);
 void f32_to_f16(const float* src, f16* dst, size_t n);

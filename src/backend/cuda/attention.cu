@@ -65,6 +65,23 @@ Split plan_split(const DeviceAttention& a, int n_sm) {
   return sp;
 }
 
+// Folds head h's attention sink (gpt-oss; sinks null: none) into a finished softmax of max mx
+// and sum `sum`: the sink is one more logit without a value row, as llama.cpp's flash-attention
+// finish adds it. Returns the factor the unnormalised accumulator takes (1 unless the sink is
+// the new max); sum becomes the denominator.
+__device__ __forceinline__ float fold_sink(const float* __restrict__ sinks, int64_t h, float mx,
+                                           float& sum) {
+  if (sinks == nullptr) return 1.0f;
+  const float s = sinks[h];
+  if (s > mx) {
+    const float c = expf(mx - s);
+    sum = sum * c + 1.0f;
+    return c;
+  }
+  sum += expf(s - mx);
+  return 1.0f;
+}
+
 // The largest of the block's warps' running maxima of head g (-inf when no warp saw a key).
 template <int G>
 __device__ __forceinline__ float warps_max(const float (&m_s)[kWarps][G], int g) {
@@ -456,7 +473,15 @@ __device__ __forceinline__ void attention_wt_body(const DeviceAttention& a, int6
         }
     }
     if (n_split == 1) {  // the whole key list: normalised here, no merge kernel
-      a.out[(qi * a.n_head + h0 + g) * hd + d] = mx == -INFINITY ? 0.0f : s * (1.0f / sum);
+      float* o = a.out + (qi * a.n_head + h0 + g) * hd + d;
+      if (mx == -INFINITY) {
+        *o = 0.0f;
+      } else if (a.sinks == nullptr) {
+        *o = s * (1.0f / sum);
+      } else {
+        const float c = fold_sink(a.sinks, h0 + g, mx, sum);
+        *o = s * c * (1.0f / sum);
+      }
       continue;
     }
     float* out = part + ((qi * a.n_head + h0 + g) * n_split + by) * (hd + 2);
@@ -483,10 +508,12 @@ __global__ void __launch_bounds__(kWarps * 32)
                            it.n_split);
 }
 
-// One (query, head): merges the splits' partials and normalises.
+// One (query, head): merges the splits' partials and normalises (bx = query * n_head + head).
 __device__ __forceinline__ void attention_merge_body(const float* __restrict__ part,
                                                      int64_t n_split, int64_t hd,
-                                                     float* __restrict__ out, int64_t bx) {
+                                                     float* __restrict__ out, int64_t bx,
+                                                     const float* __restrict__ sinks,
+                                                     int64_t n_head) {
   const float* p = part + bx * n_split * (hd + 2);
   float mx = -INFINITY;
   for (int64_t s = 0; s < n_split; ++s) mx = fmaxf(mx, p[s * (hd + 2) + hd]);
@@ -500,6 +527,7 @@ __device__ __forceinline__ void attention_merge_body(const float* __restrict__ p
     const float ms = p[s * (hd + 2) + hd];
     if (ms != -INFINITY) sum += p[s * (hd + 2) + hd + 1] * expf(ms - mx);
   }
+  const float c = fold_sink(sinks, bx % n_head, mx, sum);
   const float inv = 1.0f / sum;
   for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
     float acc = 0.0f;
@@ -507,15 +535,16 @@ __device__ __forceinline__ void attention_merge_body(const float* __restrict__ p
       const float ms = p[s * (hd + 2) + hd];
       if (ms != -INFINITY) acc += p[s * (hd + 2) + d] * expf(ms - mx);
     }
-    o[d] = acc * inv;
+    o[d] = sinks == nullptr ? acc * inv : acc * c * inv;
   }
 }
 
 // grid: n_q * n_head blocks.
 __global__ void attention_merge_kernel(const float* __restrict__ part, int64_t n_split, int64_t hd,
-                                       float* __restrict__ out) {
+                                       float* __restrict__ out, const float* __restrict__ sinks,
+                                       int64_t n_head) {
   pdl_enter();
-  attention_merge_body(part, n_split, hd, out, blockIdx.x);
+  attention_merge_body(part, n_split, hd, out, blockIdx.x, sinks, n_head);
 }
 
 __global__ void attention_merge_batch_kernel(const AttentionBatchItem* __restrict__ items, int n) {
@@ -524,7 +553,7 @@ __global__ void attention_merge_batch_kernel(const AttentionBatchItem* __restric
   const AttentionBatchItem& it = items[i];
   if (it.a.warp_tiles && it.n_split == 1) return;  // the warp-tile block wrote it
   attention_merge_body(it.part, it.n_split, it.a.head_dim, it.a.out,
-                       int64_t(blockIdx.x) - it.merge0);
+                       int64_t(blockIdx.x) - it.merge0, it.a.sinks, it.a.n_head);
 }
 
 // ---------------------------------------------------------------- prefill: tensor-core tiles
@@ -707,7 +736,8 @@ __global__ void __launch_bounds__(128) attention_tile_kernel(DeviceAttention a) 
   // Normalise; a row with no visible key gives zeros (as the split kernel and the reference).
   __syncwarp();
   if (my_q < a.n_q) {
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float c = l > 0.0f ? fold_sink(a.sinks, h0 + r_blk % G, m, l) : 1.0f;
+    const float inv = l > 0.0f ? c / l : 0.0f;
     const float* orow = o_w + srow * L::kLdO + shalf * (HD / 2);
     float* out = a.out + (my_q * a.n_head + h0 + r_blk % G) * HD + shalf * (HD / 2);
     for (int d = 0; d < HD / 2; ++d) out[d] = l > 0.0f ? orow[d] * inv : 0.0f;
@@ -883,7 +913,8 @@ cudaError_t launch_attention(const DeviceAttention& a, float* scratch, int n_sm,
     if (e != cudaSuccess) return e;
   }
   return launch(attention_merge_kernel, unsigned(a.n_q * a.n_head), 128, 0, s,
-                static_cast<const float*>(scratch), sp.n_split, a.head_dim, a.out);
+                static_cast<const float*>(scratch), sp.n_split, a.head_dim, a.out, a.sinks,
+                a.n_head);
 }
 
 }  // namespace kiln::cuda

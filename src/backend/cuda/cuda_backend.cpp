@@ -484,6 +484,15 @@ void CudaBackend::swiglu(std::span<const float> gate, std::span<const float> up,
                          std::span<float> out) {
   binary(*impl_, gate, up, out, cuda::Binary::SwiGLU, "swiglu");
 }
+void CudaBackend::swiglu_oai(std::span<const float> gate, std::span<const float> up,
+                             std::span<float> out, float alpha, float limit) {
+  // The kernel has gpt-oss's constants built in; any other pair is refused, never approximated.
+  KILN_CHECK(alpha == cuda::kOaiAlpha && limit == cuda::kOaiLimit,
+             "cuda swiglu_oai: alpha {} limit {} (only gpt-oss's 1.702 / 7 are implemented)", alpha,
+             limit);
+  binary(*impl_, gate, up, out, cuda::Binary::SwiGLUOai, "swiglu_oai");
+}
+
 void CudaBackend::geglu(std::span<const float> gate, std::span<const float> up,
                         std::span<float> out) {
   binary(*impl_, gate, up, out, cuda::Binary::GeGLU, "geglu");

@@ -201,6 +201,8 @@ class CudaBackend final : public Backend {
   void swiglu_matmul(const WeightMatrix& w, std::span<const float> gate, std::span<const float> up,
                      int64_t n_tok, std::span<float> act, std::span<float> y) override;
   void geglu(std::span<const float> gate, std::span<const float> up, std::span<float> out) override;
+  void swiglu_oai(std::span<const float> gate, std::span<const float> up, std::span<float> out,
+                  float alpha, float limit) override;
   void add(std::span<const float> a, std::span<const float> b, std::span<float> out) override;
   void mul(std::span<const float> a, std::span<const float> b, std::span<float> out) override;
   void scale(std::span<float> x, float s) override;

@@ -152,6 +152,24 @@ KILN_HD void load_words(const uint8_t* p, uint32_t* w) {
 #endif
 }
 
+// MXFP4's half scale 2^(e - 128) (quant::mxfp4_scale_half, exactly) and the doubled E2M1
+// value of a 4-bit code (quant::kMxfp4Values: magnitudes 0 1 2 3 4 6 8 12 as nibbles of one
+// word, bit 3 the sign), without a table in memory.
+KILN_HD float mxfp4_scale_half_hd(uint32_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+KILN_HD int mxfp4_value(uint32_t code) {
+  const int mag = int((0xC8643210u >> (4 * (code & 7))) & 0xF);
+  return code & 8 ? -mag : mag;
+}
+
 // Byte i of words w; i must be a compile-time constant after unrolling (register arrays).
 KILN_HD uint32_t byte_of(const uint32_t* w, int i) { return (w[i >> 2] >> (8 * (i & 3))) & 0xFFu; }
 // Byte i (a run-time index < 12) of three words, without indexing a register array.
@@ -246,6 +264,16 @@ KILN_HD void dequant_unit(const uint8_t* row, int64_t u, int64_t n_cols, float* 
       const int hi = int(byte_of(q, l) >> 4) | int((qh >> (l + 12)) & 0x10);
       out[l] = kMin ? add_rn(mul_rn(d, i2f(lo)), m) : mul_rn(d, i2f(lo - 16));
       out[l + 16] = kMin ? add_rn(mul_rn(d, i2f(hi)), m) : mul_rn(d, i2f(hi - 16));
+    }
+  } else if constexpr (T == DType::MXFP4) {
+    // 17-byte blocks: no field has more than byte alignment, so bytes are read one by one.
+    const uint8_t* b = row + u * sizeof(block_mxfp4);
+    const float d = mxfp4_scale_half_hd(b[0]);
+    KILN_UNROLL
+    for (int l = 0; l < 16; ++l) {
+      const uint32_t q = b[1 + l];
+      out[l] = mul_rn(d, i2f(mxfp4_value(q & 0xF)));
+      out[l + 16] = mul_rn(d, i2f(mxfp4_value(q >> 4)));
     }
   } else if constexpr (T == DType::Q2_K) {
     constexpr int kBs = sizeof(block_q2_K);
@@ -395,6 +423,7 @@ inline bool cuda_supports(DType t) {
     case DType::Q6_K:
     case DType::IQ4_NL:
     case DType::IQ4_XS:
+    case DType::MXFP4:
       return true;
     default:
       return false;
@@ -449,6 +478,9 @@ inline void dispatch_dtype(DType t, F&& f) {
       break;
     case DType::IQ4_XS:
       f.template operator()<DType::IQ4_XS>();
+      break;
+    case DType::MXFP4:
+      f.template operator()<DType::MXFP4>();
       break;
     default:
       break;

@@ -57,6 +57,11 @@ __global__ void binary_kernel(const float* a, const float* b, float* out, int64_
       case Binary::GeGLU:
         r = 0.5f * x * (1.0f + tanhf(kSqrt2OverPi * x * (1.0f + 0.044715f * x * x))) * y;
         break;
+      case Binary::SwiGLUOai: {
+        const float g = fminf(x, kOaiLimit), u = fminf(fmaxf(y, -kOaiLimit), kOaiLimit);
+        r = g / (1.0f + expf(kOaiAlpha * (-g))) * (u + 1.0f);
+        break;
+      }
     }
     out[i] = r;
   }

@@ -74,7 +74,7 @@ class HostSpan {
   Profiler& prof_;
   const DeviceAllocs& mem_;
   const Stream& compute_;
-  static constexpr int kSlots = 8;
+  static constexpr int kSlots = 9;  // attention: 8 arrays and its sinks
   DeviceBuffer scratch_[kSlots];
 };
 

@@ -175,7 +175,9 @@ cudaError_t launch_rope_qk(float* q, int64_t n_head_q, float* k, int64_t n_head_
 
 // --- elementwise.cu
 enum class Unary { Scale, Softcap, Sigmoid };
-enum class Binary { Add, Mul, SwiGLU, GeGLU };
+// SwiGLUOai: gpt-oss's clamped SwiGLU with llama.cpp's constants (kOaiAlpha, kOaiLimit).
+enum class Binary { Add, Mul, SwiGLU, GeGLU, SwiGLUOai };
+inline constexpr float kOaiAlpha = 1.702f, kOaiLimit = 7.0f;
 cudaError_t launch_unary(float* x, int64_t n, Unary op, float param, cudaStream_t s);
 // out may alias a or b.
 cudaError_t launch_binary(const float* a, const float* b, float* out, int64_t n, Binary op,
@@ -206,7 +208,8 @@ struct DeviceAttention {
   int64_t n_q = 0, n_kv = 0, n_head = 0, n_head_kv = 0, head_dim = 0;
   int32_t window = 0;
   float scale = 1, softcap = 0;
-  float* out = nullptr;  // [n_q][n_head * head_dim]
+  float* out = nullptr;          // [n_q][n_head * head_dim]
+  const float* sinks = nullptr;  // [n_head] attention sinks (gpt-oss), or null
   // Decode (the split path) by the warp-tile kernel: a warp scores 32 keys at a time, one per
   // lane, and slices are 256+ keys (a short context needs no merge kernel). Different
   // summation order from the split kernel: a flag with a measured default

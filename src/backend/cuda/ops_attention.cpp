@@ -23,6 +23,7 @@ using cuda::check_cuda;
 
 namespace {
 void check_attention_args(const AttentionArgs& a) {
+  KILN_CHECK(a.sinks.empty() || static_cast<int64_t>(a.sinks.size()) == a.n_head);
   KILN_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0);
   KILN_CHECK(a.head_dim > 0 && a.head_dim <= 256, "cuda attention: head_dim {} (at most 256)",
              a.head_dim);
@@ -145,7 +146,7 @@ void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
     d = attention_shape(a, std::max<int64_t>(n_kv, static_cast<int64_t>(pads[i])),
                         I.opts.attention_warp_tiles);
     part_floats += cuda::attention_scratch_floats(d, I.n_sm);
-    room += I.float_room(a.q) + I.seg.host_bytes(a.kv_rows, pads[i]) +
+    room += I.float_room(a.q) + I.float_room(a.sinks) + I.seg.host_bytes(a.kv_rows, pads[i]) +
             I.seg.host_bytes(a.kv_pos, pads[i]) + I.seg.host_bytes(a.q_pos);
   }
   // Scratch first (growing it flushes), then every staged array and the table.
@@ -156,6 +157,7 @@ void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
     const AttentionArgs& a = *batched[i];
     cuda::DeviceAttention& d = items[i].a;
     d.q = I.floats(a.q);
+    d.sinks = a.sinks.empty() ? nullptr : I.floats(a.sinks);
     d.k = reinterpret_cast<const uint16_t*>(a.k.data());
     d.v = reinterpret_cast<const uint16_t*>(a.v.data());
     d.kv_rows = I.seg.ints(a.kv_rows, pads[i], 0);
@@ -172,7 +174,8 @@ void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
   for (const cuda::AttentionBatchItem& it : items) {
     const cuda::DeviceAttention& d = it.a;
     I.seg.sig("attention_batch", d.q, d.k, d.v, d.kv_rows, d.kv_pos, d.q_pos, d.n_q, d.n_kv,
-              d.n_head, d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out, d.warp_tiles);
+              d.n_head, d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out, d.warp_tiles,
+              d.sinks);
   }
   if (I.prof.on()) I.seg.label(fmt::format("attention x{} sequences (one launch)", items.size()));
   I.seg.record("attention_batch",
@@ -238,9 +241,10 @@ void CudaBackend::attention(const AttentionArgs& a) {
     // for this op before (the staged pointers would then name reused staging space).
     float* part =
         I.internal<float>(I.attn_part, cuda::attention_scratch_floats(d, I.n_sm), I.attn_cap);
-    I.seg.room(I.float_room(a.q) + I.seg.host_bytes(a.kv_rows, pad_n) +
+    I.seg.room(I.float_room(a.q) + I.float_room(a.sinks) + I.seg.host_bytes(a.kv_rows, pad_n) +
                I.seg.host_bytes(a.kv_pos, pad_n) + I.seg.host_bytes(a.q_pos));
     d.q = I.floats(a.q);
+    d.sinks = a.sinks.empty() ? nullptr : I.floats(a.sinks);
     d.k = reinterpret_cast<const uint16_t*>(a.k.data());
     d.v = reinterpret_cast<const uint16_t*>(a.v.data());
     d.kv_rows = I.seg.ints(a.kv_rows, pad_n, 0);
@@ -248,7 +252,8 @@ void CudaBackend::attention(const AttentionArgs& a) {
     d.q_pos = I.seg.ints(a.q_pos);
     const int n_sm = I.n_sm;
     I.seg.sig("attention", d.q, d.k, d.v, d.kv_rows, d.kv_pos, d.q_pos, d.n_q, d.n_kv, d.n_head,
-              d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out, part, d.warp_tiles);
+              d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out, part, d.warp_tiles,
+              d.sinks);
     I.seg.record("attention",
                  [=](cudaStream_t st) { return cuda::launch_attention(d, part, n_sm, st); });
     return;
@@ -262,6 +267,7 @@ void CudaBackend::attention(const AttentionArgs& a) {
   d.kv_rows = I.host.upload<int32_t>(3, a.kv_rows);
   d.kv_pos = I.host.upload<int32_t>(4, a.kv_pos);
   d.q_pos = I.host.upload<int32_t>(5, a.q_pos);
+  d.sinks = a.sinks.empty() ? nullptr : I.host.upload<float>(8, a.sinks);
   d.warp_tiles =
       I.opts.attention_warp_tiles && cuda::attention_warp_tiles_fit(a.head_dim, d.k, d.v);
   float* dout = I.host.buffer<float>(6, a.out.size());

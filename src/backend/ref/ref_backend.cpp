@@ -107,6 +107,16 @@ class RefBackend final : public Backend {
     }
   }
 
+  void swiglu_oai(std::span<const float> gate, std::span<const float> up, std::span<float> out,
+                  float alpha, float limit) override {
+    KILN_CHECK(gate.size() == up.size() && out.size() == up.size());
+    for (size_t i = 0; i < out.size(); ++i) {
+      const double x = std::min(double(gate[i]), double(limit));
+      const double y = std::clamp(double(up[i]), -double(limit), double(limit));
+      out[i] = static_cast<float>(x / (1.0 + std::exp(-double(alpha) * x)) * (y + 1.0));
+    }
+  }
+
   void geglu(std::span<const float> gate, std::span<const float> up,
              std::span<float> out) override {
     KILN_CHECK(gate.size() == up.size() && out.size() == up.size());
@@ -158,6 +168,7 @@ class RefBackend final : public Backend {
     KILN_CHECK(static_cast<int64_t>(a.q_pos.size()) == a.n_q);
     KILN_CHECK(static_cast<int64_t>(a.kv_pos.size()) == n_kv);
     KILN_CHECK(a.k.size() == a.v.size() && a.k.size() % kv_w == 0);
+    KILN_CHECK(a.sinks.empty() || static_cast<int64_t>(a.sinks.size()) == a.n_head);
     const int64_t n_phys = static_cast<int64_t>(a.k.size()) / kv_w;
     const int64_t group = a.n_head / a.n_head_kv;
     std::vector<double> logit(static_cast<size_t>(n_kv));
@@ -191,6 +202,12 @@ class RefBackend final : public Backend {
         }
         std::fill(acc.begin(), acc.end(), 0.0);
         double sum = 0;
+        // A sink is one more logit in the max and the denominator, with no value row.
+        if (!a.sinks.empty()) {
+          const double sink = a.sinks[static_cast<size_t>(h)];
+          mx = std::max(mx, sink);
+          sum += std::exp(sink - mx);
+        }
         for (int64_t j = 0; j < n_kv; ++j) {
           if (logit[j] == -std::numeric_limits<double>::infinity()) continue;
           const double p = std::exp(logit[j] - mx);
