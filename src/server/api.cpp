@@ -211,6 +211,22 @@ std::optional<ApiError> get_message_string(const json& m, const std::string& whe
   return std::nullopt;
 }
 
+// The `function` object of a tool or a tool call at `at`, and its non-empty `name`.
+std::optional<ApiError> get_function(const json& obj, const std::string& at, const json*& fn,
+                                     std::string& name) {
+  auto it = obj.find("function");
+  if (it == obj.end() || !it->is_object())
+    return bad(at + ".function", fmt::format("'{}.function' must be an object", at),
+               "invalid_type");
+  auto n = it->find("name");
+  if (n == it->end() || !n->is_string() || n->get<std::string>().empty())
+    return bad(at + ".function.name",
+               fmt::format("'{}.function.name' must be a non-empty string", at), "invalid_type");
+  fn = &*it;
+  name = n->get<std::string>();
+  return std::nullopt;
+}
+
 // An assistant message's tool_calls [{id, type: "function", function: {name, arguments}}], a
 // tool message's tool_call_id, and any message's name.
 std::optional<ApiError> get_tool_fields(const json& m, size_t index, ChatMessage& msg) {
@@ -237,15 +253,8 @@ std::optional<ApiError> get_tool_fields(const json& m, size_t index, ChatMessage
       return bad(at + ".type", fmt::format("'{}.type' must be 'function'", at));
     ChatToolCall call;
     if (auto e = get_message_string(c, at, "id", call.id)) return e;
-    auto fn = c.find("function");
-    if (fn == c.end() || !fn->is_object())
-      return bad(at + ".function", fmt::format("'{}.function' must be an object", at),
-                 "invalid_type");
-    auto name = fn->find("name");
-    if (name == fn->end() || !name->is_string() || name->get<std::string>().empty())
-      return bad(at + ".function.name",
-                 fmt::format("'{}.function.name' must be a non-empty string", at), "invalid_type");
-    call.name = name->get<std::string>();
+    const json* fn = nullptr;
+    if (auto e = get_function(c, at, fn, call.name)) return e;
     // OpenAI sends the arguments as JSON text; an object is taken as what that text says.
     auto args = fn->find("arguments");
     if (args == fn->end() || args->is_null())
@@ -295,14 +304,9 @@ std::optional<ApiError> get_tools(const json& j, std::string_view body, Completi
     auto type = t.find("type");
     if (type == t.end() || *type != "function")
       return bad(at + ".type", fmt::format("'{}.type' must be 'function'", at));
-    auto fn = t.find("function");
-    if (fn == t.end() || !fn->is_object())
-      return bad(at + ".function", fmt::format("'{}.function' must be an object", at),
-                 "invalid_type");
-    auto name = fn->find("name");
-    if (name == fn->end() || !name->is_string() || name->get<std::string>().empty())
-      return bad(at + ".function.name",
-                 fmt::format("'{}.function.name' must be a non-empty string", at), "invalid_type");
+    const json* fn = nullptr;
+    std::string name;
+    if (auto e = get_function(t, at, fn, name)) return e;
     if (auto d = fn->find("description"); d != fn->end() && !d->is_null() && !d->is_string())
       return bad(at + ".function.description",
                  fmt::format("'{}.function.description' must be a string", at), "invalid_type");

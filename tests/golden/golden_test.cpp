@@ -21,46 +21,8 @@
 namespace kiln {
 namespace {
 
-struct Fixture {
-  const char* name;
-  bool quantized;
-};
-
-constexpr Fixture kFixtures[] = {
-    {"stories260K", false},
-    {"stories260K-q8_0", true},
-    {"babyllama-tok105-f32", false},
-    {"llama-gqa-f16", false},
-    {"llama-gqa-bf16", false},
-    {"llama-gqa-q8_0", true},
-    {"llama-gqa-q4_0", true},
-    {"llama-gqa-q4_k_m", true},
-    {"llama-gqa-q5_k_m", true},
-    {"llama-gqa-q6_k", true},
-    {"qwen3-bpe-f16", false},
-    {"qwen3-bpe-q8_0", true},
-    {"gemma2-swa-f16", false},
-    {"gemma2-swa-q8_0", true},
-    {"gemma3-swa-f16", false},
-    {"muse-glimmer-f16", false},
-    {"muse-glimmer-q4_k_m", true},
-    {"qwen3moe-f16", false},
-    {"qwen3moe-q4_k_m", true},
-    {"mixtral-q4_k_m", true},
-    {"llama3-ropefreqs-f16", false},
-    {"llama3-ropefreqs-q4_k_m", true},
-    {"qwen2-yarn-f16", false},
-    {"qwen2-yarn-q8_0", true},
-    {"phi3-f16", false},
-    {"phi3-q4_k_m", true},
-    {"llama-iq-iq4_nl", true},
-    {"llama-iq-iq4_xs", true},
-    {"llama-iq-q4_k_s", true},
-    {"llama-iq-q3_k_m", true},
-    {"llama-iq-q2_k", true},
-    {"gpt-oss-f16", false},
-    {"gpt-oss-mxfp4_moe", true},
-};
+using golden::Fixture;
+using golden::kFixtures;
 
 // CpuTp2/CpuTp4: the fast path on a tensor-parallel group of 2/4 CPU backends
 // (backend/tp_group.h's host group: sharded weights and KV heads, shared-memory all-reduce),
