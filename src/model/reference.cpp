@@ -120,7 +120,7 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t E = hp_.n_embd;
   auto rec = [&](const std::string& name, const Vec& v) {
-    if (capture_) capture_->record(name, v, n);
+    if (capture_ && capture_->wants(name)) capture_->record(name, v, n);
   };
   std::vector<int32_t> pos(static_cast<size_t>(n));
   for (int64_t t = 0; t < n; ++t) pos[t] = n_pos_ + static_cast<int32_t>(t);
