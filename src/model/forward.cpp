@@ -3,6 +3,7 @@
 #include "model/forward.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include "core/check.h"
@@ -13,8 +14,10 @@ namespace kiln::model {
 ForwardState::ForwardState(const HParams& hp, int32_t max_batch) : max_batch_(max_batch) {
   KILN_CHECK(max_batch > 0);
   int64_t n_ff = 0, n_expert = 0, n_used = 0;
-  for (const LayerDesc& L : hp.layers) {
-    n_ff = std::max<int64_t>({n_ff, L.n_ff, L.n_ff_expert});
+  std::vector<LayerDesc> all = hp.layers;  // NextN blocks run with this state too
+  all.insert(all.end(), hp.nextn_layers.begin(), hp.nextn_layers.end());
+  for (const LayerDesc& L : all) {
+    n_ff = std::max<int64_t>({n_ff, L.n_ff, L.n_ff_expert, L.n_ff_shexp});
     n_expert = std::max<int64_t>(n_expert, L.n_expert);
     n_used = std::max<int64_t>(n_used, L.n_expert_used);
   }
@@ -57,6 +60,7 @@ void ForwardState::bind(Backend& be) {
   moe_out = be.alloc<float>(n_moe_);
   logits = {};
   n_logits_ = 0;
+  nextn_cat = {};
 }
 
 namespace {
@@ -72,25 +76,6 @@ uint64_t expert_bytes(const moe::ExpertWeights& ew) {
   return ew.gate.bytes.size() + ew.up.bytes.size() + ew.down.bytes.size();
 }
 
-// Top-k of one token's router probabilities, weights renormalised over the chosen k
-// (llama.cpp's softmax gating with norm_w). Ties go to the lower expert id.
-void select_experts(std::span<const float> prob, std::span<int32_t> ids, std::span<float> wts) {
-  const int32_t n_expert = static_cast<int32_t>(prob.size());
-  const size_t k = ids.size();
-  int32_t all[4096];  // read_hparams caps expert_count at 4096
-  KILN_CHECK(n_expert <= 4096 && k <= static_cast<size_t>(n_expert));
-  for (int32_t e = 0; e < n_expert; ++e) all[e] = e;
-  std::partial_sort(all, all + k, all + n_expert, [&](int32_t a, int32_t b) {
-    return prob[a] > prob[b] || (prob[a] == prob[b] && a < b);
-  });
-  double sum = 0;
-  for (size_t i = 0; i < k; ++i) sum += prob[all[i]];
-  for (size_t i = 0; i < k; ++i) {
-    ids[i] = all[i];
-    wts[i] = static_cast<float>(prob[all[i]] / sum);
-  }
-}
-
 }  // namespace
 
 // One call of forward(): the batch, the scratch spans sliced for it and the backend. The step
@@ -102,6 +87,14 @@ class ForwardPass {
  public:
   ForwardPass(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
               const ForwardBatch& batch, std::span<float> logits);
+  // A NextN step (forward_nextn): the input rows come from `hidden` and the tokens through
+  // the block's eh_proj, and the last layer's output rows go to hidden_out.
+  void set_nextn(const NextnWeights* nw, std::span<const float> hidden,
+                 std::span<float> hidden_out) {
+    nextn_ = nw;
+    nextn_hidden_ = hidden;
+    hidden_out_ = hidden_out;
+  }
   void run();
 
  private:
@@ -121,9 +114,16 @@ class ForwardPass {
   void hint_weights(std::initializer_list<const WeightMatrix*> ws, int64_t n_tok);
 
   void embed();
+  void nextn_embed();
   void attention_block(int32_t il);
   void dense_ffn_block(int32_t il);
   void moe_ffn_block(int32_t il);
+  void moe_experts_batch(int32_t il, int64_t X, int64_t K, int64_t F, std::span<const float> in,
+                         std::span<float> out);
+  template <typename AfterGateUp>
+  void gated_ffn(const WeightMatrix& wg, const WeightMatrix& wu, const WeightMatrix& wd,
+                 int64_t width, std::span<const float> in, std::span<float> out,
+                 AfterGateUp after_gate_up);
   void moe_one_token(int32_t il, int64_t n_expert, int64_t n_sel, int64_t F,
                      std::span<const float> in, std::span<float> out);
   void layer_end(int32_t il);
@@ -136,7 +136,8 @@ class ForwardPass {
   // through host_view, which downloads on device backends and is the span itself elsewhere.
   std::span<const float> host_view(std::span<const float> data, std::vector<float>& mirror);
   void rec(const std::string& name, std::span<const float> data, int64_t rows) {
-    if (batch_.capture) batch_.capture->record(name, host_view(data, st_.capture_host), rows);
+    if (batch_.capture && batch_.capture->wants(name))
+      batch_.capture->record(name, host_view(data, st_.capture_host), rows);
   }
   std::string prefix(int32_t il) const {
     return batch_.capture ? fmt::format("blk.{}.", il) : std::string();
@@ -181,6 +182,9 @@ class ForwardPass {
   // The residual stream x, the normalised rows h, the block outputs a; Q, K, V and the
   // attention output o: [n][width] slices of the state's scratch.
   std::span<float> x_, h_, a_, q_, k_, v_, o_;
+  const NextnWeights* nextn_ = nullptr;
+  std::span<const float> nextn_hidden_;
+  std::span<float> hidden_out_;
 };
 
 ForwardPass::ForwardPass(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
@@ -278,7 +282,10 @@ void ForwardPass::hint(Hint at, int32_t il) {
 void ForwardPass::run() {
   if (batch_.capture) batch_.capture->clear();
   hint(Hint::Start, 0);
-  embed();
+  if (nextn_)
+    nextn_embed();
+  else
+    embed();
   for (int32_t il = 0; il < hp_.n_layer; ++il) {
     attention_block(il);
     if (hp_.layers[static_cast<size_t>(il)].n_expert > 0)
@@ -287,6 +294,7 @@ void ForwardPass::run() {
       dense_ffn_block(il);
     layer_end(il);
   }
+  if (!hidden_out_.empty()) be_.download(std::span<const float>(x_), hidden_out_);
   if (!want_logits_) {
     be_.synchronize();  // the step's work is done on return, as on the rank that downloads
     return;
@@ -299,6 +307,33 @@ void ForwardPass::embed() {
   if (hp_.embd_scale != 1.0f) be_.scale(x_, hp_.embd_scale);
   if (hp_.arch->embd_rmsnorm) norm_in_place(x_, {}, E_, hp_.rms_eps);
   rec("inp_embd", x_, n_);
+}
+
+// The NextN input rows (forward_nextn): enorm(embedding) and hnorm(hidden) side by side per
+// row (embedding first, as vLLM's and llama.cpp's eh_proj read them), through eh_proj into x.
+void ForwardPass::nextn_embed() {
+  const int64_t n = n_, E = E_;
+  KILN_CHECK(static_cast<int64_t>(nextn_hidden_.size()) == n * E, "NextN hidden of {} floats",
+             nextn_hidden_.size());
+  if (st_.nextn_cat.size() < static_cast<size_t>(st_.max_batch_ * 2 * E))
+    st_.nextn_cat = be_.alloc<float>(static_cast<size_t>(st_.max_batch_ * 2 * E));
+  const std::span<float> cat = sl(st_.nextn_cat, n * 2 * E);
+  auto row = [E](std::span<float> s, int64_t t) {
+    return s.subspan(static_cast<size_t>(t * E), static_cast<size_t>(E));
+  };
+  be_.get_rows(w_.token_embd, batch_.tokens, a_);
+  for (int64_t t = 0; t < n; ++t)
+    if (batch_.pos[t] == 0) be_.zero(row(a_, t));  // vLLM: position 0's embedding is masked
+  be_.rmsnorm(a_, nextn_->enorm, E, hp_.rms_eps, h_);
+  be_.upload(nextn_hidden_, a_);
+  be_.rmsnorm(a_, nextn_->hnorm, E, hp_.rms_eps, x_);
+  for (int64_t t = 0; t < n; ++t) {
+    const auto dst = cat.subspan(static_cast<size_t>(t * 2 * E), static_cast<size_t>(2 * E));
+    be_.copy(std::span<const float>(row(h_, t)), dst.first(static_cast<size_t>(E)));
+    be_.copy(std::span<const float>(row(x_, t)), dst.subspan(static_cast<size_t>(E)));
+  }
+  be_.matmul(nextn_->eh_proj, cat, n, x_);
+  rec("inp_embd", x_, n);
 }
 
 // attn_norm'd rows h -> the attention block's output added to the residual stream x, and h
@@ -401,17 +436,27 @@ void ForwardPass::attention_block(int32_t il) {
 void ForwardPass::dense_ffn_block(int32_t il) {
   const LayerDesc& L = hp_.layers[static_cast<size_t>(il)];
   const LayerWeights& lw = w_.layers[static_cast<size_t>(il)];
+  gated_ffn(lw.ffn_gate, lw.ffn_up, lw.ffn_down, L.n_ff, h_, a_,
+            [&] { hint(Hint::AfterGateUp, il); });
+}
+
+// down(act(gate(in)) * up(in)) for the batch's n rows into out, with the architecture's
+// activation; `after_gate_up` runs between the first matmuls and the down projection.
+template <typename AfterGateUp>
+void ForwardPass::gated_ffn(const WeightMatrix& wg, const WeightMatrix& wu, const WeightMatrix& wd,
+                            int64_t width, std::span<const float> in, std::span<float> out,
+                            AfterGateUp after_gate_up) {
   const int64_t n = n_;
-  const std::span<float> fg = sl(st_.ff_gate, n * L.n_ff), fu = sl(st_.ff_up, n * L.n_ff);
-  const std::span<float> fa = sl(st_.ff_act, n * L.n_ff);
-  const Backend::MatmulTask gate_up[] = {{&lw.ffn_gate, h_, fg}, {&lw.ffn_up, h_, fu}};
+  const std::span<float> fg = sl(st_.ff_gate, n * width), fu = sl(st_.ff_up, n * width);
+  const std::span<float> fa = sl(st_.ff_act, n * width);
+  const Backend::MatmulTask gate_up[] = {{&wg, in, fg}, {&wu, in, fu}};
   be_.matmul_batch(gate_up, n);
-  hint(Hint::AfterGateUp, il);
+  after_gate_up();
   if (hp_.arch->act == FfnAct::Silu) {
-    be_.swiglu_matmul(lw.ffn_down, fg, fu, n, fa, a_);  // fa: scratch, maybe unwritten
+    be_.swiglu_matmul(wd, fg, fu, n, fa, out);  // fa: scratch, maybe unwritten
   } else {
     ffn_act(fg, fu, fa);
-    be_.matmul(lw.ffn_down, fa, n, a_);
+    be_.matmul(wd, fa, n, out);
   }
 }
 
@@ -433,24 +478,50 @@ void ForwardPass::moe_ffn_block(int32_t il) {
       const auto row = prob.subspan(static_cast<size_t>(t * X), static_cast<size_t>(X));
       be_.add(row, lw.ffn_gate_inp_b, row);
     }
-  be_.softmax(prob, X);
+  if (hp_.router.gating == GatingFunc::Sigmoid)
+    be_.sigmoid(prob);
+  else
+    be_.softmax(prob, X);
   const std::span<int32_t> sel(st_.sel_e.data(), static_cast<size_t>(n_tok * K));
   const std::span<float> sel_w(st_.sel_w.data(), static_cast<size_t>(n_tok * K));
   // The routing decision is made on the host (one download per MoE layer on a GPU).
   const std::span<const float> prob_h = host_view(prob, st_.router_host);
   for (int64_t t = 0; t < n_tok; ++t) {
-    if (hp_.routing.active())
+    const std::span<int32_t> ids = sel.subspan(t * K, K);
+    const std::span<float> wts = sel_w.subspan(t * K, K);
+    if (hp_.routing.active()) {
+      // The override draws the experts; the model's weight scale still applies.
       override_route(hp_.routing, il, batch_.pos[t], batch_.tokens[t], prob_h.subspan(t * X, X),
-                     sel.subspan(t * K, K), sel_w.subspan(t * K, K));
-    else
-      select_experts(prob_h.subspan(t * X, X), sel.subspan(t * K, K), sel_w.subspan(t * K, K));
+                     ids, wts);
+      for (float& wt : wts) wt *= hp_.router.weights_scale;
+    } else {
+      route_experts(hp_.router, prob_h.subspan(t * X, X), lw.exp_probs_b, ids, wts);
+    }
   }
   w_.experts->will_need(il, sel);  // a streaming store loads the misses in parallel
   be_.zero(out);
-  if (n_tok == 1) {
+  if (n_tok == 1)
     moe_one_token(il, X, K, F, in, out);
-    return;
+  else
+    moe_experts_batch(il, X, K, F, in, out);
+  // Shared experts: a dense FFN of the same normalised rows, added to the routed sum (in
+  // llama.cpp's order: routed first). Under tensor parallelism its width is split like a dense
+  // FFN's and the all-reduce in layer_end adds the ranks' shares.
+  if (L.n_ff_shexp > 0) {
+    const std::span<float> y = sl(st_.moe_out, n_tok * E);
+    gated_ffn(lw.ffn_gate_shexp, lw.ffn_up_shexp, lw.ffn_down_shexp, L.n_ff_shexp, in, y, [] {});
+    be_.add(out, y, out);
   }
+}
+
+// The general MoE path: per expert, the rows routed to it gathered, its gate/up/down as
+// matmuls on that expert's slice of the stacked tensors, the weighted rows added back.
+void ForwardPass::moe_experts_batch(int32_t il, int64_t X, int64_t K, int64_t F,
+                                    std::span<const float> in, std::span<float> out) {
+  const LayerWeights& lw = w_.layers[static_cast<size_t>(il)];
+  const int64_t n_tok = n_, E = E_;
+  const std::span<const int32_t> sel(st_.sel_e.data(), static_cast<size_t>(n_tok * K));
+  const std::span<const float> sel_w(st_.sel_w.data(), static_cast<size_t>(n_tok * K));
   for (int32_t e = 0; e < X; ++e) {
     if (!hp_.owns_expert(e, static_cast<int32_t>(X))) continue;  // another rank's
     int64_t m = 0;  // rows routed to e; moe_rows holds their (token * K + slot)
@@ -602,6 +673,60 @@ void ForwardPass::output_head() {
 void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
              const ForwardBatch& batch, std::span<float> logits) {
   ForwardPass(hp, w, be, st, batch, logits).run();
+}
+
+namespace {
+
+// NextN block i's experts are layer i of Weights::nextn_experts; its one-layer view runs it
+// as layer 0.
+class OffsetExperts final : public moe::ExpertSource {
+ public:
+  OffsetExperts(moe::ExpertSource& src, int32_t offset) : src_(src), offset_(offset) {}
+  moe::ExpertWeights get(int32_t layer, int32_t expert) override {
+    return src_.get(layer + offset_, expert);
+  }
+  int32_t n_layer() const override { return 1; }
+  int32_t n_expert(int32_t layer) const override { return src_.n_expert(layer + offset_); }
+  void will_need(int32_t layer, std::span<const int32_t> experts) override {
+    src_.will_need(layer + offset_, experts);
+  }
+
+ private:
+  moe::ExpertSource& src_;
+  int32_t offset_;
+};
+
+}  // namespace
+
+void forward_nextn(const HParams& hp, const Weights& w, int32_t nextn, Backend& be,
+                   ForwardState& st, const ForwardBatch& batch, std::span<const float> hidden,
+                   std::span<float> logits, std::span<float> hidden_out) {
+  KILN_CHECK(nextn >= 0 && static_cast<size_t>(nextn) < hp.nextn_layers.size() &&
+                 w.nextn.size() == hp.nextn_layers.size(),
+             "NextN block {} of {}", nextn, hp.nextn_layers.size());
+  const NextnWeights& nw = w.nextn[static_cast<size_t>(nextn)];
+  // A one-layer model: the block as layer 0, the NextN embedding and head in place of the
+  // model's (views only; nothing is copied but spans).
+  HParams vh = hp;
+  vh.n_layer = 1;
+  vh.layers.assign(1, hp.nextn_layers[static_cast<size_t>(nextn)]);
+  vh.nextn_layers.clear();
+  Weights vw;
+  vw.token_embd = nw.embed_tokens.n_rows > 0 ? nw.embed_tokens : w.token_embd;
+  vw.output_norm = nw.shared_head_norm;
+  vw.output = nw.shared_head_head.n_rows > 0 ? nw.shared_head_head : w.output;
+  vw.rope_freqs = w.rope_freqs;
+  vw.rope_long = w.rope_long;
+  vw.rope_short = w.rope_short;
+  vw.layers.assign(1, nw.layer);
+  std::optional<OffsetExperts> experts;
+  if (w.nextn_experts) {
+    experts.emplace(*w.nextn_experts, nextn);
+    vw.experts = std::shared_ptr<moe::ExpertSource>(&*experts, [](moe::ExpertSource*) {});
+  }
+  ForwardPass pass(vh, vw, be, st, batch, logits);
+  pass.set_nextn(&nw, hidden, hidden_out);
+  pass.run();
 }
 
 }  // namespace kiln::model

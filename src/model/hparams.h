@@ -26,6 +26,8 @@ struct LayerDesc {
   int32_t n_expert = 0;  // > 0: MoE layer
   int32_t n_expert_used = 0;
   int32_t n_ff_expert = 0;
+  int32_t n_ff_shexp = 0;  // > 0: the MoE layer's shared experts, one FFN this wide (all of
+                           // expert_shared_count side by side), added to the routed output
 };
 
 struct HParams {
@@ -41,13 +43,17 @@ struct HParams {
   int32_t head_dim_v = 0;  // attention.value_length
   int32_t n_rot = 0;       // rope.dimension_count (default head_dim_k)
   float rms_eps = 1e-5f;
-  float post_norm_eps = 1e-5f;  // eps of post-attention / post-FFN norms
-  float attn_scale = 0;         // query scale (default 1/sqrt(head_dim_k))
-  float attn_softcap = 0;       // > 0: tanh softcap of attention logits
-  float final_softcap = 0;      // > 0: tanh softcap of output logits
-  float logit_scale = 1;        // output logits multiplied by this before the softcap
-  float embd_scale = 1;         // token embeddings multiplied by this (gemma: sqrt(n_embd))
-  std::vector<LayerDesc> layers;
+  float post_norm_eps = 1e-5f;    // eps of post-attention / post-FFN norms
+  float attn_scale = 0;           // query scale (default 1/sqrt(head_dim_k))
+  float attn_softcap = 0;         // > 0: tanh softcap of attention logits
+  float final_softcap = 0;        // > 0: tanh softcap of output logits
+  float logit_scale = 1;          // output logits multiplied by this before the softcap
+  float embd_scale = 1;           // token embeddings multiplied by this (gemma: sqrt(n_embd))
+  std::vector<LayerDesc> layers;  // [n_layer]: the blocks the main pass runs
+  // NextN (MTP) blocks (ArchInfo::nextn): block_count = n_layer + nextn_layers.size(); block
+  // n_layer + i is nextn_layers[i]. Not run by the main pass, no KV rows there; the MTP
+  // drafter (engine/mtp_drafter.h) runs them.
+  std::vector<LayerDesc> nextn_layers;
 
   // Tensor parallelism (model/tensor_parallel.h): this shard is rank tp_rank of tp_size, its
   // head counts and FFN widths already divided; an MoE layer's experts belong to the rank
@@ -58,6 +64,10 @@ struct HParams {
     return e >= int64_t(n_expert) * tp_rank / tp_size &&
            e < int64_t(n_expert) * (tp_rank + 1) / tp_size;
   }
+
+  // How MoE layers choose and weight their experts (model/routing.h); softmax, top-k,
+  // renormalised unless the architecture reads the DeepSeek-V3 keys (ArchInfo::moe_v3).
+  RouterParams router;
 
   // Benchmark-only MoE routing override (model/routing.h); Model by default (no override).
   RoutingOverride routing;

@@ -120,18 +120,25 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t E = hp_.n_embd;
   auto rec = [&](const std::string& name, const Vec& v) {
-    if (capture_) capture_->record(name, v, n);
+    if (capture_ && capture_->wants(name)) capture_->record(name, v, n);
   };
   std::vector<int32_t> pos(static_cast<size_t>(n));
   for (int64_t t = 0; t < n; ++t) pos[t] = n_pos_ + static_cast<int32_t>(t);
 
   Vec x(static_cast<size_t>(n * E));
-  for (int64_t t = 0; t < n; ++t) {
-    std::span<float> dst(x.data() + t * E, static_cast<size_t>(E));
-    quant::dequantize_row(w_.token_embd.dtype, w_.token_embd.row(tokens[t]), dst);
-    for (float& f : dst) f *= hp_.embd_scale;
+  if (!input_rows_.empty()) {
+    KILN_CHECK(static_cast<int64_t>(input_rows_.size()) == n * E, "input rows of {} floats",
+               input_rows_.size());
+    x.assign(input_rows_.begin(), input_rows_.end());
+    input_rows_ = {};
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      std::span<float> dst(x.data() + t * E, static_cast<size_t>(E));
+      quant::dequantize_row(w_.token_embd.dtype, w_.token_embd.row(tokens[t]), dst);
+      for (float& f : dst) f *= hp_.embd_scale;
+    }
+    if (hp_.arch->embd_rmsnorm) rmsnorm(x, E, hp_.rms_eps, {});
   }
-  if (hp_.arch->embd_rmsnorm) rmsnorm(x, E, hp_.rms_eps, {});
   rec("inp_embd", x);
 
   const int64_t hk = hp_.head_dim_k, hv = hp_.head_dim_v;
@@ -248,32 +255,35 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
       add_bias(out, bd);
     };
     if (L.n_expert > 0) {
-      // Per token: softmax router, the k most probable experts, weights renormalised over
-      // those k, weighted sum of the chosen experts' FFNs.
+      // Per token: the router's probabilities (softmax or sigmoid of its logits), the experts
+      // and weights route_experts picks from them (model/routing.h: selection bias, groups,
+      // top-k, normalisation, scale), the weighted sum of the chosen experts' FFNs; then the
+      // shared experts' FFN added.
       KILN_CHECK(w_.experts != nullptr);
       Vec logit, row, y;
       matmul(lw.ffn_gate_inp, h, n, logit);
       rec(p + "ffn_moe_logits", logit);
       add_bias(logit, lw.ffn_gate_inp_b);
       f.assign(static_cast<size_t>(n * E), 0.0f);
+      std::vector<float> prob(static_cast<size_t>(L.n_expert));
+      std::vector<int32_t> chosen(static_cast<size_t>(L.n_expert_used));
+      std::vector<float> wts(chosen.size());
       for (int64_t t = 0; t < n; ++t) {
         const float* lt = logit.data() + t * L.n_expert;
-        const double mx = *std::max_element(lt, lt + L.n_expert);
-        std::vector<double> prob(static_cast<size_t>(L.n_expert));
-        for (int32_t e = 0; e < L.n_expert; ++e) prob[e] = std::exp(double(lt[e]) - mx);
-        std::vector<bool> taken(static_cast<size_t>(L.n_expert), false);
-        std::vector<int32_t> chosen;
-        double sum = 0;
-        for (int32_t i = 0; i < L.n_expert_used; ++i) {
-          int32_t best = -1;
+        if (hp_.router.gating == GatingFunc::Sigmoid) {
           for (int32_t e = 0; e < L.n_expert; ++e)
-            if (!taken[e] && (best < 0 || prob[e] > prob[best])) best = e;
-          taken[best] = true;
-          chosen.push_back(best);
-          sum += prob[best];
+            prob[e] = static_cast<float>(1.0 / (1.0 + std::exp(-double(lt[e]))));
+        } else {
+          const double mx = *std::max_element(lt, lt + L.n_expert);
+          double sum = 0;
+          for (int32_t e = 0; e < L.n_expert; ++e) sum += std::exp(double(lt[e]) - mx);
+          for (int32_t e = 0; e < L.n_expert; ++e)
+            prob[e] = static_cast<float>(std::exp(double(lt[e]) - mx) / sum);
         }
+        route_experts(hp_.router, prob, lw.exp_probs_b, chosen, wts);
         row.assign(h.begin() + t * E, h.begin() + (t + 1) * E);
-        for (int32_t e : chosen) {
+        for (size_t i = 0; i < chosen.size(); ++i) {
+          const int32_t e = chosen[i];
           const moe::ExpertWeights ew = w_.experts->get(il, e);
           auto bias = [e](std::span<const float> b, int64_t width) {
             return b.empty() ? b : b.subspan(static_cast<size_t>(e * width), width);
@@ -281,9 +291,13 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
           const int64_t F = L.n_ff_expert;
           ffn(ew.gate, ew.up, ew.down, row, 1, y, bias(lw.ffn_gate_exps_b, F),
               bias(lw.ffn_up_exps_b, F), bias(lw.ffn_down_exps_b, E));
-          const double wt = prob[e] / sum;
-          for (int64_t i = 0; i < E; ++i) f[t * E + i] += static_cast<float>(wt * y[i]);
+          for (int64_t j = 0; j < E; ++j) f[t * E + j] += static_cast<float>(double(wts[i]) * y[j]);
         }
+      }
+      if (L.n_ff_shexp > 0) {
+        Vec shared;
+        ffn(lw.ffn_gate_shexp, lw.ffn_up_shexp, lw.ffn_down_shexp, h, n, shared);
+        for (size_t i = 0; i < f.size(); ++i) f[i] += shared[i];
       }
     } else {
       ffn(lw.ffn_gate, lw.ffn_up, lw.ffn_down, h, n, f);
