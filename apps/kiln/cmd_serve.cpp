@@ -41,7 +41,29 @@ struct ServeOptions {
   std::string prefill_peer, kv_transport = "tcp";
   int kv_port = 7070;
   int64_t prefill_timeout_ms = 30000;
+  std::string cors;  // --cors ORIGIN[,ORIGIN...] or *
 };
+
+// --cors "https://a.example,http://localhost:3000" or "*": the origins, each a scheme and a
+// host (a trailing slash or a path is a mistake a browser would never match: refused).
+Expected<std::vector<std::string>> cors_origins(const std::string& spec) {
+  std::vector<std::string> out;
+  for (size_t at = 0; at < spec.size();) {
+    size_t end = spec.find(',', at);
+    if (end == std::string::npos) end = spec.size();
+    const std::string o = spec.substr(at, end - at);
+    at = end + 1;
+    const size_t scheme = o.find("://");
+    const bool ok =
+        o == "*" || (scheme != std::string::npos && scheme > 0 && o.size() > scheme + 3 &&
+                     o.find('/', scheme + 3) == std::string::npos);
+    if (!ok)
+      return Status::errorf("--cors '{}': each origin must be scheme://host[:port] (no path), or *",
+                            o);
+    out.push_back(o);
+  }
+  return out;
+}
 
 // --temp and --sampling "top_k=40,min_p=0.05,...": the defaults of requests that leave a
 // sampling field out, named as the request fields are and checked by the request parser
@@ -113,6 +135,7 @@ Status serve(ServeOptions o) {
     return Status::errorf("--draft-ngram {} must be in [0, {}]", o.server.draft_ngram,
                           GenerationParams::kMaxDraft);
   if (o.max_body_kib < 1) return Status::error("--max-body-kib must be >= 1");
+  KILN_ASSIGN_OR_RETURN(o.server.cors_origins, cors_origins(o.cors));
   KILN_TRY(sampling_defaults(o.temperature, o.sampling, o.server.sampling));
   o.server.max_body_bytes = o.max_body_kib * 1024;
   // The same runtime as kiln run: --device, --threads, --tensor-parallel, expert budgets.
@@ -195,6 +218,9 @@ void add_serve_command(CLI::App& app, int& exit_code) {
       "speculative decoding with up to N n-gram (prompt lookup) drafts per step (default 0: off)");
   cmd->add_option("--api-key", o->server.api_key, "require 'Authorization: Bearer KEY'");
   cmd->add_option("--max-body-kib", o->max_body_kib, "request body limit in KiB (default 1024)");
+  cmd->add_option("--cors", o->cors,
+                  "allow browser pages of these origins (comma-separated, or *) to call the API "
+                  "(default: off)");
   cmd->add_option("--alias", o->server.alias,
                   "the model's name in responses and /v1/models (default: the file's stem)");
   cmd->add_option("--chat-template-file", o->server.chat_template_file,

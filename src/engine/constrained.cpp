@@ -5,10 +5,14 @@
 
 namespace kiln {
 
-std::shared_ptr<const grammar::TokenTrie> make_token_trie(const Tokenizer& tok) {
+std::shared_ptr<const grammar::TokenTrie> make_token_trie(const Tokenizer& tok,
+                                                          std::span<const int32_t> as_text) {
   std::vector<std::string> pieces(static_cast<size_t>(tok.n_vocab()));
   for (int32_t id = 0; id < tok.n_vocab(); ++id)
     pieces[static_cast<size_t>(id)] = tok.token_to_piece(id, /*special=*/false);
+  for (int32_t id : as_text)
+    if (id >= 0 && id < tok.n_vocab())
+      pieces[static_cast<size_t>(id)] = tok.token_to_piece(id, /*special=*/true);
   return std::make_shared<const grammar::TokenTrie>(std::move(pieces), tok.eog_ids());
 }
 

@@ -14,7 +14,10 @@ namespace kiln {
 
 // Each token's bytes as generated text renders them (control tokens as nothing, so a grammar
 // never allows them) and the end-of-generation ids, with the trie the mask walks.
-std::shared_ptr<const grammar::TokenTrie> make_token_trie(const Tokenizer& tok);
+// `as_text`: control tokens that stand for text the grammar may require (a tool-call format's
+// markers), given their text instead.
+std::shared_ptr<const grammar::TokenTrie> make_token_trie(const Tokenizer& tok,
+                                                          std::span<const int32_t> as_text = {});
 
 // One request's grammar state and scratch.
 struct Constraint {

@@ -6,12 +6,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <variant>
 #include <vector>
 
 #include "backend/tp_group.h"
 #include "core/log.h"
+#include "core/progress.h"
 #include "core/thread_pool.h"
+#include "format/page_in.h"
 
 namespace kiln {
 
@@ -130,8 +133,14 @@ Expected<Runtime> Runtime::open(const std::string& path, const EngineOptions& op
   if (!model) return model.status();  // its message names the file
   rt.model_ = std::move(*model);
   if (options.mlock) {
-    if (Status st = rt.model_->gguf().mapping()->lock_in_ram(); !st)
-      log_notice("--mlock: {}; the weights stay pageable", st.message());
+    // Paging a large model in takes a while: one line that counts up on a terminal.
+    const MappedFile& file = *rt.model_->gguf().mapping();
+    ProgressLine line(
+        fmt::format("kiln: paging in {}", std::filesystem::path(path).filename().string()),
+        file.size());
+    const Status st = lock_in_ram(file, [&](uint64_t done, uint64_t) { line.update(done); });
+    line.finish();
+    if (!st) log_notice("--mlock: {}; the weights stay pageable", st.message());
   }
   auto tok = Tokenizer::from_gguf(rt.model_->gguf());
   if (!tok) return tok.status().context(fmt::format("{}: tokenizer", path));

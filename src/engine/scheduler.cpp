@@ -63,6 +63,7 @@ struct Scheduler::Slot {
   bool decoding = false;
   int32_t last = 0;  // sampled, not yet evaluated
   int32_t n_generated = 0, n_reused = 0;
+  std::chrono::steady_clock::time_point t_start, t_first;  // slot taken, first token
   bool remote_pending = false;  // admitted with an empty cache; cfg_.remote_prefill not yet tried
   // Speculative decoding scratch: the verify input [last, drafts...], the drafter's view of
   // the sequence, target probabilities [k + 1][n_vocab].
@@ -139,7 +140,8 @@ Scheduler::Submitted Scheduler::submit(GenerationParams p) {
       p.n_draft < 0 ? std::min(cfg_.draft_ngram, GenerationParams::kMaxDraft) : p.n_draft;
   if (!validate_spec_sampling(p.sampling).is_ok()) n_draft = 0;  // plain decoding, same result
   if (p.grammar) {
-    if (!cfg_.grammar_vocab || cfg_.grammar_vocab->n_vocab() != model_->n_vocab())
+    if (!p.grammar_vocab) p.grammar_vocab = cfg_.grammar_vocab;
+    if (!p.grammar_vocab || p.grammar_vocab->n_vocab() != model_->n_vocab())
       return invalid("grammar: this server has no vocabulary view for constrained decoding");
     n_draft = 0;  // n-gram drafts would mostly be masked out; forced tokens are not drafted yet
   }
@@ -152,7 +154,7 @@ Scheduler::Submitted Scheduler::submit(GenerationParams p) {
   req->spec_rng = Rng(req->params.sampling.seed);
   if (req->params.grammar)
     req->constraint.emplace(
-        Constraint{cfg_.grammar_vocab, grammar::Matcher(req->params.grammar), {}});
+        Constraint{req->params.grammar_vocab, grammar::Matcher(req->params.grammar), {}});
   {
     std::lock_guard lk(mu_);
     if (stop_) {
@@ -232,6 +234,7 @@ void Scheduler::admit_locked() {
     best->cursor = best_common;
     best->decoding = false;
     best->n_generated = 0;
+    best->t_start = best->t_first = std::chrono::steady_clock::now();
     best->n_reused = static_cast<int32_t>(best_common);
     best->remote_pending = cfg_.remote_prefill && best_common == 0 && prompt.size() > 1;
     counters_.prompt_tokens += prompt.size();
@@ -537,7 +540,7 @@ void Scheduler::accept_drafts(Slot& s, const Work& w, std::span<const float> row
 void Scheduler::emit_token(Slot& s, int32_t id, std::span<const float> logits) {
   Request& r = *s.req;
   r.sampler.accept(id);
-  ++s.n_generated;
+  if (++s.n_generated == 1) s.t_first = std::chrono::steady_clock::now();
   {
     std::lock_guard lk(mu_);
     ++counters_.generated_tokens;
@@ -591,6 +594,13 @@ void Scheduler::finish(Slot& s, FinishReason why, std::string error) {
   e.n_reused = s.n_reused;
   e.n_generated = s.n_generated;
   e.slot = s.id;
+  {
+    using ms = std::chrono::duration<double, std::milli>;
+    const auto now = std::chrono::steady_clock::now();
+    const auto first = s.n_generated > 0 ? s.t_first : now;
+    e.prompt_ms = ms(first - s.t_start).count();
+    e.predicted_ms = ms(now - first).count();
+  }
   if (why == FinishReason::kError) {
     // eval leaves the session unchanged on error; resynchronise the cache record with it.
     s.cached.resize(static_cast<size_t>(s.session->n_pos()));

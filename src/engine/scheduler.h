@@ -85,6 +85,10 @@ struct GenerationParams {
   // language, end of generation comes only once it is complete, and the request ends (stop)
   // when the grammar allows nothing more. Whole logit rows, no drafts. Null: unconstrained.
   std::shared_ptr<const grammar::Grammar> grammar;
+  // The vocabulary view the grammar runs over; null: SchedulerConfig::grammar_vocab. A forced
+  // tool call needs one where the format's control tokens (<tool_call>, [TOOL_CALLS]) are the
+  // text they stand for, not nothing.
+  std::shared_ptr<const grammar::TokenTrie> grammar_vocab;
 };
 
 enum class FinishReason { kStop, kLength, kCancelled, kError };
@@ -108,6 +112,9 @@ struct GenEvent {
   int32_t n_reused = 0;  // prompt tokens whose KV rows were reused from the slot
   int32_t n_generated = 0;
   int32_t slot = -1;
+  // From taking a slot to the first token (prompt evaluation), and from the first token to
+  // the end (generation), in milliseconds.
+  double prompt_ms = 0, predicted_ms = 0;
 };
 
 // The consumer's end of one request. The scheduler pushes events; the consumer (an HTTP

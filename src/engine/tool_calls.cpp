@@ -7,6 +7,9 @@
 
 #include <algorithm>
 
+#include "grammar/grammar.h"
+#include "grammar/json_schema.h"
+
 namespace kiln {
 
 namespace {
@@ -475,6 +478,89 @@ std::span<const string_view> tool_format_special_texts(ToolFormat f) {
       break;
   }
   return {};
+}
+
+bool tool_call_gbnf_supported(ToolFormat f) {
+  return f == ToolFormat::kHermes || f == ToolFormat::kLlama3 || f == ToolFormat::kMistral;
+}
+
+Expected<std::string> tool_call_gbnf(ToolFormat f, string_view template_source, const ojson& tools,
+                                     string_view only, bool parallel) {
+  if (!tool_call_gbnf_supported(f))
+    return Status::errorf(
+        "forcing a tool call is not implemented for the tool-call format '{}' (kiln forces "
+        "calls in the hermes, llama3 and mistral formats)",
+        tool_format_name(f));
+  auto lit = [](string_view s) {
+    std::string out;
+    grammar::append_gbnf_literal(out, s);
+    return out;
+  };
+  const bool mistral_args = f == ToolFormat::kMistral && has(template_source, "[ARGS]");
+  grammar::SchemaGrammar g;
+  std::string alternatives;  // one call of any allowed function
+  for (size_t k = 0; k < tools.size(); ++k) {
+    const ojson& fn = tools[k].at("function");
+    const std::string name = fn.at("name").get<std::string>();
+    if (!only.empty() && name != only) continue;
+    // No parameters: the function takes none ({}).
+    const ojson none = {{"type", "object"}, {"properties", ojson::object()}};
+    auto p = fn.find("parameters");
+    auto args = g.add_schema(p == fn.end() || p->is_null() ? none : *p, "args");
+    if (!args)
+      return Status::errorf(
+          "tools[{}].function.parameters: {} (a forced call's arguments are "
+          "constrained by its schema)",
+          k, args.status().message());
+    const std::string name_json = ojson(name).dump();
+    std::string body;
+    switch (f) {
+      case ToolFormat::kHermes:
+        body = lit("{\"name\": " + name_json + ", \"arguments\": ") + " " + *args + " " + lit("}");
+        break;
+      case ToolFormat::kLlama3:
+        body = lit("{\"name\": " + name_json + ", \"parameters\": ") + " " + *args + " " + lit("}");
+        break;
+      case ToolFormat::kMistral:
+        // Small 3.2 / Devstral: NAME[ARGS]{...}; Nemo: {"name", "arguments", "id" of 9}.
+        body = mistral_args
+                   ? lit(name) + " " + lit("[ARGS]") + " " + *args
+                   : lit("{\"name\": " + name_json + ", \"arguments\": ") + " " + *args + " ( " +
+                         lit(", \"id\": \"") + " [a-zA-Z0-9]{9} " + lit("\"") + " )? " + lit("}");
+        break;
+      default:
+        break;
+    }
+    if (!alternatives.empty()) alternatives += " | ";
+    alternatives += g.add_rule("call-" + std::to_string(k), std::move(body));
+  }
+  if (alternatives.empty())
+    return Status::errorf("tool_choice names the function '{}', which is not in 'tools'", only);
+  const std::string call = g.add_rule("call", alternatives);
+  std::string root;
+  switch (f) {
+    case ToolFormat::kHermes: {
+      const std::string block =
+          g.add_rule("block", lit("<tool_call>\n") + " " + call + " " + lit("\n</tool_call>"));
+      root = parallel ? block + " ( " + lit("\n") + " " + block + " )*" : block;
+      break;
+    }
+    case ToolFormat::kLlama3:
+      root = call;
+      break;
+    case ToolFormat::kMistral:
+      if (mistral_args) {
+        const std::string one = g.add_rule("block", lit("[TOOL_CALLS]") + " " + call);
+        root = parallel ? one + "+" : one;
+      } else {
+        root = lit("[TOOL_CALLS][") + " " + call +
+               (parallel ? " ( " + lit(", ") + " " + call + " )*" : "") + " " + lit("]");
+      }
+      break;
+    default:
+      break;
+  }
+  return g.gbnf(root);
 }
 
 ToolReply parse_tool_reply(ToolFormat f, string_view text) {

@@ -4,11 +4,15 @@
 // as it streams. A call that does not parse leaves the reply plain content: never an error.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "core/status.h"
 
 namespace kiln {
 
@@ -42,6 +46,20 @@ struct ToolReply {
   std::string reasoning;  // gpt-oss's analysis channel
   std::vector<ToolCall> tool_calls;
 };
+
+// tool_choice "required" or a named function, enforced by constrained decoding: GBNF whose
+// sentences are replies made only of calls, in format `f`, to the functions of `tools`
+// (OpenAI's [{type, function: {name, parameters}}]) named `only` (empty: any of them), with
+// arguments that validate against each function's `parameters` (grammar/json_schema.h's
+// subset). `parallel`: one or more calls, else exactly one. Formats: hermes
+// (<tool_call>\n{json}\n</tool_call>), llama3 (one bare JSON call: its templates describe one),
+// mistral ([TOOL_CALLS]NAME[ARGS]{...} where the template uses [ARGS], else Nemo's JSON list).
+// Errors (one line): another format, a name not in `tools`, a schema kiln cannot enforce.
+Expected<std::string> tool_call_gbnf(ToolFormat f, std::string_view template_source,
+                                     const nlohmann::ordered_json& tools, std::string_view only,
+                                     bool parallel);
+// Whether tool_call_gbnf supports format `f`.
+bool tool_call_gbnf_supported(ToolFormat f);
 
 // Parses a whole reply. A reply with a malformed call is returned whole as content.
 ToolReply parse_tool_reply(ToolFormat f, std::string_view text);

@@ -1,6 +1,8 @@
 // format/mmap_file.cpp: POSIX mapping of model files.
 #include "format/mmap_file.h"
 
+#include "format/page_in.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -50,13 +52,7 @@ std::shared_ptr<const MappedFile> MappedFile::from_bytes(std::vector<std::byte> 
   return std::shared_ptr<const MappedFile>(mf);
 }
 
-Status MappedFile::lock_in_ram() const {
-  if (size_ == 0) return Status::ok();
-  if (::mlock(data_, size_) != 0)
-    return Status::errorf("mlock of {} bytes of '{}' refused: {}", size_, name_,
-                          std::strerror(errno));
-  return Status::ok();
-}
+Status MappedFile::lock_in_ram() const { return kiln::lock_in_ram(*this); }
 
 MappedFile::~MappedFile() {
   if (mapped_) ::munmap(const_cast<std::byte*>(data_), size_);

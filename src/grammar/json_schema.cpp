@@ -67,16 +67,20 @@ bool matches_type(const ojson& v, const std::string& t) {
   return false;
 }
 
-class Converter {
- public:
-  explicit Converter(const ojson& root) : root_(root) {}
+}  // namespace
 
-  Expected<std::string> run() {
-    const std::string top = visit(root_, "#", "root-value", 0);
+// One schema's conversion, adding its rules to a SchemaGrammar's (names unique over all the
+// schemas added there; $ref resolves within this schema).
+class SchemaConverter {
+ public:
+  SchemaConverter(const ojson& root, std::set<std::string>& defined,
+                  std::vector<std::pair<std::string, std::string>>& order)
+      : root_(root), defined_(defined), order_(order) {}
+
+  Expected<std::string> run(const std::string& hint) {
+    const std::string top = visit(root_, "#", hint, 0);
     if (!err_.is_ok()) return err_;
-    std::string out = "root ::= " + top + "\n";
-    for (const auto& [name, body] : order_) out += name + " ::= " + body + "\n";
-    return out;
+    return top;
   }
 
   std::string use_primitive(const std::string& name) {
@@ -385,16 +389,45 @@ class Converter {
 
   const ojson& root_;
   Status err_;
-  std::set<std::string> defined_;
-  std::vector<std::pair<std::string, std::string>> order_;  // rules in definition order
-  std::map<std::string, std::string> refs_;                 // $ref target -> rule
+  std::set<std::string>& defined_;
+  std::vector<std::pair<std::string, std::string>>& order_;  // rules in definition order
+  std::map<std::string, std::string> refs_;                  // $ref target -> rule
 };
 
-}  // namespace
+Expected<std::string> SchemaGrammar::add_schema(const nlohmann::ordered_json& schema,
+                                                std::string_view hint) {
+  // A failed schema must not leave half its rules behind.
+  const auto defined = defined_;
+  const size_t n_rules = order_.size();
+  SchemaConverter c(schema, defined_, order_);
+  auto top = c.run(std::string(hint));
+  if (!top) {
+    defined_ = defined;
+    order_.resize(n_rules);
+  }
+  return top;
+}
+
+std::string SchemaGrammar::add_rule(std::string_view hint, std::string body) {
+  std::string name(hint);
+  for (int k = 2; defined_.count(name) || primitives().count(name) || name == "root"; ++k)
+    name = fmt::format("{}-{}", hint, k);
+  defined_.insert(name);
+  order_.emplace_back(name, std::move(body));
+  return name;
+}
+
+std::string SchemaGrammar::gbnf(std::string_view root_body) const {
+  std::string out = fmt::format("root ::= {}\n", root_body);
+  for (const auto& [name, body] : order_) out += name + " ::= " + body + "\n";
+  return out;
+}
 
 Expected<std::string> json_schema_to_gbnf(const nlohmann::ordered_json& schema) {
-  Converter c(schema);
-  return c.run();
+  SchemaGrammar g;
+  auto top = g.add_schema(schema, "root-value");
+  if (!top) return top.status();
+  return g.gbnf(*top);
 }
 
 std::string json_object_gbnf() {

@@ -16,11 +16,34 @@
 
 #include <nlohmann/json.hpp>
 
+#include <set>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include "core/status.h"
 
 namespace kiln::grammar {
+
+// Several schemas in one grammar (a tool call: one arguments schema per function, inside the
+// format's own syntax). Rule names stay unique over everything added; shared building blocks
+// (ws, string, value, ...) are defined once.
+class SchemaGrammar {
+ public:
+  // Adds the rules whose sentences are the JSON texts `schema` describes; returns the name of
+  // the rule that matches them. Errors as json_schema_to_gbnf's (nothing is added then).
+  Expected<std::string> add_schema(const nlohmann::ordered_json& schema, std::string_view hint);
+  // Adds a rule with a GBNF body of the caller's; returns its name (`hint`, made unique; hint
+  // must be a valid rule name).
+  std::string add_rule(std::string_view hint, std::string body);
+  // The GBNF text: `root ::= root_body`, then every rule added.
+  std::string gbnf(std::string_view root_body) const;
+
+ private:
+  std::set<std::string> defined_;
+  std::vector<std::pair<std::string, std::string>> order_;  // rules in definition order
+};
 
 // GBNF text whose root matches exactly the JSON texts `schema` describes (within the
 // supported subset). Errors: "json_schema: <where>: <what>", one line.

@@ -281,16 +281,50 @@ std::optional<ApiError> get_tools(const json& j, std::string_view body, Completi
       r.tool_choice = ToolChoice::kAuto;
     } else if (it->is_string() && *it == "none") {
       r.tool_choice = ToolChoice::kNone;
-    } else if ((it->is_string() && *it == "required") || it->is_object()) {
-      return bad(
-          "tool_choice",
-          fmt::format("'tool_choice' = {}: forcing a tool call is not implemented; use 'auto' "
-                      "or 'none'",
-                      it->dump()));
+    } else if (it->is_string() && *it == "required") {
+      r.tool_choice = ToolChoice::kRequired;
+    } else if (it->is_object()) {
+      for (auto kv = it->begin(); kv != it->end(); ++kv)
+        if (kv.key() != "type" && kv.key() != "function")
+          return bad(
+              "tool_choice",
+              fmt::format("'tool_choice.{}' is not supported (give type and function)", kv.key()));
+      if (auto t = it->find("type"); t == it->end() || *t != "function")
+        return bad("tool_choice", "'tool_choice.type' must be 'function'");
+      const json* fn = nullptr;
+      if (auto e = get_function(*it, "tool_choice", fn, r.tool_choice_name)) return e;
+      for (auto kv = fn->begin(); kv != fn->end(); ++kv)
+        if (kv.key() != "name")
+          return bad("tool_choice",
+                     fmt::format("'tool_choice.function.{}' is not supported", kv.key()));
+      r.tool_choice = ToolChoice::kFunction;
     } else {
       return bad("tool_choice", "'tool_choice' must be 'auto', 'none', 'required' or an object",
                  "invalid_type");
     }
+  }
+  const bool forced =
+      r.tool_choice == ToolChoice::kRequired || r.tool_choice == ToolChoice::kFunction;
+  if (forced) {
+    auto t = j.find("tools");
+    if (t == j.end() || !t->is_array() || t->empty())
+      return bad("tool_choice", "'tool_choice' forces a tool call, but 'tools' is empty or absent");
+    if (r.tool_choice == ToolChoice::kFunction &&
+        std::none_of(t->begin(), t->end(), [&](const json& tool) {
+          return tool.is_object() && tool.contains("function") && tool["function"].is_object() &&
+                 tool["function"].value("name", json()) == r.tool_choice_name;
+        }))
+      return bad("tool_choice", fmt::format("'tool_choice' names the function '{}', which is not "
+                                            "in 'tools'",
+                                            r.tool_choice_name));
+    for (const char* key : {"response_format", "grammar", "json_schema"})
+      if (auto g = j.find(key); g != j.end() && !g->is_null() &&
+                                !(std::string_view(key) == "response_format" && g->is_object() &&
+                                  g->value("type", json()) == "text"))
+        return bad("tool_choice",
+                   fmt::format("'tool_choice' forces a tool call and '{}' constrains the output "
+                               "too: give one",
+                               key));
   }
   auto it = j.find("tools");
   if (it == j.end() || it->is_null()) return std::nullopt;
@@ -468,7 +502,11 @@ ApiResult<CompletionRequest> parse_completion_request(std::string_view body, boo
   int64_t v = 0;
   bool present = false;
   KILN_API_TRY(get_int(j, "n", INT64_MIN, INT64_MAX, v, present));
-  if (present && v != 1) return bad("n", fmt::format("'n' = {}: only n = 1 is supported", v));
+  if (present && (v < 1 || v > limits.max_n))
+    return bad(
+        "n", fmt::format("'n' = {} is outside [1, {}] (at most the server's slots, --parallel)", v,
+                         limits.max_n));
+  if (present) r.n = static_cast<int32_t>(v);
   // max_completion_tokens is the newer chat spelling; either is accepted.
   for (const char* key : {"max_tokens", "max_completion_tokens"}) {
     KILN_API_TRY(get_int(j, key, INT64_MIN, INT64_MAX, v, present));

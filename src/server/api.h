@@ -33,9 +33,10 @@ using ApiResult = std::variant<T, ApiError>;
 using ChatMessage = ::kiln::ChatMessage;  // engine/chat.h
 
 // tool_choice: "auto" (the default), "none" (tools are not shown to the model and its reply is
-// not parsed for calls). "required" and a named function need constrained decoding and are
-// refused by the parser.
-enum class ToolChoice { kAuto, kNone };
+// not parsed for calls), "required" (the reply is one or more calls: constrained decoding in
+// the template's tool-call format) or {"type": "function", "function": {"name": N}} (a call
+// of N; CompletionRequest::tool_choice_name).
+enum class ToolChoice { kAuto, kNone, kRequired, kFunction };
 
 // What /v1/chat/completions and /v1/completions ask for, validated and defaulted.
 struct CompletionRequest {
@@ -45,6 +46,7 @@ struct CompletionRequest {
   std::string prompt;                 // completions: text
   std::vector<int32_t> prompt_ids;    // completions: token ids instead of text
   int32_t max_tokens = -1;            // -1: until the end of generation or of the context
+  int32_t n = 1;                      // choices, 1 .. Limits::max_n
   float temperature = 1.0f;
   float top_p = 1.0f;
   float presence_penalty = 0, frequency_penalty = 0;
@@ -65,6 +67,7 @@ struct CompletionRequest {
   // null when absent or empty.
   nlohmann::ordered_json tools;
   ToolChoice tool_choice = ToolChoice::kAuto;
+  std::string tool_choice_name;     // kFunction: the function's name (one of `tools`)
   bool parallel_tool_calls = true;  // false: at most one call is returned
 };
 
@@ -72,6 +75,7 @@ struct Limits {
   int32_t max_tokens = 1 << 20;  // largest max_tokens accepted (the server passes n_ctx)
   size_t max_messages = 4096;
   size_t max_stop_bytes = 256;
+  int32_t max_n = 8;  // largest n accepted (the server passes its slot count, --parallel)
 };
 
 // The sampling fields a request leaves out take these values (`kiln serve --temp` etc.).
@@ -85,7 +89,8 @@ struct SamplingDefaults {
 };
 
 // Parses a JSON body. Every problem is an ApiError naming the field: malformed JSON, wrong
-// types, unknown roles, n != 1, out-of-range sampling values, negative/zero/huge max_tokens.
+// types, unknown roles, n outside [1, max_n], out-of-range sampling values, negative/zero/huge
+// max_tokens.
 ApiResult<CompletionRequest> parse_completion_request(std::string_view body, bool chat,
                                                       const Limits& limits = {},
                                                       const SamplingDefaults& defaults = {});

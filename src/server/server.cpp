@@ -31,7 +31,10 @@
 #include "engine/session.h"
 #include "engine/tool_calls.h"
 #include "format/gguf.h"
+#include "grammar/grammar.h"
+#include "grammar/matcher.h"
 #include "server/api.h"
+#include "server/chat_page.h"
 #include "tokenizer/jinja/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -122,6 +125,8 @@ struct HttpServer::Impl {
   ToolFormat tool_format = ToolFormat::kNone;   // the template's tool-call format
   bool object_arguments = false;                // the template reads arguments as objects
   std::vector<int32_t> tool_special_ids;        // the format's control tokens, rendered as text
+  // The vocabulary view of forced tool calls: tool_special_ids are their text (null: none).
+  std::shared_ptr<const grammar::TokenTrie> tool_vocab;
   std::unique_ptr<Scheduler> scheduler;
 
   std::atomic<uint64_t> n_http_requests{0}, n_http_errors{0}, n_completions{0};
@@ -130,9 +135,13 @@ struct HttpServer::Impl {
   void routes();
   bool authorized(const httplib::Request& req, httplib::Response& res) const;
   bool check_ready(httplib::Response& res) const;
+  // The Access-Control-Allow-Origin value for this request's Origin; "" when not allowed.
+  std::string cors_origin(const httplib::Request& req) const;
   void completion(const httplib::Request& req, httplib::Response& res, const std::string& body,
                   bool chat);
   std::optional<ApiError> build_prompt(const CompletionRequest& r, std::vector<int32_t>& ids) const;
+  std::optional<ApiError> force_tool_call(CompletionRequest& r,
+                                          std::shared_ptr<const grammar::TokenTrie>& vocab) const;
   std::string metrics() const;
 };
 
@@ -224,6 +233,7 @@ Status HttpServer::load() {
   const auto eog = s.tok->eog_ids();
   cfg.eog_ids.assign(eog.begin(), eog.end());
   cfg.grammar_vocab = make_token_trie(*s.tok);  // once per model: every grammar request uses it
+  if (!s.tool_special_ids.empty()) s.tool_vocab = make_token_trie(*s.tok, s.tool_special_ids);
   auto sch = Scheduler::create(s.model, s.rt->backend(), cfg);
   if (!sch) return sch.status();
   s.scheduler = std::move(*sch);
@@ -256,6 +266,16 @@ bool HttpServer::Impl::authorized(const httplib::Request& req, httplib::Response
   send_error(res, make_error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                              "invalid_request_error", "invalid_api_key"));
   return false;
+}
+
+std::string HttpServer::Impl::cors_origin(const httplib::Request& req) const {
+  const std::string origin = req.get_header_value("Origin");
+  if (origin.empty()) return "";
+  for (const std::string& allowed : opt.cors_origins) {
+    if (allowed == "*") return "*";
+    if (allowed == origin) return origin;
+  }
+  return "";
 }
 
 bool HttpServer::Impl::check_ready(httplib::Response& res) const {
@@ -319,6 +339,28 @@ std::optional<ApiError> HttpServer::Impl::build_prompt(const CompletionRequest& 
   return std::nullopt;
 }
 
+// tool_choice "required" / a named function: the grammar of a reply made of calls, in the
+// template's format, compiled into r.grammar.
+std::optional<ApiError> HttpServer::Impl::force_tool_call(
+    CompletionRequest& r, std::shared_ptr<const grammar::TokenTrie>& vocab) const {
+  if (r.tool_choice != ToolChoice::kRequired && r.tool_choice != ToolChoice::kFunction)
+    return std::nullopt;
+  auto fail = [](std::string msg) {
+    ApiError e = make_error(400, std::move(msg), "invalid_request_error", "unsupported_value");
+    e.param = "tool_choice";
+    return e;
+  };
+  auto gbnf = tool_call_gbnf(tool_format, chat_template->source(), r.tools,
+                             r.tool_choice == ToolChoice::kFunction ? r.tool_choice_name : "",
+                             r.parallel_tool_calls);
+  if (!gbnf) return fail("'tool_choice': " + gbnf.status().message());
+  auto g = grammar::Grammar::parse(*gbnf);
+  if (!g) return fail("'tool_choice': " + g.status().message());
+  r.grammar = std::move(*g);
+  vocab = tool_vocab;
+  return std::nullopt;
+}
+
 namespace {
 
 // One request's state while its response is produced (shared with the stream provider).
@@ -338,7 +380,11 @@ struct Job {
   bool done = false, sent_role = false;
   std::string finish = "stop";
   int32_t n_generated = 0;
-  int32_t n_cached = 0;  // prompt tokens whose KV rows the slot already held
+  int32_t n_cached = 0;                    // prompt tokens whose KV rows the slot already held
+  int32_t index = 0;                       // the choice's index (n > 1)
+  bool ended = false;                      // the scheduler's end event was handled
+  double prompt_ms = 0, predicted_ms = 0;  // the scheduler's timings
+  std::string error;                       // a kError end: what went wrong
   // Tool calls (chat with tools offered): the reply is parsed in this format; the format's
   // control tokens are rendered as text so the parser sees them.
   ToolFormat tool_format = ToolFormat::kNone;
@@ -391,6 +437,9 @@ struct Job {
   void on_done(const GenEvent& e) {
     n_generated = e.n_generated;
     n_cached = e.n_reused;
+    prompt_ms = e.prompt_ms;
+    predicted_ms = e.predicted_ms;
+    error = e.error;
     if (!done) {
       finish = e.finish == FinishReason::kLength ? "length"
                : e.finish == FinishReason::kStop ? "stop"
@@ -403,11 +452,24 @@ struct Job {
   }
   std::string last_flush;
 
-  json usage() const {
-    return {{"prompt_tokens", n_prompt},
-            {"completion_tokens", n_generated},
-            {"total_tokens", n_prompt + n_generated},
-            {"prompt_tokens_details", {{"cached_tokens", n_cached}}}};
+  // llama.cpp's `timings` of this choice: prompt tokens evaluated (not reused) and the time
+  // to the first token; tokens generated and the time after the first.
+  json timings() const {
+    return timings_json(n_prompt - n_cached, n_cached, prompt_ms, n_generated, predicted_ms);
+  }
+  static json timings_json(int64_t prompt_n, int64_t cache_n, double prompt_ms, int64_t predicted_n,
+                           double predicted_ms) {
+    auto per_token = [](double ms, int64_t n) { return n > 0 ? ms / double(n) : 0.0; };
+    auto per_second = [](double ms, int64_t n) { return ms > 0 ? 1e3 * double(n) / ms : 0.0; };
+    return {{"cache_n", cache_n},
+            {"prompt_n", prompt_n},
+            {"prompt_ms", prompt_ms},
+            {"prompt_per_token_ms", per_token(prompt_ms, prompt_n)},
+            {"prompt_per_second", per_second(prompt_ms, prompt_n)},
+            {"predicted_n", predicted_n},
+            {"predicted_ms", predicted_ms},
+            {"predicted_per_token_ms", per_token(predicted_ms, predicted_n)},
+            {"predicted_per_second", per_second(predicted_ms, predicted_n)}};
   }
   json logprobs_json() const {
     if (top_logprobs < 0) return nullptr;
@@ -419,7 +481,7 @@ struct Job {
   }
   // A streamed chunk carrying `delta` text (and the finish reason at the end).
   json chunk(const std::string& delta, const char* finish_reason, bool with_logprobs) {
-    json choice = {{"index", 0}};
+    json choice = {{"index", index}};
     if (chat) {
       json d = json::object();
       if (!sent_role) {
@@ -441,13 +503,13 @@ struct Job {
     if (include_usage) c["usage"] = nullptr;
     return c;
   }
-  json usage_chunk() const {
+  json usage_chunk(json usage) const {
     return {{"id", id},
             {"object", chat ? "chat.completion.chunk" : "text_completion"},
             {"created", created},
             {"model", model},
             {"choices", json::array()},
-            {"usage", usage()}};
+            {"usage", std::move(usage)}};
   }
   bool tools_on() const { return tool_format != ToolFormat::kNone; }
   // OpenAI's call ids: "call_" and 24 letters or digits; Mistral's templates demand exactly 9.
@@ -508,6 +570,32 @@ struct Job {
   }
 };
 
+// The request's usage over its choices: the prompt once, every choice's tokens.
+json usage_of(const std::vector<std::shared_ptr<Job>>& jobs) {
+  int32_t generated = 0;
+  for (const auto& j : jobs) generated += j->n_generated;
+  const Job& first = *jobs[0];
+  return {{"prompt_tokens", first.n_prompt},
+          {"completion_tokens", generated},
+          {"total_tokens", first.n_prompt + generated},
+          {"prompt_tokens_details", {{"cached_tokens", first.n_cached}}}};
+}
+
+// The request's timings: choices run side by side, so tokens add up and times are the
+// longest choice's.
+json timings_of(const std::vector<std::shared_ptr<Job>>& jobs) {
+  int64_t prompt_n = 0, cache_n = 0, predicted_n = 0;
+  double prompt_ms = 0, predicted_ms = 0;
+  for (const auto& j : jobs) {
+    prompt_n += j->n_prompt - j->n_cached;
+    cache_n += j->n_cached;
+    predicted_n += j->n_generated;
+    prompt_ms = std::max(prompt_ms, j->prompt_ms);
+    predicted_ms = std::max(predicted_ms, j->predicted_ms);
+  }
+  return Job::timings_json(prompt_n, cache_n, prompt_ms, predicted_n, predicted_ms);
+}
+
 }  // namespace
 
 void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response& res,
@@ -516,12 +604,15 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   const int32_t n_ctx = scheduler->n_ctx();
   Limits limits;
   limits.max_tokens = n_ctx;
+  limits.max_n = opt.max_n > 0 ? opt.max_n : opt.n_parallel;
   auto parsed = parse_completion_request(body, chat, limits, opt.sampling);
   if (auto* e = std::get_if<ApiError>(&parsed)) return send_error(res, *e);
   CompletionRequest& r = std::get<CompletionRequest>(parsed);
 
   std::vector<int32_t> ids;
   if (auto e = build_prompt(r, ids)) return send_error(res, *e);
+  std::shared_ptr<const grammar::TokenTrie> grammar_vocab;  // null: the scheduler's
+  if (auto e = force_tool_call(r, grammar_vocab)) return send_error(res, *e);
   const int64_t n_prompt = static_cast<int64_t>(ids.size());
   if (n_prompt == 0)
     return send_error(res, make_error(400, "the prompt tokenized to nothing",
@@ -562,72 +653,118 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
                           "invalid_request_error", "invalid_value"));
   p.sampling.logit_bias = r.logit_bias;
   p.grammar = r.grammar;
-  p.sampling.seed = r.seed ? *r.seed : std::random_device{}();
-  auto sub = scheduler->submit(std::move(p));
-  if (!sub.stream) {
-    if (sub.error == Scheduler::SubmitError::kQueueFull) {
-      res.set_header("Retry-After", "1");
-      return send_error(
-          res, make_error(503, "server busy: " + sub.message, "server_error", "queue_full"));
+  p.grammar_vocab = std::move(grammar_vocab);
+  // n choices: n requests of the same prompt, each with its own seed (seed + i when the
+  // request gives one), decoding side by side in the scheduler's slots. Each prefills on its
+  // own: a slot does not share KV rows with another that is still running.
+  const int32_t n = r.n;
+  const uint64_t seed0 = r.seed ? *r.seed : std::random_device{}();
+  std::vector<std::shared_ptr<Job>> jobs;
+  auto cancel_all = [](const std::vector<std::shared_ptr<Job>>& js) {
+    for (const auto& j : js) j->stream->cancel();
+  };
+  const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", id_counter.fetch_add(1));
+  const int64_t created = unix_seconds();
+  for (int32_t i = 0; i < n; ++i) {
+    GenerationParams pi = i + 1 < n ? p : std::move(p);
+    pi.sampling.seed = r.seed ? seed0 + static_cast<uint64_t>(i) : std::random_device{}();
+    auto sub = scheduler->submit(std::move(pi));
+    if (!sub.stream) {
+      cancel_all(jobs);  // all or none
+      if (sub.error == Scheduler::SubmitError::kQueueFull) {
+        res.set_header("Retry-After", "1");
+        return send_error(
+            res, make_error(503, "server busy: " + sub.message, "server_error", "queue_full"));
+      }
+      if (sub.error == Scheduler::SubmitError::kShuttingDown)
+        return send_error(res, make_error(503, sub.message, "server_error", "shutting_down"));
+      return send_error(res,
+                        make_error(400, sub.message, "invalid_request_error", "invalid_value"));
     }
-    if (sub.error == Scheduler::SubmitError::kShuttingDown)
-      return send_error(res, make_error(503, sub.message, "server_error", "shutting_down"));
-    return send_error(res, make_error(400, sub.message, "invalid_request_error", "invalid_value"));
+    auto job = std::make_shared<Job>(r.stop);
+    job->index = i;
+    job->stream = sub.stream;
+    job->tok = tok;
+    job->chat = chat;
+    job->include_usage = r.include_usage;
+    job->top_logprobs = r.top_logprobs;
+    job->id = id;
+    job->model = r.model.empty() ? model_name : r.model;
+    job->created = created;
+    job->n_prompt = static_cast<int32_t>(n_prompt);
+    if (chat && !r.tools.is_null() && r.tool_choice != ToolChoice::kNone) {
+      job->tool_format = tool_format;
+      job->tool_special_ids = tool_special_ids;
+      job->tool_stream.emplace(tool_format);
+      job->parallel_tool_calls = r.parallel_tool_calls;
+    }
+    jobs.push_back(std::move(job));
   }
   n_completions.fetch_add(1);
-
-  auto job = std::make_shared<Job>(r.stop);
-  job->stream = sub.stream;
-  job->tok = tok;
-  job->chat = chat;
-  job->include_usage = r.include_usage;
-  job->top_logprobs = r.top_logprobs;
-  job->id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", id_counter.fetch_add(1));
-  job->model = r.model.empty() ? model_name : r.model;
-  job->created = unix_seconds();
-  job->n_prompt = static_cast<int32_t>(n_prompt);
-  if (chat && !r.tools.is_null() && r.tool_choice != ToolChoice::kNone) {
-    job->tool_format = tool_format;
-    job->tool_special_ids = tool_special_ids;
-    job->tool_stream.emplace(tool_format);
-    job->parallel_tool_calls = r.parallel_tool_calls;
-  }
 
   if (!r.stream) {
     // A client that goes away cancels the request within a poll period, as a stream's does.
     const int fd = connection_fd(req);
     auto checked = std::chrono::steady_clock::now();
-    for (;;) {
-      auto e = job->stream->next(100ms);
+    size_t active = jobs.size();
+    // One event of one choice; an error ends the whole request.
+    auto handle = [&](Job& job, const GenEvent& e) -> bool {
+      if (e.kind == GenEvent::Kind::kToken) {
+        if (!job.done) job.on_token(e);
+        return true;
+      }
+      job.on_done(e);
+      job.ended = true;
+      --active;
+      return e.finish != FinishReason::kError;
+    };
+    auto failed = [&](const Job& job) {
+      cancel_all(jobs);
+      return send_error(res, make_error(500, "generation failed: " + job.error, "server_error",
+                                        "internal_error"));
+    };
+    while (active > 0) {
+      // Every event that is ready, then a wait on the first unfinished choice.
+      bool any = false;
+      for (const auto& job : jobs)
+        while (!job->ended) {
+          auto e = job->stream->next(0ms);
+          if (!e) break;
+          any = true;
+          if (!handle(*job, *e)) return failed(*job);
+        }
       if (const auto now = std::chrono::steady_clock::now(); now - checked >= 100ms) {
         checked = now;
-        if (peer_gone(fd)) job->stream->cancel();  // the scheduler then ends the request
+        if (peer_gone(fd)) cancel_all(jobs);  // the scheduler then ends the requests
       }
-      if (!e) continue;  // the scheduler always ends a request (shutdown and cancel too)
-      if (e->kind == GenEvent::Kind::kToken) {
-        if (!job->done) job->on_token(*e);
-        continue;
-      }
-      job->on_done(*e);
-      if (e->finish == FinishReason::kError)
-        return send_error(res, make_error(500, "generation failed: " + e->error, "server_error",
-                                          "internal_error"));
-      break;
+      if (any || active == 0) continue;
+      for (const auto& job : jobs)
+        if (!job->ended) {
+          // The scheduler always ends a request (shutdown and cancel too).
+          if (auto e = job->stream->next(100ms); e && !handle(*job, *e)) return failed(*job);
+          break;
+        }
     }
-    // The message first: parsing a tool call sets the finish reason.
-    json message = chat ? job->message() : json();
-    json choice = {
-        {"index", 0}, {"logprobs", job->logprobs_json()}, {"finish_reason", job->finish}};
-    if (chat)
-      choice["message"] = std::move(message);
-    else
-      choice["text"] = job->text;
-    json body = {{"id", job->id},
+    json choices = json::array();
+    for (const auto& job : jobs) {
+      // The message first: parsing a tool call sets the finish reason.
+      json message = chat ? job->message() : json();
+      json choice = {{"index", job->index},
+                     {"logprobs", job->logprobs_json()},
+                     {"finish_reason", job->finish}};
+      if (chat)
+        choice["message"] = std::move(message);
+      else
+        choice["text"] = job->text;
+      choices.push_back(std::move(choice));
+    }
+    json body = {{"id", id},
                  {"object", chat ? "chat.completion" : "text_completion"},
-                 {"created", job->created},
-                 {"model", job->model},
-                 {"choices", json::array({choice})},
-                 {"usage", job->usage()}};
+                 {"created", created},
+                 {"model", jobs[0]->model},
+                 {"choices", std::move(choices)},
+                 {"usage", usage_of(jobs)},
+                 {"timings", timings_of(jobs)}};
     res.set_content(body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
     return;
   }
@@ -637,56 +774,88 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
         "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
     return sink.write(line.data(), line.size());
   };
+  // One event of one choice written to the stream; false: the client is gone.
+  auto on_event = [send](Job& job, const GenEvent& e, httplib::DataSink& sink) -> bool {
+    if (e.kind == GenEvent::Kind::kToken) {
+      if (job.done) return true;  // after a stop match: drain until the scheduler ends it
+      std::string delta = job.on_token(e);
+      if (job.tools_on()) delta = job.tool_stream->push(delta);
+      if (!delta.empty() || job.top_logprobs >= 0) {
+        if (!send(sink, job.chunk(delta, nullptr, true))) return false;
+        job.clear_logprobs();
+      }
+      return true;
+    }
+    job.on_done(e);
+    job.ended = true;
+    if (e.finish == FinishReason::kError) {
+      ApiError err =
+          make_error(500, "generation failed: " + e.error, "server_error", "internal_error");
+      const std::string line = "data: " + error_body(err) + "\n\n";
+      return sink.write(line.data(), line.size());
+    }
+    bool ok = true;
+    json last;
+    if (job.tools_on()) {
+      // The held-back text is parsed now: its content, then the calls, then the end.
+      std::string head = job.tool_stream->push(job.last_flush);
+      ToolReply reply = job.tool_stream->finish();
+      reply.content.insert(0, head);
+      const std::vector<ToolCall> calls = job.take_calls(reply);
+      if (!reply.content.empty()) ok = send(sink, job.chunk(reply.content, nullptr, true));
+      if (ok && !calls.empty()) ok = send(sink, job.tool_calls_chunk(calls));
+      last = job.chunk("", job.finish.c_str(), false);
+    } else {
+      last = job.chunk(job.last_flush, job.finish.c_str(), true);
+    }
+    last["timings"] = job.timings();  // llama.cpp's place: the choice's last chunk
+    return ok && send(sink, last);
+  };
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [job, send](size_t, httplib::DataSink& sink) -> bool {
+      [jobs, send, on_event, cancel_all](size_t, httplib::DataSink& sink) -> bool {
         if (!sink.is_writable()) {
-          job->stream->cancel();
+          cancel_all(jobs);
           return false;
         }
-        auto e = job->stream->next(100ms);
-        if (!e) return true;  // nothing yet; httplib calls again (and checks the socket)
-        if (e->kind == GenEvent::Kind::kToken) {
-          if (job->done) return true;  // after a stop match: drain until the scheduler ends it
-          std::string delta = job->on_token(*e);
-          if (job->tools_on()) delta = job->tool_stream->push(delta);
-          if (!delta.empty() || job->top_logprobs >= 0) {
-            if (!send(sink, job->chunk(delta, nullptr, true))) {
-              job->stream->cancel();
+        bool any = false;
+        for (const auto& job : jobs) {
+          while (!job->ended) {
+            auto e = job->stream->next(0ms);
+            if (!e) break;
+            any = true;
+            if (!on_event(*job, *e, sink)) {
+              cancel_all(jobs);
               return false;
             }
-            job->clear_logprobs();
           }
+        }
+        const bool all_ended =
+            std::all_of(jobs.begin(), jobs.end(), [](const auto& j) { return j->ended; });
+        if (!all_ended) {
+          // Nothing ready: wait on the first unfinished choice (httplib calls again and
+          // checks the socket meanwhile).
+          if (!any)
+            for (const auto& job : jobs)
+              if (!job->ended) {
+                auto e = job->stream->next(100ms);
+                if (e && !on_event(*job, *e, sink)) {
+                  cancel_all(jobs);
+                  return false;
+                }
+                break;
+              }
           return true;
         }
-        job->on_done(*e);
         bool ok = true;
-        if (e->finish == FinishReason::kError) {
-          ApiError err =
-              make_error(500, "generation failed: " + e->error, "server_error", "internal_error");
-          const std::string line = "data: " + error_body(err) + "\n\n";
-          ok = sink.write(line.data(), line.size());
-        } else if (job->tools_on()) {
-          // The held-back text is parsed now: its content, then the calls, then the end.
-          std::string head = job->tool_stream->push(job->last_flush);
-          ToolReply reply = job->tool_stream->finish();
-          reply.content.insert(0, head);
-          const std::vector<ToolCall> calls = job->take_calls(reply);
-          if (!reply.content.empty()) ok = send(sink, job->chunk(reply.content, nullptr, true));
-          if (ok && !calls.empty()) ok = send(sink, job->tool_calls_chunk(calls));
-          if (ok) ok = send(sink, job->chunk("", job->finish.c_str(), false));
-          if (ok && job->include_usage) ok = send(sink, job->usage_chunk());
-        } else {
-          ok = send(sink, job->chunk(job->last_flush, job->finish.c_str(), true));
-          if (ok && job->include_usage) ok = send(sink, job->usage_chunk());
-        }
+        if (jobs[0]->include_usage) ok = send(sink, jobs[0]->usage_chunk(usage_of(jobs)));
         static constexpr std::string_view kDone = "data: [DONE]\n\n";
         if (ok) ok = sink.write(kDone.data(), kDone.size());
         if (ok) sink.done();
         return ok;
       },
-      [job](bool) { job->stream->cancel(); });  // no-op after a normal end
+      [jobs, cancel_all](bool) { cancel_all(jobs); });  // no-op after a normal end
 }
 
 std::string HttpServer::Impl::metrics() const {
@@ -778,6 +947,35 @@ void HttpServer::Impl::routes() {
                                           : fmt::format("HTTP error {}", res.status);
     send_error(res, make_error(res.status, msg, "invalid_request_error", code));
   });
+  // Opt-in CORS (--cors): a browser page of an allowed origin may call the API. Every response
+  // to such an origin names it (or `*`); preflights are answered without the API key (browsers
+  // send none), and the actual request still needs it. Off: no CORS header, no OPTIONS route.
+  if (!opt.cors_origins.empty()) {
+    http.set_post_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (const std::string o = cors_origin(req); !o.empty()) {
+        res.set_header("Access-Control-Allow-Origin", o);
+        if (o != "*") res.set_header("Vary", "Origin");
+      }
+    });
+    http.Options(R"(/.*)", [this](const httplib::Request& req, httplib::Response& res) {
+      res.status = 204;
+      if (cors_origin(req).empty()) return;
+      res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+      const std::string asked = req.get_header_value("Access-Control-Request-Headers");
+      res.set_header("Access-Control-Allow-Headers",
+                     asked.empty() ? "Authorization, Content-Type" : asked);
+      res.set_header("Access-Control-Max-Age", "600");
+    });
+  }
+  // The chat page (no key needed: it holds nothing; its requests carry the key the user
+  // types). Same-origin files only, under a CSP that allows nothing else.
+  for (const StaticFile& f : chat_page_files())
+    http.Get(std::string(f.path), [&f](const httplib::Request&, httplib::Response& res) {
+      res.set_header("Content-Security-Policy", std::string(chat_page_csp()));
+      res.set_header("X-Content-Type-Options", "nosniff");
+      res.set_header("Cache-Control", "no-cache");
+      res.set_content(f.body.data(), f.body.size(), std::string(f.content_type));
+    });
   http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     if (!check_ready(res)) return;
     res.set_content(R"({"status":"ok"})", "application/json");

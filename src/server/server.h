@@ -8,6 +8,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "core/status.h"
 #include "engine/runtime.h"
@@ -37,6 +38,11 @@ struct ServerOptions {
   std::string alias;               // the model's name in responses; "": the file's stem
   std::string chat_template_file;  // a .jinja file used instead of the GGUF's template
   SamplingDefaults sampling;       // what requests that leave a sampling field out get
+  // Largest `n` (choices) a request may ask for; 0: n_parallel (choices decode side by side,
+  // one slot each, so more than the slots would only queue behind themselves).
+  int32_t max_n = 0;
+  // Origins whose browser pages may call the API (CORS); "*": any; empty: CORS off.
+  std::vector<std::string> cors_origins;
   // How the model is opened (engine/runtime.h): device, threads, tensor parallelism, expert
   // tiers; device_sampling goes to the scheduler.
   EngineOptions engine;

@@ -1,6 +1,7 @@
 // tests/e2e/chat_pty_test.cpp: `kiln chat` as a person uses it, through a pseudo-terminal:
 // the prompt appears, a message gets a streamed reply, a message continued with '\' is one
-// message, /clear and /exit work, and `kiln run -cnv` is the same chat.
+// message, /clear and /exit work, and `kiln run -cnv` is the same chat; `--mlock`'s progress
+// line on a terminal.
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <pty.h>
@@ -99,6 +100,17 @@ TEST(KilnChat, ConversesThroughATerminal) {
 TEST(KilnChat, RunConversationIsTheChat) {
   converse({"run", "-cnv", "-m", testing::model_path("stories260K.gguf"), "--temp", "0", "-n", "24",
             "--threads", "1"});
+}
+
+// --mlock on a terminal: one line counts up to 100% while the weights are paged in and locked
+// (on a pipe nothing: KilnRun.MlockChangesNothingButResidency sees the same stderr either way).
+TEST(KilnRun, MlockShowsAPageInProgressLineOnATerminal) {
+  Pty run({"run", "-m", testing::model_path("stories260K.gguf"), "-p", "Once", "-n", "2", "--temp",
+           "0", "--threads", "1", "--mlock"});
+  ASSERT_TRUE(run.started());
+  ASSERT_TRUE(run.wait_for("100.0%", 0)) << run.out();
+  EXPECT_NE(run.out().find("\rkiln: paging in stories260K.gguf: "), std::string::npos) << run.out();
+  EXPECT_EQ(run.exit_status(), 0) << run.out();
 }
 
 }  // namespace

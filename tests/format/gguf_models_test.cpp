@@ -7,6 +7,7 @@
 #include "common/testdata.h"
 #include "format/gguf.h"
 #include "format/mmap_file.h"
+#include "format/page_in.h"
 
 namespace kiln {
 namespace {
@@ -67,6 +68,20 @@ TEST(MappedFile, LockInRamLocksOrSaysWhy) {
   const Status st = (*f)->lock_in_ram();
   if (!st) EXPECT_NE(st.message().find("mlock"), std::string::npos) << st.message();
   EXPECT_TRUE(MappedFile::from_bytes({})->lock_in_ram()) << "nothing to lock is not an error";
+}
+
+// The stepped lock reports its progress: increasing, ending at the file's size.
+TEST(MappedFile, LockInRamReportsProgress) {
+  // 150 MiB + 1 byte: three 64 MiB steps, the last a partial one.
+  const uint64_t size = (uint64_t{150} << 20) + 1;
+  auto f = MappedFile::from_bytes(std::vector<std::byte>(size));
+  std::vector<uint64_t> seen;
+  const Status st = lock_in_ram(*f, [&](uint64_t done, uint64_t total) {
+    EXPECT_EQ(total, size);
+    seen.push_back(done);
+  });
+  if (!st) GTEST_SKIP() << st.message();  // a small RLIMIT_MEMLOCK: the refusal is tested above
+  EXPECT_EQ(seen, (std::vector<uint64_t>{uint64_t{64} << 20, uint64_t{128} << 20, size}));
 }
 
 }  // namespace

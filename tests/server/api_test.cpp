@@ -40,7 +40,8 @@ TEST(Api, RejectsBadRequestsNamingTheField) {
        "max_tokens"},
       {R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999999999999999})",
        true, "max_tokens"},
-      {R"({"messages": [{"role": "user", "content": "x"}], "n": 2})", true, "n"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "n": 9})", true, "n"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "n": 0})", true, "n"},
       {R"({"messages": [{"role": "user", "content": "x"}], "temperature": 3})", true,
        "temperature"},
       {R"({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"})", true,
@@ -171,6 +172,54 @@ TEST(Api, ParsesToolsAndToolMessages) {
   ASSERT_TRUE(std::holds_alternative<CompletionRequest>(none));
   EXPECT_TRUE(std::get<CompletionRequest>(none).tools.is_null());  // empty: no tools
   EXPECT_EQ(std::get<CompletionRequest>(none).tool_choice, ToolChoice::kNone);
+}
+
+TEST(Api, ForcedToolChoiceIsParsedAndChecked) {
+  const std::string tools =
+      R"("tools": [{"type": "function", "function": {"name": "get_weather"}},
+                   {"type": "function", "function": {"name": "now"}}])";
+  const std::string msgs = R"("messages": [{"role": "user", "content": "x"}])";
+  auto req =
+      parse_completion_request("{" + msgs + ", " + tools + R"(, "tool_choice": "required"})", true);
+  ASSERT_TRUE(std::holds_alternative<CompletionRequest>(req)) << std::get<ApiError>(req).message;
+  EXPECT_EQ(std::get<CompletionRequest>(req).tool_choice, ToolChoice::kRequired);
+  auto named = parse_completion_request(
+      "{" + msgs + ", " + tools +
+          R"(, "tool_choice": {"type": "function", "function": {"name": "now"}}})",
+      true);
+  ASSERT_TRUE(std::holds_alternative<CompletionRequest>(named))
+      << std::get<ApiError>(named).message;
+  EXPECT_EQ(std::get<CompletionRequest>(named).tool_choice, ToolChoice::kFunction);
+  EXPECT_EQ(std::get<CompletionRequest>(named).tool_choice_name, "now");
+  // Each refusal names tool_choice (or the field inside it) and says why.
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {R"("tool_choice": {"type": "function", "function": {"name": "later"}})", "not in 'tools'"},
+      {R"("tool_choice": {"type": "function"})", "function"},
+      {R"("tool_choice": {"type": "tool", "function": {"name": "now"}})", "'function'"},
+      {R"("tool_choice": {"type": "function", "function": {"name": "now"}, "x": 1})",
+       "'tool_choice.x'"},
+      {R"("tool_choice": {"type": "function", "function": {"name": "now", "strict": true}})",
+       "'tool_choice.function.strict'"},
+      {R"("tool_choice": "required", "response_format": {"type": "json_object"})",
+       "'response_format'"},
+      {R"("tool_choice": "required", "grammar": "root ::= \"a\"")", "'grammar'"},
+  };
+  for (const auto& [fields, want] : bad) {
+    auto r = parse_completion_request("{" + msgs + ", " + tools + ", " + fields + "}", true);
+    ASSERT_TRUE(std::holds_alternative<ApiError>(r)) << fields;
+    const ApiError& e = std::get<ApiError>(r);
+    EXPECT_EQ(e.param.substr(0, 11), "tool_choice") << fields;
+    EXPECT_NE(e.message.find(want), std::string::npos) << fields << ": " << e.message;
+  }
+  // response_format "text" constrains nothing: allowed beside a forced call.
+  auto text = parse_completion_request(
+      "{" + msgs + ", " + tools +
+          R"(, "tool_choice": "required", "response_format": {"type": "text"}})",
+      true);
+  EXPECT_TRUE(std::holds_alternative<CompletionRequest>(text));
+  auto no_tools = parse_completion_request("{" + msgs + R"(, "tool_choice": "required"})", true);
+  ASSERT_TRUE(std::holds_alternative<ApiError>(no_tools));
+  EXPECT_NE(std::get<ApiError>(no_tools).message.find("'tools'"), std::string::npos);
 }
 
 TEST(Api, ParsesAFullChatRequest) {

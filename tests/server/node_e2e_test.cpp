@@ -19,6 +19,7 @@
 #include <regex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common/testdata.h"
 #include "format/gguf.h"
@@ -82,9 +83,13 @@ struct ServeProcess {
       ::dup2(fd, 2);
       ::dup2(fd, 1);
       const std::string bin = kiln::testing::kiln_binary();
-      ::execl(bin.c_str(), bin.c_str(), "serve", "-m", model.c_str(), "--port", "0", "--parallel",
-              "4", "-c", "1024", "--api-key", key.c_str(), "--threads", "1",
-              static_cast<char*>(nullptr));
+      std::vector<std::string> args = {bin,          "serve", "-m", model,  "--port",    "0",
+                                       "--parallel", "4",     "-c", "1024", "--threads", "1"};
+      if (!key.empty()) args.insert(args.end(), {"--api-key", key});
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(bin.c_str(), argv.data());
       ::_exit(127);
     }
     const std::regex re("listening on http://127\\.0\\.0\\.1:(\\d+)");
@@ -138,7 +143,8 @@ fs::path sdk_dir() {
       return {};
     }
   }
-  for (const char* f : {"sdk_test.mjs", "load_test.mjs", "sdk_tools_test.mjs"})
+  for (const char* f :
+       {"sdk_test.mjs", "load_test.mjs", "sdk_tools_test.mjs", "chat_page_test.mjs"})
     fs::copy_file(fs::path(KILN_SERVER_TEST_DIR) / f, dir / f,
                   fs::copy_options::overwrite_existing);
   return dir;
@@ -228,6 +234,33 @@ TEST(NodeE2E, OpenAiSdkToolCalls) {
       "cd '{}' && timeout 120 node sdk_tools_test.mjs {} test-key", dir.string(), srv.port));
   EXPECT_EQ(rc, 0) << out;
   std::printf("sdk tools: %s", out.c_str());
+  EXPECT_EQ(srv.stop(), 0);
+}
+
+// The first Chromium on PATH, or "".
+std::string chromium() {
+  for (const char* name : {"chromium", "chromium-browser", "google-chrome"})
+    if (have(name)) return name;
+  return "";
+}
+
+// The chat page at / in headless Chromium (Debian's chromium: scripts/setup installs it): load,
+// type, send, see the answer stream in, screenshot. The driver needs no npm package.
+TEST(NodeE2E, ChatPageInHeadlessChromium) {
+  if (!have("node")) GTEST_SKIP() << "node is required for the chat page test; not installed";
+  const std::string browser = chromium();
+  if (browser.empty())
+    GTEST_SKIP() << "chromium is not installed (scripts/setup installs it): the chat page test "
+                    "is skipped";
+  ServeProcess srv;
+  ASSERT_TRUE(srv.start("page-key"));
+  const fs::path shot = fs::path(KILN_NPM_DIR).parent_path() / "chat_page.png";
+  const auto [rc, out] = run(
+      fmt::format("timeout 120 node '{}/chat_page_test.mjs' {} http://127.0.0.1:{}/ page-key '{}'",
+                  KILN_SERVER_TEST_DIR, browser, srv.port, shot.string()));
+  EXPECT_EQ(rc, 0) << out;
+  std::printf("chat page: %s", out.c_str());
+  if (rc == 0) std::printf("chat page screenshot: %s\n", shot.string().c_str());
   EXPECT_EQ(srv.stop(), 0);
 }
 

@@ -42,6 +42,26 @@ check(comp.object === 'text_completion' && comp.choices[0].text.length > 0, 'com
 const lp = await client.chat.completions.create({ ...req, max_tokens: 3, logprobs: true, top_logprobs: 2 });
 check(lp.choices[0].logprobs.content.length === 3 && lp.choices[0].logprobs.content[0].top_logprobs.length === 2, 'logprobs');
 
+// n choices, as the SDK types them: indexed, the prompt counted once.
+const many = await client.chat.completions.create({ ...req, n: 3 });
+check(many.choices.length === 3 && many.choices.every((c, i) => c.index === i && c.message.content.length > 0),
+      'n=3 choices ' + JSON.stringify(many.choices));
+check(many.usage.completion_tokens === 36 && many.usage.prompt_tokens === chat.usage.prompt_tokens, 'n=3 usage ' + JSON.stringify(many.usage));
+check(many.choices[0].message.content === chat.choices[0].message.content, 'choice 0 is the seed\'s sample');
+const manyStream = await client.chat.completions.create({ ...req, n: 2, stream: true });
+const streamed = ['', ''];
+for await (const chunk of manyStream) for (const c of chunk.choices) streamed[c.index] += c.delta.content ?? '';
+check(streamed[0] === chat.choices[0].message.content && streamed[1] === many.choices[1].message.content,
+      'n=2 stream ' + JSON.stringify(streamed));
+
+// Forcing a call where the model's template has no tool format: a 400 the SDK raises.
+try {
+  await client.chat.completions.create({ ...req, tools: [{ type: 'function', function: { name: 'f' } }], tool_choice: 'required' });
+  fail('tools accepted without a template');
+} catch (e) {
+  check(e instanceof OpenAI.BadRequestError && e.status === 400, 'forced call without a template: ' + e);
+}
+
 try {
   await client.chat.completions.create({ model: 'stories260K', messages: [{ role: 'wizard', content: 'x' }] });
   fail('unknown role accepted');

@@ -50,11 +50,28 @@ const back = await client.chat.completions.create({
 check(back.choices[0].message.role === 'assistant' && back.usage.prompt_tokens > r.usage.prompt_tokens,
       'round trip ' + JSON.stringify(back));
 
-// Forcing a call is refused by name (no constrained decoding yet).
+// A forced call (constrained decoding): the model, which would otherwise write anything, must
+// call the named function with arguments its schema allows, whole and streamed.
+const forcedTools = [{ type: 'function', function: { name: 'get_weather', description: 'Get the weather',
+  parameters: { type: 'object', properties: { city: { enum: ['Paris', 'Oslo'] } }, required: ['city'] } } }];
+const forced = { model: 'hermes', messages, tools: forcedTools, max_tokens: 120, temperature: 0,
+                 tool_choice: { type: 'function', function: { name: 'get_weather' } }, parallel_tool_calls: false };
+const f = await client.chat.completions.create(forced);
+check(f.choices[0].finish_reason === 'tool_calls' && f.choices[0].message.tool_calls.length === 1,
+      'forced ' + JSON.stringify(f));
+const fargs = JSON.parse(f.choices[0].message.tool_calls[0].function.arguments);
+check(f.choices[0].message.tool_calls[0].function.name === 'get_weather' && ['Paris', 'Oslo'].includes(fargs.city),
+      'forced call ' + JSON.stringify(f.choices[0].message.tool_calls));
+let fcall = null;
+for await (const chunk of await client.chat.completions.create({ ...forced, tool_choice: 'required', stream: true }))
+  for (const t of chunk.choices[0]?.delta?.tool_calls ?? []) fcall = t;
+check(fcall && fcall.function.name === 'get_weather' && ['Paris', 'Oslo'].includes(JSON.parse(fcall.function.arguments).city),
+      'forced stream ' + JSON.stringify(fcall));
+// A function that is not offered is refused by name.
 try {
-  await client.chat.completions.create({ ...req, tool_choice: 'required' });
-  fail('tool_choice required accepted');
+  await client.chat.completions.create({ ...forced, tool_choice: { type: 'function', function: { name: 'nope' } } });
+  fail('a forced call of an unknown function accepted');
 } catch (e) {
-  check(e instanceof OpenAI.BadRequestError && e.param === 'tool_choice', 'required: ' + e);
+  check(e instanceof OpenAI.BadRequestError && e.param === 'tool_choice', 'unknown function: ' + e);
 }
-console.log(JSON.stringify({ ok: true, id: call.id, deltas }));
+console.log(JSON.stringify({ ok: true, id: call.id, deltas, forced: fargs }));

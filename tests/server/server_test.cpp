@@ -435,6 +435,197 @@ TEST(Server, StreamsSseWithUsageAndDone) {
   EXPECT_TRUE(cs.usage.is_null());  // not asked for
 }
 
+// n > 1: choices indexed 0..n-1, choice i sampled as a lone request with seed + i would be,
+// usage counting the prompt once and every choice's tokens, streamed chunks carrying their
+// choice's index; n above the server's cap (--max-n) is a 400.
+TEST(Server, NChoicesAreIndexedSeededAndCounted) {
+  ServerOptions o;
+  o.max_n = 3;
+  Running r = start(o);
+  const json base = {{"messages", {{{"role", "user"}, {"content", "Tell me a story"}}}},
+                     {"max_tokens", 8},
+                     {"temperature", 0.9},
+                     {"seed", 11},
+                     {"logit_bias", kNoEos}};
+  std::vector<std::string> alone;
+  int prompt_tokens = 0;
+  for (int i = 0; i < 3; ++i) {
+    json one = base;
+    one["seed"] = 11 + i;
+    const json c = post_json(*r.cli, "/v1/chat/completions", one, 200);
+    alone.push_back(c["choices"][0]["message"]["content"]);
+    prompt_tokens = c["usage"]["prompt_tokens"];
+  }
+  EXPECT_TRUE(alone[0] != alone[1] || alone[1] != alone[2]) << "three seeds, one text";
+  json req = base;
+  req["n"] = 3;
+  const json c = post_json(*r.cli, "/v1/chat/completions", req, 200);
+  ASSERT_EQ(c["choices"].size(), 3u) << c.dump();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(c["choices"][i]["index"], i);
+    EXPECT_EQ(c["choices"][i]["finish_reason"], "length");
+    EXPECT_EQ(c["choices"][i]["message"]["content"], alone[static_cast<size_t>(i)]) << i;
+  }
+  EXPECT_EQ(c["usage"]["prompt_tokens"], prompt_tokens);
+  EXPECT_EQ(c["usage"]["completion_tokens"], 24);
+  EXPECT_EQ(c["usage"]["total_tokens"], prompt_tokens + 24);
+  EXPECT_EQ(c["timings"]["predicted_n"], 24);
+
+  req["stream"] = true;
+  req["stream_options"] = {{"include_usage", true}};
+  auto res = r.cli->Post("/v1/chat/completions", req.dump(), "application/json");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const Sse sse = parse_sse(res->body, true);
+  EXPECT_TRUE(sse.done);
+  std::map<int, std::string> texts;
+  std::map<int, std::string> finishes;
+  std::map<int, int> roles;
+  for (const json& chunk : sse.chunks)
+    for (const json& ch : chunk["choices"]) {
+      const int i = ch["index"];
+      if (ch["delta"].contains("content")) texts[i] += ch["delta"]["content"].get<std::string>();
+      if (ch["delta"].contains("role")) ++roles[i];
+      if (!ch["finish_reason"].is_null()) finishes[i] = ch["finish_reason"];
+    }
+  ASSERT_EQ(texts.size(), 3u) << res->body;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(texts[i], alone[static_cast<size_t>(i)]) << i;
+    EXPECT_EQ(finishes[i], "length") << i;
+    EXPECT_EQ(roles[i], 1) << i;  // each choice's first delta names the role, once
+  }
+  EXPECT_EQ(sse.usage["completion_tokens"], 24);
+
+  // Completions too; and the cap.
+  const json t =
+      post_json(*r.cli, "/v1/completions",
+                {{"prompt", "Once"}, {"n", 2}, {"max_tokens", 4}, {"logit_bias", kNoEos}}, 200);
+  ASSERT_EQ(t["choices"].size(), 2u);
+  EXPECT_EQ(t["choices"][1]["index"], 1);
+  EXPECT_EQ(t["usage"]["completion_tokens"], 8);
+  for (int n : {0, 4}) {
+    req["n"] = n;
+    const json e = post_json(*r.cli, "/v1/chat/completions", req, 400);
+    EXPECT_EQ(e["error"]["param"], "n");
+    EXPECT_NE(e["error"]["message"].get<std::string>().find("[1, 3]"), std::string::npos)
+        << e.dump();
+  }
+}
+
+// llama.cpp's `timings`: the prompt tokens evaluated and the time to the first token, the
+// tokens generated and the time after; in the response, and in a stream's last chunk.
+TEST(Server, TimingsAreReported) {
+  Running r = start({});
+  const json req = {{"prompt", "Once upon a time"}, {"max_tokens", 10}, {"logit_bias", kNoEos}};
+  const json c = post_json(*r.cli, "/v1/completions", req, 200);
+  const json& t = c["timings"];
+  EXPECT_EQ(t["prompt_n"].get<int>() + t["cache_n"].get<int>(), c["usage"]["prompt_tokens"]);
+  EXPECT_EQ(t["predicted_n"], 10);
+  EXPECT_GT(t["prompt_ms"].get<double>(), 0);
+  EXPECT_GT(t["predicted_ms"].get<double>(), 0);
+  EXPECT_NEAR(t["predicted_per_second"].get<double>(), 1e3 * 10 / t["predicted_ms"].get<double>(),
+              1e-6);
+  EXPECT_NEAR(t["prompt_per_token_ms"].get<double>(),
+              t["prompt_ms"].get<double>() / t["prompt_n"].get<double>(), 1e-6);
+  // The same prompt again: its rows are reused (cache_n), only the last one is evaluated.
+  const json again = post_json(*r.cli, "/v1/completions", req, 200);
+  EXPECT_EQ(again["timings"]["cache_n"], again["usage"]["prompt_tokens_details"]["cached_tokens"]);
+  EXPECT_GT(again["timings"]["cache_n"].get<int>(), 0);
+  json streamed = req;
+  streamed["stream"] = true;
+  auto res = r.cli->Post("/v1/completions", streamed.dump(), "application/json");
+  ASSERT_TRUE(res);
+  const Sse s = parse_sse(res->body, false);
+  ASSERT_GE(s.chunks.size(), 1u);
+  const json& last = s.chunks.back();
+  EXPECT_FALSE(last["choices"][0]["finish_reason"].is_null()) << last.dump();
+  EXPECT_EQ(last["timings"]["predicted_n"], 10) << last.dump();
+}
+
+// CORS is off unless asked for; with --cors, allowed origins get the header on every response
+// (errors too, so a page can read them) and preflights are answered without the API key.
+TEST(Server, CorsIsOptInAndAnswersPreflights) {
+  const httplib::Headers from_a = {{"Origin", "http://a.example"}};
+  {
+    Running off = start({});
+    auto res = off.cli->Get("/v1/models", from_a);
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 200);
+    EXPECT_FALSE(res->has_header("Access-Control-Allow-Origin"));
+    auto pre = off.cli->Options("/v1/chat/completions", from_a);
+    ASSERT_TRUE(pre);
+    EXPECT_NE(pre->status, 204);
+    EXPECT_FALSE(pre->has_header("Access-Control-Allow-Origin"));
+  }
+  ServerOptions o;
+  o.cors_origins = {"http://a.example"};
+  o.api_key = "k";
+  Running r = start(o);
+  httplib::Headers pre_headers = from_a;
+  pre_headers.emplace("Access-Control-Request-Method", "POST");
+  pre_headers.emplace("Access-Control-Request-Headers", "authorization,content-type");
+  auto pre = r.cli->Options("/v1/chat/completions", pre_headers);
+  ASSERT_TRUE(pre);
+  EXPECT_EQ(pre->status, 204);  // no key on a preflight
+  EXPECT_EQ(pre->get_header_value("Access-Control-Allow-Origin"), "http://a.example");
+  EXPECT_NE(pre->get_header_value("Access-Control-Allow-Methods").find("POST"), std::string::npos);
+  EXPECT_EQ(pre->get_header_value("Access-Control-Allow-Headers"), "authorization,content-type");
+  httplib::Headers authed = from_a;
+  authed.emplace("Authorization", "Bearer k");
+  auto ok = r.cli->Post("/v1/completions", authed,
+                        json{{"prompt", "Once"}, {"max_tokens", 2}}.dump(), "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+  EXPECT_EQ(ok->get_header_value("Access-Control-Allow-Origin"), "http://a.example");
+  EXPECT_EQ(ok->get_header_value("Vary"), "Origin");
+  auto denied = r.cli->Get("/v1/models", from_a);  // no key: 401, readable by the page
+  ASSERT_TRUE(denied);
+  EXPECT_EQ(denied->status, 401);
+  EXPECT_EQ(denied->get_header_value("Access-Control-Allow-Origin"), "http://a.example");
+  auto other = r.cli->Get("/health", httplib::Headers{{"Origin", "http://b.example"}});
+  ASSERT_TRUE(other);
+  EXPECT_FALSE(other->has_header("Access-Control-Allow-Origin"));
+  auto other_pre =
+      r.cli->Options("/v1/chat/completions", httplib::Headers{{"Origin", "http://b.example"}});
+  ASSERT_TRUE(other_pre);
+  EXPECT_FALSE(other_pre->has_header("Access-Control-Allow-Methods"));
+
+  ServerOptions any;
+  any.cors_origins = {"*"};
+  Running star = start(any);
+  auto res = star.cli->Get("/health", httplib::Headers{{"Origin", "http://c.example"}});
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->get_header_value("Access-Control-Allow-Origin"), "*");
+}
+
+// The chat page: three same-origin files under a CSP that allows nothing else, no key needed
+// (the browser test is tests/server/chat_page_test.mjs, run by kiln_server_node_tests).
+TEST(Server, ChatPageIsServedUnderAStrictCsp) {
+  ServerOptions o;
+  o.api_key = "k";
+  Running r = start(o);
+  auto page = r.cli->Get("/");
+  ASSERT_TRUE(page);
+  EXPECT_EQ(page->status, 200);
+  EXPECT_EQ(page->get_header_value("Content-Type"), "text/html; charset=utf-8");
+  const std::string csp = page->get_header_value("Content-Security-Policy");
+  EXPECT_NE(csp.find("default-src 'none'"), std::string::npos) << csp;
+  EXPECT_NE(csp.find("connect-src 'self'"), std::string::npos) << csp;
+  EXPECT_NE(page->body.find(R"(<script src="/chat.js")"), std::string::npos);
+  // Nothing from elsewhere, nothing inline.
+  EXPECT_EQ(page->body.find("http"), std::string::npos);
+  EXPECT_EQ(page->body.find("<script>"), std::string::npos);
+  EXPECT_EQ(page->body.find("style="), std::string::npos);
+  auto js = r.cli->Get("/chat.js");
+  ASSERT_TRUE(js);
+  EXPECT_EQ(js->status, 200);
+  EXPECT_EQ(js->get_header_value("Content-Type"), "text/javascript; charset=utf-8");
+  EXPECT_NE(js->body.find("/v1/chat/completions"), std::string::npos);
+  auto css = r.cli->Get("/chat.css");
+  ASSERT_TRUE(css);
+  EXPECT_EQ(css->get_header_value("Content-Type"), "text/css; charset=utf-8");
+}
+
 TEST(Server, StopSequencesCutTheText) {
   Running r = start({});
   const json base = {{"prompt", "Once upon a time"},
@@ -480,7 +671,7 @@ TEST(Server, ErrorsUseTheOpenAiShape) {
   check("/v1/chat/completions",
         R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": -5})", 400,
         "invalid_value");
-  check("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "n": 3})", 400,
+  check("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "n": 9})", 400,
         "invalid_value");
   check("/v1/completions", R"({"prompt": [1, 99999]})", 400, "invalid_value");
   // Prompt + max_tokens over the context of 256: the message gives the numbers.
@@ -666,7 +857,8 @@ TEST(Server, NgramDraftingKeepsGreedyTextAndReportsCounters) {
 // optionally some tokens' texts replaced (`tokens`: id -> text).
 std::string model_with_template(const std::string& tmpl,
                                 const std::map<int32_t, std::string>& tokens = {},
-                                const std::string& file = "templated.gguf") {
+                                const std::string& file = "templated.gguf",
+                                const std::map<int32_t, int32_t>& types = {}) {
   auto src = GgufFile::open(testing::model_path("stories260K.gguf"));
   EXPECT_TRUE(src.has_value()) << src.error();
   GgufWriter w;
@@ -677,6 +869,12 @@ std::string model_with_template(const std::string& tmpl,
     EXPECT_TRUE(texts.has_value());
     for (const auto& [id, text] : tokens) (*texts)[id] = text;
     w.set_str_array("tokenizer.ggml.tokens", *texts);
+  }
+  if (!types.empty()) {  // token types (3: control)
+    auto t = src->get_array<int32_t>("tokenizer.ggml.token_type");
+    EXPECT_TRUE(t.has_value());
+    for (const auto& [id, type] : types) (*t)[id] = type;
+    w.set_i32_array("tokenizer.ggml.token_type", *t);
   }
   for (const TensorInfo& t : src->tensors())
     w.add_tensor(t.name, t.dtype, std::vector<int64_t>(t.ne.begin(), t.ne.begin() + t.n_dims),
@@ -842,8 +1040,8 @@ TEST(ServerTools, RefusedWhereTheyCannotWork) {
   EXPECT_NE(e["error"]["message"].get<std::string>().find("format"), std::string::npos);
   req["tool_choice"] = "none";
   post_json(*r.cli, "/v1/chat/completions", req, 200);
-  req["tool_choice"] = "required";
-  EXPECT_EQ(post_json(*r.cli, "/v1/chat/completions", req, 400)["error"]["param"], "tool_choice");
+  req["tool_choice"] = "required";  // the format is what is missing
+  EXPECT_EQ(post_json(*r.cli, "/v1/chat/completions", req, 400)["error"]["param"], "tools");
 
   // No template at all: tools and tool messages are refused, never flattened to text.
   Running plain = start({});
@@ -853,6 +1051,178 @@ TEST(ServerTools, RefusedWhereTheyCannotWork) {
       {"messages", {{{"role", "tool"}, {"tool_call_id", "x"}, {"content", "sunny"}}}},
       {"max_tokens", 2}};
   post_json(*plain.cli, "/v1/chat/completions", tool_msg, 400);
+}
+
+// Forced tool calls (tool_choice "required" or a named function): the grammar makes
+// stories260K, which knows nothing of tools, write a reply that is only calls in the
+// template's format, to an allowed function, with arguments that follow its schema; the
+// server's own parser must read them back.
+const json kForceTools = json::parse(R"([
+  {"type": "function", "function": {"name": "get_weather", "description": "Get the weather",
+   "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+   "days": {"type": "integer"}}, "required": ["city", "days"]}}},
+  {"type": "function", "function": {"name": "get_time", "description": "The time",
+   "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+   "required": ["zone"]}}}])");
+
+// (Mistral Small 3.2's system prompt alone is 1835 tokens of stories260K's small vocabulary:
+// max_tokens 200 keeps every request inside the 2048 positions.)
+// A call's name and arguments must satisfy kForceTools (and `only`, when given).
+void expect_valid_call(const json& call, const std::string& only, const std::string& where) {
+  const std::string name = call["function"]["name"];
+  if (!only.empty()) EXPECT_EQ(name, only) << where;
+  const json args = json::parse(call["function"]["arguments"].get<std::string>(), nullptr, false);
+  ASSERT_TRUE(args.is_object()) << where << ": " << call.dump();
+  if (name == "get_weather") {
+    EXPECT_TRUE(args["city"] == "Paris" || args["city"] == "Oslo") << where << args.dump();
+    EXPECT_TRUE(args["days"].is_number_integer()) << where << args.dump();
+    EXPECT_EQ(args.size(), 2u) << where << args.dump();
+  } else {
+    EXPECT_EQ(name, "get_time") << where;
+    EXPECT_TRUE(args["zone"] == "UTC" || args["zone"] == "CET") << where << args.dump();
+    EXPECT_EQ(args.size(), 1u) << where << args.dump();
+  }
+}
+
+struct ForcedCase {
+  const char* tmpl;    // under testdata/templates
+  const char* format;  // what /props reports
+};
+class ServerForcedTools : public ::testing::TestWithParam<ForcedCase> {};
+
+TEST_P(ServerForcedTools, RequiredAndNamedChoicesGiveValidCalls) {
+  ServerOptions o;
+  o.model_path = model_with_template(testing::read_file(testing::shared_path(
+                                         std::string("testdata/templates/") + GetParam().tmpl)),
+                                     {}, "forced.gguf");
+  o.n_ctx = 2048;
+  Running r = start(o);
+  EXPECT_EQ(json::parse(r.cli->Get("/props")->body)["chat_template_tool_format"],
+            GetParam().format);
+  for (const std::string only : {"", "get_time"}) {
+    for (const bool stream : {false, true}) {
+      const std::string where =
+          fmt::format("{} only='{}' stream={}", GetParam().tmpl, only, stream);
+      json req = {{"messages", {{{"role", "user"}, {"content", "What now?"}}}},
+                  {"tools", kForceTools},
+                  {"parallel_tool_calls", false},
+                  {"temperature", 0},
+                  {"max_tokens", 200}};
+      req["tool_choice"] = only.empty()
+                               ? json("required")
+                               : json{{"type", "function"}, {"function", {{"name", only}}}};
+      if (stream) req["stream"] = true;
+      auto res = r.cli->Post("/v1/chat/completions", req.dump(), "application/json");
+      ASSERT_TRUE(res) << where;
+      ASSERT_EQ(res->status, 200) << where << res->body;
+      json calls;
+      if (stream) {
+        const Sse sse = parse_sse(res->body, true);
+        EXPECT_TRUE(sse.done) << where;
+        EXPECT_EQ(sse.finish, "tool_calls") << where << res->body;
+        EXPECT_EQ(sse.text, "") << where;
+        calls = json::array();
+        for (const json& c : sse.chunks)
+          for (const json& ch : c["choices"])
+            if (ch["delta"].contains("tool_calls"))
+              for (const json& t : ch["delta"]["tool_calls"]) calls.push_back(t);
+      } else {
+        const json chat = json::parse(res->body);
+        EXPECT_EQ(chat["choices"][0]["finish_reason"], "tool_calls") << where << res->body;
+        EXPECT_TRUE(chat["choices"][0]["message"]["content"].is_null()) << where << res->body;
+        calls = chat["choices"][0]["message"]["tool_calls"];
+      }
+      ASSERT_EQ(calls.size(), 1u) << where << res->body;  // parallel_tool_calls: false
+      expect_valid_call(calls[0], only, where);
+    }
+  }
+  // Parallel calls allowed: one or more, every one valid (or cut by max_tokens).
+  json req = {{"messages", {{{"role", "user"}, {"content", "Weather and time?"}}}},
+              {"tools", kForceTools},
+              {"tool_choice", "required"},
+              {"temperature", 0},
+              {"max_tokens", 200}};
+  const json chat = post_json(*r.cli, "/v1/chat/completions", req, 200);
+  if (chat["choices"][0]["finish_reason"] == "tool_calls") {
+    ASSERT_GE(chat["choices"][0]["message"]["tool_calls"].size(), 1u) << chat.dump();
+    for (const json& c : chat["choices"][0]["message"]["tool_calls"])
+      expect_valid_call(c, "", "parallel");
+  } else {
+    EXPECT_EQ(chat["choices"][0]["finish_reason"], "length") << chat.dump();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Formats, ServerForcedTools,
+    ::testing::Values(ForcedCase{"NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", "hermes"},
+                      ForcedCase{"Qwen-Qwen2.5-7B-Instruct.jinja", "hermes"},
+                      ForcedCase{"meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3"},
+                      ForcedCase{"Mistral-Small-3.2-24B-Instruct-2506.jinja", "mistral"},
+                      ForcedCase{"mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral"}),
+    [](const ::testing::TestParamInfo<ForcedCase>& i) {
+      std::string n = i.param.tmpl;
+      n = n.substr(0, n.find('.'));
+      for (char& c : n)
+        if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+      return n + "_" + std::to_string(i.index);
+    });
+
+// A format whose markers are control tokens (a real Hermes or Qwen vocabulary): the forced
+// call's grammar runs over a vocabulary view where the marker token is its text, so the model
+// writes the marker as the one token it was trained on, not spelled out in pieces.
+TEST(ServerTools, ForcedCallMayUseTheFormatsControlToken) {
+  ServerOptions o;
+  o.model_path = model_with_template(
+      testing::read_file(testing::shared_path(
+          "testdata/templates/NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja")),
+      {{kCallToken, "<tool_call>"}}, "control.gguf", {{kCallToken, 3}});
+  o.n_ctx = 2048;
+  Running r = start(o);
+  json req = {{"messages", {{{"role", "user"}, {"content", "Weather?"}}}},
+              {"tools", kForceTools},
+              {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_weather"}}}}},
+              {"temperature", 0},
+              {"max_tokens", 200},
+              {"parallel_tool_calls", false},
+              {"logprobs", true},
+              {"logit_bias", {{std::to_string(kCallToken), 100}}}};
+  const json chat = post_json(*r.cli, "/v1/chat/completions", req, 200);
+  EXPECT_EQ(chat["choices"][0]["finish_reason"], "tool_calls") << chat.dump();
+  ASSERT_EQ(chat["choices"][0]["message"]["tool_calls"].size(), 1u) << chat.dump();
+  expect_valid_call(chat["choices"][0]["message"]["tool_calls"][0], "get_weather", "control");
+  // The first token is the control token, rendered as the marker.
+  EXPECT_EQ(chat["choices"][0]["logprobs"]["content"][0]["token"], "<tool_call>") << chat.dump();
+}
+
+TEST(ServerTools, ForcedCallIsRefusedNamingTheFormatWhereNotSupported) {
+  ServerOptions o;
+  o.model_path = model_with_template(
+      testing::read_file(testing::shared_path("testdata/templates/GLM-4.6.jinja")), {}, "glm.gguf");
+  o.n_ctx = 2048;
+  Running r = start(o);
+  json req = {{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+              {"tools", kForceTools},
+              {"tool_choice", "required"},
+              {"max_tokens", 2}};
+  const json e = post_json(*r.cli, "/v1/chat/completions", req, 400);
+  EXPECT_EQ(e["error"]["param"], "tool_choice");
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("'glm'"), std::string::npos) << e.dump();
+  req["tool_choice"] = "auto";  // the format is parsed: only forcing is refused
+  post_json(*r.cli, "/v1/chat/completions", req, 200);
+
+  // A schema keyword kiln cannot enforce is refused, naming the tool, not half applied.
+  Running h = start_with_tools();
+  json bad_tools = kForceTools;
+  bad_tools[1]["function"]["parameters"]["properties"]["zone"] = {{"type", "string"},
+                                                                  {"pattern", "^[A-Z]+$"}};
+  req["tools"] = bad_tools;
+  req["tool_choice"] = "required";
+  const json e2 = post_json(*h.cli, "/v1/chat/completions", req, 400);
+  EXPECT_EQ(e2["error"]["param"], "tool_choice");
+  EXPECT_NE(e2["error"]["message"].get<std::string>().find("tools[1].function.parameters"),
+            std::string::npos)
+      << e2.dump();
+  EXPECT_NE(e2["error"]["message"].get<std::string>().find("pattern"), std::string::npos);
 }
 
 TEST(Server, AliasTemplateFileSamplingDefaultsPropsAndCachedTokens) {
