@@ -47,7 +47,11 @@ MtpDrafter::MtpDrafter(std::shared_ptr<const Model> m, Backend& be, KvCache kv, 
       kv_(std::move(kv)),
       fwd_(model_->hparams(), max_batch),
       hidden_node_(fmt::format("blk.{}.l_out", model_->hparams().n_layer - 1)),
-      max_batch_(max_batch) {}
+      max_batch_(max_batch) {
+  hp_ = model_->hparams();
+  const std::span<const float> f = model::rope_factors_for(model_->weights(), hp_, kv_.n_ctx());
+  for (model::LayerDesc& L : hp_.nextn_layers) L.rope.freq_factors = f;
+}
 
 Status MtpDrafter::prepare(std::span<const int32_t> /*prompt*/) {
   KILN_TRY(kv_.truncate(0));
@@ -69,7 +73,7 @@ void MtpDrafter::observe_target(const model::Capture& capture, int32_t n_rows_ke
 }
 
 Status MtpDrafter::run_rows(std::span<const int32_t> tokens, std::span<const float> hidden) {
-  const model::HParams& hp = model_->hparams();
+  const model::HParams& hp = hp_;
   const auto n = static_cast<int64_t>(tokens.size());
   KILN_TRY(kv_.begin_append(static_cast<int32_t>(n)));
   layer_kv_.assign(1, model::LayerKv{.append_rows = kv_.append_rows(0),

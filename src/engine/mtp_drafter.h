@@ -52,6 +52,9 @@ class MtpDrafter final : public Drafter {
   std::shared_ptr<const Model> model_;
   Backend& be_;
   KvCache kv_;
+  // The model's hyper-parameters with the rope factors of this drafter's context (LongRoPE
+  // picks its set by the context, as the target's Session does).
+  model::HParams hp_;
   model::ForwardState fwd_;
   std::vector<model::LayerKv> layer_kv_;
   std::string hidden_node_;

@@ -99,8 +99,10 @@ std::vector<model::Shard> shards_for(const Model& m, Backend& backend) {
 // LongRoPE picks its factor set by the context a sequence gets (llama.cpp's get_rope_factors,
 // on n_ctx per sequence), not by the training context the Model's own HParams assume.
 void use_rope_factors(std::vector<model::Shard>& shards, std::span<const float> factors) {
-  for (model::Shard& sh : shards)
+  for (model::Shard& sh : shards) {
     for (model::LayerDesc& L : sh.hp.layers) L.rope.freq_factors = factors;
+    for (model::LayerDesc& L : sh.hp.nextn_layers) L.rope.freq_factors = factors;
+  }
 }
 
 }  // namespace

@@ -287,6 +287,7 @@ void attach_rope_factors(const Weights& w, HParams& hp) {
   const std::span<const float> f = rope_factors_for(w, hp, hp.n_ctx_train);
   for (LayerDesc& L : hp.layers) L.rope.freq_factors = f;
   for (LayerDesc& L : hp.nextn_layers) L.rope.freq_factors = f;
+  for (LayerDesc& L : hp.nextn_layers) L.rope.freq_factors = f;
 }
 
 }  // namespace kiln::model
