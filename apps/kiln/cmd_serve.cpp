@@ -3,6 +3,7 @@
 // SIGINT, when in-flight requests are cancelled and the process exits cleanly.
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <cstdio>
 #include <memory>
@@ -31,7 +32,9 @@ namespace {
 struct ServeOptions {
   std::string model;
   server::ServerOptions server;
-  size_t max_body_kib = 1024;
+  // The connection and size limits (server/limits.h) in the units the options take.
+  size_t max_body_kib = 1024, max_header_kib = 64, max_response_kib = 64 << 10;
+  double header_timeout_s = 10, body_timeout_s = 60, idle_timeout_s = 5, write_timeout_s = 30;
   float temperature = 1.0f;  // --temp
   std::string sampling;      // --sampling KEY=VALUE,...
   std::shared_ptr<ConfigOverrides> config;
@@ -84,6 +87,51 @@ Status sampling_defaults(float temperature, const std::string& spec,
   return Status::ok();
 }
 
+// The limits options onto ServerLimits; each must be positive (no limit means no option).
+Status server_limits(const ServeOptions& o, server::ServerLimits& l) {
+  auto kib = [](const char* name, size_t v, size_t& out) -> Status {
+    if (v < 1 || v > (size_t(1) << 30))
+      return Status::errorf("{} {} must be in [1, 2^30]", name, v);
+    out = v << 10;
+    return Status::ok();
+  };
+  auto ms = [](const char* name, double s, int32_t& out) -> Status {
+    if (!(s > 0) || s > 86400)
+      return Status::errorf("{} {} must be in (0, 86400] seconds", name, s);
+    out = std::max<int32_t>(1, int32_t(s * 1000));
+    return Status::ok();
+  };
+  KILN_TRY(kib("--max-body-kib", o.max_body_kib, l.max_body_bytes));
+  KILN_TRY(kib("--max-header-kib", o.max_header_kib, l.max_header_bytes));
+  KILN_TRY(kib("--max-response-kib", o.max_response_kib, l.max_response_bytes));
+  KILN_TRY(ms("--header-timeout", o.header_timeout_s, l.header_timeout_ms));
+  KILN_TRY(ms("--body-timeout", o.body_timeout_s, l.body_timeout_ms));
+  KILN_TRY(ms("--idle-timeout", o.idle_timeout_s, l.idle_timeout_ms));
+  KILN_TRY(ms("--write-timeout", o.write_timeout_s, l.write_timeout_ms));
+  if (l.max_connections < 1)
+    return Status::errorf("--max-connections {} must be >= 1", l.max_connections);
+  if (l.max_connections_per_client < 1)
+    return Status::errorf("--max-connections-per-client {} must be >= 1",
+                          l.max_connections_per_client);
+  if (l.keep_alive_max_requests < 1)
+    return Status::errorf("--keep-alive-max {} must be >= 1", l.keep_alive_max_requests);
+  // Every connection is a file descriptor: raise the soft limit to the hard one if needed, and
+  // refuse a cap the process could never hold (accept would fail instead, in a busy loop).
+  rlimit fds{};
+  if (::getrlimit(RLIMIT_NOFILE, &fds) == 0) {
+    const rlim_t want = rlim_t(l.max_connections) + 256;  // model files, threads, listeners
+    if (fds.rlim_cur < want && fds.rlim_cur < fds.rlim_max) {
+      fds.rlim_cur = std::min(want, fds.rlim_max);
+      ::setrlimit(RLIMIT_NOFILE, &fds);
+    }
+    if (fds.rlim_cur < want)
+      return Status::errorf(
+          "--max-connections {} needs {} file descriptors and the limit is {} (ulimit -n)",
+          l.max_connections, want, uint64_t(fds.rlim_cur));
+  }
+  return Status::ok();
+}
+
 // `--role prefill`: the prefill node (apps/kiln/prefill_node.h), without HTTP.
 Status serve_prefill_role(const ServeOptions& o, const Config& cfg, const sigset_t& sigs) {
   PrefillNodeOptions p;
@@ -112,9 +160,8 @@ Status serve(ServeOptions o) {
   if (o.server.draft_ngram < 0 || o.server.draft_ngram > GenerationParams::kMaxDraft)
     return Status::errorf("--draft-ngram {} must be in [0, {}]", o.server.draft_ngram,
                           GenerationParams::kMaxDraft);
-  if (o.max_body_kib < 1) return Status::error("--max-body-kib must be >= 1");
   KILN_TRY(sampling_defaults(o.temperature, o.sampling, o.server.sampling));
-  o.server.max_body_bytes = o.max_body_kib * 1024;
+  KILN_TRY(server_limits(o, o.server.limits));
   // The same runtime as kiln run: --device, --threads, --tensor-parallel, expert budgets.
   KILN_ASSIGN_OR_RETURN(o.server.engine, engine_options(cfg));
   if (o.role != "standalone" && o.role != "prefill" && o.role != "decode")
@@ -194,7 +241,26 @@ void add_serve_command(CLI::App& app, int& exit_code) {
       "--draft-ngram", o->server.draft_ngram,
       "speculative decoding with up to N n-gram (prompt lookup) drafts per step (default 0: off)");
   cmd->add_option("--api-key", o->server.api_key, "require 'Authorization: Bearer KEY'");
+  // Connection and size limits (docs/server.md, "Limits").
   cmd->add_option("--max-body-kib", o->max_body_kib, "request body limit in KiB (default 1024)");
+  cmd->add_option("--max-header-kib", o->max_header_kib,
+                  "request line + headers limit in KiB; more: 431 (default 64)");
+  cmd->add_option("--max-response-kib", o->max_response_kib,
+                  "response limit in KiB; a larger body is a 500, a stream is cut (default 65536)");
+  cmd->add_option("--max-connections", o->server.limits.max_connections,
+                  "open connections over all clients; more: 503 (default 1024)");
+  cmd->add_option("--max-connections-per-client", o->server.limits.max_connections_per_client,
+                  "open connections from one address; more: 503 (default 128)");
+  cmd->add_option("--header-timeout", o->header_timeout_s,
+                  "seconds for a request's whole header; then 408 (default 10)");
+  cmd->add_option("--body-timeout", o->body_timeout_s,
+                  "seconds for a request's whole body after its header (default 60)");
+  cmd->add_option("--idle-timeout", o->idle_timeout_s,
+                  "seconds a kept-alive connection may idle between requests (default 5)");
+  cmd->add_option("--keep-alive-max", o->server.limits.keep_alive_max_requests,
+                  "requests per connection before it is closed (default 100)");
+  cmd->add_option("--write-timeout", o->write_timeout_s,
+                  "seconds one send may stall (a client not reading) (default 30)");
   cmd->add_option("--alias", o->server.alias,
                   "the model's name in responses and /v1/models (default: the file's stem)");
   cmd->add_option("--chat-template-file", o->server.chat_template_file,
