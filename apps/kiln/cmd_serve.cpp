@@ -21,8 +21,12 @@
 #include "transfer/remote_prefill.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <type_traits>
 #include <atomic>
 #include <nlohmann/json.hpp>
+#include <cstdlib>
 #include <thread>
 #include <variant>
 
@@ -35,6 +39,7 @@ struct ServeOptions {
   // The connection and size limits (server/limits.h) in the units the options take.
   size_t max_body_kib = 1024, max_header_kib = 64, max_response_kib = 64 << 10;
   double header_timeout_s = 10, body_timeout_s = 60, idle_timeout_s = 5, write_timeout_s = 30;
+  std::string limits;        // --limits KEY=VALUE,...
   float temperature = 1.0f;  // --temp
   std::string sampling;      // --sampling KEY=VALUE,...
   std::shared_ptr<ConfigOverrides> config;
@@ -91,30 +96,78 @@ Status sampling_defaults(float temperature, const std::string& spec,
 Status server_limits(const ServeOptions& o, server::ServerLimits& l) {
   auto kib = [](const char* name, size_t v, size_t& out) -> Status {
     if (v < 1 || v > (size_t(1) << 30))
-      return Status::errorf("{} {} must be in [1, 2^30]", name, v);
+      return Status::errorf("--limits {}={} must be in [1, 2^30]", name, v);
     out = v << 10;
     return Status::ok();
   };
   auto ms = [](const char* name, double s, int32_t& out) -> Status {
     if (!(s > 0) || s > 86400)
-      return Status::errorf("{} {} must be in (0, 86400] seconds", name, s);
+      return Status::errorf("--limits {}={} must be in (0, 86400] seconds", name, s);
     out = std::max<int32_t>(1, int32_t(s * 1000));
     return Status::ok();
   };
-  KILN_TRY(kib("--max-body-kib", o.max_body_kib, l.max_body_bytes));
-  KILN_TRY(kib("--max-header-kib", o.max_header_kib, l.max_header_bytes));
-  KILN_TRY(kib("--max-response-kib", o.max_response_kib, l.max_response_bytes));
-  KILN_TRY(ms("--header-timeout", o.header_timeout_s, l.header_timeout_ms));
-  KILN_TRY(ms("--body-timeout", o.body_timeout_s, l.body_timeout_ms));
-  KILN_TRY(ms("--idle-timeout", o.idle_timeout_s, l.idle_timeout_ms));
-  KILN_TRY(ms("--write-timeout", o.write_timeout_s, l.write_timeout_ms));
-  if (l.max_connections < 1)
-    return Status::errorf("--max-connections {} must be >= 1", l.max_connections);
+  // --limits KEY=VALUE,...: each key names a field below (sizes in KiB, times in seconds).
+  ServeOptions v = o;
+  for (size_t at = 0; at < o.limits.size();) {
+    size_t end = o.limits.find(',', at);
+    if (end == std::string::npos) end = o.limits.size();
+    const std::string item = o.limits.substr(at, end - at);
+    at = end + 1;
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq);
+    double value = 0;
+    const std::string text = eq == std::string::npos ? "" : item.substr(eq + 1);
+    char* rest = nullptr;
+    if (!text.empty()) value = std::strtod(text.c_str(), &rest);
+    if (text.empty() || rest == nullptr || *rest != '\0')
+      return Status::errorf("--limits '{}': expected KEY=NUMBER", item);
+    auto whole = [&](auto& out) -> Status {
+      if (value != std::floor(value) || value < 0 || value > 2147483647.0)
+        return Status::errorf("--limits '{}': the value must be a whole number", item);
+      out = static_cast<std::remove_reference_t<decltype(out)>>(value);
+      return Status::ok();
+    };
+    if (key == "max_connections")
+      KILN_TRY(whole(l.max_connections));
+    else if (key == "max_connections_per_client")
+      KILN_TRY(whole(l.max_connections_per_client));
+    else if (key == "keep_alive_max")
+      KILN_TRY(whole(l.keep_alive_max_requests));
+    else if (key == "max_header_kib")
+      KILN_TRY(whole(v.max_header_kib));
+    else if (key == "max_body_kib")
+      KILN_TRY(whole(v.max_body_kib));
+    else if (key == "max_response_kib")
+      KILN_TRY(whole(v.max_response_kib));
+    else if (key == "header_timeout")
+      v.header_timeout_s = value;
+    else if (key == "body_timeout")
+      v.body_timeout_s = value;
+    else if (key == "idle_timeout")
+      v.idle_timeout_s = value;
+    else if (key == "write_timeout")
+      v.write_timeout_s = value;
+    else
+      return Status::errorf(
+          "--limits '{}': KEY must be one of max_connections, max_connections_per_client, "
+          "header_timeout, body_timeout, idle_timeout, keep_alive_max, write_timeout, "
+          "max_header_kib, max_body_kib, max_response_kib",
+          item);
+  }
+  KILN_TRY(kib("max_body_kib", v.max_body_kib, l.max_body_bytes));
+  KILN_TRY(kib("max_header_kib", v.max_header_kib, l.max_header_bytes));
+  KILN_TRY(kib("max_response_kib", v.max_response_kib, l.max_response_bytes));
+  KILN_TRY(ms("header_timeout", v.header_timeout_s, l.header_timeout_ms));
+  KILN_TRY(ms("body_timeout", v.body_timeout_s, l.body_timeout_ms));
+  KILN_TRY(ms("idle_timeout", v.idle_timeout_s, l.idle_timeout_ms));
+  KILN_TRY(ms("write_timeout", v.write_timeout_s, l.write_timeout_ms));
+  if (l.max_connections < 1 || l.max_connections > (1 << 20))
+    return Status::errorf("--limits max_connections={} must be in [1, 2^20]", l.max_connections);
   if (l.max_connections_per_client < 1)
-    return Status::errorf("--max-connections-per-client {} must be >= 1",
+    return Status::errorf("--limits max_connections_per_client={} must be >= 1",
                           l.max_connections_per_client);
   if (l.keep_alive_max_requests < 1)
-    return Status::errorf("--keep-alive-max {} must be >= 1", l.keep_alive_max_requests);
+    return Status::errorf("--limits keep_alive_max={} must be >= 1", l.keep_alive_max_requests);
   // Every connection is a file descriptor: raise the soft limit to the hard one if needed, and
   // refuse a cap the process could never hold (accept would fail instead, in a busy loop).
   rlimit fds{};
@@ -126,7 +179,7 @@ Status server_limits(const ServeOptions& o, server::ServerLimits& l) {
     }
     if (fds.rlim_cur < want)
       return Status::errorf(
-          "--max-connections {} needs {} file descriptors and the limit is {} (ulimit -n)",
+          "--limits max_connections={} needs {} file descriptors and the limit is {} (ulimit -n)",
           l.max_connections, want, uint64_t(fds.rlim_cur));
   }
   return Status::ok();
@@ -210,15 +263,36 @@ Status serve(ServeOptions o) {
   KILN_TRY(srv.start());
   fmt::print(stderr, "kiln serve: listening on http://{}:{}\n", o.server.host, srv.port());
   std::fflush(stderr);
-  KILN_TRY(srv.load());
+  // SIGTERM/SIGINT are taken by this thread from now on, also while the model loads (a load
+  // can take minutes): during the load the process exits at once, 0 (the load only maps and
+  // reads, nothing is half-written); afterwards in-flight requests end first (stop()).
+  enum Phase : int { kLoading, kServing, kLeaving };
+  std::atomic<int> phase{kLoading};
+  std::thread watcher([&] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    if (phase.load() == kLeaving) return;  // woken by serve() itself
+    const char* name = sig == SIGTERM ? "SIGTERM" : "SIGINT";
+    if (phase.load() == kLoading) {
+      fmt::print(stderr, "kiln serve: {} received while loading; exiting\n", name);
+      std::fflush(stderr);
+      std::_Exit(0);
+    }
+    fmt::print(stderr, "kiln serve: {} received, shutting down\n", name);
+    srv.stop();
+  });
+  if (Status st = srv.load(); !st) {
+    phase.store(kLeaving);
+    pthread_kill(watcher.native_handle(), SIGTERM);  // ends its sigwait
+    watcher.join();
+    return st;
+  }
+  phase.store(kServing);
   fmt::print(stderr, "kiln serve: model {} ready ({} slots)\n", srv.model_name(),
              o.server.n_parallel);
   std::fflush(stderr);
-  int sig = 0;
-  sigwait(&sigs, &sig);
-  fmt::print(stderr, "kiln serve: {} received, shutting down\n",
-             sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  srv.stop();
+  srv.wait();
+  watcher.join();
   fmt::print(stderr, "kiln serve: stopped\n");
   return Status::ok();
 }
@@ -241,26 +315,13 @@ void add_serve_command(CLI::App& app, int& exit_code) {
       "--draft-ngram", o->server.draft_ngram,
       "speculative decoding with up to N n-gram (prompt lookup) drafts per step (default 0: off)");
   cmd->add_option("--api-key", o->server.api_key, "require 'Authorization: Bearer KEY'");
-  // Connection and size limits (docs/server.md, "Limits").
-  cmd->add_option("--max-body-kib", o->max_body_kib, "request body limit in KiB (default 1024)");
-  cmd->add_option("--max-header-kib", o->max_header_kib,
-                  "request line + headers limit in KiB; more: 431 (default 64)");
-  cmd->add_option("--max-response-kib", o->max_response_kib,
-                  "response limit in KiB; a larger body is a 500, a stream is cut (default 65536)");
-  cmd->add_option("--max-connections", o->server.limits.max_connections,
-                  "open connections over all clients; more: 503 (default 1024)");
-  cmd->add_option("--max-connections-per-client", o->server.limits.max_connections_per_client,
-                  "open connections from one address; more: 503 (default 128)");
-  cmd->add_option("--header-timeout", o->header_timeout_s,
-                  "seconds for a request's whole header; then 408 (default 10)");
-  cmd->add_option("--body-timeout", o->body_timeout_s,
-                  "seconds for a request's whole body after its header (default 60)");
-  cmd->add_option("--idle-timeout", o->idle_timeout_s,
-                  "seconds a kept-alive connection may idle between requests (default 5)");
-  cmd->add_option("--keep-alive-max", o->server.limits.keep_alive_max_requests,
-                  "requests per connection before it is closed (default 100)");
-  cmd->add_option("--write-timeout", o->write_timeout_s,
-                  "seconds one send may stall (a client not reading) (default 30)");
+  // Connection and size limits (docs/server.md, "Limits"): one option, as --sampling, so
+  // --help stays a screen. --max-body-kib is kept, unlisted, for scripts that set it.
+  cmd->add_option(
+      "--limits", o->limits,
+      "connection/size limits, e.g. max_connections=256,header_timeout=5 (docs/server.md)");
+  cmd->add_option("--max-body-kib", o->max_body_kib, "request body limit in KiB (default 1024)")
+      ->group("");
   cmd->add_option("--alias", o->server.alias,
                   "the model's name in responses and /v1/models (default: the file's stem)");
   cmd->add_option("--chat-template-file", o->server.chat_template_file,

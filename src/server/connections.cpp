@@ -166,7 +166,7 @@ class ConnStream final : public httplib::Stream {
       body_bytes_ += size;
       if (body_bytes_ > limits_.max_response_bytes) {
         if (!cut_logged_)
-          log_warn("a response from {}:{} reached --max-response-kib ({} KiB) and was cut",
+          log_warn("a response from {}:{} reached --limits max_response_kib ({} KiB) and was cut",
                    c_.peer_ip, c_.peer_port, limits_.max_response_bytes >> 10);
         cut_logged_ = true;
         failed_ = true;
@@ -327,11 +327,12 @@ bool GuardedServer::process_and_close_socket(socket_t sock) {
     if (room_closed_) {
       refusal = "the server is shutting down";
     } else if (stats_.open >= limits_.max_connections) {
-      refusal = fmt::format("the server holds its limit of {} connections (--max-connections)",
-                            limits_.max_connections);
+      refusal =
+          fmt::format("the server holds its limit of {} connections (--limits max_connections)",
+                      limits_.max_connections);
     } else if (per_client_[c->peer_ip] >= limits_.max_connections_per_client) {
       refusal = fmt::format(
-          "this client holds its limit of {} connections (--max-connections-per-client)",
+          "this client holds its limit of {} connections (--limits max_connections_per_client)",
           limits_.max_connections_per_client);
     }
     if (refusal.empty()) {
@@ -457,7 +458,7 @@ void GuardedServer::waiting_room() {
         answer_and_forget(c.fd, 431, "Request Header Fields Too Large",
                           limit_error(431,
                                       fmt::format("the request header exceeds the limit of "
-                                                  "{} KiB (--max-header-kib)",
+                                                  "{} KiB (--limits max_header_kib)",
                                                   limits_.max_header_bytes >> 10),
                                       "header_too_large"));
         {
@@ -481,7 +482,7 @@ void GuardedServer::waiting_room() {
               c.fd, 408, "Request Timeout",
               limit_error(408,
                           fmt::format("the request header did not arrive within {} ms "
-                                      "(--header-timeout)",
+                                      "(--limits header_timeout)",
                                       limits_.header_timeout_ms),
                           "header_timeout"));
           std::lock_guard lk(mu_);

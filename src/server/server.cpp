@@ -704,10 +704,10 @@ std::string HttpServer::Impl::metrics() const {
   metric("http_connections_waiting", "gauge",
          "open connections waiting for a request header (holding no thread)", double(cs.waiting));
   metric("http_connections_refused_total", "counter",
-         "connections refused with 503 (--max-connections, --max-connections-per-client)",
+         "connections refused with 503 (--limits max_connections, max_connections_per_client)",
          double(cs.refused));
   metric("http_header_timeouts_total", "counter",
-         "connections answered 408: no whole header within --header-timeout",
+         "connections answered 408: no whole header within --limits header_timeout",
          double(cs.header_timeouts));
   metric("ready", "gauge", "1 once the model is loaded", ready.load() ? 1 : 0);
   if (!ready.load(std::memory_order_acquire)) return out;
@@ -874,7 +874,7 @@ void HttpServer::Impl::routes() {
         send_error(
             res, make_error(500,
                             fmt::format("the response ({} KiB) exceeds the limit of {} "
-                                        "KiB (--max-response-kib)",
+                                        "KiB (--limits max_response_kib)",
                                         res.body.size() >> 10, opt.limits.max_response_bytes >> 10),
                             "server_error", "response_too_large"));
       }

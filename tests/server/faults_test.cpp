@@ -1,7 +1,8 @@
 // tests/server/faults_test.cpp: faults injected under a running server. A read error or a
 // short read while streaming MoE experts (moe/file_reader.h's test hook) fails the request
 // with one line, the server lives on, and the expert cache stays consistent: once the disk
-// is well again the same request gets the same text as before the fault.
+// is well again the same request gets the same text as before the fault. A context whose KV
+// cache cannot fit memory is refused at load, not at the first long request.
 #include <gtest/gtest.h>
 #include <httplib.h>
 
@@ -11,6 +12,8 @@
 
 #include "common/testdata.h"
 #include "core/counters.h"
+#include "format/gguf.h"
+#include "format/gguf_writer.h"
 #include "server/server.h"
 
 namespace kiln::server {
@@ -81,6 +84,46 @@ TEST(ServerFaults, ExpertReadFaultFailsTheRequestAndTheServerLives) {
     EXPECT_EQ(json::parse(again->body)["choices"][0]["text"], text);
   }
   srv.stop();
+}
+
+// stories260K claiming a training context of 2^24 positions (the most hparams accept): its KV
+// cache at full context, 256 slots, is terabytes. The planes grow on demand, so this used to load
+// and fail (or be killed) only when a request reached that length.
+TEST(ServerFaults, ContextThatCannotFitIsRefusedAtLoad) {
+  auto src = GgufFile::open(testing::model_path("stories260K.gguf"));
+  ASSERT_TRUE(src.has_value()) << src.error();
+  GgufWriter w;
+  w.copy_metadata(*src);
+  w.set_u32("llama.context_length", 1u << 24);
+  for (const TensorInfo& t : src->tensors())
+    w.add_tensor(t.name, t.dtype, std::vector<int64_t>(t.ne.begin(), t.ne.begin() + t.n_dims),
+                 src->view(t).bytes);
+  const std::string path = testing::temp_dir() + "/huge_context.gguf";
+  ASSERT_TRUE(w.write(path).is_ok());
+  ServerOptions o;
+  o.model_path = path;
+  o.host = "127.0.0.1";
+  o.port = 0;
+  o.engine.threads = 1;
+  o.n_ctx = 1 << 24;
+  o.n_parallel = 256;
+  {
+    HttpServer srv(o);
+    ASSERT_TRUE(srv.start());
+    const Status st = srv.load();
+    ASSERT_FALSE(st);
+    EXPECT_NE(st.message().find("KV cache of 256 slots x 16777216 positions"), std::string::npos)
+        << st.message();
+    EXPECT_NE(st.message().find("--ctx-size"), std::string::npos) << st.message();
+    EXPECT_EQ(st.message().find('\n'), std::string::npos) << st.message();
+  }
+  // The same file with a context that fits loads and serves.
+  o.n_ctx = 256;
+  o.n_parallel = 4;
+  HttpServer srv(o);
+  ASSERT_TRUE(srv.start());
+  const Status st = srv.load();
+  EXPECT_TRUE(st.is_ok()) << st.message();
 }
 
 }  // namespace

@@ -175,7 +175,7 @@ TEST(ServerLimits, OneAddressIsHeldToItsConnectionCap) {
     const Received r = receive_until_close(fd, 5ms);
     if (r.bytes.rfind("HTTP/1.1 503", 0) == 0) {
       ++refused;
-      EXPECT_NE(r.bytes.find("--max-connections-per-client"), std::string::npos) << r.bytes;
+      EXPECT_NE(r.bytes.find("max_connections_per_client)"), std::string::npos) << r.bytes;
       EXPECT_NE(r.bytes.find("Retry-After: 1"), std::string::npos) << r.bytes;
     }
   }
@@ -202,7 +202,7 @@ TEST(ServerLimits, TotalConnectionCap) {
   ASSERT_GE(extra, 0);
   const Received r = receive_until_close(extra, 2000ms);
   EXPECT_EQ(r.bytes.rfind("HTTP/1.1 503", 0), 0u) << r.bytes;
-  EXPECT_NE(r.bytes.find("--max-connections)"), std::string::npos) << r.bytes;
+  EXPECT_NE(r.bytes.find("--limits max_connections)"), std::string::npos) << r.bytes;
   EXPECT_TRUE(r.closed);
   ::close(extra);
   for (int fd : held) ::close(fd);
@@ -252,7 +252,7 @@ TEST(ServerLimits, OversizedHeaderGets431) {
   send_all(fd, req);
   const Received r = receive_until_close(fd, 3000ms);
   EXPECT_EQ(r.bytes.rfind("HTTP/1.1 431", 0), 0u) << r.bytes;
-  EXPECT_NE(r.bytes.find("--max-header-kib"), std::string::npos) << r.bytes;
+  EXPECT_NE(r.bytes.find("--limits max_header_kib"), std::string::npos) << r.bytes;
   ::close(fd);
   // A header under the cap is served.
   httplib::Client c("127.0.0.1", srv->port());
@@ -330,7 +330,7 @@ TEST(ServerLimits, ResponseCapRefusesWholeBodiesAndCutsStreams) {
              "application/json");
   ASSERT_TRUE(big);
   EXPECT_EQ(big->status, 500) << big->body.substr(0, 200);
-  EXPECT_NE(big->body.find("--max-response-kib"), std::string::npos) << big->body;
+  EXPECT_NE(big->body.find("--limits max_response_kib"), std::string::npos) << big->body;
   // A stream of 200 tokens with logprobs passes 4 KiB: it is cut, without [DONE].
   std::string body;
   httplib::Client s("127.0.0.1", srv->port());
