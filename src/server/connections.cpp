@@ -134,7 +134,7 @@ class ConnStream final : public httplib::Stream {
       }
       return ssize_t(n);
     }
-    char buf[16 << 10];
+    char buf[4096];  // as httplib's own stream: a worker's stack stays small
     for (;;) {
       if (!wait_for(c_.fd, POLLIN, body_deadline_)) {
         failed_ = true;  // the body did not come in time: the connection is not reused
