@@ -3,6 +3,7 @@
 // SIGINT, when in-flight requests are cancelled and the process exits cleanly.
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <cstdio>
 #include <memory>
@@ -20,8 +21,12 @@
 #include "transfer/remote_prefill.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <type_traits>
 #include <atomic>
 #include <nlohmann/json.hpp>
+#include <cstdlib>
 #include <thread>
 #include <variant>
 
@@ -31,7 +36,10 @@ namespace {
 struct ServeOptions {
   std::string model;
   server::ServerOptions server;
-  size_t max_body_kib = 1024;
+  // The connection and size limits (server/limits.h) in the units the options take.
+  size_t max_body_kib = 1024, max_header_kib = 64, max_response_kib = 64 << 10;
+  double header_timeout_s = 10, body_timeout_s = 60, idle_timeout_s = 5, write_timeout_s = 30;
+  std::string limits;        // --limits KEY=VALUE,...
   float temperature = 1.0f;  // --temp
   std::string sampling;      // --sampling KEY=VALUE,...
   std::shared_ptr<ConfigOverrides> config;
@@ -106,6 +114,99 @@ Status sampling_defaults(float temperature, const std::string& spec,
   return Status::ok();
 }
 
+// The limits options onto ServerLimits; each must be positive (no limit means no option).
+Status server_limits(const ServeOptions& o, server::ServerLimits& l) {
+  auto kib = [](const char* name, size_t v, size_t& out) -> Status {
+    if (v < 1 || v > (size_t(1) << 30))
+      return Status::errorf("--limits {}={} must be in [1, 2^30]", name, v);
+    out = v << 10;
+    return Status::ok();
+  };
+  auto ms = [](const char* name, double s, int32_t& out) -> Status {
+    if (!(s > 0) || s > 86400)
+      return Status::errorf("--limits {}={} must be in (0, 86400] seconds", name, s);
+    out = std::max<int32_t>(1, int32_t(s * 1000));
+    return Status::ok();
+  };
+  // --limits KEY=VALUE,...: each key names a field below (sizes in KiB, times in seconds).
+  ServeOptions v = o;
+  for (size_t at = 0; at < o.limits.size();) {
+    size_t end = o.limits.find(',', at);
+    if (end == std::string::npos) end = o.limits.size();
+    const std::string item = o.limits.substr(at, end - at);
+    at = end + 1;
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq);
+    double value = 0;
+    const std::string text = eq == std::string::npos ? "" : item.substr(eq + 1);
+    char* rest = nullptr;
+    if (!text.empty()) value = std::strtod(text.c_str(), &rest);
+    if (text.empty() || rest == nullptr || *rest != '\0')
+      return Status::errorf("--limits '{}': expected KEY=NUMBER", item);
+    auto whole = [&](auto& out) -> Status {
+      if (value != std::floor(value) || value < 0 || value > 2147483647.0)
+        return Status::errorf("--limits '{}': the value must be a whole number", item);
+      out = static_cast<std::remove_reference_t<decltype(out)>>(value);
+      return Status::ok();
+    };
+    if (key == "max_connections")
+      KILN_TRY(whole(l.max_connections));
+    else if (key == "max_connections_per_client")
+      KILN_TRY(whole(l.max_connections_per_client));
+    else if (key == "keep_alive_max")
+      KILN_TRY(whole(l.keep_alive_max_requests));
+    else if (key == "max_header_kib")
+      KILN_TRY(whole(v.max_header_kib));
+    else if (key == "max_body_kib")
+      KILN_TRY(whole(v.max_body_kib));
+    else if (key == "max_response_kib")
+      KILN_TRY(whole(v.max_response_kib));
+    else if (key == "header_timeout")
+      v.header_timeout_s = value;
+    else if (key == "body_timeout")
+      v.body_timeout_s = value;
+    else if (key == "idle_timeout")
+      v.idle_timeout_s = value;
+    else if (key == "write_timeout")
+      v.write_timeout_s = value;
+    else
+      return Status::errorf(
+          "--limits '{}': KEY must be one of max_connections, max_connections_per_client, "
+          "header_timeout, body_timeout, idle_timeout, keep_alive_max, write_timeout, "
+          "max_header_kib, max_body_kib, max_response_kib",
+          item);
+  }
+  KILN_TRY(kib("max_body_kib", v.max_body_kib, l.max_body_bytes));
+  KILN_TRY(kib("max_header_kib", v.max_header_kib, l.max_header_bytes));
+  KILN_TRY(kib("max_response_kib", v.max_response_kib, l.max_response_bytes));
+  KILN_TRY(ms("header_timeout", v.header_timeout_s, l.header_timeout_ms));
+  KILN_TRY(ms("body_timeout", v.body_timeout_s, l.body_timeout_ms));
+  KILN_TRY(ms("idle_timeout", v.idle_timeout_s, l.idle_timeout_ms));
+  KILN_TRY(ms("write_timeout", v.write_timeout_s, l.write_timeout_ms));
+  if (l.max_connections < 1 || l.max_connections > (1 << 20))
+    return Status::errorf("--limits max_connections={} must be in [1, 2^20]", l.max_connections);
+  if (l.max_connections_per_client < 1)
+    return Status::errorf("--limits max_connections_per_client={} must be >= 1",
+                          l.max_connections_per_client);
+  if (l.keep_alive_max_requests < 1)
+    return Status::errorf("--limits keep_alive_max={} must be >= 1", l.keep_alive_max_requests);
+  // Every connection is a file descriptor: raise the soft limit to the hard one if needed, and
+  // refuse a cap the process could never hold (accept would fail instead, in a busy loop).
+  rlimit fds{};
+  if (::getrlimit(RLIMIT_NOFILE, &fds) == 0) {
+    const rlim_t want = rlim_t(l.max_connections) + 256;  // model files, threads, listeners
+    if (fds.rlim_cur < want && fds.rlim_cur < fds.rlim_max) {
+      fds.rlim_cur = std::min(want, fds.rlim_max);
+      ::setrlimit(RLIMIT_NOFILE, &fds);
+    }
+    if (fds.rlim_cur < want)
+      return Status::errorf(
+          "--limits max_connections={} needs {} file descriptors and the limit is {} (ulimit -n)",
+          l.max_connections, want, uint64_t(fds.rlim_cur));
+  }
+  return Status::ok();
+}
+
 // `--role prefill`: the prefill node (apps/kiln/prefill_node.h), without HTTP.
 Status serve_prefill_role(const ServeOptions& o, const Config& cfg, const sigset_t& sigs) {
   PrefillNodeOptions p;
@@ -134,10 +235,9 @@ Status serve(ServeOptions o) {
   if (o.server.draft_ngram < 0 || o.server.draft_ngram > GenerationParams::kMaxDraft)
     return Status::errorf("--draft-ngram {} must be in [0, {}]", o.server.draft_ngram,
                           GenerationParams::kMaxDraft);
-  if (o.max_body_kib < 1) return Status::error("--max-body-kib must be >= 1");
   KILN_ASSIGN_OR_RETURN(o.server.cors_origins, cors_origins(o.cors));
   KILN_TRY(sampling_defaults(o.temperature, o.sampling, o.server.sampling));
-  o.server.max_body_bytes = o.max_body_kib * 1024;
+  KILN_TRY(server_limits(o, o.server.limits));
   // The same runtime as kiln run: --device, --threads, --tensor-parallel, expert budgets.
   KILN_ASSIGN_OR_RETURN(o.server.engine, engine_options(cfg));
   if (o.role != "standalone" && o.role != "prefill" && o.role != "decode")
@@ -186,15 +286,36 @@ Status serve(ServeOptions o) {
   KILN_TRY(srv.start());
   fmt::print(stderr, "kiln serve: listening on http://{}:{}\n", o.server.host, srv.port());
   std::fflush(stderr);
-  KILN_TRY(srv.load());
+  // SIGTERM/SIGINT are taken by this thread from now on, also while the model loads (a load
+  // can take minutes): during the load the process exits at once, 0 (the load only maps and
+  // reads, nothing is half-written); afterwards in-flight requests end first (stop()).
+  enum Phase : int { kLoading, kServing, kLeaving };
+  std::atomic<int> phase{kLoading};
+  std::thread watcher([&] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    if (phase.load() == kLeaving) return;  // woken by serve() itself
+    const char* name = sig == SIGTERM ? "SIGTERM" : "SIGINT";
+    if (phase.load() == kLoading) {
+      fmt::print(stderr, "kiln serve: {} received while loading; exiting\n", name);
+      std::fflush(stderr);
+      std::_Exit(0);
+    }
+    fmt::print(stderr, "kiln serve: {} received, shutting down\n", name);
+    srv.stop();
+  });
+  if (Status st = srv.load(); !st) {
+    phase.store(kLeaving);
+    pthread_kill(watcher.native_handle(), SIGTERM);  // ends its sigwait
+    watcher.join();
+    return st;
+  }
+  phase.store(kServing);
   fmt::print(stderr, "kiln serve: model {} ready ({} slots)\n", srv.model_name(),
              o.server.n_parallel);
   std::fflush(stderr);
-  int sig = 0;
-  sigwait(&sigs, &sig);
-  fmt::print(stderr, "kiln serve: {} received, shutting down\n",
-             sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  srv.stop();
+  srv.wait();
+  watcher.join();
   fmt::print(stderr, "kiln serve: stopped\n");
   return Status::ok();
 }
@@ -217,7 +338,13 @@ void add_serve_command(CLI::App& app, int& exit_code) {
       "--draft-ngram", o->server.draft_ngram,
       "speculative decoding with up to N n-gram (prompt lookup) drafts per step (default 0: off)");
   cmd->add_option("--api-key", o->server.api_key, "require 'Authorization: Bearer KEY'");
-  cmd->add_option("--max-body-kib", o->max_body_kib, "request body limit in KiB (default 1024)");
+  // Connection and size limits (docs/server.md, "Limits"): one option, as --sampling, so
+  // --help stays a screen. --max-body-kib is kept, unlisted, for scripts that set it.
+  cmd->add_option(
+      "--limits", o->limits,
+      "connection/size limits, e.g. max_connections=256,header_timeout=5 (docs/server.md)");
+  cmd->add_option("--max-body-kib", o->max_body_kib, "request body limit in KiB (default 1024)")
+      ->group("");
   cmd->add_option("--cors", o->cors,
                   "allow browser pages of these origins (comma-separated, or *) to call the API "
                   "(default: off)");

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <fstream>
+#include <sstream>
 
 #include "core/check.h"
 #include "engine/constrained.h"
@@ -72,6 +74,35 @@ struct Scheduler::Slot {
   Candidates spec_scratch;
 };
 
+namespace {
+
+// Bytes one slot's KV planes reach at full context: f16 K and V per layer, n_ctx rows for a
+// full-attention layer, window + max_batch rows for a sliding-window ring (kv/kv_cache.h).
+uint64_t kv_bytes_at_full_context(const model::HParams& hp, int32_t n_ctx, int32_t max_batch) {
+  uint64_t bytes = 0;
+  for (const model::LayerDesc& L : hp.layers) {
+    const int64_t rows = L.window > 0 ? std::min<int64_t>(n_ctx, L.window + max_batch) : n_ctx;
+    bytes += uint64_t(rows) * uint64_t(hp.k_width()) * 2 /* f16 */ * 2 /* K and V */;
+  }
+  return bytes;
+}
+
+// MemAvailable of /proc/meminfo in bytes; 0 when it cannot be read.
+uint64_t host_memory_available() {
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("MemAvailable:", 0) != 0) continue;
+    std::istringstream in(line.substr(13));
+    uint64_t kib = 0;
+    in >> kib;
+    return kib << 10;
+  }
+  return 0;
+}
+
+}  // namespace
+
 Expected<std::unique_ptr<Scheduler>> Scheduler::create(std::shared_ptr<const Model> model,
                                                        Backend& backend, SchedulerConfig cfg) {
   if (!model) return Status::error("scheduler: no model");
@@ -84,6 +115,21 @@ Expected<std::unique_ptr<Scheduler>> Scheduler::create(std::shared_ptr<const Mod
   if (cfg.n_ctx > model->n_ctx_train())
     return Status::errorf("scheduler: context {} exceeds the model's training context {}",
                           cfg.n_ctx, model->n_ctx_train());
+  // The planes grow as positions arrive, so a context that cannot fit would fail only at the
+  // first long request: refuse it now. Host planes only: device backends (planes in GPU
+  // memory) report no free-memory figure to check against yet.
+  const int32_t n_ctx = cfg.n_ctx > 0 ? cfg.n_ctx : std::min(model->n_ctx_train(), 4096);
+  if (!backend.device_memory()) {
+    const uint64_t per_slot =
+        kv_bytes_at_full_context(model->hparams(), n_ctx, std::min(cfg.prefill_chunk, n_ctx));
+    const uint64_t need = per_slot * uint64_t(cfg.n_slots);
+    const uint64_t avail = host_memory_available();
+    if (avail > 0 && need > avail)
+      return Status::errorf(
+          "scheduler: the KV cache of {} slots x {} positions needs {:.2f} GiB at full context "
+          "and {:.2f} GiB of memory is available; lower --parallel or --ctx-size",
+          cfg.n_slots, n_ctx, double(need) / (1 << 30), double(avail) / (1 << 30));
+  }
   return std::unique_ptr<Scheduler>(new Scheduler(std::move(model), backend, std::move(cfg)));
 }
 

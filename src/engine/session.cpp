@@ -105,6 +105,17 @@ void use_rope_factors(std::vector<model::Shard>& shards, std::span<const float> 
   }
 }
 
+// A streaming expert source whose read failed gave this step zero weights
+// (moe/expert_source.h): the step is void. Every shard's latch is cleared; the first error
+// is returned.
+Status take_expert_errors(const std::vector<model::Shard>& shards) {
+  Status first;
+  for (const model::Shard& sh : shards)
+    if (sh.w.experts)
+      if (Status e = sh.w.experts->take_error(); !e && first) first = e;
+  return first;
+}
+
 }  // namespace
 
 struct Session::Impl {
@@ -278,6 +289,10 @@ Status Session::eval_impl(std::span<const int32_t> tokens, bool all_logits, int3
       model::forward(sh.hp, sh.w, backend_.tp_rank(r), *rs.fwd, b,
                      r == 0 ? out : std::span<float>());
     });
+    if (Status st = take_expert_errors(s.shards); !st) {
+      (void)s.truncate(n_pos_);  // this chunk's rows (pending) and earlier chunks' go
+      return st;
+    }
     s.commit();
     done += chunk;
   }
@@ -404,6 +419,10 @@ Status BatchEval::eval_impl(std::span<const Item> items, int32_t top_k) {
     model::forward(sh.hp, sh.w, backend_.tp_rank(r), rk.fwd, fb,
                    r == 0 ? b.logits.span() : std::span<float>());
   });
+  if (Status st = take_expert_errors(b.shards); !st) {
+    for (const Item& it : items) (void)it.session->impl_->truncate(it.session->n_pos_);
+    return st;
+  }
   for (const Item& it : items) {
     it.session->impl_->commit();
     it.session->n_pos_ += static_cast<int32_t>(it.tokens.size());

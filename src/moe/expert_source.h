@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+
+#include "core/status.h"
 #include <vector>
 
 #include "backend/backend.h"
@@ -27,6 +29,10 @@ class ExpertSource {
   // call on this source (a cache may recycle the slot after that), so callers finish with
   // one expert before asking for the next. Out-of-range ids are programming errors.
   virtual ExpertWeights get(int32_t layer, int32_t expert) = 0;
+  // The first error behind a get() since the last call, cleared: a streaming source whose
+  // read failed hands out zero weights rather than abort, and the caller of the forward pass
+  // that used them must fail that step. The mapped source never fails.
+  virtual Status take_error() { return Status::ok(); }
   virtual int32_t n_layer() const = 0;
   virtual int32_t n_expert(int32_t layer) const = 0;  // 0: dense layer
   // A layer's routing decision before its get()s (ids may repeat): a cache may start

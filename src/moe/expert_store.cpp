@@ -177,10 +177,12 @@ Expected<std::shared_ptr<ExpertStore>> ExpertStore::create(const std::string& pa
     L.slab_of.assign(static_cast<size_t>(L.n_expert), -1);
     L.score.assign(static_cast<size_t>(L.n_expert), 0.0f);
     L.gets.assign(static_cast<size_t>(L.n_expert), 0);
+    L.failed.assign(static_cast<size_t>(L.n_expert), 0);
     n_slabs += std::min(st->cap_, L.n_expert);
   }
   // One allocation for every slab: page-aligned (direct I/O), never moved, no per-load malloc.
-  st->arena_bytes_ = st->slab_bytes_ * static_cast<uint64_t>(n_slabs);
+  // One slab more, left zero: the zero expert a get() whose read failed returns.
+  st->arena_bytes_ = st->slab_bytes_ * static_cast<uint64_t>(n_slabs + 1);
   void* p =
       ::mmap(nullptr, st->arena_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED)
@@ -190,10 +192,12 @@ Expected<std::shared_ptr<ExpertStore>> ExpertStore::create(const std::string& pa
   st->slabs_.resize(static_cast<size_t>(n_slabs));
   for (int32_t s = 0; s < n_slabs; ++s)
     st->slabs_[s].mem = st->arena_ + static_cast<uint64_t>(s) * st->slab_bytes_;
+  st->dud_ = st->arena_ + static_cast<uint64_t>(n_slabs) * st->slab_bytes_;
 
   FileReaderOptions ro;
   ro.n_threads = std::max(1, cfg.n_readers);
   ro.force_pread = cfg.force_pread;
+  ro.fault_for_testing = cfg.fault_for_testing;
   KILN_ASSIGN_OR_RETURN(st->reader_, FileReader::open(path, ro));
   for (const Layer& L : st->layers_)
     for (const Part& P : L.parts)
@@ -343,11 +347,16 @@ void ExpertStore::on_loaded(int32_t s, const Status& st) {
   if (st) {
     S.state = SlabState::Ready;
   } else {
-    layers_[static_cast<size_t>(S.layer)].slab_of[static_cast<size_t>(S.expert)] = -1;
+    Layer& L = layers_[static_cast<size_t>(S.layer)];
+    L.slab_of[static_cast<size_t>(S.expert)] = -1;
+    // A prefetch was a guess: nobody waits for it, and a get() will simply load it again.
+    if (!S.prefetched) L.failed[static_cast<size_t>(S.expert)] = 1;
+    log_warn("expert cache: loading expert {} of layer {} failed: {}", S.expert, S.layer,
+             st.message());
     S.layer = S.expert = -1;
     S.state = SlabState::Empty;
     S.prefetched = false;
-    if (load_error_) load_error_ = st;
+    last_failure_ = st;
   }
   --in_flight_;
   cv_.notify_all();
@@ -426,13 +435,31 @@ ExpertWeights ExpertStore::views(int32_t s) {
                        .hold = std::shared_ptr<const void>(S.mem, Unpin{this, s, me})};
 }
 
+Status ExpertStore::take_error() {
+  std::lock_guard lock(mu_);
+  Status e = pending_error_;
+  pending_error_ = Status::ok();
+  return e;
+}
+
+ExpertWeights ExpertStore::dud(int32_t layer) const {
+  const Layer& L = layers_[static_cast<size_t>(layer)];
+  WeightMatrix m[3];
+  for (int p = 0; p < 3; ++p) {
+    m[p] = L.parts[p].shape;
+    m[p].bytes = std::span<const std::byte>(dud_, L.parts[p].expert_bytes);
+    // Its own key: a device backend must never cache these zeros as a real expert.
+    m[p].content_key = content_key(layer, kDudExpert, p);
+  }
+  return ExpertWeights{.gate = m[0], .up = m[1], .down = m[2], .hold = nullptr};
+}
+
 ExpertWeights ExpertStore::get(int32_t layer, int32_t expert) {
   KILN_CHECK(layer >= 0 && layer < n_layer(), "layer {} of {}", layer, n_layer());
   Layer& L = layers_[static_cast<size_t>(layer)];
   KILN_CHECK(expert >= 0 && expert < L.n_expert, "expert {} of {} in layer {}", expert, L.n_expert,
              layer);
   std::unique_lock lock(mu_);
-  KILN_CHECK(load_error_.is_ok(), "expert store: {}", load_error_.message());
   if (layer != last_layer_) {  // entering a layer: the next one can start loading
     last_layer_ = layer;
     for (float& sc : L.score) sc *= 0.95f;  // popularity over roughly the last 20 tokens
@@ -459,7 +486,6 @@ ExpertWeights ExpertStore::get(int32_t layer, int32_t expert) {
     L.holders.emplace_back(me, 0);
   }
   for (;;) {
-    KILN_CHECK(load_error_.is_ok(), "expert store: {}", load_error_.message());
     const int32_t s = L.slab_of[static_cast<size_t>(expert)];
     if (s >= 0) {
       Slab& S = slabs_[static_cast<size_t>(s)];
@@ -476,10 +502,23 @@ ExpertWeights ExpertStore::get(int32_t layer, int32_t expert) {
       }
       if (!waited) wait_start = std::chrono::steady_clock::now(), waited = true;
       cv_.wait(lock, [&] {
-        return !load_error_.is_ok() || L.slab_of[static_cast<size_t>(expert)] != s ||
-               S.state != SlabState::Loading;
+        return L.slab_of[static_cast<size_t>(expert)] != s || S.state != SlabState::Loading;
       });
       continue;
+    }
+    if (L.failed[static_cast<size_t>(expert)]) {
+      // Its load failed (this get's or an earlier will_need's): report it once; the next get
+      // of this expert reads it again.
+      L.failed[static_cast<size_t>(expert)] = 0;
+      if (pending_error_)
+        pending_error_ = last_failure_.context(
+            fmt::format("expert cache: expert {} of layer {}", expert, layer));
+      if (auto* h = holder(L, me); h != nullptr && h->second == 0) {
+        *h = L.holders.back();
+        L.holders.pop_back();
+        cv_.notify_all();
+      }
+      return dud(layer);
     }
     const int32_t v = victim(L, {});
     if (v >= 0) {

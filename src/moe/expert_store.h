@@ -24,10 +24,11 @@
 namespace kiln::moe {
 
 struct StoreConfig {
-  int64_t cache_bytes = 0;   // slab budget over all MoE layers (split evenly); 0: unset
-  int64_t cap = 0;           // experts resident per layer; 0: unset. Both set: the smaller wins
-  bool prefetch = false;     // while layer l runs, load what layer l+1 used last time
-  bool force_pread = false;  // tests: the io_uring-unavailable path
+  int64_t cache_bytes = 0;      // slab budget over all MoE layers (split evenly); 0: unset
+  int64_t cap = 0;              // experts resident per layer; 0: unset. Both set: the smaller wins
+  bool prefetch = false;        // while layer l runs, load what layer l+1 used last time
+  bool force_pread = false;     // tests: the io_uring-unavailable path
+  ReadFault fault_for_testing;  // tests: fails or shortens reads (moe/file_reader.h)
   int32_t n_readers = 4;
   bool enabled() const { return cache_bytes != 0 || cap != 0; }
 };
@@ -56,7 +57,11 @@ class ExpertStore final : public ExpertSource {
                                                        const StoreConfig& cfg);
   ~ExpertStore() override;
 
+  // A read error or short read does not abort: the get() returns zero weights and the error
+  // is latched for take_error(), which the engine checks after each forward pass (the step
+  // fails with the error's line and its KV rows are dropped).
   ExpertWeights get(int32_t layer, int32_t expert) override;
+  Status take_error() override;
   int32_t n_layer() const override { return static_cast<int32_t>(layers_.size()); }
   int32_t n_expert(int32_t layer) const override;
   // Starts loading the missing experts of `experts` (up to the free slabs of the layer, never
@@ -98,6 +103,7 @@ class ExpertStore final : public ExpertSource {
     std::vector<int32_t> slab_of;  // [n_expert] slab holding the expert, or -1
     std::vector<float> score;      // [n_expert] decayed use counts (prefetch's popularity)
     std::vector<uint64_t> gets;    // [n_expert] get() calls (the routing's popularity)
+    std::vector<uint8_t> failed;   // [n_expert] a demanded load failed; the next get() reports it
     // Threads holding pins in this layer and how many. A thread that holds none enters only
     // while (holders + 1) * n_used <= cap: each holder may then take the n_used experts one
     // token needs without waiting on another holder, so concurrent sessions cannot deadlock
@@ -128,6 +134,8 @@ class ExpertStore final : public ExpertSource {
   void on_loaded(int32_t s, const Status& st);
   void prefetch_next(std::unique_lock<std::mutex>& lock, int32_t layer);
   ExpertWeights views(int32_t s);
+  ExpertWeights dud(int32_t layer) const;               // the zero expert (views of dud_), unpinned
+  static constexpr int32_t kDudExpert = (1 << 22) - 1;  // its content_key's expert id
 
   std::unique_ptr<FileReader> reader_;
   std::vector<Layer> layers_;  // [n_layer]; n_expert == 0 for dense layers
@@ -145,7 +153,12 @@ class ExpertStore final : public ExpertSource {
   uint64_t tick_ = 0;
   int32_t last_layer_ = -1;
   int32_t in_flight_ = 0;
-  Status load_error_;  // first failed load; every later get() reports it
+  // A failed read (moe/file_reader.h) leaves its slab Empty and the cache as it was; the
+  // get() that wanted the expert returns the zero expert (dud_) and latches the error here for
+  // take_error(), and a later get() of that expert reads it again.
+  Status last_failure_;       // the most recent failed load's error
+  Status pending_error_;      // latched by a get() that returned the zero expert
+  std::byte* dud_ = nullptr;  // one zero-filled slab after the others, never loaded
 
   Counter *hits_, *misses_, *bytes_read_, *prefetch_issued_, *prefetch_hits_, *evictions_;
   Timer *load_timer_, *stall_timer_;

@@ -93,9 +93,10 @@ Expected<std::unique_ptr<FileReader>> FileReader::open(const std::string& path,
   std::unique_ptr<FileReader> fr(new FileReader());
   fr->path_ = path;
   fr->opt_ = opt;
+  fr->opt_.force_pread = opt.force_pread || static_cast<bool>(opt.fault_for_testing);
   // Direct I/O keeps streamed experts out of the page cache (the point of streaming is that
   // they do not fit); a file system that refuses it (tmpfs, some overlays) reads buffered.
-  int fd = opt.force_pread ? -1 : ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  int fd = fr->opt_.force_pread ? -1 : ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
   if (fd >= 0) {
     AlignedBuf buf(kDirectAlign);
     if (::pread(fd, buf.p, kDirectAlign, 0) < 0) {
@@ -114,7 +115,7 @@ Expected<std::unique_ptr<FileReader>> FileReader::open(const std::string& path,
 
   std::string why = "io_uring disabled for this store";
 #if KILN_HAVE_URING
-  if (!opt.force_pread) why = probe_uring(fd);
+  if (!fr->opt_.force_pread) why = probe_uring(fd);
   fr->uring_ = why.empty();
 #else
   why = "built without liburing";
@@ -178,6 +179,13 @@ void FileReader::finish(const Job& j, const Status& s) {
 
 Status FileReader::read_pread(const Job& j) const {
   const uint64_t need = j.offset >= file_size_ ? 0 : std::min(j.len, file_size_ - j.offset);
+  if (opt_.fault_for_testing) {
+    const int64_t give = opt_.fault_for_testing(j.offset, j.len);
+    if (give < 0)
+      return Status::errorf("reading '{}' at {}: {}", path_, j.offset, std::strerror(EIO));
+    if (static_cast<uint64_t>(give) < j.len)  // a short read: what a truncated file gives
+      return pread_full(fd_, j.dst, j.offset, static_cast<uint64_t>(give), need, path_);
+  }
   return pread_full(fd_, j.dst, j.offset, j.len, need, path_);
 }
 

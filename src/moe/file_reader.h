@@ -24,11 +24,17 @@ namespace kiln::moe {
 // covers every common device, so callers align to this.
 inline constexpr uint64_t kDirectAlign = 4096;
 
+// Tests only (fault injection): called before each read of `len` bytes at `offset`; returns
+// how many bytes the read delivers (len: all; fewer: a short read, as at the end of a
+// truncated file; negative: an I/O error, EIO). Set, it turns io_uring off.
+using ReadFault = std::function<int64_t(uint64_t offset, uint64_t len)>;
+
 struct FileReaderOptions {
   int32_t n_threads = 4;             // reader threads (each with its own ring)
   uint32_t queue_depth = 8;          // reads in flight per reader thread (io_uring)
   uint64_t chunk_bytes = 256 << 10;  // a request is split into reads of at most this size
   bool force_pread = false;          // skip io_uring and O_DIRECT (tests of the fallback path)
+  ReadFault fault_for_testing;       // see ReadFault; empty in every real use
 };
 
 // One read: `dst.size()` bytes at `offset`. Both, and dst.data(), are multiples of

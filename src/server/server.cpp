@@ -34,7 +34,9 @@
 #include "grammar/grammar.h"
 #include "grammar/matcher.h"
 #include "server/api.h"
+#include "server/auth.h"
 #include "server/chat_page.h"
+#include "server/connections.h"
 #include "tokenizer/jinja/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -105,8 +107,14 @@ ApiError make_error(int status, std::string msg, std::string type, std::string c
 }  // namespace
 
 struct HttpServer::Impl {
+  explicit Impl(ServerOptions o)
+      : opt(std::move(o)),
+        http(opt.limits,
+             size_t(opt.http_threads > 0 ? opt.http_threads : opt.n_parallel + opt.max_queue + 8)) {
+  }
+
   ServerOptions opt;
-  httplib::Server http;
+  GuardedServer http;  // httplib's request handling over kiln's connection limits
   std::thread thread;
   int port = -1;
   std::string model_name;
@@ -145,8 +153,7 @@ struct HttpServer::Impl {
   std::string metrics() const;
 };
 
-HttpServer::HttpServer(ServerOptions opt) : impl_(new Impl) {
-  impl_->opt = std::move(opt);
+HttpServer::HttpServer(ServerOptions opt) : impl_(new Impl(std::move(opt))) {
   impl_->model_name = !impl_->opt.alias.empty()
                           ? impl_->opt.alias
                           : std::filesystem::path(impl_->opt.model_path).stem().string();
@@ -162,14 +169,7 @@ Status HttpServer::start() {
   Impl& s = *impl_;
   // A peer that closes mid-write must surface as a failed write, not kill the process.
   ::signal(SIGPIPE, SIG_IGN);
-  const int threads =
-      s.opt.http_threads > 0 ? s.opt.http_threads : s.opt.n_parallel + s.opt.max_queue + 8;
-  s.http.new_task_queue = [threads] {
-    return new httplib::ThreadPool(static_cast<size_t>(threads));
-  };
-  s.http.set_payload_max_length(s.opt.max_body_bytes);
-  s.http.set_read_timeout(30, 0);
-  s.http.set_write_timeout(30, 0);
+  // Threads, timeouts and connection caps are the GuardedServer's (server/connections.h).
   s.routes();
   // cpp-httplib's default sets SO_REUSEPORT, which lets a second server bind a busy port and
   // the kernel split the connections between the two: SO_REUSEADDR only (a restart may reuse
@@ -184,6 +184,7 @@ Status HttpServer::start() {
     s.port = s.http.bind_to_port(s.opt.host, s.opt.port) ? s.opt.port : -1;
   if (s.port < 0)
     return Status::errorf("port {} in use or not available on {}", s.opt.port, s.opt.host);
+  s.http.widen_backlog();
   s.thread = std::thread([&s] {
     s.http.listen_after_bind();
     s.listen_ended.store(true);
@@ -261,8 +262,7 @@ void HttpServer::wait() {
 
 bool HttpServer::Impl::authorized(const httplib::Request& req, httplib::Response& res) const {
   if (opt.api_key.empty()) return true;
-  const std::string want = "Bearer " + opt.api_key;
-  if (req.get_header_value("Authorization") == want) return true;
+  if (bearer_matches(req.get_header_value("Authorization"), opt.api_key)) return true;
   send_error(res, make_error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                              "invalid_request_error", "invalid_api_key"));
   return false;
@@ -868,6 +868,16 @@ std::string HttpServer::Impl::metrics() const {
          double(n_http_requests.load()));
   metric("http_errors_total", "counter", "HTTP responses with status >= 400",
          double(n_http_errors.load()));
+  const ConnectionStats cs = http.stats();
+  metric("http_connections_open", "gauge", "connections admitted and not closed", double(cs.open));
+  metric("http_connections_waiting", "gauge",
+         "open connections waiting for a request header (holding no thread)", double(cs.waiting));
+  metric("http_connections_refused_total", "counter",
+         "connections refused with 503 (--limits max_connections, max_connections_per_client)",
+         double(cs.refused));
+  metric("http_header_timeouts_total", "counter",
+         "connections answered 408: no whole header within --limits header_timeout",
+         double(cs.header_timeouts));
   metric("ready", "gauge", "1 once the model is loaded", ready.load() ? 1 : 0);
   if (!ready.load(std::memory_order_acquire)) return out;
   const SchedulerStats s = scheduler->stats();
@@ -1034,7 +1044,7 @@ void HttpServer::Impl::routes() {
       std::string body;
       bool too_large = false;
       const bool read = reader([&](const char* data, size_t n) {
-        if (body.size() + n > opt.max_body_bytes) {
+        if (body.size() + n > opt.limits.max_body_bytes) {
           too_large = true;
           return false;
         }
@@ -1046,7 +1056,7 @@ void HttpServer::Impl::routes() {
         return send_error(res, make_error(413,
                                           fmt::format("the request body exceeds the limit "
                                                       "of {} KiB (--max-body-kib)",
-                                                      opt.max_body_bytes / 1024),
+                                                      opt.limits.max_body_bytes / 1024),
                                           "invalid_request_error", "request_too_large"));
       }
       if (!read) {
@@ -1055,6 +1065,17 @@ void HttpServer::Impl::routes() {
                                           "invalid_request_error", "bad_body"));
       }
       handle(req, res, body);
+      // A stream's size is bounded by the connection layer (it cuts the stream); a whole
+      // body is replaced here, so the client gets one line naming the cap.
+      if (res.body.size() > opt.limits.max_response_bytes) {
+        res.set_header("Connection", "close");
+        send_error(
+            res, make_error(500,
+                            fmt::format("the response ({} KiB) exceeds the limit of {} "
+                                        "KiB (--limits max_response_kib)",
+                                        res.body.size() >> 10, opt.limits.max_response_bytes >> 10),
+                            "server_error", "response_too_large"));
+      }
     });
   };
   post("/v1/chat/completions",

@@ -13,6 +13,7 @@
 #include "core/status.h"
 #include "engine/runtime.h"
 #include "server/api.h"
+#include "server/limits.h"
 
 namespace kiln {
 class Model;
@@ -28,10 +29,11 @@ struct ServerOptions {
   int32_t n_parallel = 4;  // slots
   int32_t n_ctx = 0;       // per slot; 0: min(training context, 4096)
   int32_t prefill_chunk = 256;
-  int32_t max_queue = 64;           // waiting requests beyond the slots; more get 503
-  std::string api_key;              // non-empty: /v1/*, /tokenize, /detokenize need "Bearer <key>"
-  size_t max_body_bytes = 1 << 20;  // larger bodies get 413
-  int http_threads = 0;             // 0: n_parallel + max_queue + 8 (streams hold a thread each)
+  int32_t max_queue = 64;  // waiting requests beyond the slots; more get 503
+  std::string api_key;     // non-empty: /v1/*, /tokenize, /detokenize need "Bearer <key>"
+  int http_threads = 0;    // 0: n_parallel + max_queue + 8 (streams hold a thread each)
+  // Connections, timeouts and sizes (server/limits.h); each is a `kiln serve` option.
+  ServerLimits limits;
   // `--role decode`: prompts' KV comes from a prefill node (SchedulerConfig::remote_prefill).
   std::function<bool(Session&, std::span<const int32_t>)> remote_prefill;
   int32_t draft_ngram = 0;         // n-gram draft tokens per decode step (SchedulerConfig); 0: off

@@ -209,7 +209,7 @@ TEST(Server, BusyPortIsRefusedAndStopRightAfterStartReturns) {
 // x-www-form-urlencoded is read as JSON, not refused over 8 KiB with a misleading 413.
 TEST(Server, BodyLimitHoldsForChunkedBodiesAndAnyContentType) {
   ServerOptions o;
-  o.max_body_bytes = 64 << 10;
+  o.limits.max_body_bytes = 64 << 10;
   Running r = start(o);
   // 20 KiB of JSON, form content type: read and answered.
   const std::string text(20 << 10, 'a');
@@ -652,7 +652,7 @@ TEST(Server, StopSequencesCutTheText) {
 
 TEST(Server, ErrorsUseTheOpenAiShape) {
   ServerOptions o;
-  o.max_body_bytes = 4096;
+  o.limits.max_body_bytes = 4096;
   Running r = start(o);
   auto check = [&](const std::string& path, const std::string& body, int status,
                    const std::string& code) {
