@@ -72,6 +72,10 @@ constexpr std::array kArchs = {
              .act = FfnAct::SwigluOai,
              .swa = SwaRule::Pattern,
              .default_swa_pattern = 2},
+    // deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2): multi-head latent attention with a latent KV
+    // cache; adjacent-pair RoPE on the k_pe / q_pe parts (llama.cpp's rope type NORM).
+    ArchInfo{
+        .name = "deepseek2", .rope_style = RopeStyle::Normal, .experts_allowed = true, .mla = true},
 };
 
 }  // namespace

@@ -25,6 +25,9 @@ Expected<Shard> shard_model(const HParams& hp, const Weights& w, int rank, int n
   Shard s{hp, w};
   s.w.owned.clear();  // the views point into the model's own copies
   if (n == 1) return s;
+  if (hp.is_mla())
+    return Status::errorf("tensor parallelism with latent attention ('{}') is not supported",
+                          hp.arch_name);
   if (hp.n_head % n != 0 || hp.n_head_kv % n != 0)
     return Status::errorf("{} query heads and {} KV heads do not split evenly over {} ranks",
                           hp.n_head, hp.n_head_kv, n);
