@@ -6,6 +6,7 @@
 #include <string_view>
 
 #include "backend/backend.h"
+#include "model/routing.h"
 
 namespace kiln::model {
 
@@ -48,6 +49,14 @@ struct ArchInfo {
   // llama.cpp turns phi3's window off (its converters wrote the key without the layer pattern
   // it belongs to, llama.cpp PR 13676), so matching it means not applying it.
   bool swa_key_disabled = false;
+  // DeepSeek-V3-style MoE (deepseek2, glm4moe): the keys expert_gating_func (absent:
+  // default_gating), expert_group_count / expert_group_used_count, expert_weights_norm
+  // (absent: false), expert_weights_scale (required), expert_shared_count (shared experts
+  // ffn_{gate,up,down}_shexp, expert_shared_feed_forward_length wide each, default the expert
+  // width) and leading_dense_block_count are read, and exp_probs_b.bias (per-expert
+  // selection bias) is bound where a layer has it. Other rows refuse those keys.
+  bool moe_v3 = false;
+  GatingFunc default_gating = GatingFunc::Softmax;
   float post_norm_eps = 0;  // > 0: eps of the post norms (else the metadata eps)
   FfnAct act = FfnAct::Silu;
   SwaRule swa = SwaRule::None;

@@ -14,7 +14,7 @@ ForwardState::ForwardState(const HParams& hp, int32_t max_batch) : max_batch_(ma
   KILN_CHECK(max_batch > 0);
   int64_t n_ff = 0, n_expert = 0, n_used = 0;
   for (const LayerDesc& L : hp.layers) {
-    n_ff = std::max<int64_t>({n_ff, L.n_ff, L.n_ff_expert});
+    n_ff = std::max<int64_t>({n_ff, L.n_ff, L.n_ff_expert, L.n_ff_shexp});
     n_expert = std::max<int64_t>(n_expert, L.n_expert);
     n_used = std::max<int64_t>(n_used, L.n_expert_used);
   }
@@ -98,25 +98,6 @@ uint64_t expert_bytes(const moe::ExpertWeights& ew) {
   return ew.gate.bytes.size() + ew.up.bytes.size() + ew.down.bytes.size();
 }
 
-// Top-k of one token's router probabilities, weights renormalised over the chosen k
-// (llama.cpp's softmax gating with norm_w). Ties go to the lower expert id.
-void select_experts(std::span<const float> prob, std::span<int32_t> ids, std::span<float> wts) {
-  const int32_t n_expert = static_cast<int32_t>(prob.size());
-  const size_t k = ids.size();
-  int32_t all[4096];  // read_hparams caps expert_count at 4096
-  KILN_CHECK(n_expert <= 4096 && k <= static_cast<size_t>(n_expert));
-  for (int32_t e = 0; e < n_expert; ++e) all[e] = e;
-  std::partial_sort(all, all + k, all + n_expert, [&](int32_t a, int32_t b) {
-    return prob[a] > prob[b] || (prob[a] == prob[b] && a < b);
-  });
-  double sum = 0;
-  for (size_t i = 0; i < k; ++i) sum += prob[all[i]];
-  for (size_t i = 0; i < k; ++i) {
-    ids[i] = all[i];
-    wts[i] = static_cast<float>(prob[all[i]] / sum);
-  }
-}
-
 }  // namespace
 
 // One call of forward(): the batch, the scratch spans sliced for it and the backend. The step
@@ -159,6 +140,12 @@ class ForwardPass {
   }
   void dense_ffn_block(int32_t il);
   void moe_ffn_block(int32_t il);
+  void moe_experts_batch(int32_t il, int64_t X, int64_t K, int64_t F, std::span<const float> in,
+                         std::span<float> out);
+  template <typename AfterGateUp>
+  void gated_ffn(const WeightMatrix& wg, const WeightMatrix& wu, const WeightMatrix& wd,
+                 int64_t width, std::span<const float> in, std::span<float> out,
+                 AfterGateUp after_gate_up);
   void moe_one_token(int32_t il, int64_t n_expert, int64_t n_sel, int64_t F,
                      std::span<const float> in, std::span<float> out);
   void layer_end(int32_t il);
@@ -561,17 +548,27 @@ void ForwardPass::mla_attention(int32_t il) {
 void ForwardPass::dense_ffn_block(int32_t il) {
   const LayerDesc& L = hp_.layers[static_cast<size_t>(il)];
   const LayerWeights& lw = w_.layers[static_cast<size_t>(il)];
+  gated_ffn(lw.ffn_gate, lw.ffn_up, lw.ffn_down, L.n_ff, h_, a_,
+            [&] { hint(Hint::AfterGateUp, il); });
+}
+
+// down(act(gate(in)) * up(in)) for the batch's n rows into out, with the architecture's
+// activation; `after_gate_up` runs between the first matmuls and the down projection.
+template <typename AfterGateUp>
+void ForwardPass::gated_ffn(const WeightMatrix& wg, const WeightMatrix& wu, const WeightMatrix& wd,
+                            int64_t width, std::span<const float> in, std::span<float> out,
+                            AfterGateUp after_gate_up) {
   const int64_t n = n_;
-  const std::span<float> fg = sl(st_.ff_gate, n * L.n_ff), fu = sl(st_.ff_up, n * L.n_ff);
-  const std::span<float> fa = sl(st_.ff_act, n * L.n_ff);
-  const Backend::MatmulTask gate_up[] = {{&lw.ffn_gate, h_, fg}, {&lw.ffn_up, h_, fu}};
+  const std::span<float> fg = sl(st_.ff_gate, n * width), fu = sl(st_.ff_up, n * width);
+  const std::span<float> fa = sl(st_.ff_act, n * width);
+  const Backend::MatmulTask gate_up[] = {{&wg, in, fg}, {&wu, in, fu}};
   be_.matmul_batch(gate_up, n);
-  hint(Hint::AfterGateUp, il);
+  after_gate_up();
   if (hp_.arch->act == FfnAct::Silu) {
-    be_.swiglu_matmul(lw.ffn_down, fg, fu, n, fa, a_);  // fa: scratch, maybe unwritten
+    be_.swiglu_matmul(wd, fg, fu, n, fa, out);  // fa: scratch, maybe unwritten
   } else {
     ffn_act(fg, fu, fa);
-    be_.matmul(lw.ffn_down, fa, n, a_);
+    be_.matmul(wd, fa, n, out);
   }
 }
 
@@ -593,24 +590,50 @@ void ForwardPass::moe_ffn_block(int32_t il) {
       const auto row = prob.subspan(static_cast<size_t>(t * X), static_cast<size_t>(X));
       be_.add(row, lw.ffn_gate_inp_b, row);
     }
-  be_.softmax(prob, X);
+  if (hp_.router.gating == GatingFunc::Sigmoid)
+    be_.sigmoid(prob);
+  else
+    be_.softmax(prob, X);
   const std::span<int32_t> sel(st_.sel_e.data(), static_cast<size_t>(n_tok * K));
   const std::span<float> sel_w(st_.sel_w.data(), static_cast<size_t>(n_tok * K));
   // The routing decision is made on the host (one download per MoE layer on a GPU).
   const std::span<const float> prob_h = host_view(prob, st_.router_host);
   for (int64_t t = 0; t < n_tok; ++t) {
-    if (hp_.routing.active())
+    const std::span<int32_t> ids = sel.subspan(t * K, K);
+    const std::span<float> wts = sel_w.subspan(t * K, K);
+    if (hp_.routing.active()) {
+      // The override draws the experts; the model's weight scale still applies.
       override_route(hp_.routing, il, batch_.pos[t], batch_.tokens[t], prob_h.subspan(t * X, X),
-                     sel.subspan(t * K, K), sel_w.subspan(t * K, K));
-    else
-      select_experts(prob_h.subspan(t * X, X), sel.subspan(t * K, K), sel_w.subspan(t * K, K));
+                     ids, wts);
+      for (float& wt : wts) wt *= hp_.router.weights_scale;
+    } else {
+      route_experts(hp_.router, prob_h.subspan(t * X, X), lw.exp_probs_b, ids, wts);
+    }
   }
   w_.experts->will_need(il, sel);  // a streaming store loads the misses in parallel
   be_.zero(out);
-  if (n_tok == 1) {
+  if (n_tok == 1)
     moe_one_token(il, X, K, F, in, out);
-    return;
+  else
+    moe_experts_batch(il, X, K, F, in, out);
+  // Shared experts: a dense FFN of the same normalised rows, added to the routed sum (in
+  // llama.cpp's order: routed first). Under tensor parallelism its width is split like a dense
+  // FFN's and the all-reduce in layer_end adds the ranks' shares.
+  if (L.n_ff_shexp > 0) {
+    const std::span<float> y = sl(st_.moe_out, n_tok * E);
+    gated_ffn(lw.ffn_gate_shexp, lw.ffn_up_shexp, lw.ffn_down_shexp, L.n_ff_shexp, in, y, [] {});
+    be_.add(out, y, out);
   }
+}
+
+// The general MoE path: per expert, the rows routed to it gathered, its gate/up/down as
+// matmuls on that expert's slice of the stacked tensors, the weighted rows added back.
+void ForwardPass::moe_experts_batch(int32_t il, int64_t X, int64_t K, int64_t F,
+                                    std::span<const float> in, std::span<float> out) {
+  const LayerWeights& lw = w_.layers[static_cast<size_t>(il)];
+  const int64_t n_tok = n_, E = E_;
+  const std::span<const int32_t> sel(st_.sel_e.data(), static_cast<size_t>(n_tok * K));
+  const std::span<const float> sel_w(st_.sel_w.data(), static_cast<size_t>(n_tok * K));
   for (int32_t e = 0; e < X; ++e) {
     if (!hp_.owns_expert(e, static_cast<int32_t>(X))) continue;  // another rank's
     int64_t m = 0;  // rows routed to e; moe_rows holds their (token * K + slot)

@@ -42,15 +42,17 @@ struct MathKey {
   std::string_view suffix;  // after "{arch}."
   // The value kiln implements: the key is refused when present with any other value.
   enum class Accept { Absent, Zero, One, True, False } accept;
-  std::string_view what;   // what the key would change, for the refusal
-  bool mla_reads = false;  // read (and checked) by read_hparams on latent-attention rows
+  std::string_view what;  // what the key would change, for the refusal
+  // The ArchInfo flag of rows that read and implement the key (read_hparams); null: none.
+  bool ArchInfo::*read_by = nullptr;
 };
 
-// Keys llama.cpp reads that change the forward pass, none of which any architecture row of
-// kiln implements today (keys it does implement are read above, with their own checks). A row
-// that starts implementing one removes it here, or makes the check depend on the row.
+// Keys llama.cpp reads that change the forward pass, refused unless the row implements them
+// (read_by; keys every row implements are read in read_hparams, with their own checks). A row
+// that starts implementing one names its flag here, or the key is removed.
 constexpr MathKey kUnimplementedMathKeys[] = {
-    {"rope.scaling.yarn_log_multiplier", MathKey::Accept::Zero, "DeepSeek's YaRN mscale", true},
+    {"rope.scaling.yarn_log_multiplier", MathKey::Accept::Zero, "DeepSeek's YaRN mscale",
+     &ArchInfo::mla},
     {"rope.scaling.yarn_ext_factor", MathKey::Accept::Absent, "a fixed YaRN ramp weight"},
     {"rope.scaling.yarn_attn_factor", MathKey::Accept::Absent, "a fixed YaRN magnitude"},
     {"rope.scaling.alpha", MathKey::Accept::Absent, "NTK-alpha rope scaling"},
@@ -60,21 +62,26 @@ constexpr MathKey kUnimplementedMathKeys[] = {
     {"attention.clamp_kqv", MathKey::Accept::Absent, "clamped Q/K/V"},
     {"attention.temperature_length", MathKey::Accept::Absent, "attention temperature tuning"},
     {"attention.temperature_scale", MathKey::Accept::Absent, "attention temperature tuning"},
-    {"attention.key_length_mla", MathKey::Accept::Absent, "latent attention", true},
-    {"attention.value_length_mla", MathKey::Accept::Absent, "latent attention", true},
-    {"attention.q_lora_rank", MathKey::Accept::Absent, "latent attention", true},
-    {"attention.kv_lora_rank", MathKey::Accept::Absent, "latent attention", true},
+    {"attention.key_length_mla", MathKey::Accept::Absent, "latent attention", &ArchInfo::mla},
+    {"attention.value_length_mla", MathKey::Accept::Absent, "latent attention", &ArchInfo::mla},
+    {"attention.q_lora_rank", MathKey::Accept::Absent, "latent attention", &ArchInfo::mla},
+    {"attention.kv_lora_rank", MathKey::Accept::Absent, "latent attention", &ArchInfo::mla},
     {"attention.shared_kv_layers", MathKey::Accept::Absent, "KV sharing across layers"},
     {"embedding_scale", MathKey::Accept::Absent, "an embedding scale"},
     {"residual_scale", MathKey::Accept::Absent, "a residual scale"},
     {"use_parallel_residual", MathKey::Accept::False, "parallel residual blocks"},
-    {"expert_gating_func", MathKey::Accept::One, "the expert gating function (1 = softmax)"},
-    {"expert_weights_scale", MathKey::Accept::One, "scaled expert weights"},
-    {"expert_weights_norm", MathKey::Accept::True, "unnormalised expert weights"},
-    {"expert_shared_count", MathKey::Accept::Zero, "shared experts"},
-    {"expert_group_count", MathKey::Accept::Absent, "grouped expert routing"},
-    {"expert_group_used_count", MathKey::Accept::Absent, "grouped expert routing"},
-    {"leading_dense_block_count", MathKey::Accept::Zero, "leading dense layers"},
+    {"expert_gating_func", MathKey::Accept::One, "the expert gating function (1 = softmax)",
+     &ArchInfo::moe_v3},
+    {"expert_weights_scale", MathKey::Accept::One, "scaled expert weights", &ArchInfo::moe_v3},
+    {"expert_weights_norm", MathKey::Accept::True, "unnormalised expert weights",
+     &ArchInfo::moe_v3},
+    {"expert_shared_count", MathKey::Accept::Zero, "shared experts", &ArchInfo::moe_v3},
+    {"expert_group_count", MathKey::Accept::Absent, "grouped expert routing", &ArchInfo::moe_v3},
+    {"expert_group_used_count", MathKey::Accept::Absent, "grouped expert routing",
+     &ArchInfo::moe_v3},
+    {"expert_shared_feed_forward_length", MathKey::Accept::Absent, "shared experts",
+     &ArchInfo::moe_v3},
+    {"leading_dense_block_count", MathKey::Accept::Zero, "leading dense layers", &ArchInfo::moe_v3},
     {"nextn_predict_layers", MathKey::Accept::Zero, "NextN (MTP) layers"},
     {"router_logit_softcapping", MathKey::Accept::Absent, "a router softcap"},
 };
@@ -104,7 +111,7 @@ std::string value_str(const GgufValue& v) {
 
 Status check_math_keys(const GgufFile& g, const std::string& arch_name, const ArchInfo& arch) {
   for (const MathKey& m : kUnimplementedMathKeys) {
-    if (m.mla_reads && arch.mla) continue;
+    if (m.read_by != nullptr && arch.*m.read_by) continue;
     const std::string key = fmt::format("{}.{}", arch_name, m.suffix);
     const GgufValue* v = g.find(key);
     if (!v) continue;
@@ -204,6 +211,54 @@ Status apply_deepseek_yarn(const KeyReader& r, HParams& hp, RopeParams& rope) {
   const float mscale = 1.0f + log_mul * ln_factor;
   hp.attn_scale = mscale * mscale / std::sqrt(float(hp.mla.q_head()));
   if (rope.ext_factor != 0) rope.attn_factor = 1.0f / (1.0f + 0.1f * ln_factor);
+  return Status::ok();
+}
+
+// The keys of ArchInfo::moe_v3 (an MoE model's routing, shared experts and leading dense
+// layers), each range-checked so the selection's preconditions (routing.h) hold.
+Status read_moe_v3(const KeyReader& r, const ArchInfo& arch, int32_t n_expert,
+                   int32_t n_expert_used, int32_t n_ff_exp, int32_t n_layer, int32_t n_ff,
+                   RouterParams& rp, int32_t& n_dense_lead, int32_t& n_ff_shexp) {
+  KILN_ASSIGN_OR_RETURN(
+      uint32_t gating,
+      r.opt<uint32_t>("expert_gating_func", arch.default_gating == GatingFunc::Sigmoid ? 2u : 1u));
+  if (gating == 1) {
+    rp.gating = GatingFunc::Softmax;
+  } else if (gating == 2) {
+    rp.gating = GatingFunc::Sigmoid;
+  } else {
+    return Status::errorf("metadata '{}' = {} is not supported (1 softmax, 2 sigmoid)",
+                          r.key("expert_gating_func"), gating);
+  }
+  KILN_ASSIGN_OR_RETURN(rp.n_group, r.opt<int32_t>("expert_group_count", 1));
+  KILN_TRY(check_range(r.key("expert_group_count"), rp.n_group, 1, n_expert));
+  KILN_ASSIGN_OR_RETURN(rp.n_group_used, r.opt<int32_t>("expert_group_used_count", rp.n_group));
+  KILN_TRY(check_range(r.key("expert_group_used_count"), rp.n_group_used, 1, rp.n_group));
+  if (rp.n_group > 1) {
+    // llama.cpp splits the experts into equal groups and scores each by its best two.
+    if (n_expert % rp.n_group != 0 || n_expert / rp.n_group < 2)
+      return Status::errorf("metadata '{}' = {}: {} experts do not form groups of two or more",
+                            r.key("expert_group_count"), rp.n_group, n_expert);
+    if (n_expert_used > rp.n_group_used * (n_expert / rp.n_group))
+      return Status::errorf("metadata '{}' = {}: more experts than the {} used groups of {} hold",
+                            r.key("expert_used_count"), n_expert_used, rp.n_group_used,
+                            n_expert / rp.n_group);
+  }
+  KILN_ASSIGN_OR_RETURN(rp.norm_weights, r.opt<bool>("expert_weights_norm", false));
+  KILN_ASSIGN_OR_RETURN(rp.weights_scale, r.req<float>("expert_weights_scale"));
+  if (!(rp.weights_scale > 0) || !std::isfinite(rp.weights_scale))
+    return Status::errorf("metadata '{}' = {} out of range", r.key("expert_weights_scale"),
+                          rp.weights_scale);
+  KILN_ASSIGN_OR_RETURN(int32_t n_shared, r.opt<int32_t>("expert_shared_count", 0));
+  KILN_TRY(check_range(r.key("expert_shared_count"), n_shared, 0, 64));
+  KILN_ASSIGN_OR_RETURN(int32_t shexp_ff,
+                        r.opt<int32_t>("expert_shared_feed_forward_length", n_ff_exp));
+  KILN_TRY(check_range(r.key("expert_shared_feed_forward_length"), shexp_ff, 1, 1 << 22));
+  n_ff_shexp = n_shared * shexp_ff;
+  KILN_TRY(check_range(r.key("expert_feed_forward_length"), n_ff_shexp, 0, 1 << 22));
+  KILN_ASSIGN_OR_RETURN(n_dense_lead, r.opt<int32_t>("leading_dense_block_count", 0));
+  KILN_TRY(check_range(r.key("leading_dense_block_count"), n_dense_lead, 0, n_layer));
+  if (n_dense_lead > 0) KILN_TRY(check_range(r.key("feed_forward_length"), n_ff, 1, 1 << 22));
   return Status::ok();
 }
 
@@ -351,6 +406,12 @@ Expected<HParams> read_hparams(const GgufFile& g) {
     KILN_TRY(check_range(r.key("feed_forward_length"), n_ff, 1, 1 << 22));
   }
 
+  // DeepSeek-V3-style MoE keys (ArchInfo::moe_v3; llama.cpp's defaults where a key is absent).
+  int32_t n_dense_lead = 0, n_ff_shexp = 0;
+  if (arch.moe_v3 && n_expert != 0)
+    KILN_TRY(read_moe_v3(r, arch, n_expert, n_expert_used, n_ff_exp, hp.n_layer, n_ff, hp.router,
+                         n_dense_lead, n_ff_shexp));
+
   hp.layers.resize(hp.n_layer);
   for (int32_t il = 0; il < hp.n_layer; ++il) {
     LayerDesc& L = hp.layers[il];
@@ -363,10 +424,11 @@ Expected<HParams> read_hparams(const GgufFile& g) {
       L.rope.freq_base = freq_base_swa;
       if (arch.swa_rope_unscaled) L.rope.freq_scale = 1.0f;
     }
-    if (n_expert > 0) {
+    if (n_expert > 0 && il >= n_dense_lead) {
       L.n_expert = n_expert;
       L.n_expert_used = n_expert_used;
       L.n_ff_expert = n_ff_exp;
+      L.n_ff_shexp = n_ff_shexp;
     } else {
       L.n_ff = n_ff;
     }

@@ -26,6 +26,8 @@ struct LayerDesc {
   int32_t n_expert = 0;  // > 0: MoE layer
   int32_t n_expert_used = 0;
   int32_t n_ff_expert = 0;
+  int32_t n_ff_shexp = 0;  // > 0: the MoE layer's shared experts, one FFN this wide (all of
+                           // expert_shared_count side by side), added to the routed output
 };
 
 // Multi-head latent attention (deepseek2; ArchInfo::mla). Each token keeps one latent row per
@@ -77,6 +79,10 @@ struct HParams {
     return e >= int64_t(n_expert) * tp_rank / tp_size &&
            e < int64_t(n_expert) * (tp_rank + 1) / tp_size;
   }
+
+  // How MoE layers choose and weight their experts (model/routing.h); softmax, top-k,
+  // renormalised unless the architecture reads the DeepSeek-V3 keys (ArchInfo::moe_v3).
+  RouterParams router;
 
   // Benchmark-only MoE routing override (model/routing.h); Model by default (no override).
   RoutingOverride routing;

@@ -351,32 +351,35 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
       add_bias(out, bd);
     };
     if (L.n_expert > 0) {
-      // Per token: softmax router, the k most probable experts, weights renormalised over
-      // those k, weighted sum of the chosen experts' FFNs.
+      // Per token: the router's probabilities (softmax or sigmoid of its logits), the experts
+      // and weights route_experts picks from them (model/routing.h: selection bias, groups,
+      // top-k, normalisation, scale), the weighted sum of the chosen experts' FFNs; then the
+      // shared experts' FFN added.
       KILN_CHECK(w_.experts != nullptr);
       Vec logit, row, y;
       matmul(lw.ffn_gate_inp, h, n, logit);
       rec(p + "ffn_moe_logits", logit);
       add_bias(logit, lw.ffn_gate_inp_b);
       f.assign(static_cast<size_t>(n * E), 0.0f);
+      std::vector<float> prob(static_cast<size_t>(L.n_expert));
+      std::vector<int32_t> chosen(static_cast<size_t>(L.n_expert_used));
+      std::vector<float> wts(chosen.size());
       for (int64_t t = 0; t < n; ++t) {
         const float* lt = logit.data() + t * L.n_expert;
-        const double mx = *std::max_element(lt, lt + L.n_expert);
-        std::vector<double> prob(static_cast<size_t>(L.n_expert));
-        for (int32_t e = 0; e < L.n_expert; ++e) prob[e] = std::exp(double(lt[e]) - mx);
-        std::vector<bool> taken(static_cast<size_t>(L.n_expert), false);
-        std::vector<int32_t> chosen;
-        double sum = 0;
-        for (int32_t i = 0; i < L.n_expert_used; ++i) {
-          int32_t best = -1;
+        if (hp_.router.gating == GatingFunc::Sigmoid) {
           for (int32_t e = 0; e < L.n_expert; ++e)
-            if (!taken[e] && (best < 0 || prob[e] > prob[best])) best = e;
-          taken[best] = true;
-          chosen.push_back(best);
-          sum += prob[best];
+            prob[e] = static_cast<float>(1.0 / (1.0 + std::exp(-double(lt[e]))));
+        } else {
+          const double mx = *std::max_element(lt, lt + L.n_expert);
+          double sum = 0;
+          for (int32_t e = 0; e < L.n_expert; ++e) sum += std::exp(double(lt[e]) - mx);
+          for (int32_t e = 0; e < L.n_expert; ++e)
+            prob[e] = static_cast<float>(std::exp(double(lt[e]) - mx) / sum);
         }
+        route_experts(hp_.router, prob, lw.exp_probs_b, chosen, wts);
         row.assign(h.begin() + t * E, h.begin() + (t + 1) * E);
-        for (int32_t e : chosen) {
+        for (size_t i = 0; i < chosen.size(); ++i) {
+          const int32_t e = chosen[i];
           const moe::ExpertWeights ew = w_.experts->get(il, e);
           auto bias = [e](std::span<const float> b, int64_t width) {
             return b.empty() ? b : b.subspan(static_cast<size_t>(e * width), width);
@@ -384,9 +387,13 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
           const int64_t F = L.n_ff_expert;
           ffn(ew.gate, ew.up, ew.down, row, 1, y, bias(lw.ffn_gate_exps_b, F),
               bias(lw.ffn_up_exps_b, F), bias(lw.ffn_down_exps_b, E));
-          const double wt = prob[e] / sum;
-          for (int64_t i = 0; i < E; ++i) f[t * E + i] += static_cast<float>(wt * y[i]);
+          for (int64_t j = 0; j < E; ++j) f[t * E + j] += static_cast<float>(double(wts[i]) * y[j]);
         }
+      }
+      if (L.n_ff_shexp > 0) {
+        Vec shared;
+        ffn(lw.ffn_gate_shexp, lw.ffn_up_shexp, lw.ffn_down_shexp, h, n, shared);
+        for (size_t i = 0; i < f.size(); ++i) f[i] += shared[i];
       }
     } else {
       ffn(lw.ffn_gate, lw.ffn_up, lw.ffn_down, h, n, f);

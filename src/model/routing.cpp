@@ -1,6 +1,8 @@
-// model/routing.cpp: the benchmark routing overrides (see routing.h for why they exist).
+// model/routing.cpp: the router's expert selection and the benchmark routing overrides (see
+// routing.h for both).
 #include "model/routing.h"
 
+#include <algorithm>
 #include <array>
 #include <charconv>
 #include <cmath>
@@ -25,6 +27,67 @@ void layer_ranking(int32_t il, int32_t n_expert, std::span<int32_t> perm) {
 }
 
 }  // namespace
+
+void route_experts(const RouterParams& rp, std::span<const float> prob,
+                   std::span<const float> sel_bias, std::span<int32_t> ids, std::span<float> wts) {
+  const auto n = static_cast<int32_t>(prob.size());
+  const size_t k = ids.size();
+  KILN_CHECK(n <= kMaxExperts && wts.size() == k &&
+             (sel_bias.empty() || sel_bias.size() == prob.size()));
+  KILN_CHECK(rp.n_group >= 1 && n % rp.n_group == 0 && rp.n_group_used >= 1 &&
+             rp.n_group_used <= rp.n_group);
+  const int32_t per_group = n / rp.n_group;
+  KILN_CHECK(k <= static_cast<size_t>(rp.n_group_used) * static_cast<size_t>(per_group));
+  std::array<float, kMaxExperts> score;
+  for (int32_t e = 0; e < n; ++e) score[e] = sel_bias.empty() ? prob[e] : prob[e] + sel_bias[e];
+  // Eligible experts, by id: all of them, or those of the n_group_used best groups.
+  std::array<bool, kMaxExperts> eligible;
+  std::fill(eligible.begin(), eligible.begin() + n, rp.n_group == 1);
+  if (rp.n_group > 1) {
+    KILN_CHECK(per_group >= 2, "{} experts in {} groups: a group needs two", n, rp.n_group);
+    std::array<float, kMaxExperts> group_score;
+    std::array<int32_t, kMaxExperts> groups;
+    for (int32_t g = 0; g < rp.n_group; ++g) {
+      const float* s = score.data() + g * per_group;
+      // The two best of the group (equal values count twice, as a top-2 does).
+      float best = -INFINITY, second = -INFINITY;
+      for (int32_t i = 0; i < per_group; ++i) {
+        if (s[i] > best) {
+          second = best;
+          best = s[i];
+        } else if (s[i] > second) {
+          second = s[i];
+        }
+      }
+      group_score[g] = best + second;
+      groups[g] = g;
+    }
+    std::partial_sort(groups.begin(), groups.begin() + rp.n_group_used, groups.begin() + rp.n_group,
+                      [&](int32_t a, int32_t b) {
+                        return group_score[a] > group_score[b] ||
+                               (group_score[a] == group_score[b] && a < b);
+                      });
+    for (int32_t i = 0; i < rp.n_group_used; ++i)
+      std::fill_n(eligible.begin() + groups[i] * per_group, per_group, true);
+  }
+  std::array<int32_t, kMaxExperts> order;
+  int32_t m = 0;
+  for (int32_t e = 0; e < n; ++e)
+    if (eligible[e]) order[m++] = e;
+  std::partial_sort(order.begin(), order.begin() + k, order.begin() + m, [&](int32_t a, int32_t b) {
+    return score[a] > score[b] || (score[a] == score[b] && a < b);
+  });
+  double sum = 0;
+  for (size_t i = 0; i < k; ++i) sum += prob[order[i]];
+  // llama.cpp clamps the sum at the smallest normal f16 so all-zero weights stay finite.
+  sum = std::max(sum, 6.103515625e-5);
+  for (size_t i = 0; i < k; ++i) {
+    ids[i] = order[i];
+    const double w = rp.norm_weights ? prob[order[i]] / sum : double(prob[order[i]]);
+    wts[i] = static_cast<float>(w);
+    if (rp.weights_scale != 1.0f) wts[i] *= rp.weights_scale;
+  }
+}
 
 Expected<RoutingOverride> parse_routing(std::string_view text) {
   RoutingOverride r;

@@ -65,6 +65,18 @@ Expected<Shard> shard_model(const HParams& hp, const Weights& w, int rank, int n
       L.n_ff = static_cast<int32_t>(f);
     } else if (L.n_expert < n) {
       return Status::errorf("{} has {} experts, fewer than the {} ranks", blk, L.n_expert, n);
+    } else if (L.n_ff_shexp > 0) {
+      // Shared experts split like a dense FFN: the all-reduce adds the ranks' shares to the
+      // routed sum.
+      if (L.n_ff_shexp % n != 0)
+        return Status::errorf("{}'s shared-expert width {} does not split evenly over {} ranks",
+                              blk, L.n_ff_shexp, n);
+      const int64_t f = L.n_ff_shexp / n;
+      KILN_TRY(check_columns(lw.ffn_down_shexp, f, (blk + ".ffn_down_shexp").c_str(), n));
+      lw.ffn_gate_shexp = lw.ffn_gate_shexp.rows(f * rank, f);
+      lw.ffn_up_shexp = lw.ffn_up_shexp.rows(f * rank, f);
+      lw.ffn_down_shexp = lw.ffn_down_shexp.columns(f * rank, f);
+      L.n_ff_shexp = static_cast<int32_t>(f);
     }
   }
   return s;

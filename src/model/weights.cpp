@@ -254,6 +254,15 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
         KILN_ASSIGN_OR_RETURN(lw.ffn_up_exps_b, b.vec2(n("ffn_up_exps.bias"), F, X));
         KILN_ASSIGN_OR_RETURN(lw.ffn_down_exps_b, b.vec2(n("ffn_down_exps.bias"), E, X));
       }
+      if (arch.moe_v3 && b.has(n("exp_probs_b.bias"))) {
+        KILN_ASSIGN_OR_RETURN(lw.exp_probs_b, b.vec(n("exp_probs_b.bias"), X));
+      }
+      if (L.n_ff_shexp > 0) {
+        const int64_t S = L.n_ff_shexp;
+        KILN_ASSIGN_OR_RETURN(lw.ffn_gate_shexp, b.matrix(n("ffn_gate_shexp.weight"), E, S));
+        KILN_ASSIGN_OR_RETURN(lw.ffn_up_shexp, b.matrix(n("ffn_up_shexp.weight"), E, S));
+        KILN_ASSIGN_OR_RETURN(lw.ffn_down_shexp, b.matrix(n("ffn_down_shexp.weight"), S, E));
+      }
       any_experts = true;
       continue;
     }

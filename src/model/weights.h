@@ -45,6 +45,13 @@ struct LayerWeights {
   // [e * width, (e + 1) * width) of the gate/up ([n_expert][n_ff_expert]) and down
   // ([n_expert][n_embd]) biases.
   std::span<const float> ffn_gate_inp_b, ffn_gate_exps_b, ffn_up_exps_b, ffn_down_exps_b;
+  // [n_expert] selection bias added to the router probabilities to choose experts only
+  // (exp_probs_b.bias, ArchInfo::moe_v3 rows where present), else empty.
+  std::span<const float> exp_probs_b;
+  // The shared experts (LayerDesc::n_ff_shexp > 0), else n_rows == 0: always run, never part
+  // of the ExpertSource (so always resident under expert streaming).
+  WeightMatrix ffn_gate_shexp, ffn_up_shexp;  // [n_ff_shexp][n_embd]
+  WeightMatrix ffn_down_shexp;                // [n_embd][n_ff_shexp]
 };
 
 struct Weights {

@@ -1,4 +1,5 @@
-// tests/model/routing_test.cpp: the benchmark routing overrides (model/routing.h). Draws are
+// tests/model/routing_test.cpp: the router's expert selection (route_experts, on hand-computed
+// cases) and the benchmark routing overrides (model/routing.h). Draws are
 // distinct, deterministic in (layer, position, token), uniform or Zipf as named (chi-square
 // against the distribution computed here from its definition), weighted by the router's
 // renormalised probabilities; a forward pass with the override keeps the streaming store's
@@ -180,6 +181,88 @@ TEST(Routing, DefaultIsTheModelsRoutingAndOverridesChangeTheExperts) {
   EXPECT_LT(worst, 2e-2) << "token-by-token and batched prefill routed differently";
 }
 #endif
+
+// route_experts (llama.cpp's build_moe_ffn selection) on hand-computed cases: the plain
+// softmax top-k, ties, the selection bias (chooses, does not weigh), normalisation and scale,
+// expert groups (best two per group, ties to the lower group) and the clamp of the sum.
+struct Routed {
+  std::vector<int32_t> ids;
+  std::vector<float> wts;
+};
+Routed route(const RouterParams& rp, std::vector<float> prob, std::vector<float> bias, size_t k) {
+  Routed r{std::vector<int32_t>(k), std::vector<float>(k)};
+  route_experts(rp, prob, bias, r.ids, r.wts);
+  return r;
+}
+
+TEST(RouteExperts, TopKRenormalisedLikeTheSoftmaxRows) {
+  const Routed r = route({}, {0.1f, 0.4f, 0.2f, 0.3f}, {}, 2);
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{1, 3}));
+  EXPECT_NEAR(r.wts[0], 0.4 / 0.7, 1e-6);
+  EXPECT_NEAR(r.wts[1], 0.3 / 0.7, 1e-6);
+}
+
+TEST(RouteExperts, TiesGoToTheLowerId) {
+  EXPECT_EQ(route({}, {0.2f, 0.3f, 0.3f, 0.2f}, {}, 2).ids, (std::vector<int32_t>{1, 2}));
+  EXPECT_EQ(route({}, {0.2f, 0.3f, 0.3f, 0.2f}, {}, 3).ids, (std::vector<int32_t>{1, 2, 0}));
+  EXPECT_EQ(route({}, {0.25f, 0.25f, 0.25f, 0.25f}, {}, 4).ids, (std::vector<int32_t>{0, 1, 2, 3}));
+}
+
+TEST(RouteExperts, BiasChoosesButTheUnbiasedProbabilitiesWeigh) {
+  RouterParams rp;
+  rp.gating = GatingFunc::Sigmoid;
+  rp.norm_weights = true;
+  rp.weights_scale = 2.5f;
+  // Scores 0.9-1, 0.5, 0.6, 0.1+1: experts 3 then 2, weighted by 0.1 and 0.6.
+  const std::vector<float> prob = {0.9f, 0.5f, 0.6f, 0.1f}, bias = {-1.0f, 0.0f, 0.0f, 1.0f};
+  Routed r = route(rp, prob, bias, 2);
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{3, 2}));
+  EXPECT_NEAR(r.wts[0], 2.5 * 0.1 / 0.7, 1e-6);
+  EXPECT_NEAR(r.wts[1], 2.5 * 0.6 / 0.7, 1e-6);
+  rp.norm_weights = false;  // the raw probabilities, scaled
+  r = route(rp, prob, bias, 2);
+  EXPECT_NEAR(r.wts[0], 2.5 * 0.1, 1e-6);
+  EXPECT_NEAR(r.wts[1], 2.5 * 0.6, 1e-6);
+  // Without the bias the same probabilities choose experts 0 and 2.
+  EXPECT_EQ(route(rp, prob, {}, 2).ids, (std::vector<int32_t>{0, 2}));
+}
+
+TEST(RouteExperts, GroupsScoreTheirBestTwoAndOnlyTheBestGroupsStay) {
+  RouterParams rp;
+  rp.n_group = 2;
+  rp.n_group_used = 1;
+  // Group 0 holds the best expert (0.9) but scores 0.9 + 0.1 = 1.0; group 1 scores 0.6 + 0.5.
+  const std::vector<float> prob = {0.9f, 0.1f, 0.1f, 0.1f, 0.6f, 0.5f, 0.2f, 0.2f};
+  Routed r = route(rp, prob, {}, 2);
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{4, 5}));
+  EXPECT_NEAR(r.wts[0], 0.6 / 1.1, 1e-6);
+  EXPECT_NEAR(r.wts[1], 0.5 / 1.1, 1e-6);
+  // The selection bias counts in the group score: +0.2 on expert 1 makes group 0 score 1.2.
+  std::vector<float> bias(8, 0.0f);
+  bias[1] = 0.2f;
+  r = route(rp, prob, bias, 2);
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{0, 1}));
+  EXPECT_NEAR(r.wts[0], 0.9 / 1.0, 1e-6);  // weights from the unbiased 0.9 and 0.1
+  EXPECT_NEAR(r.wts[1], 0.1 / 1.0, 1e-6);
+  // Two equal values both count (a top-2, not the two best distinct values): 0.8 > 0.75.
+  EXPECT_EQ(route(rp, {0.4f, 0.4f, 0.0f, 0.0f, 0.7f, 0.05f, 0.0f, 0.0f}, {}, 1).ids,
+            (std::vector<int32_t>{0}));
+  // Equal group scores: the lower group.
+  EXPECT_EQ(route(rp, {0.0f, 0.5f, 0.5f, 0.0f, 0.5f, 0.5f, 0.0f, 0.0f}, {}, 2).ids,
+            (std::vector<int32_t>{1, 2}));
+  // Four groups of two, two used: groups 3 (1.5) and 1 (1.1) stay; the best four of them.
+  rp.n_group = 4;
+  rp.n_group_used = 2;
+  EXPECT_EQ(route(rp, {0.9f, 0.0f, 0.6f, 0.5f, 0.3f, 0.3f, 0.8f, 0.7f}, {}, 4).ids,
+            (std::vector<int32_t>{6, 7, 2, 3}));
+}
+
+TEST(RouteExperts, TheNormalisingSumIsClampedAtTheSmallestNormalHalf) {
+  const Routed r = route({}, {1e-5f, 3e-5f, 0.0f, 0.0f}, {}, 2);
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{1, 0}));
+  EXPECT_NEAR(r.wts[0], 3e-5 / 6.103515625e-5, 1e-6);
+  EXPECT_NEAR(r.wts[1], 1e-5 / 6.103515625e-5, 1e-6);
+}
 
 }  // namespace
 }  // namespace kiln::model
