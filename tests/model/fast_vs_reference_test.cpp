@@ -304,6 +304,10 @@ TEST(FastVsReference, Deepseek2LatentRefBackend) {
   auto be = make_ref_backend();
   run_compare(random_deepseek2(48), *be, kRefBackendTol, 40);
 }
+TEST(FastVsReference, Deepseek2FixtureRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(load("deepseek2-mla-f16.gguf"), *be, kRefBackendTol, 40);
+}
 TEST(FastVsReference, Deepseek2NoQLoraRefBackend) {
   auto be = make_ref_backend();
   run_compare(random_deepseek2(0), *be, kRefBackendTol, 40);
@@ -361,6 +365,10 @@ TEST(FastVsReference, Phi3FixtureCpuBackend) {
 TEST(FastVsReference, Deepseek2LatentCpuBackend) {
   auto be = make_cpu_backend({.threads = 2});
   run_compare(random_deepseek2(48), *be, 1e-2, 40);
+}
+TEST(FastVsReference, Deepseek2FixtureCpuBackend) {
+  auto be = make_cpu_backend({.threads = 2});
+  run_compare(load("deepseek2-mla-f16.gguf"), *be, 1e-2, 40);
 }
 TEST(FastVsReference, Deepseek2NoQLoraCpuBackend) {
   auto be = make_cpu_backend({.threads = 2});
