@@ -359,6 +359,9 @@ Expected<HParams> read_hparams(const GgufFile& g) {
   KILN_ASSIGN_OR_RETURN(hp.logit_scale, r.opt<float>("logit_scale", 1.0f));
   if (hp.attn_softcap < 0 || hp.final_softcap < 0)
     return Status::errorf("negative softcap in '{}' metadata", hp.arch_name);
+  if (hp.is_mla() && hp.attn_softcap > 0)  // neither latent-attention pass applies one
+    return Status::errorf("metadata '{}' = {} with latent attention is not supported",
+                          r.key("attn_logit_softcapping"), hp.attn_softcap);
   hp.attn_scale = 1.0f / std::sqrt(float(hp.head_dim_k));
   hp.embd_scale = arch.embd_scale_sqrt ? std::sqrt(float(hp.n_embd)) : 1.0f;
 
