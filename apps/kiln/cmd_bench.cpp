@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -73,11 +74,14 @@ struct Result {
 
 // Weight bytes a decode step reads outside the experts: every tensor once, except that the
 // token embedding contributes one row (a lookup) unless it doubles as the output matrix; the
-// stacked expert tensors (*_exps) are left to the forward pass's counter.
+// stacked expert tensors (*_exps) are left to the forward pass's counter, and the blocks after
+// the main pass's layers (NextN/MTP blocks, HParams::nextn_layers) are not read by a decode step.
 double dense_bytes_per_token(const Model& model) {
   double bytes = 0;
+  const int32_t n_layer = model.hparams().n_layer;
   for (const TensorInfo& t : model.gguf().tensors()) {
     if (t.name.find("_exps.") != std::string::npos) continue;
+    if (t.name.starts_with("blk.") && std::atoi(t.name.c_str() + 4) >= n_layer) continue;
     if (t.name == "token_embd.weight") {
       bytes += double(t.n_bytes) / double(t.n_rows());
       if (!model.weights().tied_output) continue;

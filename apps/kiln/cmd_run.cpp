@@ -20,6 +20,7 @@
 #include "core/counters.h"
 #include "core/log.h"
 #include "engine/constrained.h"
+#include "engine/mtp_drafter.h"
 #include "engine/speculative.h"
 #include "grammar/json_schema.h"
 #include "sampling/sampler.h"
@@ -36,6 +37,7 @@ struct RunOptions {
   std::shared_ptr<ConfigOverrides> config;
   std::string draft;        // --draft MODEL: speculative decoding with a draft model
   bool spec_ngram = false;  // --spec-ngram: speculative decoding with prompt lookup
+  bool spec_mtp = false;    // --spec-mtp: speculative decoding with the model's NextN layer
   int32_t draft_n = 4;      // --draft-n: tokens drafted per verify step
   int64_t seed = 42;        // -1: drawn from std::random_device
   // Constrained decoding (llama.cpp's spellings): GBNF text, a GBNF file, a JSON Schema.
@@ -120,7 +122,11 @@ Status run_speculative(const RunOptions& o, const Config& cfg, Runtime& rt,
                        std::span<const int32_t> prompt, int32_t n_ctx) {
   const Tokenizer& tok = rt.tokenizer();
   std::unique_ptr<Drafter> drafter;
-  if (!o.draft.empty()) {
+  if (o.spec_mtp) {
+    if (!o.draft.empty() || o.spec_ngram)
+      return Status::error("give one of --draft MODEL, --spec-ngram and --spec-mtp");
+    KILN_ASSIGN_OR_RETURN(drafter, MtpDrafter::create(rt.model(), rt.backend(), n_ctx));
+  } else if (!o.draft.empty()) {
     if (o.spec_ngram) return Status::error("give either --draft MODEL or --spec-ngram, not both");
     KILN_ASSIGN_OR_RETURN(auto dm, Model::load(o.draft));
     KILN_ASSIGN_OR_RETURN(drafter,
@@ -243,9 +249,10 @@ Status run(RunOptions o) {
   for (int32_t id : prompt) sampler.accept(id);
 
   KILN_ASSIGN_OR_RETURN(auto grammar, run_grammar(o));
-  if (grammar && (!o.draft.empty() || o.spec_ngram))
+  const bool speculative = !o.draft.empty() || o.spec_ngram || o.spec_mtp;
+  if (grammar && speculative)
     return Status::error("--grammar/--json-schema with speculative decoding is not supported");
-  if (!o.draft.empty() || o.spec_ngram) return run_speculative(o, cfg, rt, prompt, n_ctx);
+  if (speculative) return run_speculative(o, cfg, rt, prompt, n_ctx);
   std::optional<Constraint> constraint;
   if (grammar) constraint.emplace(Constraint{make_token_trie(tok), grammar::Matcher(grammar), {}});
 
@@ -359,6 +366,8 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--draft", o->draft,
                   "speculative decoding with this draft model (same vocabulary)");
   cmd->add_flag("--spec-ngram", o->spec_ngram, "speculative decoding with n-gram prompt lookup");
+  cmd->add_flag("--spec-mtp", o->spec_mtp,
+                "speculative decoding with the model's own NextN (MTP) layer as the drafter");
   cmd->add_option("--grammar", o->grammar, "constrain the output to a GBNF grammar (text)");
   cmd->add_option("--grammar-file", o->grammar_file, "constrain the output to a GBNF file");
   cmd->add_option("-j,--json-schema", o->json_schema,

@@ -96,12 +96,22 @@ std::vector<model::Shard> shards_for(const Model& m, Backend& backend) {
   return out;
 }
 
+// LongRoPE picks its factor set by the context a sequence gets (llama.cpp's get_rope_factors,
+// on n_ctx per sequence), not by the training context the Model's own HParams assume.
+void use_rope_factors(std::vector<model::Shard>& shards, std::span<const float> factors) {
+  for (model::Shard& sh : shards)
+    for (model::LayerDesc& L : sh.hp.layers) L.rope.freq_factors = factors;
+}
+
 }  // namespace
 
 struct Session::Impl {
   std::vector<model::Shard> shards;  // [tp_size]
   std::vector<RankState> ranks;      // [tp_size]; ranks[0].kv is "the" cache
   std::vector<float> discard;        // [n_vocab] logits of a non-final chunk
+  // The rope factors of this session's context (model::rope_factors_for), set in every
+  // shard's layers; a BatchEval may only batch sessions whose factors are the same.
+  std::span<const float> rope_factors;
 
   KvCache& kv() { return ranks[0].kv; }
   // The ranks' caches hold the same positions and rows, so every call succeeds or fails on
@@ -141,7 +151,9 @@ Session::Session(std::shared_ptr<const Model> model, Backend& backend, int32_t n
   KILN_CHECK(model_ != nullptr);
   const model::HParams& hp = model_->hparams();
   n_ctx_ = n_ctx > 0 ? n_ctx : hp.n_ctx_train;
-  impl_.reset(new Impl{shards_for(*model_, backend_), {}, {}});
+  impl_.reset(new Impl{shards_for(*model_, backend_), {}, {}, {}});
+  impl_->rope_factors = model::rope_factors_for(model_->weights(), hp, n_ctx_);
+  use_rope_factors(impl_->shards, impl_->rope_factors);
   for (int r = 0; r < backend_.tp_size(); ++r) {
     const model::HParams& rhp = impl_->shards[static_cast<size_t>(r)].hp;
     KvConfig cfg;
@@ -176,6 +188,8 @@ uint64_t Session::kv_bytes_per_token() const {
 }
 
 int Session::tp_size() const { return static_cast<int>(impl_->ranks.size()); }
+
+std::span<const float> Session::rope_factors() const { return impl_->rope_factors; }
 
 const KvCache& Session::kv_cache() const { return impl_->ranks[0].kv; }
 
@@ -335,11 +349,16 @@ Status BatchEval::eval_impl(std::span<const Item> items, int32_t top_k) {
     if (n > s->max_batch())
       return Status::errorf("batch item {}: {} tokens exceed the session's batch limit {}", i, n,
                             s->max_batch());
+    if (s->impl_->rope_factors.data() != items[0].session->impl_->rope_factors.data())
+      return Status::errorf(
+          "batch items 0 and {}: contexts {} and {} use different LongRoPE factor sets", i,
+          items[0].session->n_ctx(), s->n_ctx());
     total += n;
     rows += items[i].all_logits ? n : 1;
   }
   if (total > max_tokens_)
     return Status::errorf("batch of {} tokens exceeds the limit {}", total, max_tokens_);
+  use_rope_factors(impl_->shards, items[0].session->impl_->rope_factors);
 
   Impl& b = *impl_;
   const size_t L = static_cast<size_t>(hp.n_layer);

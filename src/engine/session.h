@@ -114,6 +114,9 @@ class Session {
   uint64_t kv_bytes_per_token() const;
   // Ranks of the backend this session runs on (backend/tp_group.h); 1 on a plain backend.
   int tp_size() const;
+  // The rope frequency factors this session's context uses (model::rope_factors_for: Llama 3's
+  // rope_freqs, LongRoPE's long or short set by n_ctx(), or none). K rows are rotated by them.
+  std::span<const float> rope_factors() const;
 
   // When set, each eval records its named activations (`blk.N.attn_norm`, ..., see
   // model/capture.h) into *capture (cleared at the start of each eval). nullptr: off.

@@ -173,11 +173,20 @@ Status SpeculativeDecoder::start(std::span<const int32_t> prompt) {
                           target_.n_ctx());
   KILN_TRY(target_.rollback(0));
   history_.assign(prompt.begin(), prompt.end());
-  if (prompt.size() > 1) {
-    auto l = target_.eval(prompt.first(prompt.size() - 1), false);
-    if (!l) return l.status();
-  }
   KILN_TRY(drafter_.prepare(prompt).context(drafter_.name() + " drafter"));
+  capture_.only = drafter_.wanted_captures();
+  const std::span<const int32_t> head = prompt.first(prompt.size() - 1);
+  // A drafter conditioned on the target's activations sees the prompt's too, one forward
+  // step at a time (a Session's capture holds its last step only).
+  const size_t chunk = capture_.only.empty() ? head.size() : size_t(target_.max_batch());
+  for (size_t done = 0; done < head.size(); done += chunk) {
+    const auto part = head.subspan(done, std::min(chunk, head.size() - done));
+    target_.set_capture(capture_.only.empty() ? nullptr : &capture_);
+    auto l = target_.eval(part, false);
+    target_.set_capture(nullptr);
+    if (!l) return l.status();
+    if (!capture_.only.empty()) drafter_.observe_target(capture_, int32_t(part.size()));
+  }
   rng_ = Rng(params_.sampling.seed);
   draft_rng_ = Rng(params_.sampling.seed ^ 0x5eed'd4af'7000'0001ull);
   stats_ = SpecStats{};

@@ -61,7 +61,8 @@ class Drafter {
   // them to observe_target().
   virtual std::vector<std::string> wanted_captures() const { return {}; }
   // After each verify: the target's captured activations for the verify batch (rows: the
-  // last accepted token, then the drafts) and how many of those rows were kept.
+  // last accepted token, then the drafts) and how many of those rows were kept. In start(),
+  // after prepare(), also for the prompt's rows (all but its last token), step by step.
   virtual void observe_target(const model::Capture& /*capture*/, int32_t /*n_rows_kept*/) {}
 };
 

@@ -72,6 +72,20 @@ constexpr std::array kArchs = {
              .act = FfnAct::SwigluOai,
              .swa = SwaRule::Pattern,
              .default_swa_pattern = 2},
+    // glm4moe (GLM-4.5/4.6, llama.cpp's glm4-moe graph): q/k/v biases, per-head q/k norms
+    // where present, NeoX rope on rope.dimension_count of each head, post_attention_norm as
+    // the FFN norm, leading dense layers then MoE layers with the sigmoid router, selection
+    // bias and a shared expert; the NextN blocks at the end are loaded, not run.
+    ArchInfo{.name = "glm4moe",
+             .rope_style = RopeStyle::NeoX,
+             .qkv_bias = true,
+             .experts_allowed = true,
+             .experts_required = true,
+             .ffn_norm_is_post_attention_norm = true,
+             .moe_v3 = true,
+             .default_gating = GatingFunc::Sigmoid,
+             .qk_norm_optional = true,
+             .nextn = true},
     // deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2): multi-head latent attention with a latent KV
     // cache; adjacent-pair RoPE on the k_pe / q_pe parts (llama.cpp's rope type NORM); the
     // DeepSeek-V3 MoE (absent expert_gating_func: softmax, as V2/V2.5 files mean it).

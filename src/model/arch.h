@@ -57,6 +57,10 @@ struct ArchInfo {
   // selection bias) is bound where a layer has it. Other rows refuse those keys.
   bool moe_v3 = false;
   GatingFunc default_gating = GatingFunc::Softmax;
+  bool qk_norm_optional = false;  // attn_{q,k}_norm bound where a layer has them (glm4moe)
+  // {arch}.nextn_predict_layers N: the last N of block_count blocks are NextN (MTP) blocks,
+  // bound (model/weights.h NextnWeights) but not run by the main pass, with no KV rows there.
+  bool nextn = false;
   float post_norm_eps = 0;  // > 0: eps of the post norms (else the metadata eps)
   FfnAct act = FfnAct::Silu;
   SwaRule swa = SwaRule::None;

@@ -20,6 +20,16 @@ struct CapturedNode {
 
 struct Capture {
   std::map<std::string, CapturedNode> nodes;
+  // Non-empty: only these names are recorded (a drafter that reads one node of every step
+  // does not pay for copying all the others).
+  std::vector<std::string> only;
+
+  bool wants(const std::string& name) const {
+    if (only.empty()) return true;
+    for (const std::string& o : only)
+      if (o == name) return true;
+    return false;
+  }
 
   void clear() { nodes.clear(); }
   void record(const std::string& name, std::span<const float> data, int64_t n_rows) {

@@ -3,6 +3,7 @@
 #include "model/forward.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include "core/check.h"
@@ -13,7 +14,9 @@ namespace kiln::model {
 ForwardState::ForwardState(const HParams& hp, int32_t max_batch) : max_batch_(max_batch) {
   KILN_CHECK(max_batch > 0);
   int64_t n_ff = 0, n_expert = 0, n_used = 0;
-  for (const LayerDesc& L : hp.layers) {
+  std::vector<LayerDesc> all = hp.layers;  // NextN blocks run with this state too
+  all.insert(all.end(), hp.nextn_layers.begin(), hp.nextn_layers.end());
+  for (const LayerDesc& L : all) {
     n_ff = std::max<int64_t>({n_ff, L.n_ff, L.n_ff_expert, L.n_ff_shexp});
     n_expert = std::max<int64_t>(n_expert, L.n_expert);
     n_used = std::max<int64_t>(n_used, L.n_expert_used);
@@ -83,6 +86,7 @@ void ForwardState::bind(Backend& be) {
   mla_ov = be.alloc<float>(n_mla_ov_);
   logits = {};
   n_logits_ = 0;
+  nextn_cat = {};
 }
 
 namespace {
@@ -109,6 +113,14 @@ class ForwardPass {
  public:
   ForwardPass(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
               const ForwardBatch& batch, std::span<float> logits);
+  // A NextN step (forward_nextn): the input rows come from `hidden` and the tokens through
+  // the block's eh_proj, and the last layer's output rows go to hidden_out.
+  void set_nextn(const NextnWeights* nw, std::span<const float> hidden,
+                 std::span<float> hidden_out) {
+    nextn_ = nw;
+    nextn_hidden_ = hidden;
+    hidden_out_ = hidden_out;
+  }
   void run();
 
  private:
@@ -128,6 +140,7 @@ class ForwardPass {
   void hint_weights(std::initializer_list<const WeightMatrix*> ws, int64_t n_tok);
 
   void embed();
+  void nextn_embed();
   void attention_block(int32_t il);
   void mla_attention(int32_t il);
   // Column block [src_col, src_col + width) of each of `rows` rows of src (rows src_w wide)
@@ -158,7 +171,8 @@ class ForwardPass {
   // through host_view, which downloads on device backends and is the span itself elsewhere.
   std::span<const float> host_view(std::span<const float> data, std::vector<float>& mirror);
   void rec(const std::string& name, std::span<const float> data, int64_t rows) {
-    if (batch_.capture) batch_.capture->record(name, host_view(data, st_.capture_host), rows);
+    if (batch_.capture && batch_.capture->wants(name))
+      batch_.capture->record(name, host_view(data, st_.capture_host), rows);
   }
   std::string prefix(int32_t il) const {
     return batch_.capture ? fmt::format("blk.{}.", il) : std::string();
@@ -203,6 +217,9 @@ class ForwardPass {
   // The residual stream x, the normalised rows h, the block outputs a; Q, K, V and the
   // attention output o: [n][width] slices of the state's scratch.
   std::span<float> x_, h_, a_, q_, k_, v_, o_;
+  const NextnWeights* nextn_ = nullptr;
+  std::span<const float> nextn_hidden_;
+  std::span<float> hidden_out_;
 };
 
 ForwardPass::ForwardPass(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
@@ -300,7 +317,10 @@ void ForwardPass::hint(Hint at, int32_t il) {
 void ForwardPass::run() {
   if (batch_.capture) batch_.capture->clear();
   hint(Hint::Start, 0);
-  embed();
+  if (nextn_)
+    nextn_embed();
+  else
+    embed();
   for (int32_t il = 0; il < hp_.n_layer; ++il) {
     if (hp_.is_mla())
       mla_attention(il);
@@ -312,6 +332,7 @@ void ForwardPass::run() {
       dense_ffn_block(il);
     layer_end(il);
   }
+  if (!hidden_out_.empty()) be_.download(std::span<const float>(x_), hidden_out_);
   if (!want_logits_) {
     be_.synchronize();  // the step's work is done on return, as on the rank that downloads
     return;
@@ -324,6 +345,33 @@ void ForwardPass::embed() {
   if (hp_.embd_scale != 1.0f) be_.scale(x_, hp_.embd_scale);
   if (hp_.arch->embd_rmsnorm) norm_in_place(x_, {}, E_, hp_.rms_eps);
   rec("inp_embd", x_, n_);
+}
+
+// The NextN input rows (forward_nextn): enorm(embedding) and hnorm(hidden) side by side per
+// row (embedding first, as vLLM's and llama.cpp's eh_proj read them), through eh_proj into x.
+void ForwardPass::nextn_embed() {
+  const int64_t n = n_, E = E_;
+  KILN_CHECK(static_cast<int64_t>(nextn_hidden_.size()) == n * E, "NextN hidden of {} floats",
+             nextn_hidden_.size());
+  if (st_.nextn_cat.size() < static_cast<size_t>(st_.max_batch_ * 2 * E))
+    st_.nextn_cat = be_.alloc<float>(static_cast<size_t>(st_.max_batch_ * 2 * E));
+  const std::span<float> cat = sl(st_.nextn_cat, n * 2 * E);
+  auto row = [E](std::span<float> s, int64_t t) {
+    return s.subspan(static_cast<size_t>(t * E), static_cast<size_t>(E));
+  };
+  be_.get_rows(w_.token_embd, batch_.tokens, a_);
+  for (int64_t t = 0; t < n; ++t)
+    if (batch_.pos[t] == 0) be_.zero(row(a_, t));  // vLLM: position 0's embedding is masked
+  be_.rmsnorm(a_, nextn_->enorm, E, hp_.rms_eps, h_);
+  be_.upload(nextn_hidden_, a_);
+  be_.rmsnorm(a_, nextn_->hnorm, E, hp_.rms_eps, x_);
+  for (int64_t t = 0; t < n; ++t) {
+    const auto dst = cat.subspan(static_cast<size_t>(t * 2 * E), static_cast<size_t>(2 * E));
+    be_.copy(std::span<const float>(row(h_, t)), dst.first(static_cast<size_t>(E)));
+    be_.copy(std::span<const float>(row(x_, t)), dst.subspan(static_cast<size_t>(E)));
+  }
+  be_.matmul(nextn_->eh_proj, cat, n, x_);
+  rec("inp_embd", x_, n);
 }
 
 // attn_norm'd rows h -> the attention block's output added to the residual stream x, and h
@@ -785,6 +833,60 @@ void ForwardPass::output_head() {
 void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,
              const ForwardBatch& batch, std::span<float> logits) {
   ForwardPass(hp, w, be, st, batch, logits).run();
+}
+
+namespace {
+
+// NextN block i's experts are layer i of Weights::nextn_experts; its one-layer view runs it
+// as layer 0.
+class OffsetExperts final : public moe::ExpertSource {
+ public:
+  OffsetExperts(moe::ExpertSource& src, int32_t offset) : src_(src), offset_(offset) {}
+  moe::ExpertWeights get(int32_t layer, int32_t expert) override {
+    return src_.get(layer + offset_, expert);
+  }
+  int32_t n_layer() const override { return 1; }
+  int32_t n_expert(int32_t layer) const override { return src_.n_expert(layer + offset_); }
+  void will_need(int32_t layer, std::span<const int32_t> experts) override {
+    src_.will_need(layer + offset_, experts);
+  }
+
+ private:
+  moe::ExpertSource& src_;
+  int32_t offset_;
+};
+
+}  // namespace
+
+void forward_nextn(const HParams& hp, const Weights& w, int32_t nextn, Backend& be,
+                   ForwardState& st, const ForwardBatch& batch, std::span<const float> hidden,
+                   std::span<float> logits, std::span<float> hidden_out) {
+  KILN_CHECK(nextn >= 0 && static_cast<size_t>(nextn) < hp.nextn_layers.size() &&
+                 w.nextn.size() == hp.nextn_layers.size(),
+             "NextN block {} of {}", nextn, hp.nextn_layers.size());
+  const NextnWeights& nw = w.nextn[static_cast<size_t>(nextn)];
+  // A one-layer model: the block as layer 0, the NextN embedding and head in place of the
+  // model's (views only; nothing is copied but spans).
+  HParams vh = hp;
+  vh.n_layer = 1;
+  vh.layers.assign(1, hp.nextn_layers[static_cast<size_t>(nextn)]);
+  vh.nextn_layers.clear();
+  Weights vw;
+  vw.token_embd = nw.embed_tokens.n_rows > 0 ? nw.embed_tokens : w.token_embd;
+  vw.output_norm = nw.shared_head_norm;
+  vw.output = nw.shared_head_head.n_rows > 0 ? nw.shared_head_head : w.output;
+  vw.rope_freqs = w.rope_freqs;
+  vw.rope_long = w.rope_long;
+  vw.rope_short = w.rope_short;
+  vw.layers.assign(1, nw.layer);
+  std::optional<OffsetExperts> experts;
+  if (w.nextn_experts) {
+    experts.emplace(*w.nextn_experts, nextn);
+    vw.experts = std::shared_ptr<moe::ExpertSource>(&*experts, [](moe::ExpertSource*) {});
+  }
+  ForwardPass pass(vh, vw, be, st, batch, logits);
+  pass.set_nextn(&nw, hidden, hidden_out);
+  pass.run();
 }
 
 }  // namespace kiln::model

@@ -80,7 +80,8 @@ class ForwardState {
   BackendBuffer<float> mla_qa, mla_q, mla_kv, mla_qpe, mla_kpe, mla_c, mla_in, mla_out, mla_ov;
   std::vector<Backend::MatmulTask> mla_tasks;
   std::vector<WeightMatrix> mla_heads;
-  BackendBuffer<float> logits;  // device backends: [n_out][n_vocab], grown on demand
+  BackendBuffer<float> logits;     // device backends: [n_out][n_vocab], grown on demand
+  BackendBuffer<float> nextn_cat;  // forward_nextn's [B][2 * n_embd] concatenation, on demand
   // Mixture-of-experts scratch: router probabilities [B][n_expert], the chosen experts and
   // their weights [B][n_expert_used], and the rows routed to one expert gathered together.
   BackendBuffer<float> router, moe_in, moe_out;
@@ -98,6 +99,18 @@ class ForwardState {
   std::vector<const f16*> plane_check;
   std::vector<float> capture_host;  // device backends: a captured activation on its way out
 };
+
+// One step of NextN (MTP) block `nextn` (an index of HParams::nextn_layers). Row t's input
+// is eh_proj(concat(enorm(e_t), hnorm(hidden_t))): e_t the token's embedding (the block's
+// embed_tokens, else the model's), zeroed at position 0 as vLLM's MTP layers do, hidden_t row
+// t of `hidden` ([n_tok][n_embd], host memory); then the block (batch.kv holds its one
+// LayerKv), shared_head_norm and the head (shared_head_head, else the model's output) into
+// `logits` as forward() does. `hidden_out` ([n_tok][n_embd], host memory, may be empty)
+// receives the block's output rows before the head norm: the next draft's hidden state. `st`
+// must have been made from the whole model's HParams (it sizes for the NextN blocks too).
+void forward_nextn(const HParams& hp, const Weights& w, int32_t nextn, Backend& be,
+                   ForwardState& st, const ForwardBatch& batch, std::span<const float> hidden,
+                   std::span<float> logits, std::span<float> hidden_out);
 
 // Runs one step. `logits` receives [n_out][n_vocab] with n_out = n_tok (all_logits), else 1
 // (one sequence) or the rows the sequences ask for (see `seqs`).

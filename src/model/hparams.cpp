@@ -82,7 +82,7 @@ constexpr MathKey kUnimplementedMathKeys[] = {
     {"expert_shared_feed_forward_length", MathKey::Accept::Absent, "shared experts",
      &ArchInfo::moe_v3},
     {"leading_dense_block_count", MathKey::Accept::Zero, "leading dense layers", &ArchInfo::moe_v3},
-    {"nextn_predict_layers", MathKey::Accept::Zero, "NextN (MTP) layers"},
+    {"nextn_predict_layers", MathKey::Accept::Zero, "NextN (MTP) layers", &ArchInfo::nextn},
     {"router_logit_softcapping", MathKey::Accept::Absent, "a router softcap"},
 };
 
@@ -435,6 +435,15 @@ Expected<HParams> read_hparams(const GgufFile& g) {
     } else {
       L.n_ff = n_ff;
     }
+  }
+
+  // The last nextn_predict_layers blocks are NextN blocks: out of the main pass.
+  if (arch.nextn) {
+    KILN_ASSIGN_OR_RETURN(int32_t n_nextn, r.opt<int32_t>("nextn_predict_layers", 0));
+    KILN_TRY(check_range(r.key("nextn_predict_layers"), n_nextn, 0, hp.n_layer - 1));
+    hp.n_layer -= n_nextn;
+    hp.nextn_layers.assign(hp.layers.begin() + hp.n_layer, hp.layers.end());
+    hp.layers.resize(static_cast<size_t>(hp.n_layer));
   }
 
   // n_vocab is the embedding table's row count (vocab_size is optional and may disagree).

@@ -57,13 +57,17 @@ struct HParams {
   int32_t head_dim_v = 0;  // attention.value_length
   int32_t n_rot = 0;       // rope.dimension_count (default head_dim_k)
   float rms_eps = 1e-5f;
-  float post_norm_eps = 1e-5f;  // eps of post-attention / post-FFN norms
-  float attn_scale = 0;         // query scale (default 1/sqrt(head_dim_k))
-  float attn_softcap = 0;       // > 0: tanh softcap of attention logits
-  float final_softcap = 0;      // > 0: tanh softcap of output logits
-  float logit_scale = 1;        // output logits multiplied by this before the softcap
-  float embd_scale = 1;         // token embeddings multiplied by this (gemma: sqrt(n_embd))
-  std::vector<LayerDesc> layers;
+  float post_norm_eps = 1e-5f;    // eps of post-attention / post-FFN norms
+  float attn_scale = 0;           // query scale (default 1/sqrt(head_dim_k))
+  float attn_softcap = 0;         // > 0: tanh softcap of attention logits
+  float final_softcap = 0;        // > 0: tanh softcap of output logits
+  float logit_scale = 1;          // output logits multiplied by this before the softcap
+  float embd_scale = 1;           // token embeddings multiplied by this (gemma: sqrt(n_embd))
+  std::vector<LayerDesc> layers;  // [n_layer]: the blocks the main pass runs
+  // NextN (MTP) blocks (ArchInfo::nextn): block_count = n_layer + nextn_layers.size(); block
+  // n_layer + i is nextn_layers[i]. Not run by the main pass, no KV rows there; the MTP
+  // drafter (engine/mtp_drafter.h) runs them.
+  std::vector<LayerDesc> nextn_layers;
   // Latent attention (all zero elsewhere). With it, n_head_kv is 1, head_dim_k is the latent
   // row (kv_lora + rope) and head_dim_v its value part (kv_lora), as the GGUF's key_length
   // and value_length say: the shapes the attention op sees.

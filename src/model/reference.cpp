@@ -218,18 +218,25 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t E = hp_.n_embd;
   auto rec = [&](const std::string& name, const Vec& v) {
-    if (capture_) capture_->record(name, v, n);
+    if (capture_ && capture_->wants(name)) capture_->record(name, v, n);
   };
   std::vector<int32_t> pos(static_cast<size_t>(n));
   for (int64_t t = 0; t < n; ++t) pos[t] = n_pos_ + static_cast<int32_t>(t);
 
   Vec x(static_cast<size_t>(n * E));
-  for (int64_t t = 0; t < n; ++t) {
-    std::span<float> dst(x.data() + t * E, static_cast<size_t>(E));
-    quant::dequantize_row(w_.token_embd.dtype, w_.token_embd.row(tokens[t]), dst);
-    for (float& f : dst) f *= hp_.embd_scale;
+  if (!input_rows_.empty()) {
+    KILN_CHECK(static_cast<int64_t>(input_rows_.size()) == n * E, "input rows of {} floats",
+               input_rows_.size());
+    x.assign(input_rows_.begin(), input_rows_.end());
+    input_rows_ = {};
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      std::span<float> dst(x.data() + t * E, static_cast<size_t>(E));
+      quant::dequantize_row(w_.token_embd.dtype, w_.token_embd.row(tokens[t]), dst);
+      for (float& f : dst) f *= hp_.embd_scale;
+    }
+    if (hp_.arch->embd_rmsnorm) rmsnorm(x, E, hp_.rms_eps, {});
   }
-  if (hp_.arch->embd_rmsnorm) rmsnorm(x, E, hp_.rms_eps, {});
   rec("inp_embd", x);
 
   const int64_t hk = hp_.head_dim_k, hv = hp_.head_dim_v;

@@ -27,6 +27,9 @@ class ReferenceSession {
   int32_t n_pos() const { return n_pos_; }
   int32_t n_ctx() const { return n_ctx_; }
   void set_capture(Capture* capture) { capture_ = capture; }
+  // The next eval's input rows ([n_tok][n_embd], borrowed until that eval returns) in place of
+  // the token embeddings: a NextN block's projected input (tests of model::forward_nextn).
+  void set_input_rows(std::span<const float> rows) { input_rows_ = rows; }
 
  private:
   const HParams& hp_;
@@ -36,6 +39,7 @@ class ReferenceSession {
   std::vector<std::vector<float>> k_, v_;  // [n_layer][n_pos][k_width|v_width], after RoPE
   std::vector<float> logits_;
   Capture* capture_ = nullptr;
+  std::span<const float> input_rows_;
 };
 
 }  // namespace kiln::model

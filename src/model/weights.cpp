@@ -1,6 +1,7 @@
 // model/weights.cpp: binds and shape-checks the tensors named by the architecture table.
 #include "model/weights.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -194,12 +195,9 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
       if (!(f[i] > 0) || !std::isfinite(f[i]))
         return Status::errorf("tensor '{}': factor {} = {} is not a positive finite number", name,
                               i, f[i]);
-  w.layers.resize(hp.n_layer);
-  std::vector<moe::StackedExperts> experts(static_cast<size_t>(hp.n_layer));
-  bool any_experts = false;
-  for (int32_t il = 0; il < hp.n_layer; ++il) {
-    const LayerDesc& L = hp.layers[il];
-    LayerWeights& lw = w.layers[il];
+  // One block's tensors (block il of the file), its experts into `se`.
+  auto bind_layer = [&](int32_t il, const LayerDesc& L, LayerWeights& lw,
+                        moe::StackedExperts& se) -> Status {
     auto n = [il](const char* what) { return fmt::format("blk.{}.{}", il, what); };
     KILN_ASSIGN_OR_RETURN(lw.attn_norm, b.vec(n("attn_norm.weight"), E));
     if (arch.mla) {
@@ -225,7 +223,7 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
     if (arch.attn_sinks) {
       KILN_ASSIGN_OR_RETURN(lw.attn_sinks, b.vec(n("attn_sinks.weight"), hp.n_head));
     }
-    if (arch.qk_norm) {
+    if (arch.qk_norm || (arch.qk_norm_optional && b.has(n("attn_q_norm.weight")))) {
       KILN_ASSIGN_OR_RETURN(lw.q_norm, b.vec(n("attn_q_norm.weight"), hp.head_dim_k));
       KILN_ASSIGN_OR_RETURN(lw.k_norm, b.vec(n("attn_k_norm.weight"), hp.head_dim_k));
     }
@@ -241,7 +239,6 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
                                                                   : "ffn_norm.weight"),
                            E));
     if (L.n_expert > 0) {
-      moe::StackedExperts& se = experts[il];
       se.n_expert = L.n_expert;
       const int64_t F = L.n_ff_expert, X = L.n_expert;
       KILN_ASSIGN_OR_RETURN(lw.ffn_gate_inp, b.matrix(n("ffn_gate_inp.weight"), E, X));
@@ -263,8 +260,7 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
         KILN_ASSIGN_OR_RETURN(lw.ffn_up_shexp, b.matrix(n("ffn_up_shexp.weight"), E, S));
         KILN_ASSIGN_OR_RETURN(lw.ffn_down_shexp, b.matrix(n("ffn_down_shexp.weight"), S, E));
       }
-      any_experts = true;
-      continue;
+      return Status::ok();
     }
     if (arch.fused_gate_up) {
       KILN_TRY(bind_fused_gate_up(b, n("ffn_up.weight"), E, L.n_ff, lw));
@@ -273,9 +269,40 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
       KILN_ASSIGN_OR_RETURN(lw.ffn_up, b.matrix(n("ffn_up.weight"), E, L.n_ff));
     }
     KILN_ASSIGN_OR_RETURN(lw.ffn_down, b.matrix(n("ffn_down.weight"), L.n_ff, E));
+    return Status::ok();
+  };
+  w.layers.resize(hp.n_layer);
+  std::vector<moe::StackedExperts> experts(static_cast<size_t>(hp.n_layer));
+  for (int32_t il = 0; il < hp.n_layer; ++il)
+    KILN_TRY(bind_layer(il, hp.layers[il], w.layers[il], experts[il]));
+  // NextN blocks: the file's blocks after the main pass's, each a whole layer plus its own
+  // input projection and head norm (tensor names as llama.cpp's glm4moe loader reads them).
+  std::vector<moe::StackedExperts> nextn_experts(hp.nextn_layers.size());
+  w.nextn.resize(hp.nextn_layers.size());
+  for (size_t i = 0; i < hp.nextn_layers.size(); ++i) {
+    const int32_t il = hp.n_layer + static_cast<int32_t>(i);
+    NextnWeights& nw = w.nextn[i];
+    KILN_TRY(bind_layer(il, hp.nextn_layers[i], nw.layer, nextn_experts[i]));
+    auto n = [il](const char* what) { return fmt::format("blk.{}.nextn.{}", il, what); };
+    KILN_ASSIGN_OR_RETURN(nw.eh_proj, b.matrix(n("eh_proj.weight"), 2 * E, E));
+    KILN_ASSIGN_OR_RETURN(nw.enorm, b.vec(n("enorm.weight"), E));
+    KILN_ASSIGN_OR_RETURN(nw.hnorm, b.vec(n("hnorm.weight"), E));
+    KILN_ASSIGN_OR_RETURN(nw.shared_head_norm, b.vec(n("shared_head_norm.weight"), E));
+    if (b.has(n("embed_tokens.weight"))) {
+      KILN_ASSIGN_OR_RETURN(nw.embed_tokens, b.matrix(n("embed_tokens.weight"), E, hp.n_vocab));
+    }
+    if (b.has(n("shared_head_head.weight"))) {
+      KILN_ASSIGN_OR_RETURN(nw.shared_head_head,
+                            b.matrix(n("shared_head_head.weight"), E, hp.n_vocab));
+    }
   }
   KILN_TRY(b.check_all_used(hp.arch_name));
-  if (any_experts) w.experts = std::make_shared<moe::MappedExpertSource>(std::move(experts));
+  auto any = [](const std::vector<moe::StackedExperts>& v) {
+    return std::any_of(v.begin(), v.end(), [](const auto& s) { return s.n_expert > 0; });
+  };
+  if (any(experts)) w.experts = std::make_shared<moe::MappedExpertSource>(std::move(experts));
+  if (any(nextn_experts))
+    w.nextn_experts = std::make_shared<moe::MappedExpertSource>(std::move(nextn_experts));
   return w;
 }
 
@@ -290,6 +317,7 @@ std::span<const float> rope_factors_for(const Weights& w, const HParams& hp, int
 void attach_rope_factors(const Weights& w, HParams& hp) {
   const std::span<const float> f = rope_factors_for(w, hp, hp.n_ctx_train);
   for (LayerDesc& L : hp.layers) L.rope.freq_factors = f;
+  for (LayerDesc& L : hp.nextn_layers) L.rope.freq_factors = f;
 }
 
 }  // namespace kiln::model

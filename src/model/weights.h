@@ -54,6 +54,17 @@ struct LayerWeights {
   WeightMatrix ffn_down_shexp;                // [n_embd][n_ff_shexp]
 };
 
+// A NextN (MTP) block (HParams::nextn_layers): h' = eh_proj(concat(enorm(embed(token)),
+// hnorm(hidden))) through `layer`, then shared_head_norm and the output head.
+struct NextnWeights {
+  LayerWeights layer;                           // attention + FFN, as a main-pass layer
+  WeightMatrix eh_proj;                         // [n_embd][2 * n_embd]
+  std::span<const float> enorm, hnorm;          // [n_embd]
+  std::span<const float> shared_head_norm;      // [n_embd]
+  WeightMatrix embed_tokens, shared_head_head;  // [n_vocab][n_embd], else n_rows == 0: the
+                                                // model's token_embd / output
+};
+
 struct Weights {
   WeightMatrix token_embd;             // [n_vocab][n_embd]
   std::span<const float> output_norm;  // [n_embd]
@@ -65,6 +76,9 @@ struct Weights {
   std::vector<LayerWeights> layers;
   // Expert FFN weights of MoE layers, reached only through this interface (null: dense model).
   std::shared_ptr<moe::ExpertSource> experts;
+  // NextN blocks (HParams::nextn_layers) and their experts (layer i: NextN block i), or empty.
+  std::vector<NextnWeights> nextn;
+  std::shared_ptr<moe::ExpertSource> nextn_experts;
   // Dequantized copies of non-f32 small vectors; the spans above may point into these
   // (moving the outer vector keeps each inner buffer in place).
   std::vector<std::vector<float>> owned;

@@ -99,6 +99,18 @@ kvpack::Identity identity_of(const Model& model) {
                           .chat_template = has_template ? c.digest() : 0};
 }
 
+kvpack::Identity identity_of(const Session& session) {
+  kvpack::Identity id = identity_of(session.model());
+  const model::Weights& w = session.model().weights();
+  if (!w.rope_long.empty() && w.rope_freqs.empty()) {
+    Hasher h;
+    h.pod(id.model);
+    h.str(session.rope_factors().data() == w.rope_long.data() ? "longrope long" : "longrope short");
+    id.model = h.digest();
+  }
+  return id;
+}
+
 std::vector<kvpack::LayerKind> layer_kinds(const Model& model) {
   const model::HParams& hp = model.hparams();
   std::vector<kvpack::LayerKind> out;

@@ -21,6 +21,10 @@ inline constexpr uint32_t kEngineAbiVersion = 3;
 // chat template text. Hashing is over a canonical encoding of the parsed values, so two files
 // with the same content hash alike.
 kvpack::Identity identity_of(const Model& model);
+// identity_of(session.model()), and for a LongRoPE model the factor set the session's context
+// chose (its K rows are rotated by it): a pack made with the short set is refused by a session
+// that uses the long one, and the other way round.
+kvpack::Identity identity_of(const Session& session);
 std::vector<kvpack::LayerKind> layer_kinds(const Model& model);
 
 }  // namespace kiln::transfer

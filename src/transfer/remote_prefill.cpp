@@ -87,16 +87,19 @@ Status produce(Link& link, const Request& req, const std::shared_ptr<const Model
   kvpack::Header probe;
   probe.id = req.id;
   probe.layers = kinds;
-  KILN_TRY(kvpack::check_compatible(probe, identity_of(*model), kinds));
   const int32_t n = int32_t(req.tokens.size());
   if (backend.tp_size() > 1)
     return Status::error(
         "remote prefill: a tensor-parallel backend's KV is split over its "
         "GPUs (kvpack does not carry it)");
   Session s(model, backend, n, opt.max_batch);
+  // The session's identity, not the model's: a context of n tokens may choose another
+  // LongRoPE factor set than the consumer's context did, and such a pack is refused (the
+  // consumer then prefills itself).
+  KILN_TRY(kvpack::check_compatible(probe, identity_of(s), kinds));
   const KvCache& kv = s.kv_cache();
   kvpack::Header h;
-  h.id = identity_of(*model);
+  h.id = identity_of(s);
   h.layers = kinds;
   h.n_pos = n;
   // The positions the producer's cache keeps at the end: all of a full layer; the newest
@@ -154,7 +157,7 @@ Status remote_prefill(Link& link, Session& session, std::span<const int32_t> tok
     return Status::errorf("remote prefill into a session holding {} positions", session.n_pos());
   if (tokens.empty()) return Status::error("remote prefill of no tokens");
   const auto t0 = std::chrono::steady_clock::now();
-  KILN_TRY(link.send(encode_request(identity_of(session.model()), tokens), timeout));
+  KILN_TRY(link.send(encode_request(identity_of(session), tokens), timeout));
   uint8_t tag[4];
   KILN_TRY(recv_exact(link, tag, timeout));
   if (std::memcmp(tag, kErr, 4) == 0) {

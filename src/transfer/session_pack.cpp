@@ -12,7 +12,7 @@ Expected<std::vector<uint8_t>> save_session(const Session& session, int32_t max_
   if (session.tp_size() > 1)
     return Status::error("kvpack: a tensor-parallel session's KV is split over its GPUs");
   const auto kinds = layer_kinds(session.model());
-  return kvpack::save(session.kv_cache(), identity_of(session.model()), kinds, max_tile_rows);
+  return kvpack::save(session.kv_cache(), identity_of(session), kinds, max_tile_rows);
 }
 
 Expected<KvCache> fresh_cache_for(const Session& session) {
@@ -27,7 +27,7 @@ Expected<KvCache> fresh_cache_for(const Session& session) {
 
 StreamInstall::StreamInstall(Session& session)
     : session_(session),
-      mine_(identity_of(session.model())),
+      mine_(identity_of(session)),
       kinds_(layer_kinds(session.model())),
       parser_(
           [this](const kvpack::Header& h) -> Status {

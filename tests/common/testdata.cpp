@@ -45,6 +45,12 @@ std::string shared_path(const std::string& rel) {
 
 std::string model_path(const std::string& file) { return shared_path("testdata/models/" + file); }
 
+std::string source_path(const std::string& rel) {
+  std::string p = std::string(KILN_SOURCE_DIR) + "/" + rel;
+  if (!fs::exists(p)) die(fmt::format("missing source file '{}'", p));
+  return p;
+}
+
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) die(fmt::format("cannot read '{}'", path));

@@ -12,7 +12,9 @@ namespace kiln::testing {
 const std::string& shared_dir();
 std::string shared_path(const std::string& rel);  // shared_dir() + "/" + rel, must exist
 std::string model_path(const std::string& file);  // testdata/models/<file>
-std::string read_file(const std::string& path);   // whole file; aborts if unreadable
+// <kiln checkout>/rel (data kiln keeps itself, e.g. tests/golden/*.json); must exist.
+std::string source_path(const std::string& rel);
+std::string read_file(const std::string& path);  // whole file; aborts if unreadable
 void write_file(const std::string& path, std::string_view bytes);  // aborts if unwritable
 // Path of the built `kiln` binary (KILN_BIN, set by ctest).
 std::string kiln_binary();

@@ -307,20 +307,32 @@ INSTANTIATE_TEST_SUITE_P(RingModels, SpecRollback,
 class CaptureDrafter final : public Drafter {
  public:
   std::string name() const override { return "capture"; }
+  Status prepare(std::span<const int32_t> prompt) override {
+    prompt_rows = static_cast<int32_t>(prompt.size()) - 1;
+    seen_prompt = 0;
+    last_drafted = -1;
+    return Status::ok();
+  }
   Status propose(const DraftRequest& req, Draft& out) override {
     out.tokens.assign(size_t(req.max_tokens), req.history.back());  // a repeat guess
     out.probs.clear();
     last_drafted = req.max_tokens;
     return Status::ok();
   }
-  std::vector<std::string> wanted_captures() const override { return {"result_norm"}; }
+  std::vector<std::string> wanted_captures() const override { return {"blk.0.l_out"}; }
   void observe_target(const model::Capture& c, int32_t kept) override {
-    auto it = c.nodes.find("result_norm");
-    ok &= it != c.nodes.end() && it->second.n_rows == last_drafted + 1 && kept >= 1 &&
-          kept <= last_drafted + 1;
+    auto it = c.nodes.find("blk.0.l_out");
+    ok &= it != c.nodes.end() && c.nodes.size() == 1;  // only the node asked for
+    if (it == c.nodes.end()) return;
+    if (last_drafted < 0) {  // start(): the prompt's rows, every one kept
+      ok &= kept == it->second.n_rows;
+      seen_prompt += kept;
+      return;
+    }
+    ok &= it->second.n_rows == last_drafted + 1 && kept >= 1 && kept <= last_drafted + 1;
     ++calls;
   }
-  int32_t last_drafted = 0;
+  int32_t last_drafted = -1, prompt_rows = 0, seen_prompt = 0;
   int calls = 0;
   bool ok = true;
 };
@@ -344,6 +356,13 @@ TEST(SpecDecoder, BlockDrafterHookSeesTargetHiddenStates) {
   EXPECT_EQ(spec_decode(**dec, prompt, 20), want.ids);
   EXPECT_GT(cd.calls, 0);
   EXPECT_TRUE(cd.ok);
+  EXPECT_EQ(cd.seen_prompt, cd.prompt_rows);
+  // A prompt longer than the target's batch limit reaches the drafter step by step.
+  const auto long_prompt = random_prompt(30, m->n_vocab(), 22);
+  const Plain want_long = plain_decode(ref, *sampler, long_prompt, 8);
+  EXPECT_EQ(spec_decode(**dec, long_prompt, 8), want_long.ids);
+  EXPECT_TRUE(cd.ok);
+  EXPECT_EQ(cd.seen_prompt, 29);
 }
 
 TEST(SpecDecoder, RejectsBadSetups) {

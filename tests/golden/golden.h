@@ -56,6 +56,8 @@ inline constexpr Fixture kFixtures[] = {
     {"llama-iq-q2_k", true},
     {"gpt-oss-f16", false},
     {"gpt-oss-mxfp4_moe", true},
+    {"glm4moe-f16", false},
+    {"glm4moe-q4_k_m", true},
     {"deepseek2-mla-f16", false},
     {"deepseek2-mla-q8_0", true},
     {"deepseek2-mla-q4_k_m", true},

@@ -280,6 +280,12 @@ TEST(FastVsReference, GptOssRefBackend) {
   auto be = make_ref_backend();
   run_compare(load("gpt-oss-f16.gguf"), *be, kRefBackendTol, 24);
 }
+// glm4moe: partial NeoX rope, q/k/v biases and norms, a dense layer, sigmoid routing with the
+// selection bias, normalised and scaled weights, the shared expert.
+TEST(FastVsReference, Glm4MoeRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(load("glm4moe-f16.gguf"), *be, kRefBackendTol, 24);
+}
 TEST(FastVsReference, Qwen2BiasesRefBackend) {
   auto be = make_ref_backend();
   run_compare(random_qwen2(), *be, kRefBackendTol, 30);

@@ -147,6 +147,44 @@ TEST(ModelLoad, MuseGlimmerLayerPattern) {
   EXPECT_FLOAT_EQ(hp.logit_scale, *m->gguf().get<float>("muse-glimmer.logit_scale"));
 }
 
+// glm4moe: heads x head_dim != n_embd, partial NeoX rope, a leading dense layer, then MoE
+// layers with the sigmoid router, selection bias and a shared expert; the NextN block at the
+// end of block_count is bound (every tensor used) but is not a main-pass layer.
+TEST(ModelLoad, Glm4MoeLayoutAndNextnBlock) {
+  auto m = load_ok("glm4moe-f16.gguf");
+  ASSERT_TRUE(m);
+  const GgufFile& g = m->gguf();
+  const model::HParams& hp = m->hparams();
+  const int32_t blocks = *g.get<int32_t>("glm4moe.block_count");
+  const int32_t nextn = *g.get<int32_t>("glm4moe.nextn_predict_layers");
+  ASSERT_EQ(nextn, 1);
+  EXPECT_EQ(hp.n_layer, blocks - nextn);
+  ASSERT_EQ(hp.layers.size(), size_t(hp.n_layer));
+  ASSERT_EQ(hp.nextn_layers.size(), size_t(nextn));
+  EXPECT_NE(hp.q_width(), hp.n_embd);
+  EXPECT_EQ(hp.n_rot, 32);
+  EXPECT_EQ(hp.layers[0].rope.style, RopeStyle::NeoX);
+  EXPECT_EQ(hp.router.gating, model::GatingFunc::Sigmoid);
+  EXPECT_TRUE(hp.router.norm_weights);
+  EXPECT_FLOAT_EQ(hp.router.weights_scale, 2.5f);
+  EXPECT_EQ(hp.layers[0].n_expert, 0);  // leading_dense_block_count 1
+  EXPECT_EQ(hp.layers[0].n_ff, *g.get<int32_t>("glm4moe.feed_forward_length"));
+  for (int32_t il = 1; il < hp.n_layer; ++il) {
+    EXPECT_EQ(hp.layers[il].n_expert, 8);
+    EXPECT_EQ(hp.layers[il].n_ff_shexp, 128);
+    EXPECT_EQ(m->weights().layers[il].exp_probs_b.size(), 8u);
+    EXPECT_EQ(m->weights().layers[il].ffn_gate_shexp.n_rows, 128);
+  }
+  EXPECT_EQ(hp.nextn_layers[0].n_expert, 8);
+  ASSERT_EQ(m->weights().nextn.size(), 1u);
+  const model::NextnWeights& nw = m->weights().nextn[0];
+  EXPECT_EQ(nw.eh_proj.n_cols, 2 * hp.n_embd);
+  EXPECT_EQ(nw.embed_tokens.n_rows, hp.n_vocab);
+  EXPECT_EQ(nw.shared_head_head.n_rows, hp.n_vocab);
+  ASSERT_TRUE(m->weights().nextn_experts);
+  EXPECT_EQ(m->weights().experts->n_layer(), hp.n_layer);
+}
+
 TEST(ModelLoad, WeightsAreViewsIntoTheMapping) {
   auto m = load_ok("llama-gqa-q4_k_m.gguf");
   ASSERT_TRUE(m);

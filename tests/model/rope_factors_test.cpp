@@ -228,14 +228,12 @@ TEST(RopeFactors, LongRopeChoosesBySize) {
   EXPECT_TRUE(model::rope_factors_for(none, hp, 1 << 20).empty());
 }
 
-// A phi3 file with LongRoPE factors: the factor set follows the training context against the
-// original one, and the fast CPU pass agrees with the reference pass. phi3 is another branch's
-// architecture row (issue 34 point 4): until it is merged, the load is refused and this skips.
+// A phi3 file with LongRoPE factors: the Model's own set follows the training context against
+// the original one (llama.cpp's choice when no context is given), a Session's follows its own
+// context, and the fast CPU pass agrees with the reference pass given the same set.
 TEST(RopeFactors, Phi3LongRopeFastMatchesReference) {
   auto src = GgufFile::open(testing::model_path("phi3-f16.gguf"));
   ASSERT_TRUE(src.has_value()) << src.error();
-  if (auto plain = Model::load(testing::model_path("phi3-f16.gguf")); !plain.has_value())
-    GTEST_SKIP() << "phi3 does not load on this branch: " << plain.error();
   const int32_t n_rot = *src->get<int32_t>("phi3.rope.dimension_count");
   std::vector<float> long_f(static_cast<size_t>(n_rot / 2)), short_f(long_f.size());
   for (size_t i = 0; i < long_f.size(); ++i) {
@@ -266,20 +264,40 @@ TEST(RopeFactors, Phi3LongRopeFastMatchesReference) {
     EXPECT_FLOAT_EQ(p.attn_factor, 1.19f);
 #if KILN_HAVE_CPU_BACKEND
     auto be = make_cpu_backend({.threads = 2});
-    Session fast(*m, *be, 64);
-    model::ReferenceSession ref((*m)->hparams(), (*m)->weights(), 64);
-    std::vector<int32_t> toks(40);
-    std::mt19937 rng(5);
-    for (int32_t& t : toks) t = static_cast<int32_t>(rng() % uint32_t((*m)->n_vocab()));
-    auto a = fast.eval(toks, true);
-    auto b = ref.eval(toks, true);
-    ASSERT_TRUE(a.has_value() && b.has_value());
-    double num = 0, den = 0;
-    for (size_t i = 0; i < b->size(); ++i) {
-      num += ((*a)[i] - (*b)[i]) * double((*a)[i] - (*b)[i]);
-      den += double((*b)[i]) * (*b)[i];
+    const int32_t orig = p.n_ctx_orig;
+    for (const int32_t n_ctx : {64, orig, orig + 1}) {
+      if (n_ctx > n_ctx_train) continue;
+      const bool want_long = n_ctx > orig;
+      Session fast(*m, *be, n_ctx);
+      ASSERT_EQ(fast.rope_factors().data(),
+                want_long ? (*m)->weights().rope_long.data() : (*m)->weights().rope_short.data())
+          << "n_ctx " << n_ctx;
+      model::HParams hp = (*m)->hparams();
+      for (model::LayerDesc& L : hp.layers) L.rope.freq_factors = fast.rope_factors();
+      model::ReferenceSession ref(hp, (*m)->weights(), n_ctx);
+      std::vector<int32_t> toks(40);
+      std::mt19937 rng(5);
+      for (int32_t& t : toks) t = static_cast<int32_t>(rng() % uint32_t((*m)->n_vocab()));
+      auto a = fast.eval(toks, true);
+      auto b = ref.eval(toks, true);
+      ASSERT_TRUE(a.has_value() && b.has_value());
+      double num = 0, den = 0;
+      for (size_t i = 0; i < b->size(); ++i) {
+        num += ((*a)[i] - (*b)[i]) * double((*a)[i] - (*b)[i]);
+        den += double((*b)[i]) * (*b)[i];
+      }
+      EXPECT_LE(std::sqrt(num / den), 1e-2) << "n_ctx " << n_ctx;
     }
-    EXPECT_LE(std::sqrt(num / den), 1e-2) << (use_long ? "long" : "short");
+    // A batch may not mix sessions whose contexts chose different sets.
+    if (use_long) {
+      Session s_short(*m, *be, 64), s_long(*m, *be, orig + 1);
+      BatchEval batch(*m, *be, 8);
+      const int32_t tok = 1;
+      const BatchEval::Item items[2] = {{&s_short, {&tok, 1}}, {&s_long, {&tok, 1}}};
+      auto r = batch.eval(items);
+      ASSERT_FALSE(r.has_value());
+      EXPECT_NE(r.error().find("LongRoPE"), std::string::npos) << r.error();
+    }
 #endif
   }
 }
