@@ -399,6 +399,7 @@ Status run(const BenchOptions& o) {
                           {"stddev_ts", r.stddev},
                           {"samples_ts", r.ts},
                           {"kv_bytes", session.kv_bytes()},
+                          {"kv_bytes_per_token", session.kv_bytes_per_token()},
                           {"rss_bytes", mem.rss},
                           {"rss_anon_bytes", mem.rss_anon},
                           {"rss_anon_before_bytes", mem_before.rss_anon}};
@@ -446,9 +447,11 @@ Status run(const BenchOptions& o) {
     for (const Result& r : results) fmt::print("{}", r.trace);
     fmt::print(
         "\nresident memory: {:.1f} MiB total, {:.1f} MiB file-backed (mapped weights), "
-        "{:.1f} MiB anonymous (KV cache {:.1f} MiB + activations + runtime)\n",
+        "{:.1f} MiB anonymous (KV cache {:.1f} MiB, {} bytes per token; + activations + "
+        "runtime)\n",
         double(mem.rss) / (1 << 20), double(mem.rss_file) / (1 << 20),
-        double(mem.rss_anon) / (1 << 20), double(session.kv_bytes()) / (1 << 20));
+        double(mem.rss_anon) / (1 << 20), double(session.kv_bytes()) / (1 << 20),
+        session.kv_bytes_per_token());
   }
   if (cfg.stats) {  // counters (expert store: hits, misses, bytes, stall) and the store summary
     const auto counters = process_counters().snapshot();

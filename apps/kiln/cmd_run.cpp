@@ -329,12 +329,13 @@ Status run(RunOptions o) {
     const MemoryUse mem = memory_use();
     fmt::print(stderr,
                "stats: model {} ({}), {:.1f} MiB of weights, load {:.1f} ms, backend {}\n"
-               "stats: context {} positions, KV cache {:.2f} MiB\n"
+               "stats: context {} positions, KV cache {:.2f} MiB ({} bytes per token)\n"
                "stats: RSS {:.1f} MiB (file-backed {:.1f} MiB, anonymous {:.1f} MiB)\n",
                path, rt.model()->arch_name(), double(rt.model()->weight_bytes()) / (1 << 20),
                rt.load_seconds() * 1e3, rt.backend().name(), n_ctx,
-               double(session.kv_bytes()) / (1 << 20), double(mem.rss) / (1 << 20),
-               double(mem.rss_file) / (1 << 20), double(mem.rss_anon) / (1 << 20));
+               double(session.kv_bytes()) / (1 << 20), session.kv_bytes_per_token(),
+               double(mem.rss) / (1 << 20), double(mem.rss_file) / (1 << 20),
+               double(mem.rss_anon) / (1 << 20));
     if (cold_s > 0 && n_decode_evals > size_t(kColdSteps))
       fmt::print(stderr, "stats: decode steps 1-{}: {:.2f} t/s, steps {}-{}: {:.2f} t/s\n",
                  kColdSteps, kColdSteps / cold_s, kColdSteps + 1, n_decode_evals,

@@ -90,7 +90,15 @@ Expected<std::unique_ptr<Backend>> Runtime::make_backend(const Model& model,
 #endif
   }
 #if KILN_WITH_CUDA
-  if (o.device == Device::Cuda || (o.device == Device::Auto && cuda_device_count() > 0)) {
+  // Latent attention runs on the CPU backend only: its absorbed MQA rows (kv_lora + rope
+  // values, 576 for DeepSeek-V3) pass the CUDA attention kernels' head_dim limit of 256, and
+  // the path has not been checked on a GPU. Fail closed for an explicit --device cuda.
+  const bool cuda_refuses = model.hparams().is_mla();
+  if (o.device == Device::Cuda && cuda_refuses)
+    return Status::errorf("--device cuda: latent attention ('{}') is not supported on CUDA yet",
+                          model.arch_name());
+  if (!cuda_refuses &&
+      (o.device == Device::Cuda || (o.device == Device::Auto && cuda_device_count() > 0))) {
     CudaOptions c = o.cuda;
     c.progress = o.progress;
     const GgufFile& f = model.gguf();

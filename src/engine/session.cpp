@@ -175,8 +175,10 @@ Session::Session(std::shared_ptr<const Model> model, Backend& backend, int32_t n
     cfg.backend = &backend_.tp_rank(r);  // device backends keep the planes in device memory
     for (const model::LayerDesc& L : rhp.layers) {
       // K and V planes share one width in the cache; the attention op needs k == v head dims.
-      KILN_CHECK(rhp.k_width() == rhp.v_width());
-      cfg.layers.push_back(KvLayerSpec{.width = rhp.k_width(), .window = L.window});
+      // Latent attention keeps only its latent rows (no V plane).
+      KILN_CHECK(rhp.is_mla() || rhp.k_width() == rhp.v_width());
+      cfg.layers.push_back(KvLayerSpec{
+          .width = rhp.kv_k_width(), .window = L.window, .k_only = rhp.kv_v_width() == 0});
     }
     auto kv = KvCache::create(cfg);
     KILN_CHECK(kv.has_value(), "KV cache config derived from a validated model: {}", kv.error());
@@ -189,6 +191,12 @@ Session::~Session() = default;
 uint64_t Session::kv_bytes() const {
   uint64_t b = 0;
   for (const RankState& r : impl_->ranks) b += r.kv.bytes_allocated();
+  return b;
+}
+
+uint64_t Session::kv_bytes_per_token() const {
+  uint64_t b = 0;
+  for (const RankState& r : impl_->ranks) b += r.kv.bytes_per_token();
   return b;
 }
 
@@ -207,7 +215,8 @@ Status Session::install_kv(KvCache&& kv) {
   bool same = kv.n_layers() == mine.n_layers() && kv.n_ctx() == mine.n_ctx() &&
               kv.max_batch() == mine.max_batch() && kv.n_pending() == 0;
   for (int l = 0; same && l < kv.n_layers(); ++l)
-    same = kv.width(l) == mine.width(l) && kv.window(l) == mine.window(l);
+    same = kv.width(l) == mine.width(l) && kv.window(l) == mine.window(l) &&
+           kv.k_only(l) == mine.k_only(l);
   if (!same) return Status::error("install_kv: the cache's geometry differs from the session's");
   // One move: the old planes are released only after the new ones are in place.
   impl_->kv() = std::move(kv);

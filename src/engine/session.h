@@ -110,6 +110,8 @@ class Session {
   Backend& backend() const { return backend_; }
   // Bytes held by the KV cache of this session (all ranks of a tensor-parallel backend).
   uint64_t kv_bytes() const;
+  // KV bytes one position takes over all layers (and ranks): K + V rows, or a latent row.
+  uint64_t kv_bytes_per_token() const;
   // Ranks of the backend this session runs on (backend/tp_group.h); 1 on a plain backend.
   int tp_size() const;
   // The rope frequency factors this session's context uses (model::rope_factors_for: Llama 3's

@@ -144,6 +144,7 @@ Expected<KvCache> KvCache::create(const KvConfig& config) {
     Layer l;
     l.width = s.width;
     l.window = s.window;
+    l.k_only = s.k_only;
     auto it = std::find(windows.begin(), windows.end(), s.window);
     l.map = static_cast<size_t>(it - windows.begin());
     if (it == windows.end()) {
@@ -169,6 +170,7 @@ Status KvCache::ensure_rows(Layer& l, int32_t rows_needed) {
   if (on_device()) {
     // Device planes: zero-filled by the backend; the old rows move with a device copy.
     for (Plane* p : {&l.k, &l.v}) {
+      if (p == &l.v && l.k_only) continue;
       BackendBuffer<f16> grown = config_.backend->alloc<f16>(n);
       const size_t old = static_cast<size_t>(p->rows) * static_cast<size_t>(l.width);
       if (old) config_.backend->copy(std::span<const f16>(p->dev.data(), old), grown.span());
@@ -178,6 +180,7 @@ Status KvCache::ensure_rows(Layer& l, int32_t rows_needed) {
     return Status::ok();
   }
   for (Plane* p : {&l.k, &l.v}) {
+    if (p == &l.v && l.k_only) continue;
     // Rows past the old ones stay uninitialised (poisoned in KILN_POISON builds).
     F16Buffer grown = F16Buffer::uninitialized(n);
     const size_t old = static_cast<size_t>(p->rows) * static_cast<size_t>(l.width);
@@ -190,6 +193,7 @@ Status KvCache::ensure_rows(Layer& l, int32_t rows_needed) {
 
 int64_t KvCache::width(int layer) const { return layers_.at(size_t(layer)).width; }
 int32_t KvCache::window(int layer) const { return layers_.at(size_t(layer)).window; }
+bool KvCache::k_only(int layer) const { return layers_.at(size_t(layer)).k_only; }
 int32_t KvCache::n_pos() const { return maps_.front().n_pos(); }
 int32_t KvCache::n_pending() const { return maps_.front().n_pending(); }
 int32_t KvCache::rows(int layer) const { return layers_.at(size_t(layer)).k.rows; }
@@ -285,7 +289,14 @@ Status KvCache::restore(int32_t n_pos, std::span<const int32_t> lo) {
 
 size_t KvCache::bytes_allocated() const {
   size_t b = 0;
-  for (const Layer& l : layers_) b += 2 * size_t(l.k.rows) * size_t(l.width) * sizeof(f16);
+  for (const Layer& l : layers_)
+    b += (l.k_only ? 1 : 2) * size_t(l.k.rows) * size_t(l.width) * sizeof(f16);
+  return b;
+}
+
+size_t KvCache::bytes_per_token() const {
+  size_t b = 0;
+  for (const Layer& l : layers_) b += (l.k_only ? 1 : 2) * size_t(l.width) * sizeof(f16);
   return b;
 }
 
@@ -294,6 +305,7 @@ Status KvCache::check_kv_rows_written(int layer) const {
   const Layer& l = layers_.at(size_t(layer));
   for (int32_t r : kv_rows(layer)) {
     for (const Plane* p : {&l.k, &l.v}) {
+      if (p == &l.v && l.k_only) continue;
       Status s = check_not_poisoned(p->data.row(size_t(r), size_t(l.width)),
                                     p == &l.k ? "K plane" : "V plane");
       if (!s) return s.context(fmt::format("kv layer {} row {}", layer, r));

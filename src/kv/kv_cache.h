@@ -92,6 +92,9 @@ class KvRowMap {
 struct KvLayerSpec {
   int64_t width = 0;   // n_head_kv * head_dim (K and V planes share it)
   int32_t window = 0;  // 0: full attention; > 0: sliding window of this many positions
+  // No V plane: latent attention (model/hparams.h MlaDims) keeps one latent row per token in
+  // the K plane and reads its values from those rows; v_plane() is then empty.
+  bool k_only = false;
 };
 
 struct KvConfig {
@@ -120,7 +123,8 @@ class KvCache {
   int32_t max_batch() const { return config_.max_batch; }
   int64_t width(int layer) const;
   int32_t window(int layer) const;
-  int32_t n_pos() const;  // committed positions of the sequence
+  bool k_only(int layer) const;  // KvLayerSpec::k_only: no V plane
+  int32_t n_pos() const;         // committed positions of the sequence
 
   Status begin_append(int32_t n);
   int32_t n_pending() const;
@@ -129,7 +133,7 @@ class KvCache {
   std::span<const int32_t> kv_rows(int layer) const;
   std::span<const int32_t> kv_pos(int layer) const;
   std::span<f16> k_plane(int layer);  // [rows(layer)][width(layer)]
-  std::span<f16> v_plane(int layer);
+  std::span<f16> v_plane(int layer);  // empty for a k_only layer
   std::span<const f16> k_plane(int layer) const;
   std::span<const f16> v_plane(int layer) const;
   int32_t rows(int layer) const;  // physical rows currently allocated for the layer
@@ -152,6 +156,7 @@ class KvCache {
   Backend* backend() const { return config_.backend; }
 
   size_t bytes_allocated() const;  // K + V bytes of all planes now
+  size_t bytes_per_token() const;  // K + V bytes one position takes over all layers
   // KILN_POISON builds: an error if any row listed in kv_rows(layer) still holds the poison
   // pattern (a key read before it was written). Other builds: always ok.
   Status check_kv_rows_written(int layer) const;
@@ -171,6 +176,7 @@ class KvCache {
   struct Layer {
     int64_t width = 0;
     int32_t window = 0;
+    bool k_only = false;
     size_t map = 0;  // index into maps_
     Plane k, v;
   };

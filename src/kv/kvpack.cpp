@@ -27,6 +27,7 @@ constexpr size_t kLayerBytes = 24;     // one layer-table entry
 constexpr size_t kTileHeadBytes = 20;  // magic, layer, first_pos, n_rows, reserved
 constexpr size_t kTrailerBytes = 16;   // magic, n_tiles, digest
 constexpr uint32_t kFlagRope = 1;
+constexpr uint32_t kFlagKOnly = 2;
 
 using wire::put;
 void put_magic(std::vector<uint8_t>& out, const char (&m)[4]) { out.insert(out.end(), m, m + 4); }
@@ -35,6 +36,8 @@ bool is_magic(const uint8_t* p, const char (&m)[4]) { return std::memcmp(p, m, 4
 
 uint64_t hash(std::span<const uint8_t> b) { return XXH3_64bits(b.data(), b.size()); }
 size_t row_bytes(int64_t width) { return static_cast<size_t>(width) * sizeof(f16); }
+// Planes a layer's tiles carry per row: K and V, or K alone.
+size_t n_planes(const LayerKind& k) { return k.k_only ? 1 : 2; }
 
 std::vector<uint8_t> encode_header(const Header& h) {
   std::vector<uint8_t> out;
@@ -52,7 +55,7 @@ std::vector<uint8_t> encode_header(const Header& h) {
   for (size_t l = 0; l < h.layers.size(); ++l) {
     put<int64_t>(out, h.layers[l].width);
     put<int32_t>(out, h.layers[l].window);
-    put<uint32_t>(out, h.layers[l].rope ? kFlagRope : 0);
+    put<uint32_t>(out, (h.layers[l].rope ? kFlagRope : 0) | (h.layers[l].k_only ? kFlagKOnly : 0));
     put<int32_t>(out, h.lo[l]);
     put<uint32_t>(out, 0);  // reserved
   }
@@ -109,6 +112,9 @@ Status check_compatible(const Header& pack, const Identity& mine,
     if (a.rope != b.rope)
       return differs(fmt::format("layer {} kind", l), a.rope ? "RoPE" : "NoPE",
                      b.rope ? "RoPE" : "NoPE");
+    if (a.k_only != b.k_only)
+      return differs(fmt::format("layer {} planes", l), a.k_only ? "K" : "K+V",
+                     b.k_only ? "K" : "K+V");
   }
   return Status::ok();
 }
@@ -123,11 +129,13 @@ Expected<Header> header_for(const KvCache& cache, const Identity& id,
   h.n_pos = cache.n_pos();
   h.layers.assign(layers.begin(), layers.end());
   for (int l = 0; l < cache.n_layers(); ++l) {
-    if (cache.width(l) != layers[size_t(l)].width || cache.window(l) != layers[size_t(l)].window)
+    if (cache.width(l) != layers[size_t(l)].width || cache.window(l) != layers[size_t(l)].window ||
+        cache.k_only(l) != layers[size_t(l)].k_only)
       return Status::errorf(
-          "kvpack: layer {} of the cache (width {}, window {}) does not match "
-          "the producer's (width {}, window {})",
-          l, cache.width(l), cache.window(l), layers[size_t(l)].width, layers[size_t(l)].window);
+          "kvpack: layer {} of the cache (width {}, window {}, k_only {}) does not match "
+          "the producer's (width {}, window {}, k_only {})",
+          l, cache.width(l), cache.window(l), cache.k_only(l), layers[size_t(l)].width,
+          layers[size_t(l)].window, layers[size_t(l)].k_only);
     h.lo.push_back(cache.row_map(l).lo());
   }
   return h;
@@ -175,13 +183,15 @@ Status Writer::tile(const KvCache& cache, int layer, int32_t first_pos, int32_t 
                           cache.width(layer), width);
   const size_t rb = row_bytes(width);
   std::vector<uint8_t> out;
-  out.reserve(kTileHeadBytes + 2 * rb * size_t(n_rows) + 8);
+  out.reserve(kTileHeadBytes + n_planes(h_.layers[L]) * rb * size_t(n_rows) + 8);
   put_magic(out, kMagicTile);
   put<uint32_t>(out, uint32_t(layer));
   put<int32_t>(out, first_pos);
   put<int32_t>(out, n_rows);
   put<uint32_t>(out, 0);
-  for (auto plane : {cache.k_plane(layer), cache.v_plane(layer)}) {
+  std::vector<std::span<const f16>> planes = {cache.k_plane(layer)};
+  if (!h_.layers[L].k_only) planes.push_back(cache.v_plane(layer));
+  for (std::span<const f16> plane : planes) {
     if (!cache.on_device()) {
       for (int32_t p = first_pos; p < first_pos + n_rows; ++p) {
         const size_t row = size_t(map.row_of(p));
@@ -319,9 +329,10 @@ Status Parser::step() {
         if (k.width <= 0 || k.width > kMaxWidth)
           return Status::errorf("kvpack layer {}: width {} outside [1, {}]", l, k.width, kMaxWidth);
         if (k.window < 0) return Status::errorf("kvpack layer {}: window {} < 0", l, k.window);
-        if ((flags & ~kFlagRope) != 0 || get<uint32_t>(e + 20) != 0)
+        if ((flags & ~(kFlagRope | kFlagKOnly)) != 0 || get<uint32_t>(e + 20) != 0)
           return Status::errorf("kvpack layer {}: unknown flags {:#x}", l, flags);
         k.rope = (flags & kFlagRope) != 0;
+        k.k_only = (flags & kFlagKOnly) != 0;
         if (h_.lo[l] < 0 || h_.lo[l] > h_.n_pos || (k.window == 0 && h_.lo[l] != 0))
           return Status::errorf(
               "kvpack layer {}: oldest position {} invalid (window {}, {} "
@@ -367,7 +378,8 @@ Status Parser::step() {
       cur_.first_pos = first;
       cur_.n_rows = n_rows;
       // Bounded: n_rows <= kMaxPositions, width <= kMaxWidth; bytes are buffered as they come.
-      need_ = kTileHeadBytes + 2 * row_bytes(h_.layers[layer].width) * size_t(n_rows) + 8;
+      need_ = kTileHeadBytes +
+              n_planes(h_.layers[layer]) * row_bytes(h_.layers[layer].width) * size_t(n_rows) + 8;
       state_ = State::TileBody;
       return Status::ok();
     }
@@ -377,9 +389,11 @@ Status Parser::step() {
         return Status::errorf("tile of layer {} rows [{}, +{}): checksum mismatch", cur_.layer,
                               cur_.first_pos, cur_.n_rows);
       hash_->update(buf_);
-      const size_t half = (body - kTileHeadBytes) / 2;
-      cur_.k = {b + kTileHeadBytes, half};
-      cur_.v = {b + kTileHeadBytes + half, half};
+      const size_t plane = (body - kTileHeadBytes) / n_planes(h_.layers[size_t(cur_.layer)]);
+      cur_.k = {b + kTileHeadBytes, plane};
+      cur_.v = h_.layers[size_t(cur_.layer)].k_only
+                   ? std::span<const uint8_t>()
+                   : std::span<const uint8_t>(b + kTileHeadBytes + plane, plane);
       next_[size_t(cur_.layer)] = cur_.first_pos + cur_.n_rows;
       ++n_tiles_;
       if (on_tile_) KILN_TRY(on_tile_(cur_));
@@ -435,7 +449,8 @@ Expected<Installer> Installer::begin(const Header& h, const Identity& mine,
   in.n_pos_ = h.n_pos;
   for (int l = 0; l < in.cache_.n_layers(); ++l) {
     const size_t L = size_t(l);
-    if (in.cache_.width(l) != h.layers[L].width || in.cache_.window(l) != h.layers[L].window)
+    if (in.cache_.width(l) != h.layers[L].width || in.cache_.window(l) != h.layers[L].window ||
+        in.cache_.k_only(l) != h.layers[L].k_only)
       return Status::errorf("kvpack install: layer {} geometry differs from the cache", l);
     // A ring smaller than the producer's keeps only its newest `capacity` rows.
     const KvRowMap& m = in.cache_.row_map(l);
@@ -456,7 +471,8 @@ Status Installer::tile(const Tile& t) {
   const int64_t width = cache_.width(t.layer);
   const size_t rb = row_bytes(width);
   if (t.first_pos != written_to_[L] || t.n_rows <= 0 || int64_t(t.first_pos) + t.n_rows > n_pos_ ||
-      t.k.size() != rb * size_t(t.n_rows) || t.v.size() != t.k.size())
+      t.k.size() != rb * size_t(t.n_rows) ||
+      t.v.size() != (cache_.k_only(t.layer) ? 0 : t.k.size()))
     return Status::errorf("kvpack install: layer {} tile [{}, +{}) out of order or misshapen",
                           t.layer, t.first_pos, t.n_rows);
   const KvRowMap& map = cache_.row_map(t.layer);
@@ -466,7 +482,7 @@ Status Installer::tile(const Tile& t) {
     if (pos < lo_[L]) continue;  // older than this ring keeps
     const size_t row = size_t(map.row_of(pos));
     std::memcpy(k.data() + row * size_t(width), t.k.data() + size_t(i) * rb, rb);
-    std::memcpy(v.data() + row * size_t(width), t.v.data() + size_t(i) * rb, rb);
+    if (!t.v.empty()) std::memcpy(v.data() + row * size_t(width), t.v.data() + size_t(i) * rb, rb);
   }
   written_to_[L] = t.first_pos + t.n_rows;
   return Status::ok();
@@ -486,6 +502,7 @@ Expected<KvCache> Installer::finish() {
     for (int32_t pos = lo_[L]; pos < n_pos_; ++pos) {
       const size_t row = size_t(map.row_of(pos));
       for (auto plane : {cache_.k_plane(l), cache_.v_plane(l)}) {
+        if (plane.empty()) continue;  // a k_only layer's V plane
         Status s = check_not_poisoned(plane.subspan(row * size_t(width), size_t(width)), "plane");
         if (!s) return s.context(fmt::format("kvpack install: layer {} position {}", l, pos));
       }

@@ -26,7 +26,8 @@
 
 namespace kiln::kvpack {
 
-inline constexpr uint32_t kFormatVersion = 1;
+// 2: the layer table's flag bit 1 (K rows only: latent attention has no V plane).
+inline constexpr uint32_t kFormatVersion = 2;
 // Limits a header must respect (a crafted header cannot make the parser allocate much more
 // than the bytes it is actually sent).
 inline constexpr uint32_t kMaxLayers = 4096;
@@ -43,9 +44,10 @@ struct Identity {
 };
 
 struct LayerKind {
-  int64_t width = 0;   // n_head_kv * head_dim elements per K (and V) row
-  int32_t window = 0;  // 0: full attention, > 0: sliding window
-  bool rope = true;    // false: NoPE layer, rows are position-free
+  int64_t width = 0;    // n_head_kv * head_dim elements per K (and V) row
+  int32_t window = 0;   // 0: full attention, > 0: sliding window
+  bool rope = true;     // false: NoPE layer, rows are position-free
+  bool k_only = false;  // K rows only, no V rows (latent attention: KvLayerSpec::k_only)
 };
 
 struct Header {
@@ -101,7 +103,7 @@ struct Tile {
   int layer = 0;
   int32_t first_pos = 0;
   int32_t n_rows = 0;
-  std::span<const uint8_t> k, v;
+  std::span<const uint8_t> k, v;  // v empty for a k_only layer
 };
 
 class Parser {

@@ -86,6 +86,14 @@ constexpr std::array kArchs = {
              .default_gating = GatingFunc::Sigmoid,
              .qk_norm_optional = true,
              .nextn = true},
+    // deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2): multi-head latent attention with a latent KV
+    // cache; adjacent-pair RoPE on the k_pe / q_pe parts (llama.cpp's rope type NORM); the
+    // DeepSeek-V3 MoE (absent expert_gating_func: softmax, as V2/V2.5 files mean it).
+    ArchInfo{.name = "deepseek2",
+             .rope_style = RopeStyle::Normal,
+             .experts_allowed = true,
+             .mla = true,
+             .moe_v3 = true},
 };
 
 }  // namespace

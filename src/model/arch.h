@@ -41,6 +41,10 @@ struct ArchInfo {
   bool longrope = false;           // optional rope_factors_{long,short}.weight (LongRoPE)
   bool fused_qkv = false;          // attn_qkv: Q, K, V rows in one tensor (q | k | v)
   bool fused_gate_up = false;      // ffn_up holds 2 * n_ff rows: the gate half, then the up half
+  // Multi-head latent attention (HParams::mla): attn_q_a/_norm/_b (or attn_q), attn_kv_a_mqa,
+  // attn_kv_a_norm, attn_k_b, attn_v_b instead of attn_q/k/v; YaRN with DeepSeek's mscale
+  // (rope.scaling.yarn_log_multiplier) in the attention scale.
+  bool mla = false;
   // attention.sliding_window is read and range-checked but every layer attends over all keys:
   // llama.cpp turns phi3's window off (its converters wrote the key without the layer pattern
   // it belongs to, llama.cpp PR 13676), so matching it means not applying it.

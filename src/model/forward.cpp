@@ -27,8 +27,25 @@ ForwardState::ForwardState(const HParams& hp, int32_t max_batch) : max_batch_(ma
   n_k_ = B * hp.k_width();
   n_v_ = B * hp.v_width();
   n_o_ = B * hp.o_width();
+  if (hp.is_mla()) {
+    // The absorbed attention's output has a full latent row per head (see mla_attention).
+    const MlaDims& m = hp.mla;
+    const size_t H = static_cast<size_t>(hp.n_head);
+    n_o_ = B * H * static_cast<size_t>(hp.head_dim_k);
+    n_mla_qa_ = B * static_cast<size_t>(m.q_lora);
+    n_mla_q_ = B * H * static_cast<size_t>(m.q_head());
+    n_mla_kv_ = B * static_cast<size_t>(m.kv_lora + m.rope);
+    n_mla_qpe_ = B * H * static_cast<size_t>(m.rope);
+    n_mla_kpe_ = B * static_cast<size_t>(m.rope);
+    n_mla_c_ = B * static_cast<size_t>(m.kv_lora);
+    n_mla_heads_ = H * B * static_cast<size_t>(std::max({m.nope, m.kv_lora, m.v}));
+    n_mla_ov_ = B * H * static_cast<size_t>(m.v);
+  }
   n_ff_ = B * n_ff;
   n_tmp_ = B * std::max<int64_t>({hp.n_embd, hp.q_width(), hp.k_width()});
+  // Latent attention normalises its q-LoRA and c_kv rows through tmp too.
+  n_tmp_ =
+      std::max<size_t>(n_tmp_, B * static_cast<size_t>(std::max(hp.mla.q_lora, hp.mla.kv_lora)));
   if (n_expert > 0) {
     n_router_ = B * n_expert;
     n_moe_ = std::max<size_t>(B, n_used) * hp.n_embd;
@@ -58,6 +75,15 @@ void ForwardState::bind(Backend& be) {
   router = be.alloc<float>(n_router_);
   moe_in = be.alloc<float>(n_moe_);
   moe_out = be.alloc<float>(n_moe_);
+  mla_qa = be.alloc<float>(n_mla_qa_);
+  mla_q = be.alloc<float>(n_mla_q_);
+  mla_kv = be.alloc<float>(n_mla_kv_);
+  mla_qpe = be.alloc<float>(n_mla_qpe_);
+  mla_kpe = be.alloc<float>(n_mla_kpe_);
+  mla_c = be.alloc<float>(n_mla_c_);
+  mla_in = be.alloc<float>(n_mla_heads_);
+  mla_out = be.alloc<float>(n_mla_heads_);
+  mla_ov = be.alloc<float>(n_mla_ov_);
   logits = {};
   n_logits_ = 0;
   nextn_cat = {};
@@ -116,6 +142,15 @@ class ForwardPass {
   void embed();
   void nextn_embed();
   void attention_block(int32_t il);
+  void mla_attention(int32_t il);
+  // Column block [src_col, src_col + width) of each of `rows` rows of src (rows src_w wide)
+  // into columns [dst_col, ..) of dst's rows (dst_w wide): one backend copy per row.
+  void copy_cols(std::span<const float> src, int64_t src_w, int64_t src_col, std::span<float> dst,
+                 int64_t dst_w, int64_t dst_col, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; ++r)
+      be_.copy(src.subspan(static_cast<size_t>(r * src_w + src_col), static_cast<size_t>(width)),
+               dst.subspan(static_cast<size_t>(r * dst_w + dst_col), static_cast<size_t>(width)));
+  }
   void dense_ffn_block(int32_t il);
   void moe_ffn_block(int32_t il);
   void moe_experts_batch(int32_t il, int64_t X, int64_t K, int64_t F, std::span<const float> in,
@@ -258,7 +293,7 @@ void ForwardPass::hint(Hint at, int32_t il) {
   const LayerWeights& lw = w_.layers[static_cast<size_t>(il)];
   switch (at) {
     case Hint::Start:
-      return hint_weights({&lw.wq, &lw.wk, &lw.wv}, n_);
+      return hint_weights({&lw.wq, &lw.wk, &lw.wv, &lw.wq_a, &lw.wkv_a}, n_);
     case Hint::AttentionOps:
       if (hp_.layers[static_cast<size_t>(il)].n_expert > 0)
         return hint_weights({&lw.wgate_attn, &lw.wo, &lw.ffn_gate_inp}, n_);
@@ -272,7 +307,7 @@ void ForwardPass::hint(Hint at, int32_t il) {
     case Hint::LayerEnd:
       if (il + 1 < hp_.n_layer) {
         const LayerWeights& nw = w_.layers[static_cast<size_t>(il) + 1];
-        return hint_weights({&nw.wq, &nw.wk, &nw.wv, &nw.wo}, n_);
+        return hint_weights({&nw.wq, &nw.wk, &nw.wv, &nw.wq_a, &nw.wkv_a, &nw.wo}, n_);
       }
       if (want_logits_) hint_weights({&w_.output}, n_out_);  // the head reads n_out rows
       return;
@@ -287,7 +322,10 @@ void ForwardPass::run() {
   else
     embed();
   for (int32_t il = 0; il < hp_.n_layer; ++il) {
-    attention_block(il);
+    if (hp_.is_mla())
+      mla_attention(il);
+    else
+      attention_block(il);
     if (hp_.layers[static_cast<size_t>(il)].n_expert > 0)
       moe_ffn_block(il);
     else
@@ -427,6 +465,128 @@ void ForwardPass::attention_block(int32_t il) {
   if (!lw.post_attn_norm.empty()) norm_in_place(a_, lw.post_attn_norm, E_, hp_.post_norm_eps);
   rec(p + "attn_out", a_, n);
   // The residual add and the FFN norm as one op (Backend::add_rmsnorm: the bits of the two).
+  be_.add_rmsnorm(x_, a_, lw.ffn_norm, E_, hp_.rms_eps, h_);
+  rec(p + "ffn_inp", x_, n);
+  rec(p + "ffn_norm", h_, n);
+}
+
+// Latent attention (HParams::mla) in the absorbed form, for prefill and decode alike (one
+// path, the one llama.cpp runs for these files): per head, q_nope is projected by attn_k_b
+// into the latent space, so each head's query is [q_lat | q_pe] against the cached latent
+// rows [c_kv | k_pe] -- MQA with one KV head of width kv_lora + rope -- and the attention op
+// runs unchanged with V = the K plane itself: each head's output is then the weighted sum of
+// whole latent rows, whose first kv_lora columns are the weighted c_kv that attn_v_b
+// projects out (the trailing rope columns are computed and ignored: rope / (kv_lora + rope)
+// extra work in the value sum, and no second plane and no new kernel). Nothing is ever
+// expanded to per-head K/V; the cache holds kv_lora + rope values per token per layer.
+void ForwardPass::mla_attention(int32_t il) {
+  const LayerWeights& lw = w_.layers[static_cast<size_t>(il)];
+  const std::string p = prefix(il);
+  const MlaDims& m = hp_.mla;
+  const int64_t n = n_, H = hp_.n_head, N = m.nope, R = m.rope, C = m.kv_lora, V = m.v;
+  const int64_t D = m.q_head(), W = C + R;
+  if (il == 0) be_.rmsnorm(x_, lw.attn_norm, E_, hp_.rms_eps, h_);
+  rec(p + "attn_norm", h_, n);
+
+  // The queries (through the q-LoRA when the model has one) and the latent projection.
+  const std::span<float> qf = sl(st_.mla_q, n * H * D), kv = sl(st_.mla_kv, n * W);
+  if (lw.wq_a.n_rows > 0) {
+    const std::span<float> qa = sl(st_.mla_qa, n * m.q_lora);
+    const Backend::MatmulTask first[] = {{&lw.wq_a, h_, qa}, {&lw.wkv_a, h_, kv}};
+    be_.matmul_batch(first, n);
+    norm_in_place(qa, lw.q_a_norm, m.q_lora, hp_.rms_eps);
+    be_.matmul(lw.wq_b, qa, n, qf);
+  } else {
+    const Backend::MatmulTask first[] = {{&lw.wq, h_, qf}, {&lw.wkv_a, h_, kv}};
+    be_.matmul_batch(first, n);
+  }
+  hint(Hint::AttentionOps, il);
+
+  // RoPE on the q_pe / k_pe parts, gathered into rows of their own; c_kv normalised.
+  const std::span<float> qpe = sl(st_.mla_qpe, n * H * R), kpe = sl(st_.mla_kpe, n * R);
+  const std::span<float> c = sl(st_.mla_c, n * C);
+  copy_cols(qf, D, N, qpe, R, 0, n * H, R);
+  copy_cols(kv, W, C, kpe, R, 0, n, R);
+  copy_cols(kv, W, 0, c, C, 0, n, C);
+  be_.rope_qk(qpe, H, kpe, 1, n, R, batch_.pos, hp_.layers[static_cast<size_t>(il)].rope);
+  norm_in_place(c, lw.kv_a_norm, C, hp_.rms_eps);
+
+  // q_lat = attn_k_b[h] . q_nope[h]: each head's no-RoPE queries gathered into [n][nope] rows,
+  // all heads' matmuls as one op.
+  const std::span<float> hin = sl(st_.mla_in, H * n * std::max(N, C));
+  const std::span<float> hout = sl(st_.mla_out, H * n * std::max(C, V));
+  for (int64_t hh = 0; hh < H; ++hh)
+    copy_cols(qf, H * D, hh * D, hin.subspan(static_cast<size_t>(hh * n * N)), N, 0, n, N);
+  std::vector<Backend::MatmulTask>& tasks = st_.mla_tasks;
+  std::vector<WeightMatrix>& heads = st_.mla_heads;  // per-head row views of attn_k_b / _v_b
+  heads.resize(static_cast<size_t>(H));
+  tasks.clear();
+  for (int64_t hh = 0; hh < H; ++hh) {
+    heads[static_cast<size_t>(hh)] = lw.wk_b.rows(hh * C, C);
+    tasks.push_back({&heads[static_cast<size_t>(hh)],
+                     hin.subspan(static_cast<size_t>(hh * n * N), static_cast<size_t>(n * N)),
+                     hout.subspan(static_cast<size_t>(hh * n * C), static_cast<size_t>(n * C))});
+  }
+  be_.matmul_batch(tasks, n);
+
+  // Assemble the absorbed queries [n][H][q_lat | q_pe] and the latent rows [n][c_kv | k_pe].
+  const int64_t QW = H * W;
+  for (int64_t hh = 0; hh < H; ++hh)
+    copy_cols(hout.subspan(static_cast<size_t>(hh * n * C)), C, 0, q_, QW, hh * W, n, C);
+  copy_cols(qpe, R, 0, q_, W, C, n * H, R);
+  copy_cols(c, C, 0, k_, W, 0, n, C);
+  copy_cols(kpe, R, 0, k_, W, C, n, R);
+  rec(p + "Kcur", k_, n);
+
+  // Per sequence: store the latent rows (K plane only), then MQA over them.
+  std::vector<Backend::StoreRowsTask>& stores = st_.store_tasks;
+  std::vector<AttentionArgs>& attns = st_.attn_args;
+  stores.clear();
+  attns.clear();
+  for (const SeqSlice& sq : seqs_) {
+    const LayerKv& kvl = sq.kv[il];
+    const auto f = static_cast<size_t>(sq.first), cnt = static_cast<size_t>(sq.n_tok);
+    KILN_CHECK(kvl.append_rows.size() == cnt && kvl.v.empty());
+    stores.push_back({k_.subspan(f * W, cnt * W), W, kvl.append_rows, kvl.k});
+    AttentionArgs args;
+    args.q = q_.subspan(f * QW, cnt * QW);
+    args.k = kvl.k;
+    args.v = kvl.k;
+    args.kv_rows = kvl.kv_rows;
+    args.kv_pos = kvl.kv_pos;
+    args.q_pos = batch_.pos.subspan(f, cnt);
+    args.n_q = sq.n_tok;
+    args.n_head = H;
+    args.n_head_kv = 1;
+    args.head_dim = W;
+    args.window = hp_.layers[static_cast<size_t>(il)].window;
+    args.scale = hp_.attn_scale;
+    args.out = o_.subspan(f * QW, cnt * QW);
+    attns.push_back(args);
+  }
+  be_.store_rows_f16_batch(stores);
+  be_.attention_batch(attns);
+
+  // Out of the latent space: v[h] = attn_v_b[h] . (weighted c_kv of head h), heads side by
+  // side as attn_output reads them.
+  for (int64_t hh = 0; hh < H; ++hh)
+    copy_cols(o_, QW, hh * W, hin.subspan(static_cast<size_t>(hh * n * C)), C, 0, n, C);
+  tasks.clear();
+  for (int64_t hh = 0; hh < H; ++hh) {
+    heads[static_cast<size_t>(hh)] = lw.wv_b.rows(hh * V, V);
+    tasks.push_back({&heads[static_cast<size_t>(hh)],
+                     hin.subspan(static_cast<size_t>(hh * n * C), static_cast<size_t>(n * C)),
+                     hout.subspan(static_cast<size_t>(hh * n * V), static_cast<size_t>(n * V))});
+  }
+  be_.matmul_batch(tasks, n);
+  const std::span<float> ov = sl(st_.mla_ov, n * H * V);
+  for (int64_t hh = 0; hh < H; ++hh)
+    copy_cols(hout.subspan(static_cast<size_t>(hh * n * V)), V, 0, ov, H * V, hh * V, n, V);
+  rec(p + "kqv_out", ov, n);
+  be_.matmul(lw.wo, ov, n, a_);
+  hint(Hint::AfterAttention, il);
+  be_.all_reduce_sum(a_);  // row-parallel: each rank holds its heads' share of the sum
+  rec(p + "attn_out", a_, n);
   be_.add_rmsnorm(x_, a_, lw.ffn_norm, E_, hp_.rms_eps, h_);
   rec(p + "ffn_inp", x_, n);
   rec(p + "ffn_norm", h_, n);

@@ -21,7 +21,8 @@ struct LayerKv {
   std::span<const int32_t> append_rows;  // [n_tok] physical rows the new keys/values go to
   std::span<const int32_t> kv_rows;      // physical row of every key the batch may see
   std::span<const int32_t> kv_pos;       // position of each of those keys
-  std::span<f16> k, v;                   // planes [n_phys][k_width | v_width]
+  std::span<f16> k, v;                   // planes [n_phys][k_width | v_width]; latent
+                                         // attention: v empty (HParams::kv_v_width() is 0)
 };
 
 // One sequence's share of a multi-sequence batch (batched decode across slots): tokens
@@ -69,6 +70,16 @@ class ForwardState {
   size_t n_x_ = 0, n_q_ = 0, n_k_ = 0, n_v_ = 0, n_o_ = 0, n_ff_ = 0, n_tmp_ = 0;
   size_t n_router_ = 0, n_moe_ = 0, n_logits_ = 0;
   BackendBuffer<float> x, h, q, k, v, o, gate, a, ff_gate, ff_up, ff_act, tmp;
+  // Latent attention (HParams::mla), else empty: q-LoRA rows [B][q_lora], the per-head
+  // queries [B][n_head][nope + rope], the latent projection [B][kv_lora + rope], the RoPE
+  // parts [B][n_head][rope] and [B][rope], the normalised latent [B][kv_lora], per-head
+  // gathered rows in and out of the attn_k_b / attn_v_b matmuls [n_head][B][max width], and
+  // the heads' values [B][n_head][v].
+  size_t n_mla_qa_ = 0, n_mla_q_ = 0, n_mla_kv_ = 0, n_mla_qpe_ = 0, n_mla_kpe_ = 0;
+  size_t n_mla_c_ = 0, n_mla_heads_ = 0, n_mla_ov_ = 0;
+  BackendBuffer<float> mla_qa, mla_q, mla_kv, mla_qpe, mla_kpe, mla_c, mla_in, mla_out, mla_ov;
+  std::vector<Backend::MatmulTask> mla_tasks;
+  std::vector<WeightMatrix> mla_heads;
   BackendBuffer<float> logits;     // device backends: [n_out][n_vocab], grown on demand
   BackendBuffer<float> nextn_cat;  // forward_nextn's [B][2 * n_embd] concatenation, on demand
   // Mixture-of-experts scratch: router probabilities [B][n_expert], the chosen experts and

@@ -51,7 +51,8 @@ struct MathKey {
 // (read_by; keys every row implements are read in read_hparams, with their own checks). A row
 // that starts implementing one names its flag here, or the key is removed.
 constexpr MathKey kUnimplementedMathKeys[] = {
-    {"rope.scaling.yarn_log_multiplier", MathKey::Accept::Zero, "DeepSeek's YaRN mscale"},
+    {"rope.scaling.yarn_log_multiplier", MathKey::Accept::Zero, "DeepSeek's YaRN mscale",
+     &ArchInfo::mla},
     {"rope.scaling.yarn_ext_factor", MathKey::Accept::Absent, "a fixed YaRN ramp weight"},
     {"rope.scaling.yarn_attn_factor", MathKey::Accept::Absent, "a fixed YaRN magnitude"},
     {"rope.scaling.alpha", MathKey::Accept::Absent, "NTK-alpha rope scaling"},
@@ -61,10 +62,10 @@ constexpr MathKey kUnimplementedMathKeys[] = {
     {"attention.clamp_kqv", MathKey::Accept::Absent, "clamped Q/K/V"},
     {"attention.temperature_length", MathKey::Accept::Absent, "attention temperature tuning"},
     {"attention.temperature_scale", MathKey::Accept::Absent, "attention temperature tuning"},
-    {"attention.key_length_mla", MathKey::Accept::Absent, "latent attention"},
-    {"attention.value_length_mla", MathKey::Accept::Absent, "latent attention"},
-    {"attention.q_lora_rank", MathKey::Accept::Absent, "latent attention"},
-    {"attention.kv_lora_rank", MathKey::Accept::Absent, "latent attention"},
+    {"attention.key_length_mla", MathKey::Accept::Absent, "latent attention", &ArchInfo::mla},
+    {"attention.value_length_mla", MathKey::Accept::Absent, "latent attention", &ArchInfo::mla},
+    {"attention.q_lora_rank", MathKey::Accept::Absent, "latent attention", &ArchInfo::mla},
+    {"attention.kv_lora_rank", MathKey::Accept::Absent, "latent attention", &ArchInfo::mla},
     {"attention.shared_kv_layers", MathKey::Accept::Absent, "KV sharing across layers"},
     {"embedding_scale", MathKey::Accept::Absent, "an embedding scale"},
     {"residual_scale", MathKey::Accept::Absent, "a residual scale"},
@@ -148,6 +149,68 @@ Status check_math_keys(const GgufFile& g, const std::string& arch_name, const Ar
                               key, value_str(*v), arch_name);
     }
   }
+  return Status::ok();
+}
+
+// Latent attention's dimensions (HParams::mla), as llama.cpp reads them: the ranks, the
+// per-head query/key width (key_length_mla = nope + rope) and value width (value_length_mla);
+// key_length / value_length, where present, must be the latent row's widths (kv_lora + rope
+// and kv_lora), head_count_kv 1.
+Status read_mla_dims(const KeyReader& r, HParams& hp) {
+  MlaDims& m = hp.mla;
+  KILN_ASSIGN_OR_RETURN(m.kv_lora, r.req<int32_t>("attention.kv_lora_rank"));
+  KILN_TRY(check_range(r.key("attention.kv_lora_rank"), m.kv_lora, 1, 65536));
+  KILN_ASSIGN_OR_RETURN(m.q_lora, r.opt<int32_t>("attention.q_lora_rank", 0));
+  KILN_TRY(check_range(r.key("attention.q_lora_rank"), m.q_lora, 0, 65536));
+  KILN_ASSIGN_OR_RETURN(m.rope, r.req<int32_t>("rope.dimension_count"));
+  KILN_TRY(check_range(r.key("rope.dimension_count"), m.rope, 2, 4096));
+  if (m.rope % 2 != 0)
+    return Status::errorf("metadata '{}' = {} is odd", r.key("rope.dimension_count"), m.rope);
+  KILN_ASSIGN_OR_RETURN(int32_t key_mla, r.req<int32_t>("attention.key_length_mla"));
+  KILN_TRY(check_range(r.key("attention.key_length_mla"), key_mla, m.rope + 1, 65536));
+  m.nope = key_mla - m.rope;
+  KILN_ASSIGN_OR_RETURN(m.v, r.req<int32_t>("attention.value_length_mla"));
+  KILN_TRY(check_range(r.key("attention.value_length_mla"), m.v, 1, 65536));
+  hp.n_head_kv = 1;
+  hp.head_dim_k = m.kv_lora + m.rope;
+  hp.head_dim_v = m.kv_lora;
+  hp.n_rot = m.rope;
+  for (auto [suffix, want] : {std::pair{"attention.key_length", hp.head_dim_k},
+                              std::pair{"attention.value_length", hp.head_dim_v},
+                              std::pair{"attention.head_count_kv", 1}}) {
+    KILN_ASSIGN_OR_RETURN(int32_t v, r.opt<int32_t>(suffix, want));
+    if (v != want)
+      return Status::errorf(
+          "metadata '{}' = {}: latent attention needs {} (kv_lora_rank {}, "
+          "rope {})",
+          r.key(suffix), v, want, m.kv_lora, m.rope);
+  }
+  return Status::ok();
+}
+
+// DeepSeek's YaRN (llama.cpp's deepseek2 graph): the attention scale carries mscale^2 with
+// mscale = 1 + yarn_log_multiplier * ln(factor) over the per-head key width (nope + rope),
+// and the RoPE's cos/sin keep magnitude 1 -- the attn_factor handed to the rope cancels the
+// 1 + 0.1 ln(factor) that YaRN's rope applies. The stored multiplier is 0.1 * mscale_all_dim
+// (the converter's form; llama.cpp 0.7.0 divides it by 0.1 and multiplies by 0.1 again).
+Status apply_deepseek_yarn(const KeyReader& r, HParams& hp, RopeParams& rope) {
+  KILN_ASSIGN_OR_RETURN(float log_mul, r.opt<float>("rope.scaling.yarn_log_multiplier", 0.0f));
+  if (!(log_mul >= 0) || !std::isfinite(log_mul))
+    return Status::errorf("metadata '{}' = {} out of range",
+                          r.key("rope.scaling.yarn_log_multiplier"), log_mul);
+  // Other magnitudes are computed differently by llama.cpp versions: refused, not guessed.
+  if (rope.attn_factor != 1.0f)
+    return Status::errorf("metadata '{}' = {} with latent attention is not supported",
+                          r.key("rope.scaling.attn_factor"), rope.attn_factor);
+  if (rope.freq_scale != 1.0f && rope.ext_factor == 0)
+    return Status::errorf(
+        "metadata '{}': rope scaling other than yarn with latent attention is "
+        "not supported",
+        r.key("rope.scaling.type"));
+  const float ln_factor = std::log(1.0f / rope.freq_scale);
+  const float mscale = 1.0f + log_mul * ln_factor;
+  hp.attn_scale = mscale * mscale / std::sqrt(float(hp.mla.q_head()));
+  if (rope.ext_factor != 0) rope.attn_factor = 1.0f / (1.0f + 0.1f * ln_factor);
   return Status::ok();
 }
 
@@ -267,20 +330,24 @@ Expected<HParams> read_hparams(const GgufFile& g) {
   if (hp.n_head % hp.n_head_kv != 0)
     return Status::errorf("'{}' = {} does not divide head_count {}",
                           r.key("attention.head_count_kv"), hp.n_head_kv, hp.n_head);
-  const int32_t default_head_dim = hp.n_embd / hp.n_head;
-  KILN_ASSIGN_OR_RETURN(hp.head_dim_k, r.opt<int32_t>("attention.key_length", default_head_dim));
-  KILN_TRY(check_range(r.key("attention.key_length"), hp.head_dim_k, 1, 65536));
-  KILN_ASSIGN_OR_RETURN(hp.head_dim_v, r.opt<int32_t>("attention.value_length", hp.head_dim_k));
-  KILN_TRY(check_range(r.key("attention.value_length"), hp.head_dim_v, 1, 65536));
-  // The KV cache keeps K and V planes of one width and the attention op takes one head_dim.
-  if (hp.head_dim_v != hp.head_dim_k)
-    return Status::errorf("'{}' = {} differs from '{}' = {}: not supported",
-                          r.key("attention.value_length"), hp.head_dim_v,
-                          r.key("attention.key_length"), hp.head_dim_k);
-  KILN_ASSIGN_OR_RETURN(hp.n_rot, r.opt<int32_t>("rope.dimension_count", hp.head_dim_k));
-  KILN_TRY(check_range(r.key("rope.dimension_count"), hp.n_rot, 0, hp.head_dim_k));
-  if (hp.n_rot % 2 != 0)
-    return Status::errorf("metadata '{}' = {} is odd", r.key("rope.dimension_count"), hp.n_rot);
+  if (arch.mla) {
+    KILN_TRY(read_mla_dims(r, hp));
+  } else {
+    const int32_t default_head_dim = hp.n_embd / hp.n_head;
+    KILN_ASSIGN_OR_RETURN(hp.head_dim_k, r.opt<int32_t>("attention.key_length", default_head_dim));
+    KILN_TRY(check_range(r.key("attention.key_length"), hp.head_dim_k, 1, 65536));
+    KILN_ASSIGN_OR_RETURN(hp.head_dim_v, r.opt<int32_t>("attention.value_length", hp.head_dim_k));
+    KILN_TRY(check_range(r.key("attention.value_length"), hp.head_dim_v, 1, 65536));
+    // The KV cache keeps K and V planes of one width and the attention op takes one head_dim.
+    if (hp.head_dim_v != hp.head_dim_k)
+      return Status::errorf("'{}' = {} differs from '{}' = {}: not supported",
+                            r.key("attention.value_length"), hp.head_dim_v,
+                            r.key("attention.key_length"), hp.head_dim_k);
+    KILN_ASSIGN_OR_RETURN(hp.n_rot, r.opt<int32_t>("rope.dimension_count", hp.head_dim_k));
+    KILN_TRY(check_range(r.key("rope.dimension_count"), hp.n_rot, 0, hp.head_dim_k));
+    if (hp.n_rot % 2 != 0)
+      return Status::errorf("metadata '{}' = {} is odd", r.key("rope.dimension_count"), hp.n_rot);
+  }
 
   KILN_ASSIGN_OR_RETURN(hp.rms_eps, r.opt<float>("attention.layer_norm_rms_epsilon", 1e-5f));
   if (!(hp.rms_eps >= 0 && hp.rms_eps < 1))
@@ -292,6 +359,9 @@ Expected<HParams> read_hparams(const GgufFile& g) {
   KILN_ASSIGN_OR_RETURN(hp.logit_scale, r.opt<float>("logit_scale", 1.0f));
   if (hp.attn_softcap < 0 || hp.final_softcap < 0)
     return Status::errorf("negative softcap in '{}' metadata", hp.arch_name);
+  if (hp.is_mla() && hp.attn_softcap > 0)  // neither latent-attention pass applies one
+    return Status::errorf("metadata '{}' = {} with latent attention is not supported",
+                          r.key("attn_logit_softcapping"), hp.attn_softcap);
   hp.attn_scale = 1.0f / std::sqrt(float(hp.head_dim_k));
   hp.embd_scale = arch.embd_scale_sqrt ? std::sqrt(float(hp.n_embd)) : 1.0f;
 
@@ -303,6 +373,7 @@ Expected<HParams> read_hparams(const GgufFile& g) {
   if (!(rope.freq_base > 0))
     return Status::errorf("metadata '{}' must be > 0", r.key("rope.freq_base"));
   KILN_TRY(read_rope_scaling(g, hp.arch_name, hp.n_ctx_train, rope));
+  if (arch.mla) KILN_TRY(apply_deepseek_yarn(r, hp, rope));
   KILN_ASSIGN_OR_RETURN(float freq_base_swa, r.opt<float>("rope.freq_base_swa", rope.freq_base));
 
   // Sliding-window layout.

@@ -30,6 +30,20 @@ struct LayerDesc {
                            // expert_shared_count side by side), added to the routed output
 };
 
+// Multi-head latent attention (deepseek2; ArchInfo::mla). Each token keeps one latent row per
+// layer -- kv_lora normalised c_kv values, then rope roped k_pe values -- which every head
+// reads: the attention is MQA over that row (one KV head of width kv_lora + rope, V being its
+// first kv_lora columns), with the queries' no-RoPE part projected into the latent space by
+// attn_k_b and each head's output projected back out by attn_v_b (the absorbed form).
+struct MlaDims {
+  int32_t q_lora = 0;   // attention.q_lora_rank; 0: a plain attn_q instead of attn_q_a/_b
+  int32_t kv_lora = 0;  // attention.kv_lora_rank: the latent width
+  int32_t nope = 0;     // per-head query dims without RoPE (key_length_mla - rope)
+  int32_t rope = 0;     // per-head RoPE dims, shared by all heads on the key side (n_rot)
+  int32_t v = 0;        // attention.value_length_mla: per-head value width after attn_v_b
+  int32_t q_head() const { return nope + rope; }  // one head's rows of attn_q(_b)
+};
+
 struct HParams {
   std::string arch_name;
   const ArchInfo* arch = nullptr;
@@ -54,6 +68,11 @@ struct HParams {
   // n_layer + i is nextn_layers[i]. Not run by the main pass, no KV rows there; the MTP
   // drafter (engine/mtp_drafter.h) runs them.
   std::vector<LayerDesc> nextn_layers;
+  // Latent attention (all zero elsewhere). With it, n_head_kv is 1, head_dim_k is the latent
+  // row (kv_lora + rope) and head_dim_v its value part (kv_lora), as the GGUF's key_length
+  // and value_length say: the shapes the attention op sees.
+  MlaDims mla;
+  bool is_mla() const { return mla.kv_lora > 0; }
 
   // Tensor parallelism (model/tensor_parallel.h): this shard is rank tp_rank of tp_size, its
   // head counts and FFN widths already divided; an MoE layer's experts belong to the rank
@@ -76,6 +95,10 @@ struct HParams {
   int64_t k_width() const { return int64_t(n_head_kv) * head_dim_k; }
   int64_t v_width() const { return int64_t(n_head_kv) * head_dim_v; }
   int64_t o_width() const { return int64_t(n_head) * head_dim_v; }
+  // Floats per token of a layer's K and V cache rows: latent attention keeps only the latent
+  // row (its V is the first kv_lora columns of it), so no V plane.
+  int64_t kv_k_width() const { return k_width(); }
+  int64_t kv_v_width() const { return is_mla() ? 0 : v_width(); }
 };
 
 // Reads "{arch_name}.rope.scaling.*" into `rope` (whose freq_base and n_rot are set): the

@@ -82,6 +82,104 @@ void rope(Vec& x, int64_t n_tok, int64_t n_head, int64_t head_dim, std::span<con
   }
 }
 
+// Every row of w dequantized: [n_rows][n_cols].
+Vec dequantize_all(const WeightMatrix& w) {
+  Vec out(static_cast<size_t>(w.n_rows * w.n_cols));
+  for (int64_t r = 0; r < w.n_rows; ++r)
+    quant::dequantize_row(
+        w.dtype, w.row(r),
+        std::span<float>(out.data() + r * w.n_cols, static_cast<size_t>(w.n_cols)));
+  return out;
+}
+
+// Latent attention (HParams::mla) in its plain, expanded form: the cache keeps each token's
+// latent row [c_kv | k_pe] (c_kv RMS-normalised, k_pe roped), and every step expands all
+// cached rows into per-head keys [k_nope = attn_k_b^T c_kv | k_pe] and values attn_v_b c_kv,
+// then attends as multi-head attention: the definition the fast pass's absorbed form (which
+// never expands) must agree with. h: [n][n_embd] attn_norm'd rows; out: [n][n_head * v].
+void mla_attention(const HParams& hp, const LayerDesc& L, const LayerWeights& lw, const Vec& h,
+                   int64_t n, std::span<const int32_t> pos, Vec& cache, Vec& out) {
+  const MlaDims& m = hp.mla;
+  const int64_t H = hp.n_head, N = m.nope, R = m.rope, C = m.kv_lora, V = m.v;
+  const int64_t D = m.q_head(), W = C + R;
+  Vec q, kv;
+  if (lw.wq_a.n_rows > 0) {
+    Vec qa;
+    matmul(lw.wq_a, h, n, qa);
+    rmsnorm(qa, m.q_lora, hp.rms_eps, lw.q_a_norm);
+    matmul(lw.wq_b, qa, n, q);
+  } else {
+    matmul(lw.wq, h, n, q);
+  }
+  matmul(lw.wkv_a, h, n, kv);
+  Vec q_pe(static_cast<size_t>(n * H * R)), k_pe(static_cast<size_t>(n * R));
+  Vec c(static_cast<size_t>(n * C));
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t hh = 0; hh < H; ++hh)
+      for (int64_t i = 0; i < R; ++i) q_pe[(t * H + hh) * R + i] = q[(t * H + hh) * D + N + i];
+    for (int64_t i = 0; i < R; ++i) k_pe[t * R + i] = kv[t * W + C + i];
+    for (int64_t i = 0; i < C; ++i) c[t * C + i] = kv[t * W + i];
+  }
+  rope(q_pe, n, H, R, pos, L.rope);
+  rope(k_pe, n, 1, R, pos, L.rope);
+  rmsnorm(c, C, hp.rms_eps, lw.kv_a_norm);
+  for (int64_t t = 0; t < n; ++t) {
+    cache.insert(cache.end(), c.begin() + t * C, c.begin() + (t + 1) * C);
+    cache.insert(cache.end(), k_pe.begin() + t * R, k_pe.begin() + (t + 1) * R);
+  }
+
+  // Expand: k_nope[j][hh][i] = sum_r k_b[hh][r][i] c[j][r], v[j][hh][d] = sum_r v_b[hh][d][r]
+  // c[j][r].
+  const int64_t n_kv = static_cast<int64_t>(cache.size()) / W;
+  const Vec kb = dequantize_all(lw.wk_b), vb = dequantize_all(lw.wv_b);
+  std::vector<double> k_nope(static_cast<size_t>(n_kv * H * N), 0.0);
+  std::vector<double> val(static_cast<size_t>(n_kv * H * V), 0.0);
+  for (int64_t j = 0; j < n_kv; ++j) {
+    const float* cj = cache.data() + j * W;
+    for (int64_t hh = 0; hh < H; ++hh) {
+      for (int64_t r = 0; r < C; ++r)
+        for (int64_t i = 0; i < N; ++i)
+          k_nope[(j * H + hh) * N + i] += double(kb[(hh * C + r) * N + i]) * double(cj[r]);
+      for (int64_t d = 0; d < V; ++d) {
+        double acc = 0;
+        for (int64_t r = 0; r < C; ++r) acc += double(vb[(hh * V + d) * C + r]) * double(cj[r]);
+        val[(j * H + hh) * V + d] = acc;
+      }
+    }
+  }
+
+  out.assign(static_cast<size_t>(n * H * V), 0.0f);
+  std::vector<double> score(static_cast<size_t>(n_kv));
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t hh = 0; hh < H; ++hh) {
+      const float* qn = q.data() + (t * H + hh) * D;
+      const float* qp = q_pe.data() + (t * H + hh) * R;
+      double mx = -INFINITY;
+      for (int64_t j = 0; j < n_kv; ++j) {
+        if (j > pos[t]) {
+          score[j] = -INFINITY;
+          continue;
+        }
+        double s = 0;
+        for (int64_t i = 0; i < N; ++i) s += double(qn[i]) * k_nope[(j * H + hh) * N + i];
+        for (int64_t i = 0; i < R; ++i) s += double(qp[i]) * double(cache[j * W + C + i]);
+        score[j] = s * hp.attn_scale;
+        mx = std::max(mx, score[j]);
+      }
+      double sum = 0;
+      for (int64_t j = 0; j < n_kv; ++j) {
+        score[j] = std::isinf(score[j]) ? 0.0 : std::exp(score[j] - mx);
+        sum += score[j];
+      }
+      for (int64_t d = 0; d < V; ++d) {
+        double acc = 0;
+        for (int64_t j = 0; j < n_kv; ++j) acc += score[j] * val[(j * H + hh) * V + d];
+        out[(t * H + hh) * V + d] = static_cast<float>(acc / sum);
+      }
+    }
+  }
+}
+
 // gpt-oss's clamped SwiGLU (llama.cpp's swiglu_oai).
 constexpr double kOaiAlpha = 1.702, kOaiLimit = 7.0;
 double swiglu_oai(double g, double u) {
@@ -107,7 +205,7 @@ Status ReferenceSession::rollback(int32_t n_pos) {
     return Status::errorf("rollback to {} outside [0, {}]", n_pos, n_pos_);
   for (int32_t il = 0; il < hp_.n_layer; ++il) {
     k_[il].resize(static_cast<size_t>(n_pos * hp_.k_width()));
-    v_[il].resize(static_cast<size_t>(n_pos * hp_.v_width()));
+    v_[il].resize(static_cast<size_t>(n_pos * hp_.kv_v_width()));
   }
   n_pos_ = n_pos;
   return Status::ok();
@@ -152,64 +250,69 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
     h = x;
     rmsnorm(h, E, hp_.rms_eps, lw.attn_norm);
     rec(p + "attn_norm", h);
-    matmul(lw.wq, h, n, q);
-    matmul(lw.wk, h, n, k);
-    matmul(lw.wv, h, n, v);
-    add_bias(q, lw.bq);
-    add_bias(k, lw.bk);
-    add_bias(v, lw.bv);
-    if (!lw.q_norm.empty()) rmsnorm(q, hk, hp_.rms_eps, lw.q_norm);
-    if (!lw.k_norm.empty()) rmsnorm(k, hk, hp_.rms_eps, lw.k_norm);
-    if (L.use_rope) {
-      rope(q, n, hp_.n_head, hk, pos, L.rope);
-      rope(k, n, hp_.n_head_kv, hk, pos, L.rope);
-    }
-    rec(p + "Qcur", q);
-    rec(p + "Kcur", k);
-    rec(p + "Vcur", v);
-    k_[il].insert(k_[il].end(), k.begin(), k.end());
-    v_[il].insert(v_[il].end(), v.begin(), v.end());
+    if (hp_.is_mla()) {
+      mla_attention(hp_, L, lw, h, n, pos, k_[il], o);
+      rec(p + "Kcur", Vec(k_[il].end() - n * hp_.k_width(), k_[il].end()));
+    } else {
+      matmul(lw.wq, h, n, q);
+      matmul(lw.wk, h, n, k);
+      matmul(lw.wv, h, n, v);
+      add_bias(q, lw.bq);
+      add_bias(k, lw.bk);
+      add_bias(v, lw.bv);
+      if (!lw.q_norm.empty()) rmsnorm(q, hk, hp_.rms_eps, lw.q_norm);
+      if (!lw.k_norm.empty()) rmsnorm(k, hk, hp_.rms_eps, lw.k_norm);
+      if (L.use_rope) {
+        rope(q, n, hp_.n_head, hk, pos, L.rope);
+        rope(k, n, hp_.n_head_kv, hk, pos, L.rope);
+      }
+      rec(p + "Qcur", q);
+      rec(p + "Kcur", k);
+      rec(p + "Vcur", v);
+      k_[il].insert(k_[il].end(), k.begin(), k.end());
+      v_[il].insert(v_[il].end(), v.begin(), v.end());
 
-    // Causal (and windowed) attention over every retained key.
-    const int64_t n_kv = n_pos_ + n;
-    o.assign(static_cast<size_t>(n * hp_.o_width()), 0.0f);
-    std::vector<double> score(static_cast<size_t>(n_kv));
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t hh = 0; hh < hp_.n_head; ++hh) {
-        const int64_t kvh = hh / group;
-        const float* qv = q.data() + (t * hp_.n_head + hh) * hk;
-        double mx = -INFINITY;
-        for (int64_t j = 0; j < n_kv; ++j) {
-          const bool visible = j <= pos[t] && (L.window <= 0 || pos[t] - j < L.window);
-          if (!visible) {
-            score[j] = -INFINITY;
-            continue;
+      // Causal (and windowed) attention over every retained key.
+      const int64_t n_kv = n_pos_ + n;
+      o.assign(static_cast<size_t>(n * hp_.o_width()), 0.0f);
+      std::vector<double> score(static_cast<size_t>(n_kv));
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t hh = 0; hh < hp_.n_head; ++hh) {
+          const int64_t kvh = hh / group;
+          const float* qv = q.data() + (t * hp_.n_head + hh) * hk;
+          double mx = -INFINITY;
+          for (int64_t j = 0; j < n_kv; ++j) {
+            const bool visible = j <= pos[t] && (L.window <= 0 || pos[t] - j < L.window);
+            if (!visible) {
+              score[j] = -INFINITY;
+              continue;
+            }
+            const float* kv = k_[il].data() + (j * hp_.n_head_kv + kvh) * hk;
+            double s = 0;
+            for (int64_t d = 0; d < hk; ++d) s += double(qv[d]) * double(kv[d]);
+            s *= hp_.attn_scale;
+            if (hp_.attn_softcap > 0) s = hp_.attn_softcap * std::tanh(s / hp_.attn_softcap);
+            score[j] = s;
+            mx = std::max(mx, s);
           }
-          const float* kv = k_[il].data() + (j * hp_.n_head_kv + kvh) * hk;
-          double s = 0;
-          for (int64_t d = 0; d < hk; ++d) s += double(qv[d]) * double(kv[d]);
-          s *= hp_.attn_scale;
-          if (hp_.attn_softcap > 0) s = hp_.attn_softcap * std::tanh(s / hp_.attn_softcap);
-          score[j] = s;
-          mx = std::max(mx, s);
-        }
-        double sum = 0;
-        // An attention sink: one more logit in the softmax, with no value row.
-        if (!lw.attn_sinks.empty() && mx != -INFINITY) {
-          const double sink = lw.attn_sinks[static_cast<size_t>(hh)];
-          mx = std::max(mx, sink);
-          sum += std::exp(sink - mx);
-        }
-        for (int64_t j = 0; j < n_kv; ++j) {
-          score[j] = std::isinf(score[j]) ? 0.0 : std::exp(score[j] - mx);
-          sum += score[j];
-        }
-        float* out = o.data() + (t * hp_.n_head + hh) * hv;
-        for (int64_t d = 0; d < hv; ++d) {
-          double acc = 0;
-          for (int64_t j = 0; j < n_kv; ++j)
-            if (score[j] != 0.0) acc += score[j] * v_[il][(j * hp_.n_head_kv + kvh) * hv + d];
-          out[d] = static_cast<float>(acc / sum);
+          double sum = 0;
+          // An attention sink: one more logit in the softmax, with no value row.
+          if (!lw.attn_sinks.empty() && mx != -INFINITY) {
+            const double sink = lw.attn_sinks[static_cast<size_t>(hh)];
+            mx = std::max(mx, sink);
+            sum += std::exp(sink - mx);
+          }
+          for (int64_t j = 0; j < n_kv; ++j) {
+            score[j] = std::isinf(score[j]) ? 0.0 : std::exp(score[j] - mx);
+            sum += score[j];
+          }
+          float* out = o.data() + (t * hp_.n_head + hh) * hv;
+          for (int64_t d = 0; d < hv; ++d) {
+            double acc = 0;
+            for (int64_t j = 0; j < n_kv; ++j)
+              if (score[j] != 0.0) acc += score[j] * v_[il][(j * hp_.n_head_kv + kvh) * hv + d];
+            out[d] = static_cast<float>(acc / sum);
+          }
         }
       }
     }

@@ -25,22 +25,34 @@ Expected<Shard> shard_model(const HParams& hp, const Weights& w, int rank, int n
   Shard s{hp, w};
   s.w.owned.clear();  // the views point into the model's own copies
   if (n == 1) return s;
-  if (hp.n_head % n != 0 || hp.n_head_kv % n != 0)
+  // Latent attention splits its query heads; its one latent KV head is replicated: every rank
+  // computes and caches the whole latent row and attends with its own heads.
+  const int32_t n_head_kv = hp.is_mla() ? n : hp.n_head_kv;
+  if (hp.n_head % n != 0 || n_head_kv % n != 0)
     return Status::errorf("{} query heads and {} KV heads do not split evenly over {} ranks",
                           hp.n_head, hp.n_head_kv, n);
   s.hp.tp_rank = rank;
   s.hp.tp_size = n;
   s.hp.n_head = hp.n_head / n;
-  s.hp.n_head_kv = hp.n_head_kv / n;
+  s.hp.n_head_kv = hp.is_mla() ? 1 : hp.n_head_kv / n;
   const int64_t qw = s.hp.q_width(), kw = s.hp.k_width(), vw = s.hp.v_width();
-  const int64_t ow = s.hp.o_width();
+  const int64_t ow = hp.is_mla() ? int64_t(s.hp.n_head) * hp.mla.v : s.hp.o_width();
   for (size_t il = 0; il < hp.layers.size(); ++il) {
     LayerDesc& L = s.hp.layers[il];
     LayerWeights& lw = s.w.layers[il];
     const std::string blk = fmt::format("blk.{}", il);
-    lw.wq = lw.wq.rows(qw * rank, qw);
-    lw.wk = lw.wk.rows(kw * rank, kw);
-    lw.wv = lw.wv.rows(vw * rank, vw);
+    if (hp.is_mla()) {
+      // This rank's heads of the query projection and of both decompressions.
+      const int64_t nh = s.hp.n_head, qh = nh * hp.mla.q_head();
+      WeightMatrix& wq = lw.wq_b.n_rows > 0 ? lw.wq_b : lw.wq;
+      wq = wq.rows(qh * rank, qh);
+      lw.wk_b = lw.wk_b.rows(nh * hp.mla.kv_lora * rank, nh * hp.mla.kv_lora);
+      lw.wv_b = lw.wv_b.rows(nh * hp.mla.v * rank, nh * hp.mla.v);
+    } else {
+      lw.wq = lw.wq.rows(qw * rank, qw);
+      lw.wk = lw.wk.rows(kw * rank, kw);
+      lw.wv = lw.wv.rows(vw * rank, vw);
+    }
     lw.bq = part(lw.bq, qw, rank);
     lw.bk = part(lw.bk, kw, rank);
     lw.bv = part(lw.bv, vw, rank);

@@ -134,6 +134,33 @@ Status bind_fused_gate_up(const Binder& b, const std::string& name, int64_t n_em
   return Status::ok();
 }
 
+// Latent attention's tensors (ArchInfo::mla). attn_kv_b -- the older single decompression
+// tensor -- is refused by name: its key half is the transpose of attn_k_b, which no view can
+// give, and current converters write attn_k_b / attn_v_b.
+Status bind_mla(Binder& b, const HParams& hp, int32_t il, LayerWeights& lw) {
+  const MlaDims& m = hp.mla;
+  const int64_t E = hp.n_embd, H = hp.n_head;
+  auto n = [il](const char* what) { return fmt::format("blk.{}.{}", il, what); };
+  if (b.has(n("attn_kv_b.weight")))
+    return Status::errorf(
+        "tensor '{}': the combined latent decompression is not supported (needs "
+        "attn_k_b and attn_v_b, as current converters write)",
+        n("attn_kv_b.weight"));
+  if (m.q_lora > 0) {
+    KILN_ASSIGN_OR_RETURN(lw.wq_a, b.matrix(n("attn_q_a.weight"), E, m.q_lora));
+    KILN_ASSIGN_OR_RETURN(lw.q_a_norm, b.vec(n("attn_q_a_norm.weight"), m.q_lora));
+    KILN_ASSIGN_OR_RETURN(lw.wq_b, b.matrix(n("attn_q_b.weight"), m.q_lora, H * m.q_head()));
+  } else {
+    KILN_ASSIGN_OR_RETURN(lw.wq, b.matrix(n("attn_q.weight"), E, H * m.q_head()));
+  }
+  KILN_ASSIGN_OR_RETURN(lw.wkv_a, b.matrix(n("attn_kv_a_mqa.weight"), E, m.kv_lora + m.rope));
+  KILN_ASSIGN_OR_RETURN(lw.kv_a_norm, b.vec(n("attn_kv_a_norm.weight"), m.kv_lora));
+  KILN_ASSIGN_OR_RETURN(lw.wk_b, b.stacked(n("attn_k_b.weight"), m.nope, m.kv_lora, H));
+  KILN_ASSIGN_OR_RETURN(lw.wv_b, b.stacked(n("attn_v_b.weight"), m.kv_lora, m.v, H));
+  KILN_ASSIGN_OR_RETURN(lw.wo, b.matrix(n("attn_output.weight"), H * m.v, E));
+  return Status::ok();
+}
+
 }  // namespace
 
 Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
@@ -173,14 +200,18 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
                         moe::StackedExperts& se) -> Status {
     auto n = [il](const char* what) { return fmt::format("blk.{}.{}", il, what); };
     KILN_ASSIGN_OR_RETURN(lw.attn_norm, b.vec(n("attn_norm.weight"), E));
-    if (arch.fused_qkv && b.has(n("attn_qkv.weight"))) {  // phi3 may also store them apart
+    if (arch.mla) {
+      KILN_TRY(bind_mla(b, hp, il, lw));
+    } else if (arch.fused_qkv && b.has(n("attn_qkv.weight"))) {  // phi3 may also store them apart
       KILN_TRY(bind_fused_qkv(b, n("attn_qkv.weight"), hp, lw));
     } else {
       KILN_ASSIGN_OR_RETURN(lw.wq, b.matrix(n("attn_q.weight"), E, hp.q_width()));
       KILN_ASSIGN_OR_RETURN(lw.wk, b.matrix(n("attn_k.weight"), E, hp.k_width()));
       KILN_ASSIGN_OR_RETURN(lw.wv, b.matrix(n("attn_v.weight"), E, hp.v_width()));
     }
-    KILN_ASSIGN_OR_RETURN(lw.wo, b.matrix(n("attn_output.weight"), hp.o_width(), E));
+    if (!arch.mla) {
+      KILN_ASSIGN_OR_RETURN(lw.wo, b.matrix(n("attn_output.weight"), hp.o_width(), E));
+    }
     if (arch.qkv_bias) {
       KILN_ASSIGN_OR_RETURN(lw.bq, b.vec(n("attn_q.bias"), hp.q_width()));
       KILN_ASSIGN_OR_RETURN(lw.bk, b.vec(n("attn_k.bias"), hp.k_width()));

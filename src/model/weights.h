@@ -18,8 +18,17 @@
 namespace kiln::model {
 
 struct LayerWeights {
-  std::span<const float> attn_norm;       // [n_embd]
-  WeightMatrix wq, wk, wv;                // [q_width|k_width|v_width rows][n_embd]
+  std::span<const float> attn_norm;  // [n_embd]
+  WeightMatrix wq, wk, wv;           // [q_width|k_width|v_width rows][n_embd]
+  // Latent attention (HParams::mla), else n_rows == 0 / empty. wq above is then the plain
+  // query projection [n_head * (nope + rope)][n_embd] of a model without q-LoRA.
+  WeightMatrix wq_a;                      // [q_lora][n_embd]
+  std::span<const float> q_a_norm;        // [q_lora]
+  WeightMatrix wq_b;                      // [n_head * (nope + rope)][q_lora]: per head nope, rope
+  WeightMatrix wkv_a;                     // [kv_lora + rope][n_embd]: c_kv, then k_pe
+  std::span<const float> kv_a_norm;       // [kv_lora]
+  WeightMatrix wk_b;                      // [n_head * kv_lora][nope]: head h is rows h * kv_lora..
+  WeightMatrix wv_b;                      // [n_head * v][kv_lora]: head h is rows h * v..
   std::span<const float> bq, bk, bv;      // biases (qkv_bias architectures), else empty
   std::span<const float> q_norm, k_norm;  // [head_dim_k] (qk_norm architectures), else empty
   WeightMatrix wgate_attn;                // [o_width][n_embd] (attn_gate), else n_rows == 0

@@ -115,7 +115,10 @@ std::vector<kvpack::LayerKind> layer_kinds(const Model& model) {
   const model::HParams& hp = model.hparams();
   std::vector<kvpack::LayerKind> out;
   for (const model::LayerDesc& L : hp.layers)
-    out.push_back({.width = hp.k_width(), .window = L.window, .rope = L.use_rope});
+    out.push_back({.width = hp.kv_k_width(),
+                   .window = L.window,
+                   .rope = L.use_rope,
+                   .k_only = hp.kv_v_width() == 0});
   return out;
 }
 

@@ -13,7 +13,8 @@ namespace kiln::transfer {
 // into K, dtype of the planes): packs from another version are refused, never reinterpreted.
 // 2: K rows of models with rope frequency factors (Llama 3 rope_freqs) are rotated by them;
 // version 1 ignored the factors.
-inline constexpr uint32_t kEngineAbiVersion = 2;
+// 3: a layer's rows may be latent rows [c_kv | k_pe] with no V rows (latent attention).
+inline constexpr uint32_t kEngineAbiVersion = 3;
 
 // Fingerprints of the model's GGUF: the tensor index (names, dtypes, shapes, offsets) with
 // every metadata key outside tokenizer.*; the tokenizer.* keys except the chat template; the

@@ -21,7 +21,7 @@ Expected<KvCache> fresh_cache_for(const Session& session) {
   cfg.n_ctx = kv.n_ctx();
   cfg.max_batch = kv.max_batch();
   for (int l = 0; l < kv.n_layers(); ++l)
-    cfg.layers.push_back({.width = kv.width(l), .window = kv.window(l)});
+    cfg.layers.push_back({.width = kv.width(l), .window = kv.window(l), .k_only = kv.k_only(l)});
   return KvCache::create(cfg);
 }
 

@@ -405,5 +405,32 @@ TEST(KilnMkmodel, OutputLoadsAndRunsAndIsDeterministic) {
   std::filesystem::remove_all(dir);
 }
 
+// The deepseek2 shape (latent attention, a leading dense layer, then MoE with a shared expert)
+// loads, runs, and reports its latent cache: (kv_lora + rope) f16 values per token and layer.
+TEST(KilnMkmodel, Deepseek2LoadsRunsAndKeepsALatentCache) {
+  const std::string dir = testing::temp_dir();
+  for (const char* type : {"f16", "q4_k_m"}) {
+    SCOPED_TRACE(type);
+    const std::string out = dir + "/ds-" + type + ".gguf";
+    Proc m = run_kiln({"mkmodel", "-o",         out,         "--type",          type,  "--threads",
+                       "2",       "--arch",     "deepseek2", "--n-embd",        "256", "--n-layer",
+                       "3",       "--n-ff",     "512",       "--n-head",        "4",   "--head-dim",
+                       "48",      "--n-rot",    "16",        "--kv-lora",       "64",  "--q-lora",
+                       "96",      "--n-expert", "8",         "--n-expert-used", "2",   "--n-ff-exp",
+                       "128",     "--n-vocab",  "600"});
+    ASSERT_EQ(m.rc, 0) << m.err;
+    auto g = GgufFile::open(out);
+    ASSERT_TRUE(g) << g.error();
+    EXPECT_NE(g->find_tensor("blk.0.ffn_gate.weight"), nullptr);      // the dense lead
+    EXPECT_NE(g->find_tensor("blk.1.ffn_up_shexp.weight"), nullptr);  // MoE after it
+    EXPECT_NE(g->find_tensor("blk.2.attn_k_b.weight"), nullptr);
+    Proc r = run_kiln({"run", "-m", out, "-p", "hello world", "-n", "6", "--temp", "0", "--stats"});
+    ASSERT_EQ(r.rc, 0) << r.err;
+    // 3 layers x (64 + 16) values x 2 bytes, no V plane.
+    EXPECT_NE(r.err.find("(480 bytes per token)"), std::string::npos) << r.err;
+  }
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace kiln

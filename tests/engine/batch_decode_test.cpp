@@ -159,7 +159,7 @@ INSTANTIATE_TEST_SUITE_P(Models, BatchInvariance,
                          ::testing::Values("stories260K.gguf", "llama-gqa-q8_0.gguf",
                                            "llama-gqa-q4_k_m.gguf", "gemma2-swa-f16.gguf",
                                            "muse-glimmer-q4_k_m.gguf", "qwen3moe-q4_k_m.gguf",
-                                           "mixtral-q4_k_m.gguf"),
+                                           "mixtral-q4_k_m.gguf", "deepseek2-mla-q8_0.gguf"),
                          [](const auto& info) {
                            std::string n = info.param.substr(0, info.param.find('.'));
                            std::replace_if(

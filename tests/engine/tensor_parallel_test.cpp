@@ -97,7 +97,8 @@ double max_abs_diff(std::span<const float> a, std::span<const float> b) {
 // by whole logits).
 constexpr double kTol = 1e-2;
 TEST(TensorParallel, SessionMatchesOneBackend) {
-  for (const char* file : {"stories260K.gguf", "qwen3moe-f16.gguf", "gemma3-swa-f16.gguf"}) {
+  for (const char* file :
+       {"stories260K.gguf", "qwen3moe-f16.gguf", "gemma3-swa-f16.gguf", "deepseek2-mla-f16.gguf"}) {
     auto m = load(file);
     ASSERT_TRUE(m);
     auto one = make_cpu_backend({.threads = 1});

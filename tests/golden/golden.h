@@ -58,6 +58,9 @@ inline constexpr Fixture kFixtures[] = {
     {"gpt-oss-mxfp4_moe", true},
     {"glm4moe-f16", false},
     {"glm4moe-q4_k_m", true},
+    {"deepseek2-mla-f16", false},
+    {"deepseek2-mla-q8_0", true},
+    {"deepseek2-mla-q4_k_m", true},
 };
 
 struct TopK {

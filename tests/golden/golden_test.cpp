@@ -154,22 +154,24 @@ INSTANTIATE_TEST_SUITE_P(Cpu, Golden,
 // Tensor parallelism over 2 ranks: every fixture whose heads, FFN width and row-parallel
 // quant blocks split in two (the K-quant fixtures' 128-column halves of attn_output are not
 // whole 256-element blocks: tests/engine's TensorParallel.RefusesWhatDoesNotSplit), covering
-// GQA, QK-norm, sliding-window rings with softcaps, the attention gate and expert
-// parallelism (qwen3moe-f16; glm4moe-f16 with its shared expert split like a dense FFN).
+// GQA, QK-norm, sliding-window rings with softcaps, the attention gate, expert
+// parallelism (qwen3moe-f16; glm4moe-f16 with its shared expert split like a dense FFN) and
+// latent attention (deepseek2: heads split, latent replicated).
 constexpr Fixture kTp2Fixtures[] = {
-    {"stories260K", false},    {"stories260K-q8_0", true}, {"babyllama-tok105-f32", false},
-    {"llama-gqa-f16", false},  {"llama-gqa-bf16", false},  {"llama-gqa-q8_0", true},
-    {"llama-gqa-q4_0", true},  {"qwen3-bpe-f16", false},   {"qwen3-bpe-q8_0", true},
-    {"gemma2-swa-q8_0", true}, {"gemma3-swa-f16", false},  {"muse-glimmer-f16", false},
-    {"qwen3moe-f16", false},   {"phi3-f16", false},        {"gpt-oss-f16", false},
-    {"glm4moe-f16", false},
+    {"stories260K", false},    {"stories260K-q8_0", true},   {"babyllama-tok105-f32", false},
+    {"llama-gqa-f16", false},  {"llama-gqa-bf16", false},    {"llama-gqa-q8_0", true},
+    {"llama-gqa-q4_0", true},  {"qwen3-bpe-f16", false},     {"qwen3-bpe-q8_0", true},
+    {"gemma2-swa-q8_0", true}, {"gemma3-swa-f16", false},    {"muse-glimmer-f16", false},
+    {"qwen3moe-f16", false},   {"phi3-f16", false},          {"gpt-oss-f16", false},
+    {"glm4moe-f16", false},    {"deepseek2-mla-f16", false}, {"deepseek2-mla-q8_0", true},
 };
 INSTANTIATE_TEST_SUITE_P(CpuTp2, Golden,
                          ::testing::Combine(::testing::ValuesIn(kTp2Fixtures),
                                             ::testing::Values(Path::CpuTp2)),
                          param_name);
 // Four ranks: the fixtures with 8 query / 4 KV heads.
-constexpr Fixture kTp4Fixtures[] = {{"stories260K", false}, {"babyllama-tok105-f32", false}};
+constexpr Fixture kTp4Fixtures[] = {
+    {"stories260K", false}, {"babyllama-tok105-f32", false}, {"deepseek2-mla-f16", false}};
 INSTANTIATE_TEST_SUITE_P(CpuTp4, Golden,
                          ::testing::Combine(::testing::ValuesIn(kTp4Fixtures),
                                             ::testing::Values(Path::CpuTp4)),

@@ -13,12 +13,14 @@
 namespace kiln::kvpack {
 namespace {
 
-// Full, ring (window 4), NoPE full, ring: the layer kinds a real model mixes.
+// Full, ring (window 4), NoPE full, ring: the layer kinds a real model mixes; and a K-only
+// layer of another width (latent attention's rows, no V plane).
 std::vector<LayerKind> kinds() {
   return {{.width = 8, .window = 0, .rope = true},
           {.width = 8, .window = 4, .rope = true},
           {.width = 8, .window = 0, .rope = false},
-          {.width = 8, .window = 4, .rope = true}};
+          {.width = 8, .window = 4, .rope = true},
+          {.width = 12, .window = 0, .rope = true, .k_only = true}};
 }
 Identity ident() {
   return {.engine_abi = 3,
@@ -31,7 +33,8 @@ KvConfig config(int32_t n_ctx, int32_t max_batch) {
   KvConfig c;
   c.n_ctx = n_ctx;
   c.max_batch = max_batch;
-  for (const LayerKind& k : kinds()) c.layers.push_back({.width = k.width, .window = k.window});
+  for (const LayerKind& k : kinds())
+    c.layers.push_back({.width = k.width, .window = k.window, .k_only = k.k_only});
   return c;
 }
 
@@ -51,7 +54,7 @@ KvCache filled(int32_t n_ctx, int32_t max_batch, int32_t n_pos, int32_t chunk,
     EXPECT_TRUE(c->begin_append(n));
     for (int l = 0; l < c->n_layers(); ++l) {
       auto rows = c->append_rows(l);
-      for (int pl = 0; pl < 2; ++pl) {
+      for (int pl = 0; pl < (c->k_only(l) ? 1 : 2); ++pl) {
         std::span<f16> p = pl ? c->v_plane(l) : c->k_plane(l);
         for (int i = 0; i < n; ++i)
           for (int64_t e = 0; e < c->width(l); ++e)
@@ -76,7 +79,7 @@ void expect_same_content(const KvCache& a, const KvCache& b) {
     const KvRowMap& mb = b.row_map(l);
     EXPECT_GE(mb.lo(), a.row_map(l).lo()) << "layer " << l;
     for (int32_t pos = mb.lo(); pos < b.n_pos(); ++pos)
-      for (int pl = 0; pl < 2; ++pl) {
+      for (int pl = 0; pl < (b.k_only(l) ? 1 : 2); ++pl) {
         std::span<const f16> p = pl ? b.v_plane(l) : b.k_plane(l);
         for (int64_t e = 0; e < b.width(l); ++e)
           ASSERT_EQ(p[size_t(mb.row_of(pos)) * size_t(b.width(l)) + size_t(e)].bits,
@@ -152,9 +155,10 @@ TEST(Kvpack, ByteAtATimeEqualsWhole) {
   }
   ASSERT_TRUE(p.finish()) << p.finish().message();
   EXPECT_EQ(headers, 1);
-  // Full layers: 13 rows in tiles of 3 (5 tiles); rings (capacity 4 + 4) keep rows 5..12 (3).
+  // Full layers (3 of them, one K-only): 13 rows in tiles of 3 (5 tiles); rings (capacity 4 +
+  // 4) keep rows 5..12 (3).
   EXPECT_EQ(src.row_map(1).lo(), 5);
-  EXPECT_EQ(tiles, 2 * 5 + 2 * 3);
+  EXPECT_EQ(tiles, 3 * 5 + 2 * 3);
   EXPECT_FALSE(p.push(std::span<const uint8_t>(pack.data(), 1)));  // bytes after the end
 }
 
@@ -188,13 +192,14 @@ TEST(Kvpack, RefusesAnotherProducerNamingTheField) {
     EXPECT_EQ(r.error().find('\n'), std::string::npos);
   }
   // Layer kinds: a consumer whose layer 2 is RoPE, or whose layer 1 has another window.
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < 4; ++variant) {
     std::vector<LayerKind> k = kinds();
     KvConfig cfg = config(32, 4);
     std::string field;
     if (variant == 0) k[2].rope = true, field = "layer 2 kind";
     if (variant == 1) k[1].window = cfg.layers[1].window = 5, field = "layer 1 window";
     if (variant == 2) k[3].width = cfg.layers[3].width = 16, field = "layer 3 KV width";
+    if (variant == 3) k[4].k_only = cfg.layers[4].k_only = false, field = "layer 4 planes";
     auto fresh = KvCache::create(cfg);
     ASSERT_TRUE(fresh.has_value());
     auto r = load(pack, ident(), k, std::move(*fresh));
@@ -251,16 +256,16 @@ TEST(Kvpack, WriterRefusesRowsTheCacheNoLongerHolds) {
 TEST(KvCacheRestore, RefusesImpossibleStates) {
   auto c = KvCache::create(config(64, 4));
   ASSERT_TRUE(c.has_value());
-  std::vector<int32_t> lo = {0, 0, 0, 0};
+  std::vector<int32_t> lo = {0, 0, 0, 0, 0};
   EXPECT_FALSE(c->restore(20, lo));  // ring of capacity 8 cannot hold 20 rows
-  lo = {1, 12, 0, 12};
+  lo = {1, 12, 0, 12, 0};
   EXPECT_FALSE(c->restore(20, lo));  // a full layer retains from 0
-  lo = {0, 12, 0, 13};
+  lo = {0, 12, 0, 13, 0};
   EXPECT_FALSE(c->restore(20, lo));  // two layers of one window disagree
-  lo = {0, 18, 0, 18};
+  lo = {0, 18, 0, 18, 0};
   EXPECT_FALSE(c->restore(20, lo));  // position 20 needs keys from 17
   EXPECT_EQ(c->n_pos(), 0);
-  lo = {0, 12, 0, 12};
+  lo = {0, 12, 0, 12, 0};
   ASSERT_TRUE(c->restore(20, lo));
   EXPECT_EQ(c->n_pos(), 20);
   EXPECT_FALSE(c->restore(20, lo));  // only on a fresh cache

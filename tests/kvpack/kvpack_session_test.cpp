@@ -2,7 +2,8 @@
 // from a pack (saved after prefill, or streamed by a remote prefill over an in-memory link)
 // continues greedy decoding with the same ids, and bit-identical logits, as the session that
 // prefilled locally. Models cover GQA, K-quants, sliding-window rings with prompts several
-// windows long (gemma2 window 8, muse-glimmer window 16 with NoPE layers), and MoE.
+// windows long (gemma2 window 8, muse-glimmer window 16 with NoPE layers), MoE, and latent
+// attention (deepseek2: one latent row per token and layer, no V plane).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -140,7 +141,9 @@ INSTANTIATE_TEST_SUITE_P(
     Shared, KvpackModels,
     ::testing::Values(Case{"stories260K.gguf", 40}, Case{"llama-gqa-q4_k_m.gguf", 40},
                       Case{"gemma2-swa-q8_0.gguf", 37}, Case{"gemma3-swa-f16.gguf", 29},
-                      Case{"muse-glimmer-q4_k_m.gguf", 53}, Case{"qwen3moe-q4_k_m.gguf", 33}),
+                      Case{"muse-glimmer-q4_k_m.gguf", 53}, Case{"qwen3moe-q4_k_m.gguf", 33},
+                      // latent attention: K-only layers of latent rows
+                      Case{"deepseek2-mla-q8_0.gguf", 41}),
     [](const auto& info) {
       std::string n = info.param.file;
       n = n.substr(0, n.find('.'));

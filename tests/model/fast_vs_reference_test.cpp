@@ -185,6 +185,60 @@ std::shared_ptr<const Model> random_qwen2() {
   return model_from(w, "qwen2-random.gguf");
 }
 
+// A random deepseek2 model (multi-head latent attention, dense FFNs) written in memory: 4 heads
+// with 16 no-RoPE + 8 RoPE query dims, a 32-wide latent, 16-wide values, YaRN factor 4 with
+// DeepSeek's mscale; q_lora 0 gives the plain attn_q form (DeepSeek-V2-Lite's).
+std::shared_ptr<const Model> random_deepseek2(int64_t q_lora) {
+  const int64_t E = 64, H = 4, NOPE = 16, ROPE = 8, KVL = 32, VD = 16, FF = 96, V = 100, L = 2;
+  GgufWriter w;
+  w.set_str("general.architecture", "deepseek2");
+  w.set_u32("deepseek2.context_length", 256);
+  w.set_u32("deepseek2.embedding_length", E);
+  w.set_u32("deepseek2.block_count", L);
+  w.set_u32("deepseek2.feed_forward_length", FF);
+  w.set_u32("deepseek2.attention.head_count", H);
+  w.set_u32("deepseek2.attention.head_count_kv", 1);
+  w.set_f32("deepseek2.attention.layer_norm_rms_epsilon", 1e-6f);
+  if (q_lora > 0) w.set_u32("deepseek2.attention.q_lora_rank", static_cast<uint32_t>(q_lora));
+  w.set_u32("deepseek2.attention.kv_lora_rank", KVL);
+  w.set_u32("deepseek2.attention.key_length", KVL + ROPE);
+  w.set_u32("deepseek2.attention.value_length", KVL);
+  w.set_u32("deepseek2.attention.key_length_mla", NOPE + ROPE);
+  w.set_u32("deepseek2.attention.value_length_mla", VD);
+  w.set_u32("deepseek2.rope.dimension_count", ROPE);
+  w.set_str("deepseek2.rope.scaling.type", "yarn");
+  w.set_f32("deepseek2.rope.scaling.factor", 4.0f);
+  w.set_u32("deepseek2.rope.scaling.original_context_length", 32);
+  w.set_f32("deepseek2.rope.scaling.yarn_log_multiplier", 0.1f);
+  RandomTensors tensor(w, 17);
+  const float ws = 1.0f / std::sqrt(float(E));
+  tensor("token_embd.weight", {E, V}, true, 1.0f);
+  tensor("output_norm.weight", {E}, false, 1.0f);
+  tensor("output.weight", {E, V}, true, ws);
+  for (int64_t il = 0; il < L; ++il) {
+    auto n = [il](const char* s) { return fmt::format("blk.{}.{}", il, s); };
+    tensor(n("attn_norm.weight"), {E}, false, 1.0f);
+    if (q_lora > 0) {
+      tensor(n("attn_q_a.weight"), {E, q_lora}, true, ws);
+      tensor(n("attn_q_a_norm.weight"), {q_lora}, false, 1.0f);
+      tensor(n("attn_q_b.weight"), {q_lora, H * (NOPE + ROPE)}, true,
+             1.0f / std::sqrt(float(q_lora)));
+    } else {
+      tensor(n("attn_q.weight"), {E, H * (NOPE + ROPE)}, true, ws);
+    }
+    tensor(n("attn_kv_a_mqa.weight"), {E, KVL + ROPE}, true, ws);
+    tensor(n("attn_kv_a_norm.weight"), {KVL}, false, 1.0f);
+    tensor(n("attn_k_b.weight"), {NOPE, KVL, H}, true, 1.0f / std::sqrt(float(NOPE)));
+    tensor(n("attn_v_b.weight"), {KVL, VD, H}, true, 1.0f / std::sqrt(float(KVL)));
+    tensor(n("attn_output.weight"), {H * VD, E}, true, 1.0f / std::sqrt(float(H * VD)));
+    tensor(n("ffn_norm.weight"), {E}, false, 1.0f);
+    tensor(n("ffn_gate.weight"), {E, FF}, true, ws);
+    tensor(n("ffn_up.weight"), {E, FF}, true, ws);
+    tensor(n("ffn_down.weight"), {FF, E}, true, 1.0f / std::sqrt(float(FF)));
+  }
+  return model_from(w, "deepseek2-random.gguf");
+}
+
 // The ref backend differs from the reference pass only by the f16 KV planes.
 constexpr double kRefBackendTol = 5e-3;
 
@@ -250,6 +304,20 @@ TEST(FastVsReference, Phi3FixtureRefBackend) {
   run_compare(load("phi3-f16.gguf"), *be, kRefBackendTol, 24);
 }
 // 12 of 32 dims rotate; the other 20 pass through (llama.cpp's partial rotary).
+// Latent attention: the fast pass's absorbed form (latent KV rows, MQA over them, attn_v_b
+// after) against the reference's expanded per-head K/V, with and without q-LoRA.
+TEST(FastVsReference, Deepseek2LatentRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(random_deepseek2(48), *be, kRefBackendTol, 40);
+}
+TEST(FastVsReference, Deepseek2FixtureRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(load("deepseek2-mla-f16.gguf"), *be, kRefBackendTol, 40);
+}
+TEST(FastVsReference, Deepseek2NoQLoraRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(random_deepseek2(0), *be, kRefBackendTol, 40);
+}
 TEST(FastVsReference, Phi3PartialRotaryRefBackend) {
   auto be = make_ref_backend();
   run_compare(random_phi3(12), *be, kRefBackendTol, 30);
@@ -299,6 +367,18 @@ TEST(FastVsReference, Qwen2YarnCpuBackend) {
 TEST(FastVsReference, Phi3FixtureCpuBackend) {
   auto be = make_cpu_backend({.threads = 2});
   run_compare(load("phi3-q4_k_m.gguf"), *be, 5e-2, 24);
+}
+TEST(FastVsReference, Deepseek2LatentCpuBackend) {
+  auto be = make_cpu_backend({.threads = 2});
+  run_compare(random_deepseek2(48), *be, 1e-2, 40);
+}
+TEST(FastVsReference, Deepseek2FixtureCpuBackend) {
+  auto be = make_cpu_backend({.threads = 2});
+  run_compare(load("deepseek2-mla-f16.gguf"), *be, 1e-2, 40);
+}
+TEST(FastVsReference, Deepseek2NoQLoraCpuBackend) {
+  auto be = make_cpu_backend({.threads = 2});
+  run_compare(random_deepseek2(0), *be, 1e-2, 40);
 }
 TEST(FastVsReference, Phi3PartialRotaryCpuBackend) {
   auto be = make_cpu_backend({.threads = 2});

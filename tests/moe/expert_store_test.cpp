@@ -136,7 +136,7 @@ TEST_P(Identity, SameIdsAndBitIdenticalLogitsUnderEveryBudget) {
 INSTANTIATE_TEST_SUITE_P(Models, Identity,
                          ::testing::Values("qwen3moe-f16.gguf", "qwen3moe-q4_k_m.gguf",
                                            "mixtral-q4_k_m.gguf", "gpt-oss-mxfp4_moe.gguf",
-                                           "glm4moe-q4_k_m.gguf"),
+                                           "glm4moe-q4_k_m.gguf", "deepseek2-mla-q8_0.gguf"),
                          [](const auto& info) {
                            std::string s = info.param;
                            for (char& ch : s)
