@@ -97,6 +97,9 @@ Expected<std::unique_ptr<Backend>> Runtime::make_backend(const Model& model,
   if (o.device == Device::Cuda && cuda_refuses)
     return Status::errorf("--device cuda: latent attention ('{}') is not supported on CUDA yet",
                           model.arch_name());
+  if (o.device == Device::Auto && cuda_refuses && cuda_device_count() > 0)
+    log_notice("device: latent attention ('{}') is not supported on CUDA yet; running on the CPU",
+               model.arch_name());
   if (!cuda_refuses &&
       (o.device == Device::Cuda || (o.device == Device::Auto && cuda_device_count() > 0))) {
     CudaOptions c = o.cuda;
