@@ -145,7 +145,9 @@ SpeculativeDecoder::SpeculativeDecoder(Session& t, Drafter& d, const SpecParams&
       c_drafted_(process_counters().counter("spec.drafted")),
       c_accepted_(process_counters().counter("spec.accepted")),
       t_draft_(process_counters().timer("spec.draft")),
-      t_verify_(process_counters().timer("spec.verify")) {}
+      t_verify_(process_counters().timer("spec.verify")) {
+  capture_.only = d.wanted_captures();
+}
 
 Expected<std::unique_ptr<SpeculativeDecoder>> SpeculativeDecoder::create(Session& target,
                                                                          Drafter& drafter,
@@ -173,11 +175,20 @@ Status SpeculativeDecoder::start(std::span<const int32_t> prompt) {
                           target_.n_ctx());
   KILN_TRY(target_.rollback(0));
   history_.assign(prompt.begin(), prompt.end());
-  if (prompt.size() > 1) {
-    auto l = target_.eval(prompt.first(prompt.size() - 1), false);
-    if (!l) return l.status();
-  }
   KILN_TRY(drafter_.prepare(prompt).context(drafter_.name() + " drafter"));
+  // A drafter conditioned on the target sees the prefill's activations too, one forward step
+  // at a time (a capture holds one step's rows).
+  const bool capture = !drafter_.wanted_captures().empty();
+  const size_t step_max = capture ? size_t(target_.max_batch()) : prompt.size();
+  for (size_t done = 0; done + 1 < prompt.size();) {
+    const size_t n = std::min(step_max, prompt.size() - 1 - done);
+    target_.set_capture(capture ? &capture_ : nullptr);
+    auto l = target_.eval(prompt.subspan(done, n), false);
+    target_.set_capture(nullptr);
+    if (!l) return l.status();
+    if (capture) drafter_.observe_target(capture_, static_cast<int32_t>(n));
+    done += n;
+  }
   rng_ = Rng(params_.sampling.seed);
   draft_rng_ = Rng(params_.sampling.seed ^ 0x5eed'd4af'7000'0001ull);
   stats_ = SpecStats{};
@@ -254,6 +265,8 @@ Expected<SpecStep> SpeculativeDecoder::step() {
   t_verify_.record(std::chrono::steady_clock::now() - t0);
 
   SpecStep out;
+  out.n_past = base;
+  out.draft = draft_.tokens;
   out.tokens.assign(draft_.tokens.begin(), draft_.tokens.begin() + a);
   out.tokens.push_back(vr.next);
   out.n_drafted = n_draft;

@@ -136,7 +136,8 @@ class ForwardPass {
   // through host_view, which downloads on device backends and is the span itself elsewhere.
   std::span<const float> host_view(std::span<const float> data, std::vector<float>& mirror);
   void rec(const std::string& name, std::span<const float> data, int64_t rows) {
-    if (batch_.capture) batch_.capture->record(name, host_view(data, st_.capture_host), rows);
+    if (batch_.capture && batch_.capture->wants(name))
+      batch_.capture->record(name, host_view(data, st_.capture_host), rows);
   }
   std::string prefix(int32_t il) const {
     return batch_.capture ? fmt::format("blk.{}.", il) : std::string();

@@ -315,11 +315,16 @@ class CaptureDrafter final : public Drafter {
   }
   std::vector<std::string> wanted_captures() const override { return {"result_norm"}; }
   void observe_target(const model::Capture& c, int32_t kept) override {
+    if (last_drafted == 0) {  // the prompt prefill: every row kept (result_norm: its last row)
+      prefill_rows += kept;
+      return;
+    }
     auto it = c.nodes.find("result_norm");
     ok &= it != c.nodes.end() && it->second.n_rows == last_drafted + 1 && kept >= 1 &&
           kept <= last_drafted + 1;
     ++calls;
   }
+  int32_t prefill_rows = 0;
   int32_t last_drafted = 0;
   int calls = 0;
   bool ok = true;
@@ -344,6 +349,7 @@ TEST(SpecDecoder, BlockDrafterHookSeesTargetHiddenStates) {
   EXPECT_EQ(spec_decode(**dec, prompt, 20), want.ids);
   EXPECT_GT(cd.calls, 0);
   EXPECT_TRUE(cd.ok);
+  EXPECT_EQ(cd.prefill_rows, static_cast<int32_t>(prompt.size()) - 1);  // all but the last
 }
 
 TEST(SpecDecoder, RejectsBadSetups) {
