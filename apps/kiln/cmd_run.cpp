@@ -2,6 +2,7 @@
 // generated text; stderr gets the speeds (prefill / decode tokens per second) and a hash of
 // the generated ids, so two runs can be compared without diffing text.
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@
 #include "core/log.h"
 #include "engine/constrained.h"
 #include "engine/mtp_drafter.h"
+#include "engine/dflash_drafter.h"
 #include "engine/speculative.h"
 #include "grammar/json_schema.h"
 #include "sampling/sampler.h"
@@ -38,6 +40,8 @@ struct RunOptions {
   std::string draft;        // --draft MODEL: speculative decoding with a draft model
   bool spec_ngram = false;  // --spec-ngram: speculative decoding with prompt lookup
   bool spec_mtp = false;    // --spec-mtp: speculative decoding with the model's NextN layer
+  std::string dflash;       // --dflash DRAFTER: speculative decoding with a DFlash block drafter
+  std::string spec_trace;   // --spec-trace FILE: JSON of the ids and every draft/verify step
   int32_t draft_n = 4;      // --draft-n: tokens drafted per verify step
   int64_t seed = 42;        // -1: drawn from std::random_device
   // Constrained decoding (llama.cpp's spellings): GBNF text, a GBNF file, a JSON Schema.
@@ -121,26 +125,30 @@ Status parse_logit_bias(const std::vector<std::string>& specs,
 Status run_speculative(const RunOptions& o, const Config& cfg, Runtime& rt,
                        std::span<const int32_t> prompt, int32_t n_ctx) {
   const Tokenizer& tok = rt.tokenizer();
+  if (o.draft_n < 1 || o.draft_n > 64)
+    return Status::errorf("--draft-n {} outside [1, 64]", o.draft_n);
+  Session session(rt.model(), rt.backend(), n_ctx);
   std::unique_ptr<Drafter> drafter;
   if (o.spec_mtp) {
-    if (!o.draft.empty() || o.spec_ngram)
-      return Status::error("give one of --draft MODEL, --spec-ngram and --spec-mtp");
     KILN_ASSIGN_OR_RETURN(drafter, MtpDrafter::create(rt.model(), rt.backend(), n_ctx));
   } else if (!o.draft.empty()) {
-    if (o.spec_ngram) return Status::error("give either --draft MODEL or --spec-ngram, not both");
     KILN_ASSIGN_OR_RETURN(auto dm, Model::load(o.draft));
     KILN_ASSIGN_OR_RETURN(drafter,
                           ModelDrafter::create(dm, rt.backend(), n_ctx, rt.model()->n_vocab()));
+  } else if (!o.dflash.empty()) {
+    KILN_ASSIGN_OR_RETURN(auto dd, DflashDrafter::create(o.dflash, rt.model(), rt.backend(), n_ctx,
+                                                         session.max_batch()));
+    if (o.draft_n > dd->max_draft())
+      return Status::errorf("--draft-n {} exceeds the DFlash drafter's block ({} drafts at most)",
+                            o.draft_n, dd->max_draft());
+    drafter = std::move(dd);
   } else {
     drafter = std::make_unique<NgramDrafter>(1, 3);
   }
-  if (o.draft_n < 1 || o.draft_n > 64)
-    return Status::errorf("--draft-n {} outside [1, 64]", o.draft_n);
   SpecParams sp;
   sp.n_draft = o.draft_n;
   sp.sampling = o.sampling;
   sp.draft_sampling = o.sampling;
-  Session session(rt.model(), rt.backend(), n_ctx);
   KILN_ASSIGN_OR_RETURN(auto dec, SpeculativeDecoder::create(session, *drafter, sp));
   const auto t_prefill = Clock::now();
   KILN_TRY(dec->start(prompt));
@@ -149,9 +157,13 @@ Status run_speculative(const RunOptions& o, const Config& cfg, Runtime& rt,
   std::vector<int32_t> out_ids;
   Utf8Stream stream;
   bool stopped_by_eog = false;
+  nlohmann::ordered_json trace_steps = nlohmann::ordered_json::array();
   const auto t_decode = Clock::now();
   while (!stopped_by_eog && static_cast<int32_t>(out_ids.size()) < o.n_predict) {
     KILN_ASSIGN_OR_RETURN(SpecStep st, dec->step());
+    if (!o.spec_trace.empty())
+      trace_steps.push_back(
+          {{"n_past", st.n_past}, {"draft", st.draft}, {"n_accepted", st.n_accepted}});
     for (int32_t id : st.tokens) {
       out_ids.push_back(id);
       if (tok.is_eog(id)) {
@@ -190,6 +202,20 @@ Status run_speculative(const RunOptions& o, const Config& cfg, Runtime& rt,
     const auto counters = process_counters().snapshot();
     if (!counters.empty()) fmt::print(stderr, "stats: counters\n{}", format_counters(counters));
     fmt::print(stderr, "{}", moe::format_store_stats());
+  }
+  if (!o.spec_trace.empty()) {
+    // ids: every generated id (the last step's tail past -n included is cut, as printed).
+    const nlohmann::ordered_json trace = {{"mode", drafter->name()},
+                                          {"n_draft", o.draft_n},
+                                          {"prompt_tokens", prompt.size()},
+                                          {"ids", out_ids},
+                                          {"steps", std::move(trace_steps)}};
+    std::FILE* f = std::fopen(o.spec_trace.c_str(), "wb");
+    if (!f) return Status::errorf("cannot write --spec-trace file '{}'", o.spec_trace);
+    const std::string text = trace.dump(1) + "\n";
+    const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    if (std::fclose(f) != 0 || !ok)
+      return Status::errorf("cannot write --spec-trace file '{}'", o.spec_trace);
   }
   return Status::ok();
 }
@@ -249,10 +275,15 @@ Status run(RunOptions o) {
   for (int32_t id : prompt) sampler.accept(id);
 
   KILN_ASSIGN_OR_RETURN(auto grammar, run_grammar(o));
-  const bool speculative = !o.draft.empty() || o.spec_ngram || o.spec_mtp;
-  if (grammar && speculative)
+  const int spec_modes = !o.draft.empty() + o.spec_ngram + !o.dflash.empty() + o.spec_mtp;
+  if (spec_modes > 1)
+    return Status::error("give one of --draft, --spec-ngram, --dflash and --spec-mtp");
+  if (spec_modes == 0 && !o.spec_trace.empty())
+    return Status::error(
+        "--spec-trace needs speculative decoding (--draft, --spec-ngram, --dflash, --spec-mtp)");
+  if (grammar && spec_modes > 0)
     return Status::error("--grammar/--json-schema with speculative decoding is not supported");
-  if (speculative) return run_speculative(o, cfg, rt, prompt, n_ctx);
+  if (spec_modes > 0) return run_speculative(o, cfg, rt, prompt, n_ctx);
   std::optional<Constraint> constraint;
   if (grammar) constraint.emplace(Constraint{make_token_trie(tok), grammar::Matcher(grammar), {}});
 
@@ -368,6 +399,10 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--spec-ngram", o->spec_ngram, "speculative decoding with n-gram prompt lookup");
   cmd->add_flag("--spec-mtp", o->spec_mtp,
                 "speculative decoding with the model's own NextN (MTP) layer as the drafter");
+  cmd->add_option("--dflash", o->dflash,
+                  "speculative decoding with this DFlash block drafter (GGUF arch 'dflash')");
+  cmd->add_option("--spec-trace", o->spec_trace,
+                  "write the speculative run as JSON: ids and per step n_past, draft, n_accepted");
   cmd->add_option("--grammar", o->grammar, "constrain the output to a GBNF grammar (text)");
   cmd->add_option("--grammar-file", o->grammar_file, "constrain the output to a GBNF file");
   cmd->add_option("-j,--json-schema", o->json_schema,

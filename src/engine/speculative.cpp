@@ -145,7 +145,9 @@ SpeculativeDecoder::SpeculativeDecoder(Session& t, Drafter& d, const SpecParams&
       c_drafted_(process_counters().counter("spec.drafted")),
       c_accepted_(process_counters().counter("spec.accepted")),
       t_draft_(process_counters().timer("spec.draft")),
-      t_verify_(process_counters().timer("spec.verify")) {}
+      t_verify_(process_counters().timer("spec.verify")) {
+  capture_.only = d.wanted_captures();
+}
 
 Expected<std::unique_ptr<SpeculativeDecoder>> SpeculativeDecoder::create(Session& target,
                                                                          Drafter& drafter,
@@ -263,6 +265,8 @@ Expected<SpecStep> SpeculativeDecoder::step() {
   t_verify_.record(std::chrono::steady_clock::now() - t0);
 
   SpecStep out;
+  out.n_past = base;
+  out.draft = draft_.tokens;
   out.tokens.assign(draft_.tokens.begin(), draft_.tokens.begin() + a);
   out.tokens.push_back(vr.next);
   out.n_drafted = n_draft;

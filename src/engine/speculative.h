@@ -52,17 +52,18 @@ class Drafter {
   virtual std::string name() const = 0;
   // Fills `out` (cleared first). Errors abort the generation.
   virtual Status propose(const DraftRequest& req, Draft& out) = 0;
-  // Called by SpeculativeDecoder::start() with the whole prompt, so a drafter with state
-  // (a draft model's KV) does its prompt prefill with the target's, not inside the first
-  // decode step (where it would be charged to decode time and the draft timer).
+  // Called by SpeculativeDecoder::start() with the whole prompt, before the target's prefill,
+  // so a drafter with state (a draft model's KV) does its prompt prefill with the target's,
+  // not inside the first decode step (where it would be charged to decode time and the draft
+  // timer), and a drafter conditioned on the target resets before the prefill's features come.
   virtual Status prepare(std::span<const int32_t> /*prompt*/) { return Status::ok(); }
   // Named target activations (model/capture.h names, e.g. "blk.11.ffn_out") this drafter
   // conditions on. Non-empty: the decoder captures them during each verify eval and passes
   // them to observe_target().
   virtual std::vector<std::string> wanted_captures() const { return {}; }
-  // After each verify: the target's captured activations for the verify batch (rows: the
-  // last accepted token, then the drafts) and how many of those rows were kept. In start(),
-  // after prepare(), also for the prompt's rows (all but its last token), step by step.
+  // After each target batch: the prompt prefill's chunks (every row kept), then each verify
+  // (rows: the last accepted token, then the drafts; the first n_rows_kept were kept). The
+  // rows continue the positions of the previous call.
   virtual void observe_target(const model::Capture& /*capture*/, int32_t /*n_rows_kept*/) {}
 };
 
@@ -127,6 +128,8 @@ struct SpecStats {
 };
 
 struct SpecStep {
+  int32_t n_past = 0;           // target positions before the verify (the pending token's)
+  std::vector<int32_t> draft;   // the drafter's proposals this step
   std::vector<int32_t> tokens;  // emitted this step (>= 1): accepted drafts + target's own
   int32_t n_drafted = 0;
   int32_t n_accepted = 0;

@@ -94,6 +94,10 @@ constexpr std::array kArchs = {
              .experts_allowed = true,
              .mla = true,
              .moe_v3 = true},
+    // DFlash block drafter (model/dflash.h: its own loader and passes): a qwen3-style decoder
+    // (per-head q/k norms, NeoX rope) that borrows its target's embedding and output head.
+    ArchInfo{
+        .name = "dflash", .rope_style = RopeStyle::NeoX, .qk_norm = true, .drafter_only = true},
 };
 
 }  // namespace

@@ -66,6 +66,8 @@ struct ArchInfo {
   SwaRule swa = SwaRule::None;
   int default_swa_pattern = 0;  // used when {arch}.attention.sliding_window_pattern is absent
   bool supported = true;        // false: recognised but its forward pass is not built yet
+  // A drafter that runs only beside a target (model/dflash.h), never as a model of its own.
+  bool drafter_only = false;
 };
 
 // The row for `name`, or nullptr for an architecture kiln does not know.

@@ -4,10 +4,12 @@
 // `blk.3.ffn_moe_logits` (router logits of MoE layers), `result_norm`, `result_output`.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace kiln::model {
@@ -20,19 +22,16 @@ struct CapturedNode {
 
 struct Capture {
   std::map<std::string, CapturedNode> nodes;
-  // Non-empty: only these names are recorded (a drafter that reads one node of every step
-  // does not pay for copying all the others).
+  // Non-empty: only these names are recorded (a drafter conditioned on one or two activations
+  // should not pay for copying, or on a GPU downloading, every one of them). clear() keeps it.
   std::vector<std::string> only;
 
-  bool wants(const std::string& name) const {
-    if (only.empty()) return true;
-    for (const std::string& o : only)
-      if (o == name) return true;
-    return false;
-  }
-
   void clear() { nodes.clear(); }
+  bool wants(std::string_view name) const {
+    return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
+  }
   void record(const std::string& name, std::span<const float> data, int64_t n_rows) {
+    if (!wants(name)) return;
     CapturedNode& n = nodes[name];
     n.n_rows = n_rows;
     n.width = n_rows > 0 ? static_cast<int64_t>(data.size()) / n_rows : 0;

@@ -310,6 +310,11 @@ Expected<HParams> read_hparams(const GgufFile& g) {
   KILN_ASSIGN_OR_RETURN(hp.arch_name, g.get<std::string>("general.architecture"));
   hp.arch = find_arch(hp.arch_name);
   if (!hp.arch) return Status::errorf("unknown architecture '{}'", hp.arch_name);
+  if (hp.arch->drafter_only)
+    return Status::errorf(
+        "architecture '{}' is a drafter: it runs beside a target model (kiln run --dflash), "
+        "not on its own",
+        hp.arch_name);
   if (!hp.arch->supported)
     return Status::errorf("architecture '{}' is recognised but not supported yet", hp.arch_name);
   const ArchInfo& arch = *hp.arch;

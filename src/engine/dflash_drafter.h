@@ -1,0 +1,75 @@
+// engine/dflash_drafter.h: DFlash block drafting (model/dflash.h) as a Drafter. The drafter
+// keeps its own KV cache, in step with the target's accepted history: every target batch the
+// speculative decoder evaluates (the prompt prefill, then each verify) hands over the inputs
+// of the drafter's target layers (Drafter::wanted_captures / observe_target), and the kept
+// rows' features go through fc + norm into the drafter's K/V at the tokens' positions. A
+// proposal is one non-causal pass over [last, mask x n] at the next positions; its drafts are
+// the argmax (lowest id on ties) of the block's rows 1..n, and the block's own K/V rows are
+// dropped again afterwards, so both caches hold exactly the accepted history.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/speculative.h"
+#include "kv/kv_cache.h"
+#include "model/dflash.h"
+
+namespace kiln {
+
+class DflashDrafter final : public Drafter {
+ public:
+  // Loads the drafter and checks it against `target` (width, vocabulary, target layers).
+  // n_ctx: the target session's context; max_batch: its batch limit (the prefill chunks the
+  // drafter receives). Errors: one line naming the file and the mismatch; a tensor-parallel
+  // backend (not supported).
+  static Expected<std::unique_ptr<DflashDrafter>> create(const std::string& path,
+                                                         std::shared_ptr<const Model> target,
+                                                         Backend& backend, int32_t n_ctx,
+                                                         int32_t max_batch);
+  static Expected<std::unique_ptr<DflashDrafter>> create(model::DflashModel drafter,
+                                                         std::shared_ptr<const Model> target,
+                                                         Backend& backend, int32_t n_ctx,
+                                                         int32_t max_batch);
+  ~DflashDrafter() override;
+
+  std::string name() const override { return "dflash"; }
+  Status prepare(std::span<const int32_t> prompt) override;
+  Status propose(const DraftRequest& req, Draft& out) override;
+  std::vector<std::string> wanted_captures() const override;
+  void observe_target(const model::Capture& capture, int32_t n_rows_kept) override;
+
+  // Most drafts one proposal makes: the block size less the anchor.
+  int32_t max_draft() const { return drafter_.dp.block_size - 1; }
+  const model::DflashModel& drafter() const { return drafter_; }
+  // Positions whose features the drafter's cache holds.
+  int32_t n_pos() const { return kv_.n_pos(); }
+  // The last proposal's logits, one row per drafted token ([n][n_vocab]; tests compare them
+  // with llama.cpp's).
+  std::span<const float> last_logits() const { return draft_logits_; }
+
+ private:
+  DflashDrafter(model::DflashModel d, std::shared_ptr<const Model> target, Backend& be, KvCache kv,
+                int32_t max_batch);
+  Status inject(const model::Capture& capture, int32_t n_rows);
+  void bind_layers();
+
+  model::DflashModel drafter_;
+  std::shared_ptr<const Model> target_;
+  Backend& backend_;
+  KvCache kv_;
+  model::DflashState state_;
+  std::vector<std::string> features_;  // capture names, in dflash.target_layers order
+  std::vector<model::LayerKv> layer_kv_;
+  std::vector<float> feat_;     // [rows][n_feat] gathered features
+  std::vector<int32_t> block_;  // [last, mask...]
+  std::vector<float> logits_;   // [block][n_vocab]
+  std::vector<float> draft_logits_;
+  Status pending_ = Status::ok();  // an observe_target failure, reported by the next propose
+};
+
+}  // namespace kiln
