@@ -28,8 +28,6 @@ KILN_CONFIG_ENTRY(User, int64_t, expert_cap, 0,
 KILN_CONFIG_ENTRY(User, int64_t, expert_device_cache, 0,
                   "MoE streaming on CUDA: bytes of expert slices kept on the device (0: half "
                   "of the free device memory)")
-KILN_CONFIG_ENTRY(User, bool, expert_prefetch, false,
-                  "MoE streaming: while a layer runs, load the experts the next layer used last")
 
 // ---- Dev: what a benchmark or a test of a whole run sets (`--dev name=value`). Kernel
 // switches are not here: they live in the backends' option structs (CpuOptions, CudaOptions),
@@ -43,6 +41,9 @@ KILN_CONFIG_ENTRY(Dev, std::string, expert_device_policy, "lfu",
 KILN_CONFIG_ENTRY(Dev, bool, expert_device_async, true,
                   "CUDA expert tier: one op's copies queued back to back and waited for once "
                   "(false: one synchronous copy each); same outputs")
+KILN_CONFIG_ENTRY(Dev, bool, expert_prefetch, false,
+                  "MoE streaming: while a layer runs, load the experts the next layer used last; "
+                  "same outputs (a trial: docs/BENCHMARKS.md has its figures)")
 KILN_CONFIG_ENTRY(Dev, std::string, moe_routing, "model",
                   "MoE cache benchmarks: model (the router's top-k), or each token's experts "
                   "drawn by layer, position and token: uniform or zipf[:S] (rank r weighs "

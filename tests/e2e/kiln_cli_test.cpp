@@ -94,7 +94,7 @@ TEST(KilnRun, SameSeedSameText) {
   EXPECT_NE(hash_line(a.err), hash_line(c.err)) << "different seeds gave identical 40 tokens";
 }
 
-// The options a person sets, and only those: `kiln serve --help` fits a screen (31 options at
+// The options a person sets, and only those: `kiln serve --help` fits a screen (30 options at
 // most), every default it prints is the real one, the developer door is not listed, and a
 // developer key given to the wrong door is one line naming the right one.
 TEST(KilnCli, ServeHelpIsShortAndTrue) {
@@ -105,7 +105,7 @@ TEST(KilnCli, ServeHelpIsShortAndTrue) {
   for (std::string line; std::getline(lines, line);)
     if (line.rfind("  -", 0) == 0) ++options;
   EXPECT_GE(options, 10u) << h.out;
-  EXPECT_LE(options, 31u) << h.out;
+  EXPECT_LE(options, 30u) << h.out;
   EXPECT_EQ(h.out.find("{false}"), std::string::npos) << h.out;
   EXPECT_EQ(h.out.find("{true}"), std::string::npos) << h.out;
   EXPECT_EQ(h.out.find("--cuda-"), std::string::npos) << h.out;
@@ -270,7 +270,7 @@ TEST(KilnPerplexity, WithinHalfPercentOfLlamaCpp) {
 }
 
 TEST(KilnPerplexity, NewArchitecturesWithinHalfPercentOfLlamaCpp) {
-  EXPECT_GE(check_perplexities(source_path("tests/golden/perplexity_peer.json")), 17);
+  EXPECT_GE(check_perplexities(source_path("tests/golden/perplexity_peer.json")), 22);
 }
 
 // LongRoPE chooses its factor set by the context a sequence gets (llama.cpp: long once n_ctx

@@ -35,7 +35,7 @@ TEST(ExpertFlags, RunOutputIsIdenticalWithStreamingOnAndOff) {
     ASSERT_EQ(off.rc, 0) << off.err;
     ASSERT_FALSE(ids_line(off.err).empty()) << off.err;
     for (std::vector<std::string> flags : {std::vector<std::string>{"--expert-cap", "2"},
-                                           {"--expert-cap", "3", "--expert-prefetch"},
+                                           {"--expert-cap", "3", "--dev", "expert_prefetch=true"},
                                            {"--expert-cache", "50000000"}}) {
       std::vector<std::string> args = base;
       args.insert(args.end(), flags.begin(), flags.end());
