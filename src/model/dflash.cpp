@@ -155,16 +155,7 @@ class DflashBinder {
   }
   Expected<std::span<const float>> vec(const std::string& name, int64_t n) {
     KILN_ASSIGN_OR_RETURN(TensorView v, get(name, {n}));
-    std::vector<float>& buf = w_.owned.emplace_back(static_cast<size_t>(n));
-    if (v.dtype() == DType::F32) {
-      std::memcpy(buf.data(), v.bytes.data(), buf.size() * sizeof(float));
-    } else {
-      if (row_bytes(v.dtype(), n) != v.bytes.size())
-        return Status::errorf("tensor '{}': {} elements do not fill whole {} blocks", name, n,
-                              dtype_name(v.dtype()));
-      quant::dequantize_row(v.dtype(), v.bytes, buf);
-    }
-    return std::span<const float>(buf);
+    return tensor_floats(name, v, n, w_.owned);
   }
   Status check_all_used() const {
     for (const TensorInfo& t : g_.tensors()) {

@@ -21,6 +21,25 @@ WeightMatrix as_matrix(const TensorView& t) {
   return m;
 }
 
+Expected<std::span<const float>> tensor_floats(const std::string& name, const TensorView& v,
+                                               int64_t n, std::vector<std::vector<float>>& owned) {
+  if (v.dtype() == DType::F32) {
+    // Tensor data is aligned to general.alignment (>= 8 by GGUF validation); floats need 4.
+    if (reinterpret_cast<uintptr_t>(v.bytes.data()) % alignof(float) == 0)
+      return std::span<const float>(reinterpret_cast<const float*>(v.bytes.data()), n);
+  }
+  std::vector<float>& buf = owned.emplace_back(static_cast<size_t>(n));
+  if (v.dtype() == DType::F32) {
+    std::memcpy(buf.data(), v.bytes.data(), buf.size() * sizeof(float));
+  } else {
+    if (row_bytes(v.dtype(), n) != v.bytes.size())
+      return Status::errorf("tensor '{}': {} elements do not fill whole {} blocks", name, n,
+                            dtype_name(v.dtype()));
+    quant::dequantize_row(v.dtype(), v.bytes, buf);
+  }
+  return std::span<const float>(buf);
+}
+
 namespace {
 
 std::string shape_str(const TensorInfo& t) {
@@ -77,21 +96,7 @@ class Binder {
     return floats(name, v, n * rows);
   }
   Expected<std::span<const float>> floats(const std::string& name, const TensorView& v, int64_t n) {
-    if (v.dtype() == DType::F32) {
-      // Tensor data is aligned to general.alignment (>= 8 by GGUF validation); floats need 4.
-      if (reinterpret_cast<uintptr_t>(v.bytes.data()) % alignof(float) == 0)
-        return std::span<const float>(reinterpret_cast<const float*>(v.bytes.data()), n);
-    }
-    std::vector<float>& buf = w_.owned.emplace_back(static_cast<size_t>(n));
-    if (v.dtype() == DType::F32) {
-      std::memcpy(buf.data(), v.bytes.data(), buf.size() * sizeof(float));
-    } else {
-      if (row_bytes(v.dtype(), n) != v.bytes.size())
-        return Status::errorf("tensor '{}': {} elements do not fill whole {} blocks", name, n,
-                              dtype_name(v.dtype()));
-      quant::dequantize_row(v.dtype(), v.bytes, buf);
-    }
-    return std::span<const float>(buf);
+    return tensor_floats(name, v, n, w_.owned);
   }
 
   bool has(const std::string& name) const { return g_.find_tensor(name) != nullptr; }

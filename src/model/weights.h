@@ -98,6 +98,12 @@ std::span<const float> rope_factors_for(const Weights& w, const HParams& hp, int
 // (llama.cpp's choice when no context size is given). `w` must outlive `hp`'s use.
 void attach_rope_factors(const Weights& w, HParams& hp);
 
+// n values of tensor `name` as floats: a view of aligned F32 data, else a copy (converted or
+// dequantized) appended to `owned`, which must outlive the span. Error when n values do not
+// fill whole blocks of its type.
+Expected<std::span<const float>> tensor_floats(const std::string& name, const TensorView& v,
+                                               int64_t n, std::vector<std::vector<float>>& owned);
+
 // A tensor as a WeightMatrix (any number of dims, rows flattened over ne[1..3]).
 WeightMatrix as_matrix(const TensorView& t);
 

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/longrope_file.h"
 #include "common/run_kiln.h"
 #include "common/testdata.h"
 #include "format/gguf.h"
@@ -274,30 +275,14 @@ TEST(KilnPerplexity, NewArchitecturesWithinHalfPercentOfLlamaCpp) {
 }
 
 // LongRoPE chooses its factor set by the context a sequence gets (llama.cpp: long once n_ctx
-// passes rope.scaling.original_context_length), not by the training context. The phi3 fixture
-// has no factors, so this writes phi3-f16 with two distinct sets and an original context of
-// 256 (training 512); perplexity_peer.json's "longrope" entries are the peer's figures for
-// this very file at -c 256 (short set) and -c 512 (long set).
+// passes rope.scaling.original_context_length), not by the training context: phi3-f16 with two
+// factor sets and an original context of 256 (training 512, common/longrope_file.h), against
+// the peer's figures for this very file at -c 256 (short set) and -c 512 (long set).
 TEST(KilnPerplexity, LongRopeFactorSetFollowsTheContext) {
   auto src = GgufFile::open(model_path("phi3-f16.gguf"));
   ASSERT_TRUE(src.has_value()) << src.error();
-  const int32_t n_rot = *src->get<int32_t>("phi3.rope.dimension_count");
-  std::vector<float> long_f(static_cast<size_t>(n_rot / 2)), short_f(long_f.size());
-  for (size_t i = 0; i < long_f.size(); ++i) {
-    long_f[i] = 1.0f + 0.5f * float(i);
-    short_f[i] = 1.0f + 0.05f * float(i);
-  }
-  GgufWriter w;
-  w.copy_metadata(*src);
-  w.set_u32("phi3.rope.scaling.original_context_length", 256);
-  w.set_f32("phi3.rope.scaling.attn_factor", 1.19f);
-  for (const TensorInfo& t : src->tensors())
-    w.add_tensor(t.name, t.dtype, std::vector<int64_t>(t.ne.begin(), t.ne.begin() + t.n_dims),
-                 src->view(t).bytes);
-  w.add_tensor("rope_factors_long.weight", DType::F32, {n_rot / 2},
-               std::as_bytes(std::span<const float>(long_f)));
-  w.add_tensor("rope_factors_short.weight", DType::F32, {n_rot / 2},
-               std::as_bytes(std::span<const float>(short_f)));
+  const testing::LongRopeFile lr = testing::phi3_with_longrope(*src, 256);
+  const GgufWriter& w = lr.writer;
   const std::string dir = testing::temp_dir();
   const std::string file = dir + "/phi3-longrope.gguf";
   ASSERT_TRUE(w.write(file).ok()) << file;

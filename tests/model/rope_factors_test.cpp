@@ -12,6 +12,7 @@
 #include <random>
 
 #include "backend/backend.h"
+#include "common/longrope_file.h"
 #include "common/testdata.h"
 #include "core/check.h"
 #include "engine/session.h"
@@ -234,27 +235,13 @@ TEST(RopeFactors, LongRopeChoosesBySize) {
 TEST(RopeFactors, Phi3LongRopeFastMatchesReference) {
   auto src = GgufFile::open(testing::model_path("phi3-f16.gguf"));
   ASSERT_TRUE(src.has_value()) << src.error();
-  const int32_t n_rot = *src->get<int32_t>("phi3.rope.dimension_count");
-  std::vector<float> long_f(static_cast<size_t>(n_rot / 2)), short_f(long_f.size());
-  for (size_t i = 0; i < long_f.size(); ++i) {
-    long_f[i] = 1.0f + 0.5f * float(i);
-    short_f[i] = 1.0f + 0.05f * float(i);
-  }
   for (bool use_long : {false, true}) {
-    GgufWriter w;
-    w.copy_metadata(*src);
     const int32_t n_ctx_train = *src->get<int32_t>("phi3.context_length");
-    w.set_u32("phi3.rope.scaling.original_context_length",
-              use_long ? uint32_t(n_ctx_train / 2) : uint32_t(n_ctx_train));
-    w.set_f32("phi3.rope.scaling.attn_factor", 1.19f);
-    for (const TensorInfo& t : src->tensors())
-      w.add_tensor(t.name, t.dtype, std::vector<int64_t>(t.ne.begin(), t.ne.begin() + t.n_dims),
-                   src->view(t).bytes);
-    w.add_tensor("rope_factors_long.weight", DType::F32, {n_rot / 2},
-                 std::as_bytes(std::span<const float>(long_f)));
-    w.add_tensor("rope_factors_short.weight", DType::F32, {n_rot / 2},
-                 std::as_bytes(std::span<const float>(short_f)));
-    auto g = GgufFile::parse(MappedFile::from_bytes(w.write_to_memory(), "phi3-longrope.gguf"));
+    const testing::LongRopeFile file = testing::phi3_with_longrope(
+        *src, use_long ? uint32_t(n_ctx_train / 2) : uint32_t(n_ctx_train));
+    const std::vector<float>&long_f = file.long_f, &short_f = file.short_f;
+    auto g = GgufFile::parse(
+        MappedFile::from_bytes(file.writer.write_to_memory(), "phi3-longrope.gguf"));
     ASSERT_TRUE(g.has_value()) << g.error();
     auto m = Model::from_gguf(std::move(*g));
     ASSERT_TRUE(m.has_value()) << m.error();
