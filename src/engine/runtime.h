@@ -51,12 +51,11 @@ struct EngineOptions {
   CpuOptions cpu;
   CudaOptions cuda = run_cuda_options();
 
-  // CudaOptions{} with the defaults measured for whole runs on the H200 (docs/BENCHMARKS.md,
-  // CUDA sessions 11 and 12): cuBLAS steps replayed as graphs, and an f16 weight cache of a
-  // quarter of the free device memory for the cuBLAS path. Same outputs either way.
+  // CudaOptions{} with the default measured for whole runs on the H200 (docs/BENCHMARKS.md,
+  // CUDA session 11): an f16 weight cache of a quarter of the free device memory for the
+  // cuBLAS path. Same outputs either way.
   static CudaOptions run_cuda_options() {
     CudaOptions o;
-    o.gemm_graphs = true;
     o.f16_cache_bytes = CudaOptions::kF16CacheAuto;
     return o;
   }

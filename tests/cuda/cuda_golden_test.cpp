@@ -408,11 +408,13 @@ TEST(CudaF16Cache, SameBitsAsWithout) {
   EXPECT_GT(ran, 0) << "no fixture carried to this machine";
 }
 
-// CudaOptions::gemm_graphs captures segments with cuBLAS GEMMs into graphs instead of running
-// them op by op: the same calls on the same memory, so the same bits. 24 sessions decode in one
-// batch (above the int8 path's 16 tokens: every matmul takes cuBLAS) for 8 greedy steps after
-// their prompts; the repeated steps must be replayed from graphs with the option on (and not
-// with it off), and every prompt and step logit must equal the op-by-op run's.
+// Segments with cuBLAS GEMMs are captured into graphs like any other (cuBLAS in a fixed
+// workspace of its own): the same calls on the same memory as op by op, so the same bits.
+// 24 sessions decode in one batch (above the int8 path's 16 tokens: every matmul takes cuBLAS)
+// for 8 greedy steps after their prompts; the repeated steps must be replayed from graphs (and
+// are not with CudaOptions::graphs off), and every prompt and step logit must equal the
+// op-by-op run's. Graphs off also drops the key padding of decode attention (masked keys):
+// the same bits with it are part of what this pins.
 TEST(CudaGemmGraphs, SameBitsAsEager) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
   constexpr int kSeqs = 24, kSteps = 8;
@@ -425,9 +427,9 @@ TEST(CudaGemmGraphs, SameBitsAsEager) {
     const std::shared_ptr<const Model> m = load_same_bits_fixture(name, &prompt);
     if (!m) continue;
     ASSERT_GT(prompt.size(), 16u) << "the prompt must take the cuBLAS path";
-    auto run = [&](bool gemm_graphs, CudaStats* st) {
+    auto run = [&](bool graphs, CudaStats* st) {
       CudaOptions o = region_options(*m);
-      o.gemm_graphs = gemm_graphs;
+      o.graphs = graphs;
       auto be = make_cuda_backend(o);
       EXPECT_TRUE(be) << be.error();
       if (!be) return std::vector<float>();
@@ -475,7 +477,7 @@ TEST(CudaGemmGraphs, SameBitsAsEager) {
         << "the cuBLAS steps were not replayed: the test tests nothing";
     EXPECT_LT(on_st.segments_eager, off_st.segments_eager);
     fmt::print(
-        "  {:<22} gemm graphs on/off: same bits over {} logits; replays {} / {}, eager "
+        "  {:<22} graphs on/off: same bits over {} logits; replays {} / {}, eager "
         "segments {} / {}\n",
         name, on.size(), on_st.graph_replays, off_st.graph_replays, on_st.segments_eager,
         off_st.segments_eager);

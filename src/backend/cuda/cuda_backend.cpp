@@ -713,7 +713,6 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
     return Status::errorf("CUDA stream: {}", cudaGetErrorString(e));
   if (cudaError_t e = impl->copy.create(); e != cudaSuccess)
     return Status::errorf("CUDA stream: {}", cudaGetErrorString(e));
-  if (impl->gemm_graphs()) impl->gemm.use_fixed_workspace();
   if (options.l2_prefetch_bytes > 0) {
     KILN_TRY(impl->seg.init_branches());
     // Hinted bytes not yet read stay within 3/4 of the L2: the matvec that reads them, and

@@ -78,13 +78,9 @@ struct CudaOptions {
   // Replay a resident segment (the ops between two downloads) as a CUDA graph the second time
   // it is seen, and pad attention key lists to buckets of this many keys so a decode step's
   // graph survives a growing context. Off: every segment is launched op by op (profile mode
-  // always is).
+  // always is). Segments with cuBLAS GEMMs (prefill, batches above auto_int8_max_tokens) are
+  // captured too, cuBLAS working in a fixed workspace of its own (CudaGemmGraphs.SameBitsAsEager).
   bool graphs = true;
-  // With graphs: segments with cuBLAS GEMMs (prefill, batches above auto_int8_max_tokens) are
-  // captured and replayed too, cuBLAS working in a fixed workspace of its own (GemmWorkspace::
-  // use_fixed_workspace) instead of its pool. Off: such segments run op by op. Same results
-  // (the same calls on the same memory; CudaGemmGraphs.SameBitsAsEager).
-  bool gemm_graphs = false;
   int64_t graph_kv_bucket = 256;  // keys, at least 1 (1: no padding)
   // Device tier of streamed MoE experts (WeightMatrix::content_key != 0): at most this many
   // bytes of expert slices stay on the device. 0: half of the device memory free when the

@@ -124,7 +124,7 @@ bool GemmWorkspace::reserve(const DeviceWeight& w, int64_t n_tok) {
       return false;
     }
     handle_ = h;
-    if (want_fixed_ && cudaMalloc(&cublas_ws_, kCublasWorkspaceBytes) != cudaSuccess) {
+    if (cudaMalloc(&cublas_ws_, kCublasWorkspaceBytes) != cudaSuccess) {
       cudaGetLastError();
       cublas_ws_ = nullptr;  // the caller keeps such segments out of graphs
     }

@@ -57,11 +57,11 @@ class GemmWorkspace {
   bool fits(const DeviceWeight& w, int64_t n_tok) const;
   void* handle() const { return handle_; }
   void* scratch() const { return scratch_; }
-  // Before the first reserve(): give cuBLAS a workspace of its own, allocated once with the
-  // handle and never moved (cublasSetWorkspace after every cublasSetStream, which resets it),
-  // so a GEMM captured into a CUDA graph names memory that outlives the graph. Without it
-  // cuBLAS takes its workspace from its own pool, which a captured graph must not rely on.
-  void use_fixed_workspace() { want_fixed_ = true; }
+  // cuBLAS's workspace of its own, allocated once with the handle and never moved
+  // (cublasSetWorkspace after every cublasSetStream, which resets it), so a GEMM captured into
+  // a CUDA graph names memory that outlives the graph. Null only if that allocation failed:
+  // cuBLAS then takes its workspace from its own pool, which a captured graph must not rely
+  // on, and the caller keeps such segments out of graphs.
   void* cublas_workspace() const { return cublas_ws_; }
   static constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;  // cuBLAS's Hopper default
 
@@ -71,7 +71,6 @@ class GemmWorkspace {
   void* cublas_ws_ = nullptr;
   size_t bytes_ = 0;
   bool failed_ = false;
-  bool want_fixed_ = false;
 };
 
 // w dequantized into n_rows x n_cols halves at `out` (rows back to back, 16-byte aligned):

@@ -120,12 +120,12 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
                               n_tok, path),
                   static_cast<uint64_t>(dw.row_bytes) * static_cast<uint64_t>(dw.n_rows));
     }
-    // Without gemm_graphs cuBLAS works in its own pool's workspace, which a graph must not
-    // name: segments that use it are never graphs. With it, cuBLAS has a fixed workspace that
-    // lives as long as the backend, and the f16 scratch (in the signature above) only moves
-    // through the destroy_graphs() above. Set here, after everything above that may flush (a
-    // flush starts a graphable segment).
-    if (wants_gemm && !(I.gemm_graphs() && gemm && gemm->cublas_workspace())) I.seg.ungraphable();
+    // cuBLAS works in a fixed workspace that lives as long as the backend, and the f16 scratch
+    // (in the signature above) only moves through the destroy_graphs() above, so a segment
+    // with a GEMM is captured like any other. If that workspace could not be allocated, cuBLAS
+    // takes its pool's, which a graph must not name: the segment runs op by op. Set here,
+    // after everything above that may flush (a flush starts a graphable segment).
+    if (wants_gemm && !(gemm && gemm->cublas_workspace())) I.seg.ungraphable();
     const int mma_min = I.mma_min_tokens();
     I.seg.record("matmul", [=](cudaStream_t st) {
       // The f16 copy is what the GEMM would have dequantized into its scratch: cuBLAS reads

@@ -102,8 +102,9 @@ class Segment {
   // kernel of the compute stream waits for it. Needs init_branches().
   void record_branch(const char* op, std::function<cudaError_t(cudaStream_t side)> run);
   Status init_branches();  // the side stream and its fork and join events
-  // The segment uses cuBLAS without CudaOptions::gemm_graphs (its workspace is then cuBLAS's
-  // own pool, which a captured graph must not name): it runs op by op. Until the next launch.
+  // The segment uses cuBLAS without a fixed workspace (GemmWorkspace::cublas_workspace null:
+  // its workspace is cuBLAS's pool, which a captured graph must not name): it runs op by op.
+  // Until the next launch.
   void ungraphable() { graphable_ = false; }
   // Graph mode pads an attention's key list to a bucket (row 0, position INT32_MAX: never
   // visible), so a decode step keeps its signature while the context grows within the bucket.
