@@ -15,18 +15,6 @@ const std::byte* CudaBackend::Impl::device_weight_bytes(const WeightMatrix& w) {
   return arena->lookup(w.bytes);
 }
 
-cuda::DeviceWeight CudaBackend::Impl::weight(const WeightMatrix& w) {
-  KILN_CHECK(cuda::cuda_supports(w.dtype), "cuda: weight type {} has no kernel",
-             dtype_name(w.dtype));
-  KILN_CHECK(w.bytes.size() == w.span_bytes(), "weight bytes {} != {} rows of {} (stride {})",
-             w.bytes.size(), w.n_rows, w.row_bytes, w.stride());
-  cuda::DeviceWeight d{w.dtype, w.n_cols, w.n_rows, w.row_bytes, nullptr};
-  d.data = device_weight_bytes(w);
-  // Kernels on the compute stream must not read the weight before its upload lands.
-  check_cuda(cudaStreamWaitEvent(s(), arena->ready(), 0), "wait for weight upload");
-  return d;
-}
-
 cuda::DeviceWeight CudaBackend::Impl::weight_resident(const WeightMatrix& w) {
   KILN_CHECK(cuda::cuda_supports(w.dtype), "cuda: weight type {} has no kernel",
              dtype_name(w.dtype));

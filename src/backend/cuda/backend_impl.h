@@ -74,7 +74,7 @@ struct CudaBackend::Impl {
   cuda::DeviceAllocs mem;
   cuda::Profiler prof;
   cuda::Segment seg{opts, compute, mem, prof};
-  cuda::HostSpan host{seg, prof, mem, compute};
+  cuda::HostSpans host{seg, mem, compute};
   cuda::ExpertTier experts{opts, seg, compute};
   cuda::F16Cache f16{opts, seg, prof};
   cuda::L2Prefetcher l2{seg};
@@ -111,8 +111,6 @@ struct CudaBackend::Impl {
   // The kernels read rows back to back: a strided matrix (a column block) gets a compact
   // copy of its own, gathered at upload; a streamed expert slice comes from the expert tier.
   const std::byte* device_weight_bytes(const WeightMatrix& w);
-  // w on the device for a host-span op (the compute stream waits for its upload).
-  cuda::DeviceWeight weight(const WeightMatrix& w);
   // w on the device for a resident op; may flush (verify mode's refresh, the expert tier):
   // call before staging anything.
   cuda::DeviceWeight weight_resident(const WeightMatrix& w);

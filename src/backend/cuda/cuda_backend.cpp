@@ -3,7 +3,8 @@
 // transfers, statistics, and the ops other than matmuls (ops_matmul.cpp) and attention
 // (ops_attention.cpp). Each op takes one of two paths, chosen per call by where its output
 // lives: resident (output in alloc_bytes() memory: the op is recorded into the segment,
-// segment.h) or host spans (inputs copied in, outputs copied out, synchronised: host_span.h).
+// segment.h) or host spans (the same recorded op on device twins of the host arrays, run and
+// copied back at once: host_span.h).
 // Calls are serialised by the backend's mutex; the machinery lives in the rooms that
 // CudaBackend::Impl composes (backend_impl.h).
 #include "backend/cuda/cuda_backend.h"
@@ -94,53 +95,34 @@ void record_norm(CudaBackend::Impl& I, std::span<const float> in, float* add_to,
   });
 }
 
-// An elementwise binary op, resident or on host spans.
+// An elementwise binary op (host spans: host_span.h).
 void binary(CudaBackend::Impl& I, std::span<const float> a, std::span<const float> b,
             std::span<float> out, cuda::Binary op, std::string_view name) {
   KILN_CHECK(a.size() == b.size() && out.size() == a.size(), "{}: sizes {} {} {}", name, a.size(),
              b.size(), out.size());
   std::lock_guard lock(I.mu);
-  if (I.mem.is_dev(out.data())) {
-    I.enter();
-    I.seg.room(I.float_room(a) + I.float_room(b));
-    const float *da = I.floats(a), *db = I.floats(b);
-    float* dout = out.data();
-    const auto n = static_cast<int64_t>(out.size());
-    I.seg.sig(name.data(), da, db, dout, n, op);
-    I.seg.record(name.data(),
-                 [=](cudaStream_t st) { return cuda::launch_binary(da, db, dout, n, op, st); });
-    return;
-  }
-  I.host.begin({a.data(), b.data()}, name);
-  const float* da = I.host.upload<float>(0, a);
-  const float* db = I.host.upload<float>(1, b);
-  float* dout = I.host.buffer<float>(2, out.size());
-  I.host.launch(name, [&] {
-    return cuda::launch_binary(da, db, dout, static_cast<int64_t>(out.size()), op, I.s());
-  });
-  I.host.download(out, static_cast<const float*>(dout));
-  I.host.finish(name);
+  I.enter();
+  float* dout = I.host.out(out).data();
+  I.seg.room(I.float_room(a) + I.float_room(b));
+  const float *da = I.floats(a), *db = I.floats(b);
+  const auto n = static_cast<int64_t>(out.size());
+  I.seg.sig(name.data(), da, db, dout, n, op);
+  I.seg.record(name.data(),
+               [=](cudaStream_t st) { return cuda::launch_binary(da, db, dout, n, op, st); });
+  I.host.done();
 }
 
-// An elementwise unary op in place, resident or on a host span.
+// An elementwise unary op in place (host spans: host_span.h).
 void unary(CudaBackend::Impl& I, std::span<float> x, cuda::Unary op, float param,
            std::string_view name) {
   std::lock_guard lock(I.mu);
-  if (I.mem.is_dev(x.data())) {
-    float* dx = x.data();
-    const auto n = static_cast<int64_t>(x.size());
-    I.seg.sig(name.data(), dx, n, op, param);
-    I.seg.record(name.data(),
-                 [=](cudaStream_t st) { return cuda::launch_unary(dx, n, op, param, st); });
-    return;
-  }
-  I.host.begin({}, name);
-  float* dx = I.host.upload<float>(0, std::span<const float>(x));
-  I.host.launch(name, [&] {
-    return cuda::launch_unary(dx, static_cast<int64_t>(x.size()), op, param, I.s());
-  });
-  I.host.download(x, static_cast<const float*>(dx));
-  I.host.finish(name);
+  I.enter();
+  float* dx = I.host.inout(x).data();
+  const auto n = static_cast<int64_t>(x.size());
+  I.seg.sig(name.data(), dx, n, op, param);
+  I.seg.record(name.data(),
+               [=](cudaStream_t st) { return cuda::launch_unary(dx, n, op, param, st); });
+  I.host.done();
 }
 
 }  // namespace
@@ -176,7 +158,7 @@ void CudaBackend::set_profile(bool on) {
   std::lock_guard lock(I.mu);
   I.enter();
   I.seg.flush();  // what was recorded so far runs in the old mode
-  check_cuda(I.prof.set(on), "event");
+  I.prof.set(on);
 }
 
 CudaStats CudaBackend::stats() const {
@@ -388,19 +370,9 @@ void CudaBackend::rmsnorm(std::span<const float> x, std::span<const float> weigh
   KILN_CHECK(weight.empty() || static_cast<int64_t>(weight.size()) == n);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  if (I.mem.is_dev(y.data())) {
-    record_norm(I, x, nullptr, weight, n, eps, y.data());
-    return;
-  }
-  I.host.begin({x.data(), weight.data()}, "rmsnorm");
-  const float* dx = I.host.upload<float>(0, x);
-  const float* dw = weight.empty() ? nullptr : I.host.upload<float>(1, weight);
-  float* dy = I.host.buffer<float>(2, y.size());
-  I.host.launch("rmsnorm", [&] {
-    return cuda::launch_rmsnorm(dx, dw, static_cast<int64_t>(x.size()) / n, n, eps, dy, I.s());
-  });
-  I.host.download(y, static_cast<const float*>(dy));
-  I.host.finish("rmsnorm");
+  I.enter();
+  record_norm(I, x, nullptr, weight, n, eps, I.host.out(y).data());
+  I.host.done();
 }
 
 void CudaBackend::add_rmsnorm(std::span<float> x, std::span<const float> a,
@@ -409,15 +381,11 @@ void CudaBackend::add_rmsnorm(std::span<float> x, std::span<const float> a,
   KILN_CHECK(n > 0 && x.size() % n == 0 && y.size() == x.size() && a.size() == x.size());
   KILN_CHECK(weight.empty() || static_cast<int64_t>(weight.size()) == n);
   Impl& I = *impl_;
-  {
-    std::lock_guard lock(I.mu);
-    if (I.mem.is_dev(x.data()) && I.mem.is_dev(y.data())) {
-      record_norm(I, a, x.data(), weight, n, eps, y.data());
-      return;
-    }
-  }
-  // Host spans: the two ops, each with its own transfers (the same bits).
-  Backend::add_rmsnorm(x, a, weight, n, eps, y);
+  std::lock_guard lock(I.mu);
+  I.enter();
+  float* dx = I.host.inout(x).data();
+  record_norm(I, a, dx, weight, n, eps, I.host.out(y).data());
+  I.host.done();
 }
 
 void CudaBackend::rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_t head_dim,
@@ -427,57 +395,36 @@ void CudaBackend::rope(std::span<float> x, int64_t n_tok, int64_t n_head, int64_
   KILN_CHECK(p.n_rot > 0 && p.n_rot % 2 == 0 && p.n_rot <= head_dim, "n_rot {}", p.n_rot);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  if (I.mem.is_dev(x.data())) {
-    record_rope(I, x.data(), n_head, nullptr, 0, n_tok, head_dim, pos, p);
-    return;
-  }
-  check_rope_factors(p);
-  I.host.begin({}, "rope");
-  float* dx = I.host.upload<float>(0, std::span<const float>(x));
-  const int32_t* dpos = I.host.upload<int32_t>(1, pos);
-  const float* dff = p.freq_factors.empty() ? nullptr : I.host.upload<float>(2, p.freq_factors);
-  I.host.launch("rope", [&] {
-    return cuda::launch_rope(dx, n_tok, n_head, head_dim, dpos, rope_angles(p, dff), I.s());
-  });
-  I.host.download(x, static_cast<const float*>(dx));
-  I.host.finish("rope");
+  I.enter();
+  record_rope(I, I.host.inout(x).data(), n_head, nullptr, 0, n_tok, head_dim, pos, p);
+  I.host.done();
 }
 
 void CudaBackend::rope_qk(std::span<float> q, int64_t n_head_q, std::span<float> k,
                           int64_t n_head_k, int64_t n_tok, int64_t head_dim,
                           std::span<const int32_t> pos, const RopeParams& p) {
-  Impl& I = *impl_;
-  std::unique_lock lock(I.mu);
-  if (!(I.mem.is_dev(q.data()) && I.mem.is_dev(k.data()))) {
-    lock.unlock();
-    Backend::rope_qk(q, n_head_q, k, n_head_k, n_tok, head_dim, pos, p);  // two rope() ops
-    return;
-  }
   KILN_CHECK(static_cast<int64_t>(q.size()) == n_tok * n_head_q * head_dim);
   KILN_CHECK(static_cast<int64_t>(k.size()) == n_tok * n_head_k * head_dim);
   KILN_CHECK(static_cast<int64_t>(pos.size()) == n_tok);
   KILN_CHECK(p.n_rot > 0 && p.n_rot % 2 == 0 && p.n_rot <= head_dim, "n_rot {}", p.n_rot);
-  record_rope(I, q.data(), n_head_q, k.data(), n_head_k, n_tok, head_dim, pos, p);
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  I.enter();
+  float* dq = I.host.inout(q).data();
+  record_rope(I, dq, n_head_q, I.host.inout(k).data(), n_head_k, n_tok, head_dim, pos, p);
+  I.host.done();
 }
 
 void CudaBackend::softmax(std::span<float> x, int64_t n) {
   KILN_CHECK(n > 0 && x.size() % n == 0);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  if (I.mem.is_dev(x.data())) {
-    float* dx = x.data();
-    const int64_t rows = static_cast<int64_t>(x.size()) / n;
-    I.seg.sig("softmax", dx, rows, n);
-    I.seg.record("softmax", [=](cudaStream_t st) { return cuda::launch_softmax(dx, rows, n, st); });
-    return;
-  }
-  I.host.begin({}, "softmax");
-  float* dx = I.host.upload<float>(0, std::span<const float>(x));
-  I.host.launch("softmax", [&] {
-    return cuda::launch_softmax(dx, static_cast<int64_t>(x.size()) / n, n, I.s());
-  });
-  I.host.download(x, static_cast<const float*>(dx));
-  I.host.finish("softmax");
+  I.enter();
+  float* dx = I.host.inout(x).data();
+  const int64_t rows = static_cast<int64_t>(x.size()) / n;
+  I.seg.sig("softmax", dx, rows, n);
+  I.seg.record("softmax", [=](cudaStream_t st) { return cuda::launch_softmax(dx, rows, n, st); });
+  I.host.done();
 }
 
 void CudaBackend::swiglu(std::span<const float> gate, std::span<const float> up,
@@ -518,32 +465,21 @@ int64_t CudaBackend::argmax(std::span<const float> x) {
   KILN_CHECK(!x.empty());
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  if (I.mem.is_dev(x.data())) {
-    I.enter();
-    const float* dx = x.data();
-    const auto n = static_cast<int64_t>(x.size());
-    int64_t* dbest = I.internal<int64_t>(I.argmax_out, 1, I.argmax_cap);
-    I.seg.reserve_out(sizeof(int64_t));
-    std::byte* out = I.seg.out();
-    I.seg.sig("argmax", dx, n, dbest, out);
-    I.seg.record("argmax", [=](cudaStream_t st) {
-      if (cudaError_t e = cuda::launch_argmax(dx, n, dbest, st); e != cudaSuccess) return e;
-      return cudaMemcpyAsync(out, dbest, sizeof(int64_t), cudaMemcpyDeviceToHost, st);
-    });
-    I.seg.flush();
-    int64_t best = 0;
-    std::memcpy(&best, out, sizeof(best));
-    return best;
-  }
-  I.host.begin({}, "argmax");
-  const float* dx = I.host.upload<float>(0, x);
-  int64_t* dbest = I.host.buffer<int64_t>(1, 1);
-  I.host.launch("argmax", [&] {
-    return cuda::launch_argmax(dx, static_cast<int64_t>(x.size()), dbest, I.s());
+  I.enter();
+  const float* dx = I.host.in(x).data();
+  const auto n = static_cast<int64_t>(x.size());
+  int64_t* dbest = I.internal<int64_t>(I.argmax_out, 1, I.argmax_cap);
+  I.seg.reserve_out(sizeof(int64_t));
+  std::byte* out = I.seg.out();
+  I.seg.sig("argmax", dx, n, dbest, out);
+  I.seg.record("argmax", [=](cudaStream_t st) {
+    if (cudaError_t e = cuda::launch_argmax(dx, n, dbest, st); e != cudaSuccess) return e;
+    return cudaMemcpyAsync(out, dbest, sizeof(int64_t), cudaMemcpyDeviceToHost, st);
   });
+  I.seg.flush();
+  I.host.done();
   int64_t best = 0;
-  I.host.download(std::span<int64_t>(&best, 1), static_cast<const int64_t*>(dbest));
-  I.host.finish("argmax");
+  std::memcpy(&best, out, sizeof(best));
   return best;
 }
 
@@ -560,42 +496,29 @@ void CudaBackend::top_k(std::span<const float> x, int64_t n, int32_t k, std::spa
   }
   const size_t half = cuda::top_k_scratch(rows, n, k), n_out = static_cast<size_t>(rows * k);
   std::lock_guard lock(I.mu);
-  if (I.mem.is_dev(x.data())) {
-    I.enter();
-    // Scratch and the download buffer first: growing either flushes.
-    float* sv = I.internal<float>(I.topk_v, 2 * half + n_out, I.topk_v_cap);
-    int32_t* si = I.internal<int32_t>(I.topk_i, 2 * half + n_out, I.topk_i_cap);
-    I.seg.reserve_out(n_out * (sizeof(float) + sizeof(int32_t)));
-    std::byte* out = I.seg.out();
-    const float* dx = x.data();
-    float* ov = sv + 2 * half;
-    int32_t* oi = si + 2 * half;
-    I.seg.sig("top_k", dx, rows, n, k, sv, si, out);
-    I.seg.record("top_k", [=](cudaStream_t st) {
-      if (cudaError_t e = cuda::launch_top_k(dx, rows, n, k, sv, si, ov, oi, st); e != cudaSuccess)
-        return e;
-      if (cudaError_t e =
-              cudaMemcpyAsync(out, ov, n_out * sizeof(float), cudaMemcpyDeviceToHost, st);
-          e != cudaSuccess)
-        return e;
-      return cudaMemcpyAsync(out + n_out * sizeof(float), oi, n_out * sizeof(int32_t),
-                             cudaMemcpyDeviceToHost, st);
-    });
-    I.seg.flush();
-    std::memcpy(vals.data(), out, n_out * sizeof(float));
-    std::memcpy(ids.data(), out + n_out * sizeof(float), n_out * sizeof(int32_t));
-    return;
-  }
-  I.host.begin({}, "top_k");
-  const float* dx = I.host.upload<float>(0, x);
-  float* sv = I.host.buffer<float>(1, 2 * half + n_out);
-  int32_t* si = I.host.buffer<int32_t>(2, 2 * half + n_out);
-  I.host.launch("top_k", [&] {
-    return cuda::launch_top_k(dx, rows, n, k, sv, si, sv + 2 * half, si + 2 * half, I.s());
+  I.enter();
+  const float* dx = I.host.in(x).data();
+  // Scratch and the download buffer first: growing either flushes.
+  float* sv = I.internal<float>(I.topk_v, 2 * half + n_out, I.topk_v_cap);
+  int32_t* si = I.internal<int32_t>(I.topk_i, 2 * half + n_out, I.topk_i_cap);
+  I.seg.reserve_out(n_out * (sizeof(float) + sizeof(int32_t)));
+  std::byte* out = I.seg.out();
+  float* ov = sv + 2 * half;
+  int32_t* oi = si + 2 * half;
+  I.seg.sig("top_k", dx, rows, n, k, sv, si, out);
+  I.seg.record("top_k", [=](cudaStream_t st) {
+    if (cudaError_t e = cuda::launch_top_k(dx, rows, n, k, sv, si, ov, oi, st); e != cudaSuccess)
+      return e;
+    if (cudaError_t e = cudaMemcpyAsync(out, ov, n_out * sizeof(float), cudaMemcpyDeviceToHost, st);
+        e != cudaSuccess)
+      return e;
+    return cudaMemcpyAsync(out + n_out * sizeof(float), oi, n_out * sizeof(int32_t),
+                           cudaMemcpyDeviceToHost, st);
   });
-  I.host.download(vals, static_cast<const float*>(sv + 2 * half));
-  I.host.download(ids, static_cast<const int32_t*>(si + 2 * half));
-  I.host.finish("top_k");
+  I.seg.flush();
+  I.host.done();
+  std::memcpy(vals.data(), out, n_out * sizeof(float));
+  std::memcpy(ids.data(), out + n_out * sizeof(float), n_out * sizeof(int32_t));
 }
 
 void CudaBackend::all_reduce_sum(std::span<float> x) {
@@ -721,10 +644,7 @@ Expected<std::unique_ptr<CudaBackend>> make_cuda_backend(const CudaOptions& opti
   }
   if (cudaError_t e = impl->experts.init(); e != cudaSuccess)
     return Status::errorf("CUDA event: {}", cudaGetErrorString(e));
-  if (options.profile) {
-    if (cudaError_t e = impl->prof.set(true); e != cudaSuccess)
-      return Status::errorf("CUDA event: {}", cudaGetErrorString(e));
-  }
+  if (options.profile) impl->prof.set(true);
   impl->arena = std::make_unique<cuda::WeightArena>(impl->copy.get(), options.arena_chunk_bytes,
                                                     options.verify_weight_cache);
   KILN_TRY(impl->arena->init());

@@ -7,8 +7,9 @@
 // memory from alloc_bytes(), weights in the device arena; ops only enqueue work on one stream
 // (small host arrays such as token ids and KV row lists go up through pinned staging), and the
 // queue runs at the next download or synchronize(), as a CUDA graph when the same sequence of
-// ops (same pointers, sizes and parameters) ran before. Host spans (tests, other callers): each
-// op copies its inputs in and its outputs out and synchronises, as the first slice did.
+// ops (same pointers, sizes and parameters) ran before. Host spans (tests, other callers): the
+// same resident op runs on device twins of the host arrays and synchronises; its outputs are
+// copied back (host_span.h).
 #pragma once
 
 #include <cstddef>
@@ -120,7 +121,6 @@ struct CudaOpTime {
   std::string op;
   uint64_t calls = 0;
   double kernel_ms = 0;  // the op's kernels
-  double copy_ms = 0;    // copying its inputs in and outputs out (host spans)
   uint64_t bytes = 0;    // weight bytes the calls read (matmuls; resident ops)
 };
 

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <numeric>
 #include <span>
 #include <vector>
 
@@ -70,39 +69,19 @@ void CudaBackend::store_rows_f16(std::span<const float> src, int64_t width,
   check_store_rows(src, width, rows, plane);
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  if (I.mem.is_dev(plane.data())) {
-    I.enter();
-    I.seg.room(I.float_room(src) + I.seg.host_bytes(rows));
-    const float* dsrc = I.floats(src);
-    const int32_t* drows = I.seg.ints(rows);
-    auto* dplane = reinterpret_cast<uint16_t*>(plane.data());
-    const auto nr = static_cast<int64_t>(rows.size());
-    I.seg.sig("store_rows_f16", dsrc, width, drows, nr, dplane);
-    I.seg.record("store_rows_f16", [=](cudaStream_t st) {
-      return cuda::launch_store_rows_f16(dsrc, width, drows, nr, dplane, st);
-    });
-    return;
-  }
-  I.host.begin({src.data()}, "store_rows_f16");
-  // The plane lives on the host here: convert into dense rows on the device, then scatter on
-  // the host; a device-resident plane passes its own rows to the same kernel.
-  std::vector<int32_t> dense(rows.size());
-  std::iota(dense.begin(), dense.end(), 0);
-  const float* dsrc = I.host.upload<float>(0, src);
-  const int32_t* drows = I.host.upload<int32_t>(1, std::span<const int32_t>(dense));
-  uint16_t* dout = I.host.buffer<uint16_t>(2, src.size());
-  I.host.launch("store_rows_f16", [&] {
-    return cuda::launch_store_rows_f16(dsrc, width, drows, static_cast<int64_t>(rows.size()), dout,
-                                       I.s());
+  I.enter();
+  // A host plane goes to the device whole and comes back whole (host_span.h): the rows not
+  // stored keep their bytes.
+  auto* dplane = reinterpret_cast<uint16_t*>(I.host.inout(plane).data());
+  I.seg.room(I.float_room(src) + I.seg.host_bytes(rows));
+  const float* dsrc = I.floats(src);
+  const int32_t* drows = I.seg.ints(rows);
+  const auto nr = static_cast<int64_t>(rows.size());
+  I.seg.sig("store_rows_f16", dsrc, width, drows, nr, dplane);
+  I.seg.record("store_rows_f16", [=](cudaStream_t st) {
+    return cuda::launch_store_rows_f16(dsrc, width, drows, nr, dplane, st);
   });
-  std::vector<f16> host(src.size());
-  check_cuda(
-      cudaMemcpyAsync(host.data(), dout, host.size() * sizeof(f16), cudaMemcpyDeviceToHost, I.s()),
-      "copy to host");
-  I.host.finish("store_rows_f16");
-  for (size_t i = 0; i < rows.size(); ++i)
-    std::copy_n(host.begin() + static_cast<ptrdiff_t>(i * width), width,
-                plane.begin() + static_cast<ptrdiff_t>(rows[i] * width));
+  I.host.done();
 }
 
 // The sequences that take the split kernel run as one launch pair (plan_attention_batch gives
@@ -225,57 +204,44 @@ void CudaBackend::store_rows_f16_batch(std::span<const StoreRowsTask> tasks) {
   });
 }
 
-void CudaBackend::attention(const AttentionArgs& a) {
-  check_attention_args(a);
-  const int64_t n_kv = static_cast<int64_t>(a.kv_rows.size());
+void CudaBackend::attention(const AttentionArgs& args) {
+  check_attention_args(args);
+  const int64_t n_kv = static_cast<int64_t>(args.kv_rows.size());
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
-  if (I.mem.is_dev(a.out.data())) {
-    KILN_CHECK(I.mem.is_dev(a.k.data()) && I.mem.is_dev(a.v.data()),
-               "cuda attention: device output needs device KV planes");
-    I.enter();
-    const size_t pad_n = I.seg.kv_pad(n_kv);
-    cuda::DeviceAttention d = attention_shape(
-        a, std::max<int64_t>(n_kv, static_cast<int64_t>(pad_n)), I.opts.attention_warp_tiles);
-    // Scratch first: growing it flushes, which restarts staging, so nothing may be staged
-    // for this op before (the staged pointers would then name reused staging space).
-    float* part =
-        I.internal<float>(I.attn_part, cuda::attention_scratch_floats(d, I.n_sm), I.attn_cap);
-    I.seg.room(I.float_room(a.q) + I.float_room(a.sinks) + I.seg.host_bytes(a.kv_rows, pad_n) +
-               I.seg.host_bytes(a.kv_pos, pad_n) + I.seg.host_bytes(a.q_pos));
-    d.q = I.floats(a.q);
-    d.sinks = a.sinks.empty() ? nullptr : I.floats(a.sinks);
-    d.k = reinterpret_cast<const uint16_t*>(a.k.data());
-    d.v = reinterpret_cast<const uint16_t*>(a.v.data());
-    d.kv_rows = I.seg.ints(a.kv_rows, pad_n, 0);
-    d.kv_pos = I.seg.ints(a.kv_pos, pad_n, INT32_MAX);
-    d.q_pos = I.seg.ints(a.q_pos);
-    const int n_sm = I.n_sm;
-    I.seg.sig("attention", d.q, d.k, d.v, d.kv_rows, d.kv_pos, d.q_pos, d.n_q, d.n_kv, d.n_head,
-              d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out, part, d.warp_tiles,
-              d.sinks);
-    I.seg.record("attention",
-                 [=](cudaStream_t st) { return cuda::launch_attention(d, part, n_sm, st); });
-    return;
-  }
-  I.host.begin({a.q.data(), a.k.data(), a.v.data()}, "attention");
-  // Host spans: whether the kernel fits is decided on the device copies, below.
-  cuda::DeviceAttention d = attention_shape(a, n_kv, false);
-  d.q = I.host.upload<float>(0, a.q);
-  d.k = reinterpret_cast<const uint16_t*>(I.host.upload<f16>(1, a.k));
-  d.v = reinterpret_cast<const uint16_t*>(I.host.upload<f16>(2, a.v));
-  d.kv_rows = I.host.upload<int32_t>(3, a.kv_rows);
-  d.kv_pos = I.host.upload<int32_t>(4, a.kv_pos);
-  d.q_pos = I.host.upload<int32_t>(5, a.q_pos);
-  d.sinks = a.sinks.empty() ? nullptr : I.host.upload<float>(8, a.sinks);
-  d.warp_tiles =
-      I.opts.attention_warp_tiles && cuda::attention_warp_tiles_fit(a.head_dim, d.k, d.v);
-  float* dout = I.host.buffer<float>(6, a.out.size());
-  d.out = dout;
-  float* part = I.host.buffer<float>(7, cuda::attention_scratch_floats(d, I.n_sm));
-  I.host.launch("attention", [&] { return cuda::launch_attention(d, part, I.n_sm, I.s()); });
-  I.host.download(a.out, static_cast<const float*>(dout));
-  I.host.finish("attention");
+  I.enter();
+  // Host spans (host_span.h): the KV planes and the output get device twins; q, the row lists
+  // and the sinks are staged as for any resident call.
+  KILN_CHECK(!I.mem.is_dev(args.out.data()) ||
+                 (I.mem.is_dev(args.k.data()) && I.mem.is_dev(args.v.data())),
+             "cuda attention: device output needs device KV planes");
+  AttentionArgs a = args;
+  a.k = I.host.in(args.k);
+  a.v = I.host.in(args.v);
+  a.out = I.host.out(args.out);
+  const size_t pad_n = I.seg.kv_pad(n_kv);
+  cuda::DeviceAttention d = attention_shape(a, std::max<int64_t>(n_kv, static_cast<int64_t>(pad_n)),
+                                            I.opts.attention_warp_tiles);
+  // Scratch first: growing it flushes, which restarts staging, so nothing may be staged for
+  // this op before (the staged pointers would then name reused staging space).
+  float* part =
+      I.internal<float>(I.attn_part, cuda::attention_scratch_floats(d, I.n_sm), I.attn_cap);
+  I.seg.room(I.float_room(a.q) + I.float_room(a.sinks) + I.seg.host_bytes(a.kv_rows, pad_n) +
+             I.seg.host_bytes(a.kv_pos, pad_n) + I.seg.host_bytes(a.q_pos));
+  d.q = I.floats(a.q);
+  d.sinks = a.sinks.empty() ? nullptr : I.floats(a.sinks);
+  d.k = reinterpret_cast<const uint16_t*>(a.k.data());
+  d.v = reinterpret_cast<const uint16_t*>(a.v.data());
+  d.kv_rows = I.seg.ints(a.kv_rows, pad_n, 0);
+  d.kv_pos = I.seg.ints(a.kv_pos, pad_n, INT32_MAX);
+  d.q_pos = I.seg.ints(a.q_pos);
+  const int n_sm = I.n_sm;
+  I.seg.sig("attention", d.q, d.k, d.v, d.kv_rows, d.kv_pos, d.q_pos, d.n_q, d.n_kv, d.n_head,
+            d.n_head_kv, d.head_dim, d.window, d.scale, d.softcap, d.out, part, d.warp_tiles,
+            d.sinks);
+  I.seg.record("attention",
+               [=](cudaStream_t st) { return cuda::launch_attention(d, part, n_sm, st); });
+  I.host.done();
 }
 
 }  // namespace kiln

@@ -84,79 +84,58 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
   ExpertCopyFence fence{I};
-  if (I.mem.is_dev(y.data())) {
-    I.enter();
-    // Everything that may flush (weight refresh, workspace growth) before staging anything.
-    const cuda::DeviceWeight dw = I.weight_resident(w);
-    float* dy = y.data();
-    cuda::GemmWorkspace* gemm = nullptr;
-    const cuda::MatmulKernels kern = I.kernels();
-    cuda::DeviceWeight cached = dw;  // what the cuBLAS path reads: dw or its f16 copy
-    const bool wants_gemm = takes_gemm(I, kern, dw, n_tok);
-    if (wants_gemm) {
-      // Ops recorded against the old workspace run before it grows, and graphs that name
-      // the old scratch go with it (as internal() does for the other scratch buffers).
-      if (!I.gemm.fits(dw, n_tok)) {
-        I.seg.flush();
-        I.seg.destroy_graphs();
-      }
-      if (I.gemm.reserve(dw, n_tok)) gemm = &I.gemm;
-      if (gemm) cached = I.f16.cached(w, dw, *I.arena);
-    }
-    size_t act_bytes = 0;
-    std::byte* act = kern == cuda::MatmulKernels::V3 ? v3_act(I, dw, n_tok, &act_bytes) : nullptr;
-    I.seg.room(I.float_room(x));
-    const float* dx = I.floats(x);
-    I.seg.sig("matmul", dw.data, dw.dtype, dw.n_cols, dw.n_rows, dw.row_bytes, dx, n_tok, dy, kern,
-              act, cached.data, gemm ? gemm->scratch() : nullptr);
-    const bool from_cache = cached.data != dw.data;
-    if (I.prof.on()) {
-      const char* path = from_cache   ? "gemm, f16 cache"
-                         : gemm       ? "gemm"
-                         : act        ? "int8"
-                         : wants_gemm ? "gemm"
-                                      : "matvec";
-      I.seg.label(fmt::format("matmul {} {}x{} x{} {}", dtype_name(w.dtype), w.n_cols, w.n_rows,
-                              n_tok, path),
-                  static_cast<uint64_t>(dw.row_bytes) * static_cast<uint64_t>(dw.n_rows));
-    }
-    // cuBLAS works in a fixed workspace that lives as long as the backend, and the f16 scratch
-    // (in the signature above) only moves through the destroy_graphs() above, so a segment
-    // with a GEMM is captured like any other. If that workspace could not be allocated, cuBLAS
-    // takes its pool's, which a graph must not name: the segment runs op by op. Set here,
-    // after everything above that may flush (a flush starts a graphable segment).
-    if (wants_gemm && !(gemm && gemm->cublas_workspace())) I.seg.ungraphable();
-    const int mma_min = I.mma_min_tokens();
-    I.seg.record("matmul", [=](cudaStream_t st) {
-      // The f16 copy is what the GEMM would have dequantized into its scratch: cuBLAS reads
-      // it in place (gemm.cu) with the same call.
-      if (from_cache) return cuda::launch_matmul(cached, dx, n_tok, dy, st, gemm);
-      if (kern == cuda::MatmulKernels::V3)
-        return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, st, gemm, mma_min);
-      return cuda::launch_matmul(dw, dx, n_tok, dy, st, gemm);
-    });
-    return;
-  }
-  I.host.begin({x.data()}, "matmul");
-  const cuda::DeviceWeight dw = I.weight(w);
-  const float* dx = I.host.upload<float>(0, x);
-  float* dy = I.host.buffer<float>(1, y.size());
+  I.enter();
+  // Everything that may flush (a host span's twin, weight refresh, workspace growth) before
+  // staging anything.
+  float* dy = I.host.out(y).data();
+  const cuda::DeviceWeight dw = I.weight_resident(w);
   cuda::GemmWorkspace* gemm = nullptr;
-  if (takes_gemm(I, I.kernels(), dw, n_tok) && I.gemm.reserve(dw, n_tok)) gemm = &I.gemm;
-  const size_t act_bytes = I.kernels() == cuda::MatmulKernels::V3 &&
-                                   cuda::matvec_q8_supports(dw.dtype) &&
-                                   n_tok <= I.int8_max_tokens()
-                               ? cuda::act_q8_bytes(dw.n_cols, n_tok)
-                               : 0;
-  std::byte* act = act_bytes ? I.host.buffer<std::byte>(2, act_bytes) : nullptr;
-  I.host.launch("matmul", [&] {
-    if (I.kernels() == cuda::MatmulKernels::V3)
-      return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, I.s(), gemm,
-                                    I.mma_min_tokens());
-    return cuda::launch_matmul(dw, dx, n_tok, dy, I.s(), gemm);
+  const cuda::MatmulKernels kern = I.kernels();
+  cuda::DeviceWeight cached = dw;  // what the cuBLAS path reads: dw or its f16 copy
+  const bool wants_gemm = takes_gemm(I, kern, dw, n_tok);
+  if (wants_gemm) {
+    // Ops recorded against the old workspace run before it grows, and graphs that name
+    // the old scratch go with it (as internal() does for the other scratch buffers).
+    if (!I.gemm.fits(dw, n_tok)) {
+      I.seg.flush();
+      I.seg.destroy_graphs();
+    }
+    if (I.gemm.reserve(dw, n_tok)) gemm = &I.gemm;
+    if (gemm) cached = I.f16.cached(w, dw, *I.arena);
+  }
+  size_t act_bytes = 0;
+  std::byte* act = kern == cuda::MatmulKernels::V3 ? v3_act(I, dw, n_tok, &act_bytes) : nullptr;
+  I.seg.room(I.float_room(x));
+  const float* dx = I.floats(x);
+  I.seg.sig("matmul", dw.data, dw.dtype, dw.n_cols, dw.n_rows, dw.row_bytes, dx, n_tok, dy, kern,
+            act, cached.data, gemm ? gemm->scratch() : nullptr);
+  const bool from_cache = cached.data != dw.data;
+  if (I.prof.on()) {
+    const char* path = from_cache   ? "gemm, f16 cache"
+                       : gemm       ? "gemm"
+                       : act        ? "int8"
+                       : wants_gemm ? "gemm"
+                                    : "matvec";
+    I.seg.label(
+        fmt::format("matmul {} {}x{} x{} {}", dtype_name(w.dtype), w.n_cols, w.n_rows, n_tok, path),
+        static_cast<uint64_t>(dw.row_bytes) * static_cast<uint64_t>(dw.n_rows));
+  }
+  // cuBLAS works in a fixed workspace that lives as long as the backend, and the f16 scratch
+  // (in the signature above) only moves through the destroy_graphs() above, so a segment
+  // with a GEMM is captured like any other. If that workspace could not be allocated, cuBLAS
+  // takes its pool's, which a graph must not name: the segment runs op by op. Set here,
+  // after everything above that may flush (a flush starts a graphable segment).
+  if (wants_gemm && !(gemm && gemm->cublas_workspace())) I.seg.ungraphable();
+  const int mma_min = I.mma_min_tokens();
+  I.seg.record("matmul", [=](cudaStream_t st) {
+    // The f16 copy is what the GEMM would have dequantized into its scratch: cuBLAS reads
+    // it in place (gemm.cu) with the same call.
+    if (from_cache) return cuda::launch_matmul(cached, dx, n_tok, dy, st, gemm);
+    if (kern == cuda::MatmulKernels::V3)
+      return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, st, gemm, mma_min);
+    return cuda::launch_matmul(dw, dx, n_tok, dy, st, gemm);
   });
-  I.host.download(y, static_cast<const float*>(dy));
-  I.host.finish("matmul");
+  I.host.done();
 }
 
 // SwiGLU inside the down projection's int8 activation quantization, where matmul() would take
@@ -352,27 +331,16 @@ void CudaBackend::get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
   ExpertCopyFence fence{I};
-  if (I.mem.is_dev(out.data())) {
-    I.enter();
-    const cuda::DeviceWeight dw = I.weight_resident(w);  // may flush: before staging
-    I.seg.room(I.seg.host_bytes(ids));
-    const int32_t* dids = I.seg.ints(ids);
-    float* dout = out.data();
-    const auto n = static_cast<int64_t>(ids.size());
-    I.seg.sig("get_rows", dw.data, dw.dtype, dw.n_cols, dw.n_rows, dids, n, dout);
-    I.seg.record("get_rows",
-                 [=](cudaStream_t st) { return cuda::launch_get_rows(dw, dids, n, dout, st); });
-    return;
-  }
-  I.host.begin({}, "get_rows");
-  const cuda::DeviceWeight dw = I.weight(w);
-  const int32_t* dids = I.host.upload<int32_t>(0, ids);
-  float* dout = I.host.buffer<float>(1, out.size());
-  I.host.launch("get_rows", [&] {
-    return cuda::launch_get_rows(dw, dids, static_cast<int64_t>(ids.size()), dout, I.s());
-  });
-  I.host.download(out, static_cast<const float*>(dout));
-  I.host.finish("get_rows");
+  I.enter();
+  float* dout = I.host.out(out).data();                // may flush: before staging
+  const cuda::DeviceWeight dw = I.weight_resident(w);  // may flush: before staging
+  I.seg.room(I.seg.host_bytes(ids));
+  const int32_t* dids = I.seg.ints(ids);
+  const auto n = static_cast<int64_t>(ids.size());
+  I.seg.sig("get_rows", dw.data, dw.dtype, dw.n_cols, dw.n_rows, dids, n, dout);
+  I.seg.record("get_rows",
+               [=](cudaStream_t st) { return cuda::launch_get_rows(dw, dids, n, dout, st); });
+  I.host.done();
 }
 
 }  // namespace kiln

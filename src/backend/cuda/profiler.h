@@ -1,6 +1,6 @@
 // backend/cuda/profiler.h: per-op timing with CUDA events (CudaStats::ops, kiln bench
-// --cuda-profile): a host-span op's input copies, kernels and output copies, and each op of a
-// resident chunk, which profile mode runs as a one-off graph with event nodes (segment.h).
+// --cuda-profile): each op of a chunk, which profile mode runs as a one-off graph with event
+// nodes (segment.h). Host-span ops are chunks too (host_span.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,17 +21,11 @@ namespace kiln::cuda {
 class Profiler {
  public:
   bool on() const { return on_; }
-  // Turns timing on or off and clears the times gathered so far; the first time it is turned
-  // on it creates the host-span events (the first error of those, if any).
-  cudaError_t set(bool on);
-
-  // Host-span ops: events 0..3 bracket the input copies, the kernels and the output copies of
-  // the op in flight (recorded only while on).
-  void mark(int i, cudaStream_t s) {
-    if (on_) check_cuda(cudaEventRecord(ev_[i].get(), s), "event record");
+  // Turns timing on or off and clears the times gathered so far.
+  void set(bool on) {
+    on_ = on;
+    times_.clear();
   }
-  // After the host-span op's synchronisation: its kernel and copy times filed under `op`.
-  void host_op_done(std::string_view op);
 
   // Resident chunks: timing events, two per recorded op, made on demand.
   void reserve_chunk_events(size_t n);
@@ -43,8 +37,6 @@ class Profiler {
 
  private:
   bool on_ = false;
-  bool events_made_ = false;  // ev_[] created
-  Event ev_[4];
   std::deque<Event> chunk_ev_;
   std::vector<CudaOpTime> times_;
 };
