@@ -90,16 +90,22 @@ Expected<std::unique_ptr<Backend>> Runtime::make_backend(const Model& model,
 #endif
   }
 #if KILN_WITH_CUDA
-  // Latent attention runs on the CPU backend only: its absorbed MQA rows (kv_lora + rope
-  // values, 576 for DeepSeek-V3) pass the CUDA attention kernels' head_dim limit of 256, and
-  // the path has not been checked on a GPU. Fail closed for an explicit --device cuda.
-  const bool cuda_refuses = model.hparams().is_mla();
+  // Latent attention attends over absorbed MQA rows of kv_lora + rope values (576 for
+  // DeepSeek-V3): the CUDA attention kernels take rows of at most kCudaMaxHeadDim. Wider rows
+  // fail closed for an explicit --device cuda and stay on the CPU for --device auto.
+  const model::MlaDims& mla = model.hparams().mla;
+  const int64_t mla_row = int64_t(mla.kv_lora) + mla.rope;
+  const bool cuda_refuses = model.hparams().is_mla() && mla_row > kCudaMaxHeadDim;
   if (o.device == Device::Cuda && cuda_refuses)
-    return Status::errorf("--device cuda: latent attention ('{}') is not supported on CUDA yet",
-                          model.arch_name());
+    return Status::errorf(
+        "--device cuda: latent attention rows of {} values ('{}', kv_lora_rank {} + rope {}) "
+        "are wider than the CUDA attention kernels' {}",
+        mla_row, model.arch_name(), mla.kv_lora, mla.rope, kCudaMaxHeadDim);
   if (o.device == Device::Auto && cuda_refuses && cuda_device_count() > 0)
-    log_notice("device: latent attention ('{}') is not supported on CUDA yet; running on the CPU",
-               model.arch_name());
+    log_notice(
+        "device: latent attention rows of {} values ('{}') are wider than the CUDA "
+        "attention kernels' {}; running on the CPU",
+        mla_row, model.arch_name(), kCudaMaxHeadDim);
   if (!cuda_refuses &&
       (o.device == Device::Cuda || (o.device == Device::Auto && cuda_device_count() > 0))) {
     CudaOptions c = o.cuda;

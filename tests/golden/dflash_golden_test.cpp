@@ -5,6 +5,7 @@
 // is clear, and the drafter's logits are within the README's f16 bounds of
 // dflash.draft_logits.f32. Runs on the cpu backend and the scalar ref backend; prints how many
 // steps and positions were compared.
+#include <filesystem>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -211,7 +212,16 @@ void run_and_compare(const std::string& backend, const GoldenRun& g, Comparison&
   for (const std::string& m : c.draft_mismatches) fmt::print("    draft mismatch: {}\n", m);
 }
 
-class DflashGolden : public ::testing::TestWithParam<std::string> {};
+class DflashGolden : public ::testing::TestWithParam<std::string> {
+ protected:
+  // The GPU machine gets the fixtures that fit its transfer limit (scripts/gpu-check
+  // --prepare); on the CPU backends a missing file fails loudly (load_golden).
+  void SetUp() override {
+    if (GetParam() == "cuda" &&
+        !std::filesystem::exists(testing::shared_dir() + "/testdata/golden/dflash.json"))
+      GTEST_SKIP() << "dflash.json was not carried to this machine";
+  }
+};
 
 // The output contract and the speculative schedule: kiln's greedy ids are llama.cpp's plain
 // greedy ids, every one of llama.cpp's steps happens at the same n_past in kiln's run and

@@ -117,6 +117,9 @@ struct CudaOptions {
   uint64_t l2_prefetch_bytes = uint64_t(8) << 20;
 };
 
+// The widest attention head (K and V rows per head) the CUDA attention kernels take.
+inline constexpr int64_t kCudaMaxHeadDim = 256;
+
 struct CudaOpTime {
   std::string op;
   uint64_t calls = 0;

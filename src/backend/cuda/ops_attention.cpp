@@ -24,8 +24,8 @@ namespace {
 void check_attention_args(const AttentionArgs& a) {
   KILN_CHECK(a.sinks.empty() || static_cast<int64_t>(a.sinks.size()) == a.n_head);
   KILN_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0);
-  KILN_CHECK(a.head_dim > 0 && a.head_dim <= 256, "cuda attention: head_dim {} (at most 256)",
-             a.head_dim);
+  KILN_CHECK(a.head_dim > 0 && a.head_dim <= kCudaMaxHeadDim,
+             "cuda attention: head_dim {} (at most {})", a.head_dim, kCudaMaxHeadDim);
   const int64_t hd = a.head_dim, q_w = a.n_head * hd, kv_w = a.n_head_kv * hd;
   const int64_t n_kv = static_cast<int64_t>(a.kv_rows.size());
   KILN_CHECK(static_cast<int64_t>(a.q.size()) == a.n_q * q_w);
