@@ -25,6 +25,16 @@ Expected<Device> parse_device(std::string_view name) {
   return Status::errorf("unknown --device '{}' (auto, cuda or cpu)", name);
 }
 
+std::string cuda_refusal(const model::HParams& hp) {
+  const int64_t row = int64_t(hp.mla.kv_lora) + hp.mla.rope;
+  if (hp.is_mla() && row > kCudaMaxHeadDim)
+    return fmt::format(
+        "latent attention rows of {} values ('{}': kv_lora_rank {} + rope {}) are wider than "
+        "the CUDA attention kernels take ({})",
+        row, hp.arch_name, hp.mla.kv_lora, hp.mla.rope, kCudaMaxHeadDim);
+  return {};
+}
+
 Expected<EngineOptions> engine_options(const Config& config) {
   KILN_TRY(validate(config));
   EngineOptions o;
@@ -90,22 +100,13 @@ Expected<std::unique_ptr<Backend>> Runtime::make_backend(const Model& model,
 #endif
   }
 #if KILN_WITH_CUDA
-  // Latent attention attends over absorbed MQA rows of kv_lora + rope values (576 for
-  // DeepSeek-V3): the CUDA attention kernels take rows of at most kCudaMaxHeadDim. Wider rows
-  // fail closed for an explicit --device cuda and stay on the CPU for --device auto.
-  const model::MlaDims& mla = model.hparams().mla;
-  const int64_t mla_row = int64_t(mla.kv_lora) + mla.rope;
-  const bool cuda_refuses = model.hparams().is_mla() && mla_row > kCudaMaxHeadDim;
-  if (o.device == Device::Cuda && cuda_refuses)
-    return Status::errorf(
-        "--device cuda: latent attention rows of {} values ('{}', kv_lora_rank {} + rope {}) "
-        "are wider than the CUDA attention kernels' {}",
-        mla_row, model.arch_name(), mla.kv_lora, mla.rope, kCudaMaxHeadDim);
+  // What the CUDA backend cannot run fails closed for an explicit --device cuda and stays on
+  // the CPU for --device auto.
+  const std::string refusal = cuda_refusal(model.hparams());
+  const bool cuda_refuses = !refusal.empty();
+  if (o.device == Device::Cuda && cuda_refuses) return Status::errorf("--device cuda: {}", refusal);
   if (o.device == Device::Auto && cuda_refuses && cuda_device_count() > 0)
-    log_notice(
-        "device: latent attention rows of {} values ('{}') are wider than the CUDA "
-        "attention kernels' {}; running on the CPU",
-        mla_row, model.arch_name(), kCudaMaxHeadDim);
+    log_notice("device: {}; running on the CPU", refusal);
   if (!cuda_refuses &&
       (o.device == Device::Cuda || (o.device == Device::Auto && cuda_device_count() > 0))) {
     CudaOptions c = o.cuda;

@@ -1,0 +1,40 @@
+// tests/engine/runtime_test.cpp: what engine/runtime decides before any backend exists: which
+// models the CUDA backend refuses (cuda_refusal), the same answer with or without a GPU.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "engine/runtime.h"
+#include "common/testdata.h"
+
+namespace kiln {
+namespace {
+
+TEST(CudaRefusal, LatentRowsWiderThanTheKernelsAreRefusedByWidth) {
+  auto m = Model::load(testing::model_path("deepseek2-mla-q8_0.gguf"));
+  ASSERT_TRUE(m.has_value()) << m.error();
+  model::HParams hp = (*m)->hparams();
+  ASSERT_TRUE(hp.is_mla());
+  // The fixture's rows (kv_lora 128 + rope 16) fit the kernels: CUDA runs it (golden-tested on
+  // a GPU by tests/cuda).
+  EXPECT_EQ(cuda_refusal(hp), "");
+  // DeepSeek-V3's: 512 + 64.
+  hp.mla.kv_lora = 512;
+  hp.mla.rope = 64;
+  const std::string r = cuda_refusal(hp);
+  EXPECT_NE(r.find("576"), std::string::npos) << r;
+  EXPECT_NE(r.find("kv_lora_rank 512"), std::string::npos) << r;
+  EXPECT_EQ(r.find('\n'), std::string::npos) << "one line";
+  // Exactly at the limit: taken.
+  hp.mla.kv_lora = static_cast<int32_t>(kCudaMaxHeadDim) - 64;
+  EXPECT_EQ(cuda_refusal(hp), "");
+}
+
+TEST(CudaRefusal, OrdinaryAttentionIsNotRefused) {
+  auto m = Model::load(testing::model_path("stories260K.gguf"));
+  ASSERT_TRUE(m.has_value()) << m.error();
+  EXPECT_EQ(cuda_refusal((*m)->hparams()), "");
+}
+
+}  // namespace
+}  // namespace kiln
