@@ -126,8 +126,9 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
     kernel_ms += t.kernel_ms;
     if (t.kernel_ms > slowest_ms) slowest_ms = t.kernel_ms, slowest = t.op;
   }
-  fmt::print("  {:<22} {}   kernels {:.1f} ms (most: {} {:.1f} ms)\n", fx.name, label, kernel_ms,
-             slowest, slowest_ms);
+  if (!st.ops.empty())  // profile mode
+    fmt::print("  {:<22} {}   kernels {:.1f} ms (most: {} {:.1f} ms)\n", fx.name, label, kernel_ms,
+               slowest, slowest_ms);
 }
 
 // One session of 256 positions: the prompt's logits at every position, then n_gen greedy
