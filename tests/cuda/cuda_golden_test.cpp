@@ -21,6 +21,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "common/testdata.h"
+#include "engine/runtime.h"
 #include "engine/session.h"
 #include "golden/golden.h"
 #include "moe/expert_store.h"
@@ -56,11 +57,9 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
   const golden::Golden g = golden::load(fx.name);
   auto m = Model::load(testing::model_path(std::string(fx.name) + ".gguf"));
   ASSERT_TRUE(m.has_value()) << m.error();
-  // Latent attention rows wider than the kernels take are refused by engine/runtime.cpp (the
-  // fixtures' 144 fit).
-  const model::MlaDims& mla = (*m)->hparams().mla;
-  if ((*m)->hparams().is_mla() && mla.kv_lora + mla.rope > kCudaMaxHeadDim)
-    GTEST_SKIP() << fx.name << ": latent rows wider than the CUDA attention kernels take";
+  // What engine/runtime refuses on CUDA (latent attention until it has run on a GPU).
+  if (const std::string r = cuda_refusal((*m)->hparams()); !r.empty())
+    GTEST_SKIP() << fx.name << ": " << r;
   const GgufFile& f = (*m)->gguf();
   CudaOptions o;
   o.weight_region = f.mapping()->bytes().subspan(f.data_offset());
