@@ -234,14 +234,15 @@ TEST_P(DflashGolden, IdsAndStepsMatchLlamaCpp) {
 // purpose: the golden drafter figures are not what llama.cpp 0.7.0's own DFlash path computes
 // for the same tokens. llama-server 0.7.0 (the peer) put in golden step 0's context (the first
 // 148 prompt tokens, anchor 366 at position 148) drafts top-3 [331 498 477], [431 306 500],
-// [456 306 477], [306 456 336] with the same top-10 probabilities as kiln to within 0.003
+// [456 306 477], [306 456 336] with the same top-10 probabilities as kiln to within 0.005
 // (DrafterMatchesLlamaServer below), where dflash.json has [331 476 495], [306 431 477],
 // [477 456 306], [477 306 408]; at step 1 the server's top-3 again equal kiln's and not the
-// file's. The file's generator decoded the prompt through a driver whose drafter did not get
-// the target's real layer inputs for the prompt (zeroing kiln's prompt features moves it
-// halfway to the file: mean KL 0.060 -> 0.034, 75/76 clear drafts), and its later steps carry
-// that context. kiln must not copy that: it would discard the drafter's conditioning on the
-// prompt. The ids and the speculative schedule (IdsAndStepsMatchLlamaCpp) still hold. Run with
+// file's. So the file's generator gave its drafter another context for the prompt than
+// llama.cpp's server does, most likely not the target's layer inputs (zeroing kiln's prompt
+// features moves it halfway to the file: mean KL 0.060 -> 0.034, 75/76 clear drafts), and its
+// later steps carry that context. kiln must not copy that: it would discard the drafter's
+// conditioning on the prompt. The ids and the speculative schedule (IdsAndStepsMatchLlamaCpp) still
+// hold. Run with
 // --gtest_also_run_disabled_tests to see the figures (cpu: 73/76 clear drafts, mean KL 0.060).
 TEST_P(DflashGolden, DISABLED_DraftsAndLogitsWithinF16Bounds) {
   const GoldenRun g = load_golden();
@@ -257,8 +258,9 @@ TEST_P(DflashGolden, DISABLED_DraftsAndLogitsWithinF16Bounds) {
 // holds, for contexts of the shipped pair, the server's first proposal after a forced anchor:
 // per drafted position the top-3 ids and their probabilities under its top-10 draft sampler
 // (3 decimals). kiln's drafter must give the same top-3 ids (where the server's gap to the
-// next candidate is clear) and the same probabilities within 0.006 (printing rounds to 0.0005;
-// the rest is f16 KV and flash-attention rounding).
+// next candidate is clear) and the same probabilities within 0.01 (printing rounds to 0.0005,
+// the rest is f16 KV and attention rounding: 0.0045 on cpu and ref; the prompt features
+// golden/dflash.json's generator gave its drafter move them by up to 0.64).
 TEST_P(DflashGolden, DrafterMatchesLlamaServer) {
   const auto j = nlohmann::json::parse(
       testing::read_file(testing::source_path("tests/golden/dflash_server_peer.json")));
@@ -278,7 +280,7 @@ TEST_P(DflashGolden, DrafterMatchesLlamaServer) {
   ASSERT_TRUE(dec.has_value()) << dec.error();
 
   const size_t V = static_cast<size_t>(g.n_vocab);
-  constexpr double kProbTol = 0.006, kClearGap = 0.01;
+  constexpr double kProbTol = 0.01, kClearGap = 0.01;
   double worst = 0;
   int n_ids = 0, n_probs = 0;
   for (const auto& ctx : j.at("contexts")) {
