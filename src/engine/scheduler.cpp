@@ -426,12 +426,6 @@ void Scheduler::step() {
     room -= len;
   }
   prefill_rr_ = (prefill_rr_ + 1) % n;
-  // Slots with a model drafter evaluate alone: only a Session's own call records activations.
-  for (std::vector<Work>* list : {&decode, &prefill}) {
-    for (Work& w : *list)
-      if (w.slot->drafter) run_group(std::span<Work>(&w, 1), false);
-    std::erase_if(*list, [](const Work& w) { return w.slot->drafter != nullptr; });
-  }
 
   if (!batch_) {
     for (Work& w : decode) run_group(std::span<Work>(&w, 1), false);
@@ -470,7 +464,11 @@ void Scheduler::run_group(std::span<Work> work, bool batched) {
   }
   if (batched) {
     std::vector<BatchEval::Item> items;
-    for (const Work& w : work) items.push_back({w.slot->session.get(), w.tokens, w.n_draft > 0});
+    for (const Work& w : work) {
+      Slot& ws = *w.slot;
+      items.push_back(
+          {ws.session.get(), w.tokens, w.n_draft > 0, ws.drafter ? &ws.capture : nullptr});
+    }
     if (top_k > 0) {  // no item has drafts, so none asks for all its rows
       auto out = batch_->eval_top_k(items, top_k);
       if (out) {

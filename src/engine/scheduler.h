@@ -61,10 +61,10 @@ struct SchedulerConfig {
   int32_t draft_ngram = 0;
   // A model drafter per slot (`kiln serve --dflash` / `--spec-mtp`), made once at create()
   // for a slot of n_ctx positions and max_batch tokens per step; it drafts instead of n-gram
-  // lookup, draft_model tokens per step for requests that leave n_draft unset. Its slot
-  // records the drafter's target activations (Drafter::wanted_captures) in every forward call,
-  // so that slot evaluates in calls of its own: BatchEval records no activations. A cached
-  // prefix is reused only as far as the drafter can resume it (Drafter::rollback).
+  // lookup, draft_model tokens per step for requests that leave n_draft unset. Every forward
+  // call records the slot's rows of the drafter's target activations (Drafter::wanted_captures,
+  // BatchEval::Item::capture). A cached prefix is reused only as far as the drafter can resume
+  // it (Drafter::rollback).
   std::function<Expected<std::unique_ptr<Drafter>>(int32_t n_ctx, int32_t max_batch)> make_drafter;
   int32_t draft_model = 0;
   // Requests that sample only from a row's best candidates (Sampler::candidates_needed > 0:
