@@ -235,6 +235,11 @@ Status serve(ServeOptions o) {
   if (o.server.draft_ngram < 0 || o.server.draft_ngram > GenerationParams::kMaxDraft)
     return Status::errorf("--draft-ngram {} must be in [0, {}]", o.server.draft_ngram,
                           GenerationParams::kMaxDraft);
+  const int spec_modes = (o.server.draft_ngram > 0) + !o.server.dflash.empty() + o.server.spec_mtp;
+  if (spec_modes > 1) return Status::error("give one of --draft-ngram, --dflash and --spec-mtp");
+  if (o.server.draft_n < 1 || o.server.draft_n > GenerationParams::kMaxDraft)
+    return Status::errorf("--draft-n {} must be in [1, {}]", o.server.draft_n,
+                          GenerationParams::kMaxDraft);
   KILN_ASSIGN_OR_RETURN(o.server.cors_origins, cors_origins(o.cors));
   KILN_TRY(sampling_defaults(o.temperature, o.sampling, o.server.sampling));
   KILN_TRY(server_limits(o, o.server.limits));
@@ -334,9 +339,19 @@ void add_serve_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--prefill-chunk", o->server.prefill_chunk,
                   "prompt tokens per slot step (default 256)");
   cmd->add_option("--max-queue", o->server.max_queue, "waiting requests before 503 (default 64)");
-  cmd->add_option(
-      "--draft-ngram", o->server.draft_ngram,
-      "speculative decoding with up to N n-gram (prompt lookup) drafts per step (default 0: off)");
+  cmd->add_option("--draft-ngram", o->server.draft_ngram,
+                  "speculative decoding with up to N n-gram (prompt lookup) drafts per step "
+                  "(default 0: off; model drafters: --dflash DRAFTER or --spec-mtp, --draft-n N)");
+  // Listed in --draft-ngram's line, so --help stays at 30 options; kiln run's spellings.
+  cmd->add_option("--dflash", o->server.dflash,
+                  "speculative decoding with this DFlash block drafter (GGUF arch 'dflash')")
+      ->group("");
+  cmd->add_flag("--spec-mtp", o->server.spec_mtp,
+                "speculative decoding with the model's own NextN (MTP) layers")
+      ->group("");
+  cmd->add_option("--draft-n", o->server.draft_n,
+                  "model drafter: draft tokens per step (default 4)")
+      ->group("");
   cmd->add_option("--api-key", o->server.api_key, "require 'Authorization: Bearer KEY'");
   // Connection and size limits (docs/server.md, "Limits"): one option, as --sampling, so
   // --help stays a screen. --max-body-kib is kept, unlisted, for scripts that set it.

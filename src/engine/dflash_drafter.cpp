@@ -71,6 +71,15 @@ Status DflashDrafter::prepare(std::span<const int32_t> /*prompt*/) {
   return Status::ok();
 }
 
+Status DflashDrafter::rollback(int32_t n_pos) {
+  if (n_pos == 0) return prepare({});
+  KILN_TRY(pending_);
+  if (n_pos < 0 || n_pos > kv_.n_pos())
+    return Status::errorf("DFlash drafter holds {} positions, cannot resume at {}", kv_.n_pos(),
+                          n_pos);
+  return kv_.truncate(n_pos);
+}
+
 void DflashDrafter::observe_target(const model::Capture& capture, int32_t n_rows_kept) {
   if (!pending_) return;  // already failed: the next propose reports it
   pending_ = inject(capture, n_rows_kept);

@@ -42,6 +42,9 @@ class DflashDrafter final : public Drafter {
   Status propose(const DraftRequest& req, Draft& out) override;
   std::vector<std::string> wanted_captures() const override;
   void observe_target(const model::Capture& capture, int32_t n_rows_kept) override;
+  // Keeps the features of positions < n_pos (n_pos <= n_pos()); a latched observe_target
+  // failure refuses anything but 0.
+  Status rollback(int32_t n_pos) override;
 
   // Most drafts one proposal makes: the block size less the anchor.
   int32_t max_draft() const { return drafter_.dp.block_size - 1; }

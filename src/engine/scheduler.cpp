@@ -72,6 +72,11 @@ struct Scheduler::Slot {
   std::vector<int32_t> spec_in, spec_hist;
   std::vector<float> spec_p, spec_row;
   Candidates spec_scratch;
+  int32_t n_drafted = 0, n_accepted = 0;  // this request's
+  // A model drafter (SchedulerConfig::make_drafter), in step with `cached`: it has seen the
+  // activations of exactly those positions, recorded in `capture` by each of the slot's evals.
+  std::unique_ptr<Drafter> drafter;
+  model::Capture capture;
 };
 
 namespace {
@@ -130,10 +135,23 @@ Expected<std::unique_ptr<Scheduler>> Scheduler::create(std::shared_ptr<const Mod
           "and {:.2f} GiB of memory is available; lower --parallel or --ctx-size",
           cfg.n_slots, n_ctx, double(need) / (1 << 30), double(avail) / (1 << 30));
   }
-  return std::unique_ptr<Scheduler>(new Scheduler(std::move(model), backend, std::move(cfg)));
+  std::vector<std::unique_ptr<Drafter>> drafters;
+  if (cfg.make_drafter) {
+    if (cfg.draft_model < 0 || cfg.draft_model > GenerationParams::kMaxDraft)
+      return Status::errorf("scheduler: {} drafts per step must be in [0, {}]", cfg.draft_model,
+                            GenerationParams::kMaxDraft);
+    for (int32_t i = 0; i < cfg.n_slots; ++i) {
+      KILN_ASSIGN_OR_RETURN(auto d, cfg.make_drafter(n_ctx, std::min(cfg.prefill_chunk, n_ctx)));
+      if (!d) return Status::error("scheduler: the drafter factory made no drafter");
+      drafters.push_back(std::move(d));
+    }
+  }
+  return std::unique_ptr<Scheduler>(
+      new Scheduler(std::move(model), backend, std::move(cfg), std::move(drafters)));
 }
 
-Scheduler::Scheduler(std::shared_ptr<const Model> model, Backend& backend, SchedulerConfig cfg)
+Scheduler::Scheduler(std::shared_ptr<const Model> model, Backend& backend, SchedulerConfig cfg,
+                     std::vector<std::unique_ptr<Drafter>> drafters)
     : model_(std::move(model)), backend_(backend), cfg_(std::move(cfg)) {
   n_ctx_ = cfg_.n_ctx > 0 ? cfg_.n_ctx : std::min(model_->n_ctx_train(), 4096);
   // The session's internal chunking is the scheduler's prefill chunk: one eval == one forward.
@@ -142,6 +160,10 @@ Scheduler::Scheduler(std::shared_ptr<const Model> model, Backend& backend, Sched
     auto s = std::make_unique<Slot>();
     s->id = i;
     s->session = std::make_unique<Session>(model_, backend_, n_ctx_, max_batch);
+    if (!drafters.empty()) {
+      s->drafter = std::move(drafters[static_cast<size_t>(i)]);
+      s->capture.only = s->drafter->wanted_captures();
+    }
     slots_.push_back(std::move(s));
   }
   if (cfg_.batch_decode) {
@@ -182,8 +204,8 @@ Scheduler::Submitted Scheduler::submit(GenerationParams p) {
     return invalid(fmt::format("n_draft {} must be <= {}", p.n_draft, GenerationParams::kMaxDraft));
   auto sampler = Sampler::create(p.sampling, model_->n_vocab());
   if (!sampler) return invalid(sampler.error());
-  int32_t n_draft =
-      p.n_draft < 0 ? std::min(cfg_.draft_ngram, GenerationParams::kMaxDraft) : p.n_draft;
+  const int32_t n_default = cfg_.make_drafter ? cfg_.draft_model : cfg_.draft_ngram;
+  int32_t n_draft = p.n_draft < 0 ? std::min(n_default, GenerationParams::kMaxDraft) : p.n_draft;
   if (!validate_spec_sampling(p.sampling).is_ok()) n_draft = 0;  // plain decoding, same result
   if (p.grammar) {
     if (!p.grammar_vocab) p.grammar_vocab = cfg_.grammar_vocab;
@@ -274,15 +296,25 @@ void Scheduler::admit_locked() {
       const Status st = best->session->rollback(0);
       KILN_CHECK(st.is_ok(), "rollback to an empty cache: {}", st.message());
     }
+    // The drafter resumes the same prefix, or (when it cannot) the slot starts afresh.
+    if (best->drafter && !best->drafter->rollback(static_cast<int32_t>(best_common)).is_ok()) {
+      best_common = 0;
+      Status st = best->session->rollback(0);
+      if (st) st = best->drafter->rollback(0);
+      KILN_CHECK(st.is_ok(), "rollback to an empty cache: {}", st.message());
+    }
     best->cached.resize(best_common);
     best->req = std::move(queue_.front());
     queue_.pop_front();
     best->cursor = best_common;
     best->decoding = false;
     best->n_generated = 0;
+    best->n_drafted = best->n_accepted = 0;
     best->t_start = best->t_first = std::chrono::steady_clock::now();
     best->n_reused = static_cast<int32_t>(best_common);
-    best->remote_pending = cfg_.remote_prefill && best_common == 0 && prompt.size() > 1;
+    // A drafter needs the prompt's activations, which a remote prefill does not bring.
+    best->remote_pending =
+        cfg_.remote_prefill && !best->drafter && best_common == 0 && prompt.size() > 1;
     counters_.prompt_tokens += prompt.size();
     counters_.prompt_tokens_reused += best_common;
     slot_busy_[best->id] = 1;
@@ -368,9 +400,16 @@ void Scheduler::step() {
   // Drafts depend only on the slot's own sequence; the batch always has room for them.
   int64_t n_decode_tokens = 0;
   for (Work& w : decode) {
-    if (w.slot->req->n_draft > 0) draft(*w.slot, w);
+    if (w.slot->req->n_draft > 0) {
+      if (Status st = draft(*w.slot, w); !st) {
+        finish(*w.slot, FinishReason::kError, st.message());
+        w.slot = nullptr;
+        continue;
+      }
+    }
     n_decode_tokens += static_cast<int64_t>(w.tokens.size());
   }
+  std::erase_if(decode, [](const Work& w) { return w.slot == nullptr; });
   // Prompts take turns going first, so with more prompt tokens than room in one step every
   // prompt still advances within a few steps.
   const size_t n = slots_.size();
@@ -425,7 +464,11 @@ void Scheduler::run_group(std::span<Work> work, bool batched) {
   }
   if (batched) {
     std::vector<BatchEval::Item> items;
-    for (const Work& w : work) items.push_back({w.slot->session.get(), w.tokens, w.n_draft > 0});
+    for (const Work& w : work) {
+      Slot& ws = *w.slot;
+      items.push_back(
+          {ws.session.get(), w.tokens, w.n_draft > 0, ws.drafter ? &ws.capture : nullptr});
+    }
     if (top_k > 0) {  // no item has drafts, so none asks for all its rows
       auto out = batch_->eval_top_k(items, top_k);
       if (out) {
@@ -448,6 +491,12 @@ void Scheduler::run_group(std::span<Work> work, bool batched) {
   }
   if (!done) {
     for (size_t i = 0; i < work.size(); ++i) {
+      Slot& ws = *work[i].slot;
+      ws.session->set_capture(ws.drafter ? &ws.capture : nullptr);
+      struct NoCapture {
+        Session& s;
+        ~NoCapture() { s.set_capture(nullptr); }
+      } no_capture{*ws.session};
       if (top_k > 0) {
         auto out = work[i].slot->session->eval_top_k(work[i].tokens, top_k);
         if (out)
@@ -485,8 +534,10 @@ void Scheduler::run_group(std::span<Work> work, bool batched) {
       finish(s, FinishReason::kError, errors[i]);
     else if (work[i].n_draft > 0)
       accept_drafts(s, work[i], logits[i]);
-    else
+    else {
+      if (s.drafter) s.drafter->observe_target(s.capture, int32_t(work[i].tokens.size()));
       advance(s, work[i].tokens, logits[i], top_k > 0 ? &tops[i] : nullptr);
+    }
     std::lock_guard lk(mu_);
     slot_pos_[s.id] = s.session->n_pos();
     slot_kv_bytes_[s.id] = s.session->kv_bytes();
@@ -516,7 +567,7 @@ void Scheduler::advance(Slot& s, std::span<const int32_t> in, std::span<const fl
   emit_token(s, id, logits);
 }
 
-void Scheduler::draft(Slot& s, Work& w) {
+Status Scheduler::draft(Slot& s, Work& w) {
   const auto t0 = std::chrono::steady_clock::now();
   const Request& r = *s.req;
   // The verify input must fit one KV append (rings roll back only within the last batch),
@@ -524,7 +575,7 @@ void Scheduler::draft(Slot& s, Work& w) {
   const int64_t k =
       std::min<int64_t>({r.n_draft, s.session->max_batch() - 1, n_ctx_ - s.session->n_pos() - 1,
                          r.params.max_tokens - s.n_generated - 1});
-  if (k <= 0) return;
+  if (k <= 0) return Status::ok();
   s.spec_hist.assign(s.cached.begin(), s.cached.end());
   s.spec_hist.push_back(s.last);
   NgramDrafter ngram;
@@ -532,17 +583,22 @@ void Scheduler::draft(Slot& s, Work& w) {
   DraftRequest dr;
   dr.history = s.spec_hist;
   dr.max_tokens = static_cast<int32_t>(k);
-  const bool ok = ngram.propose(dr, d).is_ok() && !d.tokens.empty();
+  const Status st = s.drafter ? s.drafter->propose(dr, d).context(s.drafter->name() + " drafter")
+                              : ngram.propose(dr, d);
   {
     std::lock_guard lk(mu_);
     counters_.spec_draft_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  if (!ok) return;  // nothing to propose: a plain decode step
+  if (s.drafter) KILN_TRY(st);
+  if (!st || d.tokens.empty()) return Status::ok();  // nothing to propose: a plain decode step
+  // A drafter may propose fewer, never more (greedy verification trusts the count).
+  if (static_cast<int64_t>(d.tokens.size()) > k) d.tokens.resize(static_cast<size_t>(k));
   s.spec_in.assign(1, s.last);
   s.spec_in.insert(s.spec_in.end(), d.tokens.begin(), d.tokens.end());
   w.tokens = s.spec_in;
   w.n_draft = static_cast<int32_t>(d.tokens.size());
+  return Status::ok();
 }
 
 void Scheduler::accept_drafts(Slot& s, const Work& w, std::span<const float> rows) {
@@ -564,6 +620,9 @@ void Scheduler::accept_drafts(Slot& s, const Work& w, std::span<const float> row
     vr = verify_sampled(s.spec_p, {}, drafts, V, r.spec_rng);
   }
   const int32_t a = vr.n_accepted;
+  if (s.drafter) s.drafter->observe_target(s.capture, 1 + a);
+  s.n_drafted += k;
+  s.n_accepted += a;
   // Rejected rows belong to the last append, which every plane (rings included) can undo.
   const int32_t base = s.session->n_pos() - (k + 1);
   if (a < k) {
@@ -640,6 +699,8 @@ void Scheduler::finish(Slot& s, FinishReason why, std::string error) {
   e.n_reused = s.n_reused;
   e.n_generated = s.n_generated;
   e.slot = s.id;
+  e.n_drafted = s.n_drafted;
+  e.n_draft_accepted = s.n_accepted;
   {
     using ms = std::chrono::duration<double, std::milli>;
     const auto now = std::chrono::steady_clock::now();

@@ -31,6 +31,7 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "engine/session.h"
+#include "engine/speculative.h"
 #include "grammar/grammar.h"
 #include "grammar/matcher.h"
 #include "sampling/sampler.h"
@@ -58,6 +59,14 @@ struct SchedulerConfig {
   // n-gram (prompt lookup) draft tokens per decode step for requests that leave
   // GenerationParams::n_draft unset (issue 10); 0: off (`kiln serve --draft-ngram`).
   int32_t draft_ngram = 0;
+  // A model drafter per slot (`kiln serve --dflash` / `--spec-mtp`), made once at create()
+  // for a slot of n_ctx positions and max_batch tokens per step; it drafts instead of n-gram
+  // lookup, draft_model tokens per step for requests that leave n_draft unset. Every forward
+  // call records the slot's rows of the drafter's target activations (Drafter::wanted_captures,
+  // BatchEval::Item::capture). A cached prefix is reused only as far as the drafter can resume
+  // it (Drafter::rollback).
+  std::function<Expected<std::unique_ptr<Drafter>>(int32_t n_ctx, int32_t max_batch)> make_drafter;
+  int32_t draft_model = 0;
   // Requests that sample only from a row's best candidates (Sampler::candidates_needed > 0:
   // greedy, or top-k with no bias, penalties or logprobs) get those from Backend::top_k: a
   // forward call whose requests all qualify downloads k values per row, not the vocabulary.
@@ -112,6 +121,9 @@ struct GenEvent {
   int32_t n_reused = 0;  // prompt tokens whose KV rows were reused from the slot
   int32_t n_generated = 0;
   int32_t slot = -1;
+  // Speculative decoding of this request: draft tokens verified and accepted (llama.cpp's
+  // timings draft_n / draft_n_accepted).
+  int32_t n_drafted = 0, n_draft_accepted = 0;
   // From taking a slot to the first token (prompt evaluation), and from the first token to
   // the end (generation), in milliseconds.
   double prompt_ms = 0, predicted_ms = 0;
@@ -179,7 +191,8 @@ class Scheduler {
  private:
   struct Request;
   struct Slot;
-  Scheduler(std::shared_ptr<const Model> model, Backend& backend, SchedulerConfig cfg);
+  Scheduler(std::shared_ptr<const Model> model, Backend& backend, SchedulerConfig cfg,
+            std::vector<std::unique_ptr<Drafter>> drafters);
   struct Work;
   void run();
   void admit_locked();
@@ -191,8 +204,9 @@ class Scheduler {
   // `top`: the row's best candidates instead (logits then empty; run_group's rule).
   void advance(Slot& s, std::span<const int32_t> in, std::span<const float> logits,
                const Session::TopK* top = nullptr);
-  // n-gram drafts for a decoding slot; the work's tokens become [last, drafts...].
-  void draft(Slot& s, Work& w);
+  // Drafts for a decoding slot (its model drafter's, else n-gram lookup); the work's tokens
+  // become [last, drafts...]. Errors: the model drafter failed.
+  Status draft(Slot& s, Work& w);
   // After a verify (last token + drafts, all logits): keep the accepted prefix, roll back the
   // rest, emit the accepted tokens and the target's own next one.
   void accept_drafts(Slot& s, const Work& w, std::span<const float> rows);

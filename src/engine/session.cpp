@@ -321,12 +321,13 @@ struct BatchEval::Impl {
   HostLogits logits;                 // [rows][n_vocab]
   std::vector<int32_t> top_ids;      // eval_top_k: [items][k]
   std::vector<float> top_vals;
+  model::Capture capture;  // the items' wanted activations over the whole batch (rank 0)
 };
 
 BatchEval::BatchEval(std::shared_ptr<const Model> model, Backend& backend, int32_t max_tokens)
     : model_(std::move(model)), backend_(backend), max_tokens_(max_tokens) {
   KILN_CHECK(model_ != nullptr && max_tokens > 0);
-  impl_.reset(new Impl{shards_for(*model_, backend_), {}, {}, {}, {}, {}, {}});
+  impl_.reset(new Impl{shards_for(*model_, backend_), {}, {}, {}, {}, {}, {}, {}});
   for (const model::Shard& sh : impl_->shards)
     impl_->ranks.push_back(Impl::Rank{model::ForwardState(sh.hp, max_tokens), {}, {}});
 }
@@ -410,6 +411,18 @@ Status BatchEval::eval_impl(std::span<const Item> items, int32_t top_k) {
     const auto ap = s.kv().append_pos();
     b.pos.insert(b.pos.end(), ap.begin(), ap.end());
   }
+  // One capture for the whole batch, of every name an item wants (all when one wants all).
+  bool capture = false, capture_all = false;
+  b.capture.only.clear();
+  for (const Item& it : items) {
+    if (!it.capture) continue;
+    capture = true;
+    capture_all = capture_all || it.capture->only.empty();
+    for (const std::string& name : it.capture->only)
+      if (std::find(b.capture.only.begin(), b.capture.only.end(), name) == b.capture.only.end())
+        b.capture.only.push_back(name);
+  }
+  if (capture_all) b.capture.only.clear();
   b.logits.resize(static_cast<size_t>(rows) * static_cast<size_t>(hp.n_vocab), backend_);
   b.top_ids.resize(static_cast<size_t>(rows) * static_cast<size_t>(top_k));
   b.top_vals.resize(b.top_ids.size());
@@ -419,6 +432,7 @@ Status BatchEval::eval_impl(std::span<const Item> items, int32_t top_k) {
     fb.tokens = b.tokens;
     fb.pos = b.pos;
     fb.seqs = rk.seqs;
+    fb.capture = capture && r == 0 ? &b.capture : nullptr;
     if (top_k > 0 && r == 0) {
       fb.top_k = top_k;
       fb.top_ids = b.top_ids;
@@ -431,6 +445,22 @@ Status BatchEval::eval_impl(std::span<const Item> items, int32_t top_k) {
   if (Status st = take_expert_errors(b.shards); !st) {
     for (const Item& it : items) (void)it.session->impl_->truncate(it.session->n_pos_);
     return st;
+  }
+  // Each capturing item gets its own rows (the batch holds the items' tokens in order).
+  int64_t first = 0;
+  for (const Item& it : items) {
+    const auto n = static_cast<int64_t>(it.tokens.size());
+    if (it.capture) {
+      it.capture->clear();
+      for (const auto& [name, node] : b.capture.nodes) {
+        if (node.n_rows != total || !it.capture->wants(name)) continue;
+        const auto row = [&](int64_t i) {
+          return node.data.begin() + static_cast<ptrdiff_t>(i * node.width);
+        };
+        it.capture->record(name, std::span<const float>(row(first), row(first + n)), n);
+      }
+    }
+    first += n;
   }
   for (const Item& it : items) {
     it.session->impl_->commit();

@@ -162,6 +162,10 @@ class BatchEval {
     Session* session = nullptr;       // distinct sessions of this BatchEval's model
     std::span<const int32_t> tokens;  // appended at session->n_pos().., <= its max_batch()
     bool all_logits = false;          // every token's logits, not only the last one's
+    // Set: receives this item's rows of the activations it names (Capture::only; cleared
+    // first), as Session::set_capture would for the item evaluated alone. Activations with a
+    // row per token only (not result_norm / result_output).
+    model::Capture* capture = nullptr;
   };
   // Appends each item's tokens to its session and returns logits row-major [rows][n_vocab]:
   // item by item, one row (its last token) or, with all_logits, one per token; valid until

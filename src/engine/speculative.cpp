@@ -22,6 +22,11 @@ ModelDrafter::ModelDrafter(std::shared_ptr<const Model> m, Backend& be, int32_t 
                            int32_t max_batch)
     : session_(std::move(m), be, n_ctx, max_batch) {}
 
+Status Drafter::rollback(int32_t n_pos) {
+  if (n_pos == 0) return prepare({});
+  return Status::errorf("the {} drafter cannot resume a history at position {}", name(), n_pos);
+}
+
 Expected<std::unique_ptr<ModelDrafter>> ModelDrafter::create(std::shared_ptr<const Model> draft,
                                                              Backend& backend, int32_t n_ctx,
                                                              int32_t target_n_vocab,

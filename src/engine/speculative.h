@@ -65,6 +65,11 @@ class Drafter {
   // (rows: the last accepted token, then the drafts; the first n_rows_kept were kept). The
   // rows continue the positions of the previous call.
   virtual void observe_target(const model::Capture& /*capture*/, int32_t /*n_rows_kept*/) {}
+  // Forgets everything from position n_pos on, so the drafter continues a history cut there
+  // (a server slot resuming a cached prefix). n_pos 0 starts afresh and always works. Errors:
+  // the drafter cannot resume at n_pos (the caller starts from an empty history instead).
+  // Default: only 0 (prepare with no prompt).
+  virtual Status rollback(int32_t n_pos);
 };
 
 // Drafting with a second model of the same vocabulary (e.g. a q8_0 copy, or a smaller model of
@@ -103,6 +108,7 @@ class NgramDrafter final : public Drafter {
   NgramDrafter(int32_t min_ngram = 2, int32_t max_ngram = 4);
   std::string name() const override { return "ngram"; }
   Status propose(const DraftRequest& req, Draft& out) override;
+  Status rollback(int32_t /*n_pos*/) override { return Status::ok(); }  // no state
 
  private:
   int32_t min_n_, max_n_;

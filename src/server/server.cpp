@@ -26,6 +26,8 @@
 #include "core/counters.h"
 #include "engine/chat.h"
 #include "engine/constrained.h"
+#include "engine/dflash_drafter.h"
+#include "engine/mtp_drafter.h"
 #include "engine/runtime.h"
 #include "engine/scheduler.h"
 #include "engine/session.h"
@@ -230,6 +232,25 @@ Status HttpServer::load() {
   cfg.max_queue = s.opt.max_queue;
   cfg.remote_prefill = s.opt.remote_prefill;
   cfg.draft_ngram = s.opt.draft_ngram;
+  if (!s.opt.dflash.empty() || s.opt.spec_mtp) {
+    if (!s.opt.dflash.empty() && s.opt.spec_mtp)
+      return Status::error("give one of --dflash and --spec-mtp");
+    cfg.draft_model = s.opt.draft_n;
+    Backend& be = s.rt->backend();
+    cfg.make_drafter = [model = s.model, &be, dflash = s.opt.dflash, draft_n = s.opt.draft_n](
+                           int32_t n_ctx, int32_t max_batch) -> Expected<std::unique_ptr<Drafter>> {
+      if (!dflash.empty()) {
+        KILN_ASSIGN_OR_RETURN(auto d, DflashDrafter::create(dflash, model, be, n_ctx, max_batch));
+        if (draft_n > d->max_draft())
+          return Status::errorf(
+              "--draft-n {} exceeds the DFlash drafter's block ({} drafts at most)", draft_n,
+              d->max_draft());
+        return std::unique_ptr<Drafter>(std::move(d));
+      }
+      KILN_ASSIGN_OR_RETURN(auto d, MtpDrafter::create(model, be, n_ctx, max_batch));
+      return std::unique_ptr<Drafter>(std::move(d));
+    };
+  }
   cfg.device_sampling = s.opt.engine.device_sampling;
   const auto eog = s.tok->eog_ids();
   cfg.eog_ids.assign(eog.begin(), eog.end());
@@ -380,11 +401,12 @@ struct Job {
   bool done = false, sent_role = false;
   std::string finish = "stop";
   int32_t n_generated = 0;
-  int32_t n_cached = 0;                    // prompt tokens whose KV rows the slot already held
-  int32_t index = 0;                       // the choice's index (n > 1)
-  bool ended = false;                      // the scheduler's end event was handled
-  double prompt_ms = 0, predicted_ms = 0;  // the scheduler's timings
-  std::string error;                       // a kError end: what went wrong
+  int32_t n_cached = 0;                         // prompt tokens whose KV rows the slot already held
+  int32_t index = 0;                            // the choice's index (n > 1)
+  bool ended = false;                           // the scheduler's end event was handled
+  double prompt_ms = 0, predicted_ms = 0;       // the scheduler's timings
+  int32_t n_drafted = 0, n_draft_accepted = 0;  // speculative decoding (timings draft_n...)
+  std::string error;                            // a kError end: what went wrong
   // Tool calls (chat with tools offered): the reply is parsed in this format; the format's
   // control tokens are rendered as text so the parser sees them.
   ToolFormat tool_format = ToolFormat::kNone;
@@ -439,6 +461,8 @@ struct Job {
     n_cached = e.n_reused;
     prompt_ms = e.prompt_ms;
     predicted_ms = e.predicted_ms;
+    n_drafted = e.n_drafted;
+    n_draft_accepted = e.n_draft_accepted;
     error = e.error;
     if (!done) {
       finish = e.finish == FinishReason::kLength ? "length"
@@ -455,21 +479,28 @@ struct Job {
   // llama.cpp's `timings` of this choice: prompt tokens evaluated (not reused) and the time
   // to the first token; tokens generated and the time after the first.
   json timings() const {
-    return timings_json(n_prompt - n_cached, n_cached, prompt_ms, n_generated, predicted_ms);
+    return timings_json(n_prompt - n_cached, n_cached, prompt_ms, n_generated, predicted_ms,
+                        n_drafted, n_draft_accepted);
   }
+  // draft_n / draft_n_accepted as llama-server reports them: only when drafts were verified.
   static json timings_json(int64_t prompt_n, int64_t cache_n, double prompt_ms, int64_t predicted_n,
-                           double predicted_ms) {
+                           double predicted_ms, int64_t draft_n, int64_t draft_n_accepted) {
     auto per_token = [](double ms, int64_t n) { return n > 0 ? ms / double(n) : 0.0; };
     auto per_second = [](double ms, int64_t n) { return ms > 0 ? 1e3 * double(n) / ms : 0.0; };
-    return {{"cache_n", cache_n},
-            {"prompt_n", prompt_n},
-            {"prompt_ms", prompt_ms},
-            {"prompt_per_token_ms", per_token(prompt_ms, prompt_n)},
-            {"prompt_per_second", per_second(prompt_ms, prompt_n)},
-            {"predicted_n", predicted_n},
-            {"predicted_ms", predicted_ms},
-            {"predicted_per_token_ms", per_token(predicted_ms, predicted_n)},
-            {"predicted_per_second", per_second(predicted_ms, predicted_n)}};
+    json t = {{"cache_n", cache_n},
+              {"prompt_n", prompt_n},
+              {"prompt_ms", prompt_ms},
+              {"prompt_per_token_ms", per_token(prompt_ms, prompt_n)},
+              {"prompt_per_second", per_second(prompt_ms, prompt_n)},
+              {"predicted_n", predicted_n},
+              {"predicted_ms", predicted_ms},
+              {"predicted_per_token_ms", per_token(predicted_ms, predicted_n)},
+              {"predicted_per_second", per_second(predicted_ms, predicted_n)}};
+    if (draft_n > 0) {
+      t["draft_n"] = draft_n;
+      t["draft_n_accepted"] = draft_n_accepted;
+    }
+    return t;
   }
   json logprobs_json() const {
     if (top_logprobs < 0) return nullptr;
@@ -584,16 +615,19 @@ json usage_of(const std::vector<std::shared_ptr<Job>>& jobs) {
 // The request's timings: choices run side by side, so tokens add up and times are the
 // longest choice's.
 json timings_of(const std::vector<std::shared_ptr<Job>>& jobs) {
-  int64_t prompt_n = 0, cache_n = 0, predicted_n = 0;
+  int64_t prompt_n = 0, cache_n = 0, predicted_n = 0, draft_n = 0, draft_n_accepted = 0;
   double prompt_ms = 0, predicted_ms = 0;
   for (const auto& j : jobs) {
+    draft_n += j->n_drafted;
+    draft_n_accepted += j->n_draft_accepted;
     prompt_n += j->n_prompt - j->n_cached;
     cache_n += j->n_cached;
     predicted_n += j->n_generated;
     prompt_ms = std::max(prompt_ms, j->prompt_ms);
     predicted_ms = std::max(predicted_ms, j->predicted_ms);
   }
-  return Job::timings_json(prompt_n, cache_n, prompt_ms, predicted_n, predicted_ms);
+  return Job::timings_json(prompt_n, cache_n, prompt_ms, predicted_n, predicted_ms, draft_n,
+                           draft_n_accepted);
 }
 
 }  // namespace
@@ -914,8 +948,7 @@ std::string HttpServer::Impl::metrics() const {
   metric("candidate_passes_total", "counter",
          "forward passes that returned each row's top-k candidates (device sampling), not logits",
          double(s.candidate_passes));
-  metric("spec_steps_total", "counter", "speculative verify steps (n-gram drafts)",
-         double(s.spec_steps));
+  metric("spec_steps_total", "counter", "speculative verify steps", double(s.spec_steps));
   metric("spec_drafted_tokens_total", "counter", "draft tokens proposed", double(s.spec_drafted));
   metric("spec_accepted_tokens_total", "counter", "draft tokens accepted", double(s.spec_accepted));
   metric("spec_mean_acceptance_length", "gauge", "tokens emitted per verify step (accepted + 1)",

@@ -36,7 +36,12 @@ struct ServerOptions {
   ServerLimits limits;
   // `--role decode`: prompts' KV comes from a prefill node (SchedulerConfig::remote_prefill).
   std::function<bool(Session&, std::span<const int32_t>)> remote_prefill;
-  int32_t draft_ngram = 0;         // n-gram draft tokens per decode step (SchedulerConfig); 0: off
+  int32_t draft_ngram = 0;  // n-gram draft tokens per decode step (SchedulerConfig); 0: off
+  // Model drafters (SchedulerConfig::make_drafter), one per slot, draft_n tokens per step: a
+  // DFlash drafter GGUF (`--dflash`), or the model's own NextN layers (`--spec-mtp`).
+  std::string dflash;
+  bool spec_mtp = false;
+  int32_t draft_n = 4;
   std::string alias;               // the model's name in responses; "": the file's stem
   std::string chat_template_file;  // a .jinja file used instead of the GGUF's template
   SamplingDefaults sampling;       // what requests that leave a sampling field out get

@@ -167,6 +167,47 @@ INSTANTIATE_TEST_SUITE_P(Models, BatchInvariance,
                            return n;
                          });
 
+// Item::capture (a server slot's model drafter reads its slot's activations): each capturing
+// item gets exactly the rows it would record evaluated alone (memcmp), only the names it asks
+// for; an item without one records nothing.
+TEST(BatchEval, CaptureGivesEachItemItsOwnRows) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend({.threads = 2});
+  const auto pa = random_prompt(9, m->n_vocab(), 4), pb = random_prompt(6, m->n_vocab(), 5),
+             pc = random_prompt(4, m->n_vocab(), 6);
+  const std::vector<std::string> wanted_a{"inp_embd", "blk.2.l_out"}, wanted_c{"blk.4.l_out"};
+  std::vector<model::Capture> alone(2);
+  alone[0].only = wanted_a;
+  alone[1].only = wanted_c;
+  for (int i = 0; i < 2; ++i) {
+    Session s(m, *be, 64, 16);
+    s.set_capture(&alone[size_t(i)]);
+    ASSERT_TRUE(s.eval(i == 0 ? pa : pc, false).has_value());
+  }
+  Session a(m, *be, 64, 16), b(m, *be, 64, 16), c(m, *be, 64, 16);
+  BatchEval batch(m, *be, 32);
+  model::Capture ca, cc;
+  ca.only = wanted_a;
+  cc.only = wanted_c;
+  ASSERT_TRUE(batch
+                  .eval(std::vector<BatchEval::Item>{
+                      {&a, pa, false, &ca}, {&b, pb, true}, {&c, pc, false, &cc}})
+                  .has_value());
+  for (auto [got, want] : {std::pair{&ca, &alone[0]}, std::pair{&cc, &alone[1]}}) {
+    ASSERT_EQ(got->nodes.size(), want->only.size());
+    for (const std::string& name : want->only) {
+      ASSERT_TRUE(got->nodes.contains(name)) << name;
+      const model::CapturedNode &g = got->nodes.at(name), &w = want->nodes.at(name);
+      EXPECT_EQ(g.n_rows, w.n_rows) << name;
+      EXPECT_EQ(g.width, w.width) << name;
+      ASSERT_EQ(g.data.size(), w.data.size()) << name;
+      EXPECT_EQ(std::memcmp(g.data.data(), w.data.data(), g.data.size() * sizeof(float)), 0)
+          << name;
+    }
+  }
+}
+
 TEST(BatchEval, RefusesBadBatchesAndLeavesSessionsUnchanged) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);

@@ -13,6 +13,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "common/testdata.h"
 #include "engine_test_util.h"
+#include "engine/dflash_drafter.h"
 #include "engine/scheduler.h"
 #include "engine/session.h"
 #include "tokenizer/tokenizer.h"
@@ -72,6 +73,7 @@ struct Outcome {
   std::vector<int32_t> ids;
   FinishReason finish = FinishReason::kError;
   int32_t slot = -1, n_reused = 0;
+  int32_t n_drafted = 0, n_draft_accepted = 0;
 };
 
 Outcome drain(GenStream& s) {
@@ -89,6 +91,8 @@ Outcome drain(GenStream& s) {
     o.finish = e->finish;
     o.slot = e->slot;
     o.n_reused = e->n_reused;
+    o.n_drafted = e->n_drafted;
+    o.n_draft_accepted = e->n_draft_accepted;
     return o;
   }
 }
@@ -450,6 +454,104 @@ TEST(Scheduler, NgramDraftingKeepsGreedyIdsAndIsReproducible) {
         (unsigned long long)conc_stats.forward_passes,
         (unsigned long long)conc_stats.forward_tokens);
   }
+}
+
+// A drafter that refuses to resume any prefix but the empty one, counting how it was asked.
+class NoResumeDrafter final : public Drafter {
+ public:
+  std::string name() const override { return "no-resume"; }
+  Status propose(const DraftRequest& req, Draft& out) override { return ngram_.propose(req, out); }
+  Status rollback(int32_t n_pos) override {
+    ++rollbacks;
+    return n_pos == 0 ? Status::ok() : Status::error("cannot resume");
+  }
+  int rollbacks = 0;
+
+ private:
+  NgramDrafter ngram_;
+};
+
+// Model drafters inside the scheduler (kiln serve --dflash / --spec-mtp): one per slot, fed
+// the slot's own activations. DFlash on the shipped pair: greedy ids equal plain decoding's,
+// alone and two at a time; a request sharing a cached prefix resumes it (the drafter is cut
+// back to it) with the same ids and draft counts as from scratch. A drafter that cannot resume
+// makes the slot start afresh (no reuse), same ids.
+TEST(Scheduler, ModelDraftersKeepGreedyIdsAndResumePrefixes) {
+  auto target = Model::load(testing::model_path("dflash-target-f16.gguf"));
+  ASSERT_TRUE(target.has_value()) << target.error();
+  std::shared_ptr<const Model> m = std::move(*target);
+  auto be = make_cpu_backend({.threads = 2});
+  const auto base = random_prompt(60, m->n_vocab(), 3);
+  std::vector<GenerationParams> reqs;
+  for (size_t n : {size_t(60), size_t(41), size_t(60)}) {
+    GenerationParams p;
+    p.prompt.assign(base.begin(), base.begin() + ptrdiff_t(n));
+    p.sampling.temperature = 0;
+    p.max_tokens = 30;
+    reqs.push_back(p);
+  }
+  auto run = [&](SchedulerConfig cfg, bool concurrent) {
+    auto sch = Scheduler::create(m, *be, cfg);
+    EXPECT_TRUE(sch.has_value()) << sch.error();
+    std::vector<Outcome> got;
+    std::vector<std::shared_ptr<GenStream>> streams;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      auto sub = (*sch)->submit(reqs[i]);
+      EXPECT_TRUE(sub.stream) << sub.message;
+      if (concurrent && i < 2) {
+        streams.push_back(sub.stream);
+        if (i == 1)
+          for (auto& st : streams) got.push_back(drain(*st));
+      } else {
+        got.push_back(drain(*sub.stream));
+      }
+    }
+    return got;
+  };
+  SchedulerConfig plain_cfg{.n_slots = 1, .n_ctx = 256, .prefill_chunk = 16};
+  const auto plain = run(plain_cfg, false);
+  SchedulerConfig dflash_cfg = plain_cfg;
+  dflash_cfg.draft_model = 4;
+  dflash_cfg.make_drafter = [&](int32_t n_ctx,
+                                int32_t max_batch) -> Expected<std::unique_ptr<Drafter>> {
+    KILN_ASSIGN_OR_RETURN(
+        auto d, DflashDrafter::create(testing::model_path("dflash-drafter-f16.gguf"), m, *be, n_ctx,
+                                      max_batch));
+    return std::unique_ptr<Drafter>(std::move(d));
+  };
+  const auto alone = run(dflash_cfg, false);
+  dflash_cfg.n_slots = 2;
+  const auto two = run(dflash_cfg, true);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_EQ(plain[i].ids.size(), 30u);
+    EXPECT_EQ(alone[i].ids, plain[i].ids) << "request " << i << " with DFlash drafts";
+    EXPECT_EQ(two[i].ids, plain[i].ids) << "request " << i << " with DFlash drafts, 2 slots";
+    EXPECT_GT(alone[i].n_drafted, 0) << i;
+    EXPECT_LE(alone[i].n_draft_accepted, alone[i].n_drafted) << i;
+  }
+  // The third request resumed the 41 prompt rows it shares with the second (the one slot's
+  // last request), and the drafter its features there.
+  EXPECT_EQ(alone[2].n_reused, 41);
+  EXPECT_EQ(alone[2].n_drafted, alone[0].n_drafted);
+  EXPECT_EQ(alone[2].n_draft_accepted, alone[0].n_draft_accepted);
+  std::printf("dflash in the scheduler: %d drafted, %d accepted (request 0)\n", alone[0].n_drafted,
+              alone[0].n_draft_accepted);
+
+  std::vector<NoResumeDrafter*> made;
+  SchedulerConfig no_resume = plain_cfg;
+  no_resume.draft_model = 4;
+  no_resume.make_drafter = [&](int32_t, int32_t) -> Expected<std::unique_ptr<Drafter>> {
+    auto d = std::make_unique<NoResumeDrafter>();
+    made.push_back(d.get());
+    return std::unique_ptr<Drafter>(std::move(d));
+  };
+  const auto fresh = run(no_resume, false);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(fresh[i].ids, plain[i].ids) << "request " << i << " with a non-resuming drafter";
+    EXPECT_EQ(fresh[i].n_reused, 0) << i;
+  }
+  ASSERT_EQ(made.size(), 1u);
+  EXPECT_GE(made[0]->rollbacks, 3);
 }
 
 TEST(Scheduler, RejectsOverlongDrafts) {

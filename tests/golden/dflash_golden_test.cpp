@@ -239,13 +239,21 @@ TEST_P(DflashGolden, IdsAndStepsMatchLlamaCpp) {
   EXPECT_EQ(c.accepted, golden_accepted);
 }
 
-// The drafter's own numbers: drafts equal llama.cpp's wherever its top-1 margin is clear, and
-// logits within the README's f16 bounds. DISABLED: not reached yet. On the cpu and ref
-// backends 73 of 76 clear-margin drafts match (the 3 others are at step 0, the one step not
-// dominated by the fixture's hand-built chain) and the logits correlate with llama.cpp's at
-// ~0.9 (mean KL 0.06, worst |delta| 5.5): some part of llama.cpp 0.7.0's DFlash computation
-// is still different here (see the report on branch dflash). Run with
-// --gtest_also_run_disabled_tests to see the figures.
+// The drafter's own numbers against golden/dflash.json: drafts equal llama.cpp's wherever its
+// top-1 margin is clear, and logits within the README's f16 bounds. DISABLED, and left so on
+// purpose: the golden drafter figures are not what llama.cpp 0.7.0's own DFlash path computes
+// for the same tokens. llama-server 0.7.0 (the peer) put in golden step 0's context (the first
+// 148 prompt tokens, anchor 366 at position 148) drafts top-3 [331 498 477], [431 306 500],
+// [456 306 477], [306 456 336] with the same top-10 probabilities as kiln to within 0.005
+// (DrafterMatchesLlamaServer below), where dflash.json has [331 476 495], [306 431 477],
+// [477 456 306], [477 306 408]; at step 1 the server's top-3 again equal kiln's and not the
+// file's. So the file's generator gave its drafter another context for the prompt than
+// llama.cpp's server does, most likely not the target's layer inputs (zeroing kiln's prompt
+// features moves it halfway to the file: mean KL 0.060 -> 0.034, 75/76 clear drafts), and its
+// later steps carry that context. kiln must not copy that: it would discard the drafter's
+// conditioning on the prompt. The ids and the speculative schedule (IdsAndStepsMatchLlamaCpp) still
+// hold. Run with
+// --gtest_also_run_disabled_tests to see the figures (cpu: 73/76 clear drafts, mean KL 0.060).
 TEST_P(DflashGolden, DISABLED_DraftsAndLogitsWithinF16Bounds) {
   const GoldenRun g = load_golden();
   Comparison c;
@@ -254,6 +262,83 @@ TEST_P(DflashGolden, DISABLED_DraftsAndLogitsWithinF16Bounds) {
   EXPECT_TRUE(c.draft_mismatches.empty());
   EXPECT_EQ(c.logits_out_of_bounds, 0);
   EXPECT_LE(c.mean_kl, 1e-4);
+}
+
+// The drafter against llama-server 0.7.0 (the peer): tests/golden/dflash_server_peer.json
+// holds, for contexts of the shipped pair, the server's first proposal after a forced anchor:
+// per drafted position the top-3 ids and their probabilities under its top-10 draft sampler
+// (3 decimals). kiln's drafter must give the same top-3 ids (where the server's gap to the
+// next candidate is clear) and the same probabilities within 0.01 (printing rounds to 0.0005,
+// the rest is f16 KV and attention rounding: 0.0045 on cpu and ref; the prompt features
+// golden/dflash.json's generator gave its drafter move them by up to 0.64).
+TEST_P(DflashGolden, DrafterMatchesLlamaServer) {
+  const auto j = nlohmann::json::parse(
+      testing::read_file(testing::source_path("tests/golden/dflash_server_peer.json")));
+  const GoldenRun g = load_golden();
+  auto target = Model::load(testing::model_path("dflash-target-f16.gguf"));
+  ASSERT_TRUE(target.has_value()) << target.error();
+  std::unique_ptr<Backend> be = make_backend(GetParam());
+  if (!be) GTEST_SKIP() << "backend " << GetParam() << " not built or no device";
+  Session session(*target, *be, kCtx);
+  auto drafter = DflashDrafter::create(testing::model_path("dflash-drafter-f16.gguf"), *target, *be,
+                                       kCtx, session.max_batch());
+  ASSERT_TRUE(drafter.has_value()) << drafter.error();
+  SpecParams sp;
+  sp.n_draft = g.n_draft;
+  sp.sampling.temperature = 0;
+  auto dec = SpeculativeDecoder::create(session, **drafter, sp);
+  ASSERT_TRUE(dec.has_value()) << dec.error();
+
+  const size_t V = static_cast<size_t>(g.n_vocab);
+  constexpr double kProbTol = 0.01, kClearGap = 0.01;
+  double worst = 0;
+  int n_ids = 0, n_probs = 0;
+  for (const auto& ctx : j.at("contexts")) {
+    const int32_t n_past = ctx.at("n_past").get<int32_t>();
+    std::vector<int32_t> tokens(g.prompt.begin(), g.prompt.begin() + n_past);
+    tokens.push_back(ctx.at("anchor").get<int32_t>());
+    // start() evaluates all but the last token; the first step drafts after that anchor.
+    ASSERT_TRUE((*dec)->start(tokens));
+    auto st = (*dec)->step();
+    ASSERT_TRUE(st.has_value()) << st.error();
+    ASSERT_EQ(st->n_past, n_past);
+    const std::span<const float> logits = (*drafter)->last_logits();
+    const auto& top3 = ctx.at("top3");
+    ASSERT_EQ(logits.size(), top3.size() * V);
+    for (size_t i = 0; i < top3.size(); ++i) {
+      const std::span<const float> row = logits.subspan(i * V, V);
+      std::vector<int32_t> order(V);
+      for (size_t t = 0; t < V; ++t) order[t] = static_cast<int32_t>(t);
+      std::partial_sort(order.begin(), order.begin() + 10, order.end(), [&](int32_t a, int32_t b) {
+        return row[size_t(a)] > row[size_t(b)] || (row[size_t(a)] == row[size_t(b)] && a < b);
+      });
+      double z = 0;
+      for (int r = 0; r < 10; ++r)
+        z += std::exp(double(row[size_t(order[r])] - row[size_t(order[0])]));
+      const auto prob = [&](int32_t id) {
+        return std::exp(double(row[size_t(id)] - row[size_t(order[0])])) / z;
+      };
+      for (size_t r = 0; r < top3[i].size(); ++r) {
+        const int32_t id = top3[i][r].at(0).get<int32_t>();
+        const double p = top3[i][r].at(1).get<double>();
+        const double next = r + 1 < top3[i].size() ? top3[i][r + 1].at(1).get<double>() : -1.0;
+        const std::string where = fmt::format("n_past {} position {} rank {}", n_past, i, r);
+        if (p - next >= kClearGap) {
+          EXPECT_EQ(order[r], id) << where;
+          ++n_ids;
+        }
+        const double d = std::fabs(prob(id) - p);
+        worst = std::max(worst, d);
+        EXPECT_LE(d, kProbTol) << where << ": id " << id << " ours " << prob(id) << ", server "
+                               << p;
+        ++n_probs;
+      }
+    }
+  }
+  fmt::print(
+      "  dflash {:<4} vs llama-server 0.7.0: {} contexts, {} clear top-3 ids equal, {} "
+      "probabilities, worst |\u0394p| {:.4f}\n",
+      GetParam(), j.at("contexts").size(), n_ids, n_probs, worst);
 }
 
 #if KILN_DFLASH_GOLDEN_CUDA

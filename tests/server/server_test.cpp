@@ -853,6 +853,109 @@ TEST(Server, NgramDraftingKeepsGreedyTextAndReportsCounters) {
               value(m_spec, "kiln_spec_accepted_tokens_total"));
 }
 
+// `kiln serve --dflash` on the shipped pair and `kiln serve --spec-mtp` on glm4moe: greedy
+// completions are the text the same server gives without drafts, concurrent and again with a
+// reused prefix; `timings` report draft_n / draft_n_accepted as llama-server does. For the
+// golden prompt llama-server 0.7.0 (the peer, --spec-type draft-dflash --spec-draft-n-max 4)
+// reports draft_n 72, draft_n_accepted 29 over 48 tokens, and so must kiln.
+TEST(Server, ModelDraftersKeepGreedyTextAndReportDraftTimings) {
+  const auto golden =
+      json::parse(testing::read_file(testing::shared_path("testdata/golden/dflash.json")));
+  const std::vector<int32_t> prompt = golden["prompt_tokens"].get<std::vector<int32_t>>();
+  struct Case {
+    std::string model, dflash;
+    bool mtp = false;
+    std::vector<json> bodies;
+  };
+  std::vector<Case> cases(2);
+  cases[0].model = testing::model_path("dflash-target-f16.gguf");
+  cases[0].dflash = testing::model_path("dflash-drafter-f16.gguf");
+  for (size_t n : {prompt.size(), size_t(100), prompt.size()})
+    cases[0].bodies.push_back(
+        {{"prompt", std::vector<int32_t>(prompt.begin(), prompt.begin() + ptrdiff_t(n))},
+         {"max_tokens", 48},
+         {"temperature", 0}});
+  cases[1].model = testing::model_path("glm4moe-f16.gguf");
+  cases[1].mtp = true;
+  for (int i = 0; i < 3; ++i)
+    cases[1].bodies.push_back({{"prompt", i == 1 ? "Lily" : "Once upon a time, there was a"},
+                               {"max_tokens", 24},
+                               {"temperature", 0}});
+  for (const Case& c : cases) {
+    auto run = [&](bool drafts, std::vector<json>* timings) {
+      ServerOptions o;
+      o.model_path = c.model;
+      o.n_parallel = 2;
+      o.prefill_chunk = 64;
+      o.n_ctx = 512;
+      if (drafts) {
+        o.dflash = c.dflash;
+        o.spec_mtp = c.mtp;
+      }
+      Running r = start(o);
+      std::vector<std::string> out;
+      // The first two side by side, then the first again (its prefix is cached).
+      std::vector<json> got(2);
+      std::vector<std::thread> ts;
+      for (size_t i = 0; i < 2; ++i)
+        ts.emplace_back([&, i] {
+          httplib::Client cl("127.0.0.1", r.srv->port());
+          cl.set_read_timeout(60, 0);
+          auto res = cl.Post("/v1/completions", c.bodies[i].dump(), "application/json");
+          ASSERT_TRUE(res);
+          ASSERT_EQ(res->status, 200) << res->body;
+          got[i] = json::parse(res->body);
+        });
+      for (auto& t : ts) t.join();
+      got.push_back(post_json(*r.cli, "/v1/completions", c.bodies[2], 200));
+      for (const json& g : got) {
+        out.push_back(g["choices"][0]["text"]);
+        timings->push_back(g["timings"]);
+      }
+      return out;
+    };
+    std::vector<json> t_plain, t_spec;
+    const auto plain = run(false, &t_plain);
+    const auto spec = run(true, &t_spec);
+    EXPECT_EQ(spec, plain) << c.model;
+    for (size_t i = 0; i < t_spec.size(); ++i) {
+      EXPECT_FALSE(t_plain[i].contains("draft_n")) << t_plain[i].dump();
+      ASSERT_TRUE(t_spec[i].contains("draft_n")) << c.model << " " << t_spec[i].dump();
+      EXPECT_GT(t_spec[i]["draft_n"].get<int>(), 0);
+      EXPECT_LE(t_spec[i]["draft_n_accepted"].get<int>(), t_spec[i]["draft_n"].get<int>());
+      std::printf("%s request %zu: draft_n %d, draft_n_accepted %d, cache_n %d\n",
+                  c.mtp ? "spec-mtp" : "dflash", i, t_spec[i]["draft_n"].get<int>(),
+                  t_spec[i]["draft_n_accepted"].get<int>(), t_spec[i]["cache_n"].get<int>());
+    }
+    if (!c.mtp) {
+      for (size_t i : {size_t(0), size_t(2)}) {
+        EXPECT_EQ(t_spec[i]["draft_n"], 72) << t_spec[i].dump();
+        EXPECT_EQ(t_spec[i]["draft_n_accepted"], 29) << t_spec[i].dump();
+      }
+      // The DFlash drafter resumes a cached prefix; the MTP one cannot and starts afresh.
+      EXPECT_EQ(t_spec[2]["cache_n"], t_plain[2]["cache_n"]);
+      EXPECT_GT(t_spec[2]["cache_n"].get<int>(), 0);
+    }
+  }
+}
+
+// A drafter needs a model that has one: --spec-mtp on a model without NextN layers is refused
+// at load with one line.
+TEST(Server, SpecMtpWithoutNextNIsRefused) {
+  ServerOptions o;
+  o.spec_mtp = true;
+  o.model_path = testing::model_path("stories260K.gguf");
+  o.host = "127.0.0.1";
+  o.port = 0;
+  o.engine.threads = 1;
+  HttpServer srv(o);
+  ASSERT_TRUE(srv.start().is_ok());
+  const Status st = srv.load();
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("NextN"), std::string::npos) << st.message();
+  srv.stop();
+}
+
 // stories260K with a chat template added (none of the shared models carries one), and
 // optionally some tokens' texts replaced (`tokens`: id -> text).
 std::string model_with_template(const std::string& tmpl,
