@@ -33,6 +33,11 @@ struct Constraint {
   // Records the chosen id. The request is complete when this returns true (the grammar
   // accepts the output and allows nothing after it).
   bool accept(int32_t id);
+  // Up to max_tokens tokens spelling the bytes the grammar forces next (a speculative
+  // step's drafts; see grammar::Matcher::forced_tokens). Empty when nothing is forced.
+  std::vector<int32_t> forced(size_t max_tokens) const {
+    return matcher.forced_tokens(*vocab, max_tokens);
+  }
 };
 
 }  // namespace kiln
