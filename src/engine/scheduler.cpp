@@ -603,7 +603,9 @@ bool Scheduler::take_shared_prefill(Slot& s) {
   if (!src) return true;
   const auto n = static_cast<int32_t>(prompt.size());
   if (!s.session->copy_prefix_from(*src->session, n)) {
-    // Rows a ring no longer holds: the session is empty now, so prefill from the start.
+    // Rows a ring no longer holds: prefill from the start.
+    const Status st = s.session->rollback(0);
+    KILN_CHECK(st.is_ok(), "rollback to an empty cache: {}", st.message());
     std::lock_guard lk(mu_);
     counters_.prompt_tokens_reused -= static_cast<uint64_t>(s.n_reused);
     s.cursor = 0;

@@ -104,7 +104,9 @@ class Session {
   // Replaces this session's positions with the first n_pos of `src` (same model, backend and
   // geometry), copying their KV rows instead of evaluating them again: the next eval gives
   // what it would give after evaluating those tokens here (the scheduler's n > 1 choices
-  // share one prompt prefill this way). On error this session is empty (n_pos() == 0).
+  // share one prompt prefill this way). Errors: another model, backend or context, or more
+  // positions than `src` holds (this session unchanged); rows a ring of `src` no longer
+  // retains (this session empty, n_pos() == 0).
   Status copy_prefix_from(const Session& src, int32_t n_pos);
 
   int32_t n_pos() const { return n_pos_; }

@@ -290,6 +290,7 @@ Status KvCache::restore(int32_t n_pos, std::span<const int32_t> lo) {
 }
 
 Status KvCache::copy_prefix(const KvCache& src, int32_t n_pos) {
+  clear();  // whatever happens next, nothing of the old sequence stays
   bool same = src.n_layers() == n_layers() && src.n_ctx() == n_ctx() &&
               src.max_batch() == max_batch() && src.config_.backend == config_.backend &&
               src.on_device() == on_device();
@@ -298,7 +299,6 @@ Status KvCache::copy_prefix(const KvCache& src, int32_t n_pos) {
   if (!same) return Status::error("kv copy: the source cache's geometry differs");
   if (n_pos < 0 || n_pos > src.n_pos())
     return Status::errorf("kv copy: {} positions of a cache holding {}", n_pos, src.n_pos());
-  clear();
   if (n_pos == 0) return Status::ok();
   std::vector<int32_t> lo(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) lo[i] = src.row_map(static_cast<int>(i)).lo();
