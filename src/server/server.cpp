@@ -796,10 +796,17 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
       if (job.done) return true;  // after a stop match: drain until the scheduler ends it
       std::string delta = job.on_token(e);
       if (job.tools_on()) {
+        // The token's logprobs ride on the first chunk it produces (or an empty one).
         const std::vector<ToolStreamDelta> ds = job.tool_stream->push_deltas(delta);
-        for (const ToolStreamDelta& d : ds)
-          if (auto c = job.delta_chunk(d); !c.is_null() && !send(sink, c)) return false;
-        if (ds.empty() && job.top_logprobs >= 0 && !send(sink, job.chunk("", nullptr, true)))
+        bool sent = false;
+        for (const ToolStreamDelta& d : ds) {
+          const json c = job.delta_chunk(d);
+          if (c.is_null()) continue;
+          if (!send(sink, c)) return false;
+          job.clear_logprobs();
+          sent = true;
+        }
+        if (!sent && job.top_logprobs >= 0 && !send(sink, job.chunk("", nullptr, true)))
           return false;
         job.clear_logprobs();
         return true;
@@ -824,8 +831,12 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
       // What the stream still holds: the rest of the content, then the calls, then the end.
       std::vector<ToolStreamDelta> ds = job.tool_stream->push_deltas(job.last_flush);
       for (ToolStreamDelta& d : job.tool_stream->finish_deltas()) ds.push_back(std::move(d));
-      for (const ToolStreamDelta& d : ds)
-        if (auto c = job.delta_chunk(d); ok && !c.is_null()) ok = send(sink, c);
+      for (const ToolStreamDelta& d : ds) {
+        const json c = job.delta_chunk(d);
+        if (!ok || c.is_null()) continue;
+        ok = send(sink, c);
+        job.clear_logprobs();
+      }
       if (job.n_calls_streamed > 0 && job.finish == "stop") job.finish = "tool_calls";
       last = job.chunk("", job.finish.c_str(), false);
     } else {
