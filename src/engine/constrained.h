@@ -24,15 +24,26 @@ struct Constraint {
   std::shared_ptr<const grammar::TokenTrie> vocab;
   grammar::Matcher matcher;
   std::vector<uint8_t> mask;  // [n_vocab] scratch
+  std::vector<int32_t> ids;   // scratch: candidates, or the ids a sparse mask allows
+  std::vector<float> vals;
 
   // The next id from one row of logits, sampled as `sampler` would from the row with every
-  // token the grammar forbids removed; -1 when the grammar allows none. Greedy first tries
-  // the unconstrained pick: when the grammar allows it, it is the masked row's argmax too,
-  // and one token's check is much cheaper than the whole mask.
+  // token the grammar forbids removed (sampler.sample(logits, mask)); -1 when the grammar
+  // allows none. The same id and RNG draws by a cheaper road where one exists:
+  //  - a sampler that needs only the row's best k (greedy, top-k without bias or penalties;
+  //    Sampler::candidates_needed) takes the row's best few; when k of them are allowed they
+  //    are the masked row's best k, and one token's check is much cheaper than the mask;
+  //  - otherwise the mask (cached per grammar state); when it allows few tokens, the sampler
+  //    sees only those (Sampler::sample_among) instead of filtering the whole row.
   int32_t sample(Sampler& sampler, std::span<const float> logits);
   // Records the chosen id. The request is complete when this returns true (the grammar
   // accepts the output and allows nothing after it).
   bool accept(int32_t id);
+  // Up to max_tokens tokens spelling the bytes the grammar forces next (a speculative
+  // step's drafts; see grammar::Matcher::forced_tokens). Empty when nothing is forced.
+  std::vector<int32_t> forced(size_t max_tokens) const {
+    return matcher.forced_tokens(*vocab, max_tokens);
+  }
 };
 
 }  // namespace kiln

@@ -51,9 +51,23 @@ struct Scheduler::Request {
   GenerationParams params;
   Sampler sampler;
   std::shared_ptr<GenStream> stream;
-  int32_t n_draft = 0;  // resolved draft length; 0: plain decoding
-  Rng spec_rng{0};      // the rejection rule's draws (sampled requests with drafts)
+  int32_t n_draft = 0;         // resolved draft length; 0: plain decoding
+  bool forced_drafts = false;  // constrained: draft the tokens the grammar forces
+  Rng spec_rng{0};             // the rejection rule's draws (sampled requests with drafts)
   std::optional<Constraint> constraint{};  // requests with a grammar
+  // n > 1 choices (submit_n): the group's shared prefill; the first choice is not a follower.
+  std::shared_ptr<SharedPrefill> share{};
+  bool follower = false;
+};
+
+// What the first of n choices leaves for the others: its last prompt row, once evaluated.
+// Touched only by the scheduler thread.
+struct Scheduler::SharedPrefill {
+  bool ready = false;            // row (or the candidates) hold the first choice's last prompt row
+  bool leader_gone = false;      // the first choice ended before its prompt was evaluated
+  std::vector<float> row;        // [n_vocab], from a whole-row step
+  std::vector<int32_t> top_ids;  // or the candidates of a candidates step
+  std::vector<float> top_logits;
 };
 
 struct Scheduler::Slot {
@@ -67,6 +81,7 @@ struct Scheduler::Slot {
   int32_t n_generated = 0, n_reused = 0;
   std::chrono::steady_clock::time_point t_start, t_first;  // slot taken, first token
   bool remote_pending = false;  // admitted with an empty cache; cfg_.remote_prefill not yet tried
+  bool await_prefill = false;   // an n > 1 follower waiting for its group's prompt rows
   // Speculative decoding scratch: the verify input [last, drafts...], the drafter's view of
   // the sequence, target probabilities [k + 1][n_vocab].
   std::vector<int32_t> spec_in, spec_hist;
@@ -184,11 +199,51 @@ Scheduler::~Scheduler() { shutdown(); }
 
 Scheduler::Submitted Scheduler::submit(GenerationParams p) {
   Submitted out;
-  auto invalid = [&](std::string msg) {
+  auto req = make_request(std::move(p));
+  if (!req) {
     out.error = SubmitError::kInvalid;
-    out.message = std::move(msg);
+    out.message = req.error();
     return out;
-  };
+  }
+  auto stream = (*req)->stream;
+  std::vector<std::unique_ptr<Request>> reqs;
+  reqs.push_back(std::move(*req));
+  out.error = enqueue(reqs, out.message);
+  if (out.error == SubmitError::kNone) out.stream = std::move(stream);
+  return out;
+}
+
+Scheduler::SubmittedN Scheduler::submit_n(GenerationParams p, std::span<const uint64_t> seeds) {
+  SubmittedN out;
+  if (seeds.empty()) {
+    out.error = SubmitError::kInvalid;
+    out.message = "no choices";
+    return out;
+  }
+  auto share = seeds.size() > 1 ? std::make_shared<SharedPrefill>() : nullptr;
+  std::vector<std::unique_ptr<Request>> reqs;
+  std::vector<std::shared_ptr<GenStream>> streams;
+  for (size_t i = 0; i < seeds.size(); ++i) {
+    GenerationParams pi = p;
+    pi.sampling.seed = seeds[i];
+    auto req = make_request(std::move(pi));
+    if (!req) {
+      out.error = SubmitError::kInvalid;
+      out.message = req.error();
+      return out;
+    }
+    (*req)->share = share;
+    (*req)->follower = i > 0;
+    streams.push_back((*req)->stream);
+    reqs.push_back(std::move(*req));
+  }
+  out.error = enqueue(reqs, out.message);
+  if (out.error == SubmitError::kNone) out.streams = std::move(streams);
+  return out;
+}
+
+Expected<std::unique_ptr<Scheduler::Request>> Scheduler::make_request(GenerationParams p) {
+  auto invalid = [](std::string msg) { return Status::error(std::move(msg)); };
   if (p.prompt.empty()) return invalid("empty prompt");
   for (size_t i = 0; i < p.prompt.size(); ++i)
     if (p.prompt[i] < 0 || p.prompt[i] >= model_->n_vocab())
@@ -211,40 +266,44 @@ Scheduler::Submitted Scheduler::submit(GenerationParams p) {
     if (!p.grammar_vocab) p.grammar_vocab = cfg_.grammar_vocab;
     if (!p.grammar_vocab || p.grammar_vocab->n_vocab() != model_->n_vocab())
       return invalid("grammar: this server has no vocabulary view for constrained decoding");
-    n_draft = 0;  // n-gram drafts would mostly be masked out; forced tokens are not drafted yet
+    n_draft = 0;  // n-gram drafts would mostly be masked out; forced tokens are drafted
   }
+  const bool forced_drafts = p.grammar && p.n_draft != 0;
   // Penalties see the prompt, as in `kiln run`.
   for (int32_t id : p.prompt) sampler->accept(id);
 
   auto req = std::unique_ptr<Request>(
       new Request{std::move(p), std::move(*sampler), std::make_shared<GenStream>()});
   req->n_draft = std::max(n_draft, 0);
+  req->forced_drafts = forced_drafts;
   req->spec_rng = Rng(req->params.sampling.seed);
   if (req->params.grammar)
     req->constraint.emplace(
         Constraint{req->params.grammar_vocab, grammar::Matcher(req->params.grammar), {}});
+  return req;
+}
+
+Scheduler::SubmitError Scheduler::enqueue(std::vector<std::unique_ptr<Request>>& reqs,
+                                          std::string& message) {
   {
     std::lock_guard lk(mu_);
     if (stop_) {
-      out.error = SubmitError::kShuttingDown;
-      out.message = "the server is shutting down";
-      return out;
+      message = "the server is shutting down";
+      return SubmitError::kShuttingDown;
     }
     // Requests not yet handed to an idle slot do not count against the queue bound.
     const auto idle = static_cast<int32_t>(std::count(slot_busy_.begin(), slot_busy_.end(), 0));
-    if (static_cast<int32_t>(queue_.size()) >= cfg_.max_queue + idle) {
-      ++counters_.requests_rejected;
-      out.error = SubmitError::kQueueFull;
-      out.message =
+    if (static_cast<int64_t>(queue_.size() + reqs.size()) > int64_t{cfg_.max_queue} + idle) {
+      counters_.requests_rejected += reqs.size();
+      message =
           fmt::format("all {} slots busy and {} requests queued", cfg_.n_slots, queue_.size());
-      return out;
+      return SubmitError::kQueueFull;
     }
-    ++counters_.requests_total;
-    out.stream = req->stream;
-    queue_.push_back(std::move(req));
+    counters_.requests_total += reqs.size();
+    for (auto& r : reqs) queue_.push_back(std::move(r));
   }
   cv_.notify_all();
-  return out;
+  return SubmitError::kNone;
 }
 
 void Scheduler::shutdown() {
@@ -312,9 +371,11 @@ void Scheduler::admit_locked() {
     best->n_drafted = best->n_accepted = 0;
     best->t_start = best->t_first = std::chrono::steady_clock::now();
     best->n_reused = static_cast<int32_t>(best_common);
-    // A drafter needs the prompt's activations, which a remote prefill does not bring.
-    best->remote_pending =
-        cfg_.remote_prefill && !best->drafter && best_common == 0 && prompt.size() > 1;
+    // A follower whose slot lacks the prompt waits for its first choice's rows; a drafter
+    // needs the prompt's activations, which a remote prefill does not bring.
+    best->await_prefill = best->req->follower && best_common + 1 < prompt.size();
+    best->remote_pending = cfg_.remote_prefill && !best->drafter && best_common == 0 &&
+                           prompt.size() > 1 && !best->await_prefill;
     counters_.prompt_tokens += prompt.size();
     counters_.prompt_tokens_reused += best_common;
     slot_busy_[best->id] = 1;
@@ -389,6 +450,7 @@ void Scheduler::step() {
       finish(s, FinishReason::kCancelled);
       continue;
     }
+    if (s.await_prefill && (!take_shared_prefill(s) || !s.req)) continue;
     if (s.decoding) {
       if (s.session->n_pos() >= n_ctx_) {
         finish(s, FinishReason::kLength);
@@ -407,6 +469,7 @@ void Scheduler::step() {
         continue;
       }
     }
+    if (w.slot->req->forced_drafts) draft_forced(*w.slot, w);
     n_decode_tokens += static_cast<int64_t>(w.tokens.size());
   }
   std::erase_if(decode, [](const Work& w) { return w.slot == nullptr; });
@@ -417,7 +480,7 @@ void Scheduler::step() {
                                               : std::numeric_limits<int64_t>::max();
   for (size_t k = 0; k < n && room > 0; ++k) {
     Slot& s = *slots_[(prefill_rr_ + k) % n];
-    if (!s.req || s.decoding) continue;
+    if (!s.req || s.decoding || s.await_prefill) continue;
     const std::vector<int32_t>& prompt = s.req->params.prompt;
     const int64_t len = std::min<int64_t>(
         {cfg_.prefill_chunk, room, static_cast<int64_t>(prompt.size() - s.cursor)});
@@ -553,7 +616,76 @@ void Scheduler::advance(Slot& s, std::span<const int32_t> in, std::span<const fl
     s.cursor += in.size();
     if (s.cursor < r.params.prompt.size()) return;
     s.decoding = true;
+    if (r.share && !r.follower && !r.share->ready) {
+      // The other choices sample their first tokens from this row too.
+      SharedPrefill& sh = *r.share;
+      sh.ready = true;
+      if (top) {
+        sh.top_ids.assign(top->ids.begin(), top->ids.end());
+        sh.top_logits.assign(top->logits.begin(), top->logits.end());
+      } else {
+        sh.row.assign(logits.begin(), logits.end());
+      }
+    }
   }
+  sample_and_emit(s, logits, top);
+}
+
+bool Scheduler::take_shared_prefill(Slot& s) {
+  Request& r = *s.req;
+  const SharedPrefill& sh = *r.share;
+  if (!sh.ready) {
+    if (!sh.leader_gone) return false;
+    s.await_prefill = false;  // the first choice ended early: prefill the prompt here
+    return true;
+  }
+  s.await_prefill = false;
+  const std::vector<int32_t>& prompt = r.params.prompt;
+  // The first choice's slot holds the prompt's rows (it only appends after them); once it has
+  // ended, any slot that kept them will do.
+  Slot* src = nullptr;
+  for (auto& o : slots_)
+    if (o.get() != &s && o->cached.size() >= prompt.size() &&
+        std::equal(prompt.begin(), prompt.end(), o->cached.begin())) {
+      src = o.get();
+      break;
+    }
+  if (!src) return true;
+  const auto n = static_cast<int32_t>(prompt.size());
+  if (!s.session->copy_prefix_from(*src->session, n)) {
+    // Rows a ring no longer holds: prefill from the start.
+    const Status st = s.session->rollback(0);
+    KILN_CHECK(st.is_ok(), "rollback to an empty cache: {}", st.message());
+    std::lock_guard lk(mu_);
+    counters_.prompt_tokens_reused -= static_cast<uint64_t>(s.n_reused);
+    s.cursor = 0;
+    s.cached.clear();
+    s.n_reused = 0;
+    return true;
+  }
+  {
+    std::lock_guard lk(mu_);
+    const auto gained = static_cast<uint64_t>(n - s.n_reused);
+    counters_.prompt_tokens_reused += gained;
+    counters_.prompt_tokens_shared += gained;
+    slot_pos_[s.id] = s.session->n_pos();
+    slot_kv_bytes_[s.id] = s.session->kv_bytes();
+  }
+  s.cached = prompt;
+  s.cursor = prompt.size();
+  s.n_reused = n;
+  s.decoding = true;
+  if (!sh.top_ids.empty()) {
+    const Session::TopK top{sh.top_ids, sh.top_logits};
+    sample_and_emit(s, {}, &top);
+  } else {
+    sample_and_emit(s, sh.row, nullptr);
+  }
+  return true;
+}
+
+void Scheduler::sample_and_emit(Slot& s, std::span<const float> logits, const Session::TopK* top) {
+  Request& r = *s.req;
   // emit_token reads the logits only for logprobs, which a candidates step never has.
   int32_t id = 0;
   if (r.constraint) {
@@ -601,8 +733,62 @@ Status Scheduler::draft(Slot& s, Work& w) {
   return Status::ok();
 }
 
+void Scheduler::draft_forced(Slot& s, Work& w) {
+  const Request& r = *s.req;
+  const int64_t k =
+      std::min<int64_t>({GenerationParams::kMaxDraft, s.session->max_batch() - 1,
+                         n_ctx_ - s.session->n_pos() - 1, r.params.max_tokens - s.n_generated - 1});
+  if (k <= 0) return;
+  const std::vector<int32_t> d = r.constraint->forced(static_cast<size_t>(k));
+  if (d.empty()) return;  // the grammar leaves a choice: a plain step
+  s.spec_in.assign(1, s.last);
+  s.spec_in.insert(s.spec_in.end(), d.begin(), d.end());
+  w.tokens = s.spec_in;
+  w.n_draft = static_cast<int32_t>(d.size());
+}
+
+void Scheduler::accept_forced(Slot& s, const Work& w, std::span<const float> rows) {
+  Request& r = *s.req;
+  const auto V = static_cast<size_t>(model_->n_vocab());
+  const int32_t k = w.n_draft;
+  const auto drafts = w.tokens.subspan(1);
+  const int32_t base = s.session->n_pos() - (k + 1);
+  // Row i is sampled exactly as a plain step after the tokens before it would sample it (the
+  // sampler's and the grammar's state advance token by token in emit_token), so the ids and
+  // RNG draws are plain decoding's; a draft stands while the sample agrees with it.
+  int32_t a = 0;
+  for (int32_t i = 0; i <= k && s.req; ++i) {
+    const auto row = rows.subspan(static_cast<size_t>(i) * V, V);
+    const int32_t id = r.constraint->sample(r.sampler, row);
+    if (id < 0) {
+      const Status st = s.session->rollback(base + 1 + a);
+      KILN_CHECK(st.is_ok(), "rollback of forced drafts: {}", st.message());
+      s.cached.insert(s.cached.end(), w.tokens.begin(), w.tokens.begin() + 1 + a);
+      return finish(s, FinishReason::kError,
+                    "grammar: no token of the vocabulary continues the output");
+    }
+    const bool agree = i < k && id == drafts[static_cast<size_t>(i)];
+    emit_token(s, id, row);
+    if (!agree) break;
+    ++a;
+  }
+  if (a < k) {
+    const Status st = s.session->rollback(base + 1 + a);
+    KILN_CHECK(st.is_ok(), "rollback of forced drafts: {}", st.message());
+  }
+  s.cached.insert(s.cached.end(), w.tokens.begin(), w.tokens.begin() + 1 + a);
+  std::lock_guard lk(mu_);
+  ++counters_.spec_steps;
+  counters_.spec_drafted += static_cast<uint64_t>(k);
+  counters_.spec_accepted += static_cast<uint64_t>(a);
+  ++counters_.forced_steps;
+  counters_.forced_drafted += static_cast<uint64_t>(k);
+  counters_.forced_accepted += static_cast<uint64_t>(a);
+}
+
 void Scheduler::accept_drafts(Slot& s, const Work& w, std::span<const float> rows) {
   Request& r = *s.req;
+  if (r.constraint) return accept_forced(s, w, rows);
   const int32_t V = model_->n_vocab();
   const int32_t k = w.n_draft;
   const auto drafts = w.tokens.subspan(1);
@@ -691,6 +877,8 @@ void Scheduler::emit_token(Slot& s, int32_t id, std::span<const float> logits) {
 
 void Scheduler::finish(Slot& s, FinishReason why, std::string error) {
   Request& r = *s.req;
+  if (r.share && !r.follower && !r.share->ready) r.share->leader_gone = true;
+  s.await_prefill = false;
   GenEvent e;
   e.kind = GenEvent::Kind::kDone;
   e.finish = why;

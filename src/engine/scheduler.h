@@ -92,7 +92,11 @@ struct GenerationParams {
   static constexpr int32_t kMaxDraft = 8;
   // Constrained decoding: every generated token keeps the output a prefix of this grammar's
   // language, end of generation comes only once it is complete, and the request ends (stop)
-  // when the grammar allows nothing more. Whole logit rows, no drafts. Null: unconstrained.
+  // when the grammar allows nothing more. Whole logit rows, no n-gram drafts: instead, bytes
+  // the grammar forces (a JSON key, the text between two fields) are drafted as tokens
+  // (Matcher::forced_tokens, up to kMaxDraft) and verified in one step, each row sampled as
+  // plain decoding samples it, so the ids are those of plain decoding for any sampling
+  // (n_draft 0: no forced drafts). Null: unconstrained.
   std::shared_ptr<const grammar::Grammar> grammar;
   // The vocabulary view the grammar runs over; null: SchedulerConfig::grammar_vocab. A forced
   // tool call needs one where the format's control tokens (<tool_call>, [TOOL_CALLS]) are the
@@ -150,6 +154,8 @@ class GenStream {
 struct SchedulerStats {
   uint64_t requests_total = 0, requests_rejected = 0, requests_cancelled = 0;
   uint64_t prompt_tokens = 0, prompt_tokens_reused = 0, generated_tokens = 0;
+  // Of prompt_tokens_reused, those an n > 1 choice took from the first choice's prefill.
+  uint64_t prompt_tokens_shared = 0;
   double prefill_seconds = 0, decode_seconds = 0;
   int32_t queue_depth = 0, slots_busy = 0, n_slots = 0;
   uint64_t kv_bytes = 0;
@@ -158,6 +164,8 @@ struct SchedulerStats {
   uint64_t candidate_passes = 0;  // of those, the ones that returned top-k candidates, not rows
   // Speculative decoding: verify steps, draft tokens proposed and accepted, drafting time.
   uint64_t spec_steps = 0, spec_drafted = 0, spec_accepted = 0;
+  // Of those, the constrained requests' forced-token steps and drafts (kept ones).
+  uint64_t forced_steps = 0, forced_drafted = 0, forced_accepted = 0;
   double spec_draft_seconds = 0;
 };
 
@@ -179,6 +187,19 @@ class Scheduler {
   };
   // Validates and queues a request. Never blocks on the model.
   Submitted submit(GenerationParams params);
+  // n choices of one prompt (OpenAI's `n`): seeds.size() requests of `params`, choice i with
+  // sampling.seed = seeds[i], queued together (all or none; each counts against the queue).
+  // The prompt is evaluated once: the first choice prefills it, and each other one starts
+  // from a copy of those KV rows and samples its first token from the same last prompt row
+  // (Session::copy_prefix_from), so it gets the ids it would get as a request of its own.
+  // A choice that cannot copy (the first one ended before its prefill, or the rows are gone)
+  // prefills the prompt itself.
+  struct SubmittedN {
+    std::vector<std::shared_ptr<GenStream>> streams;  // empty on error
+    SubmitError error = SubmitError::kNone;
+    std::string message;
+  };
+  SubmittedN submit_n(GenerationParams params, std::span<const uint64_t> seeds);
 
   // Cancels queued and running requests (each gets kDone/kCancelled) and joins the thread.
   // Idempotent.
@@ -191,12 +212,21 @@ class Scheduler {
  private:
   struct Request;
   struct Slot;
+  struct SharedPrefill;
   Scheduler(std::shared_ptr<const Model> model, Backend& backend, SchedulerConfig cfg,
             std::vector<std::unique_ptr<Drafter>> drafters);
   struct Work;
   void run();
   void admit_locked();
   void remote_prefill_admitted();  // cfg_.remote_prefill for newly admitted slots
+  Expected<std::unique_ptr<Request>> make_request(GenerationParams p);
+  // Queues the requests together, or none of them (queue full, shutting down).
+  SubmitError enqueue(std::vector<std::unique_ptr<Request>>& reqs, std::string& message);
+  // For a slot waiting on its group's first choice: false while it still waits; true once it
+  // copied the prefill (and sampled its first token) or gave up and prefills itself.
+  bool take_shared_prefill(Slot& s);
+  // Samples the first/next token from a row (or candidates) and emits it.
+  void sample_and_emit(Slot& s, std::span<const float> logits, const Session::TopK* top);
   void step();
   // Evaluates `work` (one forward call when batched), then samples and emits for each item.
   void run_group(std::span<Work> work, bool batched);
@@ -210,6 +240,10 @@ class Scheduler {
   // After a verify (last token + drafts, all logits): keep the accepted prefix, roll back the
   // rest, emit the accepted tokens and the target's own next one.
   void accept_drafts(Slot& s, const Work& w, std::span<const float> rows);
+  // Constrained requests: the tokens the grammar forces as drafts; and their verification
+  // (every row sampled through the grammar in order, drafts kept while the samples agree).
+  void draft_forced(Slot& s, Work& w);
+  void accept_forced(Slot& s, const Work& w, std::span<const float> rows);
   void finish(Slot& s, FinishReason why, std::string error = {});
   void emit_token(Slot& s, int32_t id, std::span<const float> logits);
 

@@ -234,6 +234,27 @@ Status Session::rollback(int32_t n_pos) {
   return Status::ok();
 }
 
+Status Session::copy_prefix_from(const Session& src, int32_t n_pos) {
+  if (&src == this) return Status::error("copy_prefix_from: a session copying itself");
+  if (src.model_ != model_ || &src.backend_ != &backend_ || src.n_ctx_ != n_ctx_ ||
+      src.impl_->ranks.size() != impl_->ranks.size() ||
+      src.impl_->rope_factors.data() != impl_->rope_factors.data())
+    return Status::error("copy_prefix_from: sessions of another model, backend or context");
+  if (n_pos < 0 || n_pos > src.n_pos_)
+    return Status::errorf("copy_prefix_from: {} positions of a session holding {}", n_pos,
+                          src.n_pos_);
+  logits_.clear();
+  n_pos_ = 0;
+  for (size_t r = 0; r < impl_->ranks.size(); ++r) {
+    if (Status st = impl_->ranks[r].kv.copy_prefix(src.impl_->ranks[r].kv, n_pos); !st) {
+      for (RankState& rank : impl_->ranks) rank.kv.clear();
+      return st;
+    }
+  }
+  n_pos_ = n_pos;
+  return Status::ok();
+}
+
 Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, bool all_logits) {
   KILN_TRY(eval_impl(tokens, all_logits, 0));
   return std::span<const float>(logits_.span());

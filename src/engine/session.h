@@ -101,6 +101,13 @@ class Session {
   Expected<TopK> eval_top_k(std::span<const int32_t> tokens, int32_t k);
   // Forgets every position >= n_pos (0 <= n_pos <= n_pos()).
   Status rollback(int32_t n_pos);
+  // Replaces this session's positions with the first n_pos of `src` (same model, backend and
+  // geometry), copying their KV rows instead of evaluating them again: the next eval gives
+  // what it would give after evaluating those tokens here (the scheduler's n > 1 choices
+  // share one prompt prefill this way). Errors: another model, backend or context, or more
+  // positions than `src` holds (this session unchanged); rows a ring of `src` no longer
+  // retains (this session empty, n_pos() == 0).
+  Status copy_prefix_from(const Session& src, int32_t n_pos);
 
   int32_t n_pos() const { return n_pos_; }
   int32_t n_ctx() const { return n_ctx_; }

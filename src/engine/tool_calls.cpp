@@ -312,6 +312,18 @@ std::optional<ToolReply> parse_llama3(string_view text) {
   return r;
 }
 
+// A harmony header's value after `key` (a channel name, a recipient), up to a space or a
+// token; empty when the key is absent.
+string_view harmony_field(string_view header, string_view key) {
+  const size_t k = header.find(key);
+  if (k == npos) return {};
+  const size_t v = k + key.size();
+  const size_t ve = std::min(header.find(' ', v), header.find("<|", v));
+  return trim(header.substr(v, ve == npos ? npos : ve - v));
+}
+
+constexpr string_view kHarmonyStops[] = {"<|end|>", "<|call|>", "<|return|>", "<|start|>"};
+
 // Harmony: messages "[<|start|>assistant]<|channel|>CH[ to=functions.NAME][ <|constrain|>json]
 // <|message|>BODY<|end|>|<|call|>|<|return|>"; the recipient may also stand before the channel.
 std::optional<ToolReply> parse_gpt_oss(string_view text) {
@@ -328,7 +340,7 @@ std::optional<ToolReply> parse_gpt_oss(string_view text) {
     if (header.starts_with("<|start|>")) header.remove_prefix(9);
     const size_t start = m + 11;
     size_t end = text.size(), next = text.size();
-    for (string_view stop : {"<|end|>", "<|call|>", "<|return|>", "<|start|>"}) {
+    for (string_view stop : kHarmonyStops) {
       const size_t s = text.find(stop, start);
       if (s != npos && s < end) {
         end = s;
@@ -336,14 +348,8 @@ std::optional<ToolReply> parse_gpt_oss(string_view text) {
       }
     }
     const string_view body = text.substr(start, end - start);
-    auto field = [&](string_view key) -> string_view {
-      const size_t k = header.find(key);
-      if (k == npos) return {};
-      const size_t v = k + key.size();
-      const size_t ve = std::min(header.find(' ', v), header.find("<|", v));
-      return trim(header.substr(v, ve == npos ? npos : ve - v));
-    };
-    const string_view channel = field("<|channel|>"), to = field("to=");
+    const string_view channel = harmony_field(header, "<|channel|>"),
+                      to = harmony_field(header, "to=");
     if (!to.empty()) {
       if (!to.starts_with("functions.") || to.size() == 10) return std::nullopt;
       auto j = parse_json(trim(body));
@@ -613,6 +619,107 @@ ToolReply ToolCallStream::finish() {
   ToolReply r = in_call_ ? parse_tool_reply(format_, held_) : plain(held_);
   held_.clear();
   return r;
+}
+
+std::vector<ToolStreamDelta> ToolCallStream::push_deltas(string_view text) {
+  std::vector<ToolStreamDelta> out;
+  if (format_ == ToolFormat::kGptOss) {
+    held_ += text;
+    harmony_deltas(out, false);
+    return out;
+  }
+  std::string content = push(text);
+  if (!content.empty())
+    out.push_back({ToolStreamDelta::Kind::kContent, 0, std::move(content), {}, {}});
+  return out;
+}
+
+std::vector<ToolStreamDelta> ToolCallStream::finish_deltas() {
+  std::vector<ToolStreamDelta> out;
+  if (format_ == ToolFormat::kGptOss) {
+    harmony_deltas(out, true);
+    return out;
+  }
+  ToolReply r = finish();
+  if (!r.content.empty()) out.push_back({ToolStreamDelta::Kind::kContent, 0, r.content, {}, {}});
+  for (size_t i = 0; i < r.tool_calls.size(); ++i) {
+    const auto index = static_cast<int32_t>(i);
+    out.push_back({ToolStreamDelta::Kind::kCallStart, index, r.tool_calls[i].name,
+                   r.tool_calls[i].id, r.tool_calls[i].arguments});
+  }
+  return out;
+}
+
+void ToolCallStream::harmony_emit(std::vector<ToolStreamDelta>& out, string_view text) {
+  using Kind = ToolStreamDelta::Kind;
+  if (body_kind_ == Kind::kArguments && !args_started_) {
+    const size_t first = text.find_first_not_of(" \n\t\r");
+    if (first == npos) return;
+    text.remove_prefix(first);
+    args_started_ = true;
+  }
+  if (text.empty()) return;
+  const int32_t index = body_kind_ == Kind::kArguments ? n_calls_ - 1 : 0;
+  // One delta per kind in a row: a push of several tokens' text stays one piece.
+  if (!out.empty() && out.back().kind == body_kind_ && out.back().index == index)
+    out.back().text += text;
+  else
+    out.push_back({body_kind_, index, std::string(text), {}, {}});
+}
+
+void ToolCallStream::harmony_deltas(std::vector<ToolStreamDelta>& out, bool at_end) {
+  using Kind = ToolStreamDelta::Kind;
+  for (;;) {
+    if (!in_body_) {
+      const size_t m = held_.find("<|message|>");
+      if (m == npos) break;
+      string_view header = string_view(held_).substr(0, m);
+      if (header.starts_with("<|start|>")) header.remove_prefix(9);
+      const string_view channel = harmony_field(header, "<|channel|>"),
+                        to = harmony_field(header, "to=");
+      if (to.starts_with("functions.") && to.size() > 10) {
+        out.push_back({Kind::kCallStart, n_calls_++, std::string(to.substr(10)), {}, {}});
+        body_kind_ = Kind::kArguments;
+        args_started_ = false;
+      } else {
+        body_kind_ = channel == "analysis" ? Kind::kReasoning : Kind::kContent;
+      }
+      held_.erase(0, m + 11);
+      in_body_ = true;
+    }
+    size_t end = npos, next = npos;
+    for (string_view stop : kHarmonyStops) {
+      const size_t s = held_.find(stop);
+      if (s != npos && s < end) {
+        end = s;
+        next = stop == "<|start|>" ? s : s + stop.size();
+      }
+    }
+    if (end == npos) {
+      // Keep back what may still grow into a stop marker.
+      size_t hold = 0;
+      if (!at_end)
+        for (string_view stop : kHarmonyStops)
+          for (size_t k = std::min(stop.size() - 1, held_.size()); k > hold; --k)
+            if (held_.compare(held_.size() - k, k, stop, 0, k) == 0) {
+              hold = k;
+              break;
+            }
+      harmony_emit(out, string_view(held_).substr(0, held_.size() - hold));
+      held_.erase(0, held_.size() - hold);
+      return;
+    }
+    harmony_emit(out, string_view(held_).substr(0, end));
+    held_.erase(0, next);
+    in_body_ = false;
+  }
+  // Between messages at the end: a header the model did not finish is text it wrote, not
+  // layout; the whole-reply parse returns such a reply as content too.
+  if (at_end && !all_space(held_)) {
+    body_kind_ = Kind::kContent;
+    harmony_emit(out, held_);
+  }
+  if (at_end) held_.clear();
 }
 
 }  // namespace kiln

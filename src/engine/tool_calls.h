@@ -64,6 +64,23 @@ bool tool_call_gbnf_supported(ToolFormat f);
 // Parses a whole reply. A reply with a malformed call is returned whole as content.
 ToolReply parse_tool_reply(ToolFormat f, std::string_view text);
 
+// One piece of a streamed reply (ToolCallStream::push_deltas), as OpenAI's deltas carry it.
+struct ToolStreamDelta {
+  enum class Kind {
+    kContent,    // text of the answer
+    kReasoning,  // text of gpt-oss's analysis channel
+    kCallStart,  // a new call: `index`, its name in `text`
+    kArguments,  // more of call `index`'s arguments (JSON text, as the model writes it)
+  };
+  Kind kind = Kind::kContent;
+  int32_t index = 0;
+  std::string text;
+  std::string id;  // kCallStart: the id the model wrote (Mistral Nemo), else empty
+  // kCallStart of a call parsed whole (formats other than gpt-oss): all its arguments, so a
+  // call is one delta; gpt-oss's come in kArguments deltas after the start.
+  std::string arguments;
+};
+
 // A reply as it streams: push() returns the content safe to send now (text that cannot be the
 // start of a call); once a call marker appears the rest is held, and finish() parses it.
 class ToolCallStream {
@@ -73,11 +90,30 @@ class ToolCallStream {
   // The held text parsed: its content (released after what push() returned) and the calls.
   ToolReply finish();
 
+  // The same reply as deltas. gpt-oss: each harmony message is streamed as it is written (the
+  // analysis channel as reasoning, a `to=functions.NAME` message as a call's start and then
+  // its arguments' text, any other as content), holding back only what may be the start of a
+  // marker; the arguments are the model's text, not re-serialised (the whole-reply parse
+  // gives them compact). Other formats: push()'s content, and at finish_deltas() the rest of
+  // the content and every call whole (one kCallStart with its arguments). Use one pair or
+  // the other on a stream, not both.
+  std::vector<ToolStreamDelta> push_deltas(std::string_view text);
+  std::vector<ToolStreamDelta> finish_deltas();
+
  private:
+  void harmony_deltas(std::vector<ToolStreamDelta>& out, bool at_end);
+  void harmony_emit(std::vector<ToolStreamDelta>& out, std::string_view text);
+
   ToolFormat format_;
   std::string released_;  // everything push() returned, for the Llama 3 start-of-reply rule
   std::string held_;
   bool in_call_ = false;
+  // gpt-oss deltas: inside a message's body (else reading a header), of which kind (for a
+  // call: its index, and whether its arguments began, leading whitespace being layout).
+  bool in_body_ = false;
+  ToolStreamDelta::Kind body_kind_ = ToolStreamDelta::Kind::kContent;
+  int32_t n_calls_ = 0;
+  bool args_started_ = false;
 };
 
 }  // namespace kiln

@@ -249,6 +249,37 @@ Status Matcher::advance_token(const TokenTrie& vocab, int32_t id) {
   return advance(vocab.piece(id));
 }
 
+void Matcher::find_allowed(const TokenTrie& vocab, uint32_t node, uint32_t set, int32_t& only,
+                           int32_t& n_found) const {
+  const TokenTrie::Node& tn = vocab.nodes_[node];
+  for (uint32_t k = 0; k < tn.n_edges && n_found < 2; ++k) {
+    const TokenTrie::Edge& e = vocab.edges_[tn.first_edge + k];
+    const uint32_t ns = next(set, e.byte);
+    if (ns == kDead) continue;
+    const TokenTrie::Node& child = vocab.nodes_[e.child];
+    if (child.n_tok > 0) {
+      only = vocab.toks_[child.first_tok];
+      n_found += static_cast<int32_t>(child.n_tok);
+    }
+    if (child.n_edges > 0 && n_found < 2) find_allowed(vocab, e.child, ns, only, n_found);
+  }
+}
+
+std::vector<int32_t> Matcher::forced_tokens(const TokenTrie& vocab, size_t max_tokens) const {
+  std::vector<int32_t> out;
+  uint32_t s = cur_;
+  while (out.size() < max_tokens) {
+    // Complete output: end of generation is allowed too, so nothing is forced.
+    if (sets_[s].empty() || sets_[s].back() == kAccept) break;
+    int32_t only = -1, n_found = 0;
+    find_allowed(vocab, 0, s, only, n_found);
+    if (n_found != 1) break;
+    out.push_back(only);
+    for (char c : vocab.piece(only)) s = next(s, static_cast<uint8_t>(c));
+  }
+  return out;
+}
+
 void Matcher::reset_cache() {
   // Each current stack as its chain of positions, top first; then a fresh cache holding them.
   std::vector<std::vector<uint32_t>> chains;

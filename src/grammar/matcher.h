@@ -75,6 +75,12 @@ class Matcher {
   // end-of-generation ids when accepting()), else 0. Returns how many are allowed.
   int32_t fill_mask(const TokenTrie& vocab, std::vector<uint8_t>& allowed);
 
+  // The run of tokens the grammar forces from here: each the only token of the vocabulary
+  // allowed after the ones before it (end of generation not allowed either), at most
+  // max_tokens: a speculative step's drafts that plain decoding would produce whatever the
+  // logits (a masked row with one token left). Empty when the next token is a choice.
+  std::vector<int32_t> forced_tokens(const TokenTrie& vocab, size_t max_tokens) const;
+
   // Appends the token's bytes. Error (state unchanged) if the grammar does not allow them.
   Status advance(std::string_view bytes);
   Status advance_token(const TokenTrie& vocab, int32_t id);
@@ -98,6 +104,10 @@ class Matcher {
   void expand(uint32_t pos, uint32_t parent, std::vector<uint32_t>& out) const;
   // The state after one more byte (kDead when no stack takes it); memoised per (state, byte).
   uint32_t next(uint32_t set, uint8_t byte) const;
+  // Allowed tokens under trie `node` from state `set`, stopping once two are found: n_found
+  // grows by those found, `only` is the last one.
+  void find_allowed(const TokenTrie& vocab, uint32_t node, uint32_t set, int32_t& only,
+                    int32_t& n_found) const;
   void walk(const TokenTrie& vocab, uint32_t node, uint32_t set, std::vector<uint8_t>& allowed,
             int32_t& n_allowed);
   // Drops the cache (the mask walk may discover many states) keeping the current stacks.

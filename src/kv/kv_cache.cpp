@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <utility>
+#include <vector>
 
 #include "core/check.h"
 
@@ -284,6 +286,47 @@ Status KvCache::restore(int32_t n_pos, std::span<const int32_t> lo) {
   for (Layer& l : layers_)
     if (!maps_[l.map].is_ring()) KILN_TRY(ensure_rows(l, n_pos));
   maps_ = std::move(probe);
+  return Status::ok();
+}
+
+Status KvCache::copy_prefix(const KvCache& src, int32_t n_pos) {
+  clear();  // whatever happens next, nothing of the old sequence stays
+  bool same = src.n_layers() == n_layers() && src.n_ctx() == n_ctx() &&
+              src.max_batch() == max_batch() && src.config_.backend == config_.backend &&
+              src.on_device() == on_device();
+  for (int l = 0; same && l < n_layers(); ++l)
+    same = src.width(l) == width(l) && src.window(l) == window(l) && src.k_only(l) == k_only(l);
+  if (!same) return Status::error("kv copy: the source cache's geometry differs");
+  if (n_pos < 0 || n_pos > src.n_pos())
+    return Status::errorf("kv copy: {} positions of a cache holding {}", n_pos, src.n_pos());
+  if (n_pos == 0) return Status::ok();
+  std::vector<int32_t> lo(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) lo[i] = src.row_map(static_cast<int>(i)).lo();
+  KILN_TRY(restore(n_pos, lo));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    Layer& l = layers_[i];
+    const Layer& s = src.layers_[i];
+    // Full planes: row == position, so the prefix is the first n_pos rows. Rings: row ==
+    // position % capacity in both caches, so the whole plane carries every retained row;
+    // rows of positions >= n_pos come along but are never listed in kv_rows.
+    const bool ring = maps_[l.map].is_ring();
+    const size_t n = static_cast<size_t>(ring ? s.k.rows : n_pos) * static_cast<size_t>(l.width);
+    if (ring) {
+      if (Status st = ensure_rows(l, s.k.rows); !st) {
+        clear();
+        return st;
+      }
+    }
+    for (const auto& [from, to] : {std::pair{&s.k, &l.k}, std::pair{&s.v, &l.v}}) {
+      if (to == &l.v && l.k_only) continue;
+      const std::span<const f16> in(from->ptr(), n);
+      const std::span<f16> out(to->ptr(), n);
+      if (on_device())
+        config_.backend->copy(in, out);
+      else
+        std::copy(in.begin(), in.end(), out.begin());
+    }
+  }
   return Status::ok();
 }
 

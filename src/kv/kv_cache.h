@@ -149,6 +149,12 @@ class KvCache {
   // the caller writes each retained row. lo has one entry per layer; layers sharing a window
   // must agree. On error the cache is unchanged.
   Status restore(int32_t n_pos, std::span<const int32_t> lo);
+  // Makes this cache hold positions [0, n_pos) of `src` (what was here before is dropped):
+  // the rows `src` retains of them are copied, so attention over them gives what `src` would
+  // (n > 1 choices sharing one prefill). `src` must have this cache's geometry and backend and
+  // hold at least n_pos positions; a ring must still retain every key the next query needs.
+  // On error this cache is empty.
+  Status copy_prefix(const KvCache& src, int32_t n_pos);
 
   // True when the planes live in a device backend's memory (KvConfig::backend): k_plane() and
   // v_plane() are then spans only that backend may touch (kvpack must download them first).

@@ -208,6 +208,25 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const uint8_t> 
     std::erase_if(cands_.items, [&](const Candidate& c) { return !allowed[size_t(c.id)]; });
     KILN_CHECK(!cands_.items.empty(), "a mask that allows no token");
   }
+  return sample_candidates();
+}
+
+int32_t Sampler::sample_among(std::span<const float> logits, std::span<const int32_t> ids) {
+  KILN_CHECK(logits.size() == size_t(n_vocab_), "{} logits for a vocabulary of {}", logits.size(),
+             n_vocab_);
+  KILN_CHECK(!ids.empty(), "a mask that allows no token");
+  // The list sample() keeps after removing the masked ids: ascending ids, logits as given.
+  cands_.items.resize(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    KILN_CHECK(ids[i] >= 0 && ids[i] < n_vocab_ && (i == 0 || ids[i] > ids[i - 1]),
+               "allowed ids must ascend inside the vocabulary");
+    cands_.items[i] = {ids[i], logits[size_t(ids[i])], 0};
+  }
+  cands_.sorted = false;
+  return sample_candidates();
+}
+
+int32_t Sampler::sample_candidates() {
   apply_logit_bias(cands_, params_.logit_bias);
   history_buf_.assign(history_.begin(), history_.end());
   apply_penalties(cands_, history_buf_, params_.repeat_penalty, params_.frequency_penalty,

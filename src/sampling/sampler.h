@@ -92,6 +92,9 @@ class Sampler {
   // sample() from those candidates: ids/logits the row's first candidates_needed() (or more)
   // in sampling order. Same id, same RNG draws as sample() of the row.
   int32_t sample_top(std::span<const int32_t> ids, std::span<const float> logits);
+  // sample(logits, allowed) for the mask that allows exactly `ids` (ascending, non-empty): the
+  // same id and RNG draws, without a pass over the whole vocabulary when few are allowed.
+  int32_t sample_among(std::span<const float> logits, std::span<const int32_t> ids);
   void accept(int32_t id);
   void reset();  // clears the history and reseeds
 
@@ -101,6 +104,8 @@ class Sampler {
   Sampler(const SamplerParams& p, int32_t n_vocab) : params_(p), n_vocab_(n_vocab), rng_(p.seed) {}
   // The chain's stages after the top-k cut, on cands_ (sample() and sample_top() share them).
   int32_t sample_after_top_k();
+  // The whole chain on cands_ (sample() and sample_among() share it).
+  int32_t sample_candidates();
   SamplerParams params_;
   int32_t n_vocab_;
   Rng rng_;

@@ -562,13 +562,12 @@ struct Job {
     if (!calls.empty() && finish == "stop") finish = "tool_calls";
     return calls;
   }
-  static json tool_calls_json(const std::vector<ToolCall>& calls, bool with_index) {
+  static json tool_calls_json(const std::vector<ToolCall>& calls) {
     json out = json::array();
     for (size_t i = 0; i < calls.size(); ++i) {
       json c = {{"id", calls[i].id},
                 {"type", "function"},
                 {"function", {{"name", calls[i].name}, {"arguments", calls[i].arguments}}}};
-      if (with_index) c["index"] = i;
       out.push_back(std::move(c));
     }
     return out;
@@ -581,16 +580,34 @@ struct Job {
     const std::vector<ToolCall> calls = take_calls(reply);
     m["content"] = calls.empty() || !reply.content.empty() ? json(reply.content) : json(nullptr);
     if (!reply.reasoning.empty()) m["reasoning_content"] = reply.reasoning;
-    if (!calls.empty()) m["tool_calls"] = tool_calls_json(calls, false);
+    if (!calls.empty()) m["tool_calls"] = tool_calls_json(calls);
     return m;
   }
-  // A streamed chunk whose delta carries the calls.
-  json tool_calls_chunk(const std::vector<ToolCall>& calls) {
-    const bool first = !sent_role;
-    json c = chunk("", "", false);
+  // One streamed piece of a reply with tools offered, as a chunk (null: a call dropped by
+  // parallel_tool_calls false). A call's first delta has its index, id, type and name, with
+  // all its arguments for a call parsed whole, else none (gpt-oss): later deltas then carry
+  // its index and more of its arguments.
+  int32_t n_calls_streamed = 0;
+  json delta_chunk(const ToolStreamDelta& t) {
+    using Kind = ToolStreamDelta::Kind;
+    if (t.kind == Kind::kContent) return chunk(t.text, nullptr, true);
+    const bool calls = t.kind == Kind::kCallStart || t.kind == Kind::kArguments;
+    if (calls && !parallel_tool_calls && t.index > 0) return nullptr;
     json d = json::object();
-    if (first) d["role"] = "assistant";
-    d["tool_calls"] = tool_calls_json(calls, true);
+    if (!sent_role) d["role"] = "assistant";
+    if (t.kind == Kind::kReasoning) {
+      d["reasoning_content"] = t.text;
+    } else if (t.kind == Kind::kCallStart) {
+      ++n_calls_streamed;
+      d["tool_calls"] =
+          json::array({{{"index", t.index},
+                        {"id", t.id.empty() ? call_id() : t.id},
+                        {"type", "function"},
+                        {"function", {{"name", t.text}, {"arguments", t.arguments}}}}});
+    } else {
+      d["tool_calls"] = json::array({{{"index", t.index}, {"function", {{"arguments", t.text}}}}});
+    }
+    json c = chunk("", "", true);
     c["choices"][0]["delta"] = std::move(d);
     c["choices"][0]["finish_reason"] = nullptr;
     return c;
@@ -689,35 +706,34 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
   p.grammar = r.grammar;
   p.grammar_vocab = std::move(grammar_vocab);
   // n choices: n requests of the same prompt, each with its own seed (seed + i when the
-  // request gives one), decoding side by side in the scheduler's slots. Each prefills on its
-  // own: a slot does not share KV rows with another that is still running.
+  // request gives one), decoding side by side in the scheduler's slots; the prompt is
+  // evaluated once and the other choices start from its KV rows (Scheduler::submit_n).
   const int32_t n = r.n;
   const uint64_t seed0 = r.seed ? *r.seed : std::random_device{}();
+  std::vector<uint64_t> seeds;
+  for (int32_t i = 0; i < n; ++i)
+    seeds.push_back(r.seed ? seed0 + static_cast<uint64_t>(i) : std::random_device{}());
   std::vector<std::shared_ptr<Job>> jobs;
   auto cancel_all = [](const std::vector<std::shared_ptr<Job>>& js) {
     for (const auto& j : js) j->stream->cancel();
   };
   const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", id_counter.fetch_add(1));
   const int64_t created = unix_seconds();
-  for (int32_t i = 0; i < n; ++i) {
-    GenerationParams pi = i + 1 < n ? p : std::move(p);
-    pi.sampling.seed = r.seed ? seed0 + static_cast<uint64_t>(i) : std::random_device{}();
-    auto sub = scheduler->submit(std::move(pi));
-    if (!sub.stream) {
-      cancel_all(jobs);  // all or none
-      if (sub.error == Scheduler::SubmitError::kQueueFull) {
-        res.set_header("Retry-After", "1");
-        return send_error(
-            res, make_error(503, "server busy: " + sub.message, "server_error", "queue_full"));
-      }
-      if (sub.error == Scheduler::SubmitError::kShuttingDown)
-        return send_error(res, make_error(503, sub.message, "server_error", "shutting_down"));
-      return send_error(res,
-                        make_error(400, sub.message, "invalid_request_error", "invalid_value"));
+  auto sub = scheduler->submit_n(std::move(p), seeds);
+  if (sub.streams.empty()) {
+    if (sub.error == Scheduler::SubmitError::kQueueFull) {
+      res.set_header("Retry-After", "1");
+      return send_error(
+          res, make_error(503, "server busy: " + sub.message, "server_error", "queue_full"));
     }
+    if (sub.error == Scheduler::SubmitError::kShuttingDown)
+      return send_error(res, make_error(503, sub.message, "server_error", "shutting_down"));
+    return send_error(res, make_error(400, sub.message, "invalid_request_error", "invalid_value"));
+  }
+  for (int32_t i = 0; i < n; ++i) {
     auto job = std::make_shared<Job>(r.stop);
     job->index = i;
-    job->stream = sub.stream;
+    job->stream = sub.streams[static_cast<size_t>(i)];
     job->tok = tok;
     job->chat = chat;
     job->include_usage = r.include_usage;
@@ -813,7 +829,22 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
     if (e.kind == GenEvent::Kind::kToken) {
       if (job.done) return true;  // after a stop match: drain until the scheduler ends it
       std::string delta = job.on_token(e);
-      if (job.tools_on()) delta = job.tool_stream->push(delta);
+      if (job.tools_on()) {
+        // The token's logprobs ride on the first chunk it produces (or an empty one).
+        const std::vector<ToolStreamDelta> ds = job.tool_stream->push_deltas(delta);
+        bool sent = false;
+        for (const ToolStreamDelta& d : ds) {
+          const json c = job.delta_chunk(d);
+          if (c.is_null()) continue;
+          if (!send(sink, c)) return false;
+          job.clear_logprobs();
+          sent = true;
+        }
+        if (!sent && job.top_logprobs >= 0 && !send(sink, job.chunk("", nullptr, true)))
+          return false;
+        job.clear_logprobs();
+        return true;
+      }
       if (!delta.empty() || job.top_logprobs >= 0) {
         if (!send(sink, job.chunk(delta, nullptr, true))) return false;
         job.clear_logprobs();
@@ -831,13 +862,16 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
     bool ok = true;
     json last;
     if (job.tools_on()) {
-      // The held-back text is parsed now: its content, then the calls, then the end.
-      std::string head = job.tool_stream->push(job.last_flush);
-      ToolReply reply = job.tool_stream->finish();
-      reply.content.insert(0, head);
-      const std::vector<ToolCall> calls = job.take_calls(reply);
-      if (!reply.content.empty()) ok = send(sink, job.chunk(reply.content, nullptr, true));
-      if (ok && !calls.empty()) ok = send(sink, job.tool_calls_chunk(calls));
+      // What the stream still holds: the rest of the content, then the calls, then the end.
+      std::vector<ToolStreamDelta> ds = job.tool_stream->push_deltas(job.last_flush);
+      for (ToolStreamDelta& d : job.tool_stream->finish_deltas()) ds.push_back(std::move(d));
+      for (const ToolStreamDelta& d : ds) {
+        const json c = job.delta_chunk(d);
+        if (!ok || c.is_null()) continue;
+        ok = send(sink, c);
+        job.clear_logprobs();
+      }
+      if (job.n_calls_streamed > 0 && job.finish == "stop") job.finish = "tool_calls";
       last = job.chunk("", job.finish.c_str(), false);
     } else {
       last = job.chunk(job.last_flush, job.finish.c_str(), true);
@@ -925,6 +959,9 @@ std::string HttpServer::Impl::metrics() const {
          double(s.prompt_tokens));
   metric("prompt_tokens_reused_total", "counter",
          "prompt tokens served from a slot's cached KV rows", double(s.prompt_tokens_reused));
+  metric("prompt_tokens_shared_total", "counter",
+         "of those, n > 1 choices' prompt tokens copied from the first choice's prefill",
+         double(s.prompt_tokens_shared));
   metric("generated_tokens_total", "counter", "tokens sampled", double(s.generated_tokens));
   metric("queue_depth", "gauge", "requests waiting for a slot", s.queue_depth);
   metric("slots_busy", "gauge", "slots running a request", s.slots_busy);
@@ -948,12 +985,18 @@ std::string HttpServer::Impl::metrics() const {
   metric("candidate_passes_total", "counter",
          "forward passes that returned each row's top-k candidates (device sampling), not logits",
          double(s.candidate_passes));
-  metric("spec_steps_total", "counter", "speculative verify steps", double(s.spec_steps));
+  metric("spec_steps_total", "counter", "speculative verify steps (drafted or forced tokens)",
+         double(s.spec_steps));
   metric("spec_drafted_tokens_total", "counter", "draft tokens proposed", double(s.spec_drafted));
   metric("spec_accepted_tokens_total", "counter", "draft tokens accepted", double(s.spec_accepted));
   metric("spec_mean_acceptance_length", "gauge", "tokens emitted per verify step (accepted + 1)",
          s.spec_steps ? 1.0 + double(s.spec_accepted) / double(s.spec_steps) : 0);
   metric("spec_draft_seconds_total", "counter", "seconds spent drafting", s.spec_draft_seconds);
+  metric("spec_forced_steps_total", "counter",
+         "of the verify steps, constrained requests' steps with the tokens the grammar forces",
+         double(s.forced_steps));
+  metric("spec_forced_accepted_tokens_total", "counter", "forced tokens accepted",
+         double(s.forced_accepted));
   // The process registry (core/counters.h): subsystems such as the expert store (moe.*) and
   // the speculative decoder (spec.*) count there without knowing about HTTP. Dots become
   // underscores so every name is a valid Prometheus metric name.

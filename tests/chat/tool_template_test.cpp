@@ -145,5 +145,115 @@ TEST(ToolTemplates, FormatsRecognisedFromTheSource) {
         << name;
 }
 
+// gpt-oss calls stream as deltas: the real template's rendering of an assistant turn (an
+// analysis message, then a call; twice, then a final answer) is what the model writes after
+// the generation prompt. Fed in pieces of any size, the deltas give the whole-reply parse's
+// reasoning, content and calls (each call's start first, then its arguments in more than one
+// piece when fed by the byte), and never a harmony marker's text.
+TEST(ToolTemplates, GptOssCallsStreamAsDeltas) {
+  auto tmpl = ChatTemplate::parse(template_source("openai-gpt-oss-120b.jinja"));
+  ASSERT_TRUE(tmpl) << tmpl.error();
+  const ojson doc = load_cases();
+  const bool object_args = template_wants_object_arguments(*tmpl);
+  ChatTemplateOptions opt;
+  opt.now = "2026-11-29T12:00:00";
+  auto render = [&](const std::vector<ChatMessage>& msgs, bool gen) {
+    ojson ctx = {{"messages", chat_messages_json(msgs, object_args)},
+                 {"tools", doc["tools"]},
+                 {"add_generation_prompt", gen},
+                 {"bos_token", doc["bos_token"]},
+                 {"eos_token", doc["eos_token"]}};
+    auto out = tmpl->render(ctx, opt);
+    EXPECT_TRUE(out) << out.error();
+    return out ? *out : std::string();
+  };
+  std::vector<ChatMessage> msgs(2);
+  msgs[0].role = "system";
+  msgs[0].content = "You are a helpful assistant.";
+  msgs[1].role = "user";
+  msgs[1].content = "Weather in Paris and Rome?";
+  const std::string prompt = render(msgs, true);
+  // What the model writes after the prompt: one turn of the template's rendering.
+  auto turn = [&](ChatMessage m, bool last) {
+    std::vector<ChatMessage> with = msgs;
+    with.push_back(std::move(m));
+    std::string all = render(with, !last);
+    EXPECT_TRUE(all.starts_with(prompt)) << all;
+    std::string reply = all.substr(prompt.size());
+    // A call's turn restarts with the generation prompt the model was given; a final turn
+    // ends on <|return|>, the end-of-generation token (never part of the streamed text).
+    if (!last && reply.ends_with("<|start|>assistant")) reply.resize(reply.size() - 18);
+    if (last && reply.ends_with("<|return|>")) reply.resize(reply.size() - 10);
+    return reply;
+  };
+  ChatMessage call1;
+  call1.role = "assistant";
+  call1.tool_calls.push_back({"call1", "get_weather", R"({"city": "Paris", "unit": "celsius"})"});
+  ChatMessage call2 = call1;
+  call2.tool_calls[0].arguments = R"({"city": "Rome"})";
+  ChatMessage final;
+  final.role = "assistant";
+  final.content = "Sunny in both.";
+  // The first call's turn opens with an analysis message (the template writes `content` of a
+  // call message there); the generation prompt "<|start|>assistant" is the reply's head.
+  call1.content = "Two cities: two calls.";
+  // Each turn starts after the generation prompt "<|start|>assistant"; the model writes it
+  // between its messages.
+  const std::string reply = turn(call1, false) + "<|start|>assistant" + turn(call2, false) +
+                            "<|start|>assistant" + turn(final, true);
+  ASSERT_NE(reply.find("<|channel|>analysis"), std::string::npos) << reply;
+  ASSERT_NE(reply.find("to=functions.get_weather"), std::string::npos) << reply;
+
+  const ToolReply whole = parse_tool_reply(ToolFormat::kGptOss, reply);
+  ASSERT_EQ(whole.tool_calls.size(), 2u) << reply;
+  EXPECT_EQ(whole.reasoning, "Two cities: two calls.") << reply;
+  EXPECT_EQ(whole.content, "Sunny in both.") << reply;
+  for (size_t step : {size_t{1}, size_t{2}, size_t{5}, size_t{11}, reply.size()}) {
+    const std::string label = "pieces of " + std::to_string(step);
+    ToolCallStream s(ToolFormat::kGptOss);
+    std::vector<ToolStreamDelta> ds;
+    for (size_t at = 0; at < reply.size(); at += step)
+      for (ToolStreamDelta& d : s.push_deltas(reply.substr(at, step))) ds.push_back(std::move(d));
+    const size_t before_end = ds.size();
+    for (ToolStreamDelta& d : s.finish_deltas()) ds.push_back(std::move(d));
+    std::string content, reasoning;
+    std::vector<std::string> names, args;
+    std::vector<int> arg_pieces;
+    for (size_t i = 0; i < ds.size(); ++i) {
+      const ToolStreamDelta& d = ds[i];
+      EXPECT_EQ(d.text.find("<|"), std::string::npos) << label << ": a marker in " << d.text;
+      switch (d.kind) {
+        case ToolStreamDelta::Kind::kContent:
+          content += d.text;
+          break;
+        case ToolStreamDelta::Kind::kReasoning:
+          reasoning += d.text;
+          break;
+        case ToolStreamDelta::Kind::kCallStart:
+          ASSERT_EQ(d.index, static_cast<int32_t>(names.size())) << label;
+          names.push_back(d.text);
+          args.emplace_back();
+          arg_pieces.push_back(0);
+          break;
+        case ToolStreamDelta::Kind::kArguments:
+          ASSERT_EQ(d.index + 1, static_cast<int32_t>(names.size())) << label << ": args first";
+          args.back() += d.text;
+          ++arg_pieces.back();
+          break;
+      }
+    }
+    EXPECT_EQ(content, whole.content) << label;
+    EXPECT_EQ(reasoning, whole.reasoning) << label;
+    ASSERT_EQ(names.size(), 2u) << label;
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(names[i], whole.tool_calls[i].name) << label;
+      EXPECT_EQ(ojson::parse(args[i]), ojson::parse(whole.tool_calls[i].arguments)) << label;
+      if (step == 1) EXPECT_GT(arg_pieces[i], 1) << label << ": arguments came whole";
+    }
+    // Everything but the final answer's last held bytes streamed before the end.
+    if (step < reply.size()) EXPECT_GT(before_end, ds.size() / 2) << label;
+  }
+}
+
 }  // namespace
 }  // namespace kiln

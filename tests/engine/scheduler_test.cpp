@@ -13,8 +13,10 @@
 #include "backend/cpu/cpu_backend.h"
 #include "common/testdata.h"
 #include "engine_test_util.h"
+#include "engine/constrained.h"
 #include "engine/dflash_drafter.h"
 #include "engine/scheduler.h"
+#include "grammar/json_schema.h"
 #include "engine/session.h"
 #include "tokenizer/tokenizer.h"
 
@@ -232,6 +234,107 @@ TEST(Scheduler, CandidateSamplingSameIdsAsWholeRows) {
   }
   ASSERT_EQ(got[0].size(), got[1].size());
   for (size_t i = 0; i < got[0].size(); ++i) EXPECT_EQ(got[1][i], got[0][i]) << "request run " << i;
+}
+
+// n > 1 choices (submit_n): the prompt is evaluated once (the other choices copy its KV rows
+// and its last row), and choice i's ids are those of a request of its own with seeds[i]. On a
+// full-attention model, a sliding-window one (ring planes, prompt longer than the window) and
+// a latent-attention one (K-only planes); sampled from whole rows and greedy from candidates.
+class SharedPrefill : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SharedPrefill, ChoicesEvaluateThePromptOnceAndMatchSoloRequests) {
+  auto m = load(GetParam());
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend({.threads = 2});
+  const std::vector<int32_t> prompt = random_prompt(45, m->n_vocab(), 4242);
+  const auto n_prompt = static_cast<int32_t>(prompt.size());
+  for (const bool greedy : {false, true}) {
+    GenerationParams p;
+    p.prompt = prompt;
+    p.sampling.temperature = greedy ? 0.0f : 0.9f;
+    p.sampling.top_k = 0;
+    p.sampling.top_p = 0.95f;
+    p.sampling.min_p = 0.0f;
+    p.max_tokens = 12;
+    const std::vector<uint64_t> seeds =
+        greedy ? std::vector<uint64_t>{5, 6} : std::vector<uint64_t>{31, 32, 33};
+    std::vector<Outcome> alone;
+    {
+      auto sch = Scheduler::create(m, *be, {.n_slots = 1, .n_ctx = 128, .prefill_chunk = 64});
+      ASSERT_TRUE(sch.has_value()) << sch.error();
+      for (uint64_t seed : seeds) {
+        GenerationParams one = p;
+        one.sampling.seed = seed;
+        auto sub = (*sch)->submit(one);
+        ASSERT_TRUE(sub.stream) << sub.message;
+        alone.push_back(drain(*sub.stream));
+      }
+    }
+    auto sch = Scheduler::create(m, *be, {.n_slots = 4, .n_ctx = 128, .prefill_chunk = 16});
+    ASSERT_TRUE(sch.has_value()) << sch.error();
+    auto sub = (*sch)->submit_n(p, seeds);
+    ASSERT_EQ(sub.streams.size(), seeds.size()) << sub.message;
+    std::vector<Outcome> got;
+    for (auto& st : sub.streams) got.push_back(drain(*st));
+    for (size_t i = 0; i < seeds.size(); ++i) {
+      EXPECT_EQ(got[i].ids, alone[i].ids) << "choice " << i << (greedy ? " greedy" : " sampled");
+      EXPECT_EQ(got[i].finish, alone[i].finish) << i;
+      // The first choice evaluates the prompt; the others evaluate none of it.
+      EXPECT_EQ(got[i].n_reused, i == 0 ? 0 : n_prompt) << i;
+    }
+    if (greedy) {
+      EXPECT_EQ(got[0].ids, got[1].ids);
+    }
+    const SchedulerStats st = (*sch)->stats();
+    EXPECT_EQ(st.prompt_tokens, uint64_t(n_prompt) * seeds.size());
+    EXPECT_EQ(st.prompt_tokens_shared, uint64_t(n_prompt) * (seeds.size() - 1));
+    EXPECT_EQ(st.prompt_tokens_reused, st.prompt_tokens_shared);
+    if (greedy) {
+      EXPECT_GT(st.candidate_passes, 0u);  // the shared row was candidates
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, SharedPrefill,
+                         ::testing::Values("stories260K.gguf", "gemma2-swa-f16.gguf",
+                                           "deepseek2-mla-q8_0.gguf"),
+                         [](const auto& info) {
+                           std::string n = info.param.substr(0, info.param.find('.'));
+                           std::replace_if(
+                               n.begin(), n.end(), [](char c) { return !isalnum(c); }, '_');
+                           return n;
+                         });
+
+// A follower whose first choice is cancelled before its prompt is evaluated prefills the
+// prompt itself and still gets its own ids.
+TEST(Scheduler, SharedPrefillFallsBackWhenTheFirstChoiceEndsEarly) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend({.threads = 2});
+  GenerationParams p;
+  p.prompt = random_prompt(120, m->n_vocab(), 77);
+  p.sampling.temperature = 0.8f;
+  p.max_tokens = 6;
+  const std::vector<uint64_t> seeds{3, 4};
+  Outcome solo;
+  {
+    auto sch = Scheduler::create(m, *be, {.n_slots = 1, .n_ctx = 256, .prefill_chunk = 256});
+    ASSERT_TRUE(sch.has_value());
+    GenerationParams one = p;
+    one.sampling.seed = 4;
+    solo = drain(*(*sch)->submit(one).stream);
+  }
+  // Chunks of 1: the first choice needs 120 steps for its prompt; it is cancelled long before.
+  auto sch = Scheduler::create(m, *be, {.n_slots = 2, .n_ctx = 256, .prefill_chunk = 1});
+  ASSERT_TRUE(sch.has_value());
+  auto sub = (*sch)->submit_n(p, seeds);
+  ASSERT_EQ(sub.streams.size(), 2u);
+  sub.streams[0]->cancel();
+  EXPECT_EQ(drain(*sub.streams[0]).finish, FinishReason::kCancelled);
+  const Outcome o = drain(*sub.streams[1]);
+  EXPECT_EQ(o.ids, solo.ids);
+  EXPECT_EQ(o.n_reused, 0);
+  EXPECT_EQ((*sch)->stats().prompt_tokens_shared, 0u);
 }
 
 TEST(Scheduler, QueueBoundRejectsBeyondLimit) {
@@ -566,6 +669,98 @@ TEST(Scheduler, RejectsOverlongDrafts) {
   const auto r = (*sch)->submit(p);
   EXPECT_EQ(r.error, Scheduler::SubmitError::kInvalid);
   EXPECT_NE(r.message.find("n_draft"), std::string::npos) << r.message;
+}
+
+}  // namespace
+}  // namespace kiln
+
+namespace kiln {
+namespace {
+
+// Forced-token drafting (issue 35, point 3): a JSON schema whose long property names the
+// grammar forces byte by byte. With drafts (the default) the ids are those without
+// (n_draft 0), greedy and sampled with penalties, alone and beside a free request, and the
+// output takes fewer forward passes: the forced keys are verified in one step each.
+TEST(Scheduler, ForcedTokenDraftsKeepIdsAndSaveSteps) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto tok = Tokenizer::from_gguf(m->gguf());
+  ASSERT_TRUE(tok.has_value()) << tok.error();
+  auto be = make_cpu_backend({.threads = 2});
+  const auto vocab = make_token_trie(*tok);
+  auto gbnf = grammar::json_schema_to_gbnf(nlohmann::ordered_json::parse(R"({
+    "type": "object",
+    "properties": {
+      "the_name_of_the_main_character_in_this_story": {"type": "string", "maxLength": 12},
+      "how_many_friends_did_the_main_character_meet": {"type": "integer"},
+      "did_the_story_have_a_happy_ending_for_everyone": {"type": "boolean"}
+    },
+    "required": ["the_name_of_the_main_character_in_this_story",
+                 "how_many_friends_did_the_main_character_meet",
+                 "did_the_story_have_a_happy_ending_for_everyone"]})"));
+  ASSERT_TRUE(gbnf) << gbnf.error();
+  auto g = grammar::Grammar::parse(*gbnf);
+  ASSERT_TRUE(g) << g.error();
+  const std::vector<int32_t> prompt = tok->encode("Once upon a time, there was", true, false);
+  for (int variant = 0; variant < 3; ++variant) {
+    GenerationParams p;
+    p.prompt = prompt;
+    p.grammar = *g;
+    p.grammar_vocab = vocab;
+    p.max_tokens = 400;
+    p.sampling.temperature = variant == 0 ? 0.0f : 0.8f;
+    p.sampling.seed = 1234 + static_cast<uint64_t>(variant);
+    if (variant == 2) p.sampling.repeat_penalty = 1.1f;  // history-dependent sampling
+    GenerationParams free_req;
+    free_req.prompt = prompt;
+    free_req.max_tokens = 40;
+    free_req.sampling.seed = 9;
+    std::vector<int32_t> ids[2];
+    uint64_t passes[2] = {0, 0}, forced_accepted = 0, forced_drafted = 0;
+    for (int drafting = 0; drafting < 2; ++drafting) {
+      auto sch = Scheduler::create(m, *be, {.n_slots = 2, .n_ctx = 512, .prefill_chunk = 64});
+      ASSERT_TRUE(sch.has_value()) << sch.error();
+      GenerationParams q = p;
+      q.n_draft = drafting ? -1 : 0;
+      auto sub = (*sch)->submit(q);
+      ASSERT_TRUE(sub.stream) << sub.message;
+      const Outcome o = drain(*sub.stream);
+      EXPECT_EQ(o.finish, FinishReason::kStop)
+          << "variant " << variant << ": " << tok->decode(o.ids);
+      ids[drafting] = o.ids;
+      const SchedulerStats st = (*sch)->stats();
+      passes[drafting] = st.forward_passes;
+      if (drafting) {
+        forced_accepted = st.forced_accepted;
+        forced_drafted = st.forced_drafted;
+        EXPECT_EQ(st.forced_steps, st.spec_steps);
+        // Beside a free request: the same ids again.
+        auto a = (*sch)->submit(q);
+        auto b = (*sch)->submit(free_req);
+        ASSERT_TRUE(a.stream && b.stream);
+        EXPECT_EQ(drain(*a.stream).ids, o.ids) << "variant " << variant << " beside another";
+        drain(*b.stream);
+      } else {
+        EXPECT_EQ(st.forced_steps, 0u);
+      }
+    }
+    EXPECT_EQ(ids[1], ids[0]) << "variant " << variant;
+    const std::string text = tok->decode(ids[0]);
+    EXPECT_NE(text.find("how_many_friends_did_the_main_character_meet"), std::string::npos) << text;
+    EXPECT_LT(passes[1], passes[0]) << "variant " << variant;
+    // Forced drafts are always kept; each is a forward pass saved (but one that ends the
+    // request, which needs no pass after it either way).
+    EXPECT_EQ(forced_accepted, forced_drafted) << "variant " << variant;
+    EXPECT_GE(passes[0] - passes[1] + 1, forced_accepted) << "variant " << variant;
+    EXPECT_GT(forced_accepted, 20u) << "variant " << variant;
+    std::printf(
+        "forced drafts, variant %d: %zu tokens, %llu forward passes without drafts, "
+        "%llu with (%llu of %llu drafts kept)\n",
+        variant, ids[0].size(), static_cast<unsigned long long>(passes[0]),
+        static_cast<unsigned long long>(passes[1]),
+        static_cast<unsigned long long>(forced_accepted),
+        static_cast<unsigned long long>(forced_drafted));
+  }
 }
 
 }  // namespace

@@ -380,6 +380,65 @@ void property_run(int32_t window, uint64_t seed) {
   EXPECT_GT(refused, 0);
 }
 
+// copy_prefix (n > 1 choices sharing one prefill): the copy holds the source's first n
+// positions, and every key its next query may see (full layer and ring) holds that position's
+// value; a ring that no longer retains the window of position n refuses, leaving the copy
+// empty; so does a cache of another geometry.
+TEST(KvCache, CopyPrefixHoldsTheSourcesRows) {
+  constexpr int32_t kCtx = 600, kBatch = 6, kWidth = 8, kWindow = 8;
+  const KvConfig cfg{{{kWidth, 0}, {kWidth, kWindow}}, kCtx, kBatch};
+  auto src = KvCache::create(cfg);
+  auto dst = KvCache::create(cfg);
+  ASSERT_TRUE(src && dst);
+  auto value = [](int32_t pos) { return float(pos % 1000) + 0.5f; };
+  std::mt19937_64 rng(5);
+  int copied = 0, refused = 0;
+  while (src->n_pos() < 150) {
+    const int32_t n = 1 + int32_t(rng() % kBatch);
+    ASSERT_TRUE(src->begin_append(n));
+    for (int l = 0; l < 2; ++l)
+      for (size_t i = 0; i < size_t(n); ++i)
+        for (int j = 0; j < kWidth; ++j) {
+          const size_t at = size_t(src->append_rows(l)[i]) * kWidth + j;
+          src->k_plane(l)[at] = f32_to_f16(value(src->append_pos()[i]));
+          src->v_plane(l)[at] = f32_to_f16(-value(src->append_pos()[i]));
+        }
+    src->commit();
+    const int32_t back = int32_t(rng() % 14);
+    const int32_t want = std::max(0, src->n_pos() - back);
+    Status st = dst->copy_prefix(*src, want);
+    if (!st) {
+      ++refused;
+      EXPECT_EQ(dst->n_pos(), 0) << st.message();
+      continue;
+    }
+    ASSERT_EQ(dst->n_pos(), want);
+    if (want == 0) continue;
+    ++copied;
+    // The next query's keys, then one more appended position's.
+    for (int l = 0; l < 2; ++l) {
+      const auto pos = dst->kv_pos(l), rows = dst->kv_rows(l);
+      EXPECT_EQ(pos.back(), want - 1);
+      if (l == 0) EXPECT_EQ(pos.size(), size_t(want));
+      if (l == 1) EXPECT_EQ(pos.front(), std::max(0, want - kWindow + 1));
+      for (size_t i = 0; i < pos.size(); ++i) {
+        ASSERT_EQ(k_at(*dst, l, kWidth, rows[i]), value(pos[i])) << "layer " << l;
+        ASSERT_EQ(f16_to_f32(dst->v_plane(l)[size_t(rows[i]) * kWidth]), -value(pos[i]));
+      }
+    }
+    ASSERT_TRUE(dst->begin_append(1));
+    EXPECT_EQ(dst->append_pos()[0], want);
+    dst->commit();
+  }
+  EXPECT_GT(copied, 5);
+  EXPECT_GT(refused, 0);  // a prefix ending before the ring's retained window
+  auto other = KvCache::create({{{kWidth, 0}, {kWidth, kWindow + 1}}, kCtx, kBatch});
+  ASSERT_TRUE(other);
+  EXPECT_FALSE(other->copy_prefix(*src, 3));
+  EXPECT_EQ(other->n_pos(), 0);
+  EXPECT_FALSE(dst->copy_prefix(*src, src->n_pos() + 1));
+}
+
 TEST(KvCache, PropertyVsNaiveWindow8) {
   for (uint64_t seed = 1; seed <= 6; ++seed) property_run(8, seed);
 }

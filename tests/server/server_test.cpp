@@ -447,20 +447,30 @@ TEST(Server, NChoicesAreIndexedSeededAndCounted) {
                      {"temperature", 0.9},
                      {"seed", 11},
                      {"logit_bias", kNoEos}};
-  std::vector<std::string> alone;
-  int prompt_tokens = 0;
-  for (int i = 0; i < 3; ++i) {
-    json one = base;
-    one["seed"] = 11 + i;
-    const json c = post_json(*r.cli, "/v1/chat/completions", one, 200);
-    alone.push_back(c["choices"][0]["message"]["content"]);
-    prompt_tokens = c["usage"]["prompt_tokens"];
-  }
-  EXPECT_TRUE(alone[0] != alone[1] || alone[1] != alone[2]) << "three seeds, one text";
+  // First, on a fresh server: the prompt is evaluated once (timings.prompt_n) and the other
+  // two choices start from its KV rows (timings.cache_n), which usage does not count.
   json req = base;
   req["n"] = 3;
   const json c = post_json(*r.cli, "/v1/chat/completions", req, 200);
   ASSERT_EQ(c["choices"].size(), 3u) << c.dump();
+  const int prompt_tokens = c["usage"]["prompt_tokens"];
+  EXPECT_EQ(c["timings"]["prompt_n"], prompt_tokens) << c["timings"].dump();
+  EXPECT_EQ(c["timings"]["cache_n"], 2 * prompt_tokens) << c["timings"].dump();
+  EXPECT_EQ(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  auto m = r.cli->Get("/metrics");
+  ASSERT_TRUE(m);
+  EXPECT_NE(m->body.find("kiln_prompt_tokens_shared_total " + std::to_string(2 * prompt_tokens)),
+            std::string::npos)
+      << m->body;
+  std::vector<std::string> alone;
+  for (int i = 0; i < 3; ++i) {
+    json one = base;
+    one["seed"] = 11 + i;
+    const json a = post_json(*r.cli, "/v1/chat/completions", one, 200);
+    alone.push_back(a["choices"][0]["message"]["content"]);
+    EXPECT_EQ(a["usage"]["prompt_tokens"], prompt_tokens);
+  }
+  EXPECT_TRUE(alone[0] != alone[1] || alone[1] != alone[2]) << "three seeds, one text";
   for (int i = 0; i < 3; ++i) {
     EXPECT_EQ(c["choices"][i]["index"], i);
     EXPECT_EQ(c["choices"][i]["finish_reason"], "length");
@@ -1097,6 +1107,79 @@ TEST(ServerTools, ReplyIsParsedIntoToolCalls) {
   EXPECT_EQ(plain["choices"][0]["message"]["content"],
             kCallText.substr(0, kCallText.size() - std::string("</tool_call>").size()));
   EXPECT_LT(plain["usage"]["prompt_tokens"], chat["usage"]["prompt_tokens"]);
+}
+
+// gpt-oss (harmony channels, the real template): a streamed call arrives as deltas while it is
+// written: the analysis message as reasoning_content, the call's first delta with its id and
+// name, then its arguments in pieces (here: two tokens, each holding part of the reply, forced
+// in order by a grammar that spells the reply and a logit bias that picks those tokens).
+TEST(ServerTools, GptOssCallStreamsAsDeltas) {
+  const std::string head =
+      "<|channel|>analysis<|message|>Let me look.<|end|><|start|>assistant "
+      "to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": ";
+  const std::string tail = "\"Paris\"}<|call|>";
+  ServerOptions o;
+  o.model_path = model_with_template(
+      testing::read_file(testing::shared_path("testdata/templates/openai-gpt-oss-120b.jinja")),
+      {{kCallToken, head}, {kCallToken + 1, tail}}, "gpt-oss.gguf");
+  o.n_ctx = 1024;
+  Running r = start(o);
+  auto gbnf_literal = [](const std::string& s) {
+    std::string out = "\"";
+    for (char c : s) {
+      if (c == '"' || c == '\\') out += '\\';
+      out += c;
+    }
+    return out + "\"";
+  };
+  json req = {
+      {"messages", {{{"role", "user"}, {"content", "Weather in Paris?"}}}},
+      {"tools", kTools},
+      {"max_tokens", 8},
+      {"temperature", 0},
+      {"grammar", "root ::= " + gbnf_literal(head + tail)},
+      {"logit_bias", {{std::to_string(kCallToken), 100}, {std::to_string(kCallToken + 1), 100}}}};
+  const json whole = post_json(*r.cli, "/v1/chat/completions", req, 200);
+  const json& msg = whole["choices"][0]["message"];
+  EXPECT_EQ(whole["choices"][0]["finish_reason"], "tool_calls") << whole.dump();
+  EXPECT_EQ(msg["reasoning_content"], "Let me look.") << whole.dump();
+  ASSERT_EQ(msg["tool_calls"].size(), 1u) << whole.dump();
+  EXPECT_EQ(msg["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(msg["tool_calls"][0]["function"]["arguments"], R"({"city":"Paris"})");
+  EXPECT_EQ(whole["usage"]["completion_tokens"], 2) << whole.dump();
+
+  req["stream"] = true;
+  auto res = r.cli->Post("/v1/chat/completions", req.dump(), "application/json");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const Sse sse = parse_sse(res->body, true);
+  EXPECT_TRUE(sse.done);
+  EXPECT_EQ(sse.finish, "tool_calls") << res->body;
+  EXPECT_EQ(sse.text, "") << res->body;
+  std::string reasoning, args;
+  std::vector<json> call_deltas;
+  for (const json& c : sse.chunks)
+    for (const json& ch : c["choices"]) {
+      const json& d = ch["delta"];
+      if (d.contains("reasoning_content")) reasoning += d["reasoning_content"].get<std::string>();
+      if (!d.contains("tool_calls")) continue;
+      for (const json& t : d["tool_calls"]) {
+        call_deltas.push_back(t);
+        args += t["function"]["arguments"].get<std::string>();
+      }
+    }
+  EXPECT_EQ(reasoning, "Let me look.");
+  // The start (id, type, name, no arguments yet), then the arguments token by token.
+  ASSERT_EQ(call_deltas.size(), 3u) << res->body;
+  EXPECT_EQ(call_deltas[0]["index"], 0);
+  EXPECT_TRUE(call_deltas[0]["id"].get<std::string>().starts_with("call_"));
+  EXPECT_EQ(call_deltas[0]["type"], "function");
+  EXPECT_EQ(call_deltas[0]["function"]["name"], "get_weather");
+  EXPECT_EQ(call_deltas[0]["function"]["arguments"], "");
+  EXPECT_EQ(call_deltas[1]["function"]["arguments"], "{\"city\": ");
+  EXPECT_FALSE(call_deltas[1].contains("id"));
+  EXPECT_EQ(call_deltas[2]["index"], 0);
+  EXPECT_EQ(json::parse(args), json::parse(R"({"city":"Paris"})"));
 }
 
 TEST(ServerTools, TemplateGetsToolsAndTheRoundTrip) {
