@@ -372,8 +372,9 @@ void Scheduler::admit_locked() {
     best->t_start = best->t_first = std::chrono::steady_clock::now();
     best->n_reused = static_cast<int32_t>(best_common);
     // A follower whose slot lacks the prompt waits for its first choice's rows; a drafter
-    // needs the prompt's activations, which a remote prefill does not bring.
-    best->await_prefill = best->req->follower && best_common + 1 < prompt.size();
+    // needs the prompt's activations, which neither copied rows nor a remote prefill bring
+    // (such a follower prefills the prompt itself).
+    best->await_prefill = best->req->follower && !best->drafter && best_common + 1 < prompt.size();
     best->remote_pending = cfg_.remote_prefill && !best->drafter && best_common == 0 &&
                            prompt.size() > 1 && !best->await_prefill;
     counters_.prompt_tokens += prompt.size();
