@@ -3,6 +3,7 @@
 #include "model/forward.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -725,7 +726,8 @@ void ForwardPass::select_keys(int32_t il, const SeqSlice& sq, std::span<const fl
     }
     if (!any) continue;
     const size_t n_dots = static_cast<size_t>((t1 - t0) * Hi * n_rows);
-    if (st_.idx_dots.size() < n_dots) st_.idx_dots = be_.alloc<float>(n_dots);
+    // Grown to a power of two: a decode step needs one key row more than the last one.
+    if (st_.idx_dots.size() < n_dots) st_.idx_dots = be_.alloc<float>(std::bit_ceil(n_dots));
     const std::span<float> dots = sl(st_.idx_dots, static_cast<int64_t>(n_dots));
     be_.matmul(
         keys,
@@ -737,15 +739,19 @@ void ForwardPass::select_keys(int32_t il, const SeqSlice& sq, std::span<const fl
       if (vis <= K) continue;
       const float* w = st_.idx_w_host.data() + t * Hi;
       std::vector<std::pair<float, int32_t>>& scored = st_.sel_scored;
-      scored.resize(static_cast<size_t>(vis));
-      for (int64_t j = 0; j < vis; ++j) {
-        const int64_t r = kvl.kv_rows[static_cast<size_t>(j)];
-        float s = 0;
-        for (int64_t hh = 0; hh < Hi; ++hh)
-          s += w[hh] * w_scale *
-               std::max(0.0f, dh[static_cast<size_t>(((t - t0) * Hi + hh) * n_rows + r)]);
-        scored[static_cast<size_t>(j)] = {s, static_cast<int32_t>(j)};
+      // Head by head over the keys: each head's dot products are one contiguous row.
+      std::vector<float>& sum = st_.sel_sum;
+      sum.assign(static_cast<size_t>(vis), 0.0f);
+      for (int64_t hh = 0; hh < Hi; ++hh) {
+        const float wh = w[hh] * w_scale;
+        const float* row = dh.data() + ((t - t0) * Hi + hh) * n_rows;
+        for (int64_t j = 0; j < vis; ++j)
+          sum[static_cast<size_t>(j)] +=
+              wh * std::max(0.0f, row[kvl.kv_rows[static_cast<size_t>(j)]]);
       }
+      scored.resize(static_cast<size_t>(vis));
+      for (int64_t j = 0; j < vis; ++j)
+        scored[static_cast<size_t>(j)] = {sum[static_cast<size_t>(j)], static_cast<int32_t>(j)};
       // Best first; equal scores (keys whose heads all gave 0 after the ReLU) to the earlier
       // key, as the reference breaks them.
       std::nth_element(scored.begin(), scored.begin() + K - 1, scored.end(),

@@ -93,6 +93,7 @@ class ForwardState {
   std::vector<float> idx_k_host, idx_w_host, idx_dots_host;
   std::vector<int32_t> sel_rows, sel_pos, sel_n;
   std::vector<std::pair<float, int32_t>> sel_scored;
+  std::vector<float> sel_sum;
   std::vector<Backend::StoreRowsTask> idx_stores;
   BackendBuffer<float> logits;     // device backends: [n_out][n_vocab], grown on demand
   BackendBuffer<float> nextn_cat;  // forward_nextn's [B][2 * n_embd] concatenation, on demand
