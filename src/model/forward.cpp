@@ -699,7 +699,6 @@ void ForwardPass::select_keys(int32_t il, const SeqSlice& sq, std::span<const fl
   const DsaDims& d = hp_.dsa;
   const LayerKv& kvl = sq.kv[il];
   const int64_t Hi = d.n_head, Di = d.head_dim, K = d.top_k;
-  const auto n_kv = static_cast<int64_t>(kvl.kv_rows.size());
   int64_t n_rows = 0;
   for (int32_t r : kvl.kv_rows) n_rows = std::max<int64_t>(n_rows, r + 1);
   WeightMatrix keys;
@@ -768,7 +767,6 @@ void ForwardPass::select_keys(int32_t il, const SeqSlice& sq, std::span<const fl
       st_.sel_n[static_cast<size_t>(t)] = static_cast<int32_t>(K);
     }
   }
-  (void)n_kv;
 }
 
 // FFN-normalised rows h -> the FFN's output in a.
