@@ -90,9 +90,10 @@ Expected<std::unique_ptr<Backend>> Runtime::make_backend(const Model& model,
 #endif
   }
 #if KILN_WITH_CUDA
-  // Latent attention runs on the CPU backend only: its absorbed MQA rows (kv_lora + rope
-  // values, 576 for DeepSeek-V3) pass the CUDA attention kernels' head_dim limit of 256, and
-  // the path has not been checked on a GPU. Fail closed for an explicit --device cuda.
+  // Latent attention (deepseek2, and glm-dsa with its sparse attention, whose indexer reads
+  // its key plane on the host) runs on the CPU backend only: its absorbed MQA rows (kv_lora +
+  // rope values, 576 for DeepSeek-V3) pass the CUDA attention kernels' head_dim limit of 256,
+  // and the path has not been checked on a GPU. Fail closed for an explicit --device cuda.
   const bool cuda_refuses = model.hparams().is_mla();
   if (o.device == Device::Cuda && cuda_refuses)
     return Status::errorf("--device cuda: latent attention ('{}') is not supported on CUDA yet",

@@ -56,8 +56,8 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
   const golden::Golden g = golden::load(fx.name);
   auto m = Model::load(testing::model_path(std::string(fx.name) + ".gguf"));
   ASSERT_TRUE(m.has_value()) << m.error();
-  // Latent attention (deepseek2) is refused on CUDA by engine/runtime.cpp until it has run on
-  // a GPU; the skip goes when that refusal does.
+  // Latent attention (deepseek2, glm-dsa) is refused on CUDA by engine/runtime.cpp until it has run
+  // on a GPU; the skip goes when that refusal does.
   if ((*m)->hparams().is_mla())
     GTEST_SKIP() << fx.name << ": latent attention is not supported on CUDA yet";
   const GgufFile& f = (*m)->gguf();
