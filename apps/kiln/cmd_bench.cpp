@@ -199,6 +199,22 @@ Expected<double> time_batched_decode(std::span<const std::unique_ptr<Session>> s
          std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// Sparse attention: the KV bytes (f16) one decoded token's attention reads at the middle of
+// a tg test over all layers -- with selection, each layer's top_k latent rows plus, on full
+// layers, every indexer key; dense, every latent row.
+std::string attention_kv_note(const model::HParams& hp, const Result& r) {
+  const double n_kv = double(r.n_depth) + double(r.n_gen) / 2;
+  const double row = double(hp.kv_k_width()) * 2, idx_row = double(hp.dsa.head_dim) * 2;
+  const bool dense = r.test.find("dense") != std::string::npos;
+  double bytes = 0;
+  for (const model::LayerDesc& L : hp.layers) {
+    bytes += (dense ? n_kv : std::min(n_kv, double(hp.dsa.top_k))) * row;
+    if (!dense && L.indexer == model::IndexerKind::Full) bytes += n_kv * idx_row;
+  }
+  return fmt::format("{}: attention reads {:.2f} MB of KV per token ({}, {:.0f} keys)\n", r.test,
+                     bytes * 1e-6, dense ? "dense" : "sparse", n_kv);
+}
+
 // The untimed context of -d: the session's cache holds exactly `prefix` afterwards.
 Status fill_prefix(Session& s, std::span<const int32_t> prefix) {
   KILN_TRY(s.rollback(0));
@@ -353,6 +369,25 @@ Status run(const BenchOptions& o) {
       if (ng > 0)
         KILN_TRY(bench(fmt::format("tg{}", ng), 0, ng, 1, d,
                        [&](const std::vector<int32_t>& t) { return time_decode(session, t, d); }));
+  }
+  // Sparse attention (glm-dsa): the same decode tests on the same file with the selection off
+  // (Model::LoadOptions::dsa_dense, set here only), the dense baseline, and per test the KV
+  // bytes one token's attention reads (attention_kv_note).
+  if (model.hparams().is_dsa()) {
+    Model::LoadOptions dense_opts;
+    dense_opts.dsa_dense = true;
+    KILN_ASSIGN_OR_RETURN(auto dense, Model::load(path, dense_opts));
+    Session dense_session(dense, backend, n_max);
+    for (int32_t d : o.n_depth) {
+      KILN_TRY(fill_prefix(dense_session, prefix_of(d)));
+      for (int32_t ng : o.n_gen)
+        if (ng > 0)
+          KILN_TRY(bench(
+              fmt::format("tg{} dense", ng), 0, ng, 1, d,
+              [&](const std::vector<int32_t>& t) { return time_decode(dense_session, t, d); }));
+    }
+    for (Result& r : results)
+      if (r.n_gen > 0 && r.n_seq == 1) r.host_note += attention_kv_note(model.hparams(), r);
   }
   for (int32_t ns : o.n_seq) {
     // The batched sessions only ever step one token, so their scratch is sized for one; with

@@ -1,7 +1,8 @@
 // apps/kiln/cmd_mkmodel.cpp: `kiln mkmodel`: writes a random-weight GGUF of any size and type
 // in the llama, gemma3 (sliding window, QK-norm, sandwich norms, tied output), qwen3moe or gpt-oss
 // (experts), phi3 (fused attn_qkv and gate|up ffn_up, optionally partial rotary) or deepseek2
-// (latent attention; DeepSeek-V3 MoE with a shared expert and leading dense layers) shape, or
+// (latent attention; DeepSeek-V3 MoE with a shared expert and leading dense layers) and glm-dsa
+// (deepseek2's shape plus a lightning indexer on every layer) shapes, or
 // llama with experts (Mixtral layout): benchmarks at 1B/8B scale without downloads. Random router
 // weights route nearly uniformly over the experts. Tensors are produced and quantized at write
 // time, one at a time, so a multi-GB file needs no more RAM than its largest tensor. The
@@ -46,13 +47,18 @@ struct MkModelOptions {
   // dims, default 64), a shared expert and leading dense layers on MoE models.
   int32_t q_lora = 0, kv_lora = 512, v_head = 0;  // v_head 0: the no-RoPE width
   int32_t n_shared = 1, n_dense_lead = 1;
+  // glm-dsa: the lightning indexer's heads, head width and keys kept per query (GLM-5's
+  // 32 x 128, top 2048); every layer a full indexer layer.
+  int32_t idx_heads = 32, idx_head_dim = 128, idx_top_k = 2048;
 
   int32_t hd() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
   bool moe() const { return n_expert > 0; }
-  int32_t rot() const { return n_rot > 0 ? n_rot : deepseek2() ? 64 : hd(); }
-  bool deepseek2() const { return arch == "deepseek2"; }
+  int32_t rot() const { return n_rot > 0 ? n_rot : latent() ? 64 : hd(); }
+  // deepseek2 and glm-dsa: latent attention, DeepSeek-V3 MoE; glm-dsa adds the indexer.
+  bool latent() const { return arch == "deepseek2" || dsa(); }
+  bool dsa() const { return arch == "glm-dsa"; }
   int32_t v_dim() const { return v_head > 0 ? v_head : hd() - rot(); }
-  bool dense_layer(int32_t l) const { return !moe() || (deepseek2() && l < n_dense_lead); }
+  bool dense_layer(int32_t l) const { return !moe() || (latent() && l < n_dense_lead); }
   bool gemma3() const { return arch == "gemma3"; }
   bool phi3() const { return arch == "phi3"; }
   bool gpt_oss() const { return arch == "gpt-oss"; }
@@ -130,7 +136,7 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
   for (int32_t l = 0; l < o.n_layer; ++l) {
     const std::string b = fmt::format("blk.{}.", l);
     t.push_back({b + "attn_norm.weight", {E}, 0});
-    if (o.deepseek2()) {
+    if (o.latent()) {
       const int64_t H = o.n_head, C = o.kv_lora, R = o.rot(), V = o.v_dim();
       if (o.q_lora > 0) {
         t.push_back({b + "attn_q_a.weight", {E, o.q_lora}, w});
@@ -144,6 +150,14 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
       t.push_back({b + "attn_k_b.weight", {hd - R, C, H}, w});
       t.push_back({b + "attn_v_b.weight", {C, V, H}, w});
       t.push_back({b + "attn_output.weight", {H * V, E}, w});
+      if (o.dsa()) {
+        const int64_t IH = o.idx_heads, ID = o.idx_head_dim;
+        t.push_back({b + "indexer.attn_q_b.weight", {o.q_lora, IH * ID}, w});
+        t.push_back({b + "indexer.attn_k.weight", {E, ID}, w});
+        t.push_back({b + "indexer.k_norm.weight", {ID}, 0});
+        t.push_back({b + "indexer.k_norm.bias", {ID}, 0});
+        t.push_back({b + "indexer.proj.weight", {E, IH}, w});
+      }
     } else if (o.phi3()) {
       t.push_back({b + "attn_qkv.weight", {E, q + 2 * kv}, w});  // rows q | k | v
     } else {
@@ -162,13 +176,13 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
       t.push_back({b + "attn_q_norm.weight", {hd}, 0});
       t.push_back({b + "attn_k_norm.weight", {hd}, 0});
     }
-    if (!o.deepseek2()) t.push_back({b + "attn_output.weight", {q, E}, w});
+    if (!o.latent()) t.push_back({b + "attn_output.weight", {q, E}, w});
     if (o.gemma3() || o.gpt_oss()) t.push_back({b + "post_attention_norm.weight", {E}, 0});
     if (!o.gpt_oss()) t.push_back({b + "ffn_norm.weight", {E}, 0});  // gpt-oss: the one above
     if (!o.dense_layer(l)) {
       const int64_t F = o.ff_exp(), X = o.n_expert;
       t.push_back({b + "ffn_gate_inp.weight", {E, X}, w, o.router_skew});
-      if (o.deepseek2()) {  // selection bias, and the shared experts side by side
+      if (o.latent()) {  // selection bias, and the shared experts side by side
         t.push_back({b + "exp_probs_b.bias", {X}, w});
         t.push_back({b + "ffn_gate_shexp.weight", {E, F * o.n_shared}, w});
         t.push_back({b + "ffn_up_shexp.weight", {E, F * o.n_shared}, w});
@@ -210,7 +224,7 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
   // Mixtral-layout llama reads its experts' width from feed_forward_length.
   w.set_u32(a + ".feed_forward_length", uint32_t(o.moe() && a == "llama" ? o.ff_exp() : o.n_ff));
   w.set_u32(a + ".attention.head_count", uint32_t(o.n_head));
-  if (o.deepseek2()) {  // the latent row is the one KV head: key/value_length are its widths
+  if (o.latent()) {  // the latent row is the one KV head: key/value_length are its widths
     w.set_u32(a + ".attention.head_count_kv", 1);
     w.set_u32(a + ".attention.key_length", uint32_t(o.kv_lora + o.rot()));
     w.set_u32(a + ".attention.value_length", uint32_t(o.kv_lora));
@@ -218,6 +232,11 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
     w.set_u32(a + ".attention.value_length_mla", uint32_t(o.v_dim()));
     if (o.q_lora > 0) w.set_u32(a + ".attention.q_lora_rank", uint32_t(o.q_lora));
     w.set_u32(a + ".attention.kv_lora_rank", uint32_t(o.kv_lora));
+    if (o.dsa()) {
+      w.set_u32(a + ".attention.indexer.head_count", uint32_t(o.idx_heads));
+      w.set_u32(a + ".attention.indexer.key_length", uint32_t(o.idx_head_dim));
+      w.set_u32(a + ".attention.indexer.top_k", uint32_t(o.idx_top_k));
+    }
   } else {
     w.set_u32(a + ".attention.head_count_kv", uint32_t(o.n_head_kv));
     w.set_u32(a + ".attention.key_length", uint32_t(o.hd()));
@@ -225,7 +244,7 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
   }
   w.set_u32(a + ".rope.dimension_count", uint32_t(o.rot()));
   // The families' own RoPE bases and epsilons (gemma3: 1e6 global, 1e4 on local layers).
-  const bool llama_like = a == "llama" || a == "phi3" || a == "deepseek2";
+  const bool llama_like = a == "llama" || a == "phi3" || o.latent();
   w.set_f32(a + ".rope.freq_base", llama_like ? 10000.0f : 1000000.0f);
   w.set_f32(a + ".attention.layer_norm_rms_epsilon", llama_like ? 1e-5f : 1e-6f);
   if (o.gemma3()) {
@@ -240,7 +259,7 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
     w.set_u32(a + ".expert_used_count", uint32_t(o.n_expert_used));
     if (a != "llama") w.set_u32(a + ".expert_feed_forward_length", uint32_t(o.ff_exp()));
   }
-  if (o.deepseek2() && o.moe()) {  // DeepSeek-V3's routing: sigmoid, normalised, scaled 2.5
+  if (o.latent() && o.moe()) {  // DeepSeek-V3's routing: sigmoid, normalised, scaled 2.5
     w.set_u32(a + ".expert_shared_count", uint32_t(o.n_shared));
     w.set_u32(a + ".expert_gating_func", 2);
     w.set_bool(a + ".expert_weights_norm", true);
@@ -262,10 +281,20 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
 Status validate(const MkModelOptions& o) {
   if (o.out.empty()) return Status::error("-o OUT.gguf is required");
   if (o.arch != "llama" && o.arch != "gemma3" && o.arch != "qwen3moe" && o.arch != "phi3" &&
-      o.arch != "gpt-oss" && o.arch != "deepseek2")
+      o.arch != "gpt-oss" && o.arch != "deepseek2" && o.arch != "glm-dsa")
     return Status::errorf(
-        "--arch '{}' is not supported (llama, gemma3, qwen3moe, phi3, gpt-oss, deepseek2)", o.arch);
-  if (o.deepseek2()) {
+        "--arch '{}' is not supported (llama, gemma3, qwen3moe, phi3, gpt-oss, deepseek2, "
+        "glm-dsa)",
+        o.arch);
+  if (o.dsa()) {
+    if (o.q_lora < 1 || o.n_expert < 1)
+      return Status::error("--arch glm-dsa needs --q-lora > 0 and --n-expert (an MoE model)");
+    if (o.idx_heads < 1 || o.idx_top_k < 1 || o.idx_head_dim < o.rot())
+      return Status::errorf(
+          "--idx-heads {} and --idx-top-k {} must be > 0, --idx-head-dim {} at least --n-rot {}",
+          o.idx_heads, o.idx_top_k, o.idx_head_dim, o.rot());
+  }
+  if (o.latent()) {
     if (o.kv_lora < 1 || o.q_lora < 0 || o.v_head < 0 || o.n_shared < 0 || o.n_dense_lead < 0)
       return Status::errorf(
           "--kv-lora {} must be > 0; --q-lora {}, --v-head-dim {}, --n-shared "
@@ -294,9 +323,9 @@ Status validate(const MkModelOptions& o) {
                           o.n_embd, o.n_head);
   if (o.hd() % 2 != 0)
     return Status::errorf("head dimension {} must be even (RoPE rotates pairs)", o.hd());
-  if (!o.deepseek2() && o.n_head % o.n_head_kv != 0)  // deepseek2: one latent KV head
+  if (!o.latent() && o.n_head % o.n_head_kv != 0)  // deepseek2: one latent KV head
     return Status::errorf("--n-head {} is not a multiple of --n-head-kv {}", o.n_head, o.n_head_kv);
-  if (!o.deepseek2() && (o.n_rot < 0 || o.n_rot % 2 != 0 || o.n_rot > o.hd()))
+  if (!o.latent() && (o.n_rot < 0 || o.n_rot % 2 != 0 || o.n_rot > o.hd()))
     return Status::errorf("--n-rot {} must be even and in [0, head dimension {}]", o.n_rot, o.hd());
   if (o.swa()) KILN_TRY(positive("--window", o.window));
   if (o.gemma3()) KILN_TRY(positive("--swa-pattern", o.swa_pattern));
@@ -432,7 +461,10 @@ void add_mkmodel_command(CLI::App& app, int& exit_code) {
   auto o = std::make_shared<MkModelOptions>();
   cmd->add_option("-o,--output", o->out, "output GGUF path")->required();
   cmd->add_option("--arch", o->arch,
-                  "architecture: llama, gemma3, qwen3moe, phi3, gpt-oss, deepseek2");
+                  "architecture: llama, gemma3, qwen3moe, phi3, gpt-oss, deepseek2, glm-dsa");
+  cmd->add_option("--idx-heads", o->idx_heads, "glm-dsa: lightning indexer heads");
+  cmd->add_option("--idx-head-dim", o->idx_head_dim, "glm-dsa: indexer head width");
+  cmd->add_option("--idx-top-k", o->idx_top_k, "glm-dsa: keys each query keeps");
   cmd->add_option("--q-lora", o->q_lora, "deepseek2: q-LoRA rank (0: a plain attn_q)");
   cmd->add_option("--kv-lora", o->kv_lora, "deepseek2: latent (KV LoRA) rank");
   cmd->add_option("--v-head-dim", o->v_head,

@@ -61,7 +61,8 @@ void DflashDrafter::bind_layers() {
                                                        .kv_rows = kv_.kv_rows(l),
                                                        .kv_pos = kv_.kv_pos(l),
                                                        .k = kv_.k_plane(l),
-                                                       .v = kv_.v_plane(l)};
+                                                       .v = kv_.v_plane(l),
+                                                       .idx_k = {}};
 }
 
 Status DflashDrafter::prepare(std::span<const int32_t> /*prompt*/) {

@@ -28,6 +28,11 @@ Expected<std::unique_ptr<MtpDrafter>> MtpDrafter::create(std::shared_ptr<const M
         hp.arch_name, hp.arch_name);
   if (backend.tp_size() > 1)
     return Status::error("MTP drafting with tensor parallelism is not supported");
+  // llama.cpp's glm-dsa NextN block runs its own lightning indexer; kiln's NextN pass does not.
+  if (hp.is_dsa())
+    return Status::errorf(
+        "MTP drafting of '{}' (sparse attention in the NextN block) is not supported",
+        hp.arch_name);
   if (max_batch <= 0) max_batch = kDefaultMaxBatch;
   if (n_ctx <= 0) n_ctx = hp.n_ctx_train;
   KvConfig cfg;
@@ -80,7 +85,8 @@ Status MtpDrafter::run_rows(std::span<const int32_t> tokens, std::span<const flo
                                      .kv_rows = kv_.kv_rows(0),
                                      .kv_pos = kv_.kv_pos(0),
                                      .k = kv_.k_plane(0),
-                                     .v = kv_.v_plane(0)});
+                                     .v = kv_.v_plane(0),
+                                     .idx_k = {}});
   model::ForwardBatch b;
   b.tokens = tokens;
   b.pos = kv_.append_pos();

@@ -26,6 +26,9 @@ Expected<Device> parse_device(std::string_view name) {
 }
 
 std::string cuda_refusal(const model::HParams& hp) {
+  // The indexer reads its key plane on the host.
+  if (hp.is_dsa())
+    return fmt::format("DeepSeek sparse attention ('{}') runs on the CPU only", hp.arch_name);
   const int64_t row = int64_t(hp.mla.kv_lora) + hp.mla.rope;
   if (hp.is_mla() && row > kCudaMaxHeadDim)
     return fmt::format(

@@ -22,6 +22,7 @@ Expected<std::shared_ptr<const Model>> Model::load(const std::string& path,
   if (!built) return built.status().context(fmt::format("loading model '{}'", path));
   std::shared_ptr<Model> m = std::move(*built);
   m->hp_.routing = options.routing;
+  m->hp_.dsa_dense = options.dsa_dense && m->hp_.is_dsa();
   const auto* mapped = dynamic_cast<const moe::MappedExpertSource*>(m->w_.experts.get());
   if (options.experts.enabled() && mapped != nullptr) {
     std::vector<moe::StoreLayer> layers;
@@ -71,15 +72,18 @@ struct RankState {
   std::optional<model::ForwardState> fwd;
   std::vector<model::LayerKv> layer_kv;
 
-  // Fills layer_kv from the pending append of the KV cache.
-  void bind_layers(int32_t n_layer) {
-    layer_kv.resize(static_cast<size_t>(n_layer));
-    for (int l = 0; l < n_layer; ++l) {
+  // Fills layer_kv from the pending append of the KV cache (a full indexer layer's indexer
+  // keys: the K plane of its cache layer after the attention layers, same rows).
+  void bind_layers(const model::HParams& hp) {
+    layer_kv.resize(static_cast<size_t>(hp.n_layer));
+    for (int l = 0; l < hp.n_layer; ++l) {
+      const int32_t ikv = hp.layers[static_cast<size_t>(l)].indexer_kv;
       layer_kv[l] = model::LayerKv{.append_rows = kv.append_rows(l),
                                    .kv_rows = kv.kv_rows(l),
                                    .kv_pos = kv.kv_pos(l),
                                    .k = kv.k_plane(l),
-                                   .v = kv.v_plane(l)};
+                                   .v = kv.v_plane(l),
+                                   .idx_k = ikv >= 0 ? kv.k_plane(ikv) : std::span<f16>()};
     }
   }
 };
@@ -145,8 +149,8 @@ struct Session::Impl {
     for (RankState& r : ranks) KILN_TRY(r.kv.truncate(n_pos));
     return Status::ok();
   }
-  void bind_layers(int32_t n_layer) {
-    for (RankState& r : ranks) r.bind_layers(n_layer);
+  void bind_layers() {
+    for (size_t r = 0; r < ranks.size(); ++r) ranks[r].bind_layers(shards[r].hp);
   }
 };
 
@@ -180,6 +184,10 @@ Session::Session(std::shared_ptr<const Model> model, Backend& backend, int32_t n
       cfg.layers.push_back(KvLayerSpec{
           .width = rhp.kv_k_width(), .window = L.window, .k_only = rhp.kv_v_width() == 0});
     }
+    // Sparse attention: each full indexer layer's keys, one K-only row per position.
+    for (const model::LayerDesc& L : rhp.layers)
+      if (L.indexer_kv >= 0)
+        cfg.layers.push_back(KvLayerSpec{.width = rhp.dsa.head_dim, .window = 0, .k_only = true});
     auto kv = KvCache::create(cfg);
     KILN_CHECK(kv.has_value(), "KV cache config derived from a validated model: {}", kv.error());
     impl_->ranks.push_back(RankState{std::move(*kv), std::nullopt, {}});
@@ -287,7 +295,7 @@ Status Session::eval_impl(std::span<const int32_t> tokens, bool all_logits, int3
       (void)s.truncate(n_pos_);
       return st;
     }
-    s.bind_layers(hp.n_layer);
+    s.bind_layers();
     std::span<float> out;
     if (all_logits)
       out = logits_.span().subspan(static_cast<size_t>(done * V), static_cast<size_t>(chunk * V));
@@ -419,7 +427,7 @@ Status BatchEval::eval_impl(std::span<const Item> items, int32_t top_k) {
       (void)s.truncate(items[i].session->n_pos_);
       return st.context(fmt::format("batch item {}", i));
     }
-    s.bind_layers(hp.n_layer);
+    s.bind_layers();
     for (size_t r = 0; r < b.ranks.size(); ++r) {
       Impl::Rank& rk = b.ranks[r];
       std::copy(s.ranks[r].layer_kv.begin(), s.ranks[r].layer_kv.end(),

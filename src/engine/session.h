@@ -35,6 +35,10 @@ class Model {
     // MoE routing overridden for benchmarks (model/routing.h; not the model's outputs unless
     // it is the default).
     model::RoutingOverride routing;
+    // Benchmarks only (kiln bench's dense baseline of a sparse-attention model): the fast
+    // pass runs no indexer and attends over every key (model::HParams::dsa_dense). Set in
+    // code, never from a user option.
+    bool dsa_dense = false;
   };
   // Opens and validates `path`: known architecture, hyper-parameters, every tensor present
   // with the shape the hyper-parameters imply. Errors name the file and the key or tensor at

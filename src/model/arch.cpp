@@ -94,6 +94,18 @@ constexpr std::array kArchs = {
              .experts_allowed = true,
              .mla = true,
              .moe_v3 = true},
+    // glm-dsa (GLM-5.x, llama.cpp's glm-dsa graph): deepseek2's latent attention and MoE
+    // (sigmoid gating when expert_gating_func is absent) plus DeepSeek sparse attention; the
+    // NextN blocks at the end are loaded, not run.
+    ArchInfo{.name = "glm-dsa",
+             .rope_style = RopeStyle::Normal,
+             .experts_allowed = true,
+             .experts_required = true,
+             .mla = true,
+             .dsa = true,
+             .moe_v3 = true,
+             .default_gating = GatingFunc::Sigmoid,
+             .nextn = true},
     // DFlash block drafter (model/dflash.h: its own loader and passes): a qwen3-style decoder
     // (per-head q/k norms, NeoX rope) that borrows its target's embedding and output head.
     ArchInfo{

@@ -45,6 +45,10 @@ struct ArchInfo {
   // attn_kv_a_norm, attn_k_b, attn_v_b instead of attn_q/k/v; YaRN with DeepSeek's mscale
   // (rope.scaling.yarn_log_multiplier) in the attention scale.
   bool mla = false;
+  // DeepSeek sparse attention on top of latent attention (glm-dsa; HParams::dsa): the
+  // attention.indexer.* keys and each layer's indexer.* tensors; a full layer's lightning
+  // indexer picks which keys the attention reads, a shared layer reuses that choice.
+  bool dsa = false;
   // attention.sliding_window is read and range-checked but every layer attends over all keys:
   // llama.cpp turns phi3's window off (its converters wrote the key without the layer pattern
   // it belongs to, llama.cpp PR 13676), so matching it means not applying it.

@@ -3,6 +3,8 @@
 #include "model/forward.h"
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <optional>
 #include <string>
 
@@ -40,6 +42,15 @@ ForwardState::ForwardState(const HParams& hp, int32_t max_batch) : max_batch_(ma
     n_mla_c_ = B * static_cast<size_t>(m.kv_lora);
     n_mla_heads_ = H * B * static_cast<size_t>(std::max({m.nope, m.kv_lora, m.v}));
     n_mla_ov_ = B * H * static_cast<size_t>(m.v);
+  }
+  if (hp.is_dsa()) {
+    const DsaDims& d = hp.dsa;
+    n_idx_q_ = B * static_cast<size_t>(d.n_head) * static_cast<size_t>(d.head_dim);
+    n_idx_k_ = B * static_cast<size_t>(d.head_dim);
+    n_idx_w_ = B * static_cast<size_t>(d.n_head);
+    sel_rows.resize(B * static_cast<size_t>(d.top_k));
+    sel_pos.resize(sel_rows.size());
+    sel_n.resize(B);
   }
   n_ff_ = B * n_ff;
   n_tmp_ = B * std::max<int64_t>({hp.n_embd, hp.q_width(), hp.k_width()});
@@ -84,6 +95,10 @@ void ForwardState::bind(Backend& be) {
   mla_in = be.alloc<float>(n_mla_heads_);
   mla_out = be.alloc<float>(n_mla_heads_);
   mla_ov = be.alloc<float>(n_mla_ov_);
+  idx_q = be.alloc<float>(n_idx_q_);
+  idx_k = be.alloc<float>(n_idx_k_);
+  idx_w = be.alloc<float>(n_idx_w_);
+  idx_dots = {};
   logits = {};
   n_logits_ = 0;
   nextn_cat = {};
@@ -143,6 +158,8 @@ class ForwardPass {
   void nextn_embed();
   void attention_block(int32_t il);
   void mla_attention(int32_t il);
+  void indexer_select(int32_t il, std::span<const float> qa);
+  void select_keys(int32_t il, const SeqSlice& sq, std::span<const float> iq);
   // Column block [src_col, src_col + width) of each of `rows` rows of src (rows src_w wide)
   // into columns [dst_col, ..) of dst's rows (dst_w wide): one backend copy per row.
   void copy_cols(std::span<const float> src, int64_t src_w, int64_t src_col, std::span<float> dst,
@@ -496,6 +513,8 @@ void ForwardPass::mla_attention(int32_t il) {
     be_.matmul_batch(first, n);
     norm_in_place(qa, lw.q_a_norm, m.q_lora, hp_.rms_eps);
     be_.matmul(lw.wq_b, qa, n, qf);
+    if (hp_.layers[static_cast<size_t>(il)].indexer == IndexerKind::Full && !hp_.dsa_dense)
+      indexer_select(il, qa);
   } else {
     const Backend::MatmulTask first[] = {{&lw.wq, h_, qf}, {&lw.wkv_a, h_, kv}};
     be_.matmul_batch(first, n);
@@ -543,11 +562,40 @@ void ForwardPass::mla_attention(int32_t il) {
   std::vector<AttentionArgs>& attns = st_.attn_args;
   stores.clear();
   attns.clear();
+  const bool sparse =
+      hp_.layers[static_cast<size_t>(il)].indexer != IndexerKind::None && !hp_.dsa_dense;
   for (const SeqSlice& sq : seqs_) {
     const LayerKv& kvl = sq.kv[il];
     const auto f = static_cast<size_t>(sq.first), cnt = static_cast<size_t>(sq.n_tok);
     KILN_CHECK(kvl.append_rows.size() == cnt && kvl.v.empty());
     stores.push_back({k_.subspan(f * W, cnt * W), W, kvl.append_rows, kvl.k});
+    const auto first_sel = st_.sel_n.begin() + static_cast<std::ptrdiff_t>(f);
+    if (sparse && std::any_of(first_sel, first_sel + static_cast<std::ptrdiff_t>(cnt),
+                              [](int32_t k) { return k > 0; })) {
+      // Sparse attention: each query over its own kept keys (any key of the list is visible
+      // to it), or over every visible key where no more than top_k are.
+      const auto K = static_cast<size_t>(hp_.dsa.top_k);
+      for (size_t t = f; t < f + cnt; ++t) {
+        AttentionArgs args;
+        args.q = q_.subspan(t * QW, QW);
+        args.k = kvl.k;
+        args.v = kvl.k;
+        const auto kept = static_cast<size_t>(st_.sel_n[t]);
+        args.kv_rows =
+            kept ? std::span<const int32_t>(st_.sel_rows).subspan(t * K, kept) : kvl.kv_rows;
+        args.kv_pos =
+            kept ? std::span<const int32_t>(st_.sel_pos).subspan(t * K, kept) : kvl.kv_pos;
+        args.q_pos = batch_.pos.subspan(t, 1);
+        args.n_q = 1;
+        args.n_head = H;
+        args.n_head_kv = 1;
+        args.head_dim = W;
+        args.scale = hp_.attn_scale;
+        args.out = o_.subspan(t * QW, QW);
+        attns.push_back(args);
+      }
+      continue;
+    }
     AttentionArgs args;
     args.q = q_.subspan(f * QW, cnt * QW);
     args.k = kvl.k;
@@ -590,6 +638,135 @@ void ForwardPass::mla_attention(int32_t il) {
   be_.add_rmsnorm(x_, a_, lw.ffn_norm, E_, hp_.rms_eps, h_);
   rec(p + "ffn_inp", x_, n);
   rec(p + "ffn_norm", h_, n);
+}
+
+// The lightning indexer of a full layer (HParams::dsa; the reference's indexer_select is the
+// spec): the indexer queries from the q-LoRA rows, the key LayerNorm'd (eps 0, as llama.cpp
+// runs it) and stored in the layer's indexer plane, both roped on each head's first n_rot
+// dims, then per sequence the kept keys of every query (select_keys). llama.cpp's Hadamard
+// rotation of q and k leaves their dot products as they are and is not applied. The key rows
+// are read as an f16 weight matrix, which host backends (ref, cpu) take as it is; the CUDA
+// runtime refuses sparse attention.
+void ForwardPass::indexer_select(int32_t il, std::span<const float> qa) {
+  const LayerDesc& L = hp_.layers[static_cast<size_t>(il)];
+  const LayerWeights& lw = w_.layers[static_cast<size_t>(il)];
+  const DsaDims& d = hp_.dsa;
+  const int64_t n = n_, Hi = d.n_head, Di = d.head_dim;
+  const std::span<float> iq = sl(st_.idx_q, n * Hi * Di), ik = sl(st_.idx_k, n * Di);
+  const std::span<float> iw = sl(st_.idx_w, n * Hi);
+  be_.matmul(lw.idx_wq_b, qa, n, iq);
+  const Backend::MatmulTask kw[] = {{&lw.idx_wk, h_, ik}, {&lw.idx_proj, h_, iw}};
+  be_.matmul_batch(kw, n);
+
+  // LayerNorm of the key rows on the host (a few values per token).
+  std::vector<float>& kh = st_.idx_k_host;
+  const std::span<const float> kv = host_view(ik, kh);
+  if (kv.data() != kh.data()) kh.assign(kv.begin(), kv.end());
+  for (int64_t t = 0; t < n; ++t) {
+    float* row = kh.data() + t * Di;
+    double mean = 0, var = 0;
+    for (int64_t i = 0; i < Di; ++i) mean += row[i];
+    mean /= double(Di);
+    for (int64_t i = 0; i < Di; ++i) var += (row[i] - mean) * (row[i] - mean);
+    const double inv = 1.0 / std::sqrt(var / double(Di));
+    for (int64_t i = 0; i < Di; ++i)
+      row[i] = static_cast<float>((row[i] - mean) * inv * lw.idx_k_norm[static_cast<size_t>(i)] +
+                                  lw.idx_k_nb[static_cast<size_t>(i)]);
+  }
+  be_.upload(std::span<const float>(kh), ik);
+  be_.rope_qk(iq, Hi, ik, 1, n, Di, batch_.pos, L.rope);
+
+  std::vector<Backend::StoreRowsTask>& stores = st_.idx_stores;
+  stores.clear();
+  for (const SeqSlice& sq : seqs_) {
+    const LayerKv& kvl = sq.kv[il];
+    KILN_CHECK(!kvl.idx_k.empty(), "layer {}: no indexer key plane", il);
+    const auto f = static_cast<size_t>(sq.first), c = static_cast<size_t>(sq.n_tok);
+    stores.push_back({ik.subspan(f * static_cast<size_t>(Di), c * static_cast<size_t>(Di)), Di,
+                      kvl.append_rows, kvl.idx_k});
+  }
+  be_.store_rows_f16_batch(stores);
+  const std::span<const float> wv = host_view(iw, st_.idx_w_host);
+  if (wv.data() != st_.idx_w_host.data()) st_.idx_w_host.assign(wv.begin(), wv.end());
+  for (const SeqSlice& sq : seqs_) select_keys(il, sq, iq);
+}
+
+// The kept keys of each query of one sequence: a query with more than top_k visible keys
+// keeps the top_k of sum_h w_h ReLU(q_h . k) (w pre-scaled by 1 / sqrt(head_dim * n_head), as
+// llama.cpp does), in key order; one with fewer keeps them all (sel_n 0). The dot products
+// come from one matmul per chunk of queries, the key plane's rows as the weight rows.
+void ForwardPass::select_keys(int32_t il, const SeqSlice& sq, std::span<const float> iq) {
+  const DsaDims& d = hp_.dsa;
+  const LayerKv& kvl = sq.kv[il];
+  const int64_t Hi = d.n_head, Di = d.head_dim, K = d.top_k;
+  int64_t n_rows = 0;
+  for (int32_t r : kvl.kv_rows) n_rows = std::max<int64_t>(n_rows, r + 1);
+  WeightMatrix keys;
+  keys.dtype = DType::F16;
+  keys.n_cols = Di;
+  keys.n_rows = n_rows;
+  keys.row_bytes = static_cast<size_t>(Di) * sizeof(f16);
+  keys.bytes = std::as_bytes(kvl.idx_k.first(static_cast<size_t>(n_rows * Di)));
+  // Queries per matmul: their dot products stay within 2^24 floats (64 MiB).
+  const int64_t chunk =
+      std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, Hi * n_rows));
+  const float w_scale = 1.0f / std::sqrt(float(Di * Hi));
+  for (int64_t t0 = sq.first; t0 < sq.first + sq.n_tok; t0 += chunk) {
+    const int64_t t1 = std::min<int64_t>(t0 + chunk, sq.first + sq.n_tok);
+    bool any = false;
+    auto visible = [&](int64_t t) {
+      const int32_t p = batch_.pos[static_cast<size_t>(t)];
+      return static_cast<int64_t>(std::upper_bound(kvl.kv_pos.begin(), kvl.kv_pos.end(), p) -
+                                  kvl.kv_pos.begin());
+    };
+    for (int64_t t = t0; t < t1; ++t) {
+      st_.sel_n[static_cast<size_t>(t)] = 0;
+      any = any || visible(t) > K;
+    }
+    if (!any) continue;
+    const size_t n_dots = static_cast<size_t>((t1 - t0) * Hi * n_rows);
+    // Grown to a power of two: a decode step needs one key row more than the last one.
+    if (st_.idx_dots.size() < n_dots) st_.idx_dots = be_.alloc<float>(std::bit_ceil(n_dots));
+    const std::span<float> dots = sl(st_.idx_dots, static_cast<int64_t>(n_dots));
+    be_.matmul(
+        keys,
+        iq.subspan(static_cast<size_t>(t0 * Hi * Di), static_cast<size_t>((t1 - t0) * Hi * Di)),
+        (t1 - t0) * Hi, dots);
+    const std::span<const float> dh = host_view(dots, st_.idx_dots_host);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t vis = visible(t);
+      if (vis <= K) continue;
+      const float* w = st_.idx_w_host.data() + t * Hi;
+      std::vector<std::pair<float, int32_t>>& scored = st_.sel_scored;
+      // Head by head over the keys: each head's dot products are one contiguous row.
+      std::vector<float>& sum = st_.sel_sum;
+      sum.assign(static_cast<size_t>(vis), 0.0f);
+      for (int64_t hh = 0; hh < Hi; ++hh) {
+        const float wh = w[hh] * w_scale;
+        const float* row = dh.data() + ((t - t0) * Hi + hh) * n_rows;
+        for (int64_t j = 0; j < vis; ++j)
+          sum[static_cast<size_t>(j)] +=
+              wh * std::max(0.0f, row[kvl.kv_rows[static_cast<size_t>(j)]]);
+      }
+      scored.resize(static_cast<size_t>(vis));
+      for (int64_t j = 0; j < vis; ++j)
+        scored[static_cast<size_t>(j)] = {sum[static_cast<size_t>(j)], static_cast<int32_t>(j)};
+      // Best first; equal scores (keys whose heads all gave 0 after the ReLU) to the earlier
+      // key, as the reference breaks them.
+      std::nth_element(scored.begin(), scored.begin() + K - 1, scored.end(),
+                       [](const auto& a, const auto& b) {
+                         return a.first > b.first || (a.first == b.first && a.second < b.second);
+                       });
+      std::sort(scored.begin(), scored.begin() + K,
+                [](const auto& a, const auto& b) { return a.second < b.second; });
+      for (int64_t i = 0; i < K; ++i) {
+        const auto j = static_cast<size_t>(scored[static_cast<size_t>(i)].second);
+        st_.sel_rows[static_cast<size_t>(t * K + i)] = kvl.kv_rows[j];
+        st_.sel_pos[static_cast<size_t>(t * K + i)] = kvl.kv_pos[j];
+      }
+      st_.sel_n[static_cast<size_t>(t)] = static_cast<int32_t>(K);
+    }
+  }
 }
 
 // FFN-normalised rows h -> the FFN's output in a.

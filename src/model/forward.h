@@ -23,6 +23,9 @@ struct LayerKv {
   std::span<const int32_t> kv_pos;       // position of each of those keys
   std::span<f16> k, v;                   // planes [n_phys][k_width | v_width]; latent
                                          // attention: v empty (HParams::kv_v_width() is 0)
+  // Sparse attention, full indexer layers (LayerDesc::indexer_kv): the indexer keys' plane
+  // [n_phys][dsa.head_dim], rows as k's; empty elsewhere.
+  std::span<f16> idx_k;
 };
 
 // One sequence's share of a multi-sequence batch (batched decode across slots): tokens
@@ -80,6 +83,18 @@ class ForwardState {
   BackendBuffer<float> mla_qa, mla_q, mla_kv, mla_qpe, mla_kpe, mla_c, mla_in, mla_out, mla_ov;
   std::vector<Backend::MatmulTask> mla_tasks;
   std::vector<WeightMatrix> mla_heads;
+  // Sparse attention (HParams::dsa), else empty: the indexer's queries [B][n_head *
+  // head_dim], keys [B][head_dim] and head weights [B][n_head]; the dot products of a chunk
+  // of query heads with the key rows (grown on demand), and host copies; per token t of the
+  // step, the keys the last full layer kept: sel_n[t] rows and positions at t * top_k of
+  // sel_rows / sel_pos, sel_n[t] == 0 meaning every visible key (no more than top_k).
+  size_t n_idx_q_ = 0, n_idx_k_ = 0, n_idx_w_ = 0;
+  BackendBuffer<float> idx_q, idx_k, idx_w, idx_dots;
+  std::vector<float> idx_k_host, idx_w_host, idx_dots_host;
+  std::vector<int32_t> sel_rows, sel_pos, sel_n;
+  std::vector<std::pair<float, int32_t>> sel_scored;
+  std::vector<float> sel_sum;
+  std::vector<Backend::StoreRowsTask> idx_stores;
   BackendBuffer<float> logits;     // device backends: [n_out][n_vocab], grown on demand
   BackendBuffer<float> nextn_cat;  // forward_nextn's [B][2 * n_embd] concatenation, on demand
   // Mixture-of-experts scratch: router probabilities [B][n_expert], the chosen experts and

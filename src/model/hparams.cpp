@@ -84,6 +84,14 @@ constexpr MathKey kUnimplementedMathKeys[] = {
     {"leading_dense_block_count", MathKey::Accept::Zero, "leading dense layers", &ArchInfo::moe_v3},
     {"nextn_predict_layers", MathKey::Accept::Zero, "NextN (MTP) layers", &ArchInfo::nextn},
     {"router_logit_softcapping", MathKey::Accept::Absent, "a router softcap"},
+    {"attention.indexer.head_count", MathKey::Accept::Absent, "DeepSeek sparse attention",
+     &ArchInfo::dsa},
+    {"attention.indexer.key_length", MathKey::Accept::Absent, "DeepSeek sparse attention",
+     &ArchInfo::dsa},
+    {"attention.indexer.top_k", MathKey::Accept::Absent, "DeepSeek sparse attention",
+     &ArchInfo::dsa},
+    {"attention.indexer.types", MathKey::Accept::Absent, "DeepSeek sparse attention",
+     &ArchInfo::dsa},
 };
 
 // The value of a numeric or bool metadata entry as a double (strings and arrays: nullopt).
@@ -259,6 +267,55 @@ Status read_moe_v3(const KeyReader& r, const ArchInfo& arch, int32_t n_expert,
   KILN_ASSIGN_OR_RETURN(n_dense_lead, r.opt<int32_t>("leading_dense_block_count", 0));
   KILN_TRY(check_range(r.key("leading_dense_block_count"), n_dense_lead, 0, n_layer));
   if (n_dense_lead > 0) KILN_TRY(check_range(r.key("feed_forward_length"), n_ff, 1, 1 << 22));
+  return Status::ok();
+}
+
+// DeepSeek sparse attention (ArchInfo::dsa): the indexer's shape and which main-pass layers
+// select (attention.indexer.types, one bool per layer: true = full, false = shared). Without
+// the types key llama.cpp makes every layer full for files trained on less than 2^20
+// positions (GLM-5 / 5.1) and applies GLM-5.2's built-in layout otherwise; that layout is
+// refused here rather than copied.
+Status read_dsa(const GgufFile& g, const KeyReader& r, HParams& hp) {
+  DsaDims& d = hp.dsa;
+  if (!hp.is_mla() || hp.mla.q_lora <= 0)
+    return Status::errorf("architecture '{}' needs latent attention with a q-LoRA ('{}' > 0)",
+                          hp.arch_name, r.key("attention.q_lora_rank"));
+  KILN_ASSIGN_OR_RETURN(d.n_head, r.req<int32_t>("attention.indexer.head_count"));
+  KILN_TRY(check_range(r.key("attention.indexer.head_count"), d.n_head, 1, 4096));
+  KILN_ASSIGN_OR_RETURN(d.head_dim, r.req<int32_t>("attention.indexer.key_length"));
+  KILN_TRY(check_range(r.key("attention.indexer.key_length"), d.head_dim, hp.mla.rope, 65536));
+  KILN_ASSIGN_OR_RETURN(d.top_k, r.req<int32_t>("attention.indexer.top_k"));
+  KILN_TRY(check_range(r.key("attention.indexer.top_k"), d.top_k, 1, 1 << 24));
+  const std::string types_key = r.key("attention.indexer.types");
+  std::vector<bool> full(static_cast<size_t>(hp.n_layer), true);
+  if (const GgufValue* v = g.find(types_key)) {
+    if (!v->is_array() || v->arr().items.size() != full.size())
+      return Status::errorf("metadata '{}': expected an array of {} bools (one per layer)",
+                            types_key, full.size());
+    for (size_t i = 0; i < full.size(); ++i) {
+      const std::optional<double> b = scalar_value(v->arr().items[i]);
+      if (!b || (*b != 0 && *b != 1))
+        return Status::errorf("metadata '{}'[{}]: expected a bool", types_key, i);
+      full[i] = *b == 1;
+    }
+  } else if (hp.n_ctx_train >= (1 << 20)) {
+    return Status::errorf(
+        "missing metadata key '{}' with '{}' >= 1048576 (GLM-5.2's built-in indexer layout) is "
+        "not supported",
+        types_key, r.key("context_length"));
+  }
+  if (!full.empty() && !full[0])
+    return Status::errorf(
+        "metadata '{}': layer 0 is shared, but a shared layer reuses an "
+        "earlier full layer's choice",
+        types_key);
+  for (int32_t il = 0; il < hp.n_layer; ++il) {
+    LayerDesc& L = hp.layers[static_cast<size_t>(il)];
+    if (L.window > 0)
+      return Status::errorf("layer {}: sparse attention on a sliding-window layer", il);
+    L.indexer = full[static_cast<size_t>(il)] ? IndexerKind::Full : IndexerKind::Shared;
+    if (L.indexer == IndexerKind::Full) L.indexer_kv = hp.n_layer + hp.n_indexer_kv++;
+  }
   return Status::ok();
 }
 
@@ -450,6 +507,7 @@ Expected<HParams> read_hparams(const GgufFile& g) {
     hp.nextn_layers.assign(hp.layers.begin() + hp.n_layer, hp.layers.end());
     hp.layers.resize(static_cast<size_t>(hp.n_layer));
   }
+  if (arch.dsa) KILN_TRY(read_dsa(g, r, hp));
 
   // n_vocab is the embedding table's row count (vocab_size is optional and may disagree).
   const TensorInfo* embd = g.find_tensor("token_embd.weight");

@@ -17,6 +17,12 @@ namespace kiln::model {
 
 enum class AttnKind { Full, Sliding };
 
+// A layer's part in DeepSeek sparse attention (HParams::dsa): no indexer (every other
+// architecture), a full layer whose lightning indexer scores the keys and keeps the best
+// top_k for each query, or a shared layer that attends over the keys the most recent full
+// layer chose for the same query.
+enum class IndexerKind { None, Full, Shared };
+
 struct LayerDesc {
   AttnKind kind = AttnKind::Full;
   int32_t window = 0;    // > 0 for sliding layers: keys with q_pos - k_pos < window
@@ -28,6 +34,10 @@ struct LayerDesc {
   int32_t n_ff_expert = 0;
   int32_t n_ff_shexp = 0;  // > 0: the MoE layer's shared experts, one FFN this wide (all of
                            // expert_shared_count side by side), added to the routed output
+  IndexerKind indexer = IndexerKind::None;
+  // Full indexer layers: the KV cache layer (after the n_layer attention layers) whose K-only
+  // rows hold this layer's indexer keys; -1 elsewhere.
+  int32_t indexer_kv = -1;
 };
 
 // Multi-head latent attention (deepseek2; ArchInfo::mla). Each token keeps one latent row per
@@ -42,6 +52,17 @@ struct MlaDims {
   int32_t rope = 0;     // per-head RoPE dims, shared by all heads on the key side (n_rot)
   int32_t v = 0;        // attention.value_length_mla: per-head value width after attn_v_b
   int32_t q_head() const { return nope + rope; }  // one head's rows of attn_q(_b)
+};
+
+// DeepSeek sparse attention (glm-dsa; ArchInfo::dsa): the lightning indexer's shape. Each
+// indexer head is head_dim wide with its RoPE part first (n_rot dims, adjacent pairs) and the
+// rest unroped -- the opposite of the latent attention's query heads, whose RoPE part comes
+// last. Keys are one head (indexer.attn_k, then a LayerNorm with weight and bias); a token's
+// score for key j is sum_h w_h * ReLU(q_h . k_j), w = indexer.proj of the attn_norm'd row.
+struct DsaDims {
+  int32_t n_head = 0;    // attention.indexer.head_count
+  int32_t head_dim = 0;  // attention.indexer.key_length
+  int32_t top_k = 0;     // attention.indexer.top_k: keys kept per query on full layers
 };
 
 struct HParams {
@@ -73,6 +94,12 @@ struct HParams {
   // and value_length say: the shapes the attention op sees.
   MlaDims mla;
   bool is_mla() const { return mla.kv_lora > 0; }
+  // Sparse attention (all zero elsewhere); LayerDesc::indexer says which layers select.
+  DsaDims dsa;
+  bool is_dsa() const { return dsa.top_k > 0; }
+  // KV cache layers: the n_layer attention layers, then one K-only layer (dsa.head_dim wide,
+  // full attention) per full indexer layer, in layer order (LayerDesc::indexer_kv).
+  int32_t n_indexer_kv = 0;
 
   // Tensor parallelism (model/tensor_parallel.h): this shard is rank tp_rank of tp_size, its
   // head counts and FFN widths already divided; an MoE layer's experts belong to the rank
@@ -90,6 +117,9 @@ struct HParams {
 
   // Benchmark-only MoE routing override (model/routing.h); Model by default (no override).
   RoutingOverride routing;
+  // Benchmark-only: sparse attention off in the fast pass (no indexer, every layer attends
+  // over every visible key), kiln bench's dense baseline. Never a user option.
+  bool dsa_dense = false;
 
   int64_t q_width() const { return int64_t(n_head) * head_dim_k; }
   int64_t k_width() const { return int64_t(n_head_kv) * head_dim_k; }

@@ -92,13 +92,87 @@ Vec dequantize_all(const WeightMatrix& w) {
   return out;
 }
 
+// Per row of n: (x - mean) / sqrt(var + eps) * weight + bias, in place (LayerNorm).
+void layernorm(Vec& x, int64_t n, float eps, std::span<const float> weight,
+               std::span<const float> bias) {
+  for (size_t off = 0; off < x.size(); off += static_cast<size_t>(n)) {
+    double mean = 0, var = 0;
+    for (int64_t i = 0; i < n; ++i) mean += x[off + i];
+    mean /= double(n);
+    for (int64_t i = 0; i < n; ++i) var += (x[off + i] - mean) * (x[off + i] - mean);
+    const double inv = 1.0 / std::sqrt(var / double(n) + double(eps));
+    for (int64_t i = 0; i < n; ++i)
+      x[off + i] = static_cast<float>((x[off + i] - mean) * inv * weight[i] + bias[i]);
+  }
+}
+
+// Which keys each query of a batch attends over under sparse attention: [n][n_kv] flags, a
+// row left empty meaning every visible key.
+using KeepMask = std::vector<std::vector<char>>;
+
+// The lightning indexer of a full layer (HParams::dsa; llama.cpp's glm-dsa graph): per head
+// the query q_h = indexer.attn_q_b(qa) and the one key k = LayerNorm(indexer.attn_k(h)) (eps
+// 0: llama.cpp's default norm eps, which glm-dsa never sets), both with RoPE on their first
+// rope dims; a key's score is sum_h w_h ReLU(q_h . k) with w = indexer.proj(h) / sqrt(head_dim
+// * n_head). llama.cpp also multiplies q and k by one Hadamard matrix before the dot product:
+// an orthogonal map leaves q . k unchanged, so it is not applied here. Each query keeps its
+// top_k best visible keys; with top_k or fewer visible it keeps them all (llama.cpp's top_k
+// then also picks masked keys, whose -inf scores the attention mask removes again). The
+// new keys are appended to `icache` ([n_kv][head_dim]).
+void indexer_select(const HParams& hp, const LayerDesc& L, const LayerWeights& lw, const Vec& h,
+                    const Vec& qa, int64_t n, std::span<const int32_t> pos, Vec& icache,
+                    KeepMask& keep) {
+  const DsaDims& d = hp.dsa;
+  const int64_t Hi = d.n_head, Di = d.head_dim;
+  Vec iq, ik, iw;
+  matmul(lw.idx_wq_b, qa, n, iq);
+  matmul(lw.idx_wk, h, n, ik);
+  matmul(lw.idx_proj, h, n, iw);
+  layernorm(ik, Di, 0.0f, lw.idx_k_norm, lw.idx_k_nb);
+  rope(iq, n, Hi, Di, pos, L.rope);  // rope() turns each head's first n_rot dims: rope-first
+  rope(ik, n, 1, Di, pos, L.rope);
+  icache.insert(icache.end(), ik.begin(), ik.end());
+  const int64_t n_kv = static_cast<int64_t>(icache.size()) / Di;
+  const double w_scale = 1.0 / std::sqrt(double(Di) * double(Hi));
+  keep.assign(static_cast<size_t>(n), {});
+  std::vector<std::pair<double, int64_t>> scored;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t visible = std::min<int64_t>(pos[t] + 1, n_kv);
+    if (visible <= d.top_k) continue;
+    scored.clear();
+    for (int64_t j = 0; j < visible; ++j) {
+      double s = 0;
+      for (int64_t hh = 0; hh < Hi; ++hh) {
+        double dot = 0;
+        const float* q = iq.data() + (t * Hi + hh) * Di;
+        const float* k = icache.data() + j * Di;
+        for (int64_t i = 0; i < Di; ++i) dot += double(q[i]) * double(k[i]);
+        s += double(iw[t * Hi + hh]) * w_scale * std::max(0.0, dot);
+      }
+      scored.emplace_back(s, j);
+    }
+    // Equal scores (every head's dot product cut to 0 by the ReLU) go to the earlier key;
+    // llama.cpp orders exact ties as its top-k sort happens to.
+    std::partial_sort(scored.begin(), scored.begin() + d.top_k, scored.end(),
+                      [](const auto& a, const auto& b) {
+                        return a.first > b.first || (a.first == b.first && a.second < b.second);
+                      });
+    keep[t].assign(static_cast<size_t>(n_kv), 0);
+    for (int64_t i = 0; i < d.top_k; ++i) keep[t][static_cast<size_t>(scored[i].second)] = 1;
+  }
+}
+
 // Latent attention (HParams::mla) in its plain, expanded form: the cache keeps each token's
 // latent row [c_kv | k_pe] (c_kv RMS-normalised, k_pe roped), and every step expands all
 // cached rows into per-head keys [k_nope = attn_k_b^T c_kv | k_pe] and values attn_v_b c_kv,
 // then attends as multi-head attention: the definition the fast pass's absorbed form (which
 // never expands) must agree with. h: [n][n_embd] attn_norm'd rows; out: [n][n_head * v].
+// Under sparse attention (HParams::dsa) a full layer first runs its indexer (indexer_select
+// into `keep`, its keys into `icache`) and a shared layer reads `keep` as the last full layer
+// left it; each query then attends only over the keys its row of `keep` flags.
 void mla_attention(const HParams& hp, const LayerDesc& L, const LayerWeights& lw, const Vec& h,
-                   int64_t n, std::span<const int32_t> pos, Vec& cache, Vec& out) {
+                   int64_t n, std::span<const int32_t> pos, Vec& cache, Vec& out, Vec& icache,
+                   KeepMask& keep) {
   const MlaDims& m = hp.mla;
   const int64_t H = hp.n_head, N = m.nope, R = m.rope, C = m.kv_lora, V = m.v;
   const int64_t D = m.q_head(), W = C + R;
@@ -108,6 +182,7 @@ void mla_attention(const HParams& hp, const LayerDesc& L, const LayerWeights& lw
     matmul(lw.wq_a, h, n, qa);
     rmsnorm(qa, m.q_lora, hp.rms_eps, lw.q_a_norm);
     matmul(lw.wq_b, qa, n, q);
+    if (L.indexer == IndexerKind::Full) indexer_select(hp, L, lw, h, qa, n, pos, icache, keep);
   } else {
     matmul(lw.wq, h, n, q);
   }
@@ -155,8 +230,9 @@ void mla_attention(const HParams& hp, const LayerDesc& L, const LayerWeights& lw
       const float* qn = q.data() + (t * H + hh) * D;
       const float* qp = q_pe.data() + (t * H + hh) * R;
       double mx = -INFINITY;
+      const std::vector<char>* kt = L.indexer == IndexerKind::None ? nullptr : &keep[t];
       for (int64_t j = 0; j < n_kv; ++j) {
-        if (j > pos[t]) {
+        if (j > pos[t] || (kt && !kt->empty() && !(*kt)[static_cast<size_t>(j)])) {
           score[j] = -INFINITY;
           continue;
         }
@@ -198,6 +274,7 @@ ReferenceSession::ReferenceSession(const HParams& hp, const Weights& w, int32_t 
     : hp_(hp), w_(w), n_ctx_(n_ctx > 0 ? n_ctx : hp.n_ctx_train) {
   k_.resize(hp.n_layer);
   v_.resize(hp.n_layer);
+  ik_.resize(hp.n_layer);
 }
 
 Status ReferenceSession::rollback(int32_t n_pos) {
@@ -206,6 +283,8 @@ Status ReferenceSession::rollback(int32_t n_pos) {
   for (int32_t il = 0; il < hp_.n_layer; ++il) {
     k_[il].resize(static_cast<size_t>(n_pos * hp_.k_width()));
     v_[il].resize(static_cast<size_t>(n_pos * hp_.kv_v_width()));
+    if (hp_.layers[il].indexer == IndexerKind::Full)
+      ik_[il].resize(static_cast<size_t>(n_pos) * static_cast<size_t>(hp_.dsa.head_dim));
   }
   n_pos_ = n_pos;
   return Status::ok();
@@ -242,6 +321,7 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
   const int64_t hk = hp_.head_dim_k, hv = hp_.head_dim_v;
   const int64_t group = hp_.n_head / hp_.n_head_kv;
   Vec h, q, k, v, o, gate, a, up, f;
+  KeepMask keep;  // sparse attention: the last full layer's choice of keys (indexer_select)
   for (int32_t il = 0; il < hp_.n_layer; ++il) {
     const LayerDesc& L = hp_.layers[il];
     const LayerWeights& lw = w_.layers[il];
@@ -251,7 +331,7 @@ Expected<std::span<const float>> ReferenceSession::eval(std::span<const int32_t>
     rmsnorm(h, E, hp_.rms_eps, lw.attn_norm);
     rec(p + "attn_norm", h);
     if (hp_.is_mla()) {
-      mla_attention(hp_, L, lw, h, n, pos, k_[il], o);
+      mla_attention(hp_, L, lw, h, n, pos, k_[il], o, ik_[il], keep);
       rec(p + "Kcur", Vec(k_[il].end() - n * hp_.k_width(), k_[il].end()));
     } else {
       matmul(lw.wq, h, n, q);

@@ -37,6 +37,8 @@ class ReferenceSession {
   int32_t n_ctx_ = 0;
   int32_t n_pos_ = 0;
   std::vector<std::vector<float>> k_, v_;  // [n_layer][n_pos][k_width|v_width], after RoPE
+  std::vector<std::vector<float>> ik_;     // sparse attention: full layers' indexer keys
+                                           // [n_pos][dsa.head_dim], after RoPE
   std::vector<float> logits_;
   Capture* capture_ = nullptr;
   std::span<const float> input_rows_;

@@ -166,6 +166,24 @@ Status bind_mla(Binder& b, const HParams& hp, int32_t il, LayerWeights& lw) {
   return Status::ok();
 }
 
+// The lightning indexer's tensors (ArchInfo::dsa). Required on full indexer layers; a shared
+// layer (or a NextN block) may carry them too, as GLM-5 files do, and then they are bound and
+// unused, as llama.cpp loads and leaves them.
+Status bind_indexer(Binder& b, const HParams& hp, int32_t il, const LayerDesc& L,
+                    LayerWeights& lw) {
+  auto n = [il](const char* what) { return fmt::format("blk.{}.indexer.{}", il, what); };
+  if (L.indexer != IndexerKind::Full && !b.has(n("attn_k.weight"))) return Status::ok();
+  const DsaDims& d = hp.dsa;
+  const int64_t E = hp.n_embd;
+  KILN_ASSIGN_OR_RETURN(
+      lw.idx_wq_b, b.matrix(n("attn_q_b.weight"), hp.mla.q_lora, int64_t(d.n_head) * d.head_dim));
+  KILN_ASSIGN_OR_RETURN(lw.idx_wk, b.matrix(n("attn_k.weight"), E, d.head_dim));
+  KILN_ASSIGN_OR_RETURN(lw.idx_k_norm, b.vec(n("k_norm.weight"), d.head_dim));
+  KILN_ASSIGN_OR_RETURN(lw.idx_k_nb, b.vec(n("k_norm.bias"), d.head_dim));
+  KILN_ASSIGN_OR_RETURN(lw.idx_proj, b.matrix(n("proj.weight"), E, d.n_head));
+  return Status::ok();
+}
+
 }  // namespace
 
 Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
@@ -207,6 +225,7 @@ Expected<Weights> bind_weights(const GgufFile& g, const HParams& hp) {
     KILN_ASSIGN_OR_RETURN(lw.attn_norm, b.vec(n("attn_norm.weight"), E));
     if (arch.mla) {
       KILN_TRY(bind_mla(b, hp, il, lw));
+      if (arch.dsa) KILN_TRY(bind_indexer(b, hp, il, L, lw));
     } else if (arch.fused_qkv && b.has(n("attn_qkv.weight"))) {  // phi3 may also store them apart
       KILN_TRY(bind_fused_qkv(b, n("attn_qkv.weight"), hp, lw));
     } else {

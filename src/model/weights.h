@@ -22,23 +22,30 @@ struct LayerWeights {
   WeightMatrix wq, wk, wv;           // [q_width|k_width|v_width rows][n_embd]
   // Latent attention (HParams::mla), else n_rows == 0 / empty. wq above is then the plain
   // query projection [n_head * (nope + rope)][n_embd] of a model without q-LoRA.
-  WeightMatrix wq_a;                      // [q_lora][n_embd]
-  std::span<const float> q_a_norm;        // [q_lora]
-  WeightMatrix wq_b;                      // [n_head * (nope + rope)][q_lora]: per head nope, rope
-  WeightMatrix wkv_a;                     // [kv_lora + rope][n_embd]: c_kv, then k_pe
-  std::span<const float> kv_a_norm;       // [kv_lora]
-  WeightMatrix wk_b;                      // [n_head * kv_lora][nope]: head h is rows h * kv_lora..
-  WeightMatrix wv_b;                      // [n_head * v][kv_lora]: head h is rows h * v..
-  std::span<const float> bq, bk, bv;      // biases (qkv_bias architectures), else empty
-  std::span<const float> q_norm, k_norm;  // [head_dim_k] (qk_norm architectures), else empty
-  WeightMatrix wgate_attn;                // [o_width][n_embd] (attn_gate), else n_rows == 0
-  WeightMatrix wo;                        // [n_embd][o_width]
-  std::span<const float> bo;              // [n_embd] (attn_out_bias), else empty
-  std::span<const float> attn_sinks;      // [n_head] (attn_sinks), else empty
-  std::span<const float> post_attn_norm;  // [n_embd] (post_norms), else empty
-  std::span<const float> ffn_norm;        // [n_embd]
-  WeightMatrix ffn_gate, ffn_up;          // [n_ff][n_embd] (dense layers)
-  WeightMatrix ffn_down;                  // [n_embd][n_ff] (dense layers)
+  WeightMatrix wq_a;                 // [q_lora][n_embd]
+  std::span<const float> q_a_norm;   // [q_lora]
+  WeightMatrix wq_b;                 // [n_head * (nope + rope)][q_lora]: per head nope, rope
+  WeightMatrix wkv_a;                // [kv_lora + rope][n_embd]: c_kv, then k_pe
+  std::span<const float> kv_a_norm;  // [kv_lora]
+  WeightMatrix wk_b;                 // [n_head * kv_lora][nope]: head h is rows h * kv_lora..
+  WeightMatrix wv_b;                 // [n_head * v][kv_lora]: head h is rows h * v..
+  // DeepSeek sparse attention's lightning indexer (ArchInfo::dsa; bound on full indexer layers
+  // and wherever the file has them), else n_rows == 0 / empty. Heads are rope-first
+  // (model/hparams.h DsaDims).
+  WeightMatrix idx_wq_b;                        // [idx n_head * head_dim][q_lora]
+  WeightMatrix idx_wk;                          // [idx head_dim][n_embd]
+  std::span<const float> idx_k_norm, idx_k_nb;  // [idx head_dim] LayerNorm weight and bias
+  WeightMatrix idx_proj;                        // [idx n_head][n_embd]: per-head score weights
+  std::span<const float> bq, bk, bv;            // biases (qkv_bias architectures), else empty
+  std::span<const float> q_norm, k_norm;        // [head_dim_k] (qk_norm architectures), else empty
+  WeightMatrix wgate_attn;                      // [o_width][n_embd] (attn_gate), else n_rows == 0
+  WeightMatrix wo;                              // [n_embd][o_width]
+  std::span<const float> bo;                    // [n_embd] (attn_out_bias), else empty
+  std::span<const float> attn_sinks;            // [n_head] (attn_sinks), else empty
+  std::span<const float> post_attn_norm;        // [n_embd] (post_norms), else empty
+  std::span<const float> ffn_norm;              // [n_embd]
+  WeightMatrix ffn_gate, ffn_up;                // [n_ff][n_embd] (dense layers)
+  WeightMatrix ffn_down;                        // [n_embd][n_ff] (dense layers)
   WeightMatrix ffn_gate_inp;             // [n_expert][n_embd] router (MoE layers), else n_rows == 0
   std::span<const float> post_ffn_norm;  // [n_embd] (post_norms), else empty
   // MoE biases (moe_biases), else empty: the router's [n_expert]; per expert e, rows

@@ -119,6 +119,11 @@ std::vector<kvpack::LayerKind> layer_kinds(const Model& model) {
                    .window = L.window,
                    .rope = L.use_rope,
                    .k_only = hp.kv_v_width() == 0});
+  // Sparse attention: the full indexer layers' key rows (roped), after the attention layers,
+  // as engine/session.cpp lays out the cache.
+  for (const model::LayerDesc& L : hp.layers)
+    if (L.indexer_kv >= 0)
+      out.push_back({.width = hp.dsa.head_dim, .window = 0, .rope = true, .k_only = true});
   return out;
 }
 

@@ -162,5 +162,20 @@ TEST(MtpDrafter, ModelWithoutNextnLayersIsRefused) {
   EXPECT_EQ(mtp.error().find('\n'), std::string::npos);
 }
 
+// glm-dsa's NextN block runs a lightning indexer in llama.cpp; kiln's NextN pass has none, so
+// MTP drafting of glm-dsa is refused by name rather than drafted from a different graph.
+TEST(MtpDrafter, SparseAttentionModelIsRefused) {
+  auto m = load("glm5-f16.gguf");
+  ASSERT_TRUE(m);
+  ASSERT_FALSE(m->hparams().nextn_layers.empty());
+  auto be = make_cpu_backend({.threads = 1});
+  auto mtp = MtpDrafter::create(m, *be, 128);
+  ASSERT_FALSE(mtp.has_value());
+  EXPECT_NE(mtp.error().find("MTP drafting of 'glm-dsa' (sparse attention in the NextN block)"),
+            std::string::npos)
+      << mtp.error();
+  EXPECT_EQ(mtp.error().find('\n'), std::string::npos);
+}
+
 }  // namespace
 }  // namespace kiln

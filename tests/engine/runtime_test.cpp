@@ -31,6 +31,13 @@ TEST(CudaRefusal, LatentRowsWiderThanTheKernelsAreRefusedByWidth) {
   EXPECT_EQ(cuda_refusal(hp).find("wider"), std::string::npos);
 }
 
+TEST(CudaRefusal, SparseAttentionIsRefused) {
+  auto m = Model::load(testing::model_path("glm5-f16.gguf"));
+  ASSERT_TRUE(m.has_value()) << m.error();
+  const std::string r = cuda_refusal((*m)->hparams());
+  EXPECT_NE(r.find("sparse attention ('glm-dsa')"), std::string::npos) << r;
+}
+
 TEST(CudaRefusal, OrdinaryAttentionIsNotRefused) {
   auto m = Model::load(testing::model_path("stories260K.gguf"));
   ASSERT_TRUE(m.has_value()) << m.error();

@@ -61,6 +61,7 @@ inline constexpr Fixture kFixtures[] = {
     {"deepseek2-mla-f16", false},
     {"deepseek2-mla-q8_0", true},
     {"deepseek2-mla-q4_k_m", true},
+    {"glm5-f16", false},
 };
 
 struct TopK {

@@ -156,7 +156,8 @@ INSTANTIATE_TEST_SUITE_P(Cpu, Golden,
 // whole 256-element blocks: tests/engine's TensorParallel.RefusesWhatDoesNotSplit), covering
 // GQA, QK-norm, sliding-window rings with softcaps, the attention gate, expert
 // parallelism (qwen3moe-f16; glm4moe-f16 with its shared expert split like a dense FFN) and
-// latent attention (deepseek2: heads split, latent replicated).
+// latent attention (deepseek2: heads split, latent replicated) and sparse attention (glm5:
+// every rank runs the whole indexer and makes the same choice).
 constexpr Fixture kTp2Fixtures[] = {
     {"stories260K", false},    {"stories260K-q8_0", true},   {"babyllama-tok105-f32", false},
     {"llama-gqa-f16", false},  {"llama-gqa-bf16", false},    {"llama-gqa-q8_0", true},
@@ -164,14 +165,17 @@ constexpr Fixture kTp2Fixtures[] = {
     {"gemma2-swa-q8_0", true}, {"gemma3-swa-f16", false},    {"muse-glimmer-f16", false},
     {"qwen3moe-f16", false},   {"phi3-f16", false},          {"gpt-oss-f16", false},
     {"glm4moe-f16", false},    {"deepseek2-mla-f16", false}, {"deepseek2-mla-q8_0", true},
+    {"glm5-f16", false},
 };
 INSTANTIATE_TEST_SUITE_P(CpuTp2, Golden,
                          ::testing::Combine(::testing::ValuesIn(kTp2Fixtures),
                                             ::testing::Values(Path::CpuTp2)),
                          param_name);
-// Four ranks: the fixtures with 8 query / 4 KV heads.
-constexpr Fixture kTp4Fixtures[] = {
-    {"stories260K", false}, {"babyllama-tok105-f32", false}, {"deepseek2-mla-f16", false}};
+// Four ranks: the fixtures with 8 query / 4 KV heads, and the latent ones with 8 heads.
+constexpr Fixture kTp4Fixtures[] = {{"stories260K", false},
+                                    {"babyllama-tok105-f32", false},
+                                    {"deepseek2-mla-f16", false},
+                                    {"glm5-f16", false}};
 INSTANTIATE_TEST_SUITE_P(CpuTp4, Golden,
                          ::testing::Combine(::testing::ValuesIn(kTp4Fixtures),
                                             ::testing::Values(Path::CpuTp4)),

@@ -3,7 +3,8 @@
 // continues greedy decoding with the same ids, and bit-identical logits, as the session that
 // prefilled locally. Models cover GQA, K-quants, sliding-window rings with prompts several
 // windows long (gemma2 window 8, muse-glimmer window 16 with NoPE layers), MoE, and latent
-// attention (deepseek2: one latent row per token and layer, no V plane).
+// attention (deepseek2: one latent row per token and layer, no V plane; glm5: plus the
+// indexer keys of its sparse attention).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -143,7 +144,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gemma2-swa-q8_0.gguf", 37}, Case{"gemma3-swa-f16.gguf", 29},
                       Case{"muse-glimmer-q4_k_m.gguf", 53}, Case{"qwen3moe-q4_k_m.gguf", 33},
                       // latent attention: K-only layers of latent rows
-                      Case{"deepseek2-mla-q8_0.gguf", 41}),
+                      Case{"deepseek2-mla-q8_0.gguf", 41},
+                      // sparse attention: the indexer keys' K-only layers travel too, and
+                      // 140 positions are past glm5's top_k of 128
+                      Case{"glm5-f16.gguf", 140}),
     [](const auto& info) {
       std::string n = info.param.file;
       n = n.substr(0, n.find('.'));

@@ -160,6 +160,58 @@ TEST(FailClosed, UnimplementedMathKeysRefuseTheLoad) {
   EXPECT_TRUE(contains(m.error(), "has no sliding-window layers")) << m.error();
 }
 
+// DeepSeek sparse attention's keys: refused by name on an architecture without it, and on
+// glm-dsa checked for what the indexer needs (one layer type per layer, a full layer first,
+// no GLM-5.2 default layout guessed).
+TEST(FailClosed, SparseAttentionKeysAreCheckedByName) {
+  auto on_deepseek2 = load_edited(
+      testing::model_path("deepseek2-mla-f16.gguf"),
+      [](GgufWriter& w, const std::string& arch) {
+        w.set_u32(arch + ".attention.indexer.top_k", 128);
+      },
+      no_add);
+  ASSERT_FALSE(on_deepseek2.has_value());
+  EXPECT_TRUE(contains(on_deepseek2.error(),
+                       "'deepseek2.attention.indexer.top_k' = 128 (DeepSeek sparse attention) is "
+                       "not supported"))
+      << on_deepseek2.error();
+  struct Case {
+    std::function<void(GgufWriter&, const std::string&)> edit;
+    const char* error;
+  };
+  const Case cases[] = {
+      {[](GgufWriter& w, const std::string& a) {
+         w.set_i32_array(a + ".attention.indexer.types", {1, 0});
+       },
+       "'glm-dsa.attention.indexer.types': expected an array of 3 bools"},
+      {[](GgufWriter& w, const std::string& a) {
+         w.set_i32_array(a + ".attention.indexer.types", {0, 1, 1});
+       },
+       "layer 0 is shared"},
+      {[](GgufWriter& w, const std::string& a) {
+         w.remove(a + ".attention.indexer.types");
+         w.set_u32(a + ".context_length", 1u << 20);
+       },
+       "GLM-5.2's built-in indexer layout) is not supported"},
+      {[](GgufWriter& w, const std::string& a) { w.remove(a + ".attention.indexer.top_k"); },
+       "missing metadata key 'glm-dsa.attention.indexer.top_k'"},
+  };
+  for (const Case& c : cases) {
+    auto m = load_edited(testing::model_path("glm5-f16.gguf"), c.edit, no_add);
+    ASSERT_FALSE(m.has_value()) << c.error;
+    EXPECT_TRUE(contains(m.error(), c.error)) << m.error();
+  }
+  // Without the types key a GLM-5 / 5.1 file (context below 2^20) has every layer full.
+  auto all_full = load_edited(
+      testing::model_path("glm5-f16.gguf"),
+      [](GgufWriter& w, const std::string& a) { w.remove(a + ".attention.indexer.types"); },
+      no_add);
+  ASSERT_TRUE(all_full.has_value()) << all_full.error();
+  for (const model::LayerDesc& L : (*all_full)->hparams().layers)
+    EXPECT_EQ(L.indexer, model::IndexerKind::Full);
+  EXPECT_EQ((*all_full)->hparams().n_indexer_kv, 3);
+}
+
 // The values kiln implements still load: the refusals above are about the value, not the key.
 TEST(FailClosed, ImplementedValuesOfMathKeysLoad) {
   auto m = load_edited(

@@ -239,6 +239,83 @@ std::shared_ptr<const Model> random_deepseek2(int64_t q_lora) {
   return model_from(w, "deepseek2-random.gguf");
 }
 
+// A random glm-dsa model (latent attention plus DeepSeek sparse attention) in memory, odd
+// sizes: 3 indexer heads of 24 (8 RoPE dims first), top_k 7 so that most queries of a
+// 37-token prompt choose; layers full, shared, full; a dense lead layer, then MoE with a shared
+// expert (glm-dsa is MoE).
+std::shared_ptr<const Model> random_glm_dsa() {
+  const int64_t E = 64, H = 4, NOPE = 16, ROPE = 8, KVL = 32, VD = 16, QL = 48, FF = 96;
+  const int64_t V = 100, L = 3, IH = 3, ID = 24, X = 4, FX = 40;
+  GgufWriter w;
+  const std::string a = "glm-dsa.";
+  w.set_str("general.architecture", "glm-dsa");
+  w.set_u32(a + "context_length", 256);
+  w.set_u32(a + "embedding_length", E);
+  w.set_u32(a + "block_count", L);
+  w.set_u32(a + "feed_forward_length", FF);
+  w.set_u32(a + "attention.head_count", H);
+  w.set_u32(a + "attention.head_count_kv", 1);
+  w.set_f32(a + "attention.layer_norm_rms_epsilon", 1e-6f);
+  w.set_u32(a + "attention.q_lora_rank", QL);
+  w.set_u32(a + "attention.kv_lora_rank", KVL);
+  w.set_u32(a + "attention.key_length", KVL + ROPE);
+  w.set_u32(a + "attention.value_length", KVL);
+  w.set_u32(a + "attention.key_length_mla", NOPE + ROPE);
+  w.set_u32(a + "attention.value_length_mla", VD);
+  w.set_u32(a + "rope.dimension_count", ROPE);
+  w.set_u32(a + "expert_count", X);
+  w.set_u32(a + "expert_used_count", 2);
+  w.set_u32(a + "expert_feed_forward_length", FX);
+  w.set_u32(a + "expert_shared_count", 1);
+  w.set_f32(a + "expert_weights_scale", 2.5f);
+  w.set_bool(a + "expert_weights_norm", true);
+  w.set_u32(a + "leading_dense_block_count", 1);
+  w.set_u32(a + "attention.indexer.head_count", IH);
+  w.set_u32(a + "attention.indexer.key_length", ID);
+  w.set_u32(a + "attention.indexer.top_k", 7);
+  w.set_i32_array(a + "attention.indexer.types", {1, 0, 1});
+  RandomTensors tensor(w, 23);
+  const float ws = 1.0f / std::sqrt(float(E));
+  tensor("token_embd.weight", {E, V}, true, 1.0f);
+  tensor("output_norm.weight", {E}, false, 1.0f);
+  tensor("output.weight", {E, V}, true, ws);
+  for (int64_t il = 0; il < L; ++il) {
+    auto n = [il](const char* s) { return fmt::format("blk.{}.{}", il, s); };
+    tensor(n("attn_norm.weight"), {E}, false, 1.0f);
+    tensor(n("attn_q_a.weight"), {E, QL}, true, ws);
+    tensor(n("attn_q_a_norm.weight"), {QL}, false, 1.0f);
+    tensor(n("attn_q_b.weight"), {QL, H * (NOPE + ROPE)}, true, 1.0f / std::sqrt(float(QL)));
+    tensor(n("attn_kv_a_mqa.weight"), {E, KVL + ROPE}, true, ws);
+    tensor(n("attn_kv_a_norm.weight"), {KVL}, false, 1.0f);
+    tensor(n("attn_k_b.weight"), {NOPE, KVL, H}, true, 1.0f / std::sqrt(float(NOPE)));
+    tensor(n("attn_v_b.weight"), {KVL, VD, H}, true, 1.0f / std::sqrt(float(KVL)));
+    tensor(n("attn_output.weight"), {H * VD, E}, true, 1.0f / std::sqrt(float(H * VD)));
+    if (il != 1) {  // the shared layer has no indexer of its own
+      tensor(n("indexer.attn_q_b.weight"), {QL, IH * ID}, true, 1.0f / std::sqrt(float(QL)));
+      tensor(n("indexer.attn_k.weight"), {E, ID}, true, ws);
+      tensor(n("indexer.k_norm.weight"), {ID}, false, 1.0f);
+      tensor(n("indexer.k_norm.bias"), {ID}, false, 0.2f);
+      tensor(n("indexer.proj.weight"), {E, IH}, false, ws);
+    }
+    tensor(n("ffn_norm.weight"), {E}, false, 1.0f);
+    if (il == 0) {
+      tensor(n("ffn_gate.weight"), {E, FF}, true, ws);
+      tensor(n("ffn_up.weight"), {E, FF}, true, ws);
+      tensor(n("ffn_down.weight"), {FF, E}, true, 1.0f / std::sqrt(float(FF)));
+      continue;
+    }
+    tensor(n("ffn_gate_inp.weight"), {E, X}, false, ws);
+    tensor(n("exp_probs_b.bias"), {X}, false, 0.1f);
+    tensor(n("ffn_gate_exps.weight"), {E, FX, X}, true, ws);
+    tensor(n("ffn_up_exps.weight"), {E, FX, X}, true, ws);
+    tensor(n("ffn_down_exps.weight"), {FX, E, X}, true, 1.0f / std::sqrt(float(FX)));
+    tensor(n("ffn_gate_shexp.weight"), {E, FX}, true, ws);
+    tensor(n("ffn_up_shexp.weight"), {E, FX}, true, ws);
+    tensor(n("ffn_down_shexp.weight"), {FX, E}, true, 1.0f / std::sqrt(float(FX)));
+  }
+  return model_from(w, "glm-dsa-random.gguf");
+}
+
 // The ref backend differs from the reference pass only by the f16 KV planes.
 constexpr double kRefBackendTol = 5e-3;
 
@@ -318,6 +395,13 @@ TEST(FastVsReference, Deepseek2NoQLoraRefBackend) {
   auto be = make_ref_backend();
   run_compare(random_deepseek2(0), *be, kRefBackendTol, 40);
 }
+// Sparse attention: the fast pass's indexer (f16 key plane, keys scored by one matmul) and
+// per-query attention over the kept keys against the reference's, prefill and decode (the
+// glm5-f16 fixture's top_k of 128 is past this test's context: tests/golden covers it).
+TEST(FastVsReference, GlmDsaSparseRefBackend) {
+  auto be = make_ref_backend();
+  run_compare(random_glm_dsa(), *be, kRefBackendTol, 37);
+}
 TEST(FastVsReference, Phi3PartialRotaryRefBackend) {
   auto be = make_ref_backend();
   run_compare(random_phi3(12), *be, kRefBackendTol, 30);
@@ -380,11 +464,45 @@ TEST(FastVsReference, Deepseek2NoQLoraCpuBackend) {
   auto be = make_cpu_backend({.threads = 2});
   run_compare(random_deepseek2(0), *be, 1e-2, 40);
 }
+TEST(FastVsReference, GlmDsaSparseCpuBackend) {
+  auto be = make_cpu_backend({.threads = 2});
+  run_compare(random_glm_dsa(), *be, 1e-2, 37);
+}
 TEST(FastVsReference, Phi3PartialRotaryCpuBackend) {
   auto be = make_cpu_backend({.threads = 2});
   run_compare(random_phi3(12), *be, 1e-2, 30);
 }
 #endif
+
+// Selection is not a no-op in the reference: with top_k raised past the context, the same
+// model's logits are bit-equal where a query sees no more than top_k (7) keys and differ
+// after, so the comparisons above pin a pass that really selects.
+TEST(FastVsReference, GlmDsaSelectionChangesTheLaterPositions) {
+  auto m = random_glm_dsa();
+  model::HParams dense = m->hparams();
+  ASSERT_EQ(dense.dsa.top_k, 7);
+  dense.dsa.top_k = 1 << 20;
+  model::ReferenceSession sparse_ref(m->hparams(), m->weights(), 64);
+  model::ReferenceSession dense_ref(dense, m->weights(), 64);
+  std::mt19937 rng(11);
+  std::vector<int32_t> toks(37);
+  for (int32_t& t : toks) t = static_cast<int32_t>(rng() % uint32_t(m->n_vocab()));
+  auto a = sparse_ref.eval(toks, true);
+  ASSERT_TRUE(a.has_value()) << a.error();
+  const std::vector<float> sparse(a->begin(), a->end());
+  auto b = dense_ref.eval(toks, true);
+  ASSERT_TRUE(b.has_value()) << b.error();
+  const size_t V = static_cast<size_t>(m->n_vocab());
+  int differing = 0;
+  for (size_t t = 0; t < toks.size(); ++t) {
+    float worst = 0;
+    for (size_t i = 0; i < V; ++i)
+      worst = std::max(worst, std::abs(sparse[t * V + i] - (*b)[t * V + i]));
+    if (t < 7) EXPECT_EQ(worst, 0.0f) << "position " << t;
+    differing += worst > 1e-3f;
+  }
+  EXPECT_GE(differing, 25);
+}
 
 // The partial-rotary model is not the full-rotary one: the test above would not notice a pass
 // that rotated every dim in both the fast and the reference path, so pin that the dims past
