@@ -57,8 +57,8 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
   const golden::Golden g = golden::load(fx.name);
   auto m = Model::load(testing::model_path(std::string(fx.name) + ".gguf"));
   ASSERT_TRUE(m.has_value()) << m.error();
-  // What engine/runtime refuses on CUDA (latent attention until it has run on a GPU, the
-  // sparse attention of glm-dsa).
+  // What engine/runtime refuses on CUDA (latent rows wider than the attention kernels take,
+  // the sparse attention of glm-dsa).
   if (const std::string r = cuda_refusal((*m)->hparams()); !r.empty())
     GTEST_SKIP() << fx.name << ": " << r;
   const GgufFile& f = (*m)->gguf();
