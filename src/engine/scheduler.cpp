@@ -773,18 +773,26 @@ void Scheduler::accept_forced(Slot& s, const Work& w, std::span<const float> row
     if (!agree) break;
     ++a;
   }
+  keep_verified(s, w, base, a, true);
+}
+
+void Scheduler::keep_verified(Slot& s, const Work& w, int32_t base, int32_t a, bool forced) {
+  const int32_t k = w.n_draft;
+  // Rejected rows belong to the last append, which every plane (rings included) can undo.
   if (a < k) {
     const Status st = s.session->rollback(base + 1 + a);
-    KILN_CHECK(st.is_ok(), "rollback of forced drafts: {}", st.message());
+    KILN_CHECK(st.is_ok(), "rollback of rejected drafts: {}", st.message());
   }
   s.cached.insert(s.cached.end(), w.tokens.begin(), w.tokens.begin() + 1 + a);
   std::lock_guard lk(mu_);
   ++counters_.spec_steps;
   counters_.spec_drafted += static_cast<uint64_t>(k);
   counters_.spec_accepted += static_cast<uint64_t>(a);
-  ++counters_.forced_steps;
-  counters_.forced_drafted += static_cast<uint64_t>(k);
-  counters_.forced_accepted += static_cast<uint64_t>(a);
+  if (forced) {
+    ++counters_.forced_steps;
+    counters_.forced_drafted += static_cast<uint64_t>(k);
+    counters_.forced_accepted += static_cast<uint64_t>(a);
+  }
 }
 
 void Scheduler::accept_drafts(Slot& s, const Work& w, std::span<const float> rows) {
@@ -810,19 +818,7 @@ void Scheduler::accept_drafts(Slot& s, const Work& w, std::span<const float> row
   if (s.drafter) s.drafter->observe_target(s.capture, 1 + a);
   s.n_drafted += k;
   s.n_accepted += a;
-  // Rejected rows belong to the last append, which every plane (rings included) can undo.
-  const int32_t base = s.session->n_pos() - (k + 1);
-  if (a < k) {
-    const Status st = s.session->rollback(base + 1 + a);
-    KILN_CHECK(st.is_ok(), "rollback of rejected drafts: {}", st.message());
-  }
-  s.cached.insert(s.cached.end(), w.tokens.begin(), w.tokens.begin() + 1 + a);
-  {
-    std::lock_guard lk(mu_);
-    ++counters_.spec_steps;
-    counters_.spec_drafted += static_cast<uint64_t>(k);
-    counters_.spec_accepted += static_cast<uint64_t>(a);
-  }
+  keep_verified(s, w, s.session->n_pos() - (k + 1), a, false);
   // emit_token may end the request (end of generation, max_tokens): stop there.
   for (int32_t i = 0; i < a && s.req; ++i)
     emit_token(s, drafts[static_cast<size_t>(i)], rows.subspan(static_cast<size_t>(i) * V, V));
