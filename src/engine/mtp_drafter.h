@@ -61,7 +61,6 @@ class MtpDrafter final : public Drafter {
   int32_t max_batch_;
   int32_t n_real_ = 0;         // NextN KV rows built from the target's own hidden states
   std::vector<float> hidden_;  // [n_seen][n_embd] target hidden states not yet consumed
-  int32_t hidden_first_ = 0;   // position of hidden_'s first row
   std::vector<float> logits_, last_logits_;
   std::vector<float> out_hidden_, last_hidden_;
   std::vector<int32_t> pos_scratch_;

@@ -279,7 +279,7 @@ Expected<std::unique_ptr<Scheduler::Request>> Scheduler::make_request(Generation
   req->spec_rng = Rng(req->params.sampling.seed);
   if (req->params.grammar)
     req->constraint.emplace(
-        Constraint{req->params.grammar_vocab, grammar::Matcher(req->params.grammar), {}});
+        Constraint{req->params.grammar_vocab, grammar::Matcher(req->params.grammar), {}, {}, {}});
   return req;
 }
 

@@ -481,9 +481,11 @@ Status BatchEval::eval_impl(std::span<const Item> items, int32_t top_k) {
     const auto n = static_cast<int64_t>(it.tokens.size());
     if (it.capture) {
       it.capture->clear();
-      for (const auto& [name, node] : b.capture.nodes) {
+      for (const auto& entry : b.capture.nodes) {
+        const auto& name = entry.first;
+        const auto& node = entry.second;
         if (node.n_rows != total || !it.capture->wants(name)) continue;
-        const auto row = [&](int64_t i) {
+        const auto row = [&node](int64_t i) {
           return node.data.begin() + static_cast<ptrdiff_t>(i * node.width);
         };
         it.capture->record(name, std::span<const float>(row(first), row(first + n)), n);
