@@ -160,6 +160,18 @@ const BenchWeights& weights(DType type, int64_t n_rows, int64_t n_cols) {
     case DType::Q4_0:
       fix_blocks<block_q4_0>(w->bytes, [](block_q4_0& b) { b.d = f32_to_f16(0.01f); });
       break;
+    case DType::IQ4_NL:
+      fix_blocks<block_iq4_nl>(w->bytes, [](block_iq4_nl& b) { b.d = f32_to_f16(0.01f); });
+      break;
+    case DType::MXFP4:
+      fix_blocks<block_mxfp4>(w->bytes, [](block_mxfp4& b) { b.e = 120; });
+      break;
+    case DType::Q2_K:
+      fix_blocks<block_q2_K>(w->bytes, [](block_q2_K& b) { b.d = b.dmin = f32_to_f16(0.01f); });
+      break;
+    case DType::Q3_K:
+      fix_blocks<block_q3_K>(w->bytes, [](block_q3_K& b) { b.d = f32_to_f16(0.01f); });
+      break;
     case DType::Q4_K:
       fix_blocks<block_q4_K>(w->bytes, [](block_q4_K& b) { b.d = b.dmin = f32_to_f16(0.01f); });
       break;
@@ -594,7 +606,7 @@ BENCHMARK(BM_AttnMultiOnOff)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(1.0);
 
-// The one-token Q4_K / Q6_K kernels against the plain ones, 1 thread,
+// The one-token Q4_K / Q6_K / Q2_K / Q3_K kernels against the plain ones, 1 thread,
 // thread CPU time, alternating within each iteration, best of each; also checks that the two
 // give the same bits. Shapes: the 1B dense model's FFN and a MoE expert slice (256 x 1024 and
 // 1024 x 256, 147 KB: L2-resident here, so this is the kernels' arithmetic). args: type, rows,
@@ -609,7 +621,7 @@ void BM_KQOneOnOff(benchmark::State& state) {
   state.counters["old_GB/s"] = bytes / best_off * 1e-9;
 }
 void KQOneArgs(benchmark::internal::Benchmark* b) {
-  for (DType type : {DType::Q4_K, DType::Q6_K})
+  for (DType type : {DType::Q4_K, DType::Q6_K, DType::Q2_K, DType::Q3_K})
     for (auto [rows, cols] :
          {std::pair<int64_t, int64_t>{5632, 2048}, {2048, 5632}, {256, 1024}, {1024, 256}})
       b->Args({static_cast<int64_t>(type), rows, cols});
@@ -620,19 +632,25 @@ BENCHMARK(BM_KQOneOnOff)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.5);
 
-// The AVX2 one-token Q8_0 kernel against the plain one (on AVX-512 machines both sides run the
-// plain kernel), as
-// BM_KQOneOnOff: 1 thread, alternating, best of each, same bits checked. args: rows, columns.
+// The one-token Q8_0-family kernels (AVX-512: every type; AVX2: Q8_0) against the plain one,
+// as BM_KQOneOnOff: 1 thread, alternating, best of each, same bits checked. Shapes: the 1B dense
+// model's FFN and a MoE expert slice. args: type, rows, columns.
 void BM_Q8OneOnOff(benchmark::State& state) {
-  const BenchWeights& w = weights(DType::Q8_0, state.range(0), state.range(1));
+  const BenchWeights& w =
+      weights(static_cast<DType>(state.range(0)), state.range(1), state.range(2));
   const auto [best_on, best_off] = time_on_off(state, w, 1, "one-token");
   const double bytes = static_cast<double>(w.bytes.size());
   state.counters["new_GB/s"] = bytes / best_on * 1e-9;
   state.counters["old_GB/s"] = bytes / best_off * 1e-9;
 }
+void Q8OneArgs(benchmark::internal::Benchmark* b) {
+  for (DType type : {DType::Q8_0, DType::Q4_0, DType::IQ4_NL, DType::MXFP4})
+    for (auto [rows, cols] :
+         {std::pair<int64_t, int64_t>{5632, 2048}, {2048, 5632}, {256, 1024}, {1024, 256}})
+      b->Args({static_cast<int64_t>(type), rows, cols});
+}
 BENCHMARK(BM_Q8OneOnOff)
-    ->Args({5632, 2048})
-    ->Args({2048, 5632})
+    ->Apply(Q8OneArgs)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.5);

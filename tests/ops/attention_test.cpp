@@ -216,6 +216,14 @@ void check_attention_multi(std::mt19937_64& rng, bool light) {
       const std::vector<float>& q = p.q;
       const std::vector<int32_t>& q_pos = p.q_pos;
       AttentionArgs& a = p.args;
+      // gpt-oss's sinks on every other case: around the logits' range, so some heads' sink is
+      // above their running max at the finish and some below.
+      std::vector<float> sinks;
+      if (iter % 2 == 0) {
+        std::uniform_real_distribution<float> sd(-4.0f, 8.0f);
+        for (int64_t h = 0; h < n_head; ++h) sinks.push_back(sd(rng));
+        a.sinks = sinks;
+      }
       std::vector<float> on1(q.size(), NAN), on2(q.size(), NAN), off1(q.size(), NAN),
           off2(q.size(), NAN);
       a.out = on1;

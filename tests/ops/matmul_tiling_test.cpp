@@ -89,6 +89,21 @@ std::vector<std::byte> random_k_rows(DType type, int64_t k, int64_t n_rows, std:
       blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
       std::memcpy(bytes.data() + off, &blk, sizeof blk);
     }
+  } else if (type == DType::Q2_K) {  // every quant, scale and min: raw bytes
+    for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q2_K)) {
+      quant::block_q2_K blk;
+      std::memcpy(&blk, bytes.data() + off, sizeof blk);
+      blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 4)));
+      blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
+      std::memcpy(bytes.data() + off, &blk, sizeof blk);
+    }
+  } else if (type == DType::Q3_K) {  // every code, high bit and 6-bit scale: raw bytes
+    for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q3_K)) {
+      quant::block_q3_K blk;
+      std::memcpy(&blk, bytes.data() + off, sizeof blk);
+      blk.d = f32_to_f16(std::ldexp(rng() % 2 ? 1.0f : -1.0f, -9 - static_cast<int>(rng() % 4)));
+      std::memcpy(bytes.data() + off, &blk, sizeof blk);
+    }
   } else {
     for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q6_K)) {
       quant::block_q6_K blk;
@@ -316,19 +331,20 @@ void expect_one_token_same_bits(const WeightMatrix& w, std::mt19937_64& rng) {
   }
 }
 
-// The one-token Q4_K / Q6_K kernels (AVX-512 VNNI, decode; on AVX2 machines kq_avx2-inl.h's) must
-// give the plain kernels' bits, which the portable backend runs, so this is also the proof that the
-// fast kernels change nothing but speed. On every SIMD target this machine runs. Raw random blocks
-// reach every quant, scale and min value (the int16 lane sums' bounds and the vector decoding of
-// the 6-bit scales); widths of 1, 3 and 4 blocks (the expert slices' 1024 columns) and of 13
-// (matrices where the software prefetch's span lies inside for most row groups and past the end for
-// the last), odd row counts (a last row group of 1..3 rows) split over 1 and 2 threads; an all-zero
-// token, one with a huge element and one with a NaN.
+// The one-token Q4_K / Q6_K kernels (AVX-512 VNNI, decode; on AVX2 machines kq_avx2-inl.h's) and
+// Q2_K / Q3_K ones (kq23-inl.h's row kernels, both targets) must give the plain kernels' bits,
+// which the portable backend runs, so this is also the proof that the fast kernels change nothing
+// but speed. On every SIMD target this machine runs. Raw random blocks reach every quant, scale and
+// min value (the int16 lane sums' bounds and the vector decoding of the 6-bit scales); widths of 1,
+// 3 and 4 blocks (the expert slices' 1024 columns) and of 13 (matrices where the software
+// prefetch's span lies inside for most row groups and past the end for the last), odd row counts (a
+// last row group of 1..3 rows) split over 1 and 2 threads; an all-zero token, one with a huge
+// element and one with a NaN.
 TEST(MatmulKQOne, SameBitsAsPlainKernel) {
   std::mt19937_64 rng(ops_seed() ^ 0x5bd1e995ULL);
   kiln::testing::for_each_simd_target([&] {
     SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-    for (DType type : {DType::Q4_K, DType::Q6_K}) {
+    for (DType type : {DType::Q4_K, DType::Q6_K, DType::Q2_K, DType::Q3_K}) {
       for (int64_t k : {256, 768, 1024, 3328}) {
         for (int64_t n_rows : {1, 3, 67, 131}) {
           const size_t rb = *row_bytes(type, k);
@@ -345,40 +361,55 @@ TEST(MatmulKQOne, SameBitsAsPlainKernel) {
   });
 }
 
-// The AVX2 one-token Q8_0 kernel (machines without AVX-512; on every SIMD target this machine runs,
-// where the others' fast and portable paths are the same) must give the plain kernel's bits: raw
-// random quants (-128 included), finite block scales, rows of 1..65 blocks, odd row counts (the
-// two-row calls and a single row left over) over 1 and 2 threads, a column block of a wider matrix
-// (strided rows); the token zero, tiny, with a huge element, with a NaN.
+// Raw random Q8_0 / Q4_0 / Q5_0 / IQ4_NL rows: every quant value (Q8_0's -128 included, which
+// quantize_row never writes), with finite moderate block scales, one block in 16 zero.
+std::vector<std::byte> random_q8_family_rows(DType type, int64_t k, int64_t n_rows,
+                                             std::mt19937_64& rng) {
+  std::vector<std::byte> bytes(*row_bytes(type, k) * n_rows);
+  for (auto& b : bytes) b = static_cast<std::byte>(rng());
+  const size_t block = *row_bytes(type, 32);
+  for (size_t off = 0; off < bytes.size(); off += block) {
+    if (type == DType::MXFP4) {  // its scale is an exponent byte: 2^(e - 128) in [2^-16, 2^0]
+      bytes[off] = static_cast<std::byte>(rng() % 16 == 0 ? 0 : 112 + rng() % 17);
+      continue;
+    }
+    const f16 d =
+        rng() % 16 == 0
+            ? f32_to_f16(0.0f)
+            : f32_to_f16(std::ldexp(rng() % 2 ? 1.0f : -1.0f, -8 - static_cast<int>(rng() % 6)));
+    std::memcpy(bytes.data() + off, &d, sizeof d);  // d leads every block of these types
+  }
+  return bytes;
+}
+
+// The one-token Q8_0-family kernels (AVX-512 VNNI: every type, rows in groups of 8 and pairs;
+// AVX2: Q8_0, rows in pairs) must give the plain kernel's bits, on every SIMD target this machine
+// runs (where a target has no fast kernel both sides run the plain one): raw random quants (-128
+// included) and block scales (some zero), rows of 1..65 blocks, row counts that leave every
+// remainder of the 8-row groups (a pair, a single row) over 1 and 2 threads, a column block of
+// a wider matrix (strided rows); the token zero, tiny, with a huge element, with a NaN.
 TEST(MatmulQ8One, SameBitsAsPlainKernel) {
   std::mt19937_64 rng(ops_seed() ^ 0x3c6ef372ULL);
   kiln::testing::for_each_simd_target([&] {
     SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-    for (int64_t k : {32, 96, 2048, 2080}) {
-      for (int64_t n_rows : {1, 2, 3, 67, 131}) {
-        for (bool strided : {false, true}) {
-          if (strided && n_rows != 67) continue;
-          const int64_t k_all = strided ? k + 64 : k;
-          const size_t rb = *row_bytes(DType::Q8_0, k_all);
-          std::vector<std::byte> bytes(rb * size_t(n_rows));
-          for (auto& b : bytes) b = static_cast<std::byte>(rng());
-          for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q8_0)) {
-            quant::block_q8_0 blk;
-            std::memcpy(&blk, bytes.data() + off, sizeof blk);
-            blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 6)));
-            if (rng() % 8 == 0) blk.qs[rng() % 32] = -128;
-            std::memcpy(bytes.data() + off, &blk, sizeof blk);
+    for (DType type : {DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::IQ4_NL, DType::MXFP4}) {
+      for (int64_t k : {32, 96, 2048, 2080}) {
+        for (int64_t n_rows : {1, 2, 3, 8, 11, 67, 131}) {
+          for (bool strided : {false, true}) {
+            if (strided && n_rows != 67) continue;
+            const int64_t k_all = strided ? k + 64 : k;
+            const std::vector<std::byte> bytes = random_q8_family_rows(type, k_all, n_rows, rng);
+            const WeightMatrix full{.dtype = type,
+                                    .n_cols = k_all,
+                                    .n_rows = n_rows,
+                                    .row_bytes = *row_bytes(type, k_all),
+                                    .bytes = bytes};
+            const WeightMatrix w = strided ? full.columns(32, k) : full;
+            SCOPED_TRACE(::testing::Message() << dtype_name(type) << " k " << k << " rows "
+                                              << n_rows << " strided " << strided);
+            expect_one_token_same_bits(w, rng);
+            if (::testing::Test::HasFatalFailure()) return;
           }
-          const WeightMatrix full{.dtype = DType::Q8_0,
-                                  .n_cols = k_all,
-                                  .n_rows = n_rows,
-                                  .row_bytes = rb,
-                                  .bytes = bytes};
-          const WeightMatrix w = strided ? full.columns(32, k) : full;
-          SCOPED_TRACE(::testing::Message()
-                       << "k " << k << " rows " << n_rows << " strided " << strided);
-          expect_one_token_same_bits(w, rng);
-          if (::testing::Test::HasFatalFailure()) return;
         }
       }
     }
@@ -453,27 +484,6 @@ TEST(MatmulFloatTile, SameBitsOnEveryTarget) {
     SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
     check_float_tile(rng, true);
   });
-}
-
-// Raw random Q8_0 / Q4_0 / Q5_0 / IQ4_NL rows: every quant value (Q8_0's -128 included, which
-// quantize_row never writes), with finite moderate block scales, one block in 16 zero.
-std::vector<std::byte> random_q8_family_rows(DType type, int64_t k, int64_t n_rows,
-                                             std::mt19937_64& rng) {
-  std::vector<std::byte> bytes(*row_bytes(type, k) * n_rows);
-  for (auto& b : bytes) b = static_cast<std::byte>(rng());
-  const size_t block = *row_bytes(type, 32);
-  for (size_t off = 0; off < bytes.size(); off += block) {
-    if (type == DType::MXFP4) {  // its scale is an exponent byte: 2^(e - 128) in [2^-16, 2^0]
-      bytes[off] = static_cast<std::byte>(rng() % 16 == 0 ? 0 : 112 + rng() % 17);
-      continue;
-    }
-    const f16 d =
-        rng() % 16 == 0
-            ? f32_to_f16(0.0f)
-            : f32_to_f16(std::ldexp(rng() % 2 ? 1.0f : -1.0f, -8 - static_cast<int>(rng() % 6)));
-    std::memcpy(bytes.data() + off, &d, sizeof d);  // d leads every block of these types
-  }
-  return bytes;
 }
 
 // The 512-bit VNNI Q8_0 / Q4_0 / Q5_0 / IQ4_NL kernel (AVX-512 VNNI, 8+ tokens) must give the plain

@@ -6,7 +6,8 @@
 // kernel's arithmetic in the same order, so its bits are the per-pair kernel's.
 // Heads a whole number of vectors wide take the multi-pair kernel: up to four (query, head)
 // pairs of one KV head share each K and V row's load and f16 conversion, every pair doing the
-// per-pair kernel's float ops in its order, with its accumulator held in registers.
+// per-pair kernel's float ops in its order (attention sinks' finish included), with its
+// accumulator held in registers.
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_attention.cpp"
@@ -344,6 +345,7 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
   V q[NP][C], acc[NP][C];
   float* out[NP];
   float* logit[NP];
+  int64_t head[NP];
   int32_t pos[NP];
   float m[NP], l[NP];
   for (size_t p = 0; p < NP; ++p) {
@@ -354,6 +356,7 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
       acc[p][c] = hn::Zero(d);
     }
     out[p] = a.out.data() + qi * q_w + h * hd;
+    head[p] = h;
     logit[p] = scratch + p * (kKeyBlock + 64);
     pos[p] = a.q_pos[qi];
     m[p] = -INFINITY;
@@ -518,6 +521,19 @@ HWY_INLINE void AttentionMultiT(const AttentionArgs& a, int64_t kvh, int64_t e0,
     if (l[p] == 0) {
       std::fill(out[p], out[p] + hd, 0.0f);
       continue;
+    }
+    // The sink, as AttentionOneK's finish: the same scalar exp, and the rescale of the
+    // accumulator is its ScaleAcc's lane-wise multiply.
+    if (!a.sinks.empty()) {
+      const float sink = a.sinks[static_cast<size_t>(head[p])];
+      if (sink > m[p]) {
+        const float cf = std::exp(m[p] - sink);
+        const V cv = hn::Set(d, cf);
+        for (size_t c = 0; c < C; ++c) acc[p][c] = hn::Mul(acc[p][c], cv);
+        l[p] = l[p] * cf + 1.0f;
+      } else {
+        l[p] += std::exp(sink - m[p]);
+      }
     }
     const V inv = hn::Set(d, 1.0f / l[p]);
     for (size_t c = 0; c < C; ++c) hn::StoreU(hn::Mul(acc[p][c], inv), d, out[p] + c * N);

@@ -301,15 +301,17 @@ class CpuBackend final : public Backend {
     KILN_CHECK(a.k.size() == a.v.size() && a.k.size() % kv_w == 0);
     KILN_CHECK(a.sinks.empty() || static_cast<int64_t>(a.sinks.size()) == a.n_head);
     std::lock_guard<std::mutex> lock(mu_);
-    // Sinks (gpt-oss) are applied by the plain kernel only: the grouped and multi-pair
-    // kernels below do not take them.
-    const bool plain_only = portable_ || !a.sinks.empty();
+    // Sinks (gpt-oss) are applied by the plain and multi-pair kernels; the grouped kernel for
+    // narrow heads does not take them.
+    const bool plain_only = portable_;
     const size_t per_thread = cpu::attention_scratch_floats(a.head_dim);
     float* scratch = thread_scratch(per_thread);
     const int64_t work = a.n_q * a.n_head * static_cast<int64_t>(a.kv_rows.size()) * a.head_dim;
     // Narrow heads: one task per (KV head, run of queries), the pairs in vector lanes.
     const int64_t group = a.n_head / a.n_head_kv;
-    if (const int64_t tq = cpu::attention_group_tokens(a.head_dim, group, plain_only); tq > 0) {
+    if (const int64_t tq =
+            cpu::attention_group_tokens(a.head_dim, group, plain_only || !a.sinks.empty());
+        tq > 0) {
       const int64_t n_runs = (a.n_q + tq - 1) / tq, tasks = a.n_head_kv * n_runs;
       auto body = [&](int64_t b, int64_t e, int t) {
         float* s = scratch + static_cast<size_t>(t) * per_thread;

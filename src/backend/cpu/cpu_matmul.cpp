@@ -16,6 +16,7 @@
 #include "hwy/highway.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -166,19 +167,19 @@ HWY_INLINE __m256i DotI16(__m256i acc, __m256i a, __m256i b) {
 // Signed 32 weights of one block of the Q8_0 family, element order as in the format.
 HWY_INLINE __m256i UnpackQ8_0(const std::byte* row, int64_t i, float* d) {
   const auto* b = reinterpret_cast<const block_q8_0*>(row + i * sizeof(block_q8_0));
-  *d = f16_to_f32(b->d);
+  *d = _cvtsh_ss(b->d.bits);  // F16C: exact, f16_to_f32's value in one instruction
   return Load32(b->qs);
 }
 HWY_INLINE __m256i UnpackQ4_0(const std::byte* row, int64_t i, float* d) {
   const auto* b = reinterpret_cast<const block_q4_0*>(row + i * sizeof(block_q4_0));
-  *d = f16_to_f32(b->d);
+  *d = _cvtsh_ss(b->d.bits);  // F16C: exact, f16_to_f32's value in one instruction
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
   const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1);
   return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
 }
 HWY_INLINE __m256i UnpackQ5_0(const std::byte* row, int64_t i, float* d) {
   const auto* b = reinterpret_cast<const block_q5_0*>(row + i * sizeof(block_q5_0));
-  *d = f16_to_f32(b->d);
+  *d = _cvtsh_ss(b->d.bits);  // F16C: exact, f16_to_f32's value in one instruction
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
   const __m256i nib =
       _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
@@ -434,6 +435,35 @@ struct KIQ4_XS {
     DotIQ4XS<T>(w, nb, y, o);
   }
 };
+// Rows [r0, r1) of a one-token Q2_K (kQ2) or Q3_K job: kq23-inl.h's row kernels, two rows per
+// call with the prefetch span of the other one-token kernels (rows back to back only), a last
+// row alone.
+template <bool kQ2>
+void MatvecQ23(const MatmulJob& job, int64_t r0, int64_t r1) {
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / 256;
+  const auto* y = reinterpret_cast<const block_q8_K*>(job.xq);
+  const size_t stride = w.stride();
+  const bool prefetch = !w.strided();
+  const std::byte* end = w.bytes.data() + w.bytes.size();
+  const auto dot = [&](auto rows, int64_t r, const std::byte* pf) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (kQ2)
+      DotQ2KRows<R>(w.row(r).data(), stride, nb, y, job.y + r, pf);
+    else
+      DotQ3KRows<R>(w.row(r).data(), stride, nb, y, job.y + r, pf);
+  };
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2) {
+    const std::byte* pf = nullptr;
+    if (prefetch) {
+      const std::byte* p = w.row(r).data() + kMatvecPrefetchBytes;
+      if (p + 2 * stride <= end) pf = p;
+    }
+    dot(std::integral_constant<int, 2>{}, r, pf);
+  }
+  if (r < r1) dot(std::integral_constant<int, 1>{}, r, nullptr);
+}
 #if HWY_TARGET == HWY_AVX2
 template <int T>
 struct KQ4_KAvx2 {
@@ -1180,6 +1210,151 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
     }
   }
 }
+
+// ---------------------------------------------------------------- single-token Q8_0 family (VNNI)
+// A decode step's matvec for the 32-weight block types (Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4). The
+// plain kernel (DotQ8Family<1>) runs one row at a time: its one FMA per block makes a single
+// dependency chain, 32 weights per FMA latency, and the token's block is loaded and sign-moved
+// per row. Here two rows share one 512-bit register, R/2 such registers are independent chains,
+// and the token's block is loaded once for all R rows.
+//
+// Lane layout: a row pair's register holds [row 2q elements 0..15 | row 2q+1's 0..15 | row
+// 2q's 16..31 | row 2q+1's 16..31] (the 128-bit quarters), the token's block [0..15 | 0..15 |
+// 16..31 | 16..31] to match, so the 4-bit types unpack both rows with one shift, mask and
+// 512-bit table lookup. The weights unpack biased to unsigned (w + 128, the tables shifted so the
+// lookup adds it for free), and vpdpbusd multiplies them against the token's signed quants into
+// an accumulator started at -128 * (sum of the lane's 4 quants), computed once per block for all
+// rows: each dword lane is then exactly the plain kernel's lane sum for its row, the sum of
+// the same 4 products w * y (|lane| < 2^17). Then fma(dw * yd, float(lane), acc) in block
+// order with dw * yd the plain kernel's product. Only
+// the lanes' positions differ: the end puts each row's 8 lanes back in order and sums them as
+// Hsum does (HsumPair), so each row gets the plain kernel's bits (tests/ops MatmulQ8One).
+
+// Lane position -> [dA * yd, dB * yd] index of a pair's scales, and lanes back in row order.
+alignas(64) constexpr int32_t kQ8PairScaleIdx[16] = {0, 0, 0, 0, 1, 1, 1, 1,
+                                                     0, 0, 0, 0, 1, 1, 1, 1};
+alignas(64) constexpr int32_t kQ8PairLaneOrder[16] = {0, 1, 2, 3, 8,  9,  10, 11,
+                                                      4, 5, 6, 7, 12, 13, 14, 15};
+
+// The pair unpacks: two rows' block i as w + 128 in the layout above, and [dA, dB, -, -].
+// A 4-bit code's signed value plus 128, as a byte.
+constexpr std::array<uint8_t, 16> Biased(const int8_t (&v)[16]) {
+  std::array<uint8_t, 16> b{};
+  for (int k = 0; k < 16; ++k) b[k] = static_cast<uint8_t>(v[k] + 128);
+  return b;
+}
+alignas(16) constexpr std::array<uint8_t, 16> kIQ4NLBiased = Biased(quant::kIQ4NLValues);
+alignas(16) constexpr std::array<uint8_t, 16> kMxfp4Biased = Biased(quant::kMxfp4Values);
+// 4-bit codes of two blocks: [qsA | qsB | qsA >> 4 | qsB >> 4] masked to nibbles.
+KILN_VNNI512_INLINE __m512i NibblePair(const uint8_t* qa, const uint8_t* qb) {
+  const __m256i q = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qa))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 1);
+  return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1),
+                          _mm512_set1_epi8(0x0F));
+}
+// Two f16 scales as [dA, dB, 0, 0] (F16C: exact, f16_to_f32's values).
+KILN_VNNI512_INLINE __m128 HalfPair(f16 a, f16 b) {
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(a.bits | (b.bits << 16)));
+}
+template <class Block>
+KILN_VNNI512_INLINE const Block* BlockAt(const std::byte* row, int64_t i) {
+  return reinterpret_cast<const Block*>(row + i * sizeof(Block));
+}
+KILN_VNNI512_INLINE __m512i PairQ4_0(const std::byte* ra, const std::byte* rb, int64_t i,
+                                     __m128* d) {
+  const auto *a = BlockAt<block_q4_0>(ra, i), *b = BlockAt<block_q4_0>(rb, i);
+  *d = HalfPair(a->d, b->d);
+  return _mm512_add_epi8(NibblePair(a->qs, b->qs), _mm512_set1_epi8(120));  // q - 8 + 128
+}
+KILN_VNNI512_INLINE __m512i PairIQ4_NL(const std::byte* ra, const std::byte* rb, int64_t i,
+                                       __m128* d) {
+  const auto *a = BlockAt<quant::block_iq4_nl>(ra, i), *b = BlockAt<quant::block_iq4_nl>(rb, i);
+  *d = HalfPair(a->d, b->d);
+  const __m512i grid = _mm512_broadcast_i32x4(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NLBiased.data())));
+  return _mm512_shuffle_epi8(grid, NibblePair(a->qs, b->qs));
+}
+KILN_VNNI512_INLINE __m512i PairMxfp4(const std::byte* ra, const std::byte* rb, int64_t i,
+                                      __m128* d) {
+  const auto *a = BlockAt<quant::block_mxfp4>(ra, i), *b = BlockAt<quant::block_mxfp4>(rb, i);
+  *d = _mm_setr_ps(quant::mxfp4_scale_half(a->e), quant::mxfp4_scale_half(b->e), 0.0f, 0.0f);
+  const __m512i table = _mm512_broadcast_i32x4(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Biased.data())));
+  return _mm512_shuffle_epi8(table, NibblePair(a->qs, b->qs));
+}
+// Any type through its one-row unpack (Q8_0, Q5_0): [A | B] reordered to the layout above.
+template <__m256i (*Unpack)(const std::byte*, int64_t, float*)>
+KILN_VNNI512_INLINE __m512i PairOf(const std::byte* ra, const std::byte* rb, int64_t i, __m128* d) {
+  float da, db;
+  const __m256i wa = Unpack(ra, i, &da), wb = Unpack(rb, i, &db);
+  *d = _mm_setr_ps(da, db, 0.0f, 0.0f);
+  const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(wa), wb, 1);
+  return _mm512_xor_si512(_mm512_shuffle_i64x2(ab, ab, _MM_SHUFFLE(3, 1, 2, 0)),
+                          _mm512_set1_epi8(static_cast<char>(0x80)));  // w + 128 as u8
+}
+using Q8PairUnpack = __m512i (*)(const std::byte*, const std::byte*, int64_t, __m128*);
+
+template <int R, Q8PairUnpack Pair, size_t kBlockBytes>
+KILN_VNNI512 void DotQ8FamOne(const std::byte* row, size_t stride, int64_t nb, const ActQ8_0* ys,
+                              float* out, const std::byte* pf) {
+  static_assert(R % 2 == 0);
+  constexpr int P = R / 2;
+  const __m512i scale_idx = _mm512_load_si512(kQ8PairScaleIdx);
+  __m512 acc[P];
+  for (int q = 0; q < P; ++q) acc[q] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    if (pf != nullptr) PrefetchSpanL2<R * kBlockBytes>(pf + i * R * kBlockBytes);
+    const __m512i y32 = _mm512_castsi256_si512(Load32(ys[i].qs));
+    const __m512i y = _mm512_shuffle_i64x2(y32, y32, _MM_SHUFFLE(1, 1, 0, 0));
+    const __m128 yd = _mm_set1_ps(ys[i].d);
+    const __m512i bias = _mm512_sub_epi32(  // -128 * (sum of each lane's 4 quants)
+        _mm512_setzero_si512(),
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), y));
+    for (int q = 0; q < P; ++q) {
+      __m128 d;
+      const __m512i u = Pair(row + 2 * q * stride, row + (2 * q + 1) * stride, i, &d);
+      const __m512i dot = _mm512_dpbusd_epi32(bias, u, y);
+      const __m512 dy = _mm512_permutexvar_ps(scale_idx, _mm512_castps128_ps512(_mm_mul_ps(d, yd)));
+      acc[q] = _mm512_fmadd_ps(dy, _mm512_cvtepi32_ps(dot), acc[q]);
+    }
+  }
+  const __m512i order = _mm512_load_si512(kQ8PairLaneOrder);
+  for (int q = 0; q < P; ++q)
+    HsumPair(_mm512_permutexvar_ps(order, acc[q]), out + 2 * q, out + 2 * q + 1);
+}
+
+// Rows per DotQ8FamOne call: four chains of two rows.
+constexpr int kQ8OneRows = 8;
+// Rows [r0, r1) of a one-token Q8_0-family job: groups of kQ8OneRows through DotQ8FamOne, the
+// prefetch as in MatvecKOne, then pairs, then a last row through the plain kernel (Unpack, the
+// same bits).
+template <Q8PairUnpack Pair, __m256i (*Unpack)(const std::byte*, int64_t, float*),
+          size_t kBlockBytes>
+void MatvecQ8One(const MatmulJob& job, int64_t r0, int64_t r1) {
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / 32;
+  const auto* y = reinterpret_cast<const ActQ8_0*>(job.xq);
+  const size_t stride = w.stride();
+  const bool prefetch = !w.strided();  // see MatvecKOne
+  const std::byte* end = w.bytes.data() + w.bytes.size();
+  int64_t r = r0;
+  for (; r + kQ8OneRows <= r1; r += kQ8OneRows) {
+    const std::byte* pf = nullptr;
+    if (prefetch) {
+      const std::byte* p = w.row(r).data() + kMatvecPrefetchBytes;
+      if (p + kQ8OneRows * stride <= end) pf = p;
+    }
+    DotQ8FamOne<kQ8OneRows, Pair, kBlockBytes>(w.row(r).data(), stride, nb, y, job.y + r, pf);
+  }
+  for (; r + 2 <= r1; r += 2)
+    DotQ8FamOne<2, Pair, kBlockBytes>(w.row(r).data(), stride, nb, y, job.y + r, nullptr);
+  if (r < r1) {
+    const ActQ8_0* ys[1] = {y};
+    DotQ8Family<1, Unpack>(w.row(r).data(), nb, ys, job.y + r);
+  }
+}
+
 #undef KILN_VNNI512
 #undef KILN_VNNI512_INLINE
 #endif  // HWY_AVX3_DL
@@ -1223,22 +1398,32 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::Q8_0:
       if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ8_0>);
+      if (!job.portable && job.n_tok == 1)
+        return MatvecQ8One<PairOf<UnpackQ8_0>, UnpackQ8_0, sizeof(block_q8_0)>(job, r0, r1);
       return MatmulInt<ActQ8_0, KQ8_0>(job, r0, r1, 32);
     case DType::Q4_0:
       if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ4_0>);
+      if (!job.portable && job.n_tok == 1)
+        return MatvecQ8One<PairQ4_0, UnpackQ4_0, sizeof(block_q4_0)>(job, r0, r1);
       return MatmulInt<ActQ8_0, KQ4_0>(job, r0, r1, 32);
     case DType::Q5_0:
       if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ5_0>);
+      if (!job.portable && job.n_tok == 1)
+        return MatvecQ8One<PairOf<UnpackQ5_0>, UnpackQ5_0, sizeof(block_q5_0)>(job, r0, r1);
       return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
     case DType::IQ4_NL:
       if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackIQ4_NL>);
+      if (!job.portable && job.n_tok == 1)
+        return MatvecQ8One<PairIQ4_NL, UnpackIQ4_NL, sizeof(quant::block_iq4_nl)>(job, r0, r1);
       return MatmulInt<ActQ8_0, KIQ4_NL>(job, r0, r1, 32);
     case DType::MXFP4:
       if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackMxfp4>);
+      if (!job.portable && job.n_tok == 1)
+        return MatvecQ8One<PairMxfp4, UnpackMxfp4, sizeof(quant::block_mxfp4)>(job, r0, r1);
       return MatmulInt<ActQ8_0, KMxfp4>(job, r0, r1, 32);
 #else
     case DType::IQ4_NL:
@@ -1290,8 +1475,10 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::IQ4_XS:
       return MatmulInt<block_q8_K, KIQ4_XS>(job, r0, r1, 256);
     case DType::Q2_K:
+      if (!job.portable && job.n_tok == 1) return MatvecQ23<true>(job, r0, r1);
       return MatmulInt<block_q8_K, KQ2_K>(job, r0, r1, 256);
     case DType::Q3_K:
+      if (!job.portable && job.n_tok == 1) return MatvecQ23<false>(job, r0, r1);
       return MatmulInt<block_q8_K, KQ3_K>(job, r0, r1, 256);
 #endif
     default:

@@ -43,7 +43,7 @@ HWY_INLINE __m256i IQ4Values(const uint8_t* qs, __m256i grid) {
 HWY_INLINE __m256i UnpackIQ4_NL(const std::byte* row, int64_t i, float* d) {
   const auto* b =
       reinterpret_cast<const quant::block_iq4_nl*>(row + i * sizeof(quant::block_iq4_nl));
-  *d = f16_to_f32(b->d);
+  *d = _cvtsh_ss(b->d.bits);  // F16C: exact, f16_to_f32's value
   return IQ4Values(b->qs, IQ4Grid());
 }
 
@@ -72,7 +72,7 @@ HWY_INLINE void DotIQ4XS(const std::byte* row, int64_t nb, const quant::block_q8
         isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a), sc));
       }
     }
-    const float d = f16_to_f32(b->d);
+    const float d = _cvtsh_ss(b->d.bits);  // F16C: exact
     for (int t = 0; t < T; ++t)
       acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * ys[t][i].d), _mm256_cvtepi32_ps(isum[t]), acc[t]);
   }
