@@ -505,11 +505,35 @@ void MatvecKAvx2(const MatmulJob& job, int64_t r0, int64_t r1) {
       DotQ6KAvx2Rows<decltype(R)::value>(a...);
   });
 }
-// Q8_0's one-token kernel (portable: the plain kernel, whose bits it gives: tests/ops
-// MatmulQ8One).
-inline void MatvecQ8Avx2(const MatmulJob& job, int64_t r0, int64_t r1) {
-  MatvecPairsAvx2<ActQ8_0>(job, r0, r1, 32,
-                           [](auto R, auto... a) { DotQ8_0Avx2Rows<decltype(R)::value>(a...); });
+// The Q8_0 family against one token on AVX2, R rows at a time: each row DotQ8Family<1, Unpack>'s
+// operations in its order (|w| times w's sign moved onto the token's quants, one maddubs and one
+// madd per block, one FMA of dw * yd, Hsum), so its bits (tests/ops MatmulQ8One); the token's
+// block is loaded once for the R rows, the chains are independent, and the prefetch span walks
+// kMatvecPrefetchBytes ahead as in the other one-token kernels.
+template <int R, __m256i (*Unpack)(const std::byte*, int64_t, float*), size_t kBlockBytes>
+HWY_INLINE void DotQ8FamAvx2Rows(const std::byte* const* rows, int64_t nb, const ActQ8_0* y,
+                                 float* out, int64_t pf) {
+  __m256 acc[R];
+  for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    if (pf) PrefetchBlockL2<R * kBlockBytes>(rows[0] + pf + R * i * int64_t{kBlockBytes});
+    const __m256i a = Load32(y[i].qs);
+    const float yd = y[i].d;
+    for (int k = 0; k < R; ++k) {
+      float dw;
+      const __m256i w = Unpack(rows[k], i, &dw);
+      const __m256i dot =
+          DotU8I8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+      acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * yd), _mm256_cvtepi32_ps(dot), acc[k]);
+    }
+  }
+  for (int k = 0; k < R; ++k) out[k] = Hsum(acc[k]);
+}
+template <__m256i (*Unpack)(const std::byte*, int64_t, float*), size_t kBlockBytes>
+void MatvecQ8Avx2(const MatmulJob& job, int64_t r0, int64_t r1) {
+  MatvecPairsAvx2<ActQ8_0>(job, r0, r1, 32, [](auto R, auto... a) {
+    DotQ8FamAvx2Rows<decltype(R)::value, Unpack, kBlockBytes>(a...);
+  });
 }
 #endif
 
@@ -1427,17 +1451,34 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       return MatmulInt<ActQ8_0, KMxfp4>(job, r0, r1, 32);
 #else
     case DType::IQ4_NL:
+#if HWY_TARGET == HWY_AVX2
+      if (!job.portable && job.n_tok == 1)
+        return MatvecQ8Avx2<UnpackIQ4_NL, sizeof(quant::block_iq4_nl)>(job, r0, r1);
+#endif
       return MatmulInt<ActQ8_0, KIQ4_NL>(job, r0, r1, 32);
     case DType::Q8_0:
 #if HWY_TARGET == HWY_AVX2
-      if (!job.portable && job.n_tok == 1) return MatvecQ8Avx2(job, r0, r1);
+      if (!job.portable && job.n_tok == 1)
+        return MatvecQ8Avx2<UnpackQ8_0, sizeof(block_q8_0)>(job, r0, r1);
 #endif
       return MatmulInt<ActQ8_0, KQ8_0>(job, r0, r1, 32);
     case DType::Q4_0:
+#if HWY_TARGET == HWY_AVX2
+      if (!job.portable && job.n_tok == 1)
+        return MatvecQ8Avx2<UnpackQ4_0, sizeof(block_q4_0)>(job, r0, r1);
+#endif
       return MatmulInt<ActQ8_0, KQ4_0>(job, r0, r1, 32);
     case DType::Q5_0:
+#if HWY_TARGET == HWY_AVX2
+      if (!job.portable && job.n_tok == 1)
+        return MatvecQ8Avx2<UnpackQ5_0, sizeof(block_q5_0)>(job, r0, r1);
+#endif
       return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
     case DType::MXFP4:
+#if HWY_TARGET == HWY_AVX2
+      if (!job.portable && job.n_tok == 1)
+        return MatvecQ8Avx2<UnpackMxfp4, sizeof(quant::block_mxfp4)>(job, r0, r1);
+#endif
       return MatmulInt<ActQ8_0, KMxfp4>(job, r0, r1, 32);
 #endif
     case DType::Q4_K:

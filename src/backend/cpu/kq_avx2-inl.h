@@ -278,36 +278,6 @@ HWY_INLINE void DotQ6KAvx2Rows(const std::byte* const* rows, int64_t nb, const q
   for (int k = 0; k < R; ++k) out[k] = Hsum(acc[k]);
 }
 
-// Q8_0 against one token's Q8_0 activations (act: 4-byte float scale, then 32 quants, as
-// cpu_matmul_q8.h's ActQ8_0), R rows at a time: DotQ8Family<1, UnpackQ8_0>'s bits per row (|w|
-// times w's sign moved onto a, one maddubs and one madd per block, then one FMA of d_w * d_a in
-// block order, Hsum). The plain kernel converts each block's f16 scale with a dozen scalar ops
-// for 32 weights; here F16C, the token's block loaded once for the R rows, and the prefetch span.
-template <int R, class Act>
-HWY_INLINE void DotQ8_0Avx2Rows(const std::byte* const* rows, int64_t nb, const Act* y, float* out,
-                                int64_t pf) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i) {
-    if (pf)
-      PrefetchBlockL2<R * sizeof(quant::block_q8_0)>(rows[0] + pf +
-                                                     R * i * int64_t{sizeof(quant::block_q8_0)});
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[i].qs));
-    const float yd = y[i].d;
-    for (int k = 0; k < R; ++k) {
-      const auto* b = reinterpret_cast<const quant::block_q8_0*>(rows[k]) + i;
-      const float dw = F16c(b->d);
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs));
-      const __m256i dot = _mm256_add_epi32(
-          _mm256_setzero_si256(),
-          _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)),
-                            ones));
-      acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * yd), _mm256_cvtepi32_ps(dot), acc[k]);
-    }
-  }
-  for (int k = 0; k < R; ++k) out[k] = Hsum(acc[k]);
-}
 #endif  // HWY_AVX2
 
 }  // namespace HWY_NAMESPACE
