@@ -758,26 +758,30 @@ void Scheduler::accept_forced(Slot& s, const Work& w, std::span<const float> row
   // sampler's and the grammar's state advance token by token in emit_token), so the ids and
   // RNG draws are plain decoding's; a draft stands while the sample agrees with it.
   int32_t a = 0;
+  bool dead_end = false;
   for (int32_t i = 0; i <= k && s.req; ++i) {
     const auto row = rows.subspan(static_cast<size_t>(i) * V, V);
     const int32_t id = r.constraint->sample(r.sampler, row);
     if (id < 0) {
-      const Status st = s.session->rollback(base + 1 + a);
-      KILN_CHECK(st.is_ok(), "rollback of forced drafts: {}", st.message());
-      s.cached.insert(s.cached.end(), w.tokens.begin(), w.tokens.begin() + 1 + a);
-      return finish(s, FinishReason::kError,
-                    "grammar: no token of the vocabulary continues the output");
+      dead_end = true;
+      break;
     }
     const bool agree = i < k && id == drafts[static_cast<size_t>(i)];
     emit_token(s, id, row);
     if (!agree) break;
     ++a;
   }
+  // The rows of the tokens sampled so far stay (and reach the slot's drafter) either way.
   keep_verified(s, w, base, a, true);
+  if (dead_end)
+    finish(s, FinishReason::kError, "grammar: no token of the vocabulary continues the output");
 }
 
 void Scheduler::keep_verified(Slot& s, const Work& w, int32_t base, int32_t a, bool forced) {
   const int32_t k = w.n_draft;
+  // The slot's drafter stays in step with `cached`: it sees the kept rows of every verify,
+  // forced drafts included (a gap would shift the positions of everything it sees later).
+  if (s.drafter) s.drafter->observe_target(s.capture, 1 + a);
   // Rejected rows belong to the last append, which every plane (rings included) can undo.
   if (a < k) {
     const Status st = s.session->rollback(base + 1 + a);
@@ -815,7 +819,6 @@ void Scheduler::accept_drafts(Slot& s, const Work& w, std::span<const float> row
     vr = verify_sampled(s.spec_p, {}, drafts, V, r.spec_rng);
   }
   const int32_t a = vr.n_accepted;
-  if (s.drafter) s.drafter->observe_target(s.capture, 1 + a);
   s.n_drafted += k;
   s.n_accepted += a;
   keep_verified(s, w, s.session->n_pos() - (k + 1), a, false);
