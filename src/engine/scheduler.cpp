@@ -750,30 +750,17 @@ void Scheduler::draft_forced(Slot& s, Work& w) {
 
 void Scheduler::accept_forced(Slot& s, const Work& w, std::span<const float> rows) {
   Request& r = *s.req;
-  const auto V = static_cast<size_t>(model_->n_vocab());
-  const int32_t k = w.n_draft;
-  const auto drafts = w.tokens.subspan(1);
-  const int32_t base = s.session->n_pos() - (k + 1);
-  // Row i is sampled exactly as a plain step after the tokens before it would sample it (the
-  // sampler's and the grammar's state advance token by token in emit_token), so the ids and
-  // RNG draws are plain decoding's; a draft stands while the sample agrees with it.
-  int32_t a = 0;
-  bool dead_end = false;
-  for (int32_t i = 0; i <= k && s.req; ++i) {
-    const auto row = rows.subspan(static_cast<size_t>(i) * V, V);
-    const int32_t id = r.constraint->sample(r.sampler, row);
-    if (id < 0) {
-      dead_end = true;
-      break;
-    }
-    const bool agree = i < k && id == drafts[static_cast<size_t>(i)];
-    emit_token(s, id, row);
-    if (!agree) break;
-    ++a;
-  }
+  const int32_t base = s.session->n_pos() - (w.n_draft + 1);
+  // emit_token advances the sampler and the grammar token by token (and may end the request,
+  // freeing both: verify_forced stops touching them then).
+  const ForcedVerdict v = verify_forced(*r.constraint, r.sampler, rows, w.tokens.subspan(1),
+                                        [&](int32_t id, std::span<const float> row) {
+                                          emit_token(s, id, row);
+                                          return s.req != nullptr;
+                                        });
   // The rows of the tokens sampled so far stay (and reach the slot's drafter) either way.
-  keep_verified(s, w, base, a, true);
-  if (dead_end)
+  keep_verified(s, w, base, v.n_accepted, true);
+  if (v.dead_end)
     finish(s, FinishReason::kError, "grammar: no token of the vocabulary continues the output");
 }
 
