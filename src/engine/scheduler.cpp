@@ -7,12 +7,11 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <fstream>
-#include <sstream>
 
 #include "core/check.h"
 #include "engine/constrained.h"
 #include "engine/speculative.h"
+#include "format/page_in.h"
 #include "sampling/spec_verify.h"
 
 namespace kiln {
@@ -107,20 +106,6 @@ uint64_t kv_bytes_at_full_context(const model::HParams& hp, int32_t n_ctx, int32
   return bytes;
 }
 
-// MemAvailable of /proc/meminfo in bytes; 0 when it cannot be read.
-uint64_t host_memory_available() {
-  std::ifstream f("/proc/meminfo");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind("MemAvailable:", 0) != 0) continue;
-    std::istringstream in(line.substr(13));
-    uint64_t kib = 0;
-    in >> kib;
-    return kib << 10;
-  }
-  return 0;
-}
-
 }  // namespace
 
 Expected<std::unique_ptr<Scheduler>> Scheduler::create(std::shared_ptr<const Model> model,
@@ -143,7 +128,7 @@ Expected<std::unique_ptr<Scheduler>> Scheduler::create(std::shared_ptr<const Mod
     const uint64_t per_slot =
         kv_bytes_at_full_context(model->hparams(), n_ctx, std::min(cfg.prefill_chunk, n_ctx));
     const uint64_t need = per_slot * uint64_t(cfg.n_slots);
-    const uint64_t avail = host_memory_available();
+    const uint64_t avail = memory_available();
     if (avail > 0 && need > avail)
       return Status::errorf(
           "scheduler: the KV cache of {} slots x {} positions needs {:.2f} GiB at full context "
