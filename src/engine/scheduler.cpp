@@ -620,12 +620,13 @@ void Scheduler::advance(Slot& s, std::span<const int32_t> in, std::span<const fl
 bool Scheduler::take_shared_prefill(Slot& s) {
   Request& r = *s.req;
   const SharedPrefill& sh = *r.share;
-  if (!sh.ready) {
-    if (!sh.leader_gone) return false;
-    s.await_prefill = false;  // the first choice ended early: prefill the prompt here
-    return true;
-  }
+  if (!sh.ready && !sh.leader_gone) return false;
+  // The wait is over. The follower's prompt time is its own prompt work from here (the copy
+  // of the first choice's rows, or its own prefill), not the wait: it evaluated none of the
+  // first choice's prefill (docs/server.md, timings).
   s.await_prefill = false;
+  s.t_start = std::chrono::steady_clock::now();
+  if (!sh.ready) return true;  // the first choice ended early: prefill the prompt here
   const std::vector<int32_t>& prompt = r.params.prompt;
   // The first choice's slot holds the prompt's rows (it only appends after them); once it has
   // ended, any slot that kept them will do.

@@ -76,6 +76,7 @@ struct Outcome {
   FinishReason finish = FinishReason::kError;
   int32_t slot = -1, n_reused = 0;
   int32_t n_drafted = 0, n_draft_accepted = 0;
+  double prompt_ms = 0;
 };
 
 Outcome drain(GenStream& s) {
@@ -95,6 +96,7 @@ Outcome drain(GenStream& s) {
     o.n_reused = e->n_reused;
     o.n_drafted = e->n_drafted;
     o.n_draft_accepted = e->n_draft_accepted;
+    o.prompt_ms = e->prompt_ms;
     return o;
   }
 }
@@ -335,6 +337,31 @@ TEST(Scheduler, SharedPrefillFallsBackWhenTheFirstChoiceEndsEarly) {
   EXPECT_EQ(o.ids, solo.ids);
   EXPECT_EQ(o.n_reused, 0);
   EXPECT_EQ((*sch)->stats().prompt_tokens_shared, 0u);
+}
+
+// A follower's prompt time is its own prompt work (copying the first choice's rows and
+// sampling its first token), not its wait for the first choice's prefill: it evaluated no
+// prompt token, so it reports next to no prompt time (docs/server.md). A prefill of 100
+// steps for the first choice, a copy for the other.
+TEST(Scheduler, SharedPrefillFollowerTimesOnlyItsOwnPromptWork) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend({.threads = 1});
+  GenerationParams p;
+  p.prompt = random_prompt(400, m->n_vocab(), 91);
+  p.sampling.temperature = 0.8f;
+  p.max_tokens = 4;
+  const std::vector<uint64_t> seeds{1, 2};
+  auto sch = Scheduler::create(m, *be, {.n_slots = 2, .n_ctx = 512, .prefill_chunk = 4});
+  ASSERT_TRUE(sch.has_value()) << sch.error();
+  auto sub = (*sch)->submit_n(p, seeds);
+  ASSERT_EQ(sub.streams.size(), 2u) << sub.message;
+  const Outcome leader = drain(*sub.streams[0]), follower = drain(*sub.streams[1]);
+  ASSERT_EQ(follower.n_reused, 400);
+  std::printf("prompt_ms: first choice %.2f, follower %.2f\n", leader.prompt_ms,
+              follower.prompt_ms);
+  EXPECT_GT(leader.prompt_ms, 0);
+  EXPECT_LT(follower.prompt_ms, leader.prompt_ms / 4);
 }
 
 TEST(Scheduler, QueueBoundRejectsBeyondLimit) {
