@@ -15,6 +15,7 @@
 #include "engine_test_util.h"
 #include "engine/constrained.h"
 #include "engine/dflash_drafter.h"
+#include "engine/mtp_drafter.h"
 #include "engine/scheduler.h"
 #include "grammar/json_schema.h"
 #include "engine/session.h"
@@ -683,6 +684,55 @@ TEST(Scheduler, ModelDraftersKeepGreedyIdsAndResumePrefixes) {
   }
   ASSERT_EQ(made, 1);
   EXPECT_GE(rollbacks, 3);
+}
+
+// --spec-mtp in the scheduler (issue 36): a slot's NextN drafter resumes a cached prefix (it
+// keeps the target hidden states it was shown and rebuilds the row the cut replaces), so the
+// third request reuses the 41 prompt rows it shares with the second with the same ids, drafts
+// and acceptance as from scratch. Before, the drafter refused and the slot re-read the prompt.
+TEST(Scheduler, MtpDrafterResumesCachedPrefixes) {
+  auto m = load("glm4moe-f16.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend({.threads = 2});
+  const auto base = random_prompt(60, m->n_vocab(), 5);
+  std::vector<GenerationParams> reqs;
+  for (size_t n : {size_t(60), size_t(41), size_t(60)}) {
+    GenerationParams p;
+    p.prompt.assign(base.begin(), base.begin() + ptrdiff_t(n));
+    p.sampling.temperature = 0;
+    p.max_tokens = 24;
+    reqs.push_back(p);
+  }
+  auto run = [&](const SchedulerConfig& cfg) {
+    auto sch = Scheduler::create(m, *be, cfg);
+    EXPECT_TRUE(sch.has_value()) << sch.error();
+    std::vector<Outcome> got;
+    for (const GenerationParams& p : reqs) {
+      auto sub = (*sch)->submit(p);
+      EXPECT_TRUE(sub.stream) << sub.message;
+      got.push_back(drain(*sub.stream));
+    }
+    return got;
+  };
+  SchedulerConfig plain_cfg{.n_slots = 1, .n_ctx = 256, .prefill_chunk = 16};
+  const auto plain = run(plain_cfg);
+  SchedulerConfig mtp_cfg = plain_cfg;
+  mtp_cfg.draft_model = 3;
+  mtp_cfg.make_drafter = [&](int32_t n_ctx,
+                             int32_t max_batch) -> Expected<std::unique_ptr<Drafter>> {
+    KILN_ASSIGN_OR_RETURN(auto d, MtpDrafter::create(m, *be, n_ctx, max_batch));
+    return std::unique_ptr<Drafter>(std::move(d));
+  };
+  const auto mtp = run(mtp_cfg);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_EQ(plain[i].ids.size(), 24u);
+    EXPECT_EQ(mtp[i].ids, plain[i].ids) << "request " << i << " with NextN drafts";
+    EXPECT_GT(mtp[i].n_drafted, 0) << i;
+  }
+  EXPECT_EQ(mtp[1].n_reused, 40);  // the prompt but its last token, which gives the logits
+  EXPECT_EQ(mtp[2].n_reused, 41);
+  EXPECT_EQ(mtp[2].n_drafted, mtp[0].n_drafted);
+  EXPECT_EQ(mtp[2].n_draft_accepted, mtp[0].n_draft_accepted);
 }
 
 TEST(Scheduler, RejectsOverlongDrafts) {
