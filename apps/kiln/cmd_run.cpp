@@ -23,6 +23,7 @@
 #include "engine/constrained.h"
 #include "engine/mtp_drafter.h"
 #include "engine/dflash_drafter.h"
+#include "engine/scheduler.h"
 #include "engine/speculative.h"
 #include "grammar/json_schema.h"
 #include "sampling/sampler.h"
@@ -42,8 +43,10 @@ struct RunOptions {
   bool spec_mtp = false;    // --spec-mtp: speculative decoding with the model's NextN layer
   std::string dflash;       // --dflash DRAFTER: speculative decoding with a DFlash block drafter
   std::string spec_trace;   // --spec-trace FILE: JSON of the ids and every draft/verify step
-  int32_t draft_n = 4;      // --draft-n: tokens drafted per verify step
-  int64_t seed = 42;        // -1: drawn from std::random_device
+  // --draft-n: tokens drafted per verify step; -1: 4 with a drafter, and for a grammar up to
+  // GenerationParams::kMaxDraft forced tokens (0 there: none).
+  int32_t draft_n = -1;
+  int64_t seed = 42;  // -1: drawn from std::random_device
   // Constrained decoding (llama.cpp's spellings): GBNF text, a GBNF file, a JSON Schema.
   std::string grammar, grammar_file, json_schema;
 };
@@ -122,9 +125,10 @@ Status parse_logit_bias(const std::vector<std::string>& specs,
 
 // Speculative path of `kiln run` (issue 10): same output contract (greedy ids identical to
 // plain decoding; sampled ids distributed as plain sampling), plus acceptance figures.
-Status run_speculative(const RunOptions& o, const Config& cfg, Runtime& rt,
+Status run_speculative(RunOptions o, const Config& cfg, Runtime& rt,
                        std::span<const int32_t> prompt, int32_t n_ctx) {
   const Tokenizer& tok = rt.tokenizer();
+  if (o.draft_n == -1) o.draft_n = 4;
   if (o.draft_n < 1 || o.draft_n > 64)
     return Status::errorf("--draft-n {} outside [1, 64]", o.draft_n);
   Session session(rt.model(), rt.backend(), n_ctx);
@@ -285,7 +289,15 @@ Status run(RunOptions o) {
     return Status::error("--grammar/--json-schema with speculative decoding is not supported");
   if (spec_modes > 0) return run_speculative(o, cfg, rt, prompt, n_ctx);
   std::optional<Constraint> constraint;
-  if (grammar) constraint.emplace(Constraint{make_token_trie(tok), grammar::Matcher(grammar), {}});
+  if (grammar)
+    constraint.emplace(Constraint{make_token_trie(tok), grammar::Matcher(grammar), {}, {}, {}});
+  if (o.draft_n < -1 || o.draft_n > 64)
+    return Status::errorf("--draft-n {} outside [0, 64]", o.draft_n);
+  // The bytes a grammar forces (a JSON key, the text between two fields) are drafted as tokens
+  // and verified in one forward pass, as in `kiln serve` (verify_forced): same ids.
+  const int32_t max_forced = !constraint     ? 0
+                             : o.draft_n < 0 ? GenerationParams::kMaxDraft
+                                             : o.draft_n;
 
   Session session(rt.model(), rt.backend(), n_ctx);
   // Greedy or plain top-k sampling needs only each step's best candidates (--device-sampling):
@@ -309,22 +321,13 @@ Status run(RunOptions o) {
   std::vector<int32_t> out_ids;
   Utf8Stream stream;
   bool stopped_by_eog = false;
-  // --stats splits the decode time at this many steps: the first steps of a process pay for
-  // first touches (weights paged in, streamed experts loaded, graphs captured), the rest are
-  // the steady state; one run then gives the cold and the warm rate.
-  constexpr int32_t kColdSteps = 8;
-  double cold_s = -1;
-  const auto t_decode = Clock::now();
-  for (int32_t i = 0; i < o.n_predict; ++i) {
-    const int32_t id = constraint  ? constraint->sample(sampler, logits)
-                       : k_top > 0 ? sampler.sample_top(top.ids, top.logits)
-                                   : sampler.sample(logits);
-    if (id < 0) return Status::error("grammar: no token of the vocabulary continues the output");
+  // Records a sampled token and prints it; false when the run ends with it.
+  auto emit = [&](int32_t id) -> bool {
     sampler.accept(id);
     out_ids.push_back(id);
     if (tok.is_eog(id)) {
       stopped_by_eog = true;
-      break;
+      return false;
     }
     // The grammar complete with nothing allowed after it ends the run like end of text.
     const bool complete = constraint && constraint->accept(id);
@@ -335,19 +338,66 @@ Status run(RunOptions o) {
     }
     if (complete) {
       stopped_by_eog = true;  // no forward pass follows, as after end of generation
-      break;
+      return false;
     }
-    if (i + 1 == o.n_predict) break;  // the last sampled token needs no forward pass
-    const int32_t next[1] = {id};
-    KILN_TRY(eval(next));
-    if (i + 1 == kColdSteps) cold_s = seconds_since(t_decode);
+    return int32_t(out_ids.size()) < o.n_predict;  // the last token needs no forward pass
+  };
+  auto sample = [&](std::span<const float> row) {
+    return constraint  ? constraint->sample(sampler, row)
+           : k_top > 0 ? sampler.sample_top(top.ids, top.logits)
+                       : sampler.sample(row);
+  };
+  const Status dead_end = Status::error("grammar: no token of the vocabulary continues the output");
+  // --stats splits the decode time at this many forward passes: the first steps of a process
+  // pay for first touches (weights paged in, streamed experts loaded, graphs captured), the
+  // rest are the steady state; one run then gives the cold and the warm rate.
+  constexpr int32_t kColdSteps = 8;
+  double cold_s = -1;
+  size_t cold_tokens = 0;
+  uint64_t n_passes = 0, forced_steps = 0, forced_drafted = 0, forced_accepted = 0;
+  std::vector<int32_t> step_in;
+  const auto t_decode = Clock::now();
+  int32_t id = sample(logits);
+  if (id < 0) return dead_end;
+  for (bool more = emit(id); more;) {
+    std::vector<int32_t> drafts;
+    const int64_t k =
+        std::min<int64_t>({max_forced, session.max_batch() - 1, n_ctx - session.n_pos() - 1,
+                           o.n_predict - int64_t(out_ids.size()) - 1});
+    if (k > 0) drafts = constraint->forced(static_cast<size_t>(k));
+    step_in.assign(1, id);
+    step_in.insert(step_in.end(), drafts.begin(), drafts.end());
+    const int32_t base = session.n_pos();
+    if (drafts.empty()) {
+      KILN_TRY(eval(step_in));
+      id = sample(logits);
+      if (id < 0) return dead_end;
+      more = emit(id);
+    } else {
+      KILN_ASSIGN_OR_RETURN(auto rows, session.eval(step_in, /*all_logits=*/true));
+      const ForcedVerdict v =
+          verify_forced(*constraint, sampler, rows, drafts, [&](int32_t t, std::span<const float>) {
+            id = t;
+            return more = emit(t);
+          });
+      if (v.n_accepted < int32_t(drafts.size()))
+        KILN_TRY(session.rollback(base + 1 + v.n_accepted));
+      ++forced_steps;
+      forced_drafted += drafts.size();
+      forced_accepted += static_cast<uint64_t>(v.n_accepted);
+      if (v.dead_end) return dead_end;
+    }
+    if (++n_passes == kColdSteps) {
+      cold_s = seconds_since(t_decode);
+      cold_tokens = out_ids.size();
+    }
   }
   const std::string rest = stream.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
   end_text_output();
   const double decode_s = seconds_since(t_decode);
 
-  // Decode speed counts forward passes: every sampled token but the last ran one.
+  // Decode speed counts the tokens forward passes ran: every sampled token but the last.
   const size_t n_decode_evals = out_ids.empty() ? 0 : out_ids.size() - (stopped_by_eog ? 0 : 1);
   fmt::print(stderr,
              "kiln run: prompt {} tokens, prefill {:.2f} t/s ({:.1f} ms); generated {} tokens{}, "
@@ -355,6 +405,11 @@ Status run(RunOptions o) {
              prompt.size(), double(prompt.size()) / prefill_s, prefill_s * 1e3, out_ids.size(),
              stopped_by_eog ? " (end of generation)" : "",
              n_decode_evals ? double(n_decode_evals) / decode_s : 0.0, decode_s * 1e3);
+  if (constraint)
+    fmt::print(stderr,
+               "kiln run: grammar: {} decode passes; forced tokens: {} verify steps, drafted {}, "
+               "accepted {}\n",
+               n_passes, forced_steps, forced_drafted, forced_accepted);
   fmt::print(stderr, "kiln run: ids xxh64 {}\n", hash_ids(out_ids));
   if (cfg.stats) {
     const MemoryUse mem = memory_use();
@@ -367,10 +422,10 @@ Status run(RunOptions o) {
                double(session.kv_bytes()) / (1 << 20), session.kv_bytes_per_token(),
                double(mem.rss) / (1 << 20), double(mem.rss_file) / (1 << 20),
                double(mem.rss_anon) / (1 << 20));
-    if (cold_s > 0 && n_decode_evals > size_t(kColdSteps))
+    if (cold_s > 0 && n_passes > uint64_t(kColdSteps))
       fmt::print(stderr, "stats: decode steps 1-{}: {:.2f} t/s, steps {}-{}: {:.2f} t/s\n",
-                 kColdSteps, kColdSteps / cold_s, kColdSteps + 1, n_decode_evals,
-                 double(n_decode_evals - kColdSteps) / (decode_s - cold_s));
+                 kColdSteps, double(cold_tokens) / cold_s, kColdSteps + 1, n_passes,
+                 double(n_decode_evals - cold_tokens) / (decode_s - cold_s));
     fmt::print(stderr, "stats: config\n{}", describe(cfg));
     const auto counters = process_counters().snapshot();
     if (!counters.empty()) fmt::print(stderr, "stats: counters\n{}", format_counters(counters));
@@ -407,7 +462,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--grammar-file", o->grammar_file, "constrain the output to a GBNF file");
   cmd->add_option("-j,--json-schema", o->json_schema,
                   "constrain the output to JSON valid against this JSON Schema");
-  cmd->add_option("--draft-n", o->draft_n, "tokens drafted per verify step (default 4)");
+  cmd->add_option("--draft-n", o->draft_n,
+                  "tokens drafted per verify step (default 4; with a grammar, up to 8 forced "
+                  "tokens, 0: none)");
   o->config = add_config_options(cmd);
   cmd->callback([o, &exit_code] {
     if (Status s = run(*o); !s) {

@@ -83,4 +83,29 @@ bool Constraint::accept(int32_t id) {
   return matcher.accepting() && !matcher.can_continue();
 }
 
+ForcedVerdict verify_forced(
+    Constraint& c, Sampler& sampler, std::span<const float> rows, std::span<const int32_t> drafts,
+    const std::function<bool(int32_t id, std::span<const float> row)>& emit) {
+  const size_t k = drafts.size();
+  KILN_CHECK(rows.size() % (k + 1) == 0, "verify rows {} for {} drafts", rows.size(), k);
+  const size_t V = rows.size() / (k + 1);
+  ForcedVerdict v;
+  for (size_t i = 0; i <= k; ++i) {
+    const auto row = rows.subspan(i * V, V);
+    const int32_t id = c.sample(sampler, row);
+    if (id < 0) {
+      v.dead_end = true;
+      return v;
+    }
+    const bool agree = i < k && id == drafts[i];
+    if (!emit(id, row)) {
+      if (agree) ++v.n_accepted;  // its row was evaluated: it stays
+      return v;
+    }
+    if (!agree) return v;
+    ++v.n_accepted;
+  }
+  return v;
+}
+
 }  // namespace kiln

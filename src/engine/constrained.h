@@ -2,6 +2,7 @@
 // tokenizer's vocabulary (built once per model) and one request's constrained sampling step.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -45,5 +46,21 @@ struct Constraint {
     return matcher.forced_tokens(*vocab, max_tokens);
   }
 };
+
+// One verify step over tokens the grammar forced (Constraint::forced), shared by `kiln run`
+// and the scheduler: rows ([k + 1][n_vocab]) are the logits after each token of the step's
+// input [last, drafts...]. Row i is sampled through the grammar exactly as a plain step after
+// the tokens before it would sample it, then handed to `emit`, which records it as plain
+// decoding does (Sampler::accept, Constraint::accept) and returns false when the generation
+// ends there. A draft stands while the samples agree with it, so the ids and RNG draws are
+// plain decoding's. Once emit returns false, neither `c` nor `sampler` is touched again (the
+// caller may have freed them).
+struct ForcedVerdict {
+  int32_t n_accepted = 0;  // drafts kept: rows [0, 1 + n_accepted) of the step stay
+  bool dead_end = false;   // the grammar allowed no token for the next row
+};
+ForcedVerdict verify_forced(
+    Constraint& c, Sampler& sampler, std::span<const float> rows, std::span<const int32_t> drafts,
+    const std::function<bool(int32_t id, std::span<const float> row)>& emit);
 
 }  // namespace kiln

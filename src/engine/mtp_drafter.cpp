@@ -67,6 +67,23 @@ Status MtpDrafter::prepare(std::span<const int32_t> /*prompt*/) {
   return Status::ok();
 }
 
+Status MtpDrafter::rollback(int32_t n_pos) {
+  if (n_pos == 0) return prepare({});
+  const int64_t E = model_->hparams().n_embd;
+  const auto n_seen = static_cast<int64_t>(hidden_.size()) / E;
+  if (n_pos < 0 || n_pos > n_seen)
+    return Status::errorf(
+        "the mtp drafter holds hidden states of {} positions, cannot resume at {}", n_seen, n_pos);
+  // Row n_pos - 1 paired h_{n_pos-1} with the token the cut history replaces: rebuilt later.
+  const int32_t keep = std::min(n_real_, n_pos - 1);
+  KILN_TRY(kv_.truncate(keep).context("mtp drafter"));
+  n_real_ = keep;
+  hidden_.resize(static_cast<size_t>(n_pos) * static_cast<size_t>(E));
+  last_logits_.clear();
+  last_hidden_.clear();
+  return Status::ok();
+}
+
 void MtpDrafter::observe_target(const model::Capture& capture, int32_t n_rows_kept) {
   const auto it = capture.nodes.find(hidden_node_);
   KILN_CHECK(it != capture.nodes.end(), "the target's step did not capture '{}'", hidden_node_);
@@ -109,21 +126,18 @@ Status MtpDrafter::propose(const DraftRequest& req, Draft& out) {
   // The chained rows of the last proposal were guesses: the target's rows replace them.
   if (kv_.n_pos() > n_real_) KILN_TRY(kv_.truncate(n_real_));
   // Catch up: row p pairs the target's hidden state h_p with the token accepted at p + 1.
-  const auto n_hidden = static_cast<int64_t>(hidden_.size()) / E;
+  const auto n_pending = static_cast<int64_t>(hidden_.size()) / E - n_real_;
   const int64_t n_new =
-      std::min<int64_t>(n_hidden, static_cast<int64_t>(hist.size()) - 1 - n_real_);
+      std::min<int64_t>(n_pending, static_cast<int64_t>(hist.size()) - 1 - n_real_);
   for (int64_t done = 0; done < n_new;) {
     const int64_t n = std::min<int64_t>(max_batch_, n_new - done);
     const int64_t p0 = n_real_ + done;
     KILN_TRY(run_rows(hist.subspan(static_cast<size_t>(p0 + 1), static_cast<size_t>(n)),
-                      std::span<const float>(hidden_).subspan(static_cast<size_t>(done * E),
+                      std::span<const float>(hidden_).subspan(static_cast<size_t>(p0 * E),
                                                               static_cast<size_t>(n * E))));
     done += n;
   }
-  if (n_new > 0) {
-    hidden_.erase(hidden_.begin(), hidden_.begin() + n_new * E);
-    n_real_ += static_cast<int32_t>(n_new);
-  }
+  if (n_new > 0) n_real_ += static_cast<int32_t>(n_new);
   // Draft only from a row of the target's own state at the last position (none yet: a
   // one-token prompt before its first verify).
   if (n_new == 0 || n_real_ + 1 != static_cast<int32_t>(hist.size())) return Status::ok();

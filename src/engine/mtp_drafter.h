@@ -15,6 +15,11 @@
 // `blk.{n_layer-1}.l_out`): the prompt's in start(), then each verify's kept rows. Drafts are
 // greedy (Draft::probs empty: a sampled verify treats them as one-hot, which keeps the
 // rejection rule exact).
+//
+// Resuming a cut history (a server slot reusing a cached prefix, Drafter::rollback): NextN row
+// p depends on h_p and the token at p + 1, so a cut at n keeps rows p <= n - 2 and rebuilds
+// row n - 1 from h_{n-1} and the new token there. The drafter therefore keeps every hidden
+// state it was shown ([n_ctx][n_embd] floats at most), not only those its rows have yet to use.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +47,9 @@ class MtpDrafter final : public Drafter {
   Status propose(const DraftRequest& req, Draft& out) override;
   std::vector<std::string> wanted_captures() const override { return {hidden_node_}; }
   void observe_target(const model::Capture& capture, int32_t n_rows_kept) override;
+  // Keeps the hidden states of positions < n_pos and the NextN rows built only from them.
+  // Errors: n_pos beyond the positions observed; a NextN ring that cannot cut there.
+  Status rollback(int32_t n_pos) override;
 
  private:
   MtpDrafter(std::shared_ptr<const Model> m, Backend& be, KvCache kv, int32_t max_batch);
@@ -60,7 +68,7 @@ class MtpDrafter final : public Drafter {
   std::string hidden_node_;
   int32_t max_batch_;
   int32_t n_real_ = 0;         // NextN KV rows built from the target's own hidden states
-  std::vector<float> hidden_;  // [n_seen][n_embd] target hidden states not yet consumed
+  std::vector<float> hidden_;  // [n_seen][n_embd] every target hidden state observed, from 0
   std::vector<float> logits_, last_logits_;
   std::vector<float> out_hidden_, last_hidden_;
   std::vector<int32_t> pos_scratch_;

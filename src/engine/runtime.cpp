@@ -3,6 +3,7 @@
 #include "engine/runtime.h"
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -153,15 +154,19 @@ Expected<Runtime> Runtime::open(const std::string& path, const EngineOptions& op
   auto model = Model::load(path, {options.experts, options.routing});
   if (!model) return model.status();  // its message names the file
   rt.model_ = std::move(*model);
+  // Paging a large model in takes a while: one line that counts up on a terminal, unless
+  // the front end or --log-level (above notice) asks for quiet.
+  const MappedFile& file = *rt.model_->gguf().mapping();
+  const bool show = options.progress && log_level() <= LogLevel::notice && ::isatty(STDERR_FILENO);
+  const std::string label =
+      fmt::format("kiln: paging in {}", std::filesystem::path(path).filename().string());
+  bool paged_in = false;
   if (options.mlock) {
-    // Paging a large model in takes a while: one line that counts up on a terminal.
-    const MappedFile& file = *rt.model_->gguf().mapping();
-    ProgressLine line(
-        fmt::format("kiln: paging in {}", std::filesystem::path(path).filename().string()),
-        file.size());
+    ProgressLine line(label, file.size(), stderr, show);
     const Status st = lock_in_ram(file, [&](uint64_t done, uint64_t) { line.update(done); });
     line.finish();
     if (!st) log_notice("--mlock: {}; the weights stay pageable", st.message());
+    paged_in = st.is_ok();
   }
   auto tok = Tokenizer::from_gguf(rt.model_->gguf());
   if (!tok) return tok.status().context(fmt::format("{}: tokenizer", path));
@@ -176,6 +181,23 @@ Expected<Runtime> Runtime::open(const std::string& path, const EngineOptions& op
           t.status().context(fmt::format("{}: tokenizer.chat_template", path));
   }
   KILN_ASSIGN_OR_RETURN(rt.backend_, make_backend(*rt.model_, options));
+  // Host backends read the weights from the mapping: read it in now, as llama.cpp's loader
+  // does (MAP_POPULATE), rather than a page fault at a time during the first prefill, with
+  // nothing on screen. Not for device backends (the upload reads the file, with its own
+  // progress), streamed experts (the file may exceed RAM: experts are read as routed), or a
+  // file larger than the memory available (it would only evict itself).
+  if (!paged_in && !rt.backend_->device_memory() && !options.experts.enabled()) {
+    const uint64_t avail = memory_available();
+    if (avail == 0 || file.size() <= avail) {
+      ProgressLine line(label, file.size(), stderr, show);
+      page_in(file, [&](uint64_t done, uint64_t) { line.update(done); });
+    } else {
+      log_info(
+          "{}: {:.1f} GiB, more than the {:.1f} GiB of memory available; its weights are "
+          "read on first use",
+          path, double(file.size()) / (1 << 30), double(avail) / (1 << 30));
+    }
+  }
   rt.load_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return rt;
 }

@@ -7,12 +7,11 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <fstream>
-#include <sstream>
 
 #include "core/check.h"
 #include "engine/constrained.h"
 #include "engine/speculative.h"
+#include "format/page_in.h"
 #include "sampling/spec_verify.h"
 
 namespace kiln {
@@ -107,20 +106,6 @@ uint64_t kv_bytes_at_full_context(const model::HParams& hp, int32_t n_ctx, int32
   return bytes;
 }
 
-// MemAvailable of /proc/meminfo in bytes; 0 when it cannot be read.
-uint64_t host_memory_available() {
-  std::ifstream f("/proc/meminfo");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind("MemAvailable:", 0) != 0) continue;
-    std::istringstream in(line.substr(13));
-    uint64_t kib = 0;
-    in >> kib;
-    return kib << 10;
-  }
-  return 0;
-}
-
 }  // namespace
 
 Expected<std::unique_ptr<Scheduler>> Scheduler::create(std::shared_ptr<const Model> model,
@@ -143,7 +128,7 @@ Expected<std::unique_ptr<Scheduler>> Scheduler::create(std::shared_ptr<const Mod
     const uint64_t per_slot =
         kv_bytes_at_full_context(model->hparams(), n_ctx, std::min(cfg.prefill_chunk, n_ctx));
     const uint64_t need = per_slot * uint64_t(cfg.n_slots);
-    const uint64_t avail = host_memory_available();
+    const uint64_t avail = memory_available();
     if (avail > 0 && need > avail)
       return Status::errorf(
           "scheduler: the KV cache of {} slots x {} positions needs {:.2f} GiB at full context "
@@ -635,12 +620,13 @@ void Scheduler::advance(Slot& s, std::span<const int32_t> in, std::span<const fl
 bool Scheduler::take_shared_prefill(Slot& s) {
   Request& r = *s.req;
   const SharedPrefill& sh = *r.share;
-  if (!sh.ready) {
-    if (!sh.leader_gone) return false;
-    s.await_prefill = false;  // the first choice ended early: prefill the prompt here
-    return true;
-  }
+  if (!sh.ready && !sh.leader_gone) return false;
+  // The wait is over. The follower's prompt time is its own prompt work from here (the copy
+  // of the first choice's rows, or its own prefill), not the wait: it evaluated none of the
+  // first choice's prefill (docs/server.md, timings).
   s.await_prefill = false;
+  s.t_start = std::chrono::steady_clock::now();
+  if (!sh.ready) return true;  // the first choice ended early: prefill the prompt here
   const std::vector<int32_t>& prompt = r.params.prompt;
   // The first choice's slot holds the prompt's rows (it only appends after them); once it has
   // ended, any slot that kept them will do.
@@ -750,34 +736,25 @@ void Scheduler::draft_forced(Slot& s, Work& w) {
 
 void Scheduler::accept_forced(Slot& s, const Work& w, std::span<const float> rows) {
   Request& r = *s.req;
-  const auto V = static_cast<size_t>(model_->n_vocab());
-  const int32_t k = w.n_draft;
-  const auto drafts = w.tokens.subspan(1);
-  const int32_t base = s.session->n_pos() - (k + 1);
-  // Row i is sampled exactly as a plain step after the tokens before it would sample it (the
-  // sampler's and the grammar's state advance token by token in emit_token), so the ids and
-  // RNG draws are plain decoding's; a draft stands while the sample agrees with it.
-  int32_t a = 0;
-  for (int32_t i = 0; i <= k && s.req; ++i) {
-    const auto row = rows.subspan(static_cast<size_t>(i) * V, V);
-    const int32_t id = r.constraint->sample(r.sampler, row);
-    if (id < 0) {
-      const Status st = s.session->rollback(base + 1 + a);
-      KILN_CHECK(st.is_ok(), "rollback of forced drafts: {}", st.message());
-      s.cached.insert(s.cached.end(), w.tokens.begin(), w.tokens.begin() + 1 + a);
-      return finish(s, FinishReason::kError,
-                    "grammar: no token of the vocabulary continues the output");
-    }
-    const bool agree = i < k && id == drafts[static_cast<size_t>(i)];
-    emit_token(s, id, row);
-    if (!agree) break;
-    ++a;
-  }
-  keep_verified(s, w, base, a, true);
+  const int32_t base = s.session->n_pos() - (w.n_draft + 1);
+  // emit_token advances the sampler and the grammar token by token (and may end the request,
+  // freeing both: verify_forced stops touching them then).
+  const ForcedVerdict v = verify_forced(*r.constraint, r.sampler, rows, w.tokens.subspan(1),
+                                        [&](int32_t id, std::span<const float> row) {
+                                          emit_token(s, id, row);
+                                          return s.req != nullptr;
+                                        });
+  // The rows of the tokens sampled so far stay (and reach the slot's drafter) either way.
+  keep_verified(s, w, base, v.n_accepted, true);
+  if (v.dead_end)
+    finish(s, FinishReason::kError, "grammar: no token of the vocabulary continues the output");
 }
 
 void Scheduler::keep_verified(Slot& s, const Work& w, int32_t base, int32_t a, bool forced) {
   const int32_t k = w.n_draft;
+  // The slot's drafter stays in step with `cached`: it sees the kept rows of every verify,
+  // forced drafts included (a gap would shift the positions of everything it sees later).
+  if (s.drafter) s.drafter->observe_target(s.capture, 1 + a);
   // Rejected rows belong to the last append, which every plane (rings included) can undo.
   if (a < k) {
     const Status st = s.session->rollback(base + 1 + a);
@@ -815,7 +792,6 @@ void Scheduler::accept_drafts(Slot& s, const Work& w, std::span<const float> row
     vr = verify_sampled(s.spec_p, {}, drafts, V, r.spec_rng);
   }
   const int32_t a = vr.n_accepted;
-  if (s.drafter) s.drafter->observe_target(s.capture, 1 + a);
   s.n_drafted += k;
   s.n_accepted += a;
   keep_verified(s, w, s.session->n_pos() - (k + 1), a, false);

@@ -245,7 +245,8 @@ class Scheduler {
   void draft_forced(Slot& s, Work& w);
   void accept_forced(Slot& s, const Work& w, std::span<const float> rows);
   // The end of a verify step of k = w.n_draft drafts appended after position `base`, a of
-  // them accepted: the rejected rows undone, the kept tokens cached, the step counted.
+  // them accepted: the rejected rows undone, the kept tokens cached and shown to the slot's
+  // drafter (Drafter::observe_target), the step counted.
   void keep_verified(Slot& s, const Work& w, int32_t base, int32_t a, bool forced);
   void finish(Slot& s, FinishReason why, std::string error = {});
   void emit_token(Slot& s, int32_t id, std::span<const float> logits);

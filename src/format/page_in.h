@@ -1,4 +1,4 @@
-// format/page_in.h: paging a mapped model file into RAM and locking it there (--mlock), in
+// format/page_in.h: paging a mapped model file into RAM, and locking it there (--mlock), in
 // steps, so a front end can show how far it got (a multi-GiB model takes seconds to minutes).
 #pragma once
 
@@ -15,5 +15,17 @@ namespace kiln {
 // was locked and the error says why (e.g. RLIMIT_MEMLOCK).
 Status lock_in_ram(const MappedFile& file,
                    const std::function<void(uint64_t, uint64_t)>& progress = {});
+
+// Reads the whole mapping into the page cache and this process's page tables in 64 MiB steps
+// (MADV_POPULATE_READ where the kernel has it, else one read per page), so the first forward
+// pass does not fault the weights in a page at a time; `progress(done_bytes, total_bytes)`
+// after each step. Nothing is locked: the kernel may still evict the pages under pressure.
+// Never fails: a range the kernel refuses to populate is touched page by page instead. A
+// mapping that is not a file (MappedFile::from_bytes) is already in memory.
+void page_in(const MappedFile& file, const std::function<void(uint64_t, uint64_t)>& progress = {});
+
+// MemAvailable of /proc/meminfo in bytes (free memory plus reclaimable page cache); 0 when it
+// cannot be read.
+uint64_t memory_available();
 
 }  // namespace kiln

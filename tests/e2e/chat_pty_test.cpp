@@ -1,7 +1,7 @@
 // tests/e2e/chat_pty_test.cpp: `kiln chat` as a person uses it, through a pseudo-terminal:
 // the prompt appears, a message gets a streamed reply, a message continued with '\' is one
-// message, /clear and /exit work, and `kiln run -cnv` is the same chat; `--mlock`'s progress
-// line on a terminal.
+// message, /clear and /exit work, and `kiln run -cnv` is the same chat; the weights' page-in
+// progress line on a terminal (with --mlock and without).
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <pty.h>
@@ -111,6 +111,32 @@ TEST(KilnRun, MlockShowsAPageInProgressLineOnATerminal) {
   ASSERT_TRUE(run.wait_for("100.0%", 0)) << run.out();
   EXPECT_NE(run.out().find("\rkiln: paging in stories260K.gguf: "), std::string::npos) << run.out();
   EXPECT_EQ(run.exit_status(), 0) << run.out();
+}
+
+// Without --mlock a host backend reads the mapped weights in at load (issue 35, point 7), with
+// the same line on a terminal, instead of faulting them in silently during the first prefill;
+// --log-level above notice keeps it quiet.
+TEST(KilnRun, FirstTouchPagingShowsTheProgressLineUnlessQuiet) {
+  const std::vector<std::string> args = {
+      "run",       "-m",     testing::model_path("stories260K.gguf"),
+      "-p",        "Once",   "-n",
+      "2",         "--temp", "0",
+      "--threads", "1",      "--device",
+      "cpu"};
+  Pty run(args);
+  ASSERT_TRUE(run.started());
+  ASSERT_TRUE(run.wait_for("ids xxh64", 0)) << run.out();
+  EXPECT_NE(run.out().find("\rkiln: paging in stories260K.gguf: 100.0%"), std::string::npos)
+      << run.out();
+  EXPECT_EQ(run.exit_status(), 0) << run.out();
+
+  std::vector<std::string> quiet_args = args;
+  quiet_args.insert(quiet_args.end(), {"--log-level", "warn"});
+  Pty quiet(quiet_args);
+  ASSERT_TRUE(quiet.started());
+  ASSERT_TRUE(quiet.wait_for("ids xxh64", 0)) << quiet.out();
+  EXPECT_EQ(quiet.out().find("paging in"), std::string::npos) << quiet.out();
+  EXPECT_EQ(quiet.exit_status(), 0) << quiet.out();
 }
 
 }  // namespace

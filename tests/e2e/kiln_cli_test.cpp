@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -137,6 +138,58 @@ TEST(KilnRun, MlockChangesNothingButResidency) {
   ASSERT_EQ(locked.rc, 0) << locked.err;
   EXPECT_EQ(plain.out, locked.out);
   EXPECT_EQ(hash_line(plain.err), hash_line(locked.err));
+}
+
+// The figures of `kiln run`'s grammar line: decode passes, forced verify steps, drafted,
+// accepted; empty when the line is missing.
+std::vector<long> grammar_figures(const std::string& err) {
+  static const std::regex line(
+      R"(grammar: (\d+) decode passes; forced tokens: (\d+) verify steps, drafted (\d+), )"
+      R"(accepted (\d+))");
+  std::smatch m;
+  if (!std::regex_search(err, m, line)) return {};
+  return {std::stol(m[1]), std::stol(m[2]), std::stol(m[3]), std::stol(m[4])};
+}
+
+// Issue 35, point 3 in `kiln run`: the tokens a JSON schema forces (long property names) are
+// drafted and verified in one pass each, as in `kiln serve`: the same text and ids as with
+// --draft-n 0 (no forced drafts), greedy and sampled with a penalty, in fewer decode passes.
+TEST(KilnRun, GrammarForcedTokensAreDraftedWithTheSameIds) {
+  const std::string schema = R"({"type": "object", "properties": {
+    "the_name_of_the_main_character_in_this_story": {"type": "string", "maxLength": 12},
+    "how_many_friends_did_the_main_character_meet": {"type": "integer"},
+    "did_the_story_have_a_happy_ending_for_everyone": {"type": "boolean"}},
+    "required": ["the_name_of_the_main_character_in_this_story",
+                 "how_many_friends_did_the_main_character_meet",
+                 "did_the_story_have_a_happy_ending_for_everyone"]})";
+  for (const std::vector<std::string>& sampling :
+       {std::vector<std::string>{"--temp", "0"},
+        std::vector<std::string>{"--temp", "0.8", "--repeat-penalty", "1.1", "--seed", "5"}}) {
+    std::vector<std::string> args = {
+        "run", "-m",  model_path("stories260K.gguf"), "-p", "Once upon a time", "-n", "400",
+        "-j",  schema};
+    args.insert(args.end(), sampling.begin(), sampling.end());
+    std::vector<std::string> plain_args = args;
+    plain_args.insert(plain_args.end(), {"--draft-n", "0"});
+    const Proc plain = run_kiln(plain_args);
+    const Proc drafted = run_kiln(args);
+    ASSERT_EQ(plain.rc, 0) << plain.err;
+    ASSERT_EQ(drafted.rc, 0) << drafted.err;
+    EXPECT_NE(plain.out.find("\"how_many_friends_did_the_main_character_meet\""), std::string::npos)
+        << plain.out;
+    EXPECT_EQ(drafted.out, plain.out) << sampling[1];
+    EXPECT_EQ(hash_line(drafted.err), hash_line(plain.err)) << sampling[1];
+    const std::vector<long> p = grammar_figures(plain.err), d = grammar_figures(drafted.err);
+    ASSERT_EQ(p.size(), 4u) << plain.err;
+    ASSERT_EQ(d.size(), 4u) << drafted.err;
+    EXPECT_EQ(p[1], 0) << plain.err;
+    EXPECT_GT(d[3], 20) << drafted.err;
+    EXPECT_EQ(d[3], d[2]) << drafted.err;  // the grammar's forced tokens always stand
+    // Each kept draft is a decode pass saved (but one that ends the run, which needs no pass
+    // after it either way).
+    EXPECT_LT(d[0], p[0]) << plain.err << drafted.err;
+    EXPECT_GE(p[0] - d[0] + 1, d[3]) << plain.err << drafted.err;
+  }
 }
 
 // A model that cannot be read fails `kiln serve` in one line, before it listens (it used to

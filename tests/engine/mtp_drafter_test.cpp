@@ -152,6 +152,20 @@ TEST(MtpDrafter, DraftsDoNotDependOnChunking) {
   EXPECT_EQ(c.ids, plain_greedy(ref, bos, 10));
 }
 
+// Resuming a cut history (Drafter::rollback, a server slot reusing a cached prefix): only as
+// far as the drafter saw the target's hidden states; 0 always works.
+TEST(MtpDrafter, RollbackResumesOnlyObservedPositions) {
+  auto m = load("glm4moe-f16.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend({.threads = 1});
+  auto mtp = MtpDrafter::create(m, *be, 128);
+  ASSERT_TRUE(mtp.has_value()) << mtp.error();
+  const Status beyond = (*mtp)->rollback(5);
+  ASSERT_FALSE(beyond.is_ok());
+  EXPECT_NE(beyond.message().find("cannot resume at 5"), std::string::npos) << beyond.message();
+  EXPECT_TRUE((*mtp)->rollback(0).is_ok());
+}
+
 TEST(MtpDrafter, ModelWithoutNextnLayersIsRefused) {
   auto m = load("qwen3moe-f16.gguf");
   ASSERT_TRUE(m);

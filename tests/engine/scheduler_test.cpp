@@ -15,6 +15,7 @@
 #include "engine_test_util.h"
 #include "engine/constrained.h"
 #include "engine/dflash_drafter.h"
+#include "engine/mtp_drafter.h"
 #include "engine/scheduler.h"
 #include "grammar/json_schema.h"
 #include "engine/session.h"
@@ -76,6 +77,7 @@ struct Outcome {
   FinishReason finish = FinishReason::kError;
   int32_t slot = -1, n_reused = 0;
   int32_t n_drafted = 0, n_draft_accepted = 0;
+  double prompt_ms = 0;
 };
 
 Outcome drain(GenStream& s) {
@@ -95,6 +97,7 @@ Outcome drain(GenStream& s) {
     o.n_reused = e->n_reused;
     o.n_drafted = e->n_drafted;
     o.n_draft_accepted = e->n_draft_accepted;
+    o.prompt_ms = e->prompt_ms;
     return o;
   }
 }
@@ -335,6 +338,31 @@ TEST(Scheduler, SharedPrefillFallsBackWhenTheFirstChoiceEndsEarly) {
   EXPECT_EQ(o.ids, solo.ids);
   EXPECT_EQ(o.n_reused, 0);
   EXPECT_EQ((*sch)->stats().prompt_tokens_shared, 0u);
+}
+
+// A follower's prompt time is its own prompt work (copying the first choice's rows and
+// sampling its first token), not its wait for the first choice's prefill: it evaluated no
+// prompt token, so it reports next to no prompt time (docs/server.md). A prefill of 100
+// steps for the first choice, a copy for the other.
+TEST(Scheduler, SharedPrefillFollowerTimesOnlyItsOwnPromptWork) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend({.threads = 1});
+  GenerationParams p;
+  p.prompt = random_prompt(400, m->n_vocab(), 91);
+  p.sampling.temperature = 0.8f;
+  p.max_tokens = 4;
+  const std::vector<uint64_t> seeds{1, 2};
+  auto sch = Scheduler::create(m, *be, {.n_slots = 2, .n_ctx = 512, .prefill_chunk = 4});
+  ASSERT_TRUE(sch.has_value()) << sch.error();
+  auto sub = (*sch)->submit_n(p, seeds);
+  ASSERT_EQ(sub.streams.size(), 2u) << sub.message;
+  const Outcome leader = drain(*sub.streams[0]), follower = drain(*sub.streams[1]);
+  ASSERT_EQ(follower.n_reused, 400);
+  std::printf("prompt_ms: first choice %.2f, follower %.2f\n", leader.prompt_ms,
+              follower.prompt_ms);
+  EXPECT_GT(leader.prompt_ms, 0);
+  EXPECT_LT(follower.prompt_ms, leader.prompt_ms / 4);
 }
 
 TEST(Scheduler, QueueBoundRejectsBeyondLimit) {
@@ -658,6 +686,55 @@ TEST(Scheduler, ModelDraftersKeepGreedyIdsAndResumePrefixes) {
   EXPECT_GE(rollbacks, 3);
 }
 
+// --spec-mtp in the scheduler (issue 36): a slot's NextN drafter resumes a cached prefix (it
+// keeps the target hidden states it was shown and rebuilds the row the cut replaces), so the
+// third request reuses the 41 prompt rows it shares with the second with the same ids, drafts
+// and acceptance as from scratch. Before, the drafter refused and the slot re-read the prompt.
+TEST(Scheduler, MtpDrafterResumesCachedPrefixes) {
+  auto m = load("glm4moe-f16.gguf");
+  ASSERT_TRUE(m);
+  auto be = make_cpu_backend({.threads = 2});
+  const auto base = random_prompt(60, m->n_vocab(), 5);
+  std::vector<GenerationParams> reqs;
+  for (size_t n : {size_t(60), size_t(41), size_t(60)}) {
+    GenerationParams p;
+    p.prompt.assign(base.begin(), base.begin() + ptrdiff_t(n));
+    p.sampling.temperature = 0;
+    p.max_tokens = 24;
+    reqs.push_back(p);
+  }
+  auto run = [&](const SchedulerConfig& cfg) {
+    auto sch = Scheduler::create(m, *be, cfg);
+    EXPECT_TRUE(sch.has_value()) << sch.error();
+    std::vector<Outcome> got;
+    for (const GenerationParams& p : reqs) {
+      auto sub = (*sch)->submit(p);
+      EXPECT_TRUE(sub.stream) << sub.message;
+      got.push_back(drain(*sub.stream));
+    }
+    return got;
+  };
+  SchedulerConfig plain_cfg{.n_slots = 1, .n_ctx = 256, .prefill_chunk = 16};
+  const auto plain = run(plain_cfg);
+  SchedulerConfig mtp_cfg = plain_cfg;
+  mtp_cfg.draft_model = 3;
+  mtp_cfg.make_drafter = [&](int32_t n_ctx,
+                             int32_t max_batch) -> Expected<std::unique_ptr<Drafter>> {
+    KILN_ASSIGN_OR_RETURN(auto d, MtpDrafter::create(m, *be, n_ctx, max_batch));
+    return std::unique_ptr<Drafter>(std::move(d));
+  };
+  const auto mtp = run(mtp_cfg);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_EQ(plain[i].ids.size(), 24u);
+    EXPECT_EQ(mtp[i].ids, plain[i].ids) << "request " << i << " with NextN drafts";
+    EXPECT_GT(mtp[i].n_drafted, 0) << i;
+  }
+  EXPECT_EQ(mtp[1].n_reused, 40);  // the prompt but its last token, which gives the logits
+  EXPECT_EQ(mtp[2].n_reused, 41);
+  EXPECT_EQ(mtp[2].n_drafted, mtp[0].n_drafted);
+  EXPECT_EQ(mtp[2].n_draft_accepted, mtp[0].n_draft_accepted);
+}
+
 TEST(Scheduler, RejectsOverlongDrafts) {
   auto m = load("stories260K.gguf");
   ASSERT_TRUE(m);
@@ -678,6 +755,22 @@ TEST(Scheduler, RejectsOverlongDrafts) {
 namespace kiln {
 namespace {
 
+// A JSON object whose long property names the grammar forces byte by byte.
+Expected<std::shared_ptr<const grammar::Grammar>> long_key_grammar() {
+  auto gbnf = grammar::json_schema_to_gbnf(nlohmann::ordered_json::parse(R"({
+    "type": "object",
+    "properties": {
+      "the_name_of_the_main_character_in_this_story": {"type": "string", "maxLength": 12},
+      "how_many_friends_did_the_main_character_meet": {"type": "integer"},
+      "did_the_story_have_a_happy_ending_for_everyone": {"type": "boolean"}
+    },
+    "required": ["the_name_of_the_main_character_in_this_story",
+                 "how_many_friends_did_the_main_character_meet",
+                 "did_the_story_have_a_happy_ending_for_everyone"]})"));
+  if (!gbnf) return Status::error(gbnf.error());
+  return grammar::Grammar::parse(*gbnf);
+}
+
 // Forced-token drafting (issue 35, point 3): a JSON schema whose long property names the
 // grammar forces byte by byte. With drafts (the default) the ids are those without
 // (n_draft 0), greedy and sampled with penalties, alone and beside a free request, and the
@@ -689,18 +782,7 @@ TEST(Scheduler, ForcedTokenDraftsKeepIdsAndSaveSteps) {
   ASSERT_TRUE(tok.has_value()) << tok.error();
   auto be = make_cpu_backend({.threads = 2});
   const auto vocab = make_token_trie(*tok);
-  auto gbnf = grammar::json_schema_to_gbnf(nlohmann::ordered_json::parse(R"({
-    "type": "object",
-    "properties": {
-      "the_name_of_the_main_character_in_this_story": {"type": "string", "maxLength": 12},
-      "how_many_friends_did_the_main_character_meet": {"type": "integer"},
-      "did_the_story_have_a_happy_ending_for_everyone": {"type": "boolean"}
-    },
-    "required": ["the_name_of_the_main_character_in_this_story",
-                 "how_many_friends_did_the_main_character_meet",
-                 "did_the_story_have_a_happy_ending_for_everyone"]})"));
-  ASSERT_TRUE(gbnf) << gbnf.error();
-  auto g = grammar::Grammar::parse(*gbnf);
+  auto g = long_key_grammar();
   ASSERT_TRUE(g) << g.error();
   const std::vector<int32_t> prompt = tok->encode("Once upon a time, there was", true, false);
   for (int variant = 0; variant < 3; ++variant) {
@@ -761,6 +843,94 @@ TEST(Scheduler, ForcedTokenDraftsKeepIdsAndSaveSteps) {
         static_cast<unsigned long long>(passes[1]),
         static_cast<unsigned long long>(forced_accepted),
         static_cast<unsigned long long>(forced_drafted));
+  }
+}
+
+// What a slot's drafter was shown, in a record the test owns (the scheduler destroys its
+// drafters with it).
+struct SeenLog {
+  int64_t seen = 0;  // target rows observed since the last rollback, plus the rollback point
+  int64_t gaps = 0;  // rollbacks asked to resume beyond what was observed
+};
+
+// A drafter that counts the target rows it is shown and refuses to resume past them: a slot
+// that fed it fewer rows than its cache holds left it a gap.
+class CountingDrafter final : public Drafter {
+ public:
+  explicit CountingDrafter(SeenLog* log) : log_(log) {}
+  std::string name() const override { return "counting"; }
+  std::vector<std::string> wanted_captures() const override { return {"result_norm"}; }
+  Status propose(const DraftRequest& req, Draft& out) override { return ngram_.propose(req, out); }
+  void observe_target(const model::Capture& /*c*/, int32_t n_rows_kept) override {
+    log_->seen += n_rows_kept;
+  }
+  Status rollback(int32_t n_pos) override {
+    if (n_pos > log_->seen) {
+      ++log_->gaps;
+      return Status::error("cannot resume beyond the observed rows");
+    }
+    log_->seen = n_pos;
+    return Status::ok();
+  }
+
+ private:
+  SeenLog* log_;
+  NgramDrafter ngram_;
+};
+
+// Issue 36: forced-token verify steps feed the slot's model drafter like every other step, so
+// after a constrained request in a slot with a drafter (--dflash / --spec-mtp) the drafter has
+// seen every position the slot's cache holds, and the next request resumes the prefix. The
+// ids are those of a slot without a drafter.
+TEST(Scheduler, ForcedDraftsFeedTheSlotDrafter) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  auto tok = Tokenizer::from_gguf(m->gguf());
+  ASSERT_TRUE(tok.has_value()) << tok.error();
+  auto be = make_cpu_backend({.threads = 2});
+  auto g = long_key_grammar();
+  ASSERT_TRUE(g) << g.error();
+  const std::vector<int32_t> prompt = tok->encode("Once upon a time, there was", true, false);
+  for (int variant = 0; variant < 2; ++variant) {
+    GenerationParams p;
+    p.prompt = prompt;
+    p.grammar = *g;
+    p.grammar_vocab = make_token_trie(*tok);
+    p.max_tokens = 400;
+    p.sampling.temperature = variant == 0 ? 0.0f : 0.8f;
+    p.sampling.seed = 77 + static_cast<uint64_t>(variant);
+    SchedulerConfig cfg{.n_slots = 1, .n_ctx = 512, .prefill_chunk = 64};
+    auto plain = Scheduler::create(m, *be, cfg);
+    ASSERT_TRUE(plain.has_value()) << plain.error();
+    auto sub = (*plain)->submit(p);
+    ASSERT_TRUE(sub.stream) << sub.message;
+    const Outcome want = drain(*sub.stream);
+    ASSERT_EQ(want.finish, FinishReason::kStop) << tok->decode(want.ids);
+
+    SeenLog log;
+    cfg.draft_model = 4;
+    cfg.make_drafter = [&](int32_t, int32_t) -> Expected<std::unique_ptr<Drafter>> {
+      return std::unique_ptr<Drafter>(std::make_unique<CountingDrafter>(&log));
+    };
+    auto sch = Scheduler::create(m, *be, cfg);
+    ASSERT_TRUE(sch.has_value()) << sch.error();
+    sub = (*sch)->submit(p);
+    ASSERT_TRUE(sub.stream) << sub.message;
+    const Outcome got = drain(*sub.stream);
+    EXPECT_EQ(got.ids, want.ids) << "variant " << variant;
+    EXPECT_GT((*sch)->stats().forced_accepted, 20u) << "variant " << variant;
+    // The next request continues the output: it resumes the whole cached prefix, which the
+    // drafter must hold too (its rollback is asked for it when the slot is taken).
+    GenerationParams next;
+    next.prompt = prompt;
+    next.prompt.insert(next.prompt.end(), got.ids.begin(), got.ids.end());
+    next.max_tokens = 8;
+    sub = (*sch)->submit(next);
+    ASSERT_TRUE(sub.stream) << sub.message;
+    const Outcome cont = drain(*sub.stream);
+    EXPECT_EQ(log.gaps, 0) << "variant " << variant;
+    EXPECT_EQ(cont.n_reused, int32_t(next.prompt.size()) - 1) << "variant " << variant;
+    EXPECT_EQ(log.seen, (*sch)->stats().kv_positions_used) << "variant " << variant;
   }
 }
 

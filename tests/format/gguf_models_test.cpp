@@ -2,6 +2,11 @@
 // agrees with known facts about the files.
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
 #include <filesystem>
 
 #include "common/testdata.h"
@@ -82,6 +87,42 @@ TEST(MappedFile, LockInRamReportsProgress) {
   });
   if (!st) GTEST_SKIP() << st.message();  // a small RLIMIT_MEMLOCK: the refusal is tested above
   EXPECT_EQ(seen, (std::vector<uint64_t>{uint64_t{64} << 20, uint64_t{128} << 20, size}));
+}
+
+// page_in (every model a host backend runs without --mlock): the mapping's pages are resident
+// afterwards, and the steps report their progress, ending at the file's size. A sparse file
+// of 128 MiB + 1 byte: two whole 64 MiB steps and a partial one, none of it cached before.
+TEST(MappedFile, PageInMakesTheMappingResident) {
+  const std::string path = testing::temp_dir() + "/page_in.bin";
+  const uint64_t size = (uint64_t{128} << 20) + 1;
+  {
+    std::FILE* out = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(out, nullptr);
+    ASSERT_EQ(::ftruncate(::fileno(out), static_cast<off_t>(size)), 0);
+    std::fclose(out);
+  }
+  auto f = MappedFile::open(path);
+  ASSERT_TRUE(f) << f.error();
+  const uint64_t page = page_size();
+  std::vector<unsigned char> resident((size + page - 1) / page);
+  auto n_resident = [&] {
+    EXPECT_EQ(::mincore(const_cast<std::byte*>((*f)->data()), size, resident.data()), 0);
+    return std::count_if(resident.begin(), resident.end(), [](unsigned char c) { return c & 1; });
+  };
+  ASSERT_LT(n_resident(), static_cast<ptrdiff_t>(resident.size()));
+  std::vector<uint64_t> seen;
+  page_in(**f, [&](uint64_t done, uint64_t total) {
+    EXPECT_EQ(total, size);
+    seen.push_back(done);
+  });
+  EXPECT_EQ(seen, (std::vector<uint64_t>{uint64_t{64} << 20, uint64_t{128} << 20, size}));
+  EXPECT_EQ(n_resident(), static_cast<ptrdiff_t>(resident.size()));
+  std::filesystem::remove(path);
+  // Bytes already in memory: one report, nothing to read.
+  seen.clear();
+  page_in(*MappedFile::from_bytes(std::vector<std::byte>(10)),
+          [&](uint64_t done, uint64_t) { seen.push_back(done); });
+  EXPECT_EQ(seen, std::vector<uint64_t>{10});
 }
 
 }  // namespace

@@ -942,10 +942,13 @@ TEST(Server, ModelDraftersKeepGreedyTextAndReportDraftTimings) {
         EXPECT_EQ(t_spec[i]["draft_n"], 72) << t_spec[i].dump();
         EXPECT_EQ(t_spec[i]["draft_n_accepted"], 29) << t_spec[i].dump();
       }
-      // The DFlash drafter resumes a cached prefix; the MTP one cannot and starts afresh.
-      EXPECT_EQ(t_spec[2]["cache_n"], t_plain[2]["cache_n"]);
-      EXPECT_GT(t_spec[2]["cache_n"].get<int>(), 0);
     }
+    // Both drafters resume a cached prefix (the DFlash KV, the NextN hidden states), with the
+    // drafts of a fresh start.
+    EXPECT_EQ(t_spec[2]["cache_n"], t_plain[2]["cache_n"]) << c.model;
+    EXPECT_GT(t_spec[2]["cache_n"].get<int>(), 0) << c.model;
+    EXPECT_EQ(t_spec[2]["draft_n"], t_spec[0]["draft_n"]) << c.model;
+    EXPECT_EQ(t_spec[2]["draft_n_accepted"], t_spec[0]["draft_n_accepted"]) << c.model;
   }
 }
 
