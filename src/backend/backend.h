@@ -212,6 +212,10 @@ class Backend {
   //
   // True when alloc_bytes() returns memory host code must not touch.
   virtual bool device_memory() const { return false; }
+  // Device backends: the bytes of device memory still free for buffers (the KV planes grow into
+  // it as positions arrive, so the scheduler checks a context against it at load); 0 where the
+  // backend cannot tell. Host backends: 0 (host planes are checked against MemAvailable).
+  virtual uint64_t device_free_bytes() const { return 0; }
   // `bytes` zero-filled bytes, 64-byte aligned.
   virtual BackendBytes alloc_bytes(size_t bytes) {
     const size_t n = std::max<size_t>(bytes, 1);

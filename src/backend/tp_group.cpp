@@ -1,6 +1,7 @@
 // backend/tp_group.cpp: TpGroup and the shared-memory all-reduce of host groups (tp_group.h).
 #include "backend/tp_group.h"
 
+#include <algorithm>
 #include <barrier>
 
 #include "core/check.h"
@@ -38,6 +39,16 @@ void TpGroup::worker(int rank) {
     std::lock_guard lock(mu_);
     if (--pending_ == 0) done_.notify_one();
   }
+}
+
+uint64_t TpGroup::device_free_bytes() const {
+  uint64_t least = 0;
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    const uint64_t f = ranks_[r]->device_free_bytes();
+    if (f == 0) return 0;
+    least = r == 0 ? f : std::min(least, f);
+  }
+  return least * ranks_.size();
 }
 
 Backend& TpGroup::tp_rank(int r) {

@@ -30,6 +30,9 @@ class TpGroup final : public Backend {
 
   // Everything else: rank 0.
   bool device_memory() const override { return ranks_[0]->device_memory(); }
+  // Each rank holds its share of the heads' KV rows: the group can hold n times its fullest
+  // rank's free memory (0 if any rank cannot tell).
+  uint64_t device_free_bytes() const override;
   BackendBytes alloc_bytes(size_t bytes) override { return ranks_[0]->alloc_bytes(bytes); }
   void upload_bytes(std::span<const std::byte> h, std::span<std::byte> d) override {
     ranks_[0]->upload_bytes(h, d);

@@ -121,19 +121,22 @@ Expected<std::unique_ptr<Scheduler>> Scheduler::create(std::shared_ptr<const Mod
     return Status::errorf("scheduler: context {} exceeds the model's training context {}",
                           cfg.n_ctx, model->n_ctx_train());
   // The planes grow as positions arrive, so a context that cannot fit would fail only at the
-  // first long request: refuse it now. Host planes only: device backends (planes in GPU
-  // memory) report no free-memory figure to check against yet.
+  // first long request: refuse it now, against MemAvailable for host planes and the device's
+  // free memory (after the weights' upload) for device planes; a backend that cannot tell its
+  // free memory is not checked.
   const int32_t n_ctx = cfg.n_ctx > 0 ? cfg.n_ctx : std::min(model->n_ctx_train(), 4096);
-  if (!backend.device_memory()) {
+  {
     const uint64_t per_slot =
         kv_bytes_at_full_context(model->hparams(), n_ctx, std::min(cfg.prefill_chunk, n_ctx));
     const uint64_t need = per_slot * uint64_t(cfg.n_slots);
-    const uint64_t avail = memory_available();
+    const bool device = backend.device_memory();
+    const uint64_t avail = device ? backend.device_free_bytes() : memory_available();
     if (avail > 0 && need > avail)
       return Status::errorf(
           "scheduler: the KV cache of {} slots x {} positions needs {:.2f} GiB at full context "
-          "and {:.2f} GiB of memory is available; lower --parallel or --ctx-size",
-          cfg.n_slots, n_ctx, double(need) / (1 << 30), double(avail) / (1 << 30));
+          "and {:.2f} GiB of {} memory is available; lower --parallel or --ctx-size",
+          cfg.n_slots, n_ctx, double(need) / (1 << 30), double(avail) / (1 << 30),
+          device ? "device" : "host");
   }
   std::vector<std::unique_ptr<Drafter>> drafters;
   if (cfg.make_drafter) {

@@ -16,6 +16,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "common/testdata.h"
+#include "engine/scheduler.h"
 #include "engine/session.h"
 #include "transfer/session_pack.h"
 
@@ -147,6 +148,10 @@ class FakeDeviceBackend final : public Backend {
     --it;
     return a + host.size() <= it->first + it->second;
   }
+  // What device_free_bytes() reports (0: cannot tell, as the default).
+  uint64_t free_bytes = 0;
+  uint64_t device_free_bytes() const override { return free_bytes; }
+
   size_t n_registered() const { return registered_.size(); }
   uint64_t pinned_downloads() const { return pinned_downloads_; }
   uint64_t downloads() const { return downloads_; }
@@ -312,6 +317,34 @@ TEST(ResidentAllocCapture, SameNodesAsHostMemory) {
     EXPECT_EQ(std::memcmp(node.data.data(), it->second.data.data(), node.data.size() * 4), 0)
         << name;
   }
+}
+
+// A context whose KV planes cannot fit the device's free memory is refused when the scheduler is
+// made (the planes grow as positions arrive, so it would otherwise fail at the first long
+// request), in one line naming device memory and what to lower; one that fits is taken, and a
+// device that cannot tell its free memory (0) is not checked (issue 37, point 5).
+TEST(DeviceKvFit, ContextThatCannotFitIsRefusedAtLoad) {
+  if (!have("stories260K.gguf")) GTEST_SKIP() << "stories260K.gguf not present";
+  auto m = Model::load(testing::model_path("stories260K.gguf"));
+  ASSERT_TRUE(m.has_value()) << m.error();
+  std::shared_ptr<const Model> model = std::move(*m);
+  auto cpu = make_cpu_backend({.threads = 1});
+  FakeDeviceBackend dev(*cpu);
+  SchedulerConfig cfg;
+  cfg.n_slots = 8;
+  cfg.n_ctx = model->n_ctx_train();
+  dev.free_bytes = 64 << 10;  // far below 8 slots' KV at full context
+  auto refused = Scheduler::create(model, dev, cfg);
+  ASSERT_FALSE(refused.has_value());
+  const std::string& msg = refused.error();
+  EXPECT_NE(msg.find("KV cache of 8 slots"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("of device memory is available"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--ctx-size"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  dev.free_bytes = uint64_t{1} << 30;
+  EXPECT_TRUE(Scheduler::create(model, dev, cfg).has_value());
+  dev.free_bytes = 0;
+  EXPECT_TRUE(Scheduler::create(model, dev, cfg).has_value());
 }
 
 // The host defaults of the API on a plain backend: zero-filled aligned memory, and copies.

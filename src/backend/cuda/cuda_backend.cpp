@@ -219,6 +219,22 @@ std::shared_ptr<void> CudaBackend::register_host_memory(std::span<std::byte> mem
   });
 }
 
+uint64_t CudaBackend::device_free_bytes() const {
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  size_t free_b = 0, total_b = 0;
+  // The runtime keeps the current device per thread (not enter(): no op is being built).
+  if (cudaSetDevice(I.opts.device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return free_b;
+}
+
 BackendBytes CudaBackend::alloc_bytes(size_t bytes) {
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);
