@@ -67,9 +67,10 @@ struct Result {
   double read_gbps = 0, roofline_ts = 0, roofline_fraction = 0;
   std::vector<double> read_gbps_samples, fraction_samples;
   double fraction_min = 0, fraction_max = 0;
-  std::string profile;    // --cuda-profile: the per-kernel table of one extra pass
-  std::string trace;      // --cuda-trace: the kernel records' table of one extra pass
-  std::string host_note;  // CUDA: how much of the run the host waited on the GPU
+  std::string profile;       // --cuda-profile: the per-kernel table of one extra pass
+  std::string trace;         // --cuda-trace: the kernel records' table of one extra pass
+  std::string host_note;     // CUDA: how much of the run the host waited on the GPU
+  double attn_kv_bytes = 0;  // sparse attention: KV bytes one token's attention reads
 };
 
 // Weight bytes a decode step reads outside the experts: every tensor once, except that the
@@ -201,8 +202,8 @@ Expected<double> time_batched_decode(std::span<const std::unique_ptr<Session>> s
 
 // Sparse attention: the KV bytes (f16) one decoded token's attention reads at the middle of
 // a tg test over all layers -- with selection, each layer's top_k latent rows plus, on full
-// layers, every indexer key; dense, every latent row.
-std::string attention_kv_note(const model::HParams& hp, const Result& r) {
+// layers, every indexer key; dense, every latent row. Sets r.attn_kv_bytes, returns the note.
+std::string attention_kv_note(const model::HParams& hp, Result& r) {
   const double n_kv = double(r.n_depth) + double(r.n_gen) / 2;
   const double row = double(hp.kv_k_width()) * 2, idx_row = double(hp.dsa.head_dim) * 2;
   const bool dense = r.test.find("dense") != std::string::npos;
@@ -211,6 +212,7 @@ std::string attention_kv_note(const model::HParams& hp, const Result& r) {
     bytes += (dense ? n_kv : std::min(n_kv, double(hp.dsa.top_k))) * row;
     if (!dense && L.indexer == model::IndexerKind::Full) bytes += n_kv * idx_row;
   }
+  r.attn_kv_bytes = bytes;
   return fmt::format("{}: attention reads {:.2f} MB of KV per token ({}, {:.0f} keys)\n", r.test,
                      bytes * 1e-6, dense ? "dense" : "sparse", n_kv);
 }
@@ -450,6 +452,7 @@ Status run(const BenchOptions& o) {
         j["roofline_fraction_samples"] = r.fraction_samples;
         j["roofline_fraction_min"] = r.fraction_min;
         j["roofline_fraction_max"] = r.fraction_max;
+        if (r.attn_kv_bytes > 0) j["attention_kv_bytes_per_token"] = r.attn_kv_bytes;
       }
       arr.push_back(std::move(j));
     }
