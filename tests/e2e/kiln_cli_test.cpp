@@ -498,15 +498,23 @@ TEST(KilnMkmodel, GlmDsaLoadsRunsAndCachesIndexerKeys) {
   // kiln bench adds the dense rows (the same file, selection off) and the KV bytes one token's
   // attention reads, at n_kv = depth + n / 2 = 26 keys: sparse, per layer top_k = 4 latent rows
   // of 160 bytes and all 26 indexer keys of 64; dense, all 26 latent rows.
-  Proc b = run_kiln({"bench", "-m", out, "-p", "0", "-n", "4", "-d", "24", "-r", "1", "-o", "json",
-                     "--threads", "2"});
-  ASSERT_EQ(b.rc, 0) << b.err;
-  auto j = nlohmann::json::parse(b.out);
-  ASSERT_EQ(j.size(), 2u) << b.out;
-  EXPECT_EQ(j[0]["test"], "tg4 @ d24");
-  EXPECT_EQ(j[1]["test"], "tg4 dense @ d24");
-  EXPECT_DOUBLE_EQ(j[0]["attention_kv_bytes_per_token"].get<double>(), 3 * (4 * 160 + 26 * 64));
-  EXPECT_DOUBLE_EQ(j[1]["attention_kv_bytes_per_token"].get<double>(), 3 * 26 * 160);
+  // --depth-fill random writes the 24 rows straight into both caches instead of evaluating
+  // them: the same tests at the same depth.
+  for (const char* fill : {"eval", "random"}) {
+    SCOPED_TRACE(fill);
+    Proc b = run_kiln({"bench", "-m", out, "-p", "0", "-n", "4", "-d", "24", "-r", "1", "-o",
+                       "json", "--threads", "2", "--depth-fill", fill});
+    ASSERT_EQ(b.rc, 0) << b.err;
+    auto j = nlohmann::json::parse(b.out);
+    ASSERT_EQ(j.size(), 2u) << b.out;
+    EXPECT_EQ(j[0]["test"], "tg4 @ d24");
+    EXPECT_EQ(j[1]["test"], "tg4 dense @ d24");
+    EXPECT_GT(j[0]["avg_ts"].get<double>(), 0);
+    EXPECT_DOUBLE_EQ(j[0]["attention_kv_bytes_per_token"].get<double>(), 3 * (4 * 160 + 26 * 64));
+    EXPECT_DOUBLE_EQ(j[1]["attention_kv_bytes_per_token"].get<double>(), 3 * 26 * 160);
+  }
+  expect_clean_error(run_kiln({"bench", "-m", out, "-n", "4", "--depth-fill", "zeros"}),
+                     "--depth-fill");
   expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--arch", "glm-dsa"}), "--q-lora");
   std::filesystem::remove_all(dir);
 }
