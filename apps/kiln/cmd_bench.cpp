@@ -30,10 +30,13 @@
 #include "apps/kiln/config_cli.h"
 #include "apps/kiln/gen_common.h"
 #include "core/counters.h"
+#include "core/half.h"
 #include "core/log.h"
+#include "core/splitmix.h"
 #include "sampling/sampler.h"
 #include "engine/device_probe.h"
 #include "engine/runtime.h"
+#include "kv/kv_cache.h"
 
 namespace kiln::app {
 namespace {
@@ -46,6 +49,10 @@ struct BenchOptions {
   // llama-bench's -d: each test runs after this many tokens already in the KV cache ("tg128 @
   // d4096"); the prefix is filled once per depth, untimed, and every repetition rolls back to it.
   std::vector<int32_t> n_depth{0};
+  // How the -d prefix gets into the cache: "eval" (the model evaluates it, as llama-bench) or
+  // "random" (random rows written straight into the cache: linear instead of quadratic time,
+  // for decode speed at depths whose prefill would take hours; the rows mean nothing).
+  std::string depth_fill = "eval";
   int32_t reps = 5;
   std::string output = "md";
   bool cuda_profile = false, cuda_trace = false;
@@ -67,9 +74,10 @@ struct Result {
   double read_gbps = 0, roofline_ts = 0, roofline_fraction = 0;
   std::vector<double> read_gbps_samples, fraction_samples;
   double fraction_min = 0, fraction_max = 0;
-  std::string profile;    // --cuda-profile: the per-kernel table of one extra pass
-  std::string trace;      // --cuda-trace: the kernel records' table of one extra pass
-  std::string host_note;  // CUDA: how much of the run the host waited on the GPU
+  std::string profile;       // --cuda-profile: the per-kernel table of one extra pass
+  std::string trace;         // --cuda-trace: the kernel records' table of one extra pass
+  std::string host_note;     // CUDA: how much of the run the host waited on the GPU
+  double attn_kv_bytes = 0;  // sparse attention: KV bytes one token's attention reads
 };
 
 // Weight bytes a decode step reads outside the experts: every tensor once, except that the
@@ -201,8 +209,8 @@ Expected<double> time_batched_decode(std::span<const std::unique_ptr<Session>> s
 
 // Sparse attention: the KV bytes (f16) one decoded token's attention reads at the middle of
 // a tg test over all layers -- with selection, each layer's top_k latent rows plus, on full
-// layers, every indexer key; dense, every latent row.
-std::string attention_kv_note(const model::HParams& hp, const Result& r) {
+// layers, every indexer key; dense, every latent row. Sets r.attn_kv_bytes, returns the note.
+std::string attention_kv_note(const model::HParams& hp, Result& r) {
   const double n_kv = double(r.n_depth) + double(r.n_gen) / 2;
   const double row = double(hp.kv_k_width()) * 2, idx_row = double(hp.dsa.head_dim) * 2;
   const bool dense = r.test.find("dense") != std::string::npos;
@@ -211,13 +219,51 @@ std::string attention_kv_note(const model::HParams& hp, const Result& r) {
     bytes += (dense ? n_kv : std::min(n_kv, double(hp.dsa.top_k))) * row;
     if (!dense && L.indexer == model::IndexerKind::Full) bytes += n_kv * idx_row;
   }
+  r.attn_kv_bytes = bytes;
   return fmt::format("{}: attention reads {:.2f} MB of KV per token ({}, {:.0f} keys)\n", r.test,
                      bytes * 1e-6, dense ? "dense" : "sparse", n_kv);
 }
 
-// The untimed context of -d: the session's cache holds exactly `prefix` afterwards.
-Status fill_prefix(Session& s, std::span<const int32_t> prefix) {
+// --depth-fill random: a fresh cache of the session's geometry holding n_pos positions whose
+// every row (latent, K/V, indexer keys) is uniform in [-1, 1], installed in the session. Decode
+// cost at a depth does not depend on what the rows hold (sparse selection scores and ranks
+// every key either way), so the timings stand; the outputs mean nothing. Host caches of full
+// layers only: a device plane cannot be written from here, and a ring's retained range is
+// the forward pass's business.
+Status fill_random(Session& s, int32_t n_pos) {
+  const KvCache& mine = s.kv_cache();
+  if (mine.on_device())
+    return Status::error("--depth-fill random: the cache lives in device memory (CPU only)");
+  KvConfig cfg;
+  cfg.n_ctx = mine.n_ctx();
+  cfg.max_batch = mine.max_batch();
+  cfg.backend = mine.backend();
+  for (int l = 0; l < mine.n_layers(); ++l) {
+    if (mine.window(l) > 0)
+      return Status::error("--depth-fill random: sliding-window layers are not supported");
+    cfg.layers.push_back(
+        KvLayerSpec{.width = mine.width(l), .window = 0, .k_only = mine.k_only(l)});
+  }
+  KILN_ASSIGN_OR_RETURN(KvCache kv, KvCache::create(cfg));
+  KILN_TRY(kv.restore(n_pos, std::vector<int32_t>(size_t(kv.n_layers()), 0)));
+  uint64_t state = 0x6b696c6e;
+  auto fill = [&](std::span<f16> plane, int64_t width, std::span<const int32_t> rows) {
+    for (int32_t r : rows)
+      for (f16& x : plane.subspan(size_t(r) * size_t(width), size_t(width)))
+        x = f32_to_f16(float(double(splitmix64(state) >> 11) * 0x1.0p-52 - 1.0));
+  };
+  for (int l = 0; l < kv.n_layers(); ++l) {
+    fill(kv.k_plane(l), kv.width(l), kv.kv_rows(l));
+    if (!kv.k_only(l)) fill(kv.v_plane(l), kv.width(l), kv.kv_rows(l));
+  }
+  return s.install_kv(std::move(kv));
+}
+
+// The untimed context of -d: the session's cache holds exactly `prefix` afterwards (or, with
+// --depth-fill random, as many random rows).
+Status fill_prefix(Session& s, std::span<const int32_t> prefix, bool random) {
   KILN_TRY(s.rollback(0));
+  if (random && !prefix.empty()) return fill_random(s, int32_t(prefix.size()));
   if (!prefix.empty()) KILN_TRY(s.eval(prefix, false));
   return Status::ok();
 }
@@ -228,6 +274,9 @@ Status run(const BenchOptions& o) {
   if (o.output != "md" && o.output != "json")
     return Status::errorf("-o '{}': expected md or json", o.output);
   if (o.reps <= 0) return Status::errorf("-r {} must be > 0", o.reps);
+  if (o.depth_fill != "eval" && o.depth_fill != "random")
+    return Status::errorf("--depth-fill '{}': expected eval or random", o.depth_fill);
+  const bool random_fill = o.depth_fill == "random";
   int32_t n_max = 1;
   for (int32_t p : o.n_prompt) {
     if (p < 0) return Status::errorf("-p {} must be >= 0", p);
@@ -360,7 +409,7 @@ Status run(const BenchOptions& o) {
   auto prefix_of = [&](int32_t d) { return random_tokens(d, model.n_vocab(), 99); };
   for (int32_t d : o.n_depth) {
     const std::vector<int32_t> prefix = prefix_of(d);
-    KILN_TRY(fill_prefix(session, prefix));
+    KILN_TRY(fill_prefix(session, prefix, random_fill));
     for (int32_t np : o.n_prompt)
       if (np > 0)
         KILN_TRY(bench(fmt::format("pp{}", np), np, 0, 1, d,
@@ -379,7 +428,7 @@ Status run(const BenchOptions& o) {
     KILN_ASSIGN_OR_RETURN(auto dense, Model::load(path, dense_opts));
     Session dense_session(dense, backend, n_max);
     for (int32_t d : o.n_depth) {
-      KILN_TRY(fill_prefix(dense_session, prefix_of(d)));
+      KILN_TRY(fill_prefix(dense_session, prefix_of(d), random_fill));
       for (int32_t ng : o.n_gen)
         if (ng > 0)
           KILN_TRY(bench(
@@ -400,7 +449,7 @@ Status run(const BenchOptions& o) {
     BatchEval batch(rt.model(), backend, ns);
     for (int32_t d : o.n_depth) {
       const std::vector<int32_t> prefix = prefix_of(d);
-      for (const auto& s : seqs) KILN_TRY(fill_prefix(*s, prefix));
+      for (const auto& s : seqs) KILN_TRY(fill_prefix(*s, prefix, random_fill));
       for (int32_t ng : o.n_gen)
         if (ng > 0)
           KILN_TRY(bench(fmt::format("tg{} x{}", ng, ns), 0, ng, ns, d,
@@ -450,6 +499,7 @@ Status run(const BenchOptions& o) {
         j["roofline_fraction_samples"] = r.fraction_samples;
         j["roofline_fraction_min"] = r.fraction_min;
         j["roofline_fraction_max"] = r.fraction_max;
+        if (r.attn_kv_bytes > 0) j["attention_kv_bytes_per_token"] = r.attn_kv_bytes;
       }
       arr.push_back(std::move(j));
     }
@@ -521,6 +571,10 @@ void add_bench_command(CLI::App& app, int& exit_code) {
                   "run each test after this many tokens already in the KV cache (tgN @ dD; "
                   "filled once per depth, untimed; list; default 0)")
       ->delimiter(',');
+  cmd->add_option("--depth-fill", o->depth_fill,
+                  "how -d's prefix gets into the cache: eval (the model evaluates it) or random "
+                  "(random rows written into the cache, CPU: decode speed at depths whose "
+                  "prefill takes too long; outputs meaningless)");
   cmd->add_option("-r,--repetitions", o->reps, "repetitions per test (default 5)");
   cmd->add_option("-o,--output", o->output, "md or json (default md)");
   cmd->add_flag("--cuda-profile", o->cuda_profile,

@@ -1,8 +1,9 @@
 // apps/kiln/cmd_mkmodel.cpp: `kiln mkmodel`: writes a random-weight GGUF of any size and type
 // in the llama, gemma3 (sliding window, QK-norm, sandwich norms, tied output), qwen3moe or gpt-oss
 // (experts), phi3 (fused attn_qkv and gate|up ffn_up, optionally partial rotary) or deepseek2
-// (latent attention; DeepSeek-V3 MoE with a shared expert and leading dense layers) and glm-dsa
-// (deepseek2's shape plus a lightning indexer on every layer) shapes, or
+// (latent attention; DeepSeek-V3 MoE with a shared expert and leading dense layers), glm-dsa
+// (deepseek2's shape plus a lightning indexer on every layer) or glm4moe (GLM-4.5: q/k/v biases,
+// QK-norm, partial rotary, the DeepSeek-V3 MoE, NextN blocks after the main ones) shapes, or
 // llama with experts (Mixtral layout): benchmarks at 1B/8B scale without downloads. Random router
 // weights route nearly uniformly over the experts. Tensors are produced and quantized at write
 // time, one at a time, so a multi-GB file needs no more RAM than its largest tensor. The
@@ -47,23 +48,33 @@ struct MkModelOptions {
   // dims, default 64), a shared expert and leading dense layers on MoE models.
   int32_t q_lora = 0, kv_lora = 512, v_head = 0;  // v_head 0: the no-RoPE width
   int32_t n_shared = 1, n_dense_lead = 1;
+  // glm4moe: NextN (MTP) blocks written after the --n-layer main ones, counted in block_count
+  // as GLM-4.5's files count them (loaded, not run by the main pass).
+  int32_t n_nextn = 1;
   // glm-dsa: the lightning indexer's heads, head width and keys kept per query (GLM-5's
   // 32 x 128, top 2048); every layer a full indexer layer.
   int32_t idx_heads = 32, idx_head_dim = 128, idx_top_k = 2048;
 
   int32_t hd() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
   bool moe() const { return n_expert > 0; }
-  int32_t rot() const { return n_rot > 0 ? n_rot : latent() ? 64 : hd(); }
+  // GLM-4.5 rotates half of each head (partial_rotary_factor 0.5).
+  int32_t rot() const { return n_rot > 0 ? n_rot : latent() ? 64 : glm4moe() ? hd() / 2 : hd(); }
   // deepseek2 and glm-dsa: latent attention, DeepSeek-V3 MoE; glm-dsa adds the indexer.
   bool latent() const { return arch == "deepseek2" || dsa(); }
   bool dsa() const { return arch == "glm-dsa"; }
+  bool glm4moe() const { return arch == "glm4moe"; }
+  // The DeepSeek-V3 MoE: sigmoid router with a selection bias, shared experts, dense lead.
+  bool moe_v3() const { return latent() || glm4moe(); }
+  int32_t nextn() const { return glm4moe() ? n_nextn : 0; }
   int32_t v_dim() const { return v_head > 0 ? v_head : hd() - rot(); }
-  bool dense_layer(int32_t l) const { return !moe() || (latent() && l < n_dense_lead); }
+  bool dense_layer(int32_t l) const { return !moe() || (moe_v3() && l < n_dense_lead); }
   bool gemma3() const { return arch == "gemma3"; }
   bool phi3() const { return arch == "phi3"; }
   bool gpt_oss() const { return arch == "gpt-oss"; }
   bool swa() const { return gemma3() || gpt_oss(); }
-  bool qk_norm() const { return arch == "gemma3" || arch == "qwen3moe"; }
+  bool qk_norm() const { return arch == "gemma3" || arch == "qwen3moe" || glm4moe(); }
+  // The FFN's input norm is named post_attention_norm (gpt-oss, glm4moe).
+  bool post_attention_ffn_norm() const { return gpt_oss() || glm4moe(); }
   int32_t ff_exp() const { return n_ff_exp > 0 ? n_ff_exp : n_ff; }
   std::string type = "f16";
   uint64_t seed = 1;
@@ -133,7 +144,7 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
   const float w = 0.02f * std::sqrt(3.0f);
   std::vector<TensorPlan> t;
   t.push_back({"token_embd.weight", {E, o.n_vocab}, w});
-  for (int32_t l = 0; l < o.n_layer; ++l) {
+  for (int32_t l = 0; l < o.n_layer + o.nextn(); ++l) {
     const std::string b = fmt::format("blk.{}.", l);
     t.push_back({b + "attn_norm.weight", {E}, 0});
     if (o.latent()) {
@@ -165,24 +176,27 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
       t.push_back({b + "attn_k.weight", {E, kv}, w});
       t.push_back({b + "attn_v.weight", {E, kv}, w});
     }
-    if (o.gpt_oss()) {  // biases on q/k/v/o and one sink logit per head
+    if (o.gpt_oss() || o.glm4moe()) {  // biases on q/k/v (gpt-oss: o too, and sinks)
       t.push_back({b + "attn_q.bias", {q}, w});
       t.push_back({b + "attn_k.bias", {kv}, w});
       t.push_back({b + "attn_v.bias", {kv}, w});
+    }
+    if (o.gpt_oss()) {  // one sink logit per head
       t.push_back({b + "attn_output.bias", {E}, w});
       t.push_back({b + "attn_sinks.weight", {o.n_head}, w});
     }
-    if (o.qk_norm()) {  // gemma3 and qwen3moe normalise q and k per head
+    if (o.qk_norm()) {  // gemma3, qwen3moe and glm4moe normalise q and k per head
       t.push_back({b + "attn_q_norm.weight", {hd}, 0});
       t.push_back({b + "attn_k_norm.weight", {hd}, 0});
     }
     if (!o.latent()) t.push_back({b + "attn_output.weight", {q, E}, w});
-    if (o.gemma3() || o.gpt_oss()) t.push_back({b + "post_attention_norm.weight", {E}, 0});
-    if (!o.gpt_oss()) t.push_back({b + "ffn_norm.weight", {E}, 0});  // gpt-oss: the one above
+    if (o.gemma3() || o.post_attention_ffn_norm())
+      t.push_back({b + "post_attention_norm.weight", {E}, 0});
+    if (!o.post_attention_ffn_norm()) t.push_back({b + "ffn_norm.weight", {E}, 0});
     if (!o.dense_layer(l)) {
       const int64_t F = o.ff_exp(), X = o.n_expert;
       t.push_back({b + "ffn_gate_inp.weight", {E, X}, w, o.router_skew});
-      if (o.latent()) {  // selection bias, and the shared experts side by side
+      if (o.moe_v3()) {  // selection bias, and the shared experts side by side
         t.push_back({b + "exp_probs_b.bias", {X}, w});
         t.push_back({b + "ffn_gate_shexp.weight", {E, F * o.n_shared}, w});
         t.push_back({b + "ffn_up_shexp.weight", {E, F * o.n_shared}, w});
@@ -206,6 +220,14 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
       t.push_back({b + "ffn_down.weight", {o.n_ff, E}, w});
     }
     if (o.gemma3()) t.push_back({b + "post_ffw_norm.weight", {E}, 0});
+    if (l >= o.n_layer) {  // a NextN block: its input projection, norms and own head
+      t.push_back({b + "nextn.eh_proj.weight", {2 * E, E}, w});
+      t.push_back({b + "nextn.enorm.weight", {E}, 0});
+      t.push_back({b + "nextn.hnorm.weight", {E}, 0});
+      t.push_back({b + "nextn.shared_head_norm.weight", {E}, 0});
+      t.push_back({b + "nextn.embed_tokens.weight", {E, o.n_vocab}, w});
+      t.push_back({b + "nextn.shared_head_head.weight", {E, o.n_vocab}, w});
+    }
   }
   t.push_back({"output_norm.weight", {E}, 0});
   if (!o.gemma3()) t.push_back({"output.weight", {E, o.n_vocab}, w});  // gemma ties it
@@ -220,7 +242,8 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
   w.set_u32("general.file_type", static_cast<uint32_t>(preset.ftype));
   w.set_u32(a + ".context_length", uint32_t(o.n_ctx));
   w.set_u32(a + ".embedding_length", uint32_t(o.n_embd));
-  w.set_u32(a + ".block_count", uint32_t(o.n_layer));
+  w.set_u32(a + ".block_count", uint32_t(o.n_layer + o.nextn()));
+  if (o.glm4moe()) w.set_u32(a + ".nextn_predict_layers", uint32_t(o.nextn()));
   // Mixtral-layout llama reads its experts' width from feed_forward_length.
   w.set_u32(a + ".feed_forward_length", uint32_t(o.moe() && a == "llama" ? o.ff_exp() : o.n_ff));
   w.set_u32(a + ".attention.head_count", uint32_t(o.n_head));
@@ -244,9 +267,10 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
   }
   w.set_u32(a + ".rope.dimension_count", uint32_t(o.rot()));
   // The families' own RoPE bases and epsilons (gemma3: 1e6 global, 1e4 on local layers).
+  // GLM-4.5: base 1e6, epsilon 1e-5.
   const bool llama_like = a == "llama" || a == "phi3" || o.latent();
   w.set_f32(a + ".rope.freq_base", llama_like ? 10000.0f : 1000000.0f);
-  w.set_f32(a + ".attention.layer_norm_rms_epsilon", llama_like ? 1e-5f : 1e-6f);
+  w.set_f32(a + ".attention.layer_norm_rms_epsilon", llama_like || o.glm4moe() ? 1e-5f : 1e-6f);
   if (o.gemma3()) {
     w.set_f32(a + ".rope.freq_base_swa", 10000.0f);
     w.set_u32(a + ".attention.sliding_window", uint32_t(o.window));
@@ -259,7 +283,8 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
     w.set_u32(a + ".expert_used_count", uint32_t(o.n_expert_used));
     if (a != "llama") w.set_u32(a + ".expert_feed_forward_length", uint32_t(o.ff_exp()));
   }
-  if (o.latent() && o.moe()) {  // DeepSeek-V3's routing: sigmoid, normalised, scaled 2.5
+  if (o.moe_v3() && o.moe()) {  // DeepSeek-V3's (and GLM-4.5's) routing: sigmoid, normalised,
+                                // scaled 2.5
     w.set_u32(a + ".expert_shared_count", uint32_t(o.n_shared));
     w.set_u32(a + ".expert_gating_func", 2);
     w.set_bool(a + ".expert_weights_norm", true);
@@ -281,11 +306,21 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
 Status validate(const MkModelOptions& o) {
   if (o.out.empty()) return Status::error("-o OUT.gguf is required");
   if (o.arch != "llama" && o.arch != "gemma3" && o.arch != "qwen3moe" && o.arch != "phi3" &&
-      o.arch != "gpt-oss" && o.arch != "deepseek2" && o.arch != "glm-dsa")
+      o.arch != "gpt-oss" && o.arch != "deepseek2" && o.arch != "glm-dsa" && !o.glm4moe())
     return Status::errorf(
         "--arch '{}' is not supported (llama, gemma3, qwen3moe, phi3, gpt-oss, deepseek2, "
-        "glm-dsa)",
+        "glm-dsa, glm4moe)",
         o.arch);
+  if (o.glm4moe()) {
+    if (o.n_expert < 1) return Status::error("--arch glm4moe needs --n-expert (an MoE model)");
+    if (o.n_nextn < 0 || o.n_nextn > 4)
+      return Status::errorf("--n-nextn {} outside [0, 4]", o.n_nextn);
+    if (o.n_shared < 0 || o.n_dense_lead < 0 || o.n_dense_lead > o.n_layer)
+      return Status::errorf(
+          "--n-shared {} must not be negative, --n-dense-lead {} in [0, "
+          "--n-layer {}]",
+          o.n_shared, o.n_dense_lead, o.n_layer);
+  }
   if (o.dsa()) {
     if (o.q_lora < 1 || o.n_expert < 1)
       return Status::error("--arch glm-dsa needs --q-lora > 0 and --n-expert (an MoE model)");
@@ -325,8 +360,8 @@ Status validate(const MkModelOptions& o) {
     return Status::errorf("head dimension {} must be even (RoPE rotates pairs)", o.hd());
   if (!o.latent() && o.n_head % o.n_head_kv != 0)  // deepseek2: one latent KV head
     return Status::errorf("--n-head {} is not a multiple of --n-head-kv {}", o.n_head, o.n_head_kv);
-  if (!o.latent() && (o.n_rot < 0 || o.n_rot % 2 != 0 || o.n_rot > o.hd()))
-    return Status::errorf("--n-rot {} must be even and in [0, head dimension {}]", o.n_rot, o.hd());
+  if (!o.latent() && (o.n_rot < 0 || o.rot() % 2 != 0 || o.rot() > o.hd()))
+    return Status::errorf("--n-rot {} must be even and in [0, head dimension {}]", o.rot(), o.hd());
   if (o.swa()) KILN_TRY(positive("--window", o.window));
   if (o.gemma3()) KILN_TRY(positive("--swa-pattern", o.swa_pattern));
   if ((o.arch == "gemma3" || o.arch == "phi3") && o.n_expert != 0)
@@ -461,7 +496,8 @@ void add_mkmodel_command(CLI::App& app, int& exit_code) {
   auto o = std::make_shared<MkModelOptions>();
   cmd->add_option("-o,--output", o->out, "output GGUF path")->required();
   cmd->add_option("--arch", o->arch,
-                  "architecture: llama, gemma3, qwen3moe, phi3, gpt-oss, deepseek2, glm-dsa");
+                  "architecture: llama, gemma3, qwen3moe, phi3, gpt-oss, deepseek2, glm-dsa, "
+                  "glm4moe");
   cmd->add_option("--idx-heads", o->idx_heads, "glm-dsa: lightning indexer heads");
   cmd->add_option("--idx-head-dim", o->idx_head_dim, "glm-dsa: indexer head width");
   cmd->add_option("--idx-top-k", o->idx_top_k, "glm-dsa: keys each query keeps");
@@ -469,10 +505,13 @@ void add_mkmodel_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--kv-lora", o->kv_lora, "deepseek2: latent (KV LoRA) rank");
   cmd->add_option("--v-head-dim", o->v_head,
                   "deepseek2: value width per head (default --head-dim - --n-rot)");
-  cmd->add_option("--n-shared", o->n_shared, "deepseek2: shared experts of an MoE layer");
-  cmd->add_option("--n-dense-lead", o->n_dense_lead, "deepseek2: leading dense layers (MoE)");
+  cmd->add_option("--n-shared", o->n_shared, "deepseek2, glm4moe: shared experts of an MoE layer");
+  cmd->add_option("--n-dense-lead", o->n_dense_lead,
+                  "deepseek2, glm4moe: leading dense layers (MoE)");
+  cmd->add_option("--n-nextn", o->n_nextn,
+                  "glm4moe: NextN (MTP) blocks after the --n-layer main ones (in block_count)");
   cmd->add_option("--n-embd", o->n_embd, "embedding width");
-  cmd->add_option("--n-layer", o->n_layer, "layers");
+  cmd->add_option("--n-layer", o->n_layer, "layers (glm4moe: of the main pass)");
   cmd->add_option("--n-ff", o->n_ff, "feed-forward width");
   cmd->add_option("--n-head", o->n_head, "attention heads");
   cmd->add_option("--n-head-kv", o->n_head_kv, "KV heads");

@@ -470,6 +470,61 @@ TEST(KilnMkmodel, Deepseek2LoadsRunsAndKeepsALatentCache) {
   std::filesystem::remove_all(dir);
 }
 
+// The glm4moe shape (GLM-4.5: q/k/v biases, QK-norm, half-rotary heads, a leading dense layer,
+// then the sigmoid-routed MoE with a shared expert, and one NextN block after the main layers,
+// counted in block_count) loads and runs; its NextN block is loaded, not cached by the main
+// pass, and drafts under --spec-mtp with the same greedy ids as plain decoding.
+TEST(KilnMkmodel, Glm4moeLoadsRunsAndDraftsWithItsNextnBlock) {
+  const std::string dir = testing::temp_dir();
+  for (const char* type : {"f16", "q4_k_m"}) {
+    SCOPED_TRACE(type);
+    const std::string out = dir + "/glm-" + type + ".gguf";
+    Proc m = run_kiln({"mkmodel", "-o",         out,       "--type",          type,  "--threads",
+                       "2",       "--arch",     "glm4moe", "--n-embd",        "256", "--n-layer",
+                       "3",       "--n-ff",     "512",     "--n-head",        "4",   "--n-head-kv",
+                       "2",       "--n-expert", "8",       "--n-expert-used", "2",   "--n-ff-exp",
+                       "128",     "--n-vocab",  "600"});
+    ASSERT_EQ(m.rc, 0) << m.err;
+    auto g = GgufFile::open(out);
+    ASSERT_TRUE(g) << g.error();
+    auto u32 = [&](const char* key) {
+      auto v = g->get<uint32_t>(key);
+      return v ? *v : 0u;
+    };
+    EXPECT_EQ(u32("glm4moe.block_count"), 4u);
+    EXPECT_EQ(u32("glm4moe.nextn_predict_layers"), 1u);
+    EXPECT_EQ(u32("glm4moe.rope.dimension_count"), 32u);          // half of each 64-wide head
+    EXPECT_NE(g->find_tensor("blk.0.ffn_gate.weight"), nullptr);  // the dense lead
+    EXPECT_NE(g->find_tensor("blk.1.exp_probs_b.bias"), nullptr);
+    EXPECT_NE(g->find_tensor("blk.1.ffn_up_shexp.weight"), nullptr);
+    EXPECT_NE(g->find_tensor("blk.2.attn_k.bias"), nullptr);
+    EXPECT_NE(g->find_tensor("blk.2.attn_q_norm.weight"), nullptr);
+    EXPECT_NE(g->find_tensor("blk.2.post_attention_norm.weight"), nullptr);
+    EXPECT_EQ(g->find_tensor("blk.2.ffn_norm.weight"), nullptr);
+    EXPECT_NE(g->find_tensor("blk.3.nextn.eh_proj.weight"), nullptr);
+    EXPECT_NE(g->find_tensor("blk.3.ffn_gate_exps.weight"), nullptr);
+    const std::vector<std::string> base = {"run", "-m", out,      "-p", "hello world",
+                                           "-n",  "12", "--temp", "0",  "--stats"};
+    Proc r = run_kiln(base);
+    ASSERT_EQ(r.rc, 0) << r.err;
+    // 3 main layers x K and V x 2 KV heads x 64 values x 2 bytes: the NextN block has no
+    // rows in the main cache.
+    EXPECT_NE(r.err.find("(1536 bytes per token)"), std::string::npos) << r.err;
+    std::vector<std::string> spec = base;
+    spec.insert(spec.end(), {"--spec-mtp", "--draft-n", "2"});
+    Proc d = run_kiln(spec);
+    ASSERT_EQ(d.rc, 0) << d.err;
+    EXPECT_EQ(d.out, r.out);
+    EXPECT_NE(d.err.find("speculative (mtp, k=2)"), std::string::npos) << d.err;
+  }
+  expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--arch", "glm4moe"}),
+                     "--n-expert");
+  expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--arch", "glm4moe", "--n-expert",
+                               "4", "--n-expert-used", "2", "--n-nextn", "-1"}),
+                     "--n-nextn");
+  std::filesystem::remove_all(dir);
+}
+
 // The glm-dsa shape (deepseek2's plus a lightning indexer on every layer) loads and runs with
 // a top_k below the prompt's length, so the later tokens attend over the indexer's choice; its
 // cache holds the latent rows and the indexer keys (idx_head_dim f16 values per token and
@@ -493,6 +548,26 @@ TEST(KilnMkmodel, GlmDsaLoadsRunsAndCachesIndexerKeys) {
   ASSERT_EQ(r.rc, 0) << r.err;
   // 3 layers x ((64 + 16) latent + 32 indexer) values x 2 bytes, no V plane.
   EXPECT_NE(r.err.find("(672 bytes per token)"), std::string::npos) << r.err;
+  // kiln bench adds the dense rows (the same file, selection off) and the KV bytes one token's
+  // attention reads, at n_kv = depth + n / 2 = 26 keys: sparse, per layer top_k = 4 latent rows
+  // of 160 bytes and all 26 indexer keys of 64; dense, all 26 latent rows.
+  // --depth-fill random writes the 24 rows straight into both caches instead of evaluating
+  // them: the same tests at the same depth.
+  for (const char* fill : {"eval", "random"}) {
+    SCOPED_TRACE(fill);
+    Proc b = run_kiln({"bench", "-m", out, "-p", "0", "-n", "4", "-d", "24", "-r", "1", "-o",
+                       "json", "--threads", "2", "--depth-fill", fill});
+    ASSERT_EQ(b.rc, 0) << b.err;
+    auto j = nlohmann::json::parse(b.out);
+    ASSERT_EQ(j.size(), 2u) << b.out;
+    EXPECT_EQ(j[0]["test"], "tg4 @ d24");
+    EXPECT_EQ(j[1]["test"], "tg4 dense @ d24");
+    EXPECT_GT(j[0]["avg_ts"].get<double>(), 0);
+    EXPECT_DOUBLE_EQ(j[0]["attention_kv_bytes_per_token"].get<double>(), 3 * (4 * 160 + 26 * 64));
+    EXPECT_DOUBLE_EQ(j[1]["attention_kv_bytes_per_token"].get<double>(), 3 * 26 * 160);
+  }
+  expect_clean_error(run_kiln({"bench", "-m", out, "-n", "4", "--depth-fill", "zeros"}),
+                     "--depth-fill");
   expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--arch", "glm-dsa"}), "--q-lora");
   std::filesystem::remove_all(dir);
 }
