@@ -92,8 +92,21 @@ class SchemaConverter {
   }
 
  private:
+  // Both parts may quote schema text (a key, a property name, a $ref) whose JSON escapes
+  // decoded to control characters; those are written as \xNN so the error stays one line.
+  static std::string one_line(const std::string& s) {
+    std::string out;
+    for (char c : s) {
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
+        out += fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
+      else
+        out += c;
+    }
+    return out;
+  }
   void fail(const std::string& where, const std::string& what) {
-    if (err_.is_ok()) err_ = Status::errorf("json_schema: at '{}': {}", where, what);
+    if (err_.is_ok())
+      err_ = Status::errorf("json_schema: at '{}': {}", one_line(where), one_line(what));
   }
 
   std::string new_rule(std::string hint) {
