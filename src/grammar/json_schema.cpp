@@ -440,7 +440,14 @@ Expected<std::string> json_schema_to_gbnf(const nlohmann::ordered_json& schema) 
   SchemaGrammar g;
   auto top = g.add_schema(schema, "root-value");
   if (!top) return top.status();
-  return g.gbnf(*top);
+  std::string gbnf = g.gbnf(*top);
+  // A $ref that reaches itself before any text ({"$ref": "#"} at the root, or a cycle through
+  // $ref/anyOf only) becomes a left-recursive rule, which Grammar refuses. Compiling here names
+  // the schema as the cause instead of handing the caller GBNF that does not compile (found by
+  // fuzz_grammar).
+  if (auto compiled = Grammar::parse(gbnf); !compiled)
+    return Status::errorf("json_schema: the schema cannot be a grammar: {}", compiled.error());
+  return gbnf;
 }
 
 std::string json_object_gbnf() {
