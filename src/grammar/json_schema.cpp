@@ -92,8 +92,21 @@ class SchemaConverter {
   }
 
  private:
+  // Both parts may quote schema text (a key, a property name, a $ref) whose JSON escapes
+  // decoded to control characters; those are written as \xNN so the error stays one line.
+  static std::string one_line(const std::string& s) {
+    std::string out;
+    for (char c : s) {
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
+        out += fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
+      else
+        out += c;
+    }
+    return out;
+  }
   void fail(const std::string& where, const std::string& what) {
-    if (err_.is_ok()) err_ = Status::errorf("json_schema: at '{}': {}", where, what);
+    if (err_.is_ok())
+      err_ = Status::errorf("json_schema: at '{}': {}", one_line(where), one_line(what));
   }
 
   std::string new_rule(std::string hint) {
@@ -427,7 +440,14 @@ Expected<std::string> json_schema_to_gbnf(const nlohmann::ordered_json& schema) 
   SchemaGrammar g;
   auto top = g.add_schema(schema, "root-value");
   if (!top) return top.status();
-  return g.gbnf(*top);
+  std::string gbnf = g.gbnf(*top);
+  // A $ref that reaches itself before any text ({"$ref": "#"} at the root, or a cycle through
+  // $ref/anyOf only) becomes a left-recursive rule, which Grammar refuses. Compiling here names
+  // the schema as the cause instead of handing the caller GBNF that does not compile (found by
+  // fuzz_grammar).
+  if (auto compiled = Grammar::parse(gbnf); !compiled)
+    return Status::errorf("json_schema: the schema cannot be a grammar: {}", compiled.error());
+  return gbnf;
 }
 
 std::string json_object_gbnf() {

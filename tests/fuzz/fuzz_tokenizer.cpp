@@ -17,9 +17,11 @@
 
 namespace {
 
-// ../shared beside the checkout (this file is <checkout>/tests/fuzz/fuzz_tokenizer.cpp).
+// KILN_SHARED, else ../shared beside the checkout (this file is
+// <checkout>/tests/fuzz/fuzz_tokenizer.cpp); a git worktree elsewhere needs KILN_SHARED.
 std::string shared_path(const std::string& rel) {
   namespace fs = std::filesystem;
+  if (const char* e = std::getenv("KILN_SHARED"); e && *e) return (fs::path(e) / rel).string();
   return (fs::path(__FILE__).parent_path().parent_path().parent_path().parent_path() / "shared" /
           rel)
       .string();
@@ -46,10 +48,20 @@ std::vector<kiln::Tokenizer> load_all() {
   return out;
 }
 
+// Loaded once, before the first input: loading every vocabulary under ASan takes seconds,
+// which must not count against the first input's -timeout.
+const std::vector<kiln::Tokenizer>* g_toks = nullptr;
+
 }  // namespace
 
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  static const std::vector<kiln::Tokenizer> all = load_all();
+  g_toks = &all;
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const std::vector<kiln::Tokenizer> toks = load_all();
+  const std::vector<kiln::Tokenizer>& toks = *g_toks;
   if (size < 1) return 0;
   // First byte: which vocabulary and the two flags; the rest is the text.
   const uint8_t ctl = data[0];

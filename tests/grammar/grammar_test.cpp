@@ -302,6 +302,16 @@ TEST(JsonSchema, UnsupportedKeywordsAreNamed) {
       {R"({"type":"widget"})", "not a JSON Schema type"},
       {R"({"type":"array","maxItems":1,"minItems":2})", "below 'minItems'"},
       {R"(false)", "matches nothing"},
+      // Names whose JSON escapes decode to control characters (found by fuzz_grammar): the
+      // error quotes them with \xNN, one line.
+      {R"({"type\\\nalProperties":false})", R"('type\\x0aalProperties' is not supported)"},
+      {R"({"type":"object","properties":{"a\nb":{"type":"widget"}}})",
+       R"(at '#/properties/a\x0ab')"},
+      // A $ref reaching itself before any text (found by fuzz_grammar): refused, not GBNF
+      // that does not compile.
+      {R"({"$ref":"#"})", "left-recursive"},
+      {R"({"$defs":{"a":{"anyOf":[{"$ref":"#/$defs/a"},{"type":"null"}]}},"$ref":"#/$defs/a"})",
+       "left-recursive"},
   };
   for (const Case& c : cases) {
     auto r = json_schema_to_gbnf(nlohmann::ordered_json::parse(c.schema));

@@ -4,13 +4,17 @@
 // local ids; a stalled peer falls back with one notice line and the same ids; and the two
 // roles in two network namespaces joined by a veth pair (needs root and `ip netns`; skipped
 // with the reason otherwise).
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <regex>
@@ -246,6 +250,190 @@ TEST(KvCli, StalledPeerFallsBackWithOneNotice) {
                                            "prefilling locally\n")))
       << d.err;
   EXPECT_EQ(ids_hash(d.err), local_hash());
+}
+
+// A TCP relay between the decode node and a real prefill node: it forwards both directions
+// byte for byte and, once `kill_after` bytes of the node's answer ("KVOK" + kvpack stream)
+// have gone through, SIGKILLs the node process. It then relays whatever the dead node's socket
+// still yields (what its kernel had queued) and its end of stream, so the decode node sees
+// exactly what a peer dying at that point would leave: no bytes are dropped or invented here.
+// The upstream receive buffer is kept small so the node cannot run far ahead of the relay.
+class KillingRelay {
+ public:
+  KillingRelay(int upstream_port, pid_t node, uint64_t kill_after)
+      : upstream_port_(upstream_port), node_(node), kill_after_(kill_after) {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+        ::listen(listen_fd_, 1) == 0 &&
+        ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+      port_ = ntohs(a.sin_port);
+    if (port_ > 0) thread_ = std::thread([this] { serve_one(); });
+  }
+  ~KillingRelay() {
+    ::shutdown(listen_fd_, SHUT_RDWR);
+    if (thread_.joinable()) thread_.join();
+    ::close(listen_fd_);
+  }
+  int port() const { return port_; }
+  // After the decode node's process ended: bytes of the answer that reached it, whether the
+  // node was killed, and how it ended (waitpid status; valid once killed).
+  uint64_t delivered() {
+    if (thread_.joinable()) thread_.join();
+    return delivered_;
+  }
+  bool killed() const { return killed_; }
+  int node_status() const { return node_status_; }
+
+ private:
+  static bool send_all(int fd, const char* p, size_t n) {
+    while (n > 0) {
+      const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+      if (w <= 0) return false;
+      p += w;
+      n -= size_t(w);
+    }
+    return true;
+  }
+  void serve_one() {
+    const int down = ::accept(listen_fd_, nullptr, nullptr);
+    if (down < 0) return;
+    const int up = ::socket(AF_INET, SOCK_STREAM, 0);
+    const int small = 4096;
+    ::setsockopt(up, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(uint16_t(upstream_port_));
+    if (::connect(up, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+      ::close(up);
+      ::close(down);
+      return;
+    }
+    // decode -> node: the request and the acknowledgement; its end ends the relay.
+    std::thread request([&] {
+      char buf[4096];
+      for (ssize_t n; (n = ::recv(down, buf, sizeof buf, 0)) > 0;)
+        if (!send_all(up, buf, size_t(n))) break;
+      ::shutdown(up, SHUT_WR);
+    });
+    // node -> decode, killing the node once kill_after bytes went through.
+    std::vector<char> buf(4096);
+    for (;;) {
+      size_t want = buf.size();
+      if (!killed_ && kill_after_ > 0) want = std::min<uint64_t>(want, kill_after_ - delivered_);
+      const ssize_t n = ::recv(up, buf.data(), want, 0);
+      if (n <= 0) break;  // end of stream, or a reset from the dead node
+      if (!send_all(down, buf.data(), size_t(n))) break;
+      delivered_ += uint64_t(n);
+      if (!killed_ && kill_after_ > 0 && delivered_ >= kill_after_) {
+        ::kill(node_, SIGKILL);
+        ::waitpid(node_, &node_status_, 0);
+        killed_ = true;
+      }
+    }
+    ::shutdown(down, SHUT_WR);
+    request.join();
+    ::close(up);
+    ::close(down);
+  }
+
+  int listen_fd_ = -1, port_ = 0, upstream_port_;
+  pid_t node_;
+  uint64_t kill_after_, delivered_ = 0;
+  bool killed_ = false;
+  int node_status_ = 0;
+  std::thread thread_;
+};
+
+// Issue 37, point 5: the prefill peer dying mid-transfer. A real `kiln kv serve` process is
+// SIGKILLed after 2,000 bytes of its kvpack stream reached the decode node (`kiln kv remote`,
+// another process); the decode node falls back to a local prefill with one notice line and
+// generates the ids of a run without a peer. The same relay without the kill first shows the
+// relay itself is transparent and gives the full size of the answer, so the test can check
+// that the killed node's stream really ended short.
+TEST(KvCli, PrefillNodeKilledMidStreamFallsBack) {
+  // A long prompt in chunks of 4 tokens, so the node is still computing when it is killed.
+  std::string long_prompt;
+  for (int i = 0; i < 24; ++i) long_prompt += (i ? " " : "") + kPrompt + ".";
+  Proc local = kiln({"kv", "remote", "--local", "-p", long_prompt, "-n", "24"});
+  ASSERT_EQ(local.rc, 0) << local.err;
+  const std::string want = ids_hash(local.err);
+  ASSERT_FALSE(want.empty()) << local.err;
+
+  const std::string dir = testing::temp_dir();
+  auto start_node = [&](const std::string& tag, int* port) {
+    const std::string log = dir + "/kill-node-" + tag + ".log";
+    const pid_t pid = spawn({testing::kiln_binary(), "kv", "serve", "--host", "127.0.0.1",
+                             "--kv-port", "0", "--prefill-chunk", "4"},
+                            dir + "/kill-node.out", log);
+    *port = 0;
+    for (int i = 0; i < 200 && pid > 0 && *port == 0; ++i) {
+      std::smatch m;
+      const std::string text = slurp(log);
+      if (std::regex_search(text, m, std::regex("listening on \\w+ [^ ]+:(\\d+)")))
+        *port = std::stoi(m[1]);
+      else
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return pid;
+  };
+  auto decode_through = [&](int relay_port) {
+    return kiln({"kv", "remote", "--prefill-peer", "127.0.0.1:" + std::to_string(relay_port),
+                 "--timeout-ms", "20000", "-p", long_prompt, "-n", "24"});
+  };
+
+  // Through the relay, nothing killed: the remote path works and the answer's size is known.
+  int port = 0;
+  const pid_t whole_node = start_node("whole", &port);
+  ASSERT_GT(whole_node, 0);
+  ASSERT_GT(port, 0);
+  uint64_t full = 0;
+  {
+    KillingRelay relay(port, whole_node, /*kill_after=*/0);
+    ASSERT_GT(relay.port(), 0);
+    Proc d = decode_through(relay.port());
+    full = relay.delivered();
+    kill(whole_node, SIGTERM);
+    waitpid(whole_node, nullptr, 0);
+    ASSERT_EQ(d.rc, 0) << d.err;
+    EXPECT_EQ(d.err.find("notice"), std::string::npos) << d.err;
+    EXPECT_NE(d.err.find("remote prefill + transfer"), std::string::npos) << d.err;
+    EXPECT_EQ(ids_hash(d.err), want) << d.err;
+  }
+  ASSERT_GT(full, 20000u) << "the answer is too small to be cut mid-stream";
+
+  // The same, the node killed after 2,000 bytes of its answer.
+  const pid_t node = start_node("killed", &port);
+  ASSERT_GT(node, 0);
+  ASSERT_GT(port, 0);
+  KillingRelay relay(port, node, /*kill_after=*/2000);
+  ASSERT_GT(relay.port(), 0);
+  Proc d = decode_through(relay.port());
+  const uint64_t got = relay.delivered();
+  if (!relay.killed()) {
+    kill(node, SIGKILL);
+    waitpid(node, nullptr, 0);
+  }
+  ASSERT_TRUE(relay.killed()) << "the node's answer ended before 2,000 bytes: " << got;
+  EXPECT_TRUE(WIFSIGNALED(relay.node_status()) && WTERMSIG(relay.node_status()) == SIGKILL);
+  EXPECT_GE(got, 2000u);
+  EXPECT_LT(got, full) << "the node finished its stream before the kill landed";
+  ASSERT_EQ(d.rc, 0) << d.err;
+  std::smatch m;
+  EXPECT_TRUE(std::regex_search(
+      d.err, m,
+      std::regex("notice: remote prefill from tcp 127\\.0\\.0\\.1:\\d+ failed \\([^\n]*"
+                 "\\); prefilling locally\n")))
+      << d.err;
+  EXPECT_EQ(std::count(d.err.begin(), d.err.end(), '\n'), 3) << d.err;  // notice, stats, ids
+  EXPECT_NE(d.err.find("local prefill"), std::string::npos) << d.err;
+  EXPECT_EQ(ids_hash(d.err), want) << d.err;
+  std::printf("[kvpack] prefill node killed after %llu of %llu bytes: %s", (unsigned long long)got,
+              (unsigned long long)full, d.err.substr(0, d.err.find('\n') + 1).c_str());
 }
 
 TEST(KvCli, BadRoleOptionsAreOneLineErrors) {
