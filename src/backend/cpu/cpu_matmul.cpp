@@ -1379,6 +1379,128 @@ void MatvecQ8One(const MatmulJob& job, int64_t r0, int64_t r1) {
   }
 }
 
+// ---------------------------------------------------------------- IQ4_XS, one token (VNNI)
+// The plain kernel (iq4-inl.h's DotIQ4XS<1>) spends its time on the scalar decoding of each
+// sub-block's 6-bit scale and on 256-bit lanes for one row. Here two rows share each 512-bit
+// register, [row A's 32 elements of sub-block j | row B's], each half in the plain kernel's
+// element order (low nibbles then high nibbles), so dword lane L of a half sums the same 4
+// products as the plain kernel's lane L. Per sub-block: |w| and the sign of w come from two
+// byte lookups of the 4-bit codes (the grid has no zero and its negative values are the codes
+// 0..7), the token's quants take the sign of w (a masked 0 - a: the same bytes as psignb, -128
+// included), vpmaddubsw gives the plain kernel's int16 pairs (at most 2 * 127 * 127, no
+// saturation) and vpdpwssd adds scale * (pair + pair), the plain kernel's madd + add. The eight
+// signed scales of both rows are decoded at once as words. Integer sums are exact in any
+// order, so each half holds the plain kernel's int32 lanes; then one FMA by [dA * y.d | dB *
+// y.d] per block and HsumPair give each row the plain kernel's bits (tests/ops MatmulKQOne).
+alignas(16) constexpr std::array<uint8_t, 16> kIQ4NLAbs = [] {
+  std::array<uint8_t, 16> a{};
+  for (int k = 0; k < 16; ++k)
+    a[k] = static_cast<uint8_t>(quant::kIQ4NLValues[k] < 0 ? -quant::kIQ4NLValues[k]
+                                                           : quant::kIQ4NLValues[k]);
+  return a;
+}();
+static_assert(quant::kIQ4NLValues[7] < 0 && quant::kIQ4NLValues[8] > 0,
+              "the sign of an IQ4 grid value is bit 3 of its code");
+
+// Both rows' eight scales (ls - 32) as words [A0..A7 | B0..B7].
+KILN_VNNI512_INLINE __m256i IQ4XSScalesPair(const quant::block_iq4_xs* a,
+                                            const quant::block_iq4_xs* b) {
+  uint32_t la, lb;
+  std::memcpy(&la, a->scales_l, 4);
+  std::memcpy(&lb, b->scales_l, 4);
+  const __m128i l = _mm_set_epi32(0, 0, static_cast<int>(lb), static_cast<int>(la));
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  // scales_l byte k holds sub-blocks 2k (low nibble) and 2k + 1 (high nibble)
+  const __m256i low = _mm256_cvtepu8_epi16(
+      _mm_unpacklo_epi8(_mm_and_si128(l, m4), _mm_and_si128(_mm_srli_epi16(l, 4), m4)));
+  const __m256i h = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(b->scales_h)),
+                                     _mm_set1_epi16(static_cast<int16_t>(a->scales_h)));
+  const __m256i shifts = _mm256_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+  const __m256i high = _mm256_and_si256(_mm256_srlv_epi16(h, shifts), _mm256_set1_epi16(3));
+  return _mm256_sub_epi16(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi16(32));
+}
+
+template <int R>
+KILN_VNNI512 void DotIQ4XSOne(const std::byte* row, size_t stride, int64_t nb, const block_q8_K* ys,
+                              float* out, const std::byte* pf) {
+  static_assert(R % 2 == 0);
+  constexpr int P = R / 2;
+  using quant::block_iq4_xs;
+  const __m512i grid_abs =
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NLAbs.data())));
+  const __m512i m4 = _mm512_set1_epi8(0x0F), bit3 = _mm512_set1_epi8(8);
+  // word index of [A_j x16 | B_j x16] in IQ4XSScalesPair's vector is j + this
+  const __m512i sc_base = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(8), 1);
+  const __m512i idx_d = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
+  __m512 acc[P];
+  for (int q = 0; q < P; ++q) acc[q] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_iq4_xs)>(pf + i * R * sizeof(block_iq4_xs));
+    const block_q8_K& y = ys[i];
+    const auto block = [&](int r) {
+      return reinterpret_cast<const block_iq4_xs*>(row + r * stride + i * sizeof(block_iq4_xs));
+    };
+    __m512i scw[P], isum[P];
+    for (int q = 0; q < P; ++q) {
+      scw[q] = _mm512_castsi256_si512(IQ4XSScalesPair(block(2 * q), block(2 * q + 1)));
+      isum[q] = _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 8; ++j) {
+      const __m512i a = _mm512_broadcast_i64x4(Load32(y.qs + 32 * j));
+      const __m512i sc_idx = _mm512_add_epi16(sc_base, _mm512_set1_epi16(static_cast<int16_t>(j)));
+      for (int q = 0; q < P; ++q) {
+        const __m256i qa = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(block(2 * q)->qs + 16 * j)));
+        const __m256i qb = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(block(2 * q + 1)->qs + 16 * j)));
+        // [qA | qA >> 4 | qB | qB >> 4] (128-bit quarters), masked to the codes
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
+        const __m512i codes =
+            _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFF00FF00u, both, 4), m4);
+        const __m512i aw = _mm512_shuffle_epi8(grid_abs, codes);
+        const __mmask64 neg = _mm512_testn_epi8_mask(codes, bit3);
+        const __m512i as = _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a);
+        const __m512i sc = _mm512_permutexvar_epi16(sc_idx, scw[q]);
+        isum[q] = _mm512_dpwssd_epi32(isum[q], _mm512_maddubs_epi16(aw, as), sc);
+      }
+    }
+    const __m128 yd = _mm_set1_ps(y.d);
+    for (int q = 0; q < P; ++q) {
+      const __m128 d = HalfPair(block(2 * q)->d, block(2 * q + 1)->d);
+      const __m512 dy = _mm512_permutexvar_ps(idx_d, _mm512_castps128_ps512(_mm_mul_ps(d, yd)));
+      acc[q] = _mm512_fmadd_ps(dy, _mm512_cvtepi32_ps(isum[q]), acc[q]);
+    }
+  }
+  for (int q = 0; q < P; ++q) HsumPair(acc[q], out + 2 * q, out + 2 * q + 1);
+}
+
+// Rows per DotIQ4XSOne call: four pairs share each sub-block's token load.
+constexpr int kIQ4XSOneRows = 8;
+// Rows [r0, r1) of a one-token IQ4_XS job: groups of kIQ4XSOneRows (prefetched as in MatvecKOne),
+// then pairs, then a last row through the plain kernel (the same bits).
+void MatvecIQ4XSOne(const MatmulJob& job, int64_t r0, int64_t r1) {
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / 256;
+  const auto* y = reinterpret_cast<const block_q8_K*>(job.xq);
+  const size_t stride = w.stride();
+  const bool prefetch = !w.strided();  // see MatvecKOne
+  const std::byte* end = w.bytes.data() + w.bytes.size();
+  int64_t r = r0;
+  for (; r + kIQ4XSOneRows <= r1; r += kIQ4XSOneRows) {
+    const std::byte* pf = nullptr;
+    if (prefetch) {
+      const std::byte* p = w.row(r).data() + kMatvecPrefetchBytes;
+      if (p + kIQ4XSOneRows * stride <= end) pf = p;
+    }
+    DotIQ4XSOne<kIQ4XSOneRows>(w.row(r).data(), stride, nb, y, job.y + r, pf);
+  }
+  for (; r + 2 <= r1; r += 2) DotIQ4XSOne<2>(w.row(r).data(), stride, nb, y, job.y + r, nullptr);
+  if (r < r1) {
+    const block_q8_K* ys[1] = {y};
+    DotIQ4XS<1>(w.row(r).data(), nb, ys, job.y + r);
+  }
+}
+
 #undef KILN_VNNI512
 #undef KILN_VNNI512_INLINE
 #endif  // HWY_AVX3_DL
@@ -1514,6 +1636,9 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 #endif
       return MatmulInt<block_q8_K, KQ6_K>(job, r0, r1, 256);
     case DType::IQ4_XS:
+#if HWY_TARGET == HWY_AVX3_DL
+      if (!job.portable && job.n_tok == 1) return MatvecIQ4XSOne(job, r0, r1);
+#endif
       return MatmulInt<block_q8_K, KIQ4_XS>(job, r0, r1, 256);
     case DType::Q2_K:
       if (!job.portable && job.n_tok == 1) return MatvecQ23<true>(job, r0, r1);
