@@ -390,7 +390,7 @@ std::vector<std::byte> random_q8_family_rows(DType type, int64_t k, int64_t n_ro
   return bytes;
 }
 
-// The one-token Q8_0-family kernels (AVX-512 VNNI: every type, rows in groups of 8 and pairs;
+// The one-token Q8_0-family kernels (AVX-512 VNNI: every type, rows in groups of 4 and pairs;
 // AVX2: Q8_0, rows in pairs) must give the plain kernel's bits, on every SIMD target this machine
 // runs (where a target has no fast kernel both sides run the plain one): raw random quants (-128
 // included) and block scales (some zero), rows of 1..65 blocks, row counts that leave every

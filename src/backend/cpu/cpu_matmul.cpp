@@ -1348,8 +1348,10 @@ KILN_VNNI512 void DotQ8FamOne(const std::byte* row, size_t stride, int64_t nb, c
     HsumPair(_mm512_permutexvar_ps(order, acc[q]), out + 2 * q, out + 2 * q + 1);
 }
 
-// Rows per DotQ8FamOne call: four chains of two rows.
-constexpr int kQ8OneRows = 8;
+// Rows per DotQ8FamOne call: two chains of two rows. Decode is bound by memory, and fewer rows
+// read at once stream better: 4 against 8 rows gave Q8_0 decode +14 % and Q4_0 +7 % on the
+// Intel Xeon dev box of 2026-12-05 (docs/BENCHMARKS.md, session 23).
+constexpr int kQ8OneRows = 4;
 // Rows [r0, r1) of a one-token Q8_0-family job: groups of kQ8OneRows through DotQ8FamOne, the
 // prefetch as in MatvecKOne, then pairs, then a last row through the plain kernel (Unpack, the
 // same bits).
@@ -1474,8 +1476,8 @@ KILN_VNNI512 void DotIQ4XSOne(const std::byte* row, size_t stride, int64_t nb, c
   for (int q = 0; q < P; ++q) HsumPair(acc[q], out + 2 * q, out + 2 * q + 1);
 }
 
-// Rows per DotIQ4XSOne call: four pairs share each sub-block's token load.
-constexpr int kIQ4XSOneRows = 8;
+// Rows per DotIQ4XSOne call: two pairs share each sub-block's token load (4 rows, as kQ8OneRows).
+constexpr int kIQ4XSOneRows = 4;
 // Rows [r0, r1) of a one-token IQ4_XS job: groups of kIQ4XSOneRows (prefetched as in MatvecKOne),
 // then pairs, then a last row through the plain kernel (the same bits).
 void MatvecIQ4XSOne(const MatmulJob& job, int64_t r0, int64_t r1) {
