@@ -435,6 +435,15 @@ struct KIQ4_XS {
     DotIQ4XS<T>(w, nb, y, o);
   }
 };
+// The software prefetch span of a one-token kernel call over `rows` rows from row r (see
+// MatvecKOne): kMatvecPrefetchBytes ahead of the group, or none where the matrix is strided (a
+// column slice: its rows are not back to back, so the span would fetch the gaps) or the span
+// would pass the matrix's end.
+inline const std::byte* GroupPrefetch(const WeightMatrix& w, int64_t r, int64_t rows) {
+  if (w.strided()) return nullptr;
+  const std::byte* p = w.row(r).data() + kMatvecPrefetchBytes;
+  return p + rows * w.stride() <= w.bytes.data() + w.bytes.size() ? p : nullptr;
+}
 // Rows [r0, r1) of a one-token Q2_K (kQ2) or Q3_K job: kq23-inl.h's row kernels, two rows per
 // call with the prefetch span of the other one-token kernels (rows back to back only), a last
 // row alone.
@@ -444,8 +453,6 @@ void MatvecQ23(const MatmulJob& job, int64_t r0, int64_t r1) {
   const int64_t nb = w.n_cols / 256;
   const auto* y = reinterpret_cast<const block_q8_K*>(job.xq);
   const size_t stride = w.stride();
-  const bool prefetch = !w.strided();
-  const std::byte* end = w.bytes.data() + w.bytes.size();
   const auto dot = [&](auto rows, int64_t r, const std::byte* pf) {
     constexpr int R = decltype(rows)::value;
     if constexpr (kQ2)
@@ -455,11 +462,7 @@ void MatvecQ23(const MatmulJob& job, int64_t r0, int64_t r1) {
   };
   int64_t r = r0;
   for (; r + 2 <= r1; r += 2) {
-    const std::byte* pf = nullptr;
-    if (prefetch) {
-      const std::byte* p = w.row(r).data() + kMatvecPrefetchBytes;
-      if (p + 2 * stride <= end) pf = p;
-    }
+    const std::byte* pf = GroupPrefetch(w, r, 2);
     dot(std::integral_constant<int, 2>{}, r, pf);
   }
   if (r < r1) dot(std::integral_constant<int, 1>{}, r, nullptr);
@@ -861,16 +864,8 @@ void MatvecKOne(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
   const int8_t* aq = kQ4K ? ReorderQ4KOne(y, nb, scratch) : nullptr;
   const size_t rb = w.stride();  // row r + k starts k strides after row r
   int64_t r = r0;
-  // Software prefetch kMatvecPrefetchBytes in front of each group of rows, up to the
-  // matrix's end (rows back to back only: a strided shard would fetch the gaps).
-  const bool prefetch = !w.strided();
-  const std::byte* end = w.bytes.data() + w.bytes.size();
   for (; r + kOneRows <= r1; r += kOneRows) {
-    const std::byte* pf = nullptr;  // the kernel's span prefetch (stays inside the matrix)
-    if (prefetch) {
-      const std::byte* p = w.row(r).data() + kMatvecPrefetchBytes;
-      if (p + kOneRows * rb <= end) pf = p;
-    }
+    const std::byte* pf = GroupPrefetch(w, r, kOneRows);
     if constexpr (kQ4K)
       DotQ4KOne<kOneRows>(w.row(r).data(), rb, nb, aq, y, job.y + r, pf);
     else
@@ -1201,8 +1196,6 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
   const WeightMatrix& w = *job.w;
   const int64_t nb = w.n_cols / 256, ldy = w.n_rows;
   const int64_t rb = job.n_tok <= 8 ? r1 - r0 : rows_per_block(w);
-  const bool prefetch = !w.strided();  // see MatvecKOne
-  const std::byte* end = w.bytes.data() + w.bytes.size();
   const size_t stride = w.stride();
   const block_q8_K* ys[8];
   float out[2 * 8];
@@ -1218,11 +1211,7 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
           FillKTileYde(nb, tile, reinterpret_cast<std::byte*>(scratch) + kq_tile_bytes(nb));
       int64_t r = b0;
       for (; r + 2 <= b1; r += 2) {
-        const std::byte* pf = nullptr;
-        if (prefetch) {
-          const std::byte* p = w.row(r).data() + kMatvecPrefetchBytes;
-          if (p + 2 * stride <= end) pf = p;
-        }
+        const std::byte* pf = GroupPrefetch(w, r, 2);
         DotKBatchPieces<kQ4K, 2>(w, r, nb, tile, yde, m, out, pf);
         for (int rr = 0; rr < 2; ++rr)
           for (int j = 0; j < m; ++j) job.y[(t0 + j) * ldy + r + rr] = out[rr * 8 + j];
@@ -1349,8 +1338,8 @@ KILN_VNNI512 void DotQ8FamOne(const std::byte* row, size_t stride, int64_t nb, c
 }
 
 // Rows per DotQ8FamOne call: two chains of two rows. Decode is bound by memory, and fewer rows
-// read at once stream better: 4 against 8 rows gave Q8_0 decode +14 % and Q4_0 +7 % on the
-// Intel Xeon dev box of 2026-12-05 (docs/BENCHMARKS.md, session 23).
+// read at once stream better: 4 rows decode faster than 8 on the Intel Xeon dev box of
+// 2026-12-05 (docs/BENCHMARKS.md, session 23, has the figures).
 constexpr int kQ8OneRows = 4;
 // Rows [r0, r1) of a one-token Q8_0-family job: groups of kQ8OneRows through DotQ8FamOne, the
 // prefetch as in MatvecKOne, then pairs, then a last row through the plain kernel (Unpack, the
@@ -1362,15 +1351,9 @@ void MatvecQ8One(const MatmulJob& job, int64_t r0, int64_t r1) {
   const int64_t nb = w.n_cols / 32;
   const auto* y = reinterpret_cast<const ActQ8_0*>(job.xq);
   const size_t stride = w.stride();
-  const bool prefetch = !w.strided();  // see MatvecKOne
-  const std::byte* end = w.bytes.data() + w.bytes.size();
   int64_t r = r0;
   for (; r + kQ8OneRows <= r1; r += kQ8OneRows) {
-    const std::byte* pf = nullptr;
-    if (prefetch) {
-      const std::byte* p = w.row(r).data() + kMatvecPrefetchBytes;
-      if (p + kQ8OneRows * stride <= end) pf = p;
-    }
+    const std::byte* pf = GroupPrefetch(w, r, kQ8OneRows);
     DotQ8FamOne<kQ8OneRows, Pair, kBlockBytes>(w.row(r).data(), stride, nb, y, job.y + r, pf);
   }
   for (; r + 2 <= r1; r += 2)
@@ -1485,15 +1468,9 @@ void MatvecIQ4XSOne(const MatmulJob& job, int64_t r0, int64_t r1) {
   const int64_t nb = w.n_cols / 256;
   const auto* y = reinterpret_cast<const block_q8_K*>(job.xq);
   const size_t stride = w.stride();
-  const bool prefetch = !w.strided();  // see MatvecKOne
-  const std::byte* end = w.bytes.data() + w.bytes.size();
   int64_t r = r0;
   for (; r + kIQ4XSOneRows <= r1; r += kIQ4XSOneRows) {
-    const std::byte* pf = nullptr;
-    if (prefetch) {
-      const std::byte* p = w.row(r).data() + kMatvecPrefetchBytes;
-      if (p + kIQ4XSOneRows * stride <= end) pf = p;
-    }
+    const std::byte* pf = GroupPrefetch(w, r, kIQ4XSOneRows);
     DotIQ4XSOne<kIQ4XSOneRows>(w.row(r).data(), stride, nb, y, job.y + r, pf);
   }
   for (; r + 2 <= r1; r += 2) DotIQ4XSOne<2>(w.row(r).data(), stride, nb, y, job.y + r, nullptr);
