@@ -36,6 +36,12 @@ std::string cuda_refusal(const model::HParams& hp) {
         "latent attention rows of {} values ('{}': kv_lora_rank {} + rope {}) are wider than "
         "the CUDA attention kernels take ({})",
         row, hp.arch_name, hp.mla.kv_lora, hp.mla.rope, kCudaMaxHeadDim);
+  // Rows past kCudaNarrowHeadDim take the wide kernel, which reads them 8 values at a time.
+  if (hp.is_mla() && row > kCudaNarrowHeadDim && row % 8 != 0)
+    return fmt::format(
+        "latent attention rows of {} values ('{}': kv_lora_rank {} + rope {}): the CUDA "
+        "attention kernels take rows wider than {} only in multiples of 8",
+        row, hp.arch_name, hp.mla.kv_lora, hp.mla.rope, kCudaNarrowHeadDim);
   return {};
 }
 

@@ -64,8 +64,10 @@ Expected<EngineOptions> engine_options(const Config& config);
 
 // Why the CUDA backend cannot run a model of these hyperparameters, in one line; empty when it
 // can. Latent attention attends over absorbed MQA rows of kv_lora + rope values (576 for
-// DeepSeek-V3), and the CUDA attention kernels take rows of at most kCudaMaxHeadDim (narrower
-// rows run: the deepseek2 fixtures' 144 are golden-tested on a GPU by tests/cuda).
+// DeepSeek-V3 and Kimi-K2), and the CUDA attention kernels take rows of at most
+// kCudaMaxHeadDim, those wider than kCudaNarrowHeadDim in multiples of 8 (the deepseek2
+// fixtures' 144 are golden-tested on a GPU by tests/cuda, 576-wide rows by its
+// CudaMla tests). DeepSeek sparse attention (glm-dsa) stays on the CPU.
 std::string cuda_refusal(const model::HParams& hp);
 
 class Runtime {

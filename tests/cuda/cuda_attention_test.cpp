@@ -1,5 +1,6 @@
 // tests/cuda/cuda_attention_test.cpp: CUDA attention against the reference on ring-shaped KV
-// planes (physical rows out of logical order), GQA ratios 1/2/4/8, head sizes 64..256,
+// planes (physical rows out of logical order), GQA ratios 1/2/4/8, head sizes 64..256 and the
+// latent attention rows of 576 (one KV head, V the K plane),
 // decode (1 query, long contexts that split the keys over many blocks) and prefill (many
 // queries), sliding windows, softcaps, and queries that see no key at all. Prefill shapes
 // (32+ queries, head_dim 64/128) take the tensor-core tile kernel, held to a bound derived
@@ -198,7 +199,9 @@ TEST(CudaAttention, InvisibleRowsNeverReachTheOutput) {
 // sequence's output has exactly the bits of attention() of that sequence alone, and is within
 // the f32 bound of the reference. Sequences of different lengths (splits from 1 to many), 1-3
 // queries, rings, a window and a softcap, plus one prefill-sized sequence (the tile kernel)
-// in the same batch. store_rows_f16_batch likewise against store_rows_f16.
+// in the same batch; and latent attention's 576-wide rows with V the K plane (the wide kernel,
+// its 40-query sequence batched with the rest). store_rows_f16_batch likewise against
+// store_rows_f16.
 // A decode key list padded as graph mode pads it (invisible keys at row 0, position INT32_MAX,
 // up to the bucket): the split kernel's slices holding only padding write their empty partials
 // at once (the walk they replaced gave the same bits: CUDA session 15's same-bits test); the
@@ -242,12 +245,14 @@ void run_batch_of_sequences(bool warp_tiles) {
     int64_t n_head, n_head_kv, hd;
     int32_t window;
     float softcap;
+    bool v_is_k = false;  // latent attention: V is the K plane (the wide kernel at 576)
   };
   struct Seq {
     int64_t n_q, n_kv;
   };
   const Seq seqs[] = {{1, 1}, {1, 37}, {2, 300}, {1, 4097}, {3, 64}, {1, 1000}, {40, 90}};
-  for (const Shape sh : {Shape{32, 8, 128, 0, 0.0f}, Shape{4, 4, 64, 50, 30.0f}}) {
+  for (const Shape sh :
+       {Shape{32, 8, 128, 0, 0.0f}, Shape{4, 4, 64, 50, 30.0f}, Shape{16, 1, 576, 0, 0.0f, true}}) {
     SCOPED_TRACE(::testing::Message() << "heads " << sh.n_head << "/" << sh.n_head_kv << " hd "
                                       << sh.hd << " seed " << ops_seed());
     const int64_t q_w = sh.n_head * sh.hd, kv_w = sh.n_head_kv * sh.hd;
@@ -290,7 +295,7 @@ void run_batch_of_sequences(bool warp_tiles) {
       AttentionArgs a;
       a.q = h.dq.span();
       a.k = h.dk.span();
-      a.v = h.dv.span();
+      a.v = sh.v_is_k ? h.dk.span() : h.dv.span();
       a.kv_rows = h.rows;
       a.kv_pos = h.pos;
       a.q_pos = h.q_pos;
@@ -331,7 +336,7 @@ void run_batch_of_sequences(bool warp_tiles) {
       AttentionArgs a = args[i];
       a.q = h.q;
       a.k = h.k;
-      a.v = h.v;
+      a.v = sh.v_is_k ? h.k : h.v;
       a.out = want;
       ref.attention(a);
       cuda::DeviceAttention shape;
@@ -360,6 +365,73 @@ TEST(CudaAttention, BatchOfSequencesHasEachSequencesBits) {
 TEST(CudaAttention, WarpTilesBatchOfSequencesHasEachSequencesBits) {
   KILN_REQUIRE_CUDA();
   run_batch_of_sequences(true);
+}
+
+// Latent attention as the deepseek2 forward pass runs it (model/forward.cpp mla_attention):
+// MQA (one KV head) over rows of kv_lora + rope values, V the K plane itself. DeepSeek-V3 and
+// Kimi-K2's rows are 576 wide (512 + 64), past the 256 of the split / warp-tile / tile kernels:
+// the wide kernel serves them, decode and prefill alike, with either value of
+// attention_warp_tiles. Groups of 4 (16 and 128 heads), 2 (6 heads) and 1 (3 heads), a
+// 320-wide row (kv_lora 256: the wide kernel's pairs past the row skipped), one GQA case of
+// two wide KV heads; decode at 1, 37, 1000 and 4097 keys (one slice, several, merged), prefill
+// of 17 queries from an empty cache and as a suffix of 300 keys (the first query sees none).
+// Decode key lists are padded as graph mode pads them, padding and keys out of a window
+// pointing at a ring row of inf and NaN no visible key uses. The f32 bound of the reference.
+TEST(CudaAttention, LatentRows576MatchTheReference) {
+  KILN_REQUIRE_CUDA();
+  EXPECT_TRUE(cuda::attention_warp_tiles_fit(576, reinterpret_cast<void*>(256),
+                                             reinterpret_cast<void*>(512)));
+  EXPECT_FALSE(cuda::attention_warp_tiles_fit(584, reinterpret_cast<void*>(256),
+                                              reinterpret_cast<void*>(512)));
+  std::mt19937_64 rng(ops_seed());
+  const AttnCase cases[] = {
+      {16, 1, 576, 1, 1, 0, 0},    {16, 1, 576, 1, 37, 0, 0},     {16, 1, 576, 1, 1000, 0, 0},
+      {16, 1, 576, 1, 4097, 0, 0}, {128, 1, 576, 1, 1000, 0, 0},  {16, 1, 576, 17, 17, 0, 0},
+      {16, 1, 576, 17, 300, 0, 0}, {128, 1, 576, 17, 300, 0, 0},  {6, 1, 576, 1, 700, 0, 0},
+      {3, 1, 576, 5, 257, 0, 0},   {16, 1, 320, 1, 600, 0, 0},    {16, 1, 320, 9, 100, 0, 0},
+      {8, 2, 576, 2, 333, 0, 0},   {16, 1, 576, 1, 2000, 300, 0}, {16, 1, 576, 4, 90, 0, 30.0f},
+  };
+  for (const bool wt : {false, true}) {
+    CudaBackend& be = attention_backend(wt);
+    for (const AttnCase& c : cases) {
+      SCOPED_TRACE(::testing::Message()
+                   << "warp tiles " << wt << " heads " << c.n_head << "/" << c.n_head_kv << " hd "
+                   << c.head_dim << " n_q " << c.n_q << " n_kv " << c.n_kv << " window " << c.window
+                   << " softcap " << c.softcap << " seed " << ops_seed());
+      const int64_t kv_w = c.n_head_kv * c.head_dim;
+      AttnProblem p = random_attention(rng, c.n_head, c.n_head_kv, c.head_dim, c.n_q, c.n_kv,
+                                       c.n_kv + 3, c.window, c.softcap, 2.0f, 3);
+      if (c.n_q == 1) {
+        std::vector<bool> used(size_t(c.n_kv + 3), false);
+        for (int32_t r : p.kv_rows) used[size_t(r)] = true;
+        const auto poison = int32_t(std::find(used.begin(), used.end(), false) - used.begin());
+        ASSERT_LT(poison, c.n_kv + 3);
+        for (int64_t d = 0; d < kv_w; ++d)
+          p.k[size_t(poison * kv_w + d)] = f32_to_f16(d % 2 ? INFINITY : NAN);
+        if (c.window > 0)
+          for (int64_t j = 0; j + c.window < c.n_kv; j += 3) p.kv_rows[size_t(j)] = poison;
+        const int64_t padded = (c.n_kv + 255) / 256 * 256;
+        p.kv_rows.resize(size_t(padded), poison);
+        p.kv_pos.resize(size_t(padded), INT32_MAX);
+        p.args.kv_rows = p.kv_rows;
+        p.args.kv_pos = p.kv_pos;
+      }
+      p.args.k = p.k;
+      p.args.v = p.k;  // V = K: the latent rows
+      std::vector<float> got(p.q.size(), NAN), want(p.q.size(), NAN);
+      p.args.out = want;
+      cuda_under_test().ref->attention(p.args);
+      p.args.out = got;
+      be.attention(p.args);
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(want[i])) << i;
+        ASSERT_TRUE(close(got[i], want[i], 2e-5 * (1 + std::fabs(want[i])))) << "elem " << i;
+      }
+      if (c.n_q > 2) {  // the query before every key: zeros
+        for (int64_t d = 0; d < c.n_head * c.head_dim; ++d) ASSERT_EQ(got[size_t(d)], 0.0f);
+      }
+    }
+  }
 }
 
 TEST(CudaAttention, NoKeysGivesZeros) {

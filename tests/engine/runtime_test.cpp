@@ -18,15 +18,26 @@ TEST(CudaRefusal, LatentRowsWiderThanTheKernelsAreRefusedByWidth) {
   // The fixture's rows (kv_lora 128 + rope 16) fit the kernels: CUDA runs it (golden-tested on
   // a GPU by tests/cuda).
   EXPECT_EQ(cuda_refusal(hp), "");
-  // DeepSeek-V3's: 512 + 64.
+  // DeepSeek-V3's and Kimi-K2's: 512 + 64, the widest the kernels take (exactly the limit).
   hp.mla.kv_lora = 512;
   hp.mla.rope = 64;
+  EXPECT_EQ(kCudaMaxHeadDim, 576);
+  EXPECT_EQ(cuda_refusal(hp), "");
+  // Past the limit: refused, naming the width and the rank.
+  hp.mla.kv_lora = static_cast<int32_t>(kCudaMaxHeadDim) - 64 + 8;
   const std::string r = cuda_refusal(hp);
-  EXPECT_NE(r.find("576"), std::string::npos) << r;
-  EXPECT_NE(r.find("kv_lora_rank 512"), std::string::npos) << r;
+  EXPECT_NE(r.find("584"), std::string::npos) << r;
+  EXPECT_NE(r.find("kv_lora_rank 520"), std::string::npos) << r;
+  EXPECT_NE(r.find("wider than"), std::string::npos) << r;
   EXPECT_EQ(r.find('\n'), std::string::npos) << "one line";
-  // Exactly at the limit: taken.
-  hp.mla.kv_lora = static_cast<int32_t>(kCudaMaxHeadDim) - 64;
+  // Between the narrow kernels' 256 and the limit: multiples of 8 only (the wide kernel's
+  // 16-byte loads); at 256, any even width as before.
+  hp.mla.kv_lora = 256;
+  EXPECT_EQ(cuda_refusal(hp), "");
+  hp.mla.kv_lora = 258;
+  const std::string odd = cuda_refusal(hp);
+  EXPECT_NE(odd.find("multiples of 8"), std::string::npos) << odd;
+  hp.mla.kv_lora = static_cast<int32_t>(kCudaNarrowHeadDim) - 64 - 2;
   EXPECT_EQ(cuda_refusal(hp), "");
 }
 

@@ -5,6 +5,8 @@
 // over enough blocks to fill the GPU; many queries (prefill) need no split.
 // GQA-aware: a block serves up to 8 query heads of one KV head, so each K/V row is read once
 // per group, not once per query head. Sliding windows, softcaps; head_dim even, <= 256.
+// Wider rows (latent attention's absorbed MQA rows: kv_lora + rope = 576 for DeepSeek-V3)
+// take a kernel of their own (attention_wide_body below), decode and prefill alike.
 // Prefill (many queries, head_dim 64 or 128) takes a tensor-core tile kernel instead
 // (attention_tile_kernel below): the split kernel re-reads every K/V row once per query.
 #include <cuda_fp16.h>
@@ -25,7 +27,9 @@ namespace kiln::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kMaxHeadDim = 256;
+constexpr int kMaxHeadDim = 256;  // the split, warp-tile and tile kernels; wider: wide kernel
+constexpr int kWideHeadDim = int(kAttentionMaxHeadDim);  // the wide kernel's rows
+constexpr int kWideMaxGroup = 4;  // its query heads per block (registers: 18 floats each)
 constexpr int64_t kMinKeysPerSplit = 32;
 constexpr int kMaxGroup = 8;   // query heads one block serves (registers: 2 P floats each)
 constexpr int kTileKeys = 32;  // warp-tile kernel: keys per warp and step
@@ -34,9 +38,10 @@ constexpr int64_t kWtMinKeysPerSplit = 256;  // and its shortest slice
 // Query heads per block: the largest of 8, 4, 2, 1 dividing the GQA ratio, so that every head
 // of a block reads the same KV head and each K/V row is loaded once for all of them (with
 // 32/8 heads, a quarter of the K/V traffic of one block per query head).
+// Wide heads: at most kWideMaxGroup.
 int group_of(const DeviceAttention& a) {
   const int64_t ratio = a.n_head / a.n_head_kv;
-  for (int g = kMaxGroup; g > 1; g /= 2)
+  for (int g = a.head_dim > kMaxHeadDim ? kWideMaxGroup : kMaxGroup; g > 1; g /= 2)
     if (ratio % g == 0) return g;
   return 1;
 }
@@ -508,6 +513,208 @@ __global__ void __launch_bounds__(kWarps * 32)
                            it.n_split);
 }
 
+// ------------------------------------------------------- wide heads: latent attention rows
+// Heads wider than kMaxHeadDim, up to kWideHeadDim (576: DeepSeek-V3 / Kimi-K2's absorbed MLA
+// rows, one KV head, V the K plane itself), decode and prefill alike. The warp-tile scheme:
+// - scores: a warp takes 32 keys at a time, one per lane; each lane dots its key's K row
+//   (16-byte loads) with the G queries held in shared memory;
+// - softmax: one warp max per head and tile, a per-lane running sum of the weights;
+// - values: each lane owns the f16 pairs d = 2 lane + 64 c (c < 9) of every V row, so a warp's
+//   loads of a row are contiguous (with V = K they are the rows the scores just read, by other
+//   lanes); tiles' keys no query sees are skipped.
+// A group of at most kWideMaxGroup heads: the accumulators are 18 floats a lane per head (8
+// heads would spill), and the block's shared memory (queries and the warps' accumulators)
+// stays within the 48 KiB a kernel has without opting in. Slices as the warp-tile kernel's
+// (whole 128-key rounds, at least 256 keys; plan_split with warp_tiles set), and the same
+// output: one slice writes the normalised row itself, several write partials for the merge
+// kernels. Prefill runs here too (the tile kernel's shared memory does not fit 576-wide rows):
+// each block walks its query's keys, skipping the tiles its query does not see.
+template <int G>
+__device__ __forceinline__ void attention_wide_body(const DeviceAttention& a,
+                                                    int64_t keys_per_split,
+                                                    float* __restrict__ part, int64_t bx,
+                                                    int64_t by, int64_t n_split) {
+  constexpr int HD = kWideHeadDim;
+  constexpr int P = HD / 64;  // f16 pairs of a row per lane
+  static_assert(HD % 64 == 0);
+  __shared__ __align__(16) float q_s[G][HD];
+  __shared__ float acc_s[kWarps][G][HD];
+  __shared__ float p_s[kWarps][kTileKeys][G];
+  __shared__ float m_s[kWarps][G], l_s[kWarps][G];
+  __shared__ int32_t row_s[kWarps][kTileKeys];
+  const BlockPlace<G> at(a, keys_per_split, bx, by);
+  const int64_t qi = at.qi, h0 = at.h0, hd = at.hd, kv_w = at.kv_w, kvh = at.kvh;
+  const int64_t j0 = at.j0, j1 = at.j1;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  auto visible = [&](int32_t kp) { return at.visible(kp); };
+
+  // Every query load issued before any is stored (one memory round trip); past hd: zeros.
+  constexpr int kQPerThread = (G * HD + kWarps * 32 - 1) / (kWarps * 32);
+  float qv[kQPerThread];
+#pragma unroll
+  for (int k = 0; k < kQPerThread; ++k) {
+    const int i = int(threadIdx.x) + k * kWarps * 32, g = i / HD, d = i % HD;
+    qv[k] = i < G * HD && d < hd ? a.q[(qi * a.n_head + h0 + g) * hd + d] : 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < kQPerThread; ++k) {
+    const int i = int(threadIdx.x) + k * kWarps * 32;
+    if (i < G * HD) q_s[i / HD][i % HD] = qv[k];
+  }
+  int64_t jt = j0 + int64_t(warp) * kTileKeys;
+  int32_t next_row = 0, next_pos = INT_MAX;
+  if (jt + lane < j1) next_row = a.kv_rows[jt + lane], next_pos = a.kv_pos[jt + lane];
+  __syncthreads();
+
+  float m[G], l[G], acc[G][P][2];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY, l[g] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < P; ++c) acc[g][c][0] = acc[g][c][1] = 0.0f;
+  }
+  const uint16_t* k_head = a.k + kvh * hd;
+  const uint16_t* v_head = a.v + kvh * hd;
+  for (; jt < j1; jt += int64_t(kWarps) * kTileKeys) {
+    const bool vis = jt + lane < j1 && visible(next_pos);
+    int32_t row = next_row;
+    const int64_t jn = jt + int64_t(kWarps) * kTileKeys + lane;
+    if (jn < j1) next_row = a.kv_rows[jn], next_pos = a.kv_pos[jn];
+    const unsigned mask = __ballot_sync(0xffffffffu, vis);
+    if (mask == 0) continue;  // warp-uniform
+    // An invisible key scores a visible key's row (its score is dropped): padding and keys out
+    // of the window may point at rows the reference never reads.
+    const int32_t vis_row = __shfl_sync(0xffffffffu, row, __ffs(mask) - 1);
+    if (!vis) row = vis_row;
+
+    const uint16_t* kr = k_head + int64_t(row) * kv_w;
+    float s0[G], s1[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) s0[g] = s1[g] = 0.0f;
+#pragma unroll 8
+    for (int c = 0; c < HD / 8; ++c) {
+      if (c * 8 < hd) {  // hd % 8 == 0 (attention_warp_tiles_fit)
+        const uint4 u = *reinterpret_cast<const uint4*>(kr + 8 * c);
+        const __half2* h = reinterpret_cast<const __half2*>(&u);
+        float2 f[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f[i] = __half22float2(h[i]);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          // The query's 8 dimensions in two 16-byte shared loads (broadcast to the warp).
+          const float4 qa = *reinterpret_cast<const float4*>(&q_s[g][8 * c]);
+          const float4 qb = *reinterpret_cast<const float4*>(&q_s[g][8 * c + 4]);
+          s0[g] = fmaf(qa.x, f[0].x, s0[g]), s1[g] = fmaf(qa.y, f[0].y, s1[g]);
+          s0[g] = fmaf(qa.z, f[1].x, s0[g]), s1[g] = fmaf(qa.w, f[1].y, s1[g]);
+          s0[g] = fmaf(qb.x, f[2].x, s0[g]), s1[g] = fmaf(qb.y, f[2].y, s1[g]);
+          s0[g] = fmaf(qb.z, f[3].x, s0[g]), s1[g] = fmaf(qb.w, f[3].y, s1[g]);
+        }
+      }
+    }
+    float corr[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float logit = (s0[g] + s1[g]) * a.scale;
+      if (a.softcap > 0) logit = a.softcap * tanhf(logit / a.softcap);
+      if (!vis) logit = -INFINITY;
+      const float m_new = fmaxf(m[g], warp_reduce_max(logit));  // finite: a key is visible
+      corr[g] = expf(m[g] - m_new);                             // m = -inf the first time: 0
+      const float p = vis ? expf(logit - m_new) : 0.0f;
+      l[g] = l[g] * corr[g] + p;
+      m[g] = m_new;
+      p_s[warp][lane][g] = p;
+    }
+    row_s[warp][lane] = row;
+    __syncwarp();
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int c = 0; c < P; ++c) acc[g][c][0] *= corr[g], acc[g][c][1] *= corr[g];
+#pragma unroll 2
+    for (int k = 0; k < kTileKeys; ++k) {
+      if (!((mask >> k) & 1u)) continue;  // weight 0 for every head; warp-uniform
+      const uint16_t* vr = v_head + int64_t(row_s[warp][k]) * kv_w;
+      float2 f[P];
+#pragma unroll
+      for (int c = 0; c < P; ++c) {
+        const int64_t d = 2 * lane + 64 * c;
+        f[c] = d < hd ? __half22float2(*reinterpret_cast<const __half2*>(vr + d))
+                      : make_float2(0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float p = p_s[warp][k][g];
+#pragma unroll
+        for (int c = 0; c < P; ++c) {
+          acc[g][c][0] = fmaf(p, f[c].x, acc[g][c][0]);
+          acc[g][c][1] = fmaf(p, f[c].y, acc[g][c][1]);
+        }
+      }
+    }
+    __syncwarp();  // p_s and row_s are rewritten by the next tile
+  }
+  // The warps' partials merged in warp order, every head at once (as the warp-tile kernel).
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float lw = warp_reduce_sum(l[g]);
+    if (lane == 0) m_s[warp][g] = m[g], l_s[warp][g] = lw;
+#pragma unroll
+    for (int c = 0; c < P; ++c) {
+      const int d = 2 * lane + 64 * c;
+      acc_s[warp][g][d] = acc[g][c][0], acc_s[warp][g][d + 1] = acc[g][c][1];
+    }
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < int64_t(G) * hd; i += blockDim.x) {
+    const int g = int(i / hd);
+    const int64_t d = i % hd;
+    const float mx = warps_max(m_s, g);
+    float s = 0.0f, sum = 0.0f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w)
+        if (m_s[w][g] != -INFINITY) {
+          const float e = expf(m_s[w][g] - mx);
+          s += acc_s[w][g][d] * e;
+          sum += l_s[w][g] * e;
+        }
+    }
+    if (n_split == 1) {  // the whole key list: normalised here, no merge kernel
+      float* o = a.out + (qi * a.n_head + h0 + g) * hd + d;
+      if (mx == -INFINITY) {
+        *o = 0.0f;
+      } else if (a.sinks == nullptr) {
+        *o = s * (1.0f / sum);
+      } else {
+        const float c = fold_sink(a.sinks, h0 + g, mx, sum);
+        *o = s * c * (1.0f / sum);
+      }
+      continue;
+    }
+    float* out = part + ((qi * a.n_head + h0 + g) * n_split + by) * (hd + 2);
+    out[d] = s;
+    if (d == 0) out[hd] = mx, out[hd + 1] = sum;
+  }
+}
+
+template <int G>
+__global__ void __launch_bounds__(kWarps * 32)
+    attention_wide_kernel(DeviceAttention a, int64_t keys_per_split, float* __restrict__ part) {
+  pdl_enter();
+  attention_wide_body<G>(a, keys_per_split, part, blockIdx.x, blockIdx.y, gridDim.y);
+}
+
+template <int G>
+__global__ void __launch_bounds__(kWarps * 32)
+    attention_wide_batch_kernel(const AttentionBatchItem* __restrict__ items, int n) {
+  pdl_enter();
+  const int i = find_item(items, n, blockIdx.x, false);
+  const AttentionBatchItem& it = items[i];
+  const int64_t local = int64_t(blockIdx.x) - it.block0;
+  attention_wide_body<G>(it.a, it.keys_per_split, it.part, local / it.n_split, local % it.n_split,
+                         it.n_split);
+}
+
 // One (query, head): merges the splits' partials and normalises (bx = query * n_head + head).
 __device__ __forceinline__ void attention_merge_body(const float* __restrict__ part,
                                                      int64_t n_split, int64_t hd,
@@ -809,8 +1016,22 @@ cudaError_t with_wt_kernel_hd(int64_t hd, F&& f) {
   if (hd <= 128) return f(attention_wt_kernel<G, 128>, attention_wt_batch_kernel<G, 128>);
   return f(attention_wt_kernel<G, 256>, attention_wt_batch_kernel<G, 256>);
 }
+// The wide kernel's instantiation for group g (at most kWideMaxGroup: group_of).
+template <typename F>
+cudaError_t with_wide_kernel(int g, F&& f) {
+  switch (g) {
+    case 4:
+      return f(attention_wide_kernel<4>, attention_wide_batch_kernel<4>);
+    case 2:
+      return f(attention_wide_kernel<2>, attention_wide_batch_kernel<2>);
+    default:
+      return f(attention_wide_kernel<1>, attention_wide_batch_kernel<1>);
+  }
+}
+// Heads wider than kMaxHeadDim: the wide kernel, the warp-tile kernel of their width.
 template <typename F>
 cudaError_t with_wt_kernel(int g, int64_t hd, F&& f) {
+  if (hd > kMaxHeadDim) return with_wide_kernel(g, f);
   switch (g) {
     case 8:
       return with_wt_kernel_hd<8>(hd, f);
@@ -827,9 +1048,10 @@ cudaError_t with_wt_kernel(int g, int64_t hd, F&& f) {
 
 bool attention_uses_tiles(const DeviceAttention& a) { return tile_path(a); }
 
-// The warp-tile kernel's 16-byte K loads: head size a multiple of 8, planes 16-byte aligned.
+// The warp-tile kernel's 16-byte K loads: head size a multiple of 8, planes 16-byte aligned
+// (the wide kernel's too, up to its rows).
 bool attention_warp_tiles_fit(int64_t head_dim, const void* k, const void* v) {
-  return head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % 8 == 0 &&
+  return head_dim > 0 && head_dim <= kWideHeadDim && head_dim % 8 == 0 &&
          reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0;
 }
 
@@ -859,9 +1081,9 @@ cudaError_t launch_attention_batch(const AttentionBatchItem* items,
     // One kernel instantiation serves every item: same heads, group and head size; each on
     // the split path (launch_attention's choice for it alone).
     if (a.n_head != a0.n_head || a.n_head_kv != a0.n_head_kv || a.head_dim != a0.head_dim ||
-        a.head_dim <= 0 || a.head_dim > kMaxHeadDim || a.head_dim % 2 != 0 ||
-        a.n_head % a.n_head_kv != 0 || a.n_q <= 0 || a.n_kv <= 0 || tile_path(a) ||
-        a.warp_tiles != a0.warp_tiles ||
+        a.head_dim <= 0 || a.head_dim > kWideHeadDim || a.head_dim % 2 != 0 ||
+        (a.head_dim > kMaxHeadDim && !a.warp_tiles) || a.n_head % a.n_head_kv != 0 || a.n_q <= 0 ||
+        a.n_kv <= 0 || tile_path(a) || a.warp_tiles != a0.warp_tiles ||
         (a.warp_tiles && !attention_warp_tiles_fit(a.head_dim, a.k, a.v)) || it.block0 != blocks ||
         it.merge0 != merges)
       return cudaErrorInvalidValue;
@@ -889,8 +1111,9 @@ size_t attention_scratch_floats(const DeviceAttention& a, int n_sm) {
 }
 
 cudaError_t launch_attention(const DeviceAttention& a, float* scratch, int n_sm, cudaStream_t s) {
-  if (a.head_dim <= 0 || a.head_dim > kMaxHeadDim || a.n_head_kv <= 0 ||
-      a.n_head % a.n_head_kv != 0)
+  // Wide heads have only the wide kernel, planned as warp tiles (kernels.h warp_tiles).
+  if (a.head_dim <= 0 || a.head_dim > kWideHeadDim || a.n_head_kv <= 0 ||
+      a.n_head % a.n_head_kv != 0 || (a.head_dim > kMaxHeadDim && !a.warp_tiles))
     return cudaErrorInvalidValue;
   if (a.n_q == 0) return cudaSuccess;
   if (a.head_dim % 2 != 0) return cudaErrorInvalidValue;  // half2 loads

@@ -117,8 +117,11 @@ struct CudaOptions {
   uint64_t l2_prefetch_bytes = uint64_t(8) << 20;
 };
 
-// The widest attention head (K and V rows per head) the CUDA attention kernels take.
-inline constexpr int64_t kCudaMaxHeadDim = 256;
+// The widest attention head (K and V rows per head) the CUDA attention kernels take: latent
+// attention's absorbed MQA rows of DeepSeek-V3 / Kimi-K2 (kv_lora 512 + rope 64). Heads wider
+// than 256 must be a multiple of 8 (kernels.h kAttentionMaxHeadDim, asserted equal).
+inline constexpr int64_t kCudaMaxHeadDim = 576;
+inline constexpr int64_t kCudaNarrowHeadDim = 256;  // wider: a multiple of 8
 
 struct CudaOpTime {
   std::string op;

@@ -197,6 +197,11 @@ cudaError_t launch_top_k(const float* x, int64_t rows, int64_t n, int32_t k, flo
                          int32_t* scratch_i, float* out_v, int32_t* out_i, cudaStream_t s);
 
 // --- attention.cu: split-K flash attention over f16 planes through the row map.
+// The widest head (K and V row per head) the kernels take: latent attention's absorbed rows,
+// kv_lora 512 + rope 64 (DeepSeek-V3, Kimi-K2). Heads up to 256 take the split / warp-tile /
+// tile kernels; wider ones (a multiple of 8, 16-byte aligned planes) the wide kernel, which
+// is planned as warp tiles: DeviceAttention::warp_tiles must be set for them.
+inline constexpr int64_t kAttentionMaxHeadDim = 576;
 struct DeviceAttention {
   const float* q = nullptr;     // [n_q][n_head * head_dim]
   const uint16_t* k = nullptr;  // [n_phys][n_head_kv * head_dim], f16 bits
@@ -223,8 +228,8 @@ cudaError_t launch_attention(const DeviceAttention& a, float* scratch, int n_sm,
 // True when launch_attention takes the tensor-core prefill kernel for these shapes (f16 Q and
 // P: a looser bound than the split kernel's f32 path).
 bool attention_uses_tiles(const DeviceAttention& a);
-// Whether the warp-tile decode kernel can serve these planes (head size a multiple of 8 up to
-// 256, 16-byte aligned planes).
+// Whether the warp-tile decode kernel (or, above 256, the wide kernel) can serve these planes
+// (head size a multiple of 8 up to kAttentionMaxHeadDim, 16-byte aligned planes).
 bool attention_warp_tiles_fit(int64_t head_dim, const void* k, const void* v);
 // Several sequences' attention in one launch pair (a batched decode step: each sequence a few
 // queries over its own planes). Each item's output has the bits of launch_attention of that

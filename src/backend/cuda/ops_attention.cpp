@@ -26,6 +26,9 @@ void check_attention_args(const AttentionArgs& a) {
   KILN_CHECK(a.n_head > 0 && a.n_head_kv > 0 && a.n_head % a.n_head_kv == 0);
   KILN_CHECK(a.head_dim > 0 && a.head_dim <= kCudaMaxHeadDim,
              "cuda attention: head_dim {} (at most {})", a.head_dim, kCudaMaxHeadDim);
+  KILN_CHECK(a.head_dim <= kCudaNarrowHeadDim || a.head_dim % 8 == 0,
+             "cuda attention: head_dim {} above {} must be a multiple of 8", a.head_dim,
+             kCudaNarrowHeadDim);
   const int64_t hd = a.head_dim, q_w = a.n_head * hd, kv_w = a.n_head_kv * hd;
   const int64_t n_kv = static_cast<int64_t>(a.kv_rows.size());
   KILN_CHECK(static_cast<int64_t>(a.q.size()) == a.n_q * q_w);
@@ -40,9 +43,13 @@ void check_attention_args(const AttentionArgs& a) {
 // The kernel's view of a: its shapes and scalars for n_kv keys (the pointers are set by the
 // caller, which knows where each array lives).
 // warp_tiles: CudaOptions::attention_warp_tiles, taken where the kernel can serve the planes.
+// Heads wider than kCudaNarrowHeadDim have only the wide kernel, planned as warp tiles
+// whatever the option (on planes it cannot serve, the launch fails).
 cuda::DeviceAttention attention_shape(const AttentionArgs& a, int64_t n_kv, bool warp_tiles) {
+  static_assert(kCudaMaxHeadDim == cuda::kAttentionMaxHeadDim);
   cuda::DeviceAttention d;
-  d.warp_tiles = warp_tiles && cuda::attention_warp_tiles_fit(a.head_dim, a.k.data(), a.v.data());
+  d.warp_tiles = a.head_dim > kCudaNarrowHeadDim ||
+                 (warp_tiles && cuda::attention_warp_tiles_fit(a.head_dim, a.k.data(), a.v.data()));
   d.n_q = a.n_q;
   d.n_kv = n_kv;
   d.n_head = a.n_head;
