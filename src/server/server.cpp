@@ -123,6 +123,9 @@ struct HttpServer::Impl {
   std::atomic<bool> ready{false};
   std::atomic<bool> stopping{false};
   std::atomic<bool> listen_ended{false};  // the listen thread returned
+  // Streaming responses whose content provider has not been released: stop() lets them write
+  // their last events before httplib stops calling providers (it cuts a stream mid-way).
+  std::atomic<int> open_streams{0};
   std::mutex stop_mu;
 
   // Set once by load() before `ready` is published; read-only afterwards. The scheduler runs
@@ -270,6 +273,12 @@ void HttpServer::stop() {
   // Streams see their requests end (cancelled) and finish; then the socket closes.
   if (s.scheduler) s.scheduler->shutdown();
   if (s.thread.joinable()) {
+    // The scheduler has queued every stream's end (cancelled); httplib stops calling content
+    // providers once stop() runs, so give the open streams a bounded time to write it and
+    // [DONE] (a client that reads nothing holds one no longer than this).
+    const auto until = std::chrono::steady_clock::now() + 2s;
+    while (s.open_streams.load() > 0 && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(5ms);
     s.http.stop();
     s.thread.join();
   }
@@ -880,6 +889,7 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
     return ok && send(sink, last);
   };
   res.set_header("Cache-Control", "no-cache");
+  ++open_streams;  // released by the releaser below, which httplib calls for every response
   res.set_chunked_content_provider(
       "text/event-stream",
       [jobs, send, on_event, cancel_all](size_t, httplib::DataSink& sink) -> bool {
@@ -923,7 +933,10 @@ void HttpServer::Impl::completion(const httplib::Request& req, httplib::Response
         if (ok) sink.done();
         return ok;
       },
-      [jobs, cancel_all](bool) { cancel_all(jobs); });  // no-op after a normal end
+      [this, jobs, cancel_all](bool) {
+        cancel_all(jobs);  // no-op after a normal end
+        --open_streams;
+      });
 }
 
 std::string HttpServer::Impl::metrics() const {
