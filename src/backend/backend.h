@@ -238,6 +238,14 @@ class Backend {
   virtual void zero_bytes(std::span<std::byte> dst) {
     std::fill(dst.begin(), dst.end(), std::byte{0});
   }
+  // `rows` rows of `width` bytes, row r at src + r * src_pitch to dst + r * dst_pitch, as one
+  // op (a gather of columns: on a GPU one copy instead of one per row). Backend memory both; no
+  // destination row may overlap a source row. Callers check the spans (copy_2d).
+  virtual void copy_bytes_2d(const std::byte* src, size_t src_pitch, std::byte* dst,
+                             size_t dst_pitch, size_t width, size_t rows) {
+    for (size_t r = 0; r < rows; ++r)
+      std::copy(src + r * src_pitch, src + r * src_pitch + width, dst + r * dst_pitch);
+  }
   // Waits until every op issued so far has finished (a no-op on host backends).
   virtual void synchronize() {}
   // Registers host memory that weights will be copied from (page-locked on CUDA, so copies
@@ -270,6 +278,25 @@ class Backend {
   void copy(std::span<const T> src, std::span<T> dst) {
     KILN_CHECK(dst.size() >= src.size(), "copy of {} into {}", src.size(), dst.size());
     copy_bytes(std::as_bytes(src), std::as_writable_bytes(dst.first(src.size())));
+  }
+  // Columns [src_col, src_col + width) of `rows` rows of src (rows of src_w elements) into
+  // columns [dst_col, ...) of dst (rows of dst_w): one copy_bytes_2d, bounds checked here.
+  template <typename T>
+  void copy_2d(std::span<const T> src, int64_t src_w, int64_t src_col, std::span<T> dst,
+               int64_t dst_w, int64_t dst_col, int64_t rows, int64_t width) {
+    if (rows <= 0 || width <= 0) return;
+    KILN_CHECK(src_col >= 0 && dst_col >= 0 && src_col + width <= src_w &&
+                   dst_col + width <= dst_w &&
+                   static_cast<size_t>((rows - 1) * src_w + src_col + width) <= src.size() &&
+                   static_cast<size_t>((rows - 1) * dst_w + dst_col + width) <= dst.size(),
+               "copy_2d of {} x {} (rows of {} from column {}, {} values; into rows of {} from "
+               "column {}, {} values) out of bounds",
+               rows, width, src_w, src_col, src.size(), dst_w, dst_col, dst.size());
+    copy_bytes_2d(reinterpret_cast<const std::byte*>(src.data() + src_col),
+                  static_cast<size_t>(src_w) * sizeof(T),
+                  reinterpret_cast<std::byte*>(dst.data() + dst_col),
+                  static_cast<size_t>(dst_w) * sizeof(T), static_cast<size_t>(width) * sizeof(T),
+                  static_cast<size_t>(rows));
   }
   template <typename T>
   void zero(std::span<T> dst) {

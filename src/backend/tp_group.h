@@ -43,6 +43,10 @@ class TpGroup final : public Backend {
   void copy_bytes(std::span<const std::byte> s, std::span<std::byte> d) override {
     ranks_[0]->copy_bytes(s, d);
   }
+  void copy_bytes_2d(const std::byte* s, size_t sp, std::byte* d, size_t dp, size_t w,
+                     size_t rows) override {
+    ranks_[0]->copy_bytes_2d(s, sp, d, dp, w, rows);
+  }
   void zero_bytes(std::span<std::byte> d) override { ranks_[0]->zero_bytes(d); }
   void synchronize() override;  // every rank
   double read_bandwidth_gbps() override { return ranks_[0]->read_bandwidth_gbps(); }

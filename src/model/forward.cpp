@@ -164,9 +164,7 @@ class ForwardPass {
   // into columns [dst_col, ..) of dst's rows (dst_w wide): one backend copy per row.
   void copy_cols(std::span<const float> src, int64_t src_w, int64_t src_col, std::span<float> dst,
                  int64_t dst_w, int64_t dst_col, int64_t rows, int64_t width) {
-    for (int64_t r = 0; r < rows; ++r)
-      be_.copy(src.subspan(static_cast<size_t>(r * src_w + src_col), static_cast<size_t>(width)),
-               dst.subspan(static_cast<size_t>(r * dst_w + dst_col), static_cast<size_t>(width)));
+    be_.copy_2d(src, src_w, src_col, dst, dst_w, dst_col, rows, width);
   }
   void dense_ffn_block(int32_t il);
   void moe_ffn_block(int32_t il);
@@ -276,7 +274,8 @@ ForwardPass::ForwardPass(const HParams& hp, const Weights& w, Backend& be, Forwa
   q_ = sl(st.q, n * hp.q_width());
   k_ = sl(st.k, n * hp.k_width());
   v_ = sl(st.v, n * hp.v_width());
-  o_ = sl(st.o, n * hp.o_width());
+  // Latent attention writes a whole latent row per head (n_o_ above), wider than o_width.
+  o_ = sl(st.o, n * (hp.is_mla() ? int64_t(hp.n_head) * hp.head_dim_k : hp.o_width()));
 }
 
 std::span<const float> ForwardPass::host_view(std::span<const float> data,

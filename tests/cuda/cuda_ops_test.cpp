@@ -361,6 +361,40 @@ TEST(CudaOps, AddRmsnormHasTheBitsOfAddThenRmsnorm) {
   }
 }
 
+// copy_2d (one cudaMemcpy2DAsync) on resident buffers against the host loop, odd widths and
+// offsets (the latent-attention column gathers), and on host spans.
+TEST(CudaOps, Copy2dGathersColumnsAsTheHostLoop) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  CudaBackend& be = gpu();
+  struct Shape {
+    int64_t rows, src_w, src_col, dst_w, dst_col, width;
+  };
+  for (const Shape& sh : {Shape{1, 8, 0, 8, 0, 8}, Shape{37, 144, 128, 16, 0, 16},
+                          Shape{512, 576, 0, 9216, 1152, 512}, Shape{3, 7, 2, 5, 1, 3},
+                          Shape{96, 80, 16, 64, 0, 64}}) {
+    const auto ns = static_cast<size_t>(sh.rows * sh.src_w);
+    const auto nd = static_cast<size_t>(sh.rows * sh.dst_w);
+    const std::vector<float> src = random_vec(rng, ns), dst0 = random_vec(rng, nd);
+    std::vector<float> want = dst0;
+    for (int64_t r = 0; r < sh.rows; ++r)
+      for (int64_t c = 0; c < sh.width; ++c)
+        want[static_cast<size_t>(r * sh.dst_w + sh.dst_col + c)] =
+            src[static_cast<size_t>(r * sh.src_w + sh.src_col + c)];
+    BackendBuffer<float> ds = be.alloc<float>(ns), dd = be.alloc<float>(nd);
+    be.upload<float>(src, ds.span());
+    be.upload<float>(dst0, dd.span());
+    be.copy_2d<float>(ds.span(), sh.src_w, sh.src_col, dd.span(), sh.dst_w, sh.dst_col, sh.rows,
+                      sh.width);
+    std::vector<float> got(nd);
+    be.download<float>(dd.span(), got);
+    ASSERT_EQ(std::memcmp(got.data(), want.data(), nd * sizeof(float)), 0) << sh.rows << " rows";
+    std::vector<float> host = dst0;
+    be.copy_2d<float>(src, sh.src_w, sh.src_col, host, sh.dst_w, sh.dst_col, sh.rows, sh.width);
+    ASSERT_EQ(std::memcmp(host.data(), want.data(), nd * sizeof(float)), 0) << "host spans";
+  }
+}
+
 // rope_qk on resident buffers: one launch for Q and K against two rope() ops, memcmp; Q and K head
 // counts as in GQA (32/8) and odd ones, decode (1 token) and several tokens.
 TEST(CudaOps, RopeQkEqualsTwoRopes) {

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <bit>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -229,6 +230,29 @@ TEST_P(BackendOps, StoreRowsF16BitExact) {
   // Rows not written keep their old bits in both.
   for (size_t i = 0; i < pa.size(); ++i)
     ASSERT_EQ(pa[i].bits, pb[i].bits) << i << " seed " << ops_seed();
+}
+
+// copy_2d: columns of rows into columns of other rows, as one op (the latent-attention gathers);
+// every destination value outside the copied columns keeps its bits.
+TEST_P(BackendOps, Copy2dGathersColumns) {
+  std::mt19937_64 rng(ops_seed());
+  for (const auto [rows, src_w, src_col, dst_w, dst_col, width] :
+       {std::array<int64_t, 6>{1, 8, 0, 8, 0, 8},
+        {37, 144, 128, 16, 0, 16},
+        {24, 320, 80, 64, 0, 64},
+        {3, 7, 2, 5, 1, 3},
+        {5, 9, 0, 9, 0, 0}}) {
+    const std::vector<float> src = random_vec(rng, static_cast<size_t>(rows * src_w));
+    const std::vector<float> dst0 = random_vec(rng, static_cast<size_t>(rows * dst_w));
+    std::vector<float> want = dst0, got = dst0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < width; ++c)
+        want[static_cast<size_t>(r * dst_w + dst_col + c)] =
+            src[static_cast<size_t>(r * src_w + src_col + c)];
+    be().copy_2d<float>(src, src_w, src_col, got, dst_w, dst_col, rows, width);
+    ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
+        << rows << " x " << width;
+  }
 }
 
 TEST_P(BackendOps, Argmax) {

@@ -181,6 +181,8 @@ class CudaBackend final : public Backend {
   void upload_bytes(std::span<const std::byte> host, std::span<std::byte> dst) override;
   void download_bytes(std::span<const std::byte> src, std::span<std::byte> host) override;
   void copy_bytes(std::span<const std::byte> src, std::span<std::byte> dst) override;
+  void copy_bytes_2d(const std::byte* src, size_t src_pitch, std::byte* dst, size_t dst_pitch,
+                     size_t width, size_t rows) override;
   void zero_bytes(std::span<std::byte> dst) override;
   void synchronize() override;
   double read_bandwidth_gbps() override;  // 1 GiB streamed by the probe kernel, best of 5
