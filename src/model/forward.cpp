@@ -162,10 +162,6 @@ class ForwardPass {
   void select_keys(int32_t il, const SeqSlice& sq, std::span<const float> iq);
   // Column block [src_col, src_col + width) of each of `rows` rows of src (rows src_w wide)
   // into columns [dst_col, ..) of dst's rows (dst_w wide): one backend copy per row.
-  void copy_cols(std::span<const float> src, int64_t src_w, int64_t src_col, std::span<float> dst,
-                 int64_t dst_w, int64_t dst_col, int64_t rows, int64_t width) {
-    be_.copy_2d(src, src_w, src_col, dst, dst_w, dst_col, rows, width);
-  }
   void dense_ffn_block(int32_t il);
   void moe_ffn_block(int32_t il);
   void moe_experts_batch(int32_t il, int64_t X, int64_t K, int64_t F, std::span<const float> in,
@@ -523,9 +519,9 @@ void ForwardPass::mla_attention(int32_t il) {
   // RoPE on the q_pe / k_pe parts, gathered into rows of their own; c_kv normalised.
   const std::span<float> qpe = sl(st_.mla_qpe, n * H * R), kpe = sl(st_.mla_kpe, n * R);
   const std::span<float> c = sl(st_.mla_c, n * C);
-  copy_cols(qf, D, N, qpe, R, 0, n * H, R);
-  copy_cols(kv, W, C, kpe, R, 0, n, R);
-  copy_cols(kv, W, 0, c, C, 0, n, C);
+  be_.copy_2d<float>(qf, D, N, qpe, R, 0, n * H, R);
+  be_.copy_2d<float>(kv, W, C, kpe, R, 0, n, R);
+  be_.copy_2d<float>(kv, W, 0, c, C, 0, n, C);
   be_.rope_qk(qpe, H, kpe, 1, n, R, batch_.pos, hp_.layers[static_cast<size_t>(il)].rope);
   norm_in_place(c, lw.kv_a_norm, C, hp_.rms_eps);
 
@@ -534,7 +530,7 @@ void ForwardPass::mla_attention(int32_t il) {
   const std::span<float> hin = sl(st_.mla_in, H * n * std::max(N, C));
   const std::span<float> hout = sl(st_.mla_out, H * n * std::max(C, V));
   for (int64_t hh = 0; hh < H; ++hh)
-    copy_cols(qf, H * D, hh * D, hin.subspan(static_cast<size_t>(hh * n * N)), N, 0, n, N);
+    be_.copy_2d<float>(qf, H * D, hh * D, hin.subspan(static_cast<size_t>(hh * n * N)), N, 0, n, N);
   std::vector<Backend::MatmulTask>& tasks = st_.mla_tasks;
   std::vector<WeightMatrix>& heads = st_.mla_heads;  // per-head row views of attn_k_b / _v_b
   heads.resize(static_cast<size_t>(H));
@@ -550,10 +546,10 @@ void ForwardPass::mla_attention(int32_t il) {
   // Assemble the absorbed queries [n][H][q_lat | q_pe] and the latent rows [n][c_kv | k_pe].
   const int64_t QW = H * W;
   for (int64_t hh = 0; hh < H; ++hh)
-    copy_cols(hout.subspan(static_cast<size_t>(hh * n * C)), C, 0, q_, QW, hh * W, n, C);
-  copy_cols(qpe, R, 0, q_, W, C, n * H, R);
-  copy_cols(c, C, 0, k_, W, 0, n, C);
-  copy_cols(kpe, R, 0, k_, W, C, n, R);
+    be_.copy_2d<float>(hout.subspan(static_cast<size_t>(hh * n * C)), C, 0, q_, QW, hh * W, n, C);
+  be_.copy_2d<float>(qpe, R, 0, q_, W, C, n * H, R);
+  be_.copy_2d<float>(c, C, 0, k_, W, 0, n, C);
+  be_.copy_2d<float>(kpe, R, 0, k_, W, C, n, R);
   rec(p + "Kcur", k_, n);
 
   // Per sequence: store the latent rows (K plane only), then MQA over them.
@@ -617,7 +613,7 @@ void ForwardPass::mla_attention(int32_t il) {
   // Out of the latent space: v[h] = attn_v_b[h] . (weighted c_kv of head h), heads side by
   // side as attn_output reads them.
   for (int64_t hh = 0; hh < H; ++hh)
-    copy_cols(o_, QW, hh * W, hin.subspan(static_cast<size_t>(hh * n * C)), C, 0, n, C);
+    be_.copy_2d<float>(o_, QW, hh * W, hin.subspan(static_cast<size_t>(hh * n * C)), C, 0, n, C);
   tasks.clear();
   for (int64_t hh = 0; hh < H; ++hh) {
     heads[static_cast<size_t>(hh)] = lw.wv_b.rows(hh * V, V);
@@ -628,7 +624,8 @@ void ForwardPass::mla_attention(int32_t il) {
   be_.matmul_batch(tasks, n);
   const std::span<float> ov = sl(st_.mla_ov, n * H * V);
   for (int64_t hh = 0; hh < H; ++hh)
-    copy_cols(hout.subspan(static_cast<size_t>(hh * n * V)), V, 0, ov, H * V, hh * V, n, V);
+    be_.copy_2d<float>(hout.subspan(static_cast<size_t>(hh * n * V)), V, 0, ov, H * V, hh * V, n,
+                       V);
   rec(p + "kqv_out", ov, n);
   be_.matmul(lw.wo, ov, n, a_);
   hint(Hint::AfterAttention, il);

@@ -148,6 +148,37 @@ TEST(CudaAttention, WarpTilesConfigurations) {
   run_configurations(true);
 }
 
+// The first physical row of n_phys that no key of p uses (a row to poison).
+int32_t unused_row(const AttnProblem& p, int64_t n_phys) {
+  std::vector<bool> used(size_t(n_phys), false);
+  for (int32_t r : p.kv_rows) used[size_t(r)] = true;
+  return int32_t(std::find(used.begin(), used.end(), false) - used.begin());
+}
+
+// p's key list padded to whole 256-key buckets as graph mode pads it, the padding at `row`.
+void pad_keys(AttnProblem& p, int32_t row) {
+  const auto padded = size_t((int64_t(p.kv_rows.size()) + 255) / 256 * 256);
+  p.kv_rows.resize(padded, row);
+  p.kv_pos.resize(padded, INT32_MAX);
+  p.args.kv_rows = p.kv_rows;
+  p.args.kv_pos = p.kv_pos;
+}
+
+// p's args on the reference and on be: every reference value finite, be's within the f32 bound
+// of the reference; be's output in *got.
+void expect_near_reference(CudaBackend& be, AttnProblem& p, std::vector<float>* got) {
+  std::vector<float> want(p.q.size(), NAN);
+  got->assign(p.q.size(), NAN);
+  p.args.out = want;
+  cuda_under_test().ref->attention(p.args);
+  p.args.out = *got;
+  be.attention(p.args);
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(want[i])) << i;
+    ASSERT_TRUE(close((*got)[i], want[i], 2e-5 * (1 + std::fabs(want[i])))) << "elem " << i;
+  }
+}
+
 // A decode key list padded as graph mode pads it, whose padding and some out-of-window keys
 // point at a row holding inf and NaN in K and V that no visible key uses: neither kernel lets it
 // reach the output (the warp-tile kernel reads a visible key's rows for them; the split kernel
@@ -165,31 +196,18 @@ TEST(CudaAttention, InvisibleRowsNeverReachTheOutput) {
                                        /*window=*/50, 0.0f, 2.0f, 3);
       // A ring row no key uses: poisoned, and what every padding key and a third of the keys
       // before the window point at.
-      std::vector<bool> used(size_t(n_kv + 3), false);
-      for (int32_t r : p.kv_rows) used[size_t(r)] = true;
-      const auto poison = int32_t(std::find(used.begin(), used.end(), false) - used.begin());
+      const int32_t poison = unused_row(p, n_kv + 3);
       ASSERT_LT(poison, n_kv + 3);
       for (int64_t j = 0; j + 50 < n_kv; j += 3) p.kv_rows[size_t(j)] = poison;
       for (int64_t d = 0; d < kv_w; ++d) {
         p.k[size_t(poison * kv_w + d)] = f32_to_f16(d % 2 ? INFINITY : NAN);
         p.v[size_t(poison * kv_w + d)] = f32_to_f16(d % 2 ? NAN : -INFINITY);
       }
-      const int64_t padded = (n_kv + 255) / 256 * 256;
-      p.kv_rows.resize(size_t(padded), poison);
-      p.kv_pos.resize(size_t(padded), INT32_MAX);
+      pad_keys(p, poison);
       p.args.k = p.k;
       p.args.v = p.v;
-      p.args.kv_rows = p.kv_rows;
-      p.args.kv_pos = p.kv_pos;
-      std::vector<float> got(p.q.size(), NAN), want(p.q.size(), NAN);
-      p.args.out = want;
-      cuda_under_test().ref->attention(p.args);
-      p.args.out = got;
-      be.attention(p.args);
-      for (size_t i = 0; i < want.size(); ++i) {
-        ASSERT_TRUE(std::isfinite(want[i])) << i;
-        ASSERT_TRUE(close(got[i], want[i], 2e-5 * (1 + std::fabs(want[i])))) << i;
-      }
+      std::vector<float> got;
+      ASSERT_NO_FATAL_FAILURE(expect_near_reference(be, p, &got));
     }
   }
 }
@@ -402,31 +420,18 @@ TEST(CudaAttention, LatentRows576MatchTheReference) {
       AttnProblem p = random_attention(rng, c.n_head, c.n_head_kv, c.head_dim, c.n_q, c.n_kv,
                                        c.n_kv + 3, c.window, c.softcap, 2.0f, 3);
       if (c.n_q == 1) {
-        std::vector<bool> used(size_t(c.n_kv + 3), false);
-        for (int32_t r : p.kv_rows) used[size_t(r)] = true;
-        const auto poison = int32_t(std::find(used.begin(), used.end(), false) - used.begin());
+        const int32_t poison = unused_row(p, c.n_kv + 3);
         ASSERT_LT(poison, c.n_kv + 3);
         for (int64_t d = 0; d < kv_w; ++d)
           p.k[size_t(poison * kv_w + d)] = f32_to_f16(d % 2 ? INFINITY : NAN);
         if (c.window > 0)
           for (int64_t j = 0; j + c.window < c.n_kv; j += 3) p.kv_rows[size_t(j)] = poison;
-        const int64_t padded = (c.n_kv + 255) / 256 * 256;
-        p.kv_rows.resize(size_t(padded), poison);
-        p.kv_pos.resize(size_t(padded), INT32_MAX);
-        p.args.kv_rows = p.kv_rows;
-        p.args.kv_pos = p.kv_pos;
+        pad_keys(p, poison);
       }
       p.args.k = p.k;
       p.args.v = p.k;  // V = K: the latent rows
-      std::vector<float> got(p.q.size(), NAN), want(p.q.size(), NAN);
-      p.args.out = want;
-      cuda_under_test().ref->attention(p.args);
-      p.args.out = got;
-      be.attention(p.args);
-      for (size_t i = 0; i < want.size(); ++i) {
-        ASSERT_TRUE(std::isfinite(want[i])) << i;
-        ASSERT_TRUE(close(got[i], want[i], 2e-5 * (1 + std::fabs(want[i])))) << "elem " << i;
-      }
+      std::vector<float> got;
+      ASSERT_NO_FATAL_FAILURE(expect_near_reference(be, p, &got));
       if (c.n_q > 2) {  // the query before every key: zeros
         for (int64_t d = 0; d < c.n_head * c.head_dim; ++d) ASSERT_EQ(got[size_t(d)], 0.0f);
       }
