@@ -385,6 +385,92 @@ TEST(CudaAttention, WarpTilesBatchOfSequencesHasEachSequencesBits) {
   run_batch_of_sequences(true);
 }
 
+// A short run of queries of one sequence (a speculative verify batch: 2..16 queries) gives each
+// query the bits of a one-query call over the keys it sees (the decode step at its position),
+// on device buffers with the key list in ring order; warp tiles on and off, a window with a
+// softcap, and latent rows (V the K plane). What makes greedy speculative decoding equal plain
+// greedy on CUDA (docs/determinism.md).
+TEST(CudaAttention, ShortQueryRunsHaveTheOneQueryBits) {
+  KILN_REQUIRE_CUDA();
+  std::mt19937_64 rng(ops_seed());
+  struct Shape {
+    int64_t n_head, n_head_kv, hd;
+    int32_t window;
+    float softcap;
+    bool v_is_k;
+  };
+  for (const bool wt : {false, true}) {
+    CudaBackend& be = attention_backend(wt);
+    for (const Shape sh : {Shape{32, 8, 128, 0, 0.0f, false}, Shape{4, 4, 64, 50, 30.0f, false},
+                           Shape{16, 1, 576, 0, 0.0f, true}}) {
+      for (const int64_t n_q : {2, 5, 16}) {
+        for (const int64_t n_kv : {int64_t{16}, int64_t{300}, int64_t{1000}}) {
+          SCOPED_TRACE(::testing::Message() << "warp tiles " << wt << " heads " << sh.n_head << "/"
+                                            << sh.n_head_kv << " hd " << sh.hd << " n_q " << n_q
+                                            << " n_kv " << n_kv << " seed " << ops_seed());
+          const int64_t q_w = sh.n_head * sh.hd, kv_w = sh.n_head_kv * sh.hd, n_phys = n_kv + 3;
+          const auto origin = static_cast<int32_t>(rng() % n_phys);
+          std::vector<int32_t> rows, pos, q_pos;
+          for (int64_t j = 0; j < n_kv; ++j) {
+            rows.push_back(static_cast<int32_t>((j + origin) % n_phys));
+            pos.push_back(static_cast<int32_t>(j));
+          }
+          for (int64_t t = 0; t < n_q; ++t) q_pos.push_back(static_cast<int32_t>(n_kv - n_q + t));
+          std::vector<f16> k, v;
+          for (float x : random_vec(rng, n_phys * kv_w)) k.push_back(f32_to_f16(x));
+          for (float x : random_vec(rng, n_phys * kv_w)) v.push_back(f32_to_f16(x));
+          const std::vector<float> q = random_vec(rng, n_q * q_w, 2.0f);
+          BackendBuffer<float> dq = be.alloc<float>(q.size()), d_run = be.alloc<float>(q.size());
+          BackendBuffer<float> d_one = be.alloc<float>(q.size());
+          BackendBuffer<f16> dk = be.alloc<f16>(k.size()), dv = be.alloc<f16>(v.size());
+          be.upload<float>(q, dq.span());
+          be.upload<f16>(k, dk.span());
+          be.upload<f16>(v, dv.span());
+          AttentionArgs a;
+          a.q = dq.span();
+          a.k = dk.span();
+          a.v = sh.v_is_k ? dk.span() : dv.span();
+          a.kv_rows = rows;
+          a.kv_pos = pos;
+          a.q_pos = q_pos;
+          a.n_q = n_q;
+          a.n_head = sh.n_head;
+          a.n_head_kv = sh.n_head_kv;
+          a.head_dim = sh.hd;
+          a.window = sh.window;
+          a.scale = 1.0f / std::sqrt(float(sh.hd));
+          a.softcap = sh.softcap;
+          a.out = d_run.span();
+          be.attention(a);
+          for (int64_t t = 0; t < n_q; ++t) {
+            const auto ts = static_cast<size_t>(t), w = static_cast<size_t>(q_w);
+            const auto seen = static_cast<size_t>(n_kv - n_q + t + 1);
+            AttentionArgs one = a;
+            one.q = dq.span().subspan(ts * w, w);
+            one.out = d_one.span().subspan(ts * w, w);
+            one.q_pos = std::span<const int32_t>(q_pos).subspan(ts, 1);
+            one.kv_rows = std::span<const int32_t>(rows).first(seen);
+            one.kv_pos = std::span<const int32_t>(pos).first(seen);
+            one.n_q = 1;
+            be.attention(one);
+          }
+          std::vector<float> run(q.size(), NAN), one(q.size(), 0.0f), want(q.size(), NAN);
+          be.download<float>(d_run.span(), run);
+          be.download<float>(d_one.span(), one);
+          ASSERT_EQ(std::memcmp(run.data(), one.data(), run.size() * sizeof(float)), 0);
+          a.q = q;
+          a.k = k;
+          a.v = sh.v_is_k ? std::span<const f16>(k) : std::span<const f16>(v);
+          a.out = want;
+          cuda_under_test().ref->attention(a);
+          for (size_t e = 0; e < run.size(); ++e)
+            ASSERT_TRUE(close(run[e], want[e], 2e-5 * (1 + std::fabs(want[e])))) << "elem " << e;
+        }
+      }
+    }
+  }
+}
+
 // Latent attention as the deepseek2 forward pass runs it (model/forward.cpp mla_attention):
 // MQA (one KV head) over rows of kv_lora + rope values, V the K plane itself. DeepSeek-V3 and
 // Kimi-K2's rows are 576 wide (512 + 64), past the 256 of the split / warp-tile / tile kernels:

@@ -330,14 +330,24 @@ void CudaBackend::copy_bytes(std::span<const std::byte> src, std::span<std::byte
   });
 }
 
-// One copy_bytes per row: the per-row copies the forward pass always issued. The one-op form
-// (cudaMemcpy2DAsync) waits on branch gpu24 for a GPU run of its tests (docs/BENCHMARKS.md,
-// session 24).
 void CudaBackend::copy_bytes_2d(const std::byte* src, size_t src_pitch, std::byte* dst,
                                 size_t dst_pitch, size_t width, size_t rows) {
-  for (size_t r = 0; r < rows; ++r)
-    copy_bytes(std::span<const std::byte>(src + r * src_pitch, width),
-               std::span<std::byte>(dst + r * dst_pitch, width));
+  if (width == 0 || rows == 0) return;
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  I.enter();
+  const bool ds = I.mem.is_dev(src), dd = I.mem.is_dev(dst);
+  if (!ds && !dd) {
+    I.seg.flush();
+    Backend::copy_bytes_2d(src, src_pitch, dst, dst_pitch, width, rows);
+    return;
+  }
+  KILN_CHECK(ds && dd, "cuda copy between device and host memory: use upload/download");
+  I.seg.sig("copy2d", src, dst, src_pitch, dst_pitch, width, rows);
+  I.seg.record("copy", [=](cudaStream_t st) {
+    return cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDeviceToDevice,
+                             st);
+  });
 }
 
 void CudaBackend::zero_bytes(std::span<std::byte> dst) {

@@ -62,6 +62,42 @@ cuda::DeviceAttention attention_shape(const AttentionArgs& a, int64_t n_kv, bool
   return d;
 }
 
+// Queries of one sequence up to this many (a speculative verify batch, a short prefill chunk)
+// run one query per plan item, each over its visible prefix of the key list: the plan (splits
+// over keys, padding) is then the one a one-query decode step at that position gets, so a
+// token's attention has the same bits whether it is verified in a batch of drafts or decoded
+// alone (speculative decoding's greedy ids equal plain greedy's; docs/determinism.md). The
+// matmuls keep a token's bits up to 16 tokens too. Longer prefills share one plan.
+constexpr int64_t kQueryInvariantMaxQ = 16;
+
+// Whether a takes split_queries: 2..kQueryInvariantMaxQ queries, row lists in host memory and
+// key positions ascending (then the keys query i sees, kv_pos <= q_pos[i], are a prefix: the
+// list a decode step at q_pos[i] holds).
+template <class Memory>
+bool splits_queries(const AttentionArgs& a, const Memory& mem) {
+  return a.n_q > 1 && a.n_q <= kQueryInvariantMaxQ && !mem.is_dev(a.kv_pos.data()) &&
+         !mem.is_dev(a.q_pos.data()) && !mem.is_dev(a.kv_rows.data()) &&
+         std::is_sorted(a.kv_pos.begin(), a.kv_pos.end());
+}
+
+// a as one-query items, each over its visible prefix of the keys, appended to `out`.
+void split_queries(const AttentionArgs& a, std::vector<AttentionArgs>& out) {
+  const auto w = static_cast<size_t>(a.n_head * a.head_dim);
+  for (int64_t i = 0; i < a.n_q; ++i) {
+    const auto qi = static_cast<size_t>(i);
+    AttentionArgs one = a;
+    const auto visible = static_cast<size_t>(
+        std::upper_bound(a.kv_pos.begin(), a.kv_pos.end(), a.q_pos[qi]) - a.kv_pos.begin());
+    one.q = a.q.subspan(qi * w, w);
+    one.out = a.out.subspan(qi * w, w);
+    one.q_pos = a.q_pos.subspan(qi, 1);
+    one.kv_rows = a.kv_rows.first(visible);
+    one.kv_pos = a.kv_pos.first(visible);
+    one.n_q = 1;
+    out.push_back(one);
+  }
+}
+
 void check_store_rows(std::span<const float> src, int64_t width, std::span<const int32_t> rows,
                       std::span<const f16> plane) {
   KILN_CHECK(width > 0 && src.size() == rows.size() * static_cast<size_t>(width));
@@ -94,9 +130,21 @@ void CudaBackend::store_rows_f16(std::span<const float> src, int64_t width,
 // The sequences that take the split kernel run as one launch pair (plan_attention_batch gives
 // each the plan it would get alone, so each out has attention()'s bits); prefill-sized ones
 // (the tile kernel) and host-span calls run one attention() each.
-void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs) {
+void CudaBackend::attention_batch(std::span<const AttentionArgs> seqs_in) {
   Impl& I = *impl_;
   std::vector<const AttentionArgs*> batched;
+  std::vector<AttentionArgs> expanded;  // seqs_in with short query runs one query per item
+  {
+    std::lock_guard lock(I.mu);
+    for (const AttentionArgs& a : seqs_in) {
+      check_attention_args(a);
+      if (splits_queries(a, I.mem))
+        split_queries(a, expanded);
+      else
+        expanded.push_back(a);
+    }
+  }
+  const std::span<const AttentionArgs> seqs = expanded;
   {
     std::lock_guard lock(I.mu);
     for (const AttentionArgs& a : seqs) {
@@ -213,8 +261,15 @@ void CudaBackend::store_rows_f16_batch(std::span<const StoreRowsTask> tasks) {
 
 void CudaBackend::attention(const AttentionArgs& args) {
   check_attention_args(args);
-  const int64_t n_kv = static_cast<int64_t>(args.kv_rows.size());
   Impl& I = *impl_;
+  bool split = false;
+  {
+    std::lock_guard lock(I.mu);
+    split = splits_queries(args, I.mem);
+  }
+  // One query per plan item (split_queries), through attention_batch's launch.
+  if (split) return attention_batch(std::span<const AttentionArgs>(&args, 1));
+  const int64_t n_kv = static_cast<int64_t>(args.kv_rows.size());
   std::lock_guard lock(I.mu);
   I.enter();
   // Host spans (host_span.h): the KV planes and the output get device twins; q, the row lists
