@@ -87,6 +87,30 @@ __device__ __forceinline__ float fold_sink(const float* __restrict__ sinks, int6
   return 1.0f;
 }
 
+// Value d of head h's combined slice (max mx, weighted value sum s, denominator sum) for query
+// qi: with one split the normalised output (zeros when no key was visible; the sink folded in),
+// else the slice's partial [values, max, sum] for the merge kernel. The warp-tile and wide
+// kernels end with this.
+__device__ __forceinline__ void finish_slice(const DeviceAttention& a, float* __restrict__ part,
+                                             int64_t qi, int64_t h, int64_t by, int64_t n_split,
+                                             int64_t hd, int64_t d, float mx, float s, float sum) {
+  if (n_split == 1) {  // the whole key list: normalised here, no merge kernel
+    float* o = a.out + (qi * a.n_head + h) * hd + d;
+    if (mx == -INFINITY) {
+      *o = 0.0f;
+    } else if (a.sinks == nullptr) {
+      *o = s * (1.0f / sum);
+    } else {
+      const float c = fold_sink(a.sinks, h, mx, sum);
+      *o = s * c * (1.0f / sum);
+    }
+    return;
+  }
+  float* out = part + ((qi * a.n_head + h) * n_split + by) * (hd + 2);
+  out[d] = s;
+  if (d == 0) out[hd] = mx, out[hd + 1] = sum;
+}
+
 // The largest of the block's warps' running maxima of head g (-inf when no warp saw a key).
 template <int G>
 __device__ __forceinline__ float warps_max(const float (&m_s)[kWarps][G], int g) {
@@ -477,21 +501,7 @@ __device__ __forceinline__ void attention_wt_body(const DeviceAttention& a, int6
           sum += l_s[w][g] * e;
         }
     }
-    if (n_split == 1) {  // the whole key list: normalised here, no merge kernel
-      float* o = a.out + (qi * a.n_head + h0 + g) * hd + d;
-      if (mx == -INFINITY) {
-        *o = 0.0f;
-      } else if (a.sinks == nullptr) {
-        *o = s * (1.0f / sum);
-      } else {
-        const float c = fold_sink(a.sinks, h0 + g, mx, sum);
-        *o = s * c * (1.0f / sum);
-      }
-      continue;
-    }
-    float* out = part + ((qi * a.n_head + h0 + g) * n_split + by) * (hd + 2);
-    out[d] = s;
-    if (d == 0) out[hd] = mx, out[hd + 1] = sum;
+    finish_slice(a, part, qi, h0 + g, by, n_split, hd, d, mx, s, sum);
   }
 }
 
@@ -679,21 +689,7 @@ __device__ __forceinline__ void attention_wide_body(const DeviceAttention& a,
           sum += l_s[w][g] * e;
         }
     }
-    if (n_split == 1) {  // the whole key list: normalised here, no merge kernel
-      float* o = a.out + (qi * a.n_head + h0 + g) * hd + d;
-      if (mx == -INFINITY) {
-        *o = 0.0f;
-      } else if (a.sinks == nullptr) {
-        *o = s * (1.0f / sum);
-      } else {
-        const float c = fold_sink(a.sinks, h0 + g, mx, sum);
-        *o = s * c * (1.0f / sum);
-      }
-      continue;
-    }
-    float* out = part + ((qi * a.n_head + h0 + g) * n_split + by) * (hd + 2);
-    out[d] = s;
-    if (d == 0) out[hd] = mx, out[hd + 1] = sum;
+    finish_slice(a, part, qi, h0 + g, by, n_split, hd, d, mx, s, sum);
   }
 }
 
