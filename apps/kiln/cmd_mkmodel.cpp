@@ -4,7 +4,9 @@
 // (latent attention; DeepSeek-V3 MoE with a shared expert and leading dense layers), glm-dsa
 // (deepseek2's shape plus a lightning indexer on every layer) or glm4moe (GLM-4.5: q/k/v biases,
 // QK-norm, partial rotary, the DeepSeek-V3 MoE, NextN blocks after the main ones) shapes, or
-// llama with experts (Mixtral layout): benchmarks at 1B/8B scale without downloads. Random router
+// llama with experts (Mixtral layout), or a DFlash block drafter (`dflash`: no embedding, output
+// or vocabulary of its own; it fits a target of the same --n-embd and --n-vocab): benchmarks at
+// 1B/8B scale without downloads. Random router
 // weights route nearly uniformly over the experts. Tensors are produced and quantized at write
 // time, one at a time, so a multi-GB file needs no more RAM than its largest tensor. The
 // vocabulary is a minimal valid SentencePiece one (byte fallback plus ASCII pieces) so `kiln run`
@@ -54,6 +56,9 @@ struct MkModelOptions {
   // glm-dsa: the lightning indexer's heads, head width and keys kept per query (GLM-5's
   // 32 x 128, top 2048); every layer a full indexer layer.
   int32_t idx_heads = 32, idx_head_dim = 128, idx_top_k = 2048;
+  // dflash: the block's tokens (anchor included) and the target layers whose inputs it reads.
+  int32_t block_size = 16;
+  std::vector<int32_t> target_layers;
 
   int32_t hd() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
   bool moe() const { return n_expert > 0; }
@@ -63,6 +68,7 @@ struct MkModelOptions {
   bool latent() const { return arch == "deepseek2" || dsa(); }
   bool dsa() const { return arch == "glm-dsa"; }
   bool glm4moe() const { return arch == "glm4moe"; }
+  bool dflash() const { return arch == "dflash"; }
   // The DeepSeek-V3 MoE: sigmoid router with a selection bias, shared experts, dense lead.
   bool moe_v3() const { return latent() || glm4moe(); }
   int32_t nextn() const { return glm4moe() ? n_nextn : 0; }
@@ -72,7 +78,7 @@ struct MkModelOptions {
   bool phi3() const { return arch == "phi3"; }
   bool gpt_oss() const { return arch == "gpt-oss"; }
   bool swa() const { return gemma3() || gpt_oss(); }
-  bool qk_norm() const { return arch == "gemma3" || arch == "qwen3moe" || glm4moe(); }
+  bool qk_norm() const { return arch == "gemma3" || arch == "qwen3moe" || glm4moe() || dflash(); }
   // The FFN's input norm is named post_attention_norm (gpt-oss, glm4moe).
   bool post_attention_ffn_norm() const { return gpt_oss() || glm4moe(); }
   int32_t ff_exp() const { return n_ff_exp > 0 ? n_ff_exp : n_ff; }
@@ -143,7 +149,12 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
   // Uniform with standard deviation sigma: scale = sigma * sqrt(3).
   const float w = 0.02f * std::sqrt(3.0f);
   std::vector<TensorPlan> t;
-  t.push_back({"token_embd.weight", {E, o.n_vocab}, w});
+  if (o.dflash()) {  // fc over the concatenated target features, then its norm; no embedding
+    t.push_back({"fc.weight", {E * int64_t(o.target_layers.size()), E}, w});
+    t.push_back({"enc.output_norm.weight", {E}, 0});
+  } else {
+    t.push_back({"token_embd.weight", {E, o.n_vocab}, w});
+  }
   for (int32_t l = 0; l < o.n_layer + o.nextn(); ++l) {
     const std::string b = fmt::format("blk.{}.", l);
     t.push_back({b + "attn_norm.weight", {E}, 0});
@@ -230,7 +241,8 @@ std::vector<TensorPlan> plan_tensors(const MkModelOptions& o) {
     }
   }
   t.push_back({"output_norm.weight", {E}, 0});
-  if (!o.gemma3()) t.push_back({"output.weight", {E, o.n_vocab}, w});  // gemma ties it
+  // gemma ties it; a DFlash drafter reads the target's
+  if (!o.gemma3() && !o.dflash()) t.push_back({"output.weight", {E, o.n_vocab}, w});
   return t;
 }
 
@@ -283,6 +295,13 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
     w.set_u32(a + ".expert_used_count", uint32_t(o.n_expert_used));
     if (a != "llama") w.set_u32(a + ".expert_feed_forward_length", uint32_t(o.ff_exp()));
   }
+  if (o.dflash()) {  // the target's vocabulary and tokenizer; the mask token is <unk>
+    w.set_u32(a + ".block_size", uint32_t(o.block_size));
+    w.set_i32_array(a + ".target_layers", o.target_layers);
+    w.set_u32(a + ".vocab_size", uint32_t(o.n_vocab));
+    w.set_u32("tokenizer.ggml.mask_token_id", 0);
+    return;
+  }
   if (o.moe_v3() && o.moe()) {  // DeepSeek-V3's (and GLM-4.5's) routing: sigmoid, normalised,
                                 // scaled 2.5
     w.set_u32(a + ".expert_shared_count", uint32_t(o.n_shared));
@@ -306,11 +325,24 @@ void set_metadata(GgufWriter& w, const MkModelOptions& o, const quant::Preset& p
 Status validate(const MkModelOptions& o) {
   if (o.out.empty()) return Status::error("-o OUT.gguf is required");
   if (o.arch != "llama" && o.arch != "gemma3" && o.arch != "qwen3moe" && o.arch != "phi3" &&
-      o.arch != "gpt-oss" && o.arch != "deepseek2" && o.arch != "glm-dsa" && !o.glm4moe())
+      o.arch != "gpt-oss" && o.arch != "deepseek2" && o.arch != "glm-dsa" && !o.glm4moe() &&
+      !o.dflash())
     return Status::errorf(
         "--arch '{}' is not supported (llama, gemma3, qwen3moe, phi3, gpt-oss, deepseek2, "
-        "glm-dsa, glm4moe)",
+        "glm-dsa, glm4moe, dflash)",
         o.arch);
+  if (o.dflash()) {
+    if (o.target_layers.empty() || o.target_layers.size() > 64)
+      return Status::errorf("--arch dflash needs --target-layers (1 to 64 layers, {} given)",
+                            o.target_layers.size());
+    for (int32_t L : o.target_layers)
+      if (L < 0) return Status::errorf("--target-layers: layer {} is negative", L);
+    if (o.block_size < 2 || o.block_size > 256)
+      return Status::errorf("--block-size {} outside [2, 256]", o.block_size);
+    if (o.n_expert != 0) return Status::error("--n-expert: a dflash drafter has no experts");
+  } else if (!o.target_layers.empty()) {
+    return Status::error("--target-layers is for --arch dflash");
+  }
   if (o.glm4moe()) {
     if (o.n_expert < 1) return Status::error("--arch glm4moe needs --n-expert (an MoE model)");
     if (o.n_nextn < 0 || o.n_nextn > 4)
@@ -497,10 +529,15 @@ void add_mkmodel_command(CLI::App& app, int& exit_code) {
   cmd->add_option("-o,--output", o->out, "output GGUF path")->required();
   cmd->add_option("--arch", o->arch,
                   "architecture: llama, gemma3, qwen3moe, phi3, gpt-oss, deepseek2, glm-dsa, "
-                  "glm4moe");
+                  "glm4moe, dflash");
   cmd->add_option("--idx-heads", o->idx_heads, "glm-dsa: lightning indexer heads");
   cmd->add_option("--idx-head-dim", o->idx_head_dim, "glm-dsa: indexer head width");
   cmd->add_option("--idx-top-k", o->idx_top_k, "glm-dsa: keys each query keeps");
+  cmd->add_option("--block-size", o->block_size,
+                  "dflash: tokens of a drafted block, the anchor included");
+  cmd->add_option("--target-layers", o->target_layers,
+                  "dflash: target layers whose inputs the drafter reads (e.g. 1,9,17)")
+      ->delimiter(',');
   cmd->add_option("--q-lora", o->q_lora, "deepseek2: q-LoRA rank (0: a plain attn_q)");
   cmd->add_option("--kv-lora", o->kv_lora, "deepseek2: latent (KV LoRA) rank");
   cmd->add_option("--v-head-dim", o->v_head,

@@ -525,6 +525,57 @@ TEST(KilnMkmodel, Glm4moeLoadsRunsAndDraftsWithItsNextnBlock) {
   std::filesystem::remove_all(dir);
 }
 
+// A dflash drafter written for a llama target of the same width and vocabulary loads beside it
+// (its keys, tensors and target layers pass load_dflash's fail-closed checks) and drafts under
+// --dflash with the target's greedy ids; it carries no embedding, output or vocabulary.
+TEST(KilnMkmodel, DflashDrafterFitsItsTargetAndKeepsGreedyIds) {
+  const std::string dir = testing::temp_dir();
+  const std::string target = dir + "/t.gguf", drafter = dir + "/d.gguf";
+  const std::vector<std::string> width = {"--n-embd",    "256", "--n-head",  "4",
+                                          "--n-head-kv", "2",   "--n-ff",    "512",
+                                          "--n-vocab",   "600", "--threads", "2"};
+  std::vector<std::string> mt = {"mkmodel", "-o", target, "--n-layer", "4"};
+  mt.insert(mt.end(), width.begin(), width.end());
+  ASSERT_EQ(run_kiln(mt).rc, 0);
+  std::vector<std::string> md = {"mkmodel",   "-o",     drafter,        "--arch", "dflash",
+                                 "--n-layer", "2",      "--block-size", "5",      "--target-layers",
+                                 "1,3",       "--type", "q8_0"};
+  md.insert(md.end(), width.begin(), width.end());
+  Proc m = run_kiln(md);
+  ASSERT_EQ(m.rc, 0) << m.err;
+  auto g = GgufFile::open(drafter);
+  ASSERT_TRUE(g) << g.error();
+  EXPECT_EQ(g->find_tensor("token_embd.weight"), nullptr);
+  EXPECT_EQ(g->find_tensor("output.weight"), nullptr);
+  EXPECT_FALSE(g->has("tokenizer.ggml.tokens"));
+  auto fc = g->find_tensor("fc.weight");
+  ASSERT_NE(fc, nullptr);
+  EXPECT_EQ(fc->ne[0], 2 * 256);  // two target layers' features, concatenated
+  EXPECT_NE(g->find_tensor("blk.1.attn_k_norm.weight"), nullptr);
+  const std::vector<std::string> base = {"run", "-m", target,   "-p", "hello world",
+                                         "-n",  "12", "--temp", "0",  "--stats"};
+  Proc r = run_kiln(base);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  std::vector<std::string> spec = base;
+  spec.insert(spec.end(), {"--dflash", drafter, "--draft-n", "4"});
+  Proc d = run_kiln(spec);
+  ASSERT_EQ(d.rc, 0) << d.err;
+  EXPECT_EQ(d.out, r.out);
+  EXPECT_NE(d.err.find("speculative (dflash, k=4)"), std::string::npos) << d.err;
+  expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--arch", "dflash"}),
+                     "--target-layers");
+  expect_clean_error(run_kiln({"mkmodel", "-o", dir + "/x.gguf", "--target-layers", "1"}),
+                     "--arch dflash");
+  // A target layer beyond the target's 4 is refused when the pair meets, with one line.
+  std::vector<std::string> far = md;
+  far[2] = dir + "/far.gguf";
+  far[10] = "1,9";
+  ASSERT_EQ(run_kiln(far).rc, 0);
+  spec[spec.size() - 3] = dir + "/far.gguf";
+  expect_clean_error(run_kiln(spec), "target_layers");
+  std::filesystem::remove_all(dir);
+}
+
 // The glm-dsa shape (deepseek2's plus a lightning indexer on every layer) loads and runs with
 // a top_k below the prompt's length, so the later tokens attend over the indexer's choice; its
 // cache holds the latent rows and the indexer keys (idx_head_dim f16 values per token and
