@@ -246,6 +246,27 @@ class Backend {
     for (size_t r = 0; r < rows; ++r)
       std::copy(src + r * src_pitch, src + r * src_pitch + width, dst + r * dst_pitch);
   }
+  // dst row i = src row ids[i] (rows of `width` floats), as one op: on a GPU one launch, not
+  // a copy per row. ids in host memory. Callers check the spans (gather_rows).
+  virtual void gather_rows_f32(std::span<const float> src, int64_t width,
+                               std::span<const int32_t> ids, std::span<float> dst) {
+    const auto W = static_cast<size_t>(width);
+    for (size_t i = 0; i < ids.size(); ++i)
+      copy(src.subspan(static_cast<size_t>(ids[i]) * W, W), dst.subspan(i * W, W));
+  }
+  // For i in order: src row i scaled by scales[i] in place (scale()), then added to out row
+  // ids[i] (add()): those two ops' bits, as one op. ids (distinct) and scales in host memory.
+  // Callers check the spans (scale_add_rows).
+  virtual void scale_add_rows_f32(std::span<float> src, int64_t width, std::span<const int32_t> ids,
+                                  std::span<const float> scales, std::span<float> out) {
+    const auto W = static_cast<size_t>(width);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const std::span<float> row = src.subspan(i * W, W);
+      const std::span<float> orow = out.subspan(static_cast<size_t>(ids[i]) * W, W);
+      scale(row, scales[i]);
+      add(orow, row, orow);
+    }
+  }
   // Waits until every op issued so far has finished (a no-op on host backends).
   virtual void synchronize() {}
   // Registers host memory that weights will be copied from (page-locked on CUDA, so copies
@@ -297,6 +318,26 @@ class Backend {
                   reinterpret_cast<std::byte*>(dst.data() + dst_col),
                   static_cast<size_t>(dst_w) * sizeof(T), static_cast<size_t>(width) * sizeof(T),
                   static_cast<size_t>(rows));
+  }
+  // dst row i = src row ids[i]; rows of `width`, every id a row of src (gather_rows_f32).
+  void gather_rows(std::span<const float> src, int64_t width, std::span<const int32_t> ids,
+                   std::span<float> dst) {
+    check_row_ids(src.size(), width, ids, dst.size(), "gather_rows");
+    if (!ids.empty()) gather_rows_f32(src, width, ids, dst);
+  }
+  // out row ids[i] += (src row i *= scales[i]) for each i in order; the ids distinct rows of
+  // out (scale_add_rows_f32).
+  void scale_add_rows(std::span<float> src, int64_t width, std::span<const int32_t> ids,
+                      std::span<const float> scales, std::span<float> out) {
+    check_row_ids(out.size(), width, ids, src.size(), "scale_add_rows");
+    KILN_CHECK(scales.size() == ids.size(), "scale_add_rows: {} scales for {} rows", scales.size(),
+               ids.size());
+    std::vector<bool> seen(out.size() / static_cast<size_t>(width));
+    for (int32_t id : ids) {
+      KILN_CHECK(!seen[static_cast<size_t>(id)], "scale_add_rows: row {} named twice", id);
+      seen[static_cast<size_t>(id)] = true;
+    }
+    if (!ids.empty()) scale_add_rows_f32(src, width, ids, scales, out);
   }
   template <typename T>
   void zero(std::span<T> dst) {
@@ -440,6 +481,18 @@ class Backend {
     KILN_CHECK(ids.size() == rows * static_cast<size_t>(k) && vals.size() == ids.size(),
                "top_k: {} ids and {} values for {} rows of {}", ids.size(), vals.size(), rows, k);
     return rows;
+  }
+
+  // gather_rows / scale_add_rows argument rules: `ids` name rows of `width` of a tensor of
+  // `table` values, and `rows` values hold one row per id.
+  static void check_row_ids(size_t table, int64_t width, std::span<const int32_t> ids, size_t rows,
+                            const char* op) {
+    KILN_CHECK(width > 0 && table % static_cast<size_t>(width) == 0 &&
+                   rows == ids.size() * static_cast<size_t>(width),
+               "{}: {} rows of {} against {} values, rows of {} from {} values", op, ids.size(),
+               width, rows, width, table);
+    const auto n = static_cast<int64_t>(table / static_cast<size_t>(width));
+    for (int32_t id : ids) KILN_CHECK(id >= 0 && id < n, "{}: row {} of {}", op, id, n);
   }
 
   // --- Tensor parallelism (model/tensor_parallel.h). A group backend (backend/tp_group.h)

@@ -47,6 +47,14 @@ class TpGroup final : public Backend {
                      size_t rows) override {
     ranks_[0]->copy_bytes_2d(s, sp, d, dp, w, rows);
   }
+  void gather_rows_f32(std::span<const float> s, int64_t w, std::span<const int32_t> ids,
+                       std::span<float> d) override {
+    ranks_[0]->gather_rows_f32(s, w, ids, d);
+  }
+  void scale_add_rows_f32(std::span<float> s, int64_t w, std::span<const int32_t> ids,
+                          std::span<const float> sc, std::span<float> o) override {
+    ranks_[0]->scale_add_rows_f32(s, w, ids, sc, o);
+  }
   void zero_bytes(std::span<std::byte> d) override { ranks_[0]->zero_bytes(d); }
   void synchronize() override;  // every rank
   double read_bandwidth_gbps() override { return ranks_[0]->read_bandwidth_gbps(); }

@@ -65,6 +65,7 @@ ForwardState::ForwardState(const HParams& hp, int32_t max_batch) : max_batch_(ma
     sel_w.resize(B * n_used);
     sel_e.resize(B * n_used);
     moe_rows.resize(B * n_used);
+    moe_row_w.resize(B * n_used);
   }
 }
 
@@ -857,15 +858,16 @@ void ForwardPass::moe_experts_batch(int32_t il, int64_t X, int64_t K, int64_t F,
   const std::span<const float> sel_w(st_.sel_w.data(), static_cast<size_t>(n_tok * K));
   for (int32_t e = 0; e < X; ++e) {
     if (!hp_.owns_expert(e, static_cast<int32_t>(X))) continue;  // another rank's
-    int64_t m = 0;  // rows routed to e; moe_rows holds their (token * K + slot)
+    int64_t m = 0;  // rows routed to e: their tokens in moe_rows, router weights in moe_row_w
     for (int64_t j = 0; j < n_tok * K; ++j)
-      if (sel[j] == e) st_.moe_rows[m++] = static_cast<int32_t>(j);
+      if (sel[j] == e) {
+        st_.moe_rows[m] = static_cast<int32_t>(j / K);
+        st_.moe_row_w[m++] = sel_w[j];
+      }
     if (m == 0) continue;
+    const std::span<const int32_t> toks(st_.moe_rows.data(), static_cast<size_t>(m));
     const std::span<float> xin = sl(st_.moe_in, m * E), y = sl(st_.moe_out, m * E);
-    for (int64_t i = 0; i < m; ++i) {
-      const auto src = in.subspan(static_cast<size_t>(st_.moe_rows[i] / K * E), E);
-      be_.copy(src, xin.subspan(static_cast<size_t>(i * E), static_cast<size_t>(E)));
-    }
+    be_.gather_rows(in, E, toks, xin);
     const moe::ExpertWeights ew = w_.experts->get(il, e);
     expert_bytes_used().add(expert_bytes(ew));
     const std::span<float> fg = sl(st_.ff_gate, m * F), fu = sl(st_.ff_up, m * F);
@@ -877,13 +879,9 @@ void ForwardPass::moe_experts_batch(int32_t il, int64_t X, int64_t K, int64_t F,
     ffn_act(fg, fu, fa);
     be_.matmul(ew.down, fa, m, y);
     add_expert_bias(y, lw.ffn_down_exps_b, e, E, m);
-    for (int64_t i = 0; i < m; ++i) {
-      const int32_t j = st_.moe_rows[i];
-      const std::span<float> yr = y.subspan(static_cast<size_t>(i * E), E);
-      be_.scale(yr, sel_w[j]);
-      const std::span<float> orow = out.subspan(static_cast<size_t>(j / K * E), E);
-      be_.add(orow, yr, orow);
-    }
+    // A token routes to an expert once (route_experts and override_route pick distinct ids),
+    // so the rows' tokens are distinct, as scale_add_rows requires (and checks).
+    be_.scale_add_rows(y, E, toks, std::span<const float>(st_.moe_row_w.data(), size_t(m)), out);
   }
 }
 

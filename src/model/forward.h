@@ -103,6 +103,7 @@ class ForwardState {
   std::vector<float> router_host;  // device backends: the probabilities the host routes by
   std::vector<float> sel_w;
   std::vector<int32_t> sel_e, moe_rows;
+  std::vector<float> moe_row_w;
   // The one-token MoE path: its experts by ascending id, their views (pins held while the
   // layer computes) and the matvec tasks handed to Backend::matmul_batch.
   std::vector<int32_t> moe_order;

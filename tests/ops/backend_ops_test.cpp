@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <numeric>
+#include <algorithm>
 
 #include "backend/backend.h"
 #include "core/dtype.h"
@@ -253,6 +255,49 @@ TEST_P(BackendOps, Copy2dGathersColumns) {
     ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
         << rows << " x " << width;
   }
+}
+
+// gather_rows and scale_add_rows (the MoE rows routed to one expert, gathered and added back
+// weighted, one op each): the bits of the per-row copy, scale and add they replace, rows in
+// any order and odd widths; rows of out not named keep their bits. Repeated or out-of-range
+// rows are refused.
+TEST_P(BackendOps, GatherAndScaleAddRowsAsThePerRowOps) {
+  std::mt19937_64 rng(ops_seed());
+  for (const auto [n_tab, width, picks] :
+       {std::array<int64_t, 3>{1, 8, 1}, {37, 2048, 11}, {19, 7, 19}, {64, 129, 5}}) {
+    const std::vector<float> table = random_vec(rng, static_cast<size_t>(n_tab * width));
+    std::vector<int32_t> ids(static_cast<size_t>(n_tab));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    ids.resize(static_cast<size_t>(picks));
+    const auto W = static_cast<size_t>(width);
+    std::vector<float> want(ids.size() * W), got(want.size(), NAN);
+    for (size_t i = 0; i < ids.size(); ++i)
+      ref().copy<float>(std::span(table).subspan(size_t(ids[i]) * W, W),
+                        std::span(want).subspan(i * W, W));
+    be().gather_rows(table, width, ids, got);
+    ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
+        << "gather " << picks << " of " << n_tab << " x " << width << " seed " << ops_seed();
+
+    const std::vector<float> y0 = random_vec(rng, ids.size() * W);
+    const std::vector<float> scales = random_vec(rng, ids.size());
+    std::vector<float> y_want = y0, y_got = y0, out_want = table, out_got = table;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const std::span<float> row = std::span(y_want).subspan(i * W, W);
+      const std::span<float> orow = std::span(out_want).subspan(size_t(ids[i]) * W, W);
+      ref().scale(row, scales[i]);
+      ref().add(orow, row, orow);
+    }
+    be().scale_add_rows(y_got, width, ids, scales, out_got);
+    ASSERT_EQ(std::memcmp(out_got.data(), out_want.data(), out_got.size() * sizeof(float)), 0)
+        << "scale_add " << picks << " of " << n_tab << " x " << width << " seed " << ops_seed();
+    ASSERT_EQ(std::memcmp(y_got.data(), y_want.data(), y_got.size() * sizeof(float)), 0);
+  }
+  std::vector<float> table(4 * 3, 1.0f), rows(2 * 3), scales(2, 1.0f);
+  const std::vector<int32_t> twice = {1, 1}, outside = {0, 4};
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // the backend may run threads
+  EXPECT_DEATH(be().scale_add_rows(rows, 3, twice, scales, table), "named twice");
+  EXPECT_DEATH(be().gather_rows(table, 3, outside, rows), "row 4 of 4");
 }
 
 TEST_P(BackendOps, Argmax) {
