@@ -66,8 +66,8 @@ cuda::DeviceAttention attention_shape(const AttentionArgs& a, int64_t n_kv, bool
 // run one query per plan item, each over its visible prefix of the key list: the plan (splits
 // over keys, padding) is then the one a one-query decode step at that position gets, so a
 // token's attention has the same bits whether it is verified in a batch of drafts or decoded
-// alone (speculative decoding's greedy ids equal plain greedy's; docs/determinism.md). The
-// matmuls keep a token's bits up to 16 tokens too. Longer prefills share one plan.
+// alone (what speculative decoding needs for greedy ids equal to plain greedy's; where the rest
+// of a step stands: docs/determinism.md). Longer prefills share one plan.
 constexpr int64_t kQueryInvariantMaxQ = 16;
 
 // Whether a takes split_queries: 2..kQueryInvariantMaxQ queries, row lists in host memory and
