@@ -22,7 +22,9 @@
 #include "backend/cuda/cuda_backend.h"
 #include "common/testdata.h"
 #include "engine/runtime.h"
+#include "engine/mtp_drafter.h"
 #include "engine/session.h"
+#include "engine/speculative.h"
 #include "golden/golden.h"
 #include "moe/expert_store.h"
 
@@ -633,6 +635,61 @@ TEST(CudaSpec, VerifyBatchHasTheDecodeStepsBits) {
                differ.size(), batch.nodes.size());
   }
   if (!ran) GTEST_SKIP() << "none of the fixtures was carried to this machine";
+}
+
+// The promise itself: --spec-mtp's greedy ids equal plain greedy's on CUDA, for prompts below
+// and above the float kernel's 8 tokens and the int8 kernels' 16 (plain decoding prefills the
+// whole prompt; speculative decoding prefills all but its last token and evaluates that one in
+// the first verify step: docs/determinism.md, "Open"). Each prompt length reports its result.
+TEST(CudaSpec, MtpGreedyEqualsPlainGreedy) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
+  std::vector<int32_t> golden_prompt;
+  std::shared_ptr<const Model> m = load_same_bits_fixture("glm4moe-q4_k_m", &golden_prompt);
+  if (m == nullptr) GTEST_SKIP() << "glm4moe-q4_k_m was not carried to this machine";
+  auto be = make_cuda_backend(region_options(*m));
+  ASSERT_TRUE(be) << be.error();
+  constexpr int32_t kGen = 24, kDraft = 4;
+  std::string report;
+  for (size_t len : {size_t{6}, size_t{9}, size_t{12}, size_t{24}, size_t{40}}) {
+    SCOPED_TRACE(::testing::Message() << "prompt of " << len << " tokens");
+    const std::span<const int32_t> prompt =
+        std::span<const int32_t>(golden_prompt).first(std::min(len, golden_prompt.size()));
+    std::vector<int32_t> want;
+    {
+      Session s(m, **be, 256);
+      auto l = s.eval(prompt, false);
+      for (int32_t i = 0; i < kGen && l; ++i) {
+        const auto t = static_cast<int32_t>(std::max_element(l->begin(), l->end()) - l->begin());
+        want.push_back(t);
+        l = s.eval(std::span<const int32_t>(&t, 1), false);
+      }
+      ASSERT_TRUE(l.has_value()) << l.error();
+    }
+    std::vector<int32_t> got;
+    {
+      Session target(m, **be, 256);
+      auto mtp = MtpDrafter::create(m, **be, 256);
+      ASSERT_TRUE(mtp.has_value()) << mtp.error();
+      SpecParams sp;
+      sp.n_draft = kDraft;
+      sp.sampling.temperature = 0;
+      auto dec = SpeculativeDecoder::create(target, **mtp, sp);
+      ASSERT_TRUE(dec.has_value()) << dec.error();
+      ASSERT_TRUE((*dec)->start(prompt));
+      while (static_cast<int32_t>(got.size()) < kGen) {
+        auto st = (*dec)->step();
+        ASSERT_TRUE(st.has_value()) << st.error();
+        got.insert(got.end(), st->tokens.begin(), st->tokens.end());
+      }
+      got.resize(kGen);
+    }
+    const auto first = std::mismatch(want.begin(), want.end(), got.begin()).first - want.begin();
+    report +=
+        fmt::format(" {} tokens: {};", prompt.size(),
+                    first == kGen ? std::string("equal") : fmt::format("differ from id {}", first));
+    EXPECT_EQ(got, want);
+  }
+  fmt::print("  glm4moe-q4_k_m         mtp k={} greedy vs plain:{}\n", kDraft, report);
 }
 
 std::string tp_param_name(const ::testing::TestParamInfo<std::tuple<Fixture, int>>& info) {
