@@ -255,16 +255,41 @@ TEST(CudaAttention, PaddedKeyListsMatchTheReference) {
   }
 }
 
+// Heads of an attention call; v_is_k: latent attention (V is the K plane, the wide kernel at 576).
+struct HeadShape {
+  int64_t n_head, n_head_kv, hd;
+  int32_t window;
+  float softcap;
+  bool v_is_k = false;
+};
+// The call for n_q queries of one sequence over the listed keys, with sh's heads.
+AttentionArgs head_shape_args(const HeadShape& sh, std::span<const float> q, std::span<const f16> k,
+                              std::span<const f16> v, std::span<const int32_t> rows,
+                              std::span<const int32_t> pos, std::span<const int32_t> q_pos,
+                              int64_t n_q, std::span<float> out) {
+  AttentionArgs a;
+  a.q = q;
+  a.k = k;
+  a.v = sh.v_is_k ? k : v;
+  a.kv_rows = rows;
+  a.kv_pos = pos;
+  a.q_pos = q_pos;
+  a.n_q = n_q;
+  a.n_head = sh.n_head;
+  a.n_head_kv = sh.n_head_kv;
+  a.head_dim = sh.hd;
+  a.window = sh.window;
+  a.scale = 1.0f / std::sqrt(float(sh.hd));
+  a.softcap = sh.softcap;
+  a.out = out;
+  return a;
+}
+
 void run_batch_of_sequences(bool warp_tiles) {
   CudaBackend& be = attention_backend(warp_tiles);
   Backend& ref = *cuda_under_test().ref;
   std::mt19937_64 rng(ops_seed());
-  struct Shape {
-    int64_t n_head, n_head_kv, hd;
-    int32_t window;
-    float softcap;
-    bool v_is_k = false;  // latent attention: V is the K plane (the wide kernel at 576)
-  };
+  using Shape = HeadShape;
   struct Seq {
     int64_t n_q, n_kv;
   };
@@ -310,22 +335,8 @@ void run_batch_of_sequences(bool warp_tiles) {
       be.upload<float>(h.q, h.dq.span());
       be.upload<f16>(h.k, h.dk.span());
       be.upload<f16>(h.v, h.dv.span());
-      AttentionArgs a;
-      a.q = h.dq.span();
-      a.k = h.dk.span();
-      a.v = sh.v_is_k ? h.dk.span() : h.dv.span();
-      a.kv_rows = h.rows;
-      a.kv_pos = h.pos;
-      a.q_pos = h.q_pos;
-      a.n_q = c.n_q;
-      a.n_head = sh.n_head;
-      a.n_head_kv = sh.n_head_kv;
-      a.head_dim = sh.hd;
-      a.window = sh.window;
-      a.scale = 1.0f / std::sqrt(float(sh.hd));
-      a.softcap = sh.softcap;
-      a.out = h.out_batch.span();
-      args.push_back(a);
+      args.push_back(head_shape_args(sh, h.dq.span(), h.dk.span(), h.dv.span(), h.rows, h.pos,
+                                     h.q_pos, c.n_q, h.out_batch.span()));
       // Stores: c.n_q new rows at ring rows of this sequence's own planes.
       h.src_k = random_vec(rng, c.n_q * kv_w);
       h.dsrc = be.alloc<float>(h.src_k.size());
@@ -388,17 +399,12 @@ TEST(CudaAttention, WarpTilesBatchOfSequencesHasEachSequencesBits) {
 // A short run of queries of one sequence (a speculative verify batch: 2..16 queries) gives each
 // query the bits of a one-query call over the keys it sees (the decode step at its position),
 // on device buffers with the key list in ring order; warp tiles on and off, a window with a
-// softcap, and latent rows (V the K plane). What makes greedy speculative decoding equal plain
-// greedy on CUDA (docs/determinism.md).
+// softcap, and latent rows (V the K plane). What greedy speculative decoding needs for plain
+// greedy's ids on CUDA (docs/determinism.md).
 TEST(CudaAttention, ShortQueryRunsHaveTheOneQueryBits) {
   KILN_REQUIRE_CUDA();
   std::mt19937_64 rng(ops_seed());
-  struct Shape {
-    int64_t n_head, n_head_kv, hd;
-    int32_t window;
-    float softcap;
-    bool v_is_k;
-  };
+  using Shape = HeadShape;
   for (const bool wt : {false, true}) {
     CudaBackend& be = attention_backend(wt);
     for (const Shape sh : {Shape{32, 8, 128, 0, 0.0f, false}, Shape{4, 4, 64, 50, 30.0f, false},
@@ -426,21 +432,8 @@ TEST(CudaAttention, ShortQueryRunsHaveTheOneQueryBits) {
           be.upload<float>(q, dq.span());
           be.upload<f16>(k, dk.span());
           be.upload<f16>(v, dv.span());
-          AttentionArgs a;
-          a.q = dq.span();
-          a.k = dk.span();
-          a.v = sh.v_is_k ? dk.span() : dv.span();
-          a.kv_rows = rows;
-          a.kv_pos = pos;
-          a.q_pos = q_pos;
-          a.n_q = n_q;
-          a.n_head = sh.n_head;
-          a.n_head_kv = sh.n_head_kv;
-          a.head_dim = sh.hd;
-          a.window = sh.window;
-          a.scale = 1.0f / std::sqrt(float(sh.hd));
-          a.softcap = sh.softcap;
-          a.out = d_run.span();
+          const AttentionArgs a = head_shape_args(sh, dq.span(), dk.span(), dv.span(), rows, pos,
+                                                  q_pos, n_q, d_run.span());
           be.attention(a);
           for (int64_t t = 0; t < n_q; ++t) {
             const auto ts = static_cast<size_t>(t), w = static_cast<size_t>(q_w);
@@ -458,11 +451,8 @@ TEST(CudaAttention, ShortQueryRunsHaveTheOneQueryBits) {
           be.download<float>(d_run.span(), run);
           be.download<float>(d_one.span(), one);
           ASSERT_EQ(std::memcmp(run.data(), one.data(), run.size() * sizeof(float)), 0);
-          a.q = q;
-          a.k = k;
-          a.v = sh.v_is_k ? std::span<const f16>(k) : std::span<const f16>(v);
-          a.out = want;
-          cuda_under_test().ref->attention(a);
+          cuda_under_test().ref->attention(
+              head_shape_args(sh, q, k, v, rows, pos, q_pos, n_q, want));
           for (size_t e = 0; e < run.size(); ++e)
             ASSERT_TRUE(close(run[e], want[e], 2e-5 * (1 + std::fabs(want[e])))) << "elem " << e;
         }
