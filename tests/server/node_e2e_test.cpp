@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -129,11 +130,37 @@ struct ServeProcess {
   ~ServeProcess() { stop(); }
 };
 
+// An exclusive flock on a file, held for the object's life.
+class FileLock {
+ public:
+  explicit FileLock(const fs::path& path)
+      : fd_(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) {
+    if (fd_ >= 0) locked_ = ::flock(fd_, LOCK_EX) == 0;
+  }
+  ~FileLock() {
+    if (fd_ >= 0) ::close(fd_);  // closing drops the lock
+  }
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+  bool locked() const { return locked_; }
+
+ private:
+  int fd_;
+  bool locked_ = false;
+};
+
 // The folder where `npm install openai` put the SDK, with the test scripts copied beside it;
-// empty (after a failure) when it cannot be made.
+// empty (after a failure) when it cannot be made. ctest runs each NodeE2E test as its own
+// process, two at a time in CI: without the lock two `npm install`s into one folder race
+// (ENOTEMPTY on rmdir, or a half-written node_modules the other test then imports).
 fs::path sdk_dir() {
   const fs::path dir = KILN_NPM_DIR;
   fs::create_directories(dir);
+  const FileLock lock(dir / ".install.lock");
+  if (!lock.locked()) {
+    ADD_FAILURE() << "cannot lock " << (dir / ".install.lock");
+    return {};
+  }
   if (!fs::exists(dir / "node_modules/openai/package.json")) {
     const auto [rc, out] = run(fmt::format(
         "cd '{}' && timeout 300 npm install --no-audit --no-fund --loglevel=error openai",
@@ -146,7 +173,7 @@ fs::path sdk_dir() {
   for (const char* f :
        {"sdk_test.mjs", "load_test.mjs", "sdk_tools_test.mjs", "chat_page_test.mjs"})
     fs::copy_file(fs::path(KILN_SERVER_TEST_DIR) / f, dir / f,
-                  fs::copy_options::overwrite_existing);
+                  fs::copy_options::update_existing);  // never under a running test
   return dir;
 }
 
