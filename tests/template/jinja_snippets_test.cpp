@@ -119,6 +119,71 @@ TEST(JinjaLimits, DefaultTimeAndMemoryCaps) {
   EXPECT_GT(long_chat->size(), size_t(500 * 2048));
 }
 
+// Integer powers take steps in the exponent's bits, not its value (fuzz_template found
+// `1 ** 4122244444` spinning past its 10 s timeout: the time cap is checked between
+// statements, not inside one operator), and a power past int64 is refused, not wrapped.
+TEST(JinjaLimits, IntegerPowersAreBoundedAndExact) {
+  const ojson ctx = {{"messages", ojson::array()}};
+  const std::pair<const char*, const char*> cases[] = {
+      {"{{ 1 ** 9223372036854775807 }}", "1"},      {"{{ (-1) ** 9223372036854775807 }}", "-1"},
+      {"{{ 0 ** 9223372036854775807 }}", "0"},      {"{{ 7 ** 0 }}", "1"},
+      {"{{ 2 ** 62 }}", "4611686018427387904"},     {"{{ 3 ** 39 }}", "4052555153018976267"},
+      {"{{ (-2) ** 63 }}", "-9223372036854775808"}, {"{{ (-3) ** 3 }}", "-27"},
+  };
+  for (const auto& [src, want] : cases) {
+    auto out = render_chat_template(src, ctx);
+    ASSERT_TRUE(out) << src << ": " << out.error();
+    EXPECT_EQ(*out, want) << src;
+  }
+  for (const char* src :
+       {"{{ 2 ** 63 }}", "{{ 3 ** 40 }}", "{{ 4444222444444 ** 1222 }}", "{{ (-2) ** 64 }}"}) {
+    auto out = render_chat_template(src, ctx);
+    ASSERT_FALSE(out) << src << " rendered " << *out;
+    EXPECT_EQ(out.error().find('\n'), std::string::npos) << out.error();
+    EXPECT_NE(out.error().find("OverflowError: integer power too large"), std::string::npos)
+        << src << ": " << out.error();
+  }
+}
+
+// Integer results past int64 fail with OverflowError (Python's ints are unbounded; wrapping
+// would be undefined behaviour, which fuzz_template's UBSan reported for `*` and `**`), and the
+// operators next to them keep Python's values at the edges.
+TEST(JinjaLimits, IntegerArithmeticStaysWithinInt64) {
+  const ojson ctx = {{"messages", ojson::array()}};
+  const std::pair<const char*, const char*> cases[] = {
+      {"{{ 9223372036854775806 + 1 }}", "9223372036854775807"},
+      {"{{ -9223372036854775807 - 1 }}", "-9223372036854775808"},
+      {"{{ (-9223372036854775807 - 1) // 2 }}", "-4611686018427387904"},
+      {"{{ -7 // 2 }} {{ 7 // -2 }} {{ -7 % 3 }} {{ 7 % -3 }} {{ 5 % -1 }}", "-4 -4 2 -2 0"},
+      {"{{ (-9223372036854775807 - 1) % -1 }}", "0"},
+      {"{{ (-9223372036854775807 - 1) % 9223372036854775807 }}", "9223372036854775806"},
+      {"{{ '' * 1000000000000000000 }}|{{ ([] * 1000000000000000000) | length }}", "|0"},
+      {"{{ range(9223372036854775800, 9223372036854775807, 4) | list }}",
+       "[9223372036854775800, 9223372036854775804]"},
+      {"{{ [1, 2] | sum }} {{ (-5) | abs }}", "3 5"},
+      {"{{ 2.5 is even }} {{ 2.5 is odd }} {{ 3.0 is odd }} {{ -3 is odd }} {{ -4 is even }}",
+       "False False True True True"},
+      {"{{ 'nan' | float | int }} {{ -2.9 | int }} {{ '%d' % 7.9 }} {{ 1e300 is even }}",
+       "0 -2 7 True"},
+      {"{{ 'abcdefg'[5::9223372036854775807] }}{{ 'abcdefg'[1::-9223372036854775807 - 1] }}", "fb"},
+  };
+  for (const auto& [src, want] : cases) {
+    auto out = render_chat_template(src, ctx);
+    ASSERT_TRUE(out) << src << ": " << out.error();
+    EXPECT_EQ(*out, want) << src;
+  }
+  for (const char* src :
+       {"{{ 9223372036854775807 + 1 }}", "{{ -9223372036854775807 - 2 }}",
+        "{{ 38862602496 * 44444444343 }}", "{{ -(-9223372036854775807 - 1) }}",
+        "{{ (-9223372036854775807 - 1) // -1 }}", "{{ [9223372036854775807, 1] | sum }}",
+        "{{ (-9223372036854775807 - 1) | abs }}", "{{ 1e300 | int }}", "{{ '1e19' | int }}",
+        "{{ '%d' % 1e300 }}"}) {
+    auto out = render_chat_template(src, ctx);
+    ASSERT_FALSE(out) << src << " rendered " << *out;
+    EXPECT_EQ(out.error(), "OverflowError: integer result too large") << src;
+  }
+}
+
 TEST(JinjaApi, ParseOnceRenderMany) {
   auto t = ChatTemplate::parse(
       "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ extra }}");

@@ -140,7 +140,8 @@ std::string indent_impl(std::string s, const Value& width, bool first, bool blan
 
 Value to_int(const Value& v, const Value& dflt, int64_t base) {
   if (v.is_int_like()) return Value::integer(v.as_int());
-  if (v.type == Value::Type::Float) return Value::integer(static_cast<int64_t>(std::trunc(v.f)));
+  if (v.type == Value::Type::Float)  // int(nan) is Jinja2's ValueError, so the default
+    return std::isnan(v.f) ? dflt : Value::integer(int_from_float(v.f));
   if (v.is_string()) {
     std::string s = py_strip(v.s, Value::none());
     std::string digits;
@@ -152,13 +153,16 @@ Value to_int(const Value& v, const Value& dflt, int64_t base) {
       if (used == digits.size()) return Value::integer(r);
     } catch (...) {
     }
+    double d = 0;
+    bool is_float = false;
     try {
       size_t used = 0;
-      double d = std::stod(digits, &used);
-      if (used == digits.size() && std::isfinite(d))
-        return Value::integer(static_cast<int64_t>(std::trunc(d)));
+      d = std::stod(digits, &used);
+      is_float = used == digits.size() && std::isfinite(d);
     } catch (...) {
     }
+    // Outside the try: a value past int64 is an error, not the default.
+    if (is_float) return Value::integer(int_from_float(d));
   }
   return dflt;
 }
@@ -422,7 +426,7 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
                                py_type_name(total), py_type_name(x)));
       total = (total.type == Value::Type::Float || x.type == Value::Type::Float)
                   ? Value::number(total.as_double() + x.as_double())
-                  : Value::integer(total.as_int() + x.as_int());
+                  : Value::integer(int_add(total.as_int(), x.as_int()));
     }
     return total;
   }
@@ -433,8 +437,9 @@ Value builtin_filter(Interp& in, std::string_view name, Value v, CallArgs& a) {
   if (n == "abs") {
     if (!v.is_number())
       type_error(fmt::format("bad operand type for abs(): '{}'", py_type_name(v)));
-    return v.type == Value::Type::Float ? Value::number(std::fabs(v.f))
-                                        : Value::integer(std::llabs(v.as_int()));
+    return v.type == Value::Type::Float
+               ? Value::number(std::fabs(v.f))
+               : Value::integer(v.as_int() < 0 ? int_neg(v.as_int()) : v.as_int());
   }
   if (n == "round") {
     int64_t prec = arg(a, 0, "precision", Value::integer(0)).as_int();
@@ -558,8 +563,10 @@ bool builtin_test(Interp& in, std::string_view name, const Value& v, CallArgs& a
   if (n == "escaped") return false;
   if (n == "even" || n == "odd") {
     if (!v.is_number()) type_error("even/odd test needs a number");
-    int64_t x = v.is_int_like() ? v.as_int() : static_cast<int64_t>(v.f);
-    return ((x % 2) == 0) == (n == "even");
+    // Jinja2's tests are `value % 2 == 0` and `value % 2 == 1`: a float like 2.5 is neither.
+    double r = v.is_int_like() ? double(int_mod(v.as_int(), 2)) : std::fmod(v.f, 2.0);
+    if (r < 0) r += 2;
+    return r == (n == "even" ? 0.0 : 1.0);
   }
   if (n == "divisibleby") {
     const Value& d = other();

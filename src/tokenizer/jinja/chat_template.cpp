@@ -67,12 +67,13 @@ ScopePtr make_globals(const nlohmann::ordered_json& ctx, const std::tm& now) {
       type_error("range expected at least 1 argument, got 0");
     if (step == 0) fail("ValueError", "range() arg 3 must not be zero");
     std::vector<Value> out;
-    for (int64_t k = start; step > 0 ? k < stop : k > stop; k += step) {
+    for (int64_t k = start; step > 0 ? k < stop : k > stop;) {
       if (static_cast<int64_t>(out.size()) >= kMaxRange)
         fail("OverflowError",
              fmt::format("Range too big. The sandbox blocks ranges larger than MAX_RANGE ({}).",
                          kMaxRange));
       out.push_back(Value::integer(k));
+      if (__builtin_add_overflow(k, step, &k)) break;  // past int64 is past stop too
     }
     return Value::new_list(std::move(out));
   });

@@ -273,7 +273,7 @@ std::string format_spec(const Value& v, std::string_view spec) {
   if (type == 'd' || (type == 0 && v.is_int_like() && v.type != Value::Type::Bool && prec < 0)) {
     if (!v.is_number())
       fail("ValueError", "Unknown format code 'd' for object of type '" + py_type_name(v) + "'");
-    body = std::to_string(v.is_int_like() ? v.as_int() : static_cast<int64_t>(v.as_double()));
+    body = std::to_string(v.is_int_like() ? v.as_int() : int_from_float(v.as_double()));
   } else if (type == 'f' || type == 'F' || type == 'e' || type == 'g' || type == '%' ||
              (type == 0 && v.is_number() && prec >= 0)) {
     if (!v.is_number())
@@ -466,10 +466,9 @@ std::string percent_format(const std::string& f, const Value& args) {
       if (!v.is_number())
         type_error(
             fmt::format("%{} format: a real number is required, not {}", conv, py_type_name(v)));
-      out += format_spec(
-          Value::integer(v.is_int_like() ? v.as_int()
-                                         : static_cast<int64_t>(std::trunc(v.as_double()))),
-          pyspec + "d");
+      out +=
+          format_spec(Value::integer(v.is_int_like() ? v.as_int() : int_from_float(v.as_double())),
+                      pyspec + "d");
     } else if (std::string_view("fFeEgGxXo").find(conv) != std::string_view::npos) {
       out += format_spec(v, pyspec + conv);
     } else if (conv == 'c') {

@@ -100,6 +100,46 @@ Value& Value::operator=(Value&& o) noexcept {
 void fail(std::string_view kind, std::string_view msg) { throw Error(kind, msg); }
 void type_error(std::string_view msg) { throw Error("TypeError", msg); }
 
+namespace {
+[[noreturn]] void int_overflow() { fail("OverflowError", "integer result too large"); }
+}  // namespace
+int64_t int_add(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r)) int_overflow();
+  return r;
+}
+int64_t int_sub(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_sub_overflow(a, b, &r)) int_overflow();
+  return r;
+}
+int64_t int_mul(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r)) int_overflow();
+  return r;
+}
+int64_t int_neg(int64_t a) { return int_sub(0, a); }
+int64_t int_from_float(double d) {
+  if (std::isnan(d)) fail("ValueError", "cannot convert float NaN to integer");
+  if (std::isinf(d)) fail("OverflowError", "cannot convert float infinity to integer");
+  const double t = std::trunc(d);
+  // [-2^63, 2^63): both bounds exact in a double.
+  if (!(t >= -9223372036854775808.0 && t < 9223372036854775808.0)) int_overflow();
+  return static_cast<int64_t>(t);
+}
+int64_t int_floordiv(int64_t a, int64_t b) {
+  if (b == -1) return int_neg(a);  // INT64_MIN / -1 is the one quotient past int64
+  int64_t q = a / b;
+  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
+  return q;
+}
+int64_t int_mod(int64_t a, int64_t b) {
+  if (b == -1) return 0;  // and INT64_MIN % -1 is undefined in C++
+  int64_t r = a % b;
+  if (r != 0 && ((r < 0) != (b < 0))) r += b;  // |r| < |b|: no overflow
+  return r;
+}
+
 Value Value::new_list(std::vector<Value> items, bool tuple) {
   Value v;
   v.type = Type::List;

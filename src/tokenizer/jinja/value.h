@@ -26,6 +26,18 @@ class Error : public std::runtime_error {
 };
 [[noreturn]] void fail(std::string_view kind, std::string_view msg);
 [[noreturn]] void type_error(std::string_view msg);
+// Integer arithmetic as Python's, within int64: Python's ints are unbounded, kiln's are not, so
+// a result past int64 fails with OverflowError instead of wrapping (signed overflow is
+// undefined behaviour; fuzz_template found `*` and `**` doing it).
+int64_t int_add(int64_t a, int64_t b);
+int64_t int_sub(int64_t a, int64_t b);
+int64_t int_mul(int64_t a, int64_t b);
+int64_t int_neg(int64_t a);
+int64_t int_floordiv(int64_t a, int64_t b);  // b != 0; rounds toward negative infinity
+int64_t int_mod(int64_t a, int64_t b);       // b != 0; the sign of b, as Python's %
+// int(d): truncated toward zero; NaN is a ValueError, infinities and values past int64 an
+// OverflowError (a cast of those is undefined behaviour).
+int64_t int_from_float(double d);
 
 struct Value;
 struct List;
