@@ -203,6 +203,11 @@ Backend& portable_backend(int threads) {
                                   b2 = make_cpu_backend({.threads = 2, .portable_kernels = true});
   return threads == 1 ? *b1 : *b2;
 }
+// The fast kernels without AMX (CpuOptions::amx off): BM_Q8AmxOnOff's "old" side.
+Backend& no_amx_backend() {
+  static std::unique_ptr<Backend> b = make_cpu_backend({.threads = 1, .amx = false});
+  return *b;
+}
 
 void BM_ReadBandwidth(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(measure_read_gbps());
@@ -384,13 +389,13 @@ BENCHMARK(BM_Q4KOverF32CpuRatio)
 // alternating within each iteration, best of each), the two outputs compared bit for bit; sets
 // the new/old counters and returns the best times (new, old) in seconds.
 std::pair<double, double> time_on_off(benchmark::State& state, const BenchWeights& w, int64_t n_tok,
-                                      const char* what) {
+                                      const char* what, Backend* off = nullptr) {
   std::vector<float> X(n_tok * w.m.n_cols), C_on(n_tok * w.m.n_rows), C_off(n_tok * w.m.n_rows);
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   for (float& v : X) v = nd(rng);
   Backend& fast = backend(1);
-  Backend& portable = portable_backend(1);
+  Backend& portable = off != nullptr ? *off : portable_backend(1);
   double best_on = 1e30, best_off = 1e30;
   for (auto _ : state) {
     const double t0 = thread_cpu_s();
@@ -403,9 +408,10 @@ std::pair<double, double> time_on_off(benchmark::State& state, const BenchWeight
     best_on = std::min(best_on, t1 - t0);
     best_off = std::min(best_off, t2 - t1);
   }
+  const char* old_side = off != nullptr ? "VNNI" : "plain";
   if (std::memcmp(C_on.data(), C_off.data(), C_on.size() * sizeof(float)) != 0)
-    state.SkipWithError((std::string(what) + " and plain kernels differ").c_str());
-  state.SetLabel(std::string(dtype_name(w.m.dtype)) + " " + what + " vs plain, " +
+    state.SkipWithError((std::string(what) + " and " + old_side + " kernels differ").c_str());
+  state.SetLabel(std::string(dtype_name(w.m.dtype)) + " " + what + " vs " + old_side + ", " +
                  cpu_simd_target());
   state.counters["new_us"] = best_on * 1e6;
   state.counters["old_us"] = best_off * 1e6;
@@ -473,6 +479,35 @@ void Q8VnniArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_Q8VnniOnOff)
     ->Apply(Q8VnniArgs)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5);
+
+// The AMX Q8_0-family kernel against the 512-bit VNNI one (CpuOptions::amx off), same method
+// and shapes as BM_Q8VnniOnOff from kQ8AmxMinTok tokens; skipped where the machine has no
+// AMX-INT8 (both sides would run the VNNI kernel).
+void BM_Q8AmxOnOff(benchmark::State& state) {
+  if (!cpu_has_amx()) {
+    state.SkipWithError("no AMX-INT8 on this machine");
+    return;
+  }
+  const auto type = static_cast<DType>(state.range(0));
+  const int64_t n_tok = state.range(1);
+  const double best_on = time_on_off(state, weights(type, state.range(2), state.range(3)), n_tok,
+                                     "AMX", &no_amx_backend())
+                             .first;
+  state.counters["new_us/tok"] = best_on * 1e6 / static_cast<double>(n_tok);
+}
+void Q8AmxArgs(benchmark::internal::Benchmark* b) {
+  const auto q8 = static_cast<int64_t>(DType::Q8_0);
+  b->Args({q8, 512, 2048, 2048});
+  b->Args({q8, 512, 2048, 8192});
+  b->Args({q8, 512, 8192, 2048});
+  b->Args({static_cast<int64_t>(DType::Q4_0), 512, 2048, 2048});
+  for (int64_t tok : {16, 64}) b->Args({q8, tok, 2048, 2048});
+}
+BENCHMARK(BM_Q8AmxOnOff)
+    ->Apply(Q8AmxArgs)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.5);

@@ -123,11 +123,14 @@ std::vector<std::byte> random_k_rows(DType type, int64_t k, int64_t n_rows, std:
   return bytes;
 }
 
-// Backends with the fast kernels on 1 and 2 threads, and one with the portable kernels
-// (CpuOptions::portable_kernels), every fast kernel's oracle.
+// Backends with the fast kernels on 1 and 2 threads, the same without AMX (CpuOptions::amx;
+// on a machine without AMX the two pairs run the same kernels), and one with the portable
+// kernels (CpuOptions::portable_kernels), every fast kernel's oracle.
 struct Cpus {
   std::unique_ptr<Backend> fast1 = make_cpu_backend({.threads = 1});
   std::unique_ptr<Backend> fast2 = make_cpu_backend({.threads = 2});
+  std::unique_ptr<Backend> no_amx1 = make_cpu_backend({.threads = 1, .amx = false});
+  std::unique_ptr<Backend> no_amx2 = make_cpu_backend({.threads = 2, .amx = false});
   std::unique_ptr<Backend> portable = make_cpu_backend({.threads = 1, .portable_kernels = true});
 };
 Cpus& cpus() {
@@ -139,13 +142,14 @@ Cpus& cpus() {
 struct FastPortable {
   std::vector<float> fast1, fast2, portable;
 };
-FastPortable run_fast_portable(const WeightMatrix& w, const std::vector<float>& x, int64_t n_tok) {
+FastPortable run_fast_portable(const WeightMatrix& w, const std::vector<float>& x, int64_t n_tok,
+                               bool amx = true) {
   FastPortable r;
   r.fast1.resize(size_t(n_tok * w.n_rows));
   r.fast2.resize(r.fast1.size());
   r.portable.resize(r.fast1.size());
-  cpus().fast1->matmul(w, x, n_tok, r.fast1);
-  cpus().fast2->matmul(w, x, n_tok, r.fast2);
+  (amx ? cpus().fast1 : cpus().no_amx1)->matmul(w, x, n_tok, r.fast1);
+  (amx ? cpus().fast2 : cpus().no_amx2)->matmul(w, x, n_tok, r.fast2);
   cpus().portable->matmul(w, x, n_tok, r.portable);
   return r;
 }
@@ -501,8 +505,11 @@ TEST(MatmulFloatTile, SameBitsOnEveryTarget) {
 // 32 columns, 20 at 8192); 1..37 tokens (every tile remainder, odd tokens, several tiles) and
 // 512; widths of 1 and 3 blocks and the 1B model's 2048 / 8192; a column block of a wider
 // matrix (strided rows); 1 and 2 threads; one token all zero, one with a huge element, one
-// with a NaN.
+// with a NaN. On a machine with AMX-INT8, 16+ tokens take the AMX kernel (CpuOptions::amx),
+// checked here too (tile remainders of 1..15 tokens, row groups of 1..15 rows), and the VNNI
+// kernel is checked with AMX off; the line printed says which this machine ran.
 TEST(MatmulQ8Vnni, SameBitsAsPlainKernel) {
+  std::printf("  AMX-INT8 kernel %s\n", cpu_has_amx() ? "checked" : "not on this machine");
   std::mt19937_64 rng(ops_seed() ^ 0x3c6ef372ULL);
   SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
   std::vector<int64_t> all_tok, few_tok = {1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 37, 512};
@@ -529,7 +536,8 @@ TEST(MatmulQ8Vnni, SameBitsAsPlainKernel) {
                          << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
                          << strided << " n_tok " << n_tok);
             const std::vector<float> x = edge_tokens(rng, n_tok, k);
-            expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "VNNI");
+            expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "AMX or VNNI");
+            expect_same_bits(run_fast_portable(w, x, n_tok, false), n_tok, n_rows, "VNNI");
             if (::testing::Test::HasFatalFailure()) return;
           }
         }

@@ -8,8 +8,10 @@
 #include <cmath>
 #include <mutex>
 #include <numbers>
+#include <string_view>
 #include <vector>
 
+#include "backend/cpu/cpu_matmul_q8.h"
 #include "backend/cpu/kernels.h"
 #include "core/check.h"
 #include "core/thread_pool.h"
@@ -24,7 +26,8 @@ constexpr int64_t kParallelWork = 1 << 15;
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(const CpuOptions& o) : pool_(o.threads), portable_(o.portable_kernels) {}
+  explicit CpuBackend(const CpuOptions& o)
+      : pool_(o.threads), portable_(o.portable_kernels), amx_(o.amx) {}
   std::string_view name() const override { return "cpu"; }
 
   void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
@@ -44,6 +47,7 @@ class CpuBackend final : public Backend {
     job.n_tok = n_tok;
     job.y = y.data();
     job.portable = portable_;
+    job.amx = amx_;
     const cpu::ActKind kind = cpu::act_kind(w.dtype);
     if (kind != cpu::ActKind::F32) {
       job.xq_row_bytes = cpu::act_row_bytes(kind, w.n_cols);
@@ -113,6 +117,7 @@ class CpuBackend final : public Backend {
       job.n_tok = n_tok;
       job.y = tasks[i].y.data();
       job.portable = portable_;
+      job.amx = amx_;
       const cpu::ActKind kind = cpu::act_kind(w.dtype);
       if (kind == cpu::ActKind::F32) continue;
       job.xq_row_bytes = cpu::act_row_bytes(kind, w.n_cols);
@@ -408,6 +413,7 @@ class CpuBackend final : public Backend {
 
   ThreadPool pool_;
   const bool portable_;         // CpuOptions::portable_kernels: every op's plain kernel
+  const bool amx_;              // CpuOptions::amx
   std::mutex mu_;               // guards the scratch buffers below
   std::vector<std::byte> act_;  // [n_tok][act_row_bytes]: quantized activations of a call
   std::vector<cpu::MatmulJob> batch_jobs_;  // matmul_batch: one job per task
@@ -422,5 +428,8 @@ std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options) {
 }
 
 const char* cpu_simd_target() { return cpu::target_name(); }
+bool cpu_has_amx() {
+  return std::string_view(cpu::target_name()) == "AVX3_DL" && cpu::amx_usable();
+}
 
 }  // namespace kiln

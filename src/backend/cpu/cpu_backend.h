@@ -15,6 +15,10 @@ struct CpuOptions {
   // portable kernels -- what a machine without AVX-512 VNNI / AVX2 gets -- for every op: the
   // oracle each fast kernel's same-bits test compares with. Same bits either way.
   bool portable_kernels = false;
+  // On trial (issue 32): Q8_0-family matmuls of kQ8AmxMinTok+ tokens on AMX tiles where the
+  // machine has AMX-INT8 (Intel Xeon since Sapphire Rapids); false: the 512-bit VNNI kernel.
+  // Same bits either way (tests/ops MatmulQ8Vnni runs both).
+  bool amx = true;
 };
 
 // One caller at a time per backend object (calls are serialised by a mutex; scratch buffers
@@ -23,5 +27,7 @@ std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options);
 
 // Name of the SIMD target the kernels dispatch to on this machine ("AVX3_DL", "AVX2", ...).
 const char* cpu_simd_target();
+// True where the Q8_0-family AMX kernel runs (CpuOptions::amx): AMX-INT8 on the AVX3_DL target.
+bool cpu_has_amx();
 
 }  // namespace kiln

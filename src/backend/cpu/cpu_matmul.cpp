@@ -209,23 +209,48 @@ HWY_INLINE __m256i UnpackMxfp4(const std::byte* row, int64_t i, float* d) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
+// The Q8_0 family's arithmetic, which every kernel of the family keeps (one-token, batched,
+// prefill, AVX2, AVX-512, AMX): per 32-weight block the exact int32 total of the 32 products
+// w * y (|total| <= 32 * 128 * 127 < 2^24, so its float is exact), then one
+// acc = fma(dw * yd, float(total), acc) per block in block order, from acc = 0. Integer totals
+// do not depend on how a kernel groups the products (lanes, tiles, AMX's dot products), so
+// the bits depend only on the block order.
+// Here the T tokens' lane sums of a block are reduced together, token t's total landing in
+// lane t (integer adds: exact), and one 8-wide fma per block updates the T accumulators: lane
+// t's arithmetic is the definition's for token t.
 template <int T, __m256i (*Unpack)(const std::byte*, int64_t, float*)>
 HWY_INLINE void DotQ8Family(const std::byte* row, int64_t nb, const ActQ8_0* const* ys,
                             float* out) {
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  static_assert(T >= 1 && T <= 8);
+  __m256 acc = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     float dw;
     const __m256i w = Unpack(row, i, &dw);
     const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as u8 (128 for -128 is fine unsigned)
-    for (int t = 0; t < T; ++t) {
+    __m256i dot[8];
+    alignas(32) float dy[8] = {};
+    for (int t = 0; t < 8; ++t) {
+      if (t >= T) {
+        dot[t] = _mm256_setzero_si256();
+        continue;
+      }
       const ActQ8_0& y = ys[t][i];
       const __m256i a = _mm256_sign_epi8(Load32(y.qs), w);  // moves w's sign onto a
-      const __m256i dot = DotU8I8(_mm256_setzero_si256(), aw, a);
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d), _mm256_cvtepi32_ps(dot), acc[t]);
+      dot[t] = DotU8I8(_mm256_setzero_si256(), aw, a);
+      dy[t] = dw * y.d;
     }
+    // Pairwise horizontal adds: [t0 t1 t2 t3 | t0 t1 t2 t3] partials, then the halves.
+    const __m256i h0 =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(dot[0], dot[1]), _mm256_hadd_epi32(dot[2], dot[3]));
+    const __m256i h1 =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(dot[4], dot[5]), _mm256_hadd_epi32(dot[6], dot[7]));
+    const __m256i totals = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
+                                            _mm256_permute2x128_si256(h0, h1, 0x31));
+    acc = _mm256_fmadd_ps(_mm256_load_ps(dy), _mm256_cvtepi32_ps(totals), acc);
   }
-  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
+  alignas(32) float o[8];
+  _mm256_store_ps(o, acc);
+  for (int t = 0; t < T; ++t) out[t] = o[t];
 }
 
 #if HWY_TARGET == HWY_AVX3_DL
@@ -509,15 +534,14 @@ void MatvecKAvx2(const MatmulJob& job, int64_t r0, int64_t r1) {
   });
 }
 // The Q8_0 family against one token on AVX2, R rows at a time: each row DotQ8Family<1, Unpack>'s
-// operations in its order (|w| times w's sign moved onto the token's quants, one maddubs and one
-// madd per block, one FMA of dw * yd, Hsum), so its bits (tests/ops MatmulQ8One); the token's
-// block is loaded once for the R rows, the chains are independent, and the prefetch span walks
+// block totals and FMAs in block order, so its bits (tests/ops MatmulQ8One); the token's block
+// is loaded once for the R rows, the chains are independent, and the prefetch span walks
 // kMatvecPrefetchBytes ahead as in the other one-token kernels.
 template <int R, __m256i (*Unpack)(const std::byte*, int64_t, float*), size_t kBlockBytes>
 HWY_INLINE void DotQ8FamAvx2Rows(const std::byte* const* rows, int64_t nb, const ActQ8_0* y,
                                  float* out, int64_t pf) {
-  __m256 acc[R];
-  for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
+  float acc[R];
+  for (int k = 0; k < R; ++k) acc[k] = 0.0f;
   for (int64_t i = 0; i < nb; ++i) {
     if (pf) PrefetchBlockL2<R * kBlockBytes>(rows[0] + pf + R * i * int64_t{kBlockBytes});
     const __m256i a = Load32(y[i].qs);
@@ -525,12 +549,12 @@ HWY_INLINE void DotQ8FamAvx2Rows(const std::byte* const* rows, int64_t nb, const
     for (int k = 0; k < R; ++k) {
       float dw;
       const __m256i w = Unpack(rows[k], i, &dw);
-      const __m256i dot =
-          DotU8I8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
-      acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(dw * yd), _mm256_cvtepi32_ps(dot), acc[k]);
+      const int32_t total =
+          HsumI32(DotU8I8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)));
+      acc[k] = FmaSS(dw * yd, static_cast<float>(total), acc[k]);
     }
   }
-  for (int k = 0; k < R; ++k) out[k] = Hsum(acc[k]);
+  for (int k = 0; k < R; ++k) out[k] = acc[k];
 }
 template <__m256i (*Unpack)(const std::byte*, int64_t, float*), size_t kBlockBytes>
 void MatvecQ8Avx2(const MatmulJob& job, int64_t r0, int64_t r1) {
@@ -1225,31 +1249,22 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
 }
 
 // ---------------------------------------------------------------- single-token Q8_0 family (VNNI)
-// A decode step's matvec for the 32-weight block types (Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4). The
-// plain kernel (DotQ8Family<1>) runs one row at a time: its one FMA per block makes a single
-// dependency chain, 32 weights per FMA latency, and the token's block is loaded and sign-moved
-// per row. Here two rows share one 512-bit register, R/2 such registers are independent chains,
-// and the token's block is loaded once for all R rows.
-//
-// Lane layout: a row pair's register holds [row 2q elements 0..15 | row 2q+1's 0..15 | row
-// 2q's 16..31 | row 2q+1's 16..31] (the 128-bit quarters), the token's block [0..15 | 0..15 |
-// 16..31 | 16..31] to match, so the 4-bit types unpack both rows with one shift, mask and
-// 512-bit table lookup. The weights unpack biased to unsigned (w + 128, the tables shifted so the
-// lookup adds it for free), and vpdpbusd multiplies them against the token's signed quants into
-// an accumulator started at -128 * (sum of the lane's 4 quants), computed once per block for all
-// rows: each dword lane is then exactly the plain kernel's lane sum for its row, the sum of
-// the same 4 products w * y (|lane| < 2^17). Then fma(dw * yd, float(lane), acc) in block
-// order with dw * yd the plain kernel's product. Only
-// the lanes' positions differ: the end puts each row's 8 lanes back in order and sums them as
-// Hsum does (HsumPair), so each row gets the plain kernel's bits (tests/ops MatmulQ8One).
+// A decode step's matvec for the 32-weight block types (Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4), four
+// rows at a time, each row in one 128-bit unit: a block's register `lo` holds elements 0..15 of
+// rows A, B, C, D (one unit each), `hi` elements 16..31, and the token's block is broadcast to
+// match. The weights unpack biased to unsigned (w + 128; the 4-bit types' tables shifted so the
+// lookup adds it), and two vpdpbusd (lo, then hi) into an accumulator started at
+// -128 * (the lane's 8 activation quants) leave each dword lane exactly the sum of its 8
+// products w * y, so the 4 lanes of a unit sum to the row's block total (integer adds, exact;
+// |lane| < 2^17). Four blocks at a time: two levels of unpack-and-add put in unit u the four
+// blocks' totals of row u, one permute turns that into [A0 B0 C0 D0 | A1 ... | A3 B3 C3 D3]
+// (digit: block), and one 4-wide fma(dw * yd, float(total), acc) per block, in block order,
+// gives each row the plain kernel's bits (tests/ops MatmulQ8One). Blocks past a multiple of
+// four go one at a time. Rows past the matrix's end of a last group repeat its last row.
 
-// Lane position -> [dA * yd, dB * yd] index of a pair's scales, and lanes back in row order.
-alignas(64) constexpr int32_t kQ8PairScaleIdx[16] = {0, 0, 0, 0, 1, 1, 1, 1,
-                                                     0, 0, 0, 0, 1, 1, 1, 1};
-alignas(64) constexpr int32_t kQ8PairLaneOrder[16] = {0, 1, 2, 3, 8,  9,  10, 11,
-                                                      4, 5, 6, 7, 12, 13, 14, 15};
-
-// The pair unpacks: two rows' block i as w + 128 in the layout above, and [dA, dB, -, -].
+// Unpacks of 4 rows' block i: lo/hi as above (w + 128 as u8), d = [dA, dB, dC, dD].
+using Q8QuadUnpack = void (*)(const std::byte* const* rows, int64_t i, __m512i* lo, __m512i* hi,
+                              __m128* d);
 // A 4-bit code's signed value plus 128, as a byte.
 constexpr std::array<uint8_t, 16> Biased(const int8_t (&v)[16]) {
   std::array<uint8_t, 16> b{};
@@ -1258,109 +1273,171 @@ constexpr std::array<uint8_t, 16> Biased(const int8_t (&v)[16]) {
 }
 alignas(16) constexpr std::array<uint8_t, 16> kIQ4NLBiased = Biased(quant::kIQ4NLValues);
 alignas(16) constexpr std::array<uint8_t, 16> kMxfp4Biased = Biased(quant::kMxfp4Values);
-// 4-bit codes of two blocks: [qsA | qsB | qsA >> 4 | qsB >> 4] masked to nibbles.
-KILN_VNNI512_INLINE __m512i NibblePair(const uint8_t* qa, const uint8_t* qb) {
-  const __m256i q = _mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qa))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)), 1);
-  return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1),
-                          _mm512_set1_epi8(0x0F));
-}
-// Two f16 scales as [dA, dB, 0, 0] (F16C: exact, f16_to_f32's values).
-KILN_VNNI512_INLINE __m128 HalfPair(f16 a, f16 b) {
-  return _mm_cvtph_ps(_mm_cvtsi32_si128(a.bits | (b.bits << 16)));
-}
 template <class Block>
 KILN_VNNI512_INLINE const Block* BlockAt(const std::byte* row, int64_t i) {
   return reinterpret_cast<const Block*>(row + i * sizeof(Block));
 }
-KILN_VNNI512_INLINE __m512i PairQ4_0(const std::byte* ra, const std::byte* rb, int64_t i,
-                                     __m128* d) {
-  const auto *a = BlockAt<block_q4_0>(ra, i), *b = BlockAt<block_q4_0>(rb, i);
-  *d = HalfPair(a->d, b->d);
-  return _mm512_add_epi8(NibblePair(a->qs, b->qs), _mm512_set1_epi8(120));  // q - 8 + 128
+// The 16 code bytes of 4 blocks, one per unit.
+template <class Block>
+KILN_VNNI512_INLINE __m512i CodesQuad(const Block* const* b) {
+  __m512i q = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[0]->qs)));
+  q = _mm512_inserti32x4(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[1]->qs)), 1);
+  q = _mm512_inserti32x4(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[2]->qs)), 2);
+  return _mm512_inserti32x4(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[3]->qs)), 3);
 }
-KILN_VNNI512_INLINE __m512i PairIQ4_NL(const std::byte* ra, const std::byte* rb, int64_t i,
-                                       __m128* d) {
-  const auto *a = BlockAt<quant::block_iq4_nl>(ra, i), *b = BlockAt<quant::block_iq4_nl>(rb, i);
-  *d = HalfPair(a->d, b->d);
+// Four f16 scales as [dA, dB, dC, dD] (F16C: exact, f16_to_f32's values).
+KILN_VNNI512_INLINE __m128 HalfQuad(f16 a, f16 b, f16 c, f16 d) {
+  const uint64_t bits =
+      uint64_t{a.bits} | uint64_t{b.bits} << 16 | uint64_t{c.bits} << 32 | uint64_t{d.bits} << 48;
+  return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(bits)));
+}
+// Two f16 scales as [dA, dB, 0, 0] (the IQ4_XS kernel below).
+KILN_VNNI512_INLINE __m128 HalfPair(f16 a, f16 b) {
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(a.bits | (b.bits << 16)));
+}
+template <class Block>
+KILN_VNNI512_INLINE void BlocksAt(const std::byte* const* rows, int64_t i, const Block** b) {
+  for (int k = 0; k < 4; ++k) b[k] = BlockAt<Block>(rows[k], i);
+}
+KILN_VNNI512_INLINE void QuadQ4_0(const std::byte* const* rows, int64_t i, __m512i* lo, __m512i* hi,
+                                  __m128* d) {
+  const block_q4_0* b[4];
+  BlocksAt(rows, i, b);
+  const __m512i q = CodesQuad(b), m = _mm512_set1_epi8(0x0F), k = _mm512_set1_epi8(120);
+  *lo = _mm512_add_epi8(_mm512_and_si512(q, m), k);  // q - 8 + 128
+  *hi = _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi16(q, 4), m), k);
+  *d = HalfQuad(b[0]->d, b[1]->d, b[2]->d, b[3]->d);
+}
+KILN_VNNI512_INLINE void QuadIQ4_NL(const std::byte* const* rows, int64_t i, __m512i* lo,
+                                    __m512i* hi, __m128* d) {
+  const quant::block_iq4_nl* b[4];
+  BlocksAt(rows, i, b);
+  const __m512i q = CodesQuad(b), m = _mm512_set1_epi8(0x0F);
   const __m512i grid = _mm512_broadcast_i32x4(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NLBiased.data())));
-  return _mm512_shuffle_epi8(grid, NibblePair(a->qs, b->qs));
+  *lo = _mm512_shuffle_epi8(grid, _mm512_and_si512(q, m));
+  *hi = _mm512_shuffle_epi8(grid, _mm512_and_si512(_mm512_srli_epi16(q, 4), m));
+  *d = HalfQuad(b[0]->d, b[1]->d, b[2]->d, b[3]->d);
 }
-KILN_VNNI512_INLINE __m512i PairMxfp4(const std::byte* ra, const std::byte* rb, int64_t i,
-                                      __m128* d) {
-  const auto *a = BlockAt<quant::block_mxfp4>(ra, i), *b = BlockAt<quant::block_mxfp4>(rb, i);
-  *d = _mm_setr_ps(quant::mxfp4_scale_half(a->e), quant::mxfp4_scale_half(b->e), 0.0f, 0.0f);
+KILN_VNNI512_INLINE void QuadMxfp4(const std::byte* const* rows, int64_t i, __m512i* lo,
+                                   __m512i* hi, __m128* d) {
+  const quant::block_mxfp4* b[4];
+  BlocksAt(rows, i, b);
+  const __m512i q = CodesQuad(b), m = _mm512_set1_epi8(0x0F);
   const __m512i table = _mm512_broadcast_i32x4(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Biased.data())));
-  return _mm512_shuffle_epi8(table, NibblePair(a->qs, b->qs));
+  *lo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, m));
+  *hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), m));
+  *d = _mm_setr_ps(quant::mxfp4_scale_half(b[0]->e), quant::mxfp4_scale_half(b[1]->e),
+                   quant::mxfp4_scale_half(b[2]->e), quant::mxfp4_scale_half(b[3]->e));
 }
-// Any type through its one-row unpack (Q8_0, Q5_0): [A | B] reordered to the layout above.
+KILN_VNNI512_INLINE void QuadQ8_0(const std::byte* const* rows, int64_t i, __m512i* lo, __m512i* hi,
+                                  __m128* d) {
+  const block_q8_0* b[4];
+  BlocksAt(rows, i, b);
+  const __m512i ab =
+      _mm512_inserti64x4(_mm512_castsi256_si512(Load32(b[0]->qs)), Load32(b[1]->qs), 1);
+  const __m512i ce =
+      _mm512_inserti64x4(_mm512_castsi256_si512(Load32(b[2]->qs)), Load32(b[3]->qs), 1);
+  const __m512i k = _mm512_set1_epi8(static_cast<char>(0x80));  // w + 128 as u8
+  *lo = _mm512_xor_si512(
+      _mm512_permutex2var_epi64(ab, _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), ce), k);
+  *hi = _mm512_xor_si512(
+      _mm512_permutex2var_epi64(ab, _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15), ce), k);
+  *d = HalfQuad(b[0]->d, b[1]->d, b[2]->d, b[3]->d);
+}
+// Any type through its one-row unpack (Q5_0): [A | B], [C | D] regrouped by halves.
 template <__m256i (*Unpack)(const std::byte*, int64_t, float*)>
-KILN_VNNI512_INLINE __m512i PairOf(const std::byte* ra, const std::byte* rb, int64_t i, __m128* d) {
-  float da, db;
-  const __m256i wa = Unpack(ra, i, &da), wb = Unpack(rb, i, &db);
-  *d = _mm_setr_ps(da, db, 0.0f, 0.0f);
-  const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(wa), wb, 1);
-  return _mm512_xor_si512(_mm512_shuffle_i64x2(ab, ab, _MM_SHUFFLE(3, 1, 2, 0)),
-                          _mm512_set1_epi8(static_cast<char>(0x80)));  // w + 128 as u8
+KILN_VNNI512_INLINE void QuadOf(const std::byte* const* rows, int64_t i, __m512i* lo, __m512i* hi,
+                                __m128* d) {
+  float da, db, dc, dd;
+  const __m256i a = Unpack(rows[0], i, &da), b = Unpack(rows[1], i, &db);
+  const __m256i c = Unpack(rows[2], i, &dc), e = Unpack(rows[3], i, &dd);
+  const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  const __m512i ce = _mm512_inserti64x4(_mm512_castsi256_si512(c), e, 1);
+  const __m512i k = _mm512_set1_epi8(static_cast<char>(0x80));  // w + 128 as u8
+  *lo = _mm512_xor_si512(_mm512_shuffle_i64x2(ab, ce, _MM_SHUFFLE(2, 0, 2, 0)), k);
+  *hi = _mm512_xor_si512(_mm512_shuffle_i64x2(ab, ce, _MM_SHUFFLE(3, 1, 3, 1)), k);
+  *d = _mm_setr_ps(da, db, dc, dd);
 }
-using Q8PairUnpack = __m512i (*)(const std::byte*, const std::byte*, int64_t, __m128*);
 
-template <int R, Q8PairUnpack Pair, size_t kBlockBytes>
-KILN_VNNI512 void DotQ8FamOne(const std::byte* row, size_t stride, int64_t nb, const ActQ8_0* ys,
-                              float* out, const std::byte* pf) {
-  static_assert(R % 2 == 0);
-  constexpr int P = R / 2;
-  const __m512i scale_idx = _mm512_load_si512(kQ8PairScaleIdx);
-  __m512 acc[P];
-  for (int q = 0; q < P; ++q) acc[q] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < nb; ++i) {
-    if (pf != nullptr) PrefetchSpanL2<R * kBlockBytes>(pf + i * R * kBlockBytes);
-    const __m512i y32 = _mm512_castsi256_si512(Load32(ys[i].qs));
-    const __m512i y = _mm512_shuffle_i64x2(y32, y32, _MM_SHUFFLE(1, 1, 0, 0));
-    const __m128 yd = _mm_set1_ps(ys[i].d);
-    const __m512i bias = _mm512_sub_epi32(  // -128 * (sum of each lane's 4 quants)
-        _mm512_setzero_si512(),
-        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), y));
-    for (int q = 0; q < P; ++q) {
-      __m128 d;
-      const __m512i u = Pair(row + 2 * q * stride, row + (2 * q + 1) * stride, i, &d);
-      const __m512i dot = _mm512_dpbusd_epi32(bias, u, y);
-      const __m512 dy = _mm512_permutexvar_ps(scale_idx, _mm512_castps128_ps512(_mm_mul_ps(d, yd)));
-      acc[q] = _mm512_fmadd_ps(dy, _mm512_cvtepi32_ps(dot), acc[q]);
-    }
+// One block: each unit's 4 lanes (the row's lane sums) and the rows' dw * yd.
+template <Q8QuadUnpack Quad>
+KILN_VNNI512_INLINE __m512i Q8QuadBlock(const std::byte* const* rows, int64_t i, const ActQ8_0* ys,
+                                        __m128* dy) {
+  const auto* yq = reinterpret_cast<const __m128i*>(ys[i].qs);
+  const __m512i ylo = _mm512_broadcast_i32x4(_mm_loadu_si128(yq));
+  const __m512i yhi = _mm512_broadcast_i32x4(_mm_loadu_si128(yq + 1));
+  const __m512i k = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i bias = _mm512_sub_epi32(  // -128 * (sum of each lane's 8 quants)
+      _mm512_setzero_si512(),
+      _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), k, ylo), k, yhi));
+  __m512i lo, hi;
+  __m128 d;
+  Quad(rows, i, &lo, &hi, &d);
+  *dy = _mm_mul_ps(d, _mm_set1_ps(ys[i].d));
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(bias, lo, ylo), hi, yhi);
+}
+HWY_INLINE __m512i AddLo32Hi32(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+HWY_INLINE __m512i AddLo64Hi64(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+
+template <Q8QuadUnpack Quad, size_t kBlockBytes>
+KILN_VNNI512 void DotQ8FamOne(const std::byte* const* rows, int64_t nb, const ActQ8_0* ys,
+                              float* out, int n_out, const std::byte* pf) {
+  // Unit u of the reduced register: row u's blocks 0..3 -> [A0 B0 C0 D0 | A1 ... | A3 .. D3].
+  const __m512i order4 = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  __m128 acc = _mm_setzero_ps();
+  int64_t i = 0;
+  for (; i + 4 <= nb; i += 4) {
+    if (pf != nullptr) PrefetchSpanL2<16 * kBlockBytes>(pf + i * 4 * kBlockBytes);
+    __m128 dy[4];
+    const __m512i v0 = Q8QuadBlock<Quad>(rows, i, ys, &dy[0]);
+    const __m512i v1 = Q8QuadBlock<Quad>(rows, i + 1, ys, &dy[1]);
+    const __m512i v2 = Q8QuadBlock<Quad>(rows, i + 2, ys, &dy[2]);
+    const __m512i v3 = Q8QuadBlock<Quad>(rows, i + 3, ys, &dy[3]);
+    const __m512i t = AddLo64Hi64(AddLo32Hi32(v0, v1), AddLo32Hi32(v2, v3));
+    const __m512 totals = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(order4, t));
+    acc = _mm_fmadd_ps(dy[0], _mm512_castps512_ps128(totals), acc);
+    acc = _mm_fmadd_ps(dy[1], _mm512_extractf32x4_ps(totals, 1), acc);
+    acc = _mm_fmadd_ps(dy[2], _mm512_extractf32x4_ps(totals, 2), acc);
+    acc = _mm_fmadd_ps(dy[3], _mm512_extractf32x4_ps(totals, 3), acc);
   }
-  const __m512i order = _mm512_load_si512(kQ8PairLaneOrder);
-  for (int q = 0; q < P; ++q)
-    HsumPair(_mm512_permutexvar_ps(order, acc[q]), out + 2 * q, out + 2 * q + 1);
+  const __m512i order1 = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
+  for (; i < nb; ++i) {
+    if (pf != nullptr) PrefetchSpanL2<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
+    __m128 dy;
+    __m512i v = Q8QuadBlock<Quad>(rows, i, ys, &dy);
+    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
+    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
+    const __m128i totals = _mm512_castsi512_si128(_mm512_permutexvar_epi32(order1, v));
+    acc = _mm_fmadd_ps(dy, _mm_cvtepi32_ps(totals), acc);
+  }
+  alignas(16) float o[4];
+  _mm_store_ps(o, acc);
+  for (int k = 0; k < n_out; ++k) out[k] = o[k];
 }
 
-// Rows per DotQ8FamOne call: two chains of two rows. Decode is bound by memory, and fewer rows
-// read at once stream better: 4 rows decode faster than 8 on the Intel Xeon dev box of
-// 2026-12-05 (docs/BENCHMARKS.md, session 23, has the figures).
+// Rows per DotQ8FamOne call. Decode is bound by memory, and fewer rows read at once stream
+// better: 4 rows decode faster than 8 on the Intel Xeon dev box of 2026-12-05
+// (docs/BENCHMARKS.md, session 23, has the figures).
 constexpr int kQ8OneRows = 4;
 // Rows [r0, r1) of a one-token Q8_0-family job: groups of kQ8OneRows through DotQ8FamOne, the
-// prefetch as in MatvecKOne, then pairs, then a last row through the plain kernel (Unpack, the
-// same bits).
-template <Q8PairUnpack Pair, __m256i (*Unpack)(const std::byte*, int64_t, float*),
-          size_t kBlockBytes>
+// prefetch as in MatvecKOne; a last group of fewer rows repeats its last row.
+template <Q8QuadUnpack Quad, size_t kBlockBytes>
 void MatvecQ8One(const MatmulJob& job, int64_t r0, int64_t r1) {
   const WeightMatrix& w = *job.w;
   const int64_t nb = w.n_cols / 32;
   const auto* y = reinterpret_cast<const ActQ8_0*>(job.xq);
-  const size_t stride = w.stride();
-  int64_t r = r0;
-  for (; r + kQ8OneRows <= r1; r += kQ8OneRows) {
-    const std::byte* pf = GroupPrefetch(w, r, kQ8OneRows);
-    DotQ8FamOne<kQ8OneRows, Pair, kBlockBytes>(w.row(r).data(), stride, nb, y, job.y + r, pf);
-  }
-  for (; r + 2 <= r1; r += 2)
-    DotQ8FamOne<2, Pair, kBlockBytes>(w.row(r).data(), stride, nb, y, job.y + r, nullptr);
-  if (r < r1) {
-    const ActQ8_0* ys[1] = {y};
-    DotQ8Family<1, Unpack>(w.row(r).data(), nb, ys, job.y + r);
+  for (int64_t r = r0; r < r1; r += kQ8OneRows) {
+    const int n = static_cast<int>(std::min<int64_t>(kQ8OneRows, r1 - r));
+    const std::byte* rows[kQ8OneRows];
+    for (int k = 0; k < kQ8OneRows; ++k) rows[k] = w.row(r + std::min(k, n - 1)).data();
+    const std::byte* pf = n == kQ8OneRows ? GroupPrefetch(w, r, kQ8OneRows) : nullptr;
+    DotQ8FamOne<Quad, kBlockBytes>(rows, nb, y, job.y + r, n, pf);
   }
 }
 
@@ -1524,31 +1601,31 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ8_0>);
       if (!job.portable && job.n_tok == 1)
-        return MatvecQ8One<PairOf<UnpackQ8_0>, UnpackQ8_0, sizeof(block_q8_0)>(job, r0, r1);
+        return MatvecQ8One<QuadQ8_0, sizeof(block_q8_0)>(job, r0, r1);
       return MatmulInt<ActQ8_0, KQ8_0>(job, r0, r1, 32);
     case DType::Q4_0:
       if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ4_0>);
       if (!job.portable && job.n_tok == 1)
-        return MatvecQ8One<PairQ4_0, UnpackQ4_0, sizeof(block_q4_0)>(job, r0, r1);
+        return MatvecQ8One<QuadQ4_0, sizeof(block_q4_0)>(job, r0, r1);
       return MatmulInt<ActQ8_0, KQ4_0>(job, r0, r1, 32);
     case DType::Q5_0:
       if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackQ5_0>);
       if (!job.portable && job.n_tok == 1)
-        return MatvecQ8One<PairOf<UnpackQ5_0>, UnpackQ5_0, sizeof(block_q5_0)>(job, r0, r1);
+        return MatvecQ8One<QuadOf<UnpackQ5_0>, sizeof(block_q5_0)>(job, r0, r1);
       return MatmulInt<ActQ8_0, KQ5_0>(job, r0, r1, 32);
     case DType::IQ4_NL:
       if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackIQ4_NL>);
       if (!job.portable && job.n_tok == 1)
-        return MatvecQ8One<PairIQ4_NL, UnpackIQ4_NL, sizeof(quant::block_iq4_nl)>(job, r0, r1);
+        return MatvecQ8One<QuadIQ4_NL, sizeof(quant::block_iq4_nl)>(job, r0, r1);
       return MatmulInt<ActQ8_0, KIQ4_NL>(job, r0, r1, 32);
     case DType::MXFP4:
       if (!job.portable && job.n_tok >= kQ8VnniMinTok)
         return MatmulQ8Vnni(job, r0, r1, scratch, UnpackRowQ8<UnpackMxfp4>);
       if (!job.portable && job.n_tok == 1)
-        return MatvecQ8One<PairMxfp4, UnpackMxfp4, sizeof(quant::block_mxfp4)>(job, r0, r1);
+        return MatvecQ8One<QuadMxfp4, sizeof(quant::block_mxfp4)>(job, r0, r1);
       return MatmulInt<ActQ8_0, KMxfp4>(job, r0, r1, 32);
 #else
     case DType::IQ4_NL:

@@ -8,16 +8,11 @@
 // (dword 2L: token 2p's quants 4L..4L+3, dword 2L+1: token 2p+1's), so one 512-bit vpdpbusd
 // gives two tokens' 8 lane sums. The bias adds 128 * (sum of the lane's 4 activations), which
 // the accumulator starts at minus (stored with the activations): every int32 lane is then
-// exactly the plain kernel's sum of w * y (|lane| < 2^18, no overflow). The float steps are
-// the plain kernel's ops on the same values in the same order: lane L of token t accumulates
-// fma(dw * yd, float(lane), acc) block by block, and the end sums each token's 8 lanes in
-// Hsum's order. So each token's output is the plain kernel's bits whatever the tiling.
-// The loop is instruction-bound (~5 per two tokens' block: accumulator copy, vpdpbusd, cvt,
-// scale broadcast, fma): the scales of R rows x 8 tokens take one 8-wide multiply per row and
-// block, stored a chunk ahead and read back as one 64-bit broadcast load per pair (a multiply
-// per pair instead runs into the multiply pipes' limit: 0.70 vs 0.84 pairs per cycle in
-// isolation on Zen 5). bench/matvec_bench BM_Q8VnniOnOff, 1 thread, 512 tokens: 2.4-2.6x the
-// plain kernel on the 1B model's shapes.
+// exactly the plain kernel's sum of w * y (|lane| < 2^18, no overflow). The lanes are then
+// reduced to each (row, token)'s block total, 16 at a time (DotQ8Vnni below), and the float
+// steps are the plain kernel's: fma(dw * yd, float(total), acc) block by block. So each
+// token's output is the plain kernel's bits whatever the tiling. The scales of a tile's lanes
+// are multiplied a chunk of blocks ahead and read back as one load per 16 outputs.
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul_q8.cpp"
@@ -26,10 +21,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 
+#if defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "cpu_matmul_q8.h"
-#include "float_dot-inl.h"  // Hsum; per-target guard: expanded once per Highway target
 #include "quant/blocks.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -54,14 +55,6 @@ struct Q8Tile {
   const int8_t* q;
   const float* yd;
 };
-
-// [p[0], p[1]] x 8 as one broadcast load: written as asm because GCC otherwise keeps the
-// products in registers and spends a shuffle per pair on the multiply-side pipes.
-HWY_INLINE __m512 BroadcastPair(const float* p) {
-  __m512 v;
-  asm("vbroadcastsd %1, %0" : "=v"(v) : "m"(*reinterpret_cast<const double*>(p)));
-  return v;
-}
 
 // Rows b0..b1 into the packed form: quants (w + 128 as u8, dword L at dwords 2L and 2L+1) at
 // pq[(r - b0) * nb + i], scales at pd[(r - b0) * nb + i].
@@ -126,15 +119,71 @@ KILN_Q8_VNNI void FillQ8Tile(const ActQ8_0* const* ys, int m, int64_t nb, int8_t
   }
 }
 
-// The scales of blocks i0..i0+n for rows 0..R-1 x the tile's 8 tokens, s[(i - i0) * R + r][t],
-// written a chunk ahead of their use: a load of a just-stored vector's part waits for the store.
-template <int R>
+// Register tiles of R rows x P token pairs: per block, one vpdpbusd per (row, pair) gives a
+// register of two tokens' 8 lane sums (token 2p in the even dwords, 2p+1 in the odd ones). The
+// plain kernel's arithmetic needs each (row, token)'s block total: groups of 8 such registers
+// are reduced to one register of 16 totals (ReduceQ8Lanes8, integer adds: exact), and one
+// 16-wide fma(dw * yd, float(total), acc) per group and block, in block order, gives the 16
+// outputs their plain-kernel bits. Register n = r * P + p of a tile is register n % 8 of group
+// n / 8 (registers past R * P are zero).
+//
+// Lane L of a reduced group holds register j = (L / 4 % 2) * 4 + L % 4's total, its even
+// token for L < 8 and its odd token for L >= 8: unpack-and-add of register pairs keeps the
+// parities apart (level 1), 64-bit unpacks put four registers' partials side by side in each
+// 128-bit unit (level 2, no add), and two 128-bit shuffle-and-add levels sum the four units.
+HWY_INLINE __m512i AddLo32Hi32(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+HWY_INLINE __m512i AddUnitPairs(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
+}
+HWY_INLINE __m512i ReduceQ8Lanes8(const __m512i* v) {
+  const __m512i s01 = AddLo32Hi32(v[0], v[1]), s23 = AddLo32Hi32(v[2], v[3]);
+  const __m512i s45 = AddLo32Hi32(v[4], v[5]), s67 = AddLo32Hi32(v[6], v[7]);
+  const __m512i even =
+      AddUnitPairs(_mm512_unpacklo_epi64(s01, s23), _mm512_unpacklo_epi64(s45, s67));
+  const __m512i odd =
+      AddUnitPairs(_mm512_unpackhi_epi64(s01, s23), _mm512_unpackhi_epi64(s45, s67));
+  return AddUnitPairs(even, odd);
+}
+
+// Where each lane of a tile's reduced groups comes from: r * 8 + t, the index of its output in
+// out[] and of its scale dw[r] * yd[t] in [row 0 | row 1 | row 2 | row 3] x 8 tokens; -1 (out)
+// and 0 (scale) for lanes past the tile's registers.
+template <int R, int P>
+struct Q8LaneMap {
+  static constexpr int kGroups = (R * P + 7) / 8;
+  int32_t scale[kGroups][16] = {};
+  int8_t out[kGroups][16] = {};
+  constexpr Q8LaneMap() {
+    for (int g = 0; g < kGroups; ++g)
+      for (int lane = 0; lane < 16; ++lane) {
+        const int n = 8 * g + (lane / 4 % 2) * 4 + lane % 4;
+        const int r = n / P, t = 2 * (n % P) + (lane >= 8 ? 1 : 0);
+        scale[g][lane] = n < R * P ? r * 8 + t : 0;
+        out[g][lane] = static_cast<int8_t>(n < R * P ? r * 8 + t : -1);
+      }
+  }
+};
+
+// The scales of blocks i0..i0+n in the lane order of each group, s[(i - i0) * G + g][lane],
+// written a chunk ahead of their use (a load of a just-stored vector's part waits for the
+// store). Each is the plain kernel's product dw * yd.
+template <int R, int G>
 HWY_INLINE void Q8Scales(const float* wd, int64_t nb, const float* tyd, int64_t i0, int64_t n,
-                         float (*s)[8]) {
+                         const __m512i* lane_scale, float (*s)[16]) {
   for (int64_t j = 0; j < n; ++j) {
-    const __m256 yd = _mm256_load_ps(tyd + (i0 + j) * kQ8VnniTok);
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
-        _mm256_store_ps(s[j * R + r], _mm256_mul_ps(_mm256_set1_ps(wd[r * nb + i0 + j]), yd));
+    const int64_t i = i0 + j;
+    const __m256 yd8 = _mm256_load_ps(tyd + i * kQ8VnniTok);
+    const __m512 yd = _mm512_insertf32x8(_mm512_castps256_ps512(yd8), yd8, 1);
+    const float d0 = wd[i], d1 = R > 1 ? wd[nb + i] : 0.0f;
+    const float d2 = R > 2 ? wd[2 * nb + i] : 0.0f, d3 = R > 3 ? wd[3 * nb + i] : 0.0f;
+    const __m512 p01 =
+        _mm512_mul_ps(_mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1), yd);
+    const __m512 p23 =
+        _mm512_mul_ps(_mm512_insertf32x8(_mm512_set1_ps(d2), _mm256_set1_ps(d3), 1), yd);
+    for (int g = 0; g < G; ++g)
+      _mm512_store_ps(s[j * G + g], _mm512_permutex2var_ps(p01, lane_scale[g], p23));
   }
 }
 
@@ -146,40 +195,44 @@ constexpr int64_t kQ8ScaleChunk = 16;
 template <int R, int P>
 KILN_Q8_VNNI void DotQ8Vnni(const __m512i* wq, const float* wd, int64_t nb, Q8Tile tile,
                             float* out) {
-  __m512 acc[R][P];
-  _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)
-      _Pragma("GCC unroll 4") for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
-  alignas(64) float s[2][kQ8ScaleChunk * R][8];  // dw * yd: the plain kernel's scalar products
-  Q8Scales<R>(wd, nb, tile.yd, 0, std::min(nb, kQ8ScaleChunk), s[0]);
+  static constexpr Q8LaneMap<R, P> kMap{};
+  constexpr int G = Q8LaneMap<R, P>::kGroups;
+  __m512i lane_scale[G];
+  __m512 acc[G];
+  for (int g = 0; g < G; ++g) {
+    lane_scale[g] = _mm512_loadu_si512(kMap.scale[g]);
+    acc[g] = _mm512_setzero_ps();
+  }
+  alignas(64) float s[2][kQ8ScaleChunk * G][16];
+  Q8Scales<R, G>(wd, nb, tile.yd, 0, std::min(nb, kQ8ScaleChunk), lane_scale, s[0]);
   for (int64_t c0 = 0; c0 < nb; c0 += kQ8ScaleChunk) {
     const int64_t c1 = std::min(nb, c0 + kQ8ScaleChunk);
-    float(*sc)[8] = s[(c0 / kQ8ScaleChunk) & 1];
+    float(*sc)[16] = s[(c0 / kQ8ScaleChunk) & 1];
     if (c1 < nb)
-      Q8Scales<R>(wd, nb, tile.yd, c1, std::min(nb, c1 + kQ8ScaleChunk) - c1,
-                  s[(c0 / kQ8ScaleChunk + 1) & 1]);
+      Q8Scales<R, G>(wd, nb, tile.yd, c1, std::min(nb, c1 + kQ8ScaleChunk) - c1, lane_scale,
+                     s[(c0 / kQ8ScaleChunk + 1) & 1]);
     for (int64_t i = c0; i < c1; ++i) {
       __m512i w[R];
       _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) w[r] = _mm512_load_si512(wq + r * nb + i);
       const int8_t* ai = tile.q + i * 4 * static_cast<int64_t>(kQ8ActPairBytes);
-      const float(*si)[8] = sc + (i - c0) * R;
+      __m512i v[8 * G];
       _Pragma("GCC unroll 4") for (int p = 0; p < P; ++p) {
         const __m512i y = _mm512_load_si512(ai + p * kQ8ActPairBytes);
         const __m512i corr = _mm512_load_si512(ai + p * kQ8ActPairBytes + 64);
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
-          const __m512i lanes = _mm512_dpbusd_epi32(corr, w[r], y);
-          acc[r][p] =
-              _mm512_fmadd_ps(BroadcastPair(&si[r][2 * p]), _mm512_cvtepi32_ps(lanes), acc[r][p]);
-        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) v[r * P + p] =
+            _mm512_dpbusd_epi32(corr, w[r], y);
       }
+      _Pragma("GCC unroll 8") for (int n = R * P; n < 8 * G; ++n) v[n] = _mm512_setzero_si512();
+      const float(*si)[16] = sc + (i - c0) * G;
+      _Pragma("GCC unroll 2") for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(
+          _mm512_load_ps(si[g]), _mm512_cvtepi32_ps(ReduceQ8Lanes8(v + 8 * g)), acc[g]);
     }
   }
-  const __m512i deint = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {
-    _Pragma("GCC unroll 4") for (int p = 0; p < P; ++p) {
-      const __m512 v = _mm512_permutexvar_ps(deint, acc[r][p]);
-      out[r * 8 + 2 * p] = Hsum(_mm512_castps512_ps256(v));
-      out[r * 8 + 2 * p + 1] = Hsum(_mm512_extractf32x8_ps(v, 1));
-    }
+  for (int g = 0; g < G; ++g) {
+    alignas(64) float o[16];
+    _mm512_store_ps(o, acc[g]);
+    for (int lane = 0; lane < 16; ++lane)
+      if (kMap.out[g][lane] >= 0) out[kMap.out[g][lane]] = o[lane];
   }
 }
 
@@ -199,14 +252,159 @@ T* Align64(std::byte*& p, size_t count) {
   return out;
 }
 
+// ---------------------------------------------------------------- AMX (Sapphire Rapids+)
+// TDPBSSD multiplies a tile of 16 tokens x 32 signed activation quants (one block, read in
+// place from the activation rows) by a B tile of the same block of 16 rows (their 32 signed
+// quants, 4 consecutive ones of each row side by side: the VNNI layout), giving each
+// (token, row) the exact int32 total of the block's 32 products. The epilogue is the plain
+// kernel's float step per block, 16 rows wide: fma(dw * yd, float(total), acc), in block order.
+// Two blocks are in flight (tiles 0/2/4 and 1/3/5) so the tile unit runs while the previous
+// block's epilogue does.
+
+#define KILN_Q8_AMX \
+  __attribute__((target(HWY_TARGET_STR ",avx512vnni,amx-tile,amx-int8"), noinline))
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0, 1: C (m tokens x 16 rows of int32); 2, 3: A (m tokens x 32 bytes); 4, 5: B (8 x 64
+// bytes).
+KILN_Q8_AMX void ConfigureQ8Tiles(int m) {
+  AmxTileConfig c;
+  for (int k = 0; k < 2; ++k) {
+    c.rows[k] = c.rows[k + 2] = static_cast<uint8_t>(m);
+    c.colsb[k] = 64;
+    c.colsb[k + 2] = 32;
+    c.rows[k + 4] = 8;
+    c.colsb[k + 4] = 64;
+  }
+  // As asm with the config as a memory operand: GCC 12's _tile_loadconfig builtin does not tell
+  // the optimiser that it reads the struct, which then dropped the rows/colsb stores as dead
+  // (tilezero on unconfigured tiles: SIGILL).
+  asm volatile("ldtilecfg %0" : : "m"(c));
+}
+
+// Rows r..r+n (n <= 16; the others zero, their outputs not read) as B tiles, bt + i * 512 for
+// block i, and their scales in tile order, bd[i * 16 + k]; rq/rd hold the unpacked rows.
+KILN_Q8_AMX void PackQ8AmxRows(const WeightMatrix& w, int64_t r, int n, Q8UnpackRow unpack,
+                               int8_t* rq, float* rd, int8_t* bt, float* bd) {
+  const int64_t nb = w.n_cols / 32;
+  for (int k = 0; k < 16; ++k) {
+    if (k < n) {
+      unpack(w.row(r + k).data(), nb, rq + k * nb * 32, rd + k * nb);
+    } else {
+      std::memset(rq + k * nb * 32, 0, static_cast<size_t>(nb) * 32);
+      std::fill_n(rd + k * nb, nb, 0.0f);
+    }
+  }
+  for (int64_t i = 0; i < nb; ++i) {
+    int8_t* b = bt + i * 512;
+    for (int k = 0; k < 16; ++k) {
+      const int8_t* q = rq + (k * nb + i) * 32;
+      for (int j = 0; j < 8; ++j) std::memcpy(b + j * 64 + k * 4, q + 4 * j, 4);
+      bd[i * 16 + k] = rd[k * nb + i];
+    }
+  }
+}
+
+// acc[t] (16 rows) += block i's totals c[t] scaled by dw * yd of token t, for t < m.
+template <int kM>
+HWY_INLINE void Q8AmxEpilogue(const int32_t (*c)[16], const float* bd, const std::byte* xq,
+                              size_t ldx, int64_t i, int m, __m512* acc) {
+  const __m512 dw = _mm512_load_ps(bd + i * 16);
+  _Pragma("GCC unroll 16") for (int t = 0; t < (kM > 0 ? kM : 16); ++t) {
+    if (kM == 0 && t >= m) break;
+    const float yd = reinterpret_cast<const ActQ8_0*>(xq + t * ldx)[i].d;
+    acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(yd)),
+                             _mm512_cvtepi32_ps(_mm512_load_si512(c[t])), acc[t]);
+  }
+}
+
+// m tokens (activation rows ldx bytes apart from xq) x one packed 16-row group: out[t * 16 + k].
+// kM: 16 for a whole tile, 0 for a last partial one of m tokens.
+template <int kM>
+KILN_Q8_AMX void DotQ8Amx(const int8_t* bt, const float* bd, int64_t nb, const std::byte* xq,
+                          size_t ldx, int m, float* out) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  alignas(64) int32_t c[2][16][16];
+  const std::byte* a = xq + offsetof(ActQ8_0, qs);
+  const auto lda = static_cast<long>(ldx);
+  int64_t i = 0;
+  for (; i + 2 <= nb; i += 2) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, a + i * sizeof(ActQ8_0), lda);
+    _tile_loadd(4, bt + i * 512, 64);
+    _tile_loadd(3, a + (i + 1) * sizeof(ActQ8_0), lda);
+    _tile_loadd(5, bt + (i + 1) * 512, 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_dpbssd(1, 3, 5);
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    Q8AmxEpilogue<kM>(c[0], bd, xq, ldx, i, m, acc);
+    Q8AmxEpilogue<kM>(c[1], bd, xq, ldx, i + 1, m, acc);
+  }
+  if (i < nb) {
+    _tile_zero(0);
+    _tile_loadd(2, a + i * sizeof(ActQ8_0), lda);
+    _tile_loadd(4, bt + i * 512, 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_stored(0, c[0], 64);
+    Q8AmxEpilogue<kM>(c[0], bd, xq, ldx, i, m, acc);
+  }
+  for (int t = 0; t < m; ++t) _mm512_store_ps(out + t * 16, acc[t]);
+}
+
+// Groups of 16 rows, each packed once, x tiles of 16 tokens (a last one of fewer).
+KILN_Q8_AMX void MatmulQ8Amx(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch,
+                             Q8UnpackRow unpack) {
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / 32, ldy = w.n_rows;
+  auto* p = reinterpret_cast<std::byte*>(scratch);
+  int8_t* rq = Align64<int8_t>(p, static_cast<size_t>(16 * nb * 32));
+  float* rd = Align64<float>(p, static_cast<size_t>(16 * nb));
+  int8_t* bt = Align64<int8_t>(p, static_cast<size_t>(nb * 512));
+  float* bd = Align64<float>(p, static_cast<size_t>(nb * 16));
+  alignas(64) float out[16 * 16];
+  int configured = 0;
+  for (int64_t r = r0; r < r1; r += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, r1 - r));
+    PackQ8AmxRows(w, r, n, unpack, rq, rd, bt, bd);
+    for (int64_t t0 = 0; t0 < job.n_tok; t0 += 16) {
+      const int m = static_cast<int>(std::min<int64_t>(16, job.n_tok - t0));
+      if (m != configured) {
+        ConfigureQ8Tiles(m);
+        configured = m;
+      }
+      const std::byte* xq = job.xq + t0 * job.xq_row_bytes;
+      if (m == 16)
+        DotQ8Amx<16>(bt, bd, nb, xq, job.xq_row_bytes, m, out);
+      else
+        DotQ8Amx<0>(bt, bd, nb, xq, job.xq_row_bytes, m, out);
+      for (int t = 0; t < m; ++t)
+        for (int k = 0; k < n; ++k) job.y[(t0 + t) * ldy + r + k] = out[t * 16 + k];
+    }
+  }
+  _tile_release();
+}
+#undef KILN_Q8_AMX
+
 }  // namespace
 
 // Token groups x row blocks x token tiles x register tiles of up to 4 rows x 8 tokens: each
 // token's tile is built once per group and each row block packed once per group. `scratch`
-// holds q8_vnni_scratch_bytes(n_cols).
+// holds q8_vnni_scratch_bytes(n_cols). From kQ8AmxMinTok tokens on a machine with AMX-INT8
+// (and CpuOptions::amx), the AMX kernel above instead.
 void MatmulQ8Vnni(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch,
                   Q8UnpackRow unpack) {
   static_assert(kQ8VnniTok == 8 && kQ8VnniRows == 4);
+  if (job.amx && job.n_tok >= kQ8AmxMinTok && amx_usable())
+    return MatmulQ8Amx(job, r0, r1, scratch, unpack);
   const WeightMatrix& w = *job.w;
   const int64_t nb = w.n_cols / 32, ldy = w.n_rows;
   const int64_t rb = q8_vnni_rows_per_block(nb), group = q8_vnni_group_tokens(nb);
@@ -303,6 +501,22 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace kiln::cpu {
+#if defined(__linux__)
+// CPUID.(7,0):EDX bits 24 (AMX-TILE) and 25 (AMX-INT8), and Linux's per-process permission for
+// the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once.
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+    if ((d & (1u << 24)) == 0 || (d & (1u << 25)) == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+#else
+bool amx_usable() { return false; }
+#endif
 HWY_EXPORT(QuantizeQ8_0RowK);
 bool quantize_q8_0_simd(const float* x, int64_t n, std::byte* dst) {
   return HWY_DYNAMIC_DISPATCH(QuantizeQ8_0RowK)(x, n, dst);

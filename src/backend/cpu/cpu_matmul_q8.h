@@ -44,15 +44,25 @@ inline int64_t q8_vnni_group_tokens(int64_t nb) {
       (int64_t{4} << 20) / std::max<int64_t>(1, nb * static_cast<int64_t>(kQ8TileBlockBytes));
   return std::clamp<int64_t>(tiles, 1, 512 / kQ8VnniTok) * kQ8VnniTok;
 }
-// A thread's scratch for that kernel: packed rows (quants, scales), the group's token tiles,
-// one row's unpacked quants, alignment slack.
+// The AMX form of that kernel takes calls of this many tokens or more (a tile of 16 tokens x
+// 16 rows per instruction).
+constexpr int64_t kQ8AmxMinTok = 16;
+// A thread's scratch for those kernels. VNNI: packed rows (quants, scales), the group's token
+// tiles, one row's unpacked quants, alignment slack. AMX: 16 rows' unpacked quants and
+// scales, their B tiles (512 bytes a block) and scales in tile order, slack.
 inline size_t q8_vnni_scratch_bytes(int64_t n_cols) {
   const int64_t nb = n_cols / 32;
   const auto rb = static_cast<size_t>(q8_vnni_rows_per_block(nb));
   const auto tiles = static_cast<size_t>(q8_vnni_group_tokens(nb) / kQ8VnniTok);
   const auto unb = static_cast<size_t>(nb);
-  return rb * unb * (kQ8PackBytes + 4) + tiles * unb * kQ8TileBlockBytes + unb * 32 + 8 * 64;
+  const size_t vnni =
+      rb * unb * (kQ8PackBytes + 4) + tiles * unb * kQ8TileBlockBytes + unb * 32 + 8 * 64;
+  const size_t amx = 16 * unb * (32 + 4) + unb * (512 + 64) + 8 * 64;
+  return std::max(vnni, amx);
 }
+// True where the AMX kernel can run: the CPU has AMX-TILE and AMX-INT8 and the OS gave this
+// process the tile state (Linux: asked for once, on the first call).
+bool amx_usable();
 // n / 32 ActQ8_0 blocks of x at dst, quantize_act_row's bytes, where this machine has AVX-512
 // (returns false and writes nothing elsewhere).
 bool quantize_q8_0_simd(const float* x, int64_t n, std::byte* dst);

@@ -38,7 +38,8 @@ const char* target_name();
 //   kKQPrefillMinTok+ tokens, the prefill kernels of cpu_matmul_kq.cpp (MatmulKQPrefill).
 //   AVX2 machines take kq_avx2-inl.h's kernels for the same calls (the same tests there).
 // - Q8_0 / Q4_0 / Q5_0: kQ8VnniMinTok+ tokens, the 512-bit kernel of cpu_matmul_q8.cpp on
-//   AVX-512 VNNI (MatmulQ8Vnni); one Q8_0 token, the AVX2 two-row kernel of kq_avx2-inl.h on
+//   AVX-512 VNNI (MatmulQ8Vnni), from kQ8AmxMinTok tokens its AMX kernel where the machine has
+//   AMX-INT8 (CpuOptions::amx); one Q8_0 token, the AVX2 two-row kernel of kq_avx2-inl.h on
 //   machines without AVX-512 (MatmulQ8One).
 // - F32 / F16 / BF16: kFloatTileMinTok+ tokens, the register-tiled kernel of
 //   cpu_matmul_float.cpp (MatmulFloatTile).
@@ -61,6 +62,7 @@ struct MatmulJob {
   int64_t n_tok = 0;
   float* y = nullptr;     // [n_tok][n_rows]
   bool portable = false;  // the plain kernels only (see above)
+  bool amx = true;        // CpuOptions::amx
 };
 // Computes y for weight rows [r0, r1) and every token. `scratch` holds at least
 // matmul_scratch_floats(w) floats private to the calling thread.
