@@ -7,8 +7,10 @@
 // unpacked once per tile of several tokens, which is what makes prefill fast. On AVX-512 VNNI
 // Q4_K/Q6_K of one token (decode) take 512-bit one-token kernels and of 2+ tokens (batched
 // decode) the v2 batched kernels (below), prefill the kernels of cpu_matmul_kq.cpp, all with the
-// plain kernels' bits; so does Q8_0/Q4_0/Q5_0 prefill there (cpu_matmul_q8.cpp). A job marked
-// portable (kernels.h) takes the plain kernels only.
+// plain kernels' bits; so does Q8_0/Q4_0/Q5_0 prefill there (cpu_matmul_q8.cpp, with AMX tiles
+// where the machine has AMX-INT8). The Q8_0 family's arithmetic is exact block totals
+// (DotQ8Family); the K-quants' is per-lane (the lane layouts below). A job marked portable
+// (kernels.h) takes the plain kernels only.
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul.cpp"
@@ -533,28 +535,41 @@ void MatvecKAvx2(const MatmulJob& job, int64_t r0, int64_t r1) {
       DotQ6KAvx2Rows<decltype(R)::value>(a...);
   });
 }
-// The Q8_0 family against one token on AVX2, R rows at a time: each row DotQ8Family<1, Unpack>'s
-// block totals and FMAs in block order, so its bits (tests/ops MatmulQ8One); the token's block
-// is loaded once for the R rows, the chains are independent, and the prefetch span walks
-// kMatvecPrefetchBytes ahead as in the other one-token kernels.
+// The Q8_0 family against one token on AVX2, R = 1 or 2 rows at a time: each row DotQ8Family<1,
+// Unpack>'s block totals and FMAs in block order, so its bits (tests/ops MatmulQ8One); the
+// token's block is loaded once for the rows, the two rows' lane sums are reduced together
+// (horizontal adds, then the two halves: [r0 r1 r0 r1]) into one 4-wide fma, and the prefetch
+// span walks kMatvecPrefetchBytes ahead as in the other one-token kernels.
 template <int R, __m256i (*Unpack)(const std::byte*, int64_t, float*), size_t kBlockBytes>
 HWY_INLINE void DotQ8FamAvx2Rows(const std::byte* const* rows, int64_t nb, const ActQ8_0* y,
                                  float* out, int64_t pf) {
-  float acc[R];
-  for (int k = 0; k < R; ++k) acc[k] = 0.0f;
+  static_assert(R == 1 || R == 2);
+  __m128 acc = _mm_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     if (pf) PrefetchBlockL2<R * kBlockBytes>(rows[0] + pf + R * i * int64_t{kBlockBytes});
     const __m256i a = Load32(y[i].qs);
     const float yd = y[i].d;
+    __m256i dot[2];
+    float dy[2];
     for (int k = 0; k < R; ++k) {
       float dw;
       const __m256i w = Unpack(rows[k], i, &dw);
-      const int32_t total =
-          HsumI32(DotU8I8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)));
-      acc[k] = FmaSS(dw * yd, static_cast<float>(total), acc[k]);
+      dot[k] = DotU8I8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+      dy[k] = dw * yd;
     }
+    if constexpr (R == 1) {
+      dot[1] = dot[0];
+      dy[1] = dy[0];
+    }
+    const __m256i h = _mm256_hadd_epi32(dot[0], dot[1]);
+    const __m256i h2 = _mm256_hadd_epi32(h, h);
+    const __m128i totals =
+        _mm_add_epi32(_mm256_castsi256_si128(h2), _mm256_extracti128_si256(h2, 1));
+    acc = _mm_fmadd_ps(_mm_setr_ps(dy[0], dy[1], dy[0], dy[1]), _mm_cvtepi32_ps(totals), acc);
   }
-  for (int k = 0; k < R; ++k) out[k] = acc[k];
+  alignas(16) float o[4];
+  _mm_store_ps(o, acc);
+  for (int k = 0; k < R; ++k) out[k] = o[k];
 }
 template <__m256i (*Unpack)(const std::byte*, int64_t, float*), size_t kBlockBytes>
 void MatvecQ8Avx2(const MatmulJob& job, int64_t r0, int64_t r1) {

@@ -46,8 +46,8 @@ struct LoadBF16 {
 };
 
 #if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
-// The 8 float lanes of an int8 kernel's accumulator summed in one fixed order: every Q8_0 /
-// K-quant kernel of cpu_matmul.cpp and cpu_matmul_q8.cpp ends with it, which is part of what
+// The 8 float lanes of an int8 kernel's accumulator summed in one fixed order: every K-quant
+// kernel of cpu_matmul.cpp and cpu_matmul_kq.cpp ends with it, which is part of what
 // makes them the same bits as each other.
 HWY_INLINE float Hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
