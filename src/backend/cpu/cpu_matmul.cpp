@@ -1271,11 +1271,11 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
 // lookup adds it), and two vpdpbusd (lo, then hi) into an accumulator started at
 // -128 * (the lane's 8 activation quants) leave each dword lane exactly the sum of its 8
 // products w * y, so the 4 lanes of a unit sum to the row's block total (integer adds, exact;
-// |lane| < 2^17). Four blocks at a time: two levels of unpack-and-add put in unit u the four
-// blocks' totals of row u, one permute turns that into [A0 B0 C0 D0 | A1 ... | A3 B3 C3 D3]
-// (digit: block), and one 4-wide fma(dw * yd, float(total), acc) per block, in block order,
-// gives each row the plain kernel's bits (tests/ops MatmulQ8One). Blocks past a multiple of
-// four go one at a time. Rows past the matrix's end of a last group repeat its last row.
+// |lane| < 2^17). Two in-unit shuffle-and-adds and one permute give [A B C D], and one 4-wide
+// fma(dw * yd, float(total), acc) per block, in block order, gives each row the plain kernel's
+// bits (tests/ops MatmulQ8One). (Reducing four blocks' registers at once takes fewer
+// instructions but decoded slower from memory: docs/BENCHMARKS.md, session 26.) Rows past the
+// matrix's end of a last group repeat its last row.
 
 // Unpacks of 4 rows' block i: lo/hi as above (w + 128 as u8), d = [dA, dB, dC, dD].
 using Q8QuadUnpack = void (*)(const std::byte* const* rows, int64_t i, __m512i* lo, __m512i* hi,
@@ -1393,42 +1393,20 @@ KILN_VNNI512_INLINE __m512i Q8QuadBlock(const std::byte* const* rows, int64_t i,
   *dy = _mm_mul_ps(d, _mm_set1_ps(ys[i].d));
   return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(bias, lo, ylo), hi, yhi);
 }
-HWY_INLINE __m512i AddLo32Hi32(__m512i a, __m512i b) {
-  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-}
-HWY_INLINE __m512i AddLo64Hi64(__m512i a, __m512i b) {
-  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
-}
 
 template <Q8QuadUnpack Quad, size_t kBlockBytes>
 KILN_VNNI512 void DotQ8FamOne(const std::byte* const* rows, int64_t nb, const ActQ8_0* ys,
                               float* out, int n_out, const std::byte* pf) {
-  // Unit u of the reduced register: row u's blocks 0..3 -> [A0 B0 C0 D0 | A1 ... | A3 .. D3].
-  const __m512i order4 = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  // Lane 0 of each unit, after the two in-unit adds below: [A B C D].
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
   __m128 acc = _mm_setzero_ps();
-  int64_t i = 0;
-  for (; i + 4 <= nb; i += 4) {
-    if (pf != nullptr) PrefetchSpanL2<16 * kBlockBytes>(pf + i * 4 * kBlockBytes);
-    __m128 dy[4];
-    const __m512i v0 = Q8QuadBlock<Quad>(rows, i, ys, &dy[0]);
-    const __m512i v1 = Q8QuadBlock<Quad>(rows, i + 1, ys, &dy[1]);
-    const __m512i v2 = Q8QuadBlock<Quad>(rows, i + 2, ys, &dy[2]);
-    const __m512i v3 = Q8QuadBlock<Quad>(rows, i + 3, ys, &dy[3]);
-    const __m512i t = AddLo64Hi64(AddLo32Hi32(v0, v1), AddLo32Hi32(v2, v3));
-    const __m512 totals = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(order4, t));
-    acc = _mm_fmadd_ps(dy[0], _mm512_castps512_ps128(totals), acc);
-    acc = _mm_fmadd_ps(dy[1], _mm512_extractf32x4_ps(totals, 1), acc);
-    acc = _mm_fmadd_ps(dy[2], _mm512_extractf32x4_ps(totals, 2), acc);
-    acc = _mm_fmadd_ps(dy[3], _mm512_extractf32x4_ps(totals, 3), acc);
-  }
-  const __m512i order1 = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
-  for (; i < nb; ++i) {
+  for (int64_t i = 0; i < nb; ++i) {
     if (pf != nullptr) PrefetchSpanL2<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
     __m128 dy;
     __m512i v = Q8QuadBlock<Quad>(rows, i, ys, &dy);
     v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
     v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
-    const __m128i totals = _mm512_castsi512_si128(_mm512_permutexvar_epi32(order1, v));
+    const __m128i totals = _mm512_castsi512_si128(_mm512_permutexvar_epi32(order, v));
     acc = _mm_fmadd_ps(dy, _mm_cvtepi32_ps(totals), acc);
   }
   alignas(16) float o[4];

@@ -324,11 +324,11 @@ HWY_INLINE void Q8AmxEpilogue(const int32_t (*c)[16], const float* bd, const std
   }
 }
 
-// m tokens (activation rows ldx bytes apart from xq) x one packed 16-row group: out[t * 16 + k].
-// kM: 16 for a whole tile, 0 for a last partial one of m tokens.
+// m tokens (activation rows ldx bytes apart from xq) x one packed 16-row group: rows k < n of
+// token t to y[t * ldy + k]. kM: 16 for a whole tile, 0 for a last partial one of m tokens.
 template <int kM>
 KILN_Q8_AMX void DotQ8Amx(const int8_t* bt, const float* bd, int64_t nb, const std::byte* xq,
-                          size_t ldx, int m, float* out) {
+                          size_t ldx, int m, int n, float* y, int64_t ldy) {
   __m512 acc[16];
   for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
   alignas(64) int32_t c[2][16][16];
@@ -357,24 +357,30 @@ KILN_Q8_AMX void DotQ8Amx(const int8_t* bt, const float* bd, int64_t nb, const s
     _tile_stored(0, c[0], 64);
     Q8AmxEpilogue<kM>(c[0], bd, xq, ldx, i, m, acc);
   }
-  for (int t = 0; t < m; ++t) _mm512_store_ps(out + t * 16, acc[t]);
+  const auto rows = static_cast<__mmask16>((1u << n) - 1);
+  for (int t = 0; t < m; ++t) _mm512_mask_storeu_ps(y + t * ldy, rows, acc[t]);
 }
 
-// Groups of 16 rows, each packed once, x tiles of 16 tokens (a last one of fewer).
+// Blocks of up to q8_amx_groups(nb) groups of 16 rows, packed at once (one long read of the
+// rows: 16 rows at a time left the hardware prefetcher a short stream per group, and the reads
+// ran at a fraction of the memory's speed) x tiles of 16 tokens (a last one of fewer).
 KILN_Q8_AMX void MatmulQ8Amx(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch,
                              Q8UnpackRow unpack) {
   const WeightMatrix& w = *job.w;
-  const int64_t nb = w.n_cols / 32, ldy = w.n_rows;
+  const int64_t nb = w.n_cols / 32, ldy = w.n_rows, groups = q8_amx_groups(nb);
   auto* p = reinterpret_cast<std::byte*>(scratch);
   int8_t* rq = Align64<int8_t>(p, static_cast<size_t>(16 * nb * 32));
   float* rd = Align64<float>(p, static_cast<size_t>(16 * nb));
-  int8_t* bt = Align64<int8_t>(p, static_cast<size_t>(nb * 512));
-  float* bd = Align64<float>(p, static_cast<size_t>(nb * 16));
-  alignas(64) float out[16 * 16];
+  int8_t* bt = Align64<int8_t>(p, static_cast<size_t>(groups * nb * 512));
+  float* bd = Align64<float>(p, static_cast<size_t>(groups * nb * 16));
   int configured = 0;
-  for (int64_t r = r0; r < r1; r += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, r1 - r));
-    PackQ8AmxRows(w, r, n, unpack, rq, rd, bt, bd);
+  for (int64_t b0 = r0; b0 < r1; b0 += 16 * groups) {
+    const int64_t b1 = std::min(r1, b0 + 16 * groups);
+    for (int64_t r = b0; r < b1; r += 16) {
+      const int64_t g = (r - b0) / 16;
+      PackQ8AmxRows(w, r, static_cast<int>(std::min<int64_t>(16, b1 - r)), unpack, rq, rd,
+                    bt + g * nb * 512, bd + g * nb * 16);
+    }
     for (int64_t t0 = 0; t0 < job.n_tok; t0 += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, job.n_tok - t0));
       if (m != configured) {
@@ -382,12 +388,15 @@ KILN_Q8_AMX void MatmulQ8Amx(const MatmulJob& job, int64_t r0, int64_t r1, float
         configured = m;
       }
       const std::byte* xq = job.xq + t0 * job.xq_row_bytes;
-      if (m == 16)
-        DotQ8Amx<16>(bt, bd, nb, xq, job.xq_row_bytes, m, out);
-      else
-        DotQ8Amx<0>(bt, bd, nb, xq, job.xq_row_bytes, m, out);
-      for (int t = 0; t < m; ++t)
-        for (int k = 0; k < n; ++k) job.y[(t0 + t) * ldy + r + k] = out[t * 16 + k];
+      for (int64_t r = b0; r < b1; r += 16) {
+        const int64_t g = (r - b0) / 16;
+        const int n = static_cast<int>(std::min<int64_t>(16, b1 - r));
+        float* y = job.y + t0 * ldy + r;
+        if (m == 16)
+          DotQ8Amx<16>(bt + g * nb * 512, bd + g * nb * 16, nb, xq, job.xq_row_bytes, m, n, y, ldy);
+        else
+          DotQ8Amx<0>(bt + g * nb * 512, bd + g * nb * 16, nb, xq, job.xq_row_bytes, m, n, y, ldy);
+      }
     }
   }
   _tile_release();

@@ -47,9 +47,13 @@ inline int64_t q8_vnni_group_tokens(int64_t nb) {
 // The AMX form of that kernel takes calls of this many tokens or more (a tile of 16 tokens x
 // 16 rows per instruction).
 constexpr int64_t kQ8AmxMinTok = 16;
+// Groups of 16 rows it packs at once: up to 8, their tiles (576 bytes a block) within 512 KiB.
+inline int64_t q8_amx_groups(int64_t nb) {
+  return std::clamp<int64_t>((int64_t{512} << 10) / std::max<int64_t>(1, nb * 576), 1, 8);
+}
 // A thread's scratch for those kernels. VNNI: packed rows (quants, scales), the group's token
 // tiles, one row's unpacked quants, alignment slack. AMX: 16 rows' unpacked quants and
-// scales, their B tiles (512 bytes a block) and scales in tile order, slack.
+// scales, q8_amx_groups' B tiles (512 bytes a block) and scales in tile order, slack.
 inline size_t q8_vnni_scratch_bytes(int64_t n_cols) {
   const int64_t nb = n_cols / 32;
   const auto rb = static_cast<size_t>(q8_vnni_rows_per_block(nb));
@@ -57,7 +61,8 @@ inline size_t q8_vnni_scratch_bytes(int64_t n_cols) {
   const auto unb = static_cast<size_t>(nb);
   const size_t vnni =
       rb * unb * (kQ8PackBytes + 4) + tiles * unb * kQ8TileBlockBytes + unb * 32 + 8 * 64;
-  const size_t amx = 16 * unb * (32 + 4) + unb * (512 + 64) + 8 * 64;
+  const size_t amx =
+      16 * unb * (32 + 4) + static_cast<size_t>(q8_amx_groups(nb)) * unb * (512 + 64) + 8 * 64;
   return std::max(vnni, amx);
 }
 // True where the AMX kernel can run: the CPU has AMX-TILE and AMX-INT8 and the OS gave this
