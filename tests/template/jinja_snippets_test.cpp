@@ -184,6 +184,40 @@ TEST(JinjaLimits, IntegerArithmeticStaysWithinInt64) {
   }
 }
 
+// Field widths, precisions and paddings past kMaxFormatWidth are refused before anything is
+// allocated (fuzz_template found '{:0000...9#}'.format() asking for 2^49 bytes), each with one
+// line naming what was too large; ordinary widths keep Python's output.
+TEST(JinjaLimits, HugeFormatWidthsAreRefused) {
+  const ojson ctx = {{"messages", ojson::array()}};
+  const std::pair<const char*, const char*> huge[] = {
+      {"{{ '{:99999999999999999999999}'.format(1) }}", "format width"},
+      {"{{ '{:.99999999999999999999}'.format(1.5) }}", "format precision"},
+      {"{{ '%99999999999d' % 5 }}", "format width"},
+      {"{{ 'a'.center(99999999999) }}", "format width"},
+      {"{{ 'a'.ljust(2000000) }}", "format width"},
+      {"{{ '5'.zfill(99999999999) }}", "zfill width"},
+      {"{{ 'a' | indent(99999999999) }}", "indent width"},
+      {"{{ 'a' | center(99999999999) }}", "format width"},
+  };
+  for (const auto& [src, what] : huge) {
+    auto out = render_chat_template(src, ctx);
+    ASSERT_FALSE(out) << src << " rendered " << out->size() << " bytes";
+    EXPECT_EQ(out.error().rfind("ValueError: " + std::string(what), 0), 0u)
+        << src << ": " << out.error();
+    EXPECT_EQ(out.error().find('\n'), std::string::npos) << out.error();
+  }
+  const std::pair<const char*, const char*> fine[] = {
+      {"{{ '{:>5}'.format('ab') }}|{{ '7'.zfill(3) }}|{{ 'ab'.center(6, '*') }}",
+       "   ab|007|**ab**"},
+      {"{{ '%5.2f' % 3.14159 }}|{{ '{:08.3f}'.format(-2.5) }}", " 3.14|-002.500"},
+  };
+  for (const auto& [src, want] : fine) {
+    auto out = render_chat_template(src, ctx);
+    ASSERT_TRUE(out) << src << ": " << out.error();
+    EXPECT_EQ(*out, want) << src;
+  }
+}
+
 TEST(JinjaApi, ParseOnceRenderMany) {
   auto t = ChatTemplate::parse(
       "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ extra }}");

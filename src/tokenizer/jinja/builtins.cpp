@@ -109,9 +109,7 @@ Value select_impl(Interp& in, const Value& input, const CallArgs& a, bool use_at
 
 std::string indent_impl(std::string s, const Value& width, bool first, bool blank) {
   std::string ind =
-      width.is_string()
-          ? width.s
-          : std::string(static_cast<size_t>(std::max<int64_t>(0, width.as_int())), ' ');
+      width.is_string() ? width.s : std::string(format_width(width.as_int(), "indent width"), ' ');
   s += "\n";
   // str.splitlines on the newline kinds templates produce
   std::vector<std::string> lines;

@@ -257,16 +257,22 @@ std::string format_spec(const Value& v, std::string_view spec) {
     }
     ++k;
   }
-  size_t width = 0;
-  while (k < spec.size() && std::isdigit(static_cast<unsigned char>(spec[k])))
-    width = width * 10 + static_cast<size_t>(spec[k++] - '0');
+  // Digits of a width or precision, refused past kMaxFormatWidth as they are read (so no
+  // count of any length overflows).
+  auto count = [&](std::string_view what) {
+    int64_t c = 0;
+    while (k < spec.size() && std::isdigit(static_cast<unsigned char>(spec[k]))) {
+      c = c * 10 + (spec[k++] - '0');
+      if (c > kMaxFormatWidth) format_width(c, what);
+    }
+    return c;
+  };
+  const size_t width = static_cast<size_t>(count("format width"));
   if (k < spec.size() && spec[k] == ',') ++k;
   int prec = -1;
   if (k < spec.size() && spec[k] == '.') {
     ++k;
-    prec = 0;
-    while (k < spec.size() && std::isdigit(static_cast<unsigned char>(spec[k])))
-      prec = prec * 10 + (spec[k++] - '0');
+    prec = static_cast<int>(count("format precision"));
   }
   if (k < spec.size()) type = spec[k];
   std::string body;
@@ -693,7 +699,7 @@ Value builtin_method(Interp& in, const Value& obj, std::string_view name) {
                                       : ">");
         if (n == "zfill") {
           std::string body = s;
-          size_t w = static_cast<size_t>(std::max<int64_t>(0, a.pos[0].as_int()));
+          size_t w = format_width(a.pos[0].as_int(), "zfill width");
           size_t len = utf8_length(body);
           if (w <= len) return Value::string(body);
           size_t sp = (!body.empty() && (body[0] == '-' || body[0] == '+')) ? 1 : 0;

@@ -119,6 +119,11 @@ int64_t int_mul(int64_t a, int64_t b) {
   return r;
 }
 int64_t int_neg(int64_t a) { return int_sub(0, a); }
+size_t format_width(int64_t width, std::string_view what) {
+  if (width > kMaxFormatWidth)
+    fail("ValueError", fmt::format("{} {} is more than {}", what, width, kMaxFormatWidth));
+  return width < 0 ? 0 : static_cast<size_t>(width);
+}
 int64_t int_from_float(double d) {
   if (std::isnan(d)) fail("ValueError", "cannot convert float NaN to integer");
   if (std::isinf(d)) fail("OverflowError", "cannot convert float infinity to integer");

@@ -35,6 +35,13 @@ int64_t int_mul(int64_t a, int64_t b);
 int64_t int_neg(int64_t a);
 int64_t int_floordiv(int64_t a, int64_t b);  // b != 0; rounds toward negative infinity
 int64_t int_mod(int64_t a, int64_t b);       // b != 0; the sign of b, as Python's %
+// The widest padding, field width or precision a template may ask for (format specs, %
+// formatting, center/ljust/rjust/zfill, indent): a wider one is refused with a ValueError
+// before anything is allocated (fuzz_template found '{:0000...9#}'.format() asking for 2^49
+// bytes; the render's memory cap only sees what was allocated).
+constexpr int64_t kMaxFormatWidth = int64_t{1} << 20;
+// width clamped below at 0, refused above kMaxFormatWidth; `what` names it in the error.
+size_t format_width(int64_t width, std::string_view what);
 // int(d): truncated toward zero; NaN is a ValueError, infinities and values past int64 an
 // OverflowError (a cast of those is undefined behaviour).
 int64_t int_from_float(double d);
