@@ -258,8 +258,8 @@ T* Align64(std::byte*& p, size_t count) {
 // quants, 4 consecutive ones of each row side by side: the VNNI layout), giving each
 // (token, row) the exact int32 total of the block's 32 products. The epilogue is the plain
 // kernel's float step per block, 16 rows wide: fma(dw * yd, float(total), acc), in block order.
-// Two blocks are in flight (tiles 0/2/4 and 1/3/5) so the tile unit runs while the previous
-// block's epilogue does.
+// Blocks go in pairs, the next pair's products issued before the current pair's epilogue
+// (DotQ8Amx).
 
 #define KILN_Q8_AMX \
   __attribute__((target(HWY_TARGET_STR ",avx512vnni,amx-tile,amx-int8"), noinline))
@@ -271,16 +271,19 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0, 1: C (m tokens x 16 rows of int32); 2, 3: A (m tokens x 32 bytes); 4, 5: B (8 x 64
-// bytes).
+// Tiles 0..3: C (m tokens x 16 rows of int32; two blocks' results in flight while two more
+// are computed); 4, 5: A (m tokens x 32 bytes); 6, 7: B (8 x 64 bytes).
 KILN_Q8_AMX void ConfigureQ8Tiles(int m) {
   AmxTileConfig c;
-  for (int k = 0; k < 2; ++k) {
-    c.rows[k] = c.rows[k + 2] = static_cast<uint8_t>(m);
+  for (int k = 0; k < 4; ++k) {
+    c.rows[k] = static_cast<uint8_t>(m);
     c.colsb[k] = 64;
-    c.colsb[k + 2] = 32;
-    c.rows[k + 4] = 8;
-    c.colsb[k + 4] = 64;
+  }
+  for (int k = 4; k < 6; ++k) {
+    c.rows[k] = static_cast<uint8_t>(m);
+    c.colsb[k] = 32;
+    c.rows[k + 2] = 8;
+    c.colsb[k + 2] = 64;
   }
   // As asm with the config as a memory operand: GCC 12's _tile_loadconfig builtin does not tell
   // the optimiser that it reads the struct, which then dropped the rows/colsb stores as dead
@@ -326,6 +329,26 @@ HWY_INLINE void Q8AmxEpilogue(const int32_t (*c)[16], const float* bd, const std
 
 // m tokens (activation rows ldx bytes apart from xq) x one packed 16-row group: rows k < n of
 // token t to y[t * ldy + k]. kM: 16 for a whole tile, 0 for a last partial one of m tokens.
+// Blocks i and i + 1 into C tiles c0, c1 (A tiles 4, 5; B tiles 6, 7), and those C tiles to c.
+// Macros: GCC's tile intrinsics paste their tile numbers into the asm text, so they must be
+// literals (a template parameter's name reached the assembler).
+#define KILN_Q8_AMX_ISSUE_PAIR(c0, c1, bt, a, lda, i)       \
+  do {                                                      \
+    _tile_zero(c0);                                         \
+    _tile_zero(c1);                                         \
+    _tile_loadd(4, (a) + (i) * sizeof(ActQ8_0), lda);       \
+    _tile_loadd(6, (bt) + (i)*512, 64);                     \
+    _tile_loadd(5, (a) + ((i) + 1) * sizeof(ActQ8_0), lda); \
+    _tile_loadd(7, (bt) + ((i) + 1) * 512, 64);             \
+    _tile_dpbssd(c0, 4, 6);                                 \
+    _tile_dpbssd(c1, 5, 7);                                 \
+  } while (0)
+#define KILN_Q8_AMX_STORE_PAIR(c0, c1, c) \
+  do {                                    \
+    _tile_stored(c0, (c)[0], 64);         \
+    _tile_stored(c1, (c)[1], 64);         \
+  } while (0)
+
 template <int kM>
 KILN_Q8_AMX void DotQ8Amx(const int8_t* bt, const float* bd, int64_t nb, const std::byte* xq,
                           size_t ldx, int m, int n, float* y, int64_t ldy) {
@@ -334,26 +357,29 @@ KILN_Q8_AMX void DotQ8Amx(const int8_t* bt, const float* bd, int64_t nb, const s
   alignas(64) int32_t c[2][16][16];
   const std::byte* a = xq + offsetof(ActQ8_0, qs);
   const auto lda = static_cast<long>(ldx);
+  // Pairs of blocks alternate between C tiles 0/1 and 2/3: the next pair's products are issued
+  // before the current pair's results are stored and scaled, so the tile unit and the epilogue
+  // overlap; the epilogues still run in block order.
   int64_t i = 0;
-  for (; i + 2 <= nb; i += 2) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, a + i * sizeof(ActQ8_0), lda);
-    _tile_loadd(4, bt + i * 512, 64);
-    _tile_loadd(3, a + (i + 1) * sizeof(ActQ8_0), lda);
-    _tile_loadd(5, bt + (i + 1) * 512, 64);
-    _tile_dpbssd(0, 2, 4);
-    _tile_dpbssd(1, 3, 5);
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
+  if (nb >= 2) KILN_Q8_AMX_ISSUE_PAIR(0, 1, bt, a, lda, 0);
+  while (i + 2 <= nb) {
+    if (i + 4 <= nb) KILN_Q8_AMX_ISSUE_PAIR(2, 3, bt, a, lda, i + 2);
+    KILN_Q8_AMX_STORE_PAIR(0, 1, c);
     Q8AmxEpilogue<kM>(c[0], bd, xq, ldx, i, m, acc);
     Q8AmxEpilogue<kM>(c[1], bd, xq, ldx, i + 1, m, acc);
+    i += 2;
+    if (i + 2 > nb) break;
+    if (i + 4 <= nb) KILN_Q8_AMX_ISSUE_PAIR(0, 1, bt, a, lda, i + 2);
+    KILN_Q8_AMX_STORE_PAIR(2, 3, c);
+    Q8AmxEpilogue<kM>(c[0], bd, xq, ldx, i, m, acc);
+    Q8AmxEpilogue<kM>(c[1], bd, xq, ldx, i + 1, m, acc);
+    i += 2;
   }
-  if (i < nb) {
+  if (i < nb) {  // a last odd block (every pair before it is stored)
     _tile_zero(0);
-    _tile_loadd(2, a + i * sizeof(ActQ8_0), lda);
-    _tile_loadd(4, bt + i * 512, 64);
-    _tile_dpbssd(0, 2, 4);
+    _tile_loadd(4, a + i * sizeof(ActQ8_0), lda);
+    _tile_loadd(6, bt + i * 512, 64);
+    _tile_dpbssd(0, 4, 6);
     _tile_stored(0, c[0], 64);
     Q8AmxEpilogue<kM>(c[0], bd, xq, ldx, i, m, acc);
   }
@@ -401,6 +427,8 @@ KILN_Q8_AMX void MatmulQ8Amx(const MatmulJob& job, int64_t r0, int64_t r1, float
   }
   _tile_release();
 }
+#undef KILN_Q8_AMX_ISSUE_PAIR
+#undef KILN_Q8_AMX_STORE_PAIR
 #undef KILN_Q8_AMX
 
 }  // namespace
