@@ -55,17 +55,6 @@ HWY_INLINE float Hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-// The exact int32 sum of 8 lanes (integer adds: any order gives it), and a scalar fused
-// multiply-add: the Q8_0 family's block-total arithmetic (cpu_matmul.cpp DotQ8Family).
-HWY_INLINE int32_t HsumI32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
-  return _mm_cvtsi128_si32(s);
-}
-HWY_INLINE float FmaSS(float a, float b, float c) {
-  return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
-}
 // Half h of a Q6_K block (ql0 = ql[64h..+32), ql1 = ql[64h+32..+32), qh = qh[32h..+32)) as its
 // four 32-quant groups, unsigned 0..63 (the -32 offset left to the caller): the plain kernel's
 // unpack (cpu_matmul.cpp DotQ6K) and the prefill kernel's row decode (cpu_matmul_kq.cpp) both
