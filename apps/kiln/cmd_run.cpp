@@ -315,7 +315,8 @@ Status run(RunOptions o) {
     return Status::ok();
   };
   const auto t_prefill = Clock::now();
-  KILN_TRY(eval(prompt));
+  KILN_ASSIGN_OR_RETURN(const std::span<const int32_t> prompt_rest, session.prefill_head(prompt));
+  KILN_TRY(eval(prompt_rest));
   const double prefill_s = seconds_since(t_prefill);
 
   std::vector<int32_t> out_ids;

@@ -206,6 +206,12 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string_view name() const = 0;
+  // True when a token's results do not depend on how many tokens share its forward step
+  // (docs/determinism.md): the CPU and reference backends. A backend whose kernels change with
+  // the step's token count (CUDA: cuBLAS above 16 tokens, other float kernels above 8) says
+  // false, and generation then gives the prompt's last token a step of its own, as speculative
+  // decoding does (Session::prefill_head), so plain and speculative greedy ids agree.
+  virtual bool batch_invariant() const { return true; }
 
   // --- Memory the ops compute in. Host backends keep the defaults below (plain host memory,
   // memcpy); a device backend overrides all of them. Every op accepts spans of this memory.

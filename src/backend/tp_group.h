@@ -30,6 +30,8 @@ class TpGroup final : public Backend {
 
   // Everything else: rank 0.
   bool device_memory() const override { return ranks_[0]->device_memory(); }
+  // The ranks' shares are summed in rank order whatever the step's size.
+  bool batch_invariant() const override { return ranks_[0]->batch_invariant(); }
   // Each rank holds its share of the heads' KV rows: the group can hold n times its fullest
   // rank's free memory (0 if any rank cannot tell).
   uint64_t device_free_bytes() const override;

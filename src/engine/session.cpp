@@ -275,6 +275,14 @@ Expected<Session::TopK> Session::eval_top_k(std::span<const int32_t> tokens, int
   return TopK{top_ids_, top_vals_};
 }
 
+Expected<std::span<const int32_t>> Session::prefill_head(std::span<const int32_t> prompt) {
+  if (prompt.size() < 2 || backend_.batch_invariant()) return prompt;
+  // The whole prompt is checked first, so that a bad last token leaves no half-evaluated prompt.
+  KILN_TRY(model::validate_batch(model_->hparams(), prompt, n_pos_, n_ctx_));
+  KILN_TRY(eval_impl(prompt.first(prompt.size() - 1), false, 0));
+  return prompt.last(1);
+}
+
 Status Session::eval_impl(std::span<const int32_t> tokens, bool all_logits, int32_t top_k) {
   const model::HParams& hp = model_->hparams();
   KILN_TRY(model::validate_batch(hp, tokens, n_pos_, n_ctx_));

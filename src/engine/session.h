@@ -103,6 +103,16 @@ class Session {
   // (a device backend downloads k values, not the vocabulary). 1 <= k <= n_vocab(); otherwise
   // the same errors as eval().
   Expected<TopK> eval_top_k(std::span<const int32_t> tokens, int32_t k);
+  // The first part of a prompt's evaluation for generation; returns the tokens still to
+  // evaluate (with eval or eval_top_k) for the first sampled token's logits. On a
+  // batch-invariant backend that is the whole prompt, evaluated here not at all. On another
+  // (Backend::batch_invariant) all but the last token are evaluated here and the last is
+  // returned, to be a step of its own: speculative decoding evaluates the prompt so
+  // (SpeculativeDecoder::start), the last token first in the first verify step, and such a
+  // backend gives a token of a short step the bits of a one-token step but not those of a long
+  // prompt's step; plain generation then computes what speculative generation does. Errors:
+  // those of eval (an empty prompt).
+  Expected<std::span<const int32_t>> prefill_head(std::span<const int32_t> prompt);
   // Forgets every position >= n_pos (0 <= n_pos <= n_pos()).
   Status rollback(int32_t n_pos);
   // Replaces this session's positions with the first n_pos of `src` (same model, backend and

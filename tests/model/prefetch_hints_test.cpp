@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "common/forwarding_backend.h"
 #include "common/testdata.h"
 #include "engine/session.h"
 
@@ -17,7 +18,7 @@ namespace kiln {
 namespace {
 
 // Forwards every op to the reference backend; records hints and matmul weights.
-class HintRecorder final : public Backend {
+class HintRecorder final : public testing::ForwardingBackend {
  public:
   struct Event {
     bool hint;
@@ -35,59 +36,20 @@ class HintRecorder final : public Backend {
   void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n,
               std::span<float> y) override {
     read(w);
-    ref_->matmul(w, x, n, y);
+    ForwardingBackend::matmul(w, x, n, y);
   }
   void matmul_batch(std::span<const MatmulTask> tasks, int64_t n) override {
     for (const MatmulTask& t : tasks) read(*t.w);
-    ref_->matmul_batch(tasks, n);
+    ForwardingBackend::matmul_batch(tasks, n);
   }
   void swiglu_matmul(const WeightMatrix& w, std::span<const float> g, std::span<const float> u,
                      int64_t n, std::span<float> act, std::span<float> y) override {
     read(w);
-    ref_->swiglu_matmul(w, g, u, n, act, y);
+    ForwardingBackend::swiglu_matmul(w, g, u, n, act, y);
   }
-  void get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
-                std::span<float> out) override {
-    ref_->get_rows(w, ids, out);
-  }
-  void rmsnorm(std::span<const float> x, std::span<const float> w, int64_t n, float eps,
-               std::span<float> y) override {
-    ref_->rmsnorm(x, w, n, eps, y);
-  }
-  void rope(std::span<float> x, int64_t t, int64_t h, int64_t d, std::span<const int32_t> pos,
-            const RopeParams& p) override {
-    ref_->rope(x, t, h, d, pos, p);
-  }
-  void softmax(std::span<float> x, int64_t n) override { ref_->softmax(x, n); }
-  void swiglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
-    ref_->swiglu(g, u, o);
-  }
-  void swiglu_oai(std::span<const float> g, std::span<const float> u, std::span<float> o,
-                  float alpha, float limit) override {
-    ref_->swiglu_oai(g, u, o, alpha, limit);
-  }
-  void geglu(std::span<const float> g, std::span<const float> u, std::span<float> o) override {
-    ref_->geglu(g, u, o);
-  }
-  void add(std::span<const float> a, std::span<const float> b, std::span<float> o) override {
-    ref_->add(a, b, o);
-  }
-  void mul(std::span<const float> a, std::span<const float> b, std::span<float> o) override {
-    ref_->mul(a, b, o);
-  }
-  void scale(std::span<float> x, float s) override { ref_->scale(x, s); }
-  void softcap(std::span<float> x, float cap) override { ref_->softcap(x, cap); }
-  void sigmoid(std::span<float> x) override { ref_->sigmoid(x); }
-  void store_rows_f16(std::span<const float> src, int64_t width, std::span<const int32_t> rows,
-                      std::span<f16> plane) override {
-    ref_->store_rows_f16(src, width, rows, plane);
-  }
-  void attention(const AttentionArgs& a) override { ref_->attention(a); }
-  int64_t argmax(std::span<const float> x) override { return ref_->argmax(x); }
 
  private:
   void read(const WeightMatrix& w) { events.push_back(Event{false, {w.bytes.data()}}); }
-  std::unique_ptr<Backend> ref_ = make_ref_backend();
 };
 
 // One decode step's events (after a prompt): every hinted weight is read by a later matmul of

@@ -174,7 +174,8 @@ class CudaBackend final : public Backend {
   void set_profile(bool on);
 
   bool device_memory() const override { return true; }
-  uint64_t device_free_bytes() const override;  // cudaMemGetInfo's free bytes
+  bool batch_invariant() const override { return false; }  // docs/determinism.md, CUDA
+  uint64_t device_free_bytes() const override;             // cudaMemGetInfo's free bytes
   BackendBytes alloc_bytes(size_t bytes) override;
   // cudaHostRegister (page-locked, portable); the handle's release unregisters.
   std::shared_ptr<void> register_host_memory(std::span<std::byte> mem) override;
