@@ -278,8 +278,15 @@ TEST(CudaExpertTier, StreamingMatchesResidentBitForBit) {
                 [b = be->get()](std::span<std::byte> mem) { return b->register_host_memory(mem); });
             const std::vector<float> got = run(*m, **be);
             ASSERT_EQ(got.size(), base.size());
-            EXPECT_EQ(std::memcmp(got.data(), base.data(), got.size() * sizeof(float)), 0)
-                << "logits differ from the resident run";
+            size_t first = 0;  // the first logit whose bits differ, as a position and a token
+            while (first < got.size() && std::memcmp(&got[first], &base[first], sizeof(float)) == 0)
+              ++first;
+            EXPECT_EQ(first, got.size())
+                << "logits differ from the resident run from position "
+                << first / size_t((*m)->n_vocab()) << " (the prompt has " << prompt.size()
+                << "), vocabulary id " << first % size_t((*m)->n_vocab()) << ": "
+                << (first < got.size() ? got[first] : 0.0f) << " against "
+                << (first < got.size() ? base[first] : 0.0f);
             const CudaStats st = (*be)->stats();
             EXPECT_GT(st.expert_misses, 0u);
             if (dev_bytes != 0) {

@@ -486,6 +486,42 @@ void CudaBackend::add(std::span<const float> a, std::span<const float> b, std::s
 void CudaBackend::mul(std::span<const float> a, std::span<const float> b, std::span<float> out) {
   binary(*impl_, a, b, out, cuda::Binary::Mul, "mul");
 }
+// One launch each (the MoE general path's gather and weighted add-back of the rows routed to
+// one expert); the ids and scales are staged like any host array.
+void CudaBackend::gather_rows_f32(std::span<const float> src, int64_t width,
+                                  std::span<const int32_t> ids, std::span<float> dst) {
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  I.enter();
+  float* ddst = I.host.out(dst).data();
+  I.seg.room(I.float_room(src) + I.seg.host_bytes(ids));
+  const float* dsrc = I.floats(src);
+  const int32_t* dids = I.seg.ints(ids);
+  const auto n = static_cast<int64_t>(ids.size());
+  I.seg.sig("gather_rows", dsrc, width, dids, n, ddst);
+  I.seg.record("gather_rows", [=](cudaStream_t st) {
+    return cuda::launch_gather_rows(dsrc, width, dids, n, ddst, st);
+  });
+  I.host.done();
+}
+void CudaBackend::scale_add_rows_f32(std::span<float> src, int64_t width,
+                                     std::span<const int32_t> ids, std::span<const float> scales,
+                                     std::span<float> out) {
+  Impl& I = *impl_;
+  std::lock_guard lock(I.mu);
+  I.enter();
+  float* dsrc = I.host.inout(src).data();
+  float* dout = I.host.inout(out).data();
+  I.seg.room(I.float_room(scales) + I.seg.host_bytes(ids));
+  const float* dscales = I.floats(scales);
+  const int32_t* dids = I.seg.ints(ids);
+  const auto n = static_cast<int64_t>(ids.size());
+  I.seg.sig("scale_add_rows", dsrc, width, dids, dscales, n, dout);
+  I.seg.record("scale_add_rows", [=](cudaStream_t st) {
+    return cuda::launch_scale_add_rows(dsrc, width, dids, dscales, n, dout, st);
+  });
+  I.host.done();
+}
 void CudaBackend::scale(std::span<float> x, float s) {
   unary(*impl_, x, cuda::Unary::Scale, s, "scale");
 }

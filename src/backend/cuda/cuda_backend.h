@@ -184,6 +184,10 @@ class CudaBackend final : public Backend {
   void copy_bytes(std::span<const std::byte> src, std::span<std::byte> dst) override;
   void copy_bytes_2d(const std::byte* src, size_t src_pitch, std::byte* dst, size_t dst_pitch,
                      size_t width, size_t rows) override;
+  void gather_rows_f32(std::span<const float> src, int64_t width, std::span<const int32_t> ids,
+                       std::span<float> dst) override;
+  void scale_add_rows_f32(std::span<float> src, int64_t width, std::span<const int32_t> ids,
+                          std::span<const float> scales, std::span<float> out) override;
   void zero_bytes(std::span<std::byte> dst) override;
   void synchronize() override;
   double read_bandwidth_gbps() override;  // 1 GiB streamed by the probe kernel, best of 5

@@ -80,6 +80,37 @@ __global__ void store_rows_f16_kernel(const float* __restrict__ src, int64_t wid
   }
 }
 
+__global__ void gather_rows_kernel(const float* __restrict__ src, int64_t width,
+                                   const int32_t* __restrict__ ids, int64_t n_rows,
+                                   float* __restrict__ dst) {
+  pdl_enter();
+  const int64_t n = n_rows * width;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width, c = i % width;
+    dst[i] = src[int64_t(ids[r]) * width + c];
+  }
+}
+
+// The ids are distinct, so no two threads write one element of out. __fmul_rn and __fadd_rn
+// keep the product rounded before the sum (nvcc would otherwise contract them into an FMA):
+// unary_kernel's Scale then binary_kernel's Add.
+__global__ void scale_add_rows_kernel(float* __restrict__ src, int64_t width,
+                                      const int32_t* __restrict__ ids,
+                                      const float* __restrict__ scales, int64_t n_rows,
+                                      float* __restrict__ out) {
+  pdl_enter();
+  const int64_t n = n_rows * width;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width, c = i % width;
+    const float y = __fmul_rn(src[i], scales[r]);
+    src[i] = y;
+    float* o = out + int64_t(ids[r]) * width + c;
+    *o = __fadd_rn(*o, y);
+  }
+}
+
 // grid: (blocks over the largest item, items).
 __global__ void store_rows_f16_batch_kernel(const StoreRowsItem* __restrict__ items) {
   pdl_enter();
@@ -100,6 +131,19 @@ cudaError_t launch_store_rows_f16_batch(const StoreRowsItem* items, int n_items,
   if (n_items > 65535) return cudaErrorInvalidValue;
   return launch(store_rows_f16_batch_kernel, dim3(grid_for(max_elems), unsigned(n_items)), kThreads,
                 0, s, items);
+}
+
+cudaError_t launch_gather_rows(const float* src, int64_t width, const int32_t* ids, int64_t n,
+                               float* dst, cudaStream_t s) {
+  if (n == 0 || width == 0) return cudaSuccess;
+  return launch(gather_rows_kernel, grid_for(n * width), kThreads, 0, s, src, width, ids, n, dst);
+}
+
+cudaError_t launch_scale_add_rows(float* src, int64_t width, const int32_t* ids,
+                                  const float* scales, int64_t n, float* out, cudaStream_t s) {
+  if (n == 0 || width == 0) return cudaSuccess;
+  return launch(scale_add_rows_kernel, grid_for(n * width), kThreads, 0, s, src, width, ids,
+                scales, n, out);
 }
 
 cudaError_t launch_unary(float* x, int64_t n, Unary op, float param, cudaStream_t s) {

@@ -181,6 +181,13 @@ cudaError_t launch_unary(float* x, int64_t n, Unary op, float param, cudaStream_
 // out may alias a or b.
 cudaError_t launch_binary(const float* a, const float* b, float* out, int64_t n, Binary op,
                           cudaStream_t s);
+// dst[i][:] = src[ids[i]][:], rows of `width` floats.
+cudaError_t launch_gather_rows(const float* src, int64_t width, const int32_t* ids, int64_t n,
+                               float* dst, cudaStream_t s);
+// src[i][:] *= scales[i], then out[ids[i]][:] += src[i][:]: launch_unary(Scale) then
+// launch_binary(Add) on each row, the same bits (no fused multiply-add); ids distinct.
+cudaError_t launch_scale_add_rows(float* src, int64_t width, const int32_t* ids,
+                                  const float* scales, int64_t n, float* out, cudaStream_t s);
 // plane[rows[i]][:] = f16(src[i][:]); plane rows hold `width` f16 values (uint16_t bits).
 cudaError_t launch_store_rows_f16(const float* src, int64_t width, const int32_t* rows,
                                   int64_t n_rows, uint16_t* plane, cudaStream_t s);

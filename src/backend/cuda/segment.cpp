@@ -161,7 +161,7 @@ cudaError_t Segment::capture_pending(bool timed, cudaGraphExec_t* exec) {
 
 void Segment::launch_chunk() {
   if (pending_.empty()) return;
-  enter();
+  use_device();
   const bool profile = prof_.on();
   bool done = false;
   if (opts_.graphs && graphable_ && !profile) {

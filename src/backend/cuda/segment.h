@@ -70,11 +70,16 @@ class Segment {
   // Makes this thread's current device the backend's: the runtime keeps it per thread, and
   // the backend may be called from any thread. Every op starts here: op_seq() names the op
   // being built (the expert tier keeps the slices this op has looked up, whose pointers it is
-  // about to record). launch_chunk() enters too.
+  // about to record).
   void enter() {
-    check_cuda(cudaSetDevice(opts_.device), "set device");
+    use_device();
     ++op_seq_;
   }
+  // The device alone, for launch_chunk(): a flush inside an op (staging room, workspace
+  // growth) must leave op_seq() naming that op, or the expert tier's after_flush() would not
+  // keep the slices it looked up before the flush, and a later lookup could copy another
+  // slice over one the op, still pending, reads (CudaExpertTier.FlushInsideAnOpKeepsItsSlices).
+  void use_device() const { check_cuda(cudaSetDevice(opts_.device), "set device"); }
   uint64_t op_seq() const { return op_seq_; }
   // flush()es so far; after_flush runs at the end of each (the expert tier's epochs, the
   // prefetch plan's cursors).
