@@ -483,9 +483,9 @@ BENCHMARK(BM_Q8VnniOnOff)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.5);
 
-// The AMX Q8_0-family kernel against the 512-bit VNNI one (CpuOptions::amx off), same method
-// and shapes as BM_Q8VnniOnOff from kQ8AmxMinTok tokens; skipped where the machine has no
-// AMX-INT8 (both sides would run the VNNI kernel).
+// The AMX kernels (Q8_0 family; Q4_K, Q6_K) against the 512-bit VNNI ones (CpuOptions::amx off),
+// same method and shapes as BM_Q8VnniOnOff from kQ8AmxMinTok tokens; skipped where the machine has
+// no AMX-INT8 (both sides would run the VNNI kernel).
 void BM_Q8AmxOnOff(benchmark::State& state) {
   if (!cpu_has_amx()) {
     state.SkipWithError("no AMX-INT8 on this machine");
@@ -505,6 +505,16 @@ void Q8AmxArgs(benchmark::internal::Benchmark* b) {
   b->Args({q8, 512, 8192, 2048});
   b->Args({static_cast<int64_t>(DType::Q4_0), 512, 2048, 2048});
   for (int64_t tok : {16, 64}) b->Args({q8, tok, 2048, 2048});
+  // Q4_K's and Q6_K's AMX kernels (cpu_matmul_kq.cpp) against their VNNI prefill / batched kernels.
+  const auto q4k = static_cast<int64_t>(DType::Q4_K);
+  b->Args({q4k, 512, 2048, 2048});
+  b->Args({q4k, 512, 2048, 8192});
+  b->Args({q4k, 512, 8192, 2048});
+  for (int64_t tok : {16, 64}) b->Args({q4k, tok, 2048, 2048});
+  const auto q6k = static_cast<int64_t>(DType::Q6_K);
+  b->Args({q6k, 512, 2048, 2048});
+  b->Args({q6k, 512, 8192, 2048});
+  for (int64_t tok : {16, 64}) b->Args({q6k, tok, 2048, 2048});
 }
 BENCHMARK(BM_Q8AmxOnOff)
     ->Apply(Q8AmxArgs)

@@ -209,8 +209,11 @@ TEST(MatmulKQBatch, SameBitsAsPlainKernel) {
                            << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
                            << strided << " n_tok " << n_tok);
               const std::vector<float> x = edge_tokens(rng, n_tok, k);
-              expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "batched v2");
-              if (::testing::Test::HasFatalFailure()) return;
+              for (bool amx : {true, false}) {  // 37 tokens of Q4_K: AMX where usable
+                expect_same_bits(run_fast_portable(w, x, n_tok, amx), n_tok, n_rows,
+                                 amx ? "batched (AMX where usable)" : "batched v2");
+                if (::testing::Test::HasFatalFailure()) return;
+              }
             }
           }
         }
@@ -219,11 +222,12 @@ TEST(MatmulKQBatch, SameBitsAsPlainKernel) {
   });
 }
 
-// The prefill Q4_K / Q6_K kernels (AVX-512 VNNI, cpu_matmul_kq.cpp; on AVX2 machines
-// kq_avx2-inl.h's) must give the plain kernels' bits, which the portable backend runs, so this is
-// also the proof that the fast kernels change nothing but speed. Raw random blocks reach every
-// quant, scale and min value (the packed word sums' bounds); odd row counts split over 1 and 2
-// threads and, at 3328 columns, rows past one row block; rows of 1, 3, 8 (one K chunk), 9 and 13
+// The prefill Q4_K / Q6_K kernels (AVX-512 VNNI, cpu_matmul_kq.cpp, and Q4_K's AMX kernel
+// there from 16 tokens where the CPU has AMX-INT8, with and without CpuOptions::amx; on AVX2
+// machines kq_avx2-inl.h's) must give the plain kernels' bits, which the portable backend runs, so
+// this is also the proof that the fast kernels change nothing but speed. Raw random blocks reach
+// every quant, scale and min value (the packed word sums' bounds); odd row counts split over 1 and
+// 2 threads and, at 3328 columns, rows past one row block; rows of 1, 3, 8 (one K chunk), 9 and 13
 // blocks (a partial last chunk); token counts below the kernel's minimum (the one-token and
 // batched kernels there), 128, and 129..135 and 509 (a last tile of 1, 3, 5, 7 and 5 tokens: a
 // pair whose partner is missing); a column block of a wider matrix (strided rows); one token all
@@ -249,8 +253,11 @@ TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
                          << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
                          << strided << " n_tok " << n_tok);
             const std::vector<float> x = edge_tokens(rng, n_tok, k);
-            expect_same_bits(run_fast_portable(w, x, n_tok), n_tok, n_rows, "prefill");
-            if (::testing::Test::HasFatalFailure()) return;
+            for (bool amx : {true, false}) {  // Q4_K from 16 tokens: AMX where the CPU has it
+              expect_same_bits(run_fast_portable(w, x, n_tok, amx), n_tok, n_rows,
+                               amx ? "prefill (AMX where usable)" : "prefill (no AMX)");
+              if (::testing::Test::HasFatalFailure()) return;
+            }
           }
         }
       }

@@ -15,10 +15,11 @@ struct CpuOptions {
   // portable kernels -- what a machine without AVX-512 VNNI / AVX2 gets -- for every op: the
   // oracle each fast kernel's same-bits test compares with. Same bits either way.
   bool portable_kernels = false;
-  // Tests and benchmarks only, set in code: Q8_0-family matmuls of kQ8AmxMinTok+ tokens run on
-  // AMX tiles where the machine has AMX-INT8 (Intel Xeon since Sapphire Rapids: machine-class
-  // dispatch); false runs the 512-bit VNNI kernel there instead, so that an AMX machine tests
-  // and times both (tests/ops MatmulQ8Vnni, bench/matvec_bench BM_Q8AmxOnOff). Same bits.
+  // Tests and benchmarks only, set in code: Q8_0-family, Q4_K and Q6_K matmuls of kQ8AmxMinTok+
+  // tokens run on AMX tiles where the machine has AMX-INT8 (Intel Xeon since Sapphire Rapids:
+  // machine-class dispatch); false runs the 512-bit VNNI kernels there instead, so that an AMX
+  // machine tests and times both (tests/ops MatmulQ8Vnni, MatmulKQPrefill, MatmulKQBatch;
+  // bench/matvec_bench BM_Q8AmxOnOff). Same bits.
   bool amx = true;
 };
 

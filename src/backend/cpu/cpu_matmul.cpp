@@ -52,10 +52,8 @@ constexpr int64_t kKQBatchMinTok = 2;
 inline size_t kq_tile_bytes(int64_t nb) {
   return static_cast<size_t>(nb) * 8 * (256 + 32 + 4) + 64;
 }
-// The v2 batched kernels' (MatmulKBatch) tile: that tile, then its scales broadcast 8-wide.
-inline size_t kq_batch_tile_bytes(int64_t nb) {
-  return kq_tile_bytes(nb) + static_cast<size_t>(nb) * 8 * 32 + 64;
-}
+// The v2 batched kernels' (MatmulKBatch) scratch: that tile.
+inline size_t kq_batch_tile_bytes(int64_t nb) { return kq_tile_bytes(nb); }
 }  // namespace kiln::cpu
 #endif
 
@@ -220,6 +218,7 @@ HWY_INLINE __m256i UnpackMxfp4(const std::byte* row, int64_t i, float* d) {
 // Here the T tokens' lane sums of a block are reduced together, token t's total landing in
 // lane t (integer adds: exact), and one 8-wide fma per block updates the T accumulators: lane
 // t's arithmetic is the definition's for token t.
+// Totals8 (eight vectors' lane totals): kq_avx2-inl.h.
 template <int T, __m256i (*Unpack)(const std::byte*, int64_t, float*)>
 HWY_INLINE void DotQ8Family(const std::byte* row, int64_t nb, const ActQ8_0* const* ys,
                             float* out) {
@@ -241,14 +240,7 @@ HWY_INLINE void DotQ8Family(const std::byte* row, int64_t nb, const ActQ8_0* con
       dot[t] = DotU8I8(_mm256_setzero_si256(), aw, a);
       dy[t] = dw * y.d;
     }
-    // Pairwise horizontal adds: [t0 t1 t2 t3 | t0 t1 t2 t3] partials, then the halves.
-    const __m256i h0 =
-        _mm256_hadd_epi32(_mm256_hadd_epi32(dot[0], dot[1]), _mm256_hadd_epi32(dot[2], dot[3]));
-    const __m256i h1 =
-        _mm256_hadd_epi32(_mm256_hadd_epi32(dot[4], dot[5]), _mm256_hadd_epi32(dot[6], dot[7]));
-    const __m256i totals = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
-                                            _mm256_permute2x128_si256(h0, h1, 0x31));
-    acc = _mm256_fmadd_ps(_mm256_load_ps(dy), _mm256_cvtepi32_ps(totals), acc);
+    acc = _mm256_fmadd_ps(_mm256_load_ps(dy), _mm256_cvtepi32_ps(Totals8(dot)), acc);
   }
   alignas(32) float o[8];
   _mm256_store_ps(o, acc);
@@ -270,18 +262,25 @@ void MatmulQ8Vnni(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch,
 void MatmulQ4KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch);
 // cpu_matmul_kq.cpp; out: each token's DotQ6K<T> bits.
 void MatmulQ6KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch);
+// cpu_matmul_kq.cpp, where amx_usable(); out: each token's DotQ45K<T, false> bits.
+void MatmulQ4KAmx(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch);
+// The same for Q6_K: DotQ6K<T>'s bits.
+void MatmulQ6KAmx(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch);
 #endif
 
 // ScalesMinsK4 (a Q4_K/Q5_K block's scales and mins as bytes): kq_avx2-inl.h.
 
-// Q4_K (kHigh = false) and Q5_K (kHigh = true) against Q8_K:
-// sum_j d*sc_j * sum(q*a) - dmin * sum_j m_j * bsum_j, the second term from Q8_K's bsums.
+// Q4_K (kHigh = false) and Q5_K (kHigh = true) against Q8_K, by exact super-block totals
+// (docs/determinism.md): per 256-weight block T1 = sum_j sc_j * sum(q * a) over its 8
+// sub-blocks and T2 = sum_j m_j * bsum_j (Q8_K's bsums), both exact int32 (|T1| <= 8 * 63 * 32 *
+// 31 * 127 < 2^31), then acc = fma(d * yd, T1, acc) and acc = fma(-dmin * yd, T2, acc) per block
+// in block order. T tokens' totals are reduced together (Totals8) into one 8-wide fma each.
 template <int T, bool kHigh>
 HWY_INLINE void DotQ45K(const std::byte* row, int64_t nb, const block_q8_K* const* ys, float* out) {
+  static_assert(T >= 1 && T <= 8);
   using BlockT = std::conditional_t<kHigh, block_q5_K, block_q4_K>;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     const auto* b = reinterpret_cast<const BlockT*>(row + i * sizeof(BlockT));
     const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
@@ -289,8 +288,8 @@ HWY_INLINE void DotQ45K(const std::byte* row, int64_t nb, const block_q8_K* cons
     ScalesMinsK4(b->scales, sm);
     const __m128i mins8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8));
     const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins8, mins8));  // m[k/2]
-    __m256i isum[T];
-    for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+    __m256i isum[8], msum[8];
+    for (int t = 0; t < 8; ++t) isum[t] = msum[t] = _mm256_setzero_si256();
     [[maybe_unused]] __m256i hbits;
     if constexpr (kHigh) hbits = Load32(b->qh);
     for (int j = 0; j < 4; ++j) {
@@ -311,31 +310,40 @@ HWY_INLINE void DotQ45K(const std::byte* row, int64_t nb, const block_q8_K* cons
         }
       }
     }
+    alignas(32) float dy[8] = {}, ny[8] = {};
     for (int t = 0; t < T; ++t) {
       const block_q8_K& y = ys[t][i];
-      const __m256i msum = _mm256_madd_epi16(Load32(y.bsums), mins16);
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(isum[t]), acc[t]);
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * y.d), _mm256_cvtepi32_ps(msum), acc[t]);
+      msum[t] = _mm256_madd_epi16(Load32(y.bsums), mins16);
+      dy[t] = d * y.d;
+      ny[t] = -dmin * y.d;
     }
+    acc = _mm256_fmadd_ps(_mm256_load_ps(dy), _mm256_cvtepi32_ps(Totals8(isum)), acc);
+    acc = _mm256_fmadd_ps(_mm256_load_ps(ny), _mm256_cvtepi32_ps(Totals8(msum)), acc);
   }
-  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
+  alignas(32) float o[8];
+  _mm256_store_ps(o, acc);
+  for (int t = 0; t < T; ++t) out[t] = o[t];
 }
 
-// Q6_K against Q8_K: d * sum_g sc_g * sum((q - 32) * a); the -32 uses Q8_K's bsums.
+// Q6_K against Q8_K, by exact super-block totals (docs/determinism.md): per 256-weight block
+// T = sum_g sc_g * sum((q - 32) * a) over its 16 groups, exact in int32 (|T| <= 16 * 128 * 16 *
+// 32 * 128 < 2^31; the -32 through Q8_K's bsums), then acc = fma(d * yd, T, acc) per block in
+// block order; T tokens' totals reduced together (Totals8).
 template <int T>
 HWY_INLINE void DotQ6K(const std::byte* row, int64_t nb, const block_q8_K* const* ys, float* out) {
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  static_assert(T >= 1 && T <= 8);
+  __m256 acc = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     const auto* b = reinterpret_cast<const block_q6_K*>(row + i * sizeof(block_q6_K));
     const float d = f16_to_f32(b->d);
     const __m256i sc_all =
         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
-    __m256i isum[T];
-    for (int t = 0; t < T; ++t)  // the -32 offset: sum_g sc_g * 32 * bsum_g
-      isum[t] =
-          _mm256_sub_epi32(_mm256_setzero_si256(),
-                           _mm256_slli_epi32(_mm256_madd_epi16(sc_all, Load32(ys[t][i].bsums)), 5));
+    __m256i isum[8];
+    for (int t = 0; t < 8; ++t)  // the -32 offset: sum_g sc_g * 32 * bsum_g
+      isum[t] = t < T ? _mm256_sub_epi32(
+                            _mm256_setzero_si256(),
+                            _mm256_slli_epi32(_mm256_madd_epi16(sc_all, Load32(ys[t][i].bsums)), 5))
+                      : _mm256_setzero_si256();
     for (int h = 0; h < 2; ++h) {
       const __m256i ql0 = Load32(b->ql + 64 * h), ql1 = Load32(b->ql + 64 * h + 32);
       const __m256i qh = Load32(b->qh + 32 * h);
@@ -351,10 +359,13 @@ HWY_INLINE void DotQ6K(const std::byte* row, int64_t nb, const block_q8_K* const
         }
       }
     }
-    for (int t = 0; t < T; ++t)
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * ys[t][i].d), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+    alignas(32) float dy[8] = {};
+    for (int t = 0; t < T; ++t) dy[t] = d * ys[t][i].d;
+    acc = _mm256_fmadd_ps(_mm256_load_ps(dy), _mm256_cvtepi32_ps(Totals8(isum)), acc);
   }
-  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
+  alignas(32) float o[8];
+  _mm256_store_ps(o, acc);
+  for (int t = 0; t < T; ++t) out[t] = o[t];
 }
 
 // Runs Kernel<T> over row blocks × token tiles. AVX-512 targets have 32 vector registers,
@@ -609,17 +620,12 @@ HWY_INLINE __m256i Fold512(__m512i v) {
   return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 HWY_INLINE __m512i Load64(const void* p) { return _mm512_loadu_si512(p); }
-// [lanes 0..7 of a + lanes 8..15 of a | the same of b]: Fold512 of two tokens (or rows) at
-// once, as [a.lo | b.hi] + [a.hi | b.lo] (a blend and one cross-lane shuffle); integer adds,
-// so each half is Fold512's value exactly.
-HWY_INLINE __m512i Fold512Pair(__m512i a, __m512i b) {
-  return _mm512_add_epi32(_mm512_mask_blend_epi64(0xF0, a, b), _mm512_shuffle_i64x2(a, b, 0x4E));
-}
 // Hsum of the two 8-lane halves.
 HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
   *lo = Hsum(_mm512_castps512_ps256(v));
   *hi = Hsum(_mm512_extractf32x8_ps(v, 1));
 }
+
 // Highway's AVX3_DL target string names AVX-VNNI but not AVX512-VNNI, which the 512-bit forms
 // need; the kernels are called once per row, so they need not inline into their callers.
 #define KILN_VNNI512 __attribute__((target(HWY_TARGET_STR ",avx512vnni"), noinline))
@@ -671,12 +677,11 @@ KILN_VNNI512_INLINE __m128i ScalesMins8(const block_q4_K* b, int32_t* sc_even = 
 // and 64-bit integer ops and the f16 d/dmin by F16C (both exact, the same values as
 // ScalesMinsK4 and f16_to_f32): in a one-token kernel this per-block work is a third of the
 // instructions.
-// R rows at once (independent accumulator chains, the activation loads shared); each row's
-// arithmetic is the one-row kernel's, so R changes no bits. An even R runs the float tail of
-// rows 2j and 2j+1 in one 512-bit register (Fold512Pair, one convert, madd and FMA per term
-// for both rows, as DotQ4KBatch does for two tokens): every lane sees the one-row kernel's
-// operations in its order, so the bits stay (tests/ops MatmulKQOne: R = 4 and R = 1 rows of a
-// call against the plain kernel).
+// R rows at once (the activation loads shared); per block each row's exact totals (the plain
+// kernels' T1 and T2, docs/determinism.md) are reduced together (Totals8) and one 4-wide FMA
+// per term serves the R rows, in block order: the plain kernel's arithmetic per row, so R
+// changes no bits (tests/ops MatmulKQOne: R = 4 and R = 1 rows of a call against the plain
+// kernel).
 
 // Q4_K's low words carry this offset: 0 <= kLowBias + da < 2^15 for any Q4_K lane sum da
 // (|da| <= 4 * 15 * 128 = 7680).
@@ -713,17 +718,8 @@ KILN_VNNI512_INLINE __m512i Q4KOneLaneSums(const block_q4_K* b, const __m512i (&
 template <int R>
 KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, const int8_t* aq,
                             const block_q8_K* ys, float* out, const std::byte* pf = nullptr) {
-  static_assert(R == 1 || R % 2 == 0);
-  constexpr int P = R / 2;  // row pairs (R even)
-  const __m128 sign_odd = _mm_castsi128_ps(
-      _mm_set_epi32(static_cast<int>(0x80000000u), 0, static_cast<int>(0x80000000u), 0));
-  // [d0 * y.d x8 | d1 * y.d x8] and [-dmin0 * y.d x8 | -dmin1 * y.d x8] from lanes 0, 2 and
-  // 1, 3 of [d0 -dmin0 d1 -dmin1] * y.d
-  const __m512i idx_d = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(2), 1);
-  const __m512i idx_m = _mm512_inserti64x4(_mm512_set1_epi32(1), _mm256_set1_epi32(3), 1);
-  __m256 acc1 = _mm256_setzero_ps();
-  __m512 acc[P > 0 ? P : 1];
-  for (int q = 0; q < P; ++q) acc[q] = _mm512_setzero_ps();
+  static_assert(R >= 1 && R <= 4);
+  __m128 acc = _mm_setzero_ps();  // row r in lane r
   for (int64_t i = 0; i < nb; ++i) {
     if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_q4_K)>(pf + i * R * sizeof(block_q4_K));
     const block_q8_K& y = ys[i];
@@ -732,54 +728,29 @@ KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, con
     const __m512i a_hi[2] = {_mm512_load_si512(aq + i * 256 + 64),
                              _mm512_load_si512(aq + i * 256 + 192)};
     const __m256i bsums = Load32(y.bsums);
-    const auto block = [&](int r) {
-      return reinterpret_cast<const block_q4_K*>(row + r * stride + i * sizeof(block_q4_K));
-    };
-    if constexpr (R == 1) {
-      const block_q4_K* b = block(0);
+    // v[r]: row r's T1 lanes, v[4 + r]: its T2 lanes; Totals8 gives [T1 of rows 0..3 | T2 ...].
+    __m256i v[8];
+    for (int k = 0; k < 8; ++k) v[k] = _mm256_setzero_si256();
+    alignas(16) float dy[4] = {}, ny[4] = {};
+    for (int r = 0; r < R; ++r) {
+      const auto* b =
+          reinterpret_cast<const block_q4_K*>(row + r * stride + i * sizeof(block_q4_K));
       uint32_t dd;
       std::memcpy(&dd, &b->d, 4);  // d, dmin: adjacent f16s
       const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
-      const float d = _mm_cvtss_f32(dm), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+      dy[r] = _mm_cvtss_f32(dm) * y.d;
+      ny[r] = -_mm_cvtss_f32(_mm_movehdup_ps(dm)) * y.d;
       __m128i sm8;
-      const __m512i isum = Q4KOneLaneSums(b, a_lo, a_hi, &sm8);
-      const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8));  // m[k/2]
-      const __m256i msum = _mm256_madd_epi16(bsums, mins16);
-      acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(Fold512(isum)), acc1);
-      acc1 = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * y.d), _mm256_cvtepi32_ps(msum), acc1);
-    } else {
-      const __m512i bsums2 = _mm512_broadcast_i64x4(bsums);
-      const __m128 yd = _mm_set1_ps(y.d);
-      for (int q = 0; q < P; ++q) {
-        const block_q4_K* b0 = block(2 * q);
-        const block_q4_K* b1 = block(2 * q + 1);
-        uint32_t dd0, dd1;
-        std::memcpy(&dd0, &b0->d, 4);
-        std::memcpy(&dd1, &b1->d, 4);
-        // [d0 * y.d, -dmin0 * y.d, d1 * y.d, -dmin1 * y.d]: the one-row kernel's scalar
-        // products, each negation before its product as there (so a NaN y.d keeps its sign)
-        const __m128 dm = _mm_mul_ps(
-            _mm_xor_ps(
-                _mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(dd1), static_cast<int>(dd0))),
-                sign_odd),
-            yd);
-        const __m512 dy = _mm512_permutexvar_ps(idx_d, _mm512_castps128_ps512(dm));
-        const __m512 nmy = _mm512_permutexvar_ps(idx_m, _mm512_castps128_ps512(dm));
-        __m128i sm0, sm1;
-        const __m512i s0 = Q4KOneLaneSums(b0, a_lo, a_hi, &sm0);
-        const __m512i s1 = Q4KOneLaneSums(b1, a_lo, a_hi, &sm1);
-        const __m512i mins = _mm512_cvtepu8_epi16(
-            _mm256_set_m128i(_mm_unpackhi_epi8(sm1, sm1), _mm_unpackhi_epi8(sm0, sm0)));
-        const __m512i msum = _mm512_madd_epi16(bsums2, mins);
-        acc[q] = _mm512_fmadd_ps(dy, _mm512_cvtepi32_ps(Fold512Pair(s0, s1)), acc[q]);
-        acc[q] = _mm512_fmadd_ps(nmy, _mm512_cvtepi32_ps(msum), acc[q]);
-      }
+      v[r] = Fold512(Q4KOneLaneSums(b, a_lo, a_hi, &sm8));
+      v[4 + r] = _mm256_madd_epi16(bsums, _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8)));
     }
+    const __m256 tot = _mm256_cvtepi32_ps(Totals8(v));
+    acc = _mm_fmadd_ps(_mm_load_ps(dy), _mm256_castps256_ps128(tot), acc);
+    acc = _mm_fmadd_ps(_mm_load_ps(ny), _mm256_extractf128_ps(tot, 1), acc);
   }
-  if constexpr (R == 1)
-    out[0] = Hsum(acc1);
-  else
-    for (int q = 0; q < P; ++q) HsumPair(acc[q], out + 2 * q, out + 2 * q + 1);
+  alignas(16) float o[4];
+  _mm_store_ps(o, acc);
+  for (int r = 0; r < R; ++r) out[r] = o[r];
 }
 
 // The token's nb blocks of quants into DotQ4KOne's order at 64-byte aligned `scratch`.
@@ -830,53 +801,31 @@ KILN_VNNI512_INLINE __m512i Q6KOneLaneSums(const block_q6_K* b, const __m512i (&
 template <int R>
 KILN_VNNI512 void DotQ6KOne(const std::byte* row, size_t stride, int64_t nb, const block_q8_K* ys,
                             float* out, const std::byte* pf = nullptr) {
-  static_assert(R == 1 || R % 2 == 0);
-  constexpr int P = R / 2;
-  const __m512i idx_d = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
-  __m256 acc1 = _mm256_setzero_ps();
-  __m512 acc[P > 0 ? P : 1];
-  for (int q = 0; q < P; ++q) acc[q] = _mm512_setzero_ps();
+  static_assert(R >= 1 && R <= 8);
+  __m256 acc = _mm256_setzero_ps();  // row r in lane r
   for (int64_t i = 0; i < nb; ++i) {
     if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_q6_K)>(pf + i * R * sizeof(block_q6_K));
     const block_q8_K& y = ys[i];
     const __m512i ya[2] = {Load64(y.qs), Load64(y.qs + 128)},
                   yb[2] = {Load64(y.qs + 64), Load64(y.qs + 192)};
     const __m256i bsums = Load32(y.bsums);
-    const auto block = [&](int r) {
-      return reinterpret_cast<const block_q6_K*>(row + r * stride + i * sizeof(block_q6_K));
-    };
-    if constexpr (R == 1) {
-      const block_q6_K* b = block(0);
-      const float d = _cvtsh_ss(b->d.bits);  // F16C: exact, f16_to_f32's value
+    __m256i v[8];
+    for (int k = 0; k < 8; ++k) v[k] = _mm256_setzero_si256();
+    alignas(32) float dy[8] = {};
+    for (int r = 0; r < R; ++r) {
+      const auto* b =
+          reinterpret_cast<const block_q6_K*>(row + r * stride + i * sizeof(block_q6_K));
+      dy[r] = _cvtsh_ss(b->d.bits) * y.d;  // F16C: exact, f16_to_f32's value
       __m256i sc_all;
       const __m512i isum = Q6KOneLaneSums(b, ya, yb, &sc_all);
       const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bsums), 5);
-      const __m256i s = _mm256_sub_epi32(Fold512(isum), off);
-      acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), _mm256_cvtepi32_ps(s), acc1);
-    } else {
-      const __m512i bsums2 = _mm512_broadcast_i64x4(bsums);
-      const __m128 yd = _mm_set1_ps(y.d);
-      for (int q = 0; q < P; ++q) {
-        const block_q6_K* b0 = block(2 * q);
-        const block_q6_K* b1 = block(2 * q + 1);
-        const int dd = b0->d.bits | (b1->d.bits << 16);
-        // [d0 * y.d x8 | d1 * y.d x8]: the one-row kernel's products
-        const __m512 dy = _mm512_permutexvar_ps(
-            idx_d, _mm512_castps128_ps512(_mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(dd)), yd)));
-        __m256i sc0, sc1;
-        const __m512i s0 = Q6KOneLaneSums(b0, ya, yb, &sc0);
-        const __m512i s1 = Q6KOneLaneSums(b1, ya, yb, &sc1);
-        const __m512i sc2 = _mm512_inserti64x4(_mm512_castsi256_si512(sc0), sc1, 1);
-        const __m512i off = _mm512_slli_epi32(_mm512_madd_epi16(sc2, bsums2), 5);
-        const __m512i s = _mm512_sub_epi32(Fold512Pair(s0, s1), off);
-        acc[q] = _mm512_fmadd_ps(dy, _mm512_cvtepi32_ps(s), acc[q]);
-      }
+      v[r] = _mm256_sub_epi32(Fold512(isum), off);
     }
+    acc = _mm256_fmadd_ps(_mm256_load_ps(dy), _mm256_cvtepi32_ps(Totals8(v)), acc);
   }
-  if constexpr (R == 1)
-    out[0] = Hsum(acc1);
-  else
-    for (int q = 0; q < P; ++q) HsumPair(acc[q], out + 2 * q, out + 2 * q + 1);
+  alignas(32) float o[8];
+  _mm256_store_ps(o, acc);
+  for (int r = 0; r < R; ++r) out[r] = o[r];
 }
 
 // One-token kernels read each weight byte once, straight from DRAM, and the hardware prefetchers
@@ -924,15 +873,12 @@ void MatvecKOne(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 // streams was bound by instructions on the Zen 5 dev box and, once cheaper, by DRAM latency,
 // which the software prefetch below hides. Around the sums:
 // - the per-block decoding is DotQ4KOne's (F16C, 64-bit scale words, no stack round trip);
-// - the float tail runs two tokens per 512-bit register: tokens 2q and 2q+1 fold their 16-lane
-//   sums into one register's low and high 8 lanes (Fold512Pair), then one convert and one FMA
-//   per term serve both, against the tokens' scales broadcast 8-wide (FillKTileYde); an odd
-//   last token takes the 256-bit tail;
+// - per row and block the T tokens' exact totals are reduced together (Fold512, Totals8) and
+//   one 8-wide FMA per term serves them all, against the tokens' scales (one masked load);
 // - Q4_K pairs its two sub-block sums into words by an offset instead of a blend (kLowBias);
 // - two rows per call (up to kBatchTwoRowsMaxTok tokens) share the activation loads.
-// Each int32 lane ends with the plain kernel's value (integer sums are exact in any order) and
-// each float lane sees the plain kernel's ops in its order, hence its bits (tests/ops
-// MatmulKQBatch).
+// Each total is the plain kernel's (integer sums are exact in any order) and the float steps
+// are its steps in its order, hence its bits (tests/ops MatmulKQBatch).
 
 // The batched kernels' activation tile (built per call, or per row block past 8 tokens): the
 // tokens' Q8_K quants copied once into 64-byte aligned rows, for Q4_K ordered as its weights
@@ -1001,25 +947,24 @@ KILN_VNNI512_INLINE __m512i Q6KBatchLaneSums(const int8_t* at, const __m512i (&w
   return isum;
 }
 
-// Tile tokens k0..k0+T-1 x R rows `stride` bytes apart; out[r * 8 + t - k0]. Pairs of tokens
-// take the 512-bit tail, an odd last token a 256-bit one.
+// Tile tokens k0..k0+T-1 x R rows `stride` bytes apart; out[r * 8 + t - k0]. Per row and
+// block, the T tokens' exact totals (Fold512 then Totals8) and one 8-wide fma per term for all
+// of them: the plain kernel's arithmetic (DotQ45K), hence its bits.
 template <int T, int R>
-KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, KTile tile,
-                              const float* yde, int k0, float* out, const std::byte* pf) {
+KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, KTile tile, int k0,
+                              float* out, const std::byte* pf) {
   static_assert(T >= 1 && T <= 8);
-  constexpr int P = T / 2, kOdd = T % 2;
+  constexpr __mmask8 kTok = static_cast<__mmask8>((1u << T) - 1);
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m512i sc_idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
   const __m512i sc_idx1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
-  const __m128 sign = _mm_castsi128_ps(_mm_set1_epi32(static_cast<int>(0x80000000u)));
   const __m512i bias_hi = _mm512_set1_epi32(kLowBias << 16);  // kLowBias as a high word
-  __m512 acc[R][P + kOdd];  // [r][P]: the odd token in the low 8 lanes
-  for (int r = 0; r < R; ++r)
-    for (int q = 0; q < P + kOdd; ++q) acc[r][q] = _mm512_setzero_ps();
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     const int8_t* qi = tile.q + (i * 8 + k0) * 256;
     const int16_t* bi = tile.bsums + (i * 8 + k0) * 16;
-    const float* ye = yde + (i * 8 + k0) * 8;
+    const __m256 y8 = _mm256_maskz_loadu_ps(kTok, tile.yd + i * 8 + k0);  // the tokens' y.d
     if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_q4_K)>(pf + i * R * sizeof(block_q4_K));
     for (int r = 0; r < R; ++r) {
       const auto* b =
@@ -1027,12 +972,10 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
       uint32_t dd;
       std::memcpy(&dd, &b->d, 4);  // d, dmin: adjacent f16s
       const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
-      const __m512 d16 = _mm512_broadcastss_ps(dm);
-      const __m512 nm16 = _mm512_broadcastss_ps(_mm_movehdup_ps(_mm_xor_ps(dm, sign)));  // -dmin
+      const float d = _mm_cvtss_f32(dm), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
       int32_t sc_even;
       const __m128i sm8 = ScalesMins8(b, &sc_even);                              // [sc0..7 | m0..7]
       const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8));  // m[k/2]
-      const __m512i mins2 = _mm512_broadcast_i64x4(mins16);
       const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sm8));
       const __m512i sc[2] = {_mm512_permutexvar_epi32(sc_idx0, sc16),
                              _mm512_permutexvar_epi32(sc_idx1, sc16)};
@@ -1044,50 +987,40 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
       }
       // PairWords(da, db) without the blend: (db << 16 | kLowBias) + da has da + kLowBias in
       // its low word (no borrow, see kLowBias) and db in its high word, so vpdpwssd adds the
-      // pair's scaled sums plus kLowBias * the low word's scale. Summed over a block's four
-      // pairs and Fold512's two halves that extra is kLowBias * (sc0 + sc2 + sc4 + sc6), the
-      // same in every lane of every token, so neg_k takes it back out from lanes 0..7 (a
-      // scalar and one masked broadcast, where two vpdpwssd per row block gave the same sum
-      // split over both halves: the multiply pipes are what bounds this kernel). After
-      // Fold512 every lane ends with the plain kernel's int32 (integer adds, exact in any order).
+      // pair's scaled sums plus kLowBias * the low word's scale; summed over a block's four
+      // pairs that extra is kLowBias * (sc0 + sc2 + sc4 + sc6), which neg_k takes back out, so
+      // each token's lanes total its exact T1 (integer adds, exact in any order).
       const __m512i neg_k = _mm512_maskz_set1_epi32(0x00FF, -kLowBias * sc_even);
-      for (int q = 0; q < P; ++q) {
-        const __m512i s0 = Q4KBatchLaneSums(qi + 2 * q * 256, wlo, whi, sc, neg_k, bias_hi);
-        const __m512i s1 = Q4KBatchLaneSums(qi + (2 * q + 1) * 256, wlo, whi, sc, neg_k, bias_hi);
-        const __m512i msum = _mm512_madd_epi16(_mm512_load_si512(bi + 32 * q), mins2);
-        const __m512 yq = _mm512_load_ps(ye + 16 * q);
-        acc[r][q] = _mm512_fmadd_ps(_mm512_mul_ps(d16, yq), _mm512_cvtepi32_ps(Fold512Pair(s0, s1)),
-                                    acc[r][q]);
-        acc[r][q] = _mm512_fmadd_ps(_mm512_mul_ps(nm16, yq), _mm512_cvtepi32_ps(msum), acc[r][q]);
+      __m256i iv[8], mv[8];
+      for (int t = 0; t < 8; ++t) {
+        if (t >= T) {
+          iv[t] = mv[t] = _mm256_setzero_si256();
+          continue;
+        }
+        iv[t] = Fold512(Q4KBatchLaneSums(qi + t * 256, wlo, whi, sc, neg_k, bias_hi));
+        mv[t] = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(bi + 16 * t)),
+                                  mins16);
       }
-      if constexpr (kOdd) {
-        const __m256i isum =
-            Fold512(Q4KBatchLaneSums(qi + 2 * P * 256, wlo, whi, sc, neg_k, bias_hi));
-        const __m256i msum = _mm256_madd_epi16(
-            _mm256_load_si256(reinterpret_cast<const __m256i*>(bi + 32 * P)), mins16);
-        const __m256 y8 = _mm256_load_ps(ye + 16 * P);
-        __m256 a8 = _mm512_castps512_ps256(acc[r][P]);
-        a8 = _mm256_fmadd_ps(_mm256_mul_ps(_mm512_castps512_ps256(d16), y8),
-                             _mm256_cvtepi32_ps(isum), a8);
-        a8 = _mm256_fmadd_ps(_mm256_mul_ps(_mm512_castps512_ps256(nm16), y8),
-                             _mm256_cvtepi32_ps(msum), a8);
-        acc[r][P] = _mm512_castps256_ps512(a8);
-      }
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d), y8),
+                               _mm256_cvtepi32_ps(Totals8(iv)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-dmin), y8),
+                               _mm256_cvtepi32_ps(Totals8(mv)), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int q = 0; q < P; ++q) HsumPair(acc[r][q], out + r * 8 + 2 * q, out + r * 8 + 2 * q + 1);
-    if constexpr (kOdd) out[r * 8 + 2 * P] = Hsum(_mm512_castps512_ps256(acc[r][P]));
+    alignas(32) float o[8];
+    _mm256_store_ps(o, acc[r]);
+    for (int t = 0; t < T; ++t) out[r * 8 + t] = o[t];
   }
 }
 
-// Q6_K: the lane sums above; the -32 offset (sum_g sc_g * 32 * bsum_g) is taken off after
-// the fold, two tokens per madd.
+// Q6_K: the lane sums above, the -32 offset (sum_g sc_g * 32 * bsum_g) taken off each token's
+// folded lanes, then the tokens' exact totals as DotQ6K takes them.
 template <int T, int R>
-KILN_VNNI512 void DotQ6KBatch(const std::byte* row, size_t stride, int64_t nb, KTile tile,
-                              const float* yde, int k0, float* out, const std::byte* pf) {
+KILN_VNNI512 void DotQ6KBatch(const std::byte* row, size_t stride, int64_t nb, KTile tile, int k0,
+                              float* out, const std::byte* pf) {
   static_assert(T >= 1 && T <= 8);
-  constexpr int P = T / 2, kOdd = T % 2;
+  constexpr __mmask8 kTok = static_cast<__mmask8>((1u << T) - 1);
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
   const __m512i shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
@@ -1097,22 +1030,20 @@ KILN_VNNI512 void DotQ6KBatch(const std::byte* row, size_t stride, int64_t nb, K
       {8,  12, 8,  12, 8,  12, 8,  12, 9,  13, 9,  13, 9,  13, 9,  13,
        10, 14, 10, 14, 10, 14, 10, 14, 11, 15, 11, 15, 11, 15, 11, 15}};
   const __m512i sc_idx0 = _mm512_load_si512(kScIdx[0]), sc_idx1 = _mm512_load_si512(kScIdx[1]);
-  __m512 acc[R][P + kOdd];  // [r][P]: the odd token in the low 8 lanes
-  for (int r = 0; r < R; ++r)
-    for (int q = 0; q < P + kOdd; ++q) acc[r][q] = _mm512_setzero_ps();
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     const int8_t* qi = tile.q + (i * 8 + k0) * 256;
     const int16_t* bi = tile.bsums + (i * 8 + k0) * 16;
-    const float* ye = yde + (i * 8 + k0) * 8;
+    const __m256 y8 = _mm256_maskz_loadu_ps(kTok, tile.yd + i * 8 + k0);  // the tokens' y.d
     if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_q6_K)>(pf + i * R * sizeof(block_q6_K));
     for (int r = 0; r < R; ++r) {
       const auto* b =
           reinterpret_cast<const block_q6_K*>(row + r * stride + i * sizeof(block_q6_K));
-      const __m512 d16 = _mm512_set1_ps(_cvtsh_ss(b->d.bits));  // F16C: f16_to_f32's value
+      const float d = _cvtsh_ss(b->d.bits);  // F16C: f16_to_f32's value
       const __m256i sc_all =
           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
       const __m512i sc512 = _mm512_castsi256_si512(sc_all);
-      const __m512i sc2 = _mm512_broadcast_i64x4(sc_all);
       const __m512i sc[2] = {_mm512_permutexvar_epi16(sc_idx0, sc512),
                              _mm512_permutexvar_epi16(sc_idx1, sc512)};
       __m512i wa[2], wb[2];
@@ -1124,41 +1055,27 @@ KILN_VNNI512 void DotQ6KBatch(const std::byte* row, size_t stride, int64_t nb, K
         wb[h] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
                                 _mm512_and_si512(_mm512_srlv_epi16(qh, shr), m30));
       }
-      for (int q = 0; q < P; ++q) {
-        const __m512i s0 = Q6KBatchLaneSums(qi + 2 * q * 256, wa, wb, sc);
-        const __m512i s1 = Q6KBatchLaneSums(qi + (2 * q + 1) * 256, wa, wb, sc);
-        const __m512i off =
-            _mm512_slli_epi32(_mm512_madd_epi16(sc2, _mm512_load_si512(bi + 32 * q)), 5);
-        const __m512i s = _mm512_sub_epi32(Fold512Pair(s0, s1), off);
-        acc[r][q] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_load_ps(ye + 16 * q)),
-                                    _mm512_cvtepi32_ps(s), acc[r][q]);
-      }
-      if constexpr (kOdd) {
+      __m256i iv[8];
+      for (int t = 0; t < 8; ++t) {
+        if (t >= T) {
+          iv[t] = _mm256_setzero_si256();
+          continue;
+        }
         const __m256i off = _mm256_slli_epi32(
             _mm256_madd_epi16(sc_all,
-                              _mm256_load_si256(reinterpret_cast<const __m256i*>(bi + 32 * P))),
+                              _mm256_load_si256(reinterpret_cast<const __m256i*>(bi + 16 * t))),
             5);
-        const __m256i s =
-            _mm256_sub_epi32(Fold512(Q6KBatchLaneSums(qi + 2 * P * 256, wa, wb, sc)), off);
-        const __m256 a8 =
-            _mm256_fmadd_ps(_mm256_mul_ps(_mm512_castps512_ps256(d16), _mm256_load_ps(ye + 16 * P)),
-                            _mm256_cvtepi32_ps(s), _mm512_castps512_ps256(acc[r][P]));
-        acc[r][P] = _mm512_castps256_ps512(a8);
+        iv[t] = _mm256_sub_epi32(Fold512(Q6KBatchLaneSums(qi + t * 256, wa, wb, sc)), off);
       }
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d), y8),
+                               _mm256_cvtepi32_ps(Totals8(iv)), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int q = 0; q < P; ++q) HsumPair(acc[r][q], out + r * 8 + 2 * q, out + r * 8 + 2 * q + 1);
-    if constexpr (kOdd) out[r * 8 + 2 * P] = Hsum(_mm512_castps512_ps256(acc[r][P]));
+    alignas(32) float o[8];
+    _mm256_store_ps(o, acc[r]);
+    for (int t = 0; t < T; ++t) out[r * 8 + t] = o[t];
   }
-}
-
-// The tile's scales broadcast 8-wide, yde[(i*8 + k)*8 + l] = yd[i*8 + k], at `dst` rounded up
-// to 64 bytes (nb * 256 bytes used).
-const float* FillKTileYde(int64_t nb, const KTile& tile, std::byte* dst) {
-  auto* yde = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(dst) + 63) & ~uintptr_t{63});
-  for (int64_t j = 0; j < nb * 8; ++j) _mm256_store_ps(yde + j * 8, _mm256_set1_ps(tile.yd[j]));
-  return yde;
 }
 
 // Up to this many tokens two rows share a kernel call. More tokens: where the tile of all of
@@ -1174,12 +1091,12 @@ constexpr int64_t kBatchL1MaxBlocks = 12;
 // prefetched over the calls' block steps, once (the first piece's call).
 template <bool kQ4K, int R, int T>
 HWY_INLINE void DotKBatchRows(const std::byte* wr, size_t stride, int64_t nb, KTile tile,
-                              const float* yde, float* out, const std::byte* pf) {
+                              float* out, const std::byte* pf) {
   const auto dot = [&]<int U, int S>(const std::byte* w, int k0, float* o, const std::byte* p) {
     if constexpr (kQ4K)
-      DotQ4KBatch<U, S>(w, stride, nb, tile, yde, k0, o, p);
+      DotQ4KBatch<U, S>(w, stride, nb, tile, k0, o, p);
     else
-      DotQ6KBatch<U, S>(w, stride, nb, tile, yde, k0, o, p);
+      DotQ6KBatch<U, S>(w, stride, nb, tile, k0, o, p);
   };
   if constexpr (R == 1 || T <= kBatchTwoRowsMaxTok) {
     dot.template operator()<T, R>(wr, 0, out, pf);
@@ -1198,27 +1115,27 @@ HWY_INLINE void DotKBatchRows(const std::byte* wr, size_t stride, int64_t nb, KT
   }
 }
 template <bool kQ4K, int R>
-HWY_INLINE void DotKBatchPieces(const WeightMatrix& w, int64_t r, int64_t nb, KTile tile,
-                                const float* yde, int m, float* out, const std::byte* pf) {
+HWY_INLINE void DotKBatchPieces(const WeightMatrix& w, int64_t r, int64_t nb, KTile tile, int m,
+                                float* out, const std::byte* pf) {
   const std::byte* wr = w.row(r).data();
   const size_t stride = w.stride();
   switch (m) {
     case 1:
-      return DotKBatchRows<kQ4K, R, 1>(wr, stride, nb, tile, yde, out, pf);
+      return DotKBatchRows<kQ4K, R, 1>(wr, stride, nb, tile, out, pf);
     case 2:
-      return DotKBatchRows<kQ4K, R, 2>(wr, stride, nb, tile, yde, out, pf);
+      return DotKBatchRows<kQ4K, R, 2>(wr, stride, nb, tile, out, pf);
     case 3:
-      return DotKBatchRows<kQ4K, R, 3>(wr, stride, nb, tile, yde, out, pf);
+      return DotKBatchRows<kQ4K, R, 3>(wr, stride, nb, tile, out, pf);
     case 4:
-      return DotKBatchRows<kQ4K, R, 4>(wr, stride, nb, tile, yde, out, pf);
+      return DotKBatchRows<kQ4K, R, 4>(wr, stride, nb, tile, out, pf);
     case 5:
-      return DotKBatchRows<kQ4K, R, 5>(wr, stride, nb, tile, yde, out, pf);
+      return DotKBatchRows<kQ4K, R, 5>(wr, stride, nb, tile, out, pf);
     case 6:
-      return DotKBatchRows<kQ4K, R, 6>(wr, stride, nb, tile, yde, out, pf);
+      return DotKBatchRows<kQ4K, R, 6>(wr, stride, nb, tile, out, pf);
     case 7:
-      return DotKBatchRows<kQ4K, R, 7>(wr, stride, nb, tile, yde, out, pf);
+      return DotKBatchRows<kQ4K, R, 7>(wr, stride, nb, tile, out, pf);
     default:
-      return DotKBatchRows<kQ4K, R, 8>(wr, stride, nb, tile, yde, out, pf);
+      return DotKBatchRows<kQ4K, R, 8>(wr, stride, nb, tile, out, pf);
   }
 }
 
@@ -1246,17 +1163,15 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
       for (int k = 0; k < m; ++k)
         ys[k] = reinterpret_cast<const block_q8_K*>(job.xq + (t0 + k) * job.xq_row_bytes);
       FillKTile<kQ4K>(ys, m, nb, reinterpret_cast<std::byte*>(scratch), &tile);
-      const float* yde =
-          FillKTileYde(nb, tile, reinterpret_cast<std::byte*>(scratch) + kq_tile_bytes(nb));
       int64_t r = b0;
       for (; r + 2 <= b1; r += 2) {
         const std::byte* pf = GroupPrefetch(w, r, 2);
-        DotKBatchPieces<kQ4K, 2>(w, r, nb, tile, yde, m, out, pf);
+        DotKBatchPieces<kQ4K, 2>(w, r, nb, tile, m, out, pf);
         for (int rr = 0; rr < 2; ++rr)
           for (int j = 0; j < m; ++j) job.y[(t0 + j) * ldy + r + rr] = out[rr * 8 + j];
       }
       for (; r < b1; ++r) {
-        DotKBatchPieces<kQ4K, 1>(w, r, nb, tile, yde, m, out, nullptr);
+        DotKBatchPieces<kQ4K, 1>(w, r, nb, tile, m, out, nullptr);
         for (int j = 0; j < m; ++j) job.y[(t0 + j) * ldy + r] = out[j];
       }
     }
@@ -1655,6 +1570,8 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::Q4_K:
 #if HWY_TARGET == HWY_AVX3_DL
       if (!job.portable) {
+        if (job.amx && job.n_tok >= kQ8AmxMinTok && amx_usable())
+          return MatmulQ4KAmx(job, r0, r1, scratch);
         if (job.n_tok >= kKQPrefillMinTok) return MatmulQ4KPrefill(job, r0, r1, scratch);
         if (job.n_tok >= kKQBatchMinTok) return MatmulKBatch<true>(job, r0, r1, scratch);
         if (job.n_tok == 1) return MatvecKOne<true>(job, r0, r1, scratch);
@@ -1672,6 +1589,8 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::Q6_K:
 #if HWY_TARGET == HWY_AVX3_DL
       if (!job.portable) {
+        if (job.amx && job.n_tok >= kQ8AmxMinTok && amx_usable())
+          return MatmulQ6KAmx(job, r0, r1, scratch);
         if (job.n_tok >= kKQPrefillMinTok) return MatmulQ6KPrefill(job, r0, r1, scratch);
         if (job.n_tok >= kKQBatchMinTok) return MatmulKBatch<false>(job, r0, r1, scratch);
         if (job.n_tok == 1) return MatvecKOne<false>(job, r0, r1, scratch);
@@ -1818,6 +1737,8 @@ size_t matmul_scratch_floats(const WeightMatrix& w) {
     n = std::max(n, (kq_batch_tile_bytes(w.n_cols / 256) + 3) / 4);
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K)
     n = std::max(n, (kq_prefill_scratch_bytes(w.dtype, w.n_cols / 256, w.row_bytes) + 3) / 4);
+  if (w.dtype == DType::Q4_K) n = std::max(n, (q4k_amx_scratch_bytes(w.n_cols / 256) + 3) / 4);
+  if (w.dtype == DType::Q6_K) n = std::max(n, (q6k_amx_scratch_bytes(w.n_cols / 256) + 3) / 4);
   if (w.dtype == DType::Q8_0 || w.dtype == DType::Q4_0 || w.dtype == DType::Q5_0 ||
       w.dtype == DType::IQ4_NL || w.dtype == DType::MXFP4)
     n = std::max(n, (q8_vnni_scratch_bytes(w.n_cols) + 3) / 4);

@@ -12,17 +12,15 @@
 // 2p's quants 4L..4L+3 of one sub-block, 2L+1: token 2p+1's) and each sub-block's nibbles are
 // duplicated to match, so one vpdpbusd gives both tokens' 8 lane sums of one sub-block with no
 // fold, and every lane of a register shares one sub-block scale. The scale products come from one
-// 16-wide multiply per row, block and 8 tokens, broadcast per pair from memory; the min term's
+// 16-wide multiply per row, block and 8 tokens; the min term's
 // sum is the product of two exact floats (the tile's bsum pairs and the row's mins, |product| <
 // 2^24) instead of a madd and a convert; scales are decoded once per row block; K runs in chunks
 // whose activation tile stays in L1 (the v2 kernel streams wide rows' tiles from L2).
-// bench/matvec_bench BM_KQPrefillOnOff, 512 tokens, 1 thread, then against the v2 kernels (with the
-// 4-register Hsum tree below): Q4_K 1.14-1.15x at 2048 columns, 1.36-1.40x at 8192; Q6_K
-// 1.18-1.19x / 1.32x. Each int32 lane
-// equals the plain kernel's (integer sums are exact in any order) and each float lane sees the
-// plain kernel's two FMAs on the same values in the same order, then Hsum of its 8 lanes in
-// order: the plain kernel's bits (tests/ops MatmulKQPrefill). Q6_K (DotQ6KPrefill) follows the
-// same plan.
+// Each token's super-block totals T1 and T2 (docs/determinism.md) are its lanes' integer sums
+// (exact in any order; TotalsI, and TotalsF for the min term's exact products) and the float
+// steps are the plain kernel's, per block in block order: the plain kernel's bits (tests/ops
+// MatmulKQPrefill). Q6_K (DotQ6KPrefill) follows the same plan. Where the machine has AMX-INT8,
+// calls of kQ8AmxMinTok+ tokens take the AMX kernels below instead (MatmulQ4KAmx, MatmulQ6KAmx).
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul_kq.cpp"
@@ -32,6 +30,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -198,14 +197,6 @@ KILN_KQ_VNNI void BuildMetaQ6(const quant::block_q6_K& b, Q6KMeta& mt) {
   mt.neg_dmin = 0.0f;
 }
 
-// [p[0], p[1]] x 8 as one broadcast load (asm: GCC otherwise keeps the values in registers and
-// shuffles them on the multiply-side pipes, as in cpu_matmul_q8.cpp).
-HWY_INLINE __m512 BroadcastPair(const float* p) {
-  __m512 v;
-  asm("vbroadcastsd %1, %0" : "=v"(v) : "m"(*reinterpret_cast<const double*>(p)));
-  return v;
-}
-
 // Tile of `pairs` token pairs for blocks [i0, i0 + n), per block (stride
 // kq_prefill_tile_block_bytes(pairs)): [pair p][sub s] 64 bytes of interleaved quants; [pair p]
 // 16 floats, lane 2l + u: float(bsums[2l] + bsums[2l+1]) of token 2p + u; [group g] 16 floats:
@@ -274,36 +265,43 @@ KILN_KQ_VNNI void RowScales(const Meta* meta, int64_t n, const std::byte* tile, 
   }
 }
 
-// out[2p + u] = Hsum of token u's 8 lanes of acc[p] (lanes 2l + u), for all pairs: with 4 pairs
-// as one tree over the 4 registers (Hsum's adds: lane l + lane l+4, then (0, 2) and (1, 3), then
-// (0, 1); IEEE adds commute), 13 ops instead of 4 x 13.
-template <int P>
-KILN_KQ_INLINE void HsumPairs(const __m512 (&acc)[P], float* out) {
-  if constexpr (P == 4) {
-    // [a.lo256 | b.lo256] + [a.hi256 | b.hi256]: per pair, s_i = v_i + v_{i+4} at lanes 2i + u.
-    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(acc[0], acc[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(acc[2], acc[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    // 128-bit lane k = pair k: [s0 + s2, s1 + s3] for tokens A, B (lanes 2i + u).
-    const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
-    // Lanes 0, 1 of each 128-bit lane: (s0 + s2) + (s1 + s3) of tokens A, B.
-    const __m512 r = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
-    const __m512i pick = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(pick, r)));
-  } else {
-    const __m512i deint = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for (int p = 0; p < P; ++p) {
-      const __m512 v = _mm512_permutexvar_ps(deint, acc[p]);
-      out[2 * p] = Hsum(_mm512_castps512_ps256(v));
-      out[2 * p + 1] = Hsum(_mm512_extractf32x8_ps(v, 1));
-    }
-  }
+// Tokens 8g..8g+7's totals from the token-pair registers v[4g..4g+3] (lane 2l + u: token 2p + u's
+// lane l; a missing pair is zero): per pair, the halves added, then lanes l and l + 2 of each
+// 128-bit lane, then l and l + 1 (the adds of HsumPairs's tree, formerly on floats), so lane t
+// of the result = token 8g + t's sum of its 8 lanes. Ints: exact in any order. Floats (the min
+// term): exact too, every partial sum being an integer below 2^24 (docs/determinism.md).
+KILN_KQ_INLINE __m256i TotalsI(const __m512i* v, int n) {
+  const __m512i z = _mm512_setzero_si512();
+  const __m512i pick = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i a = v[0], b = n > 1 ? v[1] : z, c = n > 2 ? v[2] : z, d = n > 3 ? v[3] : z;
+  const __m512i s01 =
+      _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xEE));
+  const __m512i s23 =
+      _mm512_add_epi32(_mm512_shuffle_i32x4(c, d, 0x44), _mm512_shuffle_i32x4(c, d, 0xEE));
+  const __m512i t =
+      _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, 0x88), _mm512_shuffle_i32x4(s01, s23, 0xDD));
+  const __m512i r = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(pick, r));
+}
+KILN_KQ_INLINE __m256 TotalsF(const __m512* v, int n) {
+  const __m512 z = _mm512_setzero_ps();
+  const __m512i pick = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512 a = v[0], b = n > 1 ? v[1] : z, c = n > 2 ? v[2] : z, d = n > 3 ? v[3] : z;
+  const __m512 s01 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 s23 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  const __m512 t =
+      _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+  const __m512 r = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(pick, r));
 }
 
-// One row x P token pairs over the chunk's n blocks. acc: the pairs' float lanes carried
-// between chunks (read unless `first`); with `last`, out[t] for the 2P tokens instead.
+// One row x P token pairs over the chunk's n blocks, by exact super-block totals (the plain
+// kernel DotQ45K's arithmetic): per block each token's T1 (its pair register's 8 lanes) and T2
+// (the min term's 8 exact products), then per 8 tokens one FMA each. acc: the tokens' float
+// accumulators carried between chunks (read unless `first`); with `last`, out[t] for the 2P
+// tokens instead.
 template <int P>
 KILN_KQ_VNNI void DotQ4KPrefill(const block_q4_K* row, const Q4KMeta* meta, int64_t n,
                                 const std::byte* tile, const float* scl, float* acc_mem, bool first,
@@ -313,9 +311,9 @@ KILN_KQ_VNNI void DotQ4KPrefill(const block_q4_K* row, const Q4KMeta* meta, int6
   const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m512i bias_lo = _mm512_set1_epi32(kLowBias);
-  __m512 acc[P];
-  for (int p = 0; p < P; ++p)
-    acc[p] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc_mem + 16 * p);
+  __m256 acc[G];  // tokens 8g..8g+7
+  for (int g = 0; g < G; ++g)
+    acc[g] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc_mem + 8 * g);
   for (int64_t ib = 0; ib < n; ++ib) {
     const block_q4_K& b = row[ib];
     const Q4KMeta& mt = meta[ib];
@@ -335,9 +333,11 @@ KILN_KQ_VNNI void DotQ4KPrefill(const block_q4_K* row, const Q4KMeta* meta, int6
     const std::byte* tb = tile + ib * stride;
     const auto* bf = reinterpret_cast<const float*>(tb + P * 512);
     const float* si = scl + ib * G * 16;
+    __m512i isum[4 * G];
+    __m512 msum[4 * G];
     for (int p = 0; p < P; ++p) {
       const std::byte* a = tb + p * 512;
-      __m512i isum = nk;
+      __m512i s = nk;
       for (int j = 0; j < 4; ++j) {
         const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2 * j + 1],
                                                _mm512_load_si512(a + (2 * j + 1) * 64));
@@ -345,43 +345,53 @@ KILN_KQ_VNNI void DotQ4KPrefill(const block_q4_K* row, const Q4KMeta* meta, int6
         // vpshldd on them (no measurable difference either way on the dev box).
         const __m512i hi = _mm512_or_si512(_mm512_slli_epi32(db, 16), bias_lo);
         const __m512i pw = _mm512_dpbusd_epi32(hi, w[2 * j], _mm512_load_si512(a + 2 * j * 64));
-        isum = _mm512_dpwssd_epi32(isum, pw, sc[j]);
+        s = _mm512_dpwssd_epi32(s, pw, sc[j]);
       }
-      const __m512 msum = _mm512_mul_ps(_mm512_load_ps(bf + 16 * p), mf);
-      const float* sp = si + (p / 4) * 16 + 2 * (p % 4);
-      acc[p] = _mm512_fmadd_ps(BroadcastPair(sp), _mm512_cvtepi32_ps(isum), acc[p]);
-      acc[p] = _mm512_fmadd_ps(BroadcastPair(sp + 8), msum, acc[p]);
+      isum[p] = s;
+      msum[p] = _mm512_mul_ps(_mm512_load_ps(bf + 16 * p), mf);
+    }
+    for (int g = 0; g < G; ++g) {
+      const int np = std::min(4, P - 4 * g);
+      const __m512 sg = _mm512_load_ps(si + 16 * g);  // [d * yd | -dmin * yd] of tokens 8g..
+      acc[g] = _mm256_fmadd_ps(_mm512_castps512_ps256(sg),
+                               _mm256_cvtepi32_ps(TotalsI(isum + 4 * g, np)), acc[g]);
+      acc[g] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(sg, 1), TotalsF(msum + 4 * g, np), acc[g]);
     }
   }
   if (!last) {
-    for (int p = 0; p < P; ++p) _mm512_store_ps(acc_mem + 16 * p, acc[p]);
+    for (int g = 0; g < G; ++g) _mm256_store_ps(acc_mem + 8 * g, acc[g]);
     return;
   }
-  HsumPairs<P>(acc, out);
+  for (int g = 0; g < G; ++g) {
+    alignas(32) float o[8];
+    _mm256_store_ps(o, acc[g]);
+    for (int t = 0; t < 8 && 8 * g + t < 2 * P; ++t) out[8 * g + t] = o[t];
+  }
 }
 
 // Q6_K, the same register tile: isum starts at the -32 offset (one vpmaddwd of the tile's bsum
 // words against the row's), each pair of sub-blocks' lane sums (|sum| <= 4 * 63 * 127 < 2^15)
-// is packed into words by a blend and scaled by one vpdpwssd; one FMA per pair and block, as
-// the plain kernel's one per token and block.
+// is packed into words by a blend and scaled by one vpdpwssd; per block each token's exact total,
+// then one FMA per 8 tokens (DotQ6K's arithmetic).
 template <int P>
 KILN_KQ_VNNI void DotQ6KPrefill(const std::byte* /*row: decoded into meta*/, const Q6KMeta* meta,
                                 int64_t n, const std::byte* tile, const float* scl, float* acc_mem,
                                 bool first, bool last, float* out) {
   constexpr int G = (P + 3) / 4;
   const size_t stride = kq_prefill_tile_block_bytes(P);
-  __m512 acc[P];
-  for (int p = 0; p < P; ++p)
-    acc[p] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc_mem + 16 * p);
+  __m256 acc[G];
+  for (int g = 0; g < G; ++g)
+    acc[g] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc_mem + 8 * g);
   for (int64_t ib = 0; ib < n; ++ib) {
     const Q6KMeta& mt = meta[ib];
     const std::byte* tb = tile + ib * stride;
     const auto* bs = reinterpret_cast<const int16_t*>(tb + P * 512);
     const float* si = scl + ib * G * 16;
     const __m512i sc32 = _mm512_load_si512(mt.sc32);
+    __m512i isum[4 * G];
     for (int p = 0; p < P; ++p) {
       const std::byte* a = tb + p * 512;
-      __m512i isum = _mm512_madd_epi16(_mm512_load_si512(bs + 32 * p), sc32);
+      __m512i s = _mm512_madd_epi16(_mm512_load_si512(bs + 32 * p), sc32);
       for (int j = 0; j < 4; ++j) {
         const __m512i da =
             _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(mt.w[2 * j]),
@@ -390,18 +400,278 @@ KILN_KQ_VNNI void DotQ6KPrefill(const std::byte* /*row: decoded into meta*/, con
             _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(mt.w[2 * j + 1]),
                                 _mm512_load_si512(a + (2 * j + 1) * 64));
         const __m512i pw = _mm512_mask_blend_epi16(0xAAAAAAAAu, da, _mm512_slli_epi32(db, 16));
-        isum = _mm512_dpwssd_epi32(isum, pw, _mm512_load_si512(mt.sc[j]));
+        s = _mm512_dpwssd_epi32(s, pw, _mm512_load_si512(mt.sc[j]));
       }
-      acc[p] = _mm512_fmadd_ps(BroadcastPair(si + (p / 4) * 16 + 2 * (p % 4)),
-                               _mm512_cvtepi32_ps(isum), acc[p]);
+      isum[p] = s;
     }
+    for (int g = 0; g < G; ++g)
+      acc[g] = _mm256_fmadd_ps(_mm256_load_ps(si + 16 * g),
+                               _mm256_cvtepi32_ps(TotalsI(isum + 4 * g, std::min(4, P - 4 * g))),
+                               acc[g]);
   }
   if (!last) {
-    for (int p = 0; p < P; ++p) _mm512_store_ps(acc_mem + 16 * p, acc[p]);
+    for (int g = 0; g < G; ++g) _mm256_store_ps(acc_mem + 8 * g, acc[g]);
     return;
   }
-  HsumPairs<P>(acc, out);
+  for (int g = 0; g < G; ++g) {
+    alignas(32) float o[8];
+    _mm256_store_ps(o, acc[g]);
+    for (int t = 0; t < 8 && 8 * g + t < 2 * P; ++t) out[8 * g + t] = o[t];
+  }
 }
+
+// ---------------------------------------------------------------- AMX Q4_K (Sapphire Rapids+)
+// By the exact super-block totals every Q4_K kernel computes (docs/determinism.md): TDPBSSD
+// multiplies a tile of 16 tokens x one sub-block's 32 activation quants (read in place from the
+// Q8_K rows) by a B tile of the same sub-block of 16 rows (their quants 0..15, 4 consecutive ones
+// of each row side by side), giving each (token, row) the sub-block's exact int32 sum; the
+// epilogue scales the 8 sums by the rows' 6-bit scales (vpmulld) into T1, takes T2 from the
+// tokens' bsums against the rows' mins (vpdpwssd), and runs the plain kernel's two FMAs per block,
+// 16 rows wide, in block order.
+
+#define KILN_KQ_AMX \
+  __attribute__((target(HWY_TARGET_STR ",avx512vnni,amx-tile,amx-int8"), noinline))
+
+struct alignas(64) KqAmxTileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0..3: C (m tokens x 16 rows of int32); 4, 5: A (m tokens x 32 bytes); 6, 7: B (8 x 64).
+KILN_KQ_AMX void ConfigureQ4KTiles(int m) {
+  KqAmxTileConfig c;
+  for (int k = 0; k < 4; ++k) {
+    c.rows[k] = static_cast<uint8_t>(m);
+    c.colsb[k] = 64;
+  }
+  for (int k = 4; k < 6; ++k) {
+    c.rows[k] = static_cast<uint8_t>(m);
+    c.colsb[k] = 32;
+    c.rows[k + 2] = 8;
+    c.colsb[k + 2] = 64;
+  }
+  // asm with the config as a memory operand (cpu_matmul_q8.cpp ConfigureQ8Tiles says why).
+  asm volatile("ldtilecfg %0" : : "m"(c));
+}
+
+// One (16-row group, block) packed: bt[j * 512 + kk * 64 + k * 4 + e] = row k's quant 4kk + e of
+// sub-block j; sc[j][k] its scale, mm[l][k] = m_l | m_l << 16 (against a token's bsums words 2l,
+// 2l+1), dd[0][k] = d, dd[1][k] = -dmin (exact). Rows k >= n: zero.
+struct Q4KAmxBlock {
+  int8_t bt[8 * 512];
+  int32_t sc[8][16], mm[8][16];
+  float dd[2][16];
+};
+static_assert(sizeof(Q4KAmxBlock) == kQ4KAmxGroupBlockBytes);
+
+KILN_KQ_AMX void PackQ4KAmxRows(const WeightMatrix& w, int64_t r, int n, Q4KAmxBlock* out) {
+  const int64_t nb = w.n_cols / 256;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  // Dword kk of a row's 32 quants of one sub-block goes to byte kk * 64 of its B tile.
+  const __m256i kk16 = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+  for (int64_t i = 0; i < nb; ++i) {
+    Q4KAmxBlock& pb = out[i];
+    if (n < 16) std::memset(&pb, 0, sizeof pb);
+    for (int k = 0; k < n; ++k) {
+      const auto& b = reinterpret_cast<const block_q4_K*>(w.row(r + k).data())[i];
+      for (int jj = 0; jj < 4; ++jj) {  // sub-blocks 2jj (low nibbles) and 2jj + 1 (high)
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * jj));
+        _mm256_i32scatter_epi32(pb.bt + 2 * jj * 512 + k * 4, kk16, _mm256_and_si256(q, m4), 4);
+        _mm256_i32scatter_epi32(pb.bt + (2 * jj + 1) * 512 + k * 4, kk16,
+                                _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), 4);
+      }
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, m;
+        ScaleMinK4(j, b.scales, &sc, &m);
+        pb.sc[j][k] = sc;
+        pb.mm[j][k] = static_cast<int32_t>(m) | (static_cast<int32_t>(m) << 16);
+      }
+      pb.dd[0][k] = f16_to_f32(b.d);
+      pb.dd[1][k] = -f16_to_f32(b.dmin);
+    }
+  }
+}
+
+// Block i's sub-blocks s0..s0+3 into C tiles 0..3 (A tiles 4/5 and B tiles 6/7 alternating) and
+// out to c[s0..s0+3]. Macros: the tile intrinsics need literal tile numbers.
+#define KILN_Q4K_AMX_SUB(ct, at, btile, a, lda, bt, s) \
+  do {                                                 \
+    _tile_loadd(at, (a) + 32 * (s), lda);              \
+    _tile_loadd(btile, (bt) + (s)*512, 64);            \
+    _tile_dpbssd(ct, at, btile);                       \
+  } while (0)
+#define KILN_Q4K_AMX_HALF(a, lda, bt, s0, c)         \
+  do {                                               \
+    _tile_zero(0);                                   \
+    _tile_zero(1);                                   \
+    _tile_zero(2);                                   \
+    _tile_zero(3);                                   \
+    KILN_Q4K_AMX_SUB(0, 4, 6, a, lda, bt, (s0));     \
+    KILN_Q4K_AMX_SUB(1, 5, 7, a, lda, bt, (s0) + 1); \
+    KILN_Q4K_AMX_SUB(2, 4, 6, a, lda, bt, (s0) + 2); \
+    KILN_Q4K_AMX_SUB(3, 5, 7, a, lda, bt, (s0) + 3); \
+    _tile_stored(0, (c)[(s0)], 64);                  \
+    _tile_stored(1, (c)[(s0) + 1], 64);              \
+    _tile_stored(2, (c)[(s0) + 2], 64);              \
+    _tile_stored(3, (c)[(s0) + 3], 64);              \
+  } while (0)
+
+// m tokens (Q8_K rows ldx bytes apart from xq) x one packed 16-row group: rows k < n of token t
+// to y[t * ldy + k].
+template <int kM>
+KILN_KQ_AMX void DotQ4KAmx(const Q4KAmxBlock* pb, int64_t nb, const std::byte* xq, size_t ldx,
+                           int m, int n, float* y, int64_t ldy) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  alignas(64) int32_t c[8][16][16];
+  const auto lda = static_cast<long>(ldx);
+  for (int64_t i = 0; i < nb; ++i) {
+    const Q4KAmxBlock& b = pb[i];
+    const std::byte* a = xq + i * sizeof(block_q8_K) + offsetof(block_q8_K, qs);
+    KILN_Q4K_AMX_HALF(a, lda, b.bt, 0, c);
+    KILN_Q4K_AMX_HALF(a, lda, b.bt, 4, c);
+    const __m512 d16 = _mm512_load_ps(b.dd[0]), nm16 = _mm512_load_ps(b.dd[1]);
+    _Pragma("GCC unroll 16") for (int t = 0; t < (kM > 0 ? kM : 16); ++t) {
+      if (kM == 0 && t >= m) break;
+      const auto& yq = reinterpret_cast<const block_q8_K*>(xq + t * ldx)[i];
+      __m512i t1 = _mm512_mullo_epi32(_mm512_load_si512(c[0][t]), _mm512_load_si512(b.sc[0]));
+      for (int j = 1; j < 8; ++j)
+        t1 = _mm512_add_epi32(
+            t1, _mm512_mullo_epi32(_mm512_load_si512(c[j][t]), _mm512_load_si512(b.sc[j])));
+      __m512i t2 = _mm512_setzero_si512();
+      for (int l = 0; l < 8; ++l) {
+        int32_t pair;  // bsums[2l] | bsums[2l + 1] << 16
+        std::memcpy(&pair, yq.bsums + 2 * l, 4);
+        t2 = _mm512_dpwssd_epi32(t2, _mm512_set1_epi32(pair), _mm512_load_si512(b.mm[l]));
+      }
+      const __m512 yd = _mm512_set1_ps(yq.d);
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d16, yd), _mm512_cvtepi32_ps(t1), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(nm16, yd), _mm512_cvtepi32_ps(t2), acc[t]);
+    }
+  }
+  const auto rows = static_cast<__mmask16>((1u << n) - 1);
+  for (int t = 0; t < m; ++t) _mm512_mask_storeu_ps(y + t * ldy, rows, acc[t]);
+}
+#undef KILN_Q4K_AMX_HALF
+#undef KILN_Q4K_AMX_SUB
+
+// Q6_K the same way, per group of 16 quants (its scales' unit): TDPBSSD of 16 tokens x 16
+// activation quants by a B tile of the group's 16 rows' signed codes q - 32 (so no offset term),
+// each (token, row) the group's exact sum; the epilogue's T = sum_g sc_g * sum_g by vpmulld, then
+// DotQ6K's FMA per block.
+// Tiles 0..3: C; 4, 5: A (m tokens x 16 bytes); 6, 7: B (4 x 64 bytes).
+KILN_KQ_AMX void ConfigureQ6KTiles(int m) {
+  KqAmxTileConfig c;
+  for (int k = 0; k < 4; ++k) {
+    c.rows[k] = static_cast<uint8_t>(m);
+    c.colsb[k] = 64;
+  }
+  for (int k = 4; k < 6; ++k) {
+    c.rows[k] = static_cast<uint8_t>(m);
+    c.colsb[k] = 16;
+    c.rows[k + 2] = 4;
+    c.colsb[k + 2] = 64;
+  }
+  asm volatile("ldtilecfg %0" : : "m"(c));
+}
+
+struct Q6KAmxBlock {
+  int8_t bt[16 * 256];  // group g: bt[g * 256 + kk * 64 + k * 4 + e] = row k's code 16g + 4kk + e
+  int32_t sc[16][16];   // group g's scale of row k
+  float d[16];
+};
+static_assert(sizeof(Q6KAmxBlock) == kQ6KAmxGroupBlockBytes);
+
+// Bits shift and shift + 1 of each byte of v, at bits 4..5 (a Q6_K code's high bits).
+KILN_KQ_INLINE __m256i Q6KHigh2(__m256i v, int shift, __m256i m3) {
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v, shift), m3), 4);
+}
+
+KILN_KQ_AMX void PackQ6KAmxRows(const WeightMatrix& w, int64_t r, int n, Q6KAmxBlock* out) {
+  const int64_t nb = w.n_cols / 256;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), c32 = _mm256_set1_epi8(32);
+  // Dword d of 32 codes (groups 2x, 2x + 1 of a half) goes to byte d * 64 after the first
+  // group's B tile start (a group's tile is 4 x 64 bytes).
+  const __m256i d16 = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+  for (int64_t i = 0; i < nb; ++i) {
+    Q6KAmxBlock& pb = out[i];
+    if (n < 16) std::memset(&pb, 0, sizeof pb);
+    for (int k = 0; k < n; ++k) {
+      const auto& b = reinterpret_cast<const quant::block_q6_K*>(w.row(r + k).data())[i];
+      for (int h = 0; h < 2; ++h) {  // the format's layout: codes 128h + 32x + l from ql, qh
+        const __m256i la = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
+        const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
+        const __m256i c[4] = {
+            _mm256_or_si256(_mm256_and_si256(la, m4), Q6KHigh2(qh, 0, m3)),
+            _mm256_or_si256(_mm256_and_si256(lb, m4), Q6KHigh2(qh, 2, m3)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), m4), Q6KHigh2(qh, 4, m3)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), m4), Q6KHigh2(qh, 6, m3))};
+        for (int x = 0; x < 4; ++x)
+          _mm256_i32scatter_epi32(pb.bt + (8 * h + 2 * x) * 256 + k * 4, d16,
+                                  _mm256_sub_epi8(c[x], c32), 4);
+      }
+      for (int g = 0; g < 16; ++g) pb.sc[g][k] = b.scales[g];
+      pb.d[k] = f16_to_f32(b.d);
+    }
+  }
+}
+
+#define KILN_Q6K_AMX_GROUP(ct, at, btile, a, lda, bt, g) \
+  do {                                                   \
+    _tile_loadd(at, (a) + 16 * (g), lda);                \
+    _tile_loadd(btile, (bt) + (g)*256, 64);              \
+    _tile_dpbssd(ct, at, btile);                         \
+  } while (0)
+#define KILN_Q6K_AMX_QUARTER(a, lda, bt, g0, c)        \
+  do {                                                 \
+    _tile_zero(0);                                     \
+    _tile_zero(1);                                     \
+    _tile_zero(2);                                     \
+    _tile_zero(3);                                     \
+    KILN_Q6K_AMX_GROUP(0, 4, 6, a, lda, bt, (g0));     \
+    KILN_Q6K_AMX_GROUP(1, 5, 7, a, lda, bt, (g0) + 1); \
+    KILN_Q6K_AMX_GROUP(2, 4, 6, a, lda, bt, (g0) + 2); \
+    KILN_Q6K_AMX_GROUP(3, 5, 7, a, lda, bt, (g0) + 3); \
+    _tile_stored(0, (c)[(g0)], 64);                    \
+    _tile_stored(1, (c)[(g0) + 1], 64);                \
+    _tile_stored(2, (c)[(g0) + 2], 64);                \
+    _tile_stored(3, (c)[(g0) + 3], 64);                \
+  } while (0)
+
+template <int kM>
+KILN_KQ_AMX void DotQ6KAmx(const Q6KAmxBlock* pb, int64_t nb, const std::byte* xq, size_t ldx,
+                           int m, int n, float* y, int64_t ldy) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  alignas(64) int32_t c[16][16][16];
+  const auto lda = static_cast<long>(ldx);
+  for (int64_t i = 0; i < nb; ++i) {
+    const Q6KAmxBlock& b = pb[i];
+    const std::byte* a = xq + i * sizeof(block_q8_K) + offsetof(block_q8_K, qs);
+    KILN_Q6K_AMX_QUARTER(a, lda, b.bt, 0, c);
+    KILN_Q6K_AMX_QUARTER(a, lda, b.bt, 4, c);
+    KILN_Q6K_AMX_QUARTER(a, lda, b.bt, 8, c);
+    KILN_Q6K_AMX_QUARTER(a, lda, b.bt, 12, c);
+    const __m512 d16 = _mm512_load_ps(b.d);
+    _Pragma("GCC unroll 16") for (int t = 0; t < (kM > 0 ? kM : 16); ++t) {
+      if (kM == 0 && t >= m) break;
+      __m512i tot = _mm512_mullo_epi32(_mm512_load_si512(c[0][t]), _mm512_load_si512(b.sc[0]));
+      for (int g = 1; g < 16; ++g)
+        tot = _mm512_add_epi32(
+            tot, _mm512_mullo_epi32(_mm512_load_si512(c[g][t]), _mm512_load_si512(b.sc[g])));
+      const float yd = reinterpret_cast<const block_q8_K*>(xq + t * ldx)[i].d;
+      acc[t] =
+          _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(yd)), _mm512_cvtepi32_ps(tot), acc[t]);
+    }
+  }
+  const auto rows = static_cast<__mmask16>((1u << n) - 1);
+  for (int t = 0; t < m; ++t) _mm512_mask_storeu_ps(y + t * ldy, rows, acc[t]);
+}
+#undef KILN_Q6K_AMX_QUARTER
+#undef KILN_Q6K_AMX_GROUP
 
 template <class Block, class Meta>
 using DotFn = void (*)(const Block*, const Meta*, int64_t, const std::byte*, const float*, float*,
@@ -496,6 +766,50 @@ void MatmulQ6KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scrat
   MatmulKQPrefill<true>(job, r0, r1, scratch);
 }
 
+// Row blocks of up to q4k_amx_groups / q6k_amx_groups(nb) groups of 16 rows, packed at once, x
+// tiles of 16 tokens (a last one of fewer). `scratch` holds q4k / q6k_amx_scratch_bytes(nb).
+template <
+    class PackedBlock, int64_t (*Groups)(int64_t), void (*Configure)(int),
+    void (*Pack)(const WeightMatrix&, int64_t, int, PackedBlock*),
+    void (*Dot16)(const PackedBlock*, int64_t, const std::byte*, size_t, int, int, float*, int64_t),
+    void (*DotM)(const PackedBlock*, int64_t, const std::byte*, size_t, int, int, float*, int64_t)>
+KILN_KQ_AMX void MatmulKQAmx(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / 256, ldy = w.n_rows, groups = Groups(nb);
+  auto* p = reinterpret_cast<std::byte*>(scratch);
+  auto* packed = Align64<PackedBlock>(p, static_cast<size_t>(groups * nb));
+  int configured = 0;
+  for (int64_t b0 = r0; b0 < r1; b0 += 16 * groups) {
+    const int64_t b1 = std::min(r1, b0 + 16 * groups);
+    for (int64_t r = b0; r < b1; r += 16)
+      Pack(w, r, static_cast<int>(std::min<int64_t>(16, b1 - r)), packed + (r - b0) / 16 * nb);
+    for (int64_t t0 = 0; t0 < job.n_tok; t0 += 16) {
+      const int m = static_cast<int>(std::min<int64_t>(16, job.n_tok - t0));
+      if (m != configured) {
+        Configure(m);
+        configured = m;
+      }
+      const std::byte* xq = job.xq + t0 * job.xq_row_bytes;
+      for (int64_t r = b0; r < b1; r += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, b1 - r));
+        const PackedBlock* pb = packed + (r - b0) / 16 * nb;
+        float* y = job.y + t0 * ldy + r;
+        (m == 16 ? Dot16 : DotM)(pb, nb, xq, job.xq_row_bytes, m, n, y, ldy);
+      }
+    }
+  }
+  _tile_release();
+}
+
+void MatmulQ4KAmx(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  MatmulKQAmx<Q4KAmxBlock, q4k_amx_groups, ConfigureQ4KTiles, PackQ4KAmxRows, DotQ4KAmx<16>,
+              DotQ4KAmx<0>>(job, r0, r1, scratch);
+}
+void MatmulQ6KAmx(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  MatmulKQAmx<Q6KAmxBlock, q6k_amx_groups, ConfigureQ6KTiles, PackQ6KAmxRows, DotQ6KAmx<16>,
+              DotQ6KAmx<0>>(job, r0, r1, scratch);
+}
+#undef KILN_KQ_AMX
 #undef KILN_KQ_VNNI
 #undef KILN_KQ_INLINE
 #endif  // HWY_ARCH_X86 && HWY_AVX3_DL

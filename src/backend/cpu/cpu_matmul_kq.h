@@ -51,6 +51,30 @@ inline size_t kq_prefill_scratch_bytes(DType t, int64_t nb, size_t row_bytes) {
          chunk * kq_prefill_tile_block_bytes(kKQPrefillPairs) +
          rb * static_cast<size_t>(kKQPrefillPairs) * 64 + 2 * chunk * groups * 64 + 8 * 64;
 }
+// The AMX Q4_K and Q6_K kernels (cpu_matmul_kq.cpp MatmulQ4KAmx, MatmulQ6KAmx), from
+// kQ8AmxMinTok tokens where the
+// machine has AMX-INT8: per (16-row group, block) its packed B tiles (8 sub-blocks x 512 bytes),
+// scales and min words as int32 (2 x 16 x 8 x 4 bytes) and d / -dmin (2 x 16 floats). Groups
+// packed at once: up to 8, within ~1.5 MiB.
+constexpr size_t kQ4KAmxGroupBlockBytes = 8 * 512 + 2 * 8 * 16 * 4 + 2 * 16 * 4;
+inline int64_t q4k_amx_groups(int64_t nb) {
+  return std::clamp<int64_t>(
+      (int64_t{3} << 19) / std::max<int64_t>(1, nb * int64_t{kQ4KAmxGroupBlockBytes}), 1, 8);
+}
+inline size_t q4k_amx_scratch_bytes(int64_t nb) {
+  return static_cast<size_t>(q4k_amx_groups(nb) * nb) * kQ4KAmxGroupBlockBytes + 8 * 16 * 16 * 4 +
+         4 * 64;
+}
+// Q6_K's (MatmulQ6KAmx): per (16-row group, block) B tiles of its 16 groups of 16 quants (16 x 256
+// bytes), the groups' scales as int32 (16 x 16 x 4) and d (16 floats).
+constexpr size_t kQ6KAmxGroupBlockBytes = 16 * 256 + 16 * 16 * 4 + 16 * 4;
+inline int64_t q6k_amx_groups(int64_t nb) {
+  return std::clamp<int64_t>(
+      (int64_t{3} << 19) / std::max<int64_t>(1, nb * int64_t{kQ6KAmxGroupBlockBytes}), 1, 8);
+}
+inline size_t q6k_amx_scratch_bytes(int64_t nb) {
+  return static_cast<size_t>(q6k_amx_groups(nb) * nb) * kQ6KAmxGroupBlockBytes + 4 * 64;
+}
 // n / 256 Q8_K blocks of x at dst, quantize_act_row's bytes, where this machine has AVX-512
 // (returns false and writes nothing elsewhere).
 bool quantize_q8k_simd(const float* x, int64_t n, std::byte* dst);

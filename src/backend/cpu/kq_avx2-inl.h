@@ -1,15 +1,15 @@
 // backend/cpu/kq_avx2-inl.h: the Q4_K and Q6_K int8 dots of machines with AVX2 but no AVX-512
 // (AMD Zen 2/3, Intel client cores), where every Q4_K / Q6_K matmul takes them: decode, batched
 // decode and prefill. They compute cpu_matmul.cpp's plain DotQ45K / DotQ6K exactly: the same
-// int32 lanes (integer sums are exact in any order) and, per token, the same two float FMAs per
-// block in block order, then Hsum. What differs is how the sub-block scales reach the
-// multiply-adds: the plain kernels build each sub-block's scale vector from a byte in memory (a
-// byte extract and a broadcast, 3 ops, 8 times per block); here the block's scales are widened
-// to words once and each sub-block's vector is one in-lane shuffle of them. The plain kernels
-// stay as they are, the reference these are compared with bit for bit (tests/ops MatmulKQOne and
-// MatmulKQBatch on every target, MatmulKQPrefill on an AVX2 machine) and the arithmetic the
-// AVX-512 kernels also reproduce. Included once per Highway target by cpu_matmul.cpp; only the AVX2
-// target defines anything.
+// exact super-block totals (integer sums, exact in any order) and, per token, the same float
+// FMAs per block in block order (docs/determinism.md). What differs is how the sub-block scales
+// reach the multiply-adds: the plain kernels build each sub-block's scale vector from a byte in
+// memory (a byte extract and a broadcast, 3 ops, 8 times per block); here the block's scales are
+// widened to words once and each sub-block's vector is one in-lane shuffle of them. The plain
+// kernels stay as they are, the reference these are compared with bit for bit (tests/ops
+// MatmulKQOne and MatmulKQBatch on every target, MatmulKQPrefill on an AVX2 machine) and the
+// arithmetic the AVX-512 kernels also reproduce. Included once per Highway target by
+// cpu_matmul.cpp; only the AVX2 target defines anything.
 #if defined(KILN_BACKEND_CPU_KQ_AVX2_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KILN_BACKEND_CPU_KQ_AVX2_INL_H_
 #undef KILN_BACKEND_CPU_KQ_AVX2_INL_H_
@@ -41,6 +41,21 @@ HWY_INLINE void ScalesMinsK4(const uint8_t* packed, uint8_t out[16]) {
   u[0] &= kMask1;
   std::memcpy(out, u, 16);
 }
+
+#if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
+// Lane t = the sum of v[t]'s eight int32 lanes: pairwise horizontal adds give
+// [t0 t1 t2 t3 | t0 t1 t2 t3] partials, then the halves. Integer sums, so any grouping of the
+// lanes gives the same total (two's complement wraps alike in every order, and the totals the
+// kernels take fit in int32): the exact block totals of docs/determinism.md.
+HWY_INLINE __m256i Totals8(const __m256i (&v)[8]) {
+  const __m256i h0 =
+      _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i h1 =
+      _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
+                          _mm256_permute2x128_si256(h0, h1, 0x31));
+}
+#endif
 
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
 // f16_to_f32 in one instruction (F16C, part of Highway's AVX2 target): the same float for all
@@ -117,27 +132,19 @@ HWY_INLINE __m256i Q4KPairDot(__m256i lo, __m256i hi, __m256i sc_lo, __m256i sc_
       sc_hi);
   return _mm256_add_epi32(p0, p1);
 }
-// A Q4_K block's two FMAs into one token's accumulator, in the plain kernel's order.
-HWY_INLINE void Q4KBlockFma(const Q4KHead& h, __m256i isum, const quant::block_q8_K& y,
-                            __m256& acc) {
-  const __m256i msum =
-      _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums)), h.mins16);
-  acc = _mm256_fmadd_ps(_mm256_set1_ps(h.d * y.d), _mm256_cvtepi32_ps(isum), acc);
-  acc = _mm256_fmadd_ps(_mm256_set1_ps(-h.dmin * y.d), _mm256_cvtepi32_ps(msum), acc);
-}
-
-// DotQ45K<T, false>'s bits (Q4_K against Q8_K). pf: prefetch distance in bytes (0: none).
+// DotQ45K<T, false>'s bits (Q4_K against Q8_K): per block the T tokens' exact totals T1 and T2,
+// reduced together (Totals8), and one 8-wide FMA each. pf: prefetch distance in bytes (0: none).
 template <int T>
 HWY_INLINE void DotQ4KAvx2(const std::byte* row, int64_t nb, const quant::block_q8_K* const* ys,
                            float* out, int64_t pf) {
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  static_assert(T >= 1 && T <= 8);
+  __m256 acc = _mm256_setzero_ps();  // token t in lane t
   for (int64_t i = 0; i < nb; ++i) {
     const auto* b = reinterpret_cast<const quant::block_q4_K*>(row + i * sizeof(quant::block_q4_K));
     if (pf) PrefetchBlockL2<sizeof(quant::block_q4_K)>(reinterpret_cast<const std::byte*>(b) + pf);
     const Q4KHead h = LoadQ4KHead(b);
-    __m256i isum[T];
-    for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+    __m256i isum[8], msum[8];
+    for (int t = 0; t < 8; ++t) isum[t] = msum[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m256i lo, hi, sc_lo, sc_hi;
@@ -145,25 +152,40 @@ HWY_INLINE void DotQ4KAvx2(const std::byte* row, int64_t nb, const quant::block_
       for (int t = 0; t < T; ++t)
         isum[t] = _mm256_add_epi32(isum[t], Q4KPairDot(lo, hi, sc_lo, sc_hi, ys[t][i].qs + 64 * j));
     }
-    for (int t = 0; t < T; ++t) Q4KBlockFma(h, isum[t], ys[t][i], acc[t]);
+    alignas(32) float dy[8] = {}, ny[8] = {};
+    for (int t = 0; t < T; ++t) {
+      const quant::block_q8_K& y = ys[t][i];
+      msum[t] = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.bsums)),
+                                  h.mins16);
+      dy[t] = h.d * y.d;
+      ny[t] = -h.dmin * y.d;
+    }
+    acc = _mm256_fmadd_ps(_mm256_load_ps(dy), _mm256_cvtepi32_ps(Totals8(isum)), acc);
+    acc = _mm256_fmadd_ps(_mm256_load_ps(ny), _mm256_cvtepi32_ps(Totals8(msum)), acc);
   }
-  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
+  alignas(32) float o[8];
+  _mm256_store_ps(o, acc);
+  for (int t = 0; t < T; ++t) out[t] = o[t];
 }
 
-// DotQ45K<1, false>'s bits for R rows (rows[k]: one row each, out[k] its output) against one
-// token: the token's activations are loaded once for the R rows, and the R rows' float chains
-// (two FMAs per block, in block order: the latency the block loop waits on with one row) run
-// side by side. pf: prefetch distance; the R rows' blocks i are read together, so the span
-// prefetched per block step is R blocks long, from R blocks ahead of rows[0]'s block i + pf.
+// DotQ45K<1, false>'s bits for R <= 4 rows (rows[k]: one row each, out[k] its output) against
+// one token: the token's activations are loaded once for the R rows, and the R rows' totals are
+// reduced together (T1 of rows 0..3 in lanes 0..3, T2 in 4..7). pf: prefetch distance; the R
+// rows' blocks i are read together, so the span prefetched per block step is R blocks long, from
+// R blocks ahead of rows[0]'s block i + pf.
 template <int R>
 HWY_INLINE void DotQ4KAvx2Rows(const std::byte* const* rows, int64_t nb, const quant::block_q8_K* y,
                                float* out, int64_t pf) {
-  __m256 acc[R];
-  for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
+  static_assert(R >= 1 && R <= 4);
+  __m128 acc = _mm_setzero_ps();  // row k in lane k
   for (int64_t i = 0; i < nb; ++i) {
     if (pf)
       PrefetchBlockL2<R * sizeof(quant::block_q4_K)>(rows[0] + pf +
                                                      R * i * int64_t{sizeof(quant::block_q4_K)});
+    const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[i].bsums));
+    __m256i v[8];
+    for (int k = 0; k < 8; ++k) v[k] = _mm256_setzero_si256();
+    alignas(16) float dy[4] = {}, ny[4] = {};
     for (int k = 0; k < R; ++k) {
       const auto* b = reinterpret_cast<const quant::block_q4_K*>(rows[k]) + i;
       const Q4KHead h = LoadQ4KHead(b);
@@ -174,10 +196,18 @@ HWY_INLINE void DotQ4KAvx2Rows(const std::byte* const* rows, int64_t nb, const q
         Q4KPair(b, h, j, lo, hi, sc_lo, sc_hi);
         isum = _mm256_add_epi32(isum, Q4KPairDot(lo, hi, sc_lo, sc_hi, y[i].qs + 64 * j));
       }
-      Q4KBlockFma(h, isum, y[i], acc[k]);
+      v[k] = isum;
+      v[4 + k] = _mm256_madd_epi16(bsums, h.mins16);
+      dy[k] = h.d * y[i].d;
+      ny[k] = -h.dmin * y[i].d;
     }
+    const __m256 tot = _mm256_cvtepi32_ps(Totals8(v));
+    acc = _mm_fmadd_ps(_mm_load_ps(dy), _mm256_castps256_ps128(tot), acc);
+    acc = _mm_fmadd_ps(_mm_load_ps(ny), _mm256_extractf128_ps(tot, 1), acc);
   }
-  for (int k = 0; k < R; ++k) out[k] = Hsum(acc[k]);
+  alignas(16) float o[4];
+  _mm_store_ps(o, acc);
+  for (int k = 0; k < R; ++k) out[k] = o[k];
 }
 
 // A Q6_K block's scales as words: all 16 (for the -32 offset's madd with the bsums), and 0..7
@@ -217,18 +247,19 @@ HWY_INLINE __m256i Q6KSubDot(__m256i w, __m256i sc, const int8_t* a) {
       _mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), sc);
 }
 
-// DotQ6K<T>'s bits (Q6_K against Q8_K). pf: as above.
+// DotQ6K<T>'s bits (Q6_K against Q8_K): the T tokens' exact totals reduced together. pf: as
+// above.
 template <int T>
 HWY_INLINE void DotQ6KAvx2(const std::byte* row, int64_t nb, const quant::block_q8_K* const* ys,
                            float* out, int64_t pf) {
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  static_assert(T >= 1 && T <= 8);
+  __m256 acc = _mm256_setzero_ps();  // token t in lane t
   for (int64_t i = 0; i < nb; ++i) {
     const auto* b = reinterpret_cast<const quant::block_q6_K*>(row + i * sizeof(quant::block_q6_K));
     if (pf) PrefetchBlockL2<sizeof(quant::block_q6_K)>(reinterpret_cast<const std::byte*>(b) + pf);
     const Q6KHead h = LoadQ6KHead(b);
-    __m256i isum[T];
-    for (int t = 0; t < T; ++t) isum[t] = Q6KOffset(h, ys[t][i]);
+    __m256i isum[8];
+    for (int t = 0; t < 8; ++t) isum[t] = t < T ? Q6KOffset(h, ys[t][i]) : _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int hf = 0; hf < 2; ++hf) {
       __m256i w4[4];
@@ -241,23 +272,28 @@ HWY_INLINE void DotQ6KAvx2(const std::byte* row, int64_t nb, const quant::block_
           isum[t] = _mm256_add_epi32(isum[t], Q6KSubDot(w4[g], sc, ys[t][i].qs + 32 * sub));
       }
     }
-    for (int t = 0; t < T; ++t)
-      acc[t] =
-          _mm256_fmadd_ps(_mm256_set1_ps(h.d * ys[t][i].d), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+    alignas(32) float dy[8] = {};
+    for (int t = 0; t < T; ++t) dy[t] = h.d * ys[t][i].d;
+    acc = _mm256_fmadd_ps(_mm256_load_ps(dy), _mm256_cvtepi32_ps(Totals8(isum)), acc);
   }
-  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
+  alignas(32) float o[8];
+  _mm256_store_ps(o, acc);
+  for (int t = 0; t < T; ++t) out[t] = o[t];
 }
 
-// DotQ6K<1>'s bits for R rows against one token (as DotQ4KAvx2Rows).
+// DotQ6K<1>'s bits for R <= 8 rows against one token (as DotQ4KAvx2Rows).
 template <int R>
 HWY_INLINE void DotQ6KAvx2Rows(const std::byte* const* rows, int64_t nb, const quant::block_q8_K* y,
                                float* out, int64_t pf) {
-  __m256 acc[R];
-  for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
+  static_assert(R >= 1 && R <= 8);
+  __m256 acc = _mm256_setzero_ps();  // row k in lane k
   for (int64_t i = 0; i < nb; ++i) {
     if (pf)
       PrefetchBlockL2<R * sizeof(quant::block_q6_K)>(rows[0] + pf +
                                                      R * i * int64_t{sizeof(quant::block_q6_K)});
+    __m256i v[8];
+    for (int k = 0; k < 8; ++k) v[k] = _mm256_setzero_si256();
+    alignas(32) float dy[8] = {};
     for (int k = 0; k < R; ++k) {
       const auto* b = reinterpret_cast<const quant::block_q6_K*>(rows[k]) + i;
       const Q6KHead h = LoadQ6KHead(b);
@@ -272,10 +308,14 @@ HWY_INLINE void DotQ6KAvx2Rows(const std::byte* const* rows, int64_t nb, const q
           isum = _mm256_add_epi32(isum, Q6KSubDot(w4[g], Q6KSubScale(h, sub), y[i].qs + 32 * sub));
         }
       }
-      acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(h.d * y[i].d), _mm256_cvtepi32_ps(isum), acc[k]);
+      v[k] = isum;
+      dy[k] = h.d * y[i].d;
     }
+    acc = _mm256_fmadd_ps(_mm256_load_ps(dy), _mm256_cvtepi32_ps(Totals8(v)), acc);
   }
-  for (int k = 0; k < R; ++k) out[k] = Hsum(acc[k]);
+  alignas(32) float o[8];
+  _mm256_store_ps(o, acc);
+  for (int k = 0; k < R; ++k) out[k] = o[k];
 }
 
 #endif  // HWY_AVX2
