@@ -36,6 +36,7 @@
 #include <utility>
 
 #include "core/half.h"
+#include "amx_tiles.h"
 #include "cpu_matmul_kq.h"
 #include "float_dot-inl.h"  // Hsum; per-target guard: expanded once per Highway target
 #include "quant/blocks.h"
@@ -432,28 +433,15 @@ KILN_KQ_VNNI void DotQ6KPrefill(const std::byte* /*row: decoded into meta*/, con
 #define KILN_KQ_AMX \
   __attribute__((target(HWY_TARGET_STR ",avx512vnni,amx-tile,amx-int8"), noinline))
 
-struct alignas(64) KqAmxTileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0..3: C (m tokens x 16 rows of int32); 4, 5: A (m tokens x 32 bytes); 6, 7: B (8 x 64).
 KILN_KQ_AMX void ConfigureQ4KTiles(int m) {
-  KqAmxTileConfig c;
-  for (int k = 0; k < 4; ++k) {
-    c.rows[k] = static_cast<uint8_t>(m);
-    c.colsb[k] = 64;
-  }
+  AmxTileConfig c;
+  for (int k = 0; k < 4; ++k) c.set(k, m, 64);
   for (int k = 4; k < 6; ++k) {
-    c.rows[k] = static_cast<uint8_t>(m);
-    c.colsb[k] = 32;
-    c.rows[k + 2] = 8;
-    c.colsb[k + 2] = 64;
+    c.set(k, m, 32);
+    c.set(k + 2, 8, 64);
   }
-  // asm with the config as a memory operand (cpu_matmul_q8.cpp ConfigureQ8Tiles says why).
-  asm volatile("ldtilecfg %0" : : "m"(c));
+  load_tile_config(c);
 }
 
 // One (16-row group, block) packed: bt[j * 512 + kk * 64 + k * 4 + e] = row k's quant 4kk + e of
@@ -563,18 +551,13 @@ KILN_KQ_AMX void DotQ4KAmx(const Q4KAmxBlock* pb, int64_t nb, const std::byte* x
 // DotQ6K's FMA per block.
 // Tiles 0..3: C; 4, 5: A (m tokens x 16 bytes); 6, 7: B (4 x 64 bytes).
 KILN_KQ_AMX void ConfigureQ6KTiles(int m) {
-  KqAmxTileConfig c;
-  for (int k = 0; k < 4; ++k) {
-    c.rows[k] = static_cast<uint8_t>(m);
-    c.colsb[k] = 64;
-  }
+  AmxTileConfig c;
+  for (int k = 0; k < 4; ++k) c.set(k, m, 64);
   for (int k = 4; k < 6; ++k) {
-    c.rows[k] = static_cast<uint8_t>(m);
-    c.colsb[k] = 16;
-    c.rows[k + 2] = 4;
-    c.colsb[k + 2] = 64;
+    c.set(k, m, 16);
+    c.set(k + 2, 4, 64);
   }
-  asm volatile("ldtilecfg %0" : : "m"(c));
+  load_tile_config(c);
 }
 
 struct Q6KAmxBlock {

@@ -30,6 +30,7 @@
 #include <unistd.h>
 #endif
 
+#include "amx_tiles.h"
 #include "cpu_matmul_q8.h"
 #include "quant/blocks.h"
 
@@ -264,31 +265,16 @@ T* Align64(std::byte*& p, size_t count) {
 #define KILN_Q8_AMX \
   __attribute__((target(HWY_TARGET_STR ",avx512vnni,amx-tile,amx-int8"), noinline))
 
-struct alignas(64) AmxTileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0..3: C (m tokens x 16 rows of int32; two blocks' results in flight while two more
 // are computed); 4, 5: A (m tokens x 32 bytes); 6, 7: B (8 x 64 bytes).
 KILN_Q8_AMX void ConfigureQ8Tiles(int m) {
   AmxTileConfig c;
-  for (int k = 0; k < 4; ++k) {
-    c.rows[k] = static_cast<uint8_t>(m);
-    c.colsb[k] = 64;
-  }
+  for (int k = 0; k < 4; ++k) c.set(k, m, 64);
   for (int k = 4; k < 6; ++k) {
-    c.rows[k] = static_cast<uint8_t>(m);
-    c.colsb[k] = 32;
-    c.rows[k + 2] = 8;
-    c.colsb[k + 2] = 64;
+    c.set(k, m, 32);
+    c.set(k + 2, 8, 64);
   }
-  // As asm with the config as a memory operand: GCC 12's _tile_loadconfig builtin does not tell
-  // the optimiser that it reads the struct, which then dropped the rows/colsb stores as dead
-  // (tilezero on unconfigured tiles: SIGILL).
-  asm volatile("ldtilecfg %0" : : "m"(c));
+  load_tile_config(c);
 }
 
 // Rows r..r+n (n <= 16; the others zero, their outputs not read) as B tiles, bt + i * 512 for
