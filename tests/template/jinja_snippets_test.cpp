@@ -142,6 +142,26 @@ void expect_refused(std::span<const std::pair<const char*, const char*>> cases) 
   }
 }
 
+// Recursion through macros multiplies the parser's nesting caps: each of up to max_call_depth
+// macro levels can evaluate an expression nested over a hundred deep. fuzz_template found such a
+// template overflowing the stack (under ASan, whose frames are ~20x larger). Every statement and
+// expression checks the render's stack budget (RenderLimits::max_stack_bytes), so this ends in
+// one RecursionError line, whatever the build's frame sizes; a shallow one still renders.
+TEST(JinjaLimits, DeepRecursionIsARecursionErrorNotAStackOverflow) {
+  std::string minus;
+  for (int k = 0; k < 150; ++k) minus += "- ";
+  const std::string deep = "{%- macro f(n) -%}{%- if n > 0 -%}{{ " + minus +
+                           "f(n - 1) }}{%- else -%}0{%- endif -%}{%- endmacro -%}{{ f(190) }}";
+  const std::string shallow =
+      "{%- macro f(n) -%}{%- if n > 0 -%}{{ - - (f(n - 1)|int) }}"
+      "{%- else -%}7{%- endif -%}{%- endmacro -%}{{ f(20) }}";
+  const std::pair<const char*, const char*> refused[] = {
+      {deep.c_str(), "RecursionError: maximum recursion depth exceeded (the render's"}};
+  expect_refused(refused);
+  const std::pair<const char*, const char*> fine[] = {{shallow.c_str(), "7"}};
+  expect_renders(fine);
+}
+
 // Integer powers take steps in the exponent's bits, not its value (fuzz_template found
 // `1 ** 4122244444` spinning past its 10 s timeout: the time cap is checked between
 // statements, not inside one operator), and a power past int64 is refused, not wrapped.

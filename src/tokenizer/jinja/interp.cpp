@@ -33,7 +33,16 @@ void Interp::append(std::string& out, std::string_view s) {
   out.append(s);
 }
 
+void Interp::check_stack() const {
+  const auto here = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
+  if (stack_base_ > here && stack_base_ - here > limits_.max_stack_bytes)
+    fail("RecursionError",
+         fmt::format("maximum recursion depth exceeded (the render's {} KiB of stack)",
+                     limits_.max_stack_bytes >> 10));
+}
+
 std::string Interp::render(const Template& t) {
+  stack_base_ = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
   auto root = std::make_shared<Scope>();
   root->parent = globals_;
   std::string out;
@@ -42,6 +51,7 @@ std::string Interp::render(const Template& t) {
 }
 
 Interp::Flow Interp::exec(const Body& body, const ScopePtr& scope, std::string& out) {
+  check_stack();
   for (const auto& sp : body) {
     const Stmt& s = *sp;
     step();
@@ -427,6 +437,7 @@ Value Interp::eval_filter_chain(const Expr& e, const ScopePtr& scope, const Valu
 }
 
 Value Interp::eval(const Expr& e, const ScopePtr& scope) {
+  check_stack();
   switch (e.kind) {
     case Expr::Kind::Literal:
       return e.literal;

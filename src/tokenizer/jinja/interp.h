@@ -29,6 +29,13 @@ struct RenderLimits {
   // Wall time of one render, checked every few steps (a step is well under a microsecond);
   // 0: no limit.
   std::chrono::milliseconds max_time{500};
+  // Stack one render may take below render()'s frame. Recursion is bounded by the parser's
+  // nesting caps and max_call_depth, but their product is not: each macro level can hold an
+  // expression nested hundreds deep (fuzz_template found 200 levels of a macro applying 29
+  // unary minus signs to a call: a stack overflow under ASan, whose frames are ~20x larger).
+  // Every statement and expression checks it, so any recursion ends in a RecursionError line
+  // well before a thread's stack (8 MiB by default on Linux) runs out.
+  size_t max_stack_bytes = size_t{4} << 20;
 };
 
 class Interp {
@@ -67,6 +74,8 @@ class Interp {
   std::chrono::steady_clock::time_point deadline_;
   uint64_t steps_ = 0;
   int call_depth_ = 0;
+  uintptr_t stack_base_ = 0;  // render()'s frame address (stacks grow down on every target)
+  void check_stack() const;
   friend struct CallDepthGuard;
 };
 
