@@ -162,6 +162,29 @@ TEST(JinjaLimits, DeepRecursionIsARecursionErrorNotAStackOverflow) {
   expect_renders(fine);
 }
 
+// Values nest as deep as the memory cap lets a template build them (a list wrapped in a list in
+// a loop); printing a 30,000-deep one crashed the renderer (stack overflow in the repr). The
+// recursive walks over values (repr, comparison; tojson had its own bound) stop at 512 levels
+// with one RecursionError line, as Python's recursion limit does.
+TEST(JinjaLimits, DeeplyNestedValuesAreARecursionErrorNotAStackOverflow) {
+  const std::string build =
+      "{%- set ns = namespace(x=[], y=[]) -%}{%- for i in range(30000) -%}"
+      "{%- set ns.x = [ns.x] -%}{%- set ns.y = [ns.y] -%}{%- endfor -%}";
+  const std::string print = build + "{{ ns.x }}", compare = build + "{{ ns.x == ns.y }}",
+                    order = build + "{{ [ns.x, ns.y]|sort|length }}";
+  const std::pair<const char*, const char*> refused[] = {
+      {print.c_str(),
+       "RecursionError: maximum recursion depth exceeded while getting the repr of an object"},
+      {compare.c_str(), "RecursionError: maximum recursion depth exceeded in comparison"},
+      {order.c_str(), "RecursionError: maximum recursion depth exceeded in comparison"}};
+  expect_refused(refused);
+  const std::pair<const char*, const char*> fine[] = {
+      {"{%- set ns = namespace(x=[]) -%}{%- for i in range(3) -%}{%- set ns.x = [ns.x] -%}"
+       "{%- endfor -%}{{ ns.x }} {{ ns.x == [[[[]]]] }}",
+       "[[[[]]]] True"}};
+  expect_renders(fine);
+}
+
 // Integer powers take steps in the exponent's bits, not its value (fuzz_template found
 // `1 ** 4122244444` spinning past its 10 s timeout: the time cap is checked between
 // statements, not inside one operator), and a power past int64 is refused, not wrapped.

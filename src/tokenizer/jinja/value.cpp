@@ -226,8 +226,20 @@ bool Dict::erase(const Value& key, Value* out) {
   return false;
 }
 
-bool py_equal(const Value& a, const Value& b) {
+// Values a template builds may nest as deep as its memory cap lets it (a list wrapped in a list
+// in a loop: tens of thousands of levels), so the recursive walks below stop at
+// kMaxValueDepth with one line, as Python's recursion limit does, instead of running out of
+// stack (printing a 30,000-deep list crashed the renderer before this bound). json_dump_impl
+// has its own (512).
+constexpr int kMaxValueDepth = 512;
+
+static bool equal_impl(const Value& a, const Value& b, int depth);
+bool py_equal(const Value& a, const Value& b) { return equal_impl(a, b, 0); }
+
+static bool equal_impl(const Value& a, const Value& b, int depth) {
   using T = Value::Type;
+  if (depth > kMaxValueDepth)
+    fail("RecursionError", "maximum recursion depth exceeded in comparison");
   if (a.is_number() && b.is_number()) {
     if (a.type == T::Float || b.type == T::Float) return a.as_double() == b.as_double();
     return a.as_int() == b.as_int();
@@ -245,7 +257,7 @@ bool py_equal(const Value& a, const Value& b) {
       const auto& y = b.list->items;
       if (x.size() != y.size() || a.list->tuple != b.list->tuple) return false;
       for (size_t k = 0; k < x.size(); ++k)
-        if (!py_equal(x[k], y[k])) return false;
+        if (!equal_impl(x[k], y[k], depth + 1)) return false;
       return true;
     }
     case T::Dict: {
@@ -254,7 +266,7 @@ bool py_equal(const Value& a, const Value& b) {
       if (a.dict->items.size() != b.dict->items.size()) return false;
       for (const auto& kv : a.dict->items) {
         const Value* o = b.dict->find(kv.first);
-        if (!o || !py_equal(kv.second, *o)) return false;
+        if (!o || !equal_impl(kv.second, *o, depth + 1)) return false;
       }
       return true;
     }
@@ -265,8 +277,13 @@ bool py_equal(const Value& a, const Value& b) {
   }
 }
 
-int py_compare(const Value& a, const Value& b) {
+static int compare_impl(const Value& a, const Value& b, int depth);
+int py_compare(const Value& a, const Value& b) { return compare_impl(a, b, 0); }
+
+static int compare_impl(const Value& a, const Value& b, int depth) {
   using T = Value::Type;
+  if (depth > kMaxValueDepth)
+    fail("RecursionError", "maximum recursion depth exceeded in comparison");
   if (a.is_undefined()) a.fail_undefined();
   if (b.is_undefined()) b.fail_undefined();
   if (a.is_number() && b.is_number()) {
@@ -285,8 +302,8 @@ int py_compare(const Value& a, const Value& b) {
     const auto& x = a.list->items;
     const auto& y = b.list->items;
     for (size_t k = 0; k < x.size() && k < y.size(); ++k) {
-      if (py_equal(x[k], y[k])) continue;
-      return py_compare(x[k], y[k]);
+      if (equal_impl(x[k], y[k], depth + 1)) continue;
+      return compare_impl(x[k], y[k], depth + 1);
     }
     return x.size() < y.size() ? -1 : (x.size() > y.size() ? 1 : 0);
   }
@@ -379,7 +396,7 @@ std::string py_string_repr(std::string_view s) {
   return out;
 }
 
-static std::string repr_impl(const Value& v, bool top);
+static std::string repr_impl(const Value& v, bool top, int depth = 0);
 
 std::string py_str(const Value& v) {
   switch (v.type) {
@@ -394,7 +411,9 @@ std::string py_str(const Value& v) {
 
 std::string py_repr(const Value& v) { return repr_impl(v, false); }
 
-static std::string repr_impl(const Value& v, bool top) {
+static std::string repr_impl(const Value& v, bool top, int depth) {
+  if (depth > kMaxValueDepth)
+    fail("RecursionError", "maximum recursion depth exceeded while getting the repr of an object");
   switch (v.type) {
     case Value::Type::Undefined:
       return top ? "" : "Undefined";
@@ -413,7 +432,7 @@ static std::string repr_impl(const Value& v, bool top) {
       std::string out = v.list->tuple ? "(" : "[";
       for (size_t k = 0; k < items.size(); ++k) {
         if (k) out += ", ";
-        out += repr_impl(items[k], false);
+        out += repr_impl(items[k], false, depth + 1);
       }
       if (v.list->tuple && items.size() == 1) out += ",";
       out += v.list->tuple ? ")" : "]";
@@ -431,7 +450,8 @@ static std::string repr_impl(const Value& v, bool top) {
       for (const auto& kv : v.dict->items) {
         if (!first) out += ", ";
         first = false;
-        out += repr_impl(kv.first, false) + ": " + repr_impl(kv.second, false);
+        out +=
+            repr_impl(kv.first, false, depth + 1) + ": " + repr_impl(kv.second, false, depth + 1);
       }
       out += v.dict->kind == Dict::Kind::Namespace ? "}>" : "}";
       return out;
