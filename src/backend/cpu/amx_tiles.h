@@ -24,4 +24,16 @@ struct alignas(64) AmxTileConfig {
 // dead (tilezero on unconfigured tiles: SIGILL). Only where amx_usable().
 inline void load_tile_config(const AmxTileConfig& c) { asm volatile("ldtilecfg %0" : : "m"(c)); }
 
+// The kernels' layout: tiles 0..3 C (m tokens x 16 rows of int32), 4 and 5 A (m tokens x
+// a_bytes), 6 and 7 B (b_rows x 64 bytes: 16 rows' quants, 4 consecutive ones side by side).
+inline void configure_amx_tiles(int m, int a_bytes, int b_rows) {
+  AmxTileConfig c;
+  for (int k = 0; k < 4; ++k) c.set(k, m, 64);
+  for (int k = 4; k < 6; ++k) {
+    c.set(k, m, a_bytes);
+    c.set(k + 2, b_rows, 64);
+  }
+  load_tile_config(c);
+}
+
 }  // namespace kiln::cpu

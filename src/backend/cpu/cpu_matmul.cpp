@@ -52,8 +52,6 @@ constexpr int64_t kKQBatchMinTok = 2;
 inline size_t kq_tile_bytes(int64_t nb) {
   return static_cast<size_t>(nb) * 8 * (256 + 32 + 4) + 64;
 }
-// The v2 batched kernels' (MatmulKBatch) scratch: that tile.
-inline size_t kq_batch_tile_bytes(int64_t nb) { return kq_tile_bytes(nb); }
 }  // namespace kiln::cpu
 #endif
 
@@ -744,9 +742,7 @@ KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, con
       v[r] = Fold512(Q4KOneLaneSums(b, a_lo, a_hi, &sm8));
       v[4 + r] = _mm256_madd_epi16(bsums, _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8)));
     }
-    const __m256 tot = _mm256_cvtepi32_ps(Totals8(v));
-    acc = _mm_fmadd_ps(_mm_load_ps(dy), _mm256_castps256_ps128(tot), acc);
-    acc = _mm_fmadd_ps(_mm_load_ps(ny), _mm256_extractf128_ps(tot, 1), acc);
+    acc = RowsT1T2Fma(v, dy, ny, acc);
   }
   alignas(16) float o[4];
   _mm_store_ps(o, acc);
@@ -1146,7 +1142,7 @@ HWY_INLINE void DotKBatchPieces(const WeightMatrix& w, int64_t r, int64_t nb, KT
 // lines kMatvecPrefetchBytes ahead prefetched as in MatvecKOne (once the arithmetic is cheap
 // enough the hardware prefetchers alone leave the cores waiting on DRAM: serve_bench's 4-wide
 // decode step 50 ms without, 30 ms with 2-8 KB, 1-token steps ~21 ms). `scratch` holds
-// kq_batch_tile_bytes(nb).
+// kq_tile_bytes(nb).
 template <bool kQ4K>
 void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
   const WeightMatrix& w = *job.w;
@@ -1734,7 +1730,7 @@ void matmul_rows(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 size_t matmul_scratch_floats(const WeightMatrix& w) {
   size_t n = static_cast<size_t>(dequant_rows_per_block(w) * w.n_cols);
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K)
-    n = std::max(n, (kq_batch_tile_bytes(w.n_cols / 256) + 3) / 4);
+    n = std::max(n, (kq_tile_bytes(w.n_cols / 256) + 3) / 4);
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K)
     n = std::max(n, (kq_prefill_scratch_bytes(w.dtype, w.n_cols / 256, w.row_bytes) + 3) / 4);
   if (w.dtype == DType::Q4_K) n = std::max(n, (q4k_amx_scratch_bytes(w.n_cols / 256) + 3) / 4);

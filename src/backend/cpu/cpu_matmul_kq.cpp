@@ -433,16 +433,8 @@ KILN_KQ_VNNI void DotQ6KPrefill(const std::byte* /*row: decoded into meta*/, con
 #define KILN_KQ_AMX \
   __attribute__((target(HWY_TARGET_STR ",avx512vnni,amx-tile,amx-int8"), noinline))
 
-// Tiles 0..3: C (m tokens x 16 rows of int32); 4, 5: A (m tokens x 32 bytes); 6, 7: B (8 x 64).
-KILN_KQ_AMX void ConfigureQ4KTiles(int m) {
-  AmxTileConfig c;
-  for (int k = 0; k < 4; ++k) c.set(k, m, 64);
-  for (int k = 4; k < 6; ++k) {
-    c.set(k, m, 32);
-    c.set(k + 2, 8, 64);
-  }
-  load_tile_config(c);
-}
+// Tiles (configure_amx_tiles): A one sub-block (32 quants) of m tokens, B its 16 rows (8 x 64).
+KILN_KQ_AMX void ConfigureQ4KTiles(int m) { configure_amx_tiles(m, 32, 8); }
 
 // One (16-row group, block) packed: bt[j * 512 + kk * 64 + k * 4 + e] = row k's quant 4kk + e of
 // sub-block j; sc[j][k] its scale, mm[l][k] = m_l | m_l << 16 (against a token's bsums words 2l,
@@ -550,15 +542,7 @@ KILN_KQ_AMX void DotQ4KAmx(const Q4KAmxBlock* pb, int64_t nb, const std::byte* x
 // each (token, row) the group's exact sum; the epilogue's T = sum_g sc_g * sum_g by vpmulld, then
 // DotQ6K's FMA per block.
 // Tiles 0..3: C; 4, 5: A (m tokens x 16 bytes); 6, 7: B (4 x 64 bytes).
-KILN_KQ_AMX void ConfigureQ6KTiles(int m) {
-  AmxTileConfig c;
-  for (int k = 0; k < 4; ++k) c.set(k, m, 64);
-  for (int k = 4; k < 6; ++k) {
-    c.set(k, m, 16);
-    c.set(k + 2, 4, 64);
-  }
-  load_tile_config(c);
-}
+KILN_KQ_AMX void ConfigureQ6KTiles(int m) { configure_amx_tiles(m, 16, 4); }
 
 struct Q6KAmxBlock {
   int8_t bt[16 * 256];  // group g: bt[g * 256 + kk * 64 + k * 4 + e] = row k's code 16g + 4kk + e

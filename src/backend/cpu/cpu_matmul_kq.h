@@ -62,8 +62,7 @@ inline int64_t q4k_amx_groups(int64_t nb) {
       (int64_t{3} << 19) / std::max<int64_t>(1, nb * int64_t{kQ4KAmxGroupBlockBytes}), 1, 8);
 }
 inline size_t q4k_amx_scratch_bytes(int64_t nb) {
-  return static_cast<size_t>(q4k_amx_groups(nb) * nb) * kQ4KAmxGroupBlockBytes + 8 * 16 * 16 * 4 +
-         4 * 64;
+  return static_cast<size_t>(q4k_amx_groups(nb) * nb) * kQ4KAmxGroupBlockBytes + 4 * 64;
 }
 // Q6_K's (MatmulQ6KAmx): per (16-row group, block) B tiles of its 16 groups of 16 quants (16 x 256
 // bytes), the groups' scales as int32 (16 x 16 x 4) and d (16 floats).

@@ -265,17 +265,8 @@ T* Align64(std::byte*& p, size_t count) {
 #define KILN_Q8_AMX \
   __attribute__((target(HWY_TARGET_STR ",avx512vnni,amx-tile,amx-int8"), noinline))
 
-// Tiles 0..3: C (m tokens x 16 rows of int32; two blocks' results in flight while two more
-// are computed); 4, 5: A (m tokens x 32 bytes); 6, 7: B (8 x 64 bytes).
-KILN_Q8_AMX void ConfigureQ8Tiles(int m) {
-  AmxTileConfig c;
-  for (int k = 0; k < 4; ++k) c.set(k, m, 64);
-  for (int k = 4; k < 6; ++k) {
-    c.set(k, m, 32);
-    c.set(k + 2, 8, 64);
-  }
-  load_tile_config(c);
-}
+// Tiles (configure_amx_tiles): C 0..3 hold two blocks' results in flight while two more are
+// computed; A 4, 5 one block (32 quants) of m tokens; B 6, 7 one block of 16 rows.
 
 // Rows r..r+n (n <= 16; the others zero, their outputs not read) as B tiles, bt + i * 512 for
 // block i, and their scales in tile order, bd[i * 16 + k]; rq/rd hold the unpacked rows.
@@ -396,7 +387,7 @@ KILN_Q8_AMX void MatmulQ8Amx(const MatmulJob& job, int64_t r0, int64_t r1, float
     for (int64_t t0 = 0; t0 < job.n_tok; t0 += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, job.n_tok - t0));
       if (m != configured) {
-        ConfigureQ8Tiles(m);
+        configure_amx_tiles(m, 32, 8);
         configured = m;
       }
       const std::byte* xq = job.xq + t0 * job.xq_row_bytes;

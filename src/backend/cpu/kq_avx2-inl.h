@@ -55,6 +55,13 @@ HWY_INLINE __m256i Totals8(const __m256i (&v)[8]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
                           _mm256_permute2x128_si256(h0, h1, 0x31));
 }
+// Up to 4 rows' Q4_K block step against one token: v[r] row r's T1 lanes, v[4 + r] its T2
+// lanes; acc lane r += dy[r] * T1, then += ny[r] * T2 (the plain kernel's two FMAs).
+HWY_INLINE __m128 RowsT1T2Fma(const __m256i (&v)[8], const float* dy, const float* ny, __m128 acc) {
+  const __m256 tot = _mm256_cvtepi32_ps(Totals8(v));
+  acc = _mm_fmadd_ps(_mm_load_ps(dy), _mm256_castps256_ps128(tot), acc);
+  return _mm_fmadd_ps(_mm_load_ps(ny), _mm256_extractf128_ps(tot, 1), acc);
+}
 #endif
 
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
@@ -201,9 +208,7 @@ HWY_INLINE void DotQ4KAvx2Rows(const std::byte* const* rows, int64_t nb, const q
       dy[k] = h.d * y[i].d;
       ny[k] = -h.dmin * y[i].d;
     }
-    const __m256 tot = _mm256_cvtepi32_ps(Totals8(v));
-    acc = _mm_fmadd_ps(_mm_load_ps(dy), _mm256_castps256_ps128(tot), acc);
-    acc = _mm_fmadd_ps(_mm_load_ps(ny), _mm256_extractf128_ps(tot, 1), acc);
+    acc = RowsT1T2Fma(v, dy, ny, acc);
   }
   alignas(16) float o[4];
   _mm_store_ps(o, acc);
