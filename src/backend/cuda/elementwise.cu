@@ -142,8 +142,8 @@ cudaError_t launch_gather_rows(const float* src, int64_t width, const int32_t* i
 cudaError_t launch_scale_add_rows(float* src, int64_t width, const int32_t* ids,
                                   const float* scales, int64_t n, float* out, cudaStream_t s) {
   if (n == 0 || width == 0) return cudaSuccess;
-  return launch(scale_add_rows_kernel, grid_for(n * width), kThreads, 0, s, src, width, ids,
-                scales, n, out);
+  return launch(scale_add_rows_kernel, grid_for(n * width), kThreads, 0, s, src, width, ids, scales,
+                n, out);
 }
 
 cudaError_t launch_unary(float* x, int64_t n, Unary op, float param, cudaStream_t s) {
