@@ -1178,15 +1178,15 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
 // A decode step's matvec for the 32-weight block types (Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4), four
 // rows at a time, each row in one 128-bit unit: a block's register `lo` holds elements 0..15 of
 // rows A, B, C, D (one unit each), `hi` elements 16..31, and the token's block is broadcast to
-// match. The weights unpack biased to unsigned (w + 128; the 4-bit types' tables shifted so the
-// lookup adds it), and two vpdpbusd (lo, then hi) into an accumulator started at
-// -128 * (the lane's 8 activation quants) leave each dword lane exactly the sum of its 8
-// products w * y, so the 4 lanes of a unit sum to the row's block total (integer adds, exact;
-// |lane| < 2^17). Two in-unit shuffle-and-adds and one permute give [A B C D], and one 4-wide
-// fma(dw * yd, float(total), acc) per block, in block order, gives each row the plain kernel's
-// bits (tests/ops MatmulQ8One). (Reducing four blocks' registers at once takes fewer
-// instructions but decoded slower from memory: docs/BENCHMARKS.md, session 26.) Rows past the
-// matrix's end of a last group repeat its last row.
+// match. The weights unpack biased to unsigned (w + k: k = 128, the 4-bit types' tables shifted
+// so the lookup adds it; Q4_0's codes are w + 8 as they stand), and two vpdpbusd (lo, then hi)
+// into an accumulator started at -k * (the lane's 8 activation quants; Q8LaneBias, once per
+// call) leave each dword lane exactly the sum of its 8 products w * y, so the 4 lanes of a unit sum
+// to the row's block total (integer adds, exact; |lane| < 2^17). Two in-unit shuffle-and-adds and
+// one permute give [A B C D], and one 4-wide fma(dw * yd, float(total), acc) per block, in block
+// order, gives each row the plain kernel's bits (tests/ops MatmulQ8One). (Reducing four blocks'
+// registers at once takes fewer instructions but decoded slower from memory: docs/BENCHMARKS.md,
+// session 26.) Rows past the matrix's end of a last group repeat its last row.
 
 // Unpacks of 4 rows' block i: lo/hi as above (w + 128 as u8), d = [dA, dB, dC, dD].
 using Q8QuadUnpack = void (*)(const std::byte* const* rows, int64_t i, __m512i* lo, __m512i* hi,
@@ -1229,9 +1229,9 @@ KILN_VNNI512_INLINE void QuadQ4_0(const std::byte* const* rows, int64_t i, __m51
                                   __m128* d) {
   const block_q4_0* b[4];
   BlocksAt(rows, i, b);
-  const __m512i q = CodesQuad(b), m = _mm512_set1_epi8(0x0F), k = _mm512_set1_epi8(120);
-  *lo = _mm512_add_epi8(_mm512_and_si512(q, m), k);  // q - 8 + 128
-  *hi = _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi16(q, 4), m), k);
+  const __m512i q = CodesQuad(b), m = _mm512_set1_epi8(0x0F);
+  *lo = _mm512_and_si512(q, m);  // the codes themselves: w + 8 (kQ8QuadBias<QuadQ4_0>)
+  *hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m);
   *d = HalfQuad(b[0]->d, b[1]->d, b[2]->d, b[3]->d);
 }
 KILN_VNNI512_INLINE void QuadIQ4_NL(const std::byte* const* rows, int64_t i, __m512i* lo,
@@ -1287,34 +1287,57 @@ KILN_VNNI512_INLINE void QuadOf(const std::byte* const* rows, int64_t i, __m512i
   *d = _mm_setr_ps(da, db, dc, dd);
 }
 
+// The offset k a Quad adds to each weight to make it an unsigned byte: 8 for Q4_0 (its codes
+// as they are), 128 for the others.
+template <Q8QuadUnpack Quad>
+constexpr int kQ8QuadBias = 128;
+template <>
+constexpr int kQ8QuadBias<QuadQ4_0> = 8;
+
+// Per block of the token, -k * (the sum of each dword lane's 8 quants: lane L of ylo and of
+// yhi), as 4 lanes; what turns the products of the biased weights into those of the weights.
+// Computed once per call, not once per row group.
+struct alignas(16) LaneBias {
+  int32_t lane[4];
+};
+template <int kBias>
+KILN_VNNI512 void Q8LaneBias(const ActQ8_0* ys, int64_t nb, LaneBias* bias) {
+  const __m128i k = _mm_set1_epi8(static_cast<char>(kBias));
+  for (int64_t i = 0; i < nb; ++i) {
+    const auto* yq = reinterpret_cast<const __m128i*>(ys[i].qs);
+    const __m128i s = _mm_dpbusd_epi32(
+        _mm_dpbusd_epi32(_mm_setzero_si128(), k, _mm_loadu_si128(yq)), k, _mm_loadu_si128(yq + 1));
+    _mm_store_si128(reinterpret_cast<__m128i*>(bias[i].lane),
+                    _mm_sub_epi32(_mm_setzero_si128(), s));
+  }
+}
+
 // One block: each unit's 4 lanes (the row's lane sums) and the rows' dw * yd.
 template <Q8QuadUnpack Quad>
 KILN_VNNI512_INLINE __m512i Q8QuadBlock(const std::byte* const* rows, int64_t i, const ActQ8_0* ys,
-                                        __m128* dy) {
+                                        const LaneBias* bias, __m128* dy) {
   const auto* yq = reinterpret_cast<const __m128i*>(ys[i].qs);
   const __m512i ylo = _mm512_broadcast_i32x4(_mm_loadu_si128(yq));
   const __m512i yhi = _mm512_broadcast_i32x4(_mm_loadu_si128(yq + 1));
-  const __m512i k = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i bias = _mm512_sub_epi32(  // -128 * (sum of each lane's 8 quants)
-      _mm512_setzero_si512(),
-      _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), k, ylo), k, yhi));
   __m512i lo, hi;
   __m128 d;
   Quad(rows, i, &lo, &hi, &d);
   *dy = _mm_mul_ps(d, _mm_set1_ps(ys[i].d));
-  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(bias, lo, ylo), hi, yhi);
+  const __m512i b =
+      _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(bias[i].lane)));
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(b, lo, ylo), hi, yhi);
 }
 
 template <Q8QuadUnpack Quad, size_t kBlockBytes>
 KILN_VNNI512 void DotQ8FamOne(const std::byte* const* rows, int64_t nb, const ActQ8_0* ys,
-                              float* out, int n_out, const std::byte* pf) {
+                              const LaneBias* bias, float* out, int n_out, const std::byte* pf) {
   // Lane 0 of each unit, after the two in-unit adds below: [A B C D].
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
   __m128 acc = _mm_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     if (pf != nullptr) PrefetchSpanL2<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
     __m128 dy;
-    __m512i v = Q8QuadBlock<Quad>(rows, i, ys, &dy);
+    __m512i v = Q8QuadBlock<Quad>(rows, i, ys, bias, &dy);
     v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
     v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
     const __m128i totals = _mm512_castsi512_si128(_mm512_permutexvar_epi32(order, v));
@@ -1336,12 +1359,15 @@ void MatvecQ8One(const MatmulJob& job, int64_t r0, int64_t r1) {
   const WeightMatrix& w = *job.w;
   const int64_t nb = w.n_cols / 32;
   const auto* y = reinterpret_cast<const ActQ8_0*>(job.xq);
+  thread_local std::vector<LaneBias> bias;
+  bias.resize(static_cast<size_t>(nb));
+  Q8LaneBias<kQ8QuadBias<Quad>>(y, nb, bias.data());
   for (int64_t r = r0; r < r1; r += kQ8OneRows) {
     const int n = static_cast<int>(std::min<int64_t>(kQ8OneRows, r1 - r));
     const std::byte* rows[kQ8OneRows];
     for (int k = 0; k < kQ8OneRows; ++k) rows[k] = w.row(r + std::min(k, n - 1)).data();
     const std::byte* pf = n == kQ8OneRows ? GroupPrefetch(w, r, kQ8OneRows) : nullptr;
-    DotQ8FamOne<Quad, kBlockBytes>(rows, nb, y, job.y + r, n, pf);
+    DotQ8FamOne<Quad, kBlockBytes>(rows, nb, y, bias.data(), job.y + r, n, pf);
   }
 }
 
