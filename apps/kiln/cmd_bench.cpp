@@ -35,6 +35,7 @@
 #include "core/splitmix.h"
 #include "sampling/sampler.h"
 #include "engine/device_probe.h"
+#include "engine/read_probe.h"
 #include "engine/runtime.h"
 #include "kv/kv_cache.h"
 
@@ -73,6 +74,8 @@ struct Result {
   double bytes_per_token = 0, dense_bytes = 0, expert_bytes = 0;
   double read_gbps = 0, roofline_ts = 0, roofline_fraction = 0;
   std::vector<double> read_gbps_samples, fraction_samples;
+  double read_best_gbps = 0;  // the run's fastest probe, and the read method that gave it
+  std::string read_method;
   double fraction_min = 0, fraction_max = 0;
   std::string profile;       // --cuda-profile: the per-kernel table of one extra pass
   std::string trace;         // --cuda-trace: the kernel records' table of one extra pass
@@ -98,53 +101,6 @@ double dense_bytes_per_token(const Model& model) {
   }
   return bytes;
 }
-
-// Streaming read bandwidth (GB/s) over a buffer far larger than the caches (512 MiB against a
-// 32 MiB L3), as many threads as the decode uses, each summing a contiguous share, best of
-// `passes`. Measured in the same process right before and after each repetition of the decode
-// it is compared with, so a shared machine's contention and drift hit both alike.
-class ReadBandwidth {
- public:
-  explicit ReadBandwidth(int threads) : threads_(std::max(1, threads)), buf_(kWords, 1) {}
-  double measure(int passes = 3) {
-    double best = 0;
-    for (int p = 0; p < passes; ++p) {
-      std::vector<uint64_t> sink(static_cast<size_t>(threads_));
-      const auto t0 = Clock::now();
-      std::vector<std::thread> ts;
-      for (int t = 1; t < threads_; ++t) ts.emplace_back([&, t] { sink[t] = sum(t); });
-      sink[0] = sum(0);
-      for (std::thread& th : ts) th.join();
-      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-      uint64_t all = 0;
-      for (uint64_t v : sink) all += v;
-      if (all != kWords) return 0;  // every word is 1: keeps the sums from being optimised out
-      best = std::max(best, double(kWords * sizeof(uint64_t)) / s * 1e-9);
-    }
-    return best;
-  }
-
- private:
-  static constexpr size_t kWords = size_t{512} << 20 >> 3;  // 512 MiB
-  using Clock = std::chrono::steady_clock;
-  uint64_t sum(int t) const {
-    const size_t b = kWords * size_t(t) / size_t(threads_),
-                 e = kWords * size_t(t + 1) / size_t(threads_);
-    const uint64_t* p = buf_.data();
-    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;  // independent chains so loads overlap
-    size_t i = b;
-    for (; i + 4 <= e; i += 4) {
-      a0 += p[i];
-      a1 += p[i + 1];
-      a2 += p[i + 2];
-      a3 += p[i + 3];
-    }
-    for (; i < e; ++i) a0 += p[i];
-    return a0 + a1 + a2 + a3;
-  }
-  int threads_;
-  std::vector<uint64_t> buf_;
-};
 
 // The middle value (the mean of the middle two for an even count); v is not empty.
 double median(std::vector<double> v) {
@@ -307,7 +263,7 @@ Status run(const BenchOptions& o) {
   const int threads = cfg.threads > 0 ? int(cfg.threads) : int(std::thread::hardware_concurrency());
   // Counts the expert weight bytes every forward pass computed with (model/forward.cpp).
   const Counter& expert_bytes = process_counters().counter("moe.expert_bytes_used");
-  std::unique_ptr<ReadBandwidth> bandwidth;
+  std::unique_ptr<ReadProbe> bandwidth;
   // A device backend streams weights from its own memory: its bandwidth is the roofline.
   double device_gbps = 0;
   // A tensor-parallel group reads each rank's share of the weights from that rank's memory at
@@ -316,8 +272,7 @@ Status run(const BenchOptions& o) {
     if (ng > 0 && backend.device_memory() && device_gbps == 0)
       device_gbps = backend.read_bandwidth_gbps() * backend.tp_size();
   for (int32_t ng : o.n_gen)
-    if (ng > 0 && !bandwidth && device_gbps == 0)
-      bandwidth = std::make_unique<ReadBandwidth>(threads);
+    if (ng > 0 && !bandwidth && device_gbps == 0) bandwidth = std::make_unique<ReadProbe>(threads);
 
   std::vector<Result> results;
   auto bench = [&](const std::string& name, int32_t np, int32_t ng, int32_t n_seq, int32_t depth,
@@ -337,14 +292,23 @@ Status run(const BenchOptions& o) {
     // Probes alternate with the repetitions (P0 R1 P1 R2 P2 ...): repetition i is paired with
     // the mean of the probes on either side of it, each probe serving both its neighbours.
     const bool probe = roofline && device_gbps == 0;
-    double before = probe ? bandwidth->measure() : device_gbps;
+    const auto read = [&] {
+      if (!probe) return device_gbps;
+      const ReadProbe::Reading m = bandwidth->measure();
+      if (m.gbps > r.read_best_gbps) {
+        r.read_best_gbps = m.gbps;
+        r.read_method = cpu::read_method_name(m.method);
+      }
+      return m.gbps;
+    };
+    double before = read();
     for (int32_t i = 0; i < o.reps; ++i) {
       const uint64_t e0 = expert_bytes.value();
       KILN_ASSIGN_OR_RETURN(double ts, fn(tokens));
       expert_bytes_run += expert_bytes.value() - e0;
       r.ts.push_back(ts);
       if (roofline) {
-        const double after = probe ? bandwidth->measure() : device_gbps;
+        const double after = read();
         r.read_gbps_samples.push_back((before + after) / 2);
         before = after;
       }
@@ -496,6 +460,7 @@ Status run(const BenchOptions& o) {
         j["roofline_ts"] = r.roofline_ts;
         j["roofline_fraction"] = r.roofline_fraction;
         j["read_gbps_samples"] = r.read_gbps_samples;
+        if (!r.read_method.empty()) j["read_method"] = r.read_method;
         j["roofline_fraction_samples"] = r.fraction_samples;
         j["roofline_fraction_min"] = r.fraction_min;
         j["roofline_fraction_max"] = r.fraction_max;
@@ -520,23 +485,29 @@ Status run(const BenchOptions& o) {
         fmt::print(
             "\n{}: {:.2f} MB of weights read per token ({:.2f} MB dense + {:.2f} MB of the "
             "experts this run routed to); read bandwidth {:.1f} GB/s (same run; median over "
-            "the repetitions of the probes either side of each: {}) -> roofline {:.1f} t/s; "
+            "the repetitions of the probes either side of each: {}{}) -> roofline {:.1f} t/s; "
             "tg = {:.1f} % of it (median of the repetitions' fractions, each against its "
             "own probes; range {:.1f}-{:.1f} %)\n",
             r.test, r.bytes_per_token * 1e-6, r.dense_bytes * 1e-6, r.expert_bytes * 1e-6,
-            r.read_gbps, bws, r.roofline_ts, 100 * r.roofline_fraction, 100 * r.fraction_min,
-            100 * r.fraction_max);
+            r.read_gbps, bws,
+            r.read_method.empty() ? std::string()
+                                  : fmt::format("; fastest read method: {}", r.read_method),
+            r.roofline_ts, 100 * r.roofline_fraction, 100 * r.fraction_min, 100 * r.fraction_max);
       }
     for (const Result& r : results) fmt::print("{}", r.host_note);
     for (const Result& r : results) fmt::print("{}", r.profile);
     for (const Result& r : results) fmt::print("{}", r.trace);
     fmt::print(
-        "\nresident memory: {:.1f} MiB total, {:.1f} MiB file-backed (mapped weights), "
-        "{:.1f} MiB anonymous (KV cache {:.1f} MiB, {} bytes per token; + activations + "
-        "runtime)\n",
+        "\nresident memory: {:.1f} MiB total, {:.1f} MiB file-backed{}, {:.1f} MiB anonymous "
+        "({}KV cache {:.1f} MiB, {} bytes per token; + activations + runtime)\n",
         double(mem.rss) / (1 << 20), double(mem.rss_file) / (1 << 20),
-        double(mem.rss_anon) / (1 << 20), double(session.kv_bytes()) / (1 << 20),
-        session.kv_bytes_per_token());
+        rt.weights_in_anonymous_memory() ? "" : " (mapped weights)",
+        double(mem.rss_anon) / (1 << 20),
+        rt.weights_in_anonymous_memory()
+            ? fmt::format("the model file {:.1f} MiB, moved into huge pages; ",
+                          double(model.gguf().mapping()->size()) / (1 << 20))
+            : std::string(),
+        double(session.kv_bytes()) / (1 << 20), session.kv_bytes_per_token());
   }
   if (cfg.stats) {  // counters (expert store: hits, misses, bytes, stall) and the store summary
     const auto counters = process_counters().snapshot();
@@ -553,11 +524,14 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->footer(
       "tgN roofline: bytes per token = every dense weight once, one embedding row, and the expert "
       "slices this run's routing selected (counted by the forward pass). Around every repetition "
-      "the streaming read bandwidth is probed in the same process (512 MiB, --threads threads, "
-      "best of 3 passes; probes alternate with the repetitions); each repetition's tokens/s is "
+      "the streaming read bandwidth is probed in the same process (512 MiB in one buffer per "
+      "thread, --threads threads, the best of every read method of the probe, two passes each; "
+      "probes alternate with the repetitions); each repetition's tokens/s is "
       "divided by the roofline of the mean of its two neighbouring probes, and the median of "
       "those fractions is reported with their range (-o json: roofline_fraction, "
-      "roofline_fraction_samples/_min/_max, read_gbps (median), read_gbps_samples).");
+      "roofline_fraction_samples/_min/_max, read_gbps (median), read_gbps_samples, read_method: "
+      "the "
+      "method of the run's fastest probe).");
   auto o = std::make_shared<BenchOptions>();
   cmd->add_option("-m,--model", o->model, "GGUF model (default: the demo model stories260K)");
   cmd->add_option("-p,--n-prompt", o->n_prompt, "prompt lengths to test (default 512)")

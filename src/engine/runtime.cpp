@@ -191,12 +191,17 @@ Expected<Runtime> Runtime::open(const std::string& path, const EngineOptions& op
   // does (MAP_POPULATE), rather than a page fault at a time during the first prefill, with
   // nothing on screen. Not for device backends (the upload reads the file, with its own
   // progress), streamed experts (the file may exceed RAM: experts are read as routed), or a
-  // file larger than the memory available (it would only evict itself).
+  // file larger than the memory available (it would only evict itself). Where a quarter of the
+  // available memory would still be left, the weights move into huge pages instead (decode
+  // reads them faster there; they are then this process's, not evictable page cache).
   if (!paged_in && !rt.backend_->device_memory() && !options.experts.enabled()) {
     const uint64_t avail = memory_available();
     if (avail == 0 || file.size() <= avail) {
       ProgressLine line(label, file.size(), stderr, show);
-      page_in(file, [&](uint64_t done, uint64_t) { line.update(done); });
+      const auto step = [&](uint64_t done, uint64_t) { line.update(done); };
+      rt.weights_moved_ =
+          avail > 0 && file.size() <= avail / 4 * 3 && move_into_huge_pages(file, step);
+      if (!rt.weights_moved_) page_in(file, step);
     } else {
       log_info(
           "{}: {:.1f} GiB, more than the {:.1f} GiB of memory available; its weights are "

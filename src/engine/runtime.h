@@ -95,6 +95,9 @@ class Runtime {
   Backend& backend() const { return *backend_; }
   const EngineOptions& options() const { return options_; }
   double load_seconds() const { return load_seconds_; }
+  // A host backend's weights were moved out of the file mapping into anonymous memory in huge
+  // pages (format/page_in.h move_into_huge_pages): they count as anonymous, not file-backed.
+  bool weights_in_anonymous_memory() const { return weights_moved_; }
 
   Runtime(Runtime&&) noexcept;
   Runtime& operator=(Runtime&&) noexcept;
@@ -110,6 +113,7 @@ class Runtime {
   // Declared last: destroyed first, before the model whose weights it may hold.
   std::unique_ptr<Backend> backend_;
   double load_seconds_ = 0;
+  bool weights_moved_ = false;
 };
 
 }  // namespace kiln

@@ -1,5 +1,6 @@
 // tests/format/gguf_models_test.cpp: every shared model and vocabulary opens, and the index
 // agrees with known facts about the files.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <sys/mman.h>
@@ -7,7 +8,11 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
 
 #include "common/testdata.h"
 #include "format/gguf.h"
@@ -71,7 +76,9 @@ TEST(MappedFile, LockInRamLocksOrSaysWhy) {
   auto f = MappedFile::open(testing::model_path("stories260K.gguf"));
   ASSERT_TRUE(f) << f.error();
   const Status st = (*f)->lock_in_ram();
-  if (!st) EXPECT_NE(st.message().find("mlock"), std::string::npos) << st.message();
+  if (!st) {
+    EXPECT_NE(st.message().find("mlock"), std::string::npos) << st.message();
+  }
   EXPECT_TRUE(MappedFile::from_bytes({})->lock_in_ram()) << "nothing to lock is not an error";
 }
 
@@ -123,6 +130,69 @@ TEST(MappedFile, PageInMakesTheMappingResident) {
   page_in(*MappedFile::from_bytes(std::vector<std::byte>(10)),
           [&](uint64_t done, uint64_t) { seen.push_back(done); });
   EXPECT_EQ(seen, std::vector<uint64_t>{10});
+}
+
+// move_into_huge_pages (host backends' weights when memory allows): the bytes stay at their
+// addresses with their values, read-only, and the range is anonymous memory afterwards (no
+// longer the file's mapping); steps of 64 MiB report progress. Where the kernel has huge pages
+// off the call refuses and the mapping is as it was. A file below one huge page, or bytes that
+// are not a file mapping, are refused.
+TEST(MappedFile, MoveIntoHugePagesKeepsAddressesAndBytes) {
+  const std::string path = testing::temp_dir() + "/huge_pages.bin";
+  const uint64_t size = (uint64_t{64} << 20) + (uint64_t{3} << 20) + 123;
+  std::vector<std::byte> want(size);
+  std::mt19937_64 rng(3);
+  for (std::byte& b : want) b = static_cast<std::byte>(rng());
+  {
+    std::FILE* out = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(out, nullptr);
+    ASSERT_EQ(std::fwrite(want.data(), 1, size, out), size);
+    std::fclose(out);
+  }
+  auto f = MappedFile::open(path);
+  ASSERT_TRUE(f) << f.error();
+  const std::byte* at = (*f)->data();
+  std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string mode;
+  std::getline(thp, mode);
+  const bool thp_on = mode.find("[never]") == std::string::npos && !mode.empty();
+  std::vector<uint64_t> seen;
+  const bool moved = move_into_huge_pages(**f, [&](uint64_t done, uint64_t total) {
+    EXPECT_EQ(total, size);
+    seen.push_back(done);
+  });
+  EXPECT_EQ(moved, thp_on) << "THP: " << mode;
+  EXPECT_EQ((*f)->data(), at);
+  EXPECT_EQ(std::memcmp(at, want.data(), size), 0);
+  // The /proc/self/maps line of the range: anonymous and read-only once moved, else the file.
+  std::ifstream maps("/proc/self/maps");
+  std::string line, ours;
+  const std::string start = fmt::format("{:x}-", reinterpret_cast<uintptr_t>(at));
+  while (std::getline(maps, line))
+    if (line.starts_with(start)) ours = line;
+  ASSERT_FALSE(ours.empty());
+  if (moved) {
+    EXPECT_EQ(seen, (std::vector<uint64_t>{uint64_t{64} << 20, size}));
+    EXPECT_EQ(ours.find("huge_pages.bin"), std::string::npos) << ours;
+    EXPECT_NE(ours.find(" r--p "), std::string::npos) << ours;
+  } else {
+    EXPECT_NE(ours.find("huge_pages.bin"), std::string::npos) << ours;
+  }
+  f->reset();  // unmaps the moved bytes as it would the file's
+  std::filesystem::remove(path);
+
+  const std::string small = testing::temp_dir() + "/huge_pages_small.bin";
+  {
+    std::FILE* out = std::fopen(small.c_str(), "wb");
+    ASSERT_NE(out, nullptr);
+    ASSERT_EQ(::ftruncate(::fileno(out), off_t{1} << 20), 0);
+    std::fclose(out);
+  }
+  auto g = MappedFile::open(small);
+  ASSERT_TRUE(g) << g.error();
+  EXPECT_FALSE(move_into_huge_pages(**g));
+  std::filesystem::remove(small);
+  EXPECT_FALSE(move_into_huge_pages(*MappedFile::from_bytes(std::vector<std::byte>(4 << 20))));
 }
 
 }  // namespace

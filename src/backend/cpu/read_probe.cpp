@@ -1,0 +1,101 @@
+// backend/cpu/read_probe.cpp: the read passes of read_probe.h in Highway, compiled once per
+// SIMD target and dispatched at run time.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "read_probe.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// foreach_target re-includes this file per target; everything below is per target.
+#include "hwy/highway.h"
+
+#include "read_probe.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kiln::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Four vectors a step; `kAhead` bytes ahead a prefetch of the same span with locality kLoc
+// (__builtin_prefetch's: 3 = all levels, 2 = L2 and out, 0 = non-temporal).
+template <size_t kAhead, int kLoc>
+uint64_t VectorPass(const uint64_t* p, size_t n) {
+  const hn::ScalableTag<uint64_t> d;
+  const size_t N = hn::Lanes(d);
+  auto a0 = hn::Zero(d), a1 = a0, a2 = a0, a3 = a0;
+  size_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    if constexpr (kAhead > 0) {
+      const char* c = reinterpret_cast<const char*>(p + i) + kAhead;
+      for (size_t b = 0; b < 4 * N * sizeof(uint64_t); b += 64) __builtin_prefetch(c + b, 0, kLoc);
+    }
+    a0 = hn::Add(a0, hn::LoadU(d, p + i));
+    a1 = hn::Add(a1, hn::LoadU(d, p + i + N));
+    a2 = hn::Add(a2, hn::LoadU(d, p + i + 2 * N));
+    a3 = hn::Add(a3, hn::LoadU(d, p + i + 3 * N));
+  }
+  uint64_t s = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+
+uint64_t ReadPassK(const uint64_t* p, size_t n, ReadMethod m) {
+  switch (m) {
+    case ReadMethod::kScalar: {
+      uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;  // independent chains so loads overlap
+      size_t i = 0;
+      for (; i + 4 <= n; i += 4) {
+        a0 += p[i];
+        a1 += p[i + 1];
+        a2 += p[i + 2];
+        a3 += p[i + 3];
+      }
+      for (; i < n; ++i) a0 += p[i];
+      return a0 + a1 + a2 + a3;
+    }
+    case ReadMethod::kVector:
+      return VectorPass<0, 3>(p, n);
+    case ReadMethod::kPrefetch1K:
+      return VectorPass<1024, 3>(p, n);
+    case ReadMethod::kPrefetch4K:
+      return VectorPass<4096, 3>(p, n);
+    case ReadMethod::kPrefetch16K:
+      return VectorPass<16384, 3>(p, n);
+    case ReadMethod::kPrefetchL2_16K:
+      return VectorPass<16384, 2>(p, n);
+    case ReadMethod::kPrefetchNta4K:
+      return VectorPass<4096, 0>(p, n);
+  }
+  return 0;
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kiln::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kiln::cpu {
+HWY_EXPORT(ReadPassK);
+
+uint64_t read_pass(std::span<const uint64_t> words, ReadMethod method) {
+  return HWY_DYNAMIC_DISPATCH(ReadPassK)(words.data(), words.size(), method);
+}
+
+std::string_view read_method_name(ReadMethod m) {
+  switch (m) {
+    case ReadMethod::kScalar:
+      return "scalar loads";
+    case ReadMethod::kVector:
+      return "vector loads";
+    case ReadMethod::kPrefetch1K:
+      return "vector loads, prefetch 1 KiB ahead";
+    case ReadMethod::kPrefetch4K:
+      return "vector loads, prefetch 4 KiB ahead";
+    case ReadMethod::kPrefetch16K:
+      return "vector loads, prefetch 16 KiB ahead";
+    case ReadMethod::kPrefetchL2_16K:
+      return "vector loads, prefetch to L2 16 KiB ahead";
+    case ReadMethod::kPrefetchNta4K:
+      return "vector loads, non-temporal prefetch 4 KiB ahead";
+  }
+  return "?";
+}
+}  // namespace kiln::cpu
+#endif  // HWY_ONCE
