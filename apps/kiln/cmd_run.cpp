@@ -18,6 +18,7 @@
 #include "apps/kiln/commands.h"
 #include "apps/kiln/config_cli.h"
 #include "apps/kiln/gen_common.h"
+#include "core/json_depth.h"
 #include "core/counters.h"
 #include "core/log.h"
 #include "engine/constrained.h"
@@ -66,6 +67,8 @@ Expected<std::shared_ptr<const grammar::Grammar>> run_grammar(const RunOptions& 
     std::fclose(f);
   }
   if (!o.json_schema.empty()) {
+    if (json_nesting_depth(o.json_schema) > kMaxJsonDepth)
+      return Status::errorf("--json-schema is {}", kJsonTooDeep);
     auto j = nlohmann::ordered_json::parse(o.json_schema, nullptr, false);
     if (j.is_discarded()) return Status::error("--json-schema is not valid JSON");
     KILN_ASSIGN_OR_RETURN(gbnf, grammar::json_schema_to_gbnf(j));

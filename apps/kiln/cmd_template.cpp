@@ -11,6 +11,7 @@
 #include <string>
 
 #include "apps/kiln/commands.h"
+#include "core/json_depth.h"
 #include "format/gguf.h"
 #include "tokenizer/jinja/chat_template.h"
 
@@ -72,6 +73,8 @@ Expected<std::string> render(const TemplateArgs& a) {
   if (!inline_json) {
     KILN_ASSIGN_OR_RETURN(messages_text, read_text(a.messages_file));
   }
+  if (json_nesting_depth(messages_text) > kMaxJsonDepth)
+    return Status::errorf("{} is {}", where, kJsonTooDeep);
   nlohmann::ordered_json messages = nlohmann::ordered_json::parse(messages_text, nullptr, false);
   if (messages.is_discarded()) return Status::errorf("{} is not valid JSON", where);
   if (!messages.is_array()) return Status::errorf("{} must hold a JSON array of messages", where);

@@ -1,5 +1,6 @@
 // engine/chat.cpp: chat_prompt (engine/chat.h).
 #include "engine/chat.h"
+#include "core/json_depth.h"
 
 #include <fmt/format.h>
 
@@ -23,8 +24,11 @@ ojson chat_messages_json(std::span<const ChatMessage> messages, bool object_argu
       for (const ChatToolCall& c : m.tool_calls) {
         ojson args = c.arguments;
         if (object_arguments) {
-          ojson parsed = ojson::parse(c.arguments, nullptr, /*allow_exceptions=*/false);
-          if (!parsed.is_discarded()) args = std::move(parsed);
+          // Too deep to copy safely: kept as the text it came as.
+          if (json_nesting_depth(c.arguments) <= kMaxJsonDepth) {
+            ojson parsed = ojson::parse(c.arguments, nullptr, /*allow_exceptions=*/false);
+            if (!parsed.is_discarded()) args = std::move(parsed);
+          }
         }
         calls.push_back({{"id", c.id},
                          {"type", "function"},

@@ -2,6 +2,7 @@
 // parsers (engine/tool_calls.h). Each parser returns nullopt for a reply whose call does not
 // parse; parse_tool_reply then hands the reply back whole as content.
 #include "engine/tool_calls.h"
+#include "core/json_depth.h"
 
 #include <nlohmann/json.hpp>
 
@@ -64,6 +65,7 @@ size_t json_value_end(string_view s, size_t pos) {
 std::string dump(const ojson& j) { return j.dump(-1, ' ', false, ojson::error_handler_t::replace); }
 
 std::optional<ojson> parse_json(string_view s) {
+  if (json_nesting_depth(s) > kMaxJsonDepth) return std::nullopt;  // not a call kiln can take
   ojson j = ojson::parse(s.begin(), s.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return std::nullopt;
   return j;

@@ -1,6 +1,7 @@
 // server/api.cpp: request parsing and validation for the OpenAI-compatible routes (see
 // api.h). Every check happens here, before a request can reach the scheduler.
 #include "server/api.h"
+#include "core/json_depth.h"
 
 #include <fmt/format.h>
 
@@ -356,6 +357,11 @@ std::optional<ApiError> get_tools(const json& j, std::string_view body, Completi
 }
 
 std::optional<json> parse_json_object(std::string_view body, ApiError& err) {
+  // Every other parse of a body (get_grammar, get_tools) comes after this one.
+  if (json_nesting_depth(body) > kMaxJsonDepth) {
+    err = bad("", fmt::format("the request body is {}", kJsonTooDeep), "invalid_json");
+    return std::nullopt;
+  }
   json j = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) {
     err = bad("", "the request body is not valid JSON", "invalid_json");

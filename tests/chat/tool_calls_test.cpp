@@ -133,6 +133,17 @@ TEST(ToolCalls, Glm) {
     check(ToolFormat::kGlm, bad, {bad, {}});
 }
 
+// A model's reply nesting its arguments deeper than kMaxJsonDepth is text, not a call: the
+// parse never builds (and so never copies or dumps) a value that deep.
+TEST(ToolCalls, ArgumentsNestedTooDeepAreContent) {
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  const std::string text =
+      R"(<tool_call>{"name": "f", "arguments": {"a": )" + deep + "}}</tool_call>";
+  const ToolReply r = parse_tool_reply(ToolFormat::kHermes, text);
+  EXPECT_TRUE(r.tool_calls.empty());
+  EXPECT_EQ(r.content, text);
+}
+
 TEST(ToolCalls, Mistral) {
   // Nemo: a JSON array, ids chosen by the model.
   const std::string nemo =

@@ -110,6 +110,22 @@ TEST(ToolTemplates, RenderLikeJinja2WithToolsAndARoundTrip) {
   std::printf("tool template cases: %d renderings, %d errors\n", outputs, errors);
 }
 
+// A client's tool-call arguments nested deeper than kMaxJsonDepth (a string inside the body,
+// so the body's own depth check does not see them) stay the text they came as, even where the
+// template takes arguments as objects: no value that deep is built, copied or rendered.
+TEST(ToolTemplates, ArgumentsNestedTooDeepStayText) {
+  ChatMessage m("assistant", "");
+  m.tool_calls.push_back({"c1", "f", std::string(200000, '[') + std::string(200000, ']')});
+  const ojson j = chat_messages_json(std::span<const ChatMessage>(&m, 1), true);
+  const ojson& args = j[0]["tool_calls"][0]["function"]["arguments"];
+  ASSERT_TRUE(args.is_string());
+  EXPECT_EQ(args.get<std::string>(), m.tool_calls[0].arguments);
+  m.tool_calls[0].arguments = R"({"a": [1]})";  // a shallow one is parsed as before
+  EXPECT_TRUE(chat_messages_json(std::span<const ChatMessage>(&m, 1),
+                                 true)[0]["tool_calls"][0]["function"]["arguments"]
+                  .is_object());
+}
+
 TEST(ToolTemplates, FormatsRecognisedFromTheSource) {
   const std::pair<const char*, ToolFormat> want[] = {
       {"meta-llama-Llama-3.1-8B-Instruct.jinja", ToolFormat::kLlama3},

@@ -2,6 +2,7 @@
 // gives a 400 naming the field; good input fills the struct; stop matching holds back text.
 #include <gtest/gtest.h>
 
+#include "core/json_depth.h"
 #include "grammar/matcher.h"
 #include "server/api.h"
 
@@ -172,6 +173,23 @@ TEST(Api, ParsesToolsAndToolMessages) {
   ASSERT_TRUE(std::holds_alternative<CompletionRequest>(none));
   EXPECT_TRUE(std::get<CompletionRequest>(none).tools.is_null());  // empty: no tools
   EXPECT_EQ(std::get<CompletionRequest>(none).tool_choice, ToolChoice::kNone);
+}
+
+// A body nested deeper than kMaxJsonDepth is refused before anything copies or walks it (a
+// tool's parameters 200,000 arrays deep ran the copy into `tools` off the stack).
+TEST(Api, DeeplyNestedBodiesAreRefusedBeforeAnyWalk) {
+  const auto nested = [](int depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  const auto body = [&](int depth) {
+    return R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
+      "function": {"name": "f", "parameters": {"type": "object", "x": )" +
+           nested(depth) + "}}}]}";
+  };
+  const ApiError e = err_of(body(200000), true);
+  EXPECT_EQ(e.code, "invalid_json");
+  EXPECT_NE(e.message.find("nested deeper than 256"), std::string::npos) << e.message;
+  // At the limit (the body's own 5 levels included) nothing is refused for its depth.
+  auto ok = parse_completion_request(body(kMaxJsonDepth - 5), true);
+  ASSERT_TRUE(std::holds_alternative<CompletionRequest>(ok)) << std::get<ApiError>(ok).message;
 }
 
 TEST(Api, ForcedToolChoiceIsParsedAndChecked) {

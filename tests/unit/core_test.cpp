@@ -10,6 +10,7 @@
 
 #include "core/dtype.h"
 #include "core/half.h"
+#include "core/json_depth.h"
 #include "core/status.h"
 
 namespace kiln {
@@ -100,6 +101,23 @@ TEST(Half, Bf16) {
   EXPECT_EQ(bf16_to_f32(bf16{0x3F80}), 1.0f);
   EXPECT_EQ(f32_to_bf16(std::bit_cast<float>(0x3F808000u)).bits, 0x3F80);  // tie -> even
   EXPECT_EQ(f32_to_bf16(std::bit_cast<float>(0x3F818000u)).bits, 0x3F82);
+}
+
+// The depth of '[' / '{' outside strings: brackets inside strings (escaped quotes too) do not
+// count, closers bring it down, and counting stops just past the limit.
+TEST(JsonDepth, CountsNestingOutsideStrings) {
+  EXPECT_EQ(json_nesting_depth(""), 0);
+  EXPECT_EQ(json_nesting_depth("3"), 0);
+  EXPECT_EQ(json_nesting_depth("[]"), 1);
+  EXPECT_EQ(json_nesting_depth(R"({"a": [1, {"b": []}], "c": {}})"), 4);
+  EXPECT_EQ(json_nesting_depth(R"(["[[[[", "{{"])"), 1);
+  EXPECT_EQ(json_nesting_depth(R"(["\"[[[", "\\", [[]]])"), 3);  // \" and \\ stay inside
+  EXPECT_EQ(json_nesting_depth("[][][][]"), 1);
+  EXPECT_EQ(json_nesting_depth("]]]][]"), 1);  // stray closers never go below zero
+  const std::string deep = std::string(100000, '[');
+  EXPECT_EQ(json_nesting_depth(deep), kMaxJsonDepth + 1);
+  EXPECT_EQ(json_nesting_depth(deep, 10), 11);
+  EXPECT_EQ(json_nesting_depth(std::string(kMaxJsonDepth, '{')), kMaxJsonDepth);
 }
 
 }  // namespace
