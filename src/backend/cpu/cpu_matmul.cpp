@@ -633,11 +633,18 @@ HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
 // The lines of the kBytes bytes from p into L2 (prefetcht1; a prefetch never faults): what the
 // one-token and v2 batched kernels issue per block step (see MatvecKOne), kBytes being the
 // step's R rows of one block each, so the prefetched address moves through memory as fast as
-// the kernel reads.
-template <size_t kBytes>
+// the kernel reads. PrefetchSpanL1 (prefetcht0) is the one-token form for the 4-bit blocks of
+// the Q8_0 family: into L1 they decode faster on the Intel Xeon dev box, while Q8_0 and the
+// K-quant kernels decode slower with it (docs/BENCHMARKS.md, session 28).
+// (__builtin_prefetch's locality 2 is prefetcht1, 3 prefetcht0.)
+template <size_t kBytes, int kLocality = 2>
 HWY_INLINE void PrefetchSpanL2(const std::byte* p) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (size_t j = 0; j < (kBytes + 63) / 64; ++j) _mm_prefetch(c + 64 * j, _MM_HINT_T1);
+  for (size_t j = 0; j < (kBytes + 63) / 64; ++j) __builtin_prefetch(c + 64 * j, 0, kLocality);
+}
+template <size_t kBytes>
+HWY_INLINE void PrefetchSpanL1(const std::byte* p) {
+  PrefetchSpanL2<kBytes, 3>(p);
 }
 // A Q4_K block's 8 six-bit scales and 8 mins as bytes [sc0..7 | m0..7] (ScalesMinsK4 in two
 // 64-bit words: lo = [sc0..3 | m0..3], hi = [sc4..7 | m4..7], then one shuffle).
@@ -1335,7 +1342,12 @@ KILN_VNNI512 void DotQ8FamOne(const std::byte* const* rows, int64_t nb, const Ac
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
   __m128 acc = _mm_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
-    if (pf != nullptr) PrefetchSpanL2<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
+    if (pf != nullptr) {
+      if constexpr (kBlockBytes <= 18)  // the 4-bit blocks (Q4_0, IQ4_NL, MXFP4)
+        PrefetchSpanL1<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
+      else
+        PrefetchSpanL2<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
+    }
     __m128 dy;
     __m512i v = Q8QuadBlock<Quad>(rows, i, ys, bias, &dy);
     v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
