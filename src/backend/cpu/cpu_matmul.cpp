@@ -63,6 +63,11 @@ namespace hn = hwy::HWY_NAMESPACE;
 // ---------------------------------------------------------------- f32 dot tiles
 // DF, LoadF32/F16/BF16 and DotTile<T>: float_dot-inl.h.
 
+// A lone token's dot (a decode step) prefetches the weights this far ahead into L1: a row of
+// a 2048-wide F16 matrix is one 4 KiB page, where the hardware's stream prefetch stops, so
+// without it every row starts cold (docs/BENCHMARKS.md, session 28: F16 / BF16 decode).
+constexpr int64_t kFloatPrefetchBytes = 2048;
+
 template <class L>
 void DotTokens(const L& w, const MatmulJob& job, int64_t t0, int64_t t1, int64_t r) {
   const int64_t n = job.w->n_cols, ldy = job.w->n_rows;
@@ -81,8 +86,8 @@ void DotTokens(const L& w, const MatmulJob& job, int64_t t0, int64_t t1, int64_t
       case 2:
         DotTile<2>(w, xs, n, out);
         break;
-      default:
-        DotTile<1>(w, xs, n, out);
+      default:  // prefetches change no bits
+        DotTile<1, L, kFloatPrefetchBytes, 3>(w, xs, n, out);
         break;
     }
     for (int k = 0; k < m; ++k) job.y[(t + k) * ldy + r] = out[k];

@@ -27,6 +27,7 @@ struct LoadF32 {
   const float* p;
   HWY_INLINE hn::Vec<DF> operator()(DF d, int64_t i) const { return hn::LoadU(d, p + i); }
   float at(int64_t i) const { return p[i]; }
+  const char* bytes(int64_t i) const { return reinterpret_cast<const char*>(p + i); }
 };
 struct LoadF16 {
   const f16* p;
@@ -35,6 +36,7 @@ struct LoadF16 {
     return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p + i)));
   }
   float at(int64_t i) const { return f16_to_f32(p[i]); }
+  const char* bytes(int64_t i) const { return reinterpret_cast<const char*>(p + i); }
 };
 struct LoadBF16 {
   const bf16* p;
@@ -43,6 +45,7 @@ struct LoadBF16 {
     return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::bfloat16_t*>(p + i)));
   }
   float at(int64_t i) const { return bf16_to_f32(p[i]); }
+  const char* bytes(int64_t i) const { return reinterpret_cast<const char*>(p + i); }
 };
 
 #if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
@@ -84,7 +87,9 @@ HWY_INLINE float DotFinish(DF d, hn::Vec<DF> acc0, hn::Vec<DF> acc1, const L& w,
 
 // out[t] = dot(w, xs[t]) for T token rows, reading w once. Chunk c (N lanes at c * N) goes into
 // acc0 when c is even and acc1 when odd; an odd last full chunk into acc0.
-template <int T, class L>
+// kAhead > 0 (a decode step's one token, rows back to back): each chunk pair also prefetches
+// the weight bytes kAhead past it, with __builtin_prefetch's locality kLocality.
+template <int T, class L, int64_t kAhead = 0, int kLocality = 2>
 HWY_INLINE void DotTile(const L& w, const float* const* xs, int64_t n, float* out) {
   const DF d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
@@ -92,6 +97,10 @@ HWY_INLINE void DotTile(const L& w, const float* const* xs, int64_t n, float* ou
   for (int t = 0; t < T; ++t) acc0[t] = acc1[t] = hn::Zero(d);
   int64_t i = 0;
   for (; i + 2 * N <= n; i += 2 * N) {
+    if constexpr (kAhead > 0) {
+      __builtin_prefetch(w.bytes(i) + kAhead, 0, kLocality);
+      __builtin_prefetch(w.bytes(i + N) + kAhead, 0, kLocality);
+    }
     const auto w0 = w(d, i), w1 = w(d, i + N);
     for (int t = 0; t < T; ++t) {
       acc0[t] = hn::MulAdd(w0, hn::LoadU(d, xs[t] + i), acc0[t]);
