@@ -31,7 +31,12 @@ uint64_t VectorPass(const uint64_t* p, size_t n) {
     a2 = hn::Add(a2, hn::LoadU(d, p + i + 2 * N));
     a3 = hn::Add(a3, hn::LoadU(d, p + i + 3 * N));
   }
-  uint64_t s = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
+  // Lanes summed as unsigned words: the x86 reduce intrinsics add as signed, which overflows
+  // (undefined) on words that wrap.
+  HWY_ALIGN uint64_t lanes[hn::MaxLanes(d)];
+  hn::Store(hn::Add(hn::Add(a0, a1), hn::Add(a2, a3)), d, lanes);
+  uint64_t s = 0;
+  for (size_t k = 0; k < N; ++k) s += lanes[k];
   for (; i < n; ++i) s += p[i];
   return s;
 }
