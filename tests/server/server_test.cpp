@@ -917,6 +917,12 @@ TEST(Server, ModelDraftersKeepGreedyTextAndReportDraftTimings) {
           got[i] = json::parse(res->body);
         });
       for (auto& t : ts) t.join();
+      // A reply can reach its client before its slot is released: the third request must find
+      // both slots free, or it may take the other one and reuse a 1-token prefix (seen once under
+      // a loaded ctest -j 2, session 28).
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (metric(*r.cli, "slots_busy") != 0 && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
       got.push_back(post_json(*r.cli, "/v1/completions", c.bodies[2], 200));
       for (const json& g : got) {
         out.push_back(g["choices"][0]["text"]);
