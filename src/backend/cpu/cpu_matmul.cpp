@@ -642,14 +642,18 @@ HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
 // the Q8_0 family: into L1 they decode faster on the Intel Xeon dev box, while Q8_0 and the
 // K-quant kernels decode slower with it (docs/BENCHMARKS.md, session 28).
 // (__builtin_prefetch's locality 2 is prefetcht1, 3 prefetcht0.)
-template <size_t kBytes, int kLocality = 2>
-HWY_INLINE void PrefetchSpanL2(const std::byte* p) {
+template <size_t kBytes, int kLocality>
+HWY_INLINE void PrefetchSpan(const std::byte* p) {
   const char* c = reinterpret_cast<const char*>(p);
   for (size_t j = 0; j < (kBytes + 63) / 64; ++j) __builtin_prefetch(c + 64 * j, 0, kLocality);
 }
 template <size_t kBytes>
+HWY_INLINE void PrefetchSpanL2(const std::byte* p) {
+  PrefetchSpan<kBytes, 2>(p);
+}
+template <size_t kBytes>
 HWY_INLINE void PrefetchSpanL1(const std::byte* p) {
-  PrefetchSpanL2<kBytes, 3>(p);
+  PrefetchSpan<kBytes, 3>(p);
 }
 // A Q4_K block's 8 six-bit scales and 8 mins as bytes [sc0..7 | m0..7] (ScalesMinsK4 in two
 // 64-bit words: lo = [sc0..3 | m0..3], hi = [sc4..7 | m4..7], then one shuffle).
