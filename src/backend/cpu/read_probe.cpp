@@ -6,6 +6,8 @@
 // foreach_target re-includes this file per target; everything below is per target.
 #include "hwy/highway.h"
 
+#include <iterator>
+
 #include "read_probe.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -84,23 +86,22 @@ uint64_t read_pass(std::span<const uint64_t> words, ReadMethod method) {
 }
 
 std::string_view read_method_name(ReadMethod m) {
-  switch (m) {
-    case ReadMethod::kScalar:
-      return "scalar loads";
-    case ReadMethod::kVector:
-      return "vector loads";
-    case ReadMethod::kPrefetch1K:
-      return "vector loads, prefetch 1 KiB ahead";
-    case ReadMethod::kPrefetch4K:
-      return "vector loads, prefetch 4 KiB ahead";
-    case ReadMethod::kPrefetch16K:
-      return "vector loads, prefetch 16 KiB ahead";
-    case ReadMethod::kPrefetchL2_16K:
-      return "vector loads, prefetch to L2 16 KiB ahead";
-    case ReadMethod::kPrefetchNta4K:
-      return "vector loads, non-temporal prefetch 4 KiB ahead";
-  }
-  return "?";
+  // Indexed by the enum's value, in kReadMethods' order.
+  static constexpr std::string_view kNames[] = {"scalar loads",
+                                                "vector loads",
+                                                "vector loads, prefetch 1 KiB ahead",
+                                                "vector loads, prefetch 4 KiB ahead",
+                                                "vector loads, prefetch 16 KiB ahead",
+                                                "vector loads, prefetch to L2 16 KiB ahead",
+                                                "vector loads, non-temporal prefetch 4 KiB ahead"};
+  static_assert(std::size(kNames) == std::size(kReadMethods));
+  static_assert([] {
+    for (size_t k = 0; k < std::size(kReadMethods); ++k)
+      if (static_cast<size_t>(kReadMethods[k]) != k) return false;
+    return true;
+  }());
+  const auto k = static_cast<size_t>(m);
+  return k < std::size(kNames) ? kNames[k] : "?";
 }
 }  // namespace kiln::cpu
 #endif  // HWY_ONCE
