@@ -13,7 +13,8 @@
 // [--tokens 1,4,...] [--no-attention]. The graph column is measured twice, the second time
 // captured with programmatic dependent launch (kernels.h set_launch_pdl). Prints one line per case,
 // then the tables (lines starting with '|'). --float-rows-ab: only the rows-per-warp A/B of
-// V3's float kernel (bench_float_rows).
+// V3's float kernel (bench_float_rows); --float-mma-ab: only the float_mma trial against it;
+// --float-mma-sweep: the trial's launch shapes.
 // Host code (g++): it reaches the GPU only through kernels.h's launchers. It lives in
 // bench/cuda/ so that bench/'s glob of *.cpp (non-CUDA builds) does not pick it up.
 #include <cuda_runtime.h>
@@ -524,12 +525,171 @@ void bench_float_rows(int iters, size_t l2_bytes, double read_gbps, std::mt19937
   }
 }
 
+// --float-mma-ab: the float_mma trial (launch_matvec_float_mma) against V3's float kernel at
+// the rows per warp launch_matmul_v3 takes, interleaved, on the 8B shapes and the 1B drafter's
+// (2048 wide), 1-8 tokens; the largest difference between the two relative to sum |w x|.
+void bench_float_mma(int iters, size_t l2_bytes, double read_gbps, std::mt19937_64& rng) {
+  std::printf(
+      "\n| float kernel | k x rows | tokens | MiB | v3 us | mma us | v3 GB/s | mma GB/s | mma of "
+      "read BW (%.0f GB/s) | mma / v3 | max |diff| / sum|wx| |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|\n",
+      read_gbps);
+  const struct {
+    int64_t k, rows;
+  } shapes[] = {{4096, 1024},  {4096, 4096}, {4096, 14336}, {14336, 4096}, {4096, 24576},
+                {12288, 4096}, {2048, 2048}, {2048, 16384}, {8192, 2048}};
+  for (DType t : {DType::F16, DType::BF16}) {
+    for (const auto& sh : shapes) {
+      const size_t rb = *kiln::row_bytes(t, uint64_t(sh.k));
+      const size_t mat_bytes = rb * size_t(sh.rows);
+      const std::vector<void*> mats = weight_copies(t, sh.k, sh.rows, l2_bytes, rng);
+      const int copies = int(mats.size());
+      std::vector<std::byte> host(mat_bytes);
+      BENCH_CHECK(cudaMemcpy(host.data(), mats[0], mat_bytes, cudaMemcpyDeviceToHost));
+      std::vector<float> deq(size_t(sh.k));
+      for (int64_t n_tok : {1, 2, 4, 5, 8}) {
+        std::vector<float> x(static_cast<size_t>(sh.k * n_tok));
+        std::normal_distribution<float> xd(0.0f, 1.0f);
+        for (float& v : x) v = xd(rng);
+        float *dx = nullptr, *dy = nullptr;
+        const size_t ny = size_t(sh.rows * n_tok);
+        BENCH_CHECK(cudaMalloc(&dx, x.size() * sizeof(float)));
+        BENCH_CHECK(cudaMalloc(&dy, ny * sizeof(float)));
+        BENCH_CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
+        kiln::cuda::DeviceWeight w{t, sh.k, sh.rows, rb, static_cast<const std::byte*>(mats[0])};
+        const int rows = kiln::cuda::float_v3_rows(t, n_tok, sh.rows, sh.k);
+        std::vector<float> y[2] = {std::vector<float>(ny), std::vector<float>(ny)};
+        std::vector<float> ms[2];
+        for (int i = 0; i < iters + 2; ++i) {
+          for (int o = 0; o < 2; ++o) {
+            Timer tm;
+            constexpr int kReps = 20;
+            BENCH_CHECK(cudaEventRecord(tm.a));
+            for (int j = 0; j < kReps; ++j) {
+              w.data = static_cast<const std::byte*>(mats[(i * kReps + j) % copies]);
+              BENCH_CHECK(o == 0
+                              ? kiln::cuda::launch_matvec_float_v3(w, dx, n_tok, dy, rows, nullptr)
+                              : kiln::cuda::launch_matvec_float_mma(w, dx, n_tok, dy, nullptr));
+            }
+            BENCH_CHECK(cudaEventRecord(tm.b));
+            BENCH_CHECK(cudaEventSynchronize(tm.b));
+            float m = 0;
+            BENCH_CHECK(cudaEventElapsedTime(&m, tm.a, tm.b));
+            if (i >= 2) ms[o].push_back(m / kReps);
+            if (i == 0)  // every copy holds the same bytes
+              BENCH_CHECK(cudaMemcpy(y[o].data(), dy, ny * sizeof(float), cudaMemcpyDeviceToHost));
+          }
+        }
+        // The two kernels' difference against the size of the products, over a few rows.
+        double worst = 0;
+        for (int64_t r = 0; r < sh.rows; r += std::max<int64_t>(1, sh.rows / 61)) {
+          kiln::quant::dequantize_row(t, std::span<const std::byte>(host).subspan(r * rb, rb), deq);
+          for (int64_t tok = 0; tok < n_tok; ++tok) {
+            double abs_sum = 1e-30;
+            for (int64_t c = 0; c < sh.k; ++c)
+              abs_sum += std::fabs(double(deq[size_t(c)]) * x[size_t(tok * sh.k + c)]);
+            const size_t i = size_t(tok * sh.rows + r);
+            worst = std::max(worst, std::fabs(double(y[0][i]) - y[1][i]) / abs_sum);
+          }
+        }
+        const double us0 = median(ms[0]) * 1e3, us1 = median(ms[1]) * 1e3;
+        const double gb0 = double(mat_bytes) / (us0 * 1e-6) / 1e9;
+        const double gb1 = double(mat_bytes) / (us1 * 1e-6) / 1e9;
+        std::printf(
+            "| %s | %lldx%lld | %lld | %.1f | %.1f | %.1f | %.0f | %.0f | %.1f %% | %.2f | %.1e "
+            "|\n",
+            kiln::dtype_name(t).data(), (long long)sh.k, (long long)sh.rows, (long long)n_tok,
+            mat_bytes / 1048576.0, us0, us1, gb0, gb1, 100 * gb1 / read_gbps, us0 / us1, worst);
+        std::fflush(stdout);
+        cudaFree(dx);
+        cudaFree(dy);
+      }
+      for (void* m : mats) cudaFree(m);
+    }
+  }
+}
+
+// --float-mma-sweep: the float_mma kernel's launch shapes (warps per block 4 / 8 / 16 x
+// (unroll, m-tiles) (2,1) (4,1) (1,2) (2,2)) against V3's float kernel, F16, 1 and 5 tokens;
+// us per call, interleaved; "policy" is float_mma_shape's choice.
+void bench_float_mma_sweep(int iters, size_t l2_bytes, double read_gbps, std::mt19937_64& rng) {
+  using kiln::cuda::FloatMmaShape;
+  std::vector<FloatMmaShape> shapes_mma;
+  for (int w : {4, 8, 16})
+    for (const auto [u, m] : {std::pair{2, 1}, std::pair{4, 1}, std::pair{1, 2}, std::pair{2, 2}})
+      shapes_mma.push_back({w, u, m});
+  std::printf("\n| f16 k x rows | tokens | v3 us | policy | policy us |");
+  for (const FloatMmaShape& sh : shapes_mma)
+    std::printf(" w%d u%d m%d |", sh.warps, sh.unroll, sh.mtiles);
+  std::printf(" best GB/s (of %.0f) |\n|---|---|---|---|---|", read_gbps);
+  for (size_t i = 0; i <= shapes_mma.size(); ++i) std::printf("---|");
+  std::printf("\n");
+  const struct {
+    int64_t k, rows;
+  } shapes[] = {{4096, 1024}, {4096, 4096}, {4096, 14336}, {14336, 4096}, {4096, 24576},
+                {2048, 2048}, {2048, 512},  {2048, 16384}, {8192, 2048},  {2048, 128256}};
+  const DType t = DType::F16;
+  for (const auto& sh : shapes) {
+    const size_t rb = *kiln::row_bytes(t, uint64_t(sh.k));
+    const size_t mat_bytes = rb * size_t(sh.rows);
+    const std::vector<void*> mats = weight_copies(t, sh.k, sh.rows, l2_bytes, rng);
+    const int copies = int(mats.size());
+    for (int64_t n_tok : {1, 5}) {
+      std::vector<float> x(static_cast<size_t>(sh.k * n_tok));
+      std::normal_distribution<float> xd(0.0f, 1.0f);
+      for (float& v : x) v = xd(rng);
+      float *dx = nullptr, *dy = nullptr;
+      BENCH_CHECK(cudaMalloc(&dx, x.size() * sizeof(float)));
+      BENCH_CHECK(cudaMalloc(&dy, size_t(sh.rows * n_tok) * sizeof(float)));
+      BENCH_CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
+      kiln::cuda::DeviceWeight w{t, sh.k, sh.rows, rb, static_cast<const std::byte*>(mats[0])};
+      const int rows = kiln::cuda::float_v3_rows(t, n_tok, sh.rows, sh.k);
+      const size_t nv = shapes_mma.size() + 2;  // v3, policy, the sweep
+      std::vector<std::vector<float>> ms(nv);
+      for (int i = 0; i < iters + 2; ++i) {
+        for (size_t o = 0; o < nv; ++o) {
+          kiln::cuda::set_float_mma_shape(o >= 2 ? shapes_mma[o - 2] : FloatMmaShape{});
+          Timer tm;
+          constexpr int kReps = 20;
+          BENCH_CHECK(cudaEventRecord(tm.a));
+          for (int j = 0; j < kReps; ++j) {
+            w.data = static_cast<const std::byte*>(mats[(i * kReps + j) % copies]);
+            BENCH_CHECK(o == 0 ? kiln::cuda::launch_matvec_float_v3(w, dx, n_tok, dy, rows, nullptr)
+                               : kiln::cuda::launch_matvec_float_mma(w, dx, n_tok, dy, nullptr));
+          }
+          BENCH_CHECK(cudaEventRecord(tm.b));
+          BENCH_CHECK(cudaEventSynchronize(tm.b));
+          float m = 0;
+          BENCH_CHECK(cudaEventElapsedTime(&m, tm.a, tm.b));
+          if (i >= 2) ms[o].push_back(m / kReps);
+        }
+      }
+      kiln::cuda::set_float_mma_shape({});
+      const FloatMmaShape pol = kiln::cuda::float_mma_shape(sh.rows, sh.k);
+      std::printf("| %lldx%lld | %lld | %.1f | w%d u%d m%d | %.1f |", (long long)sh.k,
+                  (long long)sh.rows, (long long)n_tok, median(ms[0]) * 1e3, pol.warps, pol.unroll,
+                  pol.mtiles, median(ms[1]) * 1e3);
+      double best = 1e30;
+      for (size_t o = 2; o < nv; ++o) {
+        const double us = median(ms[o]) * 1e3;
+        best = std::min(best, us);
+        std::printf(" %.1f |", us);
+      }
+      std::printf(" %.0f |\n", double(mat_bytes) / (best * 1e-6) / 1e9);
+      std::fflush(stdout);
+      cudaFree(dx);
+      cudaFree(dy);
+    }
+    for (void* m : mats) cudaFree(m);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int iters = 20;
   std::string only;
-  bool float_rows_ab = false;
+  bool float_rows_ab = false, float_mma_ab = false, float_mma_sweep = false;
   bool attention = true;
   std::string only_shapes;  // ",4096x14336," style
   std::vector<int64_t> n_toks = {1, 4, 16, 64};
@@ -540,6 +700,10 @@ int main(int argc, char** argv) {
       only = std::string(",").append(argv[++i]).append(",");
     } else if (std::strcmp(argv[i], "--float-rows-ab") == 0) {
       float_rows_ab = true;
+    } else if (std::strcmp(argv[i], "--float-mma-ab") == 0) {
+      float_mma_ab = true;
+    } else if (std::strcmp(argv[i], "--float-mma-sweep") == 0) {
+      float_mma_sweep = true;
     } else if (std::strcmp(argv[i], "--mma-min") == 0 && i + 1 < argc) {
       g_mma_min = std::max(0, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--mma-stages") == 0 && i + 1 < argc) {
@@ -563,11 +727,12 @@ int main(int argc, char** argv) {
         p = *end == ',' ? end + 1 : end;
       }
     } else {
-      std::fprintf(stderr,
-                   "usage: cuda_matvec_bench [--iters N] [--types t1,t2,...] "
-                   "[--shapes KxR,...] [--tokens N,...] [--no-attention] "
-                   "[--float-rows-ab] [--mma-min N] [--mma-stages N] "
-                   "[--mma-warps N] [--[no-]mma-pre-scales]\n");
+      std::fprintf(
+          stderr,
+          "usage: cuda_matvec_bench [--iters N] [--types t1,t2,...] "
+          "[--shapes KxR,...] [--tokens N,...] [--no-attention] "
+          "[--float-rows-ab] [--float-mma-ab] [--float-mma-sweep] [--mma-min N] [--mma-stages N] "
+          "[--mma-warps N] [--[no-]mma-pre-scales]\n");
       return 2;
     }
   }
@@ -586,6 +751,16 @@ int main(int argc, char** argv) {
   if (float_rows_ab) {
     std::mt19937_64 rng(7);
     bench_float_rows(iters, size_t(prop.l2CacheSize), read_gbps, rng);
+    return 0;
+  }
+  if (float_mma_ab) {
+    std::mt19937_64 rng(7);
+    bench_float_mma(iters, size_t(prop.l2CacheSize), read_gbps, rng);
+    return 0;
+  }
+  if (float_mma_sweep) {
+    std::mt19937_64 rng(7);
+    bench_float_mma_sweep(iters, size_t(prop.l2CacheSize), read_gbps, rng);
     return 0;
   }
 

@@ -471,8 +471,15 @@ void Scheduler::step() {
     Slot& s = *slots_[(prefill_rr_ + k) % n];
     if (!s.req || s.decoding || s.await_prefill) continue;
     const std::vector<int32_t>& prompt = s.req->params.prompt;
-    const int64_t len = std::min<int64_t>(
+    int64_t len = std::min<int64_t>(
         {cfg_.prefill_chunk, room, static_cast<int64_t>(prompt.size() - s.cursor)});
+    // On a backend whose results depend on a step's token count (CUDA), the prompt's last
+    // token (whose logits give the first sampled token) waits for a later step, where it is
+    // its sequence's only token as in a decode step: the step structure of `kiln run`
+    // (Session::prefill_head) and of speculative decoding.
+    if (!backend_.batch_invariant() && len > 1 &&
+        s.cursor + static_cast<size_t>(len) == prompt.size())
+      --len;
     prefill.push_back(
         {&s, std::span<const int32_t>(prompt).subspan(s.cursor, static_cast<size_t>(len))});
     room -= len;

@@ -12,7 +12,8 @@
 // Determinism: every request owns its sampler (seeded from its own parameters) and a token's
 // arithmetic in a shared forward pass does not depend on the other tokens in it (token-
 // invariant matmul, per-sequence attention; see docs/determinism.md), so the ids a request
-// gets do not depend on which slot it runs in or what runs beside it.
+// gets do not depend on which slot it runs in or what runs beside it. On a backend that is not
+// batch-invariant (CUDA) a prompt's last token gets a step of its own, as in `kiln run`.
 #pragma once
 
 #include <atomic>

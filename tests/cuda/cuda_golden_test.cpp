@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -23,6 +24,7 @@
 #include "common/testdata.h"
 #include "engine/runtime.h"
 #include "engine/mtp_drafter.h"
+#include "engine/scheduler.h"
 #include "engine/session.h"
 #include "engine/speculative.h"
 #include "golden/golden.h"
@@ -44,7 +46,17 @@ constexpr int32_t kCtx = 512;  // llama.cpp produced the golden data with n_ctx 
 // f32-activation kernels it replaced as the default.
 // ArenaAltAttention: the default kernels but the other decode attention kernel
 // (CudaOptions::attention_warp_tiles flipped from its default), so both stay golden-tested.
-enum class Weights { Arena, ZeroCopy, ArenaProfile, ArenaV2, ArenaV3, ArenaAltAttention };
+// ArenaFloatMma: the float_mma trial (F16/BF16 matmuls of 1-8 tokens on the tensor cores), on
+// the float fixtures.
+enum class Weights {
+  Arena,
+  ZeroCopy,
+  ArenaProfile,
+  ArenaV2,
+  ArenaV3,
+  ArenaAltAttention,
+  ArenaFloatMma
+};
 
 class CudaGolden : public ::testing::TestWithParam<std::tuple<Fixture, Weights>> {};
 
@@ -72,12 +84,14 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
   if (std::get<1>(GetParam()) == Weights::ArenaV3) o.matmul = CudaMatmul::V3;
   if (std::get<1>(GetParam()) == Weights::ArenaAltAttention)
     o.attention_warp_tiles = !CudaOptions{}.attention_warp_tiles;
+  o.float_mma = std::get<1>(GetParam()) == Weights::ArenaFloatMma;
   auto be = make_cuda_backend(o);
   ASSERT_TRUE(be) << be.error();
   const golden::Bounds b = golden::bounds_for(fx.quantized);
-  const char* label = std::get<1>(GetParam()) == Weights::ArenaProfile ? "cuda-pr"
-                      : std::get<1>(GetParam()) == Weights::ArenaV2    ? "cuda-v2"
-                      : std::get<1>(GetParam()) == Weights::ArenaV3    ? "cuda-v3"
+  const char* label = std::get<1>(GetParam()) == Weights::ArenaProfile    ? "cuda-pr"
+                      : std::get<1>(GetParam()) == Weights::ArenaV2       ? "cuda-v2"
+                      : std::get<1>(GetParam()) == Weights::ArenaV3       ? "cuda-v3"
+                      : std::get<1>(GetParam()) == Weights::ArenaFloatMma ? "cuda-fm"
                       : std::get<1>(GetParam()) == Weights::ArenaAltAttention
                           ? (o.attention_warp_tiles ? "cuda-wt" : "cuda-sk")
                           : "cuda   ";
@@ -503,6 +517,7 @@ std::string param_name(const ::testing::TestParamInfo<std::tuple<Fixture, Weight
   if (std::get<1>(info.param) == Weights::ArenaV2) n += "_matmul_v2";
   if (std::get<1>(info.param) == Weights::ArenaV3) n += "_matmul_v3";
   if (std::get<1>(info.param) == Weights::ArenaAltAttention) n += "_alt_attention";
+  if (std::get<1>(info.param) == Weights::ArenaFloatMma) n += "_float_mma";
   for (char& c : n)
     if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
   return n;
@@ -527,6 +542,14 @@ INSTANTIATE_TEST_SUITE_P(ArenaAltAttention, CudaGolden,
 INSTANTIATE_TEST_SUITE_P(ArenaV3, CudaGolden,
                          ::testing::Combine(::testing::ValuesIn(kFixtures),
                                             ::testing::Values(Weights::ArenaV3)),
+                         param_name);
+constexpr Fixture kFloatFixtures[] = {{"llama-gqa-f16", false},  {"llama-gqa-bf16", false},
+                                      {"phi3-f16", false},       {"qwen3-bpe-f16", false},
+                                      {"gemma3-swa-f16", false}, {"deepseek2-mla-f16", false},
+                                      {"glm4moe-f16", false},    {"muse-glimmer-f16", false}};
+INSTANTIATE_TEST_SUITE_P(ArenaFloatMma, CudaGolden,
+                         ::testing::Combine(::testing::ValuesIn(kFloatFixtures),
+                                            ::testing::Values(Weights::ArenaFloatMma)),
                          param_name);
 // Zero-copy (registered mapping read over PCIe on the H200): three architectures suffice.
 constexpr Fixture kZeroCopyFixtures[] = {
@@ -701,6 +724,76 @@ TEST(CudaSpec, MtpGreedyEqualsPlainGreedy) {
     EXPECT_EQ(got, want);
   }
   fmt::print("  glm4moe-q4_k_m         mtp k={} greedy vs plain:{}\n", kDraft, report);
+}
+
+// `kiln serve`'s scheduler on CUDA: a slot's greedy ids, plain and with NextN drafts, equal
+// `kiln run`'s (Session::prefill_head), because on a backend that is not batch-invariant the
+// slot evaluates the prompt's last token in a step of its own (Scheduler::step).
+TEST(CudaSpec, SchedulerGreedyEqualsRunGreedy) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
+  std::vector<int32_t> golden_prompt;
+  std::shared_ptr<const Model> m = load_same_bits_fixture("glm4moe-q4_k_m", &golden_prompt);
+  if (m == nullptr) GTEST_SKIP() << "glm4moe-q4_k_m was not carried to this machine";
+  auto be = make_cuda_backend(region_options(*m));
+  ASSERT_TRUE(be) << be.error();
+  constexpr int32_t kGen = 24;
+  std::string report;
+  for (size_t len : {size_t{6}, size_t{9}, size_t{12}, size_t{24}, size_t{40}}) {
+    SCOPED_TRACE(::testing::Message() << "prompt of " << len << " tokens");
+    const std::span<const int32_t> prompt =
+        std::span<const int32_t>(golden_prompt).first(std::min(len, golden_prompt.size()));
+    std::vector<int32_t> want;
+    {
+      Session s(m, **be, 256);
+      auto rest = s.prefill_head(prompt);
+      ASSERT_TRUE(rest.has_value()) << rest.error();
+      auto l = s.eval(*rest, false);
+      for (int32_t i = 0; i < kGen && l; ++i) {
+        const auto t = static_cast<int32_t>(std::max_element(l->begin(), l->end()) - l->begin());
+        want.push_back(t);
+        l = s.eval(std::span<const int32_t>(&t, 1), false);
+      }
+      ASSERT_TRUE(l.has_value()) << l.error();
+    }
+    for (bool mtp : {false, true}) {
+      SchedulerConfig cfg{.n_slots = 1, .n_ctx = 256, .prefill_chunk = 256};
+      if (mtp) {
+        cfg.draft_model = 4;
+        cfg.make_drafter = [&](int32_t n_ctx,
+                               int32_t max_batch) -> Expected<std::unique_ptr<Drafter>> {
+          KILN_ASSIGN_OR_RETURN(auto d, MtpDrafter::create(m, **be, n_ctx, max_batch));
+          return std::unique_ptr<Drafter>(std::move(d));
+        };
+      }
+      std::vector<int32_t> got;
+      {
+        auto sch = Scheduler::create(m, **be, cfg);
+        ASSERT_TRUE(sch.has_value()) << sch.error();
+        GenerationParams p;
+        p.prompt.assign(prompt.begin(), prompt.end());
+        p.sampling.temperature = 0;
+        p.max_tokens = kGen;
+        auto sub = (*sch)->submit(p);
+        ASSERT_TRUE(sub.stream) << sub.message;
+        for (;;) {
+          auto e = sub.stream->next(std::chrono::seconds(60));
+          ASSERT_TRUE(e.has_value()) << "no event within 60 s";
+          if (e->kind == GenEvent::Kind::kDone) {
+            EXPECT_NE(e->finish, FinishReason::kError) << e->error;
+            break;
+          }
+          got.push_back(e->id);
+        }
+      }
+      const auto first =
+          std::mismatch(want.begin(), want.end(), got.begin(), got.end()).first - want.begin();
+      report += fmt::format(
+          " {} tokens {}: {};", prompt.size(), mtp ? "mtp" : "plain",
+          first == kGen ? std::string("equal") : fmt::format("differ from id {}", first));
+      EXPECT_EQ(got, want) << (mtp ? "with NextN drafts" : "plain");
+    }
+  }
+  fmt::print("  glm4moe-q4_k_m         scheduler greedy vs run:{}\n", report);
 }
 
 std::string tp_param_name(const ::testing::TestParamInfo<std::tuple<Fixture, int>>& info) {

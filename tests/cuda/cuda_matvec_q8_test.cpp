@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -225,6 +227,199 @@ TEST(CudaMatvecQ8, FloatRowsAndColumnsKeepBits) {
   EXPECT_EQ(cuda::launch_matvec_float_v3(w, dx, 1, dy, 3, nullptr), cudaErrorInvalidValue);
   const cuda::DeviceWeight wq{DType::Q8_0, 64, 4, 68, w.data};
   EXPECT_EQ(cuda::launch_matvec_float_v3(wq, dx, 1, dy, 1, nullptr), cudaErrorInvalidValue);
+}
+
+// The float_mma trial (matvec_mma_float.cu): F16/BF16 against a double reference within the
+// float kernel's bound, and every token's output memcmp-equal to its 1-token call at every
+// token count 1-8 (a token at column t of the call against column 0 alone). Shapes that take
+// 4, 8 and 16 warps per block (fewer steps than warps too), partial last row blocks, a token
+// of a wide range and one of large values (tf32 keeps f32's range).
+TEST(CudaMatvecQ8, FloatMmaMatchesReferenceAndIsTokenInvariant) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(ops_seed() + 5);
+  struct Shape {
+    int64_t k, rows;
+  };
+  const Shape shapes[] = {{64, 1},      {192, 37},        {1088, 17},
+                          {4096, 4501}, {4160, 4096 + 9}, {2048, 16384 + 3}};
+  for (DType t : {DType::F16, DType::BF16}) {
+    for (const Shape& sh : shapes) {
+      const int64_t k = sh.k, rows = sh.rows;
+      SCOPED_TRACE(::testing::Message()
+                   << dtype_name(t) << " k " << k << " rows " << rows << " warps "
+                   << cuda::float_mma_shape(rows, k).warps << " seed " << ops_seed() + 5);
+      const size_t rb = *row_bytes(t, k);
+      std::vector<std::byte> bytes(rb * rows);
+      std::vector<float> deq(size_t(rows * k));
+      for (int64_t r = 0; r < rows; ++r) {
+        auto dst = std::span<std::byte>(bytes).subspan(r * rb, rb);
+        quant::quantize_row(t, random_vec(rng, k, 0.05f), dst);
+        quant::dequantize_row(t, dst, std::span<float>(deq).subspan(r * k, k));
+      }
+      std::vector<float> x = random_vec(rng, size_t(8 * k), 1.0f);
+      for (int64_t i = 0; i < k; i += 7) x[size_t(3 * k + i)] *= 40.0f;
+      for (int64_t i = 0; i < k; ++i) x[size_t(6 * k + i)] *= 3.0e4f;
+      cuda::DeviceBuffer wbuf, xbuf, ybuf;
+      const cuda::DeviceWeight w{t, k, rows, rb, to_device(wbuf, bytes)};
+      const float* dx = to_device(xbuf, x);
+      float* dy = static_cast<float*>(ybuf.ensure(size_t(8 * rows) * sizeof(float), "y"));
+      const auto run = [&](const float* xs, int64_t n_tok) {
+        cuda::check_cuda(cudaMemset(dy, 0xff, size_t(n_tok * rows) * sizeof(float)), "memset");
+        EXPECT_EQ(cuda::launch_matvec_float_mma(w, xs, n_tok, dy, nullptr), cudaSuccess);
+        cuda::check_cuda(cudaDeviceSynchronize(), "sync");
+        return from_device(dy, size_t(n_tok * rows));
+      };
+      std::vector<float> single(size_t(8 * rows));
+      for (int64_t tok = 0; tok < 8; ++tok) {
+        const std::vector<float> y = run(dx + tok * k, 1);
+        std::copy(y.begin(), y.end(), single.begin() + tok * rows);
+      }
+      for (int64_t tok = 0; tok < 8; ++tok)
+        for (int64_t r = 0; r < rows; ++r) {
+          double s = 0, abs_sum = 0;
+          for (int64_t i = 0; i < k; ++i) {
+            const double p = double(deq[size_t(r * k + i)]) * x[size_t(tok * k + i)];
+            s += p;
+            abs_sum += std::fabs(p);
+          }
+          ASSERT_TRUE(close(single[size_t(tok * rows + r)], float(s), 2e-5 * abs_sum + 1e-6))
+              << "t " << tok << " r " << r;
+        }
+      for (int64_t n_tok = 2; n_tok <= 8; ++n_tok) {
+        const std::vector<float> y = run(dx, n_tok);
+        ASSERT_EQ(std::memcmp(y.data(), single.data(), y.size() * sizeof(float)), 0)
+            << "n_tok " << n_tok;
+      }
+      // Steps loaded together and tiles per block change no bit (the warps per block do).
+      const cuda::FloatMmaShape policy = cuda::float_mma_shape(rows, k);
+      struct ShapeReset {
+        ~ShapeReset() { cuda::set_float_mma_shape({}); }
+      } reset;
+      for (const auto [unroll, mtiles] :
+           {std::pair{2, 1}, std::pair{4, 1}, std::pair{1, 2}, std::pair{2, 2}}) {
+        cuda::set_float_mma_shape({policy.warps, unroll, mtiles});
+        for (int64_t n_tok : {1, 5, 8}) {
+          const std::vector<float> y = run(dx, n_tok);
+          ASSERT_EQ(std::memcmp(y.data(), single.data(), y.size() * sizeof(float)), 0)
+              << "unroll " << unroll << " mtiles " << mtiles << " n_tok " << n_tok;
+        }
+      }
+    }
+  }
+  // What the launcher refuses: 0 or 9 tokens, a width not a multiple of 64, F32 and quantized
+  // weights, rows off 16-byte alignment.
+  cuda::DeviceBuffer wbuf, xbuf, ybuf;
+  const std::vector<std::byte> bytes(size_t(128) * 2 * 4 + 16);
+  const std::byte* base = to_device(wbuf, bytes);
+  const cuda::DeviceWeight w{DType::F16, 128, 4, 256, base};
+  const float* dx = to_device(xbuf, std::vector<float>(9 * 128, 1.0f));
+  float* dy = static_cast<float*>(ybuf.ensure(9 * 4 * sizeof(float), "y"));
+  EXPECT_EQ(cuda::launch_matvec_float_mma(w, dx, 0, dy, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::launch_matvec_float_mma(w, dx, 9, dy, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::launch_matvec_float_mma({DType::F16, 96, 4, 192, base}, dx, 1, dy, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::launch_matvec_float_mma({DType::F32, 128, 4, 512, base}, dx, 1, dy, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::launch_matvec_float_mma({DType::Q8_0, 128, 4, 136, base}, dx, 1, dy, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::launch_matvec_float_mma({DType::F16, 128, 4, 256, base + 2}, dx, 1, dy, nullptr),
+            cudaErrorInvalidValue);
+}
+
+// The float_mma grouped launch (a layer's Q/K/V: 2048 x 2048, 512, 512 rows; odd row counts):
+// each output memcmp-equal to its weight's own launch, 1-8 tokens; weights whose launch shapes
+// differ (so would their bits) are refused with nothing launched.
+TEST(CudaMatvecQ8, FloatMmaGroupHasEachWeightsBits) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(ops_seed() + 7);
+  for (DType t : {DType::F16, DType::BF16}) {
+    const int64_t k = 2048;
+    const int64_t rows[] = {2048, 509, 517};
+    const size_t rb = *row_bytes(t, k);
+    cuda::DeviceBuffer wbuf[3], ybuf[3], xbuf;
+    std::vector<cuda::DeviceWeight> ws;
+    std::vector<float*> ys;
+    for (int i = 0; i < 3; ++i) {
+      std::vector<std::byte> bytes(rb * rows[i]);
+      for (int64_t r = 0; r < rows[i]; ++r)
+        quant::quantize_row(t, random_vec(rng, k, 0.05f),
+                            std::span<std::byte>(bytes).subspan(r * rb, rb));
+      ws.push_back({t, k, rows[i], rb, to_device(wbuf[i], bytes)});
+      ys.push_back(static_cast<float*>(ybuf[i].ensure(size_t(8 * rows[i]) * sizeof(float), "y")));
+    }
+    const float* dx = to_device(xbuf, random_vec(rng, size_t(8 * k), 1.0f));
+    for (int64_t n_tok = 1; n_tok <= 8; ++n_tok) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(t) << " n_tok " << n_tok);
+      std::vector<std::vector<float>> alone;
+      for (int i = 0; i < 3; ++i) {
+        ASSERT_EQ(cuda::launch_matvec_float_mma(ws[i], dx, n_tok, ys[i], nullptr), cudaSuccess);
+        cuda::check_cuda(cudaDeviceSynchronize(), "sync");
+        alone.push_back(from_device(ys[i], size_t(n_tok * rows[i])));
+        cuda::check_cuda(cudaMemset(ys[i], 0xff, size_t(n_tok * rows[i]) * sizeof(float)),
+                         "memset");
+      }
+      ASSERT_EQ(cuda::launch_matvec_float_mma_group(ws, ys, dx, n_tok, nullptr), cudaSuccess);
+      cuda::check_cuda(cudaDeviceSynchronize(), "sync");
+      for (int i = 0; i < 3; ++i) {
+        const std::vector<float> y = from_device(ys[i], size_t(n_tok * rows[i]));
+        ASSERT_EQ(std::memcmp(y.data(), alone[i].data(), y.size() * sizeof(float)), 0)
+            << "weight " << i;
+      }
+    }
+  }
+  // 2048 rows take 16 warps per block, 20000 take 8: not one launch.
+  cuda::DeviceBuffer a, b, xb, ya, yb;
+  const size_t rb = *row_bytes(DType::F16, 2048);
+  const std::vector<std::byte> zeros(rb * 20000);
+  const cuda::DeviceWeight wa{DType::F16, 2048, 2048, rb, to_device(a, zeros)};
+  const cuda::DeviceWeight wb{DType::F16, 2048, 20000, rb, to_device(b, zeros)};
+  ASSERT_NE(cuda::float_mma_shape(2048, 2048).warps, cuda::float_mma_shape(20000, 2048).warps);
+  float* y2[2] = {static_cast<float*>(ya.ensure(2048 * sizeof(float), "y")),
+                  static_cast<float*>(yb.ensure(20000 * sizeof(float), "y"))};
+  const cuda::DeviceWeight pair[2] = {wa, wb};
+  EXPECT_EQ(cuda::launch_matvec_float_mma_group(pair, y2, to_device(xb, std::vector<float>(2048)),
+                                                1, nullptr),
+            cudaErrorNotSupported);
+}
+
+// The backend with CudaOptions::float_mma: F16 and BF16 matmul() within the reference's bound,
+// a token's bits the same alone and in a call of 7.
+TEST(CudaMatvecQ8, BackendFloatMmaMatchesReference) {
+  REQUIRE_GPU();
+  CudaOptions o;
+  o.float_mma = true;
+  o.verify_weight_cache = true;  // the test's weight buffers are freed and their addresses reused
+  auto be = make_cuda_backend(o);
+  ASSERT_TRUE(be) << be.error();
+  const std::unique_ptr<Backend> ref = make_ref_backend();
+  std::mt19937_64 rng(ops_seed() + 6);
+  for (DType t : {DType::F16, DType::BF16}) {
+    SCOPED_TRACE(::testing::Message() << dtype_name(t) << " seed " << ops_seed() + 6);
+    const int64_t k = 2048, rows = 45, n_tok = 7;
+    const size_t rb = *row_bytes(t, k);
+    std::vector<std::byte> bytes(rb * rows);
+    std::vector<float> deq(size_t(rows * k));
+    for (int64_t r = 0; r < rows; ++r) {
+      auto dst = std::span<std::byte>(bytes).subspan(r * rb, rb);
+      quant::quantize_row(t, random_vec(rng, k, 0.05f), dst);
+      quant::dequantize_row(t, dst, std::span<float>(deq).subspan(r * k, k));
+    }
+    const WeightMatrix w{.dtype = t, .n_cols = k, .n_rows = rows, .row_bytes = rb, .bytes = bytes};
+    const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
+    std::vector<float> y(size_t(n_tok * rows), NAN), y_ref(y.size()), y1(size_t(rows), NAN);
+    (*be)->matmul(w, x, n_tok, y);
+    ref->matmul(w, x, n_tok, y_ref);
+    (*be)->matmul(w, std::span<const float>(x).subspan(size_t(5 * k), size_t(k)), 1, y1);
+    for (int64_t tok = 0; tok < n_tok; ++tok)
+      for (int64_t r = 0; r < rows; ++r) {
+        double abs_sum = 0;
+        for (int64_t i = 0; i < k; ++i)
+          abs_sum += std::fabs(double(deq[r * k + i]) * x[tok * k + i]);
+        ASSERT_TRUE(close(y[tok * rows + r], y_ref[tok * rows + r], 2e-5 * abs_sum + 1e-6))
+            << "t " << tok << " r " << r;
+      }
+    EXPECT_EQ(std::memcmp(y1.data(), y.data() + 5 * rows, size_t(rows) * sizeof(float)), 0);
+  }
 }
 
 // Grouped launches (launch_matvec_*_group): every output memcmp-equal to its weight's own
@@ -609,7 +804,8 @@ TEST(CudaMatvecQ8, BackendV3MatchesReference) {
 // task alone; on V3 (up to 64 int8 tokens) and on the Auto default (int8 up to 16 tokens,
 // cuBLAS above: there the batch is one matmul() per task, so the same bits by construction).
 // Task lists: mixed types (one launch each), runs of one type (grouped launches, 3 and 2),
-// float weights (the grouped float path up to 8 tokens, matmul() per task above).
+// float weights (the grouped float path up to 8 tokens, matmul() per task above; also with
+// the float_mma trial's grouped tensor-core launches).
 TEST(CudaMatvecQ8, ResidentMatmulBatchEqualsOneMatmulPerTask) {
   REQUIRE_GPU();
   const std::vector<std::vector<DType>> lists = {{DType::Q4_K, DType::Q6_K, DType::Q8_0},
@@ -618,9 +814,13 @@ TEST(CudaMatvecQ8, ResidentMatmulBatchEqualsOneMatmulPerTask) {
                                                  {DType::F16, DType::F16, DType::F16},
                                                  {DType::BF16, DType::BF16}};
   for (const std::vector<DType>& types : lists)
-    for (CudaMatmul kernels : {CudaMatmul::V3, CudaMatmul::Auto}) {
+    for (const auto [kernels, float_mma] :
+         {std::pair{CudaMatmul::V3, false}, std::pair{CudaMatmul::Auto, false},
+          std::pair{CudaMatmul::Auto, true}}) {
+      if (float_mma && types[0] != DType::F16 && types[0] != DType::BF16) continue;
       CudaOptions o;
       o.matmul = kernels;
+      o.float_mma = float_mma;  // the trial's grouped launches
       o.verify_weight_cache = true;
       auto be = make_cuda_backend(o);
       ASSERT_TRUE(be) << be.error();
@@ -644,9 +844,10 @@ TEST(CudaMatvecQ8, ResidentMatmulBatchEqualsOneMatmulPerTask) {
                                     .bytes = bytes[i]});
         }
         for (int64_t n_tok : {1, 3, 8, 16, 17, 40}) {
-          SCOPED_TRACE(::testing::Message() << "k " << k << " n_tok " << n_tok << " auto "
-                                            << (kernels == CudaMatmul::Auto) << " first "
-                                            << dtype_name(types[0]) << " x" << nw);
+          SCOPED_TRACE(::testing::Message()
+                       << "k " << k << " n_tok " << n_tok << " auto "
+                       << (kernels == CudaMatmul::Auto) << " float_mma " << float_mma << " first "
+                       << dtype_name(types[0]) << " x" << nw);
           const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
           BackendBuffer<float> dx = b.alloc<float>(x.size());
           b.upload<float>(x, dx.span());

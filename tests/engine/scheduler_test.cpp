@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "backend/cpu/cpu_backend.h"
+#include "common/forwarding_backend.h"
 #include "common/testdata.h"
 #include "engine_test_util.h"
 #include "engine/constrained.h"
@@ -181,6 +182,63 @@ TEST(Scheduler, SameIdsAloneAndConcurrentInShuffledOrders) {
       "determinism: 8 requests x 3 concurrent rounds identical to solo runs; %lld "
       "prompt tokens reused from slot caches\n",
       static_cast<long long>(reused));
+}
+
+// The reference backend wrapped to say whether it is batch-invariant and to record each
+// forward step's token count (its embedding lookup).
+class StepRecorder final : public testing::ForwardingBackend {
+ public:
+  explicit StepRecorder(bool invariant) : invariant_(invariant) {}
+  std::vector<size_t> steps;
+
+  bool batch_invariant() const override { return invariant_; }
+  void get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
+                std::span<float> out) override {
+    steps.push_back(ids.size());
+    ForwardingBackend::get_rows(w, ids, out);
+  }
+
+ private:
+  bool invariant_;
+};
+
+// On a backend that is not batch-invariant (CUDA) a slot evaluates its prompt's last token in
+// a step of its own, as `kiln run` does (Session::prefill_head), whatever the prefill chunk;
+// an invariant one keeps the prompt whole. The ids are the same (the reference backend is in
+// truth invariant).
+TEST(Scheduler, NonInvariantBackendGivesThePromptsLastTokenAStepOfItsOwn) {
+  auto m = load("stories260K.gguf");
+  ASSERT_TRUE(m);
+  const auto run = [&](bool invariant, int32_t chunk, size_t n_prompt) {
+    StepRecorder be(invariant);
+    GenerationParams p;
+    p.prompt = random_prompt(n_prompt, m->n_vocab(), 31);
+    p.sampling.temperature = 0.0f;
+    p.max_tokens = 3;
+    Outcome o;
+    {
+      auto sch = Scheduler::create(m, be, {.n_slots = 1, .n_ctx = 64, .prefill_chunk = chunk});
+      EXPECT_TRUE(sch.has_value()) << sch.error();
+      if (!sch) return std::make_pair(o, be.steps);
+      auto sub = (*sch)->submit(p);
+      EXPECT_TRUE(sub.stream) << sub.message;
+      if (sub.stream) o = drain(*sub.stream);
+    }
+    return std::make_pair(o, be.steps);
+  };
+  const auto [whole, whole_steps] = run(true, 256, 7);
+  EXPECT_EQ(whole_steps, (std::vector<size_t>{7, 1, 1}));
+  ASSERT_EQ(whole.ids.size(), 3u);
+  const auto [split, split_steps] = run(false, 256, 7);
+  EXPECT_EQ(split_steps, (std::vector<size_t>{6, 1, 1, 1}));
+  EXPECT_EQ(split.ids, whole.ids);
+  // Chunks of 4: the prompt's second chunk loses its last token to a step of its own.
+  const auto [chunked, chunked_steps] = run(false, 4, 7);
+  EXPECT_EQ(chunked_steps, (std::vector<size_t>{4, 2, 1, 1, 1}));
+  EXPECT_EQ(chunked.ids, whole.ids);
+  // A one-token prompt is already its own step.
+  const auto [one, one_steps] = run(false, 256, 1);
+  EXPECT_EQ(one_steps, (std::vector<size_t>{1, 1, 1}));
 }
 
 // Requests that sample from candidates (greedy; top-k without bias or penalties) give the ids

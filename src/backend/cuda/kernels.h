@@ -134,11 +134,36 @@ cudaError_t launch_matvec_float_v3(const DeviceWeight& w, const float* x, int64_
 int float_v3_rows(DType t, int64_t n_tok, int64_t n_rows, int64_t n_cols);
 // True when launch_matmul_v3 takes the float kernel for this weight, input and token count.
 bool float_v3_applies(const DeviceWeight& w, const float* x, int64_t n_tok);
+// --- matvec_mma_float.cu: F16/BF16 weights against 1-8 tokens on the tensor cores (tf32 mma
+// with each activation split into two tf32 terms), on trial behind CudaOptions::float_mma. One
+// accumulation order per output whatever the token count (bit-identical per token), a
+// different one from V3's float kernel. Needs rows and x 16-byte aligned, n_cols % 64 == 0.
+bool float_mma_fits(const DeviceWeight& w, const float* x, int64_t n_tok);
+// A launch's shape: warps per block splitting the columns (4, 8 or 16: the bits depend on
+// it), steps each warp loads together (unroll) and 16-row tiles per block (mtiles), pairs
+// (2, 1), (4, 1), (1, 2), (2, 2); those two change no bit.
+struct FloatMmaShape {
+  int warps = 0, unroll = 0, mtiles = 0;
+};
+// The shape launches take for a weight (from its shape only).
+FloatMmaShape float_mma_shape(int64_t n_rows, int64_t n_cols);
+// Another shape for this thread's launches (cuda_matvec_bench's sweep); warps 0: the policy.
+void set_float_mma_shape(FloatMmaShape shape);
+cudaError_t launch_matvec_float_mma(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
+                                    cudaStream_t s);
+// Several F16/BF16 weights of one type and width against one input in one grid (a layer's
+// Q/K/V or gate/up), each output with its own launch's bits; cudaErrorNotSupported (nothing
+// launched) when their shapes differ or there are more than kMatvecGroupMax.
+cudaError_t launch_matvec_float_mma_group(std::span<const DeviceWeight> ws,
+                                          std::span<float* const> ys, const float* x, int64_t n_tok,
+                                          cudaStream_t s);
 // The V3 matmul: the int8 path when it applies (act_scratch of act_q8_bytes), the float
-// kernel for float weights up to 8 tokens, else V2 (with gemm above kMatvecMaxTokens).
+// kernel for float weights up to 8 tokens (float_mma: the tensor-core one where it fits),
+// else V2 (with gemm above kMatvecMaxTokens).
 cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
                              void* act_scratch, size_t scratch_bytes, cudaStream_t s,
-                             GemmWorkspace* gemm = nullptr, int mma_min_tokens = kQ8MmaMinTokens);
+                             GemmWorkspace* gemm = nullptr, int mma_min_tokens = kQ8MmaMinTokens,
+                             bool float_mma = false);
 
 // --- get_rows.cu: out[i][:] = row ids[i] of w, dequantized.
 cudaError_t launch_get_rows(const DeviceWeight& w, const int32_t* ids, int64_t n_ids, float* out,

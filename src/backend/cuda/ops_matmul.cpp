@@ -111,11 +111,14 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
             act, cached.data, gemm ? gemm->scratch() : nullptr);
   const bool from_cache = cached.data != dw.data;
   if (I.prof.on()) {
-    const char* path = from_cache   ? "gemm, f16 cache"
-                       : gemm       ? "gemm"
-                       : act        ? "int8"
-                       : wants_gemm ? "gemm"
-                                    : "matvec";
+    const char* path =
+        from_cache   ? "gemm, f16 cache"
+        : gemm       ? "gemm"
+        : act        ? "int8"
+        : wants_gemm ? "gemm"
+        : I.float_mma() && kern == cuda::MatmulKernels::V3 && cuda::float_mma_fits(dw, dx, n_tok)
+            ? "matvec, tensor cores"
+            : "matvec";
     I.seg.label(
         fmt::format("matmul {} {}x{} x{} {}", dtype_name(w.dtype), w.n_cols, w.n_rows, n_tok, path),
         static_cast<uint64_t>(dw.row_bytes) * static_cast<uint64_t>(dw.n_rows));
@@ -127,12 +130,14 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
   // after everything above that may flush (a flush starts a graphable segment).
   if (wants_gemm && !(gemm && gemm->cublas_workspace())) I.seg.ungraphable();
   const int mma_min = I.mma_min_tokens();
+  const bool float_mma = I.float_mma();
   I.seg.record("matmul", [=](cudaStream_t st) {
     // The f16 copy is what the GEMM would have dequantized into its scratch: cuBLAS reads
     // it in place (gemm.cu) with the same call.
     if (from_cache) return cuda::launch_matmul(cached, dx, n_tok, dy, st, gemm);
     if (kern == cuda::MatmulKernels::V3)
-      return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, st, gemm, mma_min);
+      return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, st, gemm, mma_min,
+                                    float_mma);
     return cuda::launch_matmul(dw, dx, n_tok, dy, st, gemm);
   });
   I.host.done();
@@ -288,9 +293,12 @@ bool CudaBackend::matmul_batch_float(std::span<const MatmulTask> tasks, int64_t 
     dys.push_back(t.y.data());
   }
   const float* dx = tasks[0].x.data();
-  // matmul()'s own route for each: the float kernel, not cuBLAS nor the V2 fallback.
+  // matmul()'s own route for each: the float kernel (float_mma: the tensor-core one), not
+  // cuBLAS nor the V2 fallback.
+  const bool mma = I.float_mma();
   for (const cuda::DeviceWeight& w : dws)
-    if (takes_gemm(I, cuda::MatmulKernels::V3, w, n_tok) || !cuda::float_v3_applies(w, dx, n_tok))
+    if (takes_gemm(I, cuda::MatmulKernels::V3, w, n_tok) ||
+        !(mma ? cuda::float_mma_fits(w, dx, n_tok) : cuda::float_v3_applies(w, dx, n_tok)))
       return false;
   I.seg.sig("matmul_batch_float", dx, n_tok, dws.size());
   uint64_t bytes = 0;
@@ -302,9 +310,22 @@ bool CudaBackend::matmul_batch_float(std::span<const MatmulTask> tasks, int64_t 
   if (I.prof.on()) {
     int64_t rows = 0;
     for (const cuda::DeviceWeight& w : dws) rows += w.n_rows;
-    I.seg.label(fmt::format("matmul {} {}x{} x{} matvec ({} weights, grouped launches)",
-                            dtype_name(dws[0].dtype), dws[0].n_cols, rows, n_tok, dws.size()),
+    I.seg.label(fmt::format("matmul {} {}x{} x{} matvec{} ({} weights, grouped launches)",
+                            dtype_name(dws[0].dtype), dws[0].n_cols, rows, n_tok,
+                            mma ? ", tensor cores" : "", dws.size()),
                 bytes);
+  }
+  if (mma) {
+    I.seg.record("matmul_batch_float", [=](cudaStream_t st) {
+      return run_grouped(
+          dws,
+          [&](size_t i) { return cuda::launch_matvec_float_mma(dws[i], dx, n_tok, dys[i], st); },
+          [&](size_t i, size_t n) {
+            return cuda::launch_matvec_float_mma_group(std::span(dws).subspan(i, n),
+                                                       std::span(dys).subspan(i, n), dx, n_tok, st);
+          });
+    });
+    return true;
   }
   I.seg.record("matmul_batch_float", [=](cudaStream_t st) {
     return run_grouped(
