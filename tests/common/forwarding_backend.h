@@ -6,6 +6,7 @@
 #include <memory>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "backend/backend.h"
 
@@ -91,6 +92,24 @@ class ForwardingBackend : public Backend {
 
  private:
   std::unique_ptr<Backend> inner_;
+};
+
+// The forwarding backend told to say whether it is batch-invariant, recording each forward
+// step's token count (its embedding lookup): how the engine splits its steps.
+class StepRecorder final : public ForwardingBackend {
+ public:
+  explicit StepRecorder(bool invariant) : invariant_(invariant) {}
+  std::vector<size_t> steps;
+
+  bool batch_invariant() const override { return invariant_; }
+  void get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
+                std::span<float> out) override {
+    steps.push_back(ids.size());
+    ForwardingBackend::get_rows(w, ids, out);
+  }
+
+ private:
+  bool invariant_;
 };
 
 }  // namespace kiln::testing

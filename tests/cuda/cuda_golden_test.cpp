@@ -667,6 +667,23 @@ TEST(CudaSpec, VerifyBatchHasTheDecodeStepsBits) {
   if (!ran) GTEST_SKIP() << "none of the fixtures was carried to this machine";
 }
 
+// n greedy ids as `kiln run` generates them: Session::prefill_head (on CUDA the prompt's last
+// token in a step of its own), then one token a step.
+Expected<std::vector<int32_t>> run_greedy(const std::shared_ptr<const Model>& m, Backend& be,
+                                          std::span<const int32_t> prompt, int32_t n) {
+  Session s(m, be, 256);
+  KILN_ASSIGN_OR_RETURN(auto rest, s.prefill_head(prompt));
+  auto l = s.eval(rest, false);
+  std::vector<int32_t> ids;
+  for (int32_t i = 0; i < n && l; ++i) {
+    const auto t = static_cast<int32_t>(std::max_element(l->begin(), l->end()) - l->begin());
+    ids.push_back(t);
+    l = s.eval(std::span<const int32_t>(&t, 1), false);
+  }
+  if (!l) return Status::error(l.error());
+  return ids;
+}
+
 // The promise itself: --spec-mtp's greedy ids equal plain greedy's on CUDA, for prompts below
 // and above the float kernel's 8 tokens and the int8 kernels' 16. Speculative decoding
 // prefills all but the prompt's last token and evaluates that one in the first verify step;
@@ -685,20 +702,8 @@ TEST(CudaSpec, MtpGreedyEqualsPlainGreedy) {
     SCOPED_TRACE(::testing::Message() << "prompt of " << len << " tokens");
     const std::span<const int32_t> prompt =
         std::span<const int32_t>(golden_prompt).first(std::min(len, golden_prompt.size()));
-    std::vector<int32_t> want;
-    {
-      Session s(m, **be, 256);
-      // As `kiln run` evaluates a prompt for plain generation.
-      auto rest = s.prefill_head(prompt);
-      ASSERT_TRUE(rest.has_value()) << rest.error();
-      auto l = s.eval(*rest, false);
-      for (int32_t i = 0; i < kGen && l; ++i) {
-        const auto t = static_cast<int32_t>(std::max_element(l->begin(), l->end()) - l->begin());
-        want.push_back(t);
-        l = s.eval(std::span<const int32_t>(&t, 1), false);
-      }
-      ASSERT_TRUE(l.has_value()) << l.error();
-    }
+    auto want = run_greedy(m, **be, prompt, kGen);
+    ASSERT_TRUE(want.has_value()) << want.error();
     std::vector<int32_t> got;
     {
       Session target(m, **be, 256);
@@ -717,11 +722,11 @@ TEST(CudaSpec, MtpGreedyEqualsPlainGreedy) {
       }
       got.resize(kGen);
     }
-    const auto first = std::mismatch(want.begin(), want.end(), got.begin()).first - want.begin();
+    const auto first = std::mismatch(want->begin(), want->end(), got.begin()).first - want->begin();
     report +=
         fmt::format(" {} tokens: {};", prompt.size(),
                     first == kGen ? std::string("equal") : fmt::format("differ from id {}", first));
-    EXPECT_EQ(got, want);
+    EXPECT_EQ(got, *want);
   }
   fmt::print("  glm4moe-q4_k_m         mtp k={} greedy vs plain:{}\n", kDraft, report);
 }
@@ -742,19 +747,8 @@ TEST(CudaSpec, SchedulerGreedyEqualsRunGreedy) {
     SCOPED_TRACE(::testing::Message() << "prompt of " << len << " tokens");
     const std::span<const int32_t> prompt =
         std::span<const int32_t>(golden_prompt).first(std::min(len, golden_prompt.size()));
-    std::vector<int32_t> want;
-    {
-      Session s(m, **be, 256);
-      auto rest = s.prefill_head(prompt);
-      ASSERT_TRUE(rest.has_value()) << rest.error();
-      auto l = s.eval(*rest, false);
-      for (int32_t i = 0; i < kGen && l; ++i) {
-        const auto t = static_cast<int32_t>(std::max_element(l->begin(), l->end()) - l->begin());
-        want.push_back(t);
-        l = s.eval(std::span<const int32_t>(&t, 1), false);
-      }
-      ASSERT_TRUE(l.has_value()) << l.error();
-    }
+    auto want = run_greedy(m, **be, prompt, kGen);
+    ASSERT_TRUE(want.has_value()) << want.error();
     for (bool mtp : {false, true}) {
       SchedulerConfig cfg{.n_slots = 1, .n_ctx = 256, .prefill_chunk = 256};
       if (mtp) {
@@ -786,11 +780,11 @@ TEST(CudaSpec, SchedulerGreedyEqualsRunGreedy) {
         }
       }
       const auto first =
-          std::mismatch(want.begin(), want.end(), got.begin(), got.end()).first - want.begin();
+          std::mismatch(want->begin(), want->end(), got.begin(), got.end()).first - want->begin();
       report += fmt::format(
           " {} tokens {}: {};", prompt.size(), mtp ? "mtp" : "plain",
           first == kGen ? std::string("equal") : fmt::format("differ from id {}", first));
-      EXPECT_EQ(got, want) << (mtp ? "with NextN drafts" : "plain");
+      EXPECT_EQ(got, *want) << (mtp ? "with NextN drafts" : "plain");
     }
   }
   fmt::print("  glm4moe-q4_k_m         scheduler greedy vs run:{}\n", report);

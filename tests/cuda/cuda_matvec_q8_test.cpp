@@ -382,46 +382,6 @@ TEST(CudaMatvecQ8, FloatMmaGroupHasEachWeightsBits) {
             cudaErrorNotSupported);
 }
 
-// The backend with CudaOptions::float_mma: F16 and BF16 matmul() within the reference's bound,
-// a token's bits the same alone and in a call of 7.
-TEST(CudaMatvecQ8, BackendFloatMmaMatchesReference) {
-  REQUIRE_GPU();
-  CudaOptions o;
-  o.float_mma = true;
-  o.verify_weight_cache = true;  // the test's weight buffers are freed and their addresses reused
-  auto be = make_cuda_backend(o);
-  ASSERT_TRUE(be) << be.error();
-  const std::unique_ptr<Backend> ref = make_ref_backend();
-  std::mt19937_64 rng(ops_seed() + 6);
-  for (DType t : {DType::F16, DType::BF16}) {
-    SCOPED_TRACE(::testing::Message() << dtype_name(t) << " seed " << ops_seed() + 6);
-    const int64_t k = 2048, rows = 45, n_tok = 7;
-    const size_t rb = *row_bytes(t, k);
-    std::vector<std::byte> bytes(rb * rows);
-    std::vector<float> deq(size_t(rows * k));
-    for (int64_t r = 0; r < rows; ++r) {
-      auto dst = std::span<std::byte>(bytes).subspan(r * rb, rb);
-      quant::quantize_row(t, random_vec(rng, k, 0.05f), dst);
-      quant::dequantize_row(t, dst, std::span<float>(deq).subspan(r * k, k));
-    }
-    const WeightMatrix w{.dtype = t, .n_cols = k, .n_rows = rows, .row_bytes = rb, .bytes = bytes};
-    const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
-    std::vector<float> y(size_t(n_tok * rows), NAN), y_ref(y.size()), y1(size_t(rows), NAN);
-    (*be)->matmul(w, x, n_tok, y);
-    ref->matmul(w, x, n_tok, y_ref);
-    (*be)->matmul(w, std::span<const float>(x).subspan(size_t(5 * k), size_t(k)), 1, y1);
-    for (int64_t tok = 0; tok < n_tok; ++tok)
-      for (int64_t r = 0; r < rows; ++r) {
-        double abs_sum = 0;
-        for (int64_t i = 0; i < k; ++i)
-          abs_sum += std::fabs(double(deq[r * k + i]) * x[tok * k + i]);
-        ASSERT_TRUE(close(y[tok * rows + r], y_ref[tok * rows + r], 2e-5 * abs_sum + 1e-6))
-            << "t " << tok << " r " << r;
-      }
-    EXPECT_EQ(std::memcmp(y1.data(), y.data() + 5 * rows, size_t(rows) * sizeof(float)), 0);
-  }
-}
-
 // Grouped launches (launch_matvec_*_group): every output memcmp-equal to its weight's own
 // launch, for groups of 2-4 weights of odd row counts (partial row blocks at each task's end),
 // every int8 mode (staged, direct aligned, direct unaligned) and the float kernel's rows per
@@ -750,51 +710,61 @@ TEST(CudaMatvecQ8, FallbacksMatchReference) {
 
 // The backend with CudaOptions::matmul = V3 (host spans): the same bound against the reference
 // backend, and a token's row the same bits in a 1-token and a 7-token call.
+// Also the float_mma trial on F16 and BF16 (within the float bound, the same bits alone).
 TEST(CudaMatvecQ8, BackendV3MatchesReference) {
   REQUIRE_GPU();
-  CudaOptions o;
-  o.matmul = CudaMatmul::V3;
-  o.verify_weight_cache = true;  // the test's weight buffers are freed and their addresses reused
-  auto be = make_cuda_backend(o);
-  ASSERT_TRUE(be) << be.error();
-  const std::unique_ptr<Backend> ref = make_ref_backend();
-  std::mt19937_64 rng(ops_seed());
-  for (DType t : {DType::Q4_K, DType::Q8_0, DType::Q6_K, DType::F16, DType::Q3_K}) {
-    SCOPED_TRACE(::testing::Message() << dtype_name(t) << " seed " << ops_seed());
-    const int64_t k = 2048, rows = 45, n_tok = 7;
-    const size_t rb = *row_bytes(t, k);
-    std::vector<std::byte> bytes(rb * rows);
-    std::vector<float> deq(size_t(rows * k));
-    for (int64_t r = 0; r < rows; ++r) {
-      auto dst = std::span<std::byte>(bytes).subspan(r * rb, rb);
-      quant::quantize_row(t, random_vec(rng, k, 0.05f), dst);
-      quant::dequantize_row(t, dst, std::span<float>(deq).subspan(r * k, k));
-    }
-    const WeightMatrix w{.dtype = t, .n_cols = k, .n_rows = rows, .row_bytes = rb, .bytes = bytes};
-    const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
-    std::vector<float> y(size_t(n_tok * rows), NAN), y_ref(y.size()), y1(size_t(rows), NAN);
-    (*be)->matmul(w, x, n_tok, y);
-    ref->matmul(w, x, n_tok, y_ref);
-    (*be)->matmul(w, std::span<const float>(x).subspan(size_t(5 * k), size_t(k)), 1, y1);
-    for (int64_t tok = 0; tok < n_tok; ++tok)
+  for (const bool float_mma : {false, true}) {
+    CudaOptions o;
+    o.matmul = CudaMatmul::V3;
+    o.float_mma = float_mma;
+    o.verify_weight_cache = true;  // the test's weight buffers are freed and their addresses reused
+    auto be = make_cuda_backend(o);
+    ASSERT_TRUE(be) << be.error();
+    const std::unique_ptr<Backend> ref = make_ref_backend();
+    std::mt19937_64 rng(ops_seed());
+    const std::vector<DType> types =
+        float_mma
+            ? std::vector<DType>{DType::F16, DType::BF16}
+            : std::vector<DType>{DType::Q4_K, DType::Q8_0, DType::Q6_K, DType::F16, DType::Q3_K};
+    for (DType t : types) {
+      SCOPED_TRACE(::testing::Message()
+                   << dtype_name(t) << " float_mma " << float_mma << " seed " << ops_seed());
+      const int64_t k = 2048, rows = 45, n_tok = 7;
+      const size_t rb = *row_bytes(t, k);
+      std::vector<std::byte> bytes(rb * rows);
+      std::vector<float> deq(size_t(rows * k));
       for (int64_t r = 0; r < rows; ++r) {
-        double abs_sum = 0, var = 0;
-        for (int64_t b0 = 0; b0 < k; b0 += 32) {
-          float amax = 0;
-          double w2 = 0;
-          for (int64_t i = b0; i < b0 + 32; ++i) {
-            abs_sum += std::fabs(double(deq[r * k + i]) * x[tok * k + i]);
-            amax = std::max(amax, std::fabs(x[tok * k + i]));
-            w2 += double(deq[r * k + i]) * deq[r * k + i];
-          }
-          var += double(amax) * amax / (127.0 * 127.0 * 12.0) * w2;
-        }
-        const double tol = 2e-5 * abs_sum + 1e-6 + 6.0 * std::sqrt(var);
-        ASSERT_TRUE(close(y[tok * rows + r], y_ref[tok * rows + r], tol))
-            << "t " << tok << " r " << r;
+        auto dst = std::span<std::byte>(bytes).subspan(r * rb, rb);
+        quant::quantize_row(t, random_vec(rng, k, 0.05f), dst);
+        quant::dequantize_row(t, dst, std::span<float>(deq).subspan(r * k, k));
       }
-    if (cuda::matvec_q8_supports(t) || t == DType::F16) {
-      EXPECT_EQ(std::memcmp(y1.data(), y.data() + 5 * rows, size_t(rows) * sizeof(float)), 0);
+      const WeightMatrix w{
+          .dtype = t, .n_cols = k, .n_rows = rows, .row_bytes = rb, .bytes = bytes};
+      const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
+      std::vector<float> y(size_t(n_tok * rows), NAN), y_ref(y.size()), y1(size_t(rows), NAN);
+      (*be)->matmul(w, x, n_tok, y);
+      ref->matmul(w, x, n_tok, y_ref);
+      (*be)->matmul(w, std::span<const float>(x).subspan(size_t(5 * k), size_t(k)), 1, y1);
+      for (int64_t tok = 0; tok < n_tok; ++tok)
+        for (int64_t r = 0; r < rows; ++r) {
+          double abs_sum = 0, var = 0;
+          for (int64_t b0 = 0; b0 < k; b0 += 32) {
+            float amax = 0;
+            double w2 = 0;
+            for (int64_t i = b0; i < b0 + 32; ++i) {
+              abs_sum += std::fabs(double(deq[r * k + i]) * x[tok * k + i]);
+              amax = std::max(amax, std::fabs(x[tok * k + i]));
+              w2 += double(deq[r * k + i]) * deq[r * k + i];
+            }
+            var += double(amax) * amax / (127.0 * 127.0 * 12.0) * w2;
+          }
+          const double tol = 2e-5 * abs_sum + 1e-6 + 6.0 * std::sqrt(var);
+          ASSERT_TRUE(close(y[tok * rows + r], y_ref[tok * rows + r], tol))
+              << "t " << tok << " r " << r;
+        }
+      if (cuda::matvec_q8_supports(t) || t == DType::F16 || float_mma) {
+        EXPECT_EQ(std::memcmp(y1.data(), y.data() + 5 * rows, size_t(rows) * sizeof(float)), 0);
+      }
     }
   }
 }

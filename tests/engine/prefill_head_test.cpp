@@ -16,21 +16,7 @@
 namespace kiln {
 namespace {
 
-class StepRecorder final : public testing::ForwardingBackend {
- public:
-  explicit StepRecorder(bool invariant) : invariant_(invariant) {}
-  std::vector<size_t> steps;  // tokens of each forward step (its embedding lookup)
-
-  bool batch_invariant() const override { return invariant_; }
-  void get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
-                std::span<float> out) override {
-    steps.push_back(ids.size());
-    ForwardingBackend::get_rows(w, ids, out);
-  }
-
- private:
-  bool invariant_;
-};
+using testing::StepRecorder;
 
 constexpr const char* kModel = "llama-gqa-q4_k_m.gguf";
 

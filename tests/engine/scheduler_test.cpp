@@ -29,6 +29,7 @@ using namespace std::chrono_literals;
 
 using enginetest::load;
 using enginetest::random_prompt;
+using testing::StepRecorder;
 
 // All-position logits in pieces of `chunk` tokens, from a 512-position session.
 std::vector<float> logits_chunked(const std::shared_ptr<const Model>& m, Backend& be,
@@ -183,24 +184,6 @@ TEST(Scheduler, SameIdsAloneAndConcurrentInShuffledOrders) {
       "prompt tokens reused from slot caches\n",
       static_cast<long long>(reused));
 }
-
-// The reference backend wrapped to say whether it is batch-invariant and to record each
-// forward step's token count (its embedding lookup).
-class StepRecorder final : public testing::ForwardingBackend {
- public:
-  explicit StepRecorder(bool invariant) : invariant_(invariant) {}
-  std::vector<size_t> steps;
-
-  bool batch_invariant() const override { return invariant_; }
-  void get_rows(const WeightMatrix& w, std::span<const int32_t> ids,
-                std::span<float> out) override {
-    steps.push_back(ids.size());
-    ForwardingBackend::get_rows(w, ids, out);
-  }
-
- private:
-  bool invariant_;
-};
 
 // On a backend that is not batch-invariant (CUDA) a slot evaluates its prompt's last token in
 // a step of its own, as `kiln run` does (Session::prefill_head), whatever the prefill chunk;
