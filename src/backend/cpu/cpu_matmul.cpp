@@ -26,6 +26,7 @@
 #include "core/check.h"
 #include "cpu_matmul_kq.h"
 #include "cpu_matmul_q8.h"
+#include "backend/cpu/prefetch.h"
 #include "float_dot-inl.h"  // per-target guard: expanded once per Highway target, like this file
 #include "iq4-inl.h"        // the same
 #include "kq23-inl.h"       // the same
@@ -560,7 +561,7 @@ HWY_INLINE void DotQ8FamAvx2Rows(const std::byte* const* rows, int64_t nb, const
   static_assert(R == 1 || R == 2);
   __m128 acc = _mm_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
-    if (pf) PrefetchBlockL2<R * kBlockBytes>(rows[0] + pf + R * i * int64_t{kBlockBytes});
+    if (pf) PrefetchSpanL2<R * kBlockBytes>(rows[0] + pf + R * i * int64_t{kBlockBytes});
     const __m256i a = Load32(y[i].qs);
     const float yd = y[i].d;
     __m256i dot[2];
@@ -635,26 +636,10 @@ HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
 // Helpers inlined into those kernels (same target, so clang may inline them).
 #define KILN_VNNI512_INLINE \
   __attribute__((target(HWY_TARGET_STR ",avx512vnni"), always_inline)) inline
-// The lines of the kBytes bytes from p into L2 (prefetcht1; a prefetch never faults): what the
-// one-token and v2 batched kernels issue per block step (see MatvecKOne), kBytes being the
-// step's R rows of one block each, so the prefetched address moves through memory as fast as
-// the kernel reads. PrefetchSpanL1 (prefetcht0) is the one-token form for the 4-bit blocks of
-// the Q8_0 family: into L1 they decode faster on the Intel Xeon dev box, while Q8_0 and the
-// K-quant kernels decode slower with it (docs/BENCHMARKS.md, session 28).
-// (__builtin_prefetch's locality 2 is prefetcht1, 3 prefetcht0.)
-template <size_t kBytes, int kLocality>
-HWY_INLINE void PrefetchSpan(const std::byte* p) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (size_t j = 0; j < (kBytes + 63) / 64; ++j) __builtin_prefetch(c + 64 * j, 0, kLocality);
-}
-template <size_t kBytes>
-HWY_INLINE void PrefetchSpanL2(const std::byte* p) {
-  PrefetchSpan<kBytes, 2>(p);
-}
-template <size_t kBytes>
-HWY_INLINE void PrefetchSpanL1(const std::byte* p) {
-  PrefetchSpan<kBytes, 3>(p);
-}
+// PrefetchSpanL2 / PrefetchSpanL1 (prefetch.h): what the one-token and v2 batched kernels
+// issue per block step (see MatvecKOne). PrefetchSpanL1 is the one-token form for the 4-bit
+// blocks of the Q8_0 family: into L1 they decode faster on the Intel Xeon dev box, while Q8_0
+// and the K-quant kernels decode slower with it (docs/BENCHMARKS.md, session 28).
 // A Q4_K block's 8 six-bit scales and 8 mins as bytes [sc0..7 | m0..7] (ScalesMinsK4 in two
 // 64-bit words: lo = [sc0..3 | m0..3], hi = [sc4..7 | m4..7], then one shuffle).
 // sc_even (if given): sc0 + sc2 + sc4 + sc6, from the same words (bytes of at most 63 each, so

@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "core/half.h"
+#include "backend/cpu/prefetch.h"
 #include "float_dot-inl.h"
 #include "hwy/highway.h"
 #include "quant/blocks.h"
@@ -154,11 +155,6 @@ HWY_INLINE __m128i Q3KScalesVec(const uint8_t* packed) {
                                    static_cast<int>(((aux[1] >> 4) & k4) | (((t >> 6) & k2) << 4)));
   return _mm_sub_epi8(u, _mm_set1_epi8(32));
 }
-template <size_t kBytes>
-HWY_INLINE void Q23PrefetchL2(const std::byte* p) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (size_t j = 0; j < (kBytes + 63) / 64; ++j) _mm_prefetch(c + 64 * j, _MM_HINT_T1);
-}
 
 template <int R>
 HWY_INLINE void DotQ2KRows(const std::byte* row, size_t stride, int64_t nb,
@@ -168,7 +164,7 @@ HWY_INLINE void DotQ2KRows(const std::byte* row, size_t stride, int64_t nb,
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
-    if (pf != nullptr) Q23PrefetchL2<R * sizeof(block_q2_K)>(pf + i * R * sizeof(block_q2_K));
+    if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_q2_K)>(pf + i * R * sizeof(block_q2_K));
     const block_q2_K* b[R];
     __m256i sc[R][2], isum[R];
     for (int r = 0; r < R; ++r) {
@@ -213,7 +209,7 @@ HWY_INLINE void DotQ3KRows(const std::byte* row, size_t stride, int64_t nb,
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
-    if (pf != nullptr) Q23PrefetchL2<R * sizeof(block_q3_K)>(pf + i * R * sizeof(block_q3_K));
+    if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_q3_K)>(pf + i * R * sizeof(block_q3_K));
     const __m256i bsums = LoadQ23(y[i].bsums);
     const block_q3_K* b[R];
     __m256i sc[R][2], isum[R], hm[R];

@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "core/half.h"
+#include "backend/cpu/prefetch.h"
 #include "float_dot-inl.h"
 #include "hwy/highway.h"
 #include "quant/blocks.h"
@@ -78,17 +79,10 @@ HWY_INLINE __m256i WordSplat(int lo, int hi) {
                           _mm_set1_epi16(static_cast<int16_t>(((2 * lo + 1) << 8) | (2 * lo))));
 }
 
-// The lines of a kBytes block at p into L2 (a prefetch never faults). Issued per block at a
-// distance ahead of the block being read: rows lie back to back, so the address walks through
-// the thread's rows as fast as the kernel reads them and keeps more lines in flight than the
-// hardware prefetcher does for one core (a single core streams ~10 GB/s from DRAM without it on
-// the Zen 3 dev box). A line of the span missed by the three or four prefetches is the first
+// The kernels below prefetch each block's lines into L2 (PrefetchSpanL2, prefetch.h) at a
+// distance ahead of the block being read: a single core streams ~10 GB/s from DRAM without it
+// on the Zen 3 dev box. A line of the span missed by the three or four prefetches is the first
 // line of the next block's span.
-template <size_t kBytes>
-HWY_INLINE void PrefetchBlockL2(const std::byte* p) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (size_t j = 0; j < (kBytes + 63) / 64; ++j) _mm_prefetch(c + 64 * j, _MM_HINT_T1);
-}
 
 // ScalesMinsK4's 16 bytes in a register, built from the four words without a trip through
 // memory (a 16-byte load of four 4-byte stores cannot be store-forwarded: it waits for them to
@@ -148,7 +142,7 @@ HWY_INLINE void DotQ4KAvx2(const std::byte* row, int64_t nb, const quant::block_
   __m256 acc = _mm256_setzero_ps();  // token t in lane t
   for (int64_t i = 0; i < nb; ++i) {
     const auto* b = reinterpret_cast<const quant::block_q4_K*>(row + i * sizeof(quant::block_q4_K));
-    if (pf) PrefetchBlockL2<sizeof(quant::block_q4_K)>(reinterpret_cast<const std::byte*>(b) + pf);
+    if (pf) PrefetchSpanL2<sizeof(quant::block_q4_K)>(reinterpret_cast<const std::byte*>(b) + pf);
     const Q4KHead h = LoadQ4KHead(b);
     __m256i isum[8], msum[8];
     for (int t = 0; t < 8; ++t) isum[t] = msum[t] = _mm256_setzero_si256();
@@ -187,8 +181,8 @@ HWY_INLINE void DotQ4KAvx2Rows(const std::byte* const* rows, int64_t nb, const q
   __m128 acc = _mm_setzero_ps();  // row k in lane k
   for (int64_t i = 0; i < nb; ++i) {
     if (pf)
-      PrefetchBlockL2<R * sizeof(quant::block_q4_K)>(rows[0] + pf +
-                                                     R * i * int64_t{sizeof(quant::block_q4_K)});
+      PrefetchSpanL2<R * sizeof(quant::block_q4_K)>(rows[0] + pf +
+                                                    R * i * int64_t{sizeof(quant::block_q4_K)});
     const __m256i bsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[i].bsums));
     __m256i v[8];
     for (int k = 0; k < 8; ++k) v[k] = _mm256_setzero_si256();
@@ -261,7 +255,7 @@ HWY_INLINE void DotQ6KAvx2(const std::byte* row, int64_t nb, const quant::block_
   __m256 acc = _mm256_setzero_ps();  // token t in lane t
   for (int64_t i = 0; i < nb; ++i) {
     const auto* b = reinterpret_cast<const quant::block_q6_K*>(row + i * sizeof(quant::block_q6_K));
-    if (pf) PrefetchBlockL2<sizeof(quant::block_q6_K)>(reinterpret_cast<const std::byte*>(b) + pf);
+    if (pf) PrefetchSpanL2<sizeof(quant::block_q6_K)>(reinterpret_cast<const std::byte*>(b) + pf);
     const Q6KHead h = LoadQ6KHead(b);
     __m256i isum[8];
     for (int t = 0; t < 8; ++t) isum[t] = t < T ? Q6KOffset(h, ys[t][i]) : _mm256_setzero_si256();
@@ -294,8 +288,8 @@ HWY_INLINE void DotQ6KAvx2Rows(const std::byte* const* rows, int64_t nb, const q
   __m256 acc = _mm256_setzero_ps();  // row k in lane k
   for (int64_t i = 0; i < nb; ++i) {
     if (pf)
-      PrefetchBlockL2<R * sizeof(quant::block_q6_K)>(rows[0] + pf +
-                                                     R * i * int64_t{sizeof(quant::block_q6_K)});
+      PrefetchSpanL2<R * sizeof(quant::block_q6_K)>(rows[0] + pf +
+                                                    R * i * int64_t{sizeof(quant::block_q6_K)});
     __m256i v[8];
     for (int k = 0; k < 8; ++k) v[k] = _mm256_setzero_si256();
     alignas(32) float dy[8] = {};
