@@ -446,41 +446,6 @@ struct Q4KAmxBlock {
 };
 static_assert(sizeof(Q4KAmxBlock) == kQ4KAmxGroupBlockBytes);
 
-// Columns of 16 rows of 8 dwords each: base[d * 64 + k * 4 ..] = dword d of v[k] (rows 0..7
-// at d * 64, rows 8..15 at d * 64 + 32): the B-tile layout of both AMX kernels, where a row's 32
-// codes of a sub-block (Q4_K) or of two groups (Q6_K) become 8 tile rows. Two 8x8 dword
-// transposes in registers; one scatter per row did the same and took most of a 16-token call's
-// time (perf, session 29).
-KILN_KQ_INLINE void Transpose8x8(const __m256i* in, __m256i* out) {
-  const __m256i t0 = _mm256_unpacklo_epi32(in[0], in[1]), t1 = _mm256_unpackhi_epi32(in[0], in[1]);
-  const __m256i t2 = _mm256_unpacklo_epi32(in[2], in[3]), t3 = _mm256_unpackhi_epi32(in[2], in[3]);
-  const __m256i t4 = _mm256_unpacklo_epi32(in[4], in[5]), t5 = _mm256_unpackhi_epi32(in[4], in[5]);
-  const __m256i t6 = _mm256_unpacklo_epi32(in[6], in[7]), t7 = _mm256_unpackhi_epi32(in[6], in[7]);
-  // u0: column 0 of rows 0..3 | column 4 of rows 0..3; u1: columns 1 | 5; u2: 2 | 6; u3: 3 | 7;
-  // u4..u7 the same of rows 4..7.
-  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-  const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-  const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-  out[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
-  out[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
-  out[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
-  out[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
-  out[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
-  out[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
-  out[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
-  out[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
-}
-KILN_KQ_INLINE void StoreColumns16(const __m256i* v, int8_t* base) {
-  __m256i a[8], b[8];
-  Transpose8x8(v, a);
-  Transpose8x8(v + 8, b);
-  for (int d = 0; d < 8; ++d) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + d * 64), a[d]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + d * 64 + 32), b[d]);
-  }
-}
-
 KILN_KQ_AMX void PackQ4KAmxRows(const WeightMatrix& w, int64_t r, int n, Q4KAmxBlock* out) {
   const int64_t nb = w.n_cols / 256;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -501,8 +466,8 @@ KILN_KQ_AMX void PackQ4KAmxRows(const WeightMatrix& w, int64_t r, int n, Q4KAmxB
           lo[k] = hi[k] = _mm256_setzero_si256();
         }
       }
-      StoreColumns16(lo, pb.bt + 2 * jj * 512);
-      StoreColumns16(hi, pb.bt + (2 * jj + 1) * 512);
+      amx_store_b_columns(lo, pb.bt + 2 * jj * 512);
+      amx_store_b_columns(hi, pb.bt + (2 * jj + 1) * 512);
     }
     for (int k = 0; k < n; ++k) {
       const block_q4_K& b = rows[k][i];
@@ -611,7 +576,7 @@ KILN_KQ_AMX void PackQ6KAmxRows(const WeightMatrix& w, int64_t r, int n, Q6KAmxB
     if (n < 16) std::memset(&pb, 0, sizeof pb);
     for (int h = 0; h < 2; ++h) {  // the format's layout: codes 128h + 32x + l from ql, qh
       // c[x][k]: row k's 32 signed codes of groups 8h + 2x and 8h + 2x + 1 (dwords 0..3 of
-      // the first group, 4..7 of the second: StoreColumns16 puts dword d at d * 64, so the
+      // the first group, 4..7 of the second: amx_store_b_columns puts dword d at d * 64, so the
       // second group's tile starts 256 bytes after the first's).
       __m256i c[4][16];
       for (int k = 0; k < 16; ++k) {
@@ -634,7 +599,7 @@ KILN_KQ_AMX void PackQ6KAmxRows(const WeightMatrix& w, int64_t r, int n, Q6KAmxB
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), m4), Q6KHigh2(qh, 6, m3)),
             c32);
       }
-      for (int x = 0; x < 4; ++x) StoreColumns16(c[x], pb.bt + (8 * h + 2 * x) * 256);
+      for (int x = 0; x < 4; ++x) amx_store_b_columns(c[x], pb.bt + (8 * h + 2 * x) * 256);
     }
     for (int k = 0; k < n; ++k) {
       const quant::block_q6_K& b = rows[k][i];

@@ -282,12 +282,11 @@ KILN_Q8_AMX void PackQ8AmxRows(const WeightMatrix& w, int64_t r, int n, Q8Unpack
     }
   }
   for (int64_t i = 0; i < nb; ++i) {
-    int8_t* b = bt + i * 512;
-    for (int k = 0; k < 16; ++k) {
-      const int8_t* q = rq + (k * nb + i) * 32;
-      for (int j = 0; j < 8; ++j) std::memcpy(b + j * 64 + k * 4, q + 4 * j, 4);
-      bd[i * 16 + k] = rd[k * nb + i];
-    }
+    __m256i v[16];
+    for (int k = 0; k < 16; ++k)
+      v[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rq + (k * nb + i) * 32));
+    amx_store_b_columns(v, bt + i * 512);
+    for (int k = 0; k < 16; ++k) bd[i * 16 + k] = rd[k * nb + i];
   }
 }
 
