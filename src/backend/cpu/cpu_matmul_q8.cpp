@@ -290,6 +290,24 @@ KILN_Q8_AMX void PackQ8AmxRows(const WeightMatrix& w, int64_t r, int n, Q8Unpack
   }
 }
 
+// Q8_0 rows packed straight from the format: its quants are the int8 operands as they stand
+// and its scale an f16 (UnpackQ8_0's q and d), so the unpack's copy into rq/rd is skipped.
+KILN_Q8_AMX void PackQ8_0AmxRows(const WeightMatrix& w, int64_t r, int n, int8_t* bt, float* bd) {
+  const int64_t nb = w.n_cols / 32;
+  const quant::block_q8_0* rows[16];
+  for (int k = 0; k < n; ++k)
+    rows[k] = reinterpret_cast<const quant::block_q8_0*>(w.row(r + k).data());
+  for (int64_t i = 0; i < nb; ++i) {
+    __m256i v[16];
+    for (int k = 0; k < 16; ++k) {
+      v[k] = k < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[k][i].qs))
+                   : _mm256_setzero_si256();
+      bd[i * 16 + k] = k < n ? _cvtsh_ss(rows[k][i].d.bits) : 0.0f;
+    }
+    amx_store_b_columns(v, bt + i * 512);
+  }
+}
+
 // acc[t] (16 rows) += block i's totals c[t] scaled by dw * yd of token t, for t < m.
 template <int kM>
 HWY_INLINE void Q8AmxEpilogue(const int32_t (*c)[16], const float* bd, const std::byte* xq,
@@ -380,8 +398,11 @@ KILN_Q8_AMX void MatmulQ8Amx(const MatmulJob& job, int64_t r0, int64_t r1, float
     const int64_t b1 = std::min(r1, b0 + 16 * groups);
     for (int64_t r = b0; r < b1; r += 16) {
       const int64_t g = (r - b0) / 16;
-      PackQ8AmxRows(w, r, static_cast<int>(std::min<int64_t>(16, b1 - r)), unpack, rq, rd,
-                    bt + g * nb * 512, bd + g * nb * 16);
+      const int n = static_cast<int>(std::min<int64_t>(16, b1 - r));
+      if (w.dtype == DType::Q8_0)
+        PackQ8_0AmxRows(w, r, n, bt + g * nb * 512, bd + g * nb * 16);
+      else
+        PackQ8AmxRows(w, r, n, unpack, rq, rd, bt + g * nb * 512, bd + g * nb * 16);
     }
     for (int64_t t0 = 0; t0 < job.n_tok; t0 += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, job.n_tok - t0));
