@@ -469,16 +469,36 @@ KILN_KQ_AMX void PackQ4KAmxRows(const WeightMatrix& w, int64_t r, int n, Q4KAmxB
       amx_store_b_columns(lo, pb.bt + 2 * jj * 512);
       amx_store_b_columns(hi, pb.bt + (2 * jj + 1) * 512);
     }
+    // Row k's eight 6-bit scales and mins as bytes [sc0..7 | m0..7] (ScaleMinK4's values for
+    // j = 0..7, all at once in two 64-bit words), then per j the 16 rows' bytes gathered as
+    // dwords: sc[j] and mm[j] whole vectors instead of 256 scalar stores. 4 bytes of padding:
+    // the last row's last gather reads 3 bytes past its 16.
+    alignas(64) uint8_t sm[16 * 16 + 4] = {};
     for (int k = 0; k < n; ++k) {
       const block_q4_K& b = rows[k][i];
-      for (int j = 0; j < 8; ++j) {
-        uint8_t sc, m;
-        ScaleMinK4(j, b.scales, &sc, &m);
-        pb.sc[j][k] = sc;
-        pb.mm[j][k] = static_cast<int32_t>(m) | (static_cast<int32_t>(m) << 16);
-      }
+      uint64_t a;
+      uint32_t c;
+      std::memcpy(&a, b.scales, 8);
+      std::memcpy(&c, b.scales + 8, 4);
+      const uint64_t lo = a & 0x3f3f3f3f3f3f3f3fULL;  // [sc0..3 | m0..3]
+      const uint64_t c2 = uint64_t{c} | (uint64_t{c} << 28);
+      const uint64_t hi =  // [sc4..7 | m4..7]
+          (c2 & 0x0f0f0f0f0f0f0f0fULL) | (((a >> 6) & 0x0303030303030303ULL) << 4);
+      const uint64_t scs = (lo & 0xffffffffULL) | (hi << 32);
+      const uint64_t mins = (lo >> 32) | (hi & 0xffffffff00000000ULL);
+      std::memcpy(sm + 16 * k, &scs, 8);
+      std::memcpy(sm + 16 * k + 8, &mins, 8);
       pb.dd[0][k] = f16_to_f32(b.d);
       pb.dd[1][k] = -f16_to_f32(b.dmin);
+    }
+    const __m512i rows16 =
+        _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    const __m512i byte = _mm512_set1_epi32(0xFF);
+    for (int j = 0; j < 8; ++j) {
+      const __m512i sc = _mm512_and_si512(_mm512_i32gather_epi32(rows16, sm + j, 1), byte);
+      const __m512i m = _mm512_and_si512(_mm512_i32gather_epi32(rows16, sm + 8 + j, 1), byte);
+      _mm512_storeu_si512(pb.sc[j], sc);
+      _mm512_storeu_si512(pb.mm[j], _mm512_or_si512(m, _mm512_slli_epi32(m, 16)));
     }
   }
 }
