@@ -37,6 +37,7 @@
 
 #include "core/half.h"
 #include "amx_tiles.h"
+#include "backend/cpu/k4_scales.h"
 #include "cpu_matmul_kq.h"
 #include "float_dot-inl.h"  // Hsum; per-target guard: expanded once per Highway target
 #include "quant/blocks.h"
@@ -469,25 +470,13 @@ KILN_KQ_AMX void PackQ4KAmxRows(const WeightMatrix& w, int64_t r, int n, Q4KAmxB
       amx_store_b_columns(lo, pb.bt + 2 * jj * 512);
       amx_store_b_columns(hi, pb.bt + (2 * jj + 1) * 512);
     }
-    // Row k's eight 6-bit scales and mins as bytes [sc0..7 | m0..7] (ScaleMinK4's values for
-    // j = 0..7, all at once in two 64-bit words), then per j the 16 rows' bytes gathered as
-    // dwords: sc[j] and mm[j] whole vectors instead of 256 scalar stores. 4 bytes of padding:
-    // the last row's last gather reads 3 bytes past its 16.
+    // Row k's eight 6-bit scales and mins as bytes [sc0..7 | m0..7] (ScalesMinsK4), then per j
+    // the 16 rows' bytes gathered as dwords: sc[j] and mm[j] whole vectors instead of 256
+    // scalar stores. 4 bytes of padding: the last row's last gather reads 3 bytes past its 16.
     alignas(64) uint8_t sm[16 * 16 + 4] = {};
     for (int k = 0; k < n; ++k) {
       const block_q4_K& b = rows[k][i];
-      uint64_t a;
-      uint32_t c;
-      std::memcpy(&a, b.scales, 8);
-      std::memcpy(&c, b.scales + 8, 4);
-      const uint64_t lo = a & 0x3f3f3f3f3f3f3f3fULL;  // [sc0..3 | m0..3]
-      const uint64_t c2 = uint64_t{c} | (uint64_t{c} << 28);
-      const uint64_t hi =  // [sc4..7 | m4..7]
-          (c2 & 0x0f0f0f0f0f0f0f0fULL) | (((a >> 6) & 0x0303030303030303ULL) << 4);
-      const uint64_t scs = (lo & 0xffffffffULL) | (hi << 32);
-      const uint64_t mins = (lo >> 32) | (hi & 0xffffffff00000000ULL);
-      std::memcpy(sm + 16 * k, &scs, 8);
-      std::memcpy(sm + 16 * k + 8, &mins, 8);
+      ScalesMinsK4(b.scales, sm + 16 * k);
       pb.dd[0][k] = f16_to_f32(b.d);
       pb.dd[1][k] = -f16_to_f32(b.dmin);
     }

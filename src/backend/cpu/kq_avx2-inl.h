@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "core/half.h"
+#include "backend/cpu/k4_scales.h"
 #include "backend/cpu/prefetch.h"
 #include "float_dot-inl.h"
 #include "hwy/highway.h"
@@ -30,18 +31,7 @@ HWY_BEFORE_NAMESPACE();
 namespace kiln::cpu {
 namespace HWY_NAMESPACE {
 
-// The 8 six-bit scales (bytes 0..7) and mins (bytes 8..15) of a Q4_K/Q5_K block.
-HWY_INLINE void ScalesMinsK4(const uint8_t* packed, uint8_t out[16]) {
-  uint32_t u[4];
-  std::memcpy(u, packed, 12);
-  constexpr uint32_t kMask1 = 0x3f3f3f3f, kMask2 = 0x0f0f0f0f, kMask3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & kMask2) | (((u[1] >> 6) & kMask3) << 4);
-  const uint32_t aux = u[1] & kMask1;
-  u[1] = (u[2] & kMask2) | (((u[0] >> 6) & kMask3) << 4);
-  u[2] = aux;
-  u[0] &= kMask1;
-  std::memcpy(out, u, 16);
-}
+// ScalesMinsK4 (a block's scales and mins as bytes): k4_scales.h.
 
 #if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
 // Lane t = the sum of v[t]'s eight int32 lanes: pairwise horizontal adds give
