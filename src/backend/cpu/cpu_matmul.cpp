@@ -1301,13 +1301,17 @@ constexpr int kQ8QuadBias<QuadQ4_0> = 8;
 struct alignas(16) LaneBias {
   int32_t lane[4];
 };
+// Only the 512-bit vpdpbusd: Highway's AVX3_DL target string also enables AVX-VNNI, so GCC
+// encodes a 128/256-bit vpdpbusd there as the VEX form, which AVX-512 CPUs without AVX-VNNI
+// (Zen 4) do not have (SIGILL); tests/isa checks that no VEX-encoded VNNI op is in the binary.
 template <int kBias>
 KILN_VNNI512 void Q8LaneBias(const ActQ8_0* ys, int64_t nb, LaneBias* bias) {
-  const __m128i k = _mm_set1_epi8(static_cast<char>(kBias));
+  const __m512i k = _mm512_set1_epi8(static_cast<char>(kBias));
   for (int64_t i = 0; i < nb; ++i) {
-    const auto* yq = reinterpret_cast<const __m128i*>(ys[i].qs);
-    const __m128i s = _mm_dpbusd_epi32(
-        _mm_dpbusd_epi32(_mm_setzero_si128(), k, _mm_loadu_si128(yq)), k, _mm_loadu_si128(yq + 1));
+    // Lanes 0..3: the first 16 quants' dword lanes, 4..7: the next 16's (exact int32 sums).
+    const __m512i s8 =
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), k, _mm512_zextsi256_si512(Load32(ys[i].qs)));
+    const __m128i s = _mm_add_epi32(_mm512_castsi512_si128(s8), _mm512_extracti32x4_epi32(s8, 1));
     _mm_store_si128(reinterpret_cast<__m128i*>(bias[i].lane),
                     _mm_sub_epi32(_mm_setzero_si128(), s));
   }
