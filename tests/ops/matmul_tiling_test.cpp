@@ -89,6 +89,14 @@ std::vector<std::byte> random_k_rows(DType type, int64_t k, int64_t n_rows, std:
       blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
       std::memcpy(bytes.data() + off, &blk, sizeof blk);
     }
+  } else if (type == DType::Q5_K) {  // every code, fifth bit, scale and min: raw bytes
+    for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q5_K)) {
+      quant::block_q5_K blk;
+      std::memcpy(&blk, bytes.data() + off, sizeof blk);
+      blk.d = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
+      blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
+      std::memcpy(bytes.data() + off, &blk, sizeof blk);
+    }
   } else if (type == DType::Q2_K) {  // every quant, scale and min: raw bytes
     for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q2_K)) {
       quant::block_q2_K blk;
@@ -349,7 +357,7 @@ void expect_one_token_same_bits(const WeightMatrix& w, std::mt19937_64& rng) {
   }
 }
 
-// The one-token Q4_K / Q6_K / IQ4_XS kernels (AVX-512 VNNI, decode; on AVX2 machines
+// The one-token Q4_K / Q5_K / Q6_K / IQ4_XS kernels (AVX-512 VNNI, decode; on AVX2 machines
 // kq_avx2-inl.h's for Q4_K / Q6_K) and Q2_K / Q3_K ones (kq23-inl.h's row kernels, both targets)
 // must give the plain kernels' bits,
 // which the portable backend runs, so this is also the proof that the fast kernels change nothing
@@ -363,7 +371,8 @@ TEST(MatmulKQOne, SameBitsAsPlainKernel) {
   std::mt19937_64 rng(ops_seed() ^ 0x5bd1e995ULL);
   kiln::testing::for_each_simd_target([&] {
     SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-    for (DType type : {DType::Q4_K, DType::Q6_K, DType::Q2_K, DType::Q3_K, DType::IQ4_XS}) {
+    for (DType type :
+         {DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q2_K, DType::Q3_K, DType::IQ4_XS}) {
       for (int64_t k : {256, 768, 1024, 3328}) {
         for (int64_t n_rows : {1, 3, 11, 67, 131}) {
           const size_t rb = *row_bytes(type, k);

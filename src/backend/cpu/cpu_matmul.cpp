@@ -644,11 +644,11 @@ HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
 // 64-bit words: lo = [sc0..3 | m0..3], hi = [sc4..7 | m4..7], then one shuffle).
 // sc_even (if given): sc0 + sc2 + sc4 + sc6, from the same words (bytes of at most 63 each, so
 // lo + hi has no carry between bytes).
-KILN_VNNI512_INLINE __m128i ScalesMins8(const block_q4_K* b, int32_t* sc_even = nullptr) {
+KILN_VNNI512_INLINE __m128i ScalesMins8(const uint8_t* scales, int32_t* sc_even = nullptr) {
   uint64_t a;
   uint32_t c;
-  std::memcpy(&a, b->scales, 8);
-  std::memcpy(&c, b->scales + 8, 4);
+  std::memcpy(&a, scales, 8);
+  std::memcpy(&c, scales + 8, 4);
   const uint64_t lo = a & 0x3f3f3f3f3f3f3f3fULL;
   const uint64_t c2 = uint64_t{c} | (uint64_t{c} << 28);  // c | (c >> 4) << 32, nibble-masked below
   const uint64_t hi = (c2 & 0x0f0f0f0f0f0f0f0fULL) | (((a >> 6) & 0x0303030303030303ULL) << 4);
@@ -683,44 +683,71 @@ KILN_VNNI512_INLINE __m128i ScalesMins8(const block_q4_K* b, int32_t* sc_even = 
 // kernel).
 
 // Q4_K's low words carry this offset: 0 <= kLowBias + da < 2^15 for any Q4_K lane sum da
-// (|da| <= 4 * 15 * 128 = 7680).
+// (|da| <= 4 * 15 * 128 = 7680); Q5_K's codes reach 31, so |da| <= 4 * 31 * 128 = 15872 and its
+// low words carry kLowBias5.
 constexpr int32_t kLowBias = 8192;
+constexpr int32_t kLowBias5 = 16384;
+
+// Q5_K: the fifth bit of sub-block j's element l is bit j of qh[l]. A 64-byte load of qs covers
+// elements l = 0..31 of two sub-blocks per nibble (see below), so [qh | qh] rotated right by
+// (j - 4) mod 32 in each dword puts bit j of every byte at bit 4 of that byte (a dword rotation
+// moves no other bit of any byte to a bit 4: those would need j - 4 = b - 4 + 8c for a byte bit
+// b != j), and 0x10 masks it. The counts per 256-bit half, for the sub-blocks of load p:
+// low nibbles [4p | 4p + 2], high nibbles [4p + 1 | 4p + 3].
+KILN_VNNI512_INLINE __m512i Q5HighRot(int j_lo_half, int j_hi_half) {
+  return _mm512_inserti64x4(_mm512_set1_epi32((j_lo_half - 4) & 31),
+                            _mm256_set1_epi32((j_hi_half - 4) & 31), 1);
+}
 
 // One row's block against the token's quants: the 16 int32 lane sums before Fold512 (Fold512 of
 // them is the plain kernel's int32; the halves themselves differ), and the block's [sc0..7 | m0..7]
-// bytes. The sub-block pairs go into words as in DotQ4KBatch (vpshldd of db and kLowBias, then
-// vpdpbusd adds da: one op where PairWords takes a shift and a blend), and isum starts at the
-// correction, -kLowBias * (sc0 + sc2 + sc4 + sc6) in lanes 0..7.
-KILN_VNNI512_INLINE __m512i Q4KOneLaneSums(const block_q4_K* b, const __m512i (&a_lo)[2],
-                                           const __m512i (&a_hi)[2], __m128i* sm8) {
+// bytes. The sub-block pairs go into words as in DotQ4KBatch (vpshldd of db and the low bias,
+// then vpdpbusd adds da: one op where PairWords takes a shift and a blend), and isum starts at the
+// correction, -bias * (sc0 + sc2 + sc4 + sc6) in lanes 0..7. kHigh: Q5_K (the codes' fifth bits
+// OR-ed in: unsigned codes 0..31, so the same vpdpbusd).
+template <bool kHigh>
+KILN_VNNI512_INLINE __m512i
+Q45KOneLaneSums(const std::conditional_t<kHigh, block_q5_K, block_q4_K>* b,
+                const __m512i (&a_lo)[2], const __m512i (&a_hi)[2], __m128i* sm8) {
+  constexpr int32_t kBias = kHigh ? kLowBias5 : kLowBias;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m512i sc_idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
   const __m512i sc_idx1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
-  const __m512i bias_hi = _mm512_set1_epi32(kLowBias << 16);  // kLowBias as a high word
+  const __m512i bias_hi = _mm512_set1_epi32(kBias << 16);  // the bias as a high word
   int32_t sc_even;
-  *sm8 = ScalesMins8(b, &sc_even);
+  *sm8 = ScalesMins8(b->scales, &sc_even);
   const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(*sm8));
   const __m512i sc[2] = {_mm512_permutexvar_epi32(sc_idx0, sc16),
                          _mm512_permutexvar_epi32(sc_idx1, sc16)};
-  __m512i isum = _mm512_maskz_set1_epi32(0x00FF, -kLowBias * sc_even);
+  __m512i isum = _mm512_maskz_set1_epi32(0x00FF, -kBias * sc_even);
+  [[maybe_unused]] __m512i qh;
+  if constexpr (kHigh) qh = _mm512_broadcast_i64x4(Load32(b->qh));
   for (int p = 0; p < 2; ++p) {
     const __m512i q = Load64(b->qs + 64 * p);
-    const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                           _mm512_and_si512(_mm512_srli_epi16(q, 4), m4), a_hi[p]);
-    const __m512i pw =
-        _mm512_dpbusd_epi32(_mm512_shldi_epi32(db, bias_hi, 16), _mm512_and_si512(q, m4), a_lo[p]);
+    __m512i wl = _mm512_and_si512(q, m4), wh = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+    if constexpr (kHigh) {  // w | (rotated qh & 0x10): vpternlogd A | (B & C)
+      const __m512i m10 = _mm512_set1_epi8(0x10);
+      wl = _mm512_ternarylogic_epi32(wl, _mm512_rorv_epi32(qh, Q5HighRot(4 * p, 4 * p + 2)), m10,
+                                     0xF8);
+      wh = _mm512_ternarylogic_epi32(wh, _mm512_rorv_epi32(qh, Q5HighRot(4 * p + 1, 4 * p + 3)),
+                                     m10, 0xF8);
+    }
+    const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wh, a_hi[p]);
+    const __m512i pw = _mm512_dpbusd_epi32(_mm512_shldi_epi32(db, bias_hi, 16), wl, a_lo[p]);
     isum = _mm512_dpwssd_epi32(isum, pw, sc[p]);
   }
   return isum;
 }
 
-template <int R>
-KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, const int8_t* aq,
-                            const block_q8_K* ys, float* out, const std::byte* pf = nullptr) {
+// Q4_K (kHigh = false) or Q5_K (true): the same T1/T2 arithmetic (docs/determinism.md).
+template <int R, bool kHigh>
+KILN_VNNI512 void DotQ45KOne(const std::byte* row, size_t stride, int64_t nb, const int8_t* aq,
+                             const block_q8_K* ys, float* out, const std::byte* pf = nullptr) {
   static_assert(R >= 1 && R <= 4);
+  using BlockT = std::conditional_t<kHigh, block_q5_K, block_q4_K>;
   __m128 acc = _mm_setzero_ps();  // row r in lane r
   for (int64_t i = 0; i < nb; ++i) {
-    if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_q4_K)>(pf + i * R * sizeof(block_q4_K));
+    if (pf != nullptr) PrefetchSpanL2<R * sizeof(BlockT)>(pf + i * R * sizeof(BlockT));
     const block_q8_K& y = ys[i];
     const __m512i a_lo[2] = {_mm512_load_si512(aq + i * 256),
                              _mm512_load_si512(aq + i * 256 + 128)};
@@ -732,15 +759,14 @@ KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, con
     for (int k = 0; k < 8; ++k) v[k] = _mm256_setzero_si256();
     alignas(16) float dy[4] = {}, ny[4] = {};
     for (int r = 0; r < R; ++r) {
-      const auto* b =
-          reinterpret_cast<const block_q4_K*>(row + r * stride + i * sizeof(block_q4_K));
+      const auto* b = reinterpret_cast<const BlockT*>(row + r * stride + i * sizeof(BlockT));
       uint32_t dd;
       std::memcpy(&dd, &b->d, 4);  // d, dmin: adjacent f16s
       const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
       dy[r] = _mm_cvtss_f32(dm) * y.d;
       ny[r] = -_mm_cvtss_f32(_mm_movehdup_ps(dm)) * y.d;
       __m128i sm8;
-      v[r] = Fold512(Q4KOneLaneSums(b, a_lo, a_hi, &sm8));
+      v[r] = Fold512(Q45KOneLaneSums<kHigh>(b, a_lo, a_hi, &sm8));
       v[4 + r] = _mm256_madd_epi16(bsums, _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8)));
     }
     acc = RowsT1T2Fma(v, dy, ny, acc);
@@ -750,7 +776,7 @@ KILN_VNNI512 void DotQ4KOne(const std::byte* row, size_t stride, int64_t nb, con
   for (int r = 0; r < R; ++r) out[r] = o[r];
 }
 
-// The token's nb blocks of quants into DotQ4KOne's order at 64-byte aligned `scratch`.
+// The token's nb blocks of quants into DotQ45KOne's order at 64-byte aligned `scratch`.
 int8_t* ReorderQ4KOne(const block_q8_K* ys, int64_t nb, float* scratch) {
   auto* q = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t{63});
   for (int64_t i = 0; i < nb; ++i)
@@ -764,7 +790,7 @@ int8_t* ReorderQ4KOne(const block_q8_K* ys, int64_t nb, float* scratch) {
 
 // Q6_K: the quants' own order matches the activation's (see the lane layout), so y.qs is read as
 // it is. The -32 offset (sum_g sc_g * 32 * bsum_g) is taken off after the fold (integers: the
-// same int32 as adding it first); an even R pairs rows as DotQ4KOne does.
+// same int32 as adding it first); an even R pairs rows as DotQ45KOne does.
 // One row's block: its lane sums without the offset, and the block's 16 scales as words.
 KILN_VNNI512_INLINE __m512i Q6KOneLaneSums(const block_q6_K* b, const __m512i (&ya)[2],
                                            const __m512i (&yb)[2], __m256i* sc_all) {
@@ -839,28 +865,31 @@ KILN_VNNI512 void DotQ6KOne(const std::byte* row, size_t stride, int64_t nb, con
 // multiply-add latency on a row of a single block (the MoE down slices are 256 wide), few enough
 // for the registers.
 constexpr int kOneRows = 4;
-// Rows [r0, r1) of a one-token job through DotQ4KOne / DotQ6KOne; `scratch` holds
-// kq_tile_bytes(nb) (Q4_K's reordered quants use nb * 256 + 64 of them).
-template <bool kQ4K>
+// Rows [r0, r1) of a one-token job through DotQ45KOne / DotQ6KOne (Block: block_q4_K,
+// block_q5_K or block_q6_K); `scratch` holds kq_tile_bytes(nb) (Q4_K's and Q5_K's reordered
+// quants use nb * 256 + 64 of them).
+template <class Block>
 void MatvecKOne(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  constexpr bool kQ6K = std::is_same_v<Block, block_q6_K>;
+  constexpr bool kQ5K = std::is_same_v<Block, block_q5_K>;
   const WeightMatrix& w = *job.w;
   const int64_t nb = w.n_cols / 256;
   const auto* y = reinterpret_cast<const block_q8_K*>(job.xq);
-  const int8_t* aq = kQ4K ? ReorderQ4KOne(y, nb, scratch) : nullptr;
+  const int8_t* aq = kQ6K ? nullptr : ReorderQ4KOne(y, nb, scratch);
   const size_t rb = w.stride();  // row r + k starts k strides after row r
   int64_t r = r0;
   for (; r + kOneRows <= r1; r += kOneRows) {
     const std::byte* pf = GroupPrefetch(w, r, kOneRows);
-    if constexpr (kQ4K)
-      DotQ4KOne<kOneRows>(w.row(r).data(), rb, nb, aq, y, job.y + r, pf);
-    else
+    if constexpr (kQ6K)
       DotQ6KOne<kOneRows>(w.row(r).data(), rb, nb, y, job.y + r, pf);
+    else
+      DotQ45KOne<kOneRows, kQ5K>(w.row(r).data(), rb, nb, aq, y, job.y + r, pf);
   }
   for (; r < r1; ++r) {
-    if constexpr (kQ4K)
-      DotQ4KOne<1>(w.row(r).data(), rb, nb, aq, y, job.y + r);
-    else
+    if constexpr (kQ6K)
       DotQ6KOne<1>(w.row(r).data(), rb, nb, y, job.y + r);
+    else
+      DotQ45KOne<1, kQ5K>(w.row(r).data(), rb, nb, aq, y, job.y + r);
   }
 }
 
@@ -869,7 +898,7 @@ void MatvecKOne(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 // kKQPrefillMinTok) with little work around them: with the sums alone, the decode of a few
 // streams was bound by instructions on the Zen 5 dev box and, once cheaper, by DRAM latency,
 // which the software prefetch below hides. Around the sums:
-// - the per-block decoding is DotQ4KOne's (F16C, 64-bit scale words, no stack round trip);
+// - the per-block decoding is DotQ45KOne's (F16C, 64-bit scale words, no stack round trip);
 // - per row and block the T tokens' exact totals are reduced together (Fold512, Totals8) and
 //   one 8-wide FMA per term serves them all, against the tokens' scales (one masked load);
 // - Q4_K pairs its two sub-block sums into words by an offset instead of a blend (kLowBias);
@@ -971,7 +1000,7 @@ KILN_VNNI512 void DotQ4KBatch(const std::byte* row, size_t stride, int64_t nb, K
       const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
       const float d = _mm_cvtss_f32(dm), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
       int32_t sc_even;
-      const __m128i sm8 = ScalesMins8(b, &sc_even);                              // [sc0..7 | m0..7]
+      const __m128i sm8 = ScalesMins8(b->scales, &sc_even);                      // [sc0..7 | m0..7]
       const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8));  // m[k/2]
       const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(sm8));
       const __m512i sc[2] = {_mm512_permutexvar_epi32(sc_idx0, sc16),
@@ -1606,7 +1635,7 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
           return MatmulQ4KAmx(job, r0, r1, scratch);
         if (job.n_tok >= kKQPrefillMinTok) return MatmulQ4KPrefill(job, r0, r1, scratch);
         if (job.n_tok >= kKQBatchMinTok) return MatmulKBatch<true>(job, r0, r1, scratch);
-        if (job.n_tok == 1) return MatvecKOne<true>(job, r0, r1, scratch);
+        if (job.n_tok == 1) return MatvecKOne<block_q4_K>(job, r0, r1, scratch);
       }
 #endif
 #if HWY_TARGET == HWY_AVX2
@@ -1617,6 +1646,9 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 #endif
       return MatmulInt<block_q8_K, KQ4_K>(job, r0, r1, 256);
     case DType::Q5_K:
+#if HWY_TARGET == HWY_AVX3_DL
+      if (!job.portable && job.n_tok == 1) return MatvecKOne<block_q5_K>(job, r0, r1, scratch);
+#endif
       return MatmulInt<block_q8_K, KQ5_K>(job, r0, r1, 256);
     case DType::Q6_K:
 #if HWY_TARGET == HWY_AVX3_DL
@@ -1625,7 +1657,7 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
           return MatmulQ6KAmx(job, r0, r1, scratch);
         if (job.n_tok >= kKQPrefillMinTok) return MatmulQ6KPrefill(job, r0, r1, scratch);
         if (job.n_tok >= kKQBatchMinTok) return MatmulKBatch<false>(job, r0, r1, scratch);
-        if (job.n_tok == 1) return MatvecKOne<false>(job, r0, r1, scratch);
+        if (job.n_tok == 1) return MatvecKOne<block_q6_K>(job, r0, r1, scratch);
       }
 #endif
 #if HWY_TARGET == HWY_AVX2
@@ -1765,7 +1797,7 @@ void matmul_rows(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 
 size_t matmul_scratch_floats(const WeightMatrix& w) {
   size_t n = static_cast<size_t>(dequant_rows_per_block(w) * w.n_cols);
-  if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K)
+  if (w.dtype == DType::Q4_K || w.dtype == DType::Q5_K || w.dtype == DType::Q6_K)
     n = std::max(n, (kq_tile_bytes(w.n_cols / 256) + 3) / 4);
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K)
     n = std::max(n, (kq_prefill_scratch_bytes(w.dtype, w.n_cols / 256, w.row_bytes) + 3) / 4);
