@@ -76,35 +76,30 @@ INSTANTIATE_TEST_SUITE_P(Types, MatmulTiling,
                                            DType::IQ4_NL, DType::IQ4_XS, DType::MXFP4),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
-// Raw random Q4_K / Q6_K rows: every quant, scale and min value, with finite moderate block
-// scales (raw random f16 bits could be inf/NaN); a quarter of Q6_K blocks get scales of -128.
+// Blocks with an f16 d and dmin (Q4_K, Q5_K, Q2_K): d = 2^(d_exp - 0..3), dmin = 2^(-9 - 0..3).
+template <class Block>
+void set_d_dmin(std::vector<std::byte>& bytes, int d_exp, std::mt19937_64& rng) {
+  for (size_t off = 0; off < bytes.size(); off += sizeof(Block)) {
+    Block blk;
+    std::memcpy(&blk, bytes.data() + off, sizeof blk);
+    blk.d = f32_to_f16(std::ldexp(1.0f, d_exp - static_cast<int>(rng() % 4)));
+    blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
+    std::memcpy(bytes.data() + off, &blk, sizeof blk);
+  }
+}
+
+// Raw random K-quant rows: every quant, scale and min value (Q5_K: every fifth bit), with finite
+// moderate block scales (raw random f16 bits could be inf/NaN); a quarter of Q6_K blocks get
+// scales of -128.
 std::vector<std::byte> random_k_rows(DType type, int64_t k, int64_t n_rows, std::mt19937_64& rng) {
   std::vector<std::byte> bytes(*row_bytes(type, k) * n_rows);
   for (auto& b : bytes) b = static_cast<std::byte>(rng());
   if (type == DType::Q4_K) {
-    for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q4_K)) {
-      quant::block_q4_K blk;
-      std::memcpy(&blk, bytes.data() + off, sizeof blk);
-      blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 4)));
-      blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
-      std::memcpy(bytes.data() + off, &blk, sizeof blk);
-    }
-  } else if (type == DType::Q5_K) {  // every code, fifth bit, scale and min: raw bytes
-    for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q5_K)) {
-      quant::block_q5_K blk;
-      std::memcpy(&blk, bytes.data() + off, sizeof blk);
-      blk.d = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
-      blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
-      std::memcpy(bytes.data() + off, &blk, sizeof blk);
-    }
-  } else if (type == DType::Q2_K) {  // every quant, scale and min: raw bytes
-    for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q2_K)) {
-      quant::block_q2_K blk;
-      std::memcpy(&blk, bytes.data() + off, sizeof blk);
-      blk.d = f32_to_f16(std::ldexp(1.0f, -8 - static_cast<int>(rng() % 4)));
-      blk.dmin = f32_to_f16(std::ldexp(1.0f, -9 - static_cast<int>(rng() % 4)));
-      std::memcpy(bytes.data() + off, &blk, sizeof blk);
-    }
+    set_d_dmin<quant::block_q4_K>(bytes, -8, rng);
+  } else if (type == DType::Q5_K) {
+    set_d_dmin<quant::block_q5_K>(bytes, -9, rng);
+  } else if (type == DType::Q2_K) {
+    set_d_dmin<quant::block_q2_K>(bytes, -8, rng);
   } else if (type == DType::Q3_K) {  // every code, high bit and 6-bit scale: raw bytes
     for (size_t off = 0; off < bytes.size(); off += sizeof(quant::block_q3_K)) {
       quant::block_q3_K blk;
