@@ -640,10 +640,10 @@ HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
 // issue per block step (see MatvecKOne). PrefetchSpanL1 is the one-token form for the 4-bit
 // blocks of the Q8_0 family: into L1 they decode faster on the Intel Xeon dev box, while Q8_0
 // and the K-quant kernels decode slower with it (docs/BENCHMARKS.md, session 28).
-// A Q4_K block's 8 six-bit scales and 8 mins as bytes [sc0..7 | m0..7] (ScalesMinsK4 in two
-// 64-bit words: lo = [sc0..3 | m0..3], hi = [sc4..7 | m4..7], then one shuffle).
-// sc_even (if given): sc0 + sc2 + sc4 + sc6, from the same words (bytes of at most 63 each, so
-// lo + hi has no carry between bytes).
+// A Q4_K or Q5_K block's 8 six-bit scales and 8 mins (its `scales` bytes) as bytes [sc0..7 | m0..7]
+// (ScalesMinsK4 in two 64-bit words: lo = [sc0..3 | m0..3], hi = [sc4..7 | m4..7], then one
+// shuffle). sc_even (if given): sc0 + sc2 + sc4 + sc6, from the same words (bytes of at most 63
+// each, so lo + hi has no carry between bytes).
 KILN_VNNI512_INLINE __m128i ScalesMins8(const uint8_t* scales, int32_t* sc_even = nullptr) {
   uint64_t a;
   uint32_t c;
@@ -1332,7 +1332,8 @@ struct alignas(16) LaneBias {
 };
 // Only the 512-bit vpdpbusd: Highway's AVX3_DL target string also enables AVX-VNNI, so GCC
 // encodes a 128/256-bit vpdpbusd there as the VEX form, which AVX-512 CPUs without AVX-VNNI
-// (Zen 4) do not have (SIGILL); tests/isa checks that no VEX-encoded VNNI op is in the binary.
+// (Zen 4) do not have (SIGILL); scripts/check-isa (ctest isa.NoUncheckedInstructionsInKiln)
+// fails on any VEX-encoded VNNI instruction in the kiln binary.
 template <int kBias>
 KILN_VNNI512 void Q8LaneBias(const ActQ8_0* ys, int64_t nb, LaneBias* bias) {
   const __m512i k = _mm512_set1_epi8(static_cast<char>(kBias));

@@ -102,8 +102,7 @@ struct CudaOptions {
   // F16/BF16 matmuls of 1-8 tokens on the tensor cores (kernels.h, launch_matvec_float_mma)
   // instead of V3's float kernel, where the shape fits (V3/Auto). Other bits than V3's (within
   // the reference's bound), the same for any token count. On by measurement (docs/BENCHMARKS.md,
-  // session 30: 2-8 token steps much cheaper, one-token decode within 2 %); false runs V3's
-  // float kernel, until that path is removed for these types.
+  // session 30); false runs V3's float kernel, until that path is removed for these types.
   bool float_mma = true;
   // Matmuls that take the cuBLAS path (above auto_int8_max_tokens tokens: prefill, large
   // batches) read an f16 copy of the weight kept on the device, written once at its first such
