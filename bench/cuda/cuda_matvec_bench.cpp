@@ -13,8 +13,8 @@
 // [--tokens 1,4,...] [--no-attention]. The graph column is measured twice, the second time
 // captured with programmatic dependent launch (kernels.h set_launch_pdl). Prints one line per case,
 // then the tables (lines starting with '|'). --float-rows-ab: only the rows-per-warp A/B of
-// V3's float kernel (bench_float_rows); --float-mma-ab: only the float_mma trial against it;
-// --float-mma-sweep: the trial's launch shapes.
+// V3's float kernel (bench_float_rows); --float-mma-ab: only the tensor-core float kernel
+// against it; --float-mma-sweep: the tensor-core float kernel's launch shapes.
 // Host code (g++): it reaches the GPU only through kernels.h's launchers. It lives in
 // bench/cuda/ so that bench/'s glob of *.cpp (non-CUDA builds) does not pick it up.
 #include <cuda_runtime.h>
@@ -525,8 +525,8 @@ void bench_float_rows(int iters, size_t l2_bytes, double read_gbps, std::mt19937
   }
 }
 
-// --float-mma-ab: the float_mma trial (launch_matvec_float_mma) against V3's float kernel at
-// the rows per warp launch_matmul_v3 takes, interleaved, on the 8B shapes and the 1B drafter's
+// --float-mma-ab: the tensor-core float kernel (launch_matvec_float_mma) against V3's float kernel
+// at the rows per warp launch_matmul_v3 takes, interleaved, on the 8B shapes and the 1B drafter's
 // (2048 wide), 1-8 tokens; the largest difference between the two relative to sum |w x|.
 void bench_float_mma(int iters, size_t l2_bytes, double read_gbps, std::mt19937_64& rng) {
   std::printf(

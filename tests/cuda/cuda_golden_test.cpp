@@ -46,18 +46,7 @@ constexpr int32_t kCtx = 512;  // llama.cpp produced the golden data with n_ctx 
 // f32-activation kernels it replaced as the default.
 // ArenaAltAttention: the default kernels but the other decode attention kernel
 // (CudaOptions::attention_warp_tiles flipped from its default), so both stay golden-tested.
-// ArenaAltFloat: the default kernels but the other float kernel for F16/BF16 matmuls of 1-8
-// tokens (CudaOptions::float_mma flipped from its default: V3's float kernel while the tensor-
-// core one is the default), on the float fixtures, so both stay golden-tested.
-enum class Weights {
-  Arena,
-  ZeroCopy,
-  ArenaProfile,
-  ArenaV2,
-  ArenaV3,
-  ArenaAltAttention,
-  ArenaAltFloat
-};
+enum class Weights { Arena, ZeroCopy, ArenaProfile, ArenaV2, ArenaV3, ArenaAltAttention };
 
 class CudaGolden : public ::testing::TestWithParam<std::tuple<Fixture, Weights>> {};
 
@@ -85,14 +74,12 @@ TEST_P(CudaGolden, MatchesLlamaCpp) {
   if (std::get<1>(GetParam()) == Weights::ArenaV3) o.matmul = CudaMatmul::V3;
   if (std::get<1>(GetParam()) == Weights::ArenaAltAttention)
     o.attention_warp_tiles = !CudaOptions{}.attention_warp_tiles;
-  if (std::get<1>(GetParam()) == Weights::ArenaAltFloat) o.float_mma = !CudaOptions{}.float_mma;
   auto be = make_cuda_backend(o);
   ASSERT_TRUE(be) << be.error();
   const golden::Bounds b = golden::bounds_for(fx.quantized);
-  const char* label = std::get<1>(GetParam()) == Weights::ArenaProfile    ? "cuda-pr"
-                      : std::get<1>(GetParam()) == Weights::ArenaV2       ? "cuda-v2"
-                      : std::get<1>(GetParam()) == Weights::ArenaV3       ? "cuda-v3"
-                      : std::get<1>(GetParam()) == Weights::ArenaAltFloat ? "cuda-af"
+  const char* label = std::get<1>(GetParam()) == Weights::ArenaProfile ? "cuda-pr"
+                      : std::get<1>(GetParam()) == Weights::ArenaV2    ? "cuda-v2"
+                      : std::get<1>(GetParam()) == Weights::ArenaV3    ? "cuda-v3"
                       : std::get<1>(GetParam()) == Weights::ArenaAltAttention
                           ? (o.attention_warp_tiles ? "cuda-wt" : "cuda-sk")
                           : "cuda   ";
@@ -518,7 +505,6 @@ std::string param_name(const ::testing::TestParamInfo<std::tuple<Fixture, Weight
   if (std::get<1>(info.param) == Weights::ArenaV2) n += "_matmul_v2";
   if (std::get<1>(info.param) == Weights::ArenaV3) n += "_matmul_v3";
   if (std::get<1>(info.param) == Weights::ArenaAltAttention) n += "_alt_attention";
-  if (std::get<1>(info.param) == Weights::ArenaAltFloat) n += "_alt_float";
   for (char& c : n)
     if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
   return n;
@@ -543,14 +529,6 @@ INSTANTIATE_TEST_SUITE_P(ArenaAltAttention, CudaGolden,
 INSTANTIATE_TEST_SUITE_P(ArenaV3, CudaGolden,
                          ::testing::Combine(::testing::ValuesIn(kFixtures),
                                             ::testing::Values(Weights::ArenaV3)),
-                         param_name);
-constexpr Fixture kFloatFixtures[] = {{"llama-gqa-f16", false},  {"llama-gqa-bf16", false},
-                                      {"phi3-f16", false},       {"qwen3-bpe-f16", false},
-                                      {"gemma3-swa-f16", false}, {"deepseek2-mla-f16", false},
-                                      {"glm4moe-f16", false},    {"muse-glimmer-f16", false}};
-INSTANTIATE_TEST_SUITE_P(ArenaAltFloat, CudaGolden,
-                         ::testing::Combine(::testing::ValuesIn(kFloatFixtures),
-                                            ::testing::Values(Weights::ArenaAltFloat)),
                          param_name);
 // Zero-copy (registered mapping read over PCIe on the H200): three architectures suffice.
 constexpr Fixture kZeroCopyFixtures[] = {

@@ -229,8 +229,8 @@ TEST(CudaMatvecQ8, FloatRowsAndColumnsKeepBits) {
   EXPECT_EQ(cuda::launch_matvec_float_v3(wq, dx, 1, dy, 1, nullptr), cudaErrorInvalidValue);
 }
 
-// The float_mma trial (matvec_mma_float.cu): F16/BF16 against a double reference within the
-// float kernel's bound, and every token's output memcmp-equal to its 1-token call at every
+// The tensor-core float kernel (matvec_mma_float.cu): F16/BF16 against a double reference within
+// the float kernel's bound, and every token's output memcmp-equal to its 1-token call at every
 // token count 1-8 (a token at column t of the call against column 0 alone). Shapes that take
 // 4, 8 and 16 warps per block (fewer steps than warps too), partial last row blocks, a token
 // of a wide range and one of large values (tf32 keeps f32's range).
@@ -709,26 +709,22 @@ TEST(CudaMatvecQ8, FallbacksMatchReference) {
 }
 
 // The backend with CudaOptions::matmul = V3 (host spans): the same bound against the reference
-// backend, and a token's row the same bits in a 1-token and a 7-token call.
-// Also the float_mma trial on F16 and BF16 (within the float bound, the same bits alone).
+// backend, and a token's row the same bits in a 1-token and a 7-token call (the int8 kernels
+// and F16/BF16's tensor-core kernel; F32 takes V3's float kernel, within the bound).
 TEST(CudaMatvecQ8, BackendV3MatchesReference) {
   REQUIRE_GPU();
-  for (const bool float_mma : {false, true}) {
+  {
     CudaOptions o;
     o.matmul = CudaMatmul::V3;
-    o.float_mma = float_mma;
     o.verify_weight_cache = true;  // the test's weight buffers are freed and their addresses reused
     auto be = make_cuda_backend(o);
     ASSERT_TRUE(be) << be.error();
     const std::unique_ptr<Backend> ref = make_ref_backend();
     std::mt19937_64 rng(ops_seed());
-    const std::vector<DType> types =
-        float_mma
-            ? std::vector<DType>{DType::F16, DType::BF16}
-            : std::vector<DType>{DType::Q4_K, DType::Q8_0, DType::Q6_K, DType::F16, DType::Q3_K};
+    const std::vector<DType> types = {DType::Q4_K, DType::Q8_0, DType::Q6_K, DType::F16,
+                                      DType::BF16, DType::Q3_K, DType::F32};
     for (DType t : types) {
-      SCOPED_TRACE(::testing::Message()
-                   << dtype_name(t) << " float_mma " << float_mma << " seed " << ops_seed());
+      SCOPED_TRACE(::testing::Message() << dtype_name(t) << " seed " << ops_seed());
       const int64_t k = 2048, rows = 45, n_tok = 7;
       const size_t rb = *row_bytes(t, k);
       std::vector<std::byte> bytes(rb * rows);
@@ -762,7 +758,7 @@ TEST(CudaMatvecQ8, BackendV3MatchesReference) {
           ASSERT_TRUE(close(y[tok * rows + r], y_ref[tok * rows + r], tol))
               << "t " << tok << " r " << r;
         }
-      if (cuda::matvec_q8_supports(t) || t == DType::F16 || float_mma) {
+      if (cuda::matvec_q8_supports(t) || t == DType::F16 || t == DType::BF16) {
         EXPECT_EQ(std::memcmp(y1.data(), y.data() + 5 * rows, size_t(rows) * sizeof(float)), 0);
       }
     }
@@ -774,23 +770,21 @@ TEST(CudaMatvecQ8, BackendV3MatchesReference) {
 // task alone; on V3 (up to 64 int8 tokens) and on the Auto default (int8 up to 16 tokens,
 // cuBLAS above: there the batch is one matmul() per task, so the same bits by construction).
 // Task lists: mixed types (one launch each), runs of one type (grouped launches, 3 and 2),
-// float weights (the grouped float path up to 8 tokens, matmul() per task above; also with
-// the float_mma trial's grouped tensor-core launches).
+// float weights (the grouped float path up to 8 tokens, matmul() per task above: F16/BF16's
+// tensor-core kernel, F32's V3 float kernel, and F16 beside F32, which no grouped launch takes).
 TEST(CudaMatvecQ8, ResidentMatmulBatchEqualsOneMatmulPerTask) {
   REQUIRE_GPU();
   const std::vector<std::vector<DType>> lists = {{DType::Q4_K, DType::Q6_K, DType::Q8_0},
                                                  {DType::Q4_K, DType::Q4_K, DType::Q4_K},
                                                  {DType::Q4_K, DType::Q4_K, DType::Q6_K},
                                                  {DType::F16, DType::F16, DType::F16},
-                                                 {DType::BF16, DType::BF16}};
+                                                 {DType::BF16, DType::BF16},
+                                                 {DType::F32, DType::F32},
+                                                 {DType::F16, DType::F32}};
   for (const std::vector<DType>& types : lists)
-    for (const auto [kernels, float_mma] :
-         {std::pair{CudaMatmul::V3, false}, std::pair{CudaMatmul::Auto, false},
-          std::pair{CudaMatmul::Auto, true}}) {
-      if (float_mma && types[0] != DType::F16 && types[0] != DType::BF16) continue;
+    for (const CudaMatmul kernels : {CudaMatmul::V3, CudaMatmul::Auto}) {
       CudaOptions o;
       o.matmul = kernels;
-      o.float_mma = float_mma;  // the trial's grouped launches
       o.verify_weight_cache = true;
       auto be = make_cuda_backend(o);
       ASSERT_TRUE(be) << be.error();
@@ -814,10 +808,9 @@ TEST(CudaMatvecQ8, ResidentMatmulBatchEqualsOneMatmulPerTask) {
                                     .bytes = bytes[i]});
         }
         for (int64_t n_tok : {1, 3, 8, 16, 17, 40}) {
-          SCOPED_TRACE(::testing::Message()
-                       << "k " << k << " n_tok " << n_tok << " auto "
-                       << (kernels == CudaMatmul::Auto) << " float_mma " << float_mma << " first "
-                       << dtype_name(types[0]) << " x" << nw);
+          SCOPED_TRACE(::testing::Message() << "k " << k << " n_tok " << n_tok << " auto "
+                                            << (kernels == CudaMatmul::Auto) << " first "
+                                            << dtype_name(types[0]) << " x" << nw);
           const std::vector<float> x = random_vec(rng, size_t(n_tok * k));
           BackendBuffer<float> dx = b.alloc<float>(x.size());
           b.upload<float>(x, dx.span());

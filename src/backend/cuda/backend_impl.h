@@ -58,7 +58,6 @@ struct CudaBackend::Impl {
   }
   bool auto_routing() const { return opts.matmul == CudaMatmul::Auto; }
   int mma_min_tokens() const { return int(opts.int8_mma_min_tokens); }
-  bool float_mma() const { return opts.float_mma; }
 
 #if KILN_HAVE_NCCL
   ncclComm_t comm = nullptr;  // a rank of a tensor-parallel group: owned, destroyed first

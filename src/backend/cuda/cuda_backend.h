@@ -99,11 +99,6 @@ struct CudaOptions {
   // Every sequence of a step takes the same kernel, alone or batched. Head sizes that are not
   // a multiple of 8 keep the split kernel.
   bool attention_warp_tiles = true;  // kernels.h kAttentionWarpTilesDefault (asserted)
-  // F16/BF16 matmuls of 1-8 tokens on the tensor cores (kernels.h, launch_matvec_float_mma)
-  // instead of V3's float kernel, where the shape fits (V3/Auto). Other bits than V3's (within
-  // the reference's bound), the same for any token count. On by measurement (docs/BENCHMARKS.md,
-  // session 30); false runs V3's float kernel, until that path is removed for these types.
-  bool float_mma = true;
   // Matmuls that take the cuBLAS path (above auto_int8_max_tokens tokens: prefill, large
   // batches) read an f16 copy of the weight kept on the device, written once at its first such
   // call, instead of dequantizing it into scratch on every call. At most this many bytes of

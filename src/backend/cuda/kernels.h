@@ -132,10 +132,11 @@ cudaError_t launch_matvec_float_v3_group(std::span<const DeviceWeight> ws,
 cudaError_t launch_matvec_float_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
                                    int rows, cudaStream_t s);
 int float_v3_rows(DType t, int64_t n_tok, int64_t n_rows, int64_t n_cols);
-// True when launch_matmul_v3 takes the float kernel for this weight, input and token count.
+// True when V3's float kernel takes this weight, input and token count (launch_matmul_v3
+// takes the tensor-core kernel first where float_mma_fits).
 bool float_v3_applies(const DeviceWeight& w, const float* x, int64_t n_tok);
 // --- matvec_mma_float.cu: F16/BF16 weights against 1-8 tokens on the tensor cores (tf32 mma
-// with each activation split into two tf32 terms), on trial behind CudaOptions::float_mma. One
+// with each activation split into two tf32 terms): launch_matmul_v3 takes it where it fits. One
 // accumulation order per output whatever the token count (bit-identical per token), a
 // different one from V3's float kernel. Needs rows and x 16-byte aligned, n_cols % 64 == 0.
 bool float_mma_fits(const DeviceWeight& w, const float* x, int64_t n_tok);
@@ -157,13 +158,12 @@ cudaError_t launch_matvec_float_mma(const DeviceWeight& w, const float* x, int64
 cudaError_t launch_matvec_float_mma_group(std::span<const DeviceWeight> ws,
                                           std::span<float* const> ys, const float* x, int64_t n_tok,
                                           cudaStream_t s);
-// The V3 matmul: the int8 path when it applies (act_scratch of act_q8_bytes), the float
-// kernel for float weights up to 8 tokens (float_mma: the tensor-core one where it fits),
-// else V2 (with gemm above kMatvecMaxTokens).
+// The V3 matmul: the int8 path when it applies (act_scratch of act_q8_bytes), for float
+// weights up to 8 tokens the tensor-core kernel where it fits (float_mma_fits) else V3's float
+// kernel, else V2 (with gemm above kMatvecMaxTokens).
 cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
                              void* act_scratch, size_t scratch_bytes, cudaStream_t s,
-                             GemmWorkspace* gemm = nullptr, int mma_min_tokens = kQ8MmaMinTokens,
-                             bool float_mma = false);
+                             GemmWorkspace* gemm = nullptr, int mma_min_tokens = kQ8MmaMinTokens);
 
 // --- get_rows.cu: out[i][:] = row ids[i] of w, dequantized.
 cudaError_t launch_get_rows(const DeviceWeight& w, const int32_t* ids, int64_t n_ids, float* out,

@@ -1,9 +1,10 @@
 // backend/cuda/matvec_mma_float.cu: F16/BF16 weights against 1-8 tokens on the tensor cores
-// (mma.sync m16n8k8 .tf32), on trial behind CudaOptions::float_mma (off by default; its figures
-// in docs/BENCHMARKS.md decide). V3's float kernel (matvec_q8.cu) spends one f32 FMA and a
-// share of an activation load from L1 per weight and token, so from two tokens on it reads the
-// weights well below its one-token bandwidth; that sets the cost of a speculative verify step
-// and of a DFlash draft pass. Here one instruction takes 16 rows x 8 tokens x 8 columns.
+// (mma.sync m16n8k8 .tf32), the kernel launch_matmul_v3 takes for them wherever it fits (chosen
+// by measurement: docs/BENCHMARKS.md, session 30). V3's float kernel (matvec_q8.cu), which
+// stays for F32 weights and other widths, spends one f32 FMA and a share of an activation load
+// from L1 per weight and token, so from two tokens on it reads the weights well below its
+// one-token bandwidth; that sets the cost of a speculative verify step and of a DFlash draft
+// pass. Here one instruction takes 16 rows x 8 tokens x 8 columns.
 //
 // The operands are exact where it matters: an f16 or bf16 weight converts to f32 exactly and
 // its mantissa fits tf32's 10 bits, so the weight itself is the tensor core's operand. An

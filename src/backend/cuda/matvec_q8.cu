@@ -1729,7 +1729,7 @@ cudaError_t launch_matvec_float_v3_group(std::span<const DeviceWeight> ws,
 
 cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_tok, float* y,
                              void* act_scratch, size_t scratch_bytes, cudaStream_t s,
-                             GemmWorkspace* gemm, int mma_min_tokens, bool float_mma) {
+                             GemmWorkspace* gemm, int mma_min_tokens) {
   if (!cuda_supports(w.dtype)) return cudaErrorInvalidValue;
   if (w.n_rows == 0 || n_tok == 0) return cudaSuccess;
   const size_t need = act_q8_bytes(w.n_cols, n_tok);
@@ -1740,7 +1740,7 @@ cudaError_t launch_matmul_v3(const DeviceWeight& w, const float* x, int64_t n_to
       return e;
     return launch_matvec_q8(w, act_scratch, n_tok, y, s, mma_min_tokens);
   }
-  if (float_mma && float_mma_fits(w, x, n_tok)) return launch_matvec_float_mma(w, x, n_tok, y, s);
+  if (float_mma_fits(w, x, n_tok)) return launch_matvec_float_mma(w, x, n_tok, y, s);
   if (float_v3_fits(w, x, n_tok))
     return launch_matvec_float_v3(w, x, n_tok, y, float_v3_rows(w.dtype, n_tok, w.n_rows, w.n_cols),
                                   s);

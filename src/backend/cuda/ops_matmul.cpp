@@ -111,14 +111,13 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
             act, cached.data, gemm ? gemm->scratch() : nullptr);
   const bool from_cache = cached.data != dw.data;
   if (I.prof.on()) {
-    const char* path =
-        from_cache   ? "gemm, f16 cache"
-        : gemm       ? "gemm"
-        : act        ? "int8"
-        : wants_gemm ? "gemm"
-        : I.float_mma() && kern == cuda::MatmulKernels::V3 && cuda::float_mma_fits(dw, dx, n_tok)
-            ? "matvec, tensor cores"
-            : "matvec";
+    const char* path = from_cache   ? "gemm, f16 cache"
+                       : gemm       ? "gemm"
+                       : act        ? "int8"
+                       : wants_gemm ? "gemm"
+                       : kern == cuda::MatmulKernels::V3 && cuda::float_mma_fits(dw, dx, n_tok)
+                           ? "matvec, tensor cores"
+                           : "matvec";
     I.seg.label(
         fmt::format("matmul {} {}x{} x{} {}", dtype_name(w.dtype), w.n_cols, w.n_rows, n_tok, path),
         static_cast<uint64_t>(dw.row_bytes) * static_cast<uint64_t>(dw.n_rows));
@@ -130,14 +129,12 @@ void CudaBackend::matmul(const WeightMatrix& w, std::span<const float> x, int64_
   // after everything above that may flush (a flush starts a graphable segment).
   if (wants_gemm && !(gemm && gemm->cublas_workspace())) I.seg.ungraphable();
   const int mma_min = I.mma_min_tokens();
-  const bool float_mma = I.float_mma();
   I.seg.record("matmul", [=](cudaStream_t st) {
     // The f16 copy is what the GEMM would have dequantized into its scratch: cuBLAS reads
     // it in place (gemm.cu) with the same call.
     if (from_cache) return cuda::launch_matmul(cached, dx, n_tok, dy, st, gemm);
     if (kern == cuda::MatmulKernels::V3)
-      return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, st, gemm, mma_min,
-                                    float_mma);
+      return cuda::launch_matmul_v3(dw, dx, n_tok, dy, act, act_bytes, st, gemm, mma_min);
     return cuda::launch_matmul(dw, dx, n_tok, dy, st, gemm);
   });
   I.host.done();
@@ -264,11 +261,11 @@ void CudaBackend::matmul_batch(std::span<const MatmulTask> tasks, int64_t n_tok)
   });
 }
 
-// Float weights sharing one resident input, up to kAutoFloatMaxTokens tokens on V3's float
-// kernel (what matmul() runs for each of them there): one grouped launch per run of the same
-// layout, with the rows per warp float_v3_rows gives the first (every choice has the same bits,
-// CudaMatvecQ8.FloatRowsAndColumnsKeepBits). False (nothing recorded) when that is not the
-// path each task would take alone.
+// Float weights sharing one resident input, up to kAutoFloatMaxTokens tokens, on the float
+// kernel matmul() runs for each of them there (the tensor-core one, or V3's with the rows per
+// warp float_v3_rows gives the first: every choice has the same bits,
+// CudaMatvecQ8.FloatRowsAndColumnsKeepBits): one grouped launch per run of the same layout.
+// False (nothing recorded) when that is not the path each task would take alone.
 bool CudaBackend::matmul_batch_float(std::span<const MatmulTask> tasks, int64_t n_tok) {
   Impl& I = *impl_;
   if (tasks.size() < 2 || I.kernels() != cuda::MatmulKernels::V3 || n_tok < 1 ||
@@ -293,13 +290,17 @@ bool CudaBackend::matmul_batch_float(std::span<const MatmulTask> tasks, int64_t 
     dys.push_back(t.y.data());
   }
   const float* dx = tasks[0].x.data();
-  // matmul()'s own route for each: the float kernel (float_mma: the tensor-core one), not
-  // cuBLAS nor the V2 fallback.
-  const bool mma = I.float_mma();
-  for (const cuda::DeviceWeight& w : dws)
-    if (takes_gemm(I, cuda::MatmulKernels::V3, w, n_tok) ||
-        !(mma ? cuda::float_mma_fits(w, dx, n_tok) : cuda::float_v3_applies(w, dx, n_tok)))
-      return false;
+  // matmul()'s own route for each (launch_matmul_v3): the tensor-core kernel where every
+  // weight fits it (F16/BF16, widths of 64), else V3's float kernel where every weight takes
+  // that (F32, other widths); never cuBLAS nor the V2 fallback, and never a mix (a grouped
+  // launch is one kernel).
+  bool mma = true, v3 = true;
+  for (const cuda::DeviceWeight& w : dws) {
+    if (takes_gemm(I, cuda::MatmulKernels::V3, w, n_tok)) return false;
+    mma = mma && cuda::float_mma_fits(w, dx, n_tok);
+    v3 = v3 && !cuda::float_mma_fits(w, dx, n_tok) && cuda::float_v3_applies(w, dx, n_tok);
+  }
+  if (!mma && !v3) return false;
   I.seg.sig("matmul_batch_float", dx, n_tok, dws.size());
   uint64_t bytes = 0;
   for (size_t i = 0; i < dws.size(); ++i) {
