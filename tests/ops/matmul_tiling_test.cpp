@@ -509,13 +509,13 @@ TEST(MatmulFloatTile, SameBitsOnEveryTarget) {
   });
 }
 
-// The 512-bit VNNI Q8_0 / Q4_0 / Q5_0 / IQ4_NL kernel (AVX-512 VNNI, 8+ tokens) must give the plain
-// kernel's bits, which the portable backend runs, so this is also the proof that it changes
-// nothing but speed. Raw random blocks reach every
-// quant value; row counts leave register tiles of 1..3 rows and cross row blocks (64 rows at
-// 32 columns, 20 at 8192); 1..37 tokens (every tile remainder, odd tokens, several tiles) and
-// 512; widths of 1 and 3 blocks and the 1B model's 2048 / 8192; a column block of a wider
-// matrix (strided rows); 1 and 2 threads; one token all zero, one with a huge element, one
+// The 512-bit VNNI Q8_0 / Q4_0 / Q5_0 / IQ4_NL / MXFP4 kernel (AVX-512 VNNI, 2+ tokens) must give
+// the plain kernel's bits, which the portable backend runs, so this is also the proof that it
+// changes nothing but speed. Raw random blocks reach every quant value; row counts leave
+// register tiles of one partial 16-row group, of a whole group and a partial one (29), and cross
+// row blocks (64 rows at 8192 columns); 1..37 tokens (every token tile remainder, several
+// tiles) and 512; widths of 1 and 3 blocks and the 1B model's 2048 / 8192; a column block of a
+// wider matrix (strided rows); 1 and 2 threads; one token all zero, one with a huge element, one
 // with a NaN. On a machine with AMX-INT8, 16+ tokens take the AMX kernel (CpuOptions::amx),
 // checked here too (tile remainders of 1..15 tokens, row groups of 1..15 rows), and the VNNI
 // kernel is checked with AMX off; the line printed says which this machine ran.
@@ -529,7 +529,7 @@ TEST(MatmulQ8Vnni, SameBitsAsPlainKernel) {
   for (DType type : {DType::Q8_0, DType::Q4_0, DType::Q5_0, DType::IQ4_NL, DType::MXFP4}) {
     for (int64_t k : {32, 96, 2048, 8192}) {
       const bool wide = k >= 2048;
-      for (int64_t n_rows : {1, 3, 5, 6, 67, 131}) {
+      for (int64_t n_rows : {1, 3, 5, 6, 29, 67, 131}) {
         if (wide && n_rows != 5 && n_rows != 67) continue;
         for (bool strided : {false, true}) {
           if (strided && (n_rows != 67 || k == 8192)) continue;

@@ -1,18 +1,16 @@
-// backend/cpu/cpu_matmul_q8.cpp: Q8_0 / Q4_0 / Q5_0 matmuls of several tokens (prefill) on
-// AVX-512 VNNI, giving each token the plain kernel's (cpu_matmul.cpp DotQ8Family) bits.
+// backend/cpu/cpu_matmul_q8.cpp: Q8_0 / Q4_0 / Q5_0 / IQ4_NL / MXFP4 matmuls of several tokens
+// (prefill, batched decode) on AVX-512 VNNI and AMX, giving each token the plain kernel's
+// (cpu_matmul.cpp DotQ8Family) bits.
 //
 // The plain kernel spends, per row, token and 32-weight block, two psignb (AVX-512 has no
-// 512-bit psignb), a 256-bit vpdpbusd, a scalar multiply for the scale and a 256-bit
-// cvt + fma. Here the weights are biased to unsigned once per row block (w + 128, packed with
-// every dword twice) and the activations are interleaved in token pairs once per token group
-// (dword 2L: token 2p's quants 4L..4L+3, dword 2L+1: token 2p+1's), so one 512-bit vpdpbusd
-// gives two tokens' 8 lane sums. The bias adds 128 * (sum of the lane's 4 activations), which
-// the accumulator starts at minus (stored with the activations): every int32 lane is then
-// exactly the plain kernel's sum of w * y (|lane| < 2^18, no overflow). The lanes are then
-// reduced to each (row, token)'s block total, 16 at a time (DotQ8Vnni below), and the float
-// steps are the plain kernel's: fma(dw * yd, float(total), acc) block by block. So each
-// token's output is the plain kernel's bits whatever the tiling. The scales of a tile's lanes
-// are multiplied a chunk of blocks ahead and read back as one load per 16 outputs.
+// 512-bit psignb), a 256-bit vpdpbusd, a lane reduction, a scalar multiply for the scale and a
+// cvt + fma. Here, once per row block, the weights are biased to unsigned (w + 128) and packed
+// 16 rows side by side, 4 quants of each row per dword (the VNNI layout), and once per token
+// group each token's block quants, scale and bias correction are copied into a tile. One
+// vpdpbusd of a chunk of 16 rows against one token's 4 quants (a broadcast) adds 4 products to
+// each row's lane, so 8 of them give 16 rows' exact block totals for that token with no lane
+// reduction at all, and the float steps are the plain kernel's: fma(dw * yd, float(total),
+// acc) block by block. So each token's output is the plain kernel's bits whatever the tiling.
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul_q8.cpp"
@@ -20,9 +18,11 @@
 #include "hwy/highway.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <utility>
 
 #if defined(__linux__)
 #include <cpuid.h>
@@ -50,200 +50,129 @@ using Q8UnpackRow = void (*)(const std::byte* row, int64_t nb, int8_t* q, float*
 
 namespace {
 
-// Token tile (8 tokens): block i, pair p at q + (i * 4 + p) * kQ8ActPairBytes (64 bytes of
-// interleaved signed quants, then 16 int32 corrections); token t's scale at yd[i * 8 + t].
-struct Q8Tile {
-  const int8_t* q;
-  const float* yd;
-};
+// Packed rows, per group of 16 rows and block i: 8 chunks of 64 bytes, chunk c holding the 16
+// rows' quants 4c..4c+3 biased to unsigned (w + 128, as w ^ 0x80) side by side, row k at bytes
+// 4k..4k+3 (the layout of an AMX B tile: amx_store_b_columns), at pq + (g * nb + i) * 512; the
+// 16 rows' scales at pd + (g * nb + i) * 16.
+constexpr size_t kQ8GroupBlockBytes = 512;
 
-// Rows b0..b1 into the packed form: quants (w + 128 as u8, dword L at dwords 2L and 2L+1) at
-// pq[(r - b0) * nb + i], scales at pd[(r - b0) * nb + i].
-KILN_Q8_VNNI void PackQ8Rows(const WeightMatrix& w, int64_t b0, int64_t b1, Q8UnpackRow unpack,
-                             int8_t* row_q, __m512i* pq, float* pd) {
+// Rows r..r+n (n <= 16; the others zero, their outputs never stored) packed into one group at
+// pq (nb * 512 bytes) and pd (nb * 16 floats); rq / rd hold the unpacked rows. Q8_0 is read
+// straight from its blocks (its quants are the operands as they stand, its scale an f16 that
+// F16C converts exactly, as UnpackQ8_0 does).
+KILN_Q8_VNNI void PackQ8Group(const WeightMatrix& w, int64_t r, int n, Q8UnpackRow unpack,
+                              int8_t* rq, float* rd, int8_t* pq, float* pd) {
   const int64_t nb = w.n_cols / 32;
-  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t r = b0; r < b1; ++r) {
-    __m512i* dst = pq + (r - b0) * nb;
-    float* d = pd + (r - b0) * nb;
-    const int8_t* src = row_q;
-    int64_t stride = 32;
-    if (w.dtype == DType::Q8_0) {
-      // The quants as they lie in the blocks, the f16 scales 16 at a time by vcvtph2ps (exact,
-      // as the plain kernel's scalar f16_to_f32 per block, which cost ~4 % of a Q8_0 prefill).
-      const auto* blk = reinterpret_cast<const quant::block_q8_0*>(w.row(r).data());
-      alignas(32) uint16_t h[16];
-      int64_t i = 0;
-      for (; i + 16 <= nb; i += 16) {
-        for (int k = 0; k < 16; ++k) h[k] = blk[i + k].d.bits;
-        _mm512_storeu_ps(d + i,
-                         _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h))));
-      }
-      for (; i < nb; ++i) d[i] = f16_to_f32(blk[i].d);
-      src = blk[0].qs;
-      stride = sizeof(quant::block_q8_0);
+  alignas(32) static constexpr int8_t kZero[32] = {};
+  const int8_t* src[16];
+  int64_t stride[16];
+  for (int k = 0; k < 16; ++k) {
+    float* d = rd + k * nb;
+    if (k >= n) {
+      src[k] = kZero;
+      stride[k] = 0;
+      std::fill_n(d, nb, 0.0f);
+    } else if (w.dtype == DType::Q8_0) {
+      const auto* blk = reinterpret_cast<const quant::block_q8_0*>(w.row(r + k).data());
+      for (int64_t i = 0; i < nb; ++i) d[i] = _cvtsh_ss(blk[i].d.bits);
+      src[k] = blk[0].qs;
+      stride[k] = sizeof(quant::block_q8_0);
     } else {
-      unpack(w.row(r).data(), nb, row_q, d);
-    }
-    for (int64_t i = 0; i < nb; ++i) {
-      const __m512i q = _mm512_castsi256_si512(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + stride * i)));
-      _mm512_store_si512(dst + i, _mm512_xor_si512(_mm512_permutexvar_epi32(dup, q), bias));
+      unpack(w.row(r + k).data(), nb, rq + k * nb * 32, d);
+      src[k] = rq + k * nb * 32;
+      stride[k] = 32;
     }
   }
-}
-
-// Tokens ys[0..m) into the tile; a last odd token's partner is all zero (its outputs are not
-// read).
-KILN_Q8_VNNI void FillQ8Tile(const ActQ8_0* const* ys, int m, int64_t nb, int8_t* q, float* yd) {
-  const __m512i inter = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  const __m512i k128 = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int pairs = (m + 1) / 2;
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t i = 0; i < nb; ++i) {
-    for (int p = 0; p < pairs; ++p) {
-      const auto* qa = reinterpret_cast<const __m256i*>(ys[2 * p][i].qs);
-      const __m256i ya = _mm256_loadu_si256(qa);
-      const __m256i yb =
-          2 * p + 1 < m ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ys[2 * p + 1][i].qs))
-                        : _mm256_setzero_si256();
-      const __m512i y =
-          _mm512_permutexvar_epi32(inter, _mm512_inserti64x4(_mm512_castsi256_si512(ya), yb, 1));
-      // -128 * (sum of the lane's 4 quants): what the weights' +128 bias adds.
-      const __m512i corr = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, y));
-      int8_t* dst = q + (i * 4 + p) * static_cast<int64_t>(kQ8ActPairBytes);
-      _mm512_store_si512(dst, y);
-      _mm512_store_si512(dst + 64, corr);
-    }
-    for (int t = 0; t < kQ8VnniTok; ++t) yd[i * kQ8VnniTok + t] = t < m ? ys[t][i].d : 0.0f;
+    __m256i v[16];
+    for (int k = 0; k < 16; ++k)
+      v[k] = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[k] + stride[k] * i)), bias);
+    amx_store_b_columns(v, pq + i * kQ8GroupBlockBytes);
+    for (int k = 0; k < 16; ++k) pd[i * 16 + k] = rd[k * nb + i];
   }
 }
 
-// Register tiles of R rows x P token pairs: per block, one vpdpbusd per (row, pair) gives a
-// register of two tokens' 8 lane sums (token 2p in the even dwords, 2p+1 in the odd ones). The
-// plain kernel's arithmetic needs each (row, token)'s block total: groups of 8 such registers
-// are reduced to one register of 16 totals (ReduceQ8Lanes8, integer adds: exact), and one
-// 16-wide fma(dw * yd, float(total), acc) per group and block, in block order, gives the 16
-// outputs their plain-kernel bits. Register n = r * P + p of a tile is register n % 8 of group
-// n / 8 (registers past R * P are zero).
-//
-// Lane L of a reduced group holds register j = (L / 4 % 2) * 4 + L % 4's total, its even
-// token for L < 8 and its odd token for L >= 8: unpack-and-add of register pairs keeps the
-// parities apart (level 1), 64-bit unpacks put four registers' partials side by side in each
-// 128-bit unit (level 2, no add), and two 128-bit shuffle-and-add levels sum the four units.
-HWY_INLINE __m512i AddLo32Hi32(__m512i a, __m512i b) {
-  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-}
-HWY_INLINE __m512i AddUnitPairs(__m512i a, __m512i b) {
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
-}
-HWY_INLINE __m512i ReduceQ8Lanes8(const __m512i* v) {
-  const __m512i s01 = AddLo32Hi32(v[0], v[1]), s23 = AddLo32Hi32(v[2], v[3]);
-  const __m512i s45 = AddLo32Hi32(v[4], v[5]), s67 = AddLo32Hi32(v[6], v[7]);
-  const __m512i even =
-      AddUnitPairs(_mm512_unpacklo_epi64(s01, s23), _mm512_unpacklo_epi64(s45, s67));
-  const __m512i odd =
-      AddUnitPairs(_mm512_unpackhi_epi64(s01, s23), _mm512_unpackhi_epi64(s45, s67));
-  return AddUnitPairs(even, odd);
-}
-
-// Where each lane of a tile's reduced groups comes from: r * 8 + t, the index of its output in
-// out[] and of its scale dw[r] * yd[t] in [row 0 | row 1 | row 2 | row 3] x 8 tokens; -1 (out)
-// and 0 (scale) for lanes past the tile's registers.
-template <int R, int P>
-struct Q8LaneMap {
-  static constexpr int kGroups = (R * P + 7) / 8;
-  int32_t scale[kGroups][16] = {};
-  int8_t out[kGroups][16] = {};
-  constexpr Q8LaneMap() {
-    for (int g = 0; g < kGroups; ++g)
-      for (int lane = 0; lane < 16; ++lane) {
-        const int n = 8 * g + (lane / 4 % 2) * 4 + lane % 4;
-        const int r = n / P, t = 2 * (n % P) + (lane >= 8 ? 1 : 0);
-        scale[g][lane] = n < R * P ? r * 8 + t : 0;
-        out[g][lane] = static_cast<int8_t>(n < R * P ? r * 8 + t : -1);
-      }
-  }
-};
-
-// The scales of blocks i0..i0+n in the lane order of each group, s[(i - i0) * G + g][lane],
-// written a chunk ahead of their use (a load of a just-stored vector's part waits for the
-// store). Each is the plain kernel's product dw * yd.
-template <int R, int G>
-HWY_INLINE void Q8Scales(const float* wd, int64_t nb, const float* tyd, int64_t i0, int64_t n,
-                         const __m512i* lane_scale, float (*s)[16]) {
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t i = i0 + j;
-    const __m256 yd8 = _mm256_load_ps(tyd + i * kQ8VnniTok);
-    const __m512 yd = _mm512_insertf32x8(_mm512_castps256_ps512(yd8), yd8, 1);
-    const float d0 = wd[i], d1 = R > 1 ? wd[nb + i] : 0.0f;
-    const float d2 = R > 2 ? wd[2 * nb + i] : 0.0f, d3 = R > 3 ? wd[3 * nb + i] : 0.0f;
-    const __m512 p01 =
-        _mm512_mul_ps(_mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1), yd);
-    const __m512 p23 =
-        _mm512_mul_ps(_mm512_insertf32x8(_mm512_set1_ps(d2), _mm256_set1_ps(d3), 1), yd);
-    for (int g = 0; g < G; ++g)
-      _mm512_store_ps(s[j * G + g], _mm512_permutex2var_ps(p01, lane_scale[g], p23));
-  }
-}
-
-// Blocks per scale chunk.
-constexpr int64_t kQ8ScaleChunk = 16;
-
-// Rows 0..R-1 of the packed block (quants wq + r * nb, scales wd + r * nb) x the tile's
-// pairs 0..P-1; out[r * 8 + t].
-template <int R, int P>
-KILN_Q8_VNNI void DotQ8Vnni(const __m512i* wq, const float* wd, int64_t nb, Q8Tile tile,
-                            float* out) {
-  static constexpr Q8LaneMap<R, P> kMap{};
-  constexpr int G = Q8LaneMap<R, P>::kGroups;
-  __m512i lane_scale[G];
-  __m512 acc[G];
-  for (int g = 0; g < G; ++g) {
-    lane_scale[g] = _mm512_loadu_si512(kMap.scale[g]);
-    acc[g] = _mm512_setzero_ps();
-  }
-  alignas(64) float s[2][kQ8ScaleChunk * G][16];
-  Q8Scales<R, G>(wd, nb, tile.yd, 0, std::min(nb, kQ8ScaleChunk), lane_scale, s[0]);
-  for (int64_t c0 = 0; c0 < nb; c0 += kQ8ScaleChunk) {
-    const int64_t c1 = std::min(nb, c0 + kQ8ScaleChunk);
-    float(*sc)[16] = s[(c0 / kQ8ScaleChunk) & 1];
-    if (c1 < nb)
-      Q8Scales<R, G>(wd, nb, tile.yd, c1, std::min(nb, c1 + kQ8ScaleChunk) - c1, lane_scale,
-                     s[(c0 / kQ8ScaleChunk + 1) & 1]);
-    for (int64_t i = c0; i < c1; ++i) {
-      __m512i w[R];
-      _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) w[r] = _mm512_load_si512(wq + r * nb + i);
-      const int8_t* ai = tile.q + i * 4 * static_cast<int64_t>(kQ8ActPairBytes);
-      __m512i v[8 * G];
-      _Pragma("GCC unroll 4") for (int p = 0; p < P; ++p) {
-        const __m512i y = _mm512_load_si512(ai + p * kQ8ActPairBytes);
-        const __m512i corr = _mm512_load_si512(ai + p * kQ8ActPairBytes + 64);
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) v[r * P + p] =
-            _mm512_dpbusd_epi32(corr, w[r], y);
-      }
-      _Pragma("GCC unroll 8") for (int n = R * P; n < 8 * G; ++n) v[n] = _mm512_setzero_si512();
-      const float(*si)[16] = sc + (i - c0) * G;
-      _Pragma("GCC unroll 2") for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(
-          _mm512_load_ps(si[g]), _mm512_cvtepi32_ps(ReduceQ8Lanes8(v + 8 * g)), acc[g]);
+// Token tile: up to kQ8VnniTok tokens, per block i at tile + i * kQ8TileBlockBytes: token t's
+// 32 quants at 32t, its scale at 32 * kQ8VnniTok + 4t and -128 * (sum of its quants) at
+// 36 * kQ8VnniTok + 4t, what the weights' +128 bias adds to each of the block's dot products.
+KILN_Q8_VNNI void FillQ8Tile(const ActQ8_0* const* ys, int m, int64_t nb, std::byte* tile) {
+  constexpr size_t kD = 32 * kQ8VnniTok, kC = 36 * kQ8VnniTok;
+  for (int64_t i = 0; i < nb; ++i) {
+    std::byte* b = tile + i * kQ8TileBlockBytes;
+    for (int t = 0; t < m; ++t) {
+      const ActQ8_0& y = ys[t][i];
+      std::memcpy(b + 32 * t, y.qs, 32);
+      int32_t sum = 0;
+      for (int e = 0; e < 32; ++e) sum += y.qs[e];
+      const int32_t corr = -128 * sum;
+      std::memcpy(b + kD + 4 * t, &y.d, 4);
+      std::memcpy(b + kC + 4 * t, &corr, 4);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    alignas(64) float o[16];
-    _mm512_store_ps(o, acc[g]);
-    for (int lane = 0; lane < 16; ++lane)
-      if (kMap.out[g][lane] >= 0) out[kMap.out[g][lane]] = o[lane];
+}
+
+// Register tile: RG groups of 16 rows (lanes: the group's 16 rows) x T tokens of the tile. Per
+// block, 8 vpdpbusd per (group, token) sum the block's 32 products w * y into one int32 lane
+// per row: the chunk of 4 quants of the 16 rows against the token's 4 quants broadcast, from
+// the token's bias correction; exact (|total| < 2^21), so each lane holds the plain kernel's
+// block total. Then the plain kernel's float step, fma(dw * yd, float(total), acc), in block
+// order: each (row, token) output has its bits. Rows k < rows of token t to y[t * ldy + k].
+template <int RG, int T>
+KILN_Q8_VNNI void DotQ8Rows16(const int8_t* pq, const float* pd, int64_t nb, const std::byte* tile,
+                              float* y, int64_t ldy, int rows) {
+  constexpr size_t kD = 32 * kQ8VnniTok, kC = 36 * kQ8VnniTok;
+  const size_t group_bytes = static_cast<size_t>(nb) * kQ8GroupBlockBytes;
+  __m512 acc[RG][T];
+  for (int g = 0; g < RG; ++g)
+    for (int t = 0; t < T; ++t) acc[g][t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const std::byte* tb = tile + i * kQ8TileBlockBytes;
+    const int8_t* wb = pq + i * kQ8GroupBlockBytes;
+    __m512i s[RG][T];
+    for (int t = 0; t < T; ++t) {
+      int32_t corr;
+      std::memcpy(&corr, tb + kC + 4 * t, 4);
+      for (int g = 0; g < RG; ++g) s[g][t] = _mm512_set1_epi32(corr);
+    }
+    _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) {
+      __m512i wv[RG];
+      for (int g = 0; g < RG; ++g) wv[g] = _mm512_load_si512(wb + g * group_bytes + 64 * c);
+      for (int t = 0; t < T; ++t) {
+        int32_t q;
+        std::memcpy(&q, tb + 32 * t + 4 * c, 4);
+        const __m512i yv = _mm512_set1_epi32(q);
+        for (int g = 0; g < RG; ++g) s[g][t] = _mm512_dpbusd_epi32(s[g][t], wv[g], yv);
+      }
+    }
+    for (int g = 0; g < RG; ++g) {
+      const __m512 dw = _mm512_load_ps(pd + (g * nb + i) * 16);
+      for (int t = 0; t < T; ++t) {
+        float yd;
+        std::memcpy(&yd, tb + kD + 4 * t, 4);
+        acc[g][t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(yd)),
+                                    _mm512_cvtepi32_ps(s[g][t]), acc[g][t]);
+      }
+    }
+  }
+  for (int g = 0; g < RG; ++g) {
+    const int k = std::min(16, rows - 16 * g);
+    const auto mask = static_cast<__mmask16>(k >= 16 ? 0xFFFF : (1u << k) - 1);
+    for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(y + t * ldy + 16 * g, mask, acc[g][t]);
   }
 }
 
-using DotQ8Fn = void (*)(const __m512i*, const float*, int64_t, Q8Tile, float*);
-template <int R>
-constexpr DotQ8Fn kDotQ8Row[4] = {&DotQ8Vnni<R, 1>, &DotQ8Vnni<R, 2>, &DotQ8Vnni<R, 3>,
-                                  &DotQ8Vnni<R, 4>};
-// [rows - 1][pairs - 1]
-constexpr const DotQ8Fn* kDotQ8[kQ8VnniRows] = {kDotQ8Row<1>, kDotQ8Row<2>, kDotQ8Row<3>,
-                                                kDotQ8Row<4>};
+using DotQ8Fn = void (*)(const int8_t*, const float*, int64_t, const std::byte*, float*, int64_t,
+                         int);
+template <int RG, int... Ts>
+constexpr std::array<DotQ8Fn, sizeof...(Ts)> MakeDotQ8(std::integer_sequence<int, Ts...>) {
+  return {&DotQ8Rows16<RG, Ts + 1>...};
+}
+// [row groups - 1][tokens - 1]
+constexpr std::array<DotQ8Fn, kQ8VnniTok> kDotQ8[kQ8VnniRowGroups] = {
+    MakeDotQ8<1>(std::make_integer_sequence<int, kQ8VnniTok>{}),
+    MakeDotQ8<2>(std::make_integer_sequence<int, kQ8VnniTok>{})};
 
 template <class T>
 T* Align64(std::byte*& p, size_t count) {
@@ -430,51 +359,51 @@ KILN_Q8_AMX void MatmulQ8Amx(const MatmulJob& job, int64_t r0, int64_t r1, float
 
 }  // namespace
 
-// Token groups x row blocks x token tiles x register tiles of up to 4 rows x 8 tokens: each
-// token's tile is built once per group and each row block packed once per group. `scratch`
-// holds q8_vnni_scratch_bytes(n_cols). From kQ8AmxMinTok tokens on a machine with AMX-INT8
-// (and CpuOptions::amx), the AMX kernel above instead.
+// Token groups x row blocks x token tiles x register tiles of up to 32 rows x kQ8VnniTok
+// tokens: each token's tile is built once per group and each row block packed once per group.
+// `scratch` holds q8_vnni_scratch_bytes(n_cols). From kQ8AmxMinTok tokens on a machine with
+// AMX-INT8 (and CpuOptions::amx), the AMX kernel above instead.
 void MatmulQ8Vnni(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch,
                   Q8UnpackRow unpack) {
-  static_assert(kQ8VnniTok == 8 && kQ8VnniRows == 4);
+  static_assert(kQ8VnniRowGroups == 2);
   if (job.amx && job.n_tok >= kQ8AmxMinTok && amx_usable())
     return MatmulQ8Amx(job, r0, r1, scratch, unpack);
   const WeightMatrix& w = *job.w;
   const int64_t nb = w.n_cols / 32, ldy = w.n_rows;
   const int64_t rb = q8_vnni_rows_per_block(nb), group = q8_vnni_group_tokens(nb);
   auto* p = reinterpret_cast<std::byte*>(scratch);
-  __m512i* pq = Align64<__m512i>(p, static_cast<size_t>(rb * nb));
+  int8_t* pq = Align64<int8_t>(p, static_cast<size_t>(rb / 16 * nb) * kQ8GroupBlockBytes);
   float* pd = Align64<float>(p, static_cast<size_t>(rb * nb));
-  int8_t* tq =
-      Align64<int8_t>(p, static_cast<size_t>(group / kQ8VnniTok * nb * 4) * kQ8ActPairBytes);
-  float* tyd = Align64<float>(p, static_cast<size_t>(group * nb));
-  int8_t* row_q = Align64<int8_t>(p, static_cast<size_t>(nb * 32));
+  std::byte* tiles =
+      Align64<std::byte>(p, static_cast<size_t>(group / kQ8VnniTok * nb) * kQ8TileBlockBytes);
+  int8_t* rq = Align64<int8_t>(p, static_cast<size_t>(16 * nb * 32));
+  float* rd = Align64<float>(p, static_cast<size_t>(16 * nb));
   const ActQ8_0* ys[kQ8VnniTok];
-  float out[kQ8VnniRows * 8];
+  const size_t tile_bytes = static_cast<size_t>(nb) * kQ8TileBlockBytes;
   for (int64_t g0 = 0; g0 < job.n_tok; g0 += group) {
     const int64_t g1 = std::min(job.n_tok, g0 + group);
     for (int64_t t0 = g0; t0 < g1; t0 += kQ8VnniTok) {
       const int m = static_cast<int>(std::min<int64_t>(kQ8VnniTok, g1 - t0));
       for (int k = 0; k < m; ++k)
         ys[k] = reinterpret_cast<const ActQ8_0*>(job.xq + (t0 + k) * job.xq_row_bytes);
-      const int64_t tile = (t0 - g0) / kQ8VnniTok;
-      FillQ8Tile(ys, m, nb, tq + tile * nb * 4 * static_cast<int64_t>(kQ8ActPairBytes),
-                 tyd + tile * nb * kQ8VnniTok);
+      FillQ8Tile(ys, m, nb, tiles + (t0 - g0) / kQ8VnniTok * tile_bytes);
     }
     for (int64_t b0 = r0; b0 < r1; b0 += rb) {
       const int64_t b1 = std::min(r1, b0 + rb);
-      PackQ8Rows(w, b0, b1, unpack, row_q, pq, pd);
+      for (int64_t r = b0; r < b1; r += 16) {
+        const int64_t g = (r - b0) / 16;
+        PackQ8Group(w, r, static_cast<int>(std::min<int64_t>(16, b1 - r)), unpack, rq, rd,
+                    pq + g * nb * static_cast<int64_t>(kQ8GroupBlockBytes), pd + g * nb * 16);
+      }
       for (int64_t t0 = g0; t0 < g1; t0 += kQ8VnniTok) {
         const int m = static_cast<int>(std::min<int64_t>(kQ8VnniTok, g1 - t0));
-        const int64_t k = (t0 - g0) / kQ8VnniTok;
-        const Q8Tile tile{tq + k * nb * 4 * static_cast<int64_t>(kQ8ActPairBytes),
-                          tyd + k * nb * kQ8VnniTok};
-        const int pairs = (m + 1) / 2;
-        for (int64_t r = b0; r < b1; r += kQ8VnniRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kQ8VnniRows, b1 - r));
-          kDotQ8[rows - 1][pairs - 1](pq + (r - b0) * nb, pd + (r - b0) * nb, nb, tile, out);
-          for (int rr = 0; rr < rows; ++rr)
-            for (int j = 0; j < m; ++j) job.y[(t0 + j) * ldy + r + rr] = out[rr * 8 + j];
+        const std::byte* tile = tiles + (t0 - g0) / kQ8VnniTok * tile_bytes;
+        for (int64_t r = b0; r < b1; r += 16 * kQ8VnniRowGroups) {
+          const int rows = static_cast<int>(std::min<int64_t>(16 * kQ8VnniRowGroups, b1 - r));
+          const int64_t g = (r - b0) / 16;
+          kDotQ8[(rows + 15) / 16 - 1][m - 1](
+              pq + g * nb * static_cast<int64_t>(kQ8GroupBlockBytes), pd + g * nb * 16, nb, tile,
+              job.y + t0 * ldy + r, ldy, rows);
         }
       }
     }

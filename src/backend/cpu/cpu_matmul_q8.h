@@ -17,28 +17,23 @@ struct ActQ8_0 {
 };
 static_assert(sizeof(ActQ8_0) == 36);
 
-// The 512-bit VNNI Q8_0/Q4_0/Q5_0 kernel (cpu_matmul_q8.cpp) takes calls of this many tokens
-// or more (fewer: the plain kernel; packing the rows costs about a token tile: bench/matvec_bench
-// BM_Q8VnniOnOff at 2048 x 2048, 1 thread: 4 tokens 0.86x, 8 tokens 1.24x, 16 tokens 1.6x).
-constexpr int64_t kQ8VnniMinTok = 8;
-// Its token tile (pairs of tokens share a 512-bit register) and widest register tile of rows.
-constexpr int64_t kQ8VnniTok = 8, kQ8VnniRows = 4;
-// Bytes per packed weight block: 32 biased quants with every dword twice (one per token of a
-// pair), then its f32 scale in a separate array.
-constexpr size_t kQ8PackBytes = 64;
-// Bytes per block of one token pair in the activation tile: the interleaved quants, then the
-// bias correction as 16 int32.
-constexpr size_t kQ8ActPairBytes = 128;
-// Bytes of one token tile's activations per block: 4 pairs' quants and corrections, 8 scales.
-constexpr size_t kQ8TileBlockBytes = kQ8VnniTok / 2 * kQ8ActPairBytes + kQ8VnniTok * 4;
-// Rows packed at once: their packed blocks (68 bytes per block) stay in L2 while every token
-// tile sweeps them; a multiple of the register tile.
+// The 512-bit VNNI Q8_0-family kernel (cpu_matmul_q8.cpp) takes calls of this many tokens or
+// more: from two tokens it beats the plain kernel, packing included (bench/matvec_bench
+// BM_Q8VnniOnOff; docs/BENCHMARKS.md, session 31). One token: the one-token kernels.
+constexpr int64_t kQ8VnniMinTok = 2;
+// Its token tile, and its register tile's groups of 16 rows (one 512-bit register per group and
+// token holds the 16 rows' sums: cpu_matmul_q8.cpp DotQ8Rows16).
+constexpr int64_t kQ8VnniTok = 6, kQ8VnniRowGroups = 2;
+// Bytes per block of a token tile: each token's 32 quants, scale and bias correction.
+constexpr size_t kQ8TileBlockBytes = kQ8VnniTok * (32 + 4 + 4);
+// Rows packed at once (their packed quants and scales, 36 bytes a row and block, stay in L2
+// while every token tile sweeps them): a multiple of the register tile's 32 rows.
 inline int64_t q8_vnni_rows_per_block(int64_t nb) {
-  const int64_t rows = (int64_t{640} << 10) / std::max<int64_t>(1, nb * 68);
-  return std::clamp<int64_t>(rows, kQ8VnniRows, 128) / kQ8VnniRows * kQ8VnniRows;
+  const int64_t rows = (int64_t{640} << 10) / std::max<int64_t>(1, nb * 36);
+  return std::clamp<int64_t>(rows, 32, 256) / 32 * 32;
 }
-// Tokens whose activation tiles are built at once (each row block is packed once per such
-// group): up to 512, or fewer so that the tiles take at most ~4 MiB of a thread's scratch.
+// Tokens whose tiles are built at once (each row block is packed once per such group): up to
+// about 512, or fewer so that the tiles take at most ~4 MiB of a thread's scratch.
 inline int64_t q8_vnni_group_tokens(int64_t nb) {
   const int64_t tiles =
       (int64_t{4} << 20) / std::max<int64_t>(1, nb * static_cast<int64_t>(kQ8TileBlockBytes));
@@ -52,15 +47,15 @@ inline int64_t q8_amx_groups(int64_t nb) {
   return std::clamp<int64_t>((int64_t{512} << 10) / std::max<int64_t>(1, nb * 576), 1, 8);
 }
 // A thread's scratch for those kernels. VNNI: packed rows (quants, scales), the group's token
-// tiles, one row's unpacked quants, alignment slack. AMX: 16 rows' unpacked quants and
-// scales, q8_amx_groups' B tiles (512 bytes a block) and scales in tile order, slack.
+// tiles, 16 rows' unpacked quants and scales, alignment slack. AMX: 16 rows' unpacked quants
+// and scales, q8_amx_groups' B tiles (512 bytes a block) and scales in tile order, slack.
 inline size_t q8_vnni_scratch_bytes(int64_t n_cols) {
   const int64_t nb = n_cols / 32;
   const auto rb = static_cast<size_t>(q8_vnni_rows_per_block(nb));
   const auto tiles = static_cast<size_t>(q8_vnni_group_tokens(nb) / kQ8VnniTok);
   const auto unb = static_cast<size_t>(nb);
   const size_t vnni =
-      rb * unb * (kQ8PackBytes + 4) + tiles * unb * kQ8TileBlockBytes + unb * 32 + 8 * 64;
+      rb * unb * (32 + 4) + tiles * unb * kQ8TileBlockBytes + 16 * unb * (32 + 4) + 8 * 64;
   const size_t amx =
       16 * unb * (32 + 4) + static_cast<size_t>(q8_amx_groups(nb)) * unb * (512 + 64) + 8 * 64;
   return std::max(vnni, amx);

@@ -39,10 +39,10 @@ const char* target_name();
 //   kQ8AmxMinTok tokens, cpu_matmul_kq.cpp's AMX kernels where the machine has AMX-INT8
 //   (CpuOptions::amx; MatmulKQPrefill and MatmulKQBatch run with and without).
 //   AVX2 machines take kq_avx2-inl.h's kernels for the same calls (the same tests there).
-// - Q8_0 / Q4_0 / Q5_0: kQ8VnniMinTok+ tokens, the 512-bit kernel of cpu_matmul_q8.cpp on
-//   AVX-512 VNNI (MatmulQ8Vnni), from kQ8AmxMinTok tokens its AMX kernel where the machine has
-//   AMX-INT8 (CpuOptions::amx); one Q8_0 token, the AVX2 two-row kernel of kq_avx2-inl.h on
-//   machines without AVX-512 (MatmulQ8One).
+// - Q8_0 / Q4_0 / Q5_0 / IQ4_NL / MXFP4: kQ8VnniMinTok+ tokens, the 512-bit kernel of
+//   cpu_matmul_q8.cpp on AVX-512 VNNI (MatmulQ8Vnni), from kQ8AmxMinTok tokens its AMX kernel
+//   where the machine has AMX-INT8 (CpuOptions::amx); one Q8_0 token, the AVX2 two-row kernel
+//   of kq_avx2-inl.h on machines without AVX-512 (MatmulQ8One).
 // - F32 / F16 / BF16: kFloatTileMinTok+ tokens, the register-tiled kernel of
 //   cpu_matmul_float.cpp (MatmulFloatTile).
 // - The Q8_K and Q8_0 activation encoders with AVX-512 (ActQuant.*).
