@@ -442,10 +442,10 @@ BENCHMARK(BM_KQBatchOnOff)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(0.5);
 
-// The Q4_K / Q6_K prefill kernels against the plain ones, same method as BM_KQBatchOnOff:
-// prefill (512 tokens) on the 1.1B model's shapes (q/o 2048 x 2048, k/v 512 x 2048, gate/up
-// 8192 x 2048, down 2048 x 8192) and smaller token counts (below kKQPrefillMinTok the fast side
-// is the v2 batched kernels).
+// The Q4_K / Q6_K kernels of many tokens (MatmulKRows16, or AMX where the machine has it) against
+// the plain ones, same method as BM_KQBatchOnOff: prefill (512 tokens) on the 1.1B model's shapes
+// (q/o 2048 x 2048, k/v 512 x 2048, gate/up 8192 x 2048, down 2048 x 8192) and smaller token
+// counts (below kKRowsMinTok / kKRowsMinTokQ6K the fast side is the v2 batched kernels).
 void BM_KQPrefillOnOff(benchmark::State& state) { kq_switch_on_off(state, "prefill"); }
 void KQPrefillArgs(benchmark::internal::Benchmark* b) {
   const auto q4k = static_cast<int64_t>(DType::Q4_K);
@@ -760,7 +760,7 @@ BENCHMARK(BM_LayerStepKQBatch)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond)
     ->MinTime(2.0);
-// The same step at prefill sizes: the prefill kernels (from kKQPrefillMinTok tokens) against
+// The same step at prefill sizes: the kernels of many tokens (MatmulKRows16, or AMX) against
 // the plain ones.
 void BM_LayerStepKQPrefill(benchmark::State& state) { layer_step_on_off(state); }
 BENCHMARK(BM_LayerStepKQPrefill)

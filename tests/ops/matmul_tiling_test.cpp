@@ -225,22 +225,23 @@ TEST(MatmulKQBatch, SameBitsAsPlainKernel) {
   });
 }
 
-// The prefill Q4_K / Q6_K kernels (AVX-512 VNNI, cpu_matmul_kq.cpp, and Q4_K's AMX kernel
-// there from 16 tokens where the CPU has AMX-INT8, with and without CpuOptions::amx; on AVX2
-// machines kq_avx2-inl.h's) must give the plain kernels' bits, which the portable backend runs, so
-// this is also the proof that the fast kernels change nothing but speed. Raw random blocks reach
-// every quant, scale and min value (the packed word sums' bounds); odd row counts split over 1 and
-// 2 threads and, at 3328 columns, rows past one row block; rows of 1, 3, 8 (one K chunk), 9 and 13
-// blocks (a partial last chunk); token counts below the kernel's minimum (the one-token and
-// batched kernels there), 128, and 129..135 and 509 (a last tile of 1, 3, 5, 7 and 5 tokens: a
-// pair whose partner is missing); a column block of a wider matrix (strided rows); one token all
-// zero, one with a huge element, one with a NaN.
-TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
+// The Q4_K / Q5_K / Q6_K kernels of many tokens (MatmulKRows16 on AVX-512 VNNI, cpu_matmul_kq.cpp,
+// from kKRowsMinTok tokens, Q6_K from kKRowsMinTokQ6K; Q4_K's and Q6_K's AMX kernels there from
+// 16 tokens where the CPU has AMX-INT8, with and without CpuOptions::amx; on AVX2 machines
+// kq_avx2-inl.h's) must give the plain kernels' bits, which the portable backend runs, so this is
+// also the proof that the fast kernels change nothing but speed. Raw random blocks reach every
+// quant, scale and min value; odd row counts (a partial 16-row group, a whole and a partial one)
+// split over 1 and 2 threads and, at 3328 columns, rows past one row block; rows of 1, 3, 8, 9
+// and 13 blocks; token counts below each kernel's minimum (the one-token and batched kernels
+// there), at and past it with every remainder of the 4-token tile, 509; a column block of a
+// wider matrix (strided rows); one token all zero, one with a huge element, one with a NaN.
+TEST(MatmulKRows16, SameBitsAsPlainKernel) {
   std::mt19937_64 rng(ops_seed() ^ 0x61c88647ULL);
   SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
-  for (DType type : {DType::Q4_K, DType::Q6_K})
+  for (DType type : {DType::Q4_K, DType::Q5_K, DType::Q6_K})
     for (int64_t k : {256, 768, 2048, 2304, 3328}) {
-      for (int64_t n_rows : {1, 2, 3, 67, 131, 333}) {
+      for (int64_t n_rows : {1, 2, 3, 29, 67, 131, 333}) {
+        if (n_rows == 29 && k != 768) continue;
         if (n_rows == 333 && k != 3328) continue;
         for (bool strided : {false, true}) {
           if (strided && n_rows != 67) continue;
@@ -250,7 +251,7 @@ TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
           const WeightMatrix full{
               .dtype = type, .n_cols = k_all, .n_rows = n_rows, .row_bytes = rb, .bytes = bytes};
           const WeightMatrix w = strided ? full.columns(256, k) : full;
-          for (int64_t n_tok : {1, 2, 5, 9, 13, 37, 127, 128, 129, 131, 133, 135, 509}) {
+          for (int64_t n_tok : {1, 2, 5, 9, 15, 16, 17, 18, 37, 63, 64, 66, 127, 131, 509}) {
             if (n_tok == 509 && (k > 768 || n_rows > 67)) continue;
             SCOPED_TRACE(::testing::Message()
                          << dtype_name(type) << " k " << k << " rows " << n_rows << " strided "
@@ -258,7 +259,7 @@ TEST(MatmulKQPrefill, SameBitsAsPlainKernel) {
             const std::vector<float> x = edge_tokens(rng, n_tok, k);
             for (bool amx : {true, false}) {  // Q4_K from 16 tokens: AMX where the CPU has it
               expect_same_bits(run_fast_portable(w, x, n_tok, amx), n_tok, n_rows,
-                               amx ? "prefill (AMX where usable)" : "prefill (no AMX)");
+                               amx ? "many tokens (AMX where usable)" : "many tokens (no AMX)");
               if (::testing::Test::HasFatalFailure()) return;
             }
           }

@@ -18,7 +18,7 @@ struct CpuOptions {
   // Tests and benchmarks only, set in code: Q8_0-family, Q4_K and Q6_K matmuls of kQ8AmxMinTok+
   // tokens run on AMX tiles where the machine has AMX-INT8 (Intel Xeon since Sapphire Rapids:
   // machine-class dispatch); false runs the 512-bit VNNI kernels there instead, so that an AMX
-  // machine tests and times both (tests/ops MatmulQ8Vnni, MatmulKQPrefill, MatmulKQBatch;
+  // machine tests and times both (tests/ops MatmulQ8Vnni, MatmulKRows16, MatmulKQBatch;
   // bench/matvec_bench BM_Q8AmxOnOff). Same bits.
   bool amx = true;
 };

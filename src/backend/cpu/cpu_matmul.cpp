@@ -46,7 +46,8 @@ inline int64_t rows_per_block(const WeightMatrix& w) {
 inline int64_t dequant_rows_per_block(const WeightMatrix& w) {
   return std::clamp<int64_t>((64 << 10) / std::max<int64_t>(1, w.n_cols), 1, 16);
 }
-// Calls of this many tokens or more (below kKQPrefillMinTok) take the v2 batched kernels.
+// Calls of this many tokens or more (below kKRowsMinTok / kKRowsMinTokQ6K) take the v2 batched
+// kernels.
 constexpr int64_t kKQBatchMinTok = 2;
 // Bytes of a thread's scratch the batched Q4_K/Q6_K kernels' activation tile uses (8 tokens:
 // aligned quants, bsums, scales, alignment slack).
@@ -262,10 +263,9 @@ void UnpackRowQ8(const std::byte* row, int64_t nb, int8_t* q, float* d) {
 // cpu_matmul_q8.cpp; out: each token's DotQ8Family<T, Unpack> bits.
 void MatmulQ8Vnni(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch,
                   void (*unpack)(const std::byte*, int64_t, int8_t*, float*));
-// cpu_matmul_kq.cpp; out: each token's DotQ45K<T, false> bits.
-void MatmulQ4KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch);
-// cpu_matmul_kq.cpp; out: each token's DotQ6K<T> bits.
-void MatmulQ6KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch);
+// cpu_matmul_kq.cpp; Q4_K / Q5_K / Q6_K, out: each token's DotQ45K<T, false / true> or DotQ6K<T>
+// bits.
+void MatmulKRows16(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch);
 // cpu_matmul_kq.cpp, where amx_usable(); out: each token's DotQ45K<T, false> bits.
 void MatmulQ4KAmx(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch);
 // The same for Q6_K: DotQ6K<T>'s bits.
@@ -894,8 +894,8 @@ void MatvecKOne(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
 }
 
 // ---------------------------------------------------------------- batched K-quants, v2 (VNNI)
-// The lane sums above for 2+ tokens (the decode of several streams, and prefill below
-// kKQPrefillMinTok) with little work around them: with the sums alone, the decode of a few
+// The lane sums above for 2+ tokens (the decode of several streams, below kKRowsMinTok /
+// kKRowsMinTokQ6K tokens) with little work around them: with the sums alone, the decode of a few
 // streams was bound by instructions on the Zen 5 dev box and, once cheaper, by DRAM latency,
 // which the software prefetch below hides. Around the sums:
 // - the per-block decoding is DotQ45KOne's (F16C, 64-bit scale words, no stack round trip);
@@ -1634,7 +1634,7 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       if (!job.portable) {
         if (job.amx && job.n_tok >= kQ8AmxMinTok && amx_usable())
           return MatmulQ4KAmx(job, r0, r1, scratch);
-        if (job.n_tok >= kKQPrefillMinTok) return MatmulQ4KPrefill(job, r0, r1, scratch);
+        if (job.n_tok >= kKRowsMinTok) return MatmulKRows16(job, r0, r1, scratch);
         if (job.n_tok >= kKQBatchMinTok) return MatmulKBatch<true>(job, r0, r1, scratch);
         if (job.n_tok == 1) return MatvecKOne<block_q4_K>(job, r0, r1, scratch);
       }
@@ -1649,6 +1649,7 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::Q5_K:
 #if HWY_TARGET == HWY_AVX3_DL
       if (!job.portable && job.n_tok == 1) return MatvecKOne<block_q5_K>(job, r0, r1, scratch);
+      if (!job.portable && job.n_tok >= kKRowsMinTok) return MatmulKRows16(job, r0, r1, scratch);
 #endif
       return MatmulInt<block_q8_K, KQ5_K>(job, r0, r1, 256);
     case DType::Q6_K:
@@ -1656,7 +1657,7 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
       if (!job.portable) {
         if (job.amx && job.n_tok >= kQ8AmxMinTok && amx_usable())
           return MatmulQ6KAmx(job, r0, r1, scratch);
-        if (job.n_tok >= kKQPrefillMinTok) return MatmulQ6KPrefill(job, r0, r1, scratch);
+        if (job.n_tok >= kKRowsMinTokQ6K) return MatmulKRows16(job, r0, r1, scratch);
         if (job.n_tok >= kKQBatchMinTok) return MatmulKBatch<false>(job, r0, r1, scratch);
         if (job.n_tok == 1) return MatvecKOne<block_q6_K>(job, r0, r1, scratch);
       }
@@ -1800,8 +1801,8 @@ size_t matmul_scratch_floats(const WeightMatrix& w) {
   size_t n = static_cast<size_t>(dequant_rows_per_block(w) * w.n_cols);
   if (w.dtype == DType::Q4_K || w.dtype == DType::Q5_K || w.dtype == DType::Q6_K)
     n = std::max(n, (kq_tile_bytes(w.n_cols / 256) + 3) / 4);
-  if (w.dtype == DType::Q4_K || w.dtype == DType::Q6_K)
-    n = std::max(n, (kq_prefill_scratch_bytes(w.dtype, w.n_cols / 256, w.row_bytes) + 3) / 4);
+  if (w.dtype == DType::Q4_K || w.dtype == DType::Q5_K || w.dtype == DType::Q6_K)
+    n = std::max(n, (k_rows_scratch_bytes(w.n_cols / 256) + 3) / 4);
   if (w.dtype == DType::Q4_K) n = std::max(n, (q4k_amx_scratch_bytes(w.n_cols / 256) + 3) / 4);
   if (w.dtype == DType::Q6_K) n = std::max(n, (q6k_amx_scratch_bytes(w.n_cols / 256) + 3) / 4);
   if (w.dtype == DType::Q8_0 || w.dtype == DType::Q4_0 || w.dtype == DType::Q5_0 ||

@@ -1,26 +1,15 @@
-// backend/cpu/cpu_matmul_kq.cpp: Q4_K and Q6_K matmuls of many tokens (prefill) on AVX-512 VNNI,
-// giving each token the plain kernels' (cpu_matmul.cpp DotQ45K, DotQ6K) bits; and the AVX-512
-// encoder of their Q8_K activations.
+// backend/cpu/cpu_matmul_kq.cpp: Q4_K, Q5_K and Q6_K matmuls of many tokens (prefill, the decode
+// of many streams) on AVX-512 VNNI and AMX, giving each token the plain kernels' (cpu_matmul.cpp
+// DotQ45K, DotQ6K) bits; and the AVX-512 encoder of their Q8_K activations.
 //
-// The v2 batched kernel (cpu_matmul.cpp DotQ4KBatch) spends, per token and block, 4 vpdpbusd and
-// 2 vpdpwssd on the products, then per token pair a fold of the 16 lanes to 8, two multiplies
-// for the scales d * y.d and -dmin * y.d, a madd and two converts, and it decodes each block per
-// 8-token tile. On the Zen 5 dev box vpdpbusd, vpdpwssd, vpmaddwd, vpshldd, FMAs and multiplies
-// share two pipes (2 per cycle in all; converts, shifts, logic and blends run beside them:
-// measured in isolation), and the loops run at ~3.5 vector ops per cycle, so what counts is the
-// ops around the products. Here the two tokens of a pair are interleaved by dword (dword 2L: token
-// 2p's quants 4L..4L+3 of one sub-block, 2L+1: token 2p+1's) and each sub-block's nibbles are
-// duplicated to match, so one vpdpbusd gives both tokens' 8 lane sums of one sub-block with no
-// fold, and every lane of a register shares one sub-block scale. The scale products come from one
-// 16-wide multiply per row, block and 8 tokens; the min term's
-// sum is the product of two exact floats (the tile's bsum pairs and the row's mins, |product| <
-// 2^24) instead of a madd and a convert; scales are decoded once per row block; K runs in chunks
-// whose activation tile stays in L1 (the v2 kernel streams wide rows' tiles from L2).
-// Each token's super-block totals T1 and T2 (docs/determinism.md) are its lanes' integer sums
-// (exact in any order; TotalsI, and TotalsF for the min term's exact products) and the float
-// steps are the plain kernel's, per block in block order: the plain kernel's bits (tests/ops
-// MatmulKQPrefill). Q6_K (DotQ6KPrefill) follows the same plan. Where the machine has AMX-INT8,
-// calls of kQ8AmxMinTok+ tokens take the AMX kernels below instead (MatmulQ4KAmx, MatmulQ6KAmx).
+// Both kernels compute the exact super-block totals every kernel of these types computes
+// (docs/determinism.md) with the products laid out 16 rows to a register, 4 consecutive codes
+// of each row per dword (the VNNI layout): MatmulKRows16 by vpdpbusd of 16 rows against one
+// token's broadcast 4 quants (from kKRowsMinTok tokens), the AMX kernels by TDPBSSD tiles of 16
+// tokens (from kQ8AmxMinTok tokens where the machine has AMX-INT8). Each row block is decoded
+// once per call, so below those token counts the v2 batched kernels of cpu_matmul.cpp, which
+// decode each block as they read it, are faster (tests/ops MatmulKRows16 checks the bits at
+// token counts on both sides of each threshold).
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul_kq.cpp"
@@ -120,307 +109,209 @@ namespace {
 using quant::block_q4_K;
 using quant::block_q8_K;
 
-// One (row, block) decoded once per row block.
-struct alignas(16) Q4KMeta {
-  uint32_t sc[4];     // sc[2j] | sc[2j+1] << 16: sub-blocks 2j, 2j+1's scales as vpdpwssd words
-  uint8_t mins2[16];  // m[l] at bytes 2l and 2l+1: lane 2l + u of token u's min-term sum
-  float d, neg_dmin;  // f16_to_f32 of d, and of dmin negated (exact)
-  int32_t neg_k;      // -kLowBias * sum_j sc[2j]: takes the low words' offset back out
-  uint32_t pad;
+// ---------------------------------------------------------------- K-quants by 16-row totals (VNNI)
+// Q4_K, Q5_K and Q6_K by the exact super-block totals every kernel of theirs computes
+// (docs/determinism.md), laid out as the Q8_0 family's VNNI kernel is (cpu_matmul_q8.cpp): each
+// row block decoded once into unsigned codes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63), 16 rows side
+// by side, 4 codes of each row per dword (amx_store_b_columns); one vpdpbusd of a 16-row chunk
+// against one token's 4 activation quants (an embedded broadcast, read in place from its Q8_K
+// row) adds 4 products to each row's lane. A scale group's chunks (8 for Q4_K / Q5_K's 32-element
+// sub-blocks, 4 for Q6_K's 16-element groups) give each row its exact group sum S_s, and one
+// vpmulld by the rows' scales adds sc_s * S_s to T1. The second term comes from vpdpwssd of the
+// rows' word pairs against the token's Q8_K bsums read as dwords: Q4_K / Q5_K T2 = sum_j m_j *
+// (bsums[2j] + bsums[2j+1]) (pairs (m_j, m_j)); Q6_K sum_g sc_g * bsums[g] (pairs (sc_2p,
+// sc_2p+1)), T = T1 - 32 * that. All exact int32 (the plain kernels' bounds), so every lane holds
+// the plain kernel's totals, and the float steps are its own: fma(d * yd, T1, acc), then
+// fma(-dmin * yd, T2, acc) (Q6_K: fma(d * yd, T, acc)), per block in block order.
+
+// One 16-row group's decode for one block, beside its codes (kKRowsCodeBytes).
+struct alignas(64) KRowsMeta {
+  int32_t sc[16][16];  // [scale group][row]: Q4_K / Q5_K groups 0..7, Q6_K 0..15
+  int32_t pw[8][16];   // [pair][row]: the word pairs above
+  float d[16], neg_dmin[16];
 };
-static_assert(sizeof(Q4KMeta) == kQ4KMetaBytes);
+static_assert(sizeof(KRowsMeta) == kKRowsMetaBytes);
 
-// The low word of each packed pair carries this offset, as in cpu_matmul.cpp (kLowBias there):
-// 0 <= kLowBias + P < 2^15 for any Q4_K lane sum P (|P| <= 4 * 15 * 128).
-constexpr int32_t kLowBias = 8192;
-
-// The 6-bit scale and min of sub-block j, as the format defines them (ggml get_scale_min_k4).
-inline void ScaleMinK4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *m = q[j + 4] & 63;
+// One row's block as 256 unsigned codes (element order) and its scales, as the plain kernels
+// decode them (DotQ45K, DotQ6K).
+template <DType kType>
+KILN_KQ_VNNI void DecodeKRow(const std::byte* blk, uint8_t* codes, int32_t* sc, int32_t* pw,
+                             float* d, float* neg_dmin) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  if constexpr (kType == DType::Q6_K) {
+    const auto& b = *reinterpret_cast<const quant::block_q6_K*>(blk);
+    for (int h = 0; h < 2; ++h) {
+      __m256i w4[4];
+      Q6KGroups(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h)),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32)),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h)), w4);
+      for (int g = 0; g < 4; ++g)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 128 * h + 32 * g), w4[g]);
+    }
+    for (int g = 0; g < 16; ++g) sc[g] = b.scales[g];
+    for (int p = 0; p < 8; ++p)
+      pw[p] = static_cast<int32_t>(
+          static_cast<uint16_t>(static_cast<int16_t>(b.scales[2 * p])) |
+          (static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(b.scales[2 * p + 1])))
+           << 16));
+    *d = f16_to_f32(b.d);
+    *neg_dmin = 0.0f;
   } else {
-    *sc = static_cast<uint8_t>((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-    *m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
-  }
-}
-
-void BuildMeta(const block_q4_K& b, Q4KMeta& mt) {
-  uint8_t sc[8], m[8];
-  for (int j = 0; j < 8; ++j) ScaleMinK4(j, b.scales, sc + j, m + j);
-  int32_t even = 0;
-  for (int j = 0; j < 4; ++j) {
-    mt.sc[j] = sc[2 * j] | (static_cast<uint32_t>(sc[2 * j + 1]) << 16);
-    even += sc[2 * j];
-  }
-  for (int l = 0; l < 8; ++l) mt.mins2[2 * l] = mt.mins2[2 * l + 1] = m[l];
-  mt.d = f16_to_f32(b.d);
-  mt.neg_dmin = -f16_to_f32(b.dmin);
-  mt.neg_k = -kLowBias * even;
-  mt.pad = 0;
-}
-
-// One (row, block) of Q6_K, decoded once per row block: the 6-bit quants of sub-block s (elements
-// 32s..32s+31, the plain kernel's order) with every dword twice, as the tile's token pairs need;
-// for sub-blocks 2j (low word) and 2j+1 (high word) the 16-element scales of dwords 0..7
-// (elements 0..15 of the sub-block) and 8..15 (16..31); the -32 offset's scales.
-struct alignas(64) Q6KMeta {
-  uint8_t w[8][64];
-  int16_t sc[4][32];
-  int16_t sc32[32];   // word 4l + 2u + v: -32 * scales[2l + v], against the tile's bsum words
-  float d, neg_dmin;  // f16_to_f32 of d; 0 (Q6_K has no min term)
-  uint8_t pad[56];
-};
-static_assert(sizeof(Q6KMeta) == kQ6KMetaBytes);
-
-KILN_KQ_VNNI void BuildMetaQ6(const quant::block_q6_K& b, Q6KMeta& mt) {
-  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  for (int h = 0; h < 2; ++h) {  // as the plain kernel (cpu_matmul.cpp DotQ6K) unpacks them
-    const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
-    const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
-    __m256i w4[4];
-    Q6KGroups(ql0, ql1, qh, w4);
-    for (int g = 0; g < 4; ++g)
-      _mm512_store_si512(mt.w[4 * h + g],
-                         _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(w4[g])));
-  }
-  for (int j = 0; j < 4; ++j)
-    for (int dw = 0; dw < 16; ++dw) {
-      const int half = dw / 8;  // scales[2s + half] of sub-block s
-      mt.sc[j][2 * dw] = b.scales[2 * (2 * j) + half];
-      mt.sc[j][2 * dw + 1] = b.scales[2 * (2 * j + 1) + half];
-    }
-  for (int l = 0; l < 8; ++l)
-    for (int u = 0; u < 2; ++u)
-      for (int v = 0; v < 2; ++v)
-        mt.sc32[4 * l + 2 * u + v] = static_cast<int16_t>(-32 * b.scales[2 * l + v]);
-  mt.d = f16_to_f32(b.d);
-  mt.neg_dmin = 0.0f;
-}
-
-// Tile of `pairs` token pairs for blocks [i0, i0 + n), per block (stride
-// kq_prefill_tile_block_bytes(pairs)): [pair p][sub s] 64 bytes of interleaved quants; [pair p]
-// 16 floats, lane 2l + u: float(bsums[2l] + bsums[2l+1]) of token 2p + u; [group g] 16 floats:
-// the Q8_K scales of tokens 8g..8g+7, twice. A missing partner token is all zero.
-// Q6_K (kQ6) keeps the pair's bsums as words instead, dword 2l + u: token 2p + u's (bsums[2l],
-// bsums[2l+1]), for a vpmaddwd against the row's scales.
-template <bool kQ6>
-KILN_KQ_VNNI void FillTile(const block_q8_K* const* ys, int m, int pairs, int64_t i0, int64_t n,
-                           std::byte* tile) {
-  const __m512i inter = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const size_t stride = kq_prefill_tile_block_bytes(pairs);
-  const int groups = (pairs + 3) / 4;
-  for (int64_t ib = 0; ib < n; ++ib) {
-    const int64_t i = i0 + ib;
-    std::byte* tb = tile + ib * stride;
-    auto* bf = reinterpret_cast<float*>(tb + pairs * 512);
-    for (int p = 0; p < pairs; ++p) {
-      const block_q8_K& a = ys[2 * p][i];
-      const block_q8_K* b = 2 * p + 1 < m ? &ys[2 * p + 1][i] : nullptr;
-      for (int s = 0; s < 8; ++s) {
-        const __m256i ya = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs + 32 * s));
-        const __m256i yb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs + 32 * s))
-                             : _mm256_setzero_si256();
-        _mm512_store_si512(
-            tb + p * 512 + s * 64,
-            _mm512_permutexvar_epi32(inter, _mm512_inserti64x4(_mm512_castsi256_si512(ya), yb, 1)));
-      }
-      const __m256i sa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums));
-      const __m256i sb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->bsums))
-                           : _mm256_setzero_si256();
-      if constexpr (kQ6) {
-        _mm512_store_si512(
-            bf + 16 * p,
-            _mm512_permutexvar_epi32(inter, _mm512_inserti64x4(_mm512_castsi256_si512(sa), sb, 1)));
-      } else {
-        const __m256i ba = _mm256_madd_epi16(sa, ones), bb = _mm256_madd_epi16(sb, ones);
-        _mm512_store_ps(bf + 16 * p,
-                        _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(
-                            inter, _mm512_inserti64x4(_mm512_castsi256_si512(ba), bb, 1))));
-      }
-    }
-    float* yd2 = bf + 16 * pairs;
-    for (int g = 0; g < groups; ++g)
-      for (int t = 0; t < 8; ++t) {
-        const int k = 8 * g + t;
-        yd2[16 * g + t] = yd2[16 * g + 8 + t] = k < m ? ys[k][i].d : 0.0f;
-      }
-  }
-}
-
-// One row's scale products for the chunk: scl[(ib * groups + g) * 16 ..] = [d * yd of tokens
-// 8g..8g+7 | -dmin * yd of the same], the plain kernel's d * y.d and -dmin * y.d.
-template <class Meta>
-KILN_KQ_VNNI void RowScales(const Meta* meta, int64_t n, const std::byte* tile, int pairs,
-                            float* scl) {
-  const size_t stride = kq_prefill_tile_block_bytes(pairs);
-  const int groups = (pairs + 3) / 4;
-  for (int64_t ib = 0; ib < n; ++ib) {
-    const __m512 dm =
-        _mm512_insertf32x8(_mm512_set1_ps(meta[ib].d), _mm256_set1_ps(meta[ib].neg_dmin), 1);
-    const auto* yd2 = reinterpret_cast<const float*>(tile + ib * stride + pairs * 576);
-    for (int g = 0; g < groups; ++g)
-      _mm512_store_ps(scl + (ib * groups + g) * 16,
-                      _mm512_mul_ps(dm, _mm512_load_ps(yd2 + 16 * g)));
-  }
-}
-
-// Tokens 8g..8g+7's totals from the token-pair registers v[4g..4g+3] (lane 2l + u: token 2p + u's
-// lane l; a missing pair is zero): per pair, the halves added, then lanes l and l + 2 of each
-// 128-bit lane, then l and l + 1 (the adds of HsumPairs's tree, formerly on floats), so lane t
-// of the result = token 8g + t's sum of its 8 lanes. Ints: exact in any order. Floats (the min
-// term): exact too, every partial sum being an integer below 2^24 (docs/determinism.md).
-KILN_KQ_INLINE __m256i TotalsI(const __m512i* v, int n) {
-  const __m512i z = _mm512_setzero_si512();
-  const __m512i pick = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i a = v[0], b = n > 1 ? v[1] : z, c = n > 2 ? v[2] : z, d = n > 3 ? v[3] : z;
-  const __m512i s01 =
-      _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xEE));
-  const __m512i s23 =
-      _mm512_add_epi32(_mm512_shuffle_i32x4(c, d, 0x44), _mm512_shuffle_i32x4(c, d, 0xEE));
-  const __m512i t =
-      _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, 0x88), _mm512_shuffle_i32x4(s01, s23, 0xDD));
-  const __m512i r = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
-  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(pick, r));
-}
-KILN_KQ_INLINE __m256 TotalsF(const __m512* v, int n) {
-  const __m512 z = _mm512_setzero_ps();
-  const __m512i pick = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512 a = v[0], b = n > 1 ? v[1] : z, c = n > 2 ? v[2] : z, d = n > 3 ? v[3] : z;
-  const __m512 s01 =
-      _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  const __m512 s23 =
-      _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-  const __m512 t =
-      _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-  const __m512 r = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm512_castps512_ps256(_mm512_permutexvar_ps(pick, r));
-}
-
-// One row x P token pairs over the chunk's n blocks, by exact super-block totals (the plain
-// kernel DotQ45K's arithmetic): per block each token's T1 (its pair register's 8 lanes) and T2
-// (the min term's 8 exact products), then per 8 tokens one FMA each. acc: the tokens' float
-// accumulators carried between chunks (read unless `first`); with `last`, out[t] for the 2P
-// tokens instead.
-template <int P>
-KILN_KQ_VNNI void DotQ4KPrefill(const block_q4_K* row, const Q4KMeta* meta, int64_t n,
-                                const std::byte* tile, const float* scl, float* acc_mem, bool first,
-                                bool last, float* out) {
-  constexpr int G = (P + 3) / 4;
-  const size_t stride = kq_prefill_tile_block_bytes(P);
-  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  const __m512i bias_lo = _mm512_set1_epi32(kLowBias);
-  __m256 acc[G];  // tokens 8g..8g+7
-  for (int g = 0; g < G; ++g)
-    acc[g] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc_mem + 8 * g);
-  for (int64_t ib = 0; ib < n; ++ib) {
-    const block_q4_K& b = row[ib];
-    const Q4KMeta& mt = meta[ib];
-    __m512i w[8];
+    using Block = std::conditional_t<kType == DType::Q5_K, quant::block_q5_K, block_q4_K>;
+    const auto& b = *reinterpret_cast<const Block*>(blk);
+    [[maybe_unused]] __m256i hbits;
+    if constexpr (kType == DType::Q5_K)
+      hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh));
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_permutexvar_epi32(
-          dup, _mm512_castsi256_si512(
-                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * j))));
-      w[2 * j] = _mm512_and_si512(v, m4);
-      w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-    }
-    __m512i sc[4];
-    for (int j = 0; j < 4; ++j) sc[j] = _mm512_set1_epi32(static_cast<int>(mt.sc[j]));
-    const __m512i nk = _mm512_set1_epi32(mt.neg_k);
-    const __m512 mf = _mm512_cvtepi32_ps(
-        _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(mt.mins2))));
-    const std::byte* tb = tile + ib * stride;
-    const auto* bf = reinterpret_cast<const float*>(tb + P * 512);
-    const float* si = scl + ib * G * 16;
-    __m512i isum[4 * G];
-    __m512 msum[4 * G];
-    for (int p = 0; p < P; ++p) {
-      const std::byte* a = tb + p * 512;
-      __m512i s = nk;
-      for (int j = 0; j < 4; ++j) {
-        const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2 * j + 1],
-                                               _mm512_load_si512(a + (2 * j + 1) * 64));
-        // (db << 16) | kLowBias by a shift and an OR beside the multiply pipes rather than a
-        // vpshldd on them (no measurable difference either way on the dev box).
-        const __m512i hi = _mm512_or_si512(_mm512_slli_epi32(db, 16), bias_lo);
-        const __m512i pw = _mm512_dpbusd_epi32(hi, w[2 * j], _mm512_load_si512(a + 2 * j * 64));
-        s = _mm512_dpwssd_epi32(s, pw, sc[j]);
+      const __m256i q4 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * j));
+      for (int half = 0; half < 2; ++half) {
+        __m256i w =
+            half == 0 ? _mm256_and_si256(q4, m4) : _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+        if constexpr (kType == DType::Q5_K) {
+          w = _mm256_or_si256(
+              w, _mm256_and_si256(_mm256_slli_epi16(hbits, 4), _mm256_set1_epi8(0x10)));
+          hbits = _mm256_srli_epi16(hbits, 1);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * (2 * j + half)), w);
       }
-      isum[p] = s;
-      msum[p] = _mm512_mul_ps(_mm512_load_ps(bf + 16 * p), mf);
     }
-    for (int g = 0; g < G; ++g) {
-      const int np = std::min(4, P - 4 * g);
-      const __m512 sg = _mm512_load_ps(si + 16 * g);  // [d * yd | -dmin * yd] of tokens 8g..
-      acc[g] = _mm256_fmadd_ps(_mm512_castps512_ps256(sg),
-                               _mm256_cvtepi32_ps(TotalsI(isum + 4 * g, np)), acc[g]);
-      acc[g] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(sg, 1), TotalsF(msum + 4 * g, np), acc[g]);
+    alignas(16) uint8_t sm[16];
+    ScalesMinsK4(b.scales, sm);
+    for (int j = 0; j < 8; ++j) {
+      sc[j] = sm[j];
+      pw[j] = static_cast<int32_t>(sm[8 + j] | (static_cast<uint32_t>(sm[8 + j]) << 16));
     }
-  }
-  if (!last) {
-    for (int g = 0; g < G; ++g) _mm256_store_ps(acc_mem + 8 * g, acc[g]);
-    return;
-  }
-  for (int g = 0; g < G; ++g) {
-    alignas(32) float o[8];
-    _mm256_store_ps(o, acc[g]);
-    for (int t = 0; t < 8 && 8 * g + t < 2 * P; ++t) out[8 * g + t] = o[t];
+    *d = f16_to_f32(b.d);
+    *neg_dmin = -f16_to_f32(b.dmin);
   }
 }
 
-// Q6_K, the same register tile: isum starts at the -32 offset (one vpmaddwd of the tile's bsum
-// words against the row's), each pair of sub-blocks' lane sums (|sum| <= 4 * 63 * 127 < 2^15)
-// is packed into words by a blend and scaled by one vpdpwssd; per block each token's exact total,
-// then one FMA per 8 tokens (DotQ6K's arithmetic).
-template <int P>
-KILN_KQ_VNNI void DotQ6KPrefill(const std::byte* /*row: decoded into meta*/, const Q6KMeta* meta,
-                                int64_t n, const std::byte* tile, const float* scl, float* acc_mem,
-                                bool first, bool last, float* out) {
-  constexpr int G = (P + 3) / 4;
-  const size_t stride = kq_prefill_tile_block_bytes(P);
-  __m256 acc[G];
-  for (int g = 0; g < G; ++g)
-    acc[g] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc_mem + 8 * g);
-  for (int64_t ib = 0; ib < n; ++ib) {
-    const Q6KMeta& mt = meta[ib];
-    const std::byte* tb = tile + ib * stride;
-    const auto* bs = reinterpret_cast<const int16_t*>(tb + P * 512);
-    const float* si = scl + ib * G * 16;
-    const __m512i sc32 = _mm512_load_si512(mt.sc32);
-    __m512i isum[4 * G];
-    for (int p = 0; p < P; ++p) {
-      const std::byte* a = tb + p * 512;
-      __m512i s = _mm512_madd_epi16(_mm512_load_si512(bs + 32 * p), sc32);
-      for (int j = 0; j < 4; ++j) {
-        const __m512i da =
-            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(mt.w[2 * j]),
-                                _mm512_load_si512(a + 2 * j * 64));
-        const __m512i db =
-            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(mt.w[2 * j + 1]),
-                                _mm512_load_si512(a + (2 * j + 1) * 64));
-        const __m512i pw = _mm512_mask_blend_epi16(0xAAAAAAAAu, da, _mm512_slli_epi32(db, 16));
-        s = _mm512_dpwssd_epi32(s, pw, _mm512_load_si512(mt.sc[j]));
+// Rows r..r+n (n <= 16; the others zero, their outputs never stored) into one group: codes at
+// codes + i * kKRowsCodeBytes and the decode at meta[i] for block i; rc holds 16 rows' codes of
+// one block.
+template <DType kType>
+KILN_KQ_VNNI void PackKRowsGroup(const WeightMatrix& w, int64_t r, int n, uint8_t* rc,
+                                 uint8_t* codes, KRowsMeta* meta) {
+  const int64_t nb = w.n_cols / 256;
+  constexpr size_t bb = kType == DType::Q6_K   ? sizeof(quant::block_q6_K)
+                        : kType == DType::Q5_K ? sizeof(quant::block_q5_K)
+                                               : sizeof(block_q4_K);
+  for (int64_t i = 0; i < nb; ++i) {
+    KRowsMeta& mt = meta[i];
+    for (int k = 0; k < 16; ++k) {
+      if (k < n) {
+        int32_t sc[16], pw[8];
+        DecodeKRow<kType>(w.row(r + k).data() + i * bb, rc + 256 * k, sc, pw, &mt.d[k],
+                          &mt.neg_dmin[k]);
+        for (int s = 0; s < 16; ++s) mt.sc[s][k] = s < (kType == DType::Q6_K ? 16 : 8) ? sc[s] : 0;
+        for (int p = 0; p < 8; ++p) mt.pw[p][k] = pw[p];
+      } else {
+        std::memset(rc + 256 * k, 0, 256);
+        for (int s = 0; s < 16; ++s) mt.sc[s][k] = 0;
+        for (int p = 0; p < 8; ++p) mt.pw[p][k] = 0;
+        mt.d[k] = mt.neg_dmin[k] = 0.0f;
       }
-      isum[p] = s;
     }
-    for (int g = 0; g < G; ++g)
-      acc[g] = _mm256_fmadd_ps(_mm256_load_ps(si + 16 * g),
-                               _mm256_cvtepi32_ps(TotalsI(isum + 4 * g, std::min(4, P - 4 * g))),
-                               acc[g]);
-  }
-  if (!last) {
-    for (int g = 0; g < G; ++g) _mm256_store_ps(acc_mem + 8 * g, acc[g]);
-    return;
-  }
-  for (int g = 0; g < G; ++g) {
-    alignas(32) float o[8];
-    _mm256_store_ps(o, acc[g]);
-    for (int t = 0; t < 8 && 8 * g + t < 2 * P; ++t) out[8 * g + t] = o[t];
+    for (int e = 0; e < 8; ++e) {  // 32 elements (8 chunks) at a time
+      __m256i v[16];
+      for (int k = 0; k < 16; ++k)
+        v[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rc + 256 * k + 32 * e));
+      amx_store_b_columns(v, reinterpret_cast<int8_t*>(codes + i * kKRowsCodeBytes + 512 * e));
+    }
   }
 }
+
+// RG groups of 16 rows (group g's codes at codes + g * nb * kKRowsCodeBytes, its decode at
+// meta + g * nb) x T tokens (ys[t]); rows k < rows of token t to y[t * ldy + k].
+template <DType kType, int RG, int T>
+KILN_KQ_VNNI void DotKRows16(const uint8_t* codes, const KRowsMeta* meta, int64_t nb,
+                             const block_q8_K* const* ys, float* y, int64_t ldy, int rows) {
+  constexpr bool kQ6 = kType == DType::Q6_K;
+  constexpr int kGroups = kQ6 ? 16 : 8, kChunks = 64 / kGroups;
+  const size_t gstride = static_cast<size_t>(nb) * kKRowsCodeBytes;
+  __m512 acc[RG][T];
+  for (int g = 0; g < RG; ++g)
+    for (int t = 0; t < T; ++t) acc[g][t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* cb = codes + i * kKRowsCodeBytes;
+    const KRowsMeta* mb[RG];
+    for (int g = 0; g < RG; ++g) mb[g] = meta + g * nb + i;
+    const int8_t* yq[T];
+    for (int t = 0; t < T; ++t) yq[t] = ys[t][i].qs;
+    __m512i t1[RG][T];
+    for (int s = 0; s < kGroups; ++s) {
+      __m512i sv[RG][T];
+      for (int g = 0; g < RG; ++g)
+        for (int t = 0; t < T; ++t) sv[g][t] = _mm512_setzero_si512();
+      _Pragma("GCC unroll 8") for (int c = 0; c < kChunks; ++c) {
+        const int chunk = s * kChunks + c;
+        __m512i wv[RG];
+        for (int g = 0; g < RG; ++g) wv[g] = _mm512_load_si512(cb + g * gstride + 64 * chunk);
+        for (int t = 0; t < T; ++t) {
+          int32_t q;
+          std::memcpy(&q, yq[t] + 4 * chunk, 4);
+          const __m512i yv = _mm512_set1_epi32(q);
+          for (int g = 0; g < RG; ++g) sv[g][t] = _mm512_dpbusd_epi32(sv[g][t], wv[g], yv);
+        }
+      }
+      for (int g = 0; g < RG; ++g) {
+        const __m512i scv = _mm512_load_si512(mb[g]->sc[s]);
+        for (int t = 0; t < T; ++t) {
+          const __m512i prod = _mm512_mullo_epi32(sv[g][t], scv);
+          t1[g][t] = s == 0 ? prod : _mm512_add_epi32(t1[g][t], prod);
+        }
+      }
+    }
+    __m512i t2[RG][T];
+    for (int g = 0; g < RG; ++g)
+      for (int t = 0; t < T; ++t) t2[g][t] = _mm512_setzero_si512();
+    for (int p = 0; p < 8; ++p)
+      for (int g = 0; g < RG; ++g) {
+        const __m512i pwv = _mm512_load_si512(mb[g]->pw[p]);
+        for (int t = 0; t < T; ++t) {
+          int32_t bs;
+          std::memcpy(&bs, ys[t][i].bsums + 2 * p, 4);
+          t2[g][t] = _mm512_dpwssd_epi32(t2[g][t], pwv, _mm512_set1_epi32(bs));
+        }
+      }
+    for (int g = 0; g < RG; ++g) {
+      const __m512 dv = _mm512_load_ps(mb[g]->d);
+      [[maybe_unused]] __m512 nv;
+      if constexpr (!kQ6) nv = _mm512_load_ps(mb[g]->neg_dmin);
+      for (int t = 0; t < T; ++t) {
+        const __m512 yd = _mm512_set1_ps(ys[t][i].d);
+        if constexpr (kQ6) {
+          const __m512i tot = _mm512_sub_epi32(t1[g][t], _mm512_slli_epi32(t2[g][t], 5));
+          acc[g][t] = _mm512_fmadd_ps(_mm512_mul_ps(dv, yd), _mm512_cvtepi32_ps(tot), acc[g][t]);
+        } else {
+          acc[g][t] =
+              _mm512_fmadd_ps(_mm512_mul_ps(dv, yd), _mm512_cvtepi32_ps(t1[g][t]), acc[g][t]);
+          acc[g][t] =
+              _mm512_fmadd_ps(_mm512_mul_ps(nv, yd), _mm512_cvtepi32_ps(t2[g][t]), acc[g][t]);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < RG; ++g) {
+    const int k = std::min(16, rows - 16 * g);
+    const auto mask = static_cast<__mmask16>(k >= 16 ? 0xFFFF : (1u << k) - 1);
+    for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(y + t * ldy + 16 * g, mask, acc[g][t]);
+  }
+}
+
+template <DType kType>
+using DotKRowsFn = void (*)(const uint8_t*, const KRowsMeta*, int64_t, const block_q8_K* const*,
+                            float*, int64_t, int);
+template <DType kType, int RG, int... Ts>
+constexpr std::array<DotKRowsFn<kType>, sizeof...(Ts)> MakeDotKRows(
+    std::integer_sequence<int, Ts...>) {
+  return {&DotKRows16<kType, RG, Ts + 1>...};
+}
+// [row groups - 1][tokens - 1]
+template <DType kType>
+constexpr std::array<DotKRowsFn<kType>, kKRowsTok> kDotKRows[kKRowsRowGroups] = {
+    MakeDotKRows<kType, 1>(std::make_integer_sequence<int, kKRowsTok>{}),
+    MakeDotKRows<kType, 2>(std::make_integer_sequence<int, kKRowsTok>{})};
 
 // ---------------------------------------------------------------- AMX Q4_K (Sapphire Rapids+)
 // By the exact super-block totals every Q4_K kernel computes (docs/determinism.md): TDPBSSD
@@ -672,21 +563,6 @@ KILN_KQ_AMX void DotQ6KAmx(const Q6KAmxBlock* pb, int64_t nb, const std::byte* x
 #undef KILN_Q6K_AMX_QUARTER
 #undef KILN_Q6K_AMX_GROUP
 
-template <class Block, class Meta>
-using DotFn = void (*)(const Block*, const Meta*, int64_t, const std::byte*, const float*, float*,
-                       bool, bool, float*);
-template <int... Ps>
-constexpr auto MakeDots(std::integer_sequence<int, Ps...>) {
-  return std::array<DotFn<block_q4_K, Q4KMeta>, sizeof...(Ps)>{&DotQ4KPrefill<Ps + 1>...};
-}
-template <int... Ps>
-constexpr auto MakeDotsQ6(std::integer_sequence<int, Ps...>) {
-  return std::array<DotFn<std::byte, Q6KMeta>, sizeof...(Ps)>{&DotQ6KPrefill<Ps + 1>...};
-}
-// [pairs - 1]
-constexpr auto kDots = MakeDots(std::make_integer_sequence<int, kKQPrefillPairs>{});
-constexpr auto kDotsQ6 = MakeDotsQ6(std::make_integer_sequence<int, kKQPrefillPairs>{});
-
 template <class T>
 T* Align64(std::byte*& p, size_t count) {
   p = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
@@ -696,74 +572,6 @@ T* Align64(std::byte*& p, size_t count) {
 }
 
 }  // namespace
-
-// Row blocks (decoded once) x token tiles of 2 * kKQPrefillPairs x K chunks (tile built once
-// per row block, token tile and chunk) x rows. `scratch` holds kq_prefill_scratch_bytes.
-template <bool kQ6>
-void MatmulKQPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
-  using Block = std::conditional_t<kQ6, quant::block_q6_K, block_q4_K>;
-  using Meta = std::conditional_t<kQ6, Q6KMeta, Q4KMeta>;
-  using Row = std::conditional_t<kQ6, std::byte, block_q4_K>;
-  constexpr int P = static_cast<int>(kKQPrefillPairs);
-  constexpr int G = (P + 3) / 4;
-  const WeightMatrix& w = *job.w;
-  const int64_t nb = w.n_cols / 256, ldy = w.n_rows;
-  const int64_t rb = kq_prefill_rows_per_block(kq_prefill_row_bytes(w.dtype, nb, w.row_bytes));
-  const int64_t chunk = std::min(nb, kKQPrefillChunk);
-  auto* sp = reinterpret_cast<std::byte*>(scratch);
-  Meta* meta = Align64<Meta>(sp, static_cast<size_t>(rb * nb));
-  std::byte* tile =
-      Align64<std::byte>(sp, static_cast<size_t>(chunk) * kq_prefill_tile_block_bytes(P));
-  float* acc = Align64<float>(sp, static_cast<size_t>(rb * P * 16));
-  float* scl[2];
-  scl[0] = Align64<float>(sp, static_cast<size_t>(chunk * G * 16));
-  scl[1] = Align64<float>(sp, static_cast<size_t>(chunk * G * 16));
-  const block_q8_K* ys[2 * P];
-  float out[2 * P];
-  const auto row = [&](int64_t r) { return reinterpret_cast<const Block*>(w.row(r).data()); };
-  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
-    const int64_t b1 = std::min(r1, b0 + rb);
-    for (int64_t r = b0; r < b1; ++r)
-      for (int64_t i = 0; i < nb; ++i) {
-        if constexpr (kQ6)
-          BuildMetaQ6(row(r)[i], meta[(r - b0) * nb + i]);
-        else
-          BuildMeta(row(r)[i], meta[(r - b0) * nb + i]);
-      }
-    for (int64_t t0 = 0; t0 < job.n_tok; t0 += 2 * P) {
-      const int m = static_cast<int>(std::min<int64_t>(2 * P, job.n_tok - t0));
-      const int pairs = (m + 1) / 2;
-      for (int k = 0; k < m; ++k)
-        ys[k] = reinterpret_cast<const block_q8_K*>(job.xq + (t0 + k) * job.xq_row_bytes);
-      const DotFn<Row, Meta> dot =
-          kQ6 ? DotFn<Row, Meta>(kDotsQ6[pairs - 1]) : DotFn<Row, Meta>(kDots[pairs - 1]);
-      for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
-        const int64_t n = std::min(nb, c0 + chunk) - c0;
-        const bool first = c0 == 0, last = c0 + n == nb;
-        FillTile<kQ6>(ys, m, pairs, c0, n, tile);
-        // Each row's scale products are written one row ahead of their use (a load of part of a
-        // just-stored vector waits for the store).
-        RowScales(meta + c0, n, tile, pairs, scl[0]);
-        for (int64_t r = b0; r < b1; ++r) {
-          const int64_t k = r - b0;
-          if (r + 1 < b1) RowScales(meta + (k + 1) * nb + c0, n, tile, pairs, scl[(k + 1) & 1]);
-          const Row* wr = nullptr;
-          if constexpr (!kQ6) wr = row(r) + c0;
-          dot(wr, meta + k * nb + c0, n, tile, scl[k & 1], acc + k * P * 16, first, last, out);
-          if (last)
-            for (int t = 0; t < m; ++t) job.y[(t0 + t) * ldy + r] = out[t];
-        }
-      }
-    }
-  }
-}
-
-void MatmulQ4KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
-  MatmulKQPrefill<false>(job, r0, r1, scratch);
-}
-void MatmulQ6KPrefill(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
-  MatmulKQPrefill<true>(job, r0, r1, scratch);
-}
 
 // Row blocks of up to q4k_amx_groups / q6k_amx_groups(nb) groups of 16 rows, packed at once, x
 // tiles of 16 tokens (a last one of fewer). `scratch` holds q4k / q6k_amx_scratch_bytes(nb).
@@ -808,6 +616,52 @@ void MatmulQ6KAmx(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
   MatmulKQAmx<Q6KAmxBlock, q6k_amx_groups, ConfigureQ6KTiles, PackQ6KAmxRows, DotQ6KAmx<16>,
               DotQ6KAmx<0>>(job, r0, r1, scratch);
 }
+// Row blocks (decoded once each) x token tiles of kKRowsTok x register tiles of up to 32 rows.
+// `scratch` holds k_rows_scratch_bytes(nb).
+template <DType kType>
+void MatmulKRows16T(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  static_assert(kKRowsRowGroups == 2);
+  const WeightMatrix& w = *job.w;
+  const int64_t nb = w.n_cols / 256, ldy = w.n_rows;
+  const int64_t rb = k_rows_rows_per_block(nb);
+  auto* p = reinterpret_cast<std::byte*>(scratch);
+  auto* codes = Align64<uint8_t>(p, static_cast<size_t>(rb / 16 * nb) * kKRowsCodeBytes);
+  KRowsMeta* meta = Align64<KRowsMeta>(p, static_cast<size_t>(rb / 16 * nb));
+  auto* rc = Align64<uint8_t>(p, 16 * 256);
+  const block_q8_K* ys[kKRowsTok];
+  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+    const int64_t b1 = std::min(r1, b0 + rb);
+    for (int64_t r = b0; r < b1; r += 16) {
+      const int64_t g = (r - b0) / 16;
+      PackKRowsGroup<kType>(w, r, static_cast<int>(std::min<int64_t>(16, b1 - r)), rc,
+                            codes + g * nb * static_cast<int64_t>(kKRowsCodeBytes), meta + g * nb);
+    }
+    for (int64_t t0 = 0; t0 < job.n_tok; t0 += kKRowsTok) {
+      const int m = static_cast<int>(std::min<int64_t>(kKRowsTok, job.n_tok - t0));
+      for (int k = 0; k < m; ++k)
+        ys[k] = reinterpret_cast<const block_q8_K*>(job.xq + (t0 + k) * job.xq_row_bytes);
+      for (int64_t r = b0; r < b1; r += 16 * kKRowsRowGroups) {
+        const int rows = static_cast<int>(std::min<int64_t>(16 * kKRowsRowGroups, b1 - r));
+        const int64_t g = (r - b0) / 16;
+        kDotKRows<kType>[(rows + 15) / 16 - 1][m - 1](
+            codes + g * nb * static_cast<int64_t>(kKRowsCodeBytes), meta + g * nb, nb, ys,
+            job.y + t0 * ldy + r, ldy, rows);
+      }
+    }
+  }
+}
+
+void MatmulKRows16(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
+  switch (job.w->dtype) {
+    case DType::Q4_K:
+      return MatmulKRows16T<DType::Q4_K>(job, r0, r1, scratch);
+    case DType::Q5_K:
+      return MatmulKRows16T<DType::Q5_K>(job, r0, r1, scratch);
+    default:
+      return MatmulKRows16T<DType::Q6_K>(job, r0, r1, scratch);
+  }
+}
+
 #undef KILN_KQ_AMX
 #undef KILN_KQ_VNNI
 #undef KILN_KQ_INLINE

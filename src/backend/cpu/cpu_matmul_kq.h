@@ -1,6 +1,6 @@
 // backend/cpu/cpu_matmul_kq.h: what cpu_matmul.cpp and cpu_matmul_kq.cpp share about the Q4_K /
-// Q6_K prefill kernels (their minimum call size, row blocking and scratch) and the AVX-512 Q8_K
-// activation encoder.
+// Q5_K / Q6_K kernels of many tokens (their minimum call sizes, row blocking and scratch) and the
+// AVX-512 Q8_K activation encoder.
 #pragma once
 
 #include <algorithm>
@@ -11,45 +11,28 @@
 #include "kernels.h"
 
 namespace kiln::cpu {
-// Calls of this many tokens or more take the prefill kernels; fewer take the v2 batched kernels, as
-// decoding a row block costs about as much as a few token tiles save (bench/matvec_bench,
-// 2026-12-02, when these benchmarks compared the two: BM_KQPrefillOnOff, 2048 x 2048, 1 thread:
-// Q4_K 16 tokens 0.84x, 32 0.96x, 64 1.03x; Q6_K 16 tokens 0.49x; BM_LayerStepKQPrefill, 2 threads:
-// 64 tokens 0.97x, 128 1.09x, 512 1.14x).
-constexpr int64_t kKQPrefillMinTok = 128;
-// Token pairs per register tile (2 tokens share a 512-bit register), and blocks per K chunk:
-// the chunk's activation tile (pairs x 576 bytes + 64 per block) stays in L1 while every row of
-// the row block sweeps it.
-constexpr int64_t kKQPrefillPairs = 4, kKQPrefillChunk = 8;
-// Bytes per (row, block) of the per-row-block decode: Q4_K its scales as vpdpwssd words, mins,
-// d and dmin (the quants are read from the row); Q6_K also its quants, unpacked.
-constexpr size_t kQ4KMetaBytes = 48, kQ6KMetaBytes = 896;
-// The bytes per row a row block keeps: its weights (Q4_K) and decode.
-inline size_t kq_prefill_row_bytes(DType t, int64_t nb, size_t row_bytes) {
-  return t == DType::Q4_K ? row_bytes + static_cast<size_t>(nb) * kQ4KMetaBytes
-                          : static_cast<size_t>(nb) * kQ6KMetaBytes;
+// The 16-row-total kernel for Q4_K, Q5_K and Q6_K (cpu_matmul_kq.cpp MatmulKRows16): its token
+// tile and its register tile's groups of 16 rows; per (16-row group, block) the codes (64 chunks
+// of 64 bytes) and the decode (KRowsMeta: 16 scale groups' and 8 word pairs' int32 per row, d
+// and -dmin).
+constexpr int64_t kKRowsTok = 4, kKRowsRowGroups = 2;
+// Calls of this many tokens or more take it (Q4_K, Q5_K; Q6_K, whose row decode costs more);
+// fewer, the v2 batched kernels (Q5_K: the plain one), which the decode of each call's rows
+// does not outweigh there (bench/matvec_bench BM_KQBatchOnOff / BM_KQPrefillOnOff, old and new
+// binaries; docs/BENCHMARKS.md, session 31).
+constexpr int64_t kKRowsMinTok = 16, kKRowsMinTokQ6K = 64;
+constexpr size_t kKRowsCodeBytes = 64 * 64, kKRowsMetaBytes = (16 + 8) * 64 + 2 * 64;
+// Rows decoded at once (a multiple of the register tile's 32): their codes and decode stay in
+// L2 (1 MiB per core on the Zen 4 box) while every token tile sweeps them.
+inline int64_t k_rows_rows_per_block(int64_t nb) {
+  const int64_t per_row = nb * static_cast<int64_t>(kKRowsCodeBytes + kKRowsMetaBytes) / 16;
+  return std::clamp<int64_t>((int64_t{640} << 10) / std::max<int64_t>(1, per_row), 32, 256) / 32 *
+         32;
 }
-// Rows per row block: what they keep stays in L2 (1 MiB per core on the dev box) while every
-// token tile sweeps them.
-inline int64_t kq_prefill_rows_per_block(size_t per_row) {
-  return std::clamp<int64_t>(
-      (int64_t{384} << 10) / std::max<int64_t>(1, static_cast<int64_t>(per_row)), 2, 512);
-}
-// Activation tile bytes per block for `pairs` token pairs.
-inline size_t kq_prefill_tile_block_bytes(int64_t pairs) {
-  return static_cast<size_t>(pairs) * (8 * 64 + 64) + static_cast<size_t>((pairs + 3) / 4) * 64;
-}
-// A thread's scratch: a row block's decode, one K chunk's tile, the row block's float
-// accumulators between K chunks, two rows' scale products, alignment slack.
-inline size_t kq_prefill_scratch_bytes(DType t, int64_t nb, size_t row_bytes) {
-  const size_t meta = t == DType::Q4_K ? kQ4KMetaBytes : kQ6KMetaBytes;
-  const auto rb =
-      static_cast<size_t>(kq_prefill_rows_per_block(kq_prefill_row_bytes(t, nb, row_bytes)));
-  const auto chunk = static_cast<size_t>(std::min(nb, kKQPrefillChunk));
-  const auto groups = static_cast<size_t>((kKQPrefillPairs + 3) / 4);
-  return rb * static_cast<size_t>(nb) * meta +
-         chunk * kq_prefill_tile_block_bytes(kKQPrefillPairs) +
-         rb * static_cast<size_t>(kKQPrefillPairs) * 64 + 2 * chunk * groups * 64 + 8 * 64;
+// A thread's scratch: a row block's codes and decode, one block of 16 rows' codes, slack.
+inline size_t k_rows_scratch_bytes(int64_t nb) {
+  const auto groups = static_cast<size_t>(k_rows_rows_per_block(nb) / 16 * nb);
+  return groups * (kKRowsCodeBytes + kKRowsMetaBytes) + 16 * 256 + 4 * 64;
 }
 // The AMX Q4_K and Q6_K kernels (cpu_matmul_kq.cpp MatmulQ4KAmx, MatmulQ6KAmx), from
 // kQ8AmxMinTok tokens where the

@@ -33,11 +33,12 @@ const char* target_name();
 // bench/matvec_bench.
 //
 // The fast matmul kernels, where the machine has what they need:
-// - Q4_K / Q6_K, AVX-512 VNNI: one token, 512-bit one-token kernels that read the token's
-//   activation in place (MatmulKQOne); 2+ tokens, the v2 batched kernels (MatmulKQBatch);
-//   kKQPrefillMinTok+ tokens, the prefill kernels of cpu_matmul_kq.cpp (MatmulKQPrefill); from
-//   kQ8AmxMinTok tokens, cpu_matmul_kq.cpp's AMX kernels where the machine has AMX-INT8
-//   (CpuOptions::amx; MatmulKQPrefill and MatmulKQBatch run with and without).
+// - Q4_K / Q5_K / Q6_K, AVX-512 VNNI: one token, 512-bit one-token kernels that read the
+//   token's activation in place (MatmulKQOne); 2+ tokens, the v2 batched kernels (Q4_K, Q6_K;
+//   MatmulKQBatch); kKRowsMinTok+ tokens (Q6_K kKRowsMinTokQ6K+), the 16-row-total kernel of
+//   cpu_matmul_kq.cpp (MatmulKRows16); from kQ8AmxMinTok tokens, cpu_matmul_kq.cpp's AMX kernels
+//   for Q4_K and Q6_K where the machine has AMX-INT8 (CpuOptions::amx; MatmulKRows16 and
+//   MatmulKQBatch run with and without).
 //   AVX2 machines take kq_avx2-inl.h's kernels for the same calls (the same tests there).
 // - Q8_0 / Q4_0 / Q5_0 / IQ4_NL / MXFP4: kQ8VnniMinTok+ tokens, the 512-bit kernel of
 //   cpu_matmul_q8.cpp on AVX-512 VNNI (MatmulQ8Vnni), from kQ8AmxMinTok tokens its AMX kernel

@@ -7,7 +7,7 @@
 // memory (a byte extract and a broadcast, 3 ops, 8 times per block); here the block's scales are
 // widened to words once and each sub-block's vector is one in-lane shuffle of them. The plain
 // kernels stay as they are, the reference these are compared with bit for bit (tests/ops
-// MatmulKQOne and MatmulKQBatch on every target, MatmulKQPrefill on an AVX2 machine) and the
+// MatmulKQOne and MatmulKQBatch on every target, MatmulKRows16 on an AVX2 machine) and the
 // arithmetic the AVX-512 kernels also reproduce. Included once per Highway target by
 // cpu_matmul.cpp; only the AVX2 target defines anything.
 #if defined(KILN_BACKEND_CPU_KQ_AVX2_INL_H_) == defined(HWY_TARGET_TOGGLE)
