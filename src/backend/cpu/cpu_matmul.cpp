@@ -23,6 +23,10 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include "core/check.h"
 #include "cpu_matmul_kq.h"
 #include "cpu_matmul_q8.h"
@@ -638,8 +642,9 @@ HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
   __attribute__((target(HWY_TARGET_STR ",avx512vnni"), always_inline)) inline
 // PrefetchSpanL2 / PrefetchSpanL1 (prefetch.h): what the one-token and v2 batched kernels
 // issue per block step (see MatvecKOne). PrefetchSpanL1 is the one-token form for the 4-bit
-// blocks of the Q8_0 family: into L1 they decode faster on the Intel Xeon dev box, while Q8_0
-// and the K-quant kernels decode slower with it (docs/BENCHMARKS.md, session 28).
+// blocks of the Q8_0 family on Intel cores (FourBitStreamIntoL1): into L1 they decode faster on
+// the Intel Xeon dev box, while Q8_0 and the K-quant kernels decode slower with it
+// (docs/BENCHMARKS.md, session 28).
 // A Q4_K or Q5_K block's 8 six-bit scales and 8 mins (its `scales` bytes) as bytes [sc0..7 | m0..7]
 // (ScalesMinsK4 in two 64-bit words: lo = [sc0..3 | m0..3], hi = [sc4..7 | m4..7], then one
 // shuffle). sc_even (if given): sc0 + sc2 + sc4 + sc6, from the same words (bytes of at most 63
@@ -1363,7 +1368,19 @@ KILN_VNNI512_INLINE __m512i Q8QuadBlock(const std::byte* const* rows, int64_t i,
   return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(b, lo, ylo), hi, yhi);
 }
 
-template <Q8QuadUnpack Quad, size_t kBlockBytes>
+// Where the 4-bit blocks' (Q4_0, IQ4_NL, MXFP4) one-token prefetch goes, by machine class: into
+// L1 on Intel cores, where they decode faster so (the Xeon box, docs/BENCHMARKS.md session 28),
+// into L2 elsewhere, as every other one-token kernel (AMD Zen 4: faster so, session 31).
+inline bool FourBitStreamIntoL1() {
+  static const bool intel = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
+    return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  // "GenuineIntel"
+  }();
+  return intel;
+}
+
+template <Q8QuadUnpack Quad, size_t kBlockBytes, bool kL1>
 KILN_VNNI512 void DotQ8FamOne(const std::byte* const* rows, int64_t nb, const ActQ8_0* ys,
                               const LaneBias* bias, float* out, int n_out, const std::byte* pf) {
   // Lane 0 of each unit, after the two in-unit adds below: [A B C D].
@@ -1371,7 +1388,7 @@ KILN_VNNI512 void DotQ8FamOne(const std::byte* const* rows, int64_t nb, const Ac
   __m128 acc = _mm_setzero_ps();
   for (int64_t i = 0; i < nb; ++i) {
     if (pf != nullptr) {
-      if constexpr (kBlockBytes <= 18)  // the 4-bit blocks (Q4_0, IQ4_NL, MXFP4)
+      if constexpr (kL1)
         PrefetchSpanL1<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
       else
         PrefetchSpanL2<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
@@ -1402,12 +1419,17 @@ void MatvecQ8One(const MatmulJob& job, int64_t r0, int64_t r1) {
   thread_local std::vector<LaneBias> bias;
   bias.resize(static_cast<size_t>(nb));
   Q8LaneBias<kQ8QuadBias<Quad>>(y, nb, bias.data());
+  // The 4-bit blocks: FourBitStreamIntoL1 (a prefetch changes no result).
+  const bool l1 = kBlockBytes <= 18 && FourBitStreamIntoL1();
   for (int64_t r = r0; r < r1; r += kQ8OneRows) {
     const int n = static_cast<int>(std::min<int64_t>(kQ8OneRows, r1 - r));
     const std::byte* rows[kQ8OneRows];
     for (int k = 0; k < kQ8OneRows; ++k) rows[k] = w.row(r + std::min(k, n - 1)).data();
     const std::byte* pf = n == kQ8OneRows ? GroupPrefetch(w, r, kQ8OneRows) : nullptr;
-    DotQ8FamOne<Quad, kBlockBytes>(rows, nb, y, bias.data(), job.y + r, n, pf);
+    if (l1)
+      DotQ8FamOne<Quad, kBlockBytes, true>(rows, nb, y, bias.data(), job.y + r, n, pf);
+    else
+      DotQ8FamOne<Quad, kBlockBytes, false>(rows, nb, y, bias.data(), job.y + r, n, pf);
   }
 }
 
