@@ -132,11 +132,16 @@ struct alignas(64) KRowsMeta {
 };
 static_assert(sizeof(KRowsMeta) == kKRowsMetaBytes);
 
-// One row's block as 256 unsigned codes (element order) and its scales, as the plain kernels
-// decode them (DotQ45K, DotQ6K).
+// Two int16 values as one dword's words (low, high), a vpdpwssd operand.
+inline int32_t Words(int16_t lo, int16_t hi) {
+  return static_cast<int32_t>(static_cast<uint16_t>(lo) |
+                              (static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16));
+}
+
+// One row's block as 256 unsigned codes (element order) and, for row k of the group, its
+// scales, word pairs, d and -dmin in mt, as the plain kernels decode them (DotQ45K, DotQ6K).
 template <DType kType>
-KILN_KQ_VNNI void DecodeKRow(const std::byte* blk, uint8_t* codes, int32_t* sc, int32_t* pw,
-                             float* d, float* neg_dmin) {
+KILN_KQ_VNNI void DecodeKRow(const std::byte* blk, uint8_t* codes, KRowsMeta& mt, int k) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   if constexpr (kType == DType::Q6_K) {
     const auto& b = *reinterpret_cast<const quant::block_q6_K*>(blk);
@@ -148,14 +153,9 @@ KILN_KQ_VNNI void DecodeKRow(const std::byte* blk, uint8_t* codes, int32_t* sc, 
       for (int g = 0; g < 4; ++g)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 128 * h + 32 * g), w4[g]);
     }
-    for (int g = 0; g < 16; ++g) sc[g] = b.scales[g];
-    for (int p = 0; p < 8; ++p)
-      pw[p] = static_cast<int32_t>(
-          static_cast<uint16_t>(static_cast<int16_t>(b.scales[2 * p])) |
-          (static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(b.scales[2 * p + 1])))
-           << 16));
-    *d = f16_to_f32(b.d);
-    *neg_dmin = 0.0f;
+    for (int g = 0; g < 16; ++g) mt.sc[g][k] = b.scales[g];
+    for (int p = 0; p < 8; ++p) mt.pw[p][k] = Words(b.scales[2 * p], b.scales[2 * p + 1]);
+    mt.d[k] = f16_to_f32(b.d);
   } else {
     using Block = std::conditional_t<kType == DType::Q5_K, quant::block_q5_K, block_q4_K>;
     const auto& b = *reinterpret_cast<const Block*>(blk);
@@ -178,11 +178,11 @@ KILN_KQ_VNNI void DecodeKRow(const std::byte* blk, uint8_t* codes, int32_t* sc, 
     alignas(16) uint8_t sm[16];
     ScalesMinsK4(b.scales, sm);
     for (int j = 0; j < 8; ++j) {
-      sc[j] = sm[j];
-      pw[j] = static_cast<int32_t>(sm[8 + j] | (static_cast<uint32_t>(sm[8 + j]) << 16));
+      mt.sc[j][k] = sm[j];
+      mt.pw[j][k] = Words(sm[8 + j], sm[8 + j]);
     }
-    *d = f16_to_f32(b.d);
-    *neg_dmin = -f16_to_f32(b.dmin);
+    mt.d[k] = f16_to_f32(b.d);
+    mt.neg_dmin[k] = -f16_to_f32(b.dmin);
   }
 }
 
@@ -196,22 +196,12 @@ KILN_KQ_VNNI void PackKRowsGroup(const WeightMatrix& w, int64_t r, int n, uint8_
   constexpr size_t bb = kType == DType::Q6_K   ? sizeof(quant::block_q6_K)
                         : kType == DType::Q5_K ? sizeof(quant::block_q5_K)
                                                : sizeof(block_q4_K);
+  if (n < 16) std::memset(rc + 256 * n, 0, static_cast<size_t>(16 - n) * 256);
   for (int64_t i = 0; i < nb; ++i) {
     KRowsMeta& mt = meta[i];
-    for (int k = 0; k < 16; ++k) {
-      if (k < n) {
-        int32_t sc[16], pw[8];
-        DecodeKRow<kType>(w.row(r + k).data() + i * bb, rc + 256 * k, sc, pw, &mt.d[k],
-                          &mt.neg_dmin[k]);
-        for (int s = 0; s < 16; ++s) mt.sc[s][k] = s < (kType == DType::Q6_K ? 16 : 8) ? sc[s] : 0;
-        for (int p = 0; p < 8; ++p) mt.pw[p][k] = pw[p];
-      } else {
-        std::memset(rc + 256 * k, 0, 256);
-        for (int s = 0; s < 16; ++s) mt.sc[s][k] = 0;
-        for (int p = 0; p < 8; ++p) mt.pw[p][k] = 0;
-        mt.d[k] = mt.neg_dmin[k] = 0.0f;
-      }
-    }
+    mt = KRowsMeta{};  // rows past n, and the groups and pairs a type does not use, stay zero
+    for (int k = 0; k < n; ++k)
+      DecodeKRow<kType>(w.row(r + k).data() + i * bb, rc + 256 * k, mt, k);
     for (int e = 0; e < 8; ++e) {  // 32 elements (8 chunks) at a time
       __m256i v[16];
       for (int k = 0; k < 16; ++k)

@@ -57,11 +57,12 @@ namespace {
 constexpr size_t kQ8GroupBlockBytes = 512;
 
 // Rows r..r+n (n <= 16; the others zero, their outputs never stored) packed into one group at
-// pq (nb * 512 bytes) and pd (nb * 16 floats); rq / rd hold the unpacked rows. Q8_0 is read
-// straight from its blocks (its quants are the operands as they stand, its scale an f16 that
-// F16C converts exactly, as UnpackQ8_0 does).
+// pq (nb * 512 bytes) and pd (nb * 16 floats), each quant XOR `flip` (0x80: biased to unsigned
+// for vpdpbusd; 0: signed, an AMX B tile for TDPBSSD); rq / rd hold the unpacked rows. Q8_0 is
+// read straight from its blocks (its quants are the operands as they stand, its scale an f16
+// that F16C converts exactly, as UnpackQ8_0 does).
 KILN_Q8_VNNI void PackQ8Group(const WeightMatrix& w, int64_t r, int n, Q8UnpackRow unpack,
-                              int8_t* rq, float* rd, int8_t* pq, float* pd) {
+                              int8_t* rq, float* rd, int8_t* pq, float* pd, uint8_t flip) {
   const int64_t nb = w.n_cols / 32;
   alignas(32) static constexpr int8_t kZero[32] = {};
   const int8_t* src[16];
@@ -83,7 +84,7 @@ KILN_Q8_VNNI void PackQ8Group(const WeightMatrix& w, int64_t r, int n, Q8UnpackR
       stride[k] = 32;
     }
   }
-  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(flip));
   for (int64_t i = 0; i < nb; ++i) {
     __m256i v[16];
     for (int k = 0; k < 16; ++k)
@@ -185,7 +186,7 @@ T* Align64(std::byte*& p, size_t count) {
 // ---------------------------------------------------------------- AMX (Sapphire Rapids+)
 // TDPBSSD multiplies a tile of 16 tokens x 32 signed activation quants (one block, read in
 // place from the activation rows) by a B tile of the same block of 16 rows (their 32 signed
-// quants, 4 consecutive ones of each row side by side: the VNNI layout), giving each
+// quants, 4 consecutive ones of each row side by side: the VNNI layout, PackQ8Group), giving each
 // (token, row) the exact int32 total of the block's 32 products. The epilogue is the plain
 // kernel's float step per block, 16 rows wide: fma(dw * yd, float(total), acc), in block order.
 // Blocks go in pairs, the next pair's products issued before the current pair's epilogue
@@ -196,46 +197,6 @@ T* Align64(std::byte*& p, size_t count) {
 
 // Tiles (configure_amx_tiles): C 0..3 hold two blocks' results in flight while two more are
 // computed; A 4, 5 one block (32 quants) of m tokens; B 6, 7 one block of 16 rows.
-
-// Rows r..r+n (n <= 16; the others zero, their outputs not read) as B tiles, bt + i * 512 for
-// block i, and their scales in tile order, bd[i * 16 + k]; rq/rd hold the unpacked rows.
-KILN_Q8_AMX void PackQ8AmxRows(const WeightMatrix& w, int64_t r, int n, Q8UnpackRow unpack,
-                               int8_t* rq, float* rd, int8_t* bt, float* bd) {
-  const int64_t nb = w.n_cols / 32;
-  for (int k = 0; k < 16; ++k) {
-    if (k < n) {
-      unpack(w.row(r + k).data(), nb, rq + k * nb * 32, rd + k * nb);
-    } else {
-      std::memset(rq + k * nb * 32, 0, static_cast<size_t>(nb) * 32);
-      std::fill_n(rd + k * nb, nb, 0.0f);
-    }
-  }
-  for (int64_t i = 0; i < nb; ++i) {
-    __m256i v[16];
-    for (int k = 0; k < 16; ++k)
-      v[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rq + (k * nb + i) * 32));
-    amx_store_b_columns(v, bt + i * 512);
-    for (int k = 0; k < 16; ++k) bd[i * 16 + k] = rd[k * nb + i];
-  }
-}
-
-// Q8_0 rows packed straight from the format: its quants are the int8 operands as they stand
-// and its scale an f16 (UnpackQ8_0's q and d), so the unpack's copy into rq/rd is skipped.
-KILN_Q8_AMX void PackQ8_0AmxRows(const WeightMatrix& w, int64_t r, int n, int8_t* bt, float* bd) {
-  const int64_t nb = w.n_cols / 32;
-  const quant::block_q8_0* rows[16];
-  for (int k = 0; k < n; ++k)
-    rows[k] = reinterpret_cast<const quant::block_q8_0*>(w.row(r + k).data());
-  for (int64_t i = 0; i < nb; ++i) {
-    __m256i v[16];
-    for (int k = 0; k < 16; ++k) {
-      v[k] = k < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[k][i].qs))
-                   : _mm256_setzero_si256();
-      bd[i * 16 + k] = k < n ? _cvtsh_ss(rows[k][i].d.bits) : 0.0f;
-    }
-    amx_store_b_columns(v, bt + i * 512);
-  }
-}
 
 // acc[t] (16 rows) += block i's totals c[t] scaled by dw * yd of token t, for t < m.
 template <int kM>
@@ -328,10 +289,7 @@ KILN_Q8_AMX void MatmulQ8Amx(const MatmulJob& job, int64_t r0, int64_t r1, float
     for (int64_t r = b0; r < b1; r += 16) {
       const int64_t g = (r - b0) / 16;
       const int n = static_cast<int>(std::min<int64_t>(16, b1 - r));
-      if (w.dtype == DType::Q8_0)
-        PackQ8_0AmxRows(w, r, n, bt + g * nb * 512, bd + g * nb * 16);
-      else
-        PackQ8AmxRows(w, r, n, unpack, rq, rd, bt + g * nb * 512, bd + g * nb * 16);
+      PackQ8Group(w, r, n, unpack, rq, rd, bt + g * nb * 512, bd + g * nb * 16, 0);
     }
     for (int64_t t0 = 0; t0 < job.n_tok; t0 += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, job.n_tok - t0));
@@ -393,7 +351,7 @@ void MatmulQ8Vnni(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch,
       for (int64_t r = b0; r < b1; r += 16) {
         const int64_t g = (r - b0) / 16;
         PackQ8Group(w, r, static_cast<int>(std::min<int64_t>(16, b1 - r)), unpack, rq, rd,
-                    pq + g * nb * static_cast<int64_t>(kQ8GroupBlockBytes), pd + g * nb * 16);
+                    pq + g * nb * static_cast<int64_t>(kQ8GroupBlockBytes), pd + g * nb * 16, 0x80);
       }
       for (int64_t t0 = g0; t0 < g1; t0 += kQ8VnniTok) {
         const int m = static_cast<int>(std::min<int64_t>(kQ8VnniTok, g1 - t0));

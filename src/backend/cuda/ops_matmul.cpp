@@ -297,8 +297,9 @@ bool CudaBackend::matmul_batch_float(std::span<const MatmulTask> tasks, int64_t 
   bool mma = true, v3 = true;
   for (const cuda::DeviceWeight& w : dws) {
     if (takes_gemm(I, cuda::MatmulKernels::V3, w, n_tok)) return false;
-    mma = mma && cuda::float_mma_fits(w, dx, n_tok);
-    v3 = v3 && !cuda::float_mma_fits(w, dx, n_tok) && cuda::float_v3_applies(w, dx, n_tok);
+    const bool fits = cuda::float_mma_fits(w, dx, n_tok);
+    mma = mma && fits;
+    v3 = v3 && !fits && cuda::float_v3_applies(w, dx, n_tok);
   }
   if (!mma && !v3) return false;
   I.seg.sig("matmul_batch_float", dx, n_tok, dws.size());
