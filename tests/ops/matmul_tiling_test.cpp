@@ -440,9 +440,10 @@ TEST(MatmulQ8One, SameBitsAsPlainKernel) {
   });
 }
 
-// The register-tiled F32/F16/BF16 kernel (2+ tokens) must give DotTile's bits: the portable
-// backend runs DotTile for every call, so this is also the proof that the tiled kernel changes
-// nothing but speed. Widths below one vector, with a scalar tail and an odd last
+// The register-tiled F32/F16/BF16 kernel (2+ tokens) and BF16's one-token kernel by zipping
+// (float_dot-inl.h DotBF16Zip, whose per-lane sums sit in other lanes until the end) must give
+// DotTile's bits: the portable backend runs DotTile for every call, so this is also the proof
+// that they change nothing but speed. Widths below one vector, with a scalar tail and an odd last
 // vector chunk; every token count of 1..37 (each partial tile) and 509 (fewer at the wide
 // widths); row counts that leave partial row tiles and, at the wide widths, cross row blocks
 // (768 KiB of weights), split over 1 and 2 threads; a column block of a wider matrix (strided

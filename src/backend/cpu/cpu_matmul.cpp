@@ -116,6 +116,21 @@ void MatmulFloat(const MatmulJob& job, int64_t r0, int64_t r1) {
   }
 }
 
+#if KILN_BF16_ZIP
+// One token through BF16 rows [r0, r1) by zipping (float_dot-inl.h DotBF16Zip: DotTile<1>'s bits,
+// with its prefetch): the activations put in zipped order once per call.
+void MatvecBF16One(const MatmulJob& job, int64_t r0, int64_t r1) {
+  const WeightMatrix& w = *job.w;
+  const int64_t n = w.n_cols;
+  thread_local std::vector<float> xz;
+  xz.resize(static_cast<size_t>(n));
+  ZipActivations(job.x, n, xz.data());
+  for (int64_t r = r0; r < r1; ++r)
+    job.y[r] = DotBF16Zip<kFloatPrefetchBytes, 3>(reinterpret_cast<const bf16*>(w.row(r).data()),
+                                                  job.x, xz.data(), n);
+}
+#endif
+
 // Any type quant::dequantize_row reads: a block of rows is decoded into scratch once.
 void MatmulDequant(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
   const WeightMatrix& w = *job.w;
@@ -1586,6 +1601,9 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::F16:
       return MatmulFloat<f16, LoadF16>(job, r0, r1);
     case DType::BF16:
+#if KILN_BF16_ZIP
+      if (!job.portable && job.n_tok == 1) return MatvecBF16One(job, r0, r1);
+#endif
       return MatmulFloat<bf16, LoadBF16>(job, r0, r1);
 #if KILN_INT8
 #if HWY_TARGET == HWY_AVX3_DL

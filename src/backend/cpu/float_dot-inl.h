@@ -114,6 +114,86 @@ HWY_INLINE void DotTile(const L& w, const float* const* xs, int64_t n, float* ou
   for (int t = 0; t < T; ++t) out[t] = DotFinish(d, acc0[t], acc1[t], w, xs[t], i, n);
 }
 
+// ---------------------------------------------------------------- BF16 by zipping
+// A bf16 is the top half of an f32, so InterleaveLower/Upper of zeros with 2N bf16 weights give
+// two f32 vectors in one load and two in-block shuffles (PromoteTo: a widening shuffle and a
+// shift per N). Their lanes are in zipped order: lane 4b + o of A holds element 8b + o, of B
+// element 8b + 4 + o (b a 128-bit block, o < 4). Each lane of A and B still accumulates exactly
+// one of DotTile's 2N per-lane sums (acc0 lane j: elements j mod 2N, acc1 lane j: N + j mod 2N)
+// in the same order, so once the activations are in the same order (ZipActivations) and the
+// sums moved back to their DotTile lanes (UnzipSums), DotFinish gives DotTile's bits.
+// x86 targets with whole 128-bit blocks only (KILN_BF16_ZIP); others run DotTile.
+#undef KILN_BF16_ZIP
+#if HWY_ARCH_X86 && (HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || \
+                     HWY_TARGET == HWY_AVX3_DL)
+#define KILN_BF16_ZIP 1
+
+// Element (within a 2N chunk pair) whose product lane l of [A | B] (l < 2N) accumulates.
+HWY_INLINE int64_t ZipElement(int64_t N, int64_t l) {
+  const int64_t half = l / N, m = l % N;
+  return 8 * (m / 4) + 4 * half + m % 4;
+}
+// xz = x with each whole 2N chunk pair in zipped order; the rest (fewer than 2N) left out: the
+// zipped loop never reads it.
+HWY_INLINE void ZipActivations(const float* x, int64_t n, float* xz) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
+  for (int64_t i = 0; i + 2 * N <= n; i += 2 * N)
+    for (int64_t l = 0; l < 2 * N; ++l) xz[i + l] = x[i + ZipElement(N, l)];
+}
+// The zipped sums A and B back in DotTile's lanes: acc0 lane j holds element j, acc1 lane j
+// element N + j.
+HWY_INLINE void UnzipSums(DF d, hn::Vec<DF> a, hn::Vec<DF> b, hn::Vec<DF>* acc0,
+                          hn::Vec<DF>* acc1) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  (void)d;
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  *acc0 = hn::Vec<DF>{_mm512_permutex2var_ps(a.raw, i0, b.raw)};
+  *acc1 = hn::Vec<DF>{_mm512_permutex2var_ps(a.raw, i1, b.raw)};
+#else
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  HWY_ALIGN float ab[2 * hn::MaxLanes(DF())], out[2 * hn::MaxLanes(DF())];
+  hn::Store(a, d, ab);
+  hn::Store(b, d, ab + N);
+  for (int64_t l = 0; l < 2 * N; ++l) out[ZipElement(N, l)] = ab[l];
+  *acc0 = hn::Load(d, out);
+  *acc1 = hn::Load(d, out + N);
+#endif
+}
+// The f32 vectors A (lanes of elements 8b + o) and B (8b + 4 + o) of the 2N bf16 at w.
+HWY_INLINE void ZipBF16(DF d, const bf16* w, hn::Vec<DF>* a, hn::Vec<DF>* b) {
+  const hn::Repartition<uint16_t, DF> du16;
+  const auto v = hn::LoadU(du16, reinterpret_cast<const uint16_t*>(w));
+  *a = hn::BitCast(d, hn::InterleaveLower(du16, hn::Zero(du16), v));
+  *b = hn::BitCast(d, hn::InterleaveUpper(du16, hn::Zero(du16), v));
+}
+
+// DotTile<1>'s result for BF16 weights by zipping (xz: ZipActivations of x); kAhead as DotTile's.
+template <int64_t kAhead = 0, int kLocality = 2>
+HWY_INLINE float DotBF16Zip(const bf16* w, const float* x, const float* xz, int64_t n) {
+  const DF d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  hn::Vec<DF> acc_a = hn::Zero(d), acc_b = hn::Zero(d);
+  int64_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    if constexpr (kAhead > 0)
+      __builtin_prefetch(reinterpret_cast<const char*>(w + i) + kAhead, 0, kLocality);
+    hn::Vec<DF> a, b;
+    ZipBF16(d, w + i, &a, &b);
+    acc_a = hn::MulAdd(a, hn::LoadU(d, xz + i), acc_a);
+    acc_b = hn::MulAdd(b, hn::LoadU(d, xz + i + N), acc_b);
+  }
+  hn::Vec<DF> acc0, acc1;
+  UnzipSums(d, acc_a, acc_b, &acc0, &acc1);
+  const LoadBF16 wl{w};
+  for (; i + N <= n; i += N) acc0 = hn::MulAdd(wl(d, i), hn::LoadU(d, x + i), acc0);
+  return DotFinish(d, acc0, acc1, wl, x, i, n);
+}
+#else
+#define KILN_BF16_ZIP 0
+#endif  // zipped BF16 targets
+
 }  // namespace HWY_NAMESPACE
 }  // namespace kiln::cpu
 HWY_AFTER_NAMESPACE();
