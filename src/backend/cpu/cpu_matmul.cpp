@@ -23,10 +23,6 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#endif
-
 #include "core/check.h"
 #include "cpu_matmul_kq.h"
 #include "cpu_matmul_q8.h"
@@ -69,10 +65,21 @@ namespace hn = hwy::HWY_NAMESPACE;
 // ---------------------------------------------------------------- f32 dot tiles
 // DF, LoadF32/F16/BF16 and DotTile<T>: float_dot-inl.h.
 
-// A lone token's dot (a decode step) prefetches the weights this far ahead into L1: a row of
-// a 2048-wide F16 matrix is one 4 KiB page, where the hardware's stream prefetch stops, so
-// without it every row starts cold (docs/BENCHMARKS.md, session 28: F16 / BF16 decode).
+// A lone token's dot (a decode step) prefetches the weights ahead: a row of a 2048-wide F16
+// matrix is one 4 KiB page, where the hardware's stream prefetch stops, so without it every row
+// starts cold. On Intel cores kFloatPrefetchBytes ahead into L1 (docs/BENCHMARKS.md, session
+// 28: F16 / BF16 decode), elsewhere kMatvecPrefetchBytes ahead into L2 (AMD Zen 4, session 32).
 constexpr int64_t kFloatPrefetchBytes = 2048;
+// DotTile<1> for a decode step, with the machine class's prefetch (prefetch.h IntelCores).
+template <class L>
+HWY_INLINE float DotOne(const L& w, const float* x, int64_t n) {
+  float out;
+  if (IntelCores())
+    DotTile<1, L, kFloatPrefetchBytes, 3>(w, &x, n, &out);
+  else
+    DotTile<1, L, kMatvecPrefetchBytes, 2>(w, &x, n, &out);
+  return out;
+}
 
 template <class L>
 void DotTokens(const L& w, const MatmulJob& job, int64_t t0, int64_t t1, int64_t r) {
@@ -93,7 +100,7 @@ void DotTokens(const L& w, const MatmulJob& job, int64_t t0, int64_t t1, int64_t
         DotTile<2>(w, xs, n, out);
         break;
       default:  // prefetches change no bits
-        DotTile<1, L, kFloatPrefetchBytes, 3>(w, xs, n, out);
+        out[0] = DotOne(w, xs[0], n);
         break;
     }
     for (int k = 0; k < m; ++k) job.y[(t + k) * ldy + r] = out[k];
@@ -118,16 +125,19 @@ void MatmulFloat(const MatmulJob& job, int64_t r0, int64_t r1) {
 
 #if KILN_BF16_ZIP
 // One token through BF16 rows [r0, r1) by zipping (float_dot-inl.h DotBF16Zip: DotTile<1>'s bits,
-// with its prefetch): the activations put in zipped order once per call.
+// with DotOne's prefetch): the activations put in zipped order once per call.
 void MatvecBF16One(const MatmulJob& job, int64_t r0, int64_t r1) {
   const WeightMatrix& w = *job.w;
   const int64_t n = w.n_cols;
   thread_local std::vector<float> xz;
   xz.resize(static_cast<size_t>(n));
   ZipActivations(job.x, n, xz.data());
-  for (int64_t r = r0; r < r1; ++r)
-    job.y[r] = DotBF16Zip<kFloatPrefetchBytes, 3>(reinterpret_cast<const bf16*>(w.row(r).data()),
-                                                  job.x, xz.data(), n);
+  const bool l1 = IntelCores();  // where the stream is prefetched, as DotOne
+  for (int64_t r = r0; r < r1; ++r) {
+    const auto* row = reinterpret_cast<const bf16*>(w.row(r).data());
+    job.y[r] = l1 ? DotBF16Zip<kFloatPrefetchBytes, 3>(row, job.x, xz.data(), n)
+                  : DotBF16Zip<kMatvecPrefetchBytes, 2>(row, job.x, xz.data(), n);
+  }
 }
 #endif
 
@@ -657,7 +667,7 @@ HWY_INLINE void HsumPair(__m512 v, float* lo, float* hi) {
   __attribute__((target(HWY_TARGET_STR ",avx512vnni"), always_inline)) inline
 // PrefetchSpanL2 / PrefetchSpanL1 (prefetch.h): what the one-token and v2 batched kernels
 // issue per block step (see MatvecKOne). PrefetchSpanL1 is the one-token form for the 4-bit
-// blocks of the Q8_0 family on Intel cores (FourBitStreamIntoL1): into L1 they decode faster on
+// blocks of the Q8_0 family on Intel cores (IntelCores): into L1 they decode faster on
 // the Intel Xeon dev box, while Q8_0 and the K-quant kernels decode slower with it
 // (docs/BENCHMARKS.md, session 28).
 // A Q4_K or Q5_K block's 8 six-bit scales and 8 mins (its `scales` bytes) as bytes [sc0..7 | m0..7]
@@ -1383,18 +1393,6 @@ KILN_VNNI512_INLINE __m512i Q8QuadBlock(const std::byte* const* rows, int64_t i,
   return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(b, lo, ylo), hi, yhi);
 }
 
-// Where the 4-bit blocks' (Q4_0, IQ4_NL, MXFP4) one-token prefetch goes, by machine class: into
-// L1 on Intel cores, where they decode faster so (the Xeon box, docs/BENCHMARKS.md session 28),
-// into L2 elsewhere, as every other one-token kernel (AMD Zen 4: faster so, session 31).
-inline bool FourBitStreamIntoL1() {
-  static const bool intel = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
-    return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  // "GenuineIntel"
-  }();
-  return intel;
-}
-
 template <Q8QuadUnpack Quad, size_t kBlockBytes, bool kL1>
 KILN_VNNI512 void DotQ8FamOne(const std::byte* const* rows, int64_t nb, const ActQ8_0* ys,
                               const LaneBias* bias, float* out, int n_out, const std::byte* pf) {
@@ -1434,8 +1432,8 @@ void MatvecQ8One(const MatmulJob& job, int64_t r0, int64_t r1) {
   thread_local std::vector<LaneBias> bias;
   bias.resize(static_cast<size_t>(nb));
   Q8LaneBias<kQ8QuadBias<Quad>>(y, nb, bias.data());
-  // The 4-bit blocks: FourBitStreamIntoL1 (a prefetch changes no result).
-  const bool l1 = kBlockBytes <= 18 && FourBitStreamIntoL1();
+  // The 4-bit blocks on Intel cores into L1 (prefetch.h IntelCores; a prefetch changes no result).
+  const bool l1 = kBlockBytes <= 18 && IntelCores();
   for (int64_t r = r0; r < r1; r += kQ8OneRows) {
     const int n = static_cast<int>(std::min<int64_t>(kQ8OneRows, r1 - r));
     const std::byte* rows[kQ8OneRows];

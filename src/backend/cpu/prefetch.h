@@ -8,6 +8,9 @@
 #pragma once
 
 #include <cstddef>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 namespace kiln::cpu {
 
@@ -25,6 +28,23 @@ __attribute__((always_inline)) inline void PrefetchSpanL2(const std::byte* p) {
 template <size_t kBytes>
 __attribute__((always_inline)) inline void PrefetchSpanL1(const std::byte* p) {
   PrefetchSpan<kBytes, 3>(p);
+}
+
+// The machine class that decides where a one-token kernel's stream is prefetched: Intel cores
+// read the 4-bit blocks of the Q8_0 family and F16/BF16 rows faster with a short prefetch into
+// L1 (the Xeon box, docs/BENCHMARKS.md session 28); AMD cores read both faster with the span
+// into L2 that every other one-token kernel uses (Zen 4: sessions 31 and 32).
+inline bool IntelCores() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool intel = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
+    return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  // "GenuineIntel"
+  }();
+  return intel;
+#else
+  return false;
+#endif
 }
 
 }  // namespace kiln::cpu
