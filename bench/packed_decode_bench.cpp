@@ -91,7 +91,7 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Best seconds of `reps` calls of f over `threads` threads (rows split evenly by groups).
+// Best seconds of `reps` calls of f (f splits its rows over threads itself).
 template <class F>
 double best_of(int reps, F&& f) {
   double best = 1e30;
