@@ -729,27 +729,21 @@ KILN_VNNI512_INLINE __m512i Q5HighRot(int j_lo_half, int j_hi_half) {
                             _mm256_set1_epi32((j_hi_half - 4) & 31), 1);
 }
 
-// One row's block against the token's quants: the 16 int32 lane sums before Fold512 (Fold512 of
-// them is the plain kernel's int32; the halves themselves differ), and the block's [sc0..7 | m0..7]
-// bytes. The sub-block pairs go into words as in DotQ4KBatch (vpshldd of db and the low bias,
-// then vpdpbusd adds da: one op where PairWords takes a shift and a blend), and isum starts at the
-// correction, -bias * (sc0 + sc2 + sc4 + sc6) in lanes 0..7. kHigh: Q5_K (the codes' fifth bits
-// OR-ed in: unsigned codes 0..31, so the same vpdpbusd).
+// One row's block against the token's quants: the 16 int32 lane sums, whose total is the plain
+// kernel's T1 plus 8 * kBias * (sc0 + sc2 + sc4 + sc6): each low word adds kBias times its scale,
+// sub-block 4p's in lanes 0..7 and 4p + 2's in lanes 8..15 (the lanes themselves differ from the
+// plain kernel's; the caller takes the bias back out of the total). sc: the block's scales as
+// DotQ45KOne lays them out. The sub-block pairs go into words as in DotQ4KBatch (vpshldd of db and
+// the low bias, then vpdpbusd adds da: one op where PairWords takes a shift and a blend). kHigh:
+// Q5_K (the codes' fifth bits OR-ed in: unsigned codes 0..31, so the same vpdpbusd).
 template <bool kHigh>
 KILN_VNNI512_INLINE __m512i
 Q45KOneLaneSums(const std::conditional_t<kHigh, block_q5_K, block_q4_K>* b,
-                const __m512i (&a_lo)[2], const __m512i (&a_hi)[2], __m128i* sm8) {
+                const __m512i (&a_lo)[2], const __m512i (&a_hi)[2], const __m512i (&sc)[2]) {
   constexpr int32_t kBias = kHigh ? kLowBias5 : kLowBias;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
-  const __m512i sc_idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
-  const __m512i sc_idx1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
   const __m512i bias_hi = _mm512_set1_epi32(kBias << 16);  // the bias as a high word
-  int32_t sc_even;
-  *sm8 = ScalesMins8(b->scales, &sc_even);
-  const __m512i sc16 = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(*sm8));
-  const __m512i sc[2] = {_mm512_permutexvar_epi32(sc_idx0, sc16),
-                         _mm512_permutexvar_epi32(sc_idx1, sc16)};
-  __m512i isum = _mm512_maskz_set1_epi32(0x00FF, -kBias * sc_even);
+  __m512i isum = _mm512_setzero_si512();
   [[maybe_unused]] __m512i qh;
   if constexpr (kHigh) qh = _mm512_broadcast_i64x4(Load32(b->qh));
   for (int p = 0; p < 2; ++p) {
@@ -769,41 +763,135 @@ Q45KOneLaneSums(const std::conditional_t<kHigh, block_q5_K, block_q4_K>* b,
   return isum;
 }
 
-// Q4_K (kHigh = false) or Q5_K (true): the same T1/T2 arithmetic (docs/determinism.md).
-template <int R, bool kHigh>
-KILN_VNNI512 void DotQ45KOne(const std::byte* row, size_t stride, int64_t nb, const int8_t* aq,
-                             const block_q8_K* ys, float* out, const std::byte* pf = nullptr) {
-  static_assert(R >= 1 && R <= 4);
+// The heads of 4 rows' blocks, decoded together. A Q4_K / Q5_K block starts with 16 bytes, d,
+// dmin and the 12 scale bytes; unit u of `h` holds row u's, as dwords D0 (d | dmin << 16), D1,
+// D2, D3 (scale bytes 0..3, 4..7, 8..11). Per unit the 6-bit scales and mins are, as dwords,
+// [D1 & 0x3f, (D3 & 0x0f) | (D1 >> 2 & 0x30), D2 & 0x3f, (D3 >> 4 & 0x0f) | (D2 >> 2 & 0x30)]
+// = [sc0..3 | sc4..7 | m0..3 | m4..7] bytes: ScalesMins8's bytes for the 4 rows in 6 ops (the
+// 32-bit shifts move no bit a mask keeps across a byte).
+struct Q45KHeads {
+  __m512i sc;     // row u's sc0..7 as words in dwords 4u..4u+3 (dword 4u + j: sc2j | sc2j+1 << 16)
+  __m512i m_sum;  // unit u: row u's 4 dword partial sums of m_j * (bsum 2j + bsum 2j+1)
+  __m512i even;   // unit u: dword 0 sc0 + sc2, dword 1 sc4 + sc6 (the bias's scales)
+  __m256 dm;      // [d0..d3 | -dmin0..3] as floats
+};
+KILN_VNNI512_INLINE Q45KHeads DecodeHeads(__m512i h, __m512i bsum_pairs) {
+  const __m512i p = _mm512_srlv_epi32(_mm512_shuffle_epi32(h, _MM_PERM_DCDB),
+                                      _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0, 0, 4)));
+  const __m512i q = _mm512_srli_epi32(_mm512_shuffle_epi32(h, _MM_PERM_CCBB), 2);
+  const __m512i lo_mask =
+      _mm512_broadcast_i32x4(_mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m512i hi_mask = _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  const __m512i sm = _mm512_ternarylogic_epi32(_mm512_and_si512(p, lo_mask), q, hi_mask, 0xF8);
+  // Scale bytes of the 4 rows, then min bytes, as 8-byte groups.
+  const __m512i g = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), sm);
+  Q45KHeads o;
+  o.sc = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(g));
+  o.m_sum = _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(g, 1)), bsum_pairs);
+  o.even =
+      _mm512_dpbusd_epi32(_mm512_setzero_si512(), sm,
+                          _mm512_broadcast_i32x4(_mm_setr_epi32(0x00010001, 0x00010001, 0, 0)));
+  // Words 0 and 1 of each unit: d, dmin (F16C: exact, f16_to_f32's values); dmin negated first,
+  // as -dmin * y.d in the plain kernel.
+  const __m128i dd = _mm512_castsi512_si128(_mm512_permutexvar_epi16(
+      _mm512_zextsi128_si512(_mm_setr_epi16(0, 8, 16, 24, 1, 9, 17, 25)), h));
+  o.dm = _mm256_xor_ps(_mm256_cvtph_ps(dd), _mm256_setr_ps(0, 0, 0, 0, -0.0f, -0.0f, -0.0f, -0.0f));
+  return o;
+}
+
+// The heads of 4 rows' block i (d, dmin, scales; DecodeHeads) against the token's block i.
+template <class BlockT>
+KILN_VNNI512_INLINE Q45KHeads HeadsAt(const std::byte* const* rows, int64_t i,
+                                      const block_q8_K& y) {
+  const auto head = [&](int u) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[u] + i * sizeof(BlockT)));
+  };
+  __m512i h = _mm512_castsi128_si512(head(0));
+  h = _mm512_inserti32x4(h, head(1), 1);  // immediates, also unoptimised (the ASan build)
+  h = _mm512_inserti32x4(h, head(2), 2);
+  h = _mm512_inserti32x4(h, head(3), 3);
+  // bsum 2j + bsum 2j+1 as 8 words (|sum| <= 32 * 128: no overflow), in every unit.
+  const __m128i* bs = reinterpret_cast<const __m128i*>(y.bsums);
+  return DecodeHeads(
+      h, _mm512_broadcast_i32x4(_mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1))));
+}
+
+// A block's step once its 4 rows' lane sums v are in: the rows' exact totals reduced together
+// (integer adds, exact in any order) to [T1 of rows 0..3 | T2 of rows 0..3], then acc lane u +=
+// d_u * y.d * T1_u, then += -dmin_u * y.d * T2_u: the plain kernel's two FMAs.
+template <int kBiasShift>
+KILN_VNNI512_INLINE __m128 BlockTotalsFma(const __m512i (&v)[4], const Q45KHeads& hd, float yd,
+                                          __m128 acc) {
+  // c, unit k: [row 0's unit-k sum, row 1's, row 2's, row 3's]; the units then fold to T1.
+  const __m512i c01 =
+      _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+  const __m512i c23 =
+      _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+  __m512i c = _mm512_add_epi32(_mm512_unpacklo_epi64(c01, c23), _mm512_unpackhi_epi64(c01, c23));
+  // The bias: sc0 + sc2 of each row into unit 0, sc4 + sc6 into unit 1 (summed by the fold).
+  c = _mm512_sub_epi32(
+      c,
+      _mm512_slli_epi32(
+          _mm512_maskz_permutexvar_epi32(
+              0x00FF, _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), hd.even),
+          kBiasShift));
+  // T2 partials, unit k: partial k of rows 0..3.
+  const __m512i mt = _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), hd.m_sum);
+  const __m256i c2 = Fold512(c), m2 = Fold512(mt);
+  const __m256i tot = _mm256_add_epi32(_mm256_permute2x128_si256(c2, m2, 0x20),
+                                       _mm256_permute2x128_si256(c2, m2, 0x31));
+  const __m256 dmy = _mm256_mul_ps(hd.dm, _mm256_set1_ps(yd));  // [d * y.d | -dmin * y.d]
+  const __m256 totf = _mm256_cvtepi32_ps(tot);
+  acc = _mm_fmadd_ps(_mm256_castps256_ps128(dmy), _mm256_castps256_ps128(totf), acc);
+  return _mm_fmadd_ps(_mm256_extractf128_ps(dmy, 1), _mm256_extractf128_ps(totf, 1), acc);
+}
+
+// Q4_K (kHigh = false) or Q5_K (true), 4 rows: the plain kernel's T1/T2 arithmetic
+// (docs/determinism.md) per row, in block order. Software-pipelined: block i's lane sums are
+// issued between block i + 1's head decoding and block i - 1's totals, so that no step waits
+// on the one before it in program order (one block's chain from the loads to its FMAs is longer
+// than the core's schedulers can cover, and in order the blocks did not overlap). Rows past n_out
+// repeat a row (the caller's), their lanes unused.
+template <bool kHigh>
+KILN_VNNI512 void DotQ45KOne(const std::byte* const* rows, int64_t nb, const int8_t* aq,
+                             const block_q8_K* ys, float* out, int n_out, const std::byte* pf) {
   using BlockT = std::conditional_t<kHigh, block_q5_K, block_q4_K>;
-  __m128 acc = _mm_setzero_ps();  // row r in lane r
+  // The bias's total, 8 * kBias * (sc0 + sc2 + sc4 + sc6) (Q45KOneLaneSums), as a shift.
+  constexpr int kBiasShift = kHigh ? 17 : 16;
+  static_assert(int32_t{1} << kBiasShift == 8 * (kHigh ? kLowBias5 : kLowBias));
+  // Sub-block pair p's lanes 0..7 take a row's scale dword 2p, lanes 8..15 dword 2p + 1
+  // (Q45KOneLaneSums' layout); row u's dwords are 4u..4u+3 of Q45KHeads::sc.
+  const __m512i sc_idx0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
+  const __m512i four = _mm512_set1_epi32(4), two = _mm512_set1_epi32(2);
+  __m128 acc = _mm_setzero_ps();  // row u in lane u
+  Q45KHeads hd = HeadsAt<BlockT>(rows, 0, ys[0]), hp{};
+  __m512i vp[4];
   for (int64_t i = 0; i < nb; ++i) {
-    if (pf != nullptr) PrefetchSpanL2<R * sizeof(BlockT)>(pf + i * R * sizeof(BlockT));
-    const block_q8_K& y = ys[i];
+    if (pf != nullptr) PrefetchSpanL2<4 * sizeof(BlockT)>(pf + i * 4 * sizeof(BlockT));
+    Q45KHeads hn{};
+    if (i + 1 < nb) hn = HeadsAt<BlockT>(rows, i + 1, ys[i + 1]);
     const __m512i a_lo[2] = {_mm512_load_si512(aq + i * 256),
                              _mm512_load_si512(aq + i * 256 + 128)};
     const __m512i a_hi[2] = {_mm512_load_si512(aq + i * 256 + 64),
                              _mm512_load_si512(aq + i * 256 + 192)};
-    const __m256i bsums = Load32(y.bsums);
-    // v[r]: row r's T1 lanes, v[4 + r]: its T2 lanes; Totals8 gives [T1 of rows 0..3 | T2 ...].
-    __m256i v[8];
-    for (int k = 0; k < 8; ++k) v[k] = _mm256_setzero_si256();
-    alignas(16) float dy[4] = {}, ny[4] = {};
-    for (int r = 0; r < R; ++r) {
-      const auto* b = reinterpret_cast<const BlockT*>(row + r * stride + i * sizeof(BlockT));
-      uint32_t dd;
-      std::memcpy(&dd, &b->d, 4);  // d, dmin: adjacent f16s
-      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
-      dy[r] = _mm_cvtss_f32(dm) * y.d;
-      ny[r] = -_mm_cvtss_f32(_mm_movehdup_ps(dm)) * y.d;
-      __m128i sm8;
-      v[r] = Fold512(Q45KOneLaneSums<kHigh>(b, a_lo, a_hi, &sm8));
-      v[4 + r] = _mm256_madd_epi16(bsums, _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8)));
+    __m512i v[4];
+    __m512i idx = sc_idx0;
+    for (int u = 0; u < 4; ++u) {
+      const __m512i sc[2] = {_mm512_permutexvar_epi32(idx, hd.sc),
+                             _mm512_permutexvar_epi32(_mm512_add_epi32(idx, two), hd.sc)};
+      v[u] = Q45KOneLaneSums<kHigh>(reinterpret_cast<const BlockT*>(rows[u]) + i, a_lo, a_hi, sc);
+      idx = _mm512_add_epi32(idx, four);
     }
-    acc = RowsT1T2Fma(v, dy, ny, acc);
+    if (i > 0) acc = BlockTotalsFma<kBiasShift>(vp, hp, ys[i - 1].d, acc);
+    for (int u = 0; u < 4; ++u) vp[u] = v[u];
+    hp = hd;
+    hd = hn;
   }
+  acc = BlockTotalsFma<kBiasShift>(vp, hp, ys[nb - 1].d, acc);
   alignas(16) float o[4];
   _mm_store_ps(o, acc);
-  for (int r = 0; r < R; ++r) out[r] = o[r];
+  for (int u = 0; u < n_out; ++u) out[u] = o[u];
 }
 
 // The token's nb blocks of quants into DotQ45KOne's order at 64-byte aligned `scratch`.
@@ -907,19 +995,20 @@ void MatvecKOne(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
   const auto* y = reinterpret_cast<const block_q8_K*>(job.xq);
   const int8_t* aq = kQ6K ? nullptr : ReorderQ4KOne(y, nb, scratch);
   const size_t rb = w.stride();  // row r + k starts k strides after row r
-  int64_t r = r0;
-  for (; r + kOneRows <= r1; r += kOneRows) {
-    const std::byte* pf = GroupPrefetch(w, r, kOneRows);
-    if constexpr (kQ6K)
-      DotQ6KOne<kOneRows>(w.row(r).data(), rb, nb, y, job.y + r, pf);
-    else
-      DotQ45KOne<kOneRows, kQ5K>(w.row(r).data(), rb, nb, aq, y, job.y + r, pf);
-  }
-  for (; r < r1; ++r) {
-    if constexpr (kQ6K)
-      DotQ6KOne<1>(w.row(r).data(), rb, nb, y, job.y + r);
-    else
-      DotQ45KOne<1, kQ5K>(w.row(r).data(), rb, nb, aq, y, job.y + r);
+  if constexpr (kQ6K) {
+    int64_t r = r0;
+    for (; r + kOneRows <= r1; r += kOneRows)
+      DotQ6KOne<kOneRows>(w.row(r).data(), rb, nb, y, job.y + r, GroupPrefetch(w, r, kOneRows));
+    for (; r < r1; ++r) DotQ6KOne<1>(w.row(r).data(), rb, nb, y, job.y + r);
+  } else {
+    static_assert(kOneRows == 4);  // DotQ45KOne's rows
+    for (int64_t r = r0; r < r1; r += kOneRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kOneRows, r1 - r));
+      const std::byte* rows[kOneRows];
+      for (int k = 0; k < kOneRows; ++k) rows[k] = w.row(r + std::min(k, n - 1)).data();
+      const std::byte* pf = n == kOneRows ? GroupPrefetch(w, r, kOneRows) : nullptr;
+      DotQ45KOne<kQ5K>(rows, nb, aq, y, job.y + r, n, pf);
+    }
   }
 }
 
