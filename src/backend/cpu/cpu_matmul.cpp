@@ -1329,10 +1329,10 @@ void MatmulKBatch(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) 
 // rows A, B, C, D (one unit each), `hi` elements 16..31, and the token's block is broadcast to
 // match. The weights unpack biased to unsigned (w + k: k = 128, the 4-bit types' tables shifted
 // so the lookup adds it; Q4_0's codes are w + 8 as they stand), and two vpdpbusd (lo, then hi)
-// into an accumulator started at -k * (the lane's 8 activation quants; Q8LaneBias, once per
-// call) leave each dword lane exactly the sum of its 8 products w * y, so the 4 lanes of a unit sum
-// to the row's block total (integer adds, exact; |lane| < 2^17). Two in-unit shuffle-and-adds and
-// one permute give [A B C D], and one 4-wide fma(dw * yd, float(total), acc) per block, in block
+// leave each dword lane exactly the sum of its 8 products (w + k) * y, so the 4 lanes of a unit
+// plus -k * (the sum of the block's 32 activation quants; Q8QuadActs, once per call) sum to the
+// row's block total (integer adds, exact; |lane| < 2^17). Two in-unit shuffle-and-adds and one
+// permute give [A B C D], and one 4-wide fma(dw * yd, float(total), acc) per block, in block
 // order, gives each row the plain kernel's bits (tests/ops MatmulQ8One). (Reducing four blocks'
 // registers at once takes fewer instructions but decoded slower from memory: docs/BENCHMARKS.md,
 // session 26.) Rows past the matrix's end of a last group repeat its last row.
@@ -1443,51 +1443,76 @@ constexpr int kQ8QuadBias = 128;
 template <>
 constexpr int kQ8QuadBias<QuadQ4_0> = 8;
 
-// Per block of the token, -k * (the sum of each dword lane's 8 quants: lane L of ylo and of
-// yhi), as 4 lanes; what turns the products of the biased weights into those of the weights.
-// Computed once per call, not once per row group.
-struct alignas(16) LaneBias {
-  int32_t lane[4];
+// Per block of the token, once per call (not once per row group): -k * (the sum of its 32
+// quants), what turns the products of the biased weights into those of the weights, added to
+// each row's block total after the lane reduction (integer adds: exact in any order); and, for
+// the 4-bit types (kQ8QuadActs), quants 0..15 (lo) and 16..31 (hi) broadcast to every unit, which
+// the step then loads where broadcasts from memory would take the shuffle units that the 4-bit
+// unpacks keep busy. Q8_0, bound by memory rather than by those units, decodes slower with the
+// copies (their L1 lines displace the weights'), so it broadcasts (docs/BENCHMARKS.md, session 33).
+struct alignas(64) QuadAct {
+  int8_t lo[64];
+  int8_t hi[64];
 };
+template <size_t kBlockBytes>
+constexpr bool kQ8QuadActs = kBlockBytes <= 18;
 // Only the 512-bit vpdpbusd: Highway's AVX3_DL target string also enables AVX-VNNI, so GCC
 // encodes a 128/256-bit vpdpbusd there as the VEX form, which AVX-512 CPUs without AVX-VNNI
 // (Zen 4) do not have (SIGILL); scripts/check-isa (ctest isa.NoUncheckedInstructionsInKiln)
-// fails on any VEX-encoded VNNI instruction in the kiln binary.
+// fails on any VEX-encoded VNNI instruction in the kiln binary. acts: null, or nb entries.
 template <int kBias>
-KILN_VNNI512 void Q8LaneBias(const ActQ8_0* ys, int64_t nb, LaneBias* bias) {
+KILN_VNNI512 void Q8QuadActs(const ActQ8_0* ys, int64_t nb, int32_t* bias, QuadAct* acts) {
   const __m512i k = _mm512_set1_epi8(static_cast<char>(kBias));
   for (int64_t i = 0; i < nb; ++i) {
-    // Lanes 0..3: the first 16 quants' dword lanes, 4..7: the next 16's (exact int32 sums).
-    const __m512i s8 =
+    const __m512i s8 =  // k * the quants, 4 to a lane (exact int32 sums)
         _mm512_dpbusd_epi32(_mm512_setzero_si512(), k, _mm512_zextsi256_si512(Load32(ys[i].qs)));
-    const __m128i s = _mm_add_epi32(_mm512_castsi512_si128(s8), _mm512_extracti32x4_epi32(s8, 1));
-    _mm_store_si128(reinterpret_cast<__m128i*>(bias[i].lane),
-                    _mm_sub_epi32(_mm_setzero_si128(), s));
+    bias[i] = -_mm512_reduce_add_epi32(s8);
+    if (acts == nullptr) continue;
+    const auto* yq = reinterpret_cast<const __m128i*>(ys[i].qs);
+    _mm512_store_si512(acts[i].lo, _mm512_broadcast_i32x4(_mm_loadu_si128(yq)));
+    _mm512_store_si512(acts[i].hi, _mm512_broadcast_i32x4(_mm_loadu_si128(yq + 1)));
   }
 }
 
-// One block: each unit's 4 lanes (the row's lane sums) and the rows' dw * yd.
-template <Q8QuadUnpack Quad>
+// One block: each unit's 4 lanes (the row's lane sums, before the bias) and the rows' dw * yd.
+template <Q8QuadUnpack Quad, bool kActs>
 KILN_VNNI512_INLINE __m512i Q8QuadBlock(const std::byte* const* rows, int64_t i, const ActQ8_0* ys,
-                                        const LaneBias* bias, __m128* dy) {
-  const auto* yq = reinterpret_cast<const __m128i*>(ys[i].qs);
-  const __m512i ylo = _mm512_broadcast_i32x4(_mm_loadu_si128(yq));
-  const __m512i yhi = _mm512_broadcast_i32x4(_mm_loadu_si128(yq + 1));
+                                        const QuadAct* acts, __m128* dy) {
   __m512i lo, hi;
   __m128 d;
   Quad(rows, i, &lo, &hi, &d);
   *dy = _mm_mul_ps(d, _mm_set1_ps(ys[i].d));
-  const __m512i b =
-      _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(bias[i].lane)));
-  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(b, lo, ylo), hi, yhi);
+  __m512i ylo, yhi;
+  if constexpr (kActs) {
+    ylo = _mm512_load_si512(acts[i].lo);
+    yhi = _mm512_load_si512(acts[i].hi);
+  } else {
+    const auto* yq = reinterpret_cast<const __m128i*>(ys[i].qs);
+    ylo = _mm512_broadcast_i32x4(_mm_loadu_si128(yq));
+    yhi = _mm512_broadcast_i32x4(_mm_loadu_si128(yq + 1));
+  }
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ylo), hi, yhi);
 }
 
+// A block's step once its lane sums v are in: the 4 rows' totals (plus the block's bias) and
+// acc += dy * float(total).
+KILN_VNNI512_INLINE __m128 Q8QuadTotalsFma(__m512i v, __m128 dy, int32_t bias, __m128 acc) {
+  // Lane 0 of each unit, after the two in-unit adds: [A B C D].
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
+  v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
+  v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
+  const __m128i totals = _mm_add_epi32(_mm512_castsi512_si128(_mm512_permutexvar_epi32(order, v)),
+                                       _mm_set1_epi32(bias));
+  return _mm_fmadd_ps(dy, _mm_cvtepi32_ps(totals), acc);
+}
+
+// Software-pipelined as DotQ45KOne: block i's lane sums, then block i - 1's totals.
 template <Q8QuadUnpack Quad, size_t kBlockBytes, bool kL1>
 KILN_VNNI512 void DotQ8FamOne(const std::byte* const* rows, int64_t nb, const ActQ8_0* ys,
-                              const LaneBias* bias, float* out, int n_out, const std::byte* pf) {
-  // Lane 0 of each unit, after the two in-unit adds below: [A B C D].
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
-  __m128 acc = _mm_setzero_ps();
+                              const int32_t* bias, const QuadAct* acts, float* out, int n_out,
+                              const std::byte* pf) {
+  __m128 acc = _mm_setzero_ps(), dyp = acc;
+  __m512i vp = _mm512_setzero_si512();
   for (int64_t i = 0; i < nb; ++i) {
     if (pf != nullptr) {
       if constexpr (kL1)
@@ -1496,12 +1521,12 @@ KILN_VNNI512 void DotQ8FamOne(const std::byte* const* rows, int64_t nb, const Ac
         PrefetchSpanL2<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
     }
     __m128 dy;
-    __m512i v = Q8QuadBlock<Quad>(rows, i, ys, bias, &dy);
-    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
-    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
-    const __m128i totals = _mm512_castsi512_si128(_mm512_permutexvar_epi32(order, v));
-    acc = _mm_fmadd_ps(dy, _mm_cvtepi32_ps(totals), acc);
+    const __m512i v = Q8QuadBlock<Quad, kQ8QuadActs<kBlockBytes>>(rows, i, ys, acts, &dy);
+    if (i > 0) acc = Q8QuadTotalsFma(vp, dyp, bias[i - 1], acc);
+    vp = v;
+    dyp = dy;
   }
+  if (nb > 0) acc = Q8QuadTotalsFma(vp, dyp, bias[nb - 1], acc);
   alignas(16) float o[4];
   _mm_store_ps(o, acc);
   for (int k = 0; k < n_out; ++k) out[k] = o[k];
@@ -1518,9 +1543,12 @@ void MatvecQ8One(const MatmulJob& job, int64_t r0, int64_t r1) {
   const WeightMatrix& w = *job.w;
   const int64_t nb = w.n_cols / 32;
   const auto* y = reinterpret_cast<const ActQ8_0*>(job.xq);
-  thread_local std::vector<LaneBias> bias;
+  thread_local std::vector<int32_t> bias;
+  thread_local std::vector<QuadAct> acts;
   bias.resize(static_cast<size_t>(nb));
-  Q8LaneBias<kQ8QuadBias<Quad>>(y, nb, bias.data());
+  if constexpr (kQ8QuadActs<kBlockBytes>) acts.resize(static_cast<size_t>(nb));
+  QuadAct* qa = kQ8QuadActs<kBlockBytes> ? acts.data() : nullptr;
+  Q8QuadActs<kQ8QuadBias<Quad>>(y, nb, bias.data(), qa);
   // The 4-bit blocks on Intel cores into L1 (prefetch.h IntelCores; a prefetch changes no result).
   const bool l1 = kBlockBytes <= 18 && IntelCores();
   for (int64_t r = r0; r < r1; r += kQ8OneRows) {
@@ -1529,9 +1557,9 @@ void MatvecQ8One(const MatmulJob& job, int64_t r0, int64_t r1) {
     for (int k = 0; k < kQ8OneRows; ++k) rows[k] = w.row(r + std::min(k, n - 1)).data();
     const std::byte* pf = n == kQ8OneRows ? GroupPrefetch(w, r, kQ8OneRows) : nullptr;
     if (l1)
-      DotQ8FamOne<Quad, kBlockBytes, true>(rows, nb, y, bias.data(), job.y + r, n, pf);
+      DotQ8FamOne<Quad, kBlockBytes, true>(rows, nb, y, bias.data(), qa, job.y + r, n, pf);
     else
-      DotQ8FamOne<Quad, kBlockBytes, false>(rows, nb, y, bias.data(), job.y + r, n, pf);
+      DotQ8FamOne<Quad, kBlockBytes, false>(rows, nb, y, bias.data(), qa, job.y + r, n, pf);
   }
 }
 
