@@ -15,10 +15,10 @@ TEST(ReadProbe, BestOfTheMethodsAndItsName) {
   EXPECT_GT(all.gbps, 0);
   EXPECT_NE(std::find(std::begin(cpu::kReadMethods), std::end(cpu::kReadMethods), all.method),
             std::end(cpu::kReadMethods));
-  const cpu::ReadMethod one[] = {cpu::ReadMethod::kPrefetchL2_16K};
+  const cpu::ReadMethod one[] = {cpu::ReadMethod::kPrefetchL2Matvec};
   const ReadProbe::Reading r = probe.measure(one, 1);
   EXPECT_GT(r.gbps, 0);
-  EXPECT_EQ(r.method, cpu::ReadMethod::kPrefetchL2_16K);
+  EXPECT_EQ(r.method, cpu::ReadMethod::kPrefetchL2Matvec);
 }
 
 }  // namespace

@@ -693,24 +693,20 @@ KILN_VNNI512_INLINE __m128i ScalesMins8(const uint8_t* scales, int32_t* sc_even 
 // ---------------------------------------------------------------- single-token K-quants (VNNI)
 // A decode step's matvec (one token) through the lane sums above, reading the token's Q8_K row
 // in place (no tile: a tile fill would be paid per call, and decode calls are many and small,
-// e.g. the 256x1024 expert slices of a MoE layer). On the dev box (EPYC, Zen 5)
-// the plain one-token kernels are bound by their instructions, not by memory (bench/matvec_bench
-// BM_Matvec: Q4_K ~21 GB/s per core and 2 threads twice that, while 2 threads stream 35-60 GB/s
-// from DRAM), so decode of a Q4_K_M model was compute-bound; these run 1.8-2x faster
-// (BM_KQOneOnOff: Q4_K 41 GB/s, Q6_K 63 GB/s per core on L3-resident FFN shapes). The lane
-// sums and float steps above, hence the plain kernels' bits (tests/ops MatmulKQOne).
+// e.g. the 256x1024 expert slices of a MoE layer). The plain one-token kernels are bound by
+// their instructions rather than by memory, so a Q4_K_M decode was compute-bound with them;
+// these take about half the time per block (bench/matvec_bench BM_KQOneOnOff; figures in
+// docs/BENCHMARKS.md). The lane sums and float steps above, hence the plain kernels' bits
+// (tests/ops MatmulKQOne).
 //
 // Q4_K: a 64-byte load of qs yields [sub 4p | sub 4p+2] (low nibbles) and [sub 4p+1 | sub 4p+3]
 // (high nibbles); `aq` is the token's quants in that order (ReorderQ4KOne, once per call, 64-byte
-// aligned), ys its Q8_K row for the scales and bsums. The block scales are decoded with vector
-// and 64-bit integer ops and the f16 d/dmin by F16C (both exact, the same values as
-// ScalesMinsK4 and f16_to_f32): in a one-token kernel this per-block work is a third of the
-// instructions.
-// R rows at once (the activation loads shared); per block each row's exact totals (the plain
-// kernels' T1 and T2, docs/determinism.md) are reduced together (Totals8) and one 4-wide FMA
-// per term serves the R rows, in block order: the plain kernel's arithmetic per row, so R
-// changes no bits (tests/ops MatmulKQOne: R = 4 and R = 1 rows of a call against the plain
-// kernel).
+// aligned), ys its Q8_K row for the scales and bsums. The block heads (scales, mins, d, dmin) of
+// the 4 rows a call takes are decoded together (DecodeHeads; exact, the values of ScalesMinsK4
+// and f16_to_f32), and per block the rows' exact totals (the plain kernels' T1 and T2,
+// docs/determinism.md) are reduced together, one 4-wide FMA per term, in block order: the plain
+// kernel's arithmetic per row. Q6_K: R rows of a call the same way (Totals8), where R changes no
+// bits (tests/ops MatmulKQOne: R = 4 and R = 1 rows of a call against the plain kernel).
 
 // Q4_K's low words carry this offset: 0 <= kLowBias + da < 2^15 for any Q4_K lane sum da
 // (|da| <= 4 * 15 * 128 = 7680); Q5_K's codes reach 31, so |da| <= 4 * 31 * 128 = 15872 and its

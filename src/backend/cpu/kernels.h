@@ -80,9 +80,11 @@ void matmul_float_tiled(const MatmulJob& job, int64_t r0, int64_t r1);
 // The fast kernels that stream weight rows (one-token, v2 batched, AVX2) software-prefetch
 // this many bytes ahead of the rows they work on, a span per block step into L2: the hardware
 // prefetchers alone leave decode well short of the read bandwidth (see MatvecKOne in
-// cpu_matmul.cpp, and docs/BENCHMARKS.md for the distances measured). Prefetching changes no
-// result.
-inline constexpr int64_t kMatvecPrefetchBytes = 16384;
+// cpu_matmul.cpp, and docs/BENCHMARKS.md for the distances measured). 32 KiB: on the Zen 4 VM
+// decode read a larger fraction of the probe's bandwidth than at 16 KiB for every type measured,
+// at 1 and 2 threads (session 33); on the Intel Xeon 4-64 KiB were level (session 28).
+// Prefetching changes no result.
+inline constexpr int64_t kMatvecPrefetchBytes = 32768;
 
 // ---- attention (cpu_attention.cpp)
 // One (query i, head h) pair: the plain kernel, which every head width takes with `portable`

@@ -8,6 +8,7 @@
 
 #include <iterator>
 
+#include "kernels.h"
 #include "read_probe.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -65,8 +66,8 @@ uint64_t ReadPassK(const uint64_t* p, size_t n, ReadMethod m) {
       return VectorPass<4096, 3>(p, n);
     case ReadMethod::kPrefetch16K:
       return VectorPass<16384, 3>(p, n);
-    case ReadMethod::kPrefetchL2_16K:
-      return VectorPass<16384, 2>(p, n);
+    case ReadMethod::kPrefetchL2Matvec:
+      return VectorPass<static_cast<size_t>(kMatvecPrefetchBytes), 2>(p, n);
     case ReadMethod::kPrefetchNta4K:
       return VectorPass<4096, 0>(p, n);
   }
@@ -92,9 +93,10 @@ std::string_view read_method_name(ReadMethod m) {
                                                 "vector loads, prefetch 1 KiB ahead",
                                                 "vector loads, prefetch 4 KiB ahead",
                                                 "vector loads, prefetch 16 KiB ahead",
-                                                "vector loads, prefetch to L2 16 KiB ahead",
+                                                "vector loads, prefetch to L2 32 KiB ahead",
                                                 "vector loads, non-temporal prefetch 4 KiB ahead"};
   static_assert(std::size(kNames) == std::size(kReadMethods));
+  static_assert(kMatvecPrefetchBytes == 32768, "the L2 method's name above states the distance");
   static_assert([] {
     for (size_t k = 0; k < std::size(kReadMethods); ++k)
       if (static_cast<size_t>(kReadMethods[k]) != k) return false;

@@ -12,17 +12,17 @@
 namespace kiln::cpu {
 
 enum class ReadMethod : uint8_t {
-  kScalar,          // 64-bit loads, four independent sums
-  kVector,          // the widest vectors, four independent sums
-  kPrefetch1K,      // kVector with a software prefetch to L1 this many bytes ahead
-  kPrefetch4K,      //
-  kPrefetch16K,     //
-  kPrefetchL2_16K,  // to L2, 16 KiB ahead (the one-token matvec kernels' form)
-  kPrefetchNta4K,   // non-temporal prefetch, 4 KiB ahead
+  kScalar,            // 64-bit loads, four independent sums
+  kVector,            // the widest vectors, four independent sums
+  kPrefetch1K,        // kVector with a software prefetch to L1 this many bytes ahead
+  kPrefetch4K,        //
+  kPrefetch16K,       //
+  kPrefetchL2Matvec,  // to L2, kMatvecPrefetchBytes ahead (the one-token matvec kernels' form)
+  kPrefetchNta4K,     // non-temporal prefetch, 4 KiB ahead
 };
 inline constexpr ReadMethod kReadMethods[] = {
     ReadMethod::kScalar,       ReadMethod::kVector,      ReadMethod::kPrefetch1K,
-    ReadMethod::kPrefetch4K,   ReadMethod::kPrefetch16K, ReadMethod::kPrefetchL2_16K,
+    ReadMethod::kPrefetch4K,   ReadMethod::kPrefetch16K, ReadMethod::kPrefetchL2Matvec,
     ReadMethod::kPrefetchNta4K};
 std::string_view read_method_name(ReadMethod m);
 
