@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <sstream>
+#include <string>
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_backend.h"
@@ -448,6 +450,20 @@ TEST(MatmulQ8One, SameBitsAsPlainKernel) {
 // widths); row counts that leave partial row tiles and, at the wide widths, cross row blocks
 // (768 KiB of weights), split over 1 and 2 threads; a column block of a wider matrix (strided
 // rows); one token with a NaN, one with a huge element.
+// Where two outputs first differ: the index and both values with their bits.
+std::string first_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    uint32_t ua, ub;
+    std::memcpy(&ua, &a[i], 4);
+    std::memcpy(&ub, &b[i], 4);
+    if (ua != ub)
+      return "output " + std::to_string(i) + ": " + std::to_string(a[i]) + " (0x" +
+             (std::ostringstream{} << std::hex << ua).str() + ") vs " + std::to_string(b[i]) +
+             " (0x" + (std::ostringstream{} << std::hex << ub).str() + ")";
+  }
+  return "sizes " + std::to_string(a.size()) + " / " + std::to_string(b.size());
+}
+
 // One pass of MatmulFloatTile over its shapes; `light`: a subset, for the other SIMD targets.
 void check_float_tile(std::mt19937_64& rng, bool light) {
   for (DType type : {DType::F32, DType::F16, DType::BF16}) {
@@ -481,7 +497,7 @@ void check_float_tile(std::mt19937_64& rng, bool light) {
             if (n_tok > 2) x[2 * k + k - 1] = NAN;  // token 2: NaN (in the tail where k has one)
             const auto [fast1, fast2, portable] = run_fast_portable(w, x, n_tok);
             ASSERT_EQ(0, std::memcmp(fast1.data(), portable.data(), fast1.size() * sizeof(float)))
-                << "float tile vs DotTile differ";
+                << "float tile vs DotTile differ: " << first_difference(fast1, portable);
             ASSERT_EQ(0, std::memcmp(fast1.data(), fast2.data(), fast1.size() * sizeof(float)))
                 << "float tile: 1 vs 2 threads differ";
             if (n_tok > 2) {

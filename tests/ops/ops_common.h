@@ -9,17 +9,21 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
 
 namespace kiln::testing {
 
-// Fresh inputs every run; the seed is in every failure message so a failure can be replayed
-// by pinning it here.
+// Fresh inputs every run; the seed is in every failure message, and KILN_OPS_SEED=<that seed>
+// replays the failure.
 inline uint64_t ops_seed() {
-  static const uint64_t seed =
-      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  static const uint64_t seed = [] {
+    if (const char* s = std::getenv("KILN_OPS_SEED"); s != nullptr && *s != '\0')
+      return static_cast<uint64_t>(std::strtoull(s, nullptr, 10));
+    return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }();
   return seed;
 }
 

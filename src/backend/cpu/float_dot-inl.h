@@ -12,6 +12,7 @@
 #define KILN_BACKEND_CPU_FLOAT_DOT_INL_H_
 #endif
 
+#include <cmath>
 #include <cstdint>
 
 #include "core/half.h"
@@ -76,12 +77,16 @@ HWY_INLINE void Q6KGroups(__m256i ql0, __m256i ql1, __m256i qh, __m256i (&w4)[4]
 #endif
 
 // The end of one output's dot: acc0 + acc1 summed across lanes, then elements [i, n) (fewer
-// than a vector) one at a time.
+// than a vector) one at a time, each by one fused multiply-add. Written as std::fma because
+// `s += w * x` is left to the compiler's contraction, which differs between the instantiations
+// that must agree: BF16 rows shorter than a vector came out a rounding apart between the
+// one-token kernels and DotTile on an Intel Xeon, whose instantiations (prefetch.h IntelCores)
+// the other machines do not run (session 33).
 template <class L>
 HWY_INLINE float DotFinish(DF d, hn::Vec<DF> acc0, hn::Vec<DF> acc1, const L& w, const float* x,
                            int64_t i, int64_t n) {
   float s = hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1)));
-  for (int64_t j = i; j < n; ++j) s += w.at(j) * x[j];
+  for (int64_t j = i; j < n; ++j) s = std::fma(w.at(j), x[j], s);
   return s;
 }
 
