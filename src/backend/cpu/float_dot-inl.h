@@ -12,7 +12,6 @@
 #define KILN_BACKEND_CPU_FLOAT_DOT_INL_H_
 #endif
 
-#include <cmath>
 #include <cstdint>
 
 #include "core/half.h"
@@ -77,16 +76,18 @@ HWY_INLINE void Q6KGroups(__m256i ql0, __m256i ql1, __m256i qh, __m256i (&w4)[4]
 #endif
 
 // The end of one output's dot: acc0 + acc1 summed across lanes, then elements [i, n) (fewer
-// than a vector) one at a time, each by one fused multiply-add. Written as std::fma because
-// `s += w * x` is left to the compiler's contraction, which differs between the instantiations
-// that must agree: BF16 rows shorter than a vector came out a rounding apart between the
-// one-token kernels and DotTile on an Intel Xeon, whose instantiations (prefetch.h IntelCores)
-// the other machines do not run (session 33).
+// than a vector) one at a time, each by the target's MulAdd on one lane (fused where it has FMA),
+// as cpu_attention.cpp's MulAddLane. Not `s += w * x`: whether the compiler contracts that into
+// an FMA differs between the instantiations that must agree, and BF16 rows shorter than a vector
+// came out a rounding apart between the one-token kernels and DotTile on an Intel Xeon, whose
+// instantiations (prefetch.h IntelCores) the other machines do not run (session 33).
 template <class L>
 HWY_INLINE float DotFinish(DF d, hn::Vec<DF> acc0, hn::Vec<DF> acc1, const L& w, const float* x,
                            int64_t i, int64_t n) {
   float s = hn::GetLane(hn::SumOfLanes(d, hn::Add(acc0, acc1)));
-  for (int64_t j = i; j < n; ++j) s = std::fma(w.at(j), x[j], s);
+  const hn::CappedTag<float, 1> d1;
+  for (int64_t j = i; j < n; ++j)
+    s = hn::GetLane(hn::MulAdd(hn::Set(d1, w.at(j)), hn::Set(d1, x[j]), hn::Set(d1, s)));
   return s;
 }
 
