@@ -695,9 +695,9 @@ KILN_VNNI512_INLINE __m128i ScalesMins8(const uint8_t* scales, int32_t* sc_even 
 // in place (no tile: a tile fill would be paid per call, and decode calls are many and small,
 // e.g. the 256x1024 expert slices of a MoE layer). The plain one-token kernels are bound by
 // their instructions rather than by memory, so a Q4_K_M decode was compute-bound with them;
-// these take about half the time per block (bench/matvec_bench BM_KQOneOnOff; figures in
-// docs/BENCHMARKS.md). The lane sums and float steps above, hence the plain kernels' bits
-// (tests/ops MatmulKQOne).
+// these take a half to a third of their time per block (bench/matvec_bench BM_KQOneOnOff;
+// figures in docs/BENCHMARKS.md). The lane sums and float steps above, hence the plain kernels'
+// bits (tests/ops MatmulKQOne).
 //
 // Q4_K: a 64-byte load of qs yields [sub 4p | sub 4p+2] (low nibbles) and [sub 4p+1 | sub 4p+3]
 // (high nibbles); `aq` is the token's quants in that order (ReorderQ4KOne, once per call, 64-byte
@@ -846,9 +846,9 @@ KILN_VNNI512_INLINE __m128 BlockTotalsFma(const __m512i (&v)[4], const Q45KHeads
 // Q4_K (kHigh = false) or Q5_K (true), 4 rows: the plain kernel's T1/T2 arithmetic
 // (docs/determinism.md) per row, in block order. Software-pipelined: block i's lane sums are
 // issued between block i + 1's head decoding and block i - 1's totals, so that no step waits
-// on the one before it in program order (one block's chain from the loads to its FMAs is longer
-// than the core's schedulers can cover, and in order the blocks did not overlap). Rows past n_out
-// repeat a row (the caller's), their lanes unused.
+// on the one before it in program order: one block's chain from the loads to its FMAs is long,
+// and the blocks overlapped less in order (measured faster this way on Zen 4, session 33). Rows
+// past n_out repeat a row (the caller's), their lanes unused.
 template <bool kHigh>
 KILN_VNNI512 void DotQ45KOne(const std::byte* const* rows, int64_t nb, const int8_t* aq,
                              const block_q8_K* ys, float* out, int n_out, const std::byte* pf) {
@@ -1444,8 +1444,9 @@ constexpr int kQ8QuadBias<QuadQ4_0> = 8;
 // each row's block total after the lane reduction (integer adds: exact in any order); and, for
 // the 4-bit types (kQ8QuadActs), quants 0..15 (lo) and 16..31 (hi) broadcast to every unit, which
 // the step then loads where broadcasts from memory would take the shuffle units that the 4-bit
-// unpacks keep busy. Q8_0, bound by memory rather than by those units, decodes slower with the
-// copies (their L1 lines displace the weights'), so it broadcasts (docs/BENCHMARKS.md, session 33).
+// unpacks keep busy. Q8_0, bound by memory rather than by those units, decoded slower with the
+// copies (measured; their L1 footprint is the likely cause), so it broadcasts (docs/BENCHMARKS.md,
+// session 33).
 struct alignas(64) QuadAct {
   int8_t lo[64];
   int8_t hi[64];
