@@ -4,7 +4,6 @@
 #include <algorithm>
 
 #include "core/check.h"
-#include "sampling/spec_verify.h"
 
 namespace kiln {
 
@@ -46,7 +45,9 @@ DflashDrafter::DflashDrafter(model::DflashModel d, std::shared_ptr<const Model> 
       target_(std::move(target)),
       backend_(be),
       kv_(std::move(kv)),
-      state_(drafter_, max_batch) {
+      state_(drafter_, max_batch),
+      feat_(be.alloc<float>(static_cast<size_t>(max_batch) *
+                            static_cast<size_t>(drafter_.n_feat()))) {
   for (int32_t L : drafter_.dp.target_layers) features_.push_back(model::dflash_feature_name(L));
 }
 
@@ -101,19 +102,38 @@ Status DflashDrafter::inject(const model::Capture& capture, int32_t n_rows) {
     nodes.push_back(&c);
   }
   // Rows are interleaved by target layer: token i's features are its rows of each layer in
-  // dflash.target_layers order (the fc's column order).
+  // dflash.target_layers order (the fc's column order). Nodes on this backend are gathered
+  // there (one 2-D copy per layer); host nodes are gathered on the host and uploaded.
+  const bool on_device = std::all_of(nodes.begin(), nodes.end(), [&](const auto* c) {
+    return c->on_device() && capture.device == &backend_;
+  });
   for (int32_t done = 0; done < n_rows;) {
     const int32_t chunk = std::min(n_rows - done, state_.max_rows());
-    feat_.resize(static_cast<size_t>(chunk) * static_cast<size_t>(n_feat));
-    for (int32_t i = 0; i < chunk; ++i)
+    const std::span<float> feat = feat_.span().first(static_cast<size_t>(chunk * n_feat));
+    if (on_device) {
+      for (size_t k = 0; k < n_layers; ++k)
+        backend_.copy_2d(nodes[k]->device, E, 0, feat, n_feat, int64_t(k) * E, chunk, E);
+    } else {
+      feat_host_.resize(feat.size());
       for (size_t k = 0; k < n_layers; ++k) {
-        const float* src = nodes[k]->data.data() + static_cast<size_t>(done + i) * E;
-        std::copy(src, src + E,
-                  feat_.begin() + static_cast<ptrdiff_t>(i * n_feat + int64_t(k) * E));
+        std::vector<float> downloaded;
+        std::span<const float> rows = nodes[k]->data;
+        if (nodes[k]->on_device()) {  // a capture on another backend's memory: not expected
+          downloaded.resize(nodes[k]->device.size());
+          capture.device->download(nodes[k]->device, std::span<float>(downloaded));
+          rows = downloaded;
+        }
+        for (int32_t i = 0; i < chunk; ++i) {
+          const float* src = rows.data() + static_cast<size_t>(done + i) * E;
+          std::copy(src, src + E,
+                    feat_host_.begin() + static_cast<ptrdiff_t>(i * n_feat + int64_t(k) * E));
+        }
       }
+      backend_.upload(std::span<const float>(feat_host_), feat);
+    }
     KILN_TRY(kv_.begin_append(chunk).context("DFlash drafter"));
     bind_layers();
-    model::dflash_inject(drafter_, backend_, state_, feat_, kv_.append_pos(), layer_kv_);
+    model::dflash_inject(drafter_, backend_, state_, feat, kv_.append_pos(), layer_kv_);
     kv_.commit();
     done += chunk;
   }
@@ -141,16 +161,13 @@ Status DflashDrafter::propose(const DraftRequest& req, Draft& out) {
   const size_t V = static_cast<size_t>(drafter_.dp.n_vocab);
   KILN_TRY(kv_.begin_append(B).context("DFlash drafter"));
   bind_layers();
-  logits_.resize(static_cast<size_t>(B) * V);
+  draft_logits_.resize(keep_logits_ ? static_cast<size_t>(n) * V : 0);
+  out.tokens.resize(static_cast<size_t>(n));
   const model::Weights& tw = target_->weights();
   model::dflash_block(drafter_, tw.token_embd, tw.output, backend_, state_, block_,
-                      kv_.append_pos(), layer_kv_, logits_);
+                      kv_.append_pos(), layer_kv_, out.tokens, draft_logits_);
   // The block's K/V rows were scratch for this pass: the cache keeps the accepted history.
   KILN_TRY(kv_.truncate(kv_.n_pos()));
-  draft_logits_.assign(logits_.begin() + static_cast<ptrdiff_t>(V), logits_.end());
-  for (int32_t i = 1; i < B; ++i)
-    out.tokens.push_back(
-        argmax_id(std::span<const float>(logits_).subspan(static_cast<size_t>(i) * V, V)));
   return Status::ok();
 }
 

@@ -42,6 +42,9 @@ class DflashDrafter final : public Drafter {
   Status propose(const DraftRequest& req, Draft& out) override;
   std::vector<std::string> wanted_captures() const override;
   void observe_target(const model::Capture& capture, int32_t n_rows_kept) override;
+  // The features stay in the backend's memory from the target's pass to the fc (on a GPU
+  // neither a download nor a wait).
+  Backend* capture_device() const override { return &backend_; }
   // Keeps the features of positions < n_pos (n_pos <= n_pos()); a latched observe_target
   // failure refuses anything but 0.
   Status rollback(int32_t n_pos) override;
@@ -51,8 +54,10 @@ class DflashDrafter final : public Drafter {
   const model::DflashModel& drafter() const { return drafter_; }
   // Positions whose features the drafter's cache holds.
   int32_t n_pos() const { return kv_.n_pos(); }
-  // The last proposal's logits, one row per drafted token ([n][n_vocab]; tests compare them
-  // with llama.cpp's).
+  // Whether each proposal also ships its logits to the host (tests compare them with
+  // llama.cpp's); off, only the drafted ids cross (one per row). The drafts are the same.
+  void set_keep_logits(bool on) { keep_logits_ = on; }
+  // The last proposal's logits, one row per drafted token ([n][n_vocab]), when kept.
   std::span<const float> last_logits() const { return draft_logits_; }
 
  private:
@@ -68,10 +73,11 @@ class DflashDrafter final : public Drafter {
   model::DflashState state_;
   std::vector<std::string> features_;  // capture names, in dflash.target_layers order
   std::vector<model::LayerKv> layer_kv_;
-  std::vector<float> feat_;     // [rows][n_feat] gathered features
-  std::vector<int32_t> block_;  // [last, mask...]
-  std::vector<float> logits_;   // [block][n_vocab]
-  std::vector<float> draft_logits_;
+  BackendBuffer<float> feat_;        // [max_batch][n_feat] features by token, backend memory
+  std::vector<float> feat_host_;     // the same rows gathered from host captures
+  std::vector<int32_t> block_;       // [last, mask...]
+  std::vector<float> draft_logits_;  // [block - 1][n_vocab] when keep_logits_
+  bool keep_logits_ = false;
   Status pending_ = Status::ok();  // an observe_target failure, reported by the next propose
 };
 

@@ -166,6 +166,7 @@ Scheduler::Scheduler(std::shared_ptr<const Model> model, Backend& backend, Sched
     if (!drafters.empty()) {
       s->drafter = std::move(drafters[static_cast<size_t>(i)]);
       s->capture.only = s->drafter->wanted_captures();
+      s->capture.device = s->drafter->capture_device();
     }
     slots_.push_back(std::move(s));
   }

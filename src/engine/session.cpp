@@ -268,10 +268,15 @@ Expected<std::span<const float>> Session::eval(std::span<const int32_t> tokens, 
   return std::span<const float>(logits_.span());
 }
 
-Expected<Session::TopK> Session::eval_top_k(std::span<const int32_t> tokens, int32_t k) {
+Expected<Session::TopK> Session::eval_top_k(std::span<const int32_t> tokens, int32_t k,
+                                            bool all_rows) {
   if (k < 1 || k > n_vocab())
     return Status::errorf("top-k of {} candidates outside 1..{}", k, n_vocab());
-  KILN_TRY(eval_impl(tokens, false, k));
+  // Only the last chunk's step ranks its rows.
+  if (all_rows && static_cast<int64_t>(tokens.size()) > max_batch())
+    return Status::errorf("top-k of every row of {} tokens: more than one step's {}", tokens.size(),
+                          max_batch());
+  KILN_TRY(eval_impl(tokens, all_rows, k));
   return TopK{top_ids_, top_vals_};
 }
 
@@ -289,8 +294,8 @@ Status Session::eval_impl(std::span<const int32_t> tokens, bool all_logits, int3
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t V = hp.n_vocab;
   logits_.resize(static_cast<size_t>((all_logits ? n : 1) * V), backend_);
-  top_ids_.resize(static_cast<size_t>(top_k));
-  top_vals_.resize(static_cast<size_t>(top_k));
+  top_ids_.resize(static_cast<size_t>((all_logits ? n : 1) * top_k));
+  top_vals_.resize(top_ids_.size());
   Impl& s = *impl_;
   const int32_t max_batch = s.kv().max_batch();
   for (size_t r = 0; r < s.ranks.size(); ++r)
@@ -451,9 +456,13 @@ Status BatchEval::eval_impl(std::span<const Item> items, int32_t top_k) {
   // One capture for the whole batch, of every name an item wants (all when one wants all).
   bool capture = false, capture_all = false;
   b.capture.only.clear();
+  b.capture.device = nullptr;
   for (const Item& it : items) {
     if (!it.capture) continue;
     capture = true;
+    // An item that reads its rows on this backend has the batch keep them there; each item
+    // then takes its rows as it asked (record_rows), on the device or as a host copy.
+    if (it.capture->device == &backend_.tp_rank(0)) b.capture.device = it.capture->device;
     capture_all = capture_all || it.capture->only.empty();
     for (const std::string& name : it.capture->only)
       if (std::find(b.capture.only.begin(), b.capture.only.end(), name) == b.capture.only.end())
@@ -492,11 +501,8 @@ Status BatchEval::eval_impl(std::span<const Item> items, int32_t top_k) {
       for (const auto& entry : b.capture.nodes) {
         const auto& name = entry.first;
         const auto& node = entry.second;
-        if (node.n_rows != total || !it.capture->wants(name)) continue;
-        const auto row = [&node](int64_t i) {
-          return node.data.begin() + static_cast<ptrdiff_t>(i * node.width);
-        };
-        it.capture->record(name, std::span<const float>(row(first), row(first + n)), n);
+        if (node.n_rows != total) continue;
+        it.capture->record_rows(name, node, backend_.tp_rank(0), first, n);
       }
     }
     first += n;

@@ -101,8 +101,9 @@ class Session {
   };
   // eval(tokens, false) that returns the last token's k best candidates instead of its logits
   // (a device backend downloads k values, not the vocabulary). 1 <= k <= n_vocab(); otherwise
-  // the same errors as eval().
-  Expected<TopK> eval_top_k(std::span<const int32_t> tokens, int32_t k);
+  // the same errors as eval(). all_rows: every token's ([n][k], as eval(tokens, true) gives
+  // every token's logits); then the tokens must fit one forward step (n <= max_batch()).
+  Expected<TopK> eval_top_k(std::span<const int32_t> tokens, int32_t k, bool all_rows = false);
   // The first part of a prompt's evaluation for generation; returns the tokens still to
   // evaluate (with eval or eval_top_k) for the first sampled token's logits. On a
   // batch-invariant backend that is the whole prompt, evaluated here not at all. On another

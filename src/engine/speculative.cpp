@@ -152,6 +152,7 @@ SpeculativeDecoder::SpeculativeDecoder(Session& t, Drafter& d, const SpecParams&
       t_draft_(process_counters().timer("spec.draft")),
       t_verify_(process_counters().timer("spec.verify")) {
   capture_.only = d.wanted_captures();
+  capture_.device = d.capture_device();
 }
 
 Expected<std::unique_ptr<SpeculativeDecoder>> SpeculativeDecoder::create(Session& target,
@@ -182,6 +183,7 @@ Status SpeculativeDecoder::start(std::span<const int32_t> prompt) {
   history_.assign(prompt.begin(), prompt.end());
   KILN_TRY(drafter_.prepare(prompt).context(drafter_.name() + " drafter"));
   capture_.only = drafter_.wanted_captures();
+  capture_.device = drafter_.capture_device();
   const std::span<const int32_t> head = prompt.first(prompt.size() - 1);
   // A drafter conditioned on the target's activations sees the prompt's too, one forward
   // step at a time (a Session's capture holds its last step only).
@@ -246,23 +248,35 @@ Expected<SpecStep> SpeculativeDecoder::step() {
   batch_.insert(batch_.end(), draft_.tokens.begin(), draft_.tokens.end());
   const bool capture = !drafter_.wanted_captures().empty();
   target_.set_capture(capture ? &capture_ : nullptr);
-  auto logits = target_.eval(batch_, true);
-  target_.set_capture(nullptr);
-  if (!logits) return logits.status().context("speculative verify");
+  // Greedy: each row's argmax where the rows are computed; else the rows themselves.
+  const bool by_ids = !sampled && !params_.keep_logits;
+  std::span<const float> rows;
   VerifyResult vr;
-  if (!sampled) {
-    vr = verify_greedy(*logits, draft_.tokens, V);
+  if (by_ids) {
+    auto top = target_.eval_top_k(batch_, 1, /*all_rows=*/true);
+    target_.set_capture(nullptr);
+    if (!top) return top.status().context("speculative verify");
+    vr = verify_greedy_ids(top->ids, draft_.tokens);
   } else {
-    p_.resize(size_t(n_draft + 1) * size_t(V));
-    for (int32_t i = 0; i <= n_draft; ++i) {
-      sampling_probs(logits->subspan(size_t(i) * size_t(V), size_t(V)), params_.sampling, scratch_,
-                     row_);
-      std::copy(row_.begin(), row_.end(), p_.begin() + ptrdiff_t(i) * V);
+    auto logits = target_.eval(batch_, true);
+    target_.set_capture(nullptr);
+    if (!logits) return logits.status().context("speculative verify");
+    rows = *logits;
+    if (!sampled) {
+      vr = verify_greedy(rows, draft_.tokens, V);
+    } else {
+      p_.resize(size_t(n_draft + 1) * size_t(V));
+      for (int32_t i = 0; i <= n_draft; ++i) {
+        sampling_probs(rows.subspan(size_t(i) * size_t(V), size_t(V)), params_.sampling, scratch_,
+                       row_);
+        std::copy(row_.begin(), row_.end(), p_.begin() + ptrdiff_t(i) * V);
+      }
+      vr = verify_sampled(p_, draft_.probs, draft_.tokens, V, rng_);
     }
-    vr = verify_sampled(p_, draft_.probs, draft_.tokens, V, rng_);
   }
   const int32_t a = vr.n_accepted;
-  kept_logits_.assign(logits->begin(), logits->begin() + ptrdiff_t(a + 1) * V);
+  kept_logits_.assign(rows.begin(),
+                      rows.empty() ? rows.begin() : rows.begin() + ptrdiff_t(a + 1) * V);
   // Drop the rejected draft rows (the kept ones are the pending token + accepted drafts).
   if (a < n_draft) KILN_TRY(target_.rollback(base + 1 + a).context("speculative rollback"));
   if (capture) drafter_.observe_target(capture_, a + 1);

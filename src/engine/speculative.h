@@ -61,6 +61,9 @@ class Drafter {
   // conditions on. Non-empty: the decoder captures them during each verify eval and passes
   // them to observe_target().
   virtual std::vector<std::string> wanted_captures() const { return {}; }
+  // The backend whose memory observe_target() reads the captures from (model::Capture::device),
+  // or null for host copies.
+  virtual Backend* capture_device() const { return nullptr; }
   // After each target batch: the prompt prefill's chunks (every row kept), then each verify
   // (rows: the last accepted token, then the drafts; the first n_rows_kept were kept). The
   // rows continue the positions of the previous call.
@@ -120,6 +123,10 @@ struct SpecParams {
   // Draft sampling when sampling (ignored for greedy). Any q is correct (the rejection rule
   // corrects it); closer to the target's p means longer acceptance.
   SamplerParams draft_sampling;
+  // Greedy verification ranks the verify rows where they are computed (Session::eval_top_k:
+  // on a GPU one id per row crosses, not the rows) and SpecStep::logits stays empty; true
+  // ships the rows (sampled verification always does).
+  bool keep_logits = false;
 };
 
 struct SpecStats {
@@ -140,7 +147,8 @@ struct SpecStep {
   int32_t n_drafted = 0;
   int32_t n_accepted = 0;
   // Target logits of the kept verify rows ([n_accepted + 1][n_vocab]): row i scored the
-  // position that tokens[i] was chosen for. Valid until the next step().
+  // position that tokens[i] was chosen for. Valid until the next step(). Empty for greedy
+  // verification unless SpecParams::keep_logits.
   std::span<const float> logits;
 };
 

@@ -261,7 +261,6 @@ void DflashState::bind(Backend& be) {
   const size_t B = static_cast<size_t>(max_rows_);
   int64_t n_ff = 0;
   for (const LayerDesc& L : hp.layers) n_ff = std::max<int64_t>(n_ff, L.n_ff);
-  feat = be.alloc<float>(B * static_cast<size_t>(d_.n_feat()));
   x = be.alloc<float>(B * hp.n_embd);
   h = be.alloc<float>(B * hp.n_embd);
   a = be.alloc<float>(B * hp.n_embd);
@@ -328,17 +327,15 @@ void dflash_inject(const DflashModel& d, Backend& be, DflashState& st,
   const HParams& hp = d.hp;
   KILN_CHECK(static_cast<int64_t>(features.size()) == n * d.n_feat());
   KILN_CHECK(static_cast<int32_t>(kv.size()) == hp.n_layer);
-  const std::span<float> feat = p.sl(st.feat, n * d.n_feat());
-  be.upload(features, feat);
   const std::span<float> x = p.sl(st.x, n * hp.n_embd), g = p.sl(st.h, n * hp.n_embd);
-  be.matmul(d.w.fc, feat, n, x);
+  be.matmul(d.w.fc, features, n, x);
   be.rmsnorm(x, d.w.enc_norm, hp.n_embd, hp.rms_eps, g);
   for (int32_t il = 0; il < hp.n_layer; ++il) p.store_kv(il, g, pos, kv[static_cast<size_t>(il)]);
 }
 
 void dflash_block(const DflashModel& d, const WeightMatrix& tok_embd, const WeightMatrix& output,
                   Backend& be, DflashState& st, std::span<const int32_t> tokens,
-                  std::span<const int32_t> pos, std::span<const LayerKv> kv,
+                  std::span<const int32_t> pos, std::span<const LayerKv> kv, std::span<int32_t> ids,
                   std::span<float> logits) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   DflashPass p(d, be, st, n);
@@ -347,7 +344,9 @@ void dflash_block(const DflashModel& d, const WeightMatrix& tok_embd, const Weig
   KILN_CHECK(static_cast<int64_t>(pos.size()) == n);
   KILN_CHECK(static_cast<int32_t>(kv.size()) == hp.n_layer);
   KILN_CHECK(tok_embd.n_cols == E && output.n_cols == E && output.n_rows == d.dp.n_vocab);
-  KILN_CHECK(static_cast<int64_t>(logits.size()) == n * d.dp.n_vocab);
+  const int64_t V = d.dp.n_vocab;
+  KILN_CHECK(n >= 2 && static_cast<int64_t>(ids.size()) == n - 1);
+  KILN_CHECK(logits.empty() || static_cast<int64_t>(logits.size()) == (n - 1) * V);
   // Non-causal: every query masks as the block's last position, so it sees every context key
   // and every block key (AttentionArgs's mask reads q_pos only; rope has used the true ones).
   st.mask_pos.assign(static_cast<size_t>(n), *std::max_element(pos.begin(), pos.end()));
@@ -390,9 +389,14 @@ void dflash_block(const DflashModel& d, const WeightMatrix& tok_embd, const Weig
     be.add(x, a, x);
   }
   be.rmsnorm(x, d.w.output_norm, E, hp.rms_eps, h);
-  const std::span<float> out = p.sl(st.logits, n * d.dp.n_vocab);
-  be.matmul(output, h, n, out);
-  be.download(std::span<const float>(out), logits);
+  // Rows 1..n-1 only: the anchor's row would predict the token the target has already chosen.
+  // (On a backend that is not batch-invariant the row count may move a draft logit's last
+  // bits; drafts are verified exactly, so no output id can change.)
+  const std::span<float> out = p.sl(st.logits, (n - 1) * V);
+  be.matmul(output, std::span<const float>(h).subspan(static_cast<size_t>(E)), n - 1, out);
+  st.top_vals.resize(ids.size());
+  be.top_k(std::span<const float>(out), V, 1, ids, st.top_vals);
+  if (!logits.empty()) be.download(std::span<const float>(out), logits);
 }
 
 }  // namespace kiln::model

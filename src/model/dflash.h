@@ -86,28 +86,32 @@ class DflashState {
                             std::span<const int32_t>, std::span<const LayerKv>);
   friend void dflash_block(const DflashModel&, const WeightMatrix&, const WeightMatrix&, Backend&,
                            DflashState&, std::span<const int32_t>, std::span<const int32_t>,
-                           std::span<const LayerKv>, std::span<float>);
+                           std::span<const LayerKv>, std::span<int32_t>, std::span<float>);
   void bind(Backend& be);
   const DflashModel& d_;
   int32_t max_rows_;
   Backend* bound_ = nullptr;
-  BackendBuffer<float> feat, x, h, q, k, v, o, a, ff_gate, ff_up, ff_act, tmp, logits;
+  BackendBuffer<float> x, h, q, k, v, o, a, ff_gate, ff_up, ff_act, tmp, logits;
   std::vector<int32_t> mask_pos;  // the non-causal mask: every query at the block's last position
+  std::vector<float> top_vals;    // the drafts' logits (top_k's values; unused)
   std::vector<Backend::StoreRowsTask> stores;
 };
 
-// Injects features [n][n_feat] (host memory) of tokens at `pos` into every layer's planes at
-// kv[l].append_rows (n == pos.size() <= max_rows).
+// Injects features [n][n_feat] (backend memory) of tokens at `pos` into every layer's planes
+// at kv[l].append_rows (n == pos.size() <= max_rows).
 void dflash_inject(const DflashModel& d, Backend& be, DflashState& st,
                    std::span<const float> features, std::span<const int32_t> pos,
                    std::span<const LayerKv> kv);
 
-// The block pass: tokens at `pos` (consecutive, after every injected position), their keys
-// and values stored at kv[l].append_rows, attending non-causally over kv[l].kv_rows.
-// `logits` receives [n][n_vocab] (host memory). tok_embd / output: the target's.
+// The block pass: n tokens [anchor, mask...] at `pos` (consecutive, after every injected
+// position), their keys and values stored at kv[l].append_rows, attending non-causally over
+// kv[l].kv_rows. The drafts: ids[i] = the argmax (lowest id on ties) of row i + 1's logits
+// (n - 1 ids; a device backend ships one id per row, not the rows). `logits` non-empty: those
+// rows' logits too ([n - 1][n_vocab], host memory). The anchor's row gets no logits.
+// tok_embd / output: the target's.
 void dflash_block(const DflashModel& d, const WeightMatrix& tok_embd, const WeightMatrix& output,
                   Backend& be, DflashState& st, std::span<const int32_t> tokens,
-                  std::span<const int32_t> pos, std::span<const LayerKv> kv,
+                  std::span<const int32_t> pos, std::span<const LayerKv> kv, std::span<int32_t> ids,
                   std::span<float> logits);
 
 }  // namespace kiln::model

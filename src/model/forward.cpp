@@ -182,8 +182,13 @@ class ForwardPass {
   // Scratch spans are backend memory (device memory on a GPU); host code reads them only
   // through host_view, which downloads on device backends and is the span itself elsewhere.
   std::span<const float> host_view(std::span<const float> data, std::vector<float>& mirror);
+  // `data`: backend memory (scratch). A capture whose device is this pass's backend keeps
+  // the node there (no download, no wait); any other gets a host copy.
   void rec(const std::string& name, std::span<const float> data, int64_t rows) {
-    if (batch_.capture && batch_.capture->wants(name))
+    if (!batch_.capture || !batch_.capture->wants(name)) return;
+    if (batch_.capture->device == &be_)
+      batch_.capture->record_device(name, data, rows);
+    else
       batch_.capture->record(name, host_view(data, st_.capture_host), rows);
   }
   std::string prefix(int32_t il) const {
@@ -996,9 +1001,11 @@ void ForwardPass::output_head() {
   if (batch_.top_k > 0)
     be_.top_k(std::span<const float>(out), hp_.n_vocab, batch_.top_k, batch_.top_ids,
               batch_.top_vals);
-  if (on_device_ && (batch_.top_k == 0 || batch_.capture))
+  const bool rec_logits = batch_.capture && batch_.capture->wants("result_output");
+  if (on_device_ && (batch_.top_k == 0 || rec_logits))
     be_.download(std::span<const float>(out), logits_);
-  rec("result_output", logits_, n_out);
+  // logits_ is host memory here (downloaded above on a device): a host copy.
+  if (rec_logits) batch_.capture->record("result_output", logits_, n_out);
 }
 
 void forward(const HParams& hp, const Weights& w, Backend& be, ForwardState& st,

@@ -62,20 +62,24 @@ int32_t sample_probs(std::span<const float> p, Rng& rng) {
   return 0;
 }
 
+VerifyResult verify_greedy_ids(std::span<const int32_t> target_ids,
+                               std::span<const int32_t> draft) {
+  KILN_CHECK(target_ids.size() == draft.size() + 1);
+  VerifyResult r;
+  while (static_cast<size_t>(r.n_accepted) < draft.size() &&
+         target_ids[static_cast<size_t>(r.n_accepted)] == draft[static_cast<size_t>(r.n_accepted)])
+    ++r.n_accepted;
+  r.next = target_ids[static_cast<size_t>(r.n_accepted)];
+  return r;
+}
+
 VerifyResult verify_greedy(std::span<const float> target_logits, std::span<const int32_t> draft,
                            int32_t n_vocab) {
   const size_t V = static_cast<size_t>(n_vocab);
   KILN_CHECK(target_logits.size() == (draft.size() + 1) * V);
-  VerifyResult r;
-  for (size_t i = 0; i <= draft.size(); ++i) {
-    const int32_t t = argmax_id(target_logits.subspan(i * V, V));
-    if (i == draft.size() || t != draft[i]) {
-      r.next = t;
-      return r;
-    }
-    ++r.n_accepted;
-  }
-  return r;  // unreachable: the loop returns at i == draft.size()
+  std::vector<int32_t> ids(draft.size() + 1);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = argmax_id(target_logits.subspan(i * V, V));
+  return verify_greedy_ids(ids, draft);
 }
 
 VerifyResult verify_sampled(std::span<const float> target_probs, std::span<const float> draft_probs,

@@ -40,6 +40,8 @@ struct VerifyResult {
 // after the last accepted token).
 VerifyResult verify_greedy(std::span<const float> target_logits, std::span<const int32_t> draft,
                            int32_t n_vocab);
+// The same from each row's argmax (lowest id on ties) alone: target_ids [n_draft + 1].
+VerifyResult verify_greedy_ids(std::span<const int32_t> target_ids, std::span<const int32_t> draft);
 
 // target_probs: [n_draft + 1][n_vocab] dense target probabilities (sampling_probs).
 // draft_probs: [n_draft][n_vocab] the distributions the drafts were drawn from, or empty for

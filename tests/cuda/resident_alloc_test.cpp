@@ -16,6 +16,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "common/testdata.h"
+#include "engine/dflash_drafter.h"
 #include "engine/scheduler.h"
 #include "engine/session.h"
 #include "transfer/session_pack.h"
@@ -66,6 +67,11 @@ class FakeDeviceBackend final : public Backend {
   void zero_bytes(std::span<std::byte> dst) override {
     const auto d = real(dst);
     std::memset(d.data(), 0, d.size());
+  }
+  void copy_bytes_2d(const std::byte* src, size_t src_pitch, std::byte* dst, size_t dst_pitch,
+                     size_t width, size_t rows) override {
+    for (size_t r = 0; r < rows; ++r)
+      copy_bytes({src + r * src_pitch, width}, {dst + r * dst_pitch, width});
   }
 
   void matmul(const WeightMatrix& w, std::span<const float> x, int64_t n_tok,
@@ -289,7 +295,8 @@ INSTANTIATE_TEST_SUITE_P(Models, ResidentAlloc,
                          ::testing::Values("stories260K", "gemma2-swa-q8_0", "qwen3-bpe-q8_0",
                                            "qwen3moe-q4_k_m"));
 
-// Captured activations come back through download and equal the host path's.
+// Captured activations equal the host path's: copied to the host by download, or (a capture
+// with the device as its device) kept in device memory with nothing downloaded but the logits.
 TEST(ResidentAllocCapture, SameNodesAsHostMemory) {
   if (!have("stories260K.gguf")) GTEST_SKIP() << "stories260K.gguf not present";
   auto m = Model::load(testing::model_path("stories260K.gguf"));
@@ -297,17 +304,19 @@ TEST(ResidentAllocCapture, SameNodesAsHostMemory) {
   auto cpu = make_cpu_backend({.threads = 2});
   FakeDeviceBackend dev(*cpu);
   const std::vector<int32_t> prompt = {1, 300, 42, 7, 99};
-  model::Capture a, b;
-  {
-    Session s(*m, *cpu, 64);
-    s.set_capture(&a);
+  model::Capture a, b, c;
+  c.device = &dev;
+  c.only = {"inp_embd", "blk.0.l_out", "blk.1.ffn_out", "result_norm"};
+  const auto eval = [&](Backend& be, model::Capture& cap) {
+    Session s(*m, be, 64);
+    s.set_capture(&cap);
+    const uint64_t before = dev.downloads();
     ASSERT_TRUE(s.eval(prompt, false).has_value());
-  }
-  {
-    Session s(*m, dev, 64);
-    s.set_capture(&b);
-    ASSERT_TRUE(s.eval(prompt, false).has_value());
-  }
+    if (cap.device) EXPECT_EQ(dev.downloads() - before, 1u) << "only the logits cross";
+  };
+  eval(*cpu, a);
+  eval(dev, b);
+  eval(dev, c);
   ASSERT_EQ(a.nodes.size(), b.nodes.size());
   ASSERT_GT(a.nodes.size(), 10u);
   for (const auto& [name, node] : a.nodes) {
@@ -317,6 +326,58 @@ TEST(ResidentAllocCapture, SameNodesAsHostMemory) {
     EXPECT_EQ(std::memcmp(node.data.data(), it->second.data.data(), node.data.size() * 4), 0)
         << name;
   }
+  ASSERT_EQ(c.nodes.size(), c.only.size());
+  for (const auto& [name, node] : c.nodes) {
+    ASSERT_TRUE(node.on_device()) << name;
+    EXPECT_TRUE(node.data.empty()) << name;
+    std::vector<float> got(node.device.size());
+    dev.download(node.device, std::span<float>(got));
+    EXPECT_EQ(node.n_rows, a.nodes.at(name).n_rows) << name;
+    EXPECT_EQ(got, a.nodes.at(name).data) << name;
+  }
+}
+
+// DFlash on a device: the target's features stay in device memory from the verify to the
+// drafter's fc, and both the verify rows and the drafts cross as ids (two top-k calls a
+// step), so a step downloads nothing; the ids equal the CPU run's.
+TEST(ResidentAllocDflash, FeaturesStayOnTheDevice) {
+  if (!have("dflash-target-f16.gguf")) GTEST_SKIP() << "dflash-target-f16.gguf not present";
+  auto m = Model::load(testing::model_path("dflash-target-f16.gguf"));
+  ASSERT_TRUE(m.has_value()) << m.error();
+  std::shared_ptr<const Model> target = std::move(*m);
+  auto cpu = make_cpu_backend({.threads = 2});
+  FakeDeviceBackend dev(*cpu);
+  std::vector<int32_t> prompt;
+  for (int32_t i = 0; i < 24; ++i) prompt.push_back((i * 37 + 11) % 200 + 1);
+  const auto generate = [&](Backend& be, std::vector<int32_t>& ids, uint64_t* downloads) {
+    Session s(target, be, 128);
+    auto d = DflashDrafter::create(testing::model_path("dflash-drafter-f16.gguf"), target, be, 128,
+                                   s.max_batch());
+    ASSERT_TRUE(d.has_value()) << d.error();
+    SpecParams sp;
+    sp.n_draft = 4;
+    sp.sampling.temperature = 0;
+    auto dec = SpeculativeDecoder::create(s, **d, sp);
+    ASSERT_TRUE(dec.has_value()) << dec.error();
+    ASSERT_TRUE((*dec)->start(prompt));
+    while (ids.size() < 40) {
+      const uint64_t before = dev.downloads(), top_ks = dev.top_ks();
+      auto st = (*dec)->step();
+      ASSERT_TRUE(st.has_value()) << st.error();
+      if (downloads) {
+        *downloads += dev.downloads() - before;
+        EXPECT_EQ(dev.top_ks() - top_ks, 2u) << "the verify's and the draft's top-1";
+      }
+      ids.insert(ids.end(), st->tokens.begin(), st->tokens.end());
+    }
+    ids.resize(40);
+  };
+  std::vector<int32_t> on_cpu, on_dev;
+  uint64_t downloads = 0;
+  generate(*cpu, on_cpu, nullptr);
+  generate(dev, on_dev, &downloads);
+  EXPECT_EQ(on_dev, on_cpu);
+  EXPECT_EQ(downloads, 0u) << "decode steps downloaded features or logits";
 }
 
 // A context whose KV planes cannot fit the device's free memory is refused when the scheduler is

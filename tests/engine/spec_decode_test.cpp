@@ -108,38 +108,48 @@ TEST_P(GreedyIdentity, SameIdsAsPlainGreedy) {
   auto md_small = ModelDrafter::create(dm, *be, 128, tm->n_vocab(), 1);
   ASSERT_TRUE(md_small.has_value()) << md_small.error();
   NgramDrafter ng(1, 3);
+  // Each drafter verified by the rows' ids (the default) and by the rows (keep_logits): the
+  // same ids and the same acceptance.
   for (Drafter* drafter : {static_cast<Drafter*>(md->get()), static_cast<Drafter*>(md_small->get()),
-                           static_cast<Drafter*>(&ng)}) {
-    SpecParams sp;
-    sp.n_draft = k;
-    sp.sampling = greedy;
-    auto dec = SpeculativeDecoder::create(target, *drafter, sp);
-    ASSERT_TRUE(dec.has_value()) << dec.error();
-    CounterRegistry& reg = process_counters();
-    const uint64_t steps0 = reg.counter("spec.steps").value();
-    const uint64_t drafted0 = reg.counter("spec.drafted").value();
-    const uint64_t accepted0 = reg.counter("spec.accepted").value();
-    const uint64_t verify0 = reg.timer("spec.verify").count();
-    const auto got = spec_decode(**dec, prompt, n_gen);
-    EXPECT_EQ(got, want.ids) << drafter->name();
-    const SpecStats& s = (*dec)->stats();
-    // The process-wide counters (--stats, /metrics) saw the same numbers.
-    EXPECT_EQ(reg.counter("spec.steps").value() - steps0, s.steps);
-    EXPECT_EQ(reg.counter("spec.drafted").value() - drafted0, s.drafted);
-    EXPECT_EQ(reg.counter("spec.accepted").value() - accepted0, s.accepted);
-    EXPECT_EQ(reg.timer("spec.verify").count() - verify0, s.steps);
-    EXPECT_GT(s.drafted, 0u) << drafter->name();
-    EXPECT_LE(s.accepted, s.drafted);
-    EXPECT_EQ(s.emitted, s.accepted + s.steps);
-    // A quantized copy of the target agrees with it most of the time; zero acceptance would
-    // mean the drafter's session is out of step with the history.
-    if (drafter != &ng) {
-      EXPECT_GT(s.accepted, s.drafted / uint64_t(GetParam().accept_div)) << drafter->name();
+                           static_cast<Drafter*>(&ng)})
+    for (const bool keep : {false, true}) {
+      SpecParams sp;
+      sp.n_draft = k;
+      sp.sampling = greedy;
+      sp.keep_logits = keep;
+      auto dec = SpeculativeDecoder::create(target, *drafter, sp);
+      ASSERT_TRUE(dec.has_value()) << dec.error();
+      CounterRegistry& reg = process_counters();
+      const uint64_t steps0 = reg.counter("spec.steps").value();
+      const uint64_t drafted0 = reg.counter("spec.drafted").value();
+      const uint64_t accepted0 = reg.counter("spec.accepted").value();
+      const uint64_t verify0 = reg.timer("spec.verify").count();
+      const auto got = spec_decode(**dec, prompt, n_gen);
+      EXPECT_EQ(got, want.ids) << drafter->name();
+      const SpecStats& s = (*dec)->stats();
+      // The process-wide counters (--stats, /metrics) saw the same numbers.
+      EXPECT_EQ(reg.counter("spec.steps").value() - steps0, s.steps);
+      EXPECT_EQ(reg.counter("spec.drafted").value() - drafted0, s.drafted);
+      EXPECT_EQ(reg.counter("spec.accepted").value() - accepted0, s.accepted);
+      EXPECT_EQ(reg.timer("spec.verify").count() - verify0, s.steps);
+      EXPECT_GT(s.drafted, 0u) << drafter->name();
+      EXPECT_LE(s.accepted, s.drafted);
+      EXPECT_EQ(s.emitted, s.accepted + s.steps);
+      // A quantized copy of the target agrees with it most of the time; zero acceptance would
+      // mean the drafter's session is out of step with the history.
+      if (drafter != &ng) {
+        EXPECT_GT(s.accepted, s.drafted / uint64_t(GetParam().accept_div)) << drafter->name();
+      }
+      static uint64_t accepted_by_ids = 0;
+      if (!keep)
+        accepted_by_ids = s.accepted;
+      else
+        EXPECT_EQ(s.accepted, accepted_by_ids) << drafter->name() << ": by rows vs by ids";
+      std::printf("[ info ] %s + %s: %llu steps, drafted %llu, accepted %llu, %.2f tokens/step\n",
+                  GetParam().target, drafter->name().c_str(), (unsigned long long)s.steps,
+                  (unsigned long long)s.drafted, (unsigned long long)s.accepted,
+                  s.tokens_per_step());
     }
-    std::printf("[ info ] %s + %s: %llu steps, drafted %llu, accepted %llu, %.2f tokens/step\n",
-                GetParam().target, drafter->name().c_str(), (unsigned long long)s.steps,
-                (unsigned long long)s.drafted, (unsigned long long)s.accepted, s.tokens_per_step());
-  }
   bool has_ring = false;
   for (const auto& L : dm->hparams().layers) has_ring |= L.window > 0;
   // (A model drafting for itself is never rejected, so it never needs the fallback.)
@@ -265,6 +275,7 @@ TEST_P(SpecRollback, WrappedRingRejectionAtEveryOffsetKeepsLogitsExact) {
   SpecParams sp;
   sp.n_draft = k;
   sp.sampling = greedy;
+  sp.keep_logits = true;
   auto dec = SpeculativeDecoder::create(target, oracle, sp);
   ASSERT_TRUE(dec.has_value()) << dec.error();
   ASSERT_TRUE((*dec)->start(prompt));

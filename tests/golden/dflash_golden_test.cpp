@@ -18,6 +18,7 @@
 #include "engine/dflash_drafter.h"
 #include "engine/speculative.h"
 #include "golden.h"
+#include "sampling/spec_verify.h"
 #if KILN_HAVE_CPU_BACKEND
 #include "backend/cpu/cpu_backend.h"
 #endif
@@ -134,6 +135,7 @@ void run_and_compare(const std::string& backend, const GoldenRun& g, Comparison&
   auto drafter = DflashDrafter::create(testing::model_path("dflash-drafter-f16.gguf"), *target, *be,
                                        kCtx, session.max_batch());
   ASSERT_TRUE(drafter.has_value()) << drafter.error();
+  (*drafter)->set_keep_logits(true);
   ASSERT_EQ((*drafter)->max_draft(), g.n_draft);
   SpecParams sp;
   sp.n_draft = g.n_draft;
@@ -283,6 +285,7 @@ TEST_P(DflashGolden, DrafterMatchesLlamaServer) {
   auto drafter = DflashDrafter::create(testing::model_path("dflash-drafter-f16.gguf"), *target, *be,
                                        kCtx, session.max_batch());
   ASSERT_TRUE(drafter.has_value()) << drafter.error();
+  (*drafter)->set_keep_logits(true);
   SpecParams sp;
   sp.n_draft = g.n_draft;
   sp.sampling.temperature = 0;
@@ -339,6 +342,79 @@ TEST_P(DflashGolden, DrafterMatchesLlamaServer) {
       "  dflash {:<4} vs llama-server 0.7.0: {} contexts, {} clear top-3 ids equal, {} "
       "probabilities, worst |\u0394p| {:.4f}\n",
       GetParam(), j.at("contexts").size(), n_ids, n_probs, worst);
+}
+
+// The drafter as a decoder sees it, but asking for host copies of the captures: the features
+// then take the host gather and upload instead of staying in the backend's memory.
+class HostFeatures final : public Drafter {
+ public:
+  explicit HostFeatures(DflashDrafter& d) : d_(d) {}
+  std::string name() const override { return d_.name(); }
+  Status propose(const DraftRequest& req, Draft& out) override { return d_.propose(req, out); }
+  Status prepare(std::span<const int32_t> prompt) override { return d_.prepare(prompt); }
+  std::vector<std::string> wanted_captures() const override { return d_.wanted_captures(); }
+  void observe_target(const model::Capture& c, int32_t n) override { d_.observe_target(c, n); }
+  Status rollback(int32_t n_pos) override { return d_.rollback(n_pos); }
+
+ private:
+  DflashDrafter& d_;
+};
+
+// The drafts do not depend on where the features and logits live: features kept in the
+// backend's memory or copied to the host, drafted ids by the backend's top-1 or logits shipped
+// too (each draft then the host argmax of its row), every step's drafts and acceptance the
+// same over the golden prompt.
+TEST_P(DflashGolden, DraftsTheSameWhereverFeaturesAndLogitsLive) {
+  const GoldenRun g = load_golden();
+  auto target = Model::load(testing::model_path("dflash-target-f16.gguf"));
+  ASSERT_TRUE(target.has_value()) << target.error();
+  std::unique_ptr<Backend> be = make_backend(GetParam());
+  if (!be) GTEST_SKIP() << "backend " << GetParam() << " not built or no device";
+  const size_t V = static_cast<size_t>(g.n_vocab);
+  struct Run {
+    bool host_features, keep_logits;
+    std::vector<std::vector<int32_t>> drafts;
+    std::vector<int32_t> accepted;
+  };
+  Run runs[] = {{false, false, {}, {}}, {false, true, {}, {}}, {true, false, {}, {}}};
+  for (Run& r : runs) {
+    Session session(*target, *be, kCtx);
+    auto drafter = DflashDrafter::create(testing::model_path("dflash-drafter-f16.gguf"), *target,
+                                         *be, kCtx, session.max_batch());
+    ASSERT_TRUE(drafter.has_value()) << drafter.error();
+    (*drafter)->set_keep_logits(r.keep_logits);
+    HostFeatures host(**drafter);
+    Drafter& d = r.host_features ? static_cast<Drafter&>(host) : **drafter;
+    SpecParams sp;
+    sp.n_draft = g.n_draft;
+    sp.sampling.temperature = 0;
+    auto dec = SpeculativeDecoder::create(session, d, sp);
+    ASSERT_TRUE(dec.has_value()) << dec.error();
+    ASSERT_TRUE((*dec)->start(g.prompt));
+    size_t n_ids = 0;
+    while (n_ids < g.greedy.size()) {
+      auto st = (*dec)->step();
+      ASSERT_TRUE(st.has_value()) << st.error();
+      const std::span<const float> logits = (*drafter)->last_logits();
+      if (r.keep_logits) {
+        ASSERT_EQ(logits.size(), st->draft.size() * V);
+        for (size_t i = 0; i < st->draft.size(); ++i)
+          EXPECT_EQ(st->draft[i], argmax_id(logits.subspan(i * V, V))) << "position " << i;
+      } else {
+        EXPECT_TRUE(logits.empty());
+      }
+      r.drafts.push_back(st->draft);
+      r.accepted.push_back(st->n_accepted);
+      n_ids += st->tokens.size();
+    }
+  }
+  EXPECT_EQ(runs[1].drafts, runs[0].drafts) << "logits shipped";
+  EXPECT_EQ(runs[2].drafts, runs[0].drafts) << "host features";
+  EXPECT_EQ(runs[1].accepted, runs[0].accepted);
+  EXPECT_EQ(runs[2].accepted, runs[0].accepted);
+  uint64_t total = 0;
+  for (int32_t a : runs[0].accepted) total += uint64_t(a);
+  EXPECT_GT(total, 0u) << "no draft accepted: the comparison would not see a wrong feature";
 }
 
 #if KILN_DFLASH_GOLDEN_CUDA
