@@ -23,6 +23,7 @@
 #include "core/log.h"
 #include "engine/constrained.h"
 #include "engine/mtp_drafter.h"
+#include "engine/device_probe.h"
 #include "engine/dflash_drafter.h"
 #include "engine/scheduler.h"
 #include "engine/speculative.h"
@@ -44,6 +45,7 @@ struct RunOptions {
   bool spec_mtp = false;    // --spec-mtp: speculative decoding with the model's NextN layer
   std::string dflash;       // --dflash DRAFTER: speculative decoding with a DFlash block drafter
   std::string spec_trace;   // --spec-trace FILE: JSON of the ids and every draft/verify step
+  bool cuda_trace = false;  // --cuda-trace: a speculative run once more under CUPTI
   // --draft-n: tokens drafted per verify step; -1: 4 with a drafter, and for a grammar up to
   // GenerationParams::kMaxDraft forced tokens (0 there: none).
   int32_t draft_n = -1;
@@ -210,6 +212,28 @@ Status run_speculative(RunOptions o, const Config& cfg, Runtime& rt,
     if (!counters.empty()) fmt::print(stderr, "stats: counters\n{}", format_counters(counters));
     fmt::print(stderr, "{}", moe::format_store_stats());
   }
+  if (o.cuda_trace) {
+    // The same generation again (start() resets both sides; greedy or seeded: the same steps),
+    // its kernels per verify step.
+    ProbePass pass;
+    pass.test = fmt::format("speculative ({}, k={}) verify step", drafter->name(), o.draft_n);
+    pass.steps = double(s.steps);
+    pass.decode = true;
+    pass.step_us = s.steps ? decode_s * 1e6 / double(s.steps) : 0;
+    const size_t n_ids = out_ids.size();
+    pass.run = [&]() -> Expected<double> {
+      const auto t0 = Clock::now();
+      KILN_TRY(dec->start(prompt));
+      size_t n = 0;
+      while (n < n_ids) {
+        KILN_ASSIGN_OR_RETURN(SpecStep st, dec->step());
+        n += st.tokens.size();
+      }
+      return double(n) / seconds_since(t0);
+    };
+    KILN_ASSIGN_OR_RETURN(std::string table, trace_pass(rt.backend(), pass));
+    fmt::print(stderr, "{}", table);
+  }
   if (!o.spec_trace.empty()) {
     // ids: every generated id (the last step's tail past -n included is cut, as printed).
     const nlohmann::ordered_json trace = {{"mode", drafter->name()},
@@ -288,6 +312,10 @@ Status run(RunOptions o) {
   if (spec_modes == 0 && !o.spec_trace.empty())
     return Status::error(
         "--spec-trace needs speculative decoding (--draft, --spec-ngram, --dflash, --spec-mtp)");
+  if (spec_modes == 0 && o.cuda_trace)
+    return Status::error(
+        "--cuda-trace in kiln run traces speculative decoding (--draft, --spec-ngram, --dflash, "
+        "--spec-mtp); plain decoding: kiln bench --cuda-trace");
   if (grammar && spec_modes > 0)
     return Status::error("--grammar/--json-schema with speculative decoding is not supported");
   if (spec_modes > 0) return run_speculative(o, cfg, rt, prompt, n_ctx);
@@ -462,6 +490,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
                   "speculative decoding with this DFlash block drafter (GGUF arch 'dflash')");
   cmd->add_option("--spec-trace", o->spec_trace,
                   "write the speculative run as JSON: ids and per step n_past, draft, n_accepted");
+  cmd->add_flag("--cuda-trace", o->cuda_trace,
+                "CUDA, speculative runs: the generation once more under CUPTI's kernel records, "
+                "printed per verify step with the GPU's idle time");
   cmd->add_option("--grammar", o->grammar, "constrain the output to a GBNF grammar (text)");
   cmd->add_option("--grammar-file", o->grammar_file, "constrain the output to a GBNF file");
   cmd->add_option("-j,--json-schema", o->json_schema,

@@ -110,6 +110,9 @@ TEST(KilnSpecTrace, BadUsesAreOneLine) {
       run_kiln({"run", "-m", model_path("stories260K.gguf"), "-p", "Hi", "-n", "4", "--spec-trace",
                 testing::temp_dir() + "/t.json"}),
       "--spec-trace needs speculative decoding");
+  testing::expect_clean_error(run_kiln({"run", "-m", model_path("stories260K.gguf"), "-p", "Hi",
+                                        "-n", "4", "--cuda-trace"}),
+                              "--cuda-trace in kiln run traces speculative decoding");
   testing::expect_clean_error(
       run_kiln({"run", "-m", model_path("dflash-target-f16.gguf"), "-p", "Hi", "-n", "4",
                 "--dflash", model_path("dflash-drafter-f16.gguf"), "--draft-n", "6"}),
