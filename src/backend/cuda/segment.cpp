@@ -17,8 +17,9 @@ void Segment::record(const char* op, std::function<cudaError_t(cudaStream_t)> ru
   pending_.push_back(Pending{op, std::move(run), std::move(next_label_), next_bytes_});
   next_label_.clear();
   next_bytes_ = 0;
-  // Graph mode launches every kChunkOps ops, eager mode every op; profile mode only at flush.
-  if (!prof_.on() && pending_.size() >= (opts_.graphs ? kChunkOps : 1)) launch_chunk();
+  // Graph mode launches every chunk_ops_ ops (segment.h), eager mode every op; profile mode only
+  // at flush.
+  if (!prof_.on() && pending_.size() >= (opts_.graphs ? chunk_ops_ : 1)) launch_chunk();
 }
 
 void Segment::record_branch(const char* op, std::function<cudaError_t(cudaStream_t)> run) {
@@ -230,6 +231,7 @@ void Segment::launch_chunk() {
   graphable_ = true;
   chunk_in_start_ = in_used_;  // later chunks copy only what they staged
   launched_ = true;
+  chunk_ops_ = std::min(2 * chunk_ops_, kChunkOps);
 }
 
 void Segment::flush() {
@@ -243,6 +245,7 @@ void Segment::flush() {
   }
   ++flushes_;
   launched_ = false;
+  chunk_ops_ = kFirstChunkOps;
   if (after_flush_) after_flush_();
   pending_.clear();
   key_.clear();

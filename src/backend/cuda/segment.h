@@ -99,8 +99,8 @@ class Segment {
     next_label_ = std::move(name);
     next_bytes_ = bytes;
   }
-  // Appends an op (run enqueues it on the stream it is given). Graph mode launches every
-  // kChunkOps ops, eager mode every op; profile mode only at flush.
+  // Appends an op (run enqueues it on the stream it is given). Graph mode launches chunks of
+  // kFirstChunkOps ops growing to kChunkOps, eager mode every op; profile mode only at flush.
   void record(const char* op, std::function<cudaError_t(cudaStream_t)> run);
   // An op whose work runs on the side stream, forked from the compute stream after the ops
   // recorded before it and joined back at the end of the chunk (in a graph: a branch), so no
@@ -203,9 +203,14 @@ class Segment {
     bool failed = false;  // capture refused: this segment always runs eagerly
   };
   std::map<std::vector<uint64_t>, Graph> graphs_;
-  static constexpr size_t kChunkOps = 48;
-  size_t chunk_in_start_ = 0;  // staging bytes before it were copied by earlier chunks
-  bool launched_ = false;      // chunks launched since the last flush
+  // Graph mode launches a segment's first chunk after kFirstChunkOps recorded ops and each
+  // later one after twice as many as the one before, up to kChunkOps, so the GPU starts on a
+  // step while the host still records the rest of it (measured against a first chunk of
+  // kChunkOps: docs/BENCHMARKS.md, session 34). The same ops in the same order either way.
+  static constexpr size_t kChunkOps = 48, kFirstChunkOps = 8;
+  size_t chunk_ops_ = kFirstChunkOps;  // the size of the chunk being recorded
+  size_t chunk_in_start_ = 0;          // staging bytes before it were copied by earlier chunks
+  bool launched_ = false;              // chunks launched since the last flush
   uint64_t n_eager_ = 0, n_captures_ = 0, n_replays_ = 0;
   uint64_t n_waits_ = 0;  // flush()es that waited on launched chunks, and their wall time
   double wait_ms_ = 0;
