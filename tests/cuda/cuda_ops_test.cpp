@@ -501,7 +501,8 @@ TEST(CudaOps, TopKSameAsHost) {
   };
   for (const Case c :
        {Case{1, 1, 1}, Case{1, 7, 7}, Case{3, 1000, 40}, Case{2, 1025, 256}, Case{1, 32000, 1},
-        Case{1, 32000, 40}, Case{64, 32000, 40}, Case{5, 152064, 100}, Case{2, 4097, 256}}) {
+        Case{1, 32000, 40}, Case{64, 32000, 40}, Case{5, 152064, 100}, Case{2, 4097, 256},
+        Case{5, 128256, 1}, Case{3, 8193, 1}, Case{64, 8192, 1}, Case{2, 1000000, 1}}) {
     SCOPED_TRACE(::testing::Message()
                  << "rows " << c.rows << " n " << c.n << " k " << c.k << " seed " << ops_seed());
     std::vector<float> x = random_vec(rng, size_t(c.rows * c.n));
