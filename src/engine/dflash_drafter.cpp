@@ -112,7 +112,8 @@ Status DflashDrafter::inject(const model::Capture& capture, int32_t n_rows) {
     const std::span<float> feat = feat_.span().first(static_cast<size_t>(chunk * n_feat));
     if (on_device) {
       for (size_t k = 0; k < n_layers; ++k)
-        backend_.copy_2d(nodes[k]->device, E, 0, feat, n_feat, int64_t(k) * E, chunk, E);
+        backend_.copy_2d(nodes[k]->device.subspan(static_cast<size_t>(done * E)), E, 0, feat,
+                         n_feat, int64_t(k) * E, chunk, E);
     } else {
       feat_host_.resize(feat.size());
       for (size_t k = 0; k < n_layers; ++k) {

@@ -172,5 +172,38 @@ TEST(DflashDrafter, GreedyEqualsPlainAtEveryDraftLength) {
   }
 }
 
+// A target batch longer than the drafter's rows (a drafter made for a smaller batch than the
+// session's) reaches the drafter's cache in chunks: every step drafts and accepts what the
+// drafter fed in one piece does (the features of each chunk are the right tokens' rows).
+TEST(DflashDrafter, ChunkedFeaturesDraftTheSame) {
+  auto t = target();
+  ASSERT_TRUE(t);
+  auto be = make_cpu_backend({.threads = 2});
+  const std::vector<int32_t> prompt = prompt_ids(40);
+  std::vector<std::vector<int32_t>> drafts[2];
+  std::vector<int32_t> accepted[2];
+  for (int chunked = 0; chunked < 2; ++chunked) {
+    Session s(t, *be, kCtx, /*max_batch=*/16);
+    // Rows: max(batch, block size 5), so the prompt's 16-token batches arrive as 5 + 5 + 5 + 1.
+    auto d = DflashDrafter::create(testing::model_path("dflash-drafter-f16.gguf"), t, *be, kCtx,
+                                   chunked ? 1 : s.max_batch());
+    ASSERT_TRUE(d.has_value()) << d.error();
+    SpecParams sp;
+    sp.n_draft = 4;
+    sp.sampling.temperature = 0;
+    auto dec = SpeculativeDecoder::create(s, **d, sp);
+    ASSERT_TRUE(dec.has_value()) << dec.error();
+    ASSERT_TRUE((*dec)->start(prompt));
+    for (int step = 0; step < 12; ++step) {
+      auto st = (*dec)->step();
+      ASSERT_TRUE(st.has_value()) << st.error();
+      drafts[chunked].push_back(st->draft);
+      accepted[chunked].push_back(st->n_accepted);
+    }
+  }
+  EXPECT_EQ(drafts[1], drafts[0]);
+  EXPECT_EQ(accepted[1], accepted[0]);
+}
+
 }  // namespace
 }  // namespace kiln
