@@ -1503,27 +1503,67 @@ KILN_VNNI512_INLINE __m128 Q8QuadTotalsFma(__m512i v, __m128 dy, int32_t bias, _
   return _mm_fmadd_ps(dy, _mm_cvtepi32_ps(totals), acc);
 }
 
-// Software-pipelined as DotQ45KOne: block i's lane sums, then block i - 1's totals.
+// Two blocks' steps (a, then b) with one reduction: unpacking the two blocks' lanes against
+// each other pairs them, so the in-unit adds and the permute serve both ([A B C D] of a, then
+// of b, in one 256-bit register); the same integer totals, then a's FMA and b's, in block order.
+KILN_VNNI512_INLINE __m128 Q8QuadTotalsFma2(__m512i va, __m512i vb, __m128 dya, __m128 dyb,
+                                            const int32_t* bias, __m128 acc) {
+  // Each block's bias into lane 0 of every unit (an add with a broadcast operand from memory),
+  // then per unit [a0 + a2, b0 + b2, a1 + a3, b1 + b3] and [ta, tb, ta, tb].
+  va = _mm512_mask_add_epi32(va, 0x1111, va, _mm512_set1_epi32(bias[0]));
+  vb = _mm512_mask_add_epi32(vb, 0x1111, vb, _mm512_set1_epi32(bias[1]));
+  __m512i v = _mm512_add_epi32(_mm512_unpacklo_epi32(va, vb), _mm512_unpackhi_epi32(va, vb));
+  v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 4, 8, 12, 1, 5, 9, 13);
+  const __m256 f = _mm256_cvtepi32_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi32(order, v)));
+  acc = _mm_fmadd_ps(dya, _mm256_castps256_ps128(f), acc);
+  return _mm_fmadd_ps(dyb, _mm256_extractf128_ps(f, 1), acc);
+}
+
+// Whether a type's one-token kernel reduces blocks in pairs (Q8QuadTotalsFma2): the 4-bit
+// types, bound by their shuffle and shift units, where it saves two of those ops a block. Q8_0
+// and Q5_0, bound by memory, decoded slower from memory in pairs (docs/BENCHMARKS.md, session 34).
+template <size_t kBlockBytes>
+constexpr bool kQ8QuadPairs = kBlockBytes <= 18;
+
+// Software-pipelined as DotQ45KOne: block i's lane sums, then block i - 1's totals; with
+// kQ8QuadPairs two blocks at a time (blocks i and i + 1's lane sums, then the two before them's
+// totals), an odd last block on its own.
 template <Q8QuadUnpack Quad, size_t kBlockBytes, bool kL1>
 KILN_VNNI512 void DotQ8FamOne(const std::byte* const* rows, int64_t nb, const ActQ8_0* ys,
                               const int32_t* bias, const QuadAct* acts, float* out, int n_out,
                               const std::byte* pf) {
-  __m128 acc = _mm_setzero_ps(), dyp = acc;
-  __m512i vp = _mm512_setzero_si512();
-  for (int64_t i = 0; i < nb; ++i) {
-    if (pf != nullptr) {
-      if constexpr (kL1)
-        PrefetchSpanL1<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
-      else
-        PrefetchSpanL2<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
-    }
-    __m128 dy;
-    const __m512i v = Q8QuadBlock<Quad, kQ8QuadActs<kBlockBytes>>(rows, i, ys, acts, &dy);
-    if (i > 0) acc = Q8QuadTotalsFma(vp, dyp, bias[i - 1], acc);
-    vp = v;
-    dyp = dy;
+  constexpr bool kActs = kQ8QuadActs<kBlockBytes>;
+  const auto prefetch = [&](int64_t i) {
+    if (pf == nullptr) return;
+    if constexpr (kL1)
+      PrefetchSpanL1<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
+    else
+      PrefetchSpanL2<4 * kBlockBytes>(pf + i * 4 * kBlockBytes);
+  };
+  __m128 acc = _mm_setzero_ps(), dyp0 = acc, dyp1 = acc;
+  __m512i vp0 = _mm512_setzero_si512(), vp1 = vp0;
+  const int64_t n2 = kQ8QuadPairs<kBlockBytes> ? nb & ~int64_t{1} : 0;
+  for (int64_t i = 0; i < n2; i += 2) {
+    prefetch(i);
+    prefetch(i + 1);
+    __m128 dy0, dy1;
+    const __m512i v0 = Q8QuadBlock<Quad, kActs>(rows, i, ys, acts, &dy0);
+    const __m512i v1 = Q8QuadBlock<Quad, kActs>(rows, i + 1, ys, acts, &dy1);
+    if (i > 0) acc = Q8QuadTotalsFma2(vp0, vp1, dyp0, dyp1, bias + i - 2, acc);
+    vp0 = v0, vp1 = v1;
+    dyp0 = dy0, dyp1 = dy1;
   }
-  if (nb > 0) acc = Q8QuadTotalsFma(vp, dyp, bias[nb - 1], acc);
+  if (n2 > 0) acc = Q8QuadTotalsFma2(vp0, vp1, dyp0, dyp1, bias + n2 - 2, acc);
+  for (int64_t i = n2; i < nb; ++i) {
+    prefetch(i);
+    __m128 dy;
+    const __m512i v = Q8QuadBlock<Quad, kActs>(rows, i, ys, acts, &dy);
+    if (i > n2) acc = Q8QuadTotalsFma(vp0, dyp0, bias[i - 1], acc);
+    vp0 = v;
+    dyp0 = dy;
+  }
+  if (nb > n2) acc = Q8QuadTotalsFma(vp0, dyp0, bias[nb - 1], acc);
   alignas(16) float o[4];
   _mm_store_ps(o, acc);
   for (int k = 0; k < n_out; ++k) out[k] = o[k];
