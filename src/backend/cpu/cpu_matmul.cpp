@@ -1521,8 +1521,9 @@ KILN_VNNI512_INLINE __m128 Q8QuadTotalsFma2(__m512i va, __m512i vb, __m128 dya, 
 }
 
 // Whether a type's one-token kernel reduces blocks in pairs (Q8QuadTotalsFma2): the 4-bit
-// types, bound by their shuffle and shift units, where it saves two of those ops a block. Q8_0
-// and Q5_0, bound by memory, decoded slower from memory in pairs (docs/BENCHMARKS.md, session 34).
+// types, bound by their shuffle and shift units, where it saves two of those ops a block. Q8_0,
+// bound by memory, decoded slower from memory in pairs (docs/BENCHMARKS.md, session 34); Q5_0
+// was not measured in pairs and keeps one block at a time with it.
 template <size_t kBlockBytes>
 constexpr bool kQ8QuadPairs = kBlockBytes <= 18;
 
