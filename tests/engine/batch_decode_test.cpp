@@ -307,6 +307,19 @@ TEST(TopKEval, SameCandidatesAsTheWholeRows) {
     EXPECT_TRUE(std::equal(tops->ids.begin(), tops->ids.end(), wi.begin(), wi.end()));
     EXPECT_EQ(std::memcmp(tops->logits.data(), wv.data(), wv.size() * 4), 0);
     EXPECT_EQ(b2.n_pos(), b.n_pos());
+    // Every row of one step (speculative verification's form): each row's candidates.
+    Session c(m, *be, 64, 8), c2(m, *be, 64, 8);
+    const auto pc = enginetest::random_prompt(6, V, 13);
+    auto all = c.eval(pc, true);
+    ASSERT_TRUE(all.has_value()) << all.error();
+    std::vector<int32_t> ai(pc.size() * static_cast<size_t>(k));
+    std::vector<float> av(ai.size());
+    be->top_k(*all, V, k, ai, av);
+    auto every = c2.eval_top_k(pc, k, /*all_rows=*/true);
+    ASSERT_TRUE(every.has_value()) << every.error();
+    EXPECT_TRUE(std::equal(every->ids.begin(), every->ids.end(), ai.begin(), ai.end()));
+    EXPECT_EQ(std::memcmp(every->logits.data(), av.data(), av.size() * 4), 0);
+    EXPECT_EQ(c2.n_pos(), c.n_pos());
   }
   Session s(m, *be, 64, 8);
   const int32_t one[1] = {3};
@@ -315,6 +328,11 @@ TEST(TopKEval, SameCandidatesAsTheWholeRows) {
     ASSERT_FALSE(r.has_value());
     EXPECT_NE(r.error().find("top-k"), std::string::npos) << r.error();
   }
+  EXPECT_EQ(s.n_pos(), 0);
+  // Every row's candidates of more tokens than one step takes: refused, nothing evaluated.
+  auto long_rows = s.eval_top_k(enginetest::random_prompt(9, V, 14), 1, /*all_rows=*/true);
+  ASSERT_FALSE(long_rows.has_value());
+  EXPECT_NE(long_rows.error().find("more than one step"), std::string::npos) << long_rows.error();
   EXPECT_EQ(s.n_pos(), 0);
   BatchEval batch(m, *be, 8);
   auto r = batch.eval_top_k(std::vector<BatchEval::Item>{{&s, one, true}}, 4);
