@@ -99,14 +99,15 @@ Status DflashDrafter::inject(const model::Capture& capture, int32_t n_rows) {
     if (c.width != E || c.n_rows < n_rows)
       return Status::errorf("DFlash drafter: captured '{}' has {} rows of {}, expected {} of {}",
                             name, c.n_rows, c.width, n_rows, E);
+    // One pass records every node the same way: in capture.device's memory or on the host.
+    if (c.on_device() && capture.device != &backend_)
+      return Status::errorf("DFlash drafter: captured '{}' lies in another backend's memory", name);
     nodes.push_back(&c);
   }
   // Rows are interleaved by target layer: token i's features are its rows of each layer in
   // dflash.target_layers order (the fc's column order). Nodes on this backend are gathered
   // there (one 2-D copy per layer); host nodes are gathered on the host and uploaded.
-  const bool on_device = std::all_of(nodes.begin(), nodes.end(), [&](const auto* c) {
-    return c->on_device() && capture.device == &backend_;
-  });
+  const bool on_device = nodes.front()->on_device();
   for (int32_t done = 0; done < n_rows;) {
     const int32_t chunk = std::min(n_rows - done, state_.max_rows());
     const std::span<float> feat = feat_.span().first(static_cast<size_t>(chunk * n_feat));
@@ -117,15 +118,8 @@ Status DflashDrafter::inject(const model::Capture& capture, int32_t n_rows) {
     } else {
       feat_host_.resize(feat.size());
       for (size_t k = 0; k < n_layers; ++k) {
-        std::vector<float> downloaded;
-        std::span<const float> rows = nodes[k]->data;
-        if (nodes[k]->on_device()) {  // a capture on another backend's memory: not expected
-          downloaded.resize(nodes[k]->device.size());
-          capture.device->download(nodes[k]->device, std::span<float>(downloaded));
-          rows = downloaded;
-        }
         for (int32_t i = 0; i < chunk; ++i) {
-          const float* src = rows.data() + static_cast<size_t>(done + i) * E;
+          const float* src = nodes[k]->data.data() + static_cast<size_t>(done + i) * E;
           std::copy(src, src + E,
                     feat_host_.begin() + static_cast<ptrdiff_t>(i * n_feat + int64_t(k) * E));
         }
