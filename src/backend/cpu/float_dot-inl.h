@@ -48,6 +48,24 @@ struct LoadBF16 {
   const char* bytes(int64_t i) const { return reinterpret_cast<const char*>(p + i); }
 };
 
+// Chunks i and i + N (N = Lanes(d)) of a row, as w(d, i) and w(d, i + N) give them. F16 on
+// AVX-512: one 64-byte load converted by halves instead of two 32-byte loads, each folded into
+// its conversion: the same values, and the one-token F16 decode read a larger share of the read
+// probe on AMD Zen 4 (docs/BENCHMARKS.md, session 35; not measured on Intel, where it runs too).
+template <class L>
+HWY_INLINE void LoadPair(const L& w, DF d, int64_t i, int64_t N, hn::Vec<DF>* w0, hn::Vec<DF>* w1) {
+  *w0 = w(d, i);
+  *w1 = w(d, i + N);
+}
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+HWY_INLINE void LoadPair(const LoadF16& w, DF, int64_t i, int64_t, hn::Vec<DF>* w0,
+                         hn::Vec<DF>* w1) {
+  const __m512i raw = _mm512_loadu_si512(w.p + i);
+  *w0 = hn::Vec<DF>{_mm512_cvtph_ps(_mm512_castsi512_si256(raw))};
+  *w1 = hn::Vec<DF>{_mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1))};
+}
+#endif
+
 #if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
 // The 8 float lanes of an int8 kernel's accumulator summed in one fixed order: every K-quant
 // kernel of cpu_matmul.cpp and cpu_matmul_kq.cpp ends with it, which is part of what
@@ -107,7 +125,8 @@ HWY_INLINE void DotTile(const L& w, const float* const* xs, int64_t n, float* ou
       __builtin_prefetch(w.bytes(i) + kAhead, 0, kLocality);
       __builtin_prefetch(w.bytes(i + N) + kAhead, 0, kLocality);
     }
-    const auto w0 = w(d, i), w1 = w(d, i + N);
+    hn::Vec<DF> w0, w1;
+    LoadPair(w, d, i, N, &w0, &w1);
     for (int t = 0; t < T; ++t) {
       acc0[t] = hn::MulAdd(w0, hn::LoadU(d, xs[t] + i), acc0[t]);
       acc1[t] = hn::MulAdd(w1, hn::LoadU(d, xs[t] + i + N), acc1[t]);
