@@ -70,14 +70,23 @@ namespace hn = hwy::HWY_NAMESPACE;
 // starts cold. On Intel cores kFloatPrefetchBytes ahead into L1 (docs/BENCHMARKS.md, session
 // 28: F16 / BF16 decode), elsewhere kMatvecPrefetchBytes ahead into L2 (AMD Zen 4, session 32).
 constexpr int64_t kFloatPrefetchBytes = 2048;
+// F16/BF16 rows on AVX-512 targets off Intel: each line's prefetch kPrefetchRepeat times
+// (kernels.h); measured on Zen 4 only, so the other targets keep one prefetch per chunk.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr int kHalfPrefetchRepeat = kPrefetchRepeat;
+#else
+constexpr int kHalfPrefetchRepeat = 0;
+#endif
+
 // DotTile<1> for a decode step, with the machine class's prefetch (prefetch.h IntelCores).
 template <class L>
 HWY_INLINE float DotOne(const L& w, const float* x, int64_t n) {
+  constexpr int kRepeat = std::is_same_v<L, LoadF32> ? 0 : kHalfPrefetchRepeat;
   float out;
   if (IntelCores())
     DotTile<1, L, kFloatPrefetchBytes, 3>(w, &x, n, &out);
   else
-    DotTile<1, L, kMatvecPrefetchBytes, 2>(w, &x, n, &out);
+    DotTile<1, L, kMatvecPrefetchBytes, 2, kRepeat>(w, &x, n, &out);
   return out;
 }
 
@@ -135,8 +144,9 @@ void MatvecBF16One(const MatmulJob& job, int64_t r0, int64_t r1) {
   const bool l1 = IntelCores();  // where the stream is prefetched, as DotOne
   for (int64_t r = r0; r < r1; ++r) {
     const auto* row = reinterpret_cast<const bf16*>(w.row(r).data());
-    job.y[r] = l1 ? DotBF16Zip<kFloatPrefetchBytes, 3>(row, job.x, xz.data(), n)
-                  : DotBF16Zip<kMatvecPrefetchBytes, 2>(row, job.x, xz.data(), n);
+    job.y[r] =
+        l1 ? DotBF16Zip<kFloatPrefetchBytes, 3>(row, job.x, xz.data(), n)
+           : DotBF16Zip<kMatvecPrefetchBytes, 2, kHalfPrefetchRepeat>(row, job.x, xz.data(), n);
   }
 }
 #endif

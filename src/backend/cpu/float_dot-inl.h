@@ -109,11 +109,20 @@ HWY_INLINE float DotFinish(DF d, hn::Vec<DF> acc0, hn::Vec<DF> acc1, const L& w,
   return s;
 }
 
+// The `bytes` bytes from p, each 64-byte line's prefetch issued kRepeat times (at 64 / kRepeat
+// byte steps), with __builtin_prefetch's locality kLocality.
+template <int kLocality, int kRepeat>
+HWY_INLINE void PrefetchRepeated(const char* p, int64_t bytes) {
+  static_assert(kRepeat >= 1 && 64 % kRepeat == 0);
+  for (int64_t b = 0; b < bytes; b += 64 / kRepeat) __builtin_prefetch(p + b, 0, kLocality);
+}
+
 // out[t] = dot(w, xs[t]) for T token rows, reading w once. Chunk c (N lanes at c * N) goes into
 // acc0 when c is even and acc1 when odd; an odd last full chunk into acc0.
 // kAhead > 0 (a decode step's one token, rows back to back): each chunk pair also prefetches
-// the weight bytes kAhead past it, with __builtin_prefetch's locality kLocality.
-template <int T, class L, int64_t kAhead = 0, int kLocality = 2>
+// the weight bytes kAhead past it, with __builtin_prefetch's locality kLocality: one prefetch
+// per chunk, or with kRepeat > 0 the pair's bytes with each line's prefetch kRepeat times.
+template <int T, class L, int64_t kAhead = 0, int kLocality = 2, int kRepeat = 0>
 HWY_INLINE void DotTile(const L& w, const float* const* xs, int64_t n, float* out) {
   const DF d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
@@ -121,7 +130,9 @@ HWY_INLINE void DotTile(const L& w, const float* const* xs, int64_t n, float* ou
   for (int t = 0; t < T; ++t) acc0[t] = acc1[t] = hn::Zero(d);
   int64_t i = 0;
   for (; i + 2 * N <= n; i += 2 * N) {
-    if constexpr (kAhead > 0) {
+    if constexpr (kAhead > 0 && kRepeat > 0) {
+      PrefetchRepeated<kLocality, kRepeat>(w.bytes(i) + kAhead, w.bytes(i + 2 * N) - w.bytes(i));
+    } else if constexpr (kAhead > 0) {
       __builtin_prefetch(w.bytes(i) + kAhead, 0, kLocality);
       __builtin_prefetch(w.bytes(i + N) + kAhead, 0, kLocality);
     }
@@ -194,15 +205,19 @@ HWY_INLINE void ZipBF16(DF d, const bf16* w, hn::Vec<DF>* a, hn::Vec<DF>* b) {
   *b = hn::BitCast(d, hn::InterleaveUpper(du16, hn::Zero(du16), v));
 }
 
-// DotTile<1>'s result for BF16 weights by zipping (xz: ZipActivations of x); kAhead as DotTile's.
-template <int64_t kAhead = 0, int kLocality = 2>
+// DotTile<1>'s result for BF16 weights by zipping (xz: ZipActivations of x); kAhead, kLocality
+// and kRepeat as DotTile's.
+template <int64_t kAhead = 0, int kLocality = 2, int kRepeat = 0>
 HWY_INLINE float DotBF16Zip(const bf16* w, const float* x, const float* xz, int64_t n) {
   const DF d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   hn::Vec<DF> acc_a = hn::Zero(d), acc_b = hn::Zero(d);
   int64_t i = 0;
   for (; i + 2 * N <= n; i += 2 * N) {
-    if constexpr (kAhead > 0)
+    if constexpr (kAhead > 0 && kRepeat > 0)
+      PrefetchRepeated<kLocality, kRepeat>(reinterpret_cast<const char*>(w + i) + kAhead,
+                                           2 * N * static_cast<int64_t>(sizeof(bf16)));
+    else if constexpr (kAhead > 0)
       __builtin_prefetch(reinterpret_cast<const char*>(w + i) + kAhead, 0, kLocality);
     hn::Vec<DF> a, b;
     ZipBF16(d, w + i, &a, &b);

@@ -17,8 +17,9 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 // Four vectors a step; `kAhead` bytes ahead a prefetch of the same span with locality kLoc
-// (__builtin_prefetch's: 3 = all levels, 2 = L2 and out, 0 = non-temporal).
-template <size_t kAhead, int kLoc>
+// (__builtin_prefetch's: 3 = all levels, 2 = L2 and out, 0 = non-temporal), each line's
+// prefetch issued kRepeat times (at offsets 64 / kRepeat apart in it).
+template <size_t kAhead, int kLoc, int kRepeat = 1>
 uint64_t VectorPass(const uint64_t* p, size_t n) {
   const hn::ScalableTag<uint64_t> d;
   const size_t N = hn::Lanes(d);
@@ -27,7 +28,8 @@ uint64_t VectorPass(const uint64_t* p, size_t n) {
   for (; i + 4 * N <= n; i += 4 * N) {
     if constexpr (kAhead > 0) {
       const char* c = reinterpret_cast<const char*>(p + i) + kAhead;
-      for (size_t b = 0; b < 4 * N * sizeof(uint64_t); b += 64) __builtin_prefetch(c + b, 0, kLoc);
+      for (size_t b = 0; b < 4 * N * sizeof(uint64_t); b += 64)
+        for (int r = 0; r < kRepeat; ++r) __builtin_prefetch(c + b + r * (64 / kRepeat), 0, kLoc);
     }
     a0 = hn::Add(a0, hn::LoadU(d, p + i));
     a1 = hn::Add(a1, hn::LoadU(d, p + i + N));
@@ -70,6 +72,8 @@ uint64_t ReadPassK(const uint64_t* p, size_t n, ReadMethod m) {
       return VectorPass<static_cast<size_t>(kMatvecPrefetchBytes), 2>(p, n);
     case ReadMethod::kPrefetchNta4K:
       return VectorPass<4096, 0>(p, n);
+    case ReadMethod::kPrefetchL2Repeat:
+      return VectorPass<static_cast<size_t>(kMatvecPrefetchBytes), 2, kPrefetchRepeat>(p, n);
   }
   return 0;
 }
@@ -88,15 +92,18 @@ uint64_t read_pass(std::span<const uint64_t> words, ReadMethod method) {
 
 std::string_view read_method_name(ReadMethod m) {
   // Indexed by the enum's value, in kReadMethods' order.
-  static constexpr std::string_view kNames[] = {"scalar loads",
-                                                "vector loads",
-                                                "vector loads, prefetch 1 KiB ahead",
-                                                "vector loads, prefetch 4 KiB ahead",
-                                                "vector loads, prefetch 16 KiB ahead",
-                                                "vector loads, prefetch to L2 32 KiB ahead",
-                                                "vector loads, non-temporal prefetch 4 KiB ahead"};
+  static constexpr std::string_view kNames[] = {
+      "scalar loads",
+      "vector loads",
+      "vector loads, prefetch 1 KiB ahead",
+      "vector loads, prefetch 4 KiB ahead",
+      "vector loads, prefetch 16 KiB ahead",
+      "vector loads, prefetch to L2 32 KiB ahead",
+      "vector loads, non-temporal prefetch 4 KiB ahead",
+      "vector loads, prefetch to L2 32 KiB ahead, 4 per line"};
   static_assert(std::size(kNames) == std::size(kReadMethods));
-  static_assert(kMatvecPrefetchBytes == 32768, "the L2 method's name above states the distance");
+  static_assert(kMatvecPrefetchBytes == 32768 && kPrefetchRepeat == 4,
+                "the L2 methods' names above state the distance and the repeat");
   static_assert([] {
     for (size_t k = 0; k < std::size(kReadMethods); ++k)
       if (static_cast<size_t>(kReadMethods[k]) != k) return false;

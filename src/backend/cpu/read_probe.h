@@ -19,11 +19,12 @@ enum class ReadMethod : uint8_t {
   kPrefetch16K,       //
   kPrefetchL2Matvec,  // to L2, kMatvecPrefetchBytes ahead (the one-token matvec kernels' form)
   kPrefetchNta4K,     // non-temporal prefetch, 4 KiB ahead
+  kPrefetchL2Repeat,  // kPrefetchL2Matvec with each line's prefetch issued kPrefetchRepeat times
 };
 inline constexpr ReadMethod kReadMethods[] = {
-    ReadMethod::kScalar,       ReadMethod::kVector,      ReadMethod::kPrefetch1K,
-    ReadMethod::kPrefetch4K,   ReadMethod::kPrefetch16K, ReadMethod::kPrefetchL2Matvec,
-    ReadMethod::kPrefetchNta4K};
+    ReadMethod::kScalar,        ReadMethod::kVector,          ReadMethod::kPrefetch1K,
+    ReadMethod::kPrefetch4K,    ReadMethod::kPrefetch16K,     ReadMethod::kPrefetchL2Matvec,
+    ReadMethod::kPrefetchNta4K, ReadMethod::kPrefetchL2Repeat};
 std::string_view read_method_name(ReadMethod m);
 
 // The wrapping sum of `words` read by `method` (returned so the loads are not optimised out;
