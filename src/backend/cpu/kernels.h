@@ -88,7 +88,7 @@ inline constexpr int64_t kMatvecPrefetchBytes = 32768;
 // The one-token F16/BF16 kernels on AVX-512 machines that prefetch into L2 (not Intel:
 // prefetch.h IntelCores) issue each weight line's prefetch this many times (at 16-byte steps
 // in the line): on the Zen 4 VM F16 and BF16 decode read a larger fraction of the probe than
-// with one or two per line at 1 thread (BF16 at 2 threads too; F16 at 2 unsettled), where the
+// with one or two per line at 1 thread (at 2, BF16 too; F16 mixed between samples), where the
 // int8 kernels' spans read no faster with two and slower with four (docs/BENCHMARKS.md,
 // session 35; why was not established).
 inline constexpr int kPrefetchRepeat = 4;
