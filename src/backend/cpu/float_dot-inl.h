@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "backend/cpu/prefetch.h"
 #include "core/half.h"
 #include "hwy/highway.h"
 
@@ -109,14 +110,6 @@ HWY_INLINE float DotFinish(DF d, hn::Vec<DF> acc0, hn::Vec<DF> acc1, const L& w,
   return s;
 }
 
-// The `bytes` bytes from p, each 64-byte line's prefetch issued kRepeat times (at 64 / kRepeat
-// byte steps), with __builtin_prefetch's locality kLocality.
-template <int kLocality, int kRepeat>
-HWY_INLINE void PrefetchRepeated(const char* p, int64_t bytes) {
-  static_assert(kRepeat >= 1 && 64 % kRepeat == 0);
-  for (int64_t b = 0; b < bytes; b += 64 / kRepeat) __builtin_prefetch(p + b, 0, kLocality);
-}
-
 // out[t] = dot(w, xs[t]) for T token rows, reading w once. Chunk c (N lanes at c * N) goes into
 // acc0 when c is even and acc1 when odd; an odd last full chunk into acc0.
 // kAhead > 0 (a decode step's one token, rows back to back): each chunk pair also prefetches
@@ -131,7 +124,8 @@ HWY_INLINE void DotTile(const L& w, const float* const* xs, int64_t n, float* ou
   int64_t i = 0;
   for (; i + 2 * N <= n; i += 2 * N) {
     if constexpr (kAhead > 0 && kRepeat > 0) {
-      PrefetchRepeated<kLocality, kRepeat>(w.bytes(i) + kAhead, w.bytes(i + 2 * N) - w.bytes(i));
+      PrefetchRepeated<kLocality, kRepeat>(w.bytes(i) + kAhead,
+                                           static_cast<size_t>(w.bytes(i + 2 * N) - w.bytes(i)));
     } else if constexpr (kAhead > 0) {
       __builtin_prefetch(w.bytes(i) + kAhead, 0, kLocality);
       __builtin_prefetch(w.bytes(i + N) + kAhead, 0, kLocality);
@@ -216,7 +210,7 @@ HWY_INLINE float DotBF16Zip(const bf16* w, const float* x, const float* xz, int6
   for (; i + 2 * N <= n; i += 2 * N) {
     if constexpr (kAhead > 0 && kRepeat > 0)
       PrefetchRepeated<kLocality, kRepeat>(reinterpret_cast<const char*>(w + i) + kAhead,
-                                           2 * N * static_cast<int64_t>(sizeof(bf16)));
+                                           static_cast<size_t>(2 * N) * sizeof(bf16));
     else if constexpr (kAhead > 0)
       __builtin_prefetch(reinterpret_cast<const char*>(w + i) + kAhead, 0, kLocality);
     hn::Vec<DF> a, b;

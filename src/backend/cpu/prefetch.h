@@ -21,6 +21,15 @@ __attribute__((always_inline)) inline void PrefetchSpan(const std::byte* p) {
   const char* c = reinterpret_cast<const char*>(p);
   for (size_t j = 0; j < (kBytes + 63) / 64; ++j) __builtin_prefetch(c + 64 * j, 0, kLocality);
 }
+// The `bytes` bytes from p with each 64-byte line's prefetch issued kRepeat times (at 64 /
+// kRepeat byte steps in it): the F16/BF16 one-token rows' form (kernels.h kPrefetchRepeat) and
+// the read probe's method of the same name.
+template <int kLocality, int kRepeat>
+__attribute__((always_inline)) inline void PrefetchRepeated(const void* p, size_t bytes) {
+  static_assert(kRepeat >= 1 && 64 % kRepeat == 0);
+  const char* c = static_cast<const char*>(p);
+  for (size_t b = 0; b < bytes; b += 64 / kRepeat) __builtin_prefetch(c + b, 0, kLocality);
+}
 template <size_t kBytes>
 __attribute__((always_inline)) inline void PrefetchSpanL2(const std::byte* p) {
   PrefetchSpan<kBytes, 2>(p);

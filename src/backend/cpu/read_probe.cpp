@@ -8,6 +8,7 @@
 
 #include <iterator>
 
+#include "backend/cpu/prefetch.h"
 #include "kernels.h"
 #include "read_probe.h"
 
@@ -28,8 +29,7 @@ uint64_t VectorPass(const uint64_t* p, size_t n) {
   for (; i + 4 * N <= n; i += 4 * N) {
     if constexpr (kAhead > 0) {
       const char* c = reinterpret_cast<const char*>(p + i) + kAhead;
-      for (size_t b = 0; b < 4 * N * sizeof(uint64_t); b += 64)
-        for (int r = 0; r < kRepeat; ++r) __builtin_prefetch(c + b + r * (64 / kRepeat), 0, kLoc);
+      PrefetchRepeated<kLoc, kRepeat>(c, 4 * N * sizeof(uint64_t));
     }
     a0 = hn::Add(a0, hn::LoadU(d, p + i));
     a1 = hn::Add(a1, hn::LoadU(d, p + i + N));
