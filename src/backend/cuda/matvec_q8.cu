@@ -1502,8 +1502,21 @@ cudaError_t with_q8_shape(const DeviceWeight& w, int64_t n_tok, F&& f) {
         else
           return f.template operator()<1, 1, MODE>();
       }
-      if (n_tok == 2) return f.template operator()<2, 1, MODE>();
-      if (n_tok <= 4) return f.template operator()<4, 2, MODE>();
+      // Two tokens: two rows per warp for Q4_K and Q6_K (one row was short of work per load:
+      // up to 2.1x slower); three and four tokens: four rows for Q4_K (up to 9 %; Q6_K level or
+      // slower). H100, cuda_matvec_bench's launch-shape A/B (session 35, docs/BENCHMARKS.md).
+      if (n_tok == 2) {
+        if constexpr (T == DType::Q4_K || T == DType::Q6_K)
+          return f.template operator()<2, 2, MODE>();
+        else
+          return f.template operator()<2, 1, MODE>();
+      }
+      if (n_tok <= 4) {
+        if constexpr (T == DType::Q4_K)
+          return f.template operator()<4, 4, MODE>();
+        else
+          return f.template operator()<4, 2, MODE>();
+      }
       return f.template operator()<8, 4, MODE>();
     }
   };
