@@ -212,6 +212,13 @@ class Backend {
   // false, and generation then gives the prompt's last token a step of its own, as speculative
   // decoding does (Session::prefill_head), so plain and speculative greedy ids agree.
   virtual bool batch_invariant() const { return true; }
+  // True when MoE steps of a few tokens (2 to 8: a speculative verify, a few sequences decoding
+  // together) should run the experts any token chose as grouped gate/up batches over all the
+  // step's tokens (model/forward.cpp moe_few_tokens: fewer, larger ops, unused rows computed)
+  // instead of the general path's ops per expert; either way the same bits where each token's
+  // matmul row is that of a one-token call. Host backends: false (on the CPU the unused rows
+  // cost more than the ops saved).
+  virtual bool groups_few_token_experts() const { return false; }
 
   // --- Memory the ops compute in. Host backends keep the defaults below (plain host memory,
   // memcpy); a device backend overrides all of them. Every op accepts spans of this memory.

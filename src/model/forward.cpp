@@ -107,6 +107,12 @@ void ForwardState::bind(Backend& be) {
 
 namespace {
 
+// Steps of up to this many tokens take moe_few_tokens where the backend asks for it
+// (Backend::groups_few_token_experts): a DFlash block or
+// MTP draft being verified, a few sequences decoding together (the CUDA int8 and float matvec
+// kernels' range, where a step's tokens share each weight read).
+constexpr int64_t kFewTokenMoe = 8;
+
 // Bytes of expert weights the forward passes computed with: each selected expert's three
 // slices once per step (kiln bench divides it by the tokens decoded: bytes per token).
 Counter& expert_bytes_used() {
@@ -171,6 +177,8 @@ class ForwardPass {
   void gated_ffn(const WeightMatrix& wg, const WeightMatrix& wu, const WeightMatrix& wd,
                  int64_t width, std::span<const float> in, std::span<float> out,
                  AfterGateUp after_gate_up);
+  void moe_few_tokens(int32_t il, int64_t X, int64_t K, int64_t F, std::span<const float> in,
+                      std::span<float> out);
   void moe_one_token(int32_t il, int64_t n_expert, int64_t n_sel, int64_t F,
                      std::span<const float> in, std::span<float> out);
   void layer_end(int32_t il);
@@ -206,6 +214,18 @@ class ForwardPass {
       case FfnAct::SwigluOai:  // gpt-oss's constants (llama.cpp's build_moe_ffn)
         return be_.swiglu_oai(g, u, out, 1.702f, 7.0f);
     }
+  }
+  // The rows of this step routed to expert e (n_expert_used = K picks per token): their tokens
+  // into st_.moe_rows and router weights into st_.moe_row_w, in token order; returns how many.
+  // A token routes to an expert once (route_experts and override_route pick distinct ids).
+  int64_t routed_rows(int32_t e, int64_t K) {
+    int64_t m = 0;
+    for (int64_t j = 0; j < n_ * K; ++j)
+      if (st_.sel_e[static_cast<size_t>(j)] == e) {
+        st_.moe_rows[static_cast<size_t>(m)] = static_cast<int32_t>(j / K);
+        st_.moe_row_w[static_cast<size_t>(m++)] = st_.sel_w[static_cast<size_t>(j)];
+      }
+    return m;
   }
   // Expert e's slice of a per-expert bias (empty when the model has none), added to each of
   // the `rows` rows of y.
@@ -841,6 +861,8 @@ void ForwardPass::moe_ffn_block(int32_t il) {
   be_.zero(out);
   if (n_tok == 1)
     moe_one_token(il, X, K, F, in, out);
+  else if (n_tok <= kFewTokenMoe && be_.groups_few_token_experts())
+    moe_few_tokens(il, X, K, F, in, out);
   else
     moe_experts_batch(il, X, K, F, in, out);
   // Shared experts: a dense FFN of the same normalised rows, added to the routed sum (in
@@ -858,17 +880,10 @@ void ForwardPass::moe_ffn_block(int32_t il) {
 void ForwardPass::moe_experts_batch(int32_t il, int64_t X, int64_t K, int64_t F,
                                     std::span<const float> in, std::span<float> out) {
   const LayerWeights& lw = w_.layers[static_cast<size_t>(il)];
-  const int64_t n_tok = n_, E = E_;
-  const std::span<const int32_t> sel(st_.sel_e.data(), static_cast<size_t>(n_tok * K));
-  const std::span<const float> sel_w(st_.sel_w.data(), static_cast<size_t>(n_tok * K));
+  const int64_t E = E_;
   for (int32_t e = 0; e < X; ++e) {
     if (!hp_.owns_expert(e, static_cast<int32_t>(X))) continue;  // another rank's
-    int64_t m = 0;  // rows routed to e: their tokens in moe_rows, router weights in moe_row_w
-    for (int64_t j = 0; j < n_tok * K; ++j)
-      if (sel[j] == e) {
-        st_.moe_rows[m] = static_cast<int32_t>(j / K);
-        st_.moe_row_w[m++] = sel_w[j];
-      }
+    const int64_t m = routed_rows(e, K);
     if (m == 0) continue;
     const std::span<const int32_t> toks(st_.moe_rows.data(), static_cast<size_t>(m));
     const std::span<float> xin = sl(st_.moe_in, m * E), y = sl(st_.moe_out, m * E);
@@ -888,6 +903,80 @@ void ForwardPass::moe_experts_batch(int32_t il, int64_t X, int64_t K, int64_t F,
     // so the rows' tokens are distinct, as scale_add_rows requires (and checks).
     be_.scale_add_rows(y, E, toks, std::span<const float>(st_.moe_row_w.data(), size_t(m)), out);
   }
+}
+
+// A few tokens where the backend groups them (Backend::groups_few_token_experts; a speculative
+// verify step, a few sequences decoding together):
+// the general path's arithmetic with fewer, larger ops. The experts any token chose, by
+// ascending id, in chunks of at most K (the pins a streaming store guarantees, and the scratch
+// of the one-token path): each chunk's gate and up matvecs over all the step's tokens as one
+// batch op (one activation quantization, grouped launches; the rows of tokens that did not
+// choose an expert are computed and left unused), the activation over the chunk at once, then
+// per expert the routed rows of that activation gathered, its down matmul and the weighted add
+// back, as the general path does. Same bits as the general path: the device matvecs give each
+// token's row the bits of a one-token call (batch-invariant kernels; CudaSpec.
+// VerifyBatchHasTheDecodeStepsBits checks a verify step against decode steps), the activation
+// is elementwise, and the experts are added in ascending id as there (ResidentAlloc's
+// qwen3moe case runs it on the CPU kernels behind an emulated device: its prompt's last chunk is
+// 8 tokens, compared bit for bit with host memory's general path). What it saves on a GPU: the
+// per-expert gather of the inputs and 2 of every expert's 3 matmul launches, each with its own
+// quantization. Host backends keep the general path: on the CPU the unused rows cost more than
+// the ops saved (an MTP verify of 5 tokens, GLM4MOE shape, 2 threads: 39 ms against 33).
+void ForwardPass::moe_few_tokens(int32_t il, int64_t X, int64_t K, int64_t F,
+                                 std::span<const float> in, std::span<float> out) {
+  const LayerWeights& lw = w_.layers[static_cast<size_t>(il)];
+  const int64_t n_tok = n_, E = E_;
+  const std::span<const int32_t> sel(st_.sel_e.data(), static_cast<size_t>(n_tok * K));
+  std::vector<int32_t>& ids = st_.moe_order;  // the chosen experts this rank owns, ascending
+  ids.clear();
+  for (const int32_t e : sel)
+    if (hp_.owns_expert(e, static_cast<int32_t>(X))) ids.push_back(e);
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  // Chunk: K experts' gate/up/act rows of every token must fit the FFN scratch (sized for the
+  // one-token path's K * F and the batch's B * n_ff): fewer experts a chunk where they do not.
+  const auto per_expert = static_cast<size_t>(n_tok * F);
+  const auto chunk = static_cast<int64_t>(
+      std::min<size_t>(static_cast<size_t>(K), st_.ff_gate.size() / per_expert));
+  KILN_CHECK(chunk >= 1, "moe_few_tokens: FFN scratch below one expert's {} rows", n_tok);
+  auto part = [](std::span<float> s, int64_t i, int64_t width) {
+    return s.subspan(static_cast<size_t>(i * width), static_cast<size_t>(width));
+  };
+  std::vector<Backend::MatmulTask>& tasks = st_.moe_tasks;
+  for (size_t c0 = 0; c0 < ids.size(); c0 += static_cast<size_t>(chunk)) {
+    const auto n_c = static_cast<int64_t>(std::min(ids.size() - c0, static_cast<size_t>(chunk)));
+    st_.moe_held.clear();
+    for (int64_t i = 0; i < n_c; ++i) {
+      st_.moe_held.push_back(w_.experts->get(il, ids[c0 + static_cast<size_t>(i)]));
+      expert_bytes_used().add(expert_bytes(st_.moe_held.back()));
+    }
+    const int64_t rows = n_c * n_tok;  // expert i's rows: [i * n_tok, (i + 1) * n_tok)
+    const std::span<float> fg = sl(st_.ff_gate, rows * F), fu = sl(st_.ff_up, rows * F);
+    const std::span<float> fa = sl(st_.ff_act, rows * F);
+    tasks.clear();
+    for (int64_t i = 0; i < n_c; ++i) {
+      tasks.push_back({&st_.moe_held[i].gate, in, part(fg, i, n_tok * F)});
+      tasks.push_back({&st_.moe_held[i].up, in, part(fu, i, n_tok * F)});
+    }
+    be_.matmul_batch(tasks, n_tok);
+    for (int64_t i = 0; i < n_c; ++i) {
+      const int32_t e = ids[c0 + static_cast<size_t>(i)];
+      add_expert_bias(part(fg, i, n_tok * F), lw.ffn_gate_exps_b, e, F, n_tok);
+      add_expert_bias(part(fu, i, n_tok * F), lw.ffn_up_exps_b, e, F, n_tok);
+    }
+    ffn_act(fg, fu, fa);
+    for (int64_t i = 0; i < n_c; ++i) {
+      const int32_t e = ids[c0 + static_cast<size_t>(i)];
+      const int64_t m = routed_rows(e, K);
+      const std::span<const int32_t> toks(st_.moe_rows.data(), static_cast<size_t>(m));
+      const std::span<float> xin = sl(st_.ff_gate, m * F), y = sl(st_.moe_out, m * E);
+      be_.gather_rows(part(fa, i, n_tok * F), F, toks, xin);  // fg is spent: its scratch
+      be_.matmul(st_.moe_held[i].down, xin, m, y);
+      add_expert_bias(y, lw.ffn_down_exps_b, e, E, m);
+      be_.scale_add_rows(y, E, toks, std::span<const float>(st_.moe_row_w.data(), size_t(m)), out);
+    }
+  }
+  st_.moe_held.clear();  // releases the pins
 }
 
 // One token's experts (a decode step): all K gate and up matvecs as one backend op, the

@@ -588,61 +588,66 @@ TEST_P(CudaTpGolden, MatchesLlamaCpp) {
 TEST(CudaSpec, VerifyBatchHasTheDecodeStepsBits) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device, CUDA tests skipped";
   bool ran = false;
-  for (const char* name : {"llama-gqa-q4_k_m", "qwen3moe-q4_k_m", "glm4moe-q4_k_m"}) {
-    std::vector<int32_t> prompt;
-    std::shared_ptr<const Model> m = load_same_bits_fixture(name, &prompt);
-    if (m == nullptr) continue;
-    ran = true;
-    SCOPED_TRACE(name);
-    prompt.resize(std::min<size_t>(prompt.size(), 24));
-    const std::vector<int32_t> next(prompt.begin(), prompt.begin() + 5);
-    auto be = make_cuda_backend(region_options(*m));
-    ASSERT_TRUE(be) << be.error();
-    std::vector<model::Capture> steps(next.size());
-    {
-      Session s(m, **be, 256);
-      ASSERT_TRUE(s.eval(prompt, false).has_value());
-      for (size_t t = 0; t < next.size(); ++t) {
-        s.set_capture(&steps[t]);
-        ASSERT_TRUE(s.eval(std::span(&next[t], 1), false).has_value());
+  // few: CudaOptions::few_token_moe (on trial), the MoE verify step as grouped launches.
+  for (const char* name : {"llama-gqa-q4_k_m", "qwen3moe-q4_k_m", "glm4moe-q4_k_m"})
+    for (bool few : {false, true}) {
+      std::vector<int32_t> prompt;
+      std::shared_ptr<const Model> m = load_same_bits_fixture(name, &prompt);
+      if (m == nullptr) continue;
+      if (few && m->hparams().layers.back().n_expert == 0) continue;
+      ran = true;
+      SCOPED_TRACE(::testing::Message() << name << (few ? ", few_token_moe" : ""));
+      prompt.resize(std::min<size_t>(prompt.size(), 24));
+      const std::vector<int32_t> next(prompt.begin(), prompt.begin() + 5);
+      CudaOptions o = region_options(*m);
+      o.few_token_moe = few;
+      auto be = make_cuda_backend(o);
+      ASSERT_TRUE(be) << be.error();
+      std::vector<model::Capture> steps(next.size());
+      {
+        Session s(m, **be, 256);
+        ASSERT_TRUE(s.eval(prompt, false).has_value());
+        for (size_t t = 0; t < next.size(); ++t) {
+          s.set_capture(&steps[t]);
+          ASSERT_TRUE(s.eval(std::span(&next[t], 1), false).has_value());
+        }
       }
-    }
-    model::Capture batch;
-    {
-      Session s(m, **be, 256);
-      ASSERT_TRUE(s.eval(prompt, false).has_value());
-      s.set_capture(&batch);
-      ASSERT_TRUE(s.eval(next, true).has_value());
-    }
-    ASSERT_GT(batch.nodes.size(), 4u);
-    // Differing nodes as (layer, name): "blk.N." first by N, the rest (embedding, output) after.
-    std::vector<std::tuple<int, std::string, size_t, float>> differ;
-    for (const auto& [node, got] : batch.nodes) {
-      const size_t W = static_cast<size_t>(got.width);
-      for (size_t t = 0; t < next.size(); ++t) {
-        auto it = steps[t].nodes.find(node);
-        ASSERT_NE(it, steps[t].nodes.end()) << node;
-        ASSERT_EQ(static_cast<size_t>(it->second.width), W) << node;
-        const float* a = got.data.data() + t * W;
-        const float* b = it->second.data.data() + (it->second.data.size() - W);
-        if (std::memcmp(a, b, W * sizeof(float)) == 0) continue;
-        float worst = 0;
-        for (size_t i = 0; i < W; ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
-        const int layer = node.starts_with("blk.") ? std::atoi(node.c_str() + 4) : 1 << 20;
-        differ.emplace_back(layer, node, t, worst);
-        break;
+      model::Capture batch;
+      {
+        Session s(m, **be, 256);
+        ASSERT_TRUE(s.eval(prompt, false).has_value());
+        s.set_capture(&batch);
+        ASSERT_TRUE(s.eval(next, true).has_value());
       }
+      ASSERT_GT(batch.nodes.size(), 4u);
+      // Differing nodes as (layer, name): "blk.N." first by N, the rest (embedding, output) after.
+      std::vector<std::tuple<int, std::string, size_t, float>> differ;
+      for (const auto& [node, got] : batch.nodes) {
+        const size_t W = static_cast<size_t>(got.width);
+        for (size_t t = 0; t < next.size(); ++t) {
+          auto it = steps[t].nodes.find(node);
+          ASSERT_NE(it, steps[t].nodes.end()) << node;
+          ASSERT_EQ(static_cast<size_t>(it->second.width), W) << node;
+          const float* a = got.data.data() + t * W;
+          const float* b = it->second.data.data() + (it->second.data.size() - W);
+          if (std::memcmp(a, b, W * sizeof(float)) == 0) continue;
+          float worst = 0;
+          for (size_t i = 0; i < W; ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+          const int layer = node.starts_with("blk.") ? std::atoi(node.c_str() + 4) : 1 << 20;
+          differ.emplace_back(layer, node, t, worst);
+          break;
+        }
+      }
+      std::sort(differ.begin(), differ.end());
+      std::string list;
+      for (size_t i = 0; i < std::min<size_t>(differ.size(), 12); ++i)
+        list += fmt::format(" {} (token {}, max |d| {:.3g});", std::get<1>(differ[i]),
+                            std::get<2>(differ[i]), std::get<3>(differ[i]));
+      EXPECT_TRUE(differ.empty()) << differ.size() << " of " << batch.nodes.size()
+                                  << " activations differ from the decode steps':" << list;
+      fmt::print("  {:<22} verify batch of {}{}: {} of {} activations differ\n", name, next.size(),
+                 few ? " (few_token_moe)" : "", differ.size(), batch.nodes.size());
     }
-    std::sort(differ.begin(), differ.end());
-    std::string list;
-    for (size_t i = 0; i < std::min<size_t>(differ.size(), 12); ++i)
-      list += fmt::format(" {} (token {}, max |d| {:.3g});", std::get<1>(differ[i]),
-                          std::get<2>(differ[i]), std::get<3>(differ[i]));
-    EXPECT_TRUE(differ.empty()) << differ.size() << " of " << batch.nodes.size()
-                                << " activations differ from the decode steps':" << list;
-    fmt::print("  {:<22} verify batch of {}: {} of {} activations differ\n", name, next.size(),
-               differ.size(), batch.nodes.size());
-  }
   if (!ran) GTEST_SKIP() << "none of the fixtures was carried to this machine";
 }
 

@@ -31,6 +31,8 @@ class FakeDeviceBackend final : public Backend {
 
   std::string_view name() const override { return "fake-device"; }
   bool device_memory() const override { return true; }
+  // The few-token MoE path on the CPU kernels, against host memory's general path.
+  bool groups_few_token_experts() const override { return true; }
 
   BackendBytes alloc_bytes(size_t bytes) override {
     const size_t n = (std::max<size_t>(bytes, 1) + 4095) / 4096 * 4096;
@@ -219,7 +221,9 @@ std::vector<float> run(Session& s, std::span<const int32_t> prompt, int steps) {
 class ResidentAlloc : public ::testing::TestWithParam<const char*> {};
 
 // Architectures: llama (GQA), gemma2 (sliding-window rings, softcaps, post norms), qwen3 (q/k
-// norms), qwen3moe (router decisions downloaded, rows gathered by device copies).
+// norms), qwen3moe (router decisions downloaded, rows gathered by device copies; the prompt's
+// last chunk of 8 tokens takes the device backends' few-token MoE path, forward.cpp
+// moe_few_tokens).
 TEST_P(ResidentAlloc, BitIdenticalToHostMemory) {
   const std::string file = std::string(GetParam()) + ".gguf";
   if (!have(file)) GTEST_SKIP() << file << " not present";

@@ -219,6 +219,8 @@ std::shared_ptr<void> CudaBackend::register_host_memory(std::span<std::byte> mem
   });
 }
 
+bool CudaBackend::groups_few_token_experts() const { return impl_->opts.few_token_moe; }
+
 uint64_t CudaBackend::device_free_bytes() const {
   Impl& I = *impl_;
   std::lock_guard lock(I.mu);

@@ -115,6 +115,11 @@ struct CudaOptions {
   // CudaL2Prefetch.SameBitsAsWithout). 8 MiB by measurement (kernels.h
   // kL2PrefetchBytesDefault, asserted): 8B Q4_K_M tg128 +0.5 to +3.0 % on the H200.
   uint64_t l2_prefetch_bytes = uint64_t(8) << 20;
+  // On trial: Backend::groups_few_token_experts (MoE steps of 2-8 tokens as grouped gate/up
+  // launches, one activation quantization per chunk of experts). Same bits (the matvecs are
+  // token-invariant; ResidentAlloc checks the path against host memory on the CPU kernels);
+  // not yet measured on a GPU, so off until the MTP verify A/B (docs/BENCHMARKS.md, session 36).
+  bool few_token_moe = false;
 };
 
 // The widest attention head (K and V rows per head) the CUDA attention kernels take: latent
@@ -175,6 +180,7 @@ class CudaBackend final : public Backend {
 
   bool device_memory() const override { return true; }
   bool batch_invariant() const override { return false; }  // docs/determinism.md, CUDA
+  bool groups_few_token_experts() const override;          // CudaOptions::few_token_moe
   uint64_t device_free_bytes() const override;             // cudaMemGetInfo's free bytes
   BackendBytes alloc_bytes(size_t bytes) override;
   // cudaHostRegister (page-locked, portable); the handle's release unregisters.
