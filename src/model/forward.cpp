@@ -108,9 +108,9 @@ void ForwardState::bind(Backend& be) {
 namespace {
 
 // Steps of up to this many tokens take moe_few_tokens where the backend asks for it
-// (Backend::groups_few_token_experts): a DFlash block or
-// MTP draft being verified, a few sequences decoding together (the CUDA int8 and float matvec
-// kernels' range, where a step's tokens share each weight read).
+// (Backend::groups_few_token_experts): a DFlash block or MTP draft being verified, a few
+// sequences decoding together (the CUDA int8 and float matvec kernels' range, where a step's
+// tokens share each weight read).
 constexpr int64_t kFewTokenMoe = 8;
 
 // Bytes of expert weights the forward passes computed with: each selected expert's three
@@ -921,7 +921,7 @@ void ForwardPass::moe_experts_batch(int32_t il, int64_t X, int64_t K, int64_t F,
 // 8 tokens, compared bit for bit with host memory's general path). What it saves on a GPU: the
 // per-expert gather of the inputs and 2 of every expert's 3 matmul launches, each with its own
 // quantization. Host backends keep the general path: on the CPU the unused rows cost more than
-// the ops saved (an MTP verify of 5 tokens, GLM4MOE shape, 2 threads: 39 ms against 33).
+// the ops saved (an MTP verify of 5 tokens on the GLM4MOE shape: docs/BENCHMARKS.md, session 36).
 void ForwardPass::moe_few_tokens(int32_t il, int64_t X, int64_t K, int64_t F,
                                  std::span<const float> in, std::span<float> out) {
   const LayerWeights& lw = w_.layers[static_cast<size_t>(il)];

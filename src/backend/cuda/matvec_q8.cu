@@ -1502,9 +1502,9 @@ cudaError_t with_q8_shape(const DeviceWeight& w, int64_t n_tok, F&& f) {
         else
           return f.template operator()<1, 1, MODE>();
       }
-      // Two tokens: two rows per warp for Q4_K and Q6_K (one row was short of work per load:
-      // up to 2.1x slower); three and four tokens: four rows for Q4_K (up to 9 %; Q6_K level or
-      // slower). H100, cuda_matvec_bench's launch-shape A/B (session 35, docs/BENCHMARKS.md).
+      // Two tokens: two rows per warp for Q4_K and Q6_K (one row was short of work per load);
+      // three and four tokens: four rows for Q4_K (Q6_K level or slower there). By
+      // cuda_matvec_bench's launch-shape A/B on an H100 (docs/BENCHMARKS.md, sessions 35-36).
       if (n_tok == 2) {
         if constexpr (T == DType::Q4_K || T == DType::Q6_K)
           return f.template operator()<2, 2, MODE>();
