@@ -945,11 +945,17 @@ KILN_VNNI512_INLINE __m512i Q6KOneLaneSums(const block_q6_K* b, const __m512i (&
   return isum;
 }
 
+// Software-pipelined as DotQ45KOne: block i's totals and FMA are issued after block i + 1's lane
+// sums, so the chain from a block's loads to its FMA overlaps the next block's (faster hot in
+// L2/L3, bench/matvec_bench BM_KQOneOnOff; docs/BENCHMARKS.md, session 37).
 template <int R>
 KILN_VNNI512 void DotQ6KOne(const std::byte* row, size_t stride, int64_t nb, const block_q8_K* ys,
                             float* out, const std::byte* pf = nullptr) {
   static_assert(R >= 1 && R <= 8);
   __m256 acc = _mm256_setzero_ps();  // row r in lane r
+  __m256i vp[8];
+  alignas(32) float dyp[8] = {};
+  for (int k = 0; k < 8; ++k) vp[k] = _mm256_setzero_si256();
   for (int64_t i = 0; i < nb; ++i) {
     if (pf != nullptr) PrefetchSpanL2<R * sizeof(block_q6_K)>(pf + i * R * sizeof(block_q6_K));
     const block_q8_K& y = ys[i];
@@ -968,8 +974,13 @@ KILN_VNNI512 void DotQ6KOne(const std::byte* row, size_t stride, int64_t nb, con
       const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bsums), 5);
       v[r] = _mm256_sub_epi32(Fold512(isum), off);
     }
-    acc = _mm256_fmadd_ps(_mm256_load_ps(dy), _mm256_cvtepi32_ps(Totals8(v)), acc);
+    if (i > 0) acc = _mm256_fmadd_ps(_mm256_load_ps(dyp), _mm256_cvtepi32_ps(Totals8(vp)), acc);
+    for (int k = 0; k < 8; ++k) {
+      vp[k] = v[k];
+      dyp[k] = dy[k];
+    }
   }
+  acc = _mm256_fmadd_ps(_mm256_load_ps(dyp), _mm256_cvtepi32_ps(Totals8(vp)), acc);
   alignas(32) float o[8];
   _mm256_store_ps(o, acc);
   for (int r = 0; r < R; ++r) out[r] = o[r];
