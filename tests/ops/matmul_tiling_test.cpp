@@ -4,12 +4,14 @@
 // Fresh random inputs each run (seed printed on failure), odd shapes, every weight type.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <sstream>
 #include <string>
 
 #include "backend/backend.h"
+#include "backend/cpu/bf16_pairs.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/kernels.h"
 #include "core/dtype.h"
@@ -525,6 +527,70 @@ TEST(MatmulFloatTile, SameBitsOnEveryTarget) {
     SCOPED_TRACE(::testing::Message() << "simd " << cpu_simd_target() << " seed " << ops_seed());
     check_float_tile(rng, true);
   });
+}
+
+// BF16 weights on AVX512_BF16 machines (cpu/bf16_pairs.h): the one-token kernel (1 token), the
+// register tiles (2+ tokens) and the portable path, 1 and 2 threads, against the scalar oracle
+// computed here directly (round_bf16_row_ref, then dot_bf16_pairs_ref per output), so the vector
+// rounding of the activations is checked too. Widths below one chunk, with partial last chunks
+// landing in either accumulator, and past a row block; three kinds of values: moderate ones;
+// tiny ones, whose products and sums fall below FLT_MIN (bf16 and f32 denormals among them:
+// read as zero, results flushed, as the instruction defines); and raw random bits (infinities,
+// NaNs, overflow). Equal means the same bits, or both NaN (a NaN's payload is not defined here).
+bool same_or_both_nan(float a, float b) {
+  return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b) ||
+         (std::isnan(a) && std::isnan(b));
+}
+TEST(MatmulBF16Pairs, SameBitsAsScalarOracle) {
+  if (!cpu_bf16_pairs()) GTEST_SKIP() << "no AVX512_BF16 on the AVX3_DL target here";
+  std::mt19937_64 rng(ops_seed() ^ 0x9e3779b9ULL);
+  const auto value = [&](int kind, float scale) -> float {
+    std::normal_distribution<float> nd(0.0f, scale);
+    if (kind == 0) return nd(rng);
+    if (kind == 1) {  // around 2^-63 per factor: products near FLT_MIN; some denormals outright
+      if (rng() % 8 == 0)
+        return std::bit_cast<float>(static_cast<uint32_t>(rng() % 0x800000) |
+                                    static_cast<uint32_t>(rng() % 2) << 31);
+      return std::ldexp(nd(rng) / scale, -60 - static_cast<int>(rng() % 8));
+    }
+    return std::bit_cast<float>(static_cast<uint32_t>(rng()));
+  };
+  for (int kind = 0; kind < 3; ++kind) {
+    for (int64_t k : {5, 32, 37, 64, 95, 100, 2048 + 16 + 3}) {
+      for (int64_t n_rows : {1, 3, 67}) {
+        std::vector<bf16> wb(static_cast<size_t>(k * n_rows));
+        for (auto& v : wb) v = f32_to_bf16(value(kind, 0.05f));
+        if (kind == 1)  // bf16 denormals among the weights
+          for (size_t i = 0; i < wb.size(); i += 7)
+            wb[i] = bf16{static_cast<uint16_t>(rng() % 0x7f)};
+        const WeightMatrix w{.dtype = DType::BF16,
+                             .n_cols = k,
+                             .n_rows = n_rows,
+                             .row_bytes = static_cast<size_t>(k) * sizeof(bf16),
+                             .bytes = std::as_bytes(std::span(wb))};
+        for (int64_t n_tok : {1, 2, 5, 7}) {
+          SCOPED_TRACE(::testing::Message() << "kind " << kind << " k " << k << " rows " << n_rows
+                                            << " n_tok " << n_tok << " seed " << ops_seed());
+          std::vector<float> x(static_cast<size_t>(n_tok * k));
+          for (auto& v : x) v = value(kind, 1.0f);
+          std::vector<float> want(static_cast<size_t>(n_tok * n_rows));
+          std::vector<bf16> xb(static_cast<size_t>(cpu::pairs_padded(k)));
+          for (int64_t t = 0; t < n_tok; ++t) {
+            cpu::round_bf16_row_ref(x.data() + t * k, k, xb.data());
+            for (int64_t r = 0; r < n_rows; ++r)
+              want[t * n_rows + r] = cpu::dot_bf16_pairs_ref(wb.data() + r * k, xb.data(), k);
+          }
+          const auto [fast1, fast2, portable] = run_fast_portable(w, x, n_tok);
+          for (size_t i = 0; i < want.size(); ++i) {
+            ASSERT_TRUE(same_or_both_nan(fast1[i], want[i]))
+                << "1 thread, output " << i << ": " << fast1[i] << " vs " << want[i];
+            ASSERT_TRUE(same_or_both_nan(fast2[i], want[i])) << "2 threads, output " << i;
+            ASSERT_TRUE(same_or_both_nan(portable[i], want[i])) << "portable, output " << i;
+          }
+        }
+      }
+    }
+  }
 }
 
 // The 512-bit VNNI Q8_0 / Q4_0 / Q5_0 / IQ4_NL / MXFP4 kernel (AVX-512 VNNI, 2+ tokens) must give

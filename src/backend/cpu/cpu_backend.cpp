@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backend/cpu/bf16_pairs.h"
 #include "backend/cpu/cpu_matmul_q8.h"
 #include "backend/cpu/kernels.h"
 #include "core/check.h"
@@ -430,6 +431,9 @@ std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options) {
 const char* cpu_simd_target() { return cpu::target_name(); }
 bool cpu_has_amx() {
   return std::string_view(cpu::target_name()) == "AVX3_DL" && cpu::amx_usable();
+}
+bool cpu_bf16_pairs() {
+  return std::string_view(cpu::target_name()) == "AVX3_DL" && cpu::HasAvx512Bf16();
 }
 
 }  // namespace kiln

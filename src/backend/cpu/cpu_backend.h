@@ -31,5 +31,8 @@ std::unique_ptr<Backend> make_cpu_backend(const CpuOptions& options);
 const char* cpu_simd_target();
 // True where the Q8_0-family AMX kernel runs (CpuOptions::amx): AMX-INT8 on the AVX3_DL target.
 bool cpu_has_amx();
+// True where BF16 weights take the bf16-pair arithmetic (cpu/bf16_pairs.h: activations rounded to
+// bf16, as llama.cpp rounds them): AVX512_BF16 on the AVX3_DL target.
+bool cpu_bf16_pairs();
 
 }  // namespace kiln

@@ -2,7 +2,8 @@
 // dotted against activations quantized once per call (Q8_0 blocks for Q8_0/Q4_0/Q5_0/MXFP4, Q8_K
 // super-blocks for Q4_K/Q5_K/Q6_K) with int8 multiply-adds (AVX2 maddubs, AVX-512 VNNI
 // vpdpbusd/vpdpwssd); F32/F16/BF16 weights use f32 FMA after hardware conversion (2+ tokens:
-// the register-tiled kernel of cpu_matmul_float.cpp, with this file's DotTile bits); other
+// the register-tiled kernel of cpu_matmul_float.cpp, with this file's DotTile bits), except BF16
+// on machines with AVX512_BF16, dotted in bf16 pairs (bf16_pairs.h, MatmulBF16Pairs); other
 // types dequantize a block of rows once and reuse it for every token. Each weight block is
 // unpacked once per tile of several tokens, which is what makes prefill fast. On AVX-512 VNNI
 // Q4_K/Q6_K of one token (decode) take 512-bit one-token kernels and of 2+ tokens (batched
@@ -147,6 +148,43 @@ void MatvecBF16One(const MatmulJob& job, int64_t r0, int64_t r1) {
     job.y[r] =
         l1 ? DotBF16Zip<kFloatPrefetchBytes, 3>(row, job.x, xz.data(), n)
            : DotBF16Zip<kMatvecPrefetchBytes, 2, kHalfPrefetchRepeat>(row, job.x, xz.data(), n);
+  }
+}
+#endif
+
+#if KILN_BF16_PAIRS
+// BF16 rows [r0, r1) by the pair arithmetic (bf16_pairs.h), each token's activations rounded to
+// bf16 once per call: the portable path one scalar step at a time (dot_bf16_pairs_ref), else
+// DotPairsBlock two rows at a time with DotOne's prefetch (a lone token, as a decode step; 2+
+// tokens take cpu_matmul_float.cpp's tiles unless portable).
+KILN_BF16_PAIRS_NOINLINE void MatmulBF16Pairs(const MatmulJob& job, int64_t r0, int64_t r1) {
+  const WeightMatrix& w = *job.w;
+  const int64_t n = w.n_cols, ldy = w.n_rows;
+  thread_local std::vector<bf16> xb;
+  xb.resize(static_cast<size_t>(pairs_padded(n)));
+  const auto row = [&](int64_t r) { return reinterpret_cast<const bf16*>(w.row(r).data()); };
+  const bool l1 = IntelCores();  // where the stream is prefetched, as DotOne
+  for (int64_t t = 0; t < job.n_tok; ++t) {
+    const bf16* x = xb.data();
+    float* y = job.y + t * ldy;
+    if (job.portable) {
+      round_bf16_row_ref(job.x + t * n, n, xb.data());
+      for (int64_t r = r0; r < r1; ++r) y[r] = dot_bf16_pairs_ref(row(r), x, n);
+      continue;
+    }
+    RoundBF16Row(job.x + t * n, n, xb.data());
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) {
+      const bf16* rows[2] = {row(r), row(r + 1)};
+      if (l1)
+        DotPairsBlock<2, 1, kFloatPrefetchBytes, 3>(rows, &x, n, y + r);
+      else
+        DotPairsBlock<2, 1, kMatvecPrefetchBytes, 2, kHalfPrefetchRepeat>(rows, &x, n, y + r);
+    }
+    if (r < r1) {
+      const bf16* rows[1] = {row(r)};
+      DotPairsBlock<1, 1>(rows, &x, n, y + r);
+    }
   }
 }
 #endif
@@ -1775,6 +1813,9 @@ void MatmulRowsK(const MatmulJob& job, int64_t r0, int64_t r1, float* scratch) {
     case DType::F16:
       return MatmulFloat<f16, LoadF16>(job, r0, r1);
     case DType::BF16:
+#if KILN_BF16_PAIRS
+      if (HasAvx512Bf16()) return MatmulBF16Pairs(job, r0, r1);
+#endif
 #if KILN_BF16_ZIP
       if (!job.portable && job.n_tok == 1) return MatvecBF16One(job, r0, r1);
 #endif

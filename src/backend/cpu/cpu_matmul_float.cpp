@@ -6,7 +6,8 @@
 // activation chunk loaded once for R rows, while a row block stays in L2 for every token tile.
 // Every output still runs DotTile's float ops in DotTile's order (float_dot-inl.h: the same
 // chunk split, tail and reduction), so the result is the old kernel's bits for any tile, call
-// size or thread split (tests/ops MatmulFloatTile).
+// size or thread split (tests/ops MatmulFloatTile). BF16 on AVX512_BF16 machines takes the same
+// tiles with bf16 pairs instead (bf16_pairs.h: MatmulBF16PairsTiled).
 #define HWY_WANT_AVX3_DL 1
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu_matmul_float.cpp"
@@ -14,6 +15,7 @@
 #include "hwy/highway.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "core/check.h"
 #include "core/dtype.h"
@@ -128,6 +130,53 @@ void MatmulFloatTiledT(const MatmulJob& job, int64_t r0, int64_t r1) {
   }
 }
 
+#if KILN_BF16_PAIRS
+// DotPairsBlock for a tile of m <= T tokens.
+template <int R, int T>
+KILN_BF16_PAIRS_NOINLINE void DotPairsTile(int m, const bf16* const* w, const bf16* const* xs,
+                                           int64_t n, float* out) {
+  if constexpr (T > 1)
+    if (m < T) return DotPairsTile<R, T - 1>(m, w, xs, n, out);
+  DotPairsBlock<R, T>(w, xs, n, out);
+}
+
+// BF16 weights by the pair arithmetic (bf16_pairs.h) in MatmulFloatTiledT's loops: every token
+// rounded to bf16 once per call, then row blocks x token tiles x row tiles. Two products per
+// lane per instruction take the register tile's 24 accumulators as f32 FMAs take them.
+KILN_BF16_PAIRS_NOINLINE void MatmulBF16PairsTiled(const MatmulJob& job, int64_t r0, int64_t r1) {
+  const WeightMatrix& w = *job.w;
+  const int64_t n = w.n_cols, np = pairs_padded(n), ldy = w.n_rows;
+  thread_local std::vector<bf16> xb;
+  xb.resize(static_cast<size_t>(job.n_tok * np));
+  for (int64_t t = 0; t < job.n_tok; ++t) RoundBF16Row(job.x + t * n, n, xb.data() + t * np);
+  const int64_t rb = std::max<int64_t>(
+      kTileRows, kFloatRowBlockBytes / std::max<int64_t>(1, static_cast<int64_t>(w.row_bytes)));
+  const auto row = [&](int64_t r) { return reinterpret_cast<const bf16*>(w.row(r).data()); };
+  const bf16* xs[kTileTok];
+  float out[kTileRows * kTileTok];
+  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+    const int64_t b1 = std::min(r1, b0 + rb);
+    for (int64_t t0 = 0; t0 < job.n_tok; t0 += kTileTok) {
+      const int m = static_cast<int>(std::min<int64_t>(kTileTok, job.n_tok - t0));
+      for (int k = 0; k < m; ++k) xs[k] = xb.data() + (t0 + k) * np;
+      int64_t r = b0;
+      for (; r + kTileRows <= b1; r += kTileRows) {
+        const bf16* ws[kTileRows];
+        for (int q = 0; q < kTileRows; ++q) ws[q] = row(r + q);
+        DotPairsTile<kTileRows, kTileTok>(m, ws, xs, n, out);
+        for (int q = 0; q < kTileRows; ++q)
+          for (int t = 0; t < m; ++t) job.y[(t0 + t) * ldy + r + q] = out[q * m + t];
+      }
+      for (; r < b1; ++r) {
+        const bf16* w1[1] = {row(r)};
+        DotPairsTile<1, kTileTok>(m, w1, xs, n, out);
+        for (int t = 0; t < m; ++t) job.y[(t0 + t) * ldy + r] = out[t];
+      }
+    }
+  }
+}
+#endif
+
 void MatmulFloatTiledK(const MatmulJob& job, int64_t r0, int64_t r1) {
   switch (job.w->dtype) {
     case DType::F32:
@@ -135,6 +184,9 @@ void MatmulFloatTiledK(const MatmulJob& job, int64_t r0, int64_t r1) {
     case DType::F16:
       return MatmulFloatTiledT<f16, LoadF16>(job, r0, r1);
     case DType::BF16:
+#if KILN_BF16_PAIRS
+      if (HasAvx512Bf16()) return MatmulBF16PairsTiled(job, r0, r1);
+#endif
       return MatmulFloatTiledT<bf16, LoadBF16>(job, r0, r1);
     default:
       KILN_CHECK(false, "matmul_float_tiled: {} is not an f32-family weight type",

@@ -4,7 +4,8 @@
 // run exactly these float ops per output (two accumulators over alternating vector chunks, one more
 // chunk into the first, SumOfLanes, then a scalar tail), which is what makes a token's output the
 // same bits in any tile, call size or kernel (tests/ops MatmulTiling, MatmulFloatTile). Included
-// once per Highway target by both files.
+// once per Highway target by both files. Also the bf16-pair dot of BF16 weights on AVX512_BF16
+// machines (DotPairsBlock, in bf16_pairs.h's order), which both files' BF16 kernels run there.
 #if defined(KILN_BACKEND_CPU_FLOAT_DOT_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef KILN_BACKEND_CPU_FLOAT_DOT_INL_H_
 #undef KILN_BACKEND_CPU_FLOAT_DOT_INL_H_
@@ -14,6 +15,7 @@
 
 #include <cstdint>
 
+#include "backend/cpu/bf16_pairs.h"
 #include "backend/cpu/prefetch.h"
 #include "core/half.h"
 #include "hwy/highway.h"
@@ -227,6 +229,107 @@ HWY_INLINE float DotBF16Zip(const bf16* w, const float* x, const float* xz, int6
 #else
 #define KILN_BF16_ZIP 0
 #endif  // zipped BF16 targets
+
+// ---------------------------------------------------------------- BF16 by bf16 pairs
+// The arithmetic of bf16_pairs.h (its order is stated there) on the AVX3_DL target where the CPU
+// has AVX512_BF16 (HasAvx512Bf16, asked at run time: Highway's target does not imply it).
+#undef KILN_BF16_PAIRS
+#if HWY_TARGET == HWY_AVX3_DL
+#define KILN_BF16_PAIRS 1
+#define KILN_BF16_PAIRS_INLINE \
+  __attribute__((target(HWY_TARGET_STR ",avx512bf16"), always_inline)) inline
+#define KILN_BF16_PAIRS_NOINLINE __attribute__((target(HWY_TARGET_STR ",avx512bf16"), noinline))
+
+KILN_BF16_PAIRS_INLINE __m512 PairsDot(__m512 acc, __m512i w, __m512i x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+}
+// Chunk i (kPairChunk bf16) of a row of n, zeros past n.
+KILN_BF16_PAIRS_INLINE __m512i PairsChunk(const bf16* w, int64_t i, int64_t n) {
+  if (i + kPairChunk <= n) return _mm512_loadu_si512(w + i);
+  return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << (n - i)) - 1), w + i);
+}
+// acc0 + acc1, then the halves folded: 16 -> 8 -> 4 -> 2 -> 1 (lane l + lane l + half).
+KILN_BF16_PAIRS_INLINE float PairsFinish(__m512 acc0, __m512 acc1) {
+  const __m512 v = _mm512_add_ps(acc0, acc1);
+  const __m256 v8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+  const __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+  return _mm_cvtss_f32(_mm_add_ss(v2, _mm_movehdup_ps(v2)));
+}
+// f32_to_bf16 (core/half.h: round to nearest even, NaN quieted) of 16 floats, as 16 words: the
+// same integer steps (the NaN lanes, whose sum could carry, take the quieted form instead).
+KILN_BF16_PAIRS_INLINE __m256i RoundBF16x16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(
+      _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(64)));
+}
+// round_bf16_row_ref's bytes: x[0, n) as bf16, zeros to pairs_padded(n).
+KILN_BF16_PAIRS_INLINE void RoundBF16Row(const float* x, int64_t n, bf16* xb) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + i), RoundBF16x16(_mm512_loadu_ps(x + i)));
+  for (; i < n; ++i) xb[i] = f32_to_bf16(x[i]);
+  for (; i < pairs_padded(n); ++i) xb[i] = bf16{0};
+}
+
+// out[r * T + t] = the pair dot of row w[r] (n bf16) and token xs[t] (bf16, padded) for R rows x
+// T tokens, each weight chunk loaded once for the T tokens and each activation chunk once for
+// the R rows. kAhead > 0 (a decode step, rows back to back): each 64-element step prefetches the
+// rows' bytes kAhead past it, as DotTile (kLocality, kRepeat).
+template <int R, int T, int64_t kAhead = 0, int kLocality = 2, int kRepeat = 0>
+KILN_BF16_PAIRS_INLINE void DotPairsBlock(const bf16* const* w, const bf16* const* xs, int64_t n,
+                                          float* out) {
+  __m512 acc0[R][T], acc1[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc0[r][t] = acc1[r][t] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 * kPairChunk <= n; i += 2 * kPairChunk) {
+    if constexpr (kAhead > 0) {
+      for (int r = 0; r < R; ++r) {
+        const char* p = reinterpret_cast<const char*>(w[r] + i) + kAhead;
+        if constexpr (kRepeat > 0)
+          PrefetchRepeated<kLocality, kRepeat>(p, 2 * kPairChunk * sizeof(bf16));
+        else
+          PrefetchSpan<2 * kPairChunk * sizeof(bf16), kLocality>(
+              reinterpret_cast<const std::byte*>(p));
+      }
+    }
+    __m512i wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w[r] + i);
+    for (int t = 0; t < T; ++t) {
+      const __m512i x = _mm512_loadu_si512(xs[t] + i);
+      for (int r = 0; r < R; ++r) acc0[r][t] = PairsDot(acc0[r][t], wv[r], x);
+    }
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w[r] + i + kPairChunk);
+    for (int t = 0; t < T; ++t) {
+      const __m512i x = _mm512_loadu_si512(xs[t] + i + kPairChunk);
+      for (int r = 0; r < R; ++r) acc1[r][t] = PairsDot(acc1[r][t], wv[r], x);
+    }
+  }
+  // At most two chunks are left: the next is even (acc0), the one after odd (acc1).
+  for (int k = 0; k < 2 && i < n; ++k, i += kPairChunk) {
+    for (int r = 0; r < R; ++r) {
+      const __m512i wc = PairsChunk(w[r], i, n);
+      for (int t = 0; t < T; ++t) {
+        const __m512i x = _mm512_loadu_si512(xs[t] + i);
+        if (k == 0)
+          acc0[r][t] = PairsDot(acc0[r][t], wc, x);
+        else
+          acc1[r][t] = PairsDot(acc1[r][t], wc, x);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[r * T + t] = PairsFinish(acc0[r][t], acc1[r][t]);
+}
+#else
+#define KILN_BF16_PAIRS 0
+#endif  // BF16 pair targets
 
 }  // namespace HWY_NAMESPACE
 }  // namespace kiln::cpu

@@ -45,7 +45,9 @@ const char* target_name();
 //   where the machine has AMX-INT8 (CpuOptions::amx); one Q8_0 token, the AVX2 two-row kernel
 //   of kq_avx2-inl.h on machines without AVX-512 (MatmulQ8One).
 // - F32 / F16 / BF16: kFloatTileMinTok+ tokens, the register-tiled kernel of
-//   cpu_matmul_float.cpp (MatmulFloatTile).
+//   cpu_matmul_float.cpp (MatmulFloatTile). BF16 where the CPU has AVX512_BF16 (AVX3_DL target):
+//   the bf16-pair arithmetic of bf16_pairs.h in both its kernels, one token and the tiles, and
+//   its scalar oracle as the plain kernel (MatmulBF16Pairs).
 // - The Q8_K and Q8_0 activation encoders with AVX-512 (ActQuant.*).
 //
 // Activations for one call, encoded once: `xq` holds n_tok rows of `xq_row_bytes` in the
