@@ -15,6 +15,7 @@
 #include "hwy/highway.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "core/check.h"
@@ -96,38 +97,50 @@ HWY_INLINE void DotBlockTok(int m, const L* w, const float* const* xs, int64_t n
   DotBlock<R, T>(w, xs, n, out);
 }
 
-// Row blocks (weights in L2) x token tiles x row tiles.
-template <class Elem, class L>
-void MatmulFloatTiledT(const MatmulJob& job, int64_t r0, int64_t r1) {
+// Row blocks (weights in L2) x token tiles x row tiles: row(r) gives row r as the tile takes it,
+// tok(t) token t's activations, and tile(R, m, rows, xs, out) fills out[q * m + t] for R rows
+// (std::integral_constant: kTileRows, then 1 for the rows left) x m <= kTileTok tokens.
+template <class Row, class Tok, class Tile>
+void ForEachTile(const MatmulJob& job, int64_t r0, int64_t r1, Row row, Tok tok, Tile tile) {
   const WeightMatrix& w = *job.w;
-  const int64_t n = w.n_cols, ldy = w.n_rows;
+  const int64_t ldy = w.n_rows;
   const int64_t rb = std::max<int64_t>(
       kTileRows, kFloatRowBlockBytes / std::max<int64_t>(1, static_cast<int64_t>(w.row_bytes)));
-  const std::byte* base = w.bytes.data();
-  const size_t stride = w.stride();
-  const auto row = [&](int64_t r) { return L{reinterpret_cast<const Elem*>(base + r * stride)}; };
-  const float* xs[kTileTok];
+  using W = decltype(row(0));
+  decltype(tok(0)) xs[kTileTok];
   float out[kTileRows * kTileTok];
   for (int64_t b0 = r0; b0 < r1; b0 += rb) {
     const int64_t b1 = std::min(r1, b0 + rb);
     for (int64_t t0 = 0; t0 < job.n_tok; t0 += kTileTok) {
       const int m = static_cast<int>(std::min<int64_t>(kTileTok, job.n_tok - t0));
-      for (int k = 0; k < m; ++k) xs[k] = job.x + (t0 + k) * n;
+      for (int k = 0; k < m; ++k) xs[k] = tok(t0 + k);
       int64_t r = b0;
       for (; r + kTileRows <= b1; r += kTileRows) {
-        L ws[kTileRows];
+        W ws[kTileRows];
         for (int q = 0; q < kTileRows; ++q) ws[q] = row(r + q);
-        DotBlockTok<kTileRows, kTileTok>(m, ws, xs, n, out);
+        tile(std::integral_constant<int, kTileRows>{}, m, ws, xs, out);
         for (int q = 0; q < kTileRows; ++q)
           for (int t = 0; t < m; ++t) job.y[(t0 + t) * ldy + r + q] = out[q * m + t];
       }
       for (; r < b1; ++r) {
-        const L w1 = row(r);
-        DotBlockTok<1, kTileTok>(m, &w1, xs, n, out);
+        const W w1[1] = {row(r)};
+        tile(std::integral_constant<int, 1>{}, m, w1, xs, out);
         for (int t = 0; t < m; ++t) job.y[(t0 + t) * ldy + r] = out[t];
       }
     }
   }
+}
+
+template <class Elem, class L>
+void MatmulFloatTiledT(const MatmulJob& job, int64_t r0, int64_t r1) {
+  const WeightMatrix& w = *job.w;
+  const int64_t n = w.n_cols;
+  ForEachTile(
+      job, r0, r1, [&](int64_t r) { return L{reinterpret_cast<const Elem*>(w.row(r).data())}; },
+      [&](int64_t t) { return job.x + t * n; },
+      [&](auto R, int m, const L* ws, const float* const* xs, float* out) {
+        DotBlockTok<decltype(R)::value, kTileTok>(m, ws, xs, n, out);
+      });
 }
 
 #if KILN_BF16_PAIRS
@@ -140,40 +153,21 @@ KILN_BF16_PAIRS_NOINLINE void DotPairsTile(int m, const bf16* const* w, const bf
   DotPairsBlock<R, T>(w, xs, n, out);
 }
 
-// BF16 weights by the pair arithmetic (bf16_pairs.h) in MatmulFloatTiledT's loops: every token
+// BF16 weights by the pair arithmetic (bf16_pairs.h) in ForEachTile's loops: every token
 // rounded to bf16 once per call, then row blocks x token tiles x row tiles. Two products per
 // lane per instruction take the register tile's 24 accumulators as f32 FMAs take them.
 KILN_BF16_PAIRS_NOINLINE void MatmulBF16PairsTiled(const MatmulJob& job, int64_t r0, int64_t r1) {
   const WeightMatrix& w = *job.w;
-  const int64_t n = w.n_cols, np = pairs_padded(n), ldy = w.n_rows;
+  const int64_t n = w.n_cols, np = pairs_padded(n);
   thread_local std::vector<bf16> xb;
   xb.resize(static_cast<size_t>(job.n_tok * np));
   for (int64_t t = 0; t < job.n_tok; ++t) RoundBF16Row(job.x + t * n, n, xb.data() + t * np);
-  const int64_t rb = std::max<int64_t>(
-      kTileRows, kFloatRowBlockBytes / std::max<int64_t>(1, static_cast<int64_t>(w.row_bytes)));
-  const auto row = [&](int64_t r) { return reinterpret_cast<const bf16*>(w.row(r).data()); };
-  const bf16* xs[kTileTok];
-  float out[kTileRows * kTileTok];
-  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
-    const int64_t b1 = std::min(r1, b0 + rb);
-    for (int64_t t0 = 0; t0 < job.n_tok; t0 += kTileTok) {
-      const int m = static_cast<int>(std::min<int64_t>(kTileTok, job.n_tok - t0));
-      for (int k = 0; k < m; ++k) xs[k] = xb.data() + (t0 + k) * np;
-      int64_t r = b0;
-      for (; r + kTileRows <= b1; r += kTileRows) {
-        const bf16* ws[kTileRows];
-        for (int q = 0; q < kTileRows; ++q) ws[q] = row(r + q);
-        DotPairsTile<kTileRows, kTileTok>(m, ws, xs, n, out);
-        for (int q = 0; q < kTileRows; ++q)
-          for (int t = 0; t < m; ++t) job.y[(t0 + t) * ldy + r + q] = out[q * m + t];
-      }
-      for (; r < b1; ++r) {
-        const bf16* w1[1] = {row(r)};
-        DotPairsTile<1, kTileTok>(m, w1, xs, n, out);
-        for (int t = 0; t < m; ++t) job.y[(t0 + t) * ldy + r] = out[t];
-      }
-    }
-  }
+  ForEachTile(
+      job, r0, r1, [&](int64_t r) { return reinterpret_cast<const bf16*>(w.row(r).data()); },
+      [&](int64_t t) { return static_cast<const bf16*>(xb.data() + t * np); },
+      [&](auto R, int m, const bf16* const* ws, const bf16* const* xs, float* out) {
+        DotPairsTile<decltype(R)::value, kTileTok>(m, ws, xs, n, out);
+      });
 }
 #endif
 
