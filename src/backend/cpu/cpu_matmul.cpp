@@ -153,26 +153,23 @@ void MatvecBF16One(const MatmulJob& job, int64_t r0, int64_t r1) {
 #endif
 
 #if KILN_BF16_PAIRS
-// BF16 rows [r0, r1) by the pair arithmetic (bf16_pairs.h), each token's activations rounded to
-// bf16 once per call: the portable path one scalar step at a time (dot_bf16_pairs_ref), else
-// DotPairsBlock two rows at a time with DotOne's prefetch (a lone token, as a decode step; 2+
-// tokens take cpu_matmul_float.cpp's tiles unless portable).
+// BF16 rows [r0, r1) by the pair arithmetic (bf16_pairs.h) against the tokens' bf16 rows
+// (ActKind::BF16, encoded once per call): the portable path one scalar step at a time
+// (dot_bf16_pairs_ref), else DotPairsBlock two rows at a time with DotOne's prefetch (a lone
+// token, as a decode step; 2+ tokens take cpu_matmul_float.cpp's tiles unless portable).
 KILN_BF16_PAIRS_NOINLINE void MatmulBF16Pairs(const MatmulJob& job, int64_t r0, int64_t r1) {
+  KILN_CHECK(job.xq != nullptr, "BF16 pair kernels: the activations are not encoded as bf16");
   const WeightMatrix& w = *job.w;
   const int64_t n = w.n_cols, ldy = w.n_rows;
-  thread_local std::vector<bf16> xb;
-  xb.resize(static_cast<size_t>(pairs_padded(n)));
   const auto row = [&](int64_t r) { return reinterpret_cast<const bf16*>(w.row(r).data()); };
   const bool l1 = IntelCores();  // where the stream is prefetched, as DotOne
   for (int64_t t = 0; t < job.n_tok; ++t) {
-    const bf16* x = xb.data();
+    const bf16* x = PairsToken(job, t);
     float* y = job.y + t * ldy;
     if (job.portable) {
-      round_bf16_row_ref(job.x + t * n, n, xb.data());
       for (int64_t r = r0; r < r1; ++r) y[r] = dot_bf16_pairs_ref(row(r), x, n);
       continue;
     }
-    RoundBF16Row(job.x + t * n, n, xb.data());
     int64_t r = r0;
     for (; r + 2 <= r1; r += 2) {
       const bf16* rows[2] = {row(r), row(r + 1)};
@@ -1782,6 +1779,17 @@ void MatvecIQ4XSOne(const MatmulJob& job, int64_t r0, int64_t r1) {
 
 #endif  // KILN_INT8
 
+// Whether BF16 weights take the pair arithmetic on this target (act_kind: ActKind::BF16), and
+// its activation rounding (quantize_act_row; round_bf16_row_ref's bytes).
+bool Bf16PairsK() { return KILN_BF16_PAIRS && HasAvx512Bf16(); }
+#if KILN_BF16_PAIRS
+KILN_BF16_PAIRS_NOINLINE void RoundBF16RowK(const float* x, int64_t n, bf16* xb) {
+  RoundBF16Row(x, n, xb);
+}
+#else
+void RoundBF16RowK(const float* x, int64_t n, bf16* xb) { round_bf16_row_ref(x, n, xb); }
+#endif
+
 bool HasInt8PathK(DType t) {
 #if KILN_INT8
   switch (t) {
@@ -1949,10 +1957,13 @@ HWY_AFTER_NAMESPACE();
 namespace kiln::cpu {
 HWY_EXPORT(HasInt8PathK);
 HWY_EXPORT(MatmulRowsK);
+HWY_EXPORT(Bf16PairsK);
+HWY_EXPORT(RoundBF16RowK);
 
 bool has_int8_path(DType t) { return HWY_DYNAMIC_DISPATCH(HasInt8PathK)(t); }
 
 ActKind act_kind(DType t) {
+  if (t == DType::BF16) return HWY_DYNAMIC_DISPATCH(Bf16PairsK)() ? ActKind::BF16 : ActKind::F32;
   if (!has_int8_path(t)) return ActKind::F32;
   return quant::vec_dot_type(t) == DType::Q8_K ? ActKind::Q8_K : ActKind::Q8_0;
 }
@@ -1963,6 +1974,8 @@ size_t act_row_bytes(ActKind k, int64_t n) {
       return static_cast<size_t>(n / 32) * sizeof(ActQ8_0);
     case ActKind::Q8_K:
       return static_cast<size_t>(n / 256) * sizeof(quant::block_q8_K);
+    case ActKind::BF16:
+      return static_cast<size_t>(pairs_padded(n)) * sizeof(bf16);
     default:
       return 0;
   }
@@ -1981,6 +1994,14 @@ inline int32_t round_int(float f) {
 // A non-finite input makes the block scale NaN so the dot product is NaN too, as the f32
 // result would be, instead of silently rounding garbage.
 void quantize_act_row(ActKind k, const float* x, int64_t n, std::byte* dst, bool portable) {
+  if (k == ActKind::BF16) {
+    auto* xb = reinterpret_cast<bf16*>(dst);
+    if (portable)
+      round_bf16_row_ref(x, n, xb);
+    else
+      HWY_DYNAMIC_DISPATCH(RoundBF16RowK)(x, n, xb);
+    return;
+  }
   if (k == ActKind::Q8_0) {
     if (!portable && quantize_q8_0_simd(x, n, dst)) return;
     auto* out = reinterpret_cast<ActQ8_0*>(dst);

@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <type_traits>
-#include <vector>
 
 #include "core/check.h"
 #include "core/dtype.h"
@@ -153,18 +152,16 @@ KILN_BF16_PAIRS_NOINLINE void DotPairsTile(int m, const bf16* const* w, const bf
   DotPairsBlock<R, T>(w, xs, n, out);
 }
 
-// BF16 weights by the pair arithmetic (bf16_pairs.h) in ForEachTile's loops: every token
-// rounded to bf16 once per call, then row blocks x token tiles x row tiles. Two products per
-// lane per instruction take the register tile's 24 accumulators as f32 FMAs take them.
-KILN_BF16_PAIRS_NOINLINE void MatmulBF16PairsTiled(const MatmulJob& job, int64_t r0, int64_t r1) {
+// BF16 weights by the pair arithmetic (bf16_pairs.h) in ForEachTile's loops, against the tokens'
+// bf16 rows (ActKind::BF16, encoded once per call). Two products per lane per instruction take
+// the register tile's 24 accumulators as f32 FMAs take them.
+void MatmulBF16PairsTiled(const MatmulJob& job, int64_t r0, int64_t r1) {
+  KILN_CHECK(job.xq != nullptr, "BF16 pair kernels: the activations are not encoded as bf16");
   const WeightMatrix& w = *job.w;
-  const int64_t n = w.n_cols, np = pairs_padded(n);
-  thread_local std::vector<bf16> xb;
-  xb.resize(static_cast<size_t>(job.n_tok * np));
-  for (int64_t t = 0; t < job.n_tok; ++t) RoundBF16Row(job.x + t * n, n, xb.data() + t * np);
+  const int64_t n = w.n_cols;
   ForEachTile(
       job, r0, r1, [&](int64_t r) { return reinterpret_cast<const bf16*>(w.row(r).data()); },
-      [&](int64_t t) { return static_cast<const bf16*>(xb.data() + t * np); },
+      [&](int64_t t) { return PairsToken(job, t); },
       [&](auto R, int m, const bf16* const* ws, const bf16* const* xs, float* out) {
         DotPairsTile<decltype(R)::value, kTileTok>(m, ws, xs, n, out);
       });

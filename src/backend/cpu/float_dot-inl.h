@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "backend/cpu/bf16_pairs.h"
+#include "backend/cpu/kernels.h"
 #include "backend/cpu/prefetch.h"
 #include "core/half.h"
 #include "hwy/highway.h"
@@ -267,6 +268,11 @@ KILN_BF16_PAIRS_INLINE __m256i RoundBF16x16(__m512 f) {
                                                 _mm512_set1_epi32(0x7f800000));
   return _mm512_cvtepi32_epi16(
       _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(64)));
+}
+// Token t's bf16 row of a job's activations (ActKind::BF16: the caller encoded them once; act_kind
+// and the kernels' dispatch ask the same question, Bf16PairsK, so xq is there).
+inline const bf16* PairsToken(const MatmulJob& job, int64_t t) {
+  return reinterpret_cast<const bf16*>(job.xq + static_cast<size_t>(t) * job.xq_row_bytes);
 }
 // round_bf16_row_ref's bytes: x[0, n) as bf16, zeros to pairs_padded(n).
 KILN_BF16_PAIRS_INLINE void RoundBF16Row(const float* x, int64_t n, bf16* xb) {

@@ -51,8 +51,9 @@ const char* target_name();
 // - The Q8_K and Q8_0 activation encoders with AVX-512 (ActQuant.*).
 //
 // Activations for one call, encoded once: `xq` holds n_tok rows of `xq_row_bytes` in the
-// weight type's activation format (act_kind), or is unused for f32 paths.
-enum class ActKind { F32, Q8_0, Q8_K };
+// weight type's activation format (act_kind), or is unused for f32 paths. BF16: bf16 rows zero-
+// padded to whole pair chunks (bf16_pairs.h), for BF16 weights where the pair arithmetic runs.
+enum class ActKind { F32, Q8_0, Q8_K, BF16 };
 ActKind act_kind(DType weight_type);
 // Bytes of one encoded activation row of n (a multiple of the block) elements.
 size_t act_row_bytes(ActKind k, int64_t n);
